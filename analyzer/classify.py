@@ -1,0 +1,609 @@
+"""Kernel classification: ordered TOML recipes map demangled kernel names to segments, and a family key
+abstracts the KV-cache dtype so that the FP8 and the NVFP4 build of one kernel line up across arms.
+
+Work happens per distinct kernel signature (hundreds even in 10M-kernel traces), never per launch.
+The recipe format is documented in docs/recipes.md.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import operator
+import re
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import polars as pl
+
+from kvtrace.errors import KvtraceError
+
+SEGMENTS = (
+    "prefill_attention",
+    "decode_attention",
+    "kv_append",
+    "gemm",
+    "moe",
+    "quantize",
+    "norm",
+    "activation",
+    "communication",
+    "memory",
+    "other",
+)
+
+# Segments whose kernels read or write the KV cache: only these (and unmatched names) get the
+# FP8/FP4 token fallback, so an FP8 GEMM is not reported as running an "fp8" KV cache.
+KV_SEGMENTS = frozenset({"prefill_attention", "decode_attention", "kv_append"})
+
+DIMS = ("grid_x", "grid_y", "grid_z", "block_x", "block_y", "block_z")
+INPUT_COLUMNS = ("name_id", "demangled", "short", *DIMS)
+KV_PLACEHOLDER = "{kv}"
+
+# ---------------------------------------------------------------------------------------------------
+# C++ demangled-name parsing
+# ---------------------------------------------------------------------------------------------------
+
+_OPENER_OF = {">": "<", ")": "(", "]": "[", "}": "{"}
+# Longest first, so that `operator<<=` is not read as `operator<` followed by a template list.
+_OPERATOR_SYMBOLS = sorted(
+    "<<= >>= <=> ->* () [] << >> <= >= == != && || ++ -- -> += -= *= /= %= &= |= ^= "
+    "< > + - * / % & | ^ ~ ! = ,".split(),
+    key=len,
+    reverse=True,
+)
+_PARAMS_TAIL = re.compile(r"(?: ?(?:const|volatile|noexcept|&&|&))* ?")
+_ENUM_CAST = re.compile(r"\((?P<type>[A-Za-z_][\w:]*)\)(?P<value>-?\w+)")
+_OPERATOR_ALTERNATIVES = "|".join(map(re.escape, _OPERATOR_SYMBOLS))
+_OPERATOR_NAME_END = re.compile(rf"\boperator ?(?:{_OPERATOR_ALTERNATIVES})$")
+_IDENTIFIER = re.compile(rf"\boperator ?(?:{_OPERATOR_ALTERNATIVES})|[A-Za-z_~][\w~]*")
+# Launch wrappers whose first template argument is the real kernel (CUTLASS, FA3 arch guards).
+_LAUNCH_WRAPPERS = re.compile(r"device_kernel|Kernel2?|enable_sm\d+\w*")
+
+
+@dataclass(frozen=True)
+class TemplateArg:
+    """One argument of one template instantiation; start/end index KernelName.text."""
+
+    template: str  # qualified template name as written before '<', e.g. "flashinfer::KernelTraits"
+    index: int
+    text: str
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class KernelName:
+    """A demangled kernel name split into the parts classification needs."""
+
+    text: str  # whitespace-normalised demangled name
+    key_start: int  # after the `void ` return type
+    key_end: int  # where the function parameter list starts (len(text) when there is none)
+    base_start: int  # the kernel's own name, without namespaces and template arguments
+    base_end: int
+    args: tuple[TemplateArg, ...]
+
+    @property
+    def key(self) -> str:
+        return self.text[self.key_start : self.key_end]
+
+    @property
+    def base(self) -> str:
+        return self.text[self.base_start : self.base_end]
+
+
+def parse_kernel_name(demangled: str) -> KernelName:
+    """Parse template arguments, the parameter list and the base name out of a demangled name.
+
+    Tolerant by design: a '<' that never closes (a less-than inside an expression) is dropped when
+    its enclosing bracket closes, '>' outside a template list (or in '->') is plain text, and
+    `operator<`-style names are skipped as names, not brackets.
+    """
+    text = " ".join(demangled.split())
+    # Each open bracket: [opener, start, qualified name before it, start of current arg, finished arg spans]
+    stack: list[list] = []
+    args: list[TemplateArg] = []
+    top_level_groups: list[tuple[str, int, int]] = []
+    i = 0
+    while i < len(text):
+        char = text[i]
+        if char == "o" and text.startswith("operator", i) and (i == 0 or not _is_word(text[i - 1])):
+            after = i + len("operator")
+            symbol_at = after + 1 if text[after : after + 1] == " " else after
+            symbol = next((s for s in _OPERATOR_SYMBOLS if text.startswith(s, symbol_at)), None)
+            if symbol and not _is_word(text[after : after + 1]):
+                i = symbol_at + len(symbol)
+                continue
+        if char in "<([{":
+            stack.append([char, i, _name_before(text, i) if char == "<" else "", i + 1, []])
+        elif char == ">":
+            if stack and stack[-1][0] == "<" and text[i - 1] != "-":
+                _close(stack, i, text, args, top_level_groups)
+        elif char in ")]}":
+            while stack and stack[-1][0] == "<":  # an unclosed '<' inside (...) was a less-than
+                stack.pop()
+            if stack and stack[-1][0] == _OPENER_OF[char]:
+                _close(stack, i, text, args, top_level_groups)
+        elif char == "," and stack and stack[-1][0] == "<":
+            stack[-1][4].append((stack[-1][3], i))
+            stack[-1][3] = i + 1
+        i += 1
+
+    key_start = 5 if text.startswith("void ") else 0
+    key_end = len(text)
+    for opener, start, end in reversed(top_level_groups):
+        if opener == "(" and start > key_start and _PARAMS_TAIL.fullmatch(text, end + 1):
+            key_end = start
+        break
+    base_start, base_end = _base_span(text, key_start, key_end, top_level_groups)
+    return KernelName(text, key_start, key_end, base_start, base_end, tuple(args))
+
+
+def _name_before(text: str, end: int) -> str:
+    """The qualified name right before a '<' (a backward scan: regexes from 0 are quadratic here)."""
+    start = end - 1 if text[end - 1 : end] == " " else end
+    operator_name = _OPERATOR_NAME_END.search(text, max(0, start - 12), start)
+    if operator_name:
+        start = operator_name.start()
+    while start > 0 and (_is_word(text[start - 1]) or text[start - 1] in ":~"):
+        start -= 1
+    return text[start:end].strip(" :")
+
+
+def _is_word(char: str) -> bool:
+    return bool(char) and (char.isalnum() or char == "_")
+
+
+def _close(stack: list[list], end: int, text: str, args: list[TemplateArg], top_level: list) -> None:
+    opener, start, name, arg_start, spans = stack.pop()
+    if opener == "<":
+        spans.append((arg_start, end))
+        for index, (a, b) in enumerate(spans):
+            raw = text[a:b]
+            stripped = raw.strip()
+            if stripped:
+                lead = len(raw) - len(raw.lstrip())
+                args.append(TemplateArg(name, index, stripped, a + lead, a + lead + len(stripped)))
+    if not stack:
+        top_level.append((opener, start, end))
+
+
+def _base_span(text: str, start: int, end: int, top_level: list[tuple[str, int, int]]) -> tuple[int, int]:
+    """Span of the last identifier outside every bracket, e.g. the `X` in `ns::X<...>(...)`."""
+    masked = list(text[:end])
+    for _, a, b in top_level:
+        masked[a : min(b + 1, end)] = " " * (min(b + 1, end) - a)
+    found = [m.span() for m in _IDENTIFIER.finditer("".join(masked), start)]
+    return found[-1] if found else (start, end)
+
+
+def _display_span(kernel: KernelName) -> tuple[int, int]:
+    """The base name, looking through launch wrappers: cutlass::device_kernel<...GemmUniversal<...>>
+    is shown as GemmUniversal."""
+    start, end = kernel.base_start, kernel.base_end
+    while _LAUNCH_WRAPPERS.fullmatch(kernel.text, start, end):
+        first = next((a for a in kernel.args if a.index == 0 and a.start == end + 1), None)
+        if first is None:
+            break
+        inner = parse_kernel_name(first.text)
+        start, end = first.start + inner.base_start, first.start + inner.base_end
+    return start, end
+
+
+# ---------------------------------------------------------------------------------------------------
+# Slots: named template arguments
+# ---------------------------------------------------------------------------------------------------
+
+_SLOT_REF = re.compile(r"(?P<name>[A-Za-z_]\w*(?:::[A-Za-z_]\w*)*)(?:\[(?P<index>\d+)\])?")
+
+
+@dataclass(frozen=True)
+class SlotRef:
+    """`Enum` names every template argument cast to that enum type, e.g. `(flashinfer::MaskMode)1`;
+    `Template[i]` names the i-th (0-based) argument of every instantiation of Template."""
+
+    name: str
+    index: int | None
+
+    @classmethod
+    def parse(cls, spec: str) -> SlotRef | None:
+        m = _SLOT_REF.fullmatch(spec)
+        return cls(m["name"], None if m["index"] is None else int(m["index"])) if m else None
+
+    def __str__(self) -> str:
+        return self.name if self.index is None else f"{self.name}[{self.index}]"
+
+    def find(self, kernel: KernelName) -> Iterator[tuple[TemplateArg, str]]:
+        """Each argument in the slot, with its value (the enum value for casts, else the text)."""
+        for arg in kernel.args:
+            if self.index is None:
+                cast = _ENUM_CAST.fullmatch(arg.text)
+                if cast and _same_name(cast["type"], self.name):
+                    yield arg, cast["value"]
+            elif arg.index == self.index and _same_name(arg.template, self.name):
+                yield arg, arg.text
+
+
+def _same_name(qualified: str, ref: str) -> bool:
+    return qualified == ref or qualified.endswith("::" + ref)
+
+
+# ---------------------------------------------------------------------------------------------------
+# KV dtype labels
+# ---------------------------------------------------------------------------------------------------
+
+DTYPE_LABELS = {
+    "__nv_fp4x2_e2m1": "nvfp4",
+    "__nv_fp4_e2m1": "nvfp4",
+    "cutlass::float_e2m1_t": "nvfp4",
+    "E2m1": "nvfp4",  # trtllm-gen cubin names, e.g. `KvE2m1`
+    "__nv_fp8_e4m3": "fp8_e4m3",
+    "cutlass::float_e4m3_t": "fp8_e4m3",
+    "c10::Float8_e4m3fn": "fp8_e4m3",
+    "E4m3": "fp8_e4m3",
+    "__nv_fp8_e5m2": "fp8_e5m2",
+    "cutlass::float_e5m2_t": "fp8_e5m2",
+    "c10::Float8_e5m2": "fp8_e5m2",
+    "E5m2": "fp8_e5m2",
+    "__nv_bfloat16": "bf16",
+    "cutlass::bfloat16_t": "bf16",
+    "c10::BFloat16": "bf16",
+    "Bfloat16": "bf16",
+    "half": "fp16",
+    "__half": "fp16",
+    "cutlass::half_t": "fp16",
+    "c10::Half": "fp16",
+    "Fp16": "fp16",
+    "float": "fp32",
+    "unsigned char": "uint8",
+    "uint8_t": "uint8",
+    "unsigned short": "uint16",
+    "uint16_t": "uint16",
+}
+# Storage types say how bytes are held, not how they are encoded; another slot of the same rule
+# (e.g. vLLM's Fp8KVCacheDataType) names the encoding, so these lose to any other label.
+_STORAGE_LABELS = frozenset({"uint8", "uint16", "auto"})
+# Unambiguous KV-capable tokens, abstracted when a rule names no slot (see KV_SEGMENTS).
+_FALLBACK_TOKENS = re.compile(
+    r"(?<![\w:])(?:__nv_fp8_e4m3|__nv_fp8_e5m2|__nv_fp4x2_e2m1|__nv_fp4_e2m1"
+    r"|cutlass::float_e4m3_t|cutlass::float_e5m2_t|cutlass::float_e2m1_t)(?!\w)"
+)
+
+
+def dtype_label(token: str) -> str:
+    """Canonical label ("nvfp4", "fp8_e4m3", "bf16", ...) of a C++ dtype token; unknown tokens verbatim."""
+    return DTYPE_LABELS.get(token, token)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Rules
+# ---------------------------------------------------------------------------------------------------
+
+_COMPARISON = re.compile(r"\s*(?P<op><=|>=|==|!=|<|>)?\s*(?P<value>\d+)\s*")
+_OPERATORS: dict[str, Callable[[int, int], bool]] = {
+    "<": operator.lt,
+    "<=": operator.le,
+    ">": operator.gt,
+    ">=": operator.ge,
+    "==": operator.eq,
+    "!=": operator.ne,
+}
+
+
+@dataclass(frozen=True)
+class DimCondition:
+    dim: str
+    op: str
+    value: int
+
+    def holds(self, row: dict) -> bool:
+        actual = row.get(self.dim)
+        return actual is not None and _OPERATORS[self.op](actual, self.value)
+
+
+@dataclass(frozen=True)
+class Rule:
+    file: str  # file name, for the recipe column
+    id: str
+    segment: str
+    pattern: re.Pattern[str]
+    template: tuple[tuple[SlotRef, tuple[str, ...]], ...]
+    dims: tuple[DimCondition, ...]
+    kv_slots: tuple[SlotRef, ...]
+    kv_enum: dict[str, tuple[str, ...]]
+    kv_dtype: str | None
+    note: str
+    source: str
+
+    @property
+    def recipe(self) -> str:
+        return f"{self.file}:{self.id}"
+
+    def match_name(self, kernel: KernelName) -> re.Match[str] | None:
+        """The regex match when the name and template conditions hold (grid/block are per row)."""
+        found = self.pattern.search(kernel.text)
+        if found is None:
+            return None
+        for ref, wanted in self.template:
+            if not any(value in wanted for _, value in ref.find(kernel)):
+                return None
+        return found
+
+
+_FILE_KEYS = ("order", "description", "rule")
+_RULE_KEYS = ("id", "segment", "match", "template", *DIMS, "kv_slots", "kv_enum", "kv_dtype", "note", "source")
+
+
+@dataclass(frozen=True)
+class _RecipeFile:
+    name: str
+    location: str
+    order: int
+    rules: tuple[Rule, ...]
+
+
+def _parse_recipe_file(name: str, location: str, data: bytes, *, order_required: bool) -> _RecipeFile:
+    def fail(problem: str, fix: str) -> KvtraceError:
+        return KvtraceError(f"recipe {location}: {problem}; {fix}")
+
+    try:
+        document = tomllib.loads(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise fail("not UTF-8 text", "save the recipe as UTF-8") from None
+    except tomllib.TOMLDecodeError as err:
+        raise fail(f"not valid TOML ({err})", "fix the syntax (format: docs/recipes.md)") from None
+    unknown = sorted(set(document) - set(_FILE_KEYS))
+    if unknown:
+        raise fail(f"unknown top-level key {unknown[0]!r}", f"allowed keys are {', '.join(_FILE_KEYS)}")
+    order = document.get("order", 0)
+    if ("order" not in document and order_required) or type(order) is not int:
+        raise fail("needs a top-level integer `order`", "add e.g. `order = 500` (lower orders match first)")
+    tables = document.get("rule")
+    if not isinstance(tables, list) or not tables or not all(isinstance(t, dict) for t in tables):
+        raise fail("has no [[rule]] tables", "write each rule as a [[rule]] table (format: docs/recipes.md)")
+    rules: list[Rule] = []
+    for position, table in enumerate(tables, start=1):
+        rule = _parse_rule(name, location, position, table)
+        if any(r.id == rule.id for r in rules):
+            raise fail(f"rule {rule.id!r} (#{position}): duplicate id", "give every rule of a file its own id")
+        rules.append(rule)
+    return _RecipeFile(name, location, order, tuple(rules))
+
+
+def _parse_rule(file_name: str, location: str, position: int, table: dict) -> Rule:
+    rule_id = table.get("id")
+    label = f"rule {rule_id!r} (#{position})" if isinstance(rule_id, str) else f"rule #{position}"
+
+    def fail(problem: str, fix: str) -> KvtraceError:
+        return KvtraceError(f"recipe {location}: {label}: {problem}; {fix}")
+
+    unknown = sorted(set(table) - set(_RULE_KEYS))
+    if unknown:
+        raise fail(f"unknown key {unknown[0]!r}", f"allowed keys are {', '.join(_RULE_KEYS)}")
+    for key in ("id", "segment", "match"):
+        if not isinstance(table.get(key), str) or not table[key]:
+            raise fail(f"`{key}` is missing or not a string", f'add `{key} = "..."`')
+    if table["segment"] not in SEGMENTS:
+        raise fail(f"unknown segment {table['segment']!r}", f"use one of {', '.join(SEGMENTS)}")
+    try:
+        pattern = re.compile(table["match"])
+    except re.error as err:
+        raise fail(f"`match` is not a valid Python regex ({err})", "fix the pattern (single quotes keep backslashes)")
+
+    conditions = table.get("template", {})
+    if not isinstance(conditions, dict):
+        raise fail("`template` is not a table", 'write e.g. `template = { MaskMode = "1" }`')
+    template = []
+    for spec, wanted in conditions.items():
+        ref = SlotRef.parse(spec)
+        values = wanted if isinstance(wanted, list) else [wanted]
+        if ref is None or not values or not all(type(v) in (str, int) for v in values):
+            raise fail(
+                f"bad template condition {spec!r} = {wanted!r}",
+                'name an enum type or Template[index] and give a string, an integer or a list of them',
+            )
+        template.append((ref, tuple(str(v) for v in values)))
+
+    dims = []
+    for dim in DIMS:
+        if dim not in table:
+            continue
+        spec = table[dim]
+        m = _COMPARISON.fullmatch(spec) if isinstance(spec, str) else None
+        if type(spec) is int:
+            dims.append(DimCondition(dim, "==", spec))
+        elif m:
+            dims.append(DimCondition(dim, m["op"] or "==", int(m["value"])))
+        else:
+            raise fail(f"bad `{dim}` condition {spec!r}", f'write an integer or a comparison such as `{dim} = ">1"`')
+
+    slot_specs = table.get("kv_slots", [])
+    if not isinstance(slot_specs, list):
+        slot_specs = [slot_specs]
+    kv_slots = [SlotRef.parse(s) if isinstance(s, str) else None for s in slot_specs]
+    if None in kv_slots:
+        raise fail(
+            f"bad `kv_slots` {table['kv_slots']!r}",
+            'list enum types or Template[index] entries, e.g. kv_slots = ["KernelTraits[10]"]',
+        )
+    kv_enum = table.get("kv_enum", {})
+    enum_slots = {str(ref) for ref in kv_slots if ref.index is None}
+    if not isinstance(kv_enum, dict) or not all(
+        key in enum_slots and isinstance(labels, list) and all(isinstance(x, str) for x in labels)
+        for key, labels in kv_enum.items()
+    ):
+        raise fail(
+            f"bad `kv_enum` {kv_enum!r}",
+            "map each enum named in kv_slots to its labels by value, "
+            'e.g. kv_enum = { Fp8KVCacheDataType = ["auto", "fp8_e4m3"] }',
+        )
+    kv_dtype = table.get("kv_dtype")
+    if kv_dtype is not None and (not isinstance(kv_dtype, str) or kv_slots or "kv" in pattern.groupindex):
+        raise fail("`kv_dtype` must be a string and excludes kv_slots and a (?P<kv>...) group", "keep one of them")
+    for key in ("note", "source"):
+        if not isinstance(table.get(key, ""), str):
+            raise fail(f"`{key}` is not a string", f'write `{key} = "..."`')
+
+    return Rule(
+        file=file_name,
+        id=table["id"],
+        segment=table["segment"],
+        pattern=pattern,
+        template=tuple(template),
+        dims=tuple(dims),
+        kv_slots=tuple(kv_slots),
+        kv_enum={key: tuple(labels) for key, labels in kv_enum.items()},
+        kv_dtype=kv_dtype,
+        note=table.get("note", ""),
+        source=table.get("source", ""),
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Classification
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Family:
+    key: str  # normalised name, KV dtype slot(s) replaced by {kv}
+    label: str  # short display form, e.g. "BatchPrefillWithPagedKVCacheKernel[MaskMode=1]"
+    kv_dtype: str | None
+
+
+def kernel_family(kernel: KernelName, rule: Rule | None, match: re.Match[str] | None) -> Family:
+    """Family of a kernel name under the rule that matched it (None when no rule matched)."""
+    slots: list[tuple[int, int, str]] = []  # (start, end, dtype label)
+    if match is not None and "kv" in match.re.groupindex and match["kv"] is not None:
+        slots.append((*match.span("kv"), dtype_label(match["kv"])))
+    for ref in rule.kv_slots if rule else ():
+        enum_labels = rule.kv_enum.get(str(ref))
+        for arg, value in ref.find(kernel):
+            if enum_labels is None:
+                label = dtype_label(value)
+            else:
+                known = value.isdigit() and int(value) < len(enum_labels)
+                label = enum_labels[int(value)] if known else f"{ref}={value}"
+            slots.append((arg.start, arg.end, label))
+    slots = [s for s in slots if kernel.key_start <= s[0] and s[1] <= kernel.key_end]
+    fixed_label = rule.kv_dtype if rule else None
+    if not slots and fixed_label is None and (rule is None or rule.segment in KV_SEGMENTS):
+        slots = [
+            (m.start(), m.end(), dtype_label(m.group()))
+            for m in _FALLBACK_TOKENS.finditer(kernel.text, kernel.key_start, kernel.key_end)
+        ]
+
+    slots = _outermost(slots)
+    key = _abstract(kernel.text, kernel.key_start, kernel.key_end, slots)
+    label = _abstract(kernel.text, *_display_span(kernel), slots)
+    conditions = [
+        f"{ref}={value}" for ref, _ in (rule.template if rule else ()) for _, value in list(ref.find(kernel))[:1]
+    ]
+    if conditions:
+        label += f"[{','.join(conditions)}]"
+    labels = [s[2] for s in slots]
+    kv_dtype = fixed_label or next((x for x in labels if x not in _STORAGE_LABELS), labels[0] if labels else None)
+    return Family(key, label, kv_dtype)
+
+
+def _outermost(slots: list[tuple[int, int, str]]) -> list[tuple[int, int, str]]:
+    """Sorted, de-duplicated slots with any slot nested in an earlier one dropped."""
+    kept: list[tuple[int, int, str]] = []
+    for slot in sorted(set(slots), key=lambda s: (s[0], -s[1])):
+        if not kept or slot[0] >= kept[-1][1]:
+            kept.append(slot)
+    return kept
+
+
+def _abstract(text: str, start: int, end: int, slots: list[tuple[int, int, str]]) -> str:
+    parts, at = [], start
+    for a, b, _ in slots:
+        if start <= a and b <= end:
+            parts += [text[at:a], KV_PLACEHOLDER]
+            at = b
+    parts.append(text[at:end])
+    return "".join(parts)
+
+
+@dataclass(frozen=True)
+class Classification:
+    segment: str
+    family: str
+    family_label: str
+    kv_dtype: str | None
+    recipe: str | None
+
+
+class RecipeSet:
+    """Rules in match order: user files first, then shipped files, each file's rules in file order."""
+
+    def __init__(self, rules: Sequence[Rule], files: Sequence[str]):
+        self.rules = tuple(rules)
+        self.files = tuple(files)
+        self._by_name: dict[str, tuple[KernelName, list[tuple[int, re.Match[str]]]]] = {}
+        self._families: dict[tuple[str, int | None], Family] = {}
+
+    def classify(self, names: pl.DataFrame) -> pl.DataFrame:
+        """Add segment, family, family_label, kv_dtype and recipe to one row per distinct signature."""
+        missing = [c for c in INPUT_COLUMNS if c not in names.columns]
+        if missing:
+            raise ValueError(f"classify() input lacks columns {missing}")
+        results = [
+            self.classify_one(row["demangled"] or row["short"] or "", row) for row in names.iter_rows(named=True)
+        ]
+        return names.with_columns(
+            pl.Series("segment", [r.segment for r in results], dtype=pl.Utf8),
+            pl.Series("family", [r.family for r in results], dtype=pl.Utf8),
+            pl.Series("family_label", [r.family_label for r in results], dtype=pl.Utf8),
+            pl.Series("kv_dtype", [r.kv_dtype for r in results], dtype=pl.Utf8),
+            pl.Series("recipe", [r.recipe for r in results], dtype=pl.Utf8),
+        )
+
+    def classify_one(self, demangled: str, dims: dict | None = None) -> Classification:
+        """Classify one name; dims maps grid_x..block_z to ints (rules with dim conditions need them)."""
+        kernel, candidates = self._candidates(demangled)
+        for index, match in candidates:
+            rule = self.rules[index]
+            if all(c.holds(dims or {}) for c in rule.dims):
+                family = self._family(demangled, kernel, index, match)
+                return Classification(rule.segment, family.key, family.label, family.kv_dtype, rule.recipe)
+        family = self._family(demangled, kernel, None, None)
+        return Classification("other", family.key, family.label, family.kv_dtype, None)
+
+    def _candidates(self, demangled: str) -> tuple[KernelName, list[tuple[int, re.Match[str]]]]:
+        """Rules whose name and template conditions hold, cached per name (grid/block vary by row)."""
+        cached = self._by_name.get(demangled)
+        if cached is None:
+            kernel = parse_kernel_name(demangled)
+            matches = ((index, rule.match_name(kernel)) for index, rule in enumerate(self.rules))
+            cached = self._by_name[demangled] = (kernel, [(i, m) for i, m in matches if m is not None])
+        return cached
+
+    def _family(self, demangled: str, kernel: KernelName, index: int | None, match) -> Family:
+        cache_key = (demangled, index)
+        if cache_key not in self._families:
+            rule = None if index is None else self.rules[index]
+            self._families[cache_key] = kernel_family(kernel, rule, match)
+        return self._families[cache_key]
+
+
+def load_recipes(extra_files: Sequence[str | Path] = ()) -> RecipeSet:
+    """Shipped recipes plus user files (`--recipe FILE`), which match before every shipped rule."""
+    user_files = []
+    for path in map(Path, extra_files):
+        try:
+            data = path.read_bytes()
+        except OSError as err:
+            raise KvtraceError(
+                f"recipe {path}: cannot be read ({err.strerror or err}); check the path given to --recipe"
+            ) from None
+        user_files.append(_parse_recipe_file(path.name, str(path), data, order_required=False))
+    shipped_files = [
+        _parse_recipe_file(entry.name, f"kvtrace.recipes/{entry.name}", entry.read_bytes(), order_required=True)
+        for entry in importlib.resources.files("kvtrace.recipes").iterdir()
+        if entry.name.endswith(".toml")
+    ]
+    # sorted() is stable: user files with equal order keep their command-line order.
+    ordered = sorted(user_files, key=lambda f: f.order) + sorted(shipped_files, key=lambda f: (f.order, f.name))
+    return RecipeSet([rule for f in ordered for rule in f.rules], [f.location for f in ordered])

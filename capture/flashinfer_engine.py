@@ -1,0 +1,96 @@
+"""FlashInfer engine: kernel-level FP8 vs NVFP4 A/B over identical cached tokens, one nsys trace per arm."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from kvtrace.capture import runner
+from kvtrace.errors import KvtraceError
+
+ENGINE = "flashinfer"
+ARMS = ("fp8", "nvfp4")
+
+
+@dataclass(frozen=True)
+class FlashInferSpec:
+    contexts: tuple[int, ...] = (2048, 8192, 32768)
+    batch: int = 8
+    q_heads: int = 64
+    kv_heads: int = 8
+    head_dim: int = 128
+    page_size: int = 16
+    prefill_calls: int = 8
+    decode_calls: int = 64
+    append_calls: int = 64
+    gemm_calls: int = 16
+    gemm_size: int = 4096
+    seed: int = 0
+
+    def validate(self) -> None:
+        if not self.contexts or min(self.contexts) < 1:
+            raise KvtraceError("--context needs positive token counts, e.g. --context 2048,8192")
+        if self.head_dim % 16:
+            raise KvtraceError(f"--head-dim {self.head_dim} is not a multiple of 16, which NVFP4 blocks need")
+        if self.q_heads % self.kv_heads:
+            raise KvtraceError(f"--q-heads {self.q_heads} is not a multiple of --kv-heads {self.kv_heads}")
+        for name in ("batch", "page_size", "prefill_calls", "decode_calls", "append_calls", "gemm_calls"):
+            if getattr(self, name) < 1:
+                raise KvtraceError(f"--{name.replace('_', '-')} must be at least 1")
+
+    def workload_args(self) -> list[str]:
+        return ["--contexts", ",".join(map(str, self.contexts)), "--batch", str(self.batch),
+                "--q-heads", str(self.q_heads), "--kv-heads", str(self.kv_heads), "--head-dim", str(self.head_dim),
+                "--page-size", str(self.page_size), "--prefill-calls", str(self.prefill_calls),
+                "--decode-calls", str(self.decode_calls), "--append-calls", str(self.append_calls),
+                "--gemm-calls", str(self.gemm_calls), "--gemm-size", str(self.gemm_size), "--seed", str(self.seed)]
+
+
+def preflight(arms: tuple[str, ...]) -> None:
+    """Fail before any profiling when the box cannot run the requested arms."""
+    try:
+        import torch
+    except ImportError:
+        raise KvtraceError("torch is not installed: pip install 'kvtrace[flashinfer]' on the GPU machine") from None
+    if not torch.cuda.is_available():
+        raise KvtraceError("no CUDA GPU visible to torch: run the FlashInfer capture on a GPU machine (SM80+)")
+    major, minor = torch.cuda.get_device_capability()
+    name = torch.cuda.get_device_name()
+    if major < 8:
+        raise KvtraceError(f"{name} is SM{major}{minor}; FlashInfer's FA2 paged attention needs SM80 or newer")
+    try:
+        import flashinfer
+    except ImportError:
+        raise KvtraceError("FlashInfer is not installed: pip install flashinfer-python (0.6.10 or newer)") from None
+    if "nvfp4" in arms:
+        # NVFP4 KV in FA2 prefill arrived with flashinfer PR #3097 (the kv_cache_sf argument).
+        run_parameters = inspect.signature(flashinfer.BatchPrefillWithPagedKVCacheWrapper.run).parameters
+        if "kv_cache_sf" not in run_parameters or not hasattr(flashinfer.page, "nvfp4_quantize_append_paged_kv_cache"):
+            raise KvtraceError(f"FlashInfer {flashinfer.__version__} has no NVFP4 KV cache path for FA2 on {name}: "
+                               "install flashinfer-python 0.6.15 or newer, or drop nvfp4 from --arms")
+
+
+def capture(out: Path, spec: FlashInferSpec, *, arms: tuple[str, ...] = ARMS, force: bool = False,
+            nsys: str | None = None) -> dict:
+    spec.validate()
+    unknown = set(arms) - set(ARMS)
+    if unknown:
+        raise KvtraceError(f"unknown arm(s) {', '.join(sorted(unknown))}: choose from {', '.join(ARMS)}")
+    nsys_path = runner.find_nsys(nsys)
+    preflight(arms)
+    runner.prepare_run_dir(out, force)
+    environment = runner.host_environment(nsys_path)
+    settings = {"spec": asdict(spec), "arms": list(arms)}
+    results: list[runner.ArmResult] = []
+    for arm in arms:
+        result_file = out / f"{arm}.workload.json"
+        workload = [sys.executable, "-m", "kvtrace.capture.flashinfer_workload", "--kv-format", arm,
+                    *spec.workload_args(), "--result", str(result_file)]
+        results.append(runner.run_arm(arm, out, nsys_path, workload, env=dict(os.environ),
+                                      workload_result=result_file))
+        # Written after each arm so that an interrupted run still says what finished.
+        runner.write_json_atomic(out / runner.MANIFEST, runner.manifest(ENGINE, environment, settings, results))
+    return runner.manifest(ENGINE, environment, settings, results)

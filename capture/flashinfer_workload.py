@@ -1,0 +1,258 @@
+"""One arm of the FlashInfer A/B, run as its own process under nsys (`python -m ...`).
+
+Both arms build the same BF16 K/V/Q from the same seed and differ only in how the cache is stored.
+Everything that compiles or allocates happens before cudaProfilerStart; the measured region holds
+NVTX-named phases per context length: causal paged prefill, tensor-core decode, KV append, and a bf16
+GEMM control that must not move between arms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from kvtrace.capture import formats
+
+KV_DTYPES = {"fp8": torch.float8_e4m3fn, "nvfp4": torch.uint8}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--kv-format", choices=sorted(KV_DTYPES), required=True)
+    parser.add_argument("--contexts", type=lambda s: [int(x) for x in s.split(",")], required=True)
+    parser.add_argument("--batch", type=int, required=True)
+    parser.add_argument("--q-heads", type=int, required=True)
+    parser.add_argument("--kv-heads", type=int, required=True)
+    parser.add_argument("--head-dim", type=int, required=True)
+    parser.add_argument("--page-size", type=int, required=True)
+    parser.add_argument("--prefill-calls", type=int, required=True)
+    parser.add_argument("--decode-calls", type=int, required=True)
+    parser.add_argument("--append-calls", type=int, required=True)
+    parser.add_argument("--gemm-calls", type=int, required=True)
+    parser.add_argument("--gemm-size", type=int, required=True)
+    parser.add_argument("--seed", type=int, required=True)
+    parser.add_argument("--result", type=Path, required=True)
+    return parser.parse_args(argv)
+
+
+class PagedCache:
+    """One context length's cache in NHD pages, with room for the appended tokens."""
+
+    def __init__(self, kv_format: str, keys: torch.Tensor, values: torch.Tensor, batch: int, context: int,
+                 extra_tokens: int, page_size: int):
+        self.kv_format, self.batch, self.context, self.page_size = kv_format, batch, context, page_size
+        kv_heads, head_dim = keys.shape[-2], keys.shape[-1]
+        pages_per_seq = math.ceil((context + extra_tokens) / page_size)
+        device = keys.device
+        self.indptr = torch.arange(batch + 1, dtype=torch.int32, device=device) * pages_per_seq
+        self.indices = torch.arange(batch * pages_per_seq, dtype=torch.int32, device=device)
+        slots = pages_per_seq * page_size
+        # Source rows: [batch * context, kv_heads, head_dim] laid into the first `context` slots of each seq.
+        def to_pages(rows: torch.Tensor) -> torch.Tensor:
+            padded = torch.zeros(batch, slots, *rows.shape[1:], dtype=rows.dtype, device=device)
+            padded[:, :context] = rows.reshape(batch, context, *rows.shape[1:])
+            return padded.reshape(batch * pages_per_seq, page_size, *rows.shape[1:]).contiguous()
+
+        if kv_format == "fp8":
+            k8, self.k_scale = formats.fp8_quantize(keys)
+            v8, self.v_scale = formats.fp8_quantize(values)
+            self.k_cache, self.v_cache = to_pages(k8.view(torch.uint8)).view(torch.float8_e4m3fn), \
+                to_pages(v8.view(torch.uint8)).view(torch.float8_e4m3fn)
+            self.scales = None
+        else:
+            kq, vq = formats.nvfp4_quantize(keys), formats.nvfp4_quantize(values)
+            self.k_scale, self.v_scale = kq.global_scale, vq.global_scale
+            self.k_cache, self.v_cache = to_pages(kq.data), to_pages(vq.data)
+            self.scales = (to_pages(kq.scales.view(torch.uint8)).view(torch.float8_e4m3fn),
+                           to_pages(vq.scales.view(torch.uint8)).view(torch.float8_e4m3fn))
+        self.kv_heads, self.head_dim = kv_heads, head_dim
+
+    def last_page_len(self, tokens: int) -> torch.Tensor:
+        last = (tokens - 1) % self.page_size + 1
+        return torch.full((self.batch,), last, dtype=torch.int32, device=self.indptr.device)
+
+    def pages_used(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """indptr/indices restricted to the pages that `tokens` occupy."""
+        used = math.ceil(tokens / self.page_size)
+        per_seq = int(self.indptr[1])
+        indices = self.indices.reshape(self.batch, per_seq)[:, :used].reshape(-1).contiguous()
+        indptr = torch.arange(self.batch + 1, dtype=torch.int32, device=indices.device) * used
+        return indptr, indices
+
+    def run_kwargs(self) -> dict:
+        kwargs = {"k_scale": self.k_scale, "v_scale": self.v_scale}
+        if self.scales is not None:
+            kwargs["kv_cache_sf"] = self.scales
+        return kwargs
+
+
+def reference_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, batch: int, context: int,
+                        causal: bool) -> torch.Tensor:
+    """float32 attention per sequence; q: [batch*q_len, Hq, D], keys/values: [batch*context, Hkv, D]."""
+    q_len = q.shape[0] // batch
+    out = []
+    for b in range(batch):
+        qb = q[b * q_len:(b + 1) * q_len].float().transpose(0, 1)[None]
+        kb = keys[b * context:(b + 1) * context].float().transpose(0, 1)[None]
+        vb = values[b * context:(b + 1) * context].float().transpose(0, 1)[None]
+        # Causal with q_len == context; decode (q_len 1) attends to everything.
+        ob = torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=causal, enable_gqa=True)
+        out.append(ob[0].transpose(0, 1))
+    return torch.cat(out)
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref).norm() / ref.norm())
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    import flashinfer
+
+    device = torch.device("cuda")
+    kv_dtype = KV_DTYPES[args.kv_format]
+    generator = torch.Generator(device=device).manual_seed(args.seed)
+    workspace = torch.zeros(512 * 1024 * 1024, dtype=torch.uint8, device=device)
+    result = {"kv_format": args.kv_format, "versions": {
+        "torch": torch.__version__, "cuda_runtime": torch.version.cuda, "flashinfer": flashinfer.__version__},
+        "gpu": {"name": torch.cuda.get_device_name(), "sm": "%d%d" % torch.cuda.get_device_capability(),
+                "sm_count": torch.cuda.get_device_properties(device).multi_processor_count},
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "contexts": []}
+    bytes_per_token_head = formats.kv_bytes_per_token_head(args.kv_format, args.head_dim)
+
+    phases = []  # (label, callable, calls, per-call bytes)
+    gemm_a = torch.randn(args.gemm_size, args.gemm_size, generator=generator, device=device, dtype=torch.bfloat16)
+    gemm_b = torch.randn(args.gemm_size, args.gemm_size, generator=generator, device=device, dtype=torch.bfloat16)
+    for context in args.contexts:
+        shape_kv = (args.batch * context, args.kv_heads, args.head_dim)
+        keys = torch.randn(shape_kv, generator=generator, device=device, dtype=torch.bfloat16)
+        values = torch.randn(shape_kv, generator=generator, device=device, dtype=torch.bfloat16)
+        q_prefill = torch.randn((args.batch * context, args.q_heads, args.head_dim), generator=generator,
+                                device=device, dtype=torch.bfloat16)
+        q_decode = torch.randn((args.batch, args.q_heads, args.head_dim), generator=generator, device=device,
+                               dtype=torch.bfloat16)
+        new_k = torch.randn((args.append_calls, args.batch, args.kv_heads, args.head_dim), generator=generator,
+                            device=device, dtype=torch.bfloat16)
+        new_v = torch.randn(new_k.shape, generator=generator, device=device, dtype=torch.bfloat16)
+        cache = PagedCache(args.kv_format, keys, values, args.batch, context, args.append_calls, args.page_size)
+        kv_indptr, kv_indices = cache.pages_used(context)
+        qo_indptr = torch.arange(args.batch + 1, dtype=torch.int32, device=device) * context
+
+        prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend="fa2")
+        prefill.plan(qo_indptr, kv_indptr, kv_indices, cache.last_page_len(context), args.q_heads, args.kv_heads,
+                     args.head_dim, args.page_size, causal=True, q_data_type=torch.bfloat16, kv_data_type=kv_dtype,
+                     o_data_type=torch.bfloat16)
+        decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True, backend="fa2")
+        decode.plan(kv_indptr, kv_indices, cache.last_page_len(context), args.q_heads, args.kv_heads, args.head_dim,
+                    args.page_size, q_data_type=torch.bfloat16, kv_data_type=kv_dtype, o_data_type=torch.bfloat16)
+        paged = (cache.k_cache, cache.v_cache)
+
+        def run_prefill(prefill=prefill, q=q_prefill, paged=paged, cache=cache):
+            return prefill.run(q, paged, **cache.run_kwargs())
+
+        def run_decode(decode=decode, q=q_decode, paged=paged, cache=cache):
+            return decode.run(q, paged, **cache.run_kwargs())
+
+        # Each append writes token `context + step` of every sequence; page tables include that slot.
+        append_tables = []
+        for step in range(args.append_calls):
+            indptr, indices = cache.pages_used(context + step + 1)
+            append_tables.append((indptr, indices, cache.last_page_len(context + step + 1),
+                                  torch.arange(args.batch, dtype=torch.int32, device=device),
+                                  torch.full((args.batch,), context + step, dtype=torch.int32, device=device)))
+        append_step = [0]
+
+        def run_append(cache=cache, paged=paged, tables=append_tables, new_k=new_k, new_v=new_v, step=append_step):
+            s = step[0] % len(tables)
+            step[0] += 1
+            indptr, indices, last, batch_indices, positions = tables[s]
+            if cache.kv_format == "fp8":
+                # vLLM-style cast-and-scatter: quantize with the per-tensor scale, then write the rows.
+                k8 = (new_k[s].float() / cache.k_scale).to(torch.float8_e4m3fn)
+                v8 = (new_v[s].float() / cache.v_scale).to(torch.float8_e4m3fn)
+                flashinfer.page.append_paged_kv_cache(k8, v8, batch_indices, positions, paged, indices, indptr,
+                                                      last, "NHD")
+            else:
+                flashinfer.page.nvfp4_quantize_append_paged_kv_cache(
+                    new_k[s], new_v[s], batch_indices, positions, paged, cache.scales, indices, indptr, last,
+                    cache.k_scale, cache.v_scale, "NHD")
+
+        def run_gemm(a=gemm_a, b=gemm_b):
+            return a @ b
+
+        kv_read = int(args.batch * context * args.kv_heads * 2 * bytes_per_token_head)
+        label = f"ctx={context} batch={args.batch}"
+        phases += [(f"kvtrace:prefill {label}", run_prefill, args.prefill_calls, kv_read),
+                   (f"kvtrace:decode {label}", run_decode, args.decode_calls, kv_read),
+                   (f"kvtrace:append {label}", run_append, args.append_calls,
+                    int(args.batch * args.kv_heads * 2 * bytes_per_token_head)),
+                   (f"kvtrace:gemm {label}", run_gemm, args.gemm_calls, 3 * 2 * args.gemm_size ** 2)]
+
+        # Warm-up compiles every FlashInfer variant (JIT) outside the measured region; accuracy checks
+        # run on the smallest context only, where a float32 reference is cheap.
+        out_prefill, out_decode = run_prefill(), run_decode()
+        entry = {"context": context, "kv_bytes_read_per_attention_call": kv_read,
+                 "k_scale": cache.k_scale, "v_scale": cache.v_scale}
+        if context == min(args.contexts):
+            entry["accuracy"] = accuracy_checks(args, cache, keys, values, q_prefill, q_decode, out_prefill,
+                                                out_decode, prefill)
+        run_append()
+        append_step[0] = 0
+        run_gemm()
+        result["contexts"].append(entry)
+    torch.cuda.synchronize()
+
+    torch.cuda.profiler.start()
+    for label, fn, calls, _ in phases:
+        torch.cuda.nvtx.range_push(label)
+        for _ in range(calls):
+            fn()
+        torch.cuda.nvtx.range_pop()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+
+    result["phases"] = [{"nvtx": label, "calls": calls, "bytes_per_call": per_call}
+                        for label, _, calls, per_call in phases]
+    args.result.write_text(json.dumps(result, indent=2) + "\n")
+
+
+def accuracy_checks(args, cache, keys, values, q_prefill, q_decode, out_prefill, out_decode, prefill):
+    """Kernel output against float32 attention over (a) the dequantized cache the kernel read and (b) the
+    BF16 source. For NVFP4 also the other nibble order, to confirm which one FlashInfer reads."""
+    context, batch = cache.context, args.batch
+    if cache.kv_format == "fp8":
+        k_deq = formats.fp8_quantize(keys, cache.k_scale)[0].float() * cache.k_scale
+        v_deq = formats.fp8_quantize(values, cache.v_scale)[0].float() * cache.v_scale
+    else:
+        k_deq = formats.nvfp4_dequantize(formats.nvfp4_quantize(keys, cache.k_scale))
+        v_deq = formats.nvfp4_dequantize(formats.nvfp4_quantize(values, cache.v_scale))
+    checks = {
+        "prefill_vs_dequantized_cache": relative_error(
+            out_prefill, reference_attention(q_prefill, k_deq, v_deq, batch, context, True)),
+        "prefill_vs_bf16_source": relative_error(
+            out_prefill, reference_attention(q_prefill, keys, values, batch, context, True)),
+        "decode_vs_dequantized_cache": relative_error(
+            out_decode, reference_attention(q_decode, k_deq, v_deq, batch, context, False)),
+    }
+    if cache.kv_format == "nvfp4":
+        kq = formats.nvfp4_quantize(keys, cache.k_scale, low_nibble_first=False)
+        vq = formats.nvfp4_quantize(values, cache.v_scale, low_nibble_first=False)
+        # Same pages and scales; only the nibble order of the data differs.
+        pages_k, pages_v = cache.k_cache.clone(), cache.v_cache.clone()
+        slots = pages_k.shape[0] // batch * args.page_size
+        for target, packed in ((pages_k, kq.data), (pages_v, vq.data)):
+            view = target.view(batch, slots, *target.shape[2:])
+            view[:, :context] = packed.reshape(batch, context, *packed.shape[1:])
+        out_swapped = prefill.run(q_prefill, (pages_k, pages_v), **cache.run_kwargs())
+        checks["prefill_high_nibble_first_vs_dequantized_cache"] = relative_error(
+            out_swapped, reference_attention(q_prefill, k_deq, v_deq, batch, context, True))
+    return checks
+
+
+if __name__ == "__main__":
+    main()

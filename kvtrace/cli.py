@@ -1,0 +1,62 @@
+"""`kvtrace` entry point.
+
+Subcommands are imported on first use so that `kvtrace capture ...` runs on a bare GPU box without the
+analyzer's dependencies (polars, matplotlib), and `kvtrace diff ...` never imports torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import click
+
+from kvtrace import __version__
+from kvtrace.errors import KvtraceError
+
+# command name -> ("module:attribute", one-line help shown by `kvtrace --help` without importing it)
+_COMMANDS = {
+    "summary": ("kvtrace.analyzer.cli:summary", "Time per segment and kernel family of one trace."),
+    "diff": ("kvtrace.analyzer.cli:diff", "Compare a baseline trace with a candidate, segment by segment."),
+    "kernels": ("kvtrace.analyzer.cli:kernels", "List kernels with their segment; --unclassified for the rest."),
+    "capture": ("kvtrace.capture.cli:capture", "Record matched FP8 / NVFP4 runs under Nsight Systems."),
+}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(_COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in _COMMANDS:
+            return None
+        module_name, attribute = _COMMANDS[name][0].split(":")
+        return getattr(importlib.import_module(module_name), attribute)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        with formatter.section("Commands"):
+            formatter.write_dl([(name, _COMMANDS[name][1]) for name in self.list_commands(ctx)])
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="kvtrace")
+def cli() -> None:
+    """Compare FP8 and NVFP4 KV-cache runs from Nsight Systems traces."""
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        cli.main(args=argv, prog_name="kvtrace", standalone_mode=False)
+    except KvtraceError as error:
+        click.echo(f"kvtrace: error: {error}", err=True)
+        sys.exit(error.exit_code)
+    except click.exceptions.Abort:
+        click.echo("kvtrace: aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as error:
+        error.show()
+        sys.exit(error.exit_code)
+    except click.exceptions.Exit as done:
+        sys.exit(done.exit_code)
+    except BrokenPipeError:
+        sys.exit(0)
