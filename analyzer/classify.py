@@ -58,8 +58,12 @@ _ENUM_CAST = re.compile(r"\((?P<type>[A-Za-z_][\w:]*)\)(?P<value>-?\w+)")
 _OPERATOR_ALTERNATIVES = "|".join(map(re.escape, _OPERATOR_SYMBOLS))
 _OPERATOR_NAME_END = re.compile(rf"\boperator ?(?:{_OPERATOR_ALTERNATIVES})$")
 _IDENTIFIER = re.compile(rf"\boperator ?(?:{_OPERATOR_ALTERNATIVES})|[A-Za-z_~][\w~]*")
-# Launch wrappers whose first template argument is the real kernel (CUTLASS, FA3 arch guards).
-_LAUNCH_WRAPPERS = re.compile(r"device_kernel|Kernel2?|enable_sm\d+\w*")
+# Launch wrappers whose first non-numeric template argument names the real work (CUTLASS kernels,
+# FA3 arch guards, PyTorch elementwise functors).
+_LAUNCH_WRAPPERS = re.compile(
+    r"device_kernel|Kernel2?|enable_sm\d+\w*|(?:vectorized_|unrolled_)?elementwise_kernel|gpu_kernel_impl\w*"
+)
+_NUMBER_ARG = re.compile(r"(?:\([\w: ]+\))?-?\d+\w*")  # 4, 128u, (int)8, (unsigned int)128
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,7 @@ class TemplateArg:
     """One argument of one template instantiation; start/end index KernelName.text."""
 
     template: str  # qualified template name as written before '<', e.g. "flashinfer::KernelTraits"
+    list_at: int  # index of the '<' that opens this argument list
     index: int
     text: str
     start: int
@@ -129,6 +134,8 @@ def parse_kernel_name(demangled: str) -> KernelName:
             stack[-1][4].append((stack[-1][3], i))
             stack[-1][3] = i + 1
         i += 1
+    if stack:  # a truncated name: its outermost open bracket runs to the end
+        top_level_groups.append((stack[0][0], stack[0][1], len(text)))
 
     key_start = 5 if text.startswith("void ") else 0
     key_end = len(text)
@@ -164,7 +171,7 @@ def _close(stack: list[list], end: int, text: str, args: list[TemplateArg], top_
             stripped = raw.strip()
             if stripped:
                 lead = len(raw) - len(raw.lstrip())
-                args.append(TemplateArg(name, index, stripped, a + lead, a + lead + len(stripped)))
+                args.append(TemplateArg(name, start, index, stripped, a + lead, a + lead + len(stripped)))
     if not stack:
         top_level.append((opener, start, end))
 
@@ -179,15 +186,21 @@ def _base_span(text: str, start: int, end: int, top_level: list[tuple[str, int, 
 
 
 def _display_span(kernel: KernelName) -> tuple[int, int]:
-    """The base name, looking through launch wrappers: cutlass::device_kernel<...GemmUniversal<...>>
-    is shown as GemmUniversal."""
+    """The base name, looking through launch wrappers: `cutlass::device_kernel<...GemmUniversal<...>>`
+    shows as GemmUniversal, `vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, ...>` as
+    FillFunctor."""
     start, end = kernel.base_start, kernel.base_end
     while _LAUNCH_WRAPPERS.fullmatch(kernel.text, start, end):
-        first = next((a for a in kernel.args if a.index == 0 and a.start == end + 1), None)
-        if first is None:
+        list_at = end + 1 if kernel.text[end : end + 1] == " " else end
+        wrapped = next(
+            (a for a in kernel.args if a.list_at == list_at and not _NUMBER_ARG.fullmatch(a.text)), None
+        )
+        # The wrapped name: the last identifier before its own brackets (`ns::f(...)::[lambda]` -> f).
+        head = re.match(r"[^<(\[{]*", wrapped.text).group() if wrapped else ""
+        names = [m for m in _IDENTIFIER.finditer(head) if m.group() not in ("const", "volatile")]
+        if not names:
             break
-        inner = parse_kernel_name(first.text)
-        start, end = first.start + inner.base_start, first.start + inner.base_end
+        start, end = wrapped.start + names[-1].start(), wrapped.start + names[-1].end()
     return start, end
 
 
@@ -213,6 +226,11 @@ class SlotRef:
 
     def __str__(self) -> str:
         return self.name if self.index is None else f"{self.name}[{self.index}]"
+
+    @property
+    def display(self) -> str:
+        """Without namespaces, for family labels: `MaskMode`, `KernelTraits[1]`."""
+        return str(self).rsplit("::", 1)[-1]
 
     def find(self, kernel: KernelName) -> Iterator[tuple[TemplateArg, str]]:
         """Each argument in the slot, with its value (the enum value for casts, else the text)."""
@@ -498,7 +516,9 @@ def kernel_family(kernel: KernelName, rule: Rule | None, match: re.Match[str] | 
     key = _abstract(kernel.text, kernel.key_start, kernel.key_end, slots)
     label = _abstract(kernel.text, *_display_span(kernel), slots)
     conditions = [
-        f"{ref}={value}" for ref, _ in (rule.template if rule else ()) for _, value in list(ref.find(kernel))[:1]
+        f"{ref.display}={value}"
+        for ref, _ in (rule.template if rule else ())
+        for _, value in list(ref.find(kernel))[:1]
     ]
     if conditions:
         label += f"[{','.join(conditions)}]"

@@ -1,0 +1,116 @@
+"""Analyzer commands: a thin click layer; every command is one library call plus a renderer."""
+
+from __future__ import annotations
+
+import functools
+import io
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import click
+from rich.console import Console
+
+from kvtrace.analyzer import compare, render
+from kvtrace.analyzer.classify import SEGMENTS, load_recipes
+from kvtrace.analyzer.load import open_trace
+from kvtrace.errors import KvtraceError
+
+
+def output_options(command):
+    """--format, -o, --recipe and --nsys, shared by every analyzer command."""
+
+    @click.option("--format", "fmt", type=click.Choice(render.FORMATS), default="table", show_default=True,
+                  help="Terminal table, GitHub markdown, JSON (versioned schema) or CSV.")
+    @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
+                  help="Write to FILE (atomically) instead of standard output.")
+    @click.option("--recipe", "recipe_files", multiple=True, type=click.Path(path_type=Path),
+                  help="Extra recipe file; its rules take precedence over the shipped ones. Repeatable.")
+    @click.option("--nsys", "nsys_path", help="nsys used to export .nsys-rep inputs (default: $NSYS, PATH).")
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        return command(*args, **kwargs)
+
+    return wrapper
+
+
+def emit(result, fmt: str, output: Path | None) -> None:
+    if fmt == "table":
+        if output is None:
+            console = Console()
+            if not console.is_terminal:
+                console = Console(width=200)  # piped: no terminal width to fit, keep rows on one line
+            render.terminal.render(result, console)
+            return
+        buffer = io.StringIO()
+        render.terminal.render(result, Console(file=buffer, width=200, no_color=True, force_terminal=False))
+        text = buffer.getvalue()
+    else:
+        text = render.render_text(result, fmt)
+    if output is None:
+        sys.stdout.write(text)
+    else:
+        write_atomic(output, text)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Readers see the old file or the new one, never half of it."""
+    if not path.parent.exists():
+        raise KvtraceError(f"cannot write {path}: folder {path.parent} does not exist; create it first")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _trace_argument(name: str):
+    # Existence and type are checked by the loader, so that every bad input gets the same one-line error.
+    return click.argument(name, type=click.Path(path_type=Path))
+
+
+@click.command()
+@_trace_argument("trace")
+@click.option("--label", help="Name shown for the trace (default: file name).")
+@output_options
+def summary(trace, label, fmt, output, recipe_files, nsys_path):
+    """Time per segment and kernel family of one trace (.sqlite or .nsys-rep)."""
+    recipes = load_recipes(recipe_files)
+    emit(compare.summarize(open_trace(trace, nsys=nsys_path), recipes, label=label), fmt, output)
+
+
+@click.command()
+@_trace_argument("baseline")
+@_trace_argument("candidate")
+@click.option("--label", "labels", multiple=True, help="Names for the two arms, baseline first (repeat twice).")
+@click.option("--threshold", default=0.02, show_default=True, type=click.FloatRange(0, 1, max_open=True),
+              help="No-change band around a ratio of 1 (0.02 = ±2%).")
+@click.option("--confidence", default=0.95, show_default=True, type=click.FloatRange(0, 1, min_open=True, max_open=True),
+              help="Confidence level of the bootstrap intervals.")
+@click.option("--seed", default=0, show_default=True, help="Bootstrap seed (same inputs and seed, same output).")
+@output_options
+def diff(baseline, candidate, labels, threshold, confidence, seed, fmt, output, recipe_files, nsys_path):
+    """Compare BASELINE (e.g. fp8) with CANDIDATE (e.g. nvfp4), segment by segment and per kernel family."""
+    if len(labels) not in (0, 2):
+        raise KvtraceError("--label takes two names, baseline first: --label fp8 --label nvfp4")
+    recipes = load_recipes(recipe_files)
+    result = compare.diff(open_trace(baseline, nsys=nsys_path), open_trace(candidate, nsys=nsys_path), recipes,
+                          labels=tuple(labels) or (None, None), threshold=threshold, confidence=confidence,
+                          seed=seed)
+    emit(result, fmt, output)
+
+
+@click.command()
+@_trace_argument("trace")
+@click.option("--unclassified", is_flag=True, help="Only kernels that no recipe matched.")
+@click.option("--segment", type=click.Choice(SEGMENTS), help="Only kernels of this segment.")
+@output_options
+def kernels(trace, unclassified, segment, fmt, output, recipe_files, nsys_path):
+    """Distinct kernels with their segment and recipe, by share of GPU time."""
+    recipes = load_recipes(recipe_files)
+    emit(compare.list_kernels(open_trace(trace, nsys=nsys_path), recipes, unclassified=unclassified,
+                              segment=segment), fmt, output)

@@ -1,0 +1,82 @@
+"""Terminal tables (rich). Colour only on a TTY; plain text when piped."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from kvtrace.analyzer.compare import Diff, DiffRow, KernelList, Summary
+from kvtrace.analyzer.render.units import duration, interval, percent, ratio, signed_duration
+from kvtrace.analyzer.stats import IMPROVEMENT, REGRESSION
+
+_STYLE = {REGRESSION: "red", IMPROVEMENT: "green"}
+_LEVEL = {"ok": "[green]ok[/]", "warning": "[yellow]warning[/]", "error": "[bold red]error[/]"}
+
+
+def render(result: Summary | Diff | KernelList, console: Console) -> None:
+    if isinstance(result, KernelList):
+        _kernels(result, console)
+    else:
+        (_summary if isinstance(result, Summary) else _diff)(result, console)
+
+
+def _kernels(kernels: KernelList, console: Console) -> None:
+    title = "Unclassified kernels" if kernels.only_unclassified else "Kernels"
+    table = Table(title=f"{title}: {kernels.arm.label}", title_justify="left")
+    for column in ("segment", "calls", "total", "share", "mean", "recipe", "kernel"):
+        table.add_column(column, justify="right" if column in ("calls", "total", "share", "mean") else "left",
+                         overflow="fold")
+    for r in kernels.rows:
+        table.add_row(r["segment"], f"{r['calls']:,}", duration(r["total_ns"]), percent(r["share"]),
+                      duration(r["mean_ns"]), r["recipe"] or "–", r["demangled"])
+    console.print(table)
+    if not kernels.rows:
+        console.print("every kernel matched a recipe" if kernels.only_unclassified else "no kernels")
+
+
+def _summary(summary: Summary, console: Console) -> None:
+    arm = summary.arm
+    console.print(f"[bold]{arm.label}[/]: {arm.info.gpu_label}, Nsight Systems {arm.info.product_version}, "
+                  f"{arm.info.kernel_count:,} kernels, {duration(arm.total_ns)} GPU kernel time")
+    for title, rows, with_family in (("Segments", summary.segments, False), ("Kernel families", summary.families, True)):
+        table = Table(title=title, title_justify="left")
+        for column in ["segment"] + (["family"] if with_family else []) + ["calls", "total", "share", "mean",
+                                                                             "median", "p90", "KV dtype"]:
+            table.add_column(column, justify="left" if column in ("segment", "family", "KV dtype") else "right")
+        for r in rows:
+            table.add_row(r.segment, *([r.family_label] if with_family else []), f"{r.stats.calls:,}",
+                          duration(r.stats.total_ns), percent(r.stats.share), duration(r.stats.mean_ns),
+                          duration(r.stats.median_ns), duration(r.stats.p90_ns), ", ".join(r.kv_dtypes) or "–")
+        console.print(table)
+
+
+def _verdict(row: DiffRow) -> str:
+    style = _STYLE.get(row.verdict)
+    return f"[{style}]{row.verdict}[/]" if style else row.verdict
+
+
+def _diff(diff: Diff, console: Console) -> None:
+    b, c = diff.baseline, diff.candidate
+    console.print(f"[bold]{b.label}[/] → [bold]{c.label}[/]: total GPU kernel time {duration(b.total_ns)} → "
+                  f"{duration(c.total_ns)} ({ratio(diff.total_ratio)})")
+    for finding in diff.findings:
+        console.print(f"  {_LEVEL[finding.level]}  {finding.message}")
+    confidence = f"{100 * diff.confidence:.0f}% CI"
+    for title, rows, with_family in (("Segments", diff.segments, False), ("Kernel families", diff.families, True)):
+        table = Table(title=title, title_justify="left")
+        columns = ["segment"] + (["family"] if with_family else []) + [
+            "calls", f"mean {b.label}", f"mean {c.label}", "ratio", confidence, "verdict", "Δ total", "share of Δ"]
+        for column in columns:
+            table.add_column(column, justify="left" if column in ("segment", "family", "verdict") else "right")
+        for r in rows:
+            calls = f"{r.baseline.calls if r.baseline else 0:,} / {r.candidate.calls if r.candidate else 0:,}"
+            table.add_row(r.segment, *([r.family_label] if with_family else []), calls,
+                          duration(r.baseline.mean_ns if r.baseline else None),
+                          duration(r.candidate.mean_ns if r.candidate else None), ratio(r.ratio),
+                          interval(r.ci_low, r.ci_high), _verdict(r), signed_duration(r.total_delta_ns),
+                          percent(r.delta_share))
+        console.print(table)
+        # Reasons go under the table so that the verdict column stays narrow.
+        for r in rows:
+            if r.reason:
+                console.print(f"  {r.family_label if with_family else r.segment}: {r.verdict}, {r.reason}")

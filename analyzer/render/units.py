@@ -1,0 +1,33 @@
+"""Human units shared by the terminal and markdown renderers."""
+
+from __future__ import annotations
+
+import math
+
+
+def duration(ns: float | None) -> str:
+    if ns is None or (isinstance(ns, float) and math.isnan(ns)):
+        return "–"
+    for scale, unit in ((1e9, "s"), (1e6, "ms"), (1e3, "µs")):
+        if abs(ns) >= scale:
+            return f"{ns / scale:.2f} {unit}"
+    return f"{ns:.0f} ns"
+
+
+def signed_duration(ns: float) -> str:
+    return ("+" if ns > 0 else "−" if ns < 0 else "±") + duration(abs(ns))
+
+
+def ratio(value: float | None) -> str:
+    return "–" if value is None else f"{value:.3f}×"
+
+
+def interval(low: float | None, high: float | None) -> str:
+    return "–" if low is None or high is None else f"[{low:.3f}, {high:.3f}]"
+
+
+def percent(fraction: float | None) -> str:
+    if fraction is None:
+        return "–"
+    text = f"{100 * fraction:.1f}%"
+    return "0.0%" if text == "-0.0%" else text
