@@ -58,6 +58,9 @@ _ENUM_CAST = re.compile(r"\((?P<type>[A-Za-z_][\w:]*)\)(?P<value>-?\w+)")
 _OPERATOR_ALTERNATIVES = "|".join(map(re.escape, _OPERATOR_SYMBOLS))
 _OPERATOR_NAME_END = re.compile(rf"\boperator ?(?:{_OPERATOR_ALTERNATIVES})$")
 _IDENTIFIER = re.compile(rf"\boperator ?(?:{_OPERATOR_ALTERNATIVES})|[A-Za-z_~][\w~]*")
+# What the parser looks at: brackets, commas, and operator names (consumed whole, so the '<' of
+# `operator<` opens nothing).
+_TOKEN = re.compile(rf"\boperator ?(?:{_OPERATOR_ALTERNATIVES})|[<>()\[\]{{}},]")
 # Launch wrappers whose first non-numeric template argument names the real work (CUTLASS kernels,
 # FA3 arch guards, PyTorch elementwise functors).
 _LAUNCH_WRAPPERS = re.compile(
@@ -110,16 +113,8 @@ def parse_kernel_name(demangled: str) -> KernelName:
     stack: list[list] = []
     args: list[TemplateArg] = []
     top_level_groups: list[tuple[str, int, int]] = []
-    i = 0
-    while i < len(text):
-        char = text[i]
-        if char == "o" and text.startswith("operator", i) and (i == 0 or not _is_word(text[i - 1])):
-            after = i + len("operator")
-            symbol_at = after + 1 if text[after : after + 1] == " " else after
-            symbol = next((s for s in _OPERATOR_SYMBOLS if text.startswith(s, symbol_at)), None)
-            if symbol and not _is_word(text[after : after + 1]):
-                i = symbol_at + len(symbol)
-                continue
+    for token in _TOKEN.finditer(text):
+        char, i = token.group(), token.start()
         if char in "<([{":
             stack.append([char, i, _name_before(text, i) if char == "<" else "", i + 1, []])
         elif char == ">":
@@ -133,7 +128,6 @@ def parse_kernel_name(demangled: str) -> KernelName:
         elif char == "," and stack and stack[-1][0] == "<":
             stack[-1][4].append((stack[-1][3], i))
             stack[-1][3] = i + 1
-        i += 1
     if stack:  # a truncated name: its outermost open bracket runs to the end
         top_level_groups.append((stack[0][0], stack[0][1], len(text)))
 

@@ -26,7 +26,7 @@ def flashinfer_fa2(mask_mode: int, kv: str, tiles=PREFILL_TILES, params: str = "
     )
 
 
-# Copied from the real H200 fixtures (SELECT DISTINCT demangled names; see fixtures/README.md).
+# Copied from the real H200 fixtures, fixtures/fi-h200-sm90/*.sqlite (SELECT DISTINCT demangled names).
 H200_PREFILL_NVFP4 = (
     "void flashinfer::BatchPrefillWithPagedKVCacheKernel<flashinfer::KernelTraits<(flashinfer::MaskMode)1, "
     "(unsigned int)128, (unsigned int)2, (unsigned int)4, (unsigned int)8, (unsigned int)8, (unsigned int)4, "
@@ -91,9 +91,16 @@ RESHAPE = (
 )
 RESHAPE_FP8 = RESHAPE.format("unsigned char", 1)
 RESHAPE_AUTO = RESHAPE.format("__nv_bfloat16", 0)
+# JIT builds pass a generated Params struct (cf. `PagedParams` above), so the name carries no KV dtype.
+JIT_DECODE = (
+    "void flashinfer::BatchDecodeWithPagedKVCacheKernel<(flashinfer::PosEncodingMode)0, (unsigned int)2, "
+    "(unsigned int)4, (unsigned int)8, (unsigned int)16, (unsigned int)1, (unsigned int)8, "
+    "flashinfer::DefaultAttention<(bool)0, (bool)0, (bool)0, (bool)0>, Params>(T9)"
+)
 RESHAPE_NVFP4 = "void vllm::reshape_and_cache_nvfp4_kernel<__nv_bfloat16, (vllm::NVFP4KVScaleSearch)0>(const T1 *)"
 
 SEGMENT_CASES = [
+    # Real H200 fixture names (and the builder's FP8 twin of the prefill one).
     (H200_PREFILL_NVFP4, "prefill_attention", "flashinfer.toml:fa2-paged-prefill"),
     (flashinfer_fa2(1, "__nv_fp8_e4m3"), "prefill_attention", "flashinfer.toml:fa2-paged-prefill"),
     (H200_DECODE_FP8, "decode_attention", "flashinfer.toml:fa2-paged-decode-tensor-cores"),
@@ -105,13 +112,10 @@ SEGMENT_CASES = [
     (H200_FILL, "memory", "torch.toml:copy-fill"),
     (H200_COPY, "memory", "torch.toml:copy-fill"),
     (H200_MUL, "other", None),
+    # Names quoted in the reference, then names shaped after the upstream kernels' templates (the literal
+    # spelling, `8` vs `(int)8`, varies with the Nsight Systems version and does not matter to the rules).
     (REFERENCE_FA2_NVFP4, "prefill_attention", "flashinfer.toml:fa2-paged-prefill"),
-    (
-        "void flashinfer::BatchDecodeWithPagedKVCacheKernel<(flashinfer::PosEncodingMode)0, 2u, 4u, 8u, 16u, 1u, 8u, "
-        "flashinfer::DefaultAttention<false, false, false, false>, Params>(Params)",
-        "decode_attention",
-        "flashinfer.toml:cuda-core-decode",
-    ),
+    (JIT_DECODE, "decode_attention", "flashinfer.toml:cuda-core-decode"),
     (
         "void flashinfer::BatchPrefillWithRaggedKVCacheKernel<flashinfer::KernelTraits<(flashinfer::MaskMode)1, 128u, "
         "2u, 4u, 8u, 8u, 4u, 1u, (flashinfer::PosEncodingMode)0, __nv_bfloat16, __nv_bfloat16, __nv_bfloat16, float, "
@@ -312,14 +316,18 @@ def test_kv_dtype_is_only_reported_for_kv_kernels(recipes):
     assert writer.family == "vllm::reshape_and_cache_nvfp4_kernel<__nv_bfloat16, (vllm::NVFP4KVScaleSearch)0>"
 
 
-def test_fa2_decode_without_params_types_falls_back_to_dtype_tokens(recipes):
-    decode = "void flashinfer::BatchDecodeWithPagedKVCacheKernel<(flashinfer::PosEncodingMode)0, 2u, 4u, 8u, 16u, " \
-             "1u, 8u, flashinfer::DefaultAttention<false, false, false, false>, flashinfer::BatchDecodeParams<" \
-             "__nv_bfloat16, {}, __nv_bfloat16, int>>(flashinfer::BatchDecodeParams<__nv_bfloat16, {}, " \
-             "__nv_bfloat16, int>)"
-    fp8 = recipes.classify_one(decode.format("__nv_fp8_e4m3", "__nv_fp8_e4m3"))
-    bf16 = recipes.classify_one(decode.format("__nv_bfloat16", "__nv_bfloat16"))
+def test_cuda_core_decode_reads_the_kv_dtype_from_its_params_type(recipes):
+    decode = (
+        "void flashinfer::BatchDecodeWithPagedKVCacheKernel<(flashinfer::PosEncodingMode)0, (unsigned int)2, "
+        "(unsigned int)4, (unsigned int)8, (unsigned int)16, (unsigned int)1, (unsigned int)8, "
+        "flashinfer::DefaultAttention<(bool)0, (bool)0, (bool)0, (bool)0>, flashinfer::BatchDecodeParams<"
+        "__nv_bfloat16, {}, __nv_bfloat16, int>>(T9)"
+    )
+    fp8 = recipes.classify_one(decode.format("__nv_fp8_e4m3"))
+    bf16 = recipes.classify_one(decode.format("__nv_bfloat16"))
     assert fp8.family == bf16.family and (fp8.kv_dtype, bf16.kv_dtype) == ("fp8_e4m3", "bf16")
+    jit_build = recipes.classify_one(JIT_DECODE)
+    assert (jit_build.recipe, jit_build.kv_dtype) == ("flashinfer.toml:cuda-core-decode", None)
 
 
 def test_parser_handles_nested_templates_and_parameter_lists():
