@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 from rich.console import Console
 
-from kvtrace.analyzer import compare, render
+from kvtrace.analyzer import align, compare, render, stats
 from kvtrace.analyzer.classify import SEGMENTS, load_recipes
 from kvtrace.analyzer.load import open_trace
 from kvtrace.errors import KvtraceError
@@ -68,6 +68,40 @@ def write_atomic(path: Path, text: str) -> None:
         raise
 
 
+def window_options(command):
+    """Which calls to compare: NVTX windows, a time window, vLLM step kinds, warm-up trimming."""
+
+    @click.option("--window", "nvtx", metavar="REGEX",
+                  help="Only kernels launched inside NVTX ranges whose name matches REGEX.")
+    @click.option("--time", "time_window", metavar="START:END",
+                  help="Only kernels starting in this part of each trace's timeline, in seconds (or ms/us/ns).")
+    @click.option("--phase", type=click.Choice([align.PREFILL, align.DECODE, align.MIXED]),
+                  help="Only kernels of vLLM steps of this kind (from its execute_context_… NVTX ranges).")
+    @click.option("--skip-warmup", default=0, show_default=True, type=click.IntRange(0),
+                  help="Drop the first N calls per kernel family, launch shape and NVTX range.")
+    @click.option("--last", type=click.IntRange(1),
+                  help="Keep only the last N calls per kernel family, launch shape and NVTX range.")
+    @functools.wraps(command)
+    def wrapper(*args, nvtx, time_window, phase, skip_warmup, last, **kwargs):
+        window = align.Window(nvtx=nvtx, time_ns=align.parse_time_window(time_window) if time_window else (None, None),
+                              phase=phase, skip_warmup=skip_warmup, last=last)
+        return command(*args, window=window, **kwargs)
+
+    return wrapper
+
+
+def parse_gate(values: tuple[str, ...]) -> list[str | None]:
+    """--fail-on regression[:SEGMENT] -> segments to watch (None = any segment)."""
+    watched = []
+    for value in values:
+        kind, _, segment = value.partition(":")
+        if kind != "regression" or (segment and segment not in SEGMENTS):
+            raise KvtraceError(f"--fail-on {value!r}: use regression or regression:SEGMENT with SEGMENT one of "
+                               f"{', '.join(SEGMENTS)}")
+        watched.append(segment or None)
+    return watched
+
+
 def _trace_argument(name: str):
     # Existence and type are checked by the loader, so that every bad input gets the same one-line error.
     return click.argument(name, type=click.Path(path_type=Path))
@@ -76,11 +110,12 @@ def _trace_argument(name: str):
 @click.command()
 @_trace_argument("trace")
 @click.option("--label", help="Name shown for the trace (default: file name).")
+@window_options
 @output_options
-def summary(trace, label, fmt, output, recipe_files, nsys_path):
+def summary(trace, label, window, fmt, output, recipe_files, nsys_path):
     """Time per segment and kernel family of one trace (.sqlite or .nsys-rep)."""
     recipes = load_recipes(recipe_files)
-    emit(compare.summarize(open_trace(trace, nsys=nsys_path), recipes, label=label), fmt, output)
+    emit(compare.summarize(open_trace(trace, nsys=nsys_path), recipes, label=label, window=window), fmt, output)
 
 
 @click.command()
@@ -92,16 +127,31 @@ def summary(trace, label, fmt, output, recipe_files, nsys_path):
 @click.option("--confidence", default=0.95, show_default=True, type=click.FloatRange(0, 1, min_open=True, max_open=True),
               help="Confidence level of the bootstrap intervals.")
 @click.option("--seed", default=0, show_default=True, help="Bootstrap seed (same inputs and seed, same output).")
+@click.option("--fail-on", "fail_on", multiple=True, metavar="regression[:SEGMENT]",
+              help="Exit 1 when a compared segment (or this SEGMENT) regresses beyond the threshold. Repeatable.")
+@window_options
 @output_options
-def diff(baseline, candidate, labels, threshold, confidence, seed, fmt, output, recipe_files, nsys_path):
-    """Compare BASELINE (e.g. fp8) with CANDIDATE (e.g. nvfp4), segment by segment and per kernel family."""
+def diff(baseline, candidate, labels, threshold, confidence, seed, fail_on, window, fmt, output, recipe_files,
+         nsys_path):
+    """Compare BASELINE (e.g. fp8) with CANDIDATE (e.g. nvfp4), segment by segment and per kernel family.
+
+    Calls are paired per kernel family, launch shape and NVTX range; rows whose arms did different work
+    say "not comparable". Exit codes: 0 done, 1 a --fail-on gate tripped, 2 bad input.
+    """
     if len(labels) not in (0, 2):
         raise KvtraceError("--label takes two names, baseline first: --label fp8 --label nvfp4")
+    watched = parse_gate(fail_on)
     recipes = load_recipes(recipe_files)
     result = compare.diff(open_trace(baseline, nsys=nsys_path), open_trace(candidate, nsys=nsys_path), recipes,
                           labels=tuple(labels) or (None, None), threshold=threshold, confidence=confidence,
-                          seed=seed)
+                          seed=seed, window=window)
     emit(result, fmt, output)
+    tripped = [r for r in result.segments if r.verdict == stats.REGRESSION
+               and any(segment in (None, r.segment) for segment in watched)]
+    if tripped:
+        click.echo("kvtrace: gate: " + "; ".join(f"{r.segment} regressed {r.ratio:.3f}× "
+                                                  f"[{r.ci_low:.3f}, {r.ci_high:.3f}]" for r in tripped), err=True)
+        sys.exit(1)
 
 
 @click.command()

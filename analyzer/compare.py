@@ -1,24 +1,26 @@
 """Summaries of one trace and diffs of two, as plain result objects that every renderer reads.
 
-Kernels are classified once per distinct signature (name, grid, block) and joined back; per-call
-statistics are computed per segment and per family from the duration column. Numbers come from
-analyzer.stats only.
+Kernels are classified once per distinct signature (name, grid, block) and joined back; the window
+(analyzer.align) picks which calls count; calls are paired across arms per kernel family and launch shape
+before any ratio is formed. Numbers come from analyzer.stats only.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import polars as pl
 
 from kvtrace import __version__
-from kvtrace.analyzer import stats
+from kvtrace.analyzer import align, stats
 from kvtrace.analyzer.classify import SEGMENTS, RecipeSet
 from kvtrace.analyzer.load import Trace, TraceInfo
+from kvtrace.errors import KvtraceError
 
 SUMMARY_SCHEMA = "kvtrace.summary/1"
-DIFF_SCHEMA = "kvtrace.diff/1"
+DIFF_SCHEMA = "kvtrace.diff/2"
 SIGNATURE = ["name_id", "short_id", "grid_x", "grid_y", "grid_z", "block_x", "block_y", "block_z"]
 NOT_COMPARABLE = "not comparable"
 # Attention and append kernels carry the KV dtype in their template arguments.
@@ -79,17 +81,22 @@ class Summary:
 @dataclass
 class DiffRow:
     segment: str
-    baseline: ArmStats | None
+    baseline: ArmStats | None  # of the compared calls; of all calls when nothing could be compared
     candidate: ArmStats | None
-    ratio: float | None  # candidate mean / baseline mean
+    baseline_calls: int  # in the window, matched or not
+    candidate_calls: int
+    compared_calls: int  # paired calls per arm (0 when not comparable)
+    ratio: float | None  # candidate mean / baseline mean over the compared calls
     ci_low: float | None
     ci_high: float | None
     verdict: str
-    reason: str | None  # why a row is not comparable
-    total_delta_ns: int  # candidate total - baseline total
-    delta_share: float | None  # fraction of the whole-trace delta this row explains
+    note: str | None  # how calls were paired when not one-to-one
+    reason: str | None  # why the row is not comparable
+    total_delta_ns: int  # candidate total - baseline total, all calls in the window
+    delta_share: float | None  # fraction of the whole delta this row explains
     family: str | None = None
     family_label: str | None = None
+    phase: str | None = None
     baseline_kv_dtypes: tuple[str, ...] = ()
     candidate_kv_dtypes: tuple[str, ...] = ()
     baseline_names: tuple[str, ...] = ()
@@ -113,6 +120,8 @@ class Diff:
     findings: list[Finding]
     segments: list[DiffRow]
     families: list[DiffRow]
+    phases: list[DiffRow] = field(default_factory=list)  # per segment and NVTX phase, when ranges exist
+    window: list[str] = field(default_factory=list)
     schema: str = DIFF_SCHEMA
     kvtrace_version: str = __version__
 
@@ -135,7 +144,8 @@ def classified_kernels(trace: Trace, recipes: RecipeSet) -> pl.DataFrame:
                   .with_columns(pl.col(c).cast(pl.Int64) for c in SIGNATURE))
     classified = recipes.classify(signatures).with_columns(pl.col(c).cast(pl.Int32) for c in SIGNATURE[2:])
     keep = SIGNATURE + ["demangled", "segment", "family", "family_label", "kv_dtype", "recipe"]
-    return trace.kernels.join(classified.select(keep), on=SIGNATURE, how="left")
+    # kernel_row ties a launch back to trace.kernels (NVTX projection) whatever order the join returns.
+    return trace.kernels.with_row_index("kernel_row").join(classified.select(keep), on=SIGNATURE, how="left")
 
 
 def _segment_order(segment: str) -> int:
@@ -161,8 +171,9 @@ def _arm(trace: Trace, kernels: pl.DataFrame, label: str) -> Arm:
     return Arm(label=label, info=trace.info, total_ns=int(kernels["duration"].sum()), kv_dtypes=tuple(kv))
 
 
-def summarize(trace: Trace, recipes: RecipeSet, label: str | None = None) -> Summary:
-    kernels = classified_kernels(trace, recipes)
+def summarize(trace: Trace, recipes: RecipeSet, label: str | None = None,
+              window: align.Window = align.Window()) -> Summary:
+    kernels = _windowed(trace, recipes, window)
     arm = _arm(trace, kernels, label or _default_label(trace))
     segments = [SummaryRow(segment=key[0], stats=ArmStats.of(g["durations"], arm.total_ns), kv_dtypes=g["kv"],
                            names=g["names"]) for key, g in _groups(kernels, ["segment"]).items()]
@@ -174,53 +185,170 @@ def summarize(trace: Trace, recipes: RecipeSet, label: str | None = None) -> Sum
     return Summary(arm=arm, recipes=tuple(recipes.files), segments=segments, families=families)
 
 
+def _windowed(trace: Trace, recipes: RecipeSet, window: align.Window) -> pl.DataFrame:
+    kernels = align.apply_window(trace, align.with_innermost_range(trace, classified_kernels(trace, recipes)), window)
+    if kernels.height == 0:
+        raise KvtraceError(f"{trace.info.source}: no kernels inside the window ({'; '.join(window.describe())}); "
+                           "widen --window/--time/--phase")
+    return kernels
+
+
 def diff(baseline: Trace, candidate: Trace, recipes: RecipeSet, *, labels: tuple[str | None, str | None] = (None, None),
-         threshold: float = 0.02, confidence: float = 0.95, seed: int = 0) -> Diff:
-    base_kernels = classified_kernels(baseline, recipes)
-    cand_kernels = classified_kernels(candidate, recipes)
+         threshold: float = 0.02, confidence: float = 0.95, seed: int = 0,
+         window: align.Window = align.Window()) -> Diff:
+    base_kernels = _windowed(baseline, recipes, window)
+    cand_kernels = _windowed(candidate, recipes, window)
     base_arm = _arm(baseline, base_kernels, labels[0] or _default_label(baseline))
     cand_arm = _arm(candidate, cand_kernels, labels[1] or _default_label(candidate))
-    total_delta = cand_arm.total_ns - base_arm.total_ns
+    context = _RowContext(base_arm.total_ns, cand_arm.total_ns, threshold, confidence, seed)
 
-    def rows(keys: list[str]) -> list[DiffRow]:
-        base_groups, cand_groups = _groups(base_kernels, keys), _groups(cand_kernels, keys)
-        out = []
-        for key in sorted(set(base_groups) | set(cand_groups), key=str):
-            b, c = base_groups.get(key), cand_groups.get(key)
-            row = _diff_row(b, c, base_arm.total_ns, cand_arm.total_ns, total_delta, threshold, confidence, seed)
-            if keys == ["family"]:
-                row.family = key[0]
-            out.append(row)
-        out.sort(key=lambda r: (-abs(r.total_delta_ns), _segment_order(r.segment)))
-        return out
+    family_matches = {}
+    families = []
+    for key in sorted(set(base_kernels["family"]) | set(cand_kernels["family"]), key=str):
+        b = base_kernels.filter(pl.col("family") == key)
+        c = cand_kernels.filter(pl.col("family") == key)
+        family_matches[key] = match = align.match_family(b, c)
+        row = context.row(b, c, match)
+        row.family = key
+        families.append(row)
+    segments = []
+    for segment in sorted(set(base_kernels["segment"]) | set(cand_kernels["segment"]), key=_segment_order):
+        b = base_kernels.filter(pl.col("segment") == segment)
+        c = cand_kernels.filter(pl.col("segment") == segment)
+        segments.append(context.row(b, c, _match_segment(b, c, family_matches)))
+    phases = []
+    base_phased, cand_phased = _with_phase(base_kernels), _with_phase(cand_kernels)
+    keys = set(base_phased.select("segment", "phase").drop_nulls().iter_rows()) | \
+        set(cand_phased.select("segment", "phase").drop_nulls().iter_rows())
+    for segment, phase in keys:
+        b = base_phased.filter((pl.col("segment") == segment) & (pl.col("phase") == phase))
+        c = cand_phased.filter((pl.col("segment") == segment) & (pl.col("phase") == phase))
+        row = context.row(b, c, _match_segment(b, c, {}) if b.height == c.height else align.match_family(b, c))
+        row.phase = phase
+        phases.append(row)
+    for rows in (segments, families, phases):
+        total = sum(r.total_delta_ns for r in rows)
+        for r in rows:
+            r.delta_share = stats.share(r.total_delta_ns, total)
+        rows.sort(key=lambda r: (-abs(r.total_delta_ns), _segment_order(r.segment)))
 
-    findings = comparability(base_arm, cand_arm)
+    findings = comparability(base_arm, cand_arm) + _window_findings(window, families)
+    findings += _step_findings(baseline, candidate, base_kernels, cand_kernels, base_arm, cand_arm)
+    phases.sort(key=lambda r: (_segment_order(r.segment), _natural(r.phase)))
     return Diff(baseline=base_arm, candidate=cand_arm, recipes=tuple(recipes.files), threshold=threshold,
-                confidence=confidence, findings=findings, segments=rows(["segment"]), families=rows(["family"]))
+                confidence=confidence, findings=findings, segments=segments, families=families, phases=phases,
+                window=window.describe())
 
 
-def _diff_row(b: dict | None, c: dict | None, base_total: int, cand_total: int, total_delta: int,
-              threshold: float, confidence: float, seed: int) -> DiffRow:
-    either = b or c
-    base_stats = ArmStats.of(b["durations"], base_total) if b else None
-    cand_stats = ArmStats.of(c["durations"], cand_total) if c else None
-    delta = (cand_stats.total_ns if cand_stats else 0) - (base_stats.total_ns if base_stats else 0)
-    row = DiffRow(segment=either["segment"], baseline=base_stats, candidate=cand_stats, ratio=None, ci_low=None,
-                  ci_high=None, verdict=NOT_COMPARABLE, reason=None, total_delta_ns=delta,
-                  delta_share=stats.share(delta, total_delta), family_label=either["label"],
-                  baseline_kv_dtypes=b["kv"] if b else (), candidate_kv_dtypes=c["kv"] if c else (),
-                  baseline_names=b["names"] if b else (), candidate_names=c["names"] if c else ())
-    if b is None or c is None:
-        row.reason = f"only in the {'candidate' if b is None else 'baseline'}"
+def _natural(text: str) -> list:
+    """Sort key that puts ctx=8192 before ctx=32768."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
+
+
+def _with_phase(kernels: pl.DataFrame) -> pl.DataFrame:
+    """`phase`: the innermost NVTX range, with vLLM's per-step ranges folded into their step kind."""
+    step = pl.col("nvtx").str.extract_groups(align.VLLM_STEP.pattern)
+    context_requests, generation_requests = step.struct.field("1").cast(pl.Int64), step.struct.field("3").cast(pl.Int64)
+    kind = (pl.when(generation_requests == 0).then(pl.lit(f"vLLM {align.PREFILL} steps"))
+            .when(context_requests == 0).then(pl.lit(f"vLLM {align.DECODE} steps"))
+            .otherwise(pl.lit(f"vLLM {align.MIXED} steps")))
+    return kernels.with_columns(pl.when(context_requests.is_null()).then(pl.col("nvtx")).otherwise(kind).alias("phase"))
+
+
+def _match_segment(b: pl.DataFrame, c: pl.DataFrame, family_matches: dict) -> align.Match:
+    """A segment pairs all its calls when both arms made as many, even through different kernels (FP8 and
+    NVFP4 append kernels differ by name and grid); otherwise it pools the calls its families paired."""
+    if b.height and b.height == c.height:
+        match = align.Match(align.durations(b), align.durations(c), b.height, c.height, None, None)
+        families_b, families_c = set(b["family_label"]), set(c["family_label"])
+        if families_b != families_c:
+            match.note = (f"different kernels: {', '.join(sorted(families_b - families_c))} vs "
+                          f"{', '.join(sorted(families_c - families_b))}")
+        return match
+    keys = set(b["family"]) & set(c["family"]) if b.height and c.height else set()
+    paired = [family_matches[k] for k in sorted(keys) if family_matches[k].matched]
+    if not paired:
+        reason = (f"only in the {'candidate' if b.height == 0 else 'baseline'}" if not (b.height and c.height)
+                  else f"call counts differ ({b.height} vs {c.height}) and no kernel family pairs across arms")
+        empty = np.zeros(0, dtype=np.int64)
+        return align.Match(empty, empty, b.height, c.height, None, reason)
+    compared = sum(len(m.baseline) for m in paired)
+    return align.Match(np.concatenate([m.baseline for m in paired]), np.concatenate([m.candidate for m in paired]),
+                       b.height, c.height,
+                       f"call counts differ ({b.height} vs {c.height}): compared the {compared} calls "
+                       f"that {len(paired)} kernel famil{'y' if len(paired) == 1 else 'ies'} paired", None)
+
+
+@dataclass
+class _RowContext:
+    base_total: int
+    cand_total: int
+    threshold: float
+    confidence: float
+    seed: int
+
+    def row(self, b: pl.DataFrame, c: pl.DataFrame, match: align.Match) -> DiffRow:
+        either = b if b.height else c
+        info = {side: _group_info(frame) for side, frame in (("b", b), ("c", c))}
+        delta = int(c["duration"].sum() if c.height else 0) - int(b["duration"].sum() if b.height else 0)
+        if match.matched:
+            base_stats = ArmStats.of(match.baseline, self.base_total)
+            cand_stats = ArmStats.of(match.candidate, self.cand_total)
+        else:
+            base_stats = ArmStats.of(b["duration"].to_numpy(), self.base_total) if b.height else None
+            cand_stats = ArmStats.of(c["duration"].to_numpy(), self.cand_total) if c.height else None
+        row = DiffRow(segment=either["segment"][0], baseline=base_stats, candidate=cand_stats,
+                      baseline_calls=b.height, candidate_calls=c.height,
+                      compared_calls=len(match.baseline) if match.matched else 0, ratio=None, ci_low=None,
+                      ci_high=None, verdict=NOT_COMPARABLE, note=match.note, reason=match.reason,
+                      total_delta_ns=delta, delta_share=None, family_label=either["family_label"][0],
+                      baseline_kv_dtypes=info["b"][0], candidate_kv_dtypes=info["c"][0],
+                      baseline_names=info["b"][1], candidate_names=info["c"][1])
+        if not match.matched:
+            return row
+        interval = stats.ratio_interval(match.baseline, match.candidate, confidence=self.confidence, seed=self.seed)
+        row.ratio, row.ci_low, row.ci_high = interval.ratio, interval.low, interval.high
+        row.verdict = stats.verdict(interval, threshold=self.threshold)
         return row
-    row.ratio = cand_stats.mean_ns / base_stats.mean_ns if base_stats.mean_ns else None
-    if base_stats.calls != cand_stats.calls:
-        row.reason = f"call counts differ ({base_stats.calls} vs {cand_stats.calls})"
-        return row
-    interval = stats.ratio_interval(b["durations"], c["durations"], confidence=confidence, seed=seed)
-    row.ci_low, row.ci_high = interval.low, interval.high
-    row.verdict = stats.verdict(interval, threshold=threshold)
-    return row
+
+
+def _group_info(frame: pl.DataFrame) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    if frame.height == 0:
+        return (), ()
+    return (tuple(frame["kv_dtype"].drop_nulls().unique().sort()), tuple(frame["demangled"].unique().sort()))
+
+
+def _window_findings(window: align.Window, families: list[DiffRow]) -> list[Finding]:
+    findings = [Finding("ok", "window", "compared " + part) for part in window.describe()]
+    if not window.describe():
+        findings.append(Finding("ok", "window", "compared whole traces (no --window, --time, --phase or trimming)"))
+    realigned = [r for r in families if r.note and r.verdict != NOT_COMPARABLE]
+    for r in realigned:
+        findings.append(Finding("warning", "alignment", f"{r.family_label}: {r.note}; extra calls at the start "
+                                "are usually warm-up (--skip-warmup), missing calls at the end a truncated arm"))
+    unmatched = [r for r in families if r.reason and r.baseline_calls and r.candidate_calls]
+    for r in unmatched:
+        findings.append(Finding("warning", "alignment", f"{r.family_label}: not comparable, {r.reason}"))
+    return findings
+
+
+def _step_findings(baseline: Trace, candidate: Trace, base_kernels: pl.DataFrame, cand_kernels: pl.DataFrame,
+                   base_arm: Arm, cand_arm: Arm) -> list[Finding]:
+    """vLLM step token counts must agree, or per-step kernel times describe different work (kekzl/imp#1816)."""
+    steps = []
+    for trace, kernels in ((baseline, base_kernels), (candidate, cand_kernels)):
+        phases = align.step_phases(trace).join(kernels.select("kernel_row"), on="kernel_row", how="semi")
+        steps.append(phases.unique("step").group_by("phase", "context_tokens", "generation_tokens").len()
+                     .sort(pl.all()))
+    if steps[0].height == 0 and steps[1].height == 0:
+        return []
+    summary = "; ".join(f"{arm.label}: " + ", ".join(f"{r['len']} {r['phase']} steps" for r in
+                                                       s.group_by("phase").agg(pl.col("len").sum()).sort("phase").to_dicts())
+                        for arm, s in ((base_arm, steps[0]), (cand_arm, steps[1])))
+    if steps[0].equals(steps[1]):
+        return [Finding("ok", "steps", f"vLLM steps with the same token counts in both arms ({summary})")]
+    return [Finding("warning", "steps", f"vLLM steps differ in kind or token counts ({summary}): compare "
+                    "per-call means only where the steps match, e.g. with --phase")]
 
 
 def comparability(baseline: Arm, candidate: Arm) -> list[Finding]:

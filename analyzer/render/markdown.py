@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvtrace.analyzer.compare import Arm, Diff, DiffRow, KernelList, Summary
-from kvtrace.analyzer.render.units import duration, interval, percent, ratio, signed_duration
+from kvtrace.analyzer.render.units import calls, duration, interval, numbered_notes, percent, ratio, signed_duration
 
 _MARK = {"ok": "✅", "warning": "⚠️", "error": "❌"}
 
@@ -80,32 +80,43 @@ def _summary(summary: Summary) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _diff_cells(row: DiffRow) -> list[str]:
-    b, c = row.baseline, row.candidate
-    return [f"{b.calls:,}" if b else "–", f"{c.calls:,}" if c else "–", duration(b.mean_ns if b else None),
-            duration(c.mean_ns if c else None), ratio(row.ratio), interval(row.ci_low, row.ci_high),
-            row.verdict + (f" ({row.reason})" if row.reason else ""), signed_duration(row.total_delta_ns),
-            percent(row.delta_share)]
+def _diff_table(first: list[str], rows: list[DiffRow], lead, diff: Diff) -> list[str]:
+    """A diff table whose verdict cells point to numbered notes below it (pairing notes, reasons)."""
+    b, c = diff.baseline, diff.candidate
+    confidence = f"{100 * diff.confidence:.0f}%"
+    header = first + [f"calls {b.label}", f"calls {c.label}", f"mean {b.label}", f"mean {c.label}", "ratio",
+                      f"{confidence} CI", "verdict", "Δ total", "share of Δ"]
+    verdicts, notes = numbered_notes(rows)
+    body = [lead(r) + [*calls(r), duration(r.baseline.mean_ns if r.baseline else None),
+                       duration(r.candidate.mean_ns if r.candidate else None), ratio(r.ratio),
+                       interval(r.ci_low, r.ci_high), verdict, signed_duration(r.total_delta_ns),
+                       percent(r.delta_share)]
+            for r, verdict in zip(rows, verdicts)]
+    lines = _table(header, body)
+    if notes:
+        lines += [""] + [f"{i}. {text}" for i, text in enumerate(notes, 1)]
+    return lines
 
 
 def _diff(diff: Diff) -> str:
     b, c = diff.baseline, diff.candidate
     confidence = f"{100 * diff.confidence:.0f}%"
     lines = [f"## kvtrace diff: {b.label} → {c.label}", "",
-             f"Baseline **{b.label}**, candidate **{c.label}**. Ratio = candidate / baseline mean time per call; "
-             f"{confidence} bootstrap interval; a change smaller than ±{100 * diff.threshold:g}% or an interval "
-             "that includes 1 is \"no significant change\". Rows whose arms did different work say "
-             "\"not comparable\" instead of a verdict.", "",
+             f"Baseline **{b.label}**, candidate **{c.label}**. Ratio = candidate / baseline mean time per call "
+             f"over the calls both arms ran (paired per kernel family, launch shape and NVTX range); "
+             f"{confidence} bootstrap interval; a change inside ±{100 * diff.threshold:g}% or an interval that "
+             "includes 1 is \"no significant change\". Rows whose arms did different work say \"not comparable\" "
+             "instead of a verdict.", "",
              f"Total GPU kernel time: {duration(b.total_ns)} → {duration(c.total_ns)} ({ratio(diff.total_ratio)}).",
              "", "### Comparability", ""]
     lines += [f"- {_MARK[f.level]} {f.message}" for f in diff.findings]
-    header = ["calls (base)", "calls (cand)", f"mean {b.label}", f"mean {c.label}", "ratio", f"{confidence} CI",
-              "verdict", "Δ total", "share of Δ"]
     lines += ["", "### Segments", ""]
-    lines += _table(["segment"] + header, [[r.segment] + _diff_cells(r) for r in diff.segments])
+    lines += _diff_table(["segment"], diff.segments, lambda r: [r.segment], diff)
+    if diff.phases:
+        lines += ["", "### Segments by phase (NVTX range)", ""]
+        lines += _diff_table(["segment", "phase"], diff.phases, lambda r: [r.segment, f"`{r.phase}`"], diff)
     lines += ["", "### Kernel families", ""]
-    lines += _table(["segment", "family"] + header,
-                    [[r.segment, f"`{r.family_label}`"] + _diff_cells(r) for r in diff.families])
+    lines += _diff_table(["segment", "family"], diff.families, lambda r: [r.segment, f"`{r.family_label}`"], diff)
     lines += ["", "### Environment", ""] + _environment([b, c])
     lines += ["", "<details><summary>Kernel names per segment</summary>", ""]
     for r in diff.segments:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from kvtrace.analyzer.compare import Diff, DiffRow, KernelList, Summary
-from kvtrace.analyzer.render.units import duration, interval, percent, ratio, signed_duration
+from kvtrace.analyzer.compare import Diff, KernelList, Summary
+from kvtrace.analyzer.render.units import calls, duration, interval, numbered_notes, percent, ratio, signed_duration
 from kvtrace.analyzer.stats import IMPROVEMENT, REGRESSION
 
 _STYLE = {REGRESSION: "red", IMPROVEMENT: "green"}
@@ -50,11 +50,6 @@ def _summary(summary: Summary, console: Console) -> None:
         console.print(table)
 
 
-def _verdict(row: DiffRow) -> str:
-    style = _STYLE.get(row.verdict)
-    return f"[{style}]{row.verdict}[/]" if style else row.verdict
-
-
 def _diff(diff: Diff, console: Console) -> None:
     b, c = diff.baseline, diff.candidate
     console.print(f"[bold]{b.label}[/] → [bold]{c.label}[/]: total GPU kernel time {duration(b.total_ns)} → "
@@ -62,21 +57,23 @@ def _diff(diff: Diff, console: Console) -> None:
     for finding in diff.findings:
         console.print(f"  {_LEVEL[finding.level]}  {finding.message}")
     confidence = f"{100 * diff.confidence:.0f}% CI"
-    for title, rows, with_family in (("Segments", diff.segments, False), ("Kernel families", diff.families, True)):
+    tables = [("Segments", diff.segments, ["segment"], lambda r: [r.segment])]
+    if diff.phases:
+        tables.append(("Segments by phase (NVTX range)", diff.phases, ["segment", "phase"],
+                       lambda r: [r.segment, r.phase]))
+    tables.append(("Kernel families", diff.families, ["segment", "family"], lambda r: [r.segment, r.family_label]))
+    for title, rows, lead_columns, lead in tables:
         table = Table(title=title, title_justify="left")
-        columns = ["segment"] + (["family"] if with_family else []) + [
-            "calls", f"mean {b.label}", f"mean {c.label}", "ratio", confidence, "verdict", "Δ total", "share of Δ"]
-        for column in columns:
-            table.add_column(column, justify="left" if column in ("segment", "family", "verdict") else "right")
-        for r in rows:
-            calls = f"{r.baseline.calls if r.baseline else 0:,} / {r.candidate.calls if r.candidate else 0:,}"
-            table.add_row(r.segment, *([r.family_label] if with_family else []), calls,
-                          duration(r.baseline.mean_ns if r.baseline else None),
+        for column in lead_columns + ["calls", f"mean {b.label}", f"mean {c.label}", "ratio", confidence, "verdict",
+                                      "Δ total", "share of Δ"]:
+            table.add_column(column, justify="left" if column in ("segment", "family", "phase", "verdict") else "right")
+        verdicts, notes = numbered_notes(rows)
+        for r, verdict in zip(rows, verdicts):
+            style = _STYLE.get(r.verdict)
+            table.add_row(*lead(r), " / ".join(calls(r)), duration(r.baseline.mean_ns if r.baseline else None),
                           duration(r.candidate.mean_ns if r.candidate else None), ratio(r.ratio),
-                          interval(r.ci_low, r.ci_high), _verdict(r), signed_duration(r.total_delta_ns),
-                          percent(r.delta_share))
+                          interval(r.ci_low, r.ci_high), f"[{style}]{verdict}[/]" if style else verdict,
+                          signed_duration(r.total_delta_ns), percent(r.delta_share))
         console.print(table)
-        # Reasons go under the table so that the verdict column stays narrow.
-        for r in rows:
-            if r.reason:
-                console.print(f"  {r.family_label if with_family else r.segment}: {r.verdict}, {r.reason}")
+        for i, text in enumerate(notes, 1):
+            console.print(f"  [{i}] {text}", markup=False, highlight=False)

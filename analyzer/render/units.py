@@ -31,3 +31,28 @@ def percent(fraction: float | None) -> str:
         return "–"
     text = f"{100 * fraction:.1f}%"
     return "0.0%" if text == "-0.0%" else text
+
+
+def numbered_notes(rows) -> tuple[list[str], list[str]]:
+    """Per diff row, the verdict with references to numbered notes (reasons, pairing notes), and the notes;
+    identical texts share one number."""
+    notes: list[str] = []
+    verdicts = []
+    for row in rows:
+        refs = []
+        for text in (row.reason, row.note):
+            if text:
+                if text not in notes:
+                    notes.append(text)
+                refs.append(f"[{notes.index(text) + 1}]")
+        verdicts.append(" ".join([row.verdict, *refs]))
+    return verdicts, notes
+
+
+def calls(row) -> tuple[str, str]:
+    """Call cells for the two arms: 'compared of total' when only part of an arm's calls were paired."""
+    def one(total: int) -> str:
+        if row.reason is None and row.compared_calls != total:
+            return f"{row.compared_calls:,} of {total:,}"
+        return f"{total:,}"
+    return one(row.baseline_calls), one(row.candidate_calls)

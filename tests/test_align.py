@@ -1,0 +1,207 @@
+"""Trustworthy diffs: NVTX projection, windows, call pairing, planted mismatches, and the CI gate.
+
+Planted mismatches are built from the real H200 exports by copying them into tmp_path and editing the
+copy with SQL (cloned warm-up launches, a truncated arm); each test says what it plants.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sqlite3
+
+import pytest
+
+from conftest import FIXTURES, NSYS2023_DIR, NSYS2025_DIR
+from kvtrace.analyzer import align, compare, stats
+from kvtrace.analyzer.classify import load_recipes
+from kvtrace.analyzer.load import open_trace
+
+FP8 = NSYS2025_DIR / "fp8.sqlite"
+NVFP4 = NSYS2025_DIR / "nvfp4.sqlite"
+DECODE_LIKE = "%BatchPrefillWithPagedKVCacheKernel%MaskMode)0%"
+PREFILL_LIKE = "%BatchPrefillWithPagedKVCacheKernel%MaskMode)1%"
+DECODE_FAMILY = "BatchPrefillWithPagedKVCacheKernel[MaskMode=0]"
+PREFILL_FAMILY = "BatchPrefillWithPagedKVCacheKernel[MaskMode=1]"
+
+
+@pytest.fixture(scope="module")
+def recipes():
+    return load_recipes()
+
+
+def family(result, label):
+    return next(r for r in result.families if r.family_label == label)
+
+
+def sql_range_durations(path, like: str, range_name: str) -> list[int]:
+    """Durations of kernels whose launch call lies inside the named NVTX range on the same thread: the
+    projection rule of Nsight Systems' nvtx_gpu_proj_trace, written out by hand."""
+    with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as conn:
+        return [r[0] for r in conn.execute("""
+            SELECT k.end - k.start FROM CUPTI_ACTIVITY_KIND_KERNEL k
+            JOIN StringIds s ON s.id = k.demangledName
+            JOIN CUPTI_ACTIVITY_KIND_RUNTIME r ON r.correlationId = k.correlationId
+                 AND (r.globalTid & 0xFFFFFFFFFF000000) = k.globalPid
+            JOIN NVTX_EVENTS n ON n.globalTid = r.globalTid AND n.start <= r.start AND n.end >= r.end
+                 AND n.eventType IN (59, 60) AND n.text = ?
+            WHERE s.value LIKE ? ORDER BY k.start""", (range_name, like))]
+
+
+def test_every_kernel_lands_in_its_workload_phase_range(recipes):
+    trace = open_trace(FP8)
+    ranges = align.enclosing_ranges(trace)
+    assert ranges.height == trace.kernels.height  # every launch of the workload was inside a phase range
+    assert ranges["ranges"].list.last().str.starts_with("kvtrace:").all()
+    kernels = align.with_innermost_range(trace, compare.classified_kernels(trace, recipes))
+    for name, label, like in (("kvtrace:decode ctx=8192 batch=8", DECODE_FAMILY, DECODE_LIKE),
+                              ("kvtrace:prefill ctx=32768 batch=8", PREFILL_FAMILY, PREFILL_LIKE)):
+        ours = kernels.filter((kernels["nvtx"] == name) & (kernels["family_label"] == label))
+        assert sorted(ours["duration"].to_list()) == sorted(sql_range_durations(FP8, like, name))
+
+
+def test_phases_split_prefill_by_context(recipes):
+    result = compare.diff(open_trace(FP8), open_trace(NVFP4), recipes)
+    prefill = {r.phase: r for r in result.phases if r.segment == "prefill_attention"}
+    assert set(prefill) == {f"kvtrace:prefill ctx={c} batch=8" for c in (2048, 8192, 32768)}
+    for name, row in prefill.items():
+        base, cand = sql_range_durations(FP8, PREFILL_LIKE, name), sql_range_durations(NVFP4, PREFILL_LIKE, name)
+        assert row.ratio == pytest.approx((sum(cand) / len(cand)) / (sum(base) / len(base)))
+        assert row.verdict == stats.REGRESSION and row.ci_low > 1
+    # Per context the interval is far tighter than over all 24 calls mixed together.
+    whole = next(r for r in result.segments if r.segment == "prefill_attention")
+    assert all(r.ci_high - r.ci_low < (whole.ci_high - whole.ci_low) / 10 for r in prefill.values())
+
+
+def test_unmatched_contexts_are_never_paired(recipes):
+    """Real mismatch: the 2023.4 run recorded only ctx=2048. Decode kernels keep their grid across contexts,
+    so only the NVTX range keeps ctx=32768 baseline calls from being paired with ctx=2048 candidate calls."""
+    small = NSYS2023_DIR / "nvfp4.sqlite"
+    result = compare.diff(open_trace(FP8), open_trace(small), recipes)
+    row = family(result, DECODE_FAMILY)
+    name = "kvtrace:decode ctx=2048 batch=8"
+    base, cand = sql_range_durations(FP8, DECODE_LIKE, name), sql_range_durations(small, DECODE_LIKE, name)
+    assert row.compared_calls == len(cand) == 16
+    assert row.ratio == pytest.approx((sum(cand) / len(cand)) / (sum(base[-16:]) / 16))
+    assert "last 16 of 64 vs 16 calls" in row.note
+    assert any(f.check == "alignment" and DECODE_FAMILY in f.message for f in result.findings)
+    assert any(f.check == "nsys" and f.level == "warning" for f in result.findings)
+
+
+def _clone(conn, table: str, where: str, changes: dict[str, str]) -> int:
+    columns = [r[1] for r in conn.execute(f"PRAGMA table_info({table})")]
+    select = ", ".join(changes.get(c, f'"{c}"') for c in columns)
+    quoted = ", ".join(f'"{c}"' for c in columns)
+    return conn.execute(f"INSERT INTO {table} ({quoted}) SELECT {select} FROM {table} WHERE {where}").rowcount
+
+
+def planted_warmup(tmp_path, extra: int) -> tuple:
+    """Copy of the NVFP4 export with `extra` cloned decode launches before the first ctx=2048 decode call:
+    same runtime call times (inside the range), GPU start moved before the first real call, fresh
+    correlation ids."""
+    path = tmp_path / "nvfp4-extra-warmup.sqlite"
+    shutil.copy(NVFP4, path)
+    name = "kvtrace:decode ctx=2048 batch=8"
+    with sqlite3.connect(path) as conn:
+        rows = conn.execute("""
+            SELECT k.rowid, k.correlationId, k.start FROM CUPTI_ACTIVITY_KIND_KERNEL k
+            JOIN StringIds s ON s.id = k.demangledName
+            JOIN CUPTI_ACTIVITY_KIND_RUNTIME r ON r.correlationId = k.correlationId
+            JOIN NVTX_EVENTS n ON n.globalTid = r.globalTid AND n.start <= r.start AND n.end >= r.end AND n.text = ?
+            WHERE s.value LIKE ? ORDER BY k.start LIMIT ?""", (name, DECODE_LIKE, extra)).fetchall()
+        first_start = rows[0][2]
+        shift = 10_000_000
+        for i, (rowid, correlation, start) in enumerate(rows):
+            _clone(conn, "CUPTI_ACTIVITY_KIND_KERNEL", f"rowid = {rowid}",
+                   {"start": f"{first_start - (extra - i) * 200_000}",
+                    "end": f'{first_start - (extra - i) * 200_000} + ("end" - start)',
+                    "correlationId": f"correlationId + {shift}"})
+            _clone(conn, "CUPTI_ACTIVITY_KIND_RUNTIME", f"correlationId = {correlation}",
+                   {"correlationId": f"correlationId + {shift}"})
+    return path, name
+
+
+def test_extra_warmup_calls_in_one_arm_are_flagged_and_trimmed(tmp_path, recipes, run_kvtrace):
+    clean = compare.diff(open_trace(FP8), open_trace(NVFP4), recipes)
+    planted, name = planted_warmup(tmp_path, extra=8)
+    result = compare.diff(open_trace(FP8), open_trace(planted), recipes)
+    row = family(result, DECODE_FAMILY)
+    assert row.candidate_calls == family(clean, DECODE_FAMILY).candidate_calls + 8
+    assert f"in '{name}': last 64 of 64 vs 72 calls" in row.note
+    assert any(f.level == "warning" and f.check == "alignment" and "warm-up" in f.message for f in result.findings)
+    # The extra calls sit at the start, so pairing the last 64 compares exactly the clean calls.
+    assert row.ratio == pytest.approx(family(clean, DECODE_FAMILY).ratio)
+    code, out, err = run_kvtrace("diff", str(FP8), str(planted), "--format", "markdown")
+    assert code == 0, err
+    assert "last 64 of 64 vs 72 calls" in out and "⚠️" in out
+
+
+def test_truncated_arm_is_flagged(tmp_path, recipes):
+    """Planted: the NVFP4 export cut after its third ctx=32768 prefill call, as if the capture stopped early."""
+    path = tmp_path / "nvfp4-truncated.sqlite"
+    shutil.copy(NVFP4, path)
+    name = "kvtrace:prefill ctx=32768 batch=8"
+    third = sql_range_durations(NVFP4, PREFILL_LIKE, name)[:3]
+    with sqlite3.connect(path) as conn:
+        cutoff = conn.execute("""SELECT k.end FROM CUPTI_ACTIVITY_KIND_KERNEL k JOIN StringIds s ON s.id = k.demangledName
+            WHERE s.value LIKE ? ORDER BY k.start LIMIT 1 OFFSET 18""", (PREFILL_LIKE,)).fetchone()[0]
+        conn.execute("DELETE FROM CUPTI_ACTIVITY_KIND_KERNEL WHERE start > ?", (cutoff,))
+    result = compare.diff(open_trace(FP8), open_trace(path), recipes)
+    prefill = next(r for r in result.phases if r.segment == "prefill_attention" and r.phase == name)
+    assert prefill.compared_calls == 3 and "last 3 of 8 vs 3 calls" in prefill.note
+    assert prefill.candidate.total_ns == sum(third)
+    gone = [r for r in result.phases if "ctx=32768" in r.phase and r.segment in ("decode_attention", "kv_append", "gemm")]
+    assert gone and all(r.verdict == compare.NOT_COMPARABLE and r.reason == "only in the baseline" for r in gone)
+    decode = next(r for r in result.segments if r.segment == "decode_attention")
+    assert "call counts differ (384 vs 256)" in decode.note and decode.compared_calls == 256
+
+
+def test_same_format_repeat_passes_the_gate(run_kvtrace):
+    repeat = FIXTURES / "fi-h200-sm90-repeat" / "fp8.sqlite"
+    code, out, err = run_kvtrace("diff", str(FP8), str(repeat), "--fail-on", "regression", "--format", "json")
+    assert code == 0, err
+    assert all(r["verdict"] == stats.NO_CHANGE for r in json.loads(out)["segments"])
+
+
+def test_gate_trips_on_a_regressed_segment_only(run_kvtrace):
+    code, out, err = run_kvtrace("diff", str(FP8), str(NVFP4), "--fail-on", "regression:gemm", "--format", "json")
+    assert code == 0, err
+    code, out, err = run_kvtrace("diff", str(FP8), str(NVFP4), "--fail-on", "regression:prefill_attention",
+                                 "--format", "json")
+    assert code == 1 and out  # the report is still written
+    assert err.count("\n") == 1 and err.startswith("kvtrace: gate: prefill_attention regressed")
+    code, out, err = run_kvtrace("diff", str(FP8), str(NVFP4), "--fail-on", "regression:attention")
+    assert code == 2 and err.startswith("kvtrace: error: --fail-on")
+
+
+def test_windows_select_calls(run_kvtrace):
+    code, out, err = run_kvtrace("diff", str(FP8), str(NVFP4), "--window", "decode ctx=8192", "--format", "json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert {r["segment"] for r in data["segments"]} == {"decode_attention", "other"}
+    decode = next(r for r in data["families"] if r["family_label"] == DECODE_FAMILY)
+    assert decode["baseline_calls"] == len(sql_range_durations(FP8, DECODE_LIKE, "kvtrace:decode ctx=8192 batch=8"))
+    assert any("NVTX ranges matching /decode ctx=8192/" in w for w in data["window"])
+
+    code, out, err = run_kvtrace("summary", str(FP8), "--last", "2", "--format", "json")
+    assert code == 0, err
+    prefill = next(r for r in json.loads(out)["families"] if r["family_label"] == PREFILL_FAMILY)
+    assert prefill["stats"]["calls"] == 2 * 3  # last 2 per context range
+
+    code, out, err = run_kvtrace("summary", str(FP8), "--time", "0:0.0001", "--format", "json")
+    assert code == 2 and "no kernels inside the window" in err
+    code, out, err = run_kvtrace("summary", str(FP8), "--time", "later")
+    assert code == 2 and err.startswith("kvtrace: error: --time")
+    code, out, err = run_kvtrace("summary", str(FP8), "--window", "(")
+    assert code == 2 and "not a valid regex" in err
+
+
+def test_vllm_step_names_parse():
+    names = ["execute_context_1(2048)_generation_0(0)", "execute_context_0(0)_generation_8(8)",
+             "execute_context_2(300)_generation_6(6)", "execute_14_context_1(sq2048sk2048sqsq0sqsk0)_generation_0(sq)"]
+    kinds = []
+    for name in names:
+        m = align.VLLM_STEP.search(name)
+        context_requests, generation_requests = int(m.group(1)), int(m.group(3))
+        kinds.append(align.PREFILL if generation_requests == 0 else align.DECODE if context_requests == 0 else align.MIXED)
+    assert kinds == [align.PREFILL, align.DECODE, align.MIXED, align.PREFILL]
