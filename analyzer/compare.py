@@ -75,7 +75,7 @@ class Summary:
     kvtrace_version: str = __version__
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return _schema_first(asdict(self))
 
 
 @dataclass
@@ -85,6 +85,8 @@ class DiffRow:
     candidate: ArmStats | None
     baseline_calls: int  # in the window, matched or not
     candidate_calls: int
+    baseline_total_ns: int  # all calls in the window
+    candidate_total_ns: int
     compared_calls: int  # paired calls per arm (0 when not comparable)
     ratio: float | None  # candidate mean / baseline mean over the compared calls
     ci_low: float | None
@@ -130,9 +132,13 @@ class Diff:
         return self.candidate.total_ns / self.baseline.total_ns if self.baseline.total_ns else None
 
     def to_dict(self) -> dict:
-        data = asdict(self)
+        data = _schema_first(asdict(self))
         data["total_ratio"] = self.total_ratio
         return data
+
+
+def _schema_first(data: dict) -> dict:
+    return {"schema": data.pop("schema"), "kvtrace_version": data.pop("kvtrace_version"), **data}
 
 
 def classified_kernels(trace: Trace, recipes: RecipeSet) -> pl.DataFrame:
@@ -209,7 +215,7 @@ def diff(baseline: Trace, candidate: Trace, recipes: RecipeSet, *, labels: tuple
         c = cand_kernels.filter(pl.col("family") == key)
         family_matches[key] = match = align.match_family(b, c)
         row = context.row(b, c, match)
-        row.family = key
+        row.family, row.family_label = key, (b if b.height else c)["family_label"][0]
         families.append(row)
     segments = []
     for segment in sorted(set(base_kernels["segment"]) | set(cand_kernels["segment"]), key=_segment_order):
@@ -290,7 +296,8 @@ class _RowContext:
     def row(self, b: pl.DataFrame, c: pl.DataFrame, match: align.Match) -> DiffRow:
         either = b if b.height else c
         info = {side: _group_info(frame) for side, frame in (("b", b), ("c", c))}
-        delta = int(c["duration"].sum() if c.height else 0) - int(b["duration"].sum() if b.height else 0)
+        base_total = int(b["duration"].sum()) if b.height else 0
+        cand_total = int(c["duration"].sum()) if c.height else 0
         if match.matched:
             base_stats = ArmStats.of(match.baseline, self.base_total)
             cand_stats = ArmStats.of(match.candidate, self.cand_total)
@@ -298,10 +305,11 @@ class _RowContext:
             base_stats = ArmStats.of(b["duration"].to_numpy(), self.base_total) if b.height else None
             cand_stats = ArmStats.of(c["duration"].to_numpy(), self.cand_total) if c.height else None
         row = DiffRow(segment=either["segment"][0], baseline=base_stats, candidate=cand_stats,
-                      baseline_calls=b.height, candidate_calls=c.height,
+                      baseline_calls=b.height, candidate_calls=c.height, baseline_total_ns=base_total,
+                      candidate_total_ns=cand_total,
                       compared_calls=len(match.baseline) if match.matched else 0, ratio=None, ci_low=None,
                       ci_high=None, verdict=NOT_COMPARABLE, note=match.note, reason=match.reason,
-                      total_delta_ns=delta, delta_share=None, family_label=either["family_label"][0],
+                      total_delta_ns=cand_total - base_total, delta_share=None,
                       baseline_kv_dtypes=info["b"][0], candidate_kv_dtypes=info["c"][0],
                       baseline_names=info["b"][1], candidate_names=info["c"][1])
         if not match.matched:
@@ -418,7 +426,7 @@ class KernelList:
     kvtrace_version: str = __version__
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return _schema_first(asdict(self))
 
 
 def list_kernels(trace: Trace, recipes: RecipeSet, *, unclassified: bool = False, segment: str | None = None,

@@ -121,7 +121,7 @@ def open_trace(path: str | os.PathLike, *, nsys: str | None = None) -> Trace:
                                "`nsys export --type sqlite`) or an .nsys-rep report")
     _check_sqlite_size(sqlite_path)
     with _connect(sqlite_path) as conn:
-        _check_export(conn, sqlite_path)
+        _check_export(conn, source if sqlite_path == source else Path(f"{source} (exported as {sqlite_path})"))
         info = _trace_info(conn, source, sqlite_path)
         names = _kernel_names(conn)
     return Trace(info=info, kernels=read_kernels(sqlite_path), names=names, _path=sqlite_path)

@@ -24,19 +24,24 @@ def render(result: Summary | Diff | KernelList) -> str:
                 writer.writerow([level, row.segment, row.family_label or "", row.family or "",
                                  *(getattr(row.stats, f) for f in STAT_FIELDS), " ".join(row.kv_dtypes)])
     else:
-        writer.writerow(["level", "segment", "family_label", "family",
+        # baseline_*/candidate_* statistics describe the compared (paired) calls; *_calls and *_total_ns all
+        # calls in the window.
+        writer.writerow(["level", "segment", "phase", "family_label", "family", "baseline_calls", "candidate_calls",
+                         "compared_calls", "baseline_total_ns", "candidate_total_ns",
                          *(f"baseline_{f}" for f in STAT_FIELDS), *(f"candidate_{f}" for f in STAT_FIELDS),
-                         "ratio", "ci_low", "ci_high", "verdict", "reason", "total_delta_ns", "delta_share",
+                         "ratio", "ci_low", "ci_high", "verdict", "note", "reason", "total_delta_ns", "delta_share",
                          "baseline_kv_dtypes", "candidate_kv_dtypes"])
-        for level, rows in (("segment", result.segments), ("family", result.families)):
+        for level, rows in (("segment", result.segments), ("phase", result.phases), ("family", result.families)):
             for row in rows:
                 writer.writerow([
-                    level, row.segment, row.family_label or "", row.family or "",
+                    level, row.segment, row.phase or "", row.family_label or "", row.family or "",
+                    row.baseline_calls, row.candidate_calls, row.compared_calls, row.baseline_total_ns,
+                    row.candidate_total_ns,
                     *(getattr(row.baseline, f) if row.baseline else "" for f in STAT_FIELDS),
                     *(getattr(row.candidate, f) if row.candidate else "" for f in STAT_FIELDS),
-                    _blank(row.ratio), _blank(row.ci_low), _blank(row.ci_high), row.verdict, row.reason or "",
-                    row.total_delta_ns, _blank(row.delta_share), " ".join(row.baseline_kv_dtypes),
-                    " ".join(row.candidate_kv_dtypes)])
+                    _blank(row.ratio), _blank(row.ci_low), _blank(row.ci_high), row.verdict, row.note or "",
+                    row.reason or "", row.total_delta_ns, _blank(row.delta_share),
+                    " ".join(row.baseline_kv_dtypes), " ".join(row.candidate_kv_dtypes)])
     return buffer.getvalue()
 
 
