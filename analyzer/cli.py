@@ -62,6 +62,9 @@ def write_atomic(path: Path, text: str) -> None:
     try:
         with os.fdopen(fd, "w") as handle:
             handle.write(text)
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)  # mkstemp creates 0600; a report is as readable as any other file
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -103,8 +106,9 @@ def parse_gate(values: tuple[str, ...]) -> list[str | None]:
 
 
 def _trace_argument(name: str):
-    # Existence and type are checked by the loader, so that every bad input gets the same one-line error.
-    return click.argument(name, type=click.Path(path_type=Path))
+    # Existence, type and readability are checked by the loader, so that every bad input gets the same
+    # one-line error (click's own checks print a usage block).
+    return click.argument(name, type=click.Path(path_type=Path, exists=False, readable=False))
 
 
 @click.command()

@@ -14,6 +14,7 @@ import sqlite3
 import struct
 import subprocess
 import tempfile
+from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import quote
@@ -78,11 +79,11 @@ class Trace:
 
     def runtime(self) -> pl.DataFrame:
         """CUDA runtime/driver calls that launched kernels: start, end, global_tid, correlation_id, api."""
-        with _connect(self._path) as conn:
+        with _reading(Path(self.info.source)), closing(_connect(self._path)) as conn:
             if not _has_table(conn, RUNTIME_TABLE):
                 return pl.DataFrame(schema={"start": pl.Int64, "end": pl.Int64, "global_tid": pl.Int64,
                                             "correlation_id": pl.Int64, "api": pl.Utf8})
-        return _read_arrow(self._path, f"""
+            return _read_arrow(self._path, f"""
             SELECT r.start, r."end", r.globalTid AS global_tid, r.correlationId AS correlation_id,
                    s.value AS api
             FROM {RUNTIME_TABLE} r LEFT JOIN StringIds s ON s.id = r.nameId
@@ -90,14 +91,14 @@ class Trace:
 
     def nvtx_ranges(self) -> pl.DataFrame:
         """Closed NVTX ranges that ended on their own thread: start, end, global_tid, name (domain-prefixed)."""
-        with _connect(self._path) as conn:
+        with _reading(Path(self.info.source)), closing(_connect(self._path)) as conn:
             if not _has_table(conn, NVTX_TABLE):
                 return pl.DataFrame(schema={"start": pl.Int64, "end": pl.Int64, "global_tid": pl.Int64,
                                             "name": pl.Utf8})
-        types = ",".join(map(str, NVTX_RANGE_TYPES))
-        # A range that ends on another thread (endGlobalTid set) cannot be tied to launches; nsys's own
-        # projection reports drop it too (nvtx_gpu_proj_trace.py).
-        return _read_arrow(self._path, f"""
+            types = ",".join(map(str, NVTX_RANGE_TYPES))
+            # A range that ends on another thread (endGlobalTid set) cannot be tied to launches; nsys's own
+            # projection reports drop it too (nvtx_gpu_proj_trace.py).
+            return _read_arrow(self._path, f"""
             SELECT e.start, e."end", e.globalTid AS global_tid,
                    CASE WHEN d.text IS NULL THEN COALESCE(s.value, e.text)
                         ELSE d.text || ':' || COALESCE(s.value, e.text) END AS name
@@ -120,11 +121,25 @@ def open_trace(path: str | os.PathLike, *, nsys: str | None = None) -> Trace:
             raise KvtraceError(f"{source} is not an SQLite file: pass an Nsight Systems export (.sqlite from "
                                "`nsys export --type sqlite`) or an .nsys-rep report")
     _check_sqlite_size(sqlite_path)
-    with _connect(sqlite_path) as conn:
-        _check_export(conn, source if sqlite_path == source else Path(f"{source} (exported as {sqlite_path})"))
-        info = _trace_info(conn, source, sqlite_path)
-        names = _kernel_names(conn)
-    return Trace(info=info, kernels=read_kernels(sqlite_path), names=names, _path=sqlite_path)
+    with _reading(source):
+        with closing(_connect(sqlite_path)) as conn:
+            _check_export(conn, source if sqlite_path == source else Path(f"{source} (exported as {sqlite_path})"))
+            info = _trace_info(conn, source, sqlite_path)
+            names = _kernel_names(conn)
+        kernels = read_kernels(sqlite_path)
+    return Trace(info=info, kernels=kernels, names=names, _path=sqlite_path)
+
+
+@contextmanager
+def _reading(source: Path):
+    """A page that validation did not touch can still be damaged: report it like any other bad input."""
+    import adbc_driver_manager
+
+    try:
+        yield
+    except (sqlite3.Error, UnicodeDecodeError, adbc_driver_manager.Error) as error:
+        detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise KvtraceError(f"{source} is damaged ({detail}): copy or export it again") from None
 
 
 def read_kernels(sqlite_path: Path) -> pl.DataFrame:
@@ -182,6 +197,8 @@ def export_report(report: Path, *, nsys: str | None = None) -> Path:
 def _find_nsys(explicit: str | None) -> str:
     import shutil
 
+    if explicit and not os.access(explicit, os.X_OK):
+        raise KvtraceError(f"--nsys {explicit} is not an executable file: point it at the nsys binary")
     for candidate in (explicit, os.environ.get("NSYS"), shutil.which("nsys")):
         if candidate and os.access(candidate, os.X_OK):
             return candidate

@@ -33,13 +33,15 @@ class FlashInferSpec:
     def validate(self) -> None:
         if not self.contexts or min(self.contexts) < 1:
             raise KvtraceError("--context needs positive token counts, e.g. --context 2048,8192")
+        # Positivity first: --kv-heads 0 would otherwise reach the modulo below (ZeroDivisionError).
+        for name in ("batch", "q_heads", "kv_heads", "head_dim", "page_size", "prefill_calls", "decode_calls",
+                     "append_calls", "gemm_calls"):
+            if getattr(self, name) < 1:
+                raise KvtraceError(f"--{name.replace('_', '-')} must be at least 1")
         if self.head_dim % 16:
             raise KvtraceError(f"--head-dim {self.head_dim} is not a multiple of 16, which NVFP4 blocks need")
         if self.q_heads % self.kv_heads:
             raise KvtraceError(f"--q-heads {self.q_heads} is not a multiple of --kv-heads {self.kv_heads}")
-        for name in ("batch", "page_size", "prefill_calls", "decode_calls", "append_calls", "gemm_calls"):
-            if getattr(self, name) < 1:
-                raise KvtraceError(f"--{name.replace('_', '-')} must be at least 1")
 
     def workload_args(self) -> list[str]:
         return ["--contexts", ",".join(map(str, self.contexts)), "--batch", str(self.batch),
@@ -79,6 +81,8 @@ def capture(out: Path, spec: FlashInferSpec, *, arms: tuple[str, ...] = ARMS, fo
     unknown = set(arms) - set(ARMS)
     if unknown:
         raise KvtraceError(f"unknown arm(s) {', '.join(sorted(unknown))}: choose from {', '.join(ARMS)}")
+    if not arms or len(set(arms)) != len(arms):
+        raise KvtraceError(f"--arms needs one or more distinct arms from {', '.join(ARMS)}, got {','.join(arms)!r}")
     nsys_path = runner.find_nsys(nsys)
     preflight(arms)
     runner.prepare_run_dir(out, force)

@@ -33,6 +33,8 @@ _NSYS_GLOBS = (
 
 
 def find_nsys(explicit: str | None = None) -> str:
+    if explicit and not os.access(explicit, os.X_OK):
+        raise KvtraceError(f"--nsys {explicit} is not an executable file: point it at the nsys binary")
     candidates = [explicit, os.environ.get("NSYS"), shutil.which("nsys")]
     candidates += sorted((p for g in _NSYS_GLOBS for p in glob.glob(g)), reverse=True)
     for candidate in candidates:
@@ -73,19 +75,43 @@ def export_sqlite(nsys: str, report: Path, sqlite_path: Path, log) -> None:
 
 def write_json_atomic(path: Path, data: dict) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as handle:
-        json.dump(data, handle, indent=2, sort_keys=False)
-        handle.write("\n")
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            json.dump(data, handle, indent=2, sort_keys=False)
+            handle.write("\n")
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; a manifest is as readable as any output
+        os.replace(tmp, path)
+    except BaseException:
+        # Nothing half-written stays behind: neither the temporary file nor a truncated target.
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _is_kvtrace_run(out: Path) -> bool:
+    """A folder with a manifest.json that kvtrace wrote (not merely any manifest.json)."""
+    try:
+        data = json.loads((out / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and "kvtrace_manifest" in data
 
 
 def prepare_run_dir(out: Path, force: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise KvtraceError(f"--out {out} is a file, not a directory: choose another --out")
     if out.exists() and any(out.iterdir()):
+        # Checked before --force, so that the message never suggests a --force that would be refused.
+        if not _is_kvtrace_run(out):
+            raise KvtraceError(f"{out} is not empty and has no kvtrace {MANIFEST}: kvtrace replaces only its own "
+                               "run directories, choose another --out")
         if not force:
             raise KvtraceError(f"{out} already holds a run: pass --force to replace it, or choose another --out")
-        if not (out / MANIFEST).exists():
-            raise KvtraceError(f"{out} is not empty and has no {MANIFEST}: kvtrace replaces only its own "
-                               "run directories, choose another --out")
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -154,7 +180,6 @@ def run_arm(name: str, out: Path, nsys: str, workload: list[str], *, env: dict |
                                        f"run QdstrmImporter -i {raw.name} from the same Nsight Systems "
                                        "version, then nsys export --type sqlite")
                 raise RuntimeError("nsys wrote no report: did the workload call cudaProfilerStart?")
-            arm.report = report.name
             export_sqlite(nsys, report, sqlite_path, log)
             arm.commands.append([nsys, "export", "--type=sqlite", f"--output={sqlite_path.name}", report.name])
             arm.sqlite = sqlite_path.name
@@ -162,8 +187,14 @@ def run_arm(name: str, out: Path, nsys: str, workload: list[str], *, env: dict |
         except (OSError, RuntimeError) as failure:
             arm.status, arm.error = "failed", f"{failure} (see {arm.log})"
     arm.seconds = round(time.monotonic() - started, 1)
+    if report.exists():
+        arm.report = report.name  # kept even when a later step failed: it may still open in the GUI
     if workload_result is not None and workload_result.exists():
-        arm.workload = json.loads(workload_result.read_text())
+        try:
+            arm.workload = json.loads(workload_result.read_text())
+        except ValueError as error:
+            arm.status = "failed"
+            arm.error = (arm.error + "; " if arm.error else "") + f"{workload_result.name} is not valid JSON ({error})"
     return arm
 
 

@@ -53,8 +53,12 @@ def main(argv: list[str] | None = None) -> None:
     except click.exceptions.Abort:
         click.echo("kvtrace: aborted", err=True)
         sys.exit(130)
+    except click.UsageError as error:
+        command = error.ctx.command_path if error.ctx else "kvtrace"
+        click.echo(f"kvtrace: error: {error.format_message()} (see `{command} --help`)", err=True)
+        sys.exit(2)
     except click.ClickException as error:
-        error.show()
+        click.echo(f"kvtrace: error: {error.format_message()}", err=True)
         sys.exit(error.exit_code)
     except click.exceptions.Exit as done:
         sys.exit(done.exit_code)

@@ -1,0 +1,135 @@
+"""Shared test fixtures: the real Nsight Systems exports, a CLI runner, and the nsys 2023.4.4 CLI.
+
+Behaviour tests use the real H200 exports under fixtures/ (see fixtures/README.md) and the real bad-input
+artefacts under fixtures/bad/ (see fixtures/bad/README.md). Bad inputs that have no real counterpart are
+built per test in tmp_path from the real exports, and their names say "synthetic".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = REPO / "fixtures"
+NSYS2025_DIR = FIXTURES / "fi-h200-sm90"  # Nsight Systems 2025.3.2, export schema 3.20.3
+NSYS2023_DIR = FIXTURES / "fi-h200-sm90-nsys2023"  # Nsight Systems 2023.4.4, export schema 3.7.2
+BAD_DIR = FIXTURES / "bad"
+
+
+def _discover_real_exports(suffix: str) -> dict[str, Path]:
+    """Every real recording under fixtures/<run>/ (fixtures/bad/ holds rejects), keyed "<run>/<name>"."""
+    return {f"{p.parent.name}/{p.name}": p for p in sorted(FIXTURES.glob(f"*/*{suffix}")) if p.parent != BAD_DIR}
+
+
+# Every real export shipped for behaviour tests (the two runs above and any later recording, such as
+# fi-h200-sm90-repeat), as id -> path.
+REAL_SQLITE = _discover_real_exports(".sqlite")
+REAL_REPORTS = _discover_real_exports(".nsys-rep")
+# The smallest real export: the "good" arm of diffs whose other arm is bad.
+GOOD_SQLITE = NSYS2023_DIR / "fp8.sqlite"
+
+NSYS_WANTED = "2023.4.4"
+NSYS_FALLBACK = Path("/tmp/nsys-cli/nsys")  # where shared/ci/install-nsys-cli.sh puts it by default
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def fingerprint(path: Path) -> tuple[str, int, int]:
+    """Bytes, size and mtime (ns): what "the loader never writes to its input" must leave unchanged."""
+    stat = Path(path).stat()
+    return sha256(path), stat.st_size, stat.st_mtime_ns
+
+
+@pytest.fixture(params=sorted(REAL_SQLITE), ids=sorted(REAL_SQLITE))
+def real_sqlite(request) -> Path:
+    """Each real fixture export in turn."""
+    return REAL_SQLITE[request.param]
+
+
+@pytest.fixture
+def good_sqlite() -> Path:
+    return GOOD_SQLITE
+
+
+@pytest.fixture
+def cache_dir(tmp_path) -> Path:
+    """KVTRACE_CACHE_DIR for one test, so no test writes .nsys-rep exports into ~/.cache."""
+    path = tmp_path / "kvtrace-cache"
+    path.mkdir()
+    return path
+
+
+@pytest.fixture
+def run_kvtrace(cache_dir, tmp_path):
+    """run_kvtrace(*args, env=None, cwd=None, preexec_fn=None) -> (exit code, stdout, stderr).
+
+    Runs the real CLI in a subprocess (`python -m kvtrace`), from tmp_path, with KVTRACE_CACHE_DIR pointing
+    at this test's cache folder unless env overrides it.
+    """
+
+    def run(*args, env: dict | None = None, cwd: Path | None = None, preexec_fn=None, timeout: float = 600):
+        full_env = dict(os.environ)
+        full_env["KVTRACE_CACHE_DIR"] = str(cache_dir)
+        full_env.pop("COLUMNS", None)
+        for key, value in (env or {}).items():
+            if value is None:
+                full_env.pop(key, None)
+            else:
+                full_env[key] = value
+        result = subprocess.run([sys.executable, "-m", "kvtrace", *map(str, args)], capture_output=True,
+                                text=True, env=full_env, cwd=cwd or tmp_path, preexec_fn=preexec_fn,
+                                timeout=timeout, check=False)
+        return result.returncode, result.stdout, result.stderr
+
+    return run
+
+
+def _nsys_version(candidate: str) -> str | None:
+    try:
+        result = subprocess.run([candidate, "--version"], capture_output=True, text=True, timeout=120, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return result.stdout.strip() if result.returncode == 0 else None
+
+
+def find_nsys() -> tuple[str | None, list[str]]:
+    """The first nsys 2023.4.4 among $NSYS, PATH and /tmp/nsys-cli/nsys; and what was tried."""
+    tried, seen = [], set()
+    for candidate in (os.environ.get("NSYS"), shutil.which("nsys"), str(NSYS_FALLBACK)):
+        if not candidate or candidate in seen:
+            continue
+        seen.add(candidate)
+        if not os.access(candidate, os.X_OK):
+            tried.append(f"{candidate} (not executable)")
+            continue
+        version = _nsys_version(candidate)
+        if version and NSYS_WANTED in version:
+            return candidate, tried
+        tried.append(f"{candidate} ({version or 'no version'})")
+    return None, tried
+
+
+@pytest.fixture(scope="session")
+def nsys() -> str:
+    """Path of the Nsight Systems 2023.4.4 CLI.
+
+    CI installs it (shared/ci/install-nsys-cli.sh), so there a missing nsys FAILS the test; locally the
+    test is skipped.
+    """
+    path, tried = find_nsys()
+    if path:
+        return path
+    message = (f"Nsight Systems {NSYS_WANTED} CLI not found (tried $NSYS, PATH, {NSYS_FALLBACK}: "
+               f"{', '.join(tried) or 'nothing there'}); install it with shared/ci/install-nsys-cli.sh")
+    if os.environ.get("CI"):
+        pytest.fail(message)
+    pytest.skip(message)

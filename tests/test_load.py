@@ -1,0 +1,292 @@
+"""Loader (analyzer/load.py) on the real H200 exports, checked against SQL run here with sqlite3.
+
+Covers: both export schemas (Nsight Systems 2023.4 / schema 3.7.x and 2025.3 / schema 3.20.x) load;
+TraceInfo fields; kernel rows and durations; NVTX ranges and runtime rows; inputs are never written; and
+.nsys-rep input exported through the real nsys 2023.4.4 into the cache, including the failure on a 2025.3
+report (ProtobufParseException), which must leave no partial SQLite anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sqlite3
+import subprocess
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from conftest import BAD_DIR, NSYS2023_DIR, NSYS2025_DIR, REAL_SQLITE, fingerprint
+from kvtrace.analyzer.load import KERNEL_TABLE, open_trace
+
+# Nsight Systems release -> export schema it writes (META_DATA_EXPORT).
+SCHEMA_OF_PRODUCT = {"2023.4.": "3.7.", "2025.3.": "3.20."}
+
+
+def own_sql(path: Path, query: str, *params) -> list[tuple]:
+    """Independent read of an export: plain sqlite3, read-only, immutable (no journal, no lock)."""
+    conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro&immutable=1", uri=True)
+    try:
+        return conn.execute(query, params).fetchall()
+    finally:
+        conn.close()
+
+
+def listing(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+def files_under(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if not p.is_dir())
+
+
+# ---- .sqlite exports, both schema versions -----------------------------------------------------------
+
+def test_fixtures_cover_both_schema_versions():
+    assert NSYS2023_DIR / "fp8.sqlite" in REAL_SQLITE.values()
+    assert NSYS2025_DIR / "fp8.sqlite" in REAL_SQLITE.values()
+    versions = {open_trace(p).info.schema_version.rsplit(".", 1)[0] for p in REAL_SQLITE.values()}
+    assert {"3.7", "3.20"} <= versions
+
+
+def test_trace_info_matches_export(real_sqlite):
+    path = real_sqlite
+    info = open_trace(path).info
+    product_prefix = next((p for p in SCHEMA_OF_PRODUCT if (info.product_version or "").startswith(p)), None)
+    assert product_prefix, f"{path}: unexpected Nsight Systems {info.product_version}"
+    schema_prefix = SCHEMA_OF_PRODUCT[product_prefix]
+    if path.parent == NSYS2023_DIR:
+        assert product_prefix == "2023.4."
+    if path.parent == NSYS2025_DIR:
+        assert product_prefix == "2025.3."
+    meta = dict(own_sql(path, "SELECT name, value FROM META_DATA_EXPORT"))
+
+    assert info.source == str(path) and info.sqlite == str(path)
+    assert info.product_version == meta["EXPORT_PRODUCT_VERSION"]
+    assert info.product_version.startswith(product_prefix)
+    assert info.schema_version == meta["EXPORT_SCHEMA_VERSION"]
+    assert info.schema_version.startswith(schema_prefix)
+
+    assert len(info.gpus) == 1
+    gpu = info.gpus[0]
+    assert "H200" in gpu.name
+    assert gpu.sm_count == 132
+    assert gpu.compute_capability == "9.0"
+    assert info.gpu_label == gpu.name
+    assert info.graph_trace_mode == "Node"
+
+    [(count, first, last)] = own_sql(path, f'SELECT count(*), min(start), max("end") FROM {KERNEL_TABLE}')
+    assert count > 0
+    assert info.kernel_count == count
+    assert (info.first_kernel_ns, info.last_kernel_ns) == (first, last)
+    assert info.kernel_span_ns == last - first
+
+
+def test_kernel_rows_and_durations_match_sql(real_sqlite):
+    trace = open_trace(real_sqlite)
+    rows = own_sql(real_sqlite, f"""
+        SELECT k.start, k."end" - k.start, k.correlationId, k.deviceId, k.streamId, d.value, s.value,
+               k.gridX, k.gridY, k.gridZ, k.blockX, k.blockY, k.blockZ
+        FROM {KERNEL_TABLE} k JOIN StringIds d ON d.id = k.demangledName JOIN StringIds s ON s.id = k.shortName""")
+    columns = ["start", "duration", "correlation_id", "device_id", "stream_id", "demangled", "short",
+               "grid_x", "grid_y", "grid_z", "block_x", "block_y", "block_z"]
+    expected = pl.DataFrame(rows, schema=columns, orient="row", infer_schema_length=None)
+
+    names = trace.names
+    got = (trace.kernels
+           .join(names.rename({"id": "name_id", "value": "demangled"}), on="name_id", how="left")
+           .join(names.rename({"id": "short_id", "value": "short"}), on="short_id", how="left")
+           .select(columns)
+           .with_columns(pl.col(c).cast(pl.Int64) for c in columns if c not in ("demangled", "short")))
+    assert got.height == trace.info.kernel_count == len(rows)
+    assert got["demangled"].null_count() == 0 and got["short"].null_count() == 0
+    key = ["start", "correlation_id", "device_id", "stream_id"]
+    assert got.sort(key).equals(expected.sort(key))
+    assert (got["duration"] > 0).all()
+    # The frame is ordered by start, as the loader promises.
+    assert trace.kernels["start"].is_sorted()
+
+
+def test_runtime_rows_load(real_sqlite):
+    runtime = open_trace(real_sqlite).runtime()
+    rows = own_sql(real_sqlite, f"""
+        SELECT r.correlationId, r.start, r."end", s.value FROM CUPTI_ACTIVITY_KIND_RUNTIME r
+        JOIN StringIds s ON s.id = r.nameId
+        WHERE r.correlationId IN (SELECT correlationId FROM {KERNEL_TABLE})""")
+    assert runtime.columns == ["start", "end", "global_tid", "correlation_id", "api"]
+    assert runtime.height == len(rows) > 0
+    assert sorted(zip(runtime["correlation_id"], runtime["start"], runtime["end"], runtime["api"])) == sorted(rows)
+    # Every API row that launched a kernel is a launch call.
+    assert all("Launch" in api for api in runtime["api"].unique())
+
+
+def test_nvtx_ranges_load(real_sqlite):
+    ranges = open_trace(real_sqlite).nvtx_ranges()
+    # Independent: closed push/pop and start/end ranges that ended on their own thread; the fixtures use
+    # the default domain (domainId 0), so the name is the range text itself.
+    rows = own_sql(real_sqlite, """
+        SELECT e.start, e."end", COALESCE(s.value, e.text) FROM NVTX_EVENTS e
+        LEFT JOIN StringIds s ON s.id = e.textId
+        WHERE e.eventType IN (59, 60, 70, 71) AND e."end" IS NOT NULL AND e.endGlobalTid IS NULL""")
+    assert ranges.columns == ["start", "end", "global_tid", "name"]
+    assert ranges.height == len(rows) > 0
+    assert sorted(zip(ranges["start"], ranges["end"], ranges["name"])) == sorted(rows)
+    phases = {name.split(" ")[0] for name in ranges["name"]}
+    assert {"kvtrace:prefill", "kvtrace:decode", "kvtrace:append", "kvtrace:gemm"} <= phases
+
+
+# ---- read-only -------------------------------------------------------------------------------------------
+
+def test_loading_never_writes_to_the_input(real_sqlite, run_kvtrace):
+    """The committed fixture itself: same bytes and mtime, and no -journal/-wal/-shm beside it."""
+    before, folder_before = fingerprint(real_sqlite), listing(real_sqlite.parent)
+    trace = open_trace(real_sqlite)
+    trace.runtime()
+    trace.nvtx_ranges()
+    code, out, err = run_kvtrace("summary", real_sqlite, "--format", "json")
+    assert code == 0, err
+    assert json.loads(out)["arm"]["info"]["kernel_count"] == trace.info.kernel_count
+    assert fingerprint(real_sqlite) == before
+    assert listing(real_sqlite.parent) == folder_before
+    assert not [n for n in listing(real_sqlite.parent) if n.endswith(("-journal", "-wal", "-shm"))]
+
+
+def test_read_only_copy_loads_and_stays_unchanged(real_sqlite, tmp_path, run_kvtrace):
+    """A copy with mode 0444 in a folder of its own: loads, and nothing is created next to it."""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    copy = folder / real_sqlite.name
+    shutil.copy2(real_sqlite, copy)
+    copy.chmod(0o444)
+    before = fingerprint(copy)
+    code, out, err = run_kvtrace("diff", copy, copy, "--format", "json", "--label", "a", "--label", "b")
+    assert code == 0, err
+    assert json.loads(out)["baseline"]["info"]["sqlite"] == str(copy)
+    assert open_trace(copy).info.kernel_count > 0
+    assert fingerprint(copy) == before
+    assert listing(folder) == [copy.name]
+
+
+# ---- .nsys-rep ---------------------------------------------------------------------------------------
+
+def _kernel_totals(kernels_json: str) -> dict[str, tuple[int, int]]:
+    rows = json.loads(kernels_json)["rows"]
+    return {row["demangled"]: (row["calls"], row["total_ns"]) for row in rows}
+
+
+@pytest.mark.parametrize("name", ["fp8", "nvfp4"])
+def test_nsys_rep_2023_exports_through_nsys_into_cache(name, nsys, tmp_path, cache_dir, run_kvtrace, monkeypatch):
+    """A 2023.4 report alone in its folder (no sibling .sqlite): exported by the real nsys into the cache."""
+    report_src = NSYS2023_DIR / f"{name}.nsys-rep"
+    folder = tmp_path / "in"
+    folder.mkdir()
+    report = folder / report_src.name
+    shutil.copy2(report_src, report)
+    before = fingerprint(report)
+
+    code, out, err = run_kvtrace("kernels", report, "--format", "json", env={"NSYS": nsys})
+    assert code == 0, err
+    info = json.loads(out)["arm"]["info"]
+    exported = Path(info["sqlite"])
+    assert info["source"] == str(report)
+    assert exported.parent == cache_dir / "exports"
+    assert info["product_version"].startswith("2023.4.4")
+    # Only the complete export is left in the cache: no hidden temporary/partial files.
+    assert files_under(cache_dir) == [exported]
+    # Nothing written beside the report, and the report itself untouched.
+    assert listing(folder) == [report.name]
+    assert fingerprint(report) == before
+
+    # Same kernel totals as the committed .sqlite export of the same report.
+    code, committed_out, err = run_kvtrace("kernels", NSYS2023_DIR / f"{name}.sqlite", "--format", "json")
+    assert code == 0, err
+    assert _kernel_totals(out) == _kernel_totals(committed_out)
+    assert info["kernel_count"] == json.loads(committed_out)["arm"]["info"]["kernel_count"]
+
+    # Second load reuses the cached export (same path, no new files).
+    code, again, err = run_kvtrace("kernels", report, "--format", "json", env={"NSYS": nsys})
+    assert code == 0, err
+    assert json.loads(again)["arm"]["info"]["sqlite"] == str(exported)
+    assert files_under(cache_dir) == [exported]
+
+    # In-process: identical per-launch rows to the committed export.
+    monkeypatch.setenv("KVTRACE_CACHE_DIR", str(cache_dir))
+    from_report = open_trace(report, nsys=nsys)
+    from_sqlite = open_trace(NSYS2023_DIR / f"{name}.sqlite")
+
+    def rows(trace):
+        named = trace.kernels.join(trace.names.rename({"id": "name_id", "value": "demangled"}), on="name_id")
+        return named.select("start", "duration", "correlation_id", "demangled").sort("start", "correlation_id")
+
+    assert rows(from_report).equals(rows(from_sqlite))
+
+
+@pytest.mark.parametrize("name", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("command", ["summary", "diff"])
+def test_nsys_rep_2025_with_nsys2023_is_one_line_and_leaves_nothing(name, command, nsys, tmp_path, cache_dir,
+                                                                     run_kvtrace, good_sqlite):
+    """nsys 2023.4.4 cannot parse a 2025.3 report (ProtobufParseException, exit 1, partial SQLite):
+    kvtrace explains it in one line, exits 2, and removes the partial export."""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    report = folder / f"{name}-nsys2025.3.nsys-rep"
+    shutil.copy2(NSYS2025_DIR / f"{name}.nsys-rep", report)
+    before = fingerprint(report)
+    args = ["summary", report] if command == "summary" else ["diff", report, good_sqlite]
+
+    code, out, err = run_kvtrace(*args, env={"NSYS": nsys})
+    assert code == 2
+    assert out == ""
+    assert "Traceback" not in err
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    line = lines[0]
+    assert line.startswith("kvtrace: error: ")
+    assert str(report) in line
+    assert "2023.4.4" in line  # which nsys failed
+    assert "newer Nsight Systems" in line  # why: the report is from a newer version
+    assert "nsys export --type sqlite" in line and "NSYS" in line  # what to do
+    # No partial SQLite anywhere: not in the cache, not beside the report.
+    assert files_under(cache_dir) == []
+    assert listing(folder) == [report.name]
+    assert fingerprint(report) == before
+
+
+def test_committed_partial_export_is_what_nsys2023_writes(nsys, tmp_path):
+    """fixtures/bad/partial-export-nsys2023-of-2025.3.sqlite is the real thing: re-running the same export
+    today fails the same way and leaves a file with the same tables (StringIds, ProcessStreams)."""
+    report = tmp_path / "nvfp4-nsys2025.3.nsys-rep"
+    shutil.copy2(NSYS2025_DIR / "nvfp4.nsys-rep", report)
+    output = tmp_path / "partial.sqlite"
+    result = subprocess.run([nsys, "export", "--type=sqlite", f"--output={output}", str(report)],
+                            capture_output=True, text=True, timeout=600, check=False)
+    assert result.returncode != 0
+    assert "ProtobufParseException" in result.stdout + result.stderr
+    assert output.exists(), "nsys 2023.4.4 no longer leaves a partial export: update fixtures/bad/README.md"
+
+    def tables(path):
+        return sorted(n for (n,) in own_sql(path, "SELECT name FROM sqlite_master WHERE type = 'table'"))
+
+    committed = BAD_DIR / "partial-export-nsys2023-of-2025.3.sqlite"
+    assert tables(output) == tables(committed) == ["ProcessStreams", "StringIds"]
+
+
+def test_nsys_rep_with_newer_sibling_sqlite_uses_it_without_nsys(tmp_path, run_kvtrace):
+    """A sibling <report>.sqlite newer than the report is used as is (as `nsys recipe` does), so a 2025.3
+    report works with no nsys at all when its export sits beside it."""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    report, sibling = folder / "fp8.nsys-rep", folder / "fp8.sqlite"
+    shutil.copy2(NSYS2025_DIR / "fp8.nsys-rep", report)
+    shutil.copy2(NSYS2025_DIR / "fp8.sqlite", sibling)
+    stamp = report.stat().st_mtime_ns
+    os.utime(sibling, ns=(stamp + 10**9, stamp + 10**9))
+    code, out, err = run_kvtrace("summary", report, "--format", "json",
+                                 env={"NSYS": str(tmp_path / "no-nsys-here"), "PATH": os.defpath})
+    assert code == 0, err
+    info = json.loads(out)["arm"]["info"]
+    assert info["sqlite"] == str(sibling)
+    assert info["product_version"].startswith("2025.3")
+    assert listing(folder) == ["fp8.nsys-rep", "fp8.sqlite"]
