@@ -21,7 +21,9 @@ demo: install
 	mkdir -p $(OUT)
 	kvtrace diff $(DEMO)/fp8.sqlite $(DEMO)/nvfp4.sqlite --format markdown -o $(OUT)/demo-diff.md
 	kvtrace diff $(DEMO)/fp8.sqlite $(DEMO)/nvfp4.sqlite --format json -o $(OUT)/demo-diff.json
+	kvtrace report $(DEMO) --format markdown -o $(OUT)/demo-report.md --plots $(OUT)/plots
 	@echo "markdown report: $(OUT)/demo-diff.md, JSON: $(OUT)/demo-diff.json"
+	@echo "serving report with plots: $(OUT)/demo-report.md ($(OUT)/plots/)"
 
 test: install-dev
 	@if [ -n "$(NSYS_INSTALLER)" ]; then export NSYS=$$(bash $(NSYS_INSTALLER)); fi; \
@@ -29,3 +31,5 @@ test: install-dev
 
 docs: install
 	$(PYTHON) -m kvtrace.docs > docs/cli.md
+
+include capture/capture.mk

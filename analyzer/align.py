@@ -24,7 +24,7 @@ MAX_DEPTH = 16
 # execute_context_{nCtxReqs}({nCtxTokens})_generation_{nGenReqs}({nGenTokens}); the detailed form puts
 # sq/sk lists in the parentheses instead of a token count.
 VLLM_STEP = re.compile(r"execute_(?:\d+_)?context_(\d+)\(([^)]*)\)_generation_(\d+)\(([^)]*)\)")
-PREFILL, DECODE, MIXED = "prefill", "decode", "mixed"
+PREFILL, DECODE, MIXED, IDLE = "prefill", "decode", "mixed", "idle"
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,8 @@ def parse_time_window(text: str) -> tuple[int | None, int | None]:
 
 
 def enclosing_ranges(trace: Trace) -> pl.DataFrame:
-    """Per kernel row (kernel_row), the names of its enclosing NVTX ranges, outermost first (list column)."""
+    """Per kernel row (kernel_row), its enclosing NVTX ranges, outermost first: names (`ranges`) and start
+    times (`range_starts`, which tell two ranges of the same name apart)."""
     kernels = trace.kernels.with_row_index("kernel_row").select("kernel_row", "correlation_id", "global_pid")
     runtime = trace.runtime().with_columns((pl.col("global_tid") & PROCESS_MASK).alias("global_pid"))
     launches = kernels.join(runtime.select("correlation_id", "global_pid", "global_tid", "start", "end"),
@@ -95,12 +96,13 @@ def enclosing_ranges(trace: Trace) -> pl.DataFrame:
                           left_on="start", right_on="range_start", by="global_tid", strategy="backward",
                           check_sortedness=False)
                .filter(pl.col("range_end") >= pl.col("end"))
-               .select("kernel_row", pl.lit(depth).alias("depth"), "name"))
+               .select("kernel_row", pl.lit(depth).alias("depth"), "name", "range_start"))
         found.append(hit)
     if not found:
-        return pl.DataFrame(schema={"kernel_row": pl.UInt32, "ranges": pl.List(pl.Utf8)})
+        return pl.DataFrame(schema={"kernel_row": pl.UInt32, "ranges": pl.List(pl.Utf8),
+                                    "range_starts": pl.List(pl.Int64)})
     return (pl.concat(found).sort("kernel_row", "depth").group_by("kernel_row", maintain_order=True)
-            .agg(pl.col("name").alias("ranges")))
+            .agg(pl.col("name").alias("ranges"), pl.col("range_start").alias("range_starts")))
 
 
 def _with_depth(ranges: pl.DataFrame) -> pl.DataFrame:
@@ -123,23 +125,24 @@ def _with_depth(ranges: pl.DataFrame) -> pl.DataFrame:
 
 
 def step_phases(trace: Trace) -> pl.DataFrame:
-    """kernel_row -> vLLM step kind and token counts, for kernels inside vLLM step ranges."""
-    ranges = enclosing_ranges(trace).explode("ranges").rename({"ranges": "name"})
+    """kernel_row -> vLLM step (name, start), kind and token counts, for kernels inside vLLM step ranges."""
+    ranges = enclosing_ranges(trace).explode("ranges", "range_starts").rename({"ranges": "name"})
     steps = ranges.with_columns(pl.col("name").str.extract_groups(VLLM_STEP.pattern).alias("m")).filter(
         pl.col("m").struct.field("1").is_not_null())
     if steps.height == 0:
-        return pl.DataFrame(schema={"kernel_row": pl.UInt32, "step": pl.Utf8, "phase": pl.Utf8,
-                                    "context_tokens": pl.Int64, "generation_tokens": pl.Int64})
+        return pl.DataFrame(schema={"kernel_row": pl.UInt32, "step": pl.Utf8, "step_start": pl.Int64,
+                                    "phase": pl.Utf8, "context_tokens": pl.Int64, "generation_tokens": pl.Int64})
     steps = steps.select(
-        "kernel_row", pl.col("name").alias("step"),
+        "kernel_row", pl.col("name").alias("step"), pl.col("range_starts").alias("step_start"),
         pl.col("m").struct.field("1").cast(pl.Int64).alias("context_requests"),
         pl.col("m").struct.field("2").cast(pl.Int64, strict=False).alias("context_tokens"),
         pl.col("m").struct.field("3").cast(pl.Int64).alias("generation_requests"),
         pl.col("m").struct.field("4").cast(pl.Int64, strict=False).alias("generation_tokens"))
-    phase = (pl.when(pl.col("generation_requests") == 0).then(pl.lit(PREFILL))
+    phase = (pl.when((pl.col("generation_requests") == 0) & (pl.col("context_requests") == 0)).then(pl.lit(IDLE))
+             .when(pl.col("generation_requests") == 0).then(pl.lit(PREFILL))
              .when(pl.col("context_requests") == 0).then(pl.lit(DECODE)).otherwise(pl.lit(MIXED)))
     return steps.with_columns(phase.alias("phase")).unique("kernel_row", keep="last").select(
-        "kernel_row", "step", "phase", "context_tokens", "generation_tokens")
+        "kernel_row", "step", "step_start", "phase", "context_tokens", "generation_tokens")
 
 
 def apply_window(trace: Trace, kernels: pl.DataFrame, window: Window) -> pl.DataFrame:

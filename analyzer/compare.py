@@ -221,7 +221,7 @@ def diff(baseline: Trace, candidate: Trace, recipes: RecipeSet, *, labels: tuple
     for segment in sorted(set(base_kernels["segment"]) | set(cand_kernels["segment"]), key=_segment_order):
         b = base_kernels.filter(pl.col("segment") == segment)
         c = cand_kernels.filter(pl.col("segment") == segment)
-        segments.append(context.row(b, c, _match_segment(b, c, family_matches)))
+        segments.append(context.row(b, c, _match_segment(b, c, lambda: _pooled(b, c, family_matches))))
     phases = []
     base_phased, cand_phased = _with_phase(base_kernels), _with_phase(cand_kernels)
     keys = set(base_phased.select("segment", "phase").drop_nulls().iter_rows()) | \
@@ -229,7 +229,7 @@ def diff(baseline: Trace, candidate: Trace, recipes: RecipeSet, *, labels: tuple
     for segment, phase in keys:
         b = base_phased.filter((pl.col("segment") == segment) & (pl.col("phase") == phase))
         c = cand_phased.filter((pl.col("segment") == segment) & (pl.col("phase") == phase))
-        row = context.row(b, c, _match_segment(b, c, {}) if b.height == c.height else align.match_family(b, c))
+        row = context.row(b, c, _match_segment(b, c, lambda: align.match_family(b, c)))
         row.phase = phase
         phases.append(row)
     for rows in (segments, families, phases):
@@ -255,34 +255,57 @@ def _with_phase(kernels: pl.DataFrame) -> pl.DataFrame:
     """`phase`: the innermost NVTX range, with vLLM's per-step ranges folded into their step kind."""
     step = pl.col("nvtx").str.extract_groups(align.VLLM_STEP.pattern)
     context_requests, generation_requests = step.struct.field("1").cast(pl.Int64), step.struct.field("3").cast(pl.Int64)
-    kind = (pl.when(generation_requests == 0).then(pl.lit(f"vLLM {align.PREFILL} steps"))
+    kind = (pl.when((generation_requests == 0) & (context_requests == 0)).then(pl.lit(f"vLLM {align.IDLE} steps"))
+            .when(generation_requests == 0).then(pl.lit(f"vLLM {align.PREFILL} steps"))
             .when(context_requests == 0).then(pl.lit(f"vLLM {align.DECODE} steps"))
             .otherwise(pl.lit(f"vLLM {align.MIXED} steps")))
     return kernels.with_columns(pl.when(context_requests.is_null()).then(pl.col("nvtx")).otherwise(kind).alias("phase"))
 
 
-def _match_segment(b: pl.DataFrame, c: pl.DataFrame, family_matches: dict) -> align.Match:
-    """A segment pairs all its calls when both arms made as many, even through different kernels (FP8 and
-    NVFP4 append kernels differ by name and grid); otherwise it pools the calls its families paired."""
-    if b.height and b.height == c.height:
-        match = align.Match(align.durations(b), align.durations(c), b.height, c.height, None, None)
-        families_b, families_c = set(b["family_label"]), set(c["family_label"])
-        if families_b != families_c:
-            match.note = (f"different kernels: {', '.join(sorted(families_b - families_c))} vs "
-                          f"{', '.join(sorted(families_c - families_b))}")
-        return match
-    keys = set(b["family"]) & set(c["family"]) if b.height and c.height else set()
-    paired = [family_matches[k] for k in sorted(keys) if family_matches[k].matched]
-    if not paired:
-        reason = (f"only in the {'candidate' if b.height == 0 else 'baseline'}" if not (b.height and c.height)
-                  else f"call counts differ ({b.height} vs {c.height}) and no kernel family pairs across arms")
+def _match_segment(b: pl.DataFrame, c: pl.DataFrame, fallback) -> align.Match:
+    """Pair a segment's calls NVTX range by range, even through different kernels (FP8 and NVFP4 append
+    kernels differ by name and grid; so do vLLM's BF16 and FP8 prefill kernels): the calls of a range pair
+    when both arms made as many there. Ranges with different counts are left out; when no range pairs,
+    `fallback()` decides (the families' own pairing)."""
+    if not (b.height and c.height):
         empty = np.zeros(0, dtype=np.int64)
-        return align.Match(empty, empty, b.height, c.height, None, reason)
+        return align.Match(empty, empty, b.height, c.height, None,
+                           f"only in the {'candidate' if b.height == 0 else 'baseline'}")
+    counts = (b.group_by("nvtx").len().join(c.group_by("nvtx").len(), on="nvtx", how="full", coalesce=True,
+                                            nulls_equal=True, suffix="_candidate")
+              .with_columns(pl.col("len", "len_candidate").fill_null(0)))
+    equal = counts.filter((pl.col("len") == pl.col("len_candidate")) & (pl.col("len") > 0))
+    if equal.height == 0:
+        return fallback()
+    ranges = equal.select("nvtx")
+    paired_b = b.join(ranges, on="nvtx", how="semi", nulls_equal=True)
+    paired_c = c.join(ranges, on="nvtx", how="semi", nulls_equal=True)
+    notes = []
+    families_b, families_c = set(paired_b["family_label"]), set(paired_c["family_label"])
+    if families_b != families_c:
+        notes.append(f"different kernels: {', '.join(sorted(families_b - families_c))} vs "
+                     f"{', '.join(sorted(families_c - families_b))}")
+    if equal.height < counts.height:
+        notes.append(f"paired the calls of {equal.height} NVTX range(s) both arms ran equally often; "
+                     f"{b.height - paired_b.height} baseline and {c.height - paired_c.height} candidate calls in "
+                     "other ranges left out")
+    return align.Match(align.durations(paired_b), align.durations(paired_c), b.height, c.height,
+                       "; ".join(notes) or None, None)
+
+
+def _pooled(b: pl.DataFrame, c: pl.DataFrame, family_matches: dict) -> align.Match:
+    """The calls a segment's families paired, pooled."""
+    paired = [family_matches[k] for k in sorted(set(b["family"]) & set(c["family"])) if family_matches[k].matched]
+    if not paired:
+        empty = np.zeros(0, dtype=np.int64)
+        return align.Match(empty, empty, b.height, c.height, None,
+                           f"no calls pair across arms ({b.height} vs {c.height} calls in different NVTX ranges "
+                           "or launch shapes)")
     compared = sum(len(m.baseline) for m in paired)
     return align.Match(np.concatenate([m.baseline for m in paired]), np.concatenate([m.candidate for m in paired]),
                        b.height, c.height,
-                       f"call counts differ ({b.height} vs {c.height}): compared the {compared} calls "
-                       f"that {len(paired)} kernel famil{'y' if len(paired) == 1 else 'ies'} paired", None)
+                       f"compared the {compared} calls that {len(paired)} kernel "
+                       f"famil{'y' if len(paired) == 1 else 'ies'} paired", None)
 
 
 @dataclass
@@ -334,9 +357,13 @@ def _window_findings(window: align.Window, families: list[DiffRow]) -> list[Find
     for r in realigned:
         findings.append(Finding("warning", "alignment", f"{r.family_label}: {r.note}; extra calls at the start "
                                 "are usually warm-up (--skip-warmup), missing calls at the end a truncated arm"))
-    unmatched = [r for r in families if r.reason and r.baseline_calls and r.candidate_calls]
-    for r in unmatched:
-        findings.append(Finding("warning", "alignment", f"{r.family_label}: not comparable, {r.reason}"))
+    unmatched = [r.family_label for r in families if r.reason and r.baseline_calls and r.candidate_calls]
+    if unmatched:
+        examples = ", ".join(unmatched[:3]) + (", …" if len(unmatched) > 3 else "")
+        findings.append(Finding("warning", "alignment", f"{len(unmatched)} kernel famil"
+                                f"{'y' if len(unmatched) == 1 else 'ies'} ran in both arms but in different NVTX "
+                                f"ranges or launch shapes, so no calls pair ({examples}); the notes under the "
+                                "tables say where"))
     return findings
 
 
@@ -346,17 +373,20 @@ def _step_findings(baseline: Trace, candidate: Trace, base_kernels: pl.DataFrame
     steps = []
     for trace, kernels in ((baseline, base_kernels), (candidate, cand_kernels)):
         phases = align.step_phases(trace).join(kernels.select("kernel_row"), on="kernel_row", how="semi")
-        steps.append(phases.unique("step").group_by("phase", "context_tokens", "generation_tokens").len()
-                     .sort(pl.all()))
-    if steps[0].height == 0 and steps[1].height == 0:
+        steps.append(phases.unique("step_start").sort("step_start")["step"].to_list())
+    if not steps[0] and not steps[1]:
         return []
-    summary = "; ".join(f"{arm.label}: " + ", ".join(f"{r['len']} {r['phase']} steps" for r in
-                                                       s.group_by("phase").agg(pl.col("len").sum()).sort("phase").to_dicts())
-                        for arm, s in ((base_arm, steps[0]), (cand_arm, steps[1])))
-    if steps[0].equals(steps[1]):
-        return [Finding("ok", "steps", f"vLLM steps with the same token counts in both arms ({summary})")]
-    return [Finding("warning", "steps", f"vLLM steps differ in kind or token counts ({summary}): compare "
-                    "per-call means only where the steps match, e.g. with --phase")]
+
+    def describe(arm: Arm, names: list[str]) -> str:
+        shown = ", ".join(names[:4]) + (f", … ({len(names)} steps)" if len(names) > 4 else "")
+        return f"{arm.label}: {shown or 'none'}"
+
+    if sorted(steps[0]) == sorted(steps[1]):
+        return [Finding("ok", "steps", f"both arms ran the same {len(steps[0])} vLLM steps (same requests and "
+                                       "token counts per step)")]
+    return [Finding("warning", "steps", f"the arms scheduled different vLLM steps ({describe(base_arm, steps[0])}; "
+                    f"{describe(cand_arm, steps[1])}): kernel times of different steps are not comparable, so "
+                    "only calls in identical steps pair; re-record so that both arms schedule the same batches")]
 
 
 def comparability(baseline: Arm, candidate: Arm) -> list[Finding]:

@@ -20,7 +20,9 @@ def _name_list(ctx, param, value: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in value.split(",") if part.strip())
 
 
-@click.group()
+# Set here too, not only on the top-level group: click caches each command's help option on first use, and
+# the group may be invoked on its own (tests, embedding).
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def capture() -> None:
     """Record matched FP8 / NVFP4 runs under Nsight Systems."""
 
@@ -60,4 +62,73 @@ def flashinfer(out, context, batch, q_heads, kv_heads, head_dim, page_size, pref
     for name, arm in manifest["arms"].items():
         click.echo(f"{name}: {arm['status']}" + (f" ({arm['error']})" if arm["error"] else f" -> {out / arm['sqlite']}"))
     if failed:
+        raise SystemExit(1)
+
+
+def _optional_int_list(ctx, param, value: str | None) -> tuple[int, ...] | None:
+    return None if value is None else _int_list(ctx, param, value)
+
+
+@capture.command("vllm")
+@click.option("--model", required=True, help="Model directory (with config.json) or Hugging Face model id.")
+@click.option("--scenario", type=click.Choice(["cold-prefill", "decode-heavy", "prefix-reuse", "sweep"]),
+              default="cold-prefill", show_default=True,
+              help="Traffic shape: cold prefill (1 output token, no prefix cache), decode-heavy, shared-prefix "
+                   "reuse, or a context x concurrency sweep up to the first arm's capacity.")
+@click.option("--out", type=click.Path(path_type=Path), default=None,
+              help="Run directory to create.  [default: runs/vllm-SCENARIO]")
+@click.option("--arms", default="fp8,nvfp4", show_default=True, callback=_name_list,
+              help="vLLM --kv-cache-dtype values, one run each.")
+@click.option("--mode", type=click.Choice(["serve", "offline"]), default="serve", show_default=True,
+              help="serve: vllm serve + vllm bench serve; offline: vLLM's LLM class, token-id prompts.")
+@click.option("--input-len", type=int, default=None, help="Prompt tokens (prefix-reuse: after the shared prefix).")
+@click.option("--output-len", type=int, default=None, help="Generated tokens per request (EOS ignored).")
+@click.option("--num-prompts", type=int, default=None, help="Requests (sweep: per point).")
+@click.option("--concurrency", type=int, default=None, help="Requests in flight.")
+@click.option("--prefix-len", type=int, default=None, help="prefix-reuse: shared prefix tokens.")
+@click.option("--num-prefixes", type=int, default=None, help="prefix-reuse: distinct shared prefixes.")
+@click.option("--trace-file", type=click.Path(), default=None,
+              help="prefix-reuse, serve: replay this timed_trace JSONL instead of prefix_repetition.")
+@click.option("--contexts", default=None, callback=_optional_int_list, help="sweep: prompt lengths, e.g. 1024,4096.")
+@click.option("--concurrencies", default=None, callback=_optional_int_list, help="sweep: concurrencies, e.g. 8,32,128.")
+@click.option("--seed", default=0, show_default=True, help="Seed of the prompts and of vLLM's sampling.")
+@click.option("--load-format", type=click.Choice(["auto", "dummy"]), default="auto", show_default=True,
+              help="dummy: random weights from config.json alone (no download).")
+@click.option("--host", default="127.0.0.1", show_default=True, help="serve: address the server binds.")
+@click.option("--port", default=8000, show_default=True, help="serve: port the server binds.")
+@click.option("--startup-timeout", default=1800.0, show_default=True, help="serve: seconds to wait for /health.")
+@click.option("--nsys", "nsys_path", default=None, help="nsys binary (default: $NSYS, PATH, known installs).")
+@click.option("--dry-run", is_flag=True, help="Print every arm's commands and exit; needs no GPU, vLLM or nsys.")
+@click.option("--force", is_flag=True, help="Replace an existing run directory.")
+@click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
+def vllm(model, scenario, out, arms, mode, input_len, output_len, num_prompts, concurrency, prefix_len, num_prefixes,
+         trace_file, contexts, concurrencies, seed, load_format, host, port, startup_timeout, nsys_path, dry_run,
+         force, vllm_args) -> None:
+    """Matched vLLM runs that differ only in --kv-cache-dtype, each traced by Nsight Systems.
+
+    Extra vLLM engine flags go after `--`, e.g. `-- --max-model-len 8192 --kv-cache-memory-bytes 20G`;
+    both arms get them. nvfp4 needs a Blackwell GPU (SM100); on Hopper use --arms auto,fp8. Writes, per
+    arm, ARM.nsys-rep, ARM.sqlite, ARM.log, ARM.manifest.json and (serve) bench results and /metrics
+    scrapes or (offline) ARM.workload.json, plus manifest.json for the run.
+    """
+    from kvtrace.capture import vllm_engine
+
+    workload = vllm_engine.Workload.for_scenario(
+        scenario, input_len=input_len, output_len=output_len, num_prompts=num_prompts, concurrency=concurrency,
+        prefix_len=prefix_len, num_prefixes=num_prefixes, trace_file=trace_file, contexts=contexts,
+        concurrencies=concurrencies, seed=seed)
+    cfg = vllm_engine.VllmCapture(model=model, workload=workload, arms=arms, mode=mode, load_format=load_format,
+                                  host=host, port=port, extra_args=tuple(vllm_args))
+    out = out or Path("runs") / f"vllm-{scenario}"
+    if dry_run:
+        click.echo(vllm_engine.dry_run(cfg, out, nsys=nsys_path), nl=False)
+        return
+    manifest = vllm_engine.capture(cfg, out, force=force, nsys=nsys_path, startup_timeout_s=startup_timeout)
+    for name, arm in manifest["arms"].items():
+        if arm["status"] != "ok":
+            click.echo(f"{name}: {arm['status']} ({arm['error']})")
+            continue
+        kv = f", GPU KV cache {arm['kv_cache']['tokens']:,} tokens" if arm["kv_cache"] else ""
+        click.echo(f"{name}: ok -> {out / arm['sqlite']}{kv}")
+    if manifest["status"] != "ok":
         raise SystemExit(1)

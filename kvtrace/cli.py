@@ -20,6 +20,8 @@ _COMMANDS = {
     "diff": ("kvtrace.analyzer.cli:diff", "Compare a baseline trace with a candidate, segment by segment."),
     "kernels": ("kvtrace.analyzer.cli:kernels", "List kernels with their segment; --unclassified for the rest."),
     "capture": ("kvtrace.capture.cli:capture", "Record matched FP8 / NVFP4 runs under Nsight Systems."),
+    "report": ("kvtrace.analyzer.report_cli:report", "Kernel diff beside serving metrics of two arms' run directories."),
+    "capacity": ("kvtrace.analyzer.report_cli:capacity", "KV-cache bytes per token and tokens that fit, per format."),
 }
 
 

@@ -153,7 +153,9 @@ def test_truncated_arm_is_flagged(tmp_path, recipes):
     gone = [r for r in result.phases if "ctx=32768" in r.phase and r.segment in ("decode_attention", "kv_append", "gemm")]
     assert gone and all(r.verdict == compare.NOT_COMPARABLE and r.reason == "only in the baseline" for r in gone)
     decode = next(r for r in result.segments if r.segment == "decode_attention")
-    assert "call counts differ (384 vs 256)" in decode.note and decode.compared_calls == 256
+    # The two contexts both arms decoded pair whole; the ctx=32768 decode range exists only in the baseline.
+    assert decode.compared_calls == 256 and (decode.baseline_calls, decode.candidate_calls) == (384, 256)
+    assert "paired the calls of 2 NVTX range(s)" in decode.note and "128 baseline and 0 candidate" in decode.note
 
 
 def test_same_format_repeat_passes_the_gate(run_kvtrace):
@@ -205,3 +207,25 @@ def test_vllm_step_names_parse():
         context_requests, generation_requests = int(m.group(1)), int(m.group(3))
         kinds.append(align.PREFILL if generation_requests == 0 else align.DECODE if context_requests == 0 else align.MIXED)
     assert kinds == [align.PREFILL, align.DECODE, align.MIXED, align.PREFILL]
+
+
+VLLM = FIXTURES / "vllm-h200-cold-prefill"
+
+
+def test_real_vllm_steps_are_projected_and_unmatched_batches_refused(recipes):
+    """The real H200 vLLM run: both arms prefilled the same 32 × 1024 tokens, but batched them into
+    different engine steps, so kvtrace must not pair their attention kernels."""
+    manifest = json.loads((VLLM / "manifest.json").read_text())
+    for arm in ("auto", "fp8"):
+        steps = align.step_phases(open_trace(VLLM / f"{arm}.sqlite")).unique("step_start")
+        assert set(steps["phase"]) == {align.PREFILL}
+        point = manifest["arms"][arm]["points"][0]
+        assert steps["context_tokens"].sum() == point["tokens_in"] == 32 * 1024
+    result = compare.diff(open_trace(VLLM / "auto.sqlite"), open_trace(VLLM / "fp8.sqlite"), recipes)
+    assert result.baseline.kv_dtypes == ("bf16",) and result.candidate.kv_dtypes == ("fp8_e4m3",)
+    segments = {r.segment: r for r in result.segments}
+    assert {"prefill_attention", "kv_append", "gemm"} <= set(segments)
+    assert segments["prefill_attention"].verdict == compare.NOT_COMPARABLE
+    assert segments["kv_append"].verdict == compare.NOT_COMPARABLE
+    assert any(f.check == "steps" and f.level == "warning" and "different vLLM steps" in f.message
+               for f in result.findings)

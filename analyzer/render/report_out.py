@@ -1,0 +1,389 @@
+"""Markdown, terminal and CSV for the serving report and the capacity calculation (JSON is json_out's).
+
+Both read a result object (analyzer.report.Report, analyzer.capacity.Capacity) and compute nothing new: the
+tables below only pick and format its fields. markdown.py, terminal.py and csv_out.py hand these types here.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+from dataclasses import asdict, fields
+
+from rich.console import Console
+from rich.table import Table
+
+from kvtrace.analyzer.capacity import Capacity
+from kvtrace.analyzer.render.units import duration, percent, ratio
+from kvtrace.analyzer.report import Latency, Report, ServingMetrics
+
+_MARK = {"ok": "✅", "warning": "⚠️", "error": "❌"}
+_LEVEL = {"ok": "[green]ok[/]", "warning": "[yellow]warning[/]", "error": "[bold red]error[/]"}
+
+
+def handles(result) -> bool:
+    return isinstance(result, (Report, Capacity))
+
+
+# ---- cell formatting -----------------------------------------------------------------------------------
+
+def _count(value) -> str:
+    if value is None:
+        return "–"
+    return f"{value:,.0f}" if float(value).is_integer() else f"{value:,.1f}"
+
+
+def _bytes(value) -> str:
+    if value is None:
+        return "–"
+    for scale, unit in ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")):
+        if value >= scale:
+            return f"{value / scale:,.2f} {unit}"
+    return f"{value:,.0f} B"
+
+
+def _exact_bytes(value) -> str:
+    return "–" if value is None else (f"{value:,.0f} B" if float(value).is_integer() else f"{value:,.2f} B")
+
+
+def _rate(bytes_per_s) -> str:
+    if bytes_per_s is None:
+        return "–"
+    for scale, unit in ((1e12, "TB/s"), (1e9, "GB/s"), (1e6, "MB/s")):
+        if bytes_per_s >= scale:
+            return f"{bytes_per_s / scale:.2f} {unit}"
+    return f"{bytes_per_s:.0f} B/s"
+
+
+def _ms(value) -> str:
+    return "–" if value is None else f"{value:,.1f} ms"
+
+
+def _latency(lat: Latency | None) -> str:
+    """p50 / p90 / p99 when the client measured them, else the mean (offline: vLLM's histogram mean)."""
+    if lat is None:
+        return "–"
+    if lat.p50 is not None:
+        return " / ".join(_ms(v).removesuffix(" ms") for v in (lat.p50, lat.p90, lat.p99)) + " ms"
+    return f"mean {_ms(lat.mean)}" if lat.mean is not None else "–"
+
+
+def _cached(m: ServingMetrics | None) -> str:
+    if m is None or m.cached_prompt_tokens is None:
+        return "–"
+    if m.prompt_tokens:
+        share = percent(m.cached_prompt_tokens / m.prompt_tokens)
+        return f"{_count(m.cached_prompt_tokens)} of {_count(m.prompt_tokens)} ({share})"
+    return _count(m.cached_prompt_tokens)
+
+
+def _per_s(value) -> str:
+    return "–" if value is None else f"{value:,.0f}/s"
+
+
+def _ratio_of(b, c) -> str:
+    return ratio(c / b) if b and c is not None else "–"
+
+
+# ---- table models shared by markdown and terminal ----------------------------------------------------
+
+def _serving_point_table(report: Report) -> tuple[list[str], list[list[str]]]:
+    """One traffic point: metric rows, one column per arm."""
+    row = report.serving[0]
+    b, c = row.baseline, row.candidate
+    bl, cl = report.baseline.label, report.candidate.label
+    header = ["metric", bl, cl, f"{cl} / {bl}"]
+
+    def get(m, name):
+        return getattr(m, name) if m is not None else None
+
+    def lat(name: str, stat: str):
+        lb, lc = get(b, name), get(c, name)
+        return getattr(lb, stat) if lb else None, getattr(lc, stat) if lc else None
+
+    rows = [["traffic", row.point, row.point, ""],
+            ["source", get(b, "source") or "–", get(c, "source") or "–", ""],
+            ["completed requests", _count(get(b, "requests")), _count(get(c, "requests")), ""]]
+    for name, title in (("ttft_ms", "TTFT"), ("itl_ms", "ITL"), ("tpot_ms", "TPOT"), ("e2el_ms", "E2E latency")):
+        for stat in ("p50", "p90", "p99", "mean"):
+            vb, vc = lat(name, stat)
+            if vb is None and vc is None:
+                continue
+            rows.append([f"{title} {stat}", _ms(vb), _ms(vc), _ratio_of(vb, vc)])
+        if name == "ttft_ms":  # cached prompt tokens belong beside TTFT: they are prefill that did not run
+            rows.append(["cached prompt tokens", _cached(b), _cached(c), ""])
+            rows.append(["prefix-cache hit rate", percent(get(b, "prefix_hit_rate")),
+                         percent(get(c, "prefix_hit_rate")), ""])
+    rows += [["input tokens/s", _per_s(get(b, "input_tokens_per_s")), _per_s(get(c, "input_tokens_per_s")),
+              _ratio_of(get(b, "input_tokens_per_s"), get(c, "input_tokens_per_s"))],
+             ["output tokens/s", _per_s(get(b, "output_tokens_per_s")), _per_s(get(c, "output_tokens_per_s")),
+              _ratio_of(get(b, "output_tokens_per_s"), get(c, "output_tokens_per_s"))],
+             ["preemptions", _count(get(b, "preemptions")), _count(get(c, "preemptions")), ""],
+             ["peak running requests", _count(get(b, "peak_running")), _count(get(c, "peak_running")), ""],
+             ["peak KV-cache usage", percent(get(b, "peak_kv_usage")), percent(get(c, "peak_kv_usage")), ""],
+             ["capacity-bound", get(b, "capacity") or "no", get(c, "capacity") or "no", ""]]
+    return header, rows
+
+
+def _serving_sweep_table(report: Report) -> tuple[list[str], list[list[str]]]:
+    """A sweep: one row per grid point; ◆ marks where an arm first hits capacity at that context length."""
+    bl, cl = report.baseline.label, report.candidate.label
+    header = ["point", f"TTFT {bl}", f"TTFT {cl}", f"cached {bl}", f"cached {cl}", f"ITL {bl}", f"ITL {cl}",
+              f"out tok/s {bl}", f"out tok/s {cl}", f"preempt. {bl}", f"preempt. {cl}", f"peak KV {bl}",
+              f"peak KV {cl}", "capacity"]
+    rows = []
+    for row in report.serving:
+        b, c = row.baseline, row.candidate
+        marks = []
+        for label, metrics, first in ((bl, b, row.baseline_first_capacity), (cl, c, row.candidate_first_capacity)):
+            if metrics and metrics.capacity:
+                marks.append(f"{'◆ ' if first else ''}{label}: {metrics.capacity}")
+        rows.append([row.point, _latency(b.ttft_ms if b else None), _latency(c.ttft_ms if c else None),
+                     _cached(b), _cached(c), _latency(b.itl_ms if b else None), _latency(c.itl_ms if c else None),
+                     _per_s(b.output_tokens_per_s if b else None), _per_s(c.output_tokens_per_s if c else None),
+                     _count(b.preemptions if b else None), _count(c.preemptions if c else None),
+                     percent(b.peak_kv_usage if b else None), percent(c.peak_kv_usage if c else None),
+                     "; ".join(marks) or "–"])
+    return header, rows
+
+
+def _bandwidth_table(report: Report) -> tuple[list[str], list[list[str]]]:
+    bl, cl = report.baseline.label, report.candidate.label
+    header = ["phase", f"KV bytes/call {bl}", f"KV bytes/call {cl}", f"time/call {bl}", f"time/call {cl}",
+              f"achieved {bl}", f"achieved {cl}", f"of ceiling {bl}", f"of ceiling {cl}"]
+    rows = [[r.phase, _bytes(r.baseline_bytes_per_call), _bytes(r.candidate_bytes_per_call),
+             duration(r.baseline_ns_per_call), duration(r.candidate_ns_per_call), _rate(r.baseline_bytes_per_s),
+             _rate(r.candidate_bytes_per_s), percent(r.baseline_fraction_of_ceiling),
+             percent(r.candidate_fraction_of_ceiling)] for r in report.bandwidth]
+    return header, rows
+
+
+def _capacity_tables(cap: Capacity) -> list[tuple[str, list[str], list[list[str]]]]:
+    per_gpu = "per GPU" if cap.tp > 1 else ""
+    header = ["format", "stored as", f"bytes/token{' ' + per_gpu if per_gpu else ''}", "ratio", "capacity"]
+    if cap.tokens_per_sequence is not None:
+        header += [f"{_count(cap.formats[0].tokens)} tokens"]
+    if cap.memory_gib is not None:
+        header += [f"tokens in {cap.memory_gib:g} GiB"]
+    rows = []
+    for f in cap.formats:
+        row = [f.label, f.format, _exact_bytes(f.bytes_per_token), f"{f.ratio:.4g}", f"{f.capacity_multiplier:.2f}×"]
+        if cap.tokens_per_sequence is not None:
+            row.append(f"{f.gib_for_tokens:,.4g} GiB ({f.bytes_for_tokens:,} B)")
+        if cap.memory_gib is not None:
+            row.append(_count(f.tokens_in_memory))
+        rows.append(row)
+    tables = [("Bytes per token", header, rows)]
+    if cap.measured:
+        measured = [[m.arm, m.kv_cache_dtype, _count(m.tokens),
+                     "–" if m.available_gib is None else f"{m.available_gib:g} GiB",
+                     _count(m.ideal_tokens), percent(m.measured_over_ideal),
+                     "–" if m.multiplier is None else f"{m.multiplier:.3f}×",
+                     "–" if m.ideal_multiplier is None else f"{m.ideal_multiplier:.3f}×"] for m in cap.measured]
+        tables.append(("Measured by vLLM (\"GPU KV cache size\") against the ideal",
+                       ["arm", "KV dtype", "tokens", "available KV memory", "ideal tokens", "measured / ideal",
+                        "tokens vs first arm", "ideal vs first arm"], measured))
+    return tables
+
+
+def _capacity_lead(cap: Capacity) -> str:
+    m = cap.model
+    parts = [f"{m.layers} layer{'s' if m.layers != 1 else ''} × {m.kv_heads} KV head{'s' if m.kv_heads != 1 else ''} "
+             f"× head_dim {m.head_dim}"]
+    if m.source:
+        parts.append(f"from {m.source}")
+    parts.append(f"TP {cap.tp} ({cap.kv_heads_per_rank} KV head{'s' if cap.kv_heads_per_rank != 1 else ''} per GPU"
+                 + (f", each replicated on {cap.replicas} GPUs" if cap.replicas > 1 else "") + ")")
+    parts.append(f"pages of {cap.page_size} tokens")
+    if cap.tokens_per_sequence is not None:
+        parts.append(f"{_count(cap.tokens_per_sequence)} tokens × {cap.sequences} sequence"
+                     + ("s" if cap.sequences != 1 else ""))
+    lead = "Model: " + ", ".join(parts) + ". Bytes per token count K and V of every layer: FP8 = 2·L·H·D, " \
+           "NVFP4 = 2·L·H·(D/2 + D/16), BF16 = 2·L·H·2D."
+    if cap.ideal_ratio is not None:
+        lead += (f" {cap.formats[-1].label} / {cap.formats[0].label}: ratio {cap.ideal_ratio:.4g}, capacity "
+                 f"{cap.ideal_multiplier:.2f}×.")
+    return lead
+
+
+# ---- markdown -----------------------------------------------------------------------------------------
+
+def _cell(text) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _md_table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(_cell(h) for h in header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return lines + ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
+
+
+def markdown(result) -> str:
+    return _capacity_markdown(result) if isinstance(result, Capacity) else _report_markdown(result)
+
+
+def _capacity_markdown(cap: Capacity, level: str = "##") -> str:
+    lines = [f"{level} kvtrace capacity" + (f": {cap.run}" if cap.run else ""), "", _capacity_lead(cap), ""]
+    for title, header, rows in _capacity_tables(cap):
+        lines += [f"{level}# {title}", ""] + _md_table(header, rows) + [""]
+    lines += [f"- {note}" for note in cap.notes]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _report_markdown(report: Report) -> str:
+    from kvtrace.analyzer.render import markdown as diff_markdown
+
+    b, c = report.baseline, report.candidate
+    lines = [f"## kvtrace report: {b.label} → {c.label}", "",
+             f"Baseline **{b.label}** (arm `{b.arm}` of `{b.run}`, {b.engine} engine"
+             + (f", {b.scenario}" if b.scenario else "") + f"), candidate **{c.label}** (arm `{c.arm}` of `{c.run}`"
+             + (f", {c.engine} engine" if c.engine != b.engine else "") + "). Kernel numbers are per call over the "
+             "calls both arms ran (the kernel diff below); serving numbers are what the capture recorded. They "
+             "answer different questions and are kept apart.", "",
+             "### What the numbers say", ""]
+    lines += [f"- {_MARK[s.level]} **{s.check}**: {s.message}" for s in report.statements]
+    lines += ["", "### Runs", ""] + [f"- {_MARK[f.level]} {f.message}" for f in report.findings]
+    lines += [f"- {note}" for note in report.notes]
+    if report.serving:
+        lines += ["", "### Serving" + (" (sweep)" if report.sweep and len(report.serving) > 1 else ""), ""]
+        if len(report.serving) == 1:
+            lines += _md_table(*_serving_point_table(report))
+        else:
+            lines += ["Latencies are p50 / p90 / p99 (or the mean where only vLLM's histograms exist); cached = "
+                      "prompt tokens served from the prefix cache; ◆ marks the first point of a context length at "
+                      "which an arm is capacity-bound.", ""]
+            lines += _md_table(*_serving_sweep_table(report))
+    if report.bandwidth:
+        ceiling = report.hbm_ceiling
+        lines += ["", "### Achieved bandwidth", "",
+                  "KV bytes one workload call reads (append: writes), from the engine's manifest, divided by the GPU "
+                  "time of the phase's attention (append) kernels per call in its NVTX range."
+                  + (f" Ceiling: {_rate(ceiling.bytes_per_s)}, the {ceiling.source}." if ceiling else
+                     " The traces give no HBM bandwidth for the GPU, so no ceiling is stated."), ""]
+        lines += _md_table(*_bandwidth_table(report))
+    if report.capacity is not None:
+        lines += ["", _capacity_markdown(report.capacity, level="###").rstrip()]
+    if report.plots:
+        lines += ["", "### Plots", ""]
+        lines += [f"![{p.title}]({p.link})" + "\n" for p in report.plots]
+    diff_text = diff_markdown.render(report.diff)
+    lines += ["", "### Kernel diff", ""]
+    lines += [line.replace("## kvtrace diff", "#### kvtrace diff", 1) if line.startswith("## ") else
+              ("#" + line if line.startswith("### ") else line) for line in diff_text.splitlines()]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+# ---- terminal -----------------------------------------------------------------------------------------
+
+def _rich_table(title: str, header: list[str], rows: list[list[str]]) -> Table:
+    table = Table(title=title, title_justify="left")
+    for index, column in enumerate(header):
+        table.add_column(column, justify="left" if index == 0 else "right", overflow="fold")
+    for row in rows:
+        table.add_row(*[str(cell) for cell in row])
+    return table
+
+
+def terminal(result, console: Console) -> None:
+    if isinstance(result, Capacity):
+        console.print(_capacity_lead(result), highlight=False)
+        for title, header, rows in _capacity_tables(result):
+            console.print(_rich_table(title, header, rows))
+        for note in result.notes:
+            console.print(f"  {note}", markup=False, highlight=False)
+        return
+    from kvtrace.analyzer.render import terminal as diff_terminal
+
+    report = result
+    console.print(f"[bold]{report.baseline.label}[/] ({report.baseline.run}) → [bold]{report.candidate.label}[/] "
+                  f"({report.candidate.run})")
+    for s in report.statements:
+        console.print(f"  {_LEVEL[s.level]}  {s.check}: ", end="")
+        console.print(s.message, markup=False, highlight=False)
+    for f in report.findings:
+        console.print(f"  {_LEVEL[f.level]}  {f.message}", highlight=False)
+    for note in report.notes:
+        console.print(f"  {note}", markup=False, highlight=False)
+    if report.serving:
+        if len(report.serving) == 1:
+            console.print(_rich_table("Serving", *_serving_point_table(report)))
+        else:
+            console.print(_rich_table("Serving sweep (◆ first capacity-bound point per context length)",
+                                      *_serving_sweep_table(report)))
+    if report.bandwidth:
+        ceiling = report.hbm_ceiling
+        title = "Achieved bandwidth" + (f" (ceiling {_rate(ceiling.bytes_per_s)}: {ceiling.gpu} memoryBandwidth "
+                                        "from the trace)" if ceiling else "")
+        console.print(_rich_table(title, *_bandwidth_table(report)))
+    if report.capacity is not None:
+        terminal(report.capacity, console)
+    for plot in report.plots:
+        console.print(f"  plot: {plot.path}", markup=False, highlight=False)
+    diff_terminal.render(report.diff, console)
+
+
+# ---- CSV ----------------------------------------------------------------------------------------------
+
+def csv_text(result) -> str:
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    if isinstance(result, Capacity):
+        columns = [f.name for f in fields(result.formats[0])] if result.formats else ["label"]
+        writer.writerow(["section", *columns])
+        for row in result.formats:
+            writer.writerow(["format", *("" if v is None else v for v in asdict(row).values())])
+        if result.measured:
+            measured = [f.name for f in fields(result.measured[0])]
+            writer.writerow(["section", *measured])
+            for row in result.measured:
+                writer.writerow(["measured", *("" if v is None else v for v in asdict(row).values())])
+        return buffer.getvalue()
+    report = result
+    # Long format: one value per line, so that every section fits one header.
+    writer.writerow(["section", "key", "arm", "metric", "value"])
+    labels = {"baseline": report.baseline.label, "candidate": report.candidate.label}
+    for s in report.statements:
+        writer.writerow(["statement", s.check, "", s.level, s.message])
+    for row in report.serving:
+        for side in ("baseline", "candidate"):
+            metrics = getattr(row, side)
+            if metrics is None:
+                continue
+            for name, value in _flatten(asdict(metrics)):
+                writer.writerow(["serving", row.point, labels[side], name, "" if value is None else value])
+            writer.writerow(["serving", row.point, labels[side], "first_capacity", getattr(row, f"{side}_first_capacity")])
+    for row in report.segment_means:
+        for name, value in asdict(row).items():
+            if name == "segment":
+                continue
+            side = next((s for s in ("baseline", "candidate") if name.startswith(s + "_")), None)
+            writer.writerow(["segment", row.segment, labels[side] if side else "",
+                             name.removeprefix(f"{side}_") if side else name, "" if value is None else value])
+    for row in report.bandwidth:
+        for name, value in asdict(row).items():
+            if name in ("phase",):
+                continue
+            side = next((s for s in ("baseline", "candidate") if name.startswith(s + "_")), None)
+            writer.writerow(["bandwidth", row.phase, labels[side] if side else "",
+                             name.removeprefix(f"{side}_") if side else name, "" if value is None else value])
+    if report.hbm_ceiling:
+        writer.writerow(["bandwidth", "ceiling", "", "bytes_per_s", report.hbm_ceiling.bytes_per_s])
+    if report.capacity:
+        for row in report.capacity.formats:
+            for name, value in asdict(row).items():
+                if name != "label":
+                    writer.writerow(["capacity", row.label, "", name, "" if value is None else value])
+        for row in report.capacity.measured:
+            for name, value in asdict(row).items():
+                if name != "arm":
+                    writer.writerow(["capacity_measured", row.arm, "", name, "" if value is None else value])
+    for plot in report.plots:
+        writer.writerow(["plot", plot.kind, "", "path", plot.path])
+    return buffer.getvalue()
+
+
+def _flatten(data: dict, prefix: str = ""):
+    for name, value in data.items():
+        if isinstance(value, dict):
+            yield from _flatten(value, f"{prefix}{name}.")
+        else:
+            yield f"{prefix}{name}", value

@@ -1,0 +1,117 @@
+"""`kvtrace report` and `kvtrace capacity`: thin click commands over analyzer.report and analyzer.capacity."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import click
+
+from kvtrace.analyzer import capacity as capacity_lib
+from kvtrace.analyzer import render
+from kvtrace.analyzer.cli import emit, output_options, window_options
+from kvtrace.errors import KvtraceError
+
+
+@click.command()
+@click.argument("runs", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("--arm", "arms", multiple=True, metavar="NAME",
+              help="Arm to report on. One run directory: give it twice (baseline first). Two run directories: "
+                   "once for both, or twice for one each. Default: a run's two arms, wider KV format first.")
+@click.option("--label", "labels", multiple=True, help="Names for the two arms, baseline first (repeat twice).")
+@click.option("--threshold", default=0.02, show_default=True, type=click.FloatRange(0, 1, max_open=True),
+              help="No-change band around a ratio of 1 (0.02 = ±2%), for kernels and TTFT.")
+@click.option("--confidence", default=0.95, show_default=True,
+              type=click.FloatRange(0, 1, min_open=True, max_open=True), help="Confidence level of the intervals.")
+@click.option("--seed", default=0, show_default=True, help="Bootstrap seed (same inputs and seed, same output).")
+@click.option("--plots", "plots_dir", type=click.Path(path_type=Path),
+              help="Write plots into this folder (created if missing); the markdown report links them.")
+@click.option("--plot-format", type=click.Choice(["png", "svg"]), default="png", show_default=True,
+              help="Image format of --plots.")
+@window_options
+@output_options
+def report(runs, arms, labels, threshold, confidence, seed, plots_dir, plot_format, window, fmt, output, recipe_files,
+           nsys_path):
+    """Kernel diff and serving metrics of two arms, side by side, from run directories.
+
+    RUNS is one run directory written by `kvtrace capture` (its two arms are compared, e.g. FlashInfer's fp8
+    and nvfp4), or two run directories, or RUNDIR/ARM paths naming arms. Beside the kernel diff it shows,
+    from the manifests, TTFT with the cached prompt tokens next to it, ITL/TPOT, throughput, preemptions,
+    peak running requests and KV usage, prefix-cache hit rate, capacity, and achieved KV bandwidth where
+    the engine records bytes per call. It says when a TTFT gain is a prefix-hit/capacity effect rather than
+    a faster prefill kernel. Exit codes: 0 done, 2 bad input.
+    """
+    from kvtrace.analyzer import report as report_lib
+    from kvtrace.analyzer.classify import load_recipes
+
+    result = report_lib.build(list(runs), load_recipes(recipe_files), arms=tuple(arms), labels=tuple(labels),
+                              threshold=threshold, confidence=confidence, seed=seed, window=window, nsys=nsys_path)
+    if plots_dir is not None:
+        if output is not None and not output.parent.exists():
+            raise KvtraceError(f"cannot write {output}: folder {output.parent} does not exist; create it first")
+        from kvtrace.analyzer.render import plots  # matplotlib only on this path
+
+        plots.write_plots(result, plots_dir, plot_format, link_base=output.parent if output is not None else None)
+    emit(result, fmt, output)
+
+
+@click.command()
+@click.argument("run", required=False, type=click.Path(path_type=Path))
+@click.option("--config", "config_path", type=click.Path(path_type=Path),
+              help="Hugging Face config.json (or its model folder): layers, KV heads, head dim.")
+@click.option("--layers", type=click.IntRange(1), help="num_hidden_layers (instead of, or over, --config).")
+@click.option("--kv-heads", type=click.IntRange(1), help="num_key_value_heads (instead of, or over, --config).")
+@click.option("--head-dim", type=click.IntRange(1), help="head_dim (instead of, or over, --config).")
+@click.option("--tokens", type=click.IntRange(1), help="Tokens per sequence to size the cache for.")
+@click.option("--sequences", default=1, show_default=True, type=click.IntRange(1),
+              help="Sequences of --tokens each (each is padded to whole pages).")
+@click.option("--tp", type=click.IntRange(1), help="Tensor-parallel size: KV heads are split across GPUs.  [default: 1, "
+                                                   "or the run's --tensor-parallel-size]")
+@click.option("--page-size", type=click.IntRange(1), help="Tokens per KV page.  [default: 16, or the run's block size]")
+@click.option("--memory", "memory_gib", type=click.FloatRange(0, min_open=True),
+              help="KV-cache memory per GPU in GiB: how many tokens fit.")
+@click.option("--kv-format", "kv_formats", multiple=True, metavar="FORMAT",
+              help="Format to size (fp8, nvfp4, bf16, fp16 or a vLLM --kv-cache-dtype), the first the reference. "
+                   "Repeatable.  [default: fp8 and nvfp4, or the run's arms]")
+@click.option("--format", "fmt", type=click.Choice(render.FORMATS), default="table", show_default=True,
+              help="Terminal table, GitHub markdown, JSON (versioned schema) or CSV.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
+              help="Write to FILE (atomically) instead of standard output.")
+def capacity(run, config_path, layers, kv_heads, head_dim, tokens, sequences, tp, page_size, memory_gib, kv_formats,
+             fmt, output):
+    """KV-cache bytes per token per format, and how many tokens fit, from a model's shape.
+
+    FP8 = 2·L·H·D bytes per token, NVFP4 = 2·L·H·(D/2 + D/16): ratio 0.5625, 1.78× the tokens. With
+    --tp the KV heads are split across GPUs (replicated when there are fewer heads than GPUs). With a vLLM
+    RUN directory, vLLM's own "GPU KV cache size: N tokens" per arm is set against the ideal.
+    """
+    overrides = {k: v for k, v in {"layers": layers, "kv_heads": kv_heads, "head_dim": head_dim}.items() if v is not None}
+    shape = None
+    if config_path is not None:
+        shape = capacity_lib.load_config(config_path)
+        if overrides:
+            shape = replace(shape, **overrides, source=f"{shape.source}, with {_flags(overrides)} from the command line")
+    elif len(overrides) == 3:
+        shape = capacity_lib.ModelShape(**overrides, source="the command line")
+    elif overrides and run is None:
+        missing = [f"--{name.replace('_', '-')}" for name in ("layers", "kv_heads", "head_dim") if name not in overrides]
+        raise KvtraceError(f"give {', '.join(missing)} too, or --config with the model's config.json")
+    if run is not None:
+        if shape is None and overrides:
+            manifest_shape = capacity_lib.run_shape(capacity_lib.read_manifest(run), str(run))[0]
+            shape = replace(manifest_shape, **overrides,
+                            source=f"{manifest_shape.source}, with {_flags(overrides)} from the command line")
+        result = capacity_lib.from_run(run, shape=shape, tp=tp, page_size=page_size, tokens=tokens,
+                                       sequences=sequences, memory_gib=memory_gib, kv_formats=list(kv_formats) or None)
+    else:
+        if shape is None:
+            raise KvtraceError("give the model's shape: --config path/to/config.json, or --layers, --kv-heads and "
+                               "--head-dim, or a vLLM run directory")
+        names = list(kv_formats) or ["fp8", "nvfp4"]
+        result = capacity_lib.capacity(shape, [(name, name) for name in names], tp=tp or 1, page_size=page_size or 16,
+                                       tokens=tokens, sequences=sequences, memory_gib=memory_gib)
+    emit(result, fmt, output)
+
+
+def _flags(overrides: dict) -> str:
+    return ", ".join(f"--{name.replace('_', '-')} {value}" for name, value in overrides.items())

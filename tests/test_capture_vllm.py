@@ -1,0 +1,643 @@
+"""The vLLM capture engine without a GPU: command lines, preflight, metrics, manifests and process cleanup.
+
+Serving runs go through stand-ins (tests/vllm_standin.py): a fake nsys that runs its target and writes a
+report, and a fake `vllm` package whose `serve` is a small HTTP server with vLLM's endpoints and metric
+names, whose `bench serve` posts to it, and whose `LLM` class serves the real offline worker.
+Metric parsing is checked on the example pages in fixtures/vllm-recorded/ (see its README).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from click.testing import CliRunner
+
+import vllm_standin
+from kvtrace.capture import cli as capture_cli
+from kvtrace.capture import runner
+from kvtrace.capture import vllm_engine as engine
+from kvtrace.capture import vllm_offline_workload as worker
+from kvtrace.capture.vllm_common import (Point, capacity_reason, metric_deltas, parse_kv_cache_log,
+                                         request_order_sha256, update_peaks)
+from kvtrace.errors import KvtraceError
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+RECORDED = ROOT / "fixtures" / "vllm-recorded"
+TINY = ROOT / "fixtures" / "models" / "llama-tiny"
+GOLDEN = TESTS / "golden" / "vllm"
+
+PROBE_B200 = {"vllm": "0.33.0", "torch": "2.11.0+cu130", "flashinfer-python": "0.6.16", "prometheus-client": "0.26.0",
+              "cuda_runtime": "13.0", "gpu_count": 1, "gpu_name": "NVIDIA B200", "capability": [10, 0],
+              "vllm_nvfp4_kv": True}
+
+
+def recorded(name: str) -> dict:
+    return engine.parse_metrics((RECORDED / name).read_text())
+
+
+def config(scenario="cold-prefill", mode="serve", arms=("fp8", "nvfp4"), model="/models/llama-tiny", extra=(),
+           load_format="dummy", port=8000, **workload) -> engine.VllmCapture:
+    return engine.VllmCapture(model=model, workload=engine.Workload.for_scenario(scenario, **workload), arms=arms,
+                              mode=mode, load_format=load_format, port=port, extra_args=tuple(extra))
+
+
+# Command lines ---------------------------------------------------------------------------------------------
+
+GOLDEN_CASES = [(scenario, mode) for mode in engine.MODES for scenario in engine.SCENARIOS]
+
+
+@pytest.mark.parametrize("scenario,mode", GOLDEN_CASES)
+def test_dry_run_matches_golden(scenario, mode, monkeypatch):
+    monkeypatch.setattr(runner, "find_nsys", lambda explicit=None: "nsys")
+    arms = ("fp8", "nvfp4") if mode == "serve" else ("auto", "fp8")
+    text = engine.dry_run(config(scenario, mode, arms), Path("runs/demo"), python="python3")
+    golden = GOLDEN / f"{scenario}.{mode}.txt"
+    if os.environ.get("KVTRACE_UPDATE_GOLDEN"):
+        golden.parent.mkdir(parents=True, exist_ok=True)
+        golden.write_text(text)
+    assert text == golden.read_text()
+
+
+@pytest.mark.parametrize("mode", engine.MODES)
+@pytest.mark.parametrize("scenario", engine.SCENARIOS)
+def test_arms_differ_only_in_kv_dtype(scenario, mode):
+    cfg = config(scenario, mode, extra=("--max-model-len", "8192"))
+    out = Path("runs/x")
+    if mode == "serve":
+        first, second = (engine.server_command(cfg, arm, out, "nsys", "python3") for arm in ("fp8", "nvfp4"))
+    else:
+        points = cfg.workload.points(mode)
+        first, second = (engine.worker_command(cfg, arm, out, "nsys", "python3", points, False)
+                         for arm in ("fp8", "nvfp4"))
+    assert [arg.replace("fp8", "ARM") for arg in first] == [arg.replace("nvfp4", "ARM") for arg in second]
+    flags = " ".join(first)
+    for pinned in ("--attention-backend FLASHINFER", '--profiler-config {"profiler": "cuda"}', "--load-format dummy",
+                   "--trace-fork-before-exec=true", "--cuda-graph-trace=node", "--capture-range=cudaProfilerApi",
+                   "--capture-range-end=stop", "--max-model-len 8192"):
+        assert pinned in flags
+
+
+def test_scenarios_set_what_they_measure():
+    cold = config("cold-prefill")
+    assert "--no-enable-prefix-caching" in engine.engine_flags(cold, "fp8")
+    assert cold.workload.points("serve") == [Point(2048, 1, 64, 16)]
+    reuse = config("prefix-reuse")
+    assert "--enable-prefix-caching" in engine.engine_flags(reuse, "fp8")
+    assert engine.child_env(reuse)["VLLM_SERVER_DEV_MODE"] == "1"
+    bench = engine.bench_command(reuse, "python3", reuse.workload.points("serve")[0], seed=0, result=None)
+    assert bench[bench.index("--dataset-name") + 1] == "prefix_repetition"
+    assert bench[bench.index("--num-warmups") + 1] == "0" and bench[bench.index("--ready-check-timeout-sec") + 1] == "0"
+    decode = config("decode-heavy", mode="offline")
+    assert engine.engine_flags(decode, "fp8")[-3:] == ["--skip-tokenizer-init", "--max-num-seqs", "32"]
+    env = engine.child_env(decode)
+    assert env["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn" and env["HF_HUB_OFFLINE"] == "1"
+    assert "VLLM_SERVER_DEV_MODE" not in env
+
+
+def test_sweep_steps_up_and_runs_fp8_first():
+    cfg = config("sweep", arms=("nvfp4", "fp8"), contexts=(4096, 1024), concurrencies=(32, 8))
+    assert cfg.run_order() == ("fp8", "nvfp4")
+    assert [p.spec() for p in cfg.workload.points("serve")] == [
+        "input=1024,output=64,prompts=16,concurrency=8", "input=1024,output=64,prompts=64,concurrency=32",
+        "input=4096,output=64,prompts=16,concurrency=8", "input=4096,output=64,prompts=64,concurrency=32"]
+    assert [p.num_prompts for p in cfg.workload.points("offline")] == [8, 32, 8, 32]
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"arms": ("fp8", "fp9")}, "unknown arm(s) fp9"),
+    ({"arms": ("fp8", "fp8")}, "names an arm twice"),
+    ({"arms": ()}, "--arms is empty"),
+    ({"extra": ("--kv-cache-dtype", "fp8")}, "--kv-cache-dtype is set by kvtrace"),
+    ({"extra": ("--attention-backend=TRITON_ATTN",)}, "pins FLASHINFER"),
+    ({"extra": ("--profiler-config.profiler", "torch")}, "CUDA profiler"),
+    ({"extra": ("--enable-prefix-caching",)}, "the scenario sets prefix caching"),
+    ({"extra": ("--port", "9000")}, "use kvtrace's --port"),
+    ({"mode": "offline", "extra": ("--max-num-seqs", "8")}, "sets it from --concurrency"),
+    ({"output_len": 0}, "--output-len must be at least 1"),
+    ({"mode": "offline", "scenario": "prefix-reuse", "trace_file": __file__}, "--trace-file needs --mode serve"),
+    ({"scenario": "prefix-reuse", "trace_file": "/nonexistent.jsonl"}, "does not exist"),
+    ({"port": 70000}, "is not a TCP port"),
+    ({"mode": "offline", "scenario": "sweep", "num_prompts": 64}, "does not apply to an offline sweep"),
+])
+def test_bad_input_is_one_clear_error(kwargs, message):
+    with pytest.raises(KvtraceError) as error:
+        config(**kwargs).validate()
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_options_outside_their_scenario_are_rejected():
+    with pytest.raises(KvtraceError, match="--contexts does not apply to --scenario cold-prefill"):
+        engine.Workload.for_scenario("cold-prefill", contexts=(1024,))
+    with pytest.raises(KvtraceError, match="--input-len does not apply to --scenario sweep"):
+        engine.Workload.for_scenario("sweep", input_len=10)
+
+
+def test_cli_dry_run_and_errors(monkeypatch):
+    monkeypatch.setattr(runner, "find_nsys", lambda explicit=None: "nsys")
+    runner_ = CliRunner()
+    result = runner_.invoke(capture_cli.capture, ["vllm", "--model", "/models/m", "--scenario", "decode-heavy",
+                                                  "--mode", "offline", "--arms", "auto,fp8", "--dry-run", "--",
+                                                  "--max-model-len", "4096"])
+    assert result.exit_code == 0, result.output
+    assert result.output.count("nsys profile") == 2 and "--max-model-len 4096" in result.output
+    assert "--output=runs/vllm-decode-heavy/auto" in result.output
+    bad = subprocess.run([sys.executable, "-m", "kvtrace", "capture", "vllm", "--model", "m", "--arms", "fp8,bogus",
+                          "--dry-run"], capture_output=True, text=True, cwd=TESTS)
+    assert bad.returncode == 2 and bad.stderr.startswith("kvtrace: error: unknown arm(s) bogus")
+
+
+def test_makefile_fragment_runs_the_cli(tmp_path):
+    if not shutil.which("make"):
+        pytest.skip("make is not installed")
+    main = tmp_path / "Makefile"  # as the project's Makefile includes it, with an OUT default of its own
+    main.write_text(f"OUT ?= out\ninclude {ROOT / 'capture' / 'capture.mk'}\n")
+
+    def make(*variables: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["make", "-s", "-f", str(main), "capture", f"KVTRACE={sys.executable} -m kvtrace",
+                               *variables], capture_output=True, text=True, cwd=tmp_path)
+
+    usage = make()
+    assert usage.returncode != 0 and "usage: make capture MODEL=" in usage.stderr
+    done = make("MODEL=/models/m", "SCENARIO=sweep", "MODE=offline", "ARMS=auto,fp8", "DRY_RUN=1",
+                "VLLM_ARGS=--max-model-len 20000")
+    assert done.returncode == 0, done.stderr
+    assert "scenario sweep, mode offline, arms fp8, auto" in done.stdout
+    assert "--max-model-len 20000" in done.stdout and "--output=runs/vllm-sweep/fp8" in done.stdout
+    assert "--output=runs/x/fp8" in make("MODEL=/models/m", "OUT=runs/x", "DRY_RUN=1").stdout
+
+
+# Preflight --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("gpu,capability,verdict,message", [
+    ("NVIDIA H200", [9, 0], False, "rejects NVIDIA H200 (SM90): run the nvfp4 arm on an SM100 GPU"),
+    ("NVIDIA H200", [9, 0], None, "rejects NVIDIA H200 (SM90)"),
+    ("NVIDIA RTX PRO 6000 Blackwell", [12, 0], False, "on NVIDIA RTX PRO 6000 Blackwell (SM120) (SM120 support"),
+    ("NVIDIA B200", [10, 0], False, "trtllm-gen attention is unavailable"),
+])
+def test_nvfp4_preflight_names_the_gpu_and_the_way_out(gpu, capability, verdict, message):
+    probe = {**PROBE_B200, "gpu_name": gpu, "capability": capability, "vllm_nvfp4_kv": verdict, "vllm": "0.26.0"}
+    with pytest.raises(KvtraceError) as error:
+        engine.check_probe(probe, ("fp8", "nvfp4"))
+    assert message in str(error.value) and "--arms auto,fp8" in str(error.value)
+    engine.check_probe(probe, ("auto", "fp8"))  # the same GPU is fine without nvfp4
+
+
+@pytest.mark.parametrize("capability,verdict", [([10, 0], True), ([10, 3], None), ([12, 0], True)])
+def test_nvfp4_preflight_trusts_the_installed_vllm(capability, verdict):
+    engine.check_probe({**PROBE_B200, "capability": capability, "vllm_nvfp4_kv": verdict}, ("fp8", "nvfp4"))
+
+
+def test_real_probe_reports_missing_vllm_and_gpu():
+    probe = engine.probe_environment(sys.executable, nvfp4=True)
+    assert {"vllm", "torch", "flashinfer-python", "prometheus-client"} <= set(probe)
+    if probe["vllm"] is None:
+        with pytest.raises(KvtraceError, match="vLLM is not installed"):
+            engine.check_probe(probe, ("fp8",))
+    with pytest.raises(KvtraceError, match="no CUDA GPU visible to torch"):
+        engine.check_probe({**probe, "vllm": "0.26.0", "gpu_count": 0}, ("fp8",))
+
+
+def model_dir(tmp_path: Path, tokenizer: bool = True) -> Path:
+    folder = tmp_path / "model"
+    folder.mkdir()
+    shutil.copy(TINY / "config.json", folder)
+    if tokenizer:
+        (folder / "tokenizer.json").write_text("{}")
+    return folder
+
+
+def test_model_checks(tmp_path):
+    with pytest.raises(KvtraceError, match="model path /nonexistent/model does not exist"):
+        engine.check_model(config(model="/nonexistent/model"))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(KvtraceError, match="has no config.json"):
+        engine.check_model(config(model=str(empty)))
+    (empty / "config.json").write_text("{not json")
+    with pytest.raises(KvtraceError, match="config.json is not valid JSON"):
+        engine.check_model(config(model=str(empty), mode="offline"))
+    with pytest.raises(KvtraceError, match="holds no weights.*--load-format dummy"):
+        engine.check_model(config(model=str(TINY), mode="offline", load_format="auto"))
+    with pytest.raises(KvtraceError, match="no tokenizer files.*--mode offline"):
+        engine.check_model(config(model=str(TINY)))
+    with pytest.raises(KvtraceError, match="exceed the model's 8192 positions"):
+        engine.check_model(config("decode-heavy", mode="offline", model=str(TINY), input_len=8192))
+    summary = engine.check_model(config(model=str(TINY), mode="offline", arms=("auto", "fp8", "nvfp4")))
+    assert (summary["num_hidden_layers"], summary["num_key_value_heads"], summary["head_dim"]) == (16, 8, 128)
+    assert summary["kv_bytes_per_token"] == {"auto": 65536, "fp8": 32768, "nvfp4": 18432}
+
+
+def test_missing_nsys_and_busy_port(tmp_path, monkeypatch):
+    monkeypatch.delenv("NSYS", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(runner, "_NSYS_GLOBS", ())
+    with pytest.raises(KvtraceError, match="nsys \\(Nsight Systems CLI\\) not found"):
+        engine.capture(config(model=str(TINY), mode="offline"), tmp_path / "out")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(KvtraceError, match=f"port {port} on 127.0.0.1 is in use.*--port"):
+            engine.capture(config(model=str(model_dir(tmp_path)), port=port), tmp_path / "out", nsys=sys.executable)
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_vllm_stops_before_the_run_directory(tmp_path):
+    probe = engine.probe_environment(sys.executable, nvfp4=False)
+    if probe["vllm"] is not None:
+        pytest.skip("vLLM is installed here")
+    with pytest.raises(KvtraceError, match="vLLM is not installed"):
+        engine.capture(config(model=str(TINY), mode="offline", arms=("auto", "fp8")), tmp_path / "out",
+                       nsys=sys.executable)
+    assert not (tmp_path / "out").exists()
+
+
+# Metrics, bench results and the startup line ----------------------------------------------------------------
+
+def test_metric_deltas_from_recorded_pages():
+    before, after = recorded("prefix-reuse-fp8.before.prom"), recorded("prefix-reuse-fp8.after.prom")
+    deltas = metric_deltas(before, after)
+    assert deltas["counters"] == {
+        "vllm:prefix_cache_queries_total": 163840, "vllm:prefix_cache_hits_total": 122880,
+        "vllm:num_preemptions_total": 0, "vllm:prompt_tokens_total": 163840,
+        "vllm:prompt_tokens_cached_total": 122880, "vllm:generation_tokens_total": 8192,
+        "vllm:request_success_total": 128}
+    ttft = deltas["histograms"]["vllm:time_to_first_token_seconds"]
+    assert ttft["count"] == 128 and ttft["mean"] == pytest.approx(0.075)
+    assert after["info"]["vllm:cache_config_info"][0]["cache_dtype"] == "fp8"
+    assert "vllm:num_preemptions_created" not in after["counters"] | after["gauges"]
+
+
+def test_peaks_from_recorded_polls():
+    peaks: dict = {}
+    for name in ("before", "poll-1", "poll-2", "poll-3", "after"):
+        update_peaks(peaks, recorded(f"prefix-reuse-fp8.{name}.prom"))
+    assert peaks == {"vllm:num_requests_running": 32, "vllm:num_requests_waiting": 2,
+                     "vllm:kv_cache_usage_perc": pytest.approx(0.038)}
+
+
+def test_capacity_rule_on_a_recorded_sweep_point():
+    pages = {name: recorded(f"sweep-fp8-capacity.{name}.prom") for name in ("before", "poll-1", "after")}
+    peaks: dict = {}
+    for page in pages.values():
+        update_peaks(peaks, page)
+    deltas = metric_deltas(pages["before"], pages["after"])
+    point = Point(16384, 64, 64, 32)
+    assert deltas["counters"]["vllm:num_preemptions_total"] == 7
+    assert capacity_reason(point, deltas, peaks, None) == "7 preemptions"
+    calm = {"counters": {"vllm:num_preemptions_total": 0}, "histograms": {}}
+    assert capacity_reason(point, calm, peaks, None) == "KV cache usage peaked at 99%"
+    assert capacity_reason(point, calm, {}, 500_000) == "526,336 KV tokens needed of 500,000 available"
+    assert capacity_reason(point, calm, {"vllm:kv_cache_usage_perc": 0.5}, 10_000_000) is None
+
+
+def test_metrics_add_up_across_engines():
+    text = "\n".join([
+        "# TYPE vllm:prompt_tokens_total counter",
+        'vllm:prompt_tokens_total{engine="0",model_name="m"} 100.0',
+        'vllm:prompt_tokens_total{engine="1",model_name="m"} 50.0',
+        "# TYPE vllm:kv_cache_usage_perc gauge",
+        'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.2',
+        'vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.7',
+        "# TYPE vllm:num_requests_running gauge",
+        'vllm:num_requests_running{engine="0",model_name="m"} 3.0',
+        'vllm:num_requests_running{engine="1",model_name="m"} 4.0',
+        "# TYPE process_cpu_seconds_total counter",
+        "process_cpu_seconds_total 12.0", ""])
+    snapshot = engine.parse_metrics(text)
+    assert snapshot["counters"] == {"vllm:prompt_tokens_total": 150}
+    assert snapshot["gauges"] == {"vllm:kv_cache_usage_perc": 0.7, "vllm:num_requests_running": 7}
+
+
+def test_bench_summary_from_a_recorded_result():
+    summary = engine.summarize_bench(json.loads((RECORDED / "prefix-reuse-fp8.bench.json").read_text()))
+    assert summary["completed"] == 128 and summary["failed"] == 0
+    assert summary["input_throughput"] == pytest.approx(25600.0)
+    assert summary["p99_ttft_ms"] == 180.3 and summary["median_itl_ms"] == 22.4 and summary["mean_e2el_ms"] == 1562.0
+    assert "date" not in summary and "max_concurrency" not in summary
+
+
+def test_kv_cache_startup_lines():
+    old = parse_kv_cache_log((RECORDED / "startup-vllm-0.26.log").read_text())
+    assert old["tokens"] == 3_847_840 and old["tokens_per_request"] == 8192
+    assert old["max_concurrency"] == 469.71 and old["available_gib"] == 117.43
+    assert old["line"].splitlines()[0] == "GPU KV cache size: 3,847,840 tokens"
+    assert old["line"].splitlines()[1].startswith("Maximum concurrency for 8,192 tokens")
+    new = parse_kv_cache_log((RECORDED / "startup-vllm-0.33.log").read_text())
+    assert (new["tokens"], new["tokens_per_request"], new["max_concurrency"]) == (1_234_567, 32_768, 37.68)
+    assert "\n" not in new["line"]
+    assert parse_kv_cache_log("INFO Starting vLLM API server\n") is None
+
+
+# The offline worker's pure parts ----------------------------------------------------------------------------
+
+def test_points_round_trip():
+    for point in (Point(1024, 1, 32, 16), Point(256, 64, 128, 32, prefix_len=1024, num_prefixes=8)):
+        assert Point.parse(point.spec()) == point
+    assert Point(1024, 1, 32, 16).spec() == "input=1024,output=1,prompts=32,concurrency=16"
+    with pytest.raises(ValueError, match="unknown point key"):
+        Point.parse("input=1,tokens=2")
+
+
+def test_prompts_are_deterministic_and_shaped():
+    point = Point(48, 4, 12, 4, prefix_len=32, num_prefixes=3)
+    prompts = worker.build_prompts(point, 7, 32000, "measure")
+    assert prompts == worker.build_prompts(point, 7, 32000, "measure")
+    assert prompts != worker.build_prompts(point, 7, 32000, "warmup")
+    assert prompts != worker.build_prompts(point, 8, 32000, "measure")
+    assert all(len(p) == 80 and all(1 <= t < 32000 for t in p) for p in prompts)
+    assert len({tuple(p[:32]) for p in prompts}) == 3 and len({tuple(p[32:]) for p in prompts}) == 12
+    assert request_order_sha256([prompts, 4]) == request_order_sha256([worker.build_prompts(point, 7, 32000,
+                                                                                            "measure"), 4])
+    plain = worker.build_prompts(Point(16, 1, 5, 5), 0, 100, "measure")
+    assert [len(p) for p in plain] == [16] * 5
+
+
+def test_worker_arguments_and_warmups():
+    args, flags = worker.parse_args(["--scenario", "sweep", "--seed", "3", "--point", "input=8,output=1,prompts=2,"
+                                     "concurrency=2", "--point", "input=8,output=1,prompts=4,concurrency=4",
+                                     "--result", "r.json", "--", "--model", "m", "--seed", "3"])
+    assert flags == ["--model", "m", "--seed", "3"] and args.seed == 3 and not args.stop_at_capacity
+    assert worker.warmup_points(args.points) == [Point(8, 1, 2, 2)]
+    with pytest.raises(SystemExit):
+        worker.parse_args(["--scenario", "x"])
+
+
+# End to end through the stand-ins ----------------------------------------------------------------------------
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state not in ("Z", "X")
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture
+def standin(tmp_path, monkeypatch):
+    site = tmp_path / "site"
+    vllm_standin.write_fake_vllm(site)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    piddir = tmp_path / "pids"
+    piddir.mkdir()
+    monkeypatch.setenv("STANDIN_PIDDIR", str(piddir))
+    monkeypatch.setenv("STANDIN_CALLS", str(tmp_path / "calls.jsonl"))
+    monkeypatch.delenv("STANDIN_FAIL", raising=False)
+    nsys = tmp_path / "bin" / "nsys"
+    nsys.parent.mkdir()
+    nsys.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{TESTS / "vllm_standin.py"}" nsys "$@"\n')
+    nsys.chmod(0o755)
+    monkeypatch.setattr(engine, "probe_environment", lambda python, nvfp4: dict(PROBE_B200))
+
+    def pids(kind: str = "") -> list[int]:
+        return [int(path.read_text()) for path in piddir.glob(f"{kind}*.pid")]
+
+    def calls() -> list[dict]:
+        path = tmp_path / "calls.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    return SimpleNamespace(nsys=str(nsys), tmp=tmp_path, pids=pids, calls=calls, model=model_dir(tmp_path))
+
+
+def run_capture(standin, cfg, **kwargs) -> dict:
+    options = {"nsys": standin.nsys, "startup_timeout_s": 60.0, "shutdown_grace_s": 30.0, "poll_interval_s": 0.05}
+    return engine.capture(cfg, standin.tmp / "run", **{**options, **kwargs})
+
+
+def serve_config(standin, **kwargs) -> engine.VllmCapture:
+    workload = {"input_len": 32, "output_len": 4, "num_prompts": 6, "concurrency": 3}
+    return config(kwargs.pop("scenario", "decode-heavy"), model=str(standin.model), port=free_port(),
+                  **{**workload, **kwargs})
+
+
+def test_serve_records_metrics_bench_and_traces(standin):
+    manifest = run_capture(standin, serve_config(standin))
+    run = standin.tmp / "run"
+    assert manifest["status"] == "ok" and manifest["request_order_matched"] is True
+    assert manifest == json.loads((run / "manifest.json").read_text())
+    for name, tokens in (("fp8", 100_000), ("nvfp4", 177_777)):
+        arm = manifest["arms"][name]
+        assert arm["status"] == "ok" and arm["exit_code"] == 0 and arm["error"] is None
+        assert arm["kv_cache"]["tokens"] == tokens and arm["kv_cache"]["tokens_per_request"] == 8192
+        point = arm["points"][0]
+        counters = point["metrics"]["deltas"]["counters"]
+        assert counters["vllm:prompt_tokens_total"] == 6 * 32 and counters["vllm:generation_tokens_total"] == 6 * 4
+        assert counters["vllm:request_success_total"] == 6
+        assert point["metrics"]["deltas"]["histograms"]["vllm:time_to_first_token_seconds"]["count"] == 6
+        assert point["metrics"]["peaks"]["vllm:num_requests_running"] == 3
+        assert point["metrics"]["cache_config"][0]["cache_dtype"] == name
+        assert point["bench"]["completed"] == 6 and point["bench"]["mean_ttft_ms"] == 50.0
+        assert point["bench_exit_code"] == 0
+        for file in (arm["sqlite"], arm["report"], arm["log"], point["bench_result"], point["metrics"]["before"],
+                     point["metrics"]["after"], f"{name}.bench.log", f"{name}.manifest.json"):
+            assert (run / file).exists(), file
+        assert sqlite3.connect(run / arm["sqlite"]).execute("SELECT value FROM StringIds").fetchone() == ("stand-in",)
+        log = (run / arm["log"]).read_text()
+        assert "GPU KV cache size" in log and "stand-in server: shutting down" in log  # SIGINT, not a kill
+        server, warmup, bench = arm["commands"][:3]
+        assert server[:2] == [standin.nsys, "profile"] and "serve" in server
+        assert "--trace-fork-before-exec=true" in server
+        assert warmup[warmup.index("--seed") + 1] == "1" and "--save-result" not in warmup
+        assert bench[bench.index("--seed") + 1] == "0" and "--save-result" in bench
+        assert arm["commands"][3][1] == "export"
+        per_arm = json.loads((run / f"{name}.manifest.json").read_text())
+        assert list(per_arm["arms"]) == [name] and per_arm["status"] == "ok"
+    settings = manifest["settings"]
+    assert settings["engine_flags"]["fp8"][:2] == ["--kv-cache-dtype", "fp8"]
+    assert settings["env"]["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn" and settings["attention_backend"] == "FLASHINFER"
+    assert settings["model"]["num_key_value_heads"] == 8 and settings["model"]["head_dim"] == 128
+    environment = manifest["environment"]
+    assert environment["packages"]["vllm"] == "0.33.0" and environment["gpu"] == {"name": "NVIDIA B200", "sm": "100",
+                                                                                  "count": 1}
+    assert "stand-in" in environment["nsys"]
+    assert "PYTHONPATH" in environment["inherited_env"]
+    assert not [pid for pid in standin.pids() if alive(pid)]
+
+
+def test_prefix_reuse_resets_the_cache_after_warmup(standin):
+    cfg = serve_config(standin, scenario="prefix-reuse", prefix_len=32, num_prefixes=2, input_len=16,
+                       num_prompts=32)
+    manifest = run_capture(standin, cfg)
+    assert manifest["status"] == "ok"
+    counters = manifest["arms"]["fp8"]["points"][0]["metrics"]["deltas"]["counters"]
+    assert counters["vllm:prefix_cache_hits_total"] == 30 * 32  # the stand-in client reuses 2 prefixes
+    assert manifest["settings"]["env"]["VLLM_SERVER_DEV_MODE"] == "1"
+
+
+@pytest.mark.parametrize("failure,message", [
+    ("server-exit@fp8", "server exited with code 3 before it was ready (see fp8.log, fp8.bench.log)"),
+    ("never-ready@fp8", "server not ready after 2 s"),
+    ("bench@fp8", "vllm bench serve exited with code 1 (see fp8.log, fp8.bench.log)"),
+    ("profile-404@fp8", "POST /start_profile answered 404"),
+    ("no-report@fp8", "nsys wrote no report"),
+    ("export@fp8", "nsys export failed"),
+])
+def test_a_failed_arm_is_recorded_and_the_other_still_runs(standin, monkeypatch, failure, message):
+    monkeypatch.setenv("STANDIN_FAIL", failure)
+    manifest = run_capture(standin, serve_config(standin), startup_timeout_s=2.0)
+    fp8, nvfp4 = manifest["arms"]["fp8"], manifest["arms"]["nvfp4"]
+    assert fp8["status"] == "failed" and message in fp8["error"]
+    assert nvfp4["status"] == "ok" and manifest["status"] == "partial"
+    assert (standin.tmp / "run" / "fp8.log").exists() and (standin.tmp / "run" / "fp8.manifest.json").exists()
+    assert not [pid for pid in standin.pids() if alive(pid)]
+
+
+def test_a_server_that_ignores_sigint_is_killed(standin, monkeypatch):
+    monkeypatch.setenv("STANDIN_FAIL", "ignore-sigint@fp8")
+    manifest = run_capture(standin, serve_config(standin, arms=("fp8",)), shutdown_grace_s=1.0)
+    assert manifest["arms"]["fp8"]["exit_code"] != 0  # stopped by SIGTERM, so nsys wrote nothing
+    assert manifest["status"] == "failed"
+    assert standin.pids("server") and not [pid for pid in standin.pids() if alive(pid)]
+
+
+@pytest.mark.parametrize("sig,to", [(signal.SIGINT, "process"), (signal.SIGTERM, "process"),
+                                    (signal.SIGINT, "another thread")])
+def test_interrupt_shuts_server_and_client_down(standin, monkeypatch, sig, to):
+    """Ctrl-C or SIGTERM while the client runs. The kernel may hand a process-wide signal to any thread;
+    "another thread" forces that case, which must still interrupt the main thread's wait."""
+    marker = standin.tmp / "bench-started"
+    monkeypatch.setenv("STANDIN_BENCH_HANG", str(marker))
+    done, rescued = threading.Event(), []
+
+    def interrupt():
+        deadline = time.monotonic() + 120
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if to == "process":
+            os.kill(os.getpid(), sig)
+        else:
+            signal.pthread_kill(threading.get_ident(), sig)
+        if not done.wait(120):  # a hang guard: unblock the main thread so that the test fails, not hangs
+            rescued.append(True)
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+    handler = signal.getsignal(signal.SIGTERM)
+    threading.Thread(target=interrupt, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        run_capture(standin, serve_config(standin))
+    done.set()
+    assert marker.exists() and not rescued
+    manifest = json.loads((standin.tmp / "run" / "manifest.json").read_text())
+    assert manifest["status"] == "interrupted"
+    assert manifest["arms"]["fp8"]["status"] == "failed" and "interrupted" in manifest["arms"]["fp8"]["error"]
+    assert manifest["arms"]["nvfp4"]["status"] == "not run"
+    assert "GPU KV cache size" in (standin.tmp / "run" / "fp8.log").read_text()
+    assert standin.pids("server") and standin.pids("bench")
+    assert not [pid for pid in standin.pids() if alive(pid)]
+    assert signal.getsignal(signal.SIGTERM) is handler  # restored
+
+
+def test_cli_exit_code_on_partial_failure(standin, monkeypatch):
+    monkeypatch.setenv("STANDIN_FAIL", "bench@nvfp4")
+    cfg = serve_config(standin)
+    result = CliRunner().invoke(capture_cli.capture, [
+        "vllm", "--model", cfg.model, "--scenario", "decode-heavy", "--input-len", "32", "--output-len", "4",
+        "--num-prompts", "6", "--concurrency", "3", "--load-format", "dummy", "--port", str(cfg.port),
+        "--nsys", standin.nsys, "--out", str(standin.tmp / "cli-run")])
+    assert result.exit_code == 1, result.output
+    assert "fp8: ok -> " in result.output and "GPU KV cache 100,000 tokens" in result.output
+    assert "nvfp4: failed (vllm bench serve exited with code 1" in result.output
+
+
+def offline_config(standin, **kwargs) -> engine.VllmCapture:
+    workload = {"input_len": 64, "output_len": 8, "num_prompts": 8, "concurrency": 4}
+    return config(kwargs.pop("scenario", "decode-heavy"), mode="offline", arms=kwargs.pop("arms", ("auto", "fp8")),
+                  model=str(TINY), **{**workload, **kwargs})
+
+
+def test_offline_runs_the_worker_under_nsys(standin):
+    manifest = run_capture(standin, offline_config(standin))
+    run = standin.tmp / "run"
+    assert manifest["status"] == "ok" and manifest["request_order_matched"] is True
+    for name, tokens in (("auto", 50_000), ("fp8", 100_000)):
+        arm = manifest["arms"][name]
+        assert arm["status"] == "ok" and arm["exit_code"] == 0 and arm["kv_cache"]["tokens"] == tokens
+        assert arm["workload"]["engine"]["kv_cache_tokens"] == tokens and arm["workload"]["kv_cache_dtype"] == name
+        assert arm["workload"]["versions"]["vllm"] == "0.0.0+standin"
+        point = arm["points"][0]
+        assert (point["requests"], point["tokens_in"], point["tokens_out"]) == (8, 8 * 64, 8 * 8)
+        counters = point["metrics"]["deltas"]["counters"]
+        assert counters["vllm:prompt_tokens_total"] == 8 * 64 and counters["vllm:request_success_total"] == 8
+        result = json.loads((run / f"{name}.workload.json").read_text())
+        assert result["kv_cache"]["tokens"] == tokens and "metrics_before" in result["points"][0]
+        assert (run / arm["sqlite"]).exists() and (run / f"{name}.manifest.json").exists()
+        command = arm["commands"][0]
+        assert "--trace-fork-before-exec=true" in command and "--capture-range=cudaProfilerApi" in command
+        assert command[command.index("--") + 1:][:4] == ["--model", str(TINY), "--kv-cache-dtype", name]
+    calls = [(c["call"], c["detail"]) for c in standin.calls() if c["arm"] == "fp8"]
+    assert calls[0] == ("init", {"kv_cache_dtype": "fp8", "attention_backend": "FLASHINFER", "load_format": "dummy",
+                                 "skip_tokenizer_init": True, "enable_prefix_caching": False})
+    assert calls[1:] == [("generate", 8), ("start_profile", None), ("generate", 8), ("stop_profile", None)]
+
+
+def test_offline_prefix_reuse_counts_cached_tokens(standin):
+    cfg = offline_config(standin, scenario="prefix-reuse", input_len=16, prefix_len=32, num_prefixes=2)
+    manifest = run_capture(standin, cfg)
+    assert manifest["status"] == "ok" and manifest["request_order_matched"] is True
+    point = manifest["arms"]["fp8"]["points"][0]
+    assert point["cached_tokens"] == 6 * 32 and sorted(point["cached_tokens_per_request"]) == [0, 0] + [32] * 6
+    assert point["metrics"]["deltas"]["counters"]["vllm:prefix_cache_hits_total"] == 6 * 32
+    calls = [c["call"] for c in standin.calls() if c["arm"] == "fp8"]
+    assert calls == ["init", "generate", "reset_prefix_cache", "start_profile", "generate", "stop_profile"]
+
+
+def test_offline_sweep_stops_at_capacity_and_matches_the_grid(standin, monkeypatch):
+    monkeypatch.setenv("STANDIN_KV_TOKENS", "1000")  # fp8 holds 1,000 tokens, auto 500
+    cfg = offline_config(standin, scenario="sweep", input_len=None, num_prompts=None, concurrency=None,
+                         contexts=(64, 256), concurrencies=(2, 4, 8))
+    manifest = run_capture(standin, cfg)
+    assert manifest["settings"]["arms"] == ["fp8", "auto"]
+    fp8, auto = manifest["arms"]["fp8"], manifest["arms"]["auto"]
+    ran = [point["point"] for point in fp8["points"]]
+    assert ran == ["input=64,output=8,prompts=2,concurrency=2", "input=64,output=8,prompts=4,concurrency=4",
+                   "input=64,output=8,prompts=8,concurrency=8", "input=256,output=8,prompts=2,concurrency=2",
+                   "input=256,output=8,prompts=4,concurrency=4"]
+    assert fp8["points"][-1]["capacity"] == "4 preemptions"  # one per request the stand-in could not fit
+    assert [point["point"] for point in auto["points"]] == ran
+    assert "--stop-at-capacity" in fp8["commands"][0] and "--stop-at-capacity" not in auto["commands"][0]
+    assert fp8["commands"][0].count("--point") == 6 and auto["commands"][0].count("--point") == 5
+    assert manifest["request_order_matched"] is True
+
+
+def test_offline_worker_failure_is_recorded(standin, monkeypatch):
+    monkeypatch.setenv("STANDIN_FAIL", "worker@fp8")
+    manifest = run_capture(standin, offline_config(standin))
+    assert manifest["arms"]["auto"]["status"] == "ok"
+    fp8 = manifest["arms"]["fp8"]
+    assert fp8["status"] == "failed" and "workload under nsys exited with code 1 (see fp8.log)" in fp8["error"]
+    assert "illegal memory access" in (standin.tmp / "run" / "fp8.log").read_text()
+    assert manifest["status"] == "partial"
+
+
+def test_force_rules_follow_the_runner(standin):
+    run_capture(standin, offline_config(standin, arms=("fp8",)))
+    with pytest.raises(KvtraceError, match="already holds a run: pass --force"):
+        run_capture(standin, offline_config(standin, arms=("fp8",)))
+    assert run_capture(standin, offline_config(standin, arms=("fp8",)), force=True)["status"] == "ok"
+
+
+def test_capture_imports_no_analyzer_and_no_engine():
+    code = ("import sys, kvtrace.capture.cli, kvtrace.capture.vllm_engine, kvtrace.capture.vllm_offline_workload; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('polars', 'matplotlib', 'torch', 'vllm', "
+            "'prometheus_client') or m.startswith('kvtrace.analyzer')]; print(bad); sys.exit(bool(bad))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=TESTS)
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -1,0 +1,153 @@
+"""Plots of `kvtrace report`: the files are written and hold the expected series (checked on the matplotlib
+Figure objects and in the SVG text, not in pixels); matplotlib stays out of `kvtrace diff`."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from matplotlib.container import BarContainer
+
+from conftest import FIXTURES, NSYS2025_DIR
+from kvtrace.analyzer import report
+from kvtrace.analyzer.classify import load_recipes
+from kvtrace.analyzer.render import plots
+from kvtrace.cli import cli
+
+SWEEP = FIXTURES / "vllm-recorded-report" / "sweep"
+PREFILL = "%BatchPrefillWithPagedKVCacheKernel%MaskMode)1%"
+
+
+@pytest.fixture(scope="module")
+def fi():
+    return report.build([NSYS2025_DIR], load_recipes())
+
+
+@pytest.fixture(scope="module")
+def sweep():
+    return report.build([SWEEP], load_recipes())
+
+
+def by_gid(figure, prefix: str) -> dict:
+    return {artist.get_gid(): artist for artist in figure.findobj(lambda a: (a.get_gid() or "").startswith(prefix))}
+
+
+def test_segment_means_show_both_arms_with_intervals(fi):
+    figure = plots.segment_means_figure(fi)
+    ax = figure.axes[0]
+    assert ax.get_legend_handles_labels()[1] == ["fp8", "nvfp4"]
+    rows = [r for r in fi.segment_means if r.baseline_mean_ns or r.candidate_mean_ns]
+    assert [t.get_text() for t in ax.get_yticklabels()] == [r.segment for r in rows]
+    with sqlite3.connect(f"file:{NSYS2025_DIR / 'fp8.sqlite'}?mode=ro", uri=True) as conn:
+        prefill_mean = conn.execute("SELECT avg(k.end - k.start) FROM CUPTI_ACTIVITY_KIND_KERNEL k JOIN StringIds s "
+                                    "ON s.id = k.demangledName WHERE s.value LIKE ?", (PREFILL,)).fetchone()[0]
+    bars = by_gid(figure, "means-")
+    assert bars["means-baseline-prefill_attention"].get_width() == pytest.approx(prefill_mean / 1e3)
+    assert {gid.split("-")[1] for gid in bars} == {"baseline", "candidate"}
+    bar_containers = [c for c in ax.containers if isinstance(c, BarContainer)]
+    assert len(bar_containers) == 2 and all(c.errorbar is not None for c in bar_containers)  # whiskers: intervals
+
+
+def test_ratio_plot_has_the_no_change_band_and_every_compared_segment(fi):
+    figure = plots.segment_ratios_figure(fi)
+    ax = figure.axes[0]
+    band = by_gid(figure, "no-change-band")["no-change-band"]
+    low, high = band.get_x(), band.get_x() + band.get_width()
+    assert (low, high) == pytest.approx((1 - fi.diff.threshold, 1 + fi.diff.threshold))
+    compared = [r for r in fi.segment_means if r.ratio is not None]
+    points = []
+    for line in figure.findobj(lambda a: (a.get_gid() or "").startswith("ratios-")):
+        points += list(zip(line.get_xdata(), line.get_ydata()))
+    assert sorted(x for x, _ in points) == pytest.approx(sorted(r.ratio for r in compared))
+    assert "no-change band (±2%)" in ax.get_legend_handles_labels()[1]
+
+
+def test_ecdf_holds_the_per_call_durations_of_prefill_and_decode(fi):
+    figure = plots.ecdf_figure(fi)
+    lines = by_gid(figure, "ecdf-")
+    assert set(lines) == {f"ecdf-{s}-{side}" for s in ("prefill_attention", "decode_attention")
+                          for side in ("baseline", "candidate")}
+    with sqlite3.connect(f"file:{NSYS2025_DIR / 'nvfp4.sqlite'}?mode=ro", uri=True) as conn:
+        prefill = sorted(r[0] for r in conn.execute(
+            "SELECT k.end - k.start FROM CUPTI_ACTIVITY_KIND_KERNEL k JOIN StringIds s ON s.id = k.demangledName "
+            "WHERE s.value LIKE ?", (PREFILL,)))
+    line = lines["ecdf-prefill_attention-candidate"]
+    assert np.allclose(line.get_xdata(), np.array(prefill) / 1e3)
+    assert line.get_ydata()[-1] == 1.0 and line.get_ydata()[0] == pytest.approx(1 / len(prefill))
+    assert [ax.get_title().split(":")[0] for ax in figure.axes] == ["prefill attention", "decode attention"]
+
+
+def test_bandwidth_plot_against_the_trace_ceiling(fi):
+    figure = plots.bandwidth_figure(fi)
+    with sqlite3.connect(f"file:{NSYS2025_DIR / 'fp8.sqlite'}?mode=ro", uri=True) as conn:
+        ceiling = conn.execute("SELECT memoryBandwidth FROM TARGET_INFO_GPU").fetchone()[0]
+    line = by_gid(figure, "hbm-ceiling")["hbm-ceiling"]
+    assert line.get_xdata()[0] == pytest.approx(ceiling / 1e12)
+    bars = by_gid(figure, "bandwidth-")
+    assert len(bars) == 2 * len(fi.bandwidth)
+
+
+def test_sweep_curves_per_arm_and_context_with_capacity_marks(sweep, fi):
+    assert plots.sweep_figure(fi) is None  # no traffic points, no sweep
+    figure = plots.sweep_figure(sweep)
+    data = json.loads((SWEEP / "manifest.json").read_text())
+    contexts = sorted({int(dict(i.split("=") for i in p.split(","))["input"]) for p in data["settings"]["points"]})
+    lines = by_gid(figure, "sweep-")
+    assert set(lines) == {f"sweep-{panel}-{side}-{context}" for panel in ("ttft", "itl", "preemptions")
+                          for side in ("baseline", "candidate") for context in contexts}
+    points = {(p["point"]): p for p in data["arms"]["fp8"]["points"]}
+    line = lines[f"sweep-preemptions-baseline-{contexts[0]}"]
+    expected = sorted((int(dict(i.split("=") for i in spec.split(","))["concurrency"]),
+                       p["metrics"]["deltas"]["counters"]["vllm:num_preemptions_total"])
+                      for spec, p in points.items() if f"input={contexts[0]}," in spec)
+    assert list(zip(line.get_xdata(), line.get_ydata())) == expected
+    labels = figure.axes[0].get_legend_handles_labels()[1]
+    assert "fp8 first at capacity" in labels
+    assert "fp8, context 1,024" in labels and "nvfp4, context 1,024" in labels
+
+
+def test_write_plots_png_and_svg_with_relative_links(fi, sweep, tmp_path):
+    folder = tmp_path / "out" / "plots"
+    written = plots.write_plots(fi, folder, "png", link_base=tmp_path / "out")
+    assert {p.kind for p in written} == {"segment-means", "segment-ratios", "ecdf", "bandwidth"}
+    for plot in written:
+        assert plot.link == f"plots/{plot.kind}.png"
+        assert (folder / f"{plot.kind}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert fi.plots == written
+    svg = plots.write_plots(sweep, tmp_path / "svg", "svg", link_base=tmp_path)
+    text = (tmp_path / "svg" / "sweep.svg").read_text()
+    assert "sweep-ttft-baseline-1024" in text and "TTFT (ms) vs concurrency" in text
+    assert "first capacity-bound point" in text
+    assert {p.kind for p in svg} >= {"sweep", "segment-means"}
+    assert not [p for p in (tmp_path / "svg").iterdir() if p.name.startswith(".")]  # no temporary files left
+
+
+def test_cli_plots_are_linked_from_the_markdown(tmp_path):
+    out = tmp_path / "report.md"
+    result = CliRunner().invoke(cli, ["report", str(SWEEP), "--format", "markdown", "-o", str(out), "--plots",
+                                      str(tmp_path / "figs"), "--plot-format", "svg"])
+    assert result.exit_code == 0, result.output
+    text = out.read_text()
+    for kind in ("segment-means", "segment-ratios", "ecdf", "sweep"):
+        assert f"(figs/{kind}.svg)" in text and (tmp_path / "figs" / f"{kind}.svg").is_file()
+    (tmp_path / "file").write_text("x")
+    bad = CliRunner().invoke(cli, ["report", str(SWEEP), "--plots", str(tmp_path / "file")])
+    assert bad.exit_code != 0 and "is a file" in str(bad.exception)
+
+
+def test_matplotlib_and_torch_stay_out_of_diff_and_capacity():
+    code = (f"import sys\nfrom kvtrace.cli import main\n"
+            f"main(['diff', '{NSYS2025_DIR / 'fp8.sqlite'}', '{NSYS2025_DIR / 'nvfp4.sqlite'}', '--format', 'markdown', "
+            f"'-o', '/dev/null'])\n"
+            "assert 'matplotlib' not in sys.modules, 'diff imported matplotlib'\n"
+            "main(['capacity', '--layers', '64', '--kv-heads', '8', '--head-dim', '128', '--format', 'json', '-o', "
+            "'/dev/null'])\n"
+            "assert 'torch' not in sys.modules and 'matplotlib' not in sys.modules, 'capacity imported torch/matplotlib'\n"
+            "print('clean')")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert result.returncode == 0 and result.stdout.strip() == "clean", result.stderr

@@ -1,0 +1,385 @@
+"""Stand-ins for what the vLLM capture drives, so that its tests need no GPU, vLLM or Nsight Systems.
+
+- `python vllm_standin.py nsys profile|export|--version ...`: runs the profiled command and writes a report
+  file when it exits (ignoring SIGINT itself, as nsys does while it finalizes); export writes a small SQLite.
+- A fake `vllm` package (written by the tests into a temporary folder, see `write_fake_vllm`) whose
+  `python -m vllm.entrypoints.cli.main serve` is a tiny HTTP server with /health, /metrics (prometheus_client
+  text, vLLM's metric names), /start_profile, /stop_profile, /reset_prefix_cache and /v1/completions, and
+  whose `bench serve` posts completions to it and writes a result JSON. Its `LLM` class serves the offline
+  worker.
+
+Failures are switched on per arm through STANDIN_FAIL, e.g. "never-ready@fp8,bench@nvfp4":
+server-exit, never-ready, ignore-sigint, profile-404 (server); bench (client); worker (offline LLM);
+no-report, export (nsys). STANDIN_PIDDIR collects pid files so tests can check that nothing survives;
+STANDIN_BENCH_HANG names a file the measured bench creates before hanging (for Ctrl-C tests);
+STANDIN_CALLS names a file the offline LLM appends its calls to.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+MODEL_LABELS = ("model_name", "engine")
+BLOCK = 16
+
+
+def failing(what: str, arm: str | None) -> bool:
+    return f"{what}@{arm}" in os.environ.get("STANDIN_FAIL", "").split(",")
+
+
+def write_pid(kind: str) -> None:
+    folder = os.environ.get("STANDIN_PIDDIR")
+    if folder:
+        Path(folder, f"{kind}-{os.getpid()}.pid").write_text(str(os.getpid()))
+
+
+def kv_tokens(kv_dtype: str) -> int:
+    """Capacity that moves with the KV dtype the way vLLM's does (bf16 2 B, fp8 1 B, nvfp4 0.5625 B)."""
+    base = int(os.environ.get("STANDIN_KV_TOKENS", "100000"))
+    return {"auto": base // 2, "nvfp4": base * 16 // 9}.get(kv_dtype, base)
+
+
+def print_kv_lines(tokens: int) -> None:
+    # vLLM 0.26's two startup lines, engine-core prefix included.
+    print(f"(EngineCore_DP0 pid={os.getpid()}) INFO [kv_cache_utils.py:2177] GPU KV cache size: {tokens:,} tokens",
+          file=sys.stderr)
+    print(f"(EngineCore_DP0 pid={os.getpid()}) INFO [kv_cache_utils.py:2178] Maximum concurrency for 8,192 tokens "
+          f"per request: {tokens / 8192:.2f}x", file=sys.stderr, flush=True)
+
+
+class Stats:
+    """vLLM's counters and gauges for one engine, exposed the way vLLM exposes them."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.counters = dict.fromkeys(("prompt_tokens", "generation_tokens", "request_success", "num_preemptions",
+                                       "prefix_cache_queries", "prefix_cache_hits"), 0)
+        self.gauges = {"num_requests_running": 0, "num_requests_waiting": 0, "kv_cache_usage_perc": 0.0}
+        self.ttft = [0, 0.0]
+
+    def request(self, prompt_len: int, output_len: int, concurrency: int, cached: int) -> None:
+        demand = concurrency * (prompt_len + output_len)
+        self.counters["prompt_tokens"] += prompt_len
+        self.counters["generation_tokens"] += output_len
+        self.counters["request_success"] += 1
+        self.counters["prefix_cache_queries"] += prompt_len
+        self.counters["prefix_cache_hits"] += cached
+        self.counters["num_preemptions"] += demand > self.capacity
+        self.gauges["num_requests_running"] = concurrency
+        self.gauges["kv_cache_usage_perc"] = min(1.0, demand / self.capacity)
+        self.ttft[0] += 1
+        self.ttft[1] += 0.05
+
+    def prometheus_text(self, model: str, kv_dtype: str) -> str:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+        registry = CollectorRegistry()
+        labels = {"model_name": model, "engine": "0"}
+        for name, value in self.counters.items():
+            Counter(f"vllm:{name}", name, list(labels), registry=registry).labels(**labels).inc(value)
+        for name, value in self.gauges.items():
+            Gauge(f"vllm:{name}", name, list(labels), registry=registry).labels(**labels).set(value)
+        histogram = Histogram("vllm:time_to_first_token_seconds", "ttft", list(labels), buckets=[0.1, 1.0],
+                              registry=registry).labels(**labels)
+        for _ in range(self.ttft[0]):
+            histogram.observe(0.05)
+        Gauge("vllm:cache_config_info", "cache config", ["block_size", "cache_dtype", "num_gpu_blocks", "engine"],
+              registry=registry).labels(block_size="16", cache_dtype=kv_dtype,
+                                        num_gpu_blocks=str(self.capacity // BLOCK), engine="0").set(1)
+        return generate_latest(registry).decode()
+
+
+def serve(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    parser.add_argument("--host")
+    parser.add_argument("--port", type=int)
+    parser.add_argument("--kv-cache-dtype")
+    args, _ = parser.parse_known_args(argv)
+    arm = args.kv_cache_dtype
+    write_pid("server")
+    if failing("server-exit", arm):
+        print("stand-in: CUDA out of memory while loading the model", file=sys.stderr)
+        sys.exit(3)
+    if failing("ignore-sigint", arm):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    stats = Stats(kv_tokens(arm))
+    print_kv_lines(stats.capacity)
+    dev_mode = os.environ.get("VLLM_SERVER_DEV_MODE") == "1"
+
+    class Handler(BaseHTTPRequestHandler):
+        def reply(self, status: int, body: str = "") -> None:
+            data = body.encode()
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            if self.path == "/health":
+                self.reply(503 if failing("never-ready", arm) else 200)
+            elif self.path == "/metrics":
+                self.reply(200, stats.prometheus_text(args.model, arm))
+            else:
+                self.reply(404)
+
+        def do_POST(self):
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            if self.path in ("/start_profile", "/stop_profile"):
+                self.reply(404 if failing("profile-404", arm) else 200)
+            elif self.path == "/reset_prefix_cache":
+                self.reply(200 if dev_mode else 404)
+            elif self.path == "/v1/completions":
+                request = json.loads(body)
+                stats.request(request["prompt_len"], request["output_len"], request["concurrency"],
+                              request["cached"])
+                self.reply(200, "{}")
+            else:
+                self.reply(404)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer((args.host, args.port), Handler)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        print("stand-in server: shutting down", file=sys.stderr)
+    finally:
+        server.server_close()
+
+
+def bench(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser()
+    for name in ("--host", "--dataset-name", "--result-dir", "--result-filename"):
+        parser.add_argument(name)
+    for name in ("--port", "--num-prompts", "--max-concurrency", "--random-input-len", "--random-output-len",
+                 "--prefix-repetition-prefix-len", "--prefix-repetition-suffix-len", "--prefix-repetition-output-len",
+                 "--seed"):
+        parser.add_argument(name, type=int, default=0)
+    parser.add_argument("--save-result", action="store_true")
+    args, _ = parser.parse_known_args(argv)
+    write_pid("bench")
+    arm = args.result_filename.split(".")[0] if args.result_filename else None
+    hang = os.environ.get("STANDIN_BENCH_HANG")
+    if hang and arm:
+        Path(hang).write_text(str(os.getpid()))
+        while True:
+            time.sleep(3600)
+    if failing("bench", arm):
+        print("stand-in bench: all requests failed", file=sys.stderr)
+        sys.exit(1)
+    import urllib.request
+
+    prefix = args.prefix_repetition_prefix_len
+    prompt_len = prefix + (args.prefix_repetition_suffix_len if prefix else args.random_input_len)
+    output_len = args.prefix_repetition_output_len if prefix else args.random_output_len
+    prefixes = max(1, args.num_prompts // 16)
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    for index in range(args.num_prompts):
+        cached = prefix if prefix and index >= prefixes else 0
+        body = json.dumps({"prompt_len": prompt_len, "output_len": output_len, "concurrency": args.max_concurrency,
+                           "cached": cached}).encode()
+        request = urllib.request.Request(f"http://{args.host}:{args.port}/v1/completions", data=body, method="POST")
+        opener.open(request, timeout=30).read()
+    if args.save_result:
+        duration = 0.01 * args.num_prompts
+        result = {"backend": "vllm", "num_prompts": args.num_prompts, "max_concurrency": args.max_concurrency,
+                  "duration": duration, "completed": args.num_prompts, "failed": 0,
+                  "total_input_tokens": prompt_len * args.num_prompts,
+                  "total_output_tokens": output_len * args.num_prompts,
+                  "request_throughput": args.num_prompts / duration,
+                  "output_throughput": output_len * args.num_prompts / duration,
+                  "mean_ttft_ms": 50.0, "p99_ttft_ms": 80.0, "mean_itl_ms": 10.0, "p99_itl_ms": 20.0}
+        Path(args.result_dir, args.result_filename).write_text(json.dumps(result))
+
+
+def cli_main() -> None:
+    """`python -m vllm.entrypoints.cli.main serve|bench serve ...`"""
+    argv = sys.argv[1:]
+    if argv[0] == "serve":
+        serve(argv[1:])
+    elif argv[:2] == ["bench", "serve"]:
+        bench(argv[2:])
+    else:
+        sys.exit(f"stand-in vllm: unsupported command {argv}")
+
+
+# The offline LLM ------------------------------------------------------------------------------------------
+
+class EngineArgs:
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        for name in ("--model", "--kv-cache-dtype", "--attention-backend", "--profiler-config", "--load-format"):
+            parser.add_argument(name)
+        for name in ("--seed", "--max-num-seqs", "--max-model-len"):
+            parser.add_argument(name, type=int)
+        parser.add_argument("--skip-tokenizer-init", action="store_true")
+        parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, namespace: argparse.Namespace) -> "EngineArgs":
+        engine_args = cls()
+        engine_args.__dict__.update(vars(namespace))
+        return engine_args
+
+
+class SamplingParams:
+    def __init__(self, **kwargs):
+        self.__dict__.update(kwargs)
+
+
+class Counter:
+    def __init__(self, name, labels, value):
+        self.name, self.labels, self.value = name, labels, value
+
+
+class Gauge(Counter):
+    pass
+
+
+class Histogram:
+    def __init__(self, name, labels, count, sum):
+        self.name, self.labels, self.count, self.sum = name, labels, count, sum
+
+
+class _Namespace:
+    def __init__(self, **kwargs):
+        self.__dict__.update(kwargs)
+
+
+class LLM:
+    profiling = False
+
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+        self.arm = kwargs["kv_cache_dtype"]
+        self.stats = Stats(kv_tokens(self.arm))
+        self.seen_blocks: set[tuple[int, ...]] = set()
+        cache = _Namespace(cache_dtype=self.arm, block_size=BLOCK, num_gpu_blocks=self.stats.capacity // BLOCK,
+                           enable_prefix_caching=bool(kwargs.get("enable_prefix_caching")))
+        self.llm_engine = _Namespace(
+            vllm_config=_Namespace(cache_config=cache,
+                                   model_config=_Namespace(max_model_len=kwargs.get("max_model_len") or 8192),
+                                   scheduler_config=_Namespace(max_num_seqs=kwargs.get("max_num_seqs"),
+                                                               max_num_batched_tokens=8192)),
+            model_config=_Namespace(get_vocab_size=lambda: 32000))
+        self.call("init", {key: kwargs[key] for key in ("kv_cache_dtype", "attention_backend", "load_format",
+                                                         "skip_tokenizer_init", "enable_prefix_caching")})
+        print_kv_lines(self.stats.capacity)
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> "LLM":
+        return cls(**vars(engine_args))
+
+    def call(self, name: str, detail=None) -> None:
+        calls = os.environ.get("STANDIN_CALLS")
+        if calls:
+            with open(calls, "a") as handle:
+                handle.write(json.dumps({"arm": self.arm, "call": name, "detail": detail}) + "\n")
+
+    def cached_tokens(self, tokens: list[int]) -> int:
+        """Longest block-aligned prefix seen before, as vLLM's prefix cache would find it."""
+        cached = 0
+        for end in range(BLOCK, len(tokens) + 1, BLOCK):
+            key = tuple(tokens[:end])
+            if key in self.seen_blocks:
+                cached = end
+            self.seen_blocks.add(key)
+        return cached if self.llm_engine.vllm_config.cache_config.enable_prefix_caching else 0
+
+    def generate(self, prompts, sampling_params, use_tqdm=True):
+        self.call("generate", len(prompts))
+        if failing("worker", self.arm) and self.profiling:
+            raise RuntimeError("stand-in: CUDA error: an illegal memory access was encountered")
+        outputs = []
+        for prompt in prompts:
+            tokens = prompt["prompt_token_ids"]
+            cached = self.cached_tokens(tokens)
+            self.stats.request(len(tokens), sampling_params.max_tokens, len(prompts), cached)
+            outputs.append(_Namespace(prompt_token_ids=tokens, num_cached_tokens=cached,
+                                      outputs=[_Namespace(token_ids=[7] * sampling_params.max_tokens)]))
+        return outputs
+
+    def start_profile(self):
+        self.call("start_profile")
+        self.profiling = True
+
+    def stop_profile(self):
+        self.call("stop_profile")
+        self.profiling = False
+
+    def reset_prefix_cache(self):
+        self.call("reset_prefix_cache")
+        self.seen_blocks.clear()
+        return True
+
+    def get_metrics(self):
+        labels = {"model_name": self.kwargs["model"], "engine": "0"}
+        metrics = [Counter(f"vllm:{name}", labels, value) for name, value in self.stats.counters.items()]
+        metrics += [Gauge(f"vllm:{name}", labels, value) for name, value in self.stats.gauges.items()]
+        metrics.append(Histogram("vllm:time_to_first_token_seconds", labels, *self.stats.ttft))
+        return metrics
+
+
+FAKE_VLLM = {
+    "vllm/__init__.py": "from vllm_standin import LLM, SamplingParams\n__version__ = '0.0.0+standin'\n",
+    "vllm/inputs.py": "TokensPrompt = dict\n",
+    "vllm/engine/__init__.py": "",
+    "vllm/engine/arg_utils.py": "from vllm_standin import EngineArgs\n",
+    "vllm/utils/__init__.py": "",
+    "vllm/utils/argparse_utils.py": "from argparse import ArgumentParser as FlexibleArgumentParser\n",
+    "vllm/entrypoints/__init__.py": "",
+    "vllm/entrypoints/cli/__init__.py": "",
+    "vllm/entrypoints/cli/main.py": "import vllm_standin\n\nif __name__ == '__main__':\n    vllm_standin.cli_main()\n",
+}
+
+
+def write_fake_vllm(site: Path) -> None:
+    for relative, text in FAKE_VLLM.items():
+        path = site / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+# Nsight Systems ----------------------------------------------------------------------------------------
+
+def nsys(argv: list[str]) -> int:
+    if argv == ["--version"]:
+        print("NVIDIA Nsight Systems version 2099.1.0 (kvtrace stand-in)")
+        return 0
+    rest = argv[1:]
+    count = next((i for i, arg in enumerate(rest) if not arg.startswith("-")), len(rest))
+    options, workload = rest[:count], rest[count:]
+    output = next(arg.split("=", 1)[1] for arg in options if arg.startswith("--output="))
+    arm = Path(output).name.split(".")[0]
+    if argv[0] == "export":
+        if failing("export", arm):
+            print("stand-in nsys: export failed", file=sys.stderr)
+            return 1
+        with sqlite3.connect(output) as db:
+            db.execute("CREATE TABLE StringIds (id INTEGER PRIMARY KEY, value TEXT)")
+            db.execute("INSERT INTO StringIds VALUES (1, 'stand-in')")
+        return 0
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # nsys outlives its target to write the report
+    child = subprocess.Popen(workload, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    returncode = child.wait()
+    if not failing("no-report", arm):
+        Path(output + ".nsys-rep").write_text("stand-in report\n")
+    return returncode if returncode >= 0 else 128 - returncode
+
+
+if __name__ == "__main__":
+    if sys.argv[1] != "nsys":
+        sys.exit("usage: vllm_standin.py nsys ...")
+    sys.exit(nsys(sys.argv[2:]))
