@@ -6,7 +6,7 @@ NSYS_INSTALLER := $(wildcard ../shared/ci/install-nsys-cli.sh)
 DEMO := fixtures/fi-h200-sm90
 OUT ?= out
 
-.PHONY: install install-dev demo test docs capture
+.PHONY: install install-dev demo test docs capture bench
 
 install:
 	$(PIP) -e .
@@ -28,6 +28,12 @@ demo: install
 test: install-dev
 	@if [ -n "$(NSYS_INSTALLER)" ]; then export NSYS=$$(bash $(NSYS_INSTALLER)); fi; \
 	$(PYTHON) -m pytest
+
+# Grows the vLLM fixtures to 1M and 10M kernels under bench/out/ (about 4 GB) and times kvtrace against the
+# SQLite floor and `nsys stats`; the table goes into docs/performance.md.
+bench: install
+	@if [ -n "$(NSYS_INSTALLER)" ]; then export NSYS=$$(bash $(NSYS_INSTALLER)); fi; \
+	$(PYTHON) bench/run.py
 
 docs: install
 	$(PYTHON) -m kvtrace.docs > docs/cli.md

@@ -80,8 +80,12 @@ def parse_time_window(text: str) -> tuple[int | None, int | None]:
 def enclosing_ranges(trace: Trace) -> pl.DataFrame:
     """Per kernel row (kernel_row), its enclosing NVTX ranges, outermost first: names (`ranges`) and start
     times (`range_starts`, which tell two ranges of the same name apart)."""
+    return trace.memo("enclosing_ranges", lambda: _enclosing_ranges(trace))
+
+
+def _enclosing_ranges(trace: Trace) -> pl.DataFrame:
     kernels = trace.kernels.with_row_index("kernel_row").select("kernel_row", "correlation_id", "global_pid")
-    runtime = trace.runtime().with_columns((pl.col("global_tid") & PROCESS_MASK).alias("global_pid"))
+    runtime = trace.runtime(api=False).with_columns((pl.col("global_tid") & PROCESS_MASK).alias("global_pid"))
     launches = kernels.join(runtime.select("correlation_id", "global_pid", "global_tid", "start", "end"),
                             on=["correlation_id", "global_pid"], how="inner")
     ranges = _with_depth(trace.nvtx_ranges())
@@ -126,6 +130,10 @@ def _with_depth(ranges: pl.DataFrame) -> pl.DataFrame:
 
 def step_phases(trace: Trace) -> pl.DataFrame:
     """kernel_row -> vLLM step (name, start), kind and token counts, for kernels inside vLLM step ranges."""
+    return trace.memo("step_phases", lambda: _step_phases(trace))
+
+
+def _step_phases(trace: Trace) -> pl.DataFrame:
     ranges = enclosing_ranges(trace).explode("ranges", "range_starts").rename({"ranges": "name"})
     steps = ranges.with_columns(pl.col("name").str.extract_groups(VLLM_STEP.pattern).alias("m")).filter(
         pl.col("m").struct.field("1").is_not_null())
@@ -250,6 +258,8 @@ def durations(calls: pl.DataFrame) -> np.ndarray:
 
 
 def _shape_list(calls: pl.DataFrame, limit: int = 3) -> str:
-    shapes = calls.group_by(MATCH_KEY).len().sort("len", descending=True)
+    # Ties in count sort by shape and range, so that the same inputs always give the same text.
+    shapes = calls.group_by(MATCH_KEY).len().sort(["len", *MATCH_KEY], descending=[True] + [False] * len(MATCH_KEY),
+                                                  nulls_last=True)
     text = ", ".join(shape_label(r[:7]) for r in shapes.head(limit).iter_rows())
     return text + (", …" if shapes.height > limit else "")

@@ -7,6 +7,8 @@ import io
 import os
 import sys
 import tempfile
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import click
@@ -19,7 +21,7 @@ from kvtrace.errors import KvtraceError
 
 
 def output_options(command):
-    """--format, -o, --recipe and --nsys, shared by every analyzer command."""
+    """--format, -o, --recipe, --nsys and --quiet, shared by every analyzer command."""
 
     @click.option("--format", "fmt", type=click.Choice(render.FORMATS), default="table", show_default=True,
                   help="Terminal table, GitHub markdown, JSON (versioned schema) or CSV.")
@@ -28,11 +30,47 @@ def output_options(command):
     @click.option("--recipe", "recipe_files", multiple=True, type=click.Path(path_type=Path),
                   help="Extra recipe file; its rules take precedence over the shipped ones. Repeatable.")
     @click.option("--nsys", "nsys_path", help="nsys used to export .nsys-rep inputs (default: $NSYS, PATH).")
+    @click.option("-q", "--quiet", is_flag=True, help="No progress display on standard error.")
     @functools.wraps(command)
-    def wrapper(*args, **kwargs):
+    def wrapper(*args, quiet, **kwargs):
+        click.get_current_context().meta["kvtrace.quiet"] = quiet
         return command(*args, **kwargs)
 
     return wrapper
+
+
+@contextmanager
+def progress(message: str, delay_s: float = 1.0):
+    """A transient spinner on standard error for a step still running after `delay_s` (loading or exporting
+    a large trace); nothing when standard error is not a terminal or with --quiet."""
+    context = click.get_current_context(silent=True)
+    console = Console(stderr=True)
+    if (context and context.meta.get("kvtrace.quiet")) or not console.is_terminal:
+        yield
+        return
+    status = console.status(message)
+    lock, done = threading.Lock(), threading.Event()
+
+    def start():
+        with lock:
+            if not done.is_set():
+                status.start()
+
+    timer = threading.Timer(delay_s, start)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        with lock:
+            done.set()
+            timer.cancel()
+            status.stop()
+
+
+def load_trace(path: Path, nsys_path: str | None):
+    with progress(f"loading {path}"):
+        return open_trace(path, nsys=nsys_path)
 
 
 def emit(result, fmt: str, output: Path | None) -> None:
@@ -119,7 +157,10 @@ def _trace_argument(name: str):
 def summary(trace, label, window, fmt, output, recipe_files, nsys_path):
     """Time per segment and kernel family of one trace (.sqlite or .nsys-rep)."""
     recipes = load_recipes(recipe_files)
-    emit(compare.summarize(open_trace(trace, nsys=nsys_path), recipes, label=label, window=window), fmt, output)
+    loaded = load_trace(trace, nsys_path)
+    with progress(f"summarizing {trace}"):
+        result = compare.summarize(loaded, recipes, label=label, window=window)
+    emit(result, fmt, output)
 
 
 @click.command()
@@ -146,9 +187,10 @@ def diff(baseline, candidate, labels, threshold, confidence, seed, fail_on, wind
         raise KvtraceError("--label takes two names, baseline first: --label fp8 --label nvfp4")
     watched = parse_gate(fail_on)
     recipes = load_recipes(recipe_files)
-    result = compare.diff(open_trace(baseline, nsys=nsys_path), open_trace(candidate, nsys=nsys_path), recipes,
-                          labels=tuple(labels) or (None, None), threshold=threshold, confidence=confidence,
-                          seed=seed, window=window)
+    traces = load_trace(baseline, nsys_path), load_trace(candidate, nsys_path)
+    with progress(f"comparing {baseline} and {candidate}"):
+        result = compare.diff(*traces, recipes, labels=tuple(labels) or (None, None), threshold=threshold,
+                              confidence=confidence, seed=seed, window=window)
     emit(result, fmt, output)
     tripped = [r for r in result.segments if r.verdict == stats.REGRESSION
                and any(segment in (None, r.segment) for segment in watched)]
@@ -166,5 +208,5 @@ def diff(baseline, candidate, labels, threshold, confidence, seed, fail_on, wind
 def kernels(trace, unclassified, segment, fmt, output, recipe_files, nsys_path):
     """Distinct kernels with their segment and recipe, by share of GPU time."""
     recipes = load_recipes(recipe_files)
-    emit(compare.list_kernels(open_trace(trace, nsys=nsys_path), recipes, unclassified=unclassified,
+    emit(compare.list_kernels(load_trace(trace, nsys_path), recipes, unclassified=unclassified,
                               segment=segment), fmt, output)

@@ -210,7 +210,7 @@ def diff(baseline: Trace, candidate: Trace, recipes: RecipeSet, *, labels: tuple
 
     family_matches = {}
     families = []
-    for key in sorted(set(base_kernels["family"]) | set(cand_kernels["family"]), key=str):
+    for key in sorted(set(base_kernels["family"].unique()) | set(cand_kernels["family"].unique()), key=str):
         b = base_kernels.filter(pl.col("family") == key)
         c = cand_kernels.filter(pl.col("family") == key)
         family_matches[key] = match = align.match_family(b, c)
@@ -218,7 +218,8 @@ def diff(baseline: Trace, candidate: Trace, recipes: RecipeSet, *, labels: tuple
         row.family, row.family_label = key, (b if b.height else c)["family_label"][0]
         families.append(row)
     segments = []
-    for segment in sorted(set(base_kernels["segment"]) | set(cand_kernels["segment"]), key=_segment_order):
+    for segment in sorted(set(base_kernels["segment"].unique()) | set(cand_kernels["segment"].unique()),
+                          key=_segment_order):
         b = base_kernels.filter(pl.col("segment") == segment)
         c = cand_kernels.filter(pl.col("segment") == segment)
         segments.append(context.row(b, c, _match_segment(b, c, lambda: _pooled(b, c, family_matches))))
@@ -253,13 +254,16 @@ def _natural(text: str) -> list:
 
 def _with_phase(kernels: pl.DataFrame) -> pl.DataFrame:
     """`phase`: the innermost NVTX range, with vLLM's per-step ranges folded into their step kind."""
+    # Parsed once per distinct range name, not per kernel.
+    names = kernels.select("nvtx").unique()
     step = pl.col("nvtx").str.extract_groups(align.VLLM_STEP.pattern)
     context_requests, generation_requests = step.struct.field("1").cast(pl.Int64), step.struct.field("3").cast(pl.Int64)
     kind = (pl.when((generation_requests == 0) & (context_requests == 0)).then(pl.lit(f"vLLM {align.IDLE} steps"))
             .when(generation_requests == 0).then(pl.lit(f"vLLM {align.PREFILL} steps"))
             .when(context_requests == 0).then(pl.lit(f"vLLM {align.DECODE} steps"))
             .otherwise(pl.lit(f"vLLM {align.MIXED} steps")))
-    return kernels.with_columns(pl.when(context_requests.is_null()).then(pl.col("nvtx")).otherwise(kind).alias("phase"))
+    names = names.with_columns(pl.when(context_requests.is_null()).then(pl.col("nvtx")).otherwise(kind).alias("phase"))
+    return kernels.join(names, on="nvtx", how="left", nulls_equal=True, maintain_order="left")
 
 
 def _match_segment(b: pl.DataFrame, c: pl.DataFrame, fallback) -> align.Match:

@@ -9,6 +9,7 @@ load. Kernel rows are read as Arrow through ADBC, never as Python rows.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import sqlite3
 import struct
@@ -22,6 +23,7 @@ from urllib.parse import quote
 import polars as pl
 import sqlite_utils
 
+from kvtrace.capture import runner  # nsys discovery, shared with capture (standard library only)
 from kvtrace.errors import KvtraceError
 
 SQLITE_MAGIC = b"SQLite format 3\x00"
@@ -76,17 +78,27 @@ class Trace:
     kernels: pl.DataFrame  # one row per kernel launch, see read_kernels()
     names: pl.DataFrame  # StringIds restricted to kernel names: id, value
     _path: Path = field(repr=False)
+    # Derived frames (NVTX projection, vLLM steps) that several analyses of one trace share.
+    _memo: dict = field(default_factory=dict, repr=False)
 
-    def runtime(self) -> pl.DataFrame:
-        """CUDA runtime/driver calls that launched kernels: start, end, global_tid, correlation_id, api."""
+    def memo(self, key: str, compute):
+        if key not in self._memo:
+            self._memo[key] = compute()
+        return self._memo[key]
+
+    def runtime(self, *, api: bool = True) -> pl.DataFrame:
+        """CUDA runtime/driver calls that launched kernels: start, end, global_tid, correlation_id, api
+        (api=False leaves out the per-call name string, which the NVTX projection does not need)."""
+        schema = {"start": pl.Int64, "end": pl.Int64, "global_tid": pl.Int64, "correlation_id": pl.Int64}
+        if api:
+            schema["api"] = pl.Utf8
         with _reading(Path(self.info.source)), closing(_connect(self._path)) as conn:
             if not _has_table(conn, RUNTIME_TABLE):
-                return pl.DataFrame(schema={"start": pl.Int64, "end": pl.Int64, "global_tid": pl.Int64,
-                                            "correlation_id": pl.Int64, "api": pl.Utf8})
+                return pl.DataFrame(schema=schema)
             return _read_arrow(self._path, f"""
-            SELECT r.start, r."end", r.globalTid AS global_tid, r.correlationId AS correlation_id,
-                   s.value AS api
-            FROM {RUNTIME_TABLE} r LEFT JOIN StringIds s ON s.id = r.nameId
+            SELECT r.start, r."end", r.globalTid AS global_tid, r.correlationId AS correlation_id
+                   {", s.value AS api" if api else ""}
+            FROM {RUNTIME_TABLE} r {"LEFT JOIN StringIds s ON s.id = r.nameId" if api else ""}
             WHERE r.correlationId IN (SELECT correlationId FROM {KERNEL_TABLE})""")
 
     def nvtx_ranges(self) -> pl.DataFrame:
@@ -124,9 +136,11 @@ def open_trace(path: str | os.PathLike, *, nsys: str | None = None) -> Trace:
     with _reading(source):
         with closing(_connect(sqlite_path)) as conn:
             _check_export(conn, source if sqlite_path == source else Path(f"{source} (exported as {sqlite_path})"))
-            info = _trace_info(conn, source, sqlite_path)
-            names = _kernel_names(conn)
+        # The kernel table is scanned once; counts, span, devices and names come from the columns read.
         kernels = read_kernels(sqlite_path)
+        with closing(_connect(sqlite_path)) as conn:
+            info = _trace_info(conn, source, sqlite_path, kernels)
+            names = _kernel_names(conn, kernels)
     return Trace(info=info, kernels=kernels, names=names, _path=sqlite_path)
 
 
@@ -149,10 +163,11 @@ def read_kernels(sqlite_path: Path) -> pl.DataFrame:
                correlationId AS correlation_id, globalPid AS global_pid, demangledName AS name_id,
                shortName AS short_id, gridX AS grid_x, gridY AS grid_y, gridZ AS grid_z,
                blockX AS block_x, blockY AS block_y, blockZ AS block_z
-        FROM {KERNEL_TABLE} ORDER BY start""")
+        FROM {KERNEL_TABLE}""")
+    # Sorted here rather than by SQLite's single-threaded sorter; ties keep table order.
     return frame.with_columns(pl.col(c).cast(pl.Int32) for c in
                               ("device_id", "stream_id", "grid_x", "grid_y", "grid_z", "block_x", "block_y",
-                               "block_z"))
+                               "block_z")).sort("start", maintain_order=True)
 
 
 # ---- .nsys-rep export ---------------------------------------------------------------------------------
@@ -182,7 +197,8 @@ def export_report(report: Path, *, nsys: str | None = None) -> Path:
         output = (result.stdout + result.stderr)
         if result.returncode != 0 or not _is_sqlite(partial):
             if "ProtobufParseException" in output:
-                raise KvtraceError(f"{_nsys_version(nsys_path)} cannot read {report}: it was recorded by a newer "
+                version = runner.nsys_version(nsys_path).replace("NVIDIA ", "")
+                raise KvtraceError(f"{version} cannot read {report}: it was recorded by a newer "
                                    "Nsight Systems; export it there (nsys export --type sqlite) or point "
                                    "NSYS at that version")
             last_line = next((l for l in reversed(output.strip().splitlines()) if l.strip()), "no output")
@@ -195,20 +211,11 @@ def export_report(report: Path, *, nsys: str | None = None) -> Path:
 
 
 def _find_nsys(explicit: str | None) -> str:
-    import shutil
-
-    if explicit and not os.access(explicit, os.X_OK):
-        raise KvtraceError(f"--nsys {explicit} is not an executable file: point it at the nsys binary")
-    for candidate in (explicit, os.environ.get("NSYS"), shutil.which("nsys")):
-        if candidate and os.access(candidate, os.X_OK):
-            return candidate
-    raise KvtraceError("an .nsys-rep needs nsys to export it: put nsys on PATH or set NSYS=/path/to/nsys, "
-                       "or pass the .sqlite from `nsys export --type sqlite`")
-
-
-def _nsys_version(nsys_path: str) -> str:
-    result = subprocess.run([nsys_path, "--version"], capture_output=True, text=True, check=False)
-    return (result.stdout.strip() or "this nsys").replace("NVIDIA ", "")
+    try:
+        return runner.find_nsys(explicit)
+    except KvtraceError as error:
+        raise KvtraceError(f"an .nsys-rep needs nsys to export it: {error}; or pass the .sqlite from "
+                           "`nsys export --type sqlite`") from None
 
 
 def _cache_dir() -> Path:
@@ -298,7 +305,7 @@ def _check_export(conn: sqlite3.Connection, path: Path) -> None:
         raise KvtraceError(f"{path} is damaged ({error}): copy or export it again") from None
 
 
-def _trace_info(conn: sqlite3.Connection, source: Path, sqlite_path: Path) -> TraceInfo:
+def _trace_info(conn: sqlite3.Connection, source: Path, sqlite_path: Path, kernels: pl.DataFrame) -> TraceInfo:
     tables = set(sqlite_utils.Database(conn).table_names())
     meta = dict(conn.execute("SELECT name, value FROM META_DATA_EXPORT").fetchall())
     capture = dict(conn.execute("SELECT name, value FROM META_DATA_CAPTURE").fetchall()) \
@@ -306,32 +313,37 @@ def _trace_info(conn: sqlite3.Connection, source: Path, sqlite_path: Path) -> Tr
     graph_mode = next((v for k, v in capture.items() if k.endswith("CUDA_GRAPH_TRACE_OPTIONS:MODE")), None)
     system = dict(conn.execute("SELECT name, value FROM TARGET_INFO_SYSTEM_ENV").fetchall()) \
         if "TARGET_INFO_SYSTEM_ENV" in tables else {}
-    count, first, last = conn.execute(f'SELECT count(*), min(start), max("end") FROM {KERNEL_TABLE}').fetchone()
+    count, first = kernels.height, kernels["start"].min()
+    last = kernels.select((pl.col("start") + pl.col("duration")).max()).item()
     return TraceInfo(
         source=str(source), sqlite=str(sqlite_path),
         product_version=meta.get("EXPORT_PRODUCT_VERSION"), schema_version=meta.get("EXPORT_SCHEMA_VERSION"),
-        driver_version=system.get("NvDriverVersion"), gpus=_gpus(conn, tables), kernel_count=count,
+        driver_version=system.get("NvDriverVersion"), gpus=_gpus(conn, tables, kernels), kernel_count=count,
         first_kernel_ns=first, last_kernel_ns=last, graph_trace_mode=graph_mode,
         capture_trigger=capture.get("START_TRIGGER"))
 
 
-def _gpus(conn: sqlite3.Connection, tables: set[str]) -> tuple[GpuInfo, ...]:
+def _gpus(conn: sqlite3.Connection, tables: set[str], kernels: pl.DataFrame) -> tuple[GpuInfo, ...]:
     if "TARGET_INFO_GPU" not in tables:
         return ()
     columns = sqlite_utils.Database(conn)["TARGET_INFO_GPU"].columns_dict
     wanted = ["id", "name", "smCount", "computeMajor", "computeMinor", "chipName", "totalMemory", "memoryBandwidth"]
     select = ", ".join(c if c in columns else f"NULL AS {c}" for c in wanted)
     # Only GPUs that ran kernels: a multi-GPU host lists all of its devices.
-    rows = conn.execute(f"SELECT {select} FROM TARGET_INFO_GPU WHERE id IN "
-                        f"(SELECT DISTINCT deviceId FROM {KERNEL_TABLE}) ORDER BY id").fetchall()
+    rows = conn.execute(f"SELECT {select} FROM TARGET_INFO_GPU WHERE id IN (SELECT value FROM json_each(?)) "
+                        "ORDER BY id", (_json_ids(kernels["device_id"]),)).fetchall()
     return tuple(GpuInfo(device_id=r[0], name=r[1], sm_count=r[2],
                          compute_capability=None if r[3] is None else f"{r[3]}.{r[4]}", chip=r[5],
                          memory_bytes=r[6], memory_bandwidth=r[7]) for r in rows)
 
 
-def _kernel_names(conn: sqlite3.Connection) -> pl.DataFrame:
-    rows = conn.execute(f"""SELECT id, value FROM StringIds WHERE id IN
-        (SELECT DISTINCT demangledName FROM {KERNEL_TABLE} UNION SELECT DISTINCT shortName FROM {KERNEL_TABLE})""")
+def _json_ids(*columns: pl.Series) -> str:
+    return json.dumps(pl.concat([c.cast(pl.Int64) for c in columns]).unique().to_list())
+
+
+def _kernel_names(conn: sqlite3.Connection, kernels: pl.DataFrame) -> pl.DataFrame:
+    rows = conn.execute("SELECT id, value FROM StringIds WHERE id IN (SELECT value FROM json_each(?)) ORDER BY id",
+                        (_json_ids(kernels["name_id"], kernels["short_id"]),))
     return pl.DataFrame(rows.fetchall(), schema={"id": pl.Int64, "value": pl.Utf8}, orient="row")
 
 

@@ -9,7 +9,7 @@ import click
 
 from kvtrace.analyzer import capacity as capacity_lib
 from kvtrace.analyzer import render
-from kvtrace.analyzer.cli import emit, output_options, window_options
+from kvtrace.analyzer.cli import emit, output_options, progress, window_options
 from kvtrace.errors import KvtraceError
 
 
@@ -44,8 +44,10 @@ def report(runs, arms, labels, threshold, confidence, seed, plots_dir, plot_form
     from kvtrace.analyzer import report as report_lib
     from kvtrace.analyzer.classify import load_recipes
 
-    result = report_lib.build(list(runs), load_recipes(recipe_files), arms=tuple(arms), labels=tuple(labels),
-                              threshold=threshold, confidence=confidence, seed=seed, window=window, nsys=nsys_path)
+    with progress(f"loading and comparing {' '.join(map(str, runs))}"):
+        result = report_lib.build(list(runs), load_recipes(recipe_files), arms=tuple(arms), labels=tuple(labels),
+                                  threshold=threshold, confidence=confidence, seed=seed, window=window,
+                                  nsys=nsys_path)
     if plots_dir is not None:
         if output is not None and not output.parent.exists():
             raise KvtraceError(f"cannot write {output}: folder {output.parent} does not exist; create it first")

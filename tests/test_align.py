@@ -229,3 +229,12 @@ def test_real_vllm_steps_are_projected_and_unmatched_batches_refused(recipes):
     assert segments["kv_append"].verdict == compare.NOT_COMPARABLE
     assert any(f.check == "steps" and f.level == "warning" and "different vLLM steps" in f.message
                for f in result.findings)
+
+
+def test_same_inputs_give_the_same_bytes(run_kvtrace):
+    """Bootstrap seeded, every listing sorted: two runs of the same diff write identical reports, also where
+    polars groups in parallel (the vLLM traces have many families and ranges)."""
+    outputs = [run_kvtrace("diff", str(VLLM / "auto.sqlite"), str(VLLM / "fp8.sqlite"), "--format", "json")
+               for _ in range(2)]
+    assert all(code == 0 for code, _, _ in outputs)
+    assert outputs[0][1] == outputs[1][1]
