@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -133,3 +134,20 @@ def nsys() -> str:
     if os.environ.get("CI"):
         pytest.fail(message)
     pytest.skip(message)
+
+
+def sql_durations(path, *likes: str, nvtx: str | None = None) -> list[int]:
+    """Kernel durations by demangled-name pattern, in launch order, written in plain SQL independently of
+    kvtrace. With `nvtx`, only kernels whose launch call lies inside the NVTX range of that name on the same
+    thread: the projection rule of Nsight Systems' nvtx_gpu_proj_trace, written out by hand."""
+    where = " OR ".join("s.value LIKE ?" for _ in likes) or "1"
+    projection = """
+        JOIN CUPTI_ACTIVITY_KIND_RUNTIME r ON r.correlationId = k.correlationId
+             AND (r.globalTid & 0xFFFFFFFFFF000000) = k.globalPid
+        JOIN NVTX_EVENTS n ON n.globalTid = r.globalTid AND n.start <= r.start AND n.end >= r.end
+             AND n.eventType IN (59, 60) AND n.text = ?""" if nvtx is not None else ""
+    query = (f"SELECT k.end - k.start FROM CUPTI_ACTIVITY_KIND_KERNEL k JOIN StringIds s ON s.id = k.demangledName"
+             f"{projection} WHERE {where} ORDER BY k.start")
+    args = ([nvtx] if nvtx is not None else []) + list(likes)
+    with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as conn:
+        return [row[0] for row in conn.execute(query, args)]

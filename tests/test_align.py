@@ -12,7 +12,7 @@ import sqlite3
 
 import pytest
 
-from conftest import FIXTURES, NSYS2023_DIR, NSYS2025_DIR
+from conftest import FIXTURES, NSYS2023_DIR, NSYS2025_DIR, sql_durations
 from kvtrace.analyzer import align, compare, stats
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.load import open_trace
@@ -35,17 +35,7 @@ def family(result, label):
 
 
 def sql_range_durations(path, like: str, range_name: str) -> list[int]:
-    """Durations of kernels whose launch call lies inside the named NVTX range on the same thread: the
-    projection rule of Nsight Systems' nvtx_gpu_proj_trace, written out by hand."""
-    with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as conn:
-        return [r[0] for r in conn.execute("""
-            SELECT k.end - k.start FROM CUPTI_ACTIVITY_KIND_KERNEL k
-            JOIN StringIds s ON s.id = k.demangledName
-            JOIN CUPTI_ACTIVITY_KIND_RUNTIME r ON r.correlationId = k.correlationId
-                 AND (r.globalTid & 0xFFFFFFFFFF000000) = k.globalPid
-            JOIN NVTX_EVENTS n ON n.globalTid = r.globalTid AND n.start <= r.start AND n.end >= r.end
-                 AND n.eventType IN (59, 60) AND n.text = ?
-            WHERE s.value LIKE ? ORDER BY k.start""", (range_name, like))]
+    return sql_durations(path, like, nvtx=range_name)
 
 
 def test_every_kernel_lands_in_its_workload_phase_range(recipes):

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from conftest import FIXTURES, NSYS2023_DIR, NSYS2025_DIR
+from conftest import FIXTURES, NSYS2023_DIR, NSYS2025_DIR, sql_durations
 from kvtrace.analyzer import report, stats
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.render import json_out, markdown
@@ -44,24 +44,6 @@ APPEND = "%AppendPagedKVCache%"
 def sql(path, query: str, *args) -> list[tuple]:
     with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as conn:
         return conn.execute(query, args).fetchall()
-
-
-def sql_durations(path, *likes: str, nvtx: str | None = None) -> list[int]:
-    """Kernel durations by name pattern, optionally only those launched inside the NVTX range `nvtx`."""
-    where = " OR ".join("s.value LIKE ?" for _ in likes) or "1"
-    if nvtx is None:
-        rows = sql(path, f"SELECT k.end - k.start FROM CUPTI_ACTIVITY_KIND_KERNEL k JOIN StringIds s "
-                         f"ON s.id = k.demangledName WHERE {where}", *likes)
-    else:
-        rows = sql(path, f"""
-            SELECT k.end - k.start FROM CUPTI_ACTIVITY_KIND_KERNEL k
-            JOIN StringIds s ON s.id = k.demangledName
-            JOIN CUPTI_ACTIVITY_KIND_RUNTIME r ON r.correlationId = k.correlationId
-                 AND (r.globalTid & 0xFFFFFFFFFF000000) = k.globalPid
-            JOIN NVTX_EVENTS n ON n.globalTid = r.globalTid AND n.start <= r.start AND n.end >= r.end
-                 AND n.eventType IN (59, 60) AND n.text = ?
-            WHERE {where}""", nvtx, *likes)
-    return [r[0] for r in rows]
 
 
 def manifest(run: Path) -> dict:
