@@ -228,3 +228,31 @@ def test_same_inputs_give_the_same_bytes(run_kvtrace):
                for _ in range(2)]
     assert all(code == 0 for code, _, _ in outputs)
     assert outputs[0][1] == outputs[1][1]
+
+
+VLLM_DECODE = FIXTURES / "vllm-h200-decode-heavy"
+DECODE_ATTENTION = "%BatchPrefillWithPagedKVCacheKernel%MaskMode)0%"
+
+
+def test_real_vllm_decode_pairs_cuda_graph_kernels(recipes):
+    """The real H200 decode-heavy run (engine core in-process): both arms ran the same steps, and decode
+    attention, replayed from CUDA graphs, pairs call for call."""
+    auto, fp8 = VLLM_DECODE / "auto.sqlite", VLLM_DECODE / "fp8.sqlite"
+    with sqlite3.connect(f"file:{auto}?mode=ro", uri=True) as conn:
+        graph_launched = conn.execute(
+            "SELECT count(*) FROM CUPTI_ACTIVITY_KIND_KERNEL k JOIN StringIds s ON s.id = k.demangledName "
+            "WHERE s.value LIKE ? AND k.graphNodeId IS NOT NULL AND k.graphNodeId != 0", (DECODE_ATTENTION,)).fetchone()[0]
+    base, cand = sql_durations(auto, DECODE_ATTENTION), sql_durations(fp8, DECODE_ATTENTION)
+    assert graph_launched == len(base) > 0  # every decode attention call came from a CUDA graph
+    result = compare.diff(open_trace(auto), open_trace(fp8), recipes)
+    assert any(f.check == "steps" and f.level == "ok" for f in result.findings)
+    phase = next(r for r in result.phases if r.segment == "decode_attention" and r.phase == "vLLM decode steps")
+    # The decode segment also holds the split-KV merge kernels; the attention kernels alone, per SQL:
+    attention = [r for r in result.families if r.segment == "decode_attention"
+                 and "MaskMode=0" in (r.family_label or "")]
+    assert sum(r.baseline_calls for r in attention) == len(base) and sum(r.candidate_calls for r in attention) == len(cand)
+    assert phase.compared_calls == phase.baseline_calls == phase.candidate_calls
+    assert phase.verdict == stats.REGRESSION and phase.ci_low > 1
+    append = next(r for r in result.segments if r.segment == "kv_append")
+    assert append.baseline_kv_dtypes == ("bf16",) and append.candidate_kv_dtypes == ("fp8_e4m3",)
+    assert append.compared_calls == append.baseline_calls
