@@ -437,7 +437,7 @@ def _dtype_findings(baseline: Arm, candidate: Arm) -> list[Finding]:
             swapped = claims(other.label) & set(arm.kv_dtypes)
             findings.append(Finding("error", "kv-dtype",
                                     f"'{arm.label}' ran {', '.join(arm.kv_dtypes)} kernels"
-                                    + (f": the arms look swapped (baseline first, candidate second)" if swapped else
+                                    + (": the arms look swapped (baseline first, candidate second)" if swapped else
                                        ": check that the file and its label match")))
     return findings
 

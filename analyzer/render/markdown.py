@@ -5,9 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvtrace.analyzer.compare import Arm, Diff, DiffRow, KernelList, Summary
-from kvtrace.analyzer.render.units import calls, duration, interval, numbered_notes, percent, ratio, signed_duration
-
-_MARK = {"ok": "✅", "warning": "⚠️", "error": "❌"}
+from kvtrace.analyzer.render.units import (MARK, calls, duration, interval, markdown_table, numbered_notes, percent,
+                                          ratio, signed_duration)
 
 
 def render(result: Summary | Diff | KernelList) -> str:
@@ -23,20 +22,10 @@ def render(result: Summary | Diff | KernelList) -> str:
 def _kernels(kernels: KernelList) -> str:
     what = "Unclassified kernels" if kernels.only_unclassified else "Kernels"
     lines = [f"## {what}: {kernels.arm.label}", ""]
-    lines += _table(["segment", "calls", "total", "share", "mean", "recipe", "kernel"],
+    lines += markdown_table(["segment", "calls", "total", "share", "mean", "recipe", "kernel"],
                     [[r["segment"], f"{r['calls']:,}", duration(r["total_ns"]), percent(r["share"]),
                       duration(r["mean_ns"]), r["recipe"] or "–", f"`{r['demangled']}`"] for r in kernels.rows])
     return "\n".join(lines + ["", _footer(kernels.kvtrace_version, kernels.recipes)]) + "\n"
-
-
-def _cell(text: str) -> str:
-    return text.replace("|", "\\|")
-
-
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
-    return lines
 
 
 def _environment(arms: list[Arm]) -> list[str]:
@@ -59,7 +48,7 @@ def _environment(arms: list[Arm]) -> list[str]:
         ("GPU kernel time", lambda a: duration(a.total_ns)),
         ("KV dtype (from kernel names)", lambda a: ", ".join(a.kv_dtypes) or "none detected"),
     ]
-    return _table([""] + [a.label for a in arms], [[name] + [fn(a) for a in arms] for name, fn in fields])
+    return markdown_table([""] + [a.label for a in arms], [[name] + [fn(a) for a in arms] for name, fn in fields])
 
 
 def _summary(summary: Summary) -> str:
@@ -67,12 +56,12 @@ def _summary(summary: Summary) -> str:
     lines = [f"## kvtrace summary: {arm.label}", "",
              f"{arm.info.kernel_count:,} kernels, {duration(arm.total_ns)} of GPU kernel time.", "",
              "### Segments", ""]
-    lines += _table(["segment", "calls", "total", "share", "mean", "median", "p90", "KV dtype"],
+    lines += markdown_table(["segment", "calls", "total", "share", "mean", "median", "p90", "KV dtype"],
                     [[r.segment, f"{r.stats.calls:,}", duration(r.stats.total_ns), percent(r.stats.share),
                       duration(r.stats.mean_ns), duration(r.stats.median_ns), duration(r.stats.p90_ns),
                       ", ".join(r.kv_dtypes) or "–"] for r in summary.segments])
     lines += ["", "### Kernel families", ""]
-    lines += _table(["segment", "family", "calls", "total", "share", "mean", "median", "p90", "KV dtype"],
+    lines += markdown_table(["segment", "family", "calls", "total", "share", "mean", "median", "p90", "KV dtype"],
                     [[r.segment, f"`{r.family_label}`", f"{r.stats.calls:,}", duration(r.stats.total_ns),
                       percent(r.stats.share), duration(r.stats.mean_ns), duration(r.stats.median_ns),
                       duration(r.stats.p90_ns), ", ".join(r.kv_dtypes) or "–"] for r in summary.families])
@@ -96,7 +85,7 @@ def _diff_table(first: list[str], rows: list[DiffRow], lead, diff: Diff) -> list
                        interval(r.ci_low, r.ci_high), verdict, signed_duration(r.total_delta_ns),
                        percent(r.delta_share)]
             for r, verdict in zip(rows, verdicts)]
-    lines = _table(header, body)
+    lines = markdown_table(header, body)
     if notes:
         lines += [""] + [f"{i}. {text}" for i, text in enumerate(notes, 1)]
     return lines
@@ -113,7 +102,7 @@ def _diff(diff: Diff) -> str:
              "instead of a verdict.", "",
              f"Total GPU kernel time: {duration(b.total_ns)} → {duration(c.total_ns)} ({ratio(diff.total_ratio)}).",
              "", "### Comparability", ""]
-    lines += [f"- {_MARK[f.level]} {f.message}" for f in diff.findings]
+    lines += [f"- {MARK[f.level]} {f.message}" for f in diff.findings]
     lines += ["", "### Segments", ""]
     lines += _diff_table(["segment"], diff.segments, lambda r: [r.segment], diff)
     if diff.phases:

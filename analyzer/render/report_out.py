@@ -14,15 +14,9 @@ from rich.console import Console
 from rich.table import Table
 
 from kvtrace.analyzer.capacity import Capacity
-from kvtrace.analyzer.render.units import duration, percent, ratio
+from kvtrace.analyzer.render.units import LEVEL, MARK, duration, markdown_table, percent, ratio
 from kvtrace.analyzer.report import Latency, Report, ServingMetrics
 
-_MARK = {"ok": "✅", "warning": "⚠️", "error": "❌"}
-_LEVEL = {"ok": "[green]ok[/]", "warning": "[yellow]warning[/]", "error": "[bold red]error[/]"}
-
-
-def handles(result) -> bool:
-    return isinstance(result, (Report, Capacity))
 
 
 # ---- cell formatting -----------------------------------------------------------------------------------
@@ -208,15 +202,6 @@ def _capacity_lead(cap: Capacity) -> str:
 
 # ---- markdown -----------------------------------------------------------------------------------------
 
-def _cell(text) -> str:
-    return str(text).replace("|", "\\|").replace("\n", " ")
-
-
-def _md_table(header: list[str], rows: list[list[str]]) -> list[str]:
-    lines = ["| " + " | ".join(_cell(h) for h in header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    return lines + ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
-
-
 def markdown(result) -> str:
     return _capacity_markdown(result) if isinstance(result, Capacity) else _report_markdown(result)
 
@@ -224,7 +209,7 @@ def markdown(result) -> str:
 def _capacity_markdown(cap: Capacity, level: str = "##") -> str:
     lines = [f"{level} kvtrace capacity" + (f": {cap.run}" if cap.run else ""), "", _capacity_lead(cap), ""]
     for title, header, rows in _capacity_tables(cap):
-        lines += [f"{level}# {title}", ""] + _md_table(header, rows) + [""]
+        lines += [f"{level}# {title}", ""] + markdown_table(header, rows) + [""]
     lines += [f"- {note}" for note in cap.notes]
     return "\n".join(lines).rstrip() + "\n"
 
@@ -240,18 +225,18 @@ def _report_markdown(report: Report) -> str:
              "calls both arms ran (the kernel diff below); serving numbers are what the capture recorded. They "
              "answer different questions and are kept apart.", "",
              "### What the numbers say", ""]
-    lines += [f"- {_MARK[s.level]} **{s.check}**: {s.message}" for s in report.statements]
-    lines += ["", "### Runs", ""] + [f"- {_MARK[f.level]} {f.message}" for f in report.findings]
+    lines += [f"- {MARK[s.level]} **{s.check}**: {s.message}" for s in report.statements]
+    lines += ["", "### Runs", ""] + [f"- {MARK[f.level]} {f.message}" for f in report.findings]
     lines += [f"- {note}" for note in report.notes]
     if report.serving:
         lines += ["", "### Serving" + (" (sweep)" if report.sweep and len(report.serving) > 1 else ""), ""]
         if len(report.serving) == 1:
-            lines += _md_table(*_serving_point_table(report))
+            lines += markdown_table(*_serving_point_table(report))
         else:
             lines += ["Latencies are p50 / p90 / p99 (or the mean where only vLLM's histograms exist); cached = "
                       "prompt tokens served from the prefix cache; ◆ marks the first point of a context length at "
                       "which an arm is capacity-bound.", ""]
-            lines += _md_table(*_serving_sweep_table(report))
+            lines += markdown_table(*_serving_sweep_table(report))
     if report.bandwidth:
         ceiling = report.hbm_ceiling
         lines += ["", "### Achieved bandwidth", "",
@@ -259,7 +244,7 @@ def _report_markdown(report: Report) -> str:
                   "time of the phase's attention (append) kernels per call in its NVTX range."
                   + (f" Ceiling: {_rate(ceiling.bytes_per_s)}, the {ceiling.source}." if ceiling else
                      " The traces give no HBM bandwidth for the GPU, so no ceiling is stated."), ""]
-        lines += _md_table(*_bandwidth_table(report))
+        lines += markdown_table(*_bandwidth_table(report))
     if report.capacity is not None:
         lines += ["", _capacity_markdown(report.capacity, level="###").rstrip()]
     if report.plots:
@@ -297,10 +282,10 @@ def terminal(result, console: Console) -> None:
     console.print(f"[bold]{report.baseline.label}[/] ({report.baseline.run}) → [bold]{report.candidate.label}[/] "
                   f"({report.candidate.run})")
     for s in report.statements:
-        console.print(f"  {_LEVEL[s.level]}  {s.check}: ", end="")
+        console.print(f"  {LEVEL[s.level]}  {s.check}: ", end="")
         console.print(s.message, markup=False, highlight=False)
     for f in report.findings:
-        console.print(f"  {_LEVEL[f.level]}  {f.message}", highlight=False)
+        console.print(f"  {LEVEL[f.level]}  {f.message}", highlight=False)
     for note in report.notes:
         console.print(f"  {note}", markup=False, highlight=False)
     if report.serving:

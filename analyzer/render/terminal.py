@@ -6,11 +6,10 @@ from rich.console import Console
 from rich.table import Table
 
 from kvtrace.analyzer.compare import Diff, KernelList, Summary
-from kvtrace.analyzer.render.units import calls, duration, interval, numbered_notes, percent, ratio, signed_duration
+from kvtrace.analyzer.render.units import LEVEL, calls, duration, interval, numbered_notes, percent, ratio, signed_duration
 from kvtrace.analyzer.stats import IMPROVEMENT, REGRESSION
 
 _STYLE = {REGRESSION: "red", IMPROVEMENT: "green"}
-_LEVEL = {"ok": "[green]ok[/]", "warning": "[yellow]warning[/]", "error": "[bold red]error[/]"}
 
 
 def render(result: Summary | Diff | KernelList, console: Console) -> None:
@@ -59,7 +58,7 @@ def _diff(diff: Diff, console: Console) -> None:
     console.print(f"[bold]{b.label}[/] → [bold]{c.label}[/]: total GPU kernel time {duration(b.total_ns)} → "
                   f"{duration(c.total_ns)} ({ratio(diff.total_ratio)})")
     for finding in diff.findings:
-        console.print(f"  {_LEVEL[finding.level]}  {finding.message}")
+        console.print(f"  {LEVEL[finding.level]}  {finding.message}")
     confidence = f"{100 * diff.confidence:.0f}% CI"
     tables = [("Segments", diff.segments, ["segment"], lambda r: [r.segment])]
     if diff.phases:

@@ -1,4 +1,4 @@
-"""Human units shared by the terminal and markdown renderers."""
+"""Human units and table pieces shared by the terminal and markdown renderers."""
 
 from __future__ import annotations
 
@@ -56,3 +56,17 @@ def calls(row) -> tuple[str, str]:
             return f"{row.compared_calls:,} of {total:,}"
         return f"{total:,}"
     return one(row.baseline_calls), one(row.candidate_calls)
+
+
+# How a finding's level shows: a mark in markdown, rich markup on the terminal.
+MARK = {"ok": "✅", "warning": "⚠️", "error": "❌"}
+LEVEL = {"ok": "[green]ok[/]", "warning": "[yellow]warning[/]", "error": "[bold red]error[/]"}
+
+
+def markdown_table(header: list[str], rows: list[list]) -> list[str]:
+    """GitHub table lines; pipes and line breaks in cells are escaped so a cell never splits the row."""
+    def cell(text) -> str:
+        return str(text).replace("|", "\\|").replace("\n", " ")
+
+    lines = ["| " + " | ".join(cell(h) for h in header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return lines + ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows]
