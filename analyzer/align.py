@@ -1,25 +1,24 @@
-"""Which kernels to compare: NVTX projection, vLLM step phases, user windows, and call matching.
+"""Which kernels to compare: vLLM step phases, user windows, and call matching across arms.
 
-NVTX ranges are projected onto kernels the way Nsight Systems' own reports do it
-(nvtx_gpu_proj_trace.py, shared/reference/nsys-sqlite.md §2): a kernel belongs to a range when the CUDA
-API call that launched it (joined on correlationId and process) lies inside the range on the same thread.
-Kernels replayed from a CUDA graph carry the correlationId of their cudaGraphLaunch, so they land in the
-range around the launch (vLLM's per-step range), not in ranges opened during capture.
+The loader has already tied each kernel to the innermost NVTX range around its launch (analyzer.ranges,
+as Nsight Systems' nvtx_gpu_proj_trace.py does). Kernels replayed from a CUDA graph carry the
+correlationId of their cudaGraphLaunch, so they land in the range around the launch (vLLM's per-step
+range), not in ranges opened during capture. Everything here works per range or per signature and
+touches per-call rows only to filter them.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import polars as pl
 
+from kvtrace.analyzer import ranges as ranges_
 from kvtrace.analyzer.load import Trace
 from kvtrace.errors import KvtraceError
 
-PROCESS_MASK = 0xFFFFFFFFFF000000  # globalTid -> globalPid, as NVIDIA's joins do
-MAX_DEPTH = 16
 # vLLM's per-step range with the CUDA profiler on (vllm.v1.worker.gpu_worker.annotate_profile):
 # execute_context_{nCtxReqs}({nCtxTokens})_generation_{nGenReqs}({nGenTokens}); the detailed form puts
 # sq/sk lists in the parentheses instead of a token count.
@@ -77,128 +76,189 @@ def parse_time_window(text: str) -> tuple[int | None, int | None]:
     return start, end
 
 
-def enclosing_ranges(trace: Trace) -> pl.DataFrame:
-    """Per kernel row (kernel_row), its enclosing NVTX ranges, outermost first: names (`ranges`) and start
-    times (`range_starts`, which tell two ranges of the same name apart)."""
-    return trace.memo("enclosing_ranges", lambda: _enclosing_ranges(trace))
+def range_matches(trace: Trace, pattern: str) -> np.ndarray:
+    """Per range of the trace: it, or a range around it, has a name matching `pattern`."""
+    names = trace.ranges["name"]
+    own = np.where(names.str.contains(pattern).fill_null(False).to_numpy(), 0, ranges_.NO_RANGE)
+    return ranges_.propagate(trace.ranges["parent"].to_numpy(),
+                             trace.ranges["depth"].to_numpy(), own) == 0
 
 
-def _enclosing_ranges(trace: Trace) -> pl.DataFrame:
-    kernels = trace.kernels.with_row_index("kernel_row").select("kernel_row", "correlation_id", "global_pid")
-    runtime = trace.runtime(api=False).with_columns((pl.col("global_tid") & PROCESS_MASK).alias("global_pid"))
-    launches = kernels.join(runtime.select("correlation_id", "global_pid", "global_tid", "start", "end"),
-                            on=["correlation_id", "global_pid"], how="inner")
-    ranges = _with_depth(trace.nvtx_ranges())
-    found = []
-    for depth in range(int(ranges["depth"].max()) + 1 if ranges.height else 0):
-        level = ranges.filter(pl.col("depth") == depth).sort("start")
-        # At one depth ranges of a thread do not overlap, so the latest one starting before the launch is
-        # the only candidate; keep it if it also ends after the launch.
-        hit = (launches.sort("start")
-               .join_asof(level.select("global_tid", pl.col("start").alias("range_start"),
-                                       pl.col("end").alias("range_end"), "name"),
-                          left_on="start", right_on="range_start", by="global_tid", strategy="backward",
-                          check_sortedness=False)
-               .filter(pl.col("range_end") >= pl.col("end"))
-               .select("kernel_row", pl.lit(depth).alias("depth"), "name", "range_start"))
-        found.append(hit)
-    if not found:
-        return pl.DataFrame(schema={"kernel_row": pl.UInt32, "ranges": pl.List(pl.Utf8),
-                                    "range_starts": pl.List(pl.Int64)})
-    return (pl.concat(found).sort("kernel_row", "depth").group_by("kernel_row", maintain_order=True)
-            .agg(pl.col("name").alias("ranges"), pl.col("range_start").alias("range_starts")))
+def steps(trace: Trace) -> pl.DataFrame:
+    """Per range inside a vLLM step range (including the step range itself): the innermost step around it
+    (`step` name, `step_start`), its kind (`phase`) and token counts."""
+    return trace.memo("steps", lambda: _steps(trace))
 
 
-def _with_depth(ranges: pl.DataFrame) -> pl.DataFrame:
-    """Nesting depth of each range on its thread (0 = outermost), by a stack sweep over ranges."""
-    if ranges.height == 0:
-        return ranges.with_columns(pl.lit(0, dtype=pl.Int32).alias("depth"))
-    ordered = ranges.sort(["global_tid", "start", "end"], descending=[False, False, True])
-    depths = np.zeros(ordered.height, dtype=np.int32)
-    tids, starts, ends = (ordered[c].to_numpy() for c in ("global_tid", "start", "end"))
-    stack: list[int] = []  # end times of the open ranges of the current thread
-    previous_tid = None
-    for i in range(ordered.height):  # over NVTX ranges (thousands), never over kernels
-        if tids[i] != previous_tid:
-            stack, previous_tid = [], tids[i]
-        while stack and stack[-1] <= starts[i]:
-            stack.pop()
-        depths[i] = min(len(stack), MAX_DEPTH)
-        stack.append(ends[i])
-    return ordered.with_columns(pl.Series("depth", depths))
-
-
-def step_phases(trace: Trace) -> pl.DataFrame:
-    """kernel_row -> vLLM step (name, start), kind and token counts, for kernels inside vLLM step ranges."""
-    return trace.memo("step_phases", lambda: _step_phases(trace))
-
-
-def _step_phases(trace: Trace) -> pl.DataFrame:
-    ranges = enclosing_ranges(trace).explode("ranges", "range_starts").rename({"ranges": "name"})
-    steps = ranges.with_columns(pl.col("name").str.extract_groups(VLLM_STEP.pattern).alias("m")).filter(
-        pl.col("m").struct.field("1").is_not_null())
-    if steps.height == 0:
-        return pl.DataFrame(schema={"kernel_row": pl.UInt32, "step": pl.Utf8, "step_start": pl.Int64,
-                                    "phase": pl.Utf8, "context_tokens": pl.Int64, "generation_tokens": pl.Int64})
-    steps = steps.select(
-        "kernel_row", pl.col("name").alias("step"), pl.col("range_starts").alias("step_start"),
-        pl.col("m").struct.field("1").cast(pl.Int64).alias("context_requests"),
-        pl.col("m").struct.field("2").cast(pl.Int64, strict=False).alias("context_tokens"),
-        pl.col("m").struct.field("3").cast(pl.Int64).alias("generation_requests"),
-        pl.col("m").struct.field("4").cast(pl.Int64, strict=False).alias("generation_tokens"))
+def _steps(trace: Trace) -> pl.DataFrame:
+    ranges = trace.ranges
+    parsed = ranges.select("range", pl.col("name").str.extract_groups(VLLM_STEP.pattern).alias("m"))
+    is_step = parsed["m"].struct.field("1").is_not_null().to_numpy()
+    step_range = ranges_.propagate(ranges["parent"].to_numpy(), ranges["depth"].to_numpy(),
+                                   np.where(is_step, ranges["range"].to_numpy(), ranges_.NO_RANGE))
+    m = pl.col("m")
+    step_table = parsed.filter(pl.Series(is_step)).select(
+        pl.col("range").alias("step_range"),
+        m.struct.field("1").cast(pl.Int64).alias("context_requests"),
+        m.struct.field("2").cast(pl.Int64, strict=False).alias("context_tokens"),
+        m.struct.field("3").cast(pl.Int64).alias("generation_requests"),
+        m.struct.field("4").cast(pl.Int64, strict=False).alias("generation_tokens"))
     phase = (pl.when((pl.col("generation_requests") == 0) & (pl.col("context_requests") == 0)).then(pl.lit(IDLE))
              .when(pl.col("generation_requests") == 0).then(pl.lit(PREFILL))
              .when(pl.col("context_requests") == 0).then(pl.lit(DECODE)).otherwise(pl.lit(MIXED)))
-    return steps.with_columns(phase.alias("phase")).unique("kernel_row", keep="last").select(
-        "kernel_row", "step", "step_start", "phase", "context_tokens", "generation_tokens")
+    step_table = step_table.with_columns(phase.alias("phase")).join(
+        ranges.select(pl.col("range").alias("step_range"), pl.col("name").alias("step"),
+                      pl.col("start").alias("step_start")), on="step_range")
+    return (pl.DataFrame({"range": ranges["range"], "step_range": pl.Series(step_range, dtype=pl.Int32)})
+            .join(step_table, on="step_range", how="inner")
+            .select("range", "step_range", "step", "step_start", "phase", "context_tokens", "generation_tokens"))
 
 
-def apply_window(trace: Trace, kernels: pl.DataFrame, window: Window) -> pl.DataFrame:
-    """Filter classified kernel rows (with kernel_row) to the window; per-family trimming last."""
+def apply_window(trace: Trace, calls: pl.DataFrame, window: Window) -> pl.DataFrame:
+    """Filter a trace's calls (with `range`, NO_RANGE outside every range) to the window; per-family
+    trimming last."""
     if window.nvtx:
         try:
             pattern = re.compile(window.nvtx)
         except re.error as error:
             raise KvtraceError(f"--window {window.nvtx!r} is not a valid regex ({error})") from None
-        ranges = enclosing_ranges(trace)
-        inside = ranges.filter(pl.col("ranges").list.eval(pl.element().str.contains(pattern.pattern)).list.any())
-        kernels = kernels.join(inside.select("kernel_row"), on="kernel_row", how="semi")
+        inside = np.flatnonzero(range_matches(trace, pattern.pattern))
+        calls = calls.filter(pl.col("range").is_in(pl.Series(inside, dtype=pl.Int32).implode()))
     start, end = window.time_ns
     if start is not None:
-        kernels = kernels.filter(pl.col("start") >= start)
+        calls = calls.filter(pl.col("start") >= start)
     if end is not None:
-        kernels = kernels.filter(pl.col("start") < end)
+        calls = calls.filter(pl.col("start") < end)
     if window.phase:
-        steps = step_phases(trace).filter(pl.col("phase") == window.phase)
-        kernels = kernels.join(steps.select("kernel_row"), on="kernel_row", how="semi")
+        in_phase = steps(trace).filter(pl.col("phase") == window.phase)["range"]
+        calls = calls.filter(pl.col("range").is_in(in_phase.implode()))
     if window.skip_warmup or window.last is not None:
-        order = pl.col("start").rank("ordinal").over(["family", *MATCH_KEY]) - 1
+        # Calls are in start order, so a call's position in its group is its launch order.
+        order = pl.int_range(pl.len()).over(["family", *MATCH_KEY])
         count = pl.len().over(["family", *MATCH_KEY])
         keep = order >= window.skip_warmup
         if window.last is not None:
             keep = keep & (order >= count - window.last)
-        kernels = kernels.filter(keep)
-    return kernels
+        calls = calls.filter(keep)
+    return calls
 
 
 SHAPE = ["grid_x", "grid_y", "grid_z", "block_x", "block_y", "block_z"]
 # Calls pair only within the same launch shape and the same innermost NVTX range: a decode kernel keeps
 # its grid across context lengths, so the shape alone cannot tell a 2k-token call from a 32k one, while
-# the range (`kvtrace:decode ctx=2048`, vLLM's `execute_context_0(0)_generation_8(8)`) can.
-MATCH_KEY = [*SHAPE, "nvtx"]
+# the range (`kvtrace:decode ctx=2048`, vLLM's `execute_context_0(0)_generation_8(8)`) can. Both are
+# codes of a Vocabulary shared by the arms.
+MATCH_KEY = ["shape", "nvtx"]
 
 
-def with_innermost_range(trace: Trace, kernels: pl.DataFrame) -> pl.DataFrame:
-    """Add `nvtx`: the innermost NVTX range around each kernel's launch (null outside every range)."""
-    innermost = enclosing_ranges(trace).select("kernel_row", pl.col("ranges").list.last().alias("nvtx"))
-    return kernels.join(innermost, on="kernel_row", how="left")
+@dataclass(frozen=True)
+class Vocabulary:
+    """Codes for launch shapes and innermost range names, shared by the arms of a comparison. Codes follow
+    the sorted values (no range last), so sorting by code sorts by value."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    names: tuple[str, ...]
+
+    @classmethod
+    def of(cls, shapes: list[pl.DataFrame], names: list[pl.Series]) -> Vocabulary:
+        all_shapes = sorted(set().union(*(set(frame.select(SHAPE).iter_rows()) for frame in shapes)))
+        all_names = sorted(set().union(*(set(series.drop_nulls().unique()) for series in names)))
+        return cls(tuple(all_shapes), tuple(all_names))
+
+    @property
+    def outside(self) -> int:
+        """The nvtx code of calls outside every range."""
+        return len(self.names)
+
+    def shape_codes(self, frame: pl.DataFrame) -> np.ndarray:
+        index = {shape: code for code, shape in enumerate(self.shapes)}
+        return np.array([index[shape] for shape in frame.select(SHAPE).iter_rows()], dtype=np.uint32)
+
+    def name_codes(self, names: pl.Series) -> np.ndarray:
+        """Per range, the code of its name; one extra entry at the end for calls outside every range."""
+        index = {name: code for code, name in enumerate(self.names)}
+        return np.array([index[n] for n in names.to_list()] + [self.outside], dtype=np.uint32)
+
+    def name(self, code: int) -> str | None:
+        return self.names[code] if code < len(self.names) else None
+
+    def label(self, shape: int, nvtx: int) -> str:
+        (gx, gy, gz, bx, by, bz), name = self.shapes[shape], self.name(nvtx)
+        return f"grid {gx}×{gy}×{gz} block {bx}×{by}×{bz}" + (f" in '{name}'" if name else "")
+
+
+@dataclass(frozen=True)
+class Cells:
+    """An arm's calls grouped into cells of one signature and one innermost range (`nvtx` code).
+
+    `table` has a row per cell: cell, sig, nvtx, calls, total_ns, first (the row of its earliest call), plus
+    the codes the caller adds (family, segment, shape, phase). The calls stay where they are, in start
+    order; `order` lists their rows cell after cell (ascending within a cell), and cell i's rows are
+    order[offsets[i]:offsets[i + 1]]. Groups of cells (`where`) share the arrays: comparisons work on the
+    small table and gather per-call durations only for what they report.
+    """
+
+    table: pl.DataFrame
+    durations: np.ndarray
+    order: np.ndarray
+    offsets: np.ndarray
+
+    @classmethod
+    def of(cls, calls: pl.DataFrame) -> Cells:
+        """From calls (sig, nvtx, duration) in start order."""
+        table = (calls.group_by("sig", "nvtx").agg(pl.len().alias("calls"), pl.col("duration").sum().alias("total_ns"))
+                 .sort("sig", "nvtx"))
+        # Each call's cell, through a lookup table over (sig, nvtx) when that is small, else by search.
+        width = int(table["nvtx"].max()) + 1 if table.height else 1
+        keys = table["sig"].to_numpy().astype(np.int64) * width + table["nvtx"].to_numpy()
+        key_type = np.uint32 if not keys.size or keys[-1] < 1 << 32 else np.int64
+        call_keys = calls["sig"].to_numpy().astype(key_type)
+        call_keys *= width
+        call_keys += calls["nvtx"].to_numpy()
+        cell_type = np.uint16 if table.height <= 1 << 16 else np.uint32
+        if keys.size and keys[-1] < 1 << 24:
+            lookup = np.zeros(keys[-1] + 1, dtype=cell_type)
+            lookup[keys] = np.arange(keys.size)
+            cell = lookup[call_keys]
+        else:
+            cell = np.searchsorted(keys, call_keys).astype(cell_type)
+        del call_keys
+        # A stable sort keeps each cell's rows in start order; numpy radix-sorts 16-bit keys.
+        order = np.argsort(cell, kind="stable").astype(np.uint32 if calls.height < 1 << 32 else np.int64)
+        offsets = np.zeros(table.height + 1, dtype=np.int64)
+        np.cumsum(table["calls"].to_numpy(), out=offsets[1:])
+        return cls(table=table.with_row_index("cell").with_columns(pl.Series("first", order[offsets[:-1]])),
+                   durations=calls["duration"].to_numpy(), order=order, offsets=offsets)
+
+    def where(self, predicate: pl.Expr) -> Cells:
+        return replace(self, table=self.table.filter(predicate))
+
+    @property
+    def calls(self) -> int:
+        return int(self.table["calls"].sum())
+
+    @property
+    def total_ns(self) -> int:
+        return int(self.table["total_ns"].sum())
+
+    def values(self, *, ordered: bool = False) -> np.ndarray:
+        """The durations of the group's calls; in launch order when `ordered`."""
+        cells = self.table["cell"].to_list()
+        rows = np.concatenate([self.order[self.offsets[i]:self.offsets[i + 1]] for i in cells] or
+                              [np.zeros(0, dtype=self.order.dtype)])
+        if ordered and len(cells) > 1:
+            rows.sort()
+        return self.durations[rows]
+
+    def counts(self, keys: list[str]) -> pl.DataFrame:
+        return self.table.group_by(keys).agg(pl.col("calls").sum().alias("len"))
 
 
 @dataclass
 class Match:
     """The calls of one family (or segment) that both arms ran, and how they were paired."""
 
-    baseline: np.ndarray  # durations, in launch order
+    baseline: np.ndarray  # durations of the paired calls
     candidate: np.ndarray
     baseline_total_calls: int
     candidate_total_calls: int
@@ -210,56 +270,43 @@ class Match:
         return self.reason is None
 
 
-def shape_label(row: tuple) -> str:
-    gx, gy, gz, bx, by, bz, nvtx = row
-    return f"grid {gx}×{gy}×{gz} block {bx}×{by}×{bz}" + (f" in '{nvtx}'" if nvtx else "")
-
-
-def match_family(base: pl.DataFrame | None, cand: pl.DataFrame | None) -> Match:
+def match_family(base: Cells, cand: Cells, vocabulary: Vocabulary) -> Match:
     """Pair the calls of one kernel family across arms.
 
-    The same launch shapes with the same counts pair everything in launch order. Otherwise, per launch
-    shape both arms ran, the last N calls of each (N = the smaller count) are paired: extra calls in one
-    arm are usually warm-up at the start, and a truncated arm loses calls at the end. Without a common
-    shape nothing is paired: the arms did different work.
+    The same launch shapes with the same counts pair everything. Otherwise, per launch shape both arms
+    ran, the last N calls of each (N = the smaller count) are paired: extra calls in one arm are usually
+    warm-up at the start, and a truncated arm loses calls at the end. Without a common shape nothing is
+    paired: the arms did different work.
     """
-    nb = base.height if base is not None else 0
-    nc = cand.height if cand is not None else 0
+    nb, nc = base.calls, cand.calls
     empty = np.zeros(0, dtype=np.int64)
     if nb == 0 or nc == 0:
         return Match(empty, empty, nb, nc, None, f"only in the {'candidate' if nb == 0 else 'baseline'}")
-    shapes = (base.group_by(MATCH_KEY).len()
-              .join(cand.group_by(MATCH_KEY).len(), on=MATCH_KEY, how="full", suffix="_candidate", coalesce=True,
-                    nulls_equal=True)
-              .with_columns(pl.col("len", "len_candidate").fill_null(0)).sort(MATCH_KEY, nulls_last=True))
+    shapes = (base.counts(MATCH_KEY)
+              .join(cand.counts(MATCH_KEY), on=MATCH_KEY, how="full", suffix="_candidate", coalesce=True)
+              .with_columns(pl.col("len", "len_candidate").fill_null(0)).sort(MATCH_KEY))
     if (shapes["len"] == shapes["len_candidate"]).all():
-        return Match(durations(base), durations(cand), nb, nc, None, None)
+        return Match(base.values(), cand.values(), nb, nc, None, None)
     common = shapes.filter((pl.col("len") > 0) & (pl.col("len_candidate") > 0))
     if common.height == 0:
         return Match(empty, empty, nb, nc, None, "the arms ran this family with different launch shapes or "
-                     f"NVTX ranges ({_shape_list(base)} vs {_shape_list(cand)})")
+                     f"NVTX ranges ({_shape_list(base, vocabulary)} vs {_shape_list(cand, vocabulary)})")
     picked_b, picked_c, notes = [], [], []
-    for row in common.iter_rows():  # one row per common launch shape
-        shape, count_b, count_c = row[:7], row[7], row[8]
+    for shape, nvtx, count_b, count_c in common.iter_rows():  # one row per common launch shape
         keep = min(count_b, count_c)
-        for frame, picked in ((base, picked_b), (cand, picked_c)):
-            same_shape = frame.filter(pl.all_horizontal(pl.col(c).eq_missing(v) for c, v in zip(MATCH_KEY, shape)))
-            picked.append(durations(same_shape)[-keep:])
+        for cells, picked in ((base, picked_b), (cand, picked_c)):
+            same_shape = cells.where((pl.col("shape") == shape) & (pl.col("nvtx") == nvtx))
+            picked.append(same_shape.values(ordered=True)[-keep:])
         if count_b != count_c:
-            notes.append(f"{shape_label(shape)}: last {keep} of {count_b} vs {count_c} calls")
+            notes.append(f"{vocabulary.label(shape, nvtx)}: last {keep} of {count_b} vs {count_c} calls")
     left_b = nb - sum(len(p) for p in picked_b)
     left_c = nc - sum(len(p) for p in picked_c)
     notes.append(f"{left_b} baseline and {left_c} candidate calls left out")
     return Match(np.concatenate(picked_b), np.concatenate(picked_c), nb, nc, "; ".join(notes), None)
 
 
-def durations(calls: pl.DataFrame) -> np.ndarray:
-    return calls.sort("start")["duration"].to_numpy()
-
-
-def _shape_list(calls: pl.DataFrame, limit: int = 3) -> str:
+def _shape_list(cells: Cells, vocabulary: Vocabulary, limit: int = 3) -> str:
     # Ties in count sort by shape and range, so that the same inputs always give the same text.
-    shapes = calls.group_by(MATCH_KEY).len().sort(["len", *MATCH_KEY], descending=[True] + [False] * len(MATCH_KEY),
-                                                  nulls_last=True)
-    text = ", ".join(shape_label(r[:7]) for r in shapes.head(limit).iter_rows())
+    shapes = cells.counts(MATCH_KEY).sort(["len", *MATCH_KEY], descending=[True, False, False])
+    text = ", ".join(vocabulary.label(shape, nvtx) for shape, nvtx, _ in shapes.head(limit).iter_rows())
     return text + (", …" if shapes.height > limit else "")

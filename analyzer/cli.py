@@ -16,12 +16,12 @@ from rich.console import Console
 
 from kvtrace.analyzer import align, compare, render, stats
 from kvtrace.analyzer.classify import SEGMENTS, load_recipes
-from kvtrace.analyzer.load import open_trace
+from kvtrace.analyzer.load import open_trace, open_traces
 from kvtrace.errors import KvtraceError
 
 
 def output_options(command):
-    """--format, -o, --recipe, --nsys and --quiet, shared by every analyzer command."""
+    """--format, -o, --recipe, --nsys, --quiet and --no-cache, shared by every analyzer command."""
 
     @click.option("--format", "fmt", type=click.Choice(render.FORMATS), default="table", show_default=True,
                   help="Terminal table, GitHub markdown, JSON (versioned schema) or CSV.")
@@ -31,9 +31,13 @@ def output_options(command):
                   help="Extra recipe file; its rules take precedence over the shipped ones. Repeatable.")
     @click.option("--nsys", "nsys_path", help="nsys used to export .nsys-rep inputs (default: $NSYS, PATH).")
     @click.option("-q", "--quiet", is_flag=True, help="No progress display on standard error.")
+    @click.option("--no-cache", is_flag=True,
+                  help="Read the exports afresh and keep nothing in kvtrace's cache ($KVTRACE_CACHE_DIR, else "
+                       "~/.cache/kvtrace), where loaded traces are otherwise kept for the next run.")
     @functools.wraps(command)
-    def wrapper(*args, quiet, **kwargs):
+    def wrapper(*args, quiet, no_cache, **kwargs):
         click.get_current_context().meta["kvtrace.quiet"] = quiet
+        click.get_current_context().meta["kvtrace.cache"] = not no_cache
         return command(*args, **kwargs)
 
     return wrapper
@@ -68,9 +72,18 @@ def progress(message: str, delay_s: float = 1.0):
             status.stop()
 
 
+def use_cache() -> bool:
+    return click.get_current_context().meta.get("kvtrace.cache", True)
+
+
 def load_trace(path: Path, nsys_path: str | None):
     with progress(f"loading {path}"):
-        return open_trace(path, nsys=nsys_path)
+        return open_trace(path, nsys=nsys_path, cache=use_cache())
+
+
+def load_traces(paths: list[Path], nsys_path: str | None):
+    with progress(f"loading {' and '.join(map(str, paths))}"):
+        return open_traces(paths, nsys=nsys_path, cache=use_cache())
 
 
 def emit(result, fmt: str, output: Path | None) -> None:
@@ -187,7 +200,7 @@ def diff(baseline, candidate, labels, threshold, confidence, seed, fail_on, wind
         raise KvtraceError("--label takes two names, baseline first: --label fp8 --label nvfp4")
     watched = parse_gate(fail_on)
     recipes = load_recipes(recipe_files)
-    traces = load_trace(baseline, nsys_path), load_trace(candidate, nsys_path)
+    traces = load_traces([baseline, candidate], nsys_path)
     with progress(f"comparing {baseline} and {candidate}"):
         result = compare.diff(*traces, recipes, labels=tuple(labels) or (None, None), threshold=threshold,
                               confidence=confidence, seed=seed, window=window)

@@ -8,7 +8,7 @@ before any ratio is formed. Numbers come from analyzer.stats only.
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 import polars as pl
@@ -21,7 +21,6 @@ from kvtrace.errors import KvtraceError
 
 SUMMARY_SCHEMA = "kvtrace.summary/1"
 DIFF_SCHEMA = "kvtrace.diff/2"
-SIGNATURE = ["name_id", "short_id", "grid_x", "grid_y", "grid_z", "block_x", "block_y", "block_z"]
 NOT_COMPARABLE = "not comparable"
 # Attention and append kernels carry the KV dtype in their template arguments.
 KV_SEGMENTS = ("prefill_attention", "decode_attention", "kv_append")
@@ -141,97 +140,174 @@ def _schema_first(data: dict) -> dict:
     return {"schema": data.pop("schema"), "kvtrace_version": data.pop("kvtrace_version"), **data}
 
 
-def classified_kernels(trace: Trace, recipes: RecipeSet) -> pl.DataFrame:
-    """Kernel rows with segment, family, family_label, kv_dtype and demangled name attached."""
-    signatures = trace.kernels.select(SIGNATURE).unique()
-    names = trace.names.rename({"id": "name_id", "value": "demangled"})
-    shorts = trace.names.rename({"id": "short_id", "value": "short"})
-    signatures = (signatures.join(names, on="name_id", how="left").join(shorts, on="short_id", how="left")
-                  .with_columns(pl.col(c).cast(pl.Int64) for c in SIGNATURE))
-    classified = recipes.classify(signatures).with_columns(pl.col(c).cast(pl.Int32) for c in SIGNATURE[2:])
-    keep = SIGNATURE + ["demangled", "segment", "family", "family_label", "kv_dtype", "recipe"]
-    # kernel_row ties a launch back to trace.kernels (NVTX projection) whatever order the join returns.
-    return trace.kernels.with_row_index("kernel_row").join(classified.select(keep), on=SIGNATURE, how="left")
+def classify_signatures(trace: Trace, recipes: RecipeSet) -> pl.DataFrame:
+    """The trace's distinct signatures with segment, family, family_label, kv_dtype and recipe."""
+    return trace.memo(("classes", id(recipes)), lambda: recipes.classify(trace.signatures))
+
+
+@dataclass
+class _Side:
+    """One arm in the window: its calls grouped into cells (align.Cells) whose table carries codes of a
+    vocabulary shared with the other arm, the classified signatures behind them, and the NVTX ranges the
+    window's calls were launched in."""
+
+    trace: Trace
+    classes: pl.DataFrame
+    cells: align.Cells
+    ranges: pl.Series
+
+    def sigs(self, cells: align.Cells) -> pl.DataFrame:
+        """The classified signatures that a group of cells uses."""
+        return self.classes.filter(pl.col("sig").is_in(cells.table["sig"].unique().implode()))
+
+    def first(self, cells: align.Cells, column: str) -> str:
+        """A classification column of the group's earliest call."""
+        sig = cells.table.sort("first")["sig"][0]
+        return self.classes.filter(pl.col("sig") == sig)[column][0]
+
+    def info(self, cells: align.Cells) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The KV dtypes and demangled names of a group of cells."""
+        if cells.table.height == 0:
+            return (), ()
+        sigs = self.sigs(cells)
+        return tuple(sigs["kv_dtype"].drop_nulls().unique().sort()), tuple(sigs["demangled"].unique().sort())
+
+
+@dataclass(frozen=True)
+class _Codes:
+    """Vocabulary for a comparison: match-key codes (align.Vocabulary) plus family, segment and phase codes."""
+
+    vocabulary: align.Vocabulary
+    families: tuple[str, ...]
+    segments: tuple[str, ...]
+    phases: tuple[str, ...]  # the last code (len(phases)) stands for calls outside every range
+    phase_of_nvtx: np.ndarray
+
+    @classmethod
+    def of(cls, traces: list[Trace], classes: list[pl.DataFrame]) -> _Codes:
+        families = sorted(set().union(*(set(c["family"]) for c in classes)))
+        segments = sorted(set().union(*(set(c["segment"]) for c in classes)), key=_segment_order)
+        vocabulary = align.Vocabulary.of(classes, [t.ranges["name"] for t in traces])
+        phase_names = _phase_names(vocabulary.names)
+        phases = tuple(sorted(set(phase_names)))
+        phase_of_nvtx = np.array([phases.index(p) for p in phase_names] + [len(phases)], dtype=np.uint32)
+        return cls(vocabulary, tuple(families), tuple(segments), phases, phase_of_nvtx)
+
+    def side(self, trace: Trace, classes: pl.DataFrame, window: align.Window) -> _Side:
+        by_sig = classes.sort("sig")
+        family = np.searchsorted(self.families, by_sig["family"].to_numpy()).astype(np.uint32)
+        segment = np.array([self.segments.index(s) for s in by_sig["segment"]], dtype=np.uint32)
+        shape = self.vocabulary.shape_codes(by_sig)
+        nvtx_of_range = self.vocabulary.name_codes(trace.ranges["name"])  # last entry: outside every range
+        calls = trace.kernels.with_columns(pl.Series("nvtx", nvtx_of_range[trace.kernels["range"].to_numpy()]))
+        if window.skip_warmup or window.last is not None:  # trimming counts calls per family and match key
+            sig = calls["sig"].to_numpy()
+            calls = calls.with_columns(pl.Series("family", family[sig]), pl.Series("shape", shape[sig]))
+        calls = align.apply_window(trace, calls, window)
+        if calls.height == 0:
+            raise KvtraceError(f"{trace.info.source}: no kernels inside the window "
+                               f"({'; '.join(window.describe())}); widen --window/--time/--phase")
+        cells = align.Cells.of(calls)
+        sig, nvtx = cells.table["sig"].to_numpy(), cells.table["nvtx"].to_numpy()
+        cells = replace(cells, table=cells.table.with_columns(
+            pl.Series("family", family[sig]), pl.Series("segment", segment[sig]), pl.Series("shape", shape[sig]),
+            pl.Series("phase", self.phase_of_nvtx[nvtx])))
+        return _Side(trace, classes, cells, calls["range"].unique())
+
+
+def _phase_names(names: tuple[str, ...]) -> list[str]:
+    """Per range name, its phase: the name itself, or for vLLM's per-step ranges their step kind."""
+    named = pl.DataFrame({"nvtx": pl.Series(names, dtype=pl.Utf8)})
+    step = pl.col("nvtx").str.extract_groups(align.VLLM_STEP.pattern)
+    context, generation = step.struct.field("1").cast(pl.Int64), step.struct.field("3").cast(pl.Int64)
+    kind = (pl.when((generation == 0) & (context == 0)).then(pl.lit(f"vLLM {align.IDLE} steps"))
+            .when(generation == 0).then(pl.lit(f"vLLM {align.PREFILL} steps"))
+            .when(context == 0).then(pl.lit(f"vLLM {align.DECODE} steps"))
+            .otherwise(pl.lit(f"vLLM {align.MIXED} steps")))
+    return named.select(pl.when(context.is_null()).then(pl.col("nvtx")).otherwise(kind))["nvtx"].to_list()
 
 
 def _segment_order(segment: str) -> int:
     return SEGMENTS.index(segment) if segment in SEGMENTS else len(SEGMENTS)
 
 
-def _groups(kernels: pl.DataFrame, keys: list[str]) -> dict[tuple, dict]:
-    """Per group: durations as numpy, the kv dtypes and demangled names seen."""
-    grouped = kernels.group_by(keys).agg(
-        pl.col("duration"), pl.col("kv_dtype").drop_nulls().unique().sort(),
-        pl.col("demangled").unique().sort(), pl.col("segment").first().alias("_segment"),
-        pl.col("family_label").first().alias("_label"))
-    out = {}
-    for row in grouped.iter_rows(named=True):  # one row per group, not per kernel
-        key = tuple(row[k] for k in keys)
-        out[key] = {"durations": np.asarray(row["duration"], dtype=np.int64), "kv": tuple(row["kv_dtype"]),
-                    "names": tuple(row["demangled"]), "segment": row["_segment"], "label": row["_label"]}
-    return out
+def _arm(side: _Side, label: str) -> Arm:
+    kv = side.sigs(side.cells).filter(pl.col("segment").is_in(KV_SEGMENTS))["kv_dtype"].drop_nulls().unique().sort()
+    return Arm(label=label, info=side.trace.info, total_ns=side.cells.total_ns, kv_dtypes=tuple(kv))
 
 
-def _arm(trace: Trace, kernels: pl.DataFrame, label: str) -> Arm:
-    kv = kernels.filter(pl.col("segment").is_in(KV_SEGMENTS))["kv_dtype"].drop_nulls().unique().sort()
-    return Arm(label=label, info=trace.info, total_ns=int(kernels["duration"].sum()), kv_dtypes=tuple(kv))
+def _codes_in(cells: align.Cells, *columns: str) -> set:
+    return set(cells.table.select(columns).unique().iter_rows())
 
 
 def summarize(trace: Trace, recipes: RecipeSet, label: str | None = None,
               window: align.Window = align.Window()) -> Summary:
-    kernels = _windowed(trace, recipes, window)
-    arm = _arm(trace, kernels, label or _default_label(trace))
-    segments = [SummaryRow(segment=key[0], stats=ArmStats.of(g["durations"], arm.total_ns), kv_dtypes=g["kv"],
-                           names=g["names"]) for key, g in _groups(kernels, ["segment"]).items()]
-    families = [SummaryRow(segment=g["segment"], family=key[0], family_label=g["label"],
-                           stats=ArmStats.of(g["durations"], arm.total_ns), kv_dtypes=g["kv"], names=g["names"])
-                for key, g in _groups(kernels, ["family"]).items()]
+    classes = classify_signatures(trace, recipes)
+    codes = _Codes.of([trace], [classes])
+    side = codes.side(trace, classes, window)
+    arm = _arm(side, label or _default_label(trace))
+    segments, families = [], []
+    for (code,) in _codes_in(side.cells, "segment"):
+        cells = side.cells.where(pl.col("segment") == code)
+        kv, names = side.info(cells)
+        segments.append(SummaryRow(segment=codes.segments[code], stats=ArmStats.of(cells.values(), arm.total_ns),
+                                   kv_dtypes=kv, names=names))
+    for (code,) in _codes_in(side.cells, "family"):
+        cells = side.cells.where(pl.col("family") == code)
+        kv, names = side.info(cells)
+        families.append(SummaryRow(segment=side.first(cells, "segment"), family=codes.families[code],
+                                   family_label=side.first(cells, "family_label"),
+                                   stats=ArmStats.of(cells.values(), arm.total_ns), kv_dtypes=kv, names=names))
     segments.sort(key=lambda r: -r.stats.total_ns)
     families.sort(key=lambda r: -r.stats.total_ns)
     return Summary(arm=arm, recipes=tuple(recipes.files), segments=segments, families=families)
 
 
-def _windowed(trace: Trace, recipes: RecipeSet, window: align.Window) -> pl.DataFrame:
-    kernels = align.apply_window(trace, align.with_innermost_range(trace, classified_kernels(trace, recipes)), window)
-    if kernels.height == 0:
-        raise KvtraceError(f"{trace.info.source}: no kernels inside the window ({'; '.join(window.describe())}); "
-                           "widen --window/--time/--phase")
-    return kernels
+def segment_durations(trace: Trace, recipes: RecipeSet, window: align.Window, segments: tuple[str, ...]
+                      ) -> dict[str, np.ndarray]:
+    """Per-call durations of the given segments in the window, sorted (for ECDFs)."""
+    classes = classify_signatures(trace, recipes)
+    codes = _Codes.of([trace], [classes])
+    cells = codes.side(trace, classes, window).cells
+    out = {}
+    for segment in segments:
+        if segment in codes.segments:
+            values = cells.where(pl.col("segment") == codes.segments.index(segment)).values()
+            if values.size:
+                out[segment] = np.sort(values.astype(np.int64))
+    return out
 
 
 def diff(baseline: Trace, candidate: Trace, recipes: RecipeSet, *, labels: tuple[str | None, str | None] = (None, None),
          threshold: float = 0.02, confidence: float = 0.95, seed: int = 0,
          window: align.Window = align.Window()) -> Diff:
-    base_kernels = _windowed(baseline, recipes, window)
-    cand_kernels = _windowed(candidate, recipes, window)
-    base_arm = _arm(baseline, base_kernels, labels[0] or _default_label(baseline))
-    cand_arm = _arm(candidate, cand_kernels, labels[1] or _default_label(candidate))
-    context = _RowContext(base_arm.total_ns, cand_arm.total_ns, threshold, confidence, seed)
+    classes = [classify_signatures(t, recipes) for t in (baseline, candidate)]
+    codes = _Codes.of([baseline, candidate], classes)
+    base, cand = (codes.side(t, c, window) for t, c in zip((baseline, candidate), classes))
+    base_arm = _arm(base, labels[0] or _default_label(baseline))
+    cand_arm = _arm(cand, labels[1] or _default_label(candidate))
+    context = _RowContext(base, cand, base_arm.total_ns, cand_arm.total_ns, threshold, confidence, seed)
 
     family_matches = {}
     families = []
-    for key in sorted(set(base_kernels["family"].unique()) | set(cand_kernels["family"].unique()), key=str):
-        b = base_kernels.filter(pl.col("family") == key)
-        c = cand_kernels.filter(pl.col("family") == key)
-        family_matches[key] = match = align.match_family(b, c)
+    for (code,) in sorted(_codes_in(base.cells, "family") | _codes_in(cand.cells, "family"),
+                          key=lambda k: codes.families[k[0]]):
+        b, c = (side.cells.where(pl.col("family") == code) for side in (base, cand))
+        family_matches[code] = match = align.match_family(b, c, codes.vocabulary)
         row = context.row(b, c, match)
-        row.family, row.family_label = key, (b if b.height else c)["family_label"][0]
+        row.family, row.family_label = codes.families[code], context.first(b, c, "family_label")
         families.append(row)
     segments = []
-    for segment in sorted(set(base_kernels["segment"].unique()) | set(cand_kernels["segment"].unique()),
-                          key=_segment_order):
-        b = base_kernels.filter(pl.col("segment") == segment)
-        c = cand_kernels.filter(pl.col("segment") == segment)
-        segments.append(context.row(b, c, _match_segment(b, c, lambda: _pooled(b, c, family_matches))))
+    for (code,) in sorted(_codes_in(base.cells, "segment") | _codes_in(cand.cells, "segment")):
+        b, c = (side.cells.where(pl.col("segment") == code) for side in (base, cand))
+        segments.append(context.row(b, c, context.match_segment(b, c, lambda: _pooled(b, c, family_matches))))
     phases = []
-    base_phased, cand_phased = _with_phase(base_kernels), _with_phase(cand_kernels)
-    keys = set(base_phased.select("segment", "phase").drop_nulls().iter_rows()) | \
-        set(cand_phased.select("segment", "phase").drop_nulls().iter_rows())
-    for segment, phase in keys:
-        b = base_phased.filter((pl.col("segment") == segment) & (pl.col("phase") == phase))
-        c = cand_phased.filter((pl.col("segment") == segment) & (pl.col("phase") == phase))
-        row = context.row(b, c, _match_segment(b, c, lambda: align.match_family(b, c)))
-        row.phase = phase
+    outside = len(codes.phases)
+    for segment, phase in sorted(k for k in _codes_in(base.cells, "segment", "phase") |
+                                 _codes_in(cand.cells, "segment", "phase") if k[1] != outside):
+        b, c = (side.cells.where((pl.col("segment") == segment) & (pl.col("phase") == phase)) for side in (base, cand))
+        row = context.row(b, c, context.match_segment(b, c, lambda: align.match_family(b, c, codes.vocabulary)))
+        row.phase = codes.phases[phase]
         phases.append(row)
     for rows in (segments, families, phases):
         total = sum(r.total_delta_ns for r in rows)
@@ -240,7 +316,7 @@ def diff(baseline: Trace, candidate: Trace, recipes: RecipeSet, *, labels: tuple
         rows.sort(key=lambda r: (-abs(r.total_delta_ns), _segment_order(r.segment)))
 
     findings = comparability(base_arm, cand_arm) + _window_findings(window, families)
-    findings += _step_findings(baseline, candidate, base_kernels, cand_kernels, base_arm, cand_arm)
+    findings += _step_findings(base, cand, base_arm, cand_arm)
     phases.sort(key=lambda r: (_segment_order(r.segment), _natural(r.phase)))
     return Diff(baseline=base_arm, candidate=cand_arm, recipes=tuple(recipes.files), threshold=threshold,
                 confidence=confidence, findings=findings, segments=segments, families=families, phases=phases,
@@ -252,105 +328,87 @@ def _natural(text: str) -> list:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
 
 
-def _with_phase(kernels: pl.DataFrame) -> pl.DataFrame:
-    """`phase`: the innermost NVTX range, with vLLM's per-step ranges folded into their step kind."""
-    # Parsed once per distinct range name, not per kernel.
-    names = kernels.select("nvtx").unique()
-    step = pl.col("nvtx").str.extract_groups(align.VLLM_STEP.pattern)
-    context_requests, generation_requests = step.struct.field("1").cast(pl.Int64), step.struct.field("3").cast(pl.Int64)
-    kind = (pl.when((generation_requests == 0) & (context_requests == 0)).then(pl.lit(f"vLLM {align.IDLE} steps"))
-            .when(generation_requests == 0).then(pl.lit(f"vLLM {align.PREFILL} steps"))
-            .when(context_requests == 0).then(pl.lit(f"vLLM {align.DECODE} steps"))
-            .otherwise(pl.lit(f"vLLM {align.MIXED} steps")))
-    names = names.with_columns(pl.when(context_requests.is_null()).then(pl.col("nvtx")).otherwise(kind).alias("phase"))
-    return kernels.join(names, on="nvtx", how="left", nulls_equal=True, maintain_order="left")
-
-
-def _match_segment(b: pl.DataFrame, c: pl.DataFrame, fallback) -> align.Match:
-    """Pair a segment's calls NVTX range by range, even through different kernels (FP8 and NVFP4 append
-    kernels differ by name and grid; so do vLLM's BF16 and FP8 prefill kernels): the calls of a range pair
-    when both arms made as many there. Ranges with different counts are left out; when no range pairs,
-    `fallback()` decides (the families' own pairing)."""
-    if not (b.height and c.height):
-        empty = np.zeros(0, dtype=np.int64)
-        return align.Match(empty, empty, b.height, c.height, None,
-                           f"only in the {'candidate' if b.height == 0 else 'baseline'}")
-    counts = (b.group_by("nvtx").len().join(c.group_by("nvtx").len(), on="nvtx", how="full", coalesce=True,
-                                            nulls_equal=True, suffix="_candidate")
-              .with_columns(pl.col("len", "len_candidate").fill_null(0)))
-    equal = counts.filter((pl.col("len") == pl.col("len_candidate")) & (pl.col("len") > 0))
-    if equal.height == 0:
-        return fallback()
-    ranges = equal.select("nvtx")
-    paired_b = b.join(ranges, on="nvtx", how="semi", nulls_equal=True)
-    paired_c = c.join(ranges, on="nvtx", how="semi", nulls_equal=True)
-    notes = []
-    families_b, families_c = set(paired_b["family_label"]), set(paired_c["family_label"])
-    if families_b != families_c:
-        notes.append(f"different kernels: {', '.join(sorted(families_b - families_c))} vs "
-                     f"{', '.join(sorted(families_c - families_b))}")
-    if equal.height < counts.height:
-        notes.append(f"paired the calls of {equal.height} NVTX range(s) both arms ran equally often; "
-                     f"{b.height - paired_b.height} baseline and {c.height - paired_c.height} candidate calls in "
-                     "other ranges left out")
-    return align.Match(align.durations(paired_b), align.durations(paired_c), b.height, c.height,
-                       "; ".join(notes) or None, None)
-
-
-def _pooled(b: pl.DataFrame, c: pl.DataFrame, family_matches: dict) -> align.Match:
+def _pooled(b: align.Cells, c: align.Cells, family_matches: dict) -> align.Match:
     """The calls a segment's families paired, pooled."""
-    paired = [family_matches[k] for k in sorted(set(b["family"]) & set(c["family"])) if family_matches[k].matched]
+    shared = sorted(_codes_in(b, "family") & _codes_in(c, "family"))
+    paired = [family_matches[k] for (k,) in shared if family_matches[k].matched]
     if not paired:
         empty = np.zeros(0, dtype=np.int64)
-        return align.Match(empty, empty, b.height, c.height, None,
-                           f"no calls pair across arms ({b.height} vs {c.height} calls in different NVTX ranges "
+        return align.Match(empty, empty, b.calls, c.calls, None,
+                           f"no calls pair across arms ({b.calls} vs {c.calls} calls in different NVTX ranges "
                            "or launch shapes)")
     compared = sum(len(m.baseline) for m in paired)
     return align.Match(np.concatenate([m.baseline for m in paired]), np.concatenate([m.candidate for m in paired]),
-                       b.height, c.height,
+                       b.calls, c.calls,
                        f"compared the {compared} calls that {len(paired)} kernel "
                        f"famil{'y' if len(paired) == 1 else 'ies'} paired", None)
 
 
 @dataclass
 class _RowContext:
-    base_total: int
+    base: _Side
+    cand: _Side
+    base_total: int  # all calls of the arm in the window
     cand_total: int
     threshold: float
     confidence: float
     seed: int
 
-    def row(self, b: pl.DataFrame, c: pl.DataFrame, match: align.Match) -> DiffRow:
-        either = b if b.height else c
-        info = {side: _group_info(frame) for side, frame in (("b", b), ("c", c))}
-        base_total = int(b["duration"].sum()) if b.height else 0
-        cand_total = int(c["duration"].sum()) if c.height else 0
+    def first(self, b: align.Cells, c: align.Cells, column: str) -> str:
+        return self.base.first(b, column) if b.table.height else self.cand.first(c, column)
+
+    def match_segment(self, b: align.Cells, c: align.Cells, fallback) -> align.Match:
+        """Pair a segment's calls NVTX range by range, even through different kernels (FP8 and NVFP4 append
+        kernels differ by name and grid; so do vLLM's BF16 and FP8 prefill kernels): the calls of a range
+        pair when both arms made as many there. Ranges with different counts are left out; when no range
+        pairs, `fallback()` decides (the families' own pairing)."""
+        nb, nc = b.calls, c.calls
+        if not (nb and nc):
+            empty = np.zeros(0, dtype=np.int64)
+            return align.Match(empty, empty, nb, nc, None, f"only in the {'candidate' if nb == 0 else 'baseline'}")
+        counts = (b.counts(["nvtx"]).join(c.counts(["nvtx"]), on="nvtx", how="full", coalesce=True,
+                                          suffix="_candidate")
+                  .with_columns(pl.col("len", "len_candidate").fill_null(0)))
+        equal = counts.filter((pl.col("len") == pl.col("len_candidate")) & (pl.col("len") > 0))
+        if equal.height == 0:
+            return fallback()
+        paired_b, paired_c = (cells.where(pl.col("nvtx").is_in(equal["nvtx"].implode())) for cells in (b, c))
+        notes = []
+        families_b = set(self.base.sigs(paired_b)["family_label"])
+        families_c = set(self.cand.sigs(paired_c)["family_label"])
+        if families_b != families_c:
+            notes.append(f"different kernels: {', '.join(sorted(families_b - families_c))} vs "
+                         f"{', '.join(sorted(families_c - families_b))}")
+        if equal.height < counts.height:
+            notes.append(f"paired the calls of {equal.height} NVTX range(s) both arms ran equally often; "
+                         f"{nb - paired_b.calls} baseline and {nc - paired_c.calls} candidate calls "
+                         "in other ranges left out")
+        return align.Match(paired_b.values(), paired_c.values(), nb, nc, "; ".join(notes) or None, None)
+
+    def row(self, b: align.Cells, c: align.Cells, match: align.Match) -> DiffRow:
+        info_b, info_c = self.base.info(b), self.cand.info(c)
+        base_calls, cand_calls = b.calls, c.calls
+        base_total, cand_total = b.total_ns, c.total_ns
         if match.matched:
             base_stats = ArmStats.of(match.baseline, self.base_total)
             cand_stats = ArmStats.of(match.candidate, self.cand_total)
         else:
-            base_stats = ArmStats.of(b["duration"].to_numpy(), self.base_total) if b.height else None
-            cand_stats = ArmStats.of(c["duration"].to_numpy(), self.cand_total) if c.height else None
-        row = DiffRow(segment=either["segment"][0], baseline=base_stats, candidate=cand_stats,
-                      baseline_calls=b.height, candidate_calls=c.height, baseline_total_ns=base_total,
+            base_stats = ArmStats.of(b.values(), self.base_total) if base_calls else None
+            cand_stats = ArmStats.of(c.values(), self.cand_total) if cand_calls else None
+        row = DiffRow(segment=self.first(b, c, "segment"), baseline=base_stats, candidate=cand_stats,
+                      baseline_calls=base_calls, candidate_calls=cand_calls, baseline_total_ns=base_total,
                       candidate_total_ns=cand_total,
                       compared_calls=len(match.baseline) if match.matched else 0, ratio=None, ci_low=None,
                       ci_high=None, verdict=NOT_COMPARABLE, note=match.note, reason=match.reason,
                       total_delta_ns=cand_total - base_total, delta_share=None,
-                      baseline_kv_dtypes=info["b"][0], candidate_kv_dtypes=info["c"][0],
-                      baseline_names=info["b"][1], candidate_names=info["c"][1])
+                      baseline_kv_dtypes=info_b[0], candidate_kv_dtypes=info_c[0],
+                      baseline_names=info_b[1], candidate_names=info_c[1])
         if not match.matched:
             return row
         interval = stats.ratio_interval(match.baseline, match.candidate, confidence=self.confidence, seed=self.seed)
         row.ratio, row.ci_low, row.ci_high = interval.ratio, interval.low, interval.high
         row.verdict = stats.verdict(interval, threshold=self.threshold)
         return row
-
-
-def _group_info(frame: pl.DataFrame) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    if frame.height == 0:
-        return (), ()
-    return (tuple(frame["kv_dtype"].drop_nulls().unique().sort()), tuple(frame["demangled"].unique().sort()))
 
 
 def _window_findings(window: align.Window, families: list[DiffRow]) -> list[Finding]:
@@ -371,13 +429,12 @@ def _window_findings(window: align.Window, families: list[DiffRow]) -> list[Find
     return findings
 
 
-def _step_findings(baseline: Trace, candidate: Trace, base_kernels: pl.DataFrame, cand_kernels: pl.DataFrame,
-                   base_arm: Arm, cand_arm: Arm) -> list[Finding]:
+def _step_findings(base: _Side, cand: _Side, base_arm: Arm, cand_arm: Arm) -> list[Finding]:
     """vLLM step token counts must agree, or per-step kernel times describe different work (kekzl/imp#1816)."""
     steps = []
-    for trace, kernels in ((baseline, base_kernels), (candidate, cand_kernels)):
-        phases = align.step_phases(trace).join(kernels.select("kernel_row"), on="kernel_row", how="semi")
-        steps.append(phases.unique("step_start").sort("step_start")["step"].to_list())
+    for side in (base, cand):
+        found = align.steps(side.trace).filter(pl.col("range").is_in(side.ranges.implode()))
+        steps.append(found.unique("step_range").sort("step_start")["step"].to_list())
     if not steps[0] and not steps[1]:
         return []
 
@@ -465,17 +522,21 @@ class KernelList:
 
 def list_kernels(trace: Trace, recipes: RecipeSet, *, unclassified: bool = False, segment: str | None = None,
                  label: str | None = None) -> KernelList:
-    kernels = classified_kernels(trace, recipes)
-    arm = _arm(trace, kernels, label or _default_label(trace))
+    classes = classify_signatures(trace, recipes)
+    per_sig = trace.kernels.group_by("sig").agg(pl.len().alias("calls"), pl.col("duration").sum().alias("total_ns"))
+    total_ns = int(per_sig["total_ns"].sum())
+    kv = classes.filter(pl.col("segment").is_in(KV_SEGMENTS))["kv_dtype"].drop_nulls().unique().sort()
+    arm = Arm(label=label or _default_label(trace), info=trace.info, total_ns=total_ns, kv_dtypes=tuple(kv))
+    kernels = per_sig.join(classes, on="sig")
     if unclassified:
         kernels = kernels.filter(pl.col("recipe").is_null())
     if segment:
         kernels = kernels.filter(pl.col("segment") == segment)
-    table = (kernels.group_by("demangled")
+    table = (kernels.sort("sig").group_by("demangled", maintain_order=True)
              .agg(pl.col("segment").first(), pl.col("recipe").first(), pl.col("family_label").first(),
-                  pl.col("kv_dtype").first(), pl.len().alias("calls"), pl.col("duration").sum().alias("total_ns"),
-                  pl.col("duration").mean().alias("mean_ns"))
-             .with_columns((pl.col("total_ns") / arm.total_ns).alias("share"))
+                  pl.col("kv_dtype").first(), pl.col("calls").sum(), pl.col("total_ns").sum())
+             .with_columns((pl.col("total_ns") / pl.col("calls")).alias("mean_ns"),
+                           (pl.col("total_ns") / arm.total_ns).alias("share"))
              .sort("total_ns", descending=True)
              .select("segment", "family_label", "kv_dtype", "calls", "total_ns", "mean_ns", "share", "recipe",
                      "demangled"))

@@ -11,18 +11,22 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import sqlite3
 import struct
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from urllib.parse import quote
 
+import numpy as np
 import polars as pl
 import sqlite_utils
 
+from kvtrace.analyzer import ranges as ranges_
 from kvtrace.capture import runner  # nsys discovery, shared with capture (standard library only)
 from kvtrace.errors import KvtraceError
 
@@ -31,9 +35,10 @@ KERNEL_TABLE = "CUPTI_ACTIVITY_KIND_KERNEL"
 RUNTIME_TABLE = "CUPTI_ACTIVITY_KIND_RUNTIME"
 NVTX_TABLE = "NVTX_EVENTS"
 # Columns kvtrace needs from the kernel table; present in every schema since 2023.4 (schema 3.7.2).
-KERNEL_COLUMNS = ("start", "end", "deviceId", "streamId", "correlationId", "globalPid", "demangledName",
+KERNEL_COLUMNS = ("start", "end", "deviceId", "correlationId", "globalPid", "demangledName",
                   "shortName", "gridX", "gridY", "gridZ", "blockX", "blockY", "blockZ")
 NVTX_RANGE_TYPES = (59, 60, 70, 71)  # push/pop, start/end, and their NVTXT twins
+BATCH_ROWS = 1 << 18  # rows per Arrow batch: large enough to amortise per-batch work, small enough for memory
 NSYS_HINT = "profile with `nsys profile -t cuda` (add --cuda-graph-trace=node for vLLM)"
 
 
@@ -75,10 +80,14 @@ class TraceInfo:
 @dataclass
 class Trace:
     info: TraceInfo
-    kernels: pl.DataFrame  # one row per kernel launch, see read_kernels()
-    names: pl.DataFrame  # StringIds restricted to kernel names: id, value
-    _path: Path = field(repr=False)
-    # Derived frames (NVTX projection, vLLM steps) that several analyses of one trace share.
+    # One row per kernel launch in start order: start, duration, sig (row of `signatures`) and range (row of
+    # `ranges`: the innermost NVTX range around the launch; NO_RANGE, -1, outside every range).
+    kernels: pl.DataFrame
+    # Distinct launch signatures: sig, name_id, short_id, demangled, short, grid_x…block_z, device_id.
+    signatures: pl.DataFrame
+    # Closed NVTX ranges: range, name (domain-prefixed), start, end, global_tid, depth, parent (NO_RANGE at depth 0).
+    ranges: pl.DataFrame
+    # Derived frames (vLLM steps, range matches) that several analyses of one trace share.
     _memo: dict = field(default_factory=dict, repr=False)
 
     def memo(self, key: str, compute):
@@ -86,43 +95,13 @@ class Trace:
             self._memo[key] = compute()
         return self._memo[key]
 
-    def runtime(self, *, api: bool = True) -> pl.DataFrame:
-        """CUDA runtime/driver calls that launched kernels: start, end, global_tid, correlation_id, api
-        (api=False leaves out the per-call name string, which the NVTX projection does not need)."""
-        schema = {"start": pl.Int64, "end": pl.Int64, "global_tid": pl.Int64, "correlation_id": pl.Int64}
-        if api:
-            schema["api"] = pl.Utf8
-        with _reading(Path(self.info.source)), closing(_connect(self._path)) as conn:
-            if not _has_table(conn, RUNTIME_TABLE):
-                return pl.DataFrame(schema=schema)
-            return _read_arrow(self._path, f"""
-            SELECT r.start, r."end", r.globalTid AS global_tid, r.correlationId AS correlation_id
-                   {", s.value AS api" if api else ""}
-            FROM {RUNTIME_TABLE} r {"LEFT JOIN StringIds s ON s.id = r.nameId" if api else ""}
-            WHERE r.correlationId IN (SELECT correlationId FROM {KERNEL_TABLE})""")
 
-    def nvtx_ranges(self) -> pl.DataFrame:
-        """Closed NVTX ranges that ended on their own thread: start, end, global_tid, name (domain-prefixed)."""
-        with _reading(Path(self.info.source)), closing(_connect(self._path)) as conn:
-            if not _has_table(conn, NVTX_TABLE):
-                return pl.DataFrame(schema={"start": pl.Int64, "end": pl.Int64, "global_tid": pl.Int64,
-                                            "name": pl.Utf8})
-            types = ",".join(map(str, NVTX_RANGE_TYPES))
-            # A range that ends on another thread (endGlobalTid set) cannot be tied to launches; nsys's own
-            # projection reports drop it too (nvtx_gpu_proj_trace.py).
-            return _read_arrow(self._path, f"""
-            SELECT e.start, e."end", e.globalTid AS global_tid,
-                   CASE WHEN d.text IS NULL THEN COALESCE(s.value, e.text)
-                        ELSE d.text || ':' || COALESCE(s.value, e.text) END AS name
-            FROM {NVTX_TABLE} e
-            LEFT JOIN StringIds s ON s.id = e.textId
-            LEFT JOIN {NVTX_TABLE} d ON d.eventType = 75 AND d.domainId = e.domainId AND e.domainId != 0
-                 AND (d.globalTid & 0x0000FFFFFF000000) = (e.globalTid & 0x0000FFFFFF000000)
-            WHERE e.eventType IN ({types}) AND e."end" IS NOT NULL AND e.endGlobalTid IS NULL""")
+def open_trace(path: str | os.PathLike, *, nsys: str | None = None, cache: bool = True) -> Trace:
+    """Validate and load one export (.sqlite), or export an .nsys-rep first.
 
-
-def open_trace(path: str | os.PathLike, *, nsys: str | None = None) -> Trace:
-    """Validate and load one export (.sqlite), or export an .nsys-rep first."""
+    With `cache`, the loaded frames are kept in kvtrace's cache directory (keyed by the export's path,
+    size and modification time), and a later load of the same unchanged export reads them from there.
+    """
     source = Path(path)
     _check_file(source)
     sqlite_path = source
@@ -136,12 +115,90 @@ def open_trace(path: str | os.PathLike, *, nsys: str | None = None) -> Trace:
     with _reading(source):
         with closing(_connect(sqlite_path)) as conn:
             _check_export(conn, source if sqlite_path == source else Path(f"{source} (exported as {sqlite_path})"))
+            entry = _cache_entry(sqlite_path) if cache else None
+            if entry is not None and (cached := _read_cached(entry, source)) is not None:
+                return cached
+            tables = set(sqlite_utils.Database(conn).table_names())
+            ranges, index = read_ranges(conn, tables)
+            launch_names = _launch_api_ids(conn) if ranges.height and RUNTIME_TABLE in tables else None
+        launches = read_launches(sqlite_path, index, launch_names) if launch_names else None
         # The kernel table is scanned once; counts, span, devices and names come from the columns read.
-        kernels = read_kernels(sqlite_path)
+        kernels, signatures = read_kernels(sqlite_path, launches)
         with closing(_connect(sqlite_path)) as conn:
-            info = _trace_info(conn, source, sqlite_path, kernels)
-            names = _kernel_names(conn, kernels)
-    return Trace(info=info, kernels=kernels, names=names, _path=sqlite_path)
+            signatures = _with_names(conn, signatures)
+            info = _trace_info(conn, tables, source, sqlite_path, kernels, signatures)
+    trace = Trace(info=info, kernels=kernels, signatures=signatures, ranges=ranges)
+    if entry is not None and _write_cached(entry, trace):
+        # The memory-mapped copy pages in only the columns an analysis touches.
+        return _read_cached(entry, source) or trace
+    return trace
+
+
+def open_traces(paths: list, *, nsys: str | None = None, cache: bool = True) -> list[Trace]:
+    """Load several exports side by side: each load is mostly SQLite and numpy work that releases the GIL."""
+    if len(paths) < 2:
+        return [open_trace(p, nsys=nsys, cache=cache) for p in paths]
+    with ThreadPoolExecutor(max_workers=len(paths)) as pool:
+        return list(pool.map(lambda p: open_trace(p, nsys=nsys, cache=cache), paths))
+
+
+# ---- cache of loaded traces ---------------------------------------------------------------------------
+
+CACHE_FORMAT = 1  # bump whenever the cached frames or TraceInfo change shape
+_FRAMES = ("kernels", "signatures", "ranges")
+
+
+def _cache_entry(sqlite_path: Path) -> Path:
+    """The cache folder for this export as it is now: another size or mtime is another entry."""
+    resolved = sqlite_path.resolve()
+    stat = resolved.stat()
+    place = hashlib.sha256(str(resolved).encode()).hexdigest()[:12]
+    version = hashlib.sha256(f"{stat.st_size}|{stat.st_mtime_ns}|{CACHE_FORMAT}".encode()).hexdigest()[:12]
+    return _cache_dir("traces") / f"{resolved.stem}-{place}-{version}"
+
+
+def _read_cached(entry: Path, source: Path) -> Trace | None:
+    """The cached trace, or None when the entry is missing or unreadable (it is then written again)."""
+    import pyarrow as pa
+
+    try:
+        info = json.loads((entry / "info.json").read_text())
+        frames = {}
+        for name in _FRAMES:
+            # Memory-mapped, one record batch per file: the columns are views of the page cache, and the
+            # kernel rows are paged in only as an analysis touches them.
+            with pa.memory_map(str(entry / f"{name}.arrow")) as mapped:
+                frames[name] = pl.from_arrow(pa.ipc.open_file(mapped).read_all())
+    except (OSError, ValueError, pa.ArrowException, pl.exceptions.PolarsError):
+        return None
+    info["gpus"] = tuple(GpuInfo(**gpu) for gpu in info["gpus"])
+    return Trace(info=TraceInfo(**{**info, "source": str(source)}), **frames)
+
+
+def _write_cached(entry: Path, trace: Trace) -> bool:
+    """Write the entry under a temporary name and rename it into place; drop older entries of the same
+    export. Caching is best effort: False when the cache cannot be written."""
+    import pyarrow as pa
+
+    try:
+        partial = Path(tempfile.mkdtemp(dir=entry.parent, prefix=f".{entry.name}-"))
+        try:
+            for name in _FRAMES:
+                table = getattr(trace, name).rechunk().to_arrow()
+                with pa.OSFile(str(partial / f"{name}.arrow"), "wb") as sink, \
+                        pa.ipc.new_file(sink, table.schema) as writer:
+                    writer.write_table(table, max_chunksize=max(table.num_rows, 1))
+            (partial / "info.json").write_text(json.dumps(asdict(trace.info)))
+            os.replace(partial, entry)
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)
+        same_export = entry.name.rsplit("-", 1)[0] + "-"
+        for stale in entry.parent.iterdir():
+            if stale.name.startswith(same_export) and stale != entry:
+                shutil.rmtree(stale, ignore_errors=True)
+        return True
+    except OSError:
+        return False
 
 
 @contextmanager
@@ -156,18 +213,177 @@ def _reading(source: Path):
         raise KvtraceError(f"{source} is damaged ({detail}): copy or export it again") from None
 
 
-def read_kernels(sqlite_path: Path) -> pl.DataFrame:
-    """Per-launch kernel rows with durations, as compact integer columns."""
-    frame = _read_arrow(sqlite_path, f"""
-        SELECT start, "end" - start AS duration, deviceId AS device_id, streamId AS stream_id,
-               correlationId AS correlation_id, globalPid AS global_pid, demangledName AS name_id,
-               shortName AS short_id, gridX AS grid_x, gridY AS grid_y, gridZ AS grid_z,
-               blockX AS block_x, blockY AS block_y, blockZ AS block_z
-        FROM {KERNEL_TABLE}""")
-    # Sorted here rather than by SQLite's single-threaded sorter; ties keep table order.
-    return frame.with_columns(pl.col(c).cast(pl.Int32) for c in
-                              ("device_id", "stream_id", "grid_x", "grid_y", "grid_z", "block_x", "block_y",
-                               "block_z")).sort("start", maintain_order=True)
+def read_ranges(conn: sqlite3.Connection, tables: set[str]) -> tuple[pl.DataFrame, ranges_.RangeIndex]:
+    """Closed NVTX ranges that ended on their own thread, nested per thread and indexed for launch lookups."""
+    schema = {"range": pl.Int32, "name": pl.Utf8, "start": pl.Int64, "end": pl.Int64, "global_tid": pl.Int64}
+    rows = []
+    if NVTX_TABLE in tables:
+        types = ",".join(map(str, NVTX_RANGE_TYPES))
+        # A range that ends on another thread (endGlobalTid set) cannot be tied to launches; nsys's own
+        # projection reports drop it too (nvtx_gpu_proj_trace.py).
+        rows = conn.execute(f"""
+            SELECT e.rowid, CASE WHEN d.text IS NULL THEN COALESCE(s.value, e.text)
+                        ELSE d.text || ':' || COALESCE(s.value, e.text) END,
+                   e.start, e."end", e.globalTid
+            FROM {NVTX_TABLE} e
+            LEFT JOIN StringIds s ON s.id = e.textId
+            LEFT JOIN {NVTX_TABLE} d ON d.eventType = 75 AND d.domainId = e.domainId AND e.domainId != 0
+                 AND (d.globalTid & 0x0000FFFFFF000000) = (e.globalTid & 0x0000FFFFFF000000)
+            WHERE e.eventType IN ({types}) AND e."end" IS NOT NULL AND e.endGlobalTid IS NULL
+            ORDER BY e.rowid""").fetchall()
+    frame = pl.DataFrame([r[1:] for r in rows], schema=list(schema)[1:], orient="row") \
+        .with_columns(pl.int_range(pl.len(), dtype=pl.Int32).alias("range")).select(list(schema)) \
+        .cast(schema)
+    nesting, index = ranges_.sweep(*(frame[c].to_numpy() for c in ("global_tid", "start", "end")))
+    return frame.with_columns(pl.Series("depth", nesting.depth), pl.Series("parent", nesting.parent)), index
+
+
+def _launch_api_ids(conn: sqlite3.Connection) -> list[int]:
+    """StringIds of the runtime and driver calls that can launch kernels (cudaLaunchKernel*, cuLaunchKernel*,
+    cudaGraphLaunch*, cudaLaunchCooperativeKernel*, …): reading only those rows halves the runtime scan."""
+    return [r[0] for r in conn.execute("SELECT id FROM StringIds WHERE value LIKE '%Launch%'")]
+
+
+@dataclass(frozen=True)
+class Launches:
+    """Kernel-launching API calls in launch-key order (process, then correlationId), cut into runs of
+    calls with the same innermost NVTX range. A kernel carries the key of its launch call, so the run that
+    holds its key gives its range; a run with NO_RANGE opens and closes each process's keys."""
+
+    starts: np.ndarray  # first key of each run, ascending
+    range: np.ndarray  # int32 innermost range of the run's calls
+
+    @classmethod
+    def of_sorted(cls, runs: list[tuple[np.ndarray, np.ndarray]]) -> Launches:
+        starts = np.concatenate([s for s, _ in runs]) if runs else np.zeros(0, dtype=np.int64)
+        found = np.concatenate([r for _, r in runs]) if runs else np.zeros(0, dtype=np.int32)
+        processes = np.unique(starts >> 32)
+        # Before a process's first launch and after its last, kernels (launched before the capture, or by a
+        # process whose calls were not traced) are outside every range. Markers sort before real runs.
+        markers = np.concatenate([processes << 32, (processes + 1) << 32])
+        starts = np.concatenate([markers, starts])
+        found = np.concatenate([np.full(markers.size, ranges_.NO_RANGE, dtype=np.int32), found])
+        order = np.argsort(starts, kind="stable")
+        return cls(starts=starts[order], range=found[order])
+
+    def innermost_of(self, key: np.ndarray) -> np.ndarray:
+        """The innermost range of the launch calls with these keys."""
+        run = np.searchsorted(self.starts, key, side="right") - 1
+        return np.where(run >= 0, self.range[np.maximum(run, 0)], ranges_.NO_RANGE).astype(np.int32)
+
+
+class _Unsorted(Exception):
+    """The runtime table is not in launch-key order (launches from several threads can interleave)."""
+
+
+def read_launches(sqlite_path: Path, index: ranges_.RangeIndex, api_ids: list[int]) -> Launches:
+    """Every launch call's innermost NVTX range, as runs. Runtime rows usually come in correlationId order,
+    and then runs are cut batch by batch and memory stays at a few values per range; otherwise the calls
+    are read again, sorted, and cut."""
+    query = (f"SELECT correlationId, globalTid, start FROM {RUNTIME_TABLE} "
+             f"WHERE nameId IN ({','.join(map(str, api_ids))})")
+    runs, last = [], np.iinfo(np.int64).min
+    try:
+        for key, found in _launch_batches(sqlite_path, query, index):
+            if key.size and (key[0] <= last or not np.all(key[1:] > key[:-1])):
+                raise _Unsorted
+            runs.append(_cut(key, found))
+            last = key[-1] if key.size else last
+    except _Unsorted:
+        batches = list(_launch_batches(sqlite_path, query, index))
+        key = np.concatenate([k for k, _ in batches]) if batches else np.zeros(0, dtype=np.int64)
+        found = np.concatenate([f for _, f in batches]) if batches else np.zeros(0, dtype=np.int32)
+        del batches
+        order = np.argsort(key, kind="stable")
+        runs = [_cut(key[order], found[order])]
+    return Launches.of_sorted(runs)
+
+
+def _launch_batches(sqlite_path: Path, query: str, index: ranges_.RangeIndex):
+    for batch in _read_batches(sqlite_path, query):
+        correlation, tid, start = (batch.column(i).to_numpy() for i in range(3))
+        yield _launch_key(correlation, tid), index.innermost(tid, start)
+
+
+def _cut(key: np.ndarray, found: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Runs of sorted launch keys: a new run where the range or the process changes."""
+    change = np.ones(key.size, dtype=bool)
+    change[1:] = (found[1:] != found[:-1]) | ((key[1:] >> 32) != (key[:-1] >> 32))
+    return key[change], found[change]
+
+
+def _launch_key(correlation: np.ndarray, global_id: np.ndarray) -> np.ndarray:
+    # CUPTI correlation ids are 32-bit and unique per process; globalPid/globalTid carry the process in
+    # bits 24-55 (pid, then VM id), the thread below.
+    return correlation.astype(np.int64) | ((global_id >> 24) << 32)
+
+
+# The signature travels packed, three integers per kernel instead of eight columns, within CUDA's launch
+# limits (grid 2^31-1 × 65535 × 65535, block 1024 × 1024 × 64) and 32-bit StringIds, so no sum overflows.
+_NAMES = "demangledName + shortName * 4294967296"
+_GRID = "gridX + gridY * 2147483648 + gridZ * 140737488355328"
+_BLOCK = "blockX + blockY * 2048 + blockZ * 4194304 + deviceId * 4294967296"
+SIGNATURE = ["names", "grid", "block"]
+
+
+def read_kernels(sqlite_path: Path, launches: Launches | None) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """Per-launch rows (start, duration, sig, range) and the distinct signatures they use."""
+    columns = f"start, \"end\", {_NAMES}, {_GRID}, {_BLOCK}" + \
+        (", correlationId, globalPid" if launches is not None else "")
+    with closing(_connect(sqlite_path)) as conn:
+        count = conn.execute(f"SELECT count(*) FROM {KERNEL_TABLE}").fetchone()[0]
+    # Filled batch by batch, so the rows are never held twice.
+    start = np.empty(count, dtype=np.int64)
+    duration = np.empty(count, dtype=np.int64)
+    sig = np.empty(count, dtype=np.uint32)
+    in_range = np.full(count, ranges_.NO_RANGE, dtype=np.int32)
+    signatures = pl.DataFrame(schema={"names": pl.Int64, "grid": pl.Int64, "block": pl.Int64, "sig": pl.UInt32})
+    filled = 0
+    for batch in _read_batches(sqlite_path, f"SELECT {columns} FROM {KERNEL_TABLE}"):
+        rows = slice(filled, filled + batch.num_rows)
+        packed = pl.from_arrow(batch.select([2, 3, 4])).rename(dict(zip(batch.schema.names[2:5], SIGNATURE)))
+        found = packed.join(signatures, on=SIGNATURE, how="left", maintain_order="left")["sig"]
+        if found.null_count():
+            # Numbered in order of first appearance, so that listings break ties the same way every time.
+            new = packed.filter(found.is_null()).unique(maintain_order=True)
+            signatures = pl.concat([signatures, new.with_columns(
+                pl.int_range(signatures.height, signatures.height + new.height, dtype=pl.UInt32).alias("sig"))])
+            found = packed.join(signatures, on=SIGNATURE, how="left", maintain_order="left")["sig"]
+        sig[rows] = found.to_numpy()
+        start[rows] = batch.column(0).to_numpy()
+        np.subtract(batch.column(1).to_numpy(), start[rows], out=duration[rows])
+        if launches is not None:
+            in_range[rows] = launches.innermost_of(_launch_key(batch.column(5).to_numpy(),
+                                                               batch.column(6).to_numpy()))
+        filled += batch.num_rows
+    kernels = pl.DataFrame({"start": start, "duration": duration, "sig": sig, "range": in_range})
+    if not kernels["start"].is_sorted():
+        # Sorted here rather than by SQLite's single-threaded sorter; ties keep table order.
+        kernels = kernels.sort("start", maintain_order=True)
+    return kernels, _unpack(signatures)
+
+
+def _unpack(signatures: pl.DataFrame) -> pl.DataFrame:
+    def field(column: str, shift: int, bits: int) -> pl.Expr:
+        return ((pl.col(column) // (1 << shift)) % (1 << bits)).cast(pl.Int32)
+
+    return signatures.select(
+        "sig", (pl.col("names") % (1 << 32)).alias("name_id"), (pl.col("names") // (1 << 32)).alias("short_id"),
+        field("grid", 0, 31).alias("grid_x"), field("grid", 31, 16).alias("grid_y"),
+        field("grid", 47, 16).alias("grid_z"), field("block", 0, 11).alias("block_x"),
+        field("block", 11, 11).alias("block_y"), field("block", 22, 10).alias("block_z"),
+        field("block", 32, 31).alias("device_id")).sort("sig")
+
+
+def _read_batches(path: Path, query: str):
+    """Stream a query's rows as Arrow record batches through ADBC, read-only: memory stays at one batch."""
+    import adbc_driver_sqlite.dbapi as adbc
+
+    with adbc.connect(f"file:{quote(str(path.resolve()))}?mode=ro&immutable=1") as conn:
+        with conn.cursor() as cursor:
+            cursor.adbc_statement.set_options(**{"adbc.sqlite.query.batch_rows": str(BATCH_ROWS)})
+            cursor.execute(query)
+            yield from cursor.fetch_record_batch()
 
 
 # ---- .nsys-rep export ---------------------------------------------------------------------------------
@@ -183,7 +399,7 @@ def export_report(report: Path, *, nsys: str | None = None) -> Path:
     nsys_path = _find_nsys(nsys)
     stat = report.stat()
     key = hashlib.sha256(f"{report.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{nsys_path}".encode()).hexdigest()[:20]
-    cache = _cache_dir()
+    cache = _cache_dir("exports")
     target = cache / f"{report.stem}-{key}.sqlite"
     if target.exists():
         return target
@@ -218,14 +434,16 @@ def _find_nsys(explicit: str | None) -> str:
                            "`nsys export --type sqlite`") from None
 
 
-def _cache_dir() -> Path:
+def _cache_dir(kind: str) -> Path:
+    """kvtrace's cache folder for `kind` (exports, traces): $KVTRACE_CACHE_DIR, else $XDG_CACHE_HOME/kvtrace
+    or ~/.cache/kvtrace; a temporary folder when that cannot be created."""
     base = Path(os.environ.get("KVTRACE_CACHE_DIR") or
                 Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvtrace")
     try:
-        (base / "exports").mkdir(parents=True, exist_ok=True)
-        return base / "exports"
+        (base / kind).mkdir(parents=True, exist_ok=True)
+        return base / kind
     except OSError:
-        fallback = Path(tempfile.gettempdir()) / "kvtrace-exports"
+        fallback = Path(tempfile.gettempdir()) / f"kvtrace-{kind}"
         fallback.mkdir(parents=True, exist_ok=True)
         return fallback
 
@@ -278,10 +496,6 @@ def _connect(path: Path) -> sqlite3.Connection:
         raise KvtraceError(f"{path} is not a readable SQLite database ({error}): export it again") from None
 
 
-def _has_table(conn: sqlite3.Connection, table: str) -> bool:
-    return table in sqlite_utils.Database(conn).table_names()
-
-
 def _check_export(conn: sqlite3.Connection, path: Path) -> None:
     db = sqlite_utils.Database(conn)
     try:
@@ -305,8 +519,8 @@ def _check_export(conn: sqlite3.Connection, path: Path) -> None:
         raise KvtraceError(f"{path} is damaged ({error}): copy or export it again") from None
 
 
-def _trace_info(conn: sqlite3.Connection, source: Path, sqlite_path: Path, kernels: pl.DataFrame) -> TraceInfo:
-    tables = set(sqlite_utils.Database(conn).table_names())
+def _trace_info(conn: sqlite3.Connection, tables: set[str], source: Path, sqlite_path: Path, kernels: pl.DataFrame,
+                signatures: pl.DataFrame) -> TraceInfo:
     meta = dict(conn.execute("SELECT name, value FROM META_DATA_EXPORT").fetchall())
     capture = dict(conn.execute("SELECT name, value FROM META_DATA_CAPTURE").fetchall()) \
         if "META_DATA_CAPTURE" in tables else {}
@@ -314,16 +528,17 @@ def _trace_info(conn: sqlite3.Connection, source: Path, sqlite_path: Path, kerne
     system = dict(conn.execute("SELECT name, value FROM TARGET_INFO_SYSTEM_ENV").fetchall()) \
         if "TARGET_INFO_SYSTEM_ENV" in tables else {}
     count, first = kernels.height, kernels["start"].min()
-    last = kernels.select((pl.col("start") + pl.col("duration")).max()).item()
+    # Streamed, so that no column of kernel end times is built.
+    last = kernels.lazy().select((pl.col("start") + pl.col("duration")).max()).collect(engine="streaming").item()
     return TraceInfo(
         source=str(source), sqlite=str(sqlite_path),
         product_version=meta.get("EXPORT_PRODUCT_VERSION"), schema_version=meta.get("EXPORT_SCHEMA_VERSION"),
-        driver_version=system.get("NvDriverVersion"), gpus=_gpus(conn, tables, kernels), kernel_count=count,
+        driver_version=system.get("NvDriverVersion"), gpus=_gpus(conn, tables, signatures), kernel_count=count,
         first_kernel_ns=first, last_kernel_ns=last, graph_trace_mode=graph_mode,
         capture_trigger=capture.get("START_TRIGGER"))
 
 
-def _gpus(conn: sqlite3.Connection, tables: set[str], kernels: pl.DataFrame) -> tuple[GpuInfo, ...]:
+def _gpus(conn: sqlite3.Connection, tables: set[str], signatures: pl.DataFrame) -> tuple[GpuInfo, ...]:
     if "TARGET_INFO_GPU" not in tables:
         return ()
     columns = sqlite_utils.Database(conn)["TARGET_INFO_GPU"].columns_dict
@@ -331,7 +546,7 @@ def _gpus(conn: sqlite3.Connection, tables: set[str], kernels: pl.DataFrame) -> 
     select = ", ".join(c if c in columns else f"NULL AS {c}" for c in wanted)
     # Only GPUs that ran kernels: a multi-GPU host lists all of its devices.
     rows = conn.execute(f"SELECT {select} FROM TARGET_INFO_GPU WHERE id IN (SELECT value FROM json_each(?)) "
-                        "ORDER BY id", (_json_ids(kernels["device_id"]),)).fetchall()
+                        "ORDER BY id", (_json_ids(signatures["device_id"]),)).fetchall()
     return tuple(GpuInfo(device_id=r[0], name=r[1], sm_count=r[2],
                          compute_capability=None if r[3] is None else f"{r[3]}.{r[4]}", chip=r[5],
                          memory_bytes=r[6], memory_bandwidth=r[7]) for r in rows)
@@ -341,17 +556,10 @@ def _json_ids(*columns: pl.Series) -> str:
     return json.dumps(pl.concat([c.cast(pl.Int64) for c in columns]).unique().to_list())
 
 
-def _kernel_names(conn: sqlite3.Connection, kernels: pl.DataFrame) -> pl.DataFrame:
-    rows = conn.execute("SELECT id, value FROM StringIds WHERE id IN (SELECT value FROM json_each(?)) ORDER BY id",
-                        (_json_ids(kernels["name_id"], kernels["short_id"]),))
-    return pl.DataFrame(rows.fetchall(), schema={"id": pl.Int64, "value": pl.Utf8}, orient="row")
-
-
-def _read_arrow(path: Path, query: str) -> pl.DataFrame:
-    """Run a query through ADBC so results arrive as Arrow columns, read-only."""
-    import adbc_driver_sqlite.dbapi as adbc
-
-    with adbc.connect(f"file:{quote(str(path.resolve()))}?mode=ro&immutable=1") as conn:
-        with conn.cursor() as cursor:
-            cursor.execute(query)
-            return pl.from_arrow(cursor.fetch_arrow_table())
+def _with_names(conn: sqlite3.Connection, signatures: pl.DataFrame) -> pl.DataFrame:
+    """Attach the demangled and short kernel names (StringIds) to the signatures."""
+    rows = conn.execute("SELECT id, value FROM StringIds WHERE id IN (SELECT value FROM json_each(?))",
+                        (_json_ids(signatures["name_id"], signatures["short_id"]),))
+    strings = pl.DataFrame(rows.fetchall(), schema={"id": pl.Int64, "value": pl.Utf8}, orient="row")
+    return (signatures.join(strings.rename({"id": "name_id", "value": "demangled"}), on="name_id", how="left")
+            .join(strings.rename({"id": "short_id", "value": "short"}), on="short_id", how="left").sort("sig"))

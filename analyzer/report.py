@@ -18,14 +18,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from statistics import NormalDist
 
-import numpy as np
-import polars as pl
 
 from kvtrace import __version__
 from kvtrace.analyzer import align, capacity, compare, stats
 from kvtrace.analyzer.classify import RecipeSet
 from kvtrace.analyzer.compare import Diff, Finding
-from kvtrace.analyzer.load import open_trace
+from kvtrace.analyzer.load import open_traces
 from kvtrace.capture.vllm_common import Point, capacity_reason
 from kvtrace.errors import KvtraceError
 
@@ -440,18 +438,6 @@ def segment_means(diff: Diff) -> list[SegmentMean]:
     return rows
 
 
-def segment_durations(trace, recipes: RecipeSet, window: align.Window) -> dict[str, np.ndarray]:
-    """Per-call durations of the distribution segments in the window, sorted (for ECDFs)."""
-    kernels = align.apply_window(trace, align.with_innermost_range(trace, compare.classified_kernels(trace, recipes)),
-                                 window)
-    out = {}
-    for segment in DISTRIBUTION_SEGMENTS:
-        values = kernels.filter(pl.col("segment") == segment)["duration"].to_numpy()
-        if values.size:
-            out[segment] = np.sort(values.astype(np.int64))
-    return out
-
-
 def _phase_calls(item: _Input, kind: str) -> int | None:
     """Workload calls of one kind of FlashInfer phase (all contexts), from the arm's manifest."""
     phases = (item.manifest["arms"][item.arm].get("workload") or {}).get("phases") or []
@@ -665,7 +651,7 @@ def _capacity(base: _Input, cand: _Input, b: RunArm, c: RunArm, notes: list[str]
 
 def build(paths: list[Path], recipes: RecipeSet, *, arms: tuple[str, ...] = (), labels: tuple[str, ...] = (),
           threshold: float = 0.02, confidence: float = 0.95, seed: int = 0, window: align.Window = align.Window(),
-          nsys: str | None = None) -> Report:
+          nsys: str | None = None, cache: bool = True) -> Report:
     base, cand = resolve_inputs(paths, arms)
     if labels and len(labels) != 2:
         raise KvtraceError("--label takes two names, baseline first: --label fp8 --label nvfp4")
@@ -676,12 +662,12 @@ def build(paths: list[Path], recipes: RecipeSet, *, arms: tuple[str, ...] = (), 
             if labels[0] == labels[1]:
                 raise KvtraceError(f"baseline and candidate are the same arm ({base.run}/{base.arm}): pick another")
     b_arm, c_arm = _run_arm(base, labels[0]), _run_arm(cand, labels[1])
-    b_trace, c_trace = open_trace(b_arm.sqlite, nsys=nsys), open_trace(c_arm.sqlite, nsys=nsys)
+    b_trace, c_trace = open_traces([b_arm.sqlite, c_arm.sqlite], nsys=nsys, cache=cache)
     diff = compare.diff(b_trace, c_trace, recipes, labels=tuple(labels), threshold=threshold, confidence=confidence,
                         seed=seed, window=window)
     durations = {}
     for side, trace in (("baseline", b_trace), ("candidate", c_trace)):
-        for segment, values in segment_durations(trace, recipes, window).items():
+        for segment, values in compare.segment_durations(trace, recipes, window, DISTRIBUTION_SEGMENTS).items():
             durations.setdefault(segment, {})[side] = values
     notes: list[str] = []
     serving = serving_rows(base, cand)

@@ -9,7 +9,7 @@ import click
 
 from kvtrace.analyzer import capacity as capacity_lib
 from kvtrace.analyzer import render
-from kvtrace.analyzer.cli import emit, output_options, progress, window_options
+from kvtrace.analyzer.cli import emit, output_options, progress, use_cache, window_options
 from kvtrace.errors import KvtraceError
 
 
@@ -47,7 +47,7 @@ def report(runs, arms, labels, threshold, confidence, seed, plots_dir, plot_form
     with progress(f"loading and comparing {' '.join(map(str, runs))}"):
         result = report_lib.build(list(runs), load_recipes(recipe_files), arms=tuple(arms), labels=tuple(labels),
                                   threshold=threshold, confidence=confidence, seed=seed, window=window,
-                                  nsys=nsys_path)
+                                  nsys=nsys_path, cache=use_cache())
     if plots_dir is not None:
         if output is not None and not output.parent.exists():
             raise KvtraceError(f"cannot write {output}: folder {output.parent} does not exist; create it first")

@@ -112,11 +112,14 @@ def _resample_means(x: np.ndarray, resamples: int, rng: np.random.Generator) -> 
     Multinomial(n, share of each value). Nsight durations are integer ns with heavy ties, so drawing
     counts over the k distinct values costs O(resamples * k) instead of O(resamples * n) for index
     draws; both are exact. A multinomial count costs ~16x an index draw (measured, ~80 ns vs ~5 ns),
-    hence the switch at k <= n / 16. Work is chunked to bound memory.
+    hence the switch at k <= n / 16. Work is chunked to bound memory. Index draws go over the sorted
+    values, so that neither path depends on the order of ``x``.
     """
     n = x.size
     values, counts = np.unique(x, return_counts=True)
     use_counts = values.size * 16 <= n
+    if not use_counts:
+        x = np.repeat(values, counts)  # x sorted
     width = values.size if use_counts else n
     rows = max(1, _CHUNK_ELEMENTS // width)
     means = np.empty(resamples)
@@ -141,7 +144,8 @@ def ratio_interval(
     """Percentile-bootstrap interval for mean(candidate) / mean(baseline).
 
     Each arm is resampled independently (the calls of two traces are not paired), baseline first,
-    from one ``Generator(PCG64(seed))``, so the same inputs and seed give identical floats. Ratio of
+    from one ``Generator(PCG64(seed))``. The interval depends on the durations and the seed, not on the
+    order the calls arrive in. Ratio of
     means rather than mean of per-call ratios, because it is the ratio of total GPU time per call.
     With a single call in either arm there is no spread to resample: low and high are None and
     ``method`` is ``SINGLE_CALL``. Raises ValueError for an empty arm or a zero baseline mean.

@@ -61,6 +61,12 @@ def good_sqlite() -> Path:
     return GOOD_SQLITE
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _session_cache(tmp_path_factory):
+    """In-process loads keep their trace cache here for the session, never in ~/.cache."""
+    os.environ["KVTRACE_CACHE_DIR"] = str(tmp_path_factory.mktemp("kvtrace-cache"))
+
+
 @pytest.fixture
 def cache_dir(tmp_path) -> Path:
     """KVTRACE_CACHE_DIR for one test, so no test writes .nsys-rep exports into ~/.cache."""

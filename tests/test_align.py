@@ -10,12 +10,14 @@ import json
 import shutil
 import sqlite3
 
+import polars as pl
 import pytest
 
 from conftest import FIXTURES, NSYS2023_DIR, NSYS2025_DIR, sql_durations
 from kvtrace.analyzer import align, compare, stats
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.load import open_trace
+from kvtrace.analyzer.ranges import NO_RANGE
 
 FP8 = NSYS2025_DIR / "fp8.sqlite"
 NVFP4 = NSYS2025_DIR / "nvfp4.sqlite"
@@ -40,10 +42,10 @@ def sql_range_durations(path, like: str, range_name: str) -> list[int]:
 
 def test_every_kernel_lands_in_its_workload_phase_range(recipes):
     trace = open_trace(FP8)
-    ranges = align.enclosing_ranges(trace)
-    assert ranges.height == trace.kernels.height  # every launch of the workload was inside a phase range
-    assert ranges["ranges"].list.last().str.starts_with("kvtrace:").all()
-    kernels = align.with_innermost_range(trace, compare.classified_kernels(trace, recipes))
+    assert (trace.kernels["range"] != NO_RANGE).all()  # every launch of the workload was inside a phase range
+    kernels = (trace.kernels.join(compare.classify_signatures(trace, recipes), on="sig")
+               .join(trace.ranges.select("range", pl.col("name").alias("nvtx")), on="range"))
+    assert kernels["nvtx"].str.starts_with("kvtrace:").all()
     for name, label, like in (("kvtrace:decode ctx=8192 batch=8", DECODE_FAMILY, DECODE_LIKE),
                               ("kvtrace:prefill ctx=32768 batch=8", PREFILL_FAMILY, PREFILL_LIKE)):
         ours = kernels.filter((kernels["nvtx"] == name) & (kernels["family_label"] == label))
@@ -207,7 +209,9 @@ def test_real_vllm_steps_are_projected_and_unmatched_batches_refused(recipes):
     different engine steps, so kvtrace must not pair their attention kernels."""
     manifest = json.loads((VLLM / "manifest.json").read_text())
     for arm in ("auto", "fp8"):
-        steps = align.step_phases(open_trace(VLLM / f"{arm}.sqlite")).unique("step_start")
+        trace = open_trace(VLLM / f"{arm}.sqlite")
+        launched = align.steps(trace).filter(pl.col("range").is_in(trace.kernels["range"].unique().implode()))
+        steps = launched.unique("step_range")
         assert set(steps["phase"]) == {align.PREFILL}
         point = manifest["arms"][arm]["points"][0]
         assert steps["context_tokens"].sum() == point["tokens_in"] == 32 * 1024

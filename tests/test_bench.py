@@ -7,7 +7,10 @@ import sqlite3
 import sys
 from pathlib import Path
 
+import polars as pl
+
 from kvtrace.analyzer.load import open_trace
+from kvtrace.analyzer.ranges import NO_RANGE
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import make_large_trace  # noqa: E402
@@ -48,4 +51,11 @@ def test_grown_trace_keeps_the_schema_and_multiplies_rows_exactly(tmp_path):
     assert trace.info.kernel_count == 3 * original.info.kernel_count
     assert trace.kernels["start"].is_sorted()
     # Every copy projects onto its own NVTX ranges, as the original does.
-    assert trace.nvtx_ranges().height == 3 * original.nvtx_ranges().height
+    assert trace.ranges.height == 3 * original.ranges.height
+    ranges_per_copy = original.ranges.height
+    outside = pl.col("range") == NO_RANGE
+    assert trace.kernels.filter(outside).height == 3 * original.kernels.filter(outside).height
+    per_range = original.kernels.filter(~outside).group_by("range").len().sort("range")
+    grown = trace.kernels.filter(~outside).group_by(pl.col("range") % ranges_per_copy).len().sort("range")
+    assert grown["range"].to_list() == per_range["range"].to_list()
+    assert grown["len"].to_list() == [3 * n for n in per_range["len"]]

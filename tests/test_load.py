@@ -13,13 +13,16 @@ import os
 import shutil
 import sqlite3
 import subprocess
+from contextlib import closing
 from pathlib import Path
 
 import polars as pl
 import pytest
 
-from conftest import BAD_DIR, NSYS2023_DIR, NSYS2025_DIR, REAL_SQLITE, fingerprint
+from conftest import BAD_DIR, FIXTURES, NSYS2023_DIR, NSYS2025_DIR, REAL_SQLITE, fingerprint
+from kvtrace.analyzer import load
 from kvtrace.analyzer.load import KERNEL_TABLE, open_trace
+from kvtrace.analyzer.ranges import NO_RANGE
 
 # Nsight Systems release -> export schema it writes (META_DATA_EXPORT).
 SCHEMA_OF_PRODUCT = {"2023.4.": "3.7.", "2025.3.": "3.20."}
@@ -87,52 +90,123 @@ def test_trace_info_matches_export(real_sqlite):
 def test_kernel_rows_and_durations_match_sql(real_sqlite):
     trace = open_trace(real_sqlite)
     rows = own_sql(real_sqlite, f"""
-        SELECT k.start, k."end" - k.start, k.correlationId, k.deviceId, k.streamId, d.value, s.value,
+        SELECT k.start, k."end" - k.start, k.deviceId, d.value, s.value,
                k.gridX, k.gridY, k.gridZ, k.blockX, k.blockY, k.blockZ
         FROM {KERNEL_TABLE} k JOIN StringIds d ON d.id = k.demangledName JOIN StringIds s ON s.id = k.shortName""")
-    columns = ["start", "duration", "correlation_id", "device_id", "stream_id", "demangled", "short",
+    columns = ["start", "duration", "device_id", "demangled", "short",
                "grid_x", "grid_y", "grid_z", "block_x", "block_y", "block_z"]
     expected = pl.DataFrame(rows, schema=columns, orient="row", infer_schema_length=None)
 
-    names = trace.names
-    got = (trace.kernels
-           .join(names.rename({"id": "name_id", "value": "demangled"}), on="name_id", how="left")
-           .join(names.rename({"id": "short_id", "value": "short"}), on="short_id", how="left")
-           .select(columns)
+    # Launch configurations travel packed (two or three values per integer): unpacked, they are the table's.
+    got = (trace.kernels.join(trace.signatures, on="sig", how="left").select(columns)
            .with_columns(pl.col(c).cast(pl.Int64) for c in columns if c not in ("demangled", "short")))
     assert got.height == trace.info.kernel_count == len(rows)
     assert got["demangled"].null_count() == 0 and got["short"].null_count() == 0
-    key = ["start", "correlation_id", "device_id", "stream_id"]
-    assert got.sort(key).equals(expected.sort(key))
+    assert got.sort(columns).equals(expected.sort(columns))
     assert (got["duration"] > 0).all()
+    # One signature per distinct (name, launch shape, device).
+    assert trace.signatures.height == expected.select(columns[2:]).unique().height
     # The frame is ordered by start, as the loader promises.
     assert trace.kernels["start"].is_sorted()
 
 
-def test_runtime_rows_load(real_sqlite):
-    runtime = open_trace(real_sqlite).runtime()
-    rows = own_sql(real_sqlite, f"""
-        SELECT r.correlationId, r.start, r."end", s.value FROM CUPTI_ACTIVITY_KIND_RUNTIME r
-        JOIN StringIds s ON s.id = r.nameId
+def test_every_kernel_launch_is_a_launch_call(real_sqlite):
+    """The loader reads only runtime rows whose API name contains "Launch": in every real export, each
+    kernel's launching call is one of those."""
+    apis = own_sql(real_sqlite, f"""
+        SELECT DISTINCT s.value FROM CUPTI_ACTIVITY_KIND_RUNTIME r JOIN StringIds s ON s.id = r.nameId
         WHERE r.correlationId IN (SELECT correlationId FROM {KERNEL_TABLE})""")
-    assert runtime.columns == ["start", "end", "global_tid", "correlation_id", "api"]
-    assert runtime.height == len(rows) > 0
-    assert sorted(zip(runtime["correlation_id"], runtime["start"], runtime["end"], runtime["api"])) == sorted(rows)
-    # Every API row that launched a kernel is a launch call.
-    assert all("Launch" in api for api in runtime["api"].unique())
+    assert apis and all("Launch" in api for (api,) in apis)
+
+
+def _innermost_by_sql(path: Path) -> pl.DataFrame:
+    """Each kernel's range: the innermost (latest-starting) range that holds its launch call on the
+    launching thread, nsys's projection rule written out in plain SQL."""
+    rows = own_sql(path, f"""
+        SELECT k.start, k."end" - k.start, d.value, (
+            SELECT n.start FROM CUPTI_ACTIVITY_KIND_RUNTIME r
+            JOIN NVTX_EVENTS n ON n.globalTid = r.globalTid AND n.start <= r.start AND n."end" >= r."end"
+                 AND n.eventType IN (59, 60, 70, 71) AND n.endGlobalTid IS NULL
+            WHERE r.correlationId = k.correlationId AND (r.globalTid & 0xFFFFFFFFFF000000) = k.globalPid
+            ORDER BY n.start DESC LIMIT 1)
+        FROM {KERNEL_TABLE} k JOIN StringIds d ON d.id = k.demangledName""")
+    return pl.DataFrame(rows, schema=["start", "duration", "demangled", "range_start"], orient="row")
+
+
+def _innermost_by_kvtrace(path: Path) -> pl.DataFrame:
+    trace = open_trace(path)
+    return (trace.kernels.join(trace.signatures.select("sig", "demangled"), on="sig")
+            .join(trace.ranges.select("range", pl.col("start").alias("range_start")), on="range", how="left")
+            .select("start", "duration", "demangled", "range_start"))
+
+
+def test_innermost_range_of_each_kernel_matches_sql(real_sqlite):
+    expected, got = _innermost_by_sql(real_sqlite), _innermost_by_kvtrace(real_sqlite)
+    assert expected["range_start"].null_count() < expected.height  # the fixtures have ranges around launches
+    assert got.sort(got.columns).equals(expected.sort(expected.columns))
+
+
+def _edited_copy(tmp_path: Path, source: Path, *statements: str) -> Path:
+    copy = tmp_path / source.name
+    shutil.copyfile(source, copy)
+    with closing(sqlite3.connect(copy)) as conn:
+        for statement in statements:
+            conn.execute(statement)
+        conn.commit()
+    return copy
+
+
+def test_runtime_rows_out_of_launch_order_project_the_same(tmp_path):
+    """Launches from several threads can interleave in the runtime table; the loader then sorts them."""
+    source = FIXTURES / "vllm-h200-decode-heavy" / "fp8.sqlite"
+    shuffled = _edited_copy(
+        tmp_path, source,
+        "CREATE TABLE shuffled AS SELECT * FROM CUPTI_ACTIVITY_KIND_RUNTIME ORDER BY correlationId % 7, start DESC",
+        "DROP TABLE CUPTI_ACTIVITY_KIND_RUNTIME",
+        "ALTER TABLE shuffled RENAME TO CUPTI_ACTIVITY_KIND_RUNTIME")
+    [(descending,)] = own_sql(shuffled, "SELECT count(*) FROM (SELECT correlationId - lag(correlationId) OVER "
+                                        "(ORDER BY rowid) AS step FROM CUPTI_ACTIVITY_KIND_RUNTIME) WHERE step < 0")
+    assert descending > 0
+    got = _innermost_by_kvtrace(shuffled)
+    assert got.sort(got.columns).equals(_innermost_by_kvtrace(source).sort(got.columns))
+    assert got.sort(got.columns).equals(_innermost_by_sql(shuffled).sort(got.columns))
+
+
+def test_kernels_of_a_process_without_launch_calls_are_outside_every_range(tmp_path):
+    """Correlation ids are per process: kernels whose process made no traced launch call (here: the last
+    100 kernels moved to another pid) must not borrow another process's ranges."""
+    source = FIXTURES / "vllm-h200-decode-heavy" / "fp8.sqlite"
+    moved = _edited_copy(tmp_path, source, f"""
+        UPDATE {KERNEL_TABLE} SET globalPid = globalPid + (1 << 24)
+        WHERE rowid IN (SELECT rowid FROM {KERNEL_TABLE} ORDER BY start DESC LIMIT 100)""")
+    got = _innermost_by_kvtrace(moved)
+    assert got.sort(got.columns).equals(_innermost_by_sql(moved).sort(got.columns))
+    assert got.sort("start").tail(100)["range_start"].null_count() == 100
 
 
 def test_nvtx_ranges_load(real_sqlite):
-    ranges = open_trace(real_sqlite).nvtx_ranges()
+    ranges = open_trace(real_sqlite).ranges
     # Independent: closed push/pop and start/end ranges that ended on their own thread; the fixtures use
     # the default domain (domainId 0), so the name is the range text itself.
     rows = own_sql(real_sqlite, """
-        SELECT e.start, e."end", COALESCE(s.value, e.text) FROM NVTX_EVENTS e
+        SELECT e.start, e."end", COALESCE(s.value, e.text), e.globalTid, (
+            SELECT count(*) FROM NVTX_EVENTS o WHERE o.globalTid = e.globalTid AND o.rowid != e.rowid
+                   AND o.eventType IN (59, 60, 70, 71) AND o.endGlobalTid IS NULL
+                   AND o.start <= e.start AND o."end" >= e."end")
+        FROM NVTX_EVENTS e
         LEFT JOIN StringIds s ON s.id = e.textId
         WHERE e.eventType IN (59, 60, 70, 71) AND e."end" IS NOT NULL AND e.endGlobalTid IS NULL""")
-    assert ranges.columns == ["start", "end", "global_tid", "name"]
+    assert ranges.columns == ["range", "name", "start", "end", "global_tid", "depth", "parent"]
     assert ranges.height == len(rows) > 0
-    assert sorted(zip(ranges["start"], ranges["end"], ranges["name"])) == sorted(rows)
+    # depth = the number of ranges around it on its thread
+    assert sorted(zip(ranges["start"], ranges["end"], ranges["name"], ranges["global_tid"], ranges["depth"])) \
+        == sorted(rows)
+    parents = ranges.join(ranges.select(pl.col("range").alias("parent"), pl.col("start").alias("p_start"),
+                                        pl.col("end").alias("p_end"), pl.col("depth").alias("p_depth")), on="parent")
+    assert parents.height == ranges.filter(pl.col("depth") > 0).height
+    assert (ranges.filter(pl.col("depth") == 0)["parent"] == NO_RANGE).all()
+    assert ((parents["p_start"] <= parents["start"]) & (parents["p_end"] >= parents["end"])
+            & (parents["p_depth"] == parents["depth"] - 1)).all()
     if real_sqlite.parent.name.startswith("vllm-"):
         # vLLM's per-step ranges (profiler "cuda"): execute_context_N(T)_generation_M(G), inside the
         # offline workload's own range around the measured generate().
@@ -144,14 +218,78 @@ def test_nvtx_ranges_load(real_sqlite):
         assert {"kvtrace:prefill", "kvtrace:decode", "kvtrace:append", "kvtrace:gemm"} <= phases
 
 
+# ---- trace cache ----------------------------------------------------------------------------------------
+
+def _same_trace(a, b) -> bool:
+    return (a.info == b.info and a.kernels.equals(b.kernels) and a.signatures.equals(b.signatures)
+            and a.ranges.equals(b.ranges))
+
+
+def _entries(cache_dir: Path) -> list[str]:
+    return sorted(p.name for p in (cache_dir / "traces").iterdir())
+
+
+def test_second_load_comes_from_the_cache_and_equals_a_fresh_load(tmp_path, cache_dir, monkeypatch):
+    monkeypatch.setenv("KVTRACE_CACHE_DIR", str(cache_dir))
+    export = tmp_path / "fp8.sqlite"
+    shutil.copy2(FIXTURES / "vllm-h200-decode-heavy" / "fp8.sqlite", export)
+    first = open_trace(export)
+    assert len(_entries(cache_dir)) == 1
+
+    def no_sqlite_reads(*args, **kwargs):
+        raise AssertionError("the cached trace should not read the export's tables")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(load, "read_kernels", no_sqlite_reads)
+        patched.setattr(load, "read_launches", no_sqlite_reads)
+        cached = open_trace(export)
+    assert _same_trace(cached, first)
+    assert _same_trace(open_trace(export, cache=False), first)
+
+
+def test_a_changed_export_is_read_again_and_replaces_its_entry(tmp_path, cache_dir, monkeypatch):
+    monkeypatch.setenv("KVTRACE_CACHE_DIR", str(cache_dir))
+    export = tmp_path / "auto.sqlite"
+    shutil.copy2(FIXTURES / "vllm-h200-decode-heavy" / "auto.sqlite", export)
+    open_trace(export)
+    before = _entries(cache_dir)
+    # Re-exported in place: other contents under the same name.
+    shutil.copyfile(FIXTURES / "vllm-h200-decode-heavy" / "fp8.sqlite", export)
+    again = open_trace(export)
+    assert again.info.kernel_count == open_trace(FIXTURES / "vllm-h200-decode-heavy" / "fp8.sqlite",
+                                                 cache=False).info.kernel_count
+    after = _entries(cache_dir)
+    assert len(after) == 1 and after != before
+
+
+def test_an_unreadable_entry_is_written_again(tmp_path, cache_dir, monkeypatch):
+    monkeypatch.setenv("KVTRACE_CACHE_DIR", str(cache_dir))
+    export = tmp_path / "fp8.sqlite"
+    shutil.copy2(FIXTURES / "fi-h200-sm90" / "fp8.sqlite", export)
+    fresh = open_trace(export)
+    [entry] = (cache_dir / "traces").iterdir()
+    # Replaced, not truncated in place: `fresh` maps the old file.
+    (entry / "damaged").write_bytes(b"not arrow")
+    os.replace(entry / "damaged", entry / "kernels.arrow")
+    assert _same_trace(open_trace(export), fresh)
+    assert _same_trace(open_trace(export), fresh)  # from the rewritten entry
+
+
+def test_no_cache_leaves_the_cache_empty(cache_dir, run_kvtrace, good_sqlite):
+    code, out, err = run_kvtrace("diff", good_sqlite, good_sqlite, "--no-cache", "--format", "json")
+    assert code == 0, err
+    assert files_under(cache_dir) == []
+    code, out, err = run_kvtrace("diff", good_sqlite, good_sqlite, "--format", "json")
+    assert code == 0, err
+    assert len(_entries(cache_dir)) == 1  # one export, one entry
+
+
 # ---- read-only -------------------------------------------------------------------------------------------
 
 def test_loading_never_writes_to_the_input(real_sqlite, run_kvtrace):
     """The committed fixture itself: same bytes and mtime, and no -journal/-wal/-shm beside it."""
     before, folder_before = fingerprint(real_sqlite), listing(real_sqlite.parent)
     trace = open_trace(real_sqlite)
-    trace.runtime()
-    trace.nvtx_ranges()
     code, out, err = run_kvtrace("summary", real_sqlite, "--format", "json")
     assert code == 0, err
     assert json.loads(out)["arm"]["info"]["kernel_count"] == trace.info.kernel_count
@@ -201,7 +339,7 @@ def test_nsys_rep_2023_exports_through_nsys_into_cache(name, nsys, tmp_path, cac
     assert exported.parent == cache_dir / "exports"
     assert info["product_version"].startswith("2023.4.4")
     # Only the complete export is left in the cache: no hidden temporary/partial files.
-    assert files_under(cache_dir) == [exported]
+    assert files_under(cache_dir / "exports") == [exported]
     # Nothing written beside the report, and the report itself untouched.
     assert listing(folder) == [report.name]
     assert fingerprint(report) == before
@@ -216,7 +354,7 @@ def test_nsys_rep_2023_exports_through_nsys_into_cache(name, nsys, tmp_path, cac
     code, again, err = run_kvtrace("kernels", report, "--format", "json", env={"NSYS": nsys})
     assert code == 0, err
     assert json.loads(again)["arm"]["info"]["sqlite"] == str(exported)
-    assert files_under(cache_dir) == [exported]
+    assert files_under(cache_dir / "exports") == [exported]
 
     # In-process: identical per-launch rows to the committed export.
     monkeypatch.setenv("KVTRACE_CACHE_DIR", str(cache_dir))
@@ -224,8 +362,9 @@ def test_nsys_rep_2023_exports_through_nsys_into_cache(name, nsys, tmp_path, cac
     from_sqlite = open_trace(NSYS2023_DIR / f"{name}.sqlite")
 
     def rows(trace):
-        named = trace.kernels.join(trace.names.rename({"id": "name_id", "value": "demangled"}), on="name_id")
-        return named.select("start", "duration", "correlation_id", "demangled").sort("start", "correlation_id")
+        named = trace.kernels.join(trace.signatures, on="sig")
+        return named.select("start", "duration", "demangled", "grid_x", "block_x", "range").sort(
+            "start", "demangled", "grid_x")
 
     assert rows(from_report).equals(rows(from_sqlite))
 
@@ -255,8 +394,9 @@ def test_nsys_rep_2025_with_nsys2023_is_one_line_and_leaves_nothing(name, comman
     assert "2023.4.4" in line  # which nsys failed
     assert "newer Nsight Systems" in line  # why: the report is from a newer version
     assert "nsys export --type sqlite" in line and "NSYS" in line  # what to do
-    # No partial SQLite anywhere: not in the cache, not beside the report.
-    assert files_under(cache_dir) == []
+    # No partial SQLite anywhere: not in the export cache, not beside the report. (The diff's good arm,
+    # loaded alongside, may be in the trace cache.)
+    assert files_under(cache_dir / "exports") == []
     assert listing(folder) == [report.name]
     assert fingerprint(report) == before
 
