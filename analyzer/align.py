@@ -192,10 +192,10 @@ class Cells:
     """An arm's calls grouped into cells of one signature and one innermost range (`nvtx` code).
 
     `table` has a row per cell: cell, sig, nvtx, calls, total_ns, first (the row of its earliest call), plus
-    the codes the caller adds (family, segment, shape, phase). The calls stay where they are, in start
-    order; `order` lists their rows cell after cell (ascending within a cell), and cell i's rows are
-    order[offsets[i]:offsets[i + 1]]. Groups of cells (`where`) share the arrays: comparisons work on the
-    small table and gather per-call durations only for what they report.
+    the codes the caller adds (family, segment, shape, phase). `order` lists the calls' rows (in the
+    arm's start order) cell after cell, ascending within a cell, and `durations` their durations in that
+    order: cell i is [offsets[i], offsets[i + 1]) of both. Groups of cells (`where`) share the arrays, so
+    comparisons work on the small table and copy contiguous runs of durations only for what they report.
     """
 
     table: pl.DataFrame
@@ -227,8 +227,11 @@ class Cells:
         order = np.argsort(cell, kind="stable").astype(np.uint32 if calls.height < 1 << 32 else np.int64)
         offsets = np.zeros(table.height + 1, dtype=np.int64)
         np.cumsum(table["calls"].to_numpy(), out=offsets[1:])
+        durations = calls["duration"].to_numpy()[order]
+        if durations.size and 0 <= durations.min() and durations.max() < 1 << 32:
+            durations = durations.astype(np.uint32)  # kernels shorter than 4.3 s: half the memory
         return cls(table=table.with_row_index("cell").with_columns(pl.Series("first", order[offsets[:-1]])),
-                   durations=calls["duration"].to_numpy(), order=order, offsets=offsets)
+                   durations=durations, order=order, offsets=offsets)
 
     def where(self, predicate: pl.Expr) -> Cells:
         return replace(self, table=self.table.filter(predicate))
@@ -243,12 +246,14 @@ class Cells:
 
     def values(self, *, ordered: bool = False) -> np.ndarray:
         """The durations of the group's calls; in launch order when `ordered`."""
-        cells = self.table["cell"].to_list()
-        rows = np.concatenate([self.order[self.offsets[i]:self.offsets[i + 1]] for i in cells] or
-                              [np.zeros(0, dtype=self.order.dtype)])
-        if ordered and len(cells) > 1:
-            rows.sort()
-        return self.durations[rows]
+        spans = [(self.offsets[i], self.offsets[i + 1]) for i in self.table["cell"].to_list()]
+        if not spans:
+            return np.zeros(0, dtype=self.durations.dtype)
+        durations = np.concatenate([self.durations[a:b] for a, b in spans])
+        if ordered and len(spans) > 1:
+            rows = np.concatenate([self.order[a:b] for a, b in spans])
+            durations = durations[np.argsort(rows, kind="stable")]
+        return durations
 
     def counts(self, keys: list[str]) -> pl.DataFrame:
         return self.table.group_by(keys).agg(pl.col("calls").sum().alias("len"))

@@ -16,7 +16,7 @@ import sqlite3
 import struct
 import subprocess
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import closing, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -96,11 +96,14 @@ class Trace:
         return self._memo[key]
 
 
-def open_trace(path: str | os.PathLike, *, nsys: str | None = None, cache: bool = True) -> Trace:
+def open_trace(path: str | os.PathLike, *, nsys: str | None = None, cache: bool = True,
+               overlap_tables: bool = True) -> Trace:
     """Validate and load one export (.sqlite), or export an .nsys-rep first.
 
     With `cache`, the loaded frames are kept in kvtrace's cache directory (keyed by the export's path,
     size and modification time), and a later load of the same unchanged export reads them from there.
+    With `overlap_tables`, the launch calls and the kernels are read at the same time, on two cores, for
+    8 more bytes per kernel while loading.
     """
     source = Path(path)
     _check_file(source)
@@ -121,9 +124,14 @@ def open_trace(path: str | os.PathLike, *, nsys: str | None = None, cache: bool 
             tables = set(sqlite_utils.Database(conn).table_names())
             ranges, index = read_ranges(conn, tables)
             launch_names = _launch_api_ids(conn) if ranges.height and RUNTIME_TABLE in tables else None
-        launches = read_launches(sqlite_path, index, launch_names) if launch_names else None
-        # The kernel table is scanned once; counts, span, devices and names come from the columns read.
-        kernels, signatures = read_kernels(sqlite_path, launches)
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            launches = None
+            if launch_names and overlap_tables:
+                launches = pool.submit(read_launches, sqlite_path, index, launch_names)
+            elif launch_names:
+                launches = read_launches(sqlite_path, index, launch_names)
+            # The kernel table is scanned once; counts, span, devices and names come from the columns read.
+            kernels, signatures = read_kernels(sqlite_path, launches)
         with closing(_connect(sqlite_path)) as conn:
             signatures = _with_names(conn, signatures)
             info = _trace_info(conn, tables, source, sqlite_path, kernels, signatures)
@@ -135,11 +143,12 @@ def open_trace(path: str | os.PathLike, *, nsys: str | None = None, cache: bool 
 
 
 def open_traces(paths: list, *, nsys: str | None = None, cache: bool = True) -> list[Trace]:
-    """Load several exports side by side: each load is mostly SQLite and numpy work that releases the GIL."""
+    """Load several exports side by side: each load is mostly SQLite and numpy work that releases the GIL.
+    The cores are then busy with one trace each, so each load reads its tables one after the other."""
     if len(paths) < 2:
         return [open_trace(p, nsys=nsys, cache=cache) for p in paths]
     with ThreadPoolExecutor(max_workers=len(paths)) as pool:
-        return list(pool.map(lambda p: open_trace(p, nsys=nsys, cache=cache), paths))
+        return list(pool.map(lambda p: open_trace(p, nsys=nsys, cache=cache, overlap_tables=False), paths))
 
 
 # ---- cache of loaded traces ---------------------------------------------------------------------------
@@ -326,8 +335,9 @@ _BLOCK = "blockX + blockY * 2048 + blockZ * 4194304 + deviceId * 4294967296"
 SIGNATURE = ["names", "grid", "block"]
 
 
-def read_kernels(sqlite_path: Path, launches: Launches | None) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """Per-launch rows (start, duration, sig, range) and the distinct signatures they use."""
+def read_kernels(sqlite_path: Path, launches: Launches | Future | None) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """Per-launch rows (start, duration, sig, range) and the distinct signatures they use. While the launch
+    calls are still being read (`launches` is a Future), each kernel's launch key is kept until they are."""
     columns = f"start, \"end\", {_NAMES}, {_GRID}, {_BLOCK}" + \
         (", correlationId, globalPid" if launches is not None else "")
     with closing(_connect(sqlite_path)) as conn:
@@ -337,6 +347,7 @@ def read_kernels(sqlite_path: Path, launches: Launches | None) -> tuple[pl.DataF
     duration = np.empty(count, dtype=np.int64)
     sig = np.empty(count, dtype=np.uint32)
     in_range = np.full(count, ranges_.NO_RANGE, dtype=np.int32)
+    keys = np.empty(count, dtype=np.int64) if isinstance(launches, Future) else None
     signatures = pl.DataFrame(schema={"names": pl.Int64, "grid": pl.Int64, "block": pl.Int64, "sig": pl.UInt32})
     filled = 0
     for batch in _read_batches(sqlite_path, f"SELECT {columns} FROM {KERNEL_TABLE}"):
@@ -353,9 +364,15 @@ def read_kernels(sqlite_path: Path, launches: Launches | None) -> tuple[pl.DataF
         start[rows] = batch.column(0).to_numpy()
         np.subtract(batch.column(1).to_numpy(), start[rows], out=duration[rows])
         if launches is not None:
-            in_range[rows] = launches.innermost_of(_launch_key(batch.column(5).to_numpy(),
-                                                               batch.column(6).to_numpy()))
+            key = _launch_key(batch.column(5).to_numpy(), batch.column(6).to_numpy())
+            if keys is not None:
+                keys[rows] = key
+            else:
+                in_range[rows] = launches.innermost_of(key)
         filled += batch.num_rows
+    if keys is not None:
+        in_range[:] = launches.result().innermost_of(keys)
+        del keys
     kernels = pl.DataFrame({"start": start, "duration": duration, "sig": sig, "range": in_range})
     if not kernels["start"].is_sorted():
         # Sorted here rather than by SQLite's single-threaded sorter; ties keep table order.
