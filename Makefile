@@ -30,10 +30,10 @@ test: install-dev
 	$(PYTHON) -m pytest
 
 # Grows the vLLM fixtures to 1M and 10M kernels under bench/out/ (about 4 GB) and times kvtrace against the
-# SQLite floor and `nsys stats`; the table goes into docs/performance.md.
+# SQLite floor and `nsys stats`, then stage by stage; the tables go into docs/performance.md.
 bench: install
 	@if [ -n "$(NSYS_INSTALLER)" ]; then export NSYS=$$(bash $(NSYS_INSTALLER)); fi; \
-	$(PYTHON) bench/run.py
+	$(PYTHON) bench/run.py && $(PYTHON) bench/stages.py
 
 docs: install
 	$(PYTHON) -m kvtrace.docs > docs/cli.md

@@ -71,7 +71,9 @@ class RatioInterval:
 
 
 def _as_1d(values: ArrayLike, name: str) -> np.ndarray:
-    array = np.asarray(values, dtype=np.float64)
+    array = np.asarray(values)
+    if array.dtype.kind not in "iu":  # integer ns stay integers: no float copy of millions of calls
+        array = array.astype(np.float64)
     if array.ndim != 1:
         raise ValueError(f"{name} must be 1-D, got shape {array.shape}")
     if array.size == 0:

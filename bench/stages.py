@@ -1,0 +1,107 @@
+"""Where a first `kvtrace diff` spends its time: each stage alone, one core, on the grown traces.
+
+    python bench/stages.py [--kernels 10000000]
+
+Times, per file and one after the other: the floor query; the two SQLite reads kvtrace makes (the kernel
+columns it needs and the launch calls), with the rows thrown away; a whole load without the cache; writing
+and reading the trace cache; and, for the pair, the comparison itself. Prints a markdown table for
+docs/performance.md. Run bench/run.py first (it builds the files) or let this build them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import closing
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import make_large_trace  # noqa: E402
+from run import ARMS, FLOOR, OUT  # noqa: E402
+
+from kvtrace.analyzer import compare, load  # noqa: E402
+from kvtrace.analyzer.classify import load_recipes  # noqa: E402
+
+
+def timed(work) -> tuple[float, object]:
+    start = time.perf_counter()
+    result = work()
+    return time.perf_counter() - start, result
+
+
+def drain(path: Path, query: str) -> int:
+    return sum(batch.num_rows for batch in load._read_batches(path, query))
+
+
+def kernel_query(path: Path) -> str:
+    return (f'SELECT start, "end", {load._NAMES}, {load._GRID}, {load._BLOCK}, correlationId, globalPid '
+            f"FROM {load.KERNEL_TABLE}")
+
+
+def launch_query(path: Path) -> str:
+    with closing(load._connect(path)) as conn:
+        api_ids = load._launch_api_ids(conn)
+    return (f"SELECT correlationId, globalTid, start FROM {load.RUNTIME_TABLE} "
+            f"WHERE nameId IN ({','.join(map(str, api_ids))})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kernels", type=int, default=10_000_000)
+    args = parser.parse_args(argv)
+    files = []
+    for arm in ARMS:
+        path = OUT / f"{arm}-{args.kernels}.sqlite"
+        if not path.exists():
+            OUT.mkdir(parents=True, exist_ok=True)
+            make_large_trace.grow(make_large_trace.FIXTURES[arm], path, args.kernels)
+        files.append(path)
+    subprocess.run(["cat", *map(str, files)], stdout=subprocess.DEVNULL)
+    os.environ["KVTRACE_CACHE_DIR"] = tempfile.mkdtemp(prefix="kvtrace-stages-")
+    rows: dict[str, list[float]] = {}
+
+    def record(stage: str, seconds: float) -> None:
+        rows.setdefault(stage, []).append(seconds)
+
+    startup = subprocess.run([sys.executable, "-c", "import time, sys; t = time.perf_counter(); "
+                              "import kvtrace.analyzer.compare, kvtrace.analyzer.render.terminal; "
+                              "print(time.perf_counter() - t)"], capture_output=True, text=True, check=True)
+    traces = []
+    for path in files:
+        with closing(sqlite3.connect(f"file:{path}?mode=ro&immutable=1", uri=True)) as conn:
+            record("floor query (sqlite3, GROUP BY shortName)", timed(lambda: conn.execute(FLOOR).fetchall())[0])
+        record("SQLite read: kernel columns kvtrace needs", timed(lambda: drain(path, kernel_query(path)))[0])
+        record("SQLite read: launch calls (runtime rows named *Launch*)",
+               timed(lambda: drain(path, launch_query(path)))[0])
+        seconds, _ = timed(lambda: load.open_trace(path, cache=False, overlap_tables=False))
+        record("whole load, no cache, tables one after the other", seconds)
+        seconds, trace = timed(lambda: load.open_trace(path, cache=False))
+        record("whole load, no cache, tables side by side (what `summary` does)", seconds)
+        entry = load._cache_entry(path)
+        record("write the trace cache", timed(lambda: load._write_cached(entry, trace))[0])
+        seconds, trace = timed(lambda: load.open_trace(path))
+        record("load from the trace cache", seconds)
+        traces.append(trace)
+    recipes = load_recipes()
+    seconds, _ = timed(lambda: compare.diff(*traces, recipes))
+    shutil.rmtree(os.environ["KVTRACE_CACHE_DIR"], ignore_errors=True)
+
+    kernels = sum(t.info.kernel_count for t in traces) // len(traces)
+    print(f"{kernels:,} kernels per file; seconds on one core unless said otherwise\n")
+    print("| stage | per file | both files |")
+    print("|---|---|---|")
+    for stage, values in rows.items():
+        print(f"| {stage} | {' / '.join(f'{v:.2f}' for v in values)} | {sum(values):.2f} |")
+    print(f"| diff computation (both arms, cached traces) | | {seconds:.2f} |")
+    print(f"| Python start and imports | | {float(startup.stdout):.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
