@@ -205,33 +205,37 @@ class Cells:
 
     @classmethod
     def of(cls, calls: pl.DataFrame) -> Cells:
-        """From calls (sig, nvtx, duration) in start order."""
-        table = (calls.group_by("sig", "nvtx").agg(pl.len().alias("calls"), pl.col("duration").sum().alias("total_ns"))
-                 .sort("sig", "nvtx"))
-        # Each call's cell, through a lookup table over (sig, nvtx) when that is small, else by search.
-        width = int(table["nvtx"].max()) + 1 if table.height else 1
-        keys = table["sig"].to_numpy().astype(np.int64) * width + table["nvtx"].to_numpy()
-        key_type = np.uint32 if not keys.size or keys[-1] < 1 << 32 else np.int64
-        call_keys = calls["sig"].to_numpy().astype(key_type)
-        call_keys *= width
-        call_keys += calls["nvtx"].to_numpy()
-        cell_type = np.uint16 if table.height <= 1 << 16 else np.uint32
-        if keys.size and keys[-1] < 1 << 24:
-            lookup = np.zeros(keys[-1] + 1, dtype=cell_type)
-            lookup[keys] = np.arange(keys.size)
-            cell = lookup[call_keys]
+        """From calls (sig, nvtx, duration) in start order, in numpy: a hash group-by over millions of
+        rows would hold several times their size."""
+        width = int(calls["nvtx"].max()) + 1 if calls.height else 1
+        key_type = np.uint32 if (int(calls["sig"].max() or 0) + 1) * width < 1 << 32 else np.int64
+        keys = calls["sig"].to_numpy().astype(key_type)
+        keys *= width
+        keys += calls["nvtx"].to_numpy()
+        if keys.size and int(keys.max()) < 1 << 24:
+            calls_by_key = np.bincount(keys)
+            present = np.flatnonzero(calls_by_key)
+            lookup = np.zeros(calls_by_key.size, dtype=np.uint16 if present.size <= 1 << 16 else np.uint32)
+            lookup[present] = np.arange(present.size)
+            cell = lookup[keys]
+            counts = calls_by_key[present]
         else:
-            cell = np.searchsorted(keys, call_keys).astype(cell_type)
-        del call_keys
-        # A stable sort keeps each cell's rows in start order; numpy radix-sorts 16-bit keys.
+            present, cell, counts = np.unique(keys, return_inverse=True, return_counts=True)
+        del keys
+        # A stable sort keeps each cell's calls in start order; numpy radix-sorts 16-bit cell numbers.
         order = np.argsort(cell, kind="stable").astype(np.uint32 if calls.height < 1 << 32 else np.int64)
-        offsets = np.zeros(table.height + 1, dtype=np.int64)
-        np.cumsum(table["calls"].to_numpy(), out=offsets[1:])
+        del cell
+        offsets = np.zeros(present.size + 1, dtype=np.int64)
+        np.cumsum(counts, out=offsets[1:])
         durations = calls["duration"].to_numpy()[order]
+        totals = np.add.reduceat(durations, offsets[:-1], dtype=np.int64) if present.size else \
+            np.zeros(0, dtype=np.int64)
         if durations.size and 0 <= durations.min() and durations.max() < 1 << 32:
             durations = durations.astype(np.uint32)  # kernels shorter than 4.3 s: half the memory
-        return cls(table=table.with_row_index("cell").with_columns(pl.Series("first", order[offsets[:-1]])),
-                   durations=durations, order=order, offsets=offsets)
+        table = pl.DataFrame({"cell": np.arange(present.size, dtype=np.uint32),
+                              "sig": (present // width).astype(np.uint32), "nvtx": (present % width).astype(np.uint32),
+                              "calls": counts.astype(np.int64), "total_ns": totals, "first": order[offsets[:-1]]})
+        return cls(table=table, durations=durations, order=order, offsets=offsets)
 
     def where(self, predicate: pl.Expr) -> Cells:
         return replace(self, table=self.table.filter(predicate))
