@@ -177,7 +177,8 @@ class Vocabulary:
     def name_codes(self, names: pl.Series) -> np.ndarray:
         """Per range, the code of its name; one extra entry at the end for calls outside every range."""
         index = {name: code for code, name in enumerate(self.names)}
-        return np.array([index[n] for n in names.to_list()] + [self.outside], dtype=np.uint32)
+        # A range without a name (nvtxRangePushEx with only a colour) cannot be matched: like outside.
+        return np.array([index.get(n, self.outside) for n in names.to_list()] + [self.outside], dtype=np.uint32)
 
     def name(self, code: int) -> str | None:
         return self.names[code] if code < len(self.names) else None

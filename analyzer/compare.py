@@ -434,7 +434,7 @@ def _step_findings(base: _Side, cand: _Side, base_arm: Arm, cand_arm: Arm) -> li
     steps = []
     for side in (base, cand):
         found = align.steps(side.trace).filter(pl.col("range").is_in(side.ranges.implode()))
-        steps.append(found.unique("step_range").sort("step_start")["step"].to_list())
+        steps.append(found.unique("step_range").sort("step_start", "step_range")["step"].to_list())
     if not steps[0] and not steps[1]:
         return []
 
@@ -537,7 +537,7 @@ def list_kernels(trace: Trace, recipes: RecipeSet, *, unclassified: bool = False
                   pl.col("kv_dtype").first(), pl.col("calls").sum(), pl.col("total_ns").sum())
              .with_columns((pl.col("total_ns") / pl.col("calls")).alias("mean_ns"),
                            (pl.col("total_ns") / arm.total_ns).alias("share"))
-             .sort("total_ns", descending=True)
+             .sort("total_ns", descending=True, maintain_order=True)
              .select("segment", "family_label", "kv_dtype", "calls", "total_ns", "mean_ns", "share", "recipe",
                      "demangled"))
     return KernelList(arm=arm, recipes=tuple(recipes.files), only_unclassified=unclassified,

@@ -16,8 +16,9 @@ import sqlite3
 import struct
 import subprocess
 import tempfile
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import closing, contextmanager
+from contextlib import closing, contextmanager, suppress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from urllib.parse import quote
@@ -26,6 +27,7 @@ import numpy as np
 import polars as pl
 import sqlite_utils
 
+from kvtrace import __version__
 from kvtrace.analyzer import ranges as ranges_
 from kvtrace.capture import runner  # nsys discovery, shared with capture (standard library only)
 from kvtrace.errors import KvtraceError
@@ -154,16 +156,21 @@ def open_traces(paths: list, *, nsys: str | None = None, cache: bool = True) -> 
 # ---- cache of loaded traces ---------------------------------------------------------------------------
 
 CACHE_FORMAT = 1  # bump whenever the cached frames or TraceInfo change shape
+CACHE_DAYS = 14  # entries not read for this long are removed when another entry is written
 _FRAMES = ("kernels", "signatures", "ranges")
 
 
-def _cache_entry(sqlite_path: Path) -> Path:
-    """The cache folder for this export as it is now: another size or mtime is another entry."""
+def _cache_entry(sqlite_path: Path) -> Path | None:
+    """The cache folder for this export as it is now (another size, mtime or kvtrace version is another
+    entry), or None when there is no private cache folder."""
+    folder = _cache_dir("traces")
+    if folder is None:
+        return None
     resolved = sqlite_path.resolve()
     stat = resolved.stat()
     place = hashlib.sha256(str(resolved).encode()).hexdigest()[:12]
-    version = hashlib.sha256(f"{stat.st_size}|{stat.st_mtime_ns}|{CACHE_FORMAT}".encode()).hexdigest()[:12]
-    return _cache_dir("traces") / f"{resolved.stem}-{place}-{version}"
+    version = hashlib.sha256(f"{stat.st_size}|{stat.st_mtime_ns}|{CACHE_FORMAT}|{__version__}".encode()).hexdigest()
+    return folder / f"{resolved.stem}-{place}-{version[:12]}"
 
 
 def _read_cached(entry: Path, source: Path) -> Trace | None:
@@ -178,15 +185,19 @@ def _read_cached(entry: Path, source: Path) -> Trace | None:
             # kernel rows are paged in only as an analysis touches them.
             with pa.memory_map(str(entry / f"{name}.arrow")) as mapped:
                 frames[name] = pl.from_arrow(pa.ipc.open_file(mapped).read_all())
-    except (OSError, ValueError, pa.ArrowException, pl.exceptions.PolarsError):
+        info["gpus"] = tuple(GpuInfo(**gpu) for gpu in info["gpus"])
+        trace = Trace(info=TraceInfo(**{**info, "source": str(source)}), **frames)
+    except (OSError, ValueError, KeyError, TypeError, pa.ArrowException, pl.exceptions.PolarsError):
         return None
-    info["gpus"] = tuple(GpuInfo(**gpu) for gpu in info["gpus"])
-    return Trace(info=TraceInfo(**{**info, "source": str(source)}), **frames)
+    with suppress(OSError):
+        os.utime(entry)  # last use, for the age-based clean-up
+    return trace
 
 
 def _write_cached(entry: Path, trace: Trace) -> bool:
-    """Write the entry under a temporary name and rename it into place; drop older entries of the same
-    export. Caching is best effort: False when the cache cannot be written."""
+    """Write the entry under a temporary name and rename it into place; then remove older entries and
+    leftover temporary folders of the same export, and entries unused for CACHE_DAYS. Caching is best
+    effort: False when the cache cannot be written."""
     import pyarrow as pa
 
     try:
@@ -201,13 +212,16 @@ def _write_cached(entry: Path, trace: Trace) -> bool:
             os.replace(partial, entry)
         finally:
             shutil.rmtree(partial, ignore_errors=True)
-        same_export = entry.name.rsplit("-", 1)[0] + "-"
-        for stale in entry.parent.iterdir():
-            if stale.name.startswith(same_export) and stale != entry:
-                shutil.rmtree(stale, ignore_errors=True)
-        return True
     except OSError:
         return False
+    same_export = entry.name.rsplit("-", 1)[0] + "-"
+    unused_since = time.time() - CACHE_DAYS * 86400
+    for other in entry.parent.iterdir():
+        with suppress(OSError):
+            if other != entry and (other.name.lstrip(".").startswith(same_export)
+                                   or other.stat().st_mtime < unused_since):
+                shutil.rmtree(other, ignore_errors=True)
+    return True
 
 
 @contextmanager
@@ -250,68 +264,109 @@ def read_ranges(conn: sqlite3.Connection, tables: set[str]) -> tuple[pl.DataFram
 def _launch_api_ids(conn: sqlite3.Connection) -> list[int]:
     """StringIds of the runtime and driver calls that can launch kernels (cudaLaunchKernel*, cuLaunchKernel*,
     cudaGraphLaunch*, cudaLaunchCooperativeKernel*, …): reading only those rows halves the runtime scan."""
-    return [r[0] for r in conn.execute("SELECT id FROM StringIds WHERE value LIKE '%Launch%'")]
+    return [r[0] for r in conn.execute("SELECT id FROM StringIds WHERE value GLOB '*Launch*'")]
+
+
+class _Processes:
+    """Small numbers for the processes that made launch calls (globalTid >> 24: pid, VM and hardware id, 40
+    bits), so that a process number and a 32-bit correlationId fit one int64 launch key."""
+
+    def __init__(self):
+        self.numbers: dict[int, int] = {}
+
+    def of(self, global_id: np.ndarray, *, add: bool) -> np.ndarray:
+        """Per row, its process number; -1 for a process without launch calls when not `add`ing."""
+        process = global_id >> 24
+        if process.size and process.min() == process.max():  # one process per batch, the usual case
+            return np.full(process.size, self._number(int(process[0]), add), dtype=np.int64)
+        unique, inverse = np.unique(process, return_inverse=True)
+        return np.array([self._number(int(p), add) for p in unique], dtype=np.int64)[inverse]
+
+    def _number(self, process: int, add: bool) -> int:
+        if add:
+            return self.numbers.setdefault(process, len(self.numbers))
+        return self.numbers.get(process, -1)
+
+
+def _launch_key(number: np.ndarray, correlation: np.ndarray) -> np.ndarray:
+    # CUPTI correlation ids are 32-bit and unique per process.
+    return (number << 32) | correlation.astype(np.int64)
 
 
 @dataclass(frozen=True)
 class Launches:
-    """Kernel-launching API calls in launch-key order (process, then correlationId), cut into runs of
-    calls with the same innermost NVTX range. A kernel carries the key of its launch call, so the run that
-    holds its key gives its range; a run with NO_RANGE opens and closes each process's keys."""
+    """Kernel-launching API calls in launch-key order (process number, then correlationId), cut into runs
+    of calls with the same innermost NVTX range. A kernel carries its launch call's correlationId and
+    process, so the run that holds its key gives its range; a NO_RANGE run opens and closes each process."""
 
     starts: np.ndarray  # first key of each run, ascending
     range: np.ndarray  # int32 innermost range of the run's calls
+    processes: _Processes
 
     @classmethod
-    def of_sorted(cls, runs: list[tuple[np.ndarray, np.ndarray]]) -> Launches:
+    def of_sorted(cls, runs: list[tuple[np.ndarray, np.ndarray]], processes: _Processes) -> Launches:
         starts = np.concatenate([s for s, _ in runs]) if runs else np.zeros(0, dtype=np.int64)
         found = np.concatenate([r for _, r in runs]) if runs else np.zeros(0, dtype=np.int32)
-        processes = np.unique(starts >> 32)
-        # Before a process's first launch and after its last, kernels (launched before the capture, or by a
-        # process whose calls were not traced) are outside every range. Markers sort before real runs.
-        markers = np.concatenate([processes << 32, (processes + 1) << 32])
+        numbers = np.arange(len(processes.numbers), dtype=np.int64)
+        # Before a process's first launch and after its last, kernels (launched before the capture began)
+        # are outside every range. Markers sort before real runs.
+        markers = np.concatenate([numbers << 32, (numbers + 1) << 32])
         starts = np.concatenate([markers, starts])
         found = np.concatenate([np.full(markers.size, ranges_.NO_RANGE, dtype=np.int32), found])
         order = np.argsort(starts, kind="stable")
-        return cls(starts=starts[order], range=found[order])
+        return cls(starts=starts[order], range=found[order], processes=processes)
 
-    def innermost_of(self, key: np.ndarray) -> np.ndarray:
-        """The innermost range of the launch calls with these keys."""
-        run = np.searchsorted(self.starts, key, side="right") - 1
-        return np.where(run >= 0, self.range[np.maximum(run, 0)], ranges_.NO_RANGE).astype(np.int32)
+    def innermost_of(self, correlation: np.ndarray, global_pid: np.ndarray) -> np.ndarray:
+        """The innermost range of the launch calls of kernels with these correlation ids and processes."""
+        number = self.processes.of(global_pid, add=False)
+        if self.starts.size == 0:
+            return np.full(correlation.size, ranges_.NO_RANGE, dtype=np.int32)
+        run = np.searchsorted(self.starts, _launch_key(number, correlation), side="right") - 1
+        found = np.where(run >= 0, self.range[np.maximum(run, 0)], ranges_.NO_RANGE).astype(np.int32)
+        found[number < 0] = ranges_.NO_RANGE  # a process without traced launch calls
+        return found
 
 
 class _Unsorted(Exception):
-    """The runtime table is not in launch-key order (launches from several threads can interleave)."""
+    """A process's launch calls are not in correlationId order in the runtime table (its threads interleave)."""
 
 
 def read_launches(sqlite_path: Path, index: ranges_.RangeIndex, api_ids: list[int]) -> Launches:
-    """Every launch call's innermost NVTX range, as runs. Runtime rows usually come in correlationId order,
-    and then runs are cut batch by batch and memory stays at a few values per range; otherwise the calls
-    are read again, sorted, and cut."""
+    """Every launch call's innermost NVTX range, as runs. A process's runtime rows usually come in
+    correlationId order, and then runs are cut batch by batch and memory stays at a few values per range;
+    otherwise the calls are read again, sorted, and cut."""
     query = (f"SELECT correlationId, globalTid, start FROM {RUNTIME_TABLE} "
              f"WHERE nameId IN ({','.join(map(str, api_ids))})")
-    runs, last = [], np.iinfo(np.int64).min
+    processes = _Processes()
+    runs: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
+    last: dict[int, int] = {}
     try:
-        for key, found in _launch_batches(sqlite_path, query, index):
-            if key.size and (key[0] <= last or not np.all(key[1:] > key[:-1])):
-                raise _Unsorted
-            runs.append(_cut(key, found))
-            last = key[-1] if key.size else last
+        for key, found in _launch_batches(sqlite_path, query, index, processes):
+            numbers = key >> 32
+            if numbers.min() == numbers.max():  # one process per batch, the usual case
+                parts = [(int(numbers[0]), key, found)]
+            else:  # several processes (tensor-parallel workers) interleave; each keeps its order
+                parts = [(n, key[numbers == n], found[numbers == n]) for n in np.unique(numbers).tolist()]
+            for number, own_key, own_found in parts:
+                if own_key[0] <= last.get(number, -1) or not np.all(own_key[1:] > own_key[:-1]):
+                    raise _Unsorted
+                runs.setdefault(number, []).append(_cut(own_key, own_found))
+                last[number] = int(own_key[-1])
     except _Unsorted:
-        batches = list(_launch_batches(sqlite_path, query, index))
+        batches = list(_launch_batches(sqlite_path, query, index, processes))
         key = np.concatenate([k for k, _ in batches]) if batches else np.zeros(0, dtype=np.int64)
         found = np.concatenate([f for _, f in batches]) if batches else np.zeros(0, dtype=np.int32)
         del batches
         order = np.argsort(key, kind="stable")
-        runs = [_cut(key[order], found[order])]
-    return Launches.of_sorted(runs)
+        runs = {0: [_cut(key[order], found[order])]}
+    return Launches.of_sorted([run for number in sorted(runs) for run in runs[number]], processes)
 
 
-def _launch_batches(sqlite_path: Path, query: str, index: ranges_.RangeIndex):
+def _launch_batches(sqlite_path: Path, query: str, index: ranges_.RangeIndex, processes: _Processes):
     for batch in _read_batches(sqlite_path, query):
         correlation, tid, start = (batch.column(i).to_numpy() for i in range(3))
-        yield _launch_key(correlation, tid), index.innermost(tid, start)
+        if correlation.size:
+            yield _launch_key(processes.of(tid, add=True), correlation), index.innermost(tid, start)
 
 
 def _cut(key: np.ndarray, found: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -319,12 +374,6 @@ def _cut(key: np.ndarray, found: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     change = np.ones(key.size, dtype=bool)
     change[1:] = (found[1:] != found[:-1]) | ((key[1:] >> 32) != (key[:-1] >> 32))
     return key[change], found[change]
-
-
-def _launch_key(correlation: np.ndarray, global_id: np.ndarray) -> np.ndarray:
-    # CUPTI correlation ids are 32-bit and unique per process; globalPid/globalTid carry the process in
-    # bits 24-55 (pid, then VM id), the thread below.
-    return correlation.astype(np.int64) | ((global_id >> 24) << 32)
 
 
 # The signature travels packed, three integers per kernel instead of eight columns, within CUDA's launch
@@ -337,7 +386,8 @@ SIGNATURE = ["names", "grid", "block"]
 
 def read_kernels(sqlite_path: Path, launches: Launches | Future | None) -> tuple[pl.DataFrame, pl.DataFrame]:
     """Per-launch rows (start, duration, sig, range) and the distinct signatures they use. While the launch
-    calls are still being read (`launches` is a Future), each kernel's launch key is kept until they are."""
+    calls are still being read (`launches` is a Future), each kernel's correlationId and process are kept
+    until they are."""
     columns = f"start, \"end\", {_NAMES}, {_GRID}, {_BLOCK}" + \
         (", correlationId, globalPid" if launches is not None else "")
     with closing(_connect(sqlite_path)) as conn:
@@ -347,10 +397,15 @@ def read_kernels(sqlite_path: Path, launches: Launches | Future | None) -> tuple
     duration = np.empty(count, dtype=np.int64)
     sig = np.empty(count, dtype=np.uint32)
     in_range = np.full(count, ranges_.NO_RANGE, dtype=np.int32)
-    keys = np.empty(count, dtype=np.int64) if isinstance(launches, Future) else None
+    pending = launches if isinstance(launches, Future) else None
+    if pending is not None:
+        correlation, pid = np.empty(count, dtype=np.int64), np.empty(count, dtype=np.int64)
     signatures = pl.DataFrame(schema={"names": pl.Int64, "grid": pl.Int64, "block": pl.Int64, "sig": pl.UInt32})
     filled = 0
     for batch in _read_batches(sqlite_path, f"SELECT {columns} FROM {KERNEL_TABLE}"):
+        if filled + batch.num_rows > count:
+            raise KvtraceError(f"{sqlite_path} changed while it was read (more than {count} kernel rows): "
+                               "read it again once nothing writes to it")
         rows = slice(filled, filled + batch.num_rows)
         packed = pl.from_arrow(batch.select([2, 3, 4])).rename(dict(zip(batch.schema.names[2:5], SIGNATURE)))
         found = packed.join(signatures, on=SIGNATURE, how="left", maintain_order="left")["sig"]
@@ -364,15 +419,17 @@ def read_kernels(sqlite_path: Path, launches: Launches | Future | None) -> tuple
         start[rows] = batch.column(0).to_numpy()
         np.subtract(batch.column(1).to_numpy(), start[rows], out=duration[rows])
         if launches is not None:
-            key = _launch_key(batch.column(5).to_numpy(), batch.column(6).to_numpy())
-            if keys is not None:
-                keys[rows] = key
+            if pending is not None:
+                correlation[rows], pid[rows] = batch.column(5).to_numpy(), batch.column(6).to_numpy()
             else:
-                in_range[rows] = launches.innermost_of(key)
+                in_range[rows] = launches.innermost_of(batch.column(5).to_numpy(), batch.column(6).to_numpy())
         filled += batch.num_rows
-    if keys is not None:
-        in_range[:] = launches.result().innermost_of(keys)
-        del keys
+    if filled != count:
+        raise KvtraceError(f"{sqlite_path} changed while it was read ({filled} of {count} kernel rows): "
+                           "read it again once nothing writes to it")
+    if pending is not None:
+        in_range[:] = launches.result().innermost_of(correlation, pid)
+        del correlation, pid
     kernels = pl.DataFrame({"start": start, "duration": duration, "sig": sig, "range": in_range})
     if not kernels["start"].is_sorted():
         # Sorted here rather than by SQLite's single-threaded sorter; ties keep table order.
@@ -416,7 +473,7 @@ def export_report(report: Path, *, nsys: str | None = None) -> Path:
     nsys_path = _find_nsys(nsys)
     stat = report.stat()
     key = hashlib.sha256(f"{report.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{nsys_path}".encode()).hexdigest()[:20]
-    cache = _cache_dir("exports")
+    cache = _cache_dir("exports") or Path(tempfile.mkdtemp(prefix="kvtrace-export-"))
     target = cache / f"{report.stem}-{key}.sqlite"
     if target.exists():
         return target
@@ -451,18 +508,27 @@ def _find_nsys(explicit: str | None) -> str:
                            "`nsys export --type sqlite`") from None
 
 
-def _cache_dir(kind: str) -> Path:
+def _cache_dir(kind: str) -> Path | None:
     """kvtrace's cache folder for `kind` (exports, traces): $KVTRACE_CACHE_DIR, else $XDG_CACHE_HOME/kvtrace
-    or ~/.cache/kvtrace; a temporary folder when that cannot be created."""
+    or ~/.cache/kvtrace. When that cannot be created, a folder of this user's own under the temporary
+    directory; None if even that is not private (another user could have planted files in it)."""
     base = Path(os.environ.get("KVTRACE_CACHE_DIR") or
                 Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvtrace")
     try:
         (base / kind).mkdir(parents=True, exist_ok=True)
         return base / kind
     except OSError:
-        fallback = Path(tempfile.gettempdir()) / f"kvtrace-{kind}"
-        fallback.mkdir(parents=True, exist_ok=True)
-        return fallback
+        pass
+    fallback = Path(tempfile.gettempdir()) / f"kvtrace-{os.getuid()}"
+    try:
+        fallback.mkdir(mode=0o700, exist_ok=True)
+        stat = fallback.stat()
+        if stat.st_uid != os.getuid() or stat.st_mode & 0o077:
+            return None
+        (fallback / kind).mkdir(exist_ok=True)
+        return fallback / kind
+    except OSError:
+        return None
 
 
 # ---- validation ---------------------------------------------------------------------------------------

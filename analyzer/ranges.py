@@ -32,21 +32,27 @@ class RangeIndex:
     def innermost(self, global_tid: np.ndarray, time: np.ndarray) -> np.ndarray:
         """Index of the innermost range open at `time` on `global_tid` (NO_RANGE outside every range)."""
         found = np.full(time.shape, NO_RANGE, dtype=np.int32)
-        for tid, (changes, after) in self.threads.items():
-            on_thread = np.flatnonzero(global_tid == tid)
-            if on_thread.size == 0:
-                continue
-            position = np.searchsorted(changes, time[on_thread], side="right") - 1
-            found[on_thread] = np.where(position >= 0, after[np.maximum(position, 0)], NO_RANGE)
+        if time.size and global_tid.min() == global_tid.max():  # one launching thread, the usual case
+            self._look_up(int(global_tid[0]), slice(None), time, found)
+            return found
+        for tid in np.unique(global_tid).tolist():
+            self._look_up(tid, global_tid == tid, time, found)
         return found
+
+    def _look_up(self, tid: int, rows, time: np.ndarray, found: np.ndarray) -> None:
+        if tid in self.threads:
+            changes, after = self.threads[tid]
+            position = np.searchsorted(changes, time[rows], side="right") - 1
+            found[rows] = np.where(position >= 0, after[np.maximum(position, 0)], NO_RANGE)
 
 
 def sweep(global_tid: np.ndarray, start: np.ndarray, end: np.ndarray) -> tuple[Nesting, RangeIndex]:
     """Nest the closed ranges of each thread and index them for lookups, in one pass over the ranges.
 
     Ranges are visited by thread, start, and longest first, with a stack of the open ones. A range that
-    overlaps its enclosing range without nesting in it (possible with start/end ranges) is closed when
-    the stack unwinds past it, never earlier than the ranges above it.
+    overlaps the range below it without nesting in it (possible with start/end ranges) is closed when the
+    stack unwinds past it, never earlier than the ranges above it; its parent is the nearest range that
+    contains it.
     """
     count = start.size
     depth = np.zeros(count, dtype=np.int32)
@@ -76,8 +82,11 @@ def sweep(global_tid: np.ndarray, start: np.ndarray, end: np.ndarray) -> tuple[N
             current_tid, changes, after, stack = tid, [], [], []
         if stack:
             close_until(int(start[i]))
-        depth[i] = len(stack)
-        parent[i] = stack[-1] if stack else NO_RANGE
+        # The parent is the nearest open range that contains this one: a start/end range can overlap
+        # the one below it on the stack without nesting in it.
+        holder = next((j for j in reversed(stack) if end[j] >= end[i]), NO_RANGE)
+        depth[i] = depth[holder] + 1 if holder != NO_RANGE else 0
+        parent[i] = holder
         changes.append(int(start[i]))
         after.append(i)
         stack.append(i)

@@ -119,6 +119,7 @@ def _resample_means(x: np.ndarray, resamples: int, rng: np.random.Generator) -> 
     """
     n = x.size
     values, counts = np.unique(x, return_counts=True)
+    values = values.astype(np.float64)  # float sums: BLAS for the count matrix product
     use_counts = values.size * 16 <= n
     if not use_counts:
         x = np.repeat(values, counts)  # x sorted

@@ -21,6 +21,8 @@ ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = {
     "vllm": ROOT / "fixtures/vllm-h200-cold-prefill/auto.sqlite",
     "vllm-fp8": ROOT / "fixtures/vllm-h200-cold-prefill/fp8.sqlite",
+    "vllm-decode": ROOT / "fixtures/vllm-h200-decode-heavy/auto.sqlite",
+    "vllm-decode-fp8": ROOT / "fixtures/vllm-h200-decode-heavy/fp8.sqlite",
     "flashinfer": ROOT / "fixtures/fi-h200-sm90/fp8.sqlite",
     "flashinfer-nvfp4": ROOT / "fixtures/fi-h200-sm90/nvfp4.sqlite",
 }

@@ -2,8 +2,8 @@
 
     python bench/run.py --sizes 1000000 10000000
 
-Per size, two arms (the auto and fp8 vLLM fixtures, grown to about the same kernel count by
-make_large_trace.py into bench/out/, reused when present) are measured with the same files for every tool:
+Per workload and size, two arms (the auto and fp8 arms of a vLLM fixture, grown to about the same kernel
+count by make_large_trace.py into bench/out/, reused when present) are measured with the same files for every tool:
 wall time and peak RSS of `kvtrace summary` and `kvtrace diff` (first runs, which read the SQLite exports
 and fill kvtrace's trace cache in bench/out/cache, and repeat runs, which read the cache), the floor query
 and `nsys stats`. Prints a markdown table with the machine description, for docs/performance.md.
@@ -28,7 +28,9 @@ import make_large_trace  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out"
 FLOOR = 'SELECT shortName, count(*), sum("end" - start) FROM CUPTI_ACTIVITY_KIND_KERNEL GROUP BY shortName'
-ARMS = ("vllm", "vllm-fp8")
+# Two real vLLM H200 pairs: cold-prefill arms batched their steps differently (most rows "not comparable"),
+# decode-heavy arms ran the same steps (every row paired and bootstrapped).
+WORKLOADS = {"cold-prefill": ("vllm", "vllm-fp8"), "decode-heavy": ("vllm-decode", "vllm-decode-fp8")}
 
 
 def measure(command: list[str], env: dict | None = None) -> tuple[float, float]:
@@ -80,17 +82,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1_000_000, 10_000_000])
     parser.add_argument("--no-nsys", action="store_true", help="skip `nsys stats`")
+    parser.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS), default=sorted(WORKLOADS))
     args = parser.parse_args(argv)
     nsys = None if args.no_nsys else find_nsys()
     kvtrace = [sys.executable, "-m", "kvtrace"]
     print("\n".join(f"- {line}" for line in machine()) + "\n")
-    print("| kernels/file | kvtrace run | kvtrace summary | kvtrace diff | floor (both files) "
+    print("| workload | kernels/file | kvtrace run | kvtrace summary | kvtrace diff | floor (both files) "
           "| nsys stats (both files) | diff / floor | nsys stats / diff |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     cache = OUT / "cache"
-    for size in args.sizes:
+    for workload, size in ((w, n) for w in args.workloads for n in args.sizes):
         files = []
-        for arm in ARMS:
+        for arm in WORKLOADS[workload]:
             path = OUT / f"{arm}-{size}.sqlite"
             if not path.exists():
                 OUT.mkdir(parents=True, exist_ok=True)
@@ -120,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             return "n/a" if result is None else f"{result[0]:.2f} s, {result[1]:.0f} MiB"
 
         for run, summary, diff in rows:
-            print(f"| {kernels:,} | {run} | {cell(summary)} | {cell(diff)} | {cell(floor)} | {cell(stats)} "
+            print(f"| {workload} | {kernels:,} | {run} | {cell(summary)} | {cell(diff)} | {cell(floor)} | {cell(stats)} "
                   f"| {diff[0] / floor[0]:.2f}× | {'n/a' if stats is None else f'{stats[0] / diff[0]:.2f}×'} |",
                   flush=True)
     return 0

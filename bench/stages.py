@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import make_large_trace  # noqa: E402
-from run import ARMS, FLOOR, OUT  # noqa: E402
+from run import FLOOR, OUT, WORKLOADS  # noqa: E402
 
 from kvtrace.analyzer import compare, load  # noqa: E402
 from kvtrace.analyzer.classify import load_recipes  # noqa: E402
@@ -54,9 +54,10 @@ def launch_query(path: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kernels", type=int, default=10_000_000)
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="cold-prefill")
     args = parser.parse_args(argv)
     files = []
-    for arm in ARMS:
+    for arm in WORKLOADS[args.workload]:
         path = OUT / f"{arm}-{args.kernels}.sqlite"
         if not path.exists():
             OUT.mkdir(parents=True, exist_ok=True)

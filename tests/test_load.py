@@ -172,6 +172,42 @@ def test_runtime_rows_out_of_launch_order_project_the_same(tmp_path):
     assert got.sort(got.columns).equals(_innermost_by_sql(shuffled).sort(got.columns))
 
 
+def test_interleaved_processes_each_keep_their_own_ranges(tmp_path):
+    """Tensor-parallel workers are separate processes whose runtime rows interleave and whose correlation
+    ids overlap: here every odd launch, its kernels and a copy of the NVTX ranges move to a second process."""
+    source = FIXTURES / "vllm-h200-decode-heavy" / "fp8.sqlite"
+    other = "+ (1 << 24)"
+    split = _edited_copy(
+        tmp_path, source,
+        f"UPDATE CUPTI_ACTIVITY_KIND_RUNTIME SET globalTid = globalTid {other} WHERE correlationId % 2 = 1",
+        f"UPDATE {KERNEL_TABLE} SET globalPid = globalPid {other} WHERE correlationId % 2 = 1",
+        "CREATE TABLE moved AS SELECT * FROM NVTX_EVENTS WHERE eventType IN (59, 60, 70, 71)",
+        f"UPDATE moved SET globalTid = globalTid {other}",
+        "INSERT INTO NVTX_EVENTS SELECT * FROM moved",
+        "DROP TABLE moved")
+    got = _innermost_by_kvtrace(split)
+    assert got.sort(got.columns).equals(_innermost_by_sql(split).sort(got.columns))
+    assert got["range_start"].null_count() < got.height
+
+
+def test_unnamed_ranges_and_missing_launch_calls_still_compare(tmp_path, run_kvtrace):
+    """A range without a name (nvtxRangePushEx with only a colour) is matched like no range; a trace
+    whose launch calls were not traced has no kernel inside a range. Neither stops a diff."""
+    source = FIXTURES / "vllm-h200-decode-heavy" / "fp8.sqlite"
+    unnamed = _edited_copy(tmp_path, source, """
+        UPDATE NVTX_EVENTS SET text = NULL, textId = NULL
+        WHERE rowid IN (SELECT rowid FROM NVTX_EVENTS WHERE eventType = 59 ORDER BY start LIMIT 1 OFFSET 2)""")
+    (tmp_path / "no-launches").mkdir()
+    no_launches = _edited_copy(tmp_path / "no-launches", source, "DELETE FROM CUPTI_ACTIVITY_KIND_RUNTIME")
+    assert (open_trace(no_launches, cache=False).kernels["range"] == NO_RANGE).all()
+    assert open_trace(unnamed, cache=False).ranges["name"].null_count() == 1
+    for candidate in (unnamed, no_launches):
+        code, out, err = run_kvtrace("diff", source, candidate, "--format", "json")
+        assert code == 0, err
+        segments = {row["segment"]: row for row in json.loads(out)["segments"]}
+        assert segments["decode_attention"]["baseline_calls"] == segments["decode_attention"]["candidate_calls"]
+
+
 def test_kernels_of_a_process_without_launch_calls_are_outside_every_range(tmp_path):
     """Correlation ids are per process: kernels whose process made no traced launch call (here: the last
     100 kernels moved to another pid) must not borrow another process's ranges."""
