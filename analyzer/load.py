@@ -128,7 +128,7 @@ def open_trace(path: str | os.PathLike, *, nsys: str | None = None, cache: bool 
             launch_names = _launch_api_ids(conn) if ranges.height and RUNTIME_TABLE in tables else None
         with ThreadPoolExecutor(max_workers=1) as pool:
             launches = None
-            if launch_names and overlap_tables:
+            if launch_names and overlap_tables and _many_launch_calls(sqlite_path):
                 launches = pool.submit(read_launches, sqlite_path, index, launch_names)
             elif launch_names:
                 launches = read_launches(sqlite_path, index, launch_names)
@@ -259,6 +259,16 @@ def read_ranges(conn: sqlite3.Connection, tables: set[str]) -> tuple[pl.DataFram
         .cast(schema)
     nesting, index = ranges_.sweep(*(frame[c].to_numpy() for c in ("global_tid", "start", "end")))
     return frame.with_columns(pl.Series("depth", nesting.depth), pl.Series("parent", nesting.parent)), index
+
+
+def _many_launch_calls(sqlite_path: Path) -> bool:
+    """Whether reading the launch calls beside the kernels pays: with CUDA graphs there are far fewer
+    runtime rows than kernels, and the launch calls take a fraction of the kernel read. max(rowid) is a
+    b-tree lookup, and both tables are only ever appended to."""
+    with closing(_connect(sqlite_path)) as conn:
+        runtime, kernels = (conn.execute(f"SELECT max(rowid) FROM {table}").fetchone()[0] or 0
+                            for table in (RUNTIME_TABLE, KERNEL_TABLE))
+    return runtime >= kernels
 
 
 def _launch_api_ids(conn: sqlite3.Connection) -> list[int]:

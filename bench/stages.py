@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         seconds, _ = timed(lambda: load.open_trace(path, cache=False, overlap_tables=False))
         record("whole load, no cache, tables one after the other", seconds)
         seconds, trace = timed(lambda: load.open_trace(path, cache=False))
-        record("whole load, no cache, tables side by side (what `summary` does)", seconds)
+        record("whole load, no cache, as `summary` loads it", seconds)
         entry = load._cache_entry(path)
         record("write the trace cache", timed(lambda: load._write_cached(entry, trace))[0])
         seconds, trace = timed(lambda: load.open_trace(path))
