@@ -142,7 +142,7 @@ def _schema_first(data: dict) -> dict:
 
 def classify_signatures(trace: Trace, recipes: RecipeSet) -> pl.DataFrame:
     """The trace's distinct signatures with segment, family, family_label, kv_dtype and recipe."""
-    return trace.memo(("classes", id(recipes)), lambda: recipes.classify(trace.signatures))
+    return recipes.classify(trace.signatures)  # a few hundred rows: cheap to redo per analysis
 
 
 @dataclass

@@ -89,7 +89,7 @@ class Trace:
     signatures: pl.DataFrame
     # Closed NVTX ranges: range, name (domain-prefixed), start, end, global_tid, depth, parent (NO_RANGE at depth 0).
     ranges: pl.DataFrame
-    # Derived frames (vLLM steps, range matches) that several analyses of one trace share.
+    # Derived frames (vLLM steps) that several analyses of one trace share.
     _memo: dict = field(default_factory=dict, repr=False)
 
     def memo(self, key: str, compute):
