@@ -84,6 +84,13 @@ def range_matches(trace: Trace, pattern: str) -> np.ndarray:
                              trace.ranges["depth"].to_numpy(), own) == 0
 
 
+def step_kind(context_requests: pl.Expr, generation_requests: pl.Expr) -> pl.Expr:
+    """A vLLM step's kind from its request counts: idle, prefill, decode or mixed."""
+    return (pl.when((generation_requests == 0) & (context_requests == 0)).then(pl.lit(IDLE))
+            .when(generation_requests == 0).then(pl.lit(PREFILL))
+            .when(context_requests == 0).then(pl.lit(DECODE)).otherwise(pl.lit(MIXED)))
+
+
 def steps(trace: Trace) -> pl.DataFrame:
     """Per range inside a vLLM step range (including the step range itself): the innermost step around it
     (`step` name, `step_start`), its kind (`phase`) and token counts."""
@@ -103,9 +110,7 @@ def _steps(trace: Trace) -> pl.DataFrame:
         m.struct.field("2").cast(pl.Int64, strict=False).alias("context_tokens"),
         m.struct.field("3").cast(pl.Int64).alias("generation_requests"),
         m.struct.field("4").cast(pl.Int64, strict=False).alias("generation_tokens"))
-    phase = (pl.when((pl.col("generation_requests") == 0) & (pl.col("context_requests") == 0)).then(pl.lit(IDLE))
-             .when(pl.col("generation_requests") == 0).then(pl.lit(PREFILL))
-             .when(pl.col("context_requests") == 0).then(pl.lit(DECODE)).otherwise(pl.lit(MIXED)))
+    phase = step_kind(pl.col("context_requests"), pl.col("generation_requests"))
     step_table = step_table.with_columns(phase.alias("phase")).join(
         ranges.select(pl.col("range").alias("step_range"), pl.col("name").alias("step"),
                       pl.col("start").alias("step_start")), on="step_range")

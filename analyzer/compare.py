@@ -220,10 +220,7 @@ def _phase_names(names: tuple[str, ...]) -> list[str]:
     named = pl.DataFrame({"nvtx": pl.Series(names, dtype=pl.Utf8)})
     step = pl.col("nvtx").str.extract_groups(align.VLLM_STEP.pattern)
     context, generation = step.struct.field("1").cast(pl.Int64), step.struct.field("3").cast(pl.Int64)
-    kind = (pl.when((generation == 0) & (context == 0)).then(pl.lit(f"vLLM {align.IDLE} steps"))
-            .when(generation == 0).then(pl.lit(f"vLLM {align.PREFILL} steps"))
-            .when(context == 0).then(pl.lit(f"vLLM {align.DECODE} steps"))
-            .otherwise(pl.lit(f"vLLM {align.MIXED} steps")))
+    kind = pl.format("vLLM {} steps", align.step_kind(context, generation))
     return named.select(pl.when(context.is_null()).then(pl.col("nvtx")).otherwise(kind))["nvtx"].to_list()
 
 

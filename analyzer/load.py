@@ -126,9 +126,10 @@ def open_trace(path: str | os.PathLike, *, nsys: str | None = None, cache: bool 
             tables = set(sqlite_utils.Database(conn).table_names())
             ranges, index = read_ranges(conn, tables)
             launch_names = _launch_api_ids(conn) if ranges.height and RUNTIME_TABLE in tables else None
+            side_by_side = overlap_tables and bool(launch_names) and _many_launch_calls(conn)
         with ThreadPoolExecutor(max_workers=1) as pool:
             launches = None
-            if launch_names and overlap_tables and _many_launch_calls(sqlite_path):
+            if side_by_side:
                 launches = pool.submit(read_launches, sqlite_path, index, launch_names)
             elif launch_names:
                 launches = read_launches(sqlite_path, index, launch_names)
@@ -261,13 +262,12 @@ def read_ranges(conn: sqlite3.Connection, tables: set[str]) -> tuple[pl.DataFram
     return frame.with_columns(pl.Series("depth", nesting.depth), pl.Series("parent", nesting.parent)), index
 
 
-def _many_launch_calls(sqlite_path: Path) -> bool:
+def _many_launch_calls(conn: sqlite3.Connection) -> bool:
     """Whether reading the launch calls beside the kernels pays: with CUDA graphs there are far fewer
     runtime rows than kernels, and the launch calls take a fraction of the kernel read. max(rowid) is a
     b-tree lookup, and both tables are only ever appended to."""
-    with closing(_connect(sqlite_path)) as conn:
-        runtime, kernels = (conn.execute(f"SELECT max(rowid) FROM {table}").fetchone()[0] or 0
-                            for table in (RUNTIME_TABLE, KERNEL_TABLE))
+    runtime, kernels = (conn.execute(f"SELECT max(rowid) FROM {table}").fetchone()[0] or 0
+                        for table in (RUNTIME_TABLE, KERNEL_TABLE))
     return runtime >= kernels
 
 
@@ -331,10 +331,9 @@ class Launches:
         number = self.processes.of(global_pid, add=False)
         if self.starts.size == 0:
             return np.full(correlation.size, ranges_.NO_RANGE, dtype=np.int32)
+        # A process without traced launch calls (number -1) has negative keys, below every run.
         run = np.searchsorted(self.starts, _launch_key(number, correlation), side="right") - 1
-        found = np.where(run >= 0, self.range[np.maximum(run, 0)], ranges_.NO_RANGE).astype(np.int32)
-        found[number < 0] = ranges_.NO_RANGE  # a process without traced launch calls
-        return found
+        return np.where(run >= 0, self.range[np.maximum(run, 0)], ranges_.NO_RANGE).astype(np.int32)
 
 
 class _Unsorted(Exception):
