@@ -12,22 +12,19 @@ analyzer.compare/align, serving numbers from the manifests as the capture engine
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from statistics import NormalDist
-
 
 from kvtrace import __version__
-from kvtrace.analyzer import align, capacity, compare, stats
+from kvtrace.analyzer import align, capacity, compare, pairing, stats
 from kvtrace.analyzer.classify import RecipeSet
 from kvtrace.analyzer.compare import Diff, Finding
 from kvtrace.analyzer.load import open_traces
 from kvtrace.capture.vllm_common import Point, capacity_reason
 from kvtrace.errors import KvtraceError
 
-REPORT_SCHEMA = "kvtrace.report/1"
+REPORT_SCHEMA = "kvtrace.report/2"
 # Segments whose per-call durations the report keeps for the ECDF plots.
 DISTRIBUTION_SEGMENTS = ("prefill_attention", "decode_attention")
 # FlashInfer workload phases (NVTX `kvtrace:<kind> ctx=<n> ...`) and the segment whose kernels do their KV work.
@@ -55,16 +52,45 @@ class RunArm:
     kv_format: str | None  # fp8, nvfp4, bf16 or fp16 (None when unknown)
     scenario: str | None
     mode: str | None
-    sqlite: str
+    sqlite: str  # the first run's export
+    runs: tuple[str, ...]  # every run's export, in repeat order
     kv_cache_tokens: int | None  # vLLM's "GPU KV cache size: N tokens"
     kv_cache_line: str | None
+
+
+def arm_runs(manifest: dict) -> dict[str, list[str]]:
+    """The manifest's arms by name, each with its runs' keys in repeat order. `kvtrace capture --repeats N`
+    keys runs `{arm}.r{k}` and records `arm` and `repeat` in each; a run without them is its own arm."""
+    found: dict[str, list[tuple[int, str]]] = {}
+    for key, entry in manifest["arms"].items():
+        found.setdefault(entry.get("arm") or key, []).append((entry.get("repeat") or 1, key))
+    return {name: [key for _, key in sorted(runs)] for name, runs in found.items()}
 
 
 @dataclass
 class _Input:
     run: Path
     manifest: dict
-    arm: str
+    arm: str  # the arm's name
+    entries: tuple[str, ...]  # its runs' keys in the manifest, in repeat order
+
+    @classmethod
+    def of(cls, run: Path, manifest: dict, name: str) -> _Input:
+        """An arm by name (all its runs) or one run by its key."""
+        arms = arm_runs(manifest)
+        if name in arms:
+            return cls(run, manifest, name, tuple(arms[name]))
+        if name in manifest["arms"]:
+            return cls(run, manifest, manifest["arms"][name].get("arm") or name, (name,))
+        raise KvtraceError(f"{run} has no arm {name!r} (it has {', '.join(arms)}): check --arm")
+
+    @property
+    def entry(self) -> dict:
+        """The manifest entry of the first run (what every run of the arm shares: format, workload)."""
+        return self.manifest["arms"][self.entries[0]]
+
+    def sqlites(self) -> list[Path]:
+        return [self.run / self.manifest["arms"][key]["sqlite"] for key in self.entries]
 
 
 def _arm_dtype(arm: dict, name: str) -> str:
@@ -73,21 +99,21 @@ def _arm_dtype(arm: dict, name: str) -> str:
 
 def _width(manifest: dict, name: str) -> float:
     dtype = (((manifest.get("settings") or {}).get("model") or {}).get("torch_dtype"))
-    return capacity.format_width(_arm_dtype(manifest["arms"][name], name), dtype)
+    return capacity.format_width(_arm_dtype(manifest["arms"][arm_runs(manifest)[name][0]], name), dtype)
 
 
 def _locate(path: Path) -> tuple[Path, dict, str | None]:
-    """A run directory, its manifest.json or an ARM.manifest.json in it, or RUNDIR/ARM (an arm by name)."""
+    """A run directory, its manifest.json or an ARM.manifest.json in it, or RUNDIR/ARM (an arm or a run by name)."""
     if path.is_file() and path.name.endswith("manifest.json"):
         manifest = capacity.read_manifest(path)
-        arms = list(manifest["arms"])
+        arms = list(arm_runs(manifest))
         return path.parent, manifest, arms[0] if path.name != "manifest.json" and len(arms) == 1 else None
     if not path.exists() and (path.parent / "manifest.json").is_file():
         manifest = capacity.read_manifest(path.parent)
-        if path.name in manifest["arms"]:
+        if path.name in arm_runs(manifest) or path.name in manifest["arms"]:
             return path.parent, manifest, path.name
         raise KvtraceError(f"{path}: no such run directory, and {path.parent} has no arm {path.name!r} (it has "
-                           f"{', '.join(manifest['arms'])}): pass RUNDIR or RUNDIR/ARM")
+                           f"{', '.join(arm_runs(manifest))}): pass RUNDIR or RUNDIR/ARM")
     if path.exists() and not path.is_dir():
         raise KvtraceError(f"{path} is a file: pass a run directory written by `kvtrace capture` (it holds "
                            "manifest.json), not a trace; `kvtrace diff` compares traces")
@@ -95,7 +121,7 @@ def _locate(path: Path) -> tuple[Path, dict, str | None]:
 
 
 def resolve_inputs(paths: list[Path], arms: tuple[str, ...] = ()) -> list[_Input]:
-    """Baseline and candidate from one run directory (its two arms) or two (one arm each)."""
+    """Baseline and candidate from one run directory (its two arms) or two (one arm each), each with its runs."""
     if not 1 <= len(paths) <= 2:
         raise KvtraceError(f"report takes one run directory (compares its two arms) or two (one arm each), "
                            f"got {len(paths)}")
@@ -113,12 +139,12 @@ def resolve_inputs(paths: list[Path], arms: tuple[str, ...] = ()) -> list[_Input
         if arms:
             names = list(arms)
         else:
-            names = list(manifest["arms"])
+            names = list(arm_runs(manifest))
             if len(names) != 2:
                 raise KvtraceError(f"{run} holds {len(names)} arm(s) ({', '.join(names) or 'none'}): pick two with "
                                    "--arm BASELINE --arm CANDIDATE")
             names.sort(key=lambda name: -_width(manifest, name))  # the wider format is the baseline
-        inputs = [_Input(run, manifest, name) for name in names]
+        inputs = [_Input.of(run, manifest, name) for name in names]
     else:
         inputs = []
         for index, (run, manifest, named) in enumerate(located):
@@ -126,37 +152,40 @@ def resolve_inputs(paths: list[Path], arms: tuple[str, ...] = ()) -> list[_Input
             if name is None and arms:
                 name = arms[index] if len(arms) == 2 else arms[0]
             if name is None:
-                if len(manifest["arms"]) != 1:
-                    raise KvtraceError(f"{run} holds arms {', '.join(manifest['arms'])}: pick one with --arm NAME "
+                names = list(arm_runs(manifest))
+                if len(names) != 1:
+                    raise KvtraceError(f"{run} holds arms {', '.join(names)}: pick one with --arm NAME "
                                        "(once for both run directories, twice for one each) or pass RUNDIR/ARM")
-                name = next(iter(manifest["arms"]))
-            inputs.append(_Input(run, manifest, name))
+                name = names[0]
+            inputs.append(_Input.of(run, manifest, name))
     for item in inputs:
         _check_arm(item)
+    base, cand = inputs
+    if len(base.entries) != len(cand.entries):
+        raise KvtraceError(f"arm {base.arm} has {len(base.entries)} run(s) and arm {cand.arm} {len(cand.entries)}: "
+                           "runs pair in repeat order, so both arms need as many; name single runs as RUNDIR/ARM.rK")
     return inputs
 
 
 def _check_arm(item: _Input) -> None:
-    arms = item.manifest["arms"]
-    if item.arm not in arms:
-        raise KvtraceError(f"{item.run} has no arm {item.arm!r} (it has {', '.join(arms)}): check --arm")
-    arm = arms[item.arm]
-    status = arm.get("status")
-    if status != "ok":
-        detail = f": {arm['error']}" if arm.get("error") else ""
-        raise KvtraceError(f"arm {item.arm} in {item.run} {'failed' if status == 'failed' else 'is ' + str(status)}"
-                           f"{detail}; capture it again or report on another arm")
-    if not arm.get("sqlite"):
-        raise KvtraceError(f"arm {item.arm} in {item.run} lists no SQLite export: export its report with "
-                           "`nsys export --type sqlite` and capture again")
-    path = item.run / arm["sqlite"]
-    if not path.is_file():
-        raise KvtraceError(f"{path}, the export that arm {item.arm} lists, is missing: copy the run directory whole "
-                           f"or re-export {item.arm}.nsys-rep with `nsys export --type sqlite`")
+    for key in item.entries:
+        arm = item.manifest["arms"][key]
+        status = arm.get("status")
+        if status != "ok":
+            detail = f": {arm['error']}" if arm.get("error") else ""
+            raise KvtraceError(f"arm {key} in {item.run} {'failed' if status == 'failed' else 'is ' + str(status)}"
+                               f"{detail}; capture it again or report on another arm")
+        if not arm.get("sqlite"):
+            raise KvtraceError(f"arm {key} in {item.run} lists no SQLite export: export its report with "
+                               "`nsys export --type sqlite` and capture again")
+        path = item.run / arm["sqlite"]
+        if not path.is_file():
+            raise KvtraceError(f"{path}, the export that arm {key} lists, is missing: copy the run directory whole "
+                               f"or re-export {key}.nsys-rep with `nsys export --type sqlite`")
 
 
 def _run_arm(item: _Input, label: str) -> RunArm:
-    arm = item.manifest["arms"][item.arm]
+    arm = item.entry
     settings = item.manifest.get("settings") or {}
     dtype = _arm_dtype(arm, item.arm)
     try:
@@ -166,7 +195,8 @@ def _run_arm(item: _Input, label: str) -> RunArm:
     kv = arm.get("kv_cache") or {}
     return RunArm(label=label, run=str(item.run), arm=item.arm, engine=item.manifest.get("engine"),
                   kv_cache_dtype=dtype, kv_format=fmt, scenario=settings.get("scenario"), mode=settings.get("mode"),
-                  sqlite=str(item.run / arm["sqlite"]), kv_cache_tokens=kv.get("tokens"), kv_cache_line=kv.get("line"))
+                  sqlite=str(item.run / arm["sqlite"]), runs=tuple(str(p) for p in item.sqlites()),
+                  kv_cache_tokens=kv.get("tokens"), kv_cache_line=kv.get("line"))
 
 
 # ---- result --------------------------------------------------------------------------------------------
@@ -217,20 +247,25 @@ class ServingRow:
     candidate_first_capacity: bool = False
     ttft_stat: str | None = None  # p50, else mean: the statistic both arms have
     ttft_ratio: float | None = None  # candidate / baseline
+    ratios: dict = field(default_factory=dict)  # candidate / baseline per metric (`ttft_ms.p50`, `output_tokens_per_s`)
 
 
 @dataclass
-class SegmentMean:
-    """Per-call mean of each arm's compared calls with a normal-approximation interval (mean ± z·s/√n)."""
+class SegmentTime:
+    """Each arm's GPU time in a segment's paired calls, with the diff's bootstrap interval, and the per-call
+    mean where the segment's cells cost the same per call (else None: a pooled mean of different work)."""
 
     segment: str
     compared_calls: int
-    baseline_mean_ns: float | None
+    cells: int
+    baseline_total_ns: float | None
     baseline_ci_low: float | None
     baseline_ci_high: float | None
-    candidate_mean_ns: float | None
+    baseline_mean_ns: float | None
+    candidate_total_ns: float | None
     candidate_ci_low: float | None
     candidate_ci_high: float | None
+    candidate_mean_ns: float | None
     ratio: float | None
     ci_low: float | None
     ci_high: float | None
@@ -266,7 +301,7 @@ class Ceiling:
 
 @dataclass
 class PlotFile:
-    kind: str  # segment-means, segment-ratios, ecdf, bandwidth, sweep
+    kind: str  # segment-times, segment-ratios, ecdf, bandwidth, sweep
     title: str
     path: str  # as written
     link: str  # relative to the report file (or the working directory when printed)
@@ -279,7 +314,7 @@ class Report:
     diff: Diff
     statements: list[Finding]  # what the numbers say, one topic each (prefill, decode, append, capacity, ttft)
     findings: list[Finding]  # comparability of the two runs beyond the kernel diff's own findings
-    segment_means: list[SegmentMean]
+    segment_times: list[SegmentTime]
     serving: list[ServingRow]
     sweep: bool
     bandwidth: list[BandwidthRow]
@@ -297,7 +332,7 @@ class Report:
         for name in ("baseline", "candidate"):
             data[name] = asdict(getattr(self, name))
         data["diff"] = self.diff.to_dict()
-        for name in ("statements", "findings", "segment_means", "serving"):
+        for name in ("statements", "findings", "segment_times", "serving"):
             data[name] = [asdict(row) for row in getattr(self, name)]
         data["sweep"] = self.sweep
         data["bandwidth"] = [asdict(row) for row in self.bandwidth]
@@ -378,16 +413,16 @@ def serving_metrics(record: dict, kv_cache_tokens: int | None) -> ServingMetrics
         capacity=reason)
 
 
-def _points(manifest: dict, arm: str) -> list[dict]:
-    return list((manifest["arms"][arm].get("points") or []))
+def _points(item: _Input) -> list[dict]:
+    return list(item.entry.get("points") or [])
 
 
 def serving_rows(base: _Input, cand: _Input) -> list[ServingRow]:
     """One row per traffic point either arm ran, in the baseline's order, matched by the point's spec."""
     records = []
     for item in (base, cand):
-        kv = (item.manifest["arms"][item.arm].get("kv_cache") or {}).get("tokens")
-        records.append({p["point"]: serving_metrics(p, kv) for p in _points(item.manifest, item.arm) if p.get("point")})
+        kv = (item.entry.get("kv_cache") or {}).get("tokens")
+        records.append({p["point"]: serving_metrics(p, kv) for p in _points(item) if p.get("point")})
     order = list(records[0]) + [p for p in records[1] if p not in records[0]]
     rows = []
     for spec in order:
@@ -402,8 +437,9 @@ def serving_rows(base: _Input, cand: _Input) -> list[ServingRow]:
             for stat in ("p50", "mean"):
                 b, c = getattr(row.baseline.ttft_ms, stat), getattr(row.candidate.ttft_ms, stat)
                 if b and c is not None:
-                    row.ttft_stat, row.ttft_ratio = stat, c / b
+                    row.ttft_stat, row.ttft_ratio = stat, stats.ratio(b, c)
                     break
+            row.ratios = _serving_ratios(row.baseline, row.candidate)
         rows.append(row)
     for side in ("baseline", "candidate"):
         seen: set = set()
@@ -417,39 +453,46 @@ def serving_rows(base: _Input, cand: _Input) -> list[ServingRow]:
 
 # ---- kernels: means, distributions, bandwidth ---------------------------------------------------------
 
-def segment_means(diff: Diff) -> list[SegmentMean]:
-    z = NormalDist().inv_cdf(0.5 + diff.confidence / 2)
-
-    def interval(arm: compare.ArmStats | None) -> tuple[float | None, float | None, float | None]:
-        if arm is None:
-            return None, None, None
-        if arm.calls < 2 or arm.cv is None or math.isnan(arm.cv):
-            return arm.mean_ns, None, None
-        half = z * arm.cv * arm.mean_ns / math.sqrt(arm.calls)
-        return arm.mean_ns, arm.mean_ns - half, arm.mean_ns + half
-
+def segment_times(diff: Diff) -> list[SegmentTime]:
+    """The diff's segment rows as paired time per arm (the intervals come from analyzer.stats through the diff)."""
     rows = []
-    for row in sorted(diff.segments, key=lambda r: compare._segment_order(r.segment)):
-        b, c = interval(row.baseline), interval(row.candidate)
-        rows.append(SegmentMean(segment=row.segment, compared_calls=row.compared_calls, baseline_mean_ns=b[0],
-                                baseline_ci_low=b[1], baseline_ci_high=b[2], candidate_mean_ns=c[0],
-                                candidate_ci_low=c[1], candidate_ci_high=c[2], ratio=row.ratio, ci_low=row.ci_low,
-                                ci_high=row.ci_high, verdict=row.verdict))
+    for row in sorted(diff.segments, key=lambda r: pairing.segment_order(r.segment)):
+        paired = row.ratio is not None
+        b, c = (row.baseline, row.candidate) if paired else (None, None)
+        rows.append(SegmentTime(
+            segment=row.segment, compared_calls=row.compared_calls, cells=row.cells,
+            baseline_total_ns=b and b.total_ns, baseline_ci_low=b and b.total_low_ns,
+            baseline_ci_high=b and b.total_high_ns, baseline_mean_ns=b and b.mean_ns,
+            candidate_total_ns=c and c.total_ns, candidate_ci_low=c and c.total_low_ns,
+            candidate_ci_high=c and c.total_high_ns, candidate_mean_ns=c and c.mean_ns, ratio=row.ratio,
+            ci_low=row.ci_low, ci_high=row.ci_high, verdict=row.verdict))
     return rows
 
 
+def _serving_ratios(base: ServingMetrics, cand: ServingMetrics) -> dict[str, float | None]:
+    """candidate / baseline of the latencies (per statistic) and throughputs, keyed like `ttft_ms.p50`."""
+    ratios = {}
+    for name in ("ttft_ms", "itl_ms", "tpot_ms", "e2el_ms"):
+        for stat in ("p50", "p90", "p99", "mean"):
+            ratios[f"{name}.{stat}"] = stats.ratio(getattr(getattr(base, name), stat),
+                                                   getattr(getattr(cand, name), stat))
+    for name in ("input_tokens_per_s", "output_tokens_per_s"):
+        ratios[name] = stats.ratio(getattr(base, name), getattr(cand, name))
+    return ratios
+
+
 def _phase_calls(item: _Input, kind: str) -> int | None:
-    """Workload calls of one kind of FlashInfer phase (all contexts), from the arm's manifest."""
-    phases = (item.manifest["arms"][item.arm].get("workload") or {}).get("phases") or []
+    """Workload calls of one kind of FlashInfer phase (all contexts, all runs), from the arm's manifest."""
+    phases = (item.entry.get("workload") or {}).get("phases") or []
     calls = [p.get("calls") or 0 for p in phases if (m := _PHASE_NAME.match(p.get("nvtx", ""))) and m.group(1) == kind]
-    return sum(calls) or None
+    return sum(calls) * len(item.entries) or None
 
 
 def bandwidth_rows(diff: Diff, base: _Input, cand: _Input, ceiling: Ceiling | None) -> list[BandwidthRow]:
     """FlashInfer workload phases with KV bytes per call: achieved bytes/s of the phase's segment kernels."""
     phases = {}
     for side, item in (("baseline", base), ("candidate", cand)):
-        workload = item.manifest["arms"][item.arm].get("workload") or {}
+        workload = item.entry.get("workload") or {}
         for phase in workload.get("phases") or []:
             match = _PHASE_NAME.match(phase.get("nvtx", ""))
             if match and match.group(1) in PHASE_SEGMENTS and phase.get("bytes_per_call"):
@@ -467,7 +510,7 @@ def bandwidth_rows(diff: Diff, base: _Input, cand: _Input, ceiling: Ceiling | No
             if phase is None or not total or not phase.get("calls"):
                 values[side] = (phase and phase.get("calls"), phase and phase.get("bytes_per_call"), None, None, None)
                 continue
-            per_call = total / phase["calls"]
+            per_call = total / (phase["calls"] * diff.runs)  # the diff sums the runs
             rate = phase["bytes_per_call"] / (per_call / 1e9)
             values[side] = (phase["calls"], phase["bytes_per_call"], per_call, rate,
                             rate / ceiling.bytes_per_s if ceiling else None)
@@ -508,9 +551,14 @@ def _segment_statement(diff: Diff, segment: str, topic: str, what: str) -> Findi
     if row.ratio is None:
         return Finding("warning", topic, f"{what}: {row.verdict} ({row.reason or row.note or 'no paired calls'})")
     interval = f" [{row.ci_low:.3f}, {row.ci_high:.3f}]" if row.ci_low is not None else ""
-    return Finding("warning" if row.verdict == stats.REGRESSION else "ok", topic,
-                   f"{what}: {_fmt_ns(row.baseline.mean_ns)} ({b}) → {_fmt_ns(row.candidate.mean_ns)} ({c}) per call, "
-                   f"{row.ratio:.3f}×{interval}, {row.verdict} over {row.compared_calls:,} paired calls")
+    if row.same_work:
+        times = f"{_fmt_ns(row.baseline.mean_ns)} ({b}) → {_fmt_ns(row.candidate.mean_ns)} ({c}) per call"
+    else:  # cells of different cost per call: a pooled mean would describe no call that ran
+        times = (f"{_fmt_ns(row.baseline.total_ns)} ({b}) → {_fmt_ns(row.candidate.total_ns)} ({c}) in total over "
+                 f"{row.cells:,} cells")
+    return Finding("warning" if row.verdict in (stats.REGRESSION, stats.DIFFERENT_WORK) else "ok", topic,
+                   f"{what}: {times}, {row.ratio:.3f}×{interval}, {row.verdict} over {row.compared_calls:,} paired "
+                   "calls")
 
 
 def _append_phase_statement(diff: Diff, calls: tuple[int | None, int | None]) -> Finding | None:
@@ -522,10 +570,11 @@ def _append_phase_statement(diff: Diff, calls: tuple[int | None, int | None]) ->
     if not rows or not base or not all(calls):
         return None
     b, c = base / calls[0], cand / calls[1]
-    return Finding("warning" if c > b * (1 + diff.threshold) else "ok", "append",
+    ratio = stats.ratio(b, c)
+    return Finding("warning" if ratio > 1 + diff.threshold else "ok", "append",
                    f"append phase, every kernel in the kvtrace:append ranges (the FP8 cast and the NVFP4 packing "
                    f"included): {_fmt_ns(b)} ({diff.baseline.label}) → {_fmt_ns(c)} ({diff.candidate.label}) per "
-                   f"append call over {calls[0]:,} and {calls[1]:,} calls, {c / b:.3f}×")
+                   f"append call over {calls[0]:,} and {calls[1]:,} calls, {ratio:.3f}×")
 
 
 def statements(diff: Diff, serving: list[ServingRow], cap: capacity.Capacity | None, base: RunArm,
@@ -615,8 +664,8 @@ def _run_findings(base: _Input, cand: _Input, report_base: RunArm, report_cand: 
             findings.append(Finding("ok" if matched else "warning", "requests",
                                     "both arms saw the same requests in the same order" if matched else
                                     "the arms' request orders differ: serving metrics compare different traffic"))
-    b_hash = base.manifest["arms"][base.arm].get("request_order_sha256")
-    c_hash = cand.manifest["arms"][cand.arm].get("request_order_sha256")
+    b_hash = base.entry.get("request_order_sha256")
+    c_hash = cand.entry.get("request_order_sha256")
     if base.run != cand.run and b_hash and c_hash:
         findings.append(Finding("ok" if b_hash == c_hash else "warning", "requests",
                                 "both arms saw the same requests in the same order" if b_hash == c_hash else
@@ -636,7 +685,7 @@ def _capacity(base: _Input, cand: _Input, b: RunArm, c: RunArm, notes: list[str]
     except KvtraceError as error:
         notes.append(f"capacity: {error}")
         return None
-    rows = [capacity.measured_arm(item.arm, item.manifest["arms"][item.arm], shape, tp, page) for item in (base, cand)]
+    rows = [capacity.measured_arm(item.arm, item.entry, shape, tp, page) for item in (base, cand)]
     if all(rows):
         for row, label in zip(rows, (b.label, c.label)):
             row.arm = label
@@ -662,14 +711,18 @@ def build(paths: list[Path], recipes: RecipeSet, *, arms: tuple[str, ...] = (), 
             if labels[0] == labels[1]:
                 raise KvtraceError(f"baseline and candidate are the same arm ({base.run}/{base.arm}): pick another")
     b_arm, c_arm = _run_arm(base, labels[0]), _run_arm(cand, labels[1])
-    b_trace, c_trace = open_traces([b_arm.sqlite, c_arm.sqlite], nsys=nsys, cache=cache)
-    diff = compare.diff(b_trace, c_trace, recipes, labels=tuple(labels), threshold=threshold, confidence=confidence,
+    traces = open_traces([*b_arm.runs, *c_arm.runs], nsys=nsys, cache=cache)
+    b_traces, c_traces = traces[:len(b_arm.runs)], traces[len(b_arm.runs):]
+    diff = compare.diff(b_traces, c_traces, recipes, labels=tuple(labels), threshold=threshold, confidence=confidence,
                         seed=seed, window=window)
     durations = {}
-    for side, trace in (("baseline", b_trace), ("candidate", c_trace)):
-        for segment, values in compare.segment_durations(trace, recipes, window, DISTRIBUTION_SEGMENTS).items():
+    for side, arm_traces in (("baseline", b_traces), ("candidate", c_traces)):
+        for segment, values in compare.segment_durations(arm_traces, recipes, window, DISTRIBUTION_SEGMENTS).items():
             durations.setdefault(segment, {})[side] = values
     notes: list[str] = []
+    if len(b_traces) > 1:
+        notes.append(f"{len(b_traces)} runs per arm: kernel numbers cover every run; serving metrics and capacity are "
+                     "the first run's")
     serving = serving_rows(base, cand)
     if not serving:
         engines = {b_arm.engine, c_arm.engine}
@@ -691,6 +744,6 @@ def build(paths: list[Path], recipes: RecipeSet, *, arms: tuple[str, ...] = (), 
     append_calls = tuple(_phase_calls(item, "append") for item in (base, cand))
     return Report(baseline=b_arm, candidate=c_arm, diff=diff,
                   statements=statements(diff, serving, cap, b_arm, c_arm, append_calls),
-                  findings=_run_findings(base, cand, b_arm, c_arm), segment_means=segment_means(diff),
+                  findings=_run_findings(base, cand, b_arm, c_arm), segment_times=segment_times(diff),
                   serving=serving, sweep=sweep, bandwidth=bandwidth, hbm_ceiling=ceiling, capacity=cap, notes=notes,
                   durations=durations)
