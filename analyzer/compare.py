@@ -45,17 +45,21 @@ class ArmStats:
     share: float | None  # of the arm's GPU kernel time
 
     @classmethod
-    def of(cls, durations: np.ndarray, arm_total_ns: int, *, per_call: bool,
+    def of(cls, durations: np.ndarray, arm_total_ns: int,
            interval: tuple[float | None, float | None] = (None, None)) -> ArmStats:
-        if not per_call:
-            total = int(durations.sum(dtype=np.int64))
-            return cls(calls=int(durations.size), total_ns=total, total_low_ns=interval[0], total_high_ns=interval[1],
-                       mean_ns=None, median_ns=None, p90_ns=None, p99_ns=None, min_ns=None, max_ns=None, cv=None,
-                       share=stats.share(total, arm_total_ns))
+        """Calls of one kind of work: every statistic."""
         d = stats.describe(durations)
         return cls(calls=d.count, total_ns=int(d.total), total_low_ns=interval[0], total_high_ns=interval[1],
                    mean_ns=d.mean, median_ns=d.median, p90_ns=d.p90, p99_ns=d.p99, min_ns=d.min, max_ns=d.max,
                    cv=d.cv, share=stats.share(d.total, arm_total_ns))
+
+    @classmethod
+    def total(cls, calls: int, total_ns: int, arm_total_ns: int,
+              interval: tuple[float | None, float | None] = (None, None)) -> ArmStats:
+        """Calls of different work: counts and time only."""
+        return cls(calls=calls, total_ns=total_ns, total_low_ns=interval[0], total_high_ns=interval[1], mean_ns=None,
+                   median_ns=None, p90_ns=None, p99_ns=None, min_ns=None, max_ns=None, cv=None,
+                   share=stats.share(total_ns, arm_total_ns))
 
 
 @dataclass(frozen=True)
@@ -215,10 +219,10 @@ def summarize(trace: Trace, recipes: RecipeSet, label: str | None = None,
 
     def row(group: Cells, **extra) -> SummaryRow:
         kv, names = run.kv_dtypes_and_names(group)
-        per_call = stats.same_work([_per_call_means(group.table)])
-        return SummaryRow(segment=run.earliest(group, "segment"), cells=group.table.height,
-                          stats=ArmStats.of(group.values(), arm.total_ns, per_call=per_call), kv_dtypes=kv,
-                          names=names, **extra)
+        numbers = ArmStats.of(group.values(), arm.total_ns) if stats.same_work([_per_call_means(group.table)]) else \
+            ArmStats.total(group.calls, group.total_ns, arm.total_ns)
+        return SummaryRow(segment=run.earliest(group, "segment"), cells=group.table.height, stats=numbers,
+                          kv_dtypes=kv, names=names, **extra)
 
     segments = [row(run.cells.where(pl.col("segment") == code)) for (code,) in _codes_in(run.cells, "segment")]
     families = []
@@ -401,21 +405,23 @@ class _RowBuilder:
         window_ns = [sum(g.total_ns for _, g, _ in groups) for groups in sides]
         paired_ns = [sum(int(t["paired_ns"].sum()) for _, _, t in groups) for groups in sides]
         kv = [self._kv_and_names(groups) for groups in sides]
-        first = next(groups for groups in sides if any(g.table.height for _, g, _ in groups))
-        run, group = next((r, g) for r, g, _ in first if g.table.height)
+        run, group = next((r, g) for groups in sides for r, g, _ in groups if g.table.height)  # earliest: baseline
         members = spec.members
         if estimate is not None:
             totals = self.comparison.strata_totals
             sizes = np.diff(self.comparison.paired.offsets)[members]
             per_call = stats.same_work([totals[side][members] / sizes for side in (0, 1)])
-            arm_stats = [ArmStats.of(self.comparison.values(members, side), self.arm_totals[side], per_call=per_call,
-                                     interval=((estimate.baseline_low, estimate.baseline_high) if side == 0 else
-                                               (estimate.candidate_low, estimate.candidate_high))) for side in (0, 1)]
-        else:
+            intervals = ((estimate.baseline_low, estimate.baseline_high),
+                         (estimate.candidate_low, estimate.candidate_high))
+            arm_stats = [ArmStats.of(self.comparison.values(members, side), self.arm_totals[side], intervals[side])
+                         if per_call else ArmStats.total(int(sizes.sum()), int(totals[side][members].sum()),
+                                                         self.arm_totals[side], intervals[side]) for side in (0, 1)]
+        else:  # nothing paired: each arm's calls in the window
             tables = [pl.concat([t for _, _, t in groups]) for groups in sides]
             per_call = stats.same_work([_per_call_means(t) for t in tables if t.height])
-            arm_stats = [ArmStats.of(np.concatenate([g.values() for _, g, _ in groups]), self.arm_totals[side],
-                                     per_call=per_call) if window_calls[side] else None
+            arm_stats = [None if not window_calls[side] else
+                         ArmStats.of(np.concatenate([g.values() for _, g, _ in groups]), self.arm_totals[side])
+                         if per_call else ArmStats.total(window_calls[side], window_ns[side], self.arm_totals[side])
                          for side, groups in enumerate(sides)]
         kv_independent = all(bool(g.table["kv_independent"].all()) for groups in sides for _, g, _ in groups
                              if g.table.height)
