@@ -490,12 +490,14 @@ class _RowBuilder:
         return "; ".join(notes) or None
 
     def _labels(self, groups) -> list[str]:
-        """Family labels of the cells one arm paired by range."""
+        """Family labels (with the KV dtype) of the cells one arm paired by range."""
         labels = set()
         for run, group, table in groups:
             cells = table.filter(pl.col("paired_level") == RANGE)
             if cells.height:
-                labels |= set(run.classes.filter(pl.col("sig").is_in(cells["sig"].implode()))["family_label"])
+                sigs = run.classes.filter(pl.col("sig").is_in(cells["sig"].implode()))
+                labels |= {label + (f" ({kv})" if kv else "") for label, kv in sigs.select("family_label", "kv_dtype")
+                           .iter_rows()}
         return sorted(labels)
 
     def different_work(self, spec: _Row, row: DiffRow) -> str:

@@ -457,15 +457,14 @@ def segment_times(diff: Diff) -> list[SegmentTime]:
     """The diff's segment rows as paired time per arm (the intervals come from analyzer.stats through the diff)."""
     rows = []
     for row in sorted(diff.segments, key=lambda r: pairing.segment_order(r.segment)):
-        paired = row.ratio is not None
-        b, c = (row.baseline, row.candidate) if paired else (None, None)
+        base, cand = (row.baseline, row.candidate) if row.ratio is not None else (None, None)
         rows.append(SegmentTime(
             segment=row.segment, compared_calls=row.compared_calls, cells=row.cells,
-            baseline_total_ns=b and b.total_ns, baseline_ci_low=b and b.total_low_ns,
-            baseline_ci_high=b and b.total_high_ns, baseline_mean_ns=b and b.mean_ns,
-            candidate_total_ns=c and c.total_ns, candidate_ci_low=c and c.total_low_ns,
-            candidate_ci_high=c and c.total_high_ns, candidate_mean_ns=c and c.mean_ns, ratio=row.ratio,
-            ci_low=row.ci_low, ci_high=row.ci_high, verdict=row.verdict))
+            baseline_total_ns=base and base.total_ns, baseline_ci_low=base and base.total_low_ns,
+            baseline_ci_high=base and base.total_high_ns, baseline_mean_ns=base and base.mean_ns,
+            candidate_total_ns=cand and cand.total_ns, candidate_ci_low=cand and cand.total_low_ns,
+            candidate_ci_high=cand and cand.total_high_ns, candidate_mean_ns=cand and cand.mean_ns,
+            ratio=row.ratio, ci_low=row.ci_low, ci_high=row.ci_high, verdict=row.verdict))
     return rows
 
 

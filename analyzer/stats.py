@@ -60,7 +60,7 @@ SAME_WORK_SPREAD = 0.10
 
 # Call pairs resampled index by index per comparison, smallest units first (where the bootstrap's shape
 # matters most); the rest use the bootstrap's normal limit. Exact draws cost resamples x calls.
-EXACT_CALLS = 1 << 16
+EXACT_CALLS = 1 << 13
 # Elements drawn per chunk of exact resampling: bounds memory to tens of MiB whatever the cell sizes.
 _CHUNK_ELEMENTS = 1 << 22
 

@@ -10,7 +10,7 @@ import sqlite3
 import numpy as np
 import pytest
 
-from conftest import FIXTURES, NSYS2023_DIR, NSYS2025_DIR
+from conftest import FIXTURES, NSYS2023_DIR, NSYS2025_DIR, REPO
 from kvtrace.analyzer import compare, stats
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.load import open_trace
@@ -157,6 +157,12 @@ def test_cli_formats(run_kvtrace, tmp_path):
     assert code == 0, err
     rows = list(csv.DictReader(io.StringIO(out)))
     assert len(rows) == len(data["segments"]) + len(data["phases"]) + len(data["families"])
+    header = out.splitlines()[0].split(",")
+    documented = (REPO / "docs" / "json-schema.md").read_text().split("### CSV")[1]
+    assert len(set(header)) == len(header)  # one meaning per name
+    for name in header:
+        stat = name.split("_stats_")[-1]
+        assert f"`{name}`" in documented or ("_stats_" in name and f"`{stat}`" in documented), name
     prefill = next(r for r in rows if r["level"] == "segment" and r["segment"] == "prefill_attention")
     assert float(prefill["ratio"]) == pytest.approx(next(
         s["ratio"] for s in data["segments"] if s["segment"] == "prefill_attention"))

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from kvtrace.analyzer.compare import Arm, Diff, DiffRow, KernelList, Summary
 from kvtrace.analyzer.render.units import (MARK, arm_time, calls, duration, interval, markdown_table, numbered_notes,
-                                          percent, ratio, run_ratios, signed_duration)
+                                          per_call, percent, ratio, run_ratios, signed_duration)
 
 
 def render(result: Summary | Diff | KernelList) -> str:
@@ -55,16 +55,16 @@ def _summary(summary: Summary) -> str:
     arm = summary.arm
     lines = [f"## kvtrace summary: {arm.label}", "",
              f"{arm.info.kernel_count:,} kernels, {duration(arm.total_ns)} of GPU kernel time. Per-call statistics "
-             "appear only where a row's cells (kernel × NVTX range) cost the same per call; other rows show their "
-             "total.", "", "### Segments", ""]
-    lines += markdown_table(["segment", "calls", "total", "share", "time", "median", "p90", "KV dtype"],
+             "appear only where a row's cells (kernel × NVTX range) cost the same per call; rows over cells of "
+             "different cost say \"mixed\" (their total is beside it).", "", "### Segments", ""]
+    lines += markdown_table(["segment", "calls", "total", "share", "per call", "median", "p90", "KV dtype"],
                     [[r.segment, f"{r.stats.calls:,}", duration(r.stats.total_ns), percent(r.stats.share),
-                      arm_time(r.stats, r.cells), duration(r.stats.median_ns), duration(r.stats.p90_ns),
+                      per_call(r.stats, r.cells), duration(r.stats.median_ns), duration(r.stats.p90_ns),
                       ", ".join(r.kv_dtypes) or "–"] for r in summary.segments])
     lines += ["", "### Kernel families", ""]
-    lines += markdown_table(["segment", "family", "calls", "total", "share", "time", "median", "p90", "KV dtype"],
+    lines += markdown_table(["segment", "family", "calls", "total", "share", "per call", "median", "p90", "KV dtype"],
                     [[r.segment, f"`{r.family_label}`", f"{r.stats.calls:,}", duration(r.stats.total_ns),
-                      percent(r.stats.share), arm_time(r.stats, r.cells), duration(r.stats.median_ns),
+                      percent(r.stats.share), per_call(r.stats, r.cells), duration(r.stats.median_ns),
                       duration(r.stats.p90_ns), ", ".join(r.kv_dtypes) or "–"] for r in summary.families])
     lines += ["", "### Environment", ""] + _environment([arm])
     lines += ["", "<details><summary>Kernel names per segment</summary>", ""]
@@ -101,9 +101,10 @@ def _diff(diff: Diff) -> str:
              f"Baseline **{b.label}**, candidate **{c.label}**. Ratio = candidate / baseline GPU time summed over "
              f"the calls both arms ran, paired call for call per kernel family, launch shape and NVTX range{runs}; "
              f"{confidence} bootstrap interval that resamples the pairs inside each such cell (docs/statistics.md). "
-             f"A change inside ±{100 * diff.threshold:g}%, or whose interval reaches into "
-             f"±{100 * (diff.drift.band if diff.drift else 0):.1f}% (how far kernels the KV format cannot affect "
-             "moved), is \"no significant change\". \"time\" is per call where a row's cells cost the same per "
+             f"A ratio within ±{100 * diff.threshold:g}% of 1, or whose interval "
+             + (f"reaches 1 ± {100 * diff.drift.band:.1f}% (how far kernels the KV format cannot affect surely "
+                "moved between the runs)" if diff.drift and diff.drift.band else "includes 1")
+             + ", is \"no significant change\". \"time\" is per call where a row's cells cost the same per "
              "call, else the row's total. Rows whose arms did different work say \"not comparable\" or "
              "\"different work\" instead of a verdict.", "",
              f"Total GPU kernel time: {duration(b.total_ns)} → {duration(c.total_ns)} ({ratio(diff.total_ratio)}).",

@@ -6,8 +6,8 @@ from rich.console import Console
 from rich.table import Table
 
 from kvtrace.analyzer.compare import Diff, KernelList, Summary
-from kvtrace.analyzer.render.units import (LEVEL, arm_time, calls, duration, interval, numbered_notes, percent, ratio,
-                                          run_ratios, signed_duration)
+from kvtrace.analyzer.render.units import (LEVEL, arm_time, calls, duration, interval, numbered_notes, per_call, percent,
+                                          ratio, run_ratios, signed_duration)
 from kvtrace.analyzer.stats import IMPROVEMENT, REGRESSION
 
 _STYLE = {REGRESSION: "red", IMPROVEMENT: "green"}
@@ -44,12 +44,12 @@ def _summary(summary: Summary, console: Console) -> None:
                   f"{arm.info.kernel_count:,} kernels, {duration(arm.total_ns)} GPU kernel time")
     for title, rows, with_family in (("Segments", summary.segments, False), ("Kernel families", summary.families, True)):
         table = Table(title=title, title_justify="left")
-        for column in ["segment"] + (["family"] if with_family else []) + ["calls", "total", "share", "time",
+        for column in ["segment"] + (["family"] if with_family else []) + ["calls", "total", "share", "per call",
                                                                              "median", "p90", "KV dtype"]:
             table.add_column(column, justify="left" if column in ("segment", "family", "KV dtype") else "right")
         for r in rows:
             table.add_row(r.segment, *([r.family_label] if with_family else []), f"{r.stats.calls:,}",
-                          duration(r.stats.total_ns), percent(r.stats.share), arm_time(r.stats, r.cells),
+                          duration(r.stats.total_ns), percent(r.stats.share), per_call(r.stats, r.cells),
                           duration(r.stats.median_ns), duration(r.stats.p90_ns), ", ".join(r.kv_dtypes) or "–")
         console.print(table)
 

@@ -43,6 +43,11 @@ def arm_time(arm, cells: int) -> str:
     return f"{duration(arm.total_ns)} total" + (f", {cells:,} cells" if cells > 1 else "")
 
 
+def per_call(stats, cells: int) -> str:
+    """A summary row's mean per call, or that its cells cost different amounts per call."""
+    return duration(stats.mean_ns) if stats.mean_ns is not None else f"mixed ({cells:,} cells)"
+
+
 def run_ratios(values) -> str:
     """The ratios of the run pairs, lowest to highest (repeated runs)."""
     found = [v for v in values if v is not None]
