@@ -23,6 +23,8 @@ from kvtrace.analyzer.pairing import KERNEL, RANGE, Cells, Run, Vocabulary, segm
 from kvtrace.errors import KvtraceError
 
 SUMMARY_SCHEMA = "kvtrace.summary/2"
+# Cells with fewer call pairs than this are named in the row's note: their spread is poorly known.
+FEW_CALLS = 5
 DIFF_SCHEMA = "kvtrace.diff/3"
 
 
@@ -487,6 +489,11 @@ class _RowBuilder:
         single = row.single_call_cells
         if single > 1:
             notes.append(f"{single} single-call cells resampled together (one call has no spread of its own)")
+        sizes = np.diff(self.comparison.paired.offsets)[spec.members]
+        few = int(np.count_nonzero((sizes > 1) & (sizes < FEW_CALLS)))
+        if few:
+            notes.append(f"{few} cell{'s' if few > 1 else ''} of 2 to {FEW_CALLS - 1} call pairs: the interval rests "
+                         "on few calls and widens for it (Student's t)")
         return "; ".join(notes) or None
 
     def _labels(self, groups) -> list[str]:

@@ -16,8 +16,9 @@ from kvtrace.errors import KvtraceError
 @click.command()
 @click.argument("runs", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("--arm", "arms", multiple=True, metavar="NAME",
-              help="Arm to report on. One run directory: give it twice (baseline first). Two run directories: "
-                   "once for both, or twice for one each. Default: a run's two arms, wider KV format first.")
+              help="Arm to report on, with all its runs (ARM.rK: one run of a --repeats capture). One run directory: "
+                   "give it twice (baseline first). Two run directories: once for both, or twice for one each. "
+                   "Default: a run's two arms, wider KV format first.")
 @click.option("--label", "labels", multiple=True, help="Names for the two arms, baseline first (repeat twice).")
 @click.option("--threshold", default=0.02, show_default=True, type=click.FloatRange(0, 1, max_open=True),
               help="No-change band around a ratio of 1 (0.02 = ±2%), for kernels and TTFT.")
@@ -39,7 +40,8 @@ def report(runs, arms, labels, threshold, confidence, seed, plots_dir, plot_form
     from the manifests, TTFT with the cached prompt tokens next to it, ITL/TPOT, throughput, preemptions,
     peak running requests and KV usage, prefix-cache hit rate, capacity, and achieved KV bandwidth where
     the engine records bytes per call. It says when a TTFT gain is a prefix-hit/capacity effect rather than
-    a faster prefill kernel. Exit codes: 0 done, 2 bad input.
+    a faster prefill kernel. An arm recorded with --repeats N is compared run by run (r1 with r1, …), and
+    the kernel intervals then include the between-run variance. Exit codes: 0 done, 2 bad input.
     """
     from kvtrace.analyzer import report as report_lib
     from kvtrace.analyzer.classify import load_recipes

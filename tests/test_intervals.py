@@ -137,6 +137,16 @@ def test_kv_append_segment_keeps_its_step_kinds_apart(decode_heavy):
     assert min(r.ratio for r in kinds) < segment.ratio < max(r.ratio for r in kinds)
 
 
+def test_rows_say_when_their_cells_hold_single_or_few_calls(decode_heavy):
+    """vLLM's sampler kernels run once per step kind: their single-call cells are resampled together, and the
+    row says how many; cells of two to four pairs are named as such."""
+    other = next(r for r in decode_heavy.phases if r.segment == "other" and r.phase == "vLLM prefill steps")
+    assert other.single_call_cells > 1 and other.ci_low is not None
+    assert f"{other.single_call_cells} single-call cells resampled together" in other.note
+    lone = next(r for r in decode_heavy.phases if r.segment == "memory" and r.phase == "vLLM prefill steps")
+    assert (lone.compared_calls, lone.ci_low, lone.verdict) == (1, None, stats.INSUFFICIENT_DATA)
+
+
 def test_kernels_the_kv_format_cannot_touch_get_no_verdict_beyond_drift(decode_heavy):
     """Activation in decode steps moved -2.6% with an interval far from 1: alone it would read as an
     improvement. The KV-independent kernels (GEMM, norm, activation) moved up to 3.2% for sure between the
