@@ -143,9 +143,31 @@ def host_environment(nsys: str) -> dict:
     }
 
 
+@dataclass(frozen=True)
+class Run:
+    """One recording of one arm. With repeats the run is named ARM.rK and its files ARM.rK.*."""
+    name: str
+    arm: str
+    repeat: int
+
+
+def check_repeats(repeats: int) -> None:
+    if repeats < 1:
+        raise KvtraceError(f"--repeats must be at least 1, got {repeats}")
+
+
+def run_order(arms: tuple[str, ...] | list[str], repeats: int) -> list[Run]:
+    """The runs in the order they are recorded: arms interleaved (A B A B …), so that drift over time (clocks,
+    temperature, other tenants) is spread over both arms instead of riding on one."""
+    check_repeats(repeats)
+    if repeats == 1:
+        return [Run(arm, arm, 1) for arm in arms]
+    return [Run(f"{arm}.r{k}", arm, k) for k in range(1, repeats + 1) for arm in arms]
+
+
 @dataclass
 class ArmResult:
-    name: str
+    name: str  # the run's name: the arm's, or ARM.rK with repeats
     status: str = "not run"  # "ok" or "failed"
     error: str | None = None
     sqlite: str | None = None
@@ -154,12 +176,17 @@ class ArmResult:
     workload: dict | None = None
     commands: list[list[str]] = field(default_factory=list)
     seconds: float | None = None
+    arm: str = ""  # the arm this run recorded (the run's name when empty)
+    repeat: int = 1
+
+    def __post_init__(self) -> None:
+        self.arm = self.arm or self.name
 
 
 def run_arm(name: str, out: Path, nsys: str, workload: list[str], *, env: dict | None = None,
-            workload_result: Path | None = None) -> ArmResult:
-    """Profile one arm and export it. Failures are recorded, not raised, so the other arm still runs."""
-    arm = ArmResult(name=name, log=f"{name}.log")
+            workload_result: Path | None = None, arm_name: str = "", repeat: int = 1) -> ArmResult:
+    """Profile one run and export it. Failures are recorded, not raised, so the other runs still happen."""
+    arm = ArmResult(name=name, log=f"{name}.log", arm=arm_name, repeat=repeat)
     report = out / f"{name}.nsys-rep"
     sqlite_path = out / f"{name}.sqlite"
     command = profile_command(nsys, out / name, workload)

@@ -163,6 +163,7 @@ class VllmCapture:
     host: str = "127.0.0.1"
     port: int = 8000
     extra_args: tuple[str, ...] = ()
+    repeats: int = 1
 
     def validate(self) -> None:
         if self.mode not in MODES:
@@ -177,6 +178,7 @@ class VllmCapture:
                                f"choose from {', '.join(KV_DTYPES)}")
         if len(set(self.arms)) != len(self.arms):
             raise KvtraceError(f"--arms {','.join(self.arms)} names an arm twice: list each KV dtype once")
+        runner.check_repeats(self.repeats)
         if not 0 < self.port < 65536:
             raise KvtraceError(f"--port {self.port} is not a TCP port: choose one in 1-65535")
         owned = {**_OWNED_FLAGS, **(_OWNED_OFFLINE if self.mode == "offline" else {})}
@@ -189,11 +191,15 @@ class VllmCapture:
     def is_local_model(self) -> bool:
         return Path(self.model).expanduser().exists() or self.model.startswith(("/", "./", "../", "~"))
 
-    def run_order(self) -> tuple[str, ...]:
-        """Arms in the order they run. The sweep's first arm decides its grid, so an fp8 arm goes first."""
+    def arm_order(self) -> tuple[str, ...]:
+        """Arms in the order they run. The sweep's first run decides its grid, so an fp8 arm goes first."""
         if self.workload.scenario != "sweep":
             return self.arms
         return tuple(sorted(self.arms, key=lambda arm: not arm.startswith("fp8")))
+
+    def runs(self) -> list[runner.Run]:
+        """Every run in the order it is recorded (with --repeats the arms interleave)."""
+        return runner.run_order(self.arm_order(), self.repeats)
 
 
 # Command lines -----------------------------------------------------------------------------------------
@@ -232,10 +238,11 @@ def child_env(cfg: VllmCapture) -> dict[str, str]:
     return env
 
 
-def server_command(cfg: VllmCapture, arm: str, out: Path, nsys: str, python: str) -> list[str]:
+def server_command(cfg: VllmCapture, arm: str, out: Path, nsys: str, python: str, *, run: str = "") -> list[str]:
+    """`vllm serve` of one arm under nsys; `run` names the trace (the arm's name by default)."""
     serve = [python, *VLLM_CLI, "serve", cfg.model, "--host", cfg.host, "--port", str(cfg.port),
              *engine_flags(cfg, arm)]
-    return runner.profile_command(nsys, out / arm, serve, extra=NSYS_EXTRA)
+    return runner.profile_command(nsys, out / (run or arm), serve, extra=NSYS_EXTRA)
 
 
 def request_args(workload: Workload, point: Point, seed: int) -> list[str]:
@@ -279,19 +286,21 @@ def warmup_point(point: Point) -> Point:
 
 
 def worker_command(cfg: VllmCapture, arm: str, out: Path, nsys: str, python: str, points: list[Point],
-                   stop_at_capacity: bool) -> list[str]:
+                   stop_at_capacity: bool, *, run: str = "") -> list[str]:
+    """The offline worker of one arm under nsys; `run` names its files (the arm's name by default)."""
+    run = run or arm
     work = [python, *WORKER, "--scenario", cfg.workload.scenario, "--seed", str(cfg.workload.seed)]
     for point in points:
         work += ["--point", point.spec()]
     if stop_at_capacity:
         work.append("--stop-at-capacity")
-    work += ["--result", str(out / f"{arm}.workload.json"), "--", "--model", cfg.model, *engine_flags(cfg, arm)]
-    return runner.profile_command(nsys, out / arm, work, extra=NSYS_EXTRA)
+    work += ["--result", str(out / f"{run}.workload.json"), "--", "--model", cfg.model, *engine_flags(cfg, arm)]
+    return runner.profile_command(nsys, out / run, work, extra=NSYS_EXTRA)
 
 
-def export_command(nsys: str, out: Path, arm: str) -> list[str]:
-    return [nsys, "export", "--type=sqlite", "--force-overwrite=true", f"--output={out / arm}.sqlite",
-            f"{out / arm}.nsys-rep"]
+def export_command(nsys: str, out: Path, run: str) -> list[str]:
+    return [nsys, "export", "--type=sqlite", "--force-overwrite=true", f"--output={out / run}.sqlite",
+            f"{out / run}.nsys-rep"]
 
 
 def dry_run(cfg: VllmCapture, out: Path, *, nsys: str | None = None, python: str | None = None) -> str:
@@ -303,22 +312,26 @@ def dry_run(cfg: VllmCapture, out: Path, *, nsys: str | None = None, python: str
         nsys = nsys or "nsys"
     python = python or sys.executable
     env = " ".join(f"{name}={shlex.quote(value)}" for name, value in child_env(cfg).items())
-    workload, order = cfg.workload, cfg.run_order()
+    workload, runs = cfg.workload, cfg.runs()
     base = _base_url(cfg)
-    lines = [f"# kvtrace capture vllm: scenario {workload.scenario}, mode {cfg.mode}, arms {', '.join(order)} "
-             "(dry run: nothing is started)"]
+    repeats = f", {cfg.repeats} repeats interleaved" if cfg.repeats > 1 else ""
+    lines = [f"# kvtrace capture vllm: scenario {workload.scenario}, mode {cfg.mode}, arms "
+             f"{', '.join(cfg.arm_order())}{repeats} (dry run: nothing is started)"]
+    word = "arm" if cfg.repeats == 1 else "run"
     if workload.scenario == "sweep":
-        lines.append(f"# sweep: arm {order[0]} steps up concurrency per context length and stops a length at "
-                     "its first capacity-bound point (preemptions, or KV cache >= 95% full); the other arms "
-                     "run exactly the points it ran")
-    for arm in order:
-        lines.append(f"# arm {arm}")
+        lines.append(f"# sweep: {word} {runs[0].name} steps up concurrency per context length and stops a length "
+                     "at its first capacity-bound point (preemptions, or KV cache >= 95% full); the other "
+                     f"{word}s run exactly the points it ran")
+    for run in runs:
+        arm = run.arm
+        lines.append(f"# arm {arm}" if cfg.repeats == 1 else f"# run {run.name}: arm {arm}, repeat {run.repeat}")
         if cfg.mode == "offline":
             points = workload.points(cfg.mode)
-            stop = workload.scenario == "sweep" and arm == order[0]
-            lines.append(f"{env} {shlex.join(worker_command(cfg, arm, out, nsys, python, points, stop))}")
+            stop = workload.scenario == "sweep" and run == runs[0]
+            command = worker_command(cfg, arm, out, nsys, python, points, stop, run=run.name)
+            lines.append(f"{env} {shlex.join(command)}")
         else:
-            lines.append(f"{env} {shlex.join(server_command(cfg, arm, out, nsys, python))}")
+            lines.append(f"{env} {shlex.join(server_command(cfg, arm, out, nsys, python, run=run.name))}")
             points = workload.points(cfg.mode)
             lines.append(f"# wait for GET {base}/health 200, then warm up (outside the capture range):")
             warm = bench_command(cfg, python, warmup_point(points[0]), seed=workload.seed + 1, result=None)
@@ -327,12 +340,12 @@ def dry_run(cfg: VllmCapture, out: Path, *, nsys: str | None = None, python: str
                 lines.append(f"# POST {base}/reset_prefix_cache")
             lines.append(f"# POST {base}/start_profile")
             for index, point in enumerate(points):
-                result = out / f"{arm}{_tag(workload, index)}.bench.json"
+                result = out / f"{run.name}{_tag(workload, index)}.bench.json"
                 lines.append(f"# GET {base}/metrics before, every {POLL_INTERVAL_S:g} s during, and after:")
                 bench = bench_command(cfg, python, point, seed=workload.seed, result=result)
                 lines.append(f"{env} {shlex.join(bench)}")
             lines.append(f"# POST {base}/stop_profile, then SIGINT the server so that nsys writes its report")
-        lines.append(shlex.join(export_command(nsys, out, arm)))
+        lines.append(shlex.join(export_command(nsys, out, run.name)))
     return "\n".join(lines) + "\n"
 
 
@@ -738,8 +751,8 @@ def _serve_arm(session: _Session, arm: VllmArm, points: list[Point], stop_at_cap
         if not _port_free(cfg.host, cfg.port):
             raise RuntimeError(f"port {cfg.port} on {cfg.host} is still in use")
     bench_log = out / f"{arm.name}.bench.log"
-    server = ManagedProcess(server_command(cfg, arm.name, out, session.nsys, session.python), session.env,
-                            out / arm.log)
+    server = ManagedProcess(server_command(cfg, arm.kv_cache_dtype, out, session.nsys, session.python, run=arm.name),
+                            session.env, out / arm.log)
     arm.commands.append(server.command)
     try:
         server.start()
@@ -810,8 +823,8 @@ def _serve_point(session: _Session, arm: VllmArm, index: int, point: Point, benc
 def _offline_arm(session: _Session, arm: VllmArm, points: list[Point], stop_at_capacity: bool) -> None:
     out = session.out
     result_path = out / f"{arm.name}.workload.json"
-    worker = ManagedProcess(worker_command(session.cfg, arm.name, out, session.nsys, session.python, points,
-                                           stop_at_capacity), session.env, out / arm.log)
+    worker = ManagedProcess(worker_command(session.cfg, arm.kv_cache_dtype, out, session.nsys, session.python, points,
+                                           stop_at_capacity, run=arm.name), session.env, out / arm.log)
     arm.commands.append(worker.command)
     try:
         returncode = worker.start().wait()
@@ -885,7 +898,8 @@ def _write_manifests(out: Path, environment: dict, settings: dict, arms: list[Vl
 def capture(cfg: VllmCapture, out: Path, *, force: bool = False, nsys: str | None = None,
             python: str | None = None, startup_timeout_s: float = 1800.0, shutdown_grace_s: float = 300.0,
             poll_interval_s: float = POLL_INTERVAL_S) -> dict:
-    """Run every arm; a failed arm is recorded and the next one still runs. Returns the run's manifest."""
+    """Record every run (arm, or arm and repeat); a failed run is recorded and the next one still runs. Returns
+    the run directory's manifest."""
     cfg.validate()
     python = python or sys.executable
     model = check_model(cfg)
@@ -906,10 +920,11 @@ def capture(cfg: VllmCapture, out: Path, *, force: bool = False, nsys: str | Non
         "inherited_env": relevant_env(os.environ),
     })
     env = child_env(cfg)
-    order = cfg.run_order()
+    order, runs = cfg.arm_order(), cfg.runs()
     workload = cfg.workload
     settings = {
         "scenario": workload.scenario, "mode": cfg.mode, "model": model, "arms": list(order),
+        "repeats": cfg.repeats, "order": [run.name for run in runs],
         "attention_backend": ATTENTION_BACKEND, "load_format": cfg.load_format, "seed": workload.seed,
         "prefix_caching": PREFIX_CACHING[workload.scenario],
         "points": [point.spec() for point in workload.points(cfg.mode)],
@@ -922,10 +937,11 @@ def capture(cfg: VllmCapture, out: Path, *, force: bool = False, nsys: str | Non
         settings["server"] = {"host": cfg.host, "port": cfg.port, "trace_file": workload.trace_file}
     session = _Session(cfg, out, nsys_path, python, {**os.environ, **env}, startup_timeout_s, shutdown_grace_s,
                        poll_interval_s)
-    arms = [VllmArm(name=name, kv_cache_dtype=name, log=f"{name}.log") for name in order]
+    arms = [VllmArm(name=run.name, arm=run.arm, repeat=run.repeat, kv_cache_dtype=run.arm, log=f"{run.name}.log")
+            for run in runs]
     _write_manifests(out, environment, settings, arms, interrupted=False)
     run_arm = _offline_arm if cfg.mode == "offline" else _serve_arm
-    grid: list[Point] | None = None  # the sweep's points, once the first arm has chosen them
+    grid: list[Point] | None = None  # the sweep's points, once the first run has chosen them
     with _sigterm_as_interrupt():
         for arm in arms:
             points = grid if grid is not None else workload.points(cfg.mode)

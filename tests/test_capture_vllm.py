@@ -49,9 +49,9 @@ def recorded(name: str) -> dict:
 
 
 def config(scenario="cold-prefill", mode="serve", arms=("fp8", "nvfp4"), model="/models/llama-tiny", extra=(),
-           load_format="dummy", port=8000, **workload) -> engine.VllmCapture:
+           load_format="dummy", port=8000, repeats=1, **workload) -> engine.VllmCapture:
     return engine.VllmCapture(model=model, workload=engine.Workload.for_scenario(scenario, **workload), arms=arms,
-                              mode=mode, load_format=load_format, port=port, extra_args=tuple(extra))
+                              mode=mode, load_format=load_format, port=port, extra_args=tuple(extra), repeats=repeats)
 
 
 # Command lines ---------------------------------------------------------------------------------------------
@@ -109,7 +109,8 @@ def test_scenarios_set_what_they_measure():
 
 def test_sweep_steps_up_and_runs_fp8_first():
     cfg = config("sweep", arms=("nvfp4", "fp8"), contexts=(4096, 1024), concurrencies=(32, 8))
-    assert cfg.run_order() == ("fp8", "nvfp4")
+    assert cfg.arm_order() == ("fp8", "nvfp4")
+    assert [run.name for run in cfg.runs()] == ["fp8", "nvfp4"]
     assert [p.spec() for p in cfg.workload.points("serve")] == [
         "input=1024,output=64,prompts=16,concurrency=8", "input=1024,output=64,prompts=64,concurrency=32",
         "input=4096,output=64,prompts=16,concurrency=8", "input=4096,output=64,prompts=64,concurrency=32"]
@@ -131,11 +132,40 @@ def test_sweep_steps_up_and_runs_fp8_first():
     ({"scenario": "prefix-reuse", "trace_file": "/nonexistent.jsonl"}, "does not exist"),
     ({"port": 70000}, "is not a TCP port"),
     ({"mode": "offline", "scenario": "sweep", "num_prompts": 64}, "does not apply to an offline sweep"),
+    ({"repeats": 0}, "--repeats must be at least 1, got 0"),
 ])
 def test_bad_input_is_one_clear_error(kwargs, message):
     with pytest.raises(KvtraceError) as error:
         config(**kwargs).validate()
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_dry_run_with_repeats_prints_the_runs_in_order(monkeypatch):
+    monkeypatch.setattr(runner, "find_nsys", lambda explicit=None: "nsys")
+    out = Path("runs/demo")
+    offline = config("sweep", "offline", ("auto", "fp8"), repeats=2, contexts=(64,), concurrencies=(2,))
+    text = engine.dry_run(offline, out, python="python3")
+    order = ["fp8.r1", "auto.r1", "fp8.r2", "auto.r2"]
+    assert text.splitlines()[0].startswith("# kvtrace capture vllm: scenario sweep, mode offline, arms fp8, auto, "
+                                           "2 repeats interleaved")
+    assert "# sweep: run fp8.r1 steps up" in text and "the other runs run exactly the points it ran" in text
+    runs = [line for line in text.splitlines() if line.startswith("# run ")]
+    assert runs == [f"# run {name}: arm {name.split('.')[0]}, repeat {name[-1]}" for name in order]
+    workers = [line.split() for line in text.splitlines() if " profile " in line]
+    assert [next(a for a in w if a.startswith("--output=")) for w in workers] == [f"--output={out / n}" for n in order]
+    assert [w[w.index("--result") + 1] for w in workers] == [str(out / f"{n}.workload.json") for n in order]
+    assert [w[w.index("--kv-cache-dtype") + 1] for w in workers] == ["fp8", "auto", "fp8", "auto"]
+    assert ["--stop-at-capacity" in w for w in workers] == [True, False, False, False]
+    exports = [line.split()[-1] for line in text.splitlines() if " export " in line]
+    assert exports == [f"{out / n}.nsys-rep" for n in order]
+
+    serve = engine.dry_run(config("decode-heavy", repeats=2), out, python="python3")
+    results = [line.split()[-1] for line in serve.splitlines() if "--save-result" in line]
+    order = ["fp8.r1", "nvfp4.r1", "fp8.r2", "nvfp4.r2"]
+    assert results == [f"{n}.bench.json" for n in order]  # --result-filename, last on the line
+    servers = [line.split() for line in serve.splitlines() if " serve " in line and " profile " in line]
+    assert [(next(a for a in s if a.startswith("--output=")), s[s.index("--kv-cache-dtype") + 1]) for s in servers] == [
+        (f"--output={out / n}", n.split(".")[0]) for n in order]
 
 
 def test_options_outside_their_scenario_are_rejected():
@@ -157,6 +187,15 @@ def test_cli_dry_run_and_errors(monkeypatch):
     bad = subprocess.run([sys.executable, "-m", "kvtrace", "capture", "vllm", "--model", "m", "--arms", "fp8,bogus",
                           "--dry-run"], capture_output=True, text=True, cwd=TESTS)
     assert bad.returncode == 2 and bad.stderr.startswith("kvtrace: error: unknown arm(s) bogus")
+    bad = subprocess.run([sys.executable, "-m", "kvtrace", "capture", "vllm", "--model", "m", "--repeats", "0",
+                          "--dry-run"], capture_output=True, text=True, cwd=TESTS)
+    assert (bad.returncode, bad.stderr) == (2, "kvtrace: error: --repeats must be at least 1, got 0\n")
+    repeated = runner_.invoke(capture_cli.capture, ["vllm", "--model", "/models/m", "--mode", "offline",
+                                                    "--arms", "auto,fp8", "--repeats", "2", "--dry-run"])
+    assert repeated.exit_code == 0, repeated.output
+    assert [line for line in repeated.output.splitlines() if line.startswith("# run ")] == [
+        "# run auto.r1: arm auto, repeat 1", "# run fp8.r1: arm fp8, repeat 1", "# run auto.r2: arm auto, repeat 2",
+        "# run fp8.r2: arm fp8, repeat 2"]
 
 
 def test_makefile_fragment_runs_the_cli(tmp_path):
@@ -177,6 +216,8 @@ def test_makefile_fragment_runs_the_cli(tmp_path):
     assert "scenario sweep, mode offline, arms fp8, auto" in done.stdout
     assert "--max-model-len 20000" in done.stdout and "--output=runs/vllm-sweep/fp8" in done.stdout
     assert "--output=runs/x/fp8" in make("MODEL=/models/m", "OUT=runs/x", "DRY_RUN=1").stdout
+    repeated = make("MODEL=/models/m", "REPEATS=2", "DRY_RUN=1").stdout
+    assert "2 repeats interleaved" in repeated and "--output=runs/vllm-cold-prefill/nvfp4.r2" in repeated
 
 
 # Preflight --------------------------------------------------------------------------------------------------
@@ -626,6 +667,47 @@ def test_offline_worker_failure_is_recorded(standin, monkeypatch):
     assert fp8["status"] == "failed" and "workload under nsys exited with code 1 (see fp8.log)" in fp8["error"]
     assert "illegal memory access" in (standin.tmp / "run" / "fp8.log").read_text()
     assert manifest["status"] == "partial"
+
+
+def test_offline_repeats_interleave_and_a_failed_run_keeps_the_others(standin, monkeypatch):
+    monkeypatch.setenv("STANDIN_FAIL", "export@auto.r1")
+    manifest = run_capture(standin, offline_config(standin, repeats=2))
+    run = standin.tmp / "run"
+    order = ["auto.r1", "fp8.r1", "auto.r2", "fp8.r2"]
+    assert list(manifest["arms"]) == order and manifest["status"] == "partial"
+    assert (manifest["settings"]["arms"], manifest["settings"]["repeats"], manifest["settings"]["order"]) == (
+        ["auto", "fp8"], 2, order)
+    assert manifest["request_order_matched"] is True
+    # The stand-in LLM logs the KV dtype each engine started with: the arms alternate.
+    assert [c["arm"] for c in standin.calls() if c["call"] == "init"] == ["auto", "fp8", "auto", "fp8"]
+    for name, entry in manifest["arms"].items():
+        arm, repeat = name.split(".r")
+        assert (entry["name"], entry["arm"], entry["repeat"], entry["kv_cache_dtype"]) == (name, arm, int(repeat), arm)
+        assert entry["workload"]["kv_cache_dtype"] == arm
+        for file in (f"{name}.log", f"{name}.nsys-rep", f"{name}.workload.json", f"{name}.manifest.json"):
+            assert (run / file).exists(), file
+        per_run = json.loads((run / f"{name}.manifest.json").read_text())
+        assert list(per_run["arms"]) == [name] and per_run["status"] == entry["status"]
+        if name == "auto.r1":
+            assert entry["status"] == "failed" and "nsys export failed" in entry["error"]
+            assert not (run / f"{name}.sqlite").exists()
+        else:
+            assert entry["status"] == "ok" and (run / entry["sqlite"]).exists() and entry["sqlite"] == f"{name}.sqlite"
+
+
+def test_serve_repeats_name_every_file_by_run(standin):
+    manifest = run_capture(standin, serve_config(standin, repeats=2))
+    run = standin.tmp / "run"
+    order = ["fp8.r1", "nvfp4.r1", "fp8.r2", "nvfp4.r2"]
+    assert manifest["status"] == "ok" and list(manifest["arms"]) == order and manifest["settings"]["order"] == order
+    for name, entry in manifest["arms"].items():
+        point = entry["points"][0]
+        assert point["metrics"]["cache_config"][0]["cache_dtype"] == entry["arm"] == name.split(".")[0]
+        assert point["bench_result"] == f"{name}.bench.json"
+        for file in (entry["sqlite"], entry["report"], f"{name}.log", f"{name}.bench.log", f"{name}.manifest.json",
+                     point["metrics"]["before"], point["metrics"]["after"]):
+            assert file.startswith(name + ".") and (run / file).exists(), file
+    assert not [pid for pid in standin.pids() if alive(pid)]
 
 
 def test_force_rules_follow_the_runner(standin):
