@@ -18,6 +18,7 @@ from typing import Callable, Iterator, Sequence
 import polars as pl
 
 from kvtrace.errors import KvtraceError
+from kvtrace.kv_formats import STORAGE_LABELS, kernel_dtype_label
 
 SEGMENTS = (
     "prefill_attention",
@@ -245,47 +246,11 @@ def _same_name(qualified: str, ref: str) -> bool:
 # KV dtype labels
 # ---------------------------------------------------------------------------------------------------
 
-DTYPE_LABELS = {
-    "__nv_fp4x2_e2m1": "nvfp4",
-    "__nv_fp4_e2m1": "nvfp4",
-    "cutlass::float_e2m1_t": "nvfp4",
-    "E2m1": "nvfp4",  # trtllm-gen cubin names, e.g. `KvE2m1`
-    "__nv_fp8_e4m3": "fp8_e4m3",
-    "cutlass::float_e4m3_t": "fp8_e4m3",
-    "c10::Float8_e4m3fn": "fp8_e4m3",
-    "E4m3": "fp8_e4m3",
-    "__nv_fp8_e5m2": "fp8_e5m2",
-    "cutlass::float_e5m2_t": "fp8_e5m2",
-    "c10::Float8_e5m2": "fp8_e5m2",
-    "E5m2": "fp8_e5m2",
-    "__nv_bfloat16": "bf16",
-    "cutlass::bfloat16_t": "bf16",
-    "c10::BFloat16": "bf16",
-    "Bfloat16": "bf16",
-    "half": "fp16",
-    "__half": "fp16",
-    "cutlass::half_t": "fp16",
-    "c10::Half": "fp16",
-    "Fp16": "fp16",
-    "float": "fp32",
-    "unsigned char": "uint8",
-    "uint8_t": "uint8",
-    "unsigned short": "uint16",
-    "uint16_t": "uint16",
-}
-# Storage types say how bytes are held, not how they are encoded; another slot of the same rule
-# (e.g. vLLM's Fp8KVCacheDataType) names the encoding, so these lose to any other label.
-_STORAGE_LABELS = frozenset({"uint8", "uint16", "auto"})
 # Unambiguous KV-capable tokens, abstracted when a rule names no slot (see KV_SEGMENTS).
 _FALLBACK_TOKENS = re.compile(
     r"(?<![\w:])(?:__nv_fp8_e4m3|__nv_fp8_e5m2|__nv_fp4x2_e2m1|__nv_fp4_e2m1"
     r"|cutlass::float_e4m3_t|cutlass::float_e5m2_t|cutlass::float_e2m1_t)(?!\w)"
 )
-
-
-def dtype_label(token: str) -> str:
-    """Canonical label ("nvfp4", "fp8_e4m3", "bf16", ...) of a C++ dtype token; unknown tokens verbatim."""
-    return DTYPE_LABELS.get(token, token)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -488,12 +453,12 @@ def kernel_family(kernel: KernelName, rule: Rule | None, match: re.Match[str] | 
     """Family of a kernel name under the rule that matched it (None when no rule matched)."""
     slots: list[tuple[int, int, str]] = []  # (start, end, dtype label)
     if match is not None and "kv" in match.re.groupindex and match["kv"] is not None:
-        slots.append((*match.span("kv"), dtype_label(match["kv"])))
+        slots.append((*match.span("kv"), kernel_dtype_label(match["kv"])))
     for ref in rule.kv_slots if rule else ():
         enum_labels = rule.kv_enum.get(str(ref))
         for arg, value in ref.find(kernel):
             if enum_labels is None:
-                label = dtype_label(value)
+                label = kernel_dtype_label(value)
             else:
                 known = value.isdigit() and int(value) < len(enum_labels)
                 label = enum_labels[int(value)] if known else f"{ref}={value}"
@@ -502,7 +467,7 @@ def kernel_family(kernel: KernelName, rule: Rule | None, match: re.Match[str] | 
     fixed_label = rule.kv_dtype if rule else None
     if not slots and fixed_label is None and (rule is None or rule.segment in KV_SEGMENTS):
         slots = [
-            (m.start(), m.end(), dtype_label(m.group()))
+            (m.start(), m.end(), kernel_dtype_label(m.group()))
             for m in _FALLBACK_TOKENS.finditer(kernel.text, kernel.key_start, kernel.key_end)
         ]
 
@@ -517,7 +482,7 @@ def kernel_family(kernel: KernelName, rule: Rule | None, match: re.Match[str] | 
     if conditions:
         label += f"[{','.join(conditions)}]"
     labels = [s[2] for s in slots]
-    kv_dtype = fixed_label or next((x for x in labels if x not in _STORAGE_LABELS), labels[0] if labels else None)
+    kv_dtype = fixed_label or next((x for x in labels if x not in STORAGE_LABELS), labels[0] if labels else None)
     return Family(key, label, kv_dtype)
 
 

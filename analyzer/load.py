@@ -14,7 +14,6 @@ import os
 import shutil
 import sqlite3
 import struct
-import subprocess
 import tempfile
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -27,12 +26,12 @@ import numpy as np
 import polars as pl
 import sqlite_utils
 
+import kvtrace.nsys
 from kvtrace import __version__
 from kvtrace.analyzer import ranges as ranges_
-from kvtrace.capture import runner  # nsys discovery, shared with capture (standard library only)
 from kvtrace.errors import KvtraceError
+from kvtrace.nsys import is_sqlite
 
-SQLITE_MAGIC = b"SQLite format 3\x00"
 KERNEL_TABLE = "CUPTI_ACTIVITY_KIND_KERNEL"
 RUNTIME_TABLE = "CUPTI_ACTIVITY_KIND_RUNTIME"
 NVTX_TABLE = "NVTX_EVENTS"
@@ -110,7 +109,7 @@ def open_trace(path: str | os.PathLike, *, nsys: str | None = None, cache: bool 
     source = Path(path)
     _check_file(source)
     sqlite_path = source
-    if not _is_sqlite(source):
+    if not is_sqlite(source):
         if source.suffix in (".nsys-rep", ".qdrep"):
             sqlite_path = export_report(source, nsys=nsys)
         else:
@@ -477,44 +476,30 @@ def export_report(report: Path, *, nsys: str | None = None) -> Path:
     A sibling `<report>.sqlite` newer than the report is used as is, as `nsys recipe` does.
     """
     sibling = report.with_suffix(".sqlite")
-    if sibling.exists() and sibling.stat().st_mtime >= report.stat().st_mtime and _is_sqlite(sibling):
+    if sibling.exists() and sibling.stat().st_mtime >= report.stat().st_mtime and is_sqlite(sibling):
         return sibling
-    nsys_path = _find_nsys(nsys)
+    try:
+        nsys_path = kvtrace.nsys.find_nsys(nsys)
+    except KvtraceError as error:
+        raise KvtraceError(f"an .nsys-rep needs nsys to export it: {error}; or pass the .sqlite from "
+                           "`nsys export --type sqlite`") from None
     stat = report.stat()
     key = hashlib.sha256(f"{report.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{nsys_path}".encode()).hexdigest()[:20]
     cache = _cache_dir("exports") or Path(tempfile.mkdtemp(prefix="kvtrace-export-"))
     target = cache / f"{report.stem}-{key}.sqlite"
     if target.exists():
         return target
-    # nsys writes into a temporary name; only a complete export is renamed into the cache.
-    fd, partial_name = tempfile.mkstemp(dir=cache, prefix=f".{report.stem}-", suffix=".sqlite")
-    os.close(fd)
-    partial = Path(partial_name)
-    command = [nsys_path, "export", "--type=sqlite", "--force-overwrite=true", f"--output={partial}", str(report)]
     try:
-        result = subprocess.run(command, capture_output=True, text=True, check=False)
-        output = (result.stdout + result.stderr)
-        if result.returncode != 0 or not _is_sqlite(partial):
-            if "ProtobufParseException" in output:
-                version = runner.nsys_version(nsys_path).replace("NVIDIA ", "")
-                raise KvtraceError(f"{version} cannot read {report}: it was recorded by a newer "
-                                   "Nsight Systems; export it there (nsys export --type sqlite) or point "
-                                   "NSYS at that version")
-            last_line = next((l for l in reversed(output.strip().splitlines()) if l.strip()), "no output")
-            raise KvtraceError(f"nsys export failed on {report} (exit {result.returncode}: {last_line.strip()}); "
-                               "check the report opens in Nsight Systems, or export it yourself")
-        os.replace(partial, target)
-    finally:
-        partial.unlink(missing_ok=True)
+        kvtrace.nsys.export_sqlite(nsys_path, report, target)
+    except kvtrace.nsys.ExportFailed as failed:
+        if failed.newer_report:
+            version = kvtrace.nsys.nsys_version(nsys_path).replace("NVIDIA ", "")
+            raise KvtraceError(f"{version} cannot read {report}: it was recorded by a newer "
+                               "Nsight Systems; export it there (nsys export --type sqlite) or point "
+                               "NSYS at that version") from None
+        raise KvtraceError(f"nsys export failed on {report} (exit {failed.returncode}: {failed.last_line}); "
+                           "check the report opens in Nsight Systems, or export it yourself") from None
     return target
-
-
-def _find_nsys(explicit: str | None) -> str:
-    try:
-        return runner.find_nsys(explicit)
-    except KvtraceError as error:
-        raise KvtraceError(f"an .nsys-rep needs nsys to export it: {error}; or pass the .sqlite from "
-                           "`nsys export --type sqlite`") from None
 
 
 def _cache_dir(kind: str) -> Path | None:
@@ -556,11 +541,6 @@ def _check_file(path: Path) -> None:
         raise KvtraceError(f"cannot read {path}: {error.strerror.lower()}; check its permissions") from None
     if path.stat().st_size == 0:
         raise KvtraceError(f"{path} is empty (0 bytes): re-run `nsys export --type sqlite` on the report")
-
-
-def _is_sqlite(path: Path) -> bool:
-    with open(path, "rb") as handle:
-        return handle.read(len(SQLITE_MAGIC)) == SQLITE_MAGIC
 
 
 def _check_sqlite_size(path: Path) -> None:

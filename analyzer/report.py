@@ -19,7 +19,7 @@ from pathlib import Path
 from statistics import NormalDist
 
 
-from kvtrace import __version__
+from kvtrace import __version__, kv_formats
 from kvtrace.analyzer import align, capacity, compare, stats
 from kvtrace.analyzer.classify import RecipeSet
 from kvtrace.analyzer.compare import Diff, Finding
@@ -73,7 +73,7 @@ def _arm_dtype(arm: dict, name: str) -> str:
 
 def _width(manifest: dict, name: str) -> float:
     dtype = (((manifest.get("settings") or {}).get("model") or {}).get("torch_dtype"))
-    return capacity.format_width(_arm_dtype(manifest["arms"][name], name), dtype)
+    return kv_formats.bytes_per_value(_arm_dtype(manifest["arms"][name], name), dtype)
 
 
 def _locate(path: Path) -> tuple[Path, dict, str | None]:
@@ -160,7 +160,7 @@ def _run_arm(item: _Input, label: str) -> RunArm:
     settings = item.manifest.get("settings") or {}
     dtype = _arm_dtype(arm, item.arm)
     try:
-        fmt = capacity.canonical_format(dtype, (settings.get("model") or {}).get("torch_dtype"))
+        fmt = kv_formats.canonical_format(dtype, (settings.get("model") or {}).get("torch_dtype"))
     except KvtraceError:
         fmt = None
     kv = arm.get("kv_cache") or {}

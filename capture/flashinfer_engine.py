@@ -9,6 +9,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import kvtrace.nsys
 from kvtrace.capture import runner
 from kvtrace.errors import KvtraceError
 
@@ -85,7 +86,7 @@ def capture(out: Path, spec: FlashInferSpec, *, arms: tuple[str, ...] = ARMS, re
     if not arms or len(set(arms)) != len(arms):
         raise KvtraceError(f"--arms needs one or more distinct arms from {', '.join(ARMS)}, got {','.join(arms)!r}")
     runs = runner.run_order(arms, repeats)
-    nsys_path = runner.find_nsys(nsys)
+    nsys_path = kvtrace.nsys.find_nsys(nsys)
     preflight(arms)
     runner.prepare_run_dir(out, force)
     environment = runner.host_environment(nsys_path)

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from kvtrace.capture import formats
+from kvtrace.kv_formats import kv_bytes_per_token_head
 
 KV_DTYPES = {"fp8": torch.float8_e4m3fn, "nvfp4": torch.uint8}
 
@@ -123,7 +124,7 @@ def main(argv=None) -> None:
                 "sm_count": torch.cuda.get_device_properties(device).multi_processor_count},
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "contexts": []}
-    bytes_per_token_head = formats.kv_bytes_per_token_head(args.kv_format, args.head_dim)
+    bytes_per_token_head = kv_bytes_per_token_head(args.kv_format, args.head_dim)
 
     phases = []  # (label, callable, calls, per-call bytes)
     gemm_a = torch.randn(args.gemm_size, args.gemm_size, generator=generator, device=device, dtype=torch.bfloat16)

@@ -33,16 +33,17 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvtrace.capture import formats, runner
+import kvtrace.nsys
+from kvtrace.capture import runner
 from kvtrace.capture.vllm_common import (Point, add_sample, capacity_reason, empty_snapshot, metric_deltas,
                                          parse_kv_cache_log, request_order_sha256, update_peaks)
 from kvtrace.errors import KvtraceError
+from kvtrace.kv_formats import VLLM_KV_CACHE_DTYPES, canonical_format, kv_bytes_per_token
 
 ENGINE = "vllm"
 SCENARIOS = ("cold-prefill", "decode-heavy", "prefix-reuse", "sweep")
 MODES = ("serve", "offline")
 LOAD_FORMATS = ("auto", "dummy")
-KV_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2", "nvfp4", "nvfp4_4over6")
 ATTENTION_BACKEND = "FLASHINFER"
 PROFILER_CONFIG = '{"profiler": "cuda"}'
 # vLLM's engine core and workers are child processes of the traced command.
@@ -172,10 +173,10 @@ class VllmCapture:
             raise KvtraceError(f"unknown --load-format {self.load_format!r}: choose auto or dummy")
         if not self.arms:
             raise KvtraceError("--arms is empty: name the KV-cache dtypes to compare, e.g. fp8,nvfp4")
-        unknown = [arm for arm in self.arms if arm not in KV_DTYPES]
+        unknown = [arm for arm in self.arms if arm not in VLLM_KV_CACHE_DTYPES]
         if unknown:
             raise KvtraceError(f"unknown arm(s) {', '.join(unknown)}: arms are vLLM --kv-cache-dtype values, "
-                               f"choose from {', '.join(KV_DTYPES)}")
+                               f"choose from {', '.join(VLLM_KV_CACHE_DTYPES)}")
         if len(set(self.arms)) != len(self.arms):
             raise KvtraceError(f"--arms {','.join(self.arms)} names an arm twice: list each KV dtype once")
         runner.check_repeats(self.repeats)
@@ -298,16 +299,11 @@ def worker_command(cfg: VllmCapture, arm: str, out: Path, nsys: str, python: str
     return runner.profile_command(nsys, out / run, work, extra=NSYS_EXTRA)
 
 
-def export_command(nsys: str, out: Path, run: str) -> list[str]:
-    return [nsys, "export", "--type=sqlite", "--force-overwrite=true", f"--output={out / run}.sqlite",
-            f"{out / run}.nsys-rep"]
-
-
 def dry_run(cfg: VllmCapture, out: Path, *, nsys: str | None = None, python: str | None = None) -> str:
     """The exact commands of every arm, without a GPU, vLLM or nsys (then `nsys` stands for it)."""
     cfg.validate()
     try:
-        nsys = runner.find_nsys(nsys)
+        nsys = kvtrace.nsys.find_nsys(nsys)
     except KvtraceError:
         nsys = nsys or "nsys"
     python = python or sys.executable
@@ -345,7 +341,8 @@ def dry_run(cfg: VllmCapture, out: Path, *, nsys: str | None = None, python: str
                 bench = bench_command(cfg, python, point, seed=workload.seed, result=result)
                 lines.append(f"{env} {shlex.join(bench)}")
             lines.append(f"# POST {base}/stop_profile, then SIGINT the server so that nsys writes its report")
-        lines.append(shlex.join(export_command(nsys, out, run.name)))
+        lines.append(shlex.join(kvtrace.nsys.export_command(nsys, out / f"{run.name}.nsys-rep",
+                                                            out / f"{run.name}.sqlite")))
     return "\n".join(lines) + "\n"
 
 
@@ -488,10 +485,6 @@ def _hub_config(model: str) -> dict | None:
         return None
 
 
-_FORMAT_OF = {"auto": "auto", "bfloat16": "bf16", "float16": "fp16", "fp8": "fp8", "fp8_e4m3": "fp8_e4m3",
-              "fp8_e5m2": "fp8_e5m2", "nvfp4": "nvfp4", "nvfp4_4over6": "nvfp4"}
-
-
 def model_summary(model: str, config: dict | None, arms: tuple[str, ...]) -> dict:
     if config is None:
         return {"source": model, "config": "not found locally"}
@@ -512,9 +505,9 @@ def model_summary(model: str, config: dict | None, arms: tuple[str, ...]) -> dic
     }
     layers, kv_heads, head_dim = summary["num_hidden_layers"], summary["num_key_value_heads"], summary["head_dim"]
     if layers and kv_heads and head_dim:
-        # K and V of every layer; "auto" assumes a 16-bit model dtype.
-        per_token = {arm: formats.kv_bytes_per_token_head(_FORMAT_OF[arm], head_dim) * kv_heads * 2 * layers
-                     for arm in arms}
+        # K and V of every layer; "auto" stores the model dtype, taken as 16-bit.
+        per_token = {arm: kv_bytes_per_token(canonical_format(arm, summary["torch_dtype"]), head_dim=head_dim,
+                                             kv_heads=kv_heads, layers=layers) for arm in arms}
         summary["kv_bytes_per_token"] = {arm: int(b) if b.is_integer() else b for arm, b in per_token.items()}
     return summary
 
@@ -847,19 +840,12 @@ def _offline_arm(session: _Session, arm: VllmArm, points: list[Point], stop_at_c
 
 
 def _export(session: _Session, arm: VllmArm) -> None:
-    report = session.out / f"{arm.name}.nsys-rep"
-    if not report.exists():
-        raw = report.with_suffix(".qdstrm")
-        if raw.exists():
-            raise RuntimeError(f"nsys left {raw.name} but no report because its importer is missing: run "
-                               f"QdstrmImporter -i {raw.name} from the same Nsight Systems version")
-        raise RuntimeError("nsys wrote no report: vLLM's CUDA profiler range never opened")
-    arm.report = report.name
-    sqlite_path = session.out / f"{arm.name}.sqlite"
+    if (session.out / f"{arm.name}.nsys-rep").exists():
+        arm.report = f"{arm.name}.nsys-rep"  # kept even when the export fails: it may still open in the GUI
     with open(session.out / arm.log, "a") as log:
-        runner.export_sqlite(session.nsys, report, sqlite_path, log)
-    arm.commands.append([session.nsys, "export", "--type=sqlite", f"--output={sqlite_path.name}", report.name])
-    arm.sqlite = sqlite_path.name
+        arm.commands.append(runner.export_run(session.out, arm.name, session.nsys, log,
+                                              no_report="vLLM's CUDA profiler range never opened"))
+    arm.sqlite = f"{arm.name}.sqlite"
 
 
 @contextlib.contextmanager
@@ -903,7 +889,7 @@ def capture(cfg: VllmCapture, out: Path, *, force: bool = False, nsys: str | Non
     cfg.validate()
     python = python or sys.executable
     model = check_model(cfg)
-    nsys_path = runner.find_nsys(nsys)
+    nsys_path = kvtrace.nsys.find_nsys(nsys)
     if cfg.mode == "serve":
         check_port(cfg.host, cfg.port)
     probe = probe_environment(python, any(arm.startswith("nvfp4") for arm in cfg.arms))

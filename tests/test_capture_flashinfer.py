@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+import kvtrace.nsys
 from conftest import NSYS2023_DIR, NSYS2025_DIR, fingerprint, sha256
 from kvtrace.capture import flashinfer_engine, runner
 from kvtrace.errors import KvtraceError
@@ -154,8 +155,8 @@ def no_gpu_here():
 
 
 def nsys_findable_without_path() -> bool:
-    """Whether runner.find_nsys would find an nsys in one of its well-known install locations."""
-    return any(glob.glob(pattern) for pattern in runner._NSYS_GLOBS)
+    """Whether kvtrace.nsys.find_nsys would find an nsys in one of its well-known install locations."""
+    return any(glob.glob(pattern) for pattern in kvtrace.nsys.INSTALL_GLOBS)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -391,12 +392,12 @@ def test_repeats_interleave_the_arms(tmp_path, stand_in, no_preflight, monkeypat
     assert [line.split(":")[0] for line in stdout.splitlines()] == order
     assert "fp8.r2: failed (workload under nsys exited with code 1 (see fp8.r2.log))" in stdout
     # The order nsys was called in: profile and export of each run before the next run starts.
-    calls = [(call[0], Path(next(a.split("=", 1)[1] for a in call if a.startswith("--output="))).name)
+    calls = [(call[0], Path(call[-1]).name if call[0] == "export" else
+              Path(next(a.split("=", 1)[1] for a in call if a.startswith("--output="))).name)
              for call in nsys_calls(tmp_path) if call[:1] in (["profile"], ["export"])]
-    assert calls == [("profile", "fp8.r1"), ("export", "fp8.r1.sqlite.partial"),
-                     ("profile", "nvfp4.r1"), ("export", "nvfp4.r1.sqlite.partial"),
-                     ("profile", "fp8.r2"),
-                     ("profile", "nvfp4.r2"), ("export", "nvfp4.r2.sqlite.partial")]
+    assert calls == [("profile", "fp8.r1"), ("export", "fp8.r1.nsys-rep"), ("profile", "nvfp4.r1"),
+                     ("export", "nvfp4.r1.nsys-rep"), ("profile", "fp8.r2"), ("profile", "nvfp4.r2"),
+                     ("export", "nvfp4.r2.nsys-rep")]
 
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["settings"]["arms"] == ["fp8", "nvfp4"]
@@ -570,7 +571,7 @@ def test_workload_result_is_embedded_and_env_is_passed(tmp_path, stand_in):
 
 
 def test_nsys_version_and_host_environment_from_the_binary(stand_in):
-    assert runner.nsys_version(str(stand_in)) == STAND_IN_VERSION
+    assert kvtrace.nsys.nsys_version(str(stand_in)) == STAND_IN_VERSION
     environment = runner.host_environment(str(stand_in))
     assert environment["nsys"] == STAND_IN_VERSION and environment["nsys_path"] == str(stand_in)
     assert isinstance(environment["gpus"], list)
@@ -582,10 +583,10 @@ def test_find_nsys_order(tmp_path, stand_in, monkeypatch):
     shutil.copy2(stand_in, other / "nsys")
     monkeypatch.setenv("PATH", str(other))
     monkeypatch.setenv("NSYS", str(stand_in))
-    assert runner.find_nsys() == str(stand_in)  # $NSYS before PATH
-    assert runner.find_nsys(str(other / "nsys")) == str(other / "nsys")  # --nsys before $NSYS
+    assert kvtrace.nsys.find_nsys() == str(stand_in)  # $NSYS before PATH
+    assert kvtrace.nsys.find_nsys(str(other / "nsys")) == str(other / "nsys")  # --nsys before $NSYS
     monkeypatch.delenv("NSYS")
-    assert runner.find_nsys() == str(other / "nsys")  # then PATH
+    assert kvtrace.nsys.find_nsys() == str(other / "nsys")  # then PATH
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -646,7 +647,7 @@ def test_real_nsys_export_through_temporary_name(nsys, tmp_path):
     shutil.copy2(NSYS2023_DIR / "fp8.nsys-rep", report)
     target = tmp_path / "fp8.sqlite"
     with open(tmp_path / "fp8.log", "w") as log:
-        runner.export_sqlite(nsys, report, target, log)
+        kvtrace.nsys.export_sqlite(nsys, report, target, log=log)
     import sqlite3
 
     conn = sqlite3.connect(f"{target.resolve().as_uri()}?mode=ro", uri=True)
@@ -663,6 +664,6 @@ def test_real_nsys_failed_export_leaves_nothing(nsys, tmp_path):
     report = tmp_path / "nvfp4.nsys-rep"
     shutil.copy2(NSYS2025_DIR / "nvfp4.nsys-rep", report)
     with open(tmp_path / "nvfp4.log", "w") as log, pytest.raises(RuntimeError, match="nsys export failed"):
-        runner.export_sqlite(nsys, report, tmp_path / "nvfp4.sqlite", log)
+        kvtrace.nsys.export_sqlite(nsys, report, tmp_path / "nvfp4.sqlite", log=log)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["nvfp4.log", "nvfp4.nsys-rep"]
     assert "ProtobufParseException" in (tmp_path / "nvfp4.log").read_text()

@@ -24,9 +24,9 @@ from types import SimpleNamespace
 import pytest
 from click.testing import CliRunner
 
+import kvtrace.nsys
 import vllm_standin
 from kvtrace.capture import cli as capture_cli
-from kvtrace.capture import runner
 from kvtrace.capture import vllm_engine as engine
 from kvtrace.capture import vllm_offline_workload as worker
 from kvtrace.capture.vllm_common import (Point, capacity_reason, metric_deltas, parse_kv_cache_log,
@@ -61,7 +61,7 @@ GOLDEN_CASES = [(scenario, mode) for mode in engine.MODES for scenario in engine
 
 @pytest.mark.parametrize("scenario,mode", GOLDEN_CASES)
 def test_dry_run_matches_golden(scenario, mode, monkeypatch):
-    monkeypatch.setattr(runner, "find_nsys", lambda explicit=None: "nsys")
+    monkeypatch.setattr(kvtrace.nsys, "find_nsys", lambda explicit=None: "nsys")
     arms = ("fp8", "nvfp4") if mode == "serve" else ("auto", "fp8")
     text = engine.dry_run(config(scenario, mode, arms), Path("runs/demo"), python="python3")
     golden = GOLDEN / f"{scenario}.{mode}.txt"
@@ -141,7 +141,7 @@ def test_bad_input_is_one_clear_error(kwargs, message):
 
 
 def test_dry_run_with_repeats_prints_the_runs_in_order(monkeypatch):
-    monkeypatch.setattr(runner, "find_nsys", lambda explicit=None: "nsys")
+    monkeypatch.setattr(kvtrace.nsys, "find_nsys", lambda explicit=None: "nsys")
     out = Path("runs/demo")
     offline = config("sweep", "offline", ("auto", "fp8"), repeats=2, contexts=(64,), concurrencies=(2,))
     text = engine.dry_run(offline, out, python="python3")
@@ -176,7 +176,7 @@ def test_options_outside_their_scenario_are_rejected():
 
 
 def test_cli_dry_run_and_errors(monkeypatch):
-    monkeypatch.setattr(runner, "find_nsys", lambda explicit=None: "nsys")
+    monkeypatch.setattr(kvtrace.nsys, "find_nsys", lambda explicit=None: "nsys")
     runner_ = CliRunner()
     result = runner_.invoke(capture_cli.capture, ["vllm", "--model", "/models/m", "--scenario", "decode-heavy",
                                                   "--mode", "offline", "--arms", "auto,fp8", "--dry-run", "--",
@@ -284,7 +284,7 @@ def test_model_checks(tmp_path):
 def test_missing_nsys_and_busy_port(tmp_path, monkeypatch):
     monkeypatch.delenv("NSYS", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path))
-    monkeypatch.setattr(runner, "_NSYS_GLOBS", ())
+    monkeypatch.setattr(kvtrace.nsys, "INSTALL_GLOBS", ())
     with pytest.raises(KvtraceError, match="nsys \\(Nsight Systems CLI\\) not found"):
         engine.capture(config(model=str(TINY), mode="offline"), tmp_path / "out")
     with socket.socket() as busy:

@@ -362,7 +362,8 @@ def nsys(argv: list[str]) -> int:
     count = next((i for i, arg in enumerate(rest) if not arg.startswith("-")), len(rest))
     options, workload = rest[:count], rest[count:]
     output = next(arg.split("=", 1)[1] for arg in options if arg.startswith("--output="))
-    run = Path(output).name.split(".sqlite")[0]  # ARM, or ARM.rK with repeats: a failure may name either
+    # The run (ARM, or ARM.rK with repeats; a failure may name either): an export names it by its report.
+    run = Path(workload[0]).name.removesuffix(".nsys-rep") if argv[0] == "export" else Path(output).name
     arm = run.split(".")[0]
     if argv[0] == "export":
         if failing("export", arm) or failing("export", run):
