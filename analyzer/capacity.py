@@ -19,7 +19,8 @@ from pathlib import Path
 
 from kvtrace import __version__
 from kvtrace.errors import KvtraceError
-from kvtrace.kv_formats import NVFP4_BLOCK, bytes_per_value, canonical_format, kv_bytes_per_token, kv_cache_bytes
+from kvtrace.kv_formats import NVFP4_BLOCK, canonical_format, kv_bytes_per_token, kv_cache_bytes
+from kvtrace.manifest import Manifest, RunRecord, read_manifest
 
 CAPACITY_SCHEMA = "kvtrace.capacity/1"
 GIB = 1 << 30
@@ -244,12 +245,12 @@ def tensor_parallel(flags: list[str]) -> int:
     return 1
 
 
-def measured_arm(name: str, arm: dict, shape: ModelShape, tp: int, page_size: int) -> MeasuredRow | None:
+def measured_arm(name: str, arm: RunRecord, shape: ModelShape, tp: int, page_size: int) -> MeasuredRow | None:
     """vLLM's startup capacity of one arm against the ideal for its format; None without that line."""
-    kv = arm.get("kv_cache")
-    if not kv or not kv.get("tokens"):
+    kv = arm.kv_cache
+    if not kv.get("tokens"):
         return None
-    dtype = arm.get("kv_cache_dtype") or name
+    dtype = arm.kv_cache_dtype or arm.arm
     fmt = canonical_format(dtype, shape.dtype)
     per_gpu = bytes_per_token(fmt, shape, shard(shape.kv_heads, tp).kv_heads_per_rank)
     available = kv.get("available_gib")
@@ -272,17 +273,17 @@ def link_measured(rows: list[MeasuredRow], shape: ModelShape, tp: int) -> list[s
     return []
 
 
-def measured_from_manifest(manifest: dict, shape: ModelShape, tp: int, page_size: int,
+def measured_from_manifest(manifest: Manifest, shape: ModelShape, tp: int, page_size: int,
                            names: list[str]) -> tuple[list[MeasuredRow], list[str]]:
     """Per arm with a startup capacity line: measured tokens against the ideal. Returns rows and notes."""
-    if manifest.get("engine") != "vllm":
-        return [], [f"no measured capacity: the {manifest.get('engine')} engine allocates no serving KV pool"]
+    if manifest.engine != "vllm":
+        return [], [f"no measured capacity: the {manifest.engine} engine allocates no serving KV pool"]
     rows, notes = [], []
     for name in names:
-        arm = manifest["arms"].get(name) or {}
+        arm = manifest.runs[name]
         row = measured_arm(name, arm, shape, tp, page_size)
         if row is None:
-            status = arm.get("status")
+            status = arm.status
             notes.append(f"{name}: no \"GPU KV cache size\" line recorded"
                          + (f" (arm {status})" if status not in (None, "ok") else ""))
         else:
@@ -290,43 +291,23 @@ def measured_from_manifest(manifest: dict, shape: ModelShape, tp: int, page_size
     return rows, notes + link_measured(rows, shape, tp)
 
 
-def read_manifest(path: Path) -> dict:
-    """manifest.json of a kvtrace run directory (or the file itself), validated."""
-    path = Path(path)
-    file = path / "manifest.json" if path.is_dir() else path
-    if not path.exists():
-        raise KvtraceError(f"{path}: no such run directory: pass a directory written by `kvtrace capture`")
-    if not file.is_file():
-        raise KvtraceError(f"{path} has no manifest.json: pass a run directory written by `kvtrace capture`")
-    try:
-        data = json.loads(file.read_text())
-    except (OSError, ValueError) as error:
-        raise KvtraceError(f"{file} is not readable JSON ({error}): capture the run again") from None
-    if not isinstance(data, dict) or "kvtrace_manifest" not in data:
-        raise KvtraceError(f"{file} was not written by kvtrace (no kvtrace_manifest field): pass a run directory "
-                           "written by `kvtrace capture`")
-    if not isinstance(data.get("arms"), dict):
-        raise KvtraceError(f"{file} lists no arms: capture the run again")
-    return data
-
-
-def run_shape(manifest: dict, source: str) -> tuple[ModelShape, int, int]:
+def run_shape(manifest: Manifest, source: str) -> tuple[ModelShape, int, int]:
     """Model shape, tensor-parallel size and page size a run's manifest records."""
-    settings = manifest.get("settings") or {}
-    if manifest.get("engine") == "vllm":
-        model = settings.get("model") or {}
+    settings = manifest.settings
+    if manifest.engine == "vllm":
+        model = manifest.model
         if "num_hidden_layers" not in model:
             raise KvtraceError(f"{source}: the manifest has no model config (vLLM could not read config.json "
                                "locally): pass --config")
         shape = shape_from_config(model, f"{source} (settings.model)")
         flags = next(iter((settings.get("engine_flags") or {}).values()), []) + list(settings.get("extra_vllm_args") or [])
         page = 16
-        for arm in (manifest.get("arms") or {}).values():
-            engine = (arm.get("workload") or {}).get("engine") or {}
+        for arm in manifest.runs.values():
+            engine = arm.workload.get("engine") or {}
             if engine.get("block_size"):
                 page = int(engine["block_size"])
                 break
-            for point in arm.get("points") or []:
+            for point in arm.points:
                 config = ((point.get("metrics") or {}).get("cache_config") or [{}])[0]
                 if config.get("block_size"):
                     page = int(config["block_size"])
@@ -356,13 +337,9 @@ def from_run(run: Path, *, shape: ModelShape | None = None, tp: int | None = Non
     shape = shape or run_model
     tp = tp or run_tp
     page_size = page_size or run_page
-    arms = manifest["arms"]
-
-    def dtype(name: str) -> str:
-        return arms[name].get("kv_cache_dtype") or (arms[name].get("workload") or {}).get("kv_format") or name
-
-    names = sorted(arms, key=lambda name: -bytes_per_value(dtype(name), shape.dtype))
-    labels = [(name, name) for name in kv_formats] if kv_formats else [(name, dtype(name)) for name in names]
+    names = manifest.widest_first(model_dtype=shape.dtype)
+    labels = ([(name, name) for name in kv_formats] if kv_formats
+              else [(name, manifest.runs[name].kv_dtype) for name in names])
     result = capacity(shape, labels, tp=tp, page_size=page_size, tokens=tokens, sequences=sequences,
                       memory_gib=memory_gib)
     result.run = str(run)

@@ -13,7 +13,6 @@ analyzer.compare/align, serving numbers from the manifests as the capture engine
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from statistics import NormalDist
@@ -24,15 +23,14 @@ from kvtrace.analyzer import align, capacity, compare, stats
 from kvtrace.analyzer.classify import RecipeSet
 from kvtrace.analyzer.compare import Diff, Finding
 from kvtrace.analyzer.load import open_traces
-from kvtrace.capture.vllm_common import Point, capacity_reason
 from kvtrace.errors import KvtraceError
+from kvtrace.manifest import Manifest, Phase, Point, RunRecord, capacity_reason, parse_phase_name, read_manifest
 
 REPORT_SCHEMA = "kvtrace.report/1"
 # Segments whose per-call durations the report keeps for the ECDF plots.
 DISTRIBUTION_SEGMENTS = ("prefill_attention", "decode_attention")
-# FlashInfer workload phases (NVTX `kvtrace:<kind> ctx=<n> ...`) and the segment whose kernels do their KV work.
+# FlashInfer workload phases (kvtrace.manifest.phase_name) and the segment whose kernels do their KV work.
 PHASE_SEGMENTS = {"prefill": "prefill_attention", "decode": "decode_attention", "append": "kv_append"}
-_PHASE_NAME = re.compile(r"kvtrace:(\w+) ctx=(\d+)")
 _LATENCIES = ("ttft", "itl", "tpot", "e2el")
 # vLLM histograms (seconds) that stand in for the bench client's latencies in offline runs: means only.
 _HISTOGRAMS = {"ttft": ("vllm:time_to_first_token_seconds",),
@@ -63,35 +61,30 @@ class RunArm:
 @dataclass
 class _Input:
     run: Path
-    manifest: dict
-    arm: str
+    manifest: Manifest
+    arm: str  # the run's name in its manifest
+
+    @property
+    def record(self) -> RunRecord:
+        return self.manifest.runs[self.arm]
 
 
-def _arm_dtype(arm: dict, name: str) -> str:
-    return arm.get("kv_cache_dtype") or (arm.get("workload") or {}).get("kv_format") or name
-
-
-def _width(manifest: dict, name: str) -> float:
-    dtype = (((manifest.get("settings") or {}).get("model") or {}).get("torch_dtype"))
-    return kv_formats.bytes_per_value(_arm_dtype(manifest["arms"][name], name), dtype)
-
-
-def _locate(path: Path) -> tuple[Path, dict, str | None]:
+def _locate(path: Path) -> tuple[Path, Manifest, str | None]:
     """A run directory, its manifest.json or an ARM.manifest.json in it, or RUNDIR/ARM (an arm by name)."""
     if path.is_file() and path.name.endswith("manifest.json"):
-        manifest = capacity.read_manifest(path)
-        arms = list(manifest["arms"])
+        manifest = read_manifest(path)
+        arms = list(manifest.runs)
         return path.parent, manifest, arms[0] if path.name != "manifest.json" and len(arms) == 1 else None
     if not path.exists() and (path.parent / "manifest.json").is_file():
-        manifest = capacity.read_manifest(path.parent)
-        if path.name in manifest["arms"]:
+        manifest = read_manifest(path.parent)
+        if path.name in manifest.runs:
             return path.parent, manifest, path.name
         raise KvtraceError(f"{path}: no such run directory, and {path.parent} has no arm {path.name!r} (it has "
-                           f"{', '.join(manifest['arms'])}): pass RUNDIR or RUNDIR/ARM")
+                           f"{', '.join(manifest.runs)}): pass RUNDIR or RUNDIR/ARM")
     if path.exists() and not path.is_dir():
         raise KvtraceError(f"{path} is a file: pass a run directory written by `kvtrace capture` (it holds "
                            "manifest.json), not a trace; `kvtrace diff` compares traces")
-    return path, capacity.read_manifest(path), None
+    return path, read_manifest(path), None
 
 
 def resolve_inputs(paths: list[Path], arms: tuple[str, ...] = ()) -> list[_Input]:
@@ -113,11 +106,11 @@ def resolve_inputs(paths: list[Path], arms: tuple[str, ...] = ()) -> list[_Input
         if arms:
             names = list(arms)
         else:
-            names = list(manifest["arms"])
+            names = list(manifest.runs)
             if len(names) != 2:
                 raise KvtraceError(f"{run} holds {len(names)} arm(s) ({', '.join(names) or 'none'}): pick two with "
                                    "--arm BASELINE --arm CANDIDATE")
-            names.sort(key=lambda name: -_width(manifest, name))  # the wider format is the baseline
+            names = manifest.widest_first(names)
         inputs = [_Input(run, manifest, name) for name in names]
     else:
         inputs = []
@@ -126,10 +119,10 @@ def resolve_inputs(paths: list[Path], arms: tuple[str, ...] = ()) -> list[_Input
             if name is None and arms:
                 name = arms[index] if len(arms) == 2 else arms[0]
             if name is None:
-                if len(manifest["arms"]) != 1:
-                    raise KvtraceError(f"{run} holds arms {', '.join(manifest['arms'])}: pick one with --arm NAME "
+                if len(manifest.runs) != 1:
+                    raise KvtraceError(f"{run} holds arms {', '.join(manifest.runs)}: pick one with --arm NAME "
                                        "(once for both run directories, twice for one each) or pass RUNDIR/ARM")
-                name = next(iter(manifest["arms"]))
+                name = next(iter(manifest.runs))
             inputs.append(_Input(run, manifest, name))
     for item in inputs:
         _check_arm(item)
@@ -137,36 +130,32 @@ def resolve_inputs(paths: list[Path], arms: tuple[str, ...] = ()) -> list[_Input
 
 
 def _check_arm(item: _Input) -> None:
-    arms = item.manifest["arms"]
-    if item.arm not in arms:
-        raise KvtraceError(f"{item.run} has no arm {item.arm!r} (it has {', '.join(arms)}): check --arm")
-    arm = arms[item.arm]
-    status = arm.get("status")
-    if status != "ok":
-        detail = f": {arm['error']}" if arm.get("error") else ""
-        raise KvtraceError(f"arm {item.arm} in {item.run} {'failed' if status == 'failed' else 'is ' + str(status)}"
+    runs = item.manifest.runs
+    if item.arm not in runs:
+        raise KvtraceError(f"{item.run} has no arm {item.arm!r} (it has {', '.join(runs)}): check --arm")
+    arm = item.record
+    if arm.status != "ok":
+        detail = f": {arm.error}" if arm.error else ""
+        raise KvtraceError(f"arm {item.arm} in {item.run} {'failed' if arm.status == 'failed' else 'is ' + str(arm.status)}"
                            f"{detail}; capture it again or report on another arm")
-    if not arm.get("sqlite"):
+    if not arm.sqlite:
         raise KvtraceError(f"arm {item.arm} in {item.run} lists no SQLite export: export its report with "
                            "`nsys export --type sqlite` and capture again")
-    path = item.run / arm["sqlite"]
+    path = item.run / arm.sqlite
     if not path.is_file():
         raise KvtraceError(f"{path}, the export that arm {item.arm} lists, is missing: copy the run directory whole "
                            f"or re-export {item.arm}.nsys-rep with `nsys export --type sqlite`")
 
 
 def _run_arm(item: _Input, label: str) -> RunArm:
-    arm = item.manifest["arms"][item.arm]
-    settings = item.manifest.get("settings") or {}
-    dtype = _arm_dtype(arm, item.arm)
+    arm, manifest = item.record, item.manifest
     try:
-        fmt = kv_formats.canonical_format(dtype, (settings.get("model") or {}).get("torch_dtype"))
+        fmt = kv_formats.canonical_format(arm.kv_dtype, manifest.model_dtype)
     except KvtraceError:
         fmt = None
-    kv = arm.get("kv_cache") or {}
-    return RunArm(label=label, run=str(item.run), arm=item.arm, engine=item.manifest.get("engine"),
-                  kv_cache_dtype=dtype, kv_format=fmt, scenario=settings.get("scenario"), mode=settings.get("mode"),
-                  sqlite=str(item.run / arm["sqlite"]), kv_cache_tokens=kv.get("tokens"), kv_cache_line=kv.get("line"))
+    return RunArm(label=label, run=str(item.run), arm=item.arm, engine=manifest.engine, kv_cache_dtype=arm.kv_dtype,
+                  kv_format=fmt, scenario=manifest.scenario, mode=manifest.mode, sqlite=str(item.run / arm.sqlite),
+                  kv_cache_tokens=arm.kv_cache_tokens, kv_cache_line=arm.kv_cache.get("line"))
 
 
 # ---- result --------------------------------------------------------------------------------------------
@@ -378,16 +367,12 @@ def serving_metrics(record: dict, kv_cache_tokens: int | None) -> ServingMetrics
         capacity=reason)
 
 
-def _points(manifest: dict, arm: str) -> list[dict]:
-    return list((manifest["arms"][arm].get("points") or []))
-
-
 def serving_rows(base: _Input, cand: _Input) -> list[ServingRow]:
     """One row per traffic point either arm ran, in the baseline's order, matched by the point's spec."""
     records = []
     for item in (base, cand):
-        kv = (item.manifest["arms"][item.arm].get("kv_cache") or {}).get("tokens")
-        records.append({p["point"]: serving_metrics(p, kv) for p in _points(item.manifest, item.arm) if p.get("point")})
+        kv = item.record.kv_cache_tokens
+        records.append({p["point"]: serving_metrics(p, kv) for p in item.record.points if p.get("point")})
     order = list(records[0]) + [p for p in records[1] if p not in records[0]]
     rows = []
     for spec in order:
@@ -440,39 +425,35 @@ def segment_means(diff: Diff) -> list[SegmentMean]:
 
 def _phase_calls(item: _Input, kind: str) -> int | None:
     """Workload calls of one kind of FlashInfer phase (all contexts), from the arm's manifest."""
-    phases = (item.manifest["arms"][item.arm].get("workload") or {}).get("phases") or []
-    calls = [p.get("calls") or 0 for p in phases if (m := _PHASE_NAME.match(p.get("nvtx", ""))) and m.group(1) == kind]
-    return sum(calls) or None
+    return sum(phase.calls or 0 for phase in item.record.phases if phase.kind == kind) or None
 
 
 def bandwidth_rows(diff: Diff, base: _Input, cand: _Input, ceiling: Ceiling | None) -> list[BandwidthRow]:
     """FlashInfer workload phases with KV bytes per call: achieved bytes/s of the phase's segment kernels."""
-    phases = {}
+    phases: dict[str, dict[str, Phase]] = {}
     for side, item in (("baseline", base), ("candidate", cand)):
-        workload = item.manifest["arms"][item.arm].get("workload") or {}
-        for phase in workload.get("phases") or []:
-            match = _PHASE_NAME.match(phase.get("nvtx", ""))
-            if match and match.group(1) in PHASE_SEGMENTS and phase.get("bytes_per_call"):
-                phases.setdefault(phase["nvtx"], {})[side] = phase
+        for phase in item.record.phases:
+            if phase.kind in PHASE_SEGMENTS and phase.bytes_per_call:
+                phases.setdefault(phase.nvtx, {})[side] = phase
     totals = {(r.segment, r.phase): r for r in diff.phases}
     rows = []
     for nvtx, sides in phases.items():
-        kind, context = _PHASE_NAME.match(nvtx).groups()
+        kind, context = parse_phase_name(nvtx)
         segment = PHASE_SEGMENTS[kind]
         diff_row = totals.get((segment, nvtx))
         values = {}
         for side in ("baseline", "candidate"):
             phase = sides.get(side)
             total = getattr(diff_row, f"{side}_total_ns") if diff_row else 0
-            if phase is None or not total or not phase.get("calls"):
-                values[side] = (phase and phase.get("calls"), phase and phase.get("bytes_per_call"), None, None, None)
+            if phase is None or not total or not phase.calls:
+                values[side] = (phase and phase.calls, phase and phase.bytes_per_call, None, None, None)
                 continue
-            per_call = total / phase["calls"]
-            rate = phase["bytes_per_call"] / (per_call / 1e9)
-            values[side] = (phase["calls"], phase["bytes_per_call"], per_call, rate,
+            per_call = total / phase.calls
+            rate = phase.bytes_per_call / (per_call / 1e9)
+            values[side] = (phase.calls, phase.bytes_per_call, per_call, rate,
                             rate / ceiling.bytes_per_s if ceiling else None)
         b, c = values["baseline"], values["candidate"]
-        rows.append(BandwidthRow(phase=nvtx, kind=kind, segment=segment, context=int(context), baseline_calls=b[0],
+        rows.append(BandwidthRow(phase=nvtx, kind=kind, segment=segment, context=context, baseline_calls=b[0],
                                  candidate_calls=c[0], baseline_bytes_per_call=b[1], candidate_bytes_per_call=c[1],
                                  baseline_ns_per_call=b[2], candidate_ns_per_call=c[2], baseline_bytes_per_s=b[3],
                                  candidate_bytes_per_s=c[3], baseline_fraction_of_ceiling=b[4],
@@ -516,7 +497,7 @@ def _segment_statement(diff: Diff, segment: str, topic: str, what: str) -> Findi
 def _append_phase_statement(diff: Diff, calls: tuple[int | None, int | None]) -> Finding | None:
     """FlashInfer's append ranges hold the whole append path (FP8: a cast in separate kernels; NVFP4: one
     fused quantize-append), so the phase's GPU time per workload call is the fair comparison."""
-    rows = [r for r in diff.phases if r.phase and ":append " in r.phase]
+    rows = [r for r in diff.phases if r.phase and (parsed := parse_phase_name(r.phase)) and parsed[0] == "append"]
     base = sum(r.baseline_total_ns for r in rows)
     cand = sum(r.candidate_total_ns for r in rows)
     if not rows or not base or not all(calls):
@@ -602,7 +583,7 @@ def _run_findings(base: _Input, cand: _Input, report_base: RunArm, report_cand: 
                             f"engine {engines[0]}" if engines[0] == engines[1] else
                             f"different capture engines: {engines[0]} vs {engines[1]}"))
     if base.run != cand.run:
-        b_set, c_set = base.manifest.get("settings") or {}, cand.manifest.get("settings") or {}
+        b_set, c_set = base.manifest.settings, cand.manifest.settings
         for key in ("scenario", "mode", "points", "spec"):
             if key in b_set or key in c_set:
                 same = b_set.get(key) == c_set.get(key)
@@ -610,13 +591,12 @@ def _run_findings(base: _Input, cand: _Input, report_base: RunArm, report_cand: 
                                         f"same {key} in both runs" if same else
                                         f"{key} differs between the runs: {b_set.get(key)} vs {c_set.get(key)}"))
     else:
-        matched = base.manifest.get("request_order_matched")
+        matched = base.manifest.request_order_matched
         if matched is not None:
             findings.append(Finding("ok" if matched else "warning", "requests",
                                     "both arms saw the same requests in the same order" if matched else
                                     "the arms' request orders differ: serving metrics compare different traffic"))
-    b_hash = base.manifest["arms"][base.arm].get("request_order_sha256")
-    c_hash = cand.manifest["arms"][cand.arm].get("request_order_sha256")
+    b_hash, c_hash = base.record.request_order_sha256, cand.record.request_order_sha256
     if base.run != cand.run and b_hash and c_hash:
         findings.append(Finding("ok" if b_hash == c_hash else "warning", "requests",
                                 "both arms saw the same requests in the same order" if b_hash == c_hash else
@@ -636,14 +616,14 @@ def _capacity(base: _Input, cand: _Input, b: RunArm, c: RunArm, notes: list[str]
     except KvtraceError as error:
         notes.append(f"capacity: {error}")
         return None
-    rows = [capacity.measured_arm(item.arm, item.manifest["arms"][item.arm], shape, tp, page) for item in (base, cand)]
+    rows = [capacity.measured_arm(item.arm, item.record, shape, tp, page) for item in (base, cand)]
     if all(rows):
         for row, label in zip(rows, (b.label, c.label)):
             row.arm = label
         result.measured = rows
         result.notes += capacity.link_measured(rows, shape, tp)
-    elif base.manifest.get("engine") != "vllm":
-        result.notes.append(f"no measured capacity: the {base.manifest.get('engine')} engine allocates no serving "
+    elif base.manifest.engine != "vllm":
+        result.notes.append(f"no measured capacity: the {base.manifest.engine} engine allocates no serving "
                             "KV pool")
     result.run = str(base.run)
     return result
@@ -676,7 +656,7 @@ def build(paths: list[Path], recipes: RecipeSet, *, arms: tuple[str, ...] = (), 
         notes.append("no serving metrics: " + ("the FlashInfer engine calls kernels directly (no requests, TTFT or "
                                                "throughput)" if engines == {"flashinfer"} else
                                                "the manifests record no traffic points"))
-    sweep = any(item.manifest.get("settings", {}).get("scenario") == "sweep" for item in (base, cand)) or len(serving) > 1
+    sweep = any(item.manifest.scenario == "sweep" for item in (base, cand)) or len(serving) > 1
     ceiling = hbm_ceiling(diff)
     bandwidth = []
     if window.describe():

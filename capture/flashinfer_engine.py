@@ -12,6 +12,7 @@ from pathlib import Path
 import kvtrace.nsys
 from kvtrace.capture import runner
 from kvtrace.errors import KvtraceError
+from kvtrace.manifest import MANIFEST, run_order
 
 ENGINE = "flashinfer"
 ARMS = ("fp8", "nvfp4")
@@ -85,7 +86,7 @@ def capture(out: Path, spec: FlashInferSpec, *, arms: tuple[str, ...] = ARMS, re
         raise KvtraceError(f"unknown arm(s) {', '.join(sorted(unknown))}: choose from {', '.join(ARMS)}")
     if not arms or len(set(arms)) != len(arms):
         raise KvtraceError(f"--arms needs one or more distinct arms from {', '.join(ARMS)}, got {','.join(arms)!r}")
-    runs = runner.run_order(arms, repeats)
+    runs = run_order(arms, repeats)
     nsys_path = kvtrace.nsys.find_nsys(nsys)
     preflight(arms)
     runner.prepare_run_dir(out, force)
@@ -99,5 +100,5 @@ def capture(out: Path, spec: FlashInferSpec, *, arms: tuple[str, ...] = ARMS, re
         results.append(runner.run_arm(run.name, out, nsys_path, workload, env=dict(os.environ),
                                       workload_result=result_file, arm_name=run.arm, repeat=run.repeat))
         # Written after each arm so that an interrupted run still says what finished.
-        runner.write_json_atomic(out / runner.MANIFEST, runner.manifest(ENGINE, environment, settings, results))
+        runner.write_json_atomic(out / MANIFEST, runner.manifest(ENGINE, environment, settings, results))
     return runner.manifest(ENGINE, environment, settings, results)

@@ -17,6 +17,7 @@ import torch
 
 from kvtrace.capture import formats
 from kvtrace.kv_formats import kv_bytes_per_token_head
+from kvtrace.manifest import phase_name
 
 KV_DTYPES = {"fp8": torch.float8_e4m3fn, "nvfp4": torch.uint8}
 
@@ -187,12 +188,11 @@ def main(argv=None) -> None:
             return a @ b
 
         kv_read = int(args.batch * context * args.kv_heads * 2 * bytes_per_token_head)
-        label = f"ctx={context} batch={args.batch}"
-        phases += [(f"kvtrace:prefill {label}", run_prefill, args.prefill_calls, kv_read),
-                   (f"kvtrace:decode {label}", run_decode, args.decode_calls, kv_read),
-                   (f"kvtrace:append {label}", run_append, args.append_calls,
+        phases += [(phase_name("prefill", context, args.batch), run_prefill, args.prefill_calls, kv_read),
+                   (phase_name("decode", context, args.batch), run_decode, args.decode_calls, kv_read),
+                   (phase_name("append", context, args.batch), run_append, args.append_calls,
                     int(args.batch * args.kv_heads * 2 * bytes_per_token_head)),
-                   (f"kvtrace:gemm {label}", run_gemm, args.gemm_calls, 3 * 2 * args.gemm_size ** 2)]
+                   (phase_name("gemm", context, args.batch), run_gemm, args.gemm_calls, 3 * 2 * args.gemm_size ** 2)]
 
         # Warm-up compiles every FlashInfer variant (JIT) outside the measured region; accuracy checks
         # run on the smallest context only, where a float32 reference is cheap.

@@ -20,9 +20,7 @@ from typing import TextIO
 import kvtrace.nsys
 from kvtrace import __version__
 from kvtrace.errors import KvtraceError
-
-MANIFEST = "manifest.json"
-MANIFEST_SCHEMA = 1
+from kvtrace.manifest import MANIFEST, MARKER, SCHEMA, is_kvtrace_manifest
 
 def profile_command(nsys: str, report: Path, workload: list[str], *, extra: tuple[str, ...] = ()) -> list[str]:
     """nsys profile over a workload that opens its own measured region with cudaProfilerStart/Stop.
@@ -74,10 +72,9 @@ def _umask() -> int:
 def _is_kvtrace_run(out: Path) -> bool:
     """A folder with a manifest.json that kvtrace wrote (not merely any manifest.json)."""
     try:
-        data = json.loads((out / MANIFEST).read_text())
+        return is_kvtrace_manifest(json.loads((out / MANIFEST).read_text()))
     except (OSError, ValueError):
         return False
-    return isinstance(data, dict) and "kvtrace_manifest" in data
 
 
 def prepare_run_dir(out: Path, force: bool) -> None:
@@ -119,28 +116,6 @@ def host_environment(nsys: str) -> dict:
         "nsys_path": nsys,
         "gpus": gpu_inventory(),
     }
-
-
-@dataclass(frozen=True)
-class Run:
-    """One recording of one arm. With repeats the run is named ARM.rK and its files ARM.rK.*."""
-    name: str
-    arm: str
-    repeat: int
-
-
-def check_repeats(repeats: int) -> None:
-    if repeats < 1:
-        raise KvtraceError(f"--repeats must be at least 1, got {repeats}")
-
-
-def run_order(arms: tuple[str, ...] | list[str], repeats: int) -> list[Run]:
-    """The runs in the order they are recorded: arms interleaved (A B A B …), so that drift over time (clocks,
-    temperature, other tenants) is spread over both arms instead of riding on one."""
-    check_repeats(repeats)
-    if repeats == 1:
-        return [Run(arm, arm, 1) for arm in arms]
-    return [Run(f"{arm}.r{k}", arm, k) for k in range(1, repeats + 1) for arm in arms]
 
 
 @dataclass
@@ -195,7 +170,7 @@ def run_arm(name: str, out: Path, nsys: str, workload: list[str], *, env: dict |
 
 def manifest(engine: str, environment: dict, settings: dict, arms: list[ArmResult]) -> dict:
     return {
-        "kvtrace_manifest": MANIFEST_SCHEMA,
+        MARKER: SCHEMA,
         "engine": engine,
         "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "environment": environment,

@@ -35,9 +35,10 @@ from pathlib import Path
 
 import kvtrace.nsys
 from kvtrace.capture import runner
-from kvtrace.capture.vllm_common import (Point, add_sample, capacity_reason, empty_snapshot, metric_deltas,
-                                         parse_kv_cache_log, request_order_sha256, update_peaks)
+from kvtrace.capture.vllm_common import (add_sample, empty_snapshot, metric_deltas, parse_kv_cache_log,
+                                         request_order_sha256, update_peaks)
 from kvtrace.errors import KvtraceError
+from kvtrace.manifest import MANIFEST, Point, Run, capacity_reason, check_repeats, run_order
 from kvtrace.kv_formats import VLLM_KV_CACHE_DTYPES, canonical_format, kv_bytes_per_token
 
 ENGINE = "vllm"
@@ -179,7 +180,7 @@ class VllmCapture:
                                f"choose from {', '.join(VLLM_KV_CACHE_DTYPES)}")
         if len(set(self.arms)) != len(self.arms):
             raise KvtraceError(f"--arms {','.join(self.arms)} names an arm twice: list each KV dtype once")
-        runner.check_repeats(self.repeats)
+        check_repeats(self.repeats)
         if not 0 < self.port < 65536:
             raise KvtraceError(f"--port {self.port} is not a TCP port: choose one in 1-65535")
         owned = {**_OWNED_FLAGS, **(_OWNED_OFFLINE if self.mode == "offline" else {})}
@@ -198,9 +199,9 @@ class VllmCapture:
             return self.arms
         return tuple(sorted(self.arms, key=lambda arm: not arm.startswith("fp8")))
 
-    def runs(self) -> list[runner.Run]:
+    def runs(self) -> list[Run]:
         """Every run in the order it is recorded (with --repeats the arms interleave)."""
-        return runner.run_order(self.arm_order(), self.repeats)
+        return run_order(self.arm_order(), self.repeats)
 
 
 # Command lines -----------------------------------------------------------------------------------------
@@ -872,7 +873,7 @@ def _write_manifests(out: Path, environment: dict, settings: dict, arms: list[Vl
                           else "partial" if "ok" in statuses else "failed")
     hashes = [arm.request_order_sha256 for arm in arms if arm.request_order_sha256]
     manifest["request_order_matched"] = len(set(hashes)) == 1 if len(hashes) > 1 else None
-    runner.write_json_atomic(out / runner.MANIFEST, manifest)
+    runner.write_json_atomic(out / MANIFEST, manifest)
     for arm in arms:
         if arm.status != "not run":
             arm_manifest = runner.manifest(ENGINE, environment, settings, [arm])

@@ -29,6 +29,7 @@ import kvtrace.nsys
 from conftest import NSYS2023_DIR, NSYS2025_DIR, fingerprint, sha256
 from kvtrace.capture import flashinfer_engine, runner
 from kvtrace.errors import KvtraceError
+from kvtrace.manifest import MANIFEST, SCHEMA, Run, run_order
 
 STAND_IN_VERSION = "NVIDIA Nsight Systems version 0.0.0-stand-in"
 
@@ -238,7 +239,7 @@ def _fake_run_dir(folder: Path) -> None:
     folder.mkdir(parents=True)
     (folder / "fp8.log").write_text("old log\n")
     arm = runner.ArmResult(name="fp8", status="ok", sqlite="fp8.sqlite", log="fp8.log")
-    runner.write_json_atomic(folder / runner.MANIFEST, runner.manifest("flashinfer", {}, {}, [arm]))
+    runner.write_json_atomic(folder / MANIFEST, runner.manifest("flashinfer", {}, {}, [arm]))
     shutil.copyfile(NSYS2025_DIR / "fp8.sqlite", folder / "fp8.sqlite")
 
 
@@ -351,7 +352,7 @@ def test_cli_end_to_end_with_stand_in_nsys(tmp_path, stand_in, no_preflight, mon
     assert stdout.splitlines() == [f"fp8: ok -> {out / 'fp8.sqlite'}", f"nvfp4: ok -> {out / 'nvfp4.sqlite'}"]
 
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["kvtrace_manifest"] == runner.MANIFEST_SCHEMA and manifest["engine"] == "flashinfer"
+    assert manifest["kvtrace_manifest"] == SCHEMA and manifest["engine"] == "flashinfer"
     assert manifest["environment"]["nsys"] == STAND_IN_VERSION
     assert manifest["environment"]["nsys_path"] == str(stand_in)
     spec = manifest["settings"]["spec"]
@@ -422,11 +423,11 @@ def test_repeats_interleave_the_arms(tmp_path, stand_in, no_preflight, monkeypat
 
 
 def test_run_order():
-    assert runner.run_order(("fp8", "nvfp4"), 1) == [runner.Run("fp8", "fp8", 1), runner.Run("nvfp4", "nvfp4", 1)]
-    assert [(run.name, run.arm, run.repeat) for run in runner.run_order(("a", "b", "c"), 2)] == [
+    assert run_order(("fp8", "nvfp4"), 1) == [Run("fp8", "fp8", 1), Run("nvfp4", "nvfp4", 1)]
+    assert [(run.name, run.arm, run.repeat) for run in run_order(("a", "b", "c"), 2)] == [
         ("a.r1", "a", 1), ("b.r1", "b", 1), ("c.r1", "c", 1), ("a.r2", "a", 2), ("b.r2", "b", 2), ("c.r2", "c", 2)]
     with pytest.raises(KvtraceError, match="--repeats must be at least 1, got 0"):
-        runner.run_order(("fp8",), 0)
+        run_order(("fp8",), 0)
 
 
 def test_cli_real_workload_fails_on_cpu_and_both_arms_are_recorded(tmp_path, stand_in, no_preflight, capsys):
@@ -470,7 +471,7 @@ def test_one_failing_arm_leaves_the_other_and_a_manifest_entry(tmp_path, stand_i
     arms = []
     for name in ("fp8", "nvfp4"):
         arms.append(runner.run_arm(name, out, str(stand_in), exits_workload(failing) + [name]))
-        runner.write_json_atomic(out / runner.MANIFEST, runner.manifest("flashinfer", {"nsys": "stand-in"},
+        runner.write_json_atomic(out / MANIFEST, runner.manifest("flashinfer", {"nsys": "stand-in"},
                                                                         {"arms": ["fp8", "nvfp4"]}, arms))
     ok_name = "fp8" if failing == "nvfp4" else "nvfp4"
     results = {arm.name: arm for arm in arms}
@@ -493,7 +494,7 @@ def test_one_failing_arm_leaves_the_other_and_a_manifest_entry(tmp_path, stand_i
     assert (out / good.report).exists() and (out / good.log).exists()
     assert [c[1] for c in good.commands] == ["profile", "export"]
 
-    manifest = json.loads((out / runner.MANIFEST).read_text())
+    manifest = json.loads((out / MANIFEST).read_text())
     assert list(manifest["arms"]) == ["fp8", "nvfp4"]
     for name, entry in manifest["arms"].items():
         assert entry["commands"] == [list(c) for c in results[name].commands]
@@ -601,11 +602,11 @@ def test_manifest_is_valid_json_written_atomically(tmp_path):
             runner.ArmResult(name="nvfp4", status="failed", error="boom (see nvfp4.log)", log="nvfp4.log",
                              commands=[["nsys", "profile", "z"]])]
     data = runner.manifest("flashinfer", {"nsys": "v"}, {"spec": {"batch": 8}}, arms)
-    path = out / runner.MANIFEST
+    path = out / MANIFEST
     runner.write_json_atomic(path, data)
     loaded = json.loads(path.read_text())
     assert loaded == json.loads(json.dumps(data))
-    assert loaded["kvtrace_manifest"] == runner.MANIFEST_SCHEMA
+    assert loaded["kvtrace_manifest"] == SCHEMA
     assert set(loaded) == {"kvtrace_manifest", "engine", "created_utc", "environment", "settings", "arms"}
     assert loaded["arms"]["nvfp4"]["commands"] == [["nsys", "profile", "z"]]
     assert loaded["arms"]["fp8"]["error"] is None and loaded["arms"]["nvfp4"]["sqlite"] is None
@@ -629,7 +630,7 @@ def test_committed_fixture_manifest_has_the_runner_shape():
     """The H200 run's manifest.json (fixtures/fi-h200-sm90) is what runner.manifest writes."""
     manifest = json.loads((NSYS2025_DIR / "manifest.json").read_text())
     fields = set(runner.ArmResult.__dataclass_fields__)
-    assert manifest["kvtrace_manifest"] == runner.MANIFEST_SCHEMA and manifest["engine"] == "flashinfer"
+    assert manifest["kvtrace_manifest"] == SCHEMA and manifest["engine"] == "flashinfer"
     for name, arm in manifest["arms"].items():
         # Recorded before --repeats added each run's `arm` and `repeat`.
         assert set(arm) == fields - {"arm", "repeat"} and arm["name"] == name and arm["status"] == "ok"

@@ -29,8 +29,8 @@ import vllm_standin
 from kvtrace.capture import cli as capture_cli
 from kvtrace.capture import vllm_engine as engine
 from kvtrace.capture import vllm_offline_workload as worker
-from kvtrace.capture.vllm_common import (Point, capacity_reason, metric_deltas, parse_kv_cache_log,
-                                         request_order_sha256, update_peaks)
+from kvtrace.capture.vllm_common import metric_deltas, parse_kv_cache_log, request_order_sha256, update_peaks
+from kvtrace.manifest import Point, capacity_reason
 from kvtrace.errors import KvtraceError
 
 TESTS = Path(__file__).resolve().parent
