@@ -118,17 +118,17 @@ def vllm(model, scenario, out, arms, mode, input_len, output_len, num_prompts, c
     ARM.manifest.json and (serve) bench results and /metrics scrapes or (offline) ARM.workload.json, plus
     manifest.json for the run.
     """
-    from kvtrace.capture import vllm_engine
+    from kvtrace.capture import vllm_commands, vllm_config, vllm_engine
 
-    workload = vllm_engine.Workload.for_scenario(
+    workload = vllm_config.Workload.for_scenario(
         scenario, input_len=input_len, output_len=output_len, num_prompts=num_prompts, concurrency=concurrency,
         prefix_len=prefix_len, num_prefixes=num_prefixes, trace_file=trace_file, contexts=contexts,
         concurrencies=concurrencies, seed=seed)
-    cfg = vllm_engine.VllmCapture(model=model, workload=workload, arms=arms, mode=mode, load_format=load_format,
+    cfg = vllm_config.VllmCapture(model=model, workload=workload, arms=arms, mode=mode, load_format=load_format,
                                   host=host, port=port, extra_args=tuple(vllm_args), repeats=repeats)
     out = out or Path("runs") / f"vllm-{scenario}"
     if dry_run:
-        click.echo(vllm_engine.dry_run(cfg, out, nsys=nsys_path), nl=False)
+        click.echo(vllm_commands.dry_run(cfg, out, nsys=nsys_path), nl=False)
         return
     manifest = vllm_engine.capture(cfg, out, force=force, nsys=nsys_path, startup_timeout_s=startup_timeout)
     for name, arm in manifest["arms"].items():

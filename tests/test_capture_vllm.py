@@ -27,7 +27,11 @@ from click.testing import CliRunner
 import kvtrace.nsys
 import vllm_standin
 from kvtrace.capture import cli as capture_cli
+from kvtrace.capture import vllm_commands as commands
+from kvtrace.capture import vllm_config
 from kvtrace.capture import vllm_engine as engine
+from kvtrace.capture import vllm_http as http
+from kvtrace.capture import vllm_preflight as preflight
 from kvtrace.capture import vllm_offline_workload as worker
 from kvtrace.capture.vllm_common import metric_deltas, parse_kv_cache_log, request_order_sha256, update_peaks
 from kvtrace.manifest import Point, capacity_reason
@@ -45,25 +49,25 @@ PROBE_B200 = {"vllm": "0.33.0", "torch": "2.11.0+cu130", "flashinfer-python": "0
 
 
 def recorded(name: str) -> dict:
-    return engine.parse_metrics((RECORDED / name).read_text())
+    return http.parse_metrics((RECORDED / name).read_text())
 
 
 def config(scenario="cold-prefill", mode="serve", arms=("fp8", "nvfp4"), model="/models/llama-tiny", extra=(),
-           load_format="dummy", port=8000, repeats=1, **workload) -> engine.VllmCapture:
-    return engine.VllmCapture(model=model, workload=engine.Workload.for_scenario(scenario, **workload), arms=arms,
+           load_format="dummy", port=8000, repeats=1, **workload) -> vllm_config.VllmCapture:
+    return vllm_config.VllmCapture(model=model, workload=vllm_config.Workload.for_scenario(scenario, **workload), arms=arms,
                               mode=mode, load_format=load_format, port=port, extra_args=tuple(extra), repeats=repeats)
 
 
 # Command lines ---------------------------------------------------------------------------------------------
 
-GOLDEN_CASES = [(scenario, mode) for mode in engine.MODES for scenario in engine.SCENARIOS]
+GOLDEN_CASES = [(scenario, mode) for mode in vllm_config.MODES for scenario in vllm_config.SCENARIOS]
 
 
 @pytest.mark.parametrize("scenario,mode", GOLDEN_CASES)
 def test_dry_run_matches_golden(scenario, mode, monkeypatch):
     monkeypatch.setattr(kvtrace.nsys, "find_nsys", lambda explicit=None: "nsys")
     arms = ("fp8", "nvfp4") if mode == "serve" else ("auto", "fp8")
-    text = engine.dry_run(config(scenario, mode, arms), Path("runs/demo"), python="python3")
+    text = commands.dry_run(config(scenario, mode, arms), Path("runs/demo"), python="python3")
     golden = GOLDEN / f"{scenario}.{mode}.txt"
     if os.environ.get("KVTRACE_UPDATE_GOLDEN"):
         golden.parent.mkdir(parents=True, exist_ok=True)
@@ -71,16 +75,16 @@ def test_dry_run_matches_golden(scenario, mode, monkeypatch):
     assert text == golden.read_text()
 
 
-@pytest.mark.parametrize("mode", engine.MODES)
-@pytest.mark.parametrize("scenario", engine.SCENARIOS)
+@pytest.mark.parametrize("mode", vllm_config.MODES)
+@pytest.mark.parametrize("scenario", vllm_config.SCENARIOS)
 def test_arms_differ_only_in_kv_dtype(scenario, mode):
     cfg = config(scenario, mode, extra=("--max-model-len", "8192"))
     out = Path("runs/x")
     if mode == "serve":
-        first, second = (engine.server_command(cfg, arm, out, "nsys", "python3") for arm in ("fp8", "nvfp4"))
+        first, second = (commands.server_command(cfg, arm, out, "nsys", "python3") for arm in ("fp8", "nvfp4"))
     else:
         points = cfg.workload.points(mode)
-        first, second = (engine.worker_command(cfg, arm, out, "nsys", "python3", points, False)
+        first, second = (commands.worker_command(cfg, arm, out, "nsys", "python3", points, False)
                          for arm in ("fp8", "nvfp4"))
     assert [arg.replace("fp8", "ARM") for arg in first] == [arg.replace("nvfp4", "ARM") for arg in second]
     flags = " ".join(first)
@@ -92,17 +96,17 @@ def test_arms_differ_only_in_kv_dtype(scenario, mode):
 
 def test_scenarios_set_what_they_measure():
     cold = config("cold-prefill")
-    assert "--no-enable-prefix-caching" in engine.engine_flags(cold, "fp8")
+    assert "--no-enable-prefix-caching" in vllm_config.engine_flags(cold, "fp8")
     assert cold.workload.points("serve") == [Point(2048, 1, 64, 16)]
     reuse = config("prefix-reuse")
-    assert "--enable-prefix-caching" in engine.engine_flags(reuse, "fp8")
-    assert engine.child_env(reuse)["VLLM_SERVER_DEV_MODE"] == "1"
-    bench = engine.bench_command(reuse, "python3", reuse.workload.points("serve")[0], seed=0, result=None)
+    assert "--enable-prefix-caching" in vllm_config.engine_flags(reuse, "fp8")
+    assert vllm_config.child_env(reuse)["VLLM_SERVER_DEV_MODE"] == "1"
+    bench = commands.bench_command(reuse, "python3", reuse.workload.points("serve")[0], seed=0, result=None)
     assert bench[bench.index("--dataset-name") + 1] == "prefix_repetition"
     assert bench[bench.index("--num-warmups") + 1] == "0" and bench[bench.index("--ready-check-timeout-sec") + 1] == "0"
     decode = config("decode-heavy", mode="offline")
-    assert engine.engine_flags(decode, "fp8")[-3:] == ["--skip-tokenizer-init", "--max-num-seqs", "32"]
-    env = engine.child_env(decode)
+    assert vllm_config.engine_flags(decode, "fp8")[-3:] == ["--skip-tokenizer-init", "--max-num-seqs", "32"]
+    env = vllm_config.child_env(decode)
     assert env["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn" and env["HF_HUB_OFFLINE"] == "1"
     assert "VLLM_SERVER_DEV_MODE" not in env
 
@@ -144,7 +148,7 @@ def test_dry_run_with_repeats_prints_the_runs_in_order(monkeypatch):
     monkeypatch.setattr(kvtrace.nsys, "find_nsys", lambda explicit=None: "nsys")
     out = Path("runs/demo")
     offline = config("sweep", "offline", ("auto", "fp8"), repeats=2, contexts=(64,), concurrencies=(2,))
-    text = engine.dry_run(offline, out, python="python3")
+    text = commands.dry_run(offline, out, python="python3")
     order = ["fp8.r1", "auto.r1", "fp8.r2", "auto.r2"]
     assert text.splitlines()[0].startswith("# kvtrace capture vllm: scenario sweep, mode offline, arms fp8, auto, "
                                            "2 repeats interleaved")
@@ -159,7 +163,7 @@ def test_dry_run_with_repeats_prints_the_runs_in_order(monkeypatch):
     exports = [line.split()[-1] for line in text.splitlines() if " export " in line]
     assert exports == [f"{out / n}.nsys-rep" for n in order]
 
-    serve = engine.dry_run(config("decode-heavy", repeats=2), out, python="python3")
+    serve = commands.dry_run(config("decode-heavy", repeats=2), out, python="python3")
     results = [line.split()[-1] for line in serve.splitlines() if "--save-result" in line]
     order = ["fp8.r1", "nvfp4.r1", "fp8.r2", "nvfp4.r2"]
     assert results == [f"{n}.bench.json" for n in order]  # --result-filename, last on the line
@@ -170,9 +174,9 @@ def test_dry_run_with_repeats_prints_the_runs_in_order(monkeypatch):
 
 def test_options_outside_their_scenario_are_rejected():
     with pytest.raises(KvtraceError, match="--contexts does not apply to --scenario cold-prefill"):
-        engine.Workload.for_scenario("cold-prefill", contexts=(1024,))
+        vllm_config.Workload.for_scenario("cold-prefill", contexts=(1024,))
     with pytest.raises(KvtraceError, match="--input-len does not apply to --scenario sweep"):
-        engine.Workload.for_scenario("sweep", input_len=10)
+        vllm_config.Workload.for_scenario("sweep", input_len=10)
 
 
 def test_cli_dry_run_and_errors(monkeypatch):
@@ -231,24 +235,33 @@ def test_makefile_fragment_runs_the_cli(tmp_path):
 def test_nvfp4_preflight_names_the_gpu_and_the_way_out(gpu, capability, verdict, message):
     probe = {**PROBE_B200, "gpu_name": gpu, "capability": capability, "vllm_nvfp4_kv": verdict, "vllm": "0.26.0"}
     with pytest.raises(KvtraceError) as error:
-        engine.check_probe(probe, ("fp8", "nvfp4"))
+        preflight.check_probe(probe, ("fp8", "nvfp4"))
     assert message in str(error.value) and "--arms auto,fp8" in str(error.value)
-    engine.check_probe(probe, ("auto", "fp8"))  # the same GPU is fine without nvfp4
+    preflight.check_probe(probe, ("auto", "fp8"))  # the same GPU is fine without nvfp4
 
 
-@pytest.mark.parametrize("capability,verdict", [([10, 0], True), ([10, 3], None), ([12, 0], True)])
-def test_nvfp4_preflight_trusts_the_installed_vllm(capability, verdict):
-    engine.check_probe({**PROBE_B200, "capability": capability, "vllm_nvfp4_kv": verdict}, ("fp8", "nvfp4"))
+@pytest.mark.parametrize("capability,verdict,refused", [
+    ([10, 0], True, (False,)),  # vLLM says yes
+    ([10, 3], None, (False,)),  # no answer from vLLM: SM10x passes
+    ([12, 0], True, (False, None)),  # SM120 passes only on vLLM's yes
+])
+def test_nvfp4_preflight_trusts_the_installed_vllm(capability, verdict, refused):
+    probe = {**PROBE_B200, "capability": capability, "vllm_nvfp4_kv": verdict}
+    preflight.check_probe(probe, ("fp8", "nvfp4"))
+    # The same GPU is refused once the installed vLLM's answer changes: that answer is what decides.
+    for other in refused:
+        with pytest.raises(KvtraceError, match="nvfp4 KV"):
+            preflight.check_probe({**probe, "vllm_nvfp4_kv": other}, ("fp8", "nvfp4"))
 
 
 def test_real_probe_reports_missing_vllm_and_gpu():
-    probe = engine.probe_environment(sys.executable, nvfp4=True)
+    probe = preflight.probe_environment(sys.executable, nvfp4=True)
     assert {"vllm", "torch", "flashinfer-python", "prometheus-client"} <= set(probe)
     if probe["vllm"] is None:
         with pytest.raises(KvtraceError, match="vLLM is not installed"):
-            engine.check_probe(probe, ("fp8",))
+            preflight.check_probe(probe, ("fp8",))
     with pytest.raises(KvtraceError, match="no CUDA GPU visible to torch"):
-        engine.check_probe({**probe, "vllm": "0.26.0", "gpu_count": 0}, ("fp8",))
+        preflight.check_probe({**probe, "vllm": "0.26.0", "gpu_count": 0}, ("fp8",))
 
 
 def model_dir(tmp_path: Path, tokenizer: bool = True) -> Path:
@@ -262,21 +275,21 @@ def model_dir(tmp_path: Path, tokenizer: bool = True) -> Path:
 
 def test_model_checks(tmp_path):
     with pytest.raises(KvtraceError, match="model path /nonexistent/model does not exist"):
-        engine.check_model(config(model="/nonexistent/model"))
+        preflight.check_model(config(model="/nonexistent/model"))
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(KvtraceError, match="has no config.json"):
-        engine.check_model(config(model=str(empty)))
+        preflight.check_model(config(model=str(empty)))
     (empty / "config.json").write_text("{not json")
     with pytest.raises(KvtraceError, match="config.json is not valid JSON"):
-        engine.check_model(config(model=str(empty), mode="offline"))
+        preflight.check_model(config(model=str(empty), mode="offline"))
     with pytest.raises(KvtraceError, match="holds no weights.*--load-format dummy"):
-        engine.check_model(config(model=str(TINY), mode="offline", load_format="auto"))
+        preflight.check_model(config(model=str(TINY), mode="offline", load_format="auto"))
     with pytest.raises(KvtraceError, match="no tokenizer files.*--mode offline"):
-        engine.check_model(config(model=str(TINY)))
+        preflight.check_model(config(model=str(TINY)))
     with pytest.raises(KvtraceError, match="exceed the model's 8192 positions"):
-        engine.check_model(config("decode-heavy", mode="offline", model=str(TINY), input_len=8192))
-    summary = engine.check_model(config(model=str(TINY), mode="offline", arms=("auto", "fp8", "nvfp4")))
+        preflight.check_model(config("decode-heavy", mode="offline", model=str(TINY), input_len=8192))
+    summary = preflight.check_model(config(model=str(TINY), mode="offline", arms=("auto", "fp8", "nvfp4")))
     assert (summary["num_hidden_layers"], summary["num_key_value_heads"], summary["head_dim"]) == (16, 8, 128)
     assert summary["kv_bytes_per_token"] == {"auto": 65536, "fp8": 32768, "nvfp4": 18432}
 
@@ -297,7 +310,7 @@ def test_missing_nsys_and_busy_port(tmp_path, monkeypatch):
 
 
 def test_missing_vllm_stops_before_the_run_directory(tmp_path):
-    probe = engine.probe_environment(sys.executable, nvfp4=False)
+    probe = preflight.probe_environment(sys.executable, nvfp4=False)
     if probe["vllm"] is not None:
         pytest.skip("vLLM is installed here")
     with pytest.raises(KvtraceError, match="vLLM is not installed"):
@@ -358,7 +371,7 @@ def test_metrics_add_up_across_engines():
         'vllm:num_requests_running{engine="1",model_name="m"} 4.0',
         "# TYPE process_cpu_seconds_total counter",
         "process_cpu_seconds_total 12.0", ""])
-    snapshot = engine.parse_metrics(text)
+    snapshot = http.parse_metrics(text)
     assert snapshot["counters"] == {"vllm:prompt_tokens_total": 150}
     assert snapshot["gauges"] == {"vllm:kv_cache_usage_perc": 0.7, "vllm:num_requests_running": 7}
 
@@ -464,7 +477,7 @@ def run_capture(standin, cfg, **kwargs) -> dict:
     return engine.capture(cfg, standin.tmp / "run", **{**options, **kwargs})
 
 
-def serve_config(standin, **kwargs) -> engine.VllmCapture:
+def serve_config(standin, **kwargs) -> vllm_config.VllmCapture:
     workload = {"input_len": 32, "output_len": 4, "num_prompts": 6, "concurrency": 3}
     return config(kwargs.pop("scenario", "decode-heavy"), model=str(standin.model), port=free_port(),
                   **{**workload, **kwargs})
@@ -599,7 +612,7 @@ def test_cli_exit_code_on_partial_failure(standin, monkeypatch):
     assert "nvfp4: failed (vllm bench serve exited with code 1" in result.output
 
 
-def offline_config(standin, **kwargs) -> engine.VllmCapture:
+def offline_config(standin, **kwargs) -> vllm_config.VllmCapture:
     workload = {"input_len": 64, "output_len": 8, "num_prompts": 8, "concurrency": 4}
     return config(kwargs.pop("scenario", "decode-heavy"), mode="offline", arms=kwargs.pop("arms", ("auto", "fp8")),
                   model=str(TINY), **{**workload, **kwargs})
