@@ -348,6 +348,9 @@ def _parse_recipe_file(name: str, location: str, data: bytes, *, order_required:
     return _RecipeFile(name, location, order, tuple(rules))
 
 
+_Fail = Callable[[str, str], KvtraceError]
+
+
 def _parse_rule(file_name: str, location: str, position: int, table: dict) -> Rule:
     rule_id = table.get("id")
     label = f"rule {rule_id!r} (#{position})" if isinstance(rule_id, str) else f"rule #{position}"
@@ -367,8 +370,19 @@ def _parse_rule(file_name: str, location: str, position: int, table: dict) -> Ru
         pattern = re.compile(table["match"])
     except re.error as err:
         raise fail(f"`match` is not a valid Python regex ({err})", "fix the pattern (single quotes keep backslashes)")
+    template = _parse_template(table.get("template", {}), fail)
+    dims = _parse_dims(table, fail)
+    kv_slots, kv_enum, kv_dtype = _parse_kv(table, pattern, fail)
+    for key in ("note", "source"):
+        if not isinstance(table.get(key, ""), str):
+            raise fail(f"`{key}` is not a string", f'write `{key} = "..."`')
+    return Rule(file=file_name, id=table["id"], segment=table["segment"], pattern=pattern, template=template,
+                dims=dims, kv_slots=kv_slots, kv_enum=kv_enum, kv_dtype=kv_dtype, note=table.get("note", ""),
+                source=table.get("source", ""))
 
-    conditions = table.get("template", {})
+
+def _parse_template(conditions, fail: _Fail) -> tuple[tuple[SlotRef, tuple[str, ...]], ...]:
+    """`template = { MaskMode = "1", "KernelTraits[3]" = ["a", "b"] }`: slot -> accepted values."""
     if not isinstance(conditions, dict):
         raise fail("`template` is not a table", 'write e.g. `template = { MaskMode = "1" }`')
     template = []
@@ -381,7 +395,11 @@ def _parse_rule(file_name: str, location: str, position: int, table: dict) -> Ru
                 'name an enum type or Template[index] and give a string, an integer or a list of them',
             )
         template.append((ref, tuple(str(v) for v in values)))
+    return tuple(template)
 
+
+def _parse_dims(table: dict, fail: _Fail) -> tuple[DimCondition, ...]:
+    """grid_x … block_z: an integer (equality) or a comparison such as ">1"."""
     dims = []
     for dim in DIMS:
         if dim not in table:
@@ -394,7 +412,13 @@ def _parse_rule(file_name: str, location: str, position: int, table: dict) -> Ru
             dims.append(DimCondition(dim, m["op"] or "==", int(m["value"])))
         else:
             raise fail(f"bad `{dim}` condition {spec!r}", f'write an integer or a comparison such as `{dim} = ">1"`')
+    return tuple(dims)
 
+
+def _parse_kv(table: dict, pattern: re.Pattern[str],
+              fail: _Fail) -> tuple[tuple[SlotRef, ...], dict[str, tuple[str, ...]], str | None]:
+    """Where the KV dtype is named: kv_slots (with kv_enum labels for enum slots), a fixed kv_dtype, or a
+    (?P<kv>...) group of the pattern; the last two exclude the others."""
     slot_specs = table.get("kv_slots", [])
     if not isinstance(slot_specs, list):
         slot_specs = [slot_specs]
@@ -418,23 +442,7 @@ def _parse_rule(file_name: str, location: str, position: int, table: dict) -> Ru
     kv_dtype = table.get("kv_dtype")
     if kv_dtype is not None and (not isinstance(kv_dtype, str) or kv_slots or "kv" in pattern.groupindex):
         raise fail("`kv_dtype` must be a string and excludes kv_slots and a (?P<kv>...) group", "keep one of them")
-    for key in ("note", "source"):
-        if not isinstance(table.get(key, ""), str):
-            raise fail(f"`{key}` is not a string", f'write `{key} = "..."`')
-
-    return Rule(
-        file=file_name,
-        id=table["id"],
-        segment=table["segment"],
-        pattern=pattern,
-        template=tuple(template),
-        dims=tuple(dims),
-        kv_slots=tuple(kv_slots),
-        kv_enum={key: tuple(labels) for key, labels in kv_enum.items()},
-        kv_dtype=kv_dtype,
-        note=table.get("note", ""),
-        source=table.get("source", ""),
-    )
+    return tuple(kv_slots), {key: tuple(labels) for key, labels in kv_enum.items()}, kv_dtype
 
 
 # ---------------------------------------------------------------------------------------------------

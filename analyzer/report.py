@@ -135,9 +135,9 @@ def _check_arm(item: _Input) -> None:
         raise KvtraceError(f"{item.run} has no arm {item.arm!r} (it has {', '.join(runs)}): check --arm")
     arm = item.record
     if arm.status != "ok":
+        state = "failed" if arm.status == "failed" else f"is {arm.status}"
         detail = f": {arm.error}" if arm.error else ""
-        raise KvtraceError(f"arm {item.arm} in {item.run} {'failed' if arm.status == 'failed' else 'is ' + str(arm.status)}"
-                           f"{detail}; capture it again or report on another arm")
+        raise KvtraceError(f"arm {item.arm} in {item.run} {state}{detail}; capture it again or report on another arm")
     if not arm.sqlite:
         raise KvtraceError(f"arm {item.arm} in {item.run} lists no SQLite export: export its report with "
                            "`nsys export --type sqlite` and capture again")
