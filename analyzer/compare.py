@@ -2,7 +2,8 @@
 
 Kernels are classified once per distinct signature (name, grid, block) and joined back; the window
 (analyzer.align) picks which calls count; calls are paired across arms per kernel family and launch shape
-before any ratio is formed. Numbers come from analyzer.stats only.
+before any ratio is formed. Per-call statistics, ratio intervals and verdicts come from analyzer.stats; this
+module itself only adds up times and counts (totals, shares, the total-time ratio, the kernel list's means).
 """
 
 from __future__ import annotations

@@ -343,8 +343,7 @@ def read_launches(sqlite_path: Path, index: ranges_.RangeIndex, api_ids: list[in
     """Every launch call's innermost NVTX range, as runs. A process's runtime rows usually come in
     correlationId order, and then runs are cut batch by batch and memory stays at a few values per range;
     otherwise the calls are read again, sorted, and cut."""
-    query = (f"SELECT correlationId, globalTid, start FROM {RUNTIME_TABLE} "
-             f"WHERE nameId IN ({','.join(map(str, api_ids))})")
+    query = _launch_query(api_ids)
     processes = _Processes()
     runs: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
     last: dict[int, int] = {}
@@ -396,8 +395,6 @@ def read_kernels(sqlite_path: Path, launches: Launches | Future | None) -> tuple
     """Per-launch rows (start, duration, sig, range) and the distinct signatures they use. While the launch
     calls are still being read (`launches` is a Future), each kernel's correlationId and process are kept
     until they are."""
-    columns = f"start, \"end\", {_NAMES}, {_GRID}, {_BLOCK}" + \
-        (", correlationId, globalPid" if launches is not None else "")
     with closing(_connect(sqlite_path)) as conn:
         count = conn.execute(f"SELECT count(*) FROM {KERNEL_TABLE}").fetchone()[0]
     # Filled batch by batch, so the rows are never held twice.
@@ -410,7 +407,7 @@ def read_kernels(sqlite_path: Path, launches: Launches | Future | None) -> tuple
         correlation, pid = np.empty(count, dtype=np.int64), np.empty(count, dtype=np.int64)
     signatures = pl.DataFrame(schema={"names": pl.Int64, "grid": pl.Int64, "block": pl.Int64, "sig": pl.UInt32})
     filled = 0
-    for batch in _read_batches(sqlite_path, f"SELECT {columns} FROM {KERNEL_TABLE}"):
+    for batch in _read_batches(sqlite_path, _kernel_query(launch_keys=launches is not None)):
         if filled + batch.num_rows > count:
             raise KvtraceError(f"{sqlite_path} changed while it was read (more than {count} kernel rows): "
                                "read it again once nothing writes to it")
@@ -455,6 +452,17 @@ def _unpack(signatures: pl.DataFrame) -> pl.DataFrame:
         field("grid", 47, 16).alias("grid_z"), field("block", 0, 11).alias("block_x"),
         field("block", 11, 11).alias("block_y"), field("block", 22, 10).alias("block_z"),
         field("block", 32, 31).alias("device_id")).sort("sig")
+
+
+def _launch_query(api_ids: list[int]) -> str:
+    return (f"SELECT correlationId, globalTid, start FROM {RUNTIME_TABLE} "
+            f"WHERE nameId IN ({','.join(map(str, api_ids))})")
+
+
+def _kernel_query(*, launch_keys: bool) -> str:
+    """The kernel table's columns kvtrace reads; `launch_keys` adds what ties a kernel to its launch call."""
+    columns = f"start, \"end\", {_NAMES}, {_GRID}, {_BLOCK}" + (", correlationId, globalPid" if launch_keys else "")
+    return f"SELECT {columns} FROM {KERNEL_TABLE}"
 
 
 def _read_batches(path: Path, query: str):
@@ -635,3 +643,23 @@ def _with_names(conn: sqlite3.Connection, signatures: pl.DataFrame) -> pl.DataFr
     strings = pl.DataFrame(rows.fetchall(), schema={"id": pl.Int64, "value": pl.Utf8}, orient="row")
     return (signatures.join(strings.rename({"id": "name_id", "value": "demangled"}), on="name_id", how="left")
             .join(strings.rename({"id": "short_id", "value": "short"}), on="short_id", how="left").sort("sig"))
+
+
+# ---- stages of a load, for bench/stages.py, which times each alone -------------------------------------
+
+def stage_queries(sqlite_path: Path) -> dict[str, str]:
+    """The two table reads open_trace makes, as SQL: "kernels" (with the launch keys) and "launches"."""
+    with closing(_connect(sqlite_path)) as conn:
+        api_ids = _launch_api_ids(conn)
+    return {"kernels": _kernel_query(launch_keys=True), "launches": _launch_query(api_ids)}
+
+
+def drain(sqlite_path: Path, query: str) -> int:
+    """Read a query's rows as open_trace reads them (Arrow batches through ADBC) and throw them away."""
+    return sum(batch.num_rows for batch in _read_batches(sqlite_path, query))
+
+
+def write_cache(sqlite_path: Path, trace: Trace) -> bool:
+    """Write the export's trace-cache entry, as open_trace does after a load; False when there is no cache."""
+    entry = _cache_entry(sqlite_path)
+    return entry is not None and _write_cached(entry, trace)

@@ -1,6 +1,6 @@
 """The serving report: the kernel diff of two arms beside the serving metrics their run directories recorded.
 
-The seed's decision rule needs both kinds of number side by side, kept apart: prefill pays the conversion and
+Choosing a KV format needs both kinds of number side by side, kept apart: prefill pays the conversion and
 may gain prefix hits, decode repeatedly saves bytes, append pays the packing bill, and capacity is not
 latency. `build()` reads two arms' manifests (kvtrace.capture.runner's format: `arms.{name}.{status, sqlite,
 workload, ...}`; the vLLM engine adds `kv_cache` and per-point `bench` and `metrics`), diffs their traces
@@ -247,6 +247,16 @@ class BandwidthRow:
 
 
 @dataclass
+class Statement:
+    """What the numbers say on one topic (prefill, decode, append, capacity, ttft), kept apart from the others;
+    a Finding, by contrast, says whether the two runs can be compared at all."""
+
+    level: str  # ok, warning
+    check: str  # the topic
+    message: str
+
+
+@dataclass
 class Ceiling:
     gpu: str
     bytes_per_s: int
@@ -266,7 +276,7 @@ class Report:
     baseline: RunArm
     candidate: RunArm
     diff: Diff
-    statements: list[Finding]  # what the numbers say, one topic each (prefill, decode, append, capacity, ttft)
+    statements: list[Statement]
     findings: list[Finding]  # comparability of the two runs beyond the kernel diff's own findings
     segment_means: list[SegmentMean]
     serving: list[ServingRow]
@@ -481,20 +491,20 @@ def _fmt_ns(ns: float | None) -> str:
     return duration(ns)
 
 
-def _segment_statement(diff: Diff, segment: str, topic: str, what: str) -> Finding | None:
+def _segment_statement(diff: Diff, segment: str, topic: str, what: str) -> Statement | None:
     row = next((r for r in diff.segments if r.segment == segment), None)
     if row is None:
         return None
     b, c = diff.baseline.label, diff.candidate.label
     if row.ratio is None:
-        return Finding("warning", topic, f"{what}: {row.verdict} ({row.reason or row.note or 'no paired calls'})")
+        return Statement("warning", topic, f"{what}: {row.verdict} ({row.reason or row.note or 'no paired calls'})")
     interval = f" [{row.ci_low:.3f}, {row.ci_high:.3f}]" if row.ci_low is not None else ""
-    return Finding("warning" if row.verdict == stats.REGRESSION else "ok", topic,
+    return Statement("warning" if row.verdict == stats.REGRESSION else "ok", topic,
                    f"{what}: {_fmt_ns(row.baseline.mean_ns)} ({b}) → {_fmt_ns(row.candidate.mean_ns)} ({c}) per call, "
                    f"{row.ratio:.3f}×{interval}, {row.verdict} over {row.compared_calls:,} paired calls")
 
 
-def _append_phase_statement(diff: Diff, calls: tuple[int | None, int | None]) -> Finding | None:
+def _append_phase_statement(diff: Diff, calls: tuple[int | None, int | None]) -> Statement | None:
     """FlashInfer's append ranges hold the whole append path (FP8: a cast in separate kernels; NVFP4: one
     fused quantize-append), so the phase's GPU time per workload call is the fair comparison."""
     rows = [r for r in diff.phases if r.phase and (parsed := parse_phase_name(r.phase)) and parsed[0] == "append"]
@@ -503,14 +513,14 @@ def _append_phase_statement(diff: Diff, calls: tuple[int | None, int | None]) ->
     if not rows or not base or not all(calls):
         return None
     b, c = base / calls[0], cand / calls[1]
-    return Finding("warning" if c > b * (1 + diff.threshold) else "ok", "append",
+    return Statement("warning" if c > b * (1 + diff.threshold) else "ok", "append",
                    f"append phase, every kernel in the kvtrace:append ranges (the FP8 cast and the NVFP4 packing "
                    f"included): {_fmt_ns(b)} ({diff.baseline.label}) → {_fmt_ns(c)} ({diff.candidate.label}) per "
                    f"append call over {calls[0]:,} and {calls[1]:,} calls, {c / b:.3f}×")
 
 
 def statements(diff: Diff, serving: list[ServingRow], cap: capacity.Capacity | None, base: RunArm,
-               cand: RunArm, append_calls: tuple[int | None, int | None] = (None, None)) -> list[Finding]:
+               cand: RunArm, append_calls: tuple[int | None, int | None] = (None, None)) -> list[Statement]:
     out = [s for s in (
         _segment_statement(diff, "prefill_attention", "prefill", "prefill attention kernels"),
         _segment_statement(diff, "decode_attention", "decode", "decode attention kernels"),
@@ -518,13 +528,13 @@ def statements(diff: Diff, serving: list[ServingRow], cap: capacity.Capacity | N
         _append_phase_statement(diff, append_calls)) if s is not None]
     if cap is not None and cap.measured:
         for row in cap.measured[1:]:
-            out.append(Finding("ok", "capacity",
+            out.append(Statement("ok", "capacity",
                                f"capacity: vLLM reports {row.tokens:,} KV tokens for {row.arm} against "
                                f"{cap.measured[0].tokens:,} for {cap.measured[0].arm} ({row.multiplier:.2f}×; "
                                f"ideal from bytes per token {row.ideal_multiplier:.2f}×). Capacity is not latency: "
                                "more tokens fit, no kernel got faster"))
     elif cap is not None and cap.ideal_multiplier is not None and cap.formats[0].format != cap.formats[-1].format:
-        out.append(Finding("ok", "capacity",
+        out.append(Statement("ok", "capacity",
                            f"capacity (ideal, from bytes per token): {cap.formats[-1].label} fits "
                            f"{cap.ideal_multiplier:.2f}× the tokens of {cap.formats[0].label} in the same memory "
                            f"(ratio {cap.ideal_ratio:.4g}); no run measured it. Capacity is not latency"))
@@ -532,9 +542,9 @@ def statements(diff: Diff, serving: list[ServingRow], cap: capacity.Capacity | N
     return out
 
 
-def ttft_guard_rail(diff: Diff, serving: list[ServingRow], base: RunArm, cand: RunArm) -> list[Finding]:
-    """The seed's "two valid but different prefill statements": a TTFT gain beside a prefill-kernel
-    regression, with different cached prompt tokens, is a capacity / prefix-hit effect, not a faster kernel."""
+def ttft_guard_rail(diff: Diff, serving: list[ServingRow], base: RunArm, cand: RunArm) -> list[Statement]:
+    """Two prefill statements that can both be true: a TTFT gain beside a prefill-kernel regression, with
+    different cached prompt tokens, is a capacity / prefix-hit effect, not a faster kernel."""
     prefill = next((r for r in diff.segments if r.segment == "prefill_attention"), None)
     kernel_regressed = prefill is not None and prefill.verdict == stats.REGRESSION
     out = []
@@ -550,27 +560,27 @@ def ttft_guard_rail(diff: Diff, serving: list[ServingRow], base: RunArm, cand: R
         cached = (f"{c_cached:,} cached prompt tokens ({cand.label}) against {b_cached:,} ({base.label})"
                   if cached_differ else "")
         if improved and kernel_regressed and cached_differ:
-            out.append(Finding("warning", "ttft",
+            out.append(Statement("warning", "ttft",
                                f"{ttft}{where} while prefill attention kernels regressed {prefill.ratio:.3f}× per "
                                f"call, with {cached}: the TTFT gain is a capacity / prefix-hit effect (more of the "
                                "prompt came from the prefix cache, so less prefill ran), not a faster prefill kernel"))
         elif improved and kernel_regressed and row.baseline.capacity and not row.candidate.capacity:
-            out.append(Finding("warning", "ttft",
+            out.append(Statement("warning", "ttft",
                                f"{ttft}{where} although prefill attention kernels regressed {prefill.ratio:.3f}× per "
                                f"call: {base.label} was capacity-bound there ({row.baseline.capacity}) and "
                                f"{cand.label} was not, so the TTFT gain is a capacity effect (less queueing and "
                                "recomputation after preemption), not a faster prefill kernel"))
         elif improved and kernel_regressed:
-            out.append(Finding("warning", "ttft",
+            out.append(Statement("warning", "ttft",
                                f"{ttft}{where} although prefill attention kernels regressed {prefill.ratio:.3f}× per "
                                "call, with the same cached prompt tokens: the gain comes from outside the prefill "
                                "kernels (scheduling, queueing, preemptions), not a faster kernel"))
         elif cached_differ:
-            out.append(Finding("warning", "ttft",
+            out.append(Statement("warning", "ttft",
                                f"{ttft}{where}, with {cached}: the arms prefilled different amounts, so TTFT "
                                "mixes kernel speed with prefix-cache hits"))
         else:
-            out.append(Finding("ok", "ttft", f"{ttft}{where}"
+            out.append(Statement("ok", "ttft", f"{ttft}{where}"
                                + (", same cached prompt tokens" if b_cached is not None and c_cached is not None
                                   else "")))
     return out
