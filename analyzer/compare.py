@@ -3,7 +3,8 @@
 Kernels are classified once per distinct signature (name, grid, block) and joined back; the window
 (analyzer.align) picks which calls count; analyzer.pairing pairs the calls of each baseline run with those
 of its candidate run, cell by cell; analyzer.stats turns the pairs into ratios, intervals, drift and
-verdicts. This module only decides which cells make up each row and words what it found.
+verdicts. This module decides which cells make up each row, adds up times and counts (totals, the kernel
+list's shares and means) and words what it found.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from kvtrace.analyzer.classify import KV_SEGMENTS, RecipeSet
 from kvtrace.analyzer.load import Trace, TraceInfo
 from kvtrace.analyzer.pairing import KERNEL, RANGE, Cells, Run, Vocabulary, segment_order
 from kvtrace.errors import KvtraceError
+from kvtrace.kv_formats import claimed_dtypes
 
 SUMMARY_SCHEMA = "kvtrace.summary/2"
 # Cells with fewer call pairs than this are named in the row's note: their spread is poorly known.
@@ -643,10 +645,6 @@ def comparability(baseline: Arm, candidate: Arm) -> list[Finding]:
     return findings
 
 
-_DTYPE_WORDS = {"nvfp4": ("nvfp4", "fp4"), "fp8_e4m3": ("fp8",), "fp8_e5m2": ("fp8",), "bf16": ("bf16", "auto"),
-                "fp16": ("fp16", "auto"), "auto": ("auto", "bf16")}
-
-
 def _dtype_findings(baseline: Arm, candidate: Arm) -> list[Finding]:
     findings = []
     for arm in (baseline, candidate):
@@ -656,16 +654,11 @@ def _dtype_findings(baseline: Arm, candidate: Arm) -> list[Finding]:
         findings.append(Finding("warning", "kv-dtype", "both arms ran the same KV dtype "
                                 f"({', '.join(baseline.kv_dtypes)}): this compares runs, not formats"))
 
-    def claims(label: str) -> set[str]:
-        lowered = label.lower()
-        return {dtype for dtype, words in _DTYPE_WORDS.items() if any(w in lowered for w in words)}
-
     for arm, other in ((baseline, candidate), (candidate, baseline)):
-        claimed = claims(arm.label)
-        # "fp8" is a substring of nothing else, "fp4" only of nvfp4; a label naming the other arm's
-        # dtype but not its own is the swapped-arms signature.
+        claimed = claimed_dtypes(arm.label)
+        # A label naming the other arm's dtype but not its own is the swapped-arms signature.
         if claimed and arm.kv_dtypes and not claimed & set(arm.kv_dtypes):
-            swapped = claims(other.label) & set(arm.kv_dtypes)
+            swapped = claimed_dtypes(other.label) & set(arm.kv_dtypes)
             findings.append(Finding("error", "kv-dtype",
                                     f"'{arm.label}' ran {', '.join(arm.kv_dtypes)} kernels"
                                     + (": the arms look swapped (baseline first, candidate second)" if swapped else

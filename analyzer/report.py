@@ -1,10 +1,11 @@
 """The serving report: the kernel diff of two arms beside the serving metrics their run directories recorded.
 
-The seed's decision rule needs both kinds of number side by side, kept apart: prefill pays the conversion and
+Choosing a KV format needs both kinds of number side by side, kept apart: prefill pays the conversion and
 may gain prefix hits, decode repeatedly saves bytes, append pays the packing bill, and capacity is not
-latency. `build()` reads two arms' manifests (kvtrace.capture.runner's format: `arms.{name}.{status, sqlite,
-workload, ...}`; the vLLM engine adds `kv_cache` and per-point `bench` and `metrics`), diffs their traces
-with analyzer.compare, and returns one Report that every renderer and the plots read.
+latency. `build()` reads two arms' manifests (kvtrace.manifest's format: `arms.{run}.{arm, repeat, status,
+sqlite, workload, ...}`; the vLLM engine adds `kv_cache` and per-point `bench` and `metrics`), diffs their
+traces (every run of each arm) with analyzer.compare, and returns one Report that every renderer and the
+plots read.
 
 Nothing here re-reads SQL: kernel numbers come from the Diff, per-call durations (for the ECDF plots) from
 analyzer.compare/align, serving numbers from the manifests as the capture engines wrote them.
@@ -12,24 +13,22 @@ analyzer.compare/align, serving numbers from the manifests as the capture engine
 
 from __future__ import annotations
 
-import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kvtrace import __version__
+from kvtrace import __version__, kv_formats
 from kvtrace.analyzer import align, capacity, compare, pairing, stats
 from kvtrace.analyzer.classify import RecipeSet
 from kvtrace.analyzer.compare import Diff, Finding
 from kvtrace.analyzer.load import open_traces
-from kvtrace.capture.vllm_common import Point, capacity_reason
 from kvtrace.errors import KvtraceError
+from kvtrace.manifest import Manifest, Phase, Point, RunRecord, capacity_reason, parse_phase_name, read_manifest
 
 REPORT_SCHEMA = "kvtrace.report/2"
 # Segments whose per-call durations the report keeps for the ECDF plots.
 DISTRIBUTION_SEGMENTS = ("prefill_attention", "decode_attention")
-# FlashInfer workload phases (NVTX `kvtrace:<kind> ctx=<n> ...`) and the segment whose kernels do their KV work.
+# FlashInfer workload phases (kvtrace.manifest.phase_name) and the segment whose kernels do their KV work.
 PHASE_SEGMENTS = {"prefill": "prefill_attention", "decode": "decode_attention", "append": "kv_append"}
-_PHASE_NAME = re.compile(r"kvtrace:(\w+) ctx=(\d+)")
 _LATENCIES = ("ttft", "itl", "tpot", "e2el")
 # vLLM histograms (seconds) that stand in for the bench client's latencies in offline runs: means only.
 _HISTOGRAMS = {"ttft": ("vllm:time_to_first_token_seconds",),
@@ -58,66 +57,45 @@ class RunArm:
     kv_cache_line: str | None
 
 
-def arm_runs(manifest: dict) -> dict[str, list[str]]:
-    """The manifest's arms by name, each with its runs' keys in repeat order. `kvtrace capture --repeats N`
-    keys runs `{arm}.r{k}` and records `arm` and `repeat` in each; a run without them is its own arm."""
-    found: dict[str, list[tuple[int, str]]] = {}
-    for key, entry in manifest["arms"].items():
-        found.setdefault(entry.get("arm") or key, []).append((entry.get("repeat") or 1, key))
-    return {name: [key for _, key in sorted(runs)] for name, runs in found.items()}
-
-
 @dataclass
 class _Input:
     run: Path
-    manifest: dict
-    arm: str  # the arm's name
-    entries: tuple[str, ...]  # its runs' keys in the manifest, in repeat order
+    manifest: Manifest
+    arm: str  # the arm's name, or the run's name when one run of an arm was picked
+    runs: tuple[str, ...]  # the names of its runs in the manifest, in repeat order
 
     @classmethod
-    def of(cls, run: Path, manifest: dict, name: str) -> _Input:
-        """An arm by name (all its runs) or one run by its key."""
-        arms = arm_runs(manifest)
-        if name in arms:
-            return cls(run, manifest, name, tuple(arms[name]))
-        if name in manifest["arms"]:
-            return cls(run, manifest, manifest["arms"][name].get("arm") or name, (name,))
-        raise KvtraceError(f"{run} has no arm {name!r} (it has {', '.join(arms)}): check --arm")
+    def of(cls, run: Path, manifest: Manifest, name: str) -> _Input:
+        """An arm by name (all its runs) or one run by its name (ARM.rK)."""
+        by_arm = manifest.runs_by_arm
+        if name in by_arm:
+            return cls(run, manifest, name, tuple(by_arm[name]))
+        if name in manifest.runs:
+            return cls(run, manifest, name, (name,))
+        raise KvtraceError(f"{run} has no arm {name!r} (it has {', '.join(by_arm)}): check --arm")
 
     @property
-    def entry(self) -> dict:
-        """The manifest entry of the first run (what every run of the arm shares: format, workload)."""
-        return self.manifest["arms"][self.entries[0]]
-
-    def sqlites(self) -> list[Path]:
-        return [self.run / self.manifest["arms"][key]["sqlite"] for key in self.entries]
+    def record(self) -> RunRecord:
+        """The first run's record (what every run of the arm shares: format, workload, serving points)."""
+        return self.manifest.runs[self.runs[0]]
 
 
-def _arm_dtype(arm: dict, name: str) -> str:
-    return arm.get("kv_cache_dtype") or (arm.get("workload") or {}).get("kv_format") or name
-
-
-def _width(manifest: dict, name: str) -> float:
-    dtype = (((manifest.get("settings") or {}).get("model") or {}).get("torch_dtype"))
-    return capacity.format_width(_arm_dtype(manifest["arms"][arm_runs(manifest)[name][0]], name), dtype)
-
-
-def _locate(path: Path) -> tuple[Path, dict, str | None]:
+def _locate(path: Path) -> tuple[Path, Manifest, str | None]:
     """A run directory, its manifest.json or an ARM.manifest.json in it, or RUNDIR/ARM (an arm or a run by name)."""
     if path.is_file() and path.name.endswith("manifest.json"):
-        manifest = capacity.read_manifest(path)
-        arms = list(arm_runs(manifest))
+        manifest = read_manifest(path)
+        arms = list(manifest.runs_by_arm)
         return path.parent, manifest, arms[0] if path.name != "manifest.json" and len(arms) == 1 else None
     if not path.exists() and (path.parent / "manifest.json").is_file():
-        manifest = capacity.read_manifest(path.parent)
-        if path.name in arm_runs(manifest) or path.name in manifest["arms"]:
+        manifest = read_manifest(path.parent)
+        if path.name in manifest.runs_by_arm or path.name in manifest.runs:
             return path.parent, manifest, path.name
         raise KvtraceError(f"{path}: no such run directory, and {path.parent} has no arm {path.name!r} (it has "
-                           f"{', '.join(arm_runs(manifest))}): pass RUNDIR or RUNDIR/ARM")
+                           f"{', '.join(manifest.runs_by_arm)}): pass RUNDIR or RUNDIR/ARM")
     if path.exists() and not path.is_dir():
         raise KvtraceError(f"{path} is a file: pass a run directory written by `kvtrace capture` (it holds "
                            "manifest.json), not a trace; `kvtrace diff` compares traces")
-    return path, capacity.read_manifest(path), None
+    return path, read_manifest(path), None
 
 
 def resolve_inputs(paths: list[Path], arms: tuple[str, ...] = ()) -> list[_Input]:
@@ -139,11 +117,11 @@ def resolve_inputs(paths: list[Path], arms: tuple[str, ...] = ()) -> list[_Input
         if arms:
             names = list(arms)
         else:
-            names = list(arm_runs(manifest))
-            if len(names) != 2:
-                raise KvtraceError(f"{run} holds {len(names)} arm(s) ({', '.join(names) or 'none'}): pick two with "
-                                   "--arm BASELINE --arm CANDIDATE")
-            names.sort(key=lambda name: -_width(manifest, name))  # the wider format is the baseline
+            by_arm = manifest.runs_by_arm
+            if len(by_arm) != 2:
+                raise KvtraceError(f"{run} holds {len(by_arm)} arm(s) ({', '.join(by_arm) or 'none'}): pick two "
+                                   "with --arm BASELINE --arm CANDIDATE")
+            names = [manifest.runs[first].arm for first in manifest.widest_first([runs[0] for runs in by_arm.values()])]
         inputs = [_Input.of(run, manifest, name) for name in names]
     else:
         inputs = []
@@ -152,51 +130,47 @@ def resolve_inputs(paths: list[Path], arms: tuple[str, ...] = ()) -> list[_Input
             if name is None and arms:
                 name = arms[index] if len(arms) == 2 else arms[0]
             if name is None:
-                names = list(arm_runs(manifest))
-                if len(names) != 1:
-                    raise KvtraceError(f"{run} holds arms {', '.join(names)}: pick one with --arm NAME "
+                arms_here = list(manifest.runs_by_arm)
+                if len(arms_here) != 1:
+                    raise KvtraceError(f"{run} holds arms {', '.join(arms_here)}: pick one with --arm NAME "
                                        "(once for both run directories, twice for one each) or pass RUNDIR/ARM")
-                name = names[0]
+                name = arms_here[0]
             inputs.append(_Input.of(run, manifest, name))
     for item in inputs:
         _check_arm(item)
     base, cand = inputs
-    if len(base.entries) != len(cand.entries):
-        raise KvtraceError(f"arm {base.arm} has {len(base.entries)} run(s) and arm {cand.arm} {len(cand.entries)}: "
+    if len(base.runs) != len(cand.runs):
+        raise KvtraceError(f"arm {base.arm} has {len(base.runs)} run(s) and arm {cand.arm} {len(cand.runs)}: "
                            "runs pair in repeat order, so both arms need as many; name single runs as RUNDIR/ARM.rK")
     return inputs
 
 
 def _check_arm(item: _Input) -> None:
-    for key in item.entries:
-        arm = item.manifest["arms"][key]
-        status = arm.get("status")
-        if status != "ok":
-            detail = f": {arm['error']}" if arm.get("error") else ""
-            raise KvtraceError(f"arm {key} in {item.run} {'failed' if status == 'failed' else 'is ' + str(status)}"
-                               f"{detail}; capture it again or report on another arm")
-        if not arm.get("sqlite"):
-            raise KvtraceError(f"arm {key} in {item.run} lists no SQLite export: export its report with "
+    for name in item.runs:
+        record = item.manifest.runs[name]
+        if record.status != "ok":
+            state = "failed" if record.status == "failed" else f"is {record.status}"
+            detail = f": {record.error}" if record.error else ""
+            raise KvtraceError(f"arm {name} in {item.run} {state}{detail}; capture it again or report on another arm")
+        if not record.sqlite:
+            raise KvtraceError(f"arm {name} in {item.run} lists no SQLite export: export its report with "
                                "`nsys export --type sqlite` and capture again")
-        path = item.run / arm["sqlite"]
+        path = item.run / record.sqlite
         if not path.is_file():
-            raise KvtraceError(f"{path}, the export that arm {key} lists, is missing: copy the run directory whole "
-                               f"or re-export {key}.nsys-rep with `nsys export --type sqlite`")
+            raise KvtraceError(f"{path}, the export that arm {name} lists, is missing: copy the run directory whole "
+                               f"or re-export {name}.nsys-rep with `nsys export --type sqlite`")
 
 
 def _run_arm(item: _Input, label: str) -> RunArm:
-    arm = item.entry
-    settings = item.manifest.get("settings") or {}
-    dtype = _arm_dtype(arm, item.arm)
+    arm, manifest = item.record, item.manifest
     try:
-        fmt = capacity.canonical_format(dtype, (settings.get("model") or {}).get("torch_dtype"))
+        fmt = kv_formats.canonical_format(arm.kv_dtype, manifest.model_dtype)
     except KvtraceError:
         fmt = None
-    kv = arm.get("kv_cache") or {}
-    return RunArm(label=label, run=str(item.run), arm=item.arm, engine=item.manifest.get("engine"),
-                  kv_cache_dtype=dtype, kv_format=fmt, scenario=settings.get("scenario"), mode=settings.get("mode"),
-                  sqlite=str(item.run / arm["sqlite"]), runs=tuple(str(p) for p in item.sqlites()),
-                  kv_cache_tokens=kv.get("tokens"), kv_cache_line=kv.get("line"))
+    return RunArm(label=label, run=str(item.run), arm=item.arm, engine=manifest.engine, kv_cache_dtype=arm.kv_dtype,
+                  kv_format=fmt, scenario=manifest.scenario, mode=manifest.mode, sqlite=str(item.run / arm.sqlite),
+                  runs=tuple(str(item.run / manifest.runs[name].sqlite) for name in item.runs),
+                  kv_cache_tokens=arm.kv_cache_tokens, kv_cache_line=arm.kv_cache.get("line"))
 
 
 # ---- result --------------------------------------------------------------------------------------------
@@ -293,6 +267,16 @@ class BandwidthRow:
 
 
 @dataclass
+class Statement:
+    """What the numbers say on one topic (prefill, decode, append, capacity, ttft), kept apart from the others;
+    a Finding, by contrast, says whether the two runs can be compared at all."""
+
+    level: str  # ok, warning
+    check: str  # the topic
+    message: str
+
+
+@dataclass
 class Ceiling:
     gpu: str
     bytes_per_s: int
@@ -312,7 +296,7 @@ class Report:
     baseline: RunArm
     candidate: RunArm
     diff: Diff
-    statements: list[Finding]  # what the numbers say, one topic each (prefill, decode, append, capacity, ttft)
+    statements: list[Statement]
     findings: list[Finding]  # comparability of the two runs beyond the kernel diff's own findings
     segment_times: list[SegmentTime]
     serving: list[ServingRow]
@@ -413,16 +397,12 @@ def serving_metrics(record: dict, kv_cache_tokens: int | None) -> ServingMetrics
         capacity=reason)
 
 
-def _points(item: _Input) -> list[dict]:
-    return list(item.entry.get("points") or [])
-
-
 def serving_rows(base: _Input, cand: _Input) -> list[ServingRow]:
     """One row per traffic point either arm ran, in the baseline's order, matched by the point's spec."""
     records = []
     for item in (base, cand):
-        kv = (item.entry.get("kv_cache") or {}).get("tokens")
-        records.append({p["point"]: serving_metrics(p, kv) for p in _points(item) if p.get("point")})
+        kv = item.record.kv_cache_tokens
+        records.append({p["point"]: serving_metrics(p, kv) for p in item.record.points if p.get("point")})
     order = list(records[0]) + [p for p in records[1] if p not in records[0]]
     rows = []
     for spec in order:
@@ -482,39 +462,35 @@ def _serving_ratios(base: ServingMetrics, cand: ServingMetrics) -> dict[str, flo
 
 def _phase_calls(item: _Input, kind: str) -> int | None:
     """Workload calls of one kind of FlashInfer phase (all contexts, all runs), from the arm's manifest."""
-    phases = (item.entry.get("workload") or {}).get("phases") or []
-    calls = [p.get("calls") or 0 for p in phases if (m := _PHASE_NAME.match(p.get("nvtx", ""))) and m.group(1) == kind]
-    return sum(calls) * len(item.entries) or None
+    return sum(phase.calls or 0 for phase in item.record.phases if phase.kind == kind) * len(item.runs) or None
 
 
 def bandwidth_rows(diff: Diff, base: _Input, cand: _Input, ceiling: Ceiling | None) -> list[BandwidthRow]:
     """FlashInfer workload phases with KV bytes per call: achieved bytes/s of the phase's segment kernels."""
-    phases = {}
+    phases: dict[str, dict[str, Phase]] = {}
     for side, item in (("baseline", base), ("candidate", cand)):
-        workload = item.entry.get("workload") or {}
-        for phase in workload.get("phases") or []:
-            match = _PHASE_NAME.match(phase.get("nvtx", ""))
-            if match and match.group(1) in PHASE_SEGMENTS and phase.get("bytes_per_call"):
-                phases.setdefault(phase["nvtx"], {})[side] = phase
+        for phase in item.record.phases:
+            if phase.kind in PHASE_SEGMENTS and phase.bytes_per_call:
+                phases.setdefault(phase.nvtx, {})[side] = phase
     totals = {(r.segment, r.phase): r for r in diff.phases}
     rows = []
     for nvtx, sides in phases.items():
-        kind, context = _PHASE_NAME.match(nvtx).groups()
+        kind, context = parse_phase_name(nvtx)
         segment = PHASE_SEGMENTS[kind]
         diff_row = totals.get((segment, nvtx))
         values = {}
         for side in ("baseline", "candidate"):
             phase = sides.get(side)
             total = getattr(diff_row, f"{side}_total_ns") if diff_row else 0
-            if phase is None or not total or not phase.get("calls"):
-                values[side] = (phase and phase.get("calls"), phase and phase.get("bytes_per_call"), None, None, None)
+            if phase is None or not total or not phase.calls:
+                values[side] = (phase and phase.calls, phase and phase.bytes_per_call, None, None, None)
                 continue
-            per_call = total / (phase["calls"] * diff.runs)  # the diff sums the runs
-            rate = phase["bytes_per_call"] / (per_call / 1e9)
-            values[side] = (phase["calls"], phase["bytes_per_call"], per_call, rate,
+            per_call = total / (phase.calls * diff.runs)  # the diff sums the runs
+            rate = phase.bytes_per_call / (per_call / 1e9)
+            values[side] = (phase.calls, phase.bytes_per_call, per_call, rate,
                             rate / ceiling.bytes_per_s if ceiling else None)
         b, c = values["baseline"], values["candidate"]
-        rows.append(BandwidthRow(phase=nvtx, kind=kind, segment=segment, context=int(context), baseline_calls=b[0],
+        rows.append(BandwidthRow(phase=nvtx, kind=kind, segment=segment, context=context, baseline_calls=b[0],
                                  candidate_calls=c[0], baseline_bytes_per_call=b[1], candidate_bytes_per_call=c[1],
                                  baseline_ns_per_call=b[2], candidate_ns_per_call=c[2], baseline_bytes_per_s=b[3],
                                  candidate_bytes_per_s=c[3], baseline_fraction_of_ceiling=b[4],
@@ -542,42 +518,42 @@ def _fmt_ns(ns: float | None) -> str:
     return duration(ns)
 
 
-def _segment_statement(diff: Diff, segment: str, topic: str, what: str) -> Finding | None:
+def _segment_statement(diff: Diff, segment: str, topic: str, what: str) -> Statement | None:
     row = next((r for r in diff.segments if r.segment == segment), None)
     if row is None:
         return None
     b, c = diff.baseline.label, diff.candidate.label
     if row.ratio is None:
-        return Finding("warning", topic, f"{what}: {row.verdict} ({row.reason or row.note or 'no paired calls'})")
+        return Statement("warning", topic, f"{what}: {row.verdict} ({row.reason or row.note or 'no paired calls'})")
     interval = f" [{row.ci_low:.3f}, {row.ci_high:.3f}]" if row.ci_low is not None else ""
     if row.same_work:
         times = f"{_fmt_ns(row.baseline.mean_ns)} ({b}) → {_fmt_ns(row.candidate.mean_ns)} ({c}) per call"
     else:  # cells of different cost per call: a pooled mean would describe no call that ran
         times = (f"{_fmt_ns(row.baseline.total_ns)} ({b}) → {_fmt_ns(row.candidate.total_ns)} ({c}) in total over "
                  f"{row.cells:,} cells")
-    return Finding("warning" if row.verdict in (stats.REGRESSION, stats.DIFFERENT_WORK) else "ok", topic,
-                   f"{what}: {times}, {row.ratio:.3f}×{interval}, {row.verdict} over {row.compared_calls:,} paired "
-                   "calls")
+    return Statement("warning" if row.verdict in (stats.REGRESSION, stats.DIFFERENT_WORK) else "ok", topic,
+                     f"{what}: {times}, {row.ratio:.3f}×{interval}, {row.verdict} over {row.compared_calls:,} paired "
+                     "calls")
 
 
-def _append_phase_statement(diff: Diff, calls: tuple[int | None, int | None]) -> Finding | None:
+def _append_phase_statement(diff: Diff, calls: tuple[int | None, int | None]) -> Statement | None:
     """FlashInfer's append ranges hold the whole append path (FP8: a cast in separate kernels; NVFP4: one
     fused quantize-append), so the phase's GPU time per workload call is the fair comparison."""
-    rows = [r for r in diff.phases if r.phase and ":append " in r.phase]
+    rows = [r for r in diff.phases if r.phase and (parsed := parse_phase_name(r.phase)) and parsed[0] == "append"]
     base = sum(r.baseline_total_ns for r in rows)
     cand = sum(r.candidate_total_ns for r in rows)
     if not rows or not base or not all(calls):
         return None
     b, c = base / calls[0], cand / calls[1]
     ratio = stats.ratio(b, c)
-    return Finding("warning" if ratio > 1 + diff.threshold else "ok", "append",
-                   f"append phase, every kernel in the kvtrace:append ranges (the FP8 cast and the NVFP4 packing "
-                   f"included): {_fmt_ns(b)} ({diff.baseline.label}) → {_fmt_ns(c)} ({diff.candidate.label}) per "
-                   f"append call over {calls[0]:,} and {calls[1]:,} calls, {ratio:.3f}×")
+    return Statement("warning" if ratio > 1 + diff.threshold else "ok", "append",
+                     f"append phase, every kernel in the kvtrace:append ranges (the FP8 cast and the NVFP4 packing "
+                     f"included): {_fmt_ns(b)} ({diff.baseline.label}) → {_fmt_ns(c)} ({diff.candidate.label}) per "
+                     f"append call over {calls[0]:,} and {calls[1]:,} calls, {ratio:.3f}×")
 
 
 def statements(diff: Diff, serving: list[ServingRow], cap: capacity.Capacity | None, base: RunArm,
-               cand: RunArm, append_calls: tuple[int | None, int | None] = (None, None)) -> list[Finding]:
+               cand: RunArm, append_calls: tuple[int | None, int | None] = (None, None)) -> list[Statement]:
     out = [s for s in (
         _segment_statement(diff, "prefill_attention", "prefill", "prefill attention kernels"),
         _segment_statement(diff, "decode_attention", "decode", "decode attention kernels"),
@@ -585,13 +561,13 @@ def statements(diff: Diff, serving: list[ServingRow], cap: capacity.Capacity | N
         _append_phase_statement(diff, append_calls)) if s is not None]
     if cap is not None and cap.measured:
         for row in cap.measured[1:]:
-            out.append(Finding("ok", "capacity",
+            out.append(Statement("ok", "capacity",
                                f"capacity: vLLM reports {row.tokens:,} KV tokens for {row.arm} against "
                                f"{cap.measured[0].tokens:,} for {cap.measured[0].arm} ({row.multiplier:.2f}×; "
                                f"ideal from bytes per token {row.ideal_multiplier:.2f}×). Capacity is not latency: "
                                "more tokens fit, no kernel got faster"))
     elif cap is not None and cap.ideal_multiplier is not None and cap.formats[0].format != cap.formats[-1].format:
-        out.append(Finding("ok", "capacity",
+        out.append(Statement("ok", "capacity",
                            f"capacity (ideal, from bytes per token): {cap.formats[-1].label} fits "
                            f"{cap.ideal_multiplier:.2f}× the tokens of {cap.formats[0].label} in the same memory "
                            f"(ratio {cap.ideal_ratio:.4g}); no run measured it. Capacity is not latency"))
@@ -599,9 +575,9 @@ def statements(diff: Diff, serving: list[ServingRow], cap: capacity.Capacity | N
     return out
 
 
-def ttft_guard_rail(diff: Diff, serving: list[ServingRow], base: RunArm, cand: RunArm) -> list[Finding]:
-    """The seed's "two valid but different prefill statements": a TTFT gain beside a prefill-kernel
-    regression, with different cached prompt tokens, is a capacity / prefix-hit effect, not a faster kernel."""
+def ttft_guard_rail(diff: Diff, serving: list[ServingRow], base: RunArm, cand: RunArm) -> list[Statement]:
+    """Two prefill statements that can both be true: a TTFT gain beside a prefill-kernel regression, with
+    different cached prompt tokens, is a capacity / prefix-hit effect, not a faster kernel."""
     prefill = next((r for r in diff.segments if r.segment == "prefill_attention"), None)
     kernel_regressed = prefill is not None and prefill.verdict == stats.REGRESSION
     out = []
@@ -617,27 +593,27 @@ def ttft_guard_rail(diff: Diff, serving: list[ServingRow], base: RunArm, cand: R
         cached = (f"{c_cached:,} cached prompt tokens ({cand.label}) against {b_cached:,} ({base.label})"
                   if cached_differ else "")
         if improved and kernel_regressed and cached_differ:
-            out.append(Finding("warning", "ttft",
+            out.append(Statement("warning", "ttft",
                                f"{ttft}{where} while prefill attention kernels regressed {prefill.ratio:.3f}× per "
                                f"call, with {cached}: the TTFT gain is a capacity / prefix-hit effect (more of the "
                                "prompt came from the prefix cache, so less prefill ran), not a faster prefill kernel"))
         elif improved and kernel_regressed and row.baseline.capacity and not row.candidate.capacity:
-            out.append(Finding("warning", "ttft",
+            out.append(Statement("warning", "ttft",
                                f"{ttft}{where} although prefill attention kernels regressed {prefill.ratio:.3f}× per "
                                f"call: {base.label} was capacity-bound there ({row.baseline.capacity}) and "
                                f"{cand.label} was not, so the TTFT gain is a capacity effect (less queueing and "
                                "recomputation after preemption), not a faster prefill kernel"))
         elif improved and kernel_regressed:
-            out.append(Finding("warning", "ttft",
+            out.append(Statement("warning", "ttft",
                                f"{ttft}{where} although prefill attention kernels regressed {prefill.ratio:.3f}× per "
                                "call, with the same cached prompt tokens: the gain comes from outside the prefill "
                                "kernels (scheduling, queueing, preemptions), not a faster kernel"))
         elif cached_differ:
-            out.append(Finding("warning", "ttft",
+            out.append(Statement("warning", "ttft",
                                f"{ttft}{where}, with {cached}: the arms prefilled different amounts, so TTFT "
                                "mixes kernel speed with prefix-cache hits"))
         else:
-            out.append(Finding("ok", "ttft", f"{ttft}{where}"
+            out.append(Statement("ok", "ttft", f"{ttft}{where}"
                                + (", same cached prompt tokens" if b_cached is not None and c_cached is not None
                                   else "")))
     return out
@@ -650,7 +626,7 @@ def _run_findings(base: _Input, cand: _Input, report_base: RunArm, report_cand: 
                             f"engine {engines[0]}" if engines[0] == engines[1] else
                             f"different capture engines: {engines[0]} vs {engines[1]}"))
     if base.run != cand.run:
-        b_set, c_set = base.manifest.get("settings") or {}, cand.manifest.get("settings") or {}
+        b_set, c_set = base.manifest.settings, cand.manifest.settings
         for key in ("scenario", "mode", "points", "spec"):
             if key in b_set or key in c_set:
                 same = b_set.get(key) == c_set.get(key)
@@ -658,13 +634,12 @@ def _run_findings(base: _Input, cand: _Input, report_base: RunArm, report_cand: 
                                         f"same {key} in both runs" if same else
                                         f"{key} differs between the runs: {b_set.get(key)} vs {c_set.get(key)}"))
     else:
-        matched = base.manifest.get("request_order_matched")
+        matched = base.manifest.request_order_matched
         if matched is not None:
             findings.append(Finding("ok" if matched else "warning", "requests",
                                     "both arms saw the same requests in the same order" if matched else
                                     "the arms' request orders differ: serving metrics compare different traffic"))
-    b_hash = base.entry.get("request_order_sha256")
-    c_hash = cand.entry.get("request_order_sha256")
+    b_hash, c_hash = base.record.request_order_sha256, cand.record.request_order_sha256
     if base.run != cand.run and b_hash and c_hash:
         findings.append(Finding("ok" if b_hash == c_hash else "warning", "requests",
                                 "both arms saw the same requests in the same order" if b_hash == c_hash else
@@ -684,14 +659,14 @@ def _capacity(base: _Input, cand: _Input, b: RunArm, c: RunArm, notes: list[str]
     except KvtraceError as error:
         notes.append(f"capacity: {error}")
         return None
-    rows = [capacity.measured_arm(item.arm, item.entry, shape, tp, page) for item in (base, cand)]
+    rows = [capacity.measured_arm(item.arm, item.record, shape, tp, page) for item in (base, cand)]
     if all(rows):
         for row, label in zip(rows, (b.label, c.label)):
             row.arm = label
         result.measured = rows
         result.notes += capacity.link_measured(rows, shape, tp)
-    elif base.manifest.get("engine") != "vllm":
-        result.notes.append(f"no measured capacity: the {base.manifest.get('engine')} engine allocates no serving "
+    elif base.manifest.engine != "vllm":
+        result.notes.append(f"no measured capacity: the {base.manifest.engine} engine allocates no serving "
                             "KV pool")
     result.run = str(base.run)
     return result
@@ -728,7 +703,7 @@ def build(paths: list[Path], recipes: RecipeSet, *, arms: tuple[str, ...] = (), 
         notes.append("no serving metrics: " + ("the FlashInfer engine calls kernels directly (no requests, TTFT or "
                                                "throughput)" if engines == {"flashinfer"} else
                                                "the manifests record no traffic points"))
-    sweep = any(item.manifest.get("settings", {}).get("scenario") == "sweep" for item in (base, cand)) or len(serving) > 1
+    sweep = any(item.manifest.scenario == "sweep" for item in (base, cand)) or len(serving) > 1
     ceiling = hbm_ceiling(diff)
     bandwidth = []
     if window.describe():

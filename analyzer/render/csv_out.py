@@ -22,9 +22,9 @@ DIFF_COLUMNS = ("level", "segment", "phase", "family_label", "family", "kv_indep
 
 def render(result: Summary | Diff | KernelList) -> str:
     if not isinstance(result, (Summary, Diff, KernelList)):
-        from kvtrace.analyzer.render import report_out  # kvtrace report / capacity results
+        from kvtrace.analyzer.render import report_tables  # kvtrace report / capacity results
 
-        return report_out.csv_text(result)
+        return report_tables.csv_text(result)
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
     if isinstance(result, KernelList):
