@@ -1,10 +1,10 @@
 """KV-cache capacity: bytes per token per format from a model's KV layout, what fits in memory, and, for a vLLM run
 directory, the capacity vLLM measured against the ideal.
 
-The layout (layer groups: full attention, sliding window, MLA) is kvtrace.model_config's. The bytes of one cached
-row of D values are kvtrace.capture.formats' (one implementation for capture and analysis): FP8 = D, NVFP4 = D/2
-packed bytes plus D/16 E4M3 scales, BF16 = 2·D. Importing formats needs no torch (its quantizers import torch
-inside). Full and windowed layers store a K and a V row per KV head and token; an MLA layer stores one latent row.
+The layout (layer groups: full attention, sliding window, MLA) is kvtrace.model_config's; the bytes of one cached
+row of D values are kvtrace.kv_formats' (one implementation for capture and analysis): FP8 = D, NVFP4 = D/2
+packed bytes plus D/16 E4M3 scales, BF16 = 2·D. Full and windowed layers store a K and a V row per KV head and
+token; an MLA layer stores one latent row.
 
 Tensor parallelism shards KV heads across ranks: H/T heads per rank when H >= T (vLLM requires H % T == 0);
 when T > H each rank holds one head and every head is replicated on T/H ranks, so per-GPU bytes stop
@@ -24,37 +24,13 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from kvtrace import __version__, model_config
-from kvtrace.capture import formats
 from kvtrace.errors import KvtraceError
+from kvtrace.kv_formats import NVFP4_BLOCK, canonical_format
+from kvtrace.manifest import Manifest, RunRecord, read_manifest
 from kvtrace.model_config import MLA, SLIDING, KVLayout, LayerGroup
 
 CAPACITY_SCHEMA = "kvtrace.capacity/2"
 GIB = 1 << 30
-
-# Names as users, vLLM's --kv-cache-dtype and manifests spell them -> formats' names. "auto" is the model dtype.
-_CANONICAL = {"fp8": "fp8", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8", "fp8_e4m3fn": "fp8", "nvfp4": "nvfp4",
-              "nvfp4_4over6": "nvfp4", "bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16",
-              "half": "fp16"}
-_MODEL_DTYPES = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16", "half": "fp16"}
-
-
-def canonical_format(name: str, model_dtype: str | None = None) -> str:
-    """fp8, nvfp4, bf16 or fp16 for a format or vLLM --kv-cache-dtype name; 'auto' follows the model dtype."""
-    key = name.lower()
-    if key == "auto":
-        return _MODEL_DTYPES.get((model_dtype or "bfloat16").lower(), "bf16")
-    if key not in _CANONICAL:
-        raise KvtraceError(f"unknown KV format {name!r}: use fp8, nvfp4, bf16, fp16 or a vLLM --kv-cache-dtype "
-                           "such as auto, fp8_e4m3 or nvfp4")
-    return _CANONICAL[key]
-
-
-def format_width(name: str, model_dtype: str | None = None) -> float:
-    """Bytes per stored value: what orders arms widest (baseline) first."""
-    try:
-        return formats.kv_bytes_per_token_head(canonical_format(name, model_dtype), formats.NVFP4_BLOCK) / 16
-    except KvtraceError:
-        return 0.0
 
 
 def default_formats(layout: KVLayout) -> tuple[list[str], list[str]]:
@@ -134,7 +110,7 @@ def group_bytes_per_token(kv_format: str, group: LayerGroup, layout: KVLayout, k
     if problem:
         raise KvtraceError(f"{kv_format}: {problem}")
     try:
-        return group.bytes_per_token(lambda width: formats.kv_bytes_per_token_head(kv_format, width), kv_heads)
+        return group.bytes_per_token(kv_format, kv_heads)
     except ValueError as error:
         raise KvtraceError(f"{kv_format}: {error}") from None
 
@@ -267,8 +243,8 @@ def capacity(layout: KVLayout, kv_formats: list[tuple[str, str]], *, tp: int = 1
     notes = [sharding.note, *layout.notes, *_layout_notes(layout, rows, groups, memory_gib)]
     if any(r.format == "nvfp4" for r in rows):
         for dim in sorted({g.head_dim for g in layout.groups}):
-            notes.append(f"nvfp4: {dim // 2} packed bytes + {dim // formats.NVFP4_BLOCK} E4M3 scales per head and "
-                         f"token for head_dim {dim} (one scale per {formats.NVFP4_BLOCK} values); the per-tensor "
+            notes.append(f"nvfp4: {dim // 2} packed bytes + {dim // NVFP4_BLOCK} E4M3 scales per head and "
+                         f"token for head_dim {dim} (one scale per {NVFP4_BLOCK} values); the per-tensor "
                          "global scale is not per token")
     if tokens is not None and tokens % page_size:
         notes.append(f"{tokens:,} tokens per sequence fill {-(-tokens // page_size):,} pages of {page_size}: "
@@ -342,12 +318,12 @@ def tensor_parallel(flags: list[str]) -> int:
     return 1
 
 
-def measured_arm(name: str, arm: dict, layout: KVLayout, tp: int, page_size: int) -> MeasuredRow | None:
+def measured_arm(name: str, arm: RunRecord, layout: KVLayout, tp: int, page_size: int) -> MeasuredRow | None:
     """vLLM's startup capacity of one arm against the ideal for its format; None without that line."""
-    kv = arm.get("kv_cache")
-    if not kv or not kv.get("tokens"):
+    kv = arm.kv_cache
+    if not kv.get("tokens"):
         return None
-    dtype = arm.get("kv_cache_dtype") or name
+    dtype = arm.kv_cache_dtype or arm.arm
     fmt = canonical_format(dtype, layout.dtype)
     per_gpu = bytes_per_token(fmt, layout, shard_layout(layout, tp).kv_heads_per_rank)
     available = kv.get("available_gib")
@@ -377,17 +353,17 @@ def link_measured(rows: list[MeasuredRow], layout: KVLayout, tp: int) -> list[st
     return []
 
 
-def measured_from_manifest(manifest: dict, layout: KVLayout, tp: int, page_size: int,
+def measured_from_manifest(manifest: Manifest, layout: KVLayout, tp: int, page_size: int,
                            names: list[str]) -> tuple[list[MeasuredRow], list[str]]:
     """Per arm with a startup capacity line: measured tokens against the ideal. Returns rows and notes."""
-    if manifest.get("engine") != "vllm":
-        return [], [f"no measured capacity: the {manifest.get('engine')} engine allocates no serving KV pool"]
+    if manifest.engine != "vllm":
+        return [], [f"no measured capacity: the {manifest.engine} engine allocates no serving KV pool"]
     rows, notes = [], []
     for name in names:
-        arm = manifest["arms"].get(name) or {}
+        arm = manifest.runs[name]
         row = measured_arm(name, arm, layout, tp, page_size)
         if row is None:
-            status = arm.get("status")
+            status = arm.status
             notes.append(f"{name}: no \"GPU KV cache size\" line recorded"
                          + (f" (arm {status})" if status not in (None, "ok") else ""))
         else:
@@ -395,45 +371,23 @@ def measured_from_manifest(manifest: dict, layout: KVLayout, tp: int, page_size:
     return rows, notes + link_measured(rows, layout, tp)
 
 
-def read_manifest(path: Path) -> dict:
-    """manifest.json of a kvtrace run directory (or the file itself), validated."""
-    path = Path(path)
-    file = path / "manifest.json" if path.is_dir() else path
-    if not path.exists():
-        raise KvtraceError(f"{path}: no such run directory: pass a directory written by `kvtrace capture`")
-    if not file.is_file():
-        raise KvtraceError(f"{path} has no manifest.json: pass a run directory written by `kvtrace capture`")
-    try:
-        data = json.loads(file.read_text())
-    except (OSError, ValueError) as error:
-        raise KvtraceError(f"{file} is not readable JSON ({error}): capture the run again") from None
-    if not isinstance(data, dict) or "kvtrace_manifest" not in data:
-        raise KvtraceError(f"{file} was not written by kvtrace (no kvtrace_manifest field): pass a run directory "
-                           "written by `kvtrace capture`")
-    if not isinstance(data.get("arms"), dict):
-        raise KvtraceError(f"{file} lists no arms: capture the run again")
-    return data
-
-
-def run_shape(manifest: dict, source: str) -> tuple[KVLayout, int, int]:
+def run_shape(manifest: Manifest, source: str) -> tuple[KVLayout, int, int]:
     """KV layout, tensor-parallel size and page size a run's manifest records."""
-    settings = manifest.get("settings") or {}
-    if manifest.get("engine") == "vllm":
-        model = settings.get("model") if isinstance(settings.get("model"), dict) else {}
-        # kv_config: the config fields capture read; older manifests have only the summary's own fields.
-        config = model.get("kv_config") or model
-        if not isinstance(config, dict) or "num_hidden_layers" not in config:
+    settings = manifest.settings
+    if manifest.engine == "vllm":
+        config = manifest.kv_config
+        if "num_hidden_layers" not in config:
             raise KvtraceError(f"{source}: the manifest has no model config (vLLM could not read config.json "
                                "locally): pass --config")
         layout = model_config.read(config, f"{source} (settings.model)")
         flags = next(iter((settings.get("engine_flags") or {}).values()), []) + list(settings.get("extra_vllm_args") or [])
         page = 16
-        for arm in (manifest.get("arms") or {}).values():
-            engine = (arm.get("workload") or {}).get("engine") or {}
+        for arm in manifest.runs.values():
+            engine = arm.workload.get("engine") or {}
             if engine.get("block_size"):
                 page = int(engine["block_size"])
                 break
-            for point in arm.get("points") or []:
+            for point in arm.points:
                 config = ((point.get("metrics") or {}).get("cache_config") or [{}])[0]
                 if config.get("block_size"):
                     page = int(config["block_size"])
@@ -463,13 +417,9 @@ def from_run(run: Path, *, layout: KVLayout | None = None, tp: int | None = None
     layout = layout or run_model
     tp = tp or run_tp
     page_size = page_size or run_page
-    arms = manifest["arms"]
-
-    def dtype(name: str) -> str:
-        return arms[name].get("kv_cache_dtype") or (arms[name].get("workload") or {}).get("kv_format") or name
-
-    names = sorted(arms, key=lambda name: -format_width(dtype(name), layout.dtype))
-    labels = [(name, name) for name in kv_formats] if kv_formats else [(name, dtype(name)) for name in names]
+    names = manifest.widest_first(model_dtype=layout.dtype)
+    labels = ([(name, name) for name in kv_formats] if kv_formats
+              else [(name, manifest.runs[name].kv_dtype) for name in names])
     result = capacity(layout, labels, tp=tp, page_size=page_size, tokens=tokens, sequences=sequences,
                       memory_gib=memory_gib)
     result.run = str(run)

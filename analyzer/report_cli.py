@@ -11,6 +11,7 @@ from kvtrace.analyzer import capacity as capacity_lib
 from kvtrace.analyzer import render
 from kvtrace.analyzer.cli import emit, output_options, progress, use_cache, window_options
 from kvtrace.errors import KvtraceError
+from kvtrace.manifest import read_manifest
 
 
 @click.command()
@@ -105,7 +106,7 @@ def capacity(run, config_path, layers, kv_heads, head_dim, tokens, sequences, tp
         raise KvtraceError(f"give {', '.join(missing)} too, or --config with the model's config.json")
     if run is not None:
         if layout is None and overrides:
-            manifest_layout = capacity_lib.run_shape(capacity_lib.read_manifest(run), str(run))[0]
+            manifest_layout = capacity_lib.run_shape(read_manifest(run), str(run))[0]
             layout = capacity_lib.with_overrides(manifest_layout, f"{manifest_layout.source}, with {_flags(overrides)} "
                                                  "from the command line", **overrides)
         result = capacity_lib.from_run(run, layout=layout, tp=tp, page_size=page_size, tokens=tokens,

@@ -8,16 +8,16 @@ and MLP-only blocks hold nothing.
 
 Configs that need a cache this module does not model (chunked local attention, KV shared across layers,
 DeepSeek's sparse-attention indexer, cross-attention, layer patterns it cannot read) are refused with
-KvtraceError naming the field, never read as plain attention. Standard library only: capture reads configs
-here too.
+KvtraceError naming the field, never read as plain attention. The bytes of a cached row are kvtrace.kv_formats'.
+Standard library only: capture reads configs here too.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 from kvtrace.errors import KvtraceError
+from kvtrace.kv_formats import kv_bytes_per_token, kv_bytes_per_token_head
 
 FULL, SLIDING, MLA = "full", "sliding", "mla"
 
@@ -67,16 +67,14 @@ class LayerGroup:
     head_dim: int  # values in one cached row: a head's K or V, or the MLA latent
     window: int | None = None  # SLIDING: the tokens each layer keeps
 
-    @property
-    def rows(self) -> int:
-        """Rows one token adds to one layer: K and V per KV head, or MLA's single latent."""
-        return 1 if self.kind == MLA else 2 * self.kv_heads
-
-    def bytes_per_token(self, row_bytes: Callable[[int], float], kv_heads: int | None = None) -> float:
-        """row_bytes(width): bytes of one row in a format. kv_heads: the KV heads one GPU holds of each layer
-        (default all); MLA's latent is never split."""
-        rows = 1 if self.kind == MLA else 2 * (self.kv_heads if kv_heads is None else kv_heads)
-        return rows * row_bytes(self.head_dim) * self.layers
+    def bytes_per_token(self, kv_format: str, kv_heads: int | None = None) -> float:
+        """Bytes one token adds to the group's layers in kv_format (fp8, nvfp4, bf16, fp16). kv_heads: the KV
+        heads one GPU holds of each layer (default all); MLA's latent is never split. ValueError for a format
+        kv_formats cannot size at this head_dim."""
+        if self.kind == MLA:
+            return kv_bytes_per_token_head(kv_format, self.head_dim) * self.layers
+        return kv_bytes_per_token(kv_format, head_dim=self.head_dim, layers=self.layers,
+                                  kv_heads=self.kv_heads if kv_heads is None else kv_heads)
 
     def describe(self) -> str:
         plural = "s" if self.layers != 1 else ""
@@ -106,10 +104,10 @@ class KVLayout:
         """One group that holds every token, no recurrent state: bytes grow by the same amount every token."""
         return len(self.groups) == 1 and self.groups[0].kind != SLIDING and not self.state_layers
 
-    def bytes_per_token(self, row_bytes: Callable[[int], float], kv_heads: int | None = None) -> float:
+    def bytes_per_token(self, kv_format: str, kv_heads: int | None = None) -> float:
         """Bytes one token adds while every KV layer still holds it (windowed layers stop adding past their
         window)."""
-        return sum(g.bytes_per_token(row_bytes, kv_heads) for g in self.groups)
+        return sum(g.bytes_per_token(kv_format, kv_heads) for g in self.groups)
 
     def describe(self) -> str:
         text = " + ".join(g.describe() for g in self.groups)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import click
 import pytest
@@ -15,9 +16,10 @@ from click.testing import CliRunner
 from conftest import FIXTURES, NSYS2025_DIR
 from kvtrace import model_config
 from kvtrace.analyzer import capacity
-from kvtrace.capture.vllm_engine import model_summary
+from kvtrace.capture.vllm_preflight import model_summary
 from kvtrace.cli import cli, main
 from kvtrace.errors import KvtraceError
+from kvtrace.manifest import Manifest
 
 GIB = 1 << 30
 TINY = FIXTURES / "models" / "llama-tiny" / "config.json"
@@ -263,7 +265,8 @@ def test_capture_records_the_layout_the_analyzer_reads_back():
     config = json.loads(DEEPSEEK_V3.read_text())
     summary = model_summary("deepseek-ai/DeepSeek-V3", config, ("auto", "fp8", "nvfp4"))
     assert summary["kv_bytes_per_token"] == {"auto": 61 * 576 * 2, "fp8": 61 * 576}  # no NVFP4 MLA cache
-    layout, _, _ = capacity.run_shape({"engine": "vllm", "settings": {"model": summary}}, "run")
+    manifest = Manifest.of({"engine": "vllm", "settings": {"model": summary}, "arms": {}}, Path("manifest.json"))
+    layout, _, _ = capacity.run_shape(manifest, "run")
     assert layout.groups == capacity.load_config(DEEPSEEK_V3).groups
 
 
