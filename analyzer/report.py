@@ -649,22 +649,22 @@ def _run_findings(base: _Input, cand: _Input, report_base: RunArm, report_cand: 
 
 def _capacity(base: _Input, cand: _Input, b: RunArm, c: RunArm, notes: list[str]) -> capacity.Capacity | None:
     try:
-        shape, tp, page = capacity.run_shape(base.manifest, str(base.run))
+        layout, tp, page = capacity.run_shape(base.manifest, str(base.run))
     except KvtraceError as error:
         notes.append(f"capacity: {error}")
         return None
     try:
-        result = capacity.capacity(shape, [(b.label, b.kv_cache_dtype or b.arm), (c.label, c.kv_cache_dtype or c.arm)],
+        result = capacity.capacity(layout, [(b.label, b.kv_cache_dtype or b.arm), (c.label, c.kv_cache_dtype or c.arm)],
                                    tp=tp, page_size=page)
     except KvtraceError as error:
         notes.append(f"capacity: {error}")
         return None
-    rows = [capacity.measured_arm(item.arm, item.record, shape, tp, page) for item in (base, cand)]
+    rows = [capacity.measured_arm(item.arm, item.record, layout, tp, page) for item in (base, cand)]
     if all(rows):
         for row, label in zip(rows, (b.label, c.label)):
             row.arm = label
         result.measured = rows
-        result.notes += capacity.link_measured(rows, shape, tp)
+        result.notes += capacity.link_measured(rows, layout, tp)
     elif base.manifest.engine != "vllm":
         result.notes.append(f"no measured capacity: the {base.manifest.engine} engine allocates no serving "
                             "KV pool")

@@ -236,8 +236,15 @@ class Manifest:
 
     @property
     def model(self) -> dict:
-        """vLLM: the model's config summary (layers, heads, head_dim, torch_dtype, ...); {} otherwise."""
+        """vLLM: the model's config summary (layers, heads, head_dim, torch_dtype, kv_config, kv_layout, ...); {}
+        otherwise."""
         return _dict(self.settings.get("model"))
+
+    @property
+    def kv_config(self) -> dict:
+        """vLLM: the config fields kvtrace.model_config reads the KV layout from (the summary's kv_config);
+        manifests written before capture recorded them offer the summary's own fields."""
+        return _dict(self.model.get("kv_config")) or self.model
 
     @property
     def model_dtype(self) -> str | None:
