@@ -14,7 +14,7 @@ from pathlib import Path
 import click
 from rich.console import Console
 
-from kvtrace.analyzer import align, compare, render, stats
+from kvtrace.analyzer import align, compare, headline, render, stats
 from kvtrace.analyzer.classify import SEGMENTS, load_recipes
 from kvtrace.analyzer.load import open_trace, open_traces
 from kvtrace.errors import KvtraceError
@@ -90,7 +90,7 @@ def emit(result, fmt: str, output: Path | None) -> None:
     if fmt == "table":
         if output is None:
             console = Console()
-            if not console.is_terminal:
+            if not console.is_terminal and "COLUMNS" not in os.environ:
                 console = Console(width=200)  # piped: no terminal width to fit, keep rows on one line
             render.terminal.render(result, console)
             return
@@ -154,6 +154,40 @@ def parse_gate(values: tuple[str, ...]) -> list[str | None]:
                                f"{', '.join(SEGMENTS)}")
         watched.append(segment or None)
     return watched
+
+
+def as_run(run_dir: Path | None) -> list[str]:
+    """The current command's arguments as given (defaults left out), for the report to show how to reproduce
+    it: paths relative to `run_dir` (run from inside it), other absolute paths by name, no --nsys path."""
+    context = click.get_current_context()
+
+    def path(value) -> str:
+        value = Path(value)
+        if run_dir is not None:
+            try:
+                return str(value.resolve().relative_to(run_dir.resolve()))
+            except ValueError:
+                pass
+        return value.name if value.is_absolute() or run_dir is not None else str(value)
+
+    def text(value) -> str:
+        return path(value) if isinstance(value, Path) else str(value)
+
+    args = [context.info_name]
+    for param in context.command.params:
+        value = context.params.get(param.name)
+        if isinstance(param, click.Argument):
+            args.append(text(value))
+            continue
+        if param.name == "nsys_path" or value in (None, (), False) or value == param.default:
+            continue
+        flag = max(param.opts, key=len)
+        if getattr(param, "is_flag", False):
+            args.append(flag)
+        else:
+            for item in (value if param.multiple else [value]):
+                args += [flag, *map(text, item if isinstance(item, tuple) else [item])]
+    return args
 
 
 def _trace_argument(name: str):
@@ -245,6 +279,8 @@ def diff(baseline, candidate, repeats, labels, threshold, confidence, seed, fail
     with progress(f"comparing {baseline} and {candidate}" + (f" ({len(runs)} runs each)" if repeats else "")):
         result = compare.diff(traces[0::2], traces[1::2], recipes, labels=tuple(labels) or (None, None),
                               threshold=threshold, confidence=confidence, seed=seed, window=window)
+    manifest = headline.find_manifest(baseline)
+    result.headline = headline.Headline.of(result, manifest, as_run(manifest.path.parent if manifest else None))
     emit(result, fmt, output)
     code = gate(result, watched)
     if code:

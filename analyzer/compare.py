@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import polars as pl
@@ -27,7 +28,11 @@ from kvtrace.kv_formats import claimed_dtypes
 SUMMARY_SCHEMA = "kvtrace.summary/2"
 # Cells with fewer call pairs than this are named in the row's note: their spread is poorly known.
 FEW_CALLS = 5
-DIFF_SCHEMA = "kvtrace.diff/3"
+DIFF_SCHEMA = "kvtrace.diff/4"
+# The segment field of a whole-phase row: every kernel of a phase's NVTX range instances together.
+WHOLE_PHASE = "whole phase"
+UNIT_NOTE = ("a call here is one unit of the phase's work: one append, prefill or decode call with the kernels "
+             "launched since the previous one, or one NVTX range (a vLLM step)")
 
 
 @dataclass(frozen=True)
@@ -166,10 +171,13 @@ class Diff:
     segments: list[DiffRow]
     families: list[DiffRow]
     phases: list[DiffRow] = field(default_factory=list)  # per segment and NVTX phase, when ranges exist
+    # Per phase, every kernel together, paired range instance by range instance (_phase_totals).
+    phase_totals: list[DiffRow] = field(default_factory=list)
     drift: Drift | None = None
     runs: int = 1  # run pairs (repeated runs per arm)
     method: str = stats.BOOTSTRAP
     window: list[str] = field(default_factory=list)
+    headline: Any = None  # analyzer.headline.Headline: the rows that answer first, environment, commands
     schema: str = DIFF_SCHEMA
     kvtrace_version: str = __version__
 
@@ -373,13 +381,15 @@ def diff(baseline: Trace | list[Trace], candidate: Trace | list[Trace], recipes:
     families.sort(key=lambda r: (-abs(r.total_delta_ns), segment_order(r.segment), r.family))
     phases.sort(key=lambda r: (segment_order(r.segment), _natural(r.phase)))
 
+    phase_totals = _phase_totals(comparison, base_arm, cand_arm, threshold=threshold, band=band,
+                                 confidence=confidence, seed=seed)
     findings = comparability(base_arm, cand_arm) + _window_findings(window, families, builder.realigned)
     findings += _run_findings(comparison, base_arm, cand_arm)
     if drift is not None:
         findings.append(_drift_finding(drift, threshold))
     return Diff(baseline=base_arm, candidate=cand_arm, recipes=tuple(recipes.files), threshold=threshold,
                 confidence=confidence, findings=findings, segments=segments, families=families, phases=phases,
-                drift=drift, runs=len(base_runs), method=stats.HIERARCHICAL if len(base_runs) > 1 else stats.BOOTSTRAP,
+                phase_totals=phase_totals, drift=drift, runs=len(base_runs), method=stats.HIERARCHICAL if len(base_runs) > 1 else stats.BOOTSTRAP,
                 window=window.describe())
 
 
@@ -528,6 +538,68 @@ class _RowBuilder:
         share = f"{100 * row.unpaired_share:.0f}%" if row.unpaired_share is not None else "most"
         return (f"calls without a partner carry {share} of the change ({'; '.join(parts)}); the ratio is of the "
                 f"{row.compared_calls:,} paired calls alone ({row.paired_verdict})")
+
+
+def _phase_totals(comparison: _Comparison, base_arm: Arm, cand_arm: Arm, *, threshold: float, band: float,
+                  confidence: float, seed: int) -> list[DiffRow]:
+    """Per phase, every kernel together: the units of its work (pairing._units) pair unit for unit per range
+    name (the last N, as kernel cells pair). The unit, not the kernel, is compared, since the arms may do
+    the same work with different kernels (FP8's append is a cast plus a copy, NVFP4's one fused kernel)."""
+    vocabulary = comparison.vocabulary
+    pieces, strata = ([], []), []  # strata: (run, nvtx, pairs, instances per arm)
+    for run, (base, cand) in enumerate(comparison.runs):
+        sides = [dict(tuple(g) for g in r.units.group_by("nvtx", maintain_order=True)
+                      .agg(pl.col("total_ns")).iter_rows()) for r in (base, cand)]
+        for nvtx in sorted(set(sides[0]) & set(sides[1])):
+            lists = [sides[0][nvtx], sides[1][nvtx]]
+            count = min(map(len, lists))
+            for side in (0, 1):
+                pieces[side].append(np.array(lists[side][-count:], dtype=np.int64))
+            strata.append((run, nvtx, count, *map(len, lists)))
+    if not strata:
+        return []
+    sizes = np.array([s[2] for s in strata])
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    paired = stats.PairedStrata(np.concatenate(pieces[0]), np.concatenate(pieces[1]), offsets,
+                                np.array([s[0] for s in strata]), len(comparison.runs))
+    phase_of = vocabulary.phase_of_nvtx[[s[1] for s in strata]]
+    codes = sorted(set(phase_of.tolist()), key=lambda code: _natural(vocabulary.phases[code]))
+    members = [np.flatnonzero(phase_of == code) for code in codes]
+    estimates = stats.estimate_rows(paired, members, confidence=confidence, seed=seed)
+    rows = []
+    for code, chosen, estimate in zip(codes, members, estimates):
+        values = [np.concatenate([(paired.baseline, paired.candidate)[side][offsets[i]:offsets[i + 1]]
+                                  for i in chosen.tolist()]) for side in (0, 1)]
+        means = [np.array([(paired.baseline, paired.candidate)[side][offsets[i]:offsets[i + 1]].mean()
+                           for i in chosen.tolist()]) for side in (0, 1)]
+        per_call = stats.same_work(means)
+        intervals = ((estimate.baseline_low, estimate.baseline_high), (estimate.candidate_low, estimate.candidate_high))
+        arm_totals = (base_arm.total_ns, cand_arm.total_ns)
+        arm_stats = [ArmStats.of(values[side], arm_totals[side], intervals[side]) if per_call else
+                     ArmStats.total(values[side].size, int(values[side].sum()), arm_totals[side], intervals[side])
+                     for side in (0, 1)]
+        instances = [sum(strata[i][3 + side] for i in chosen.tolist()) for side in (0, 1)]
+        totals = [sum(int(r[side].units.filter(pl.col("nvtx").is_in([strata[i][1] for i in chosen.tolist()]))
+                          ["total_ns"].sum()) for r in comparison.runs) for side in (0, 1)]
+        paired_delta = int(values[1].sum()) - int(values[0].sum())
+        verdict, paired_verdict = stats.row_verdict(estimate, threshold=threshold, drift=band,
+                                                    paired_delta=paired_delta,
+                                                    unpaired_delta=totals[1] - totals[0] - paired_delta)
+        left = [instances[side] - values[side].size for side in (0, 1)]
+        rows.append(DiffRow(
+            segment=WHOLE_PHASE, baseline=arm_stats[0], candidate=arm_stats[1], baseline_calls=instances[0],
+            candidate_calls=instances[1], baseline_total_ns=totals[0], candidate_total_ns=totals[1],
+            compared_calls=int(values[0].size), cells=int(chosen.size), single_call_cells=estimate.single_call_strata,
+            same_work=per_call, ratio=estimate.ratio, ci_low=estimate.low, ci_high=estimate.high, verdict=verdict,
+            paired_verdict=paired_verdict,
+            note="; ".join(filter(None, [UNIT_NOTE, f"{left[0]:,} baseline and {left[1]:,} candidate units without a partner"
+                                         if any(left) else None])),
+            reason=None, total_delta_ns=totals[1] - totals[0], paired_delta_ns=paired_delta,
+            unpaired_share=stats.unpaired_share(paired_delta, totals[1] - totals[0] - paired_delta),
+            abs_delta_share=None, run_ratios=estimate.run_ratios, phase=vocabulary.phases[code]))
+    for row, share in zip(rows, stats.abs_shares([r.total_delta_ns for r in rows])):
+        row.abs_delta_share = share
+    return rows
 
 
 def _drift(rows: list[DiffRow], pooled: stats.Estimate | None, controls: pl.DataFrame,

@@ -25,11 +25,14 @@ from kvtrace.analyzer import align, ranges
 from kvtrace.analyzer.classify import DIMS, SEGMENTS
 from kvtrace.analyzer.load import Trace
 from kvtrace.errors import KvtraceError
+from kvtrace.manifest import parse_phase_name
 
 # The key of a kernel cell; range cells keep segment and nvtx.
 KERNEL_KEY = ["segment", "family", *align.MATCH_KEY]
 RANGE_KEY = ["segment", "nvtx"]
 KERNEL, RANGE = "kernel", "range"
+# FlashInfer workload phases (kvtrace.manifest.phase_name) and the segment whose kernels do their KV work.
+PHASE_SEGMENTS = {"prefill": "prefill_attention", "decode": "decode_attention", "append": "kv_append"}
 
 
 def segment_order(segment: str) -> int:
@@ -70,6 +73,14 @@ class Vocabulary:
     def outside_phase(self) -> int:
         return len(self.phases)
 
+    def anchor_of_nvtx(self) -> np.ndarray:
+        """Per name code (and `outside`), the segment code whose calls delimit units of its work (`_units`);
+        a code no segment has for other ranges."""
+        none = len(self.segments)
+        anchors = [PHASE_SEGMENTS.get((parse_phase_name(name) or ("", 0))[0]) for name in self.names]
+        return np.array([self.segments.index(a) if a in self.segments else none for a in anchors] + [none],
+                        dtype=np.uint32)
+
     def name(self, code: int) -> str | None:
         return self.names[code] if code < len(self.names) else None
 
@@ -106,7 +117,25 @@ class Vocabulary:
             pl.Series("family", family[sig]), pl.Series("segment", segment[sig]), pl.Series("shape", shape[sig]),
             pl.Series("phase", self.phase_of_nvtx[cell_nvtx]),
             pl.Series("kv_independent", by_sig["kv_independent"].to_numpy()[sig])))
-        return Run(trace, classes, cells, calls["range"].unique())
+        return Run(trace, classes, cells, calls["range"].unique(),
+                   _units(calls, segment, self.anchor_of_nvtx(), self.outside))
+
+
+def _units(calls: pl.DataFrame, segment: np.ndarray, anchor_of_nvtx: np.ndarray, outside: int) -> pl.DataFrame:
+    """Units of a phase's work in launch order, with their range-name code and summed time (every kernel
+    launched directly inside, whichever did the work). A unit is one range instance, or inside a kvtrace
+    workload phase one call of its anchor segment with the calls launched since the previous one (FP8's
+    append is a cast and a copy before AppendPagedKVCacheKernel; NVFP4's one fused kernel)."""
+    nvtx = calls["nvtx"].to_numpy()
+    anchor = segment[calls["sig"].to_numpy()] == anchor_of_nvtx[nvtx]
+    inside = calls.select("range", "nvtx", "duration").with_columns(anchor=pl.Series(anchor)).filter(
+        pl.col("nvtx") != outside)
+    before = pl.col("anchor").cast(pl.Int64).cum_sum().over("range") - pl.col("anchor").cast(pl.Int64)
+    anchors = pl.col("anchor").cast(pl.Int64).sum().over("range")
+    unit = pl.when(anchors == 0).then(0).otherwise(pl.min_horizontal(before, anchors - 1))
+    return (inside.with_columns(unit=unit).group_by("range", "unit", maintain_order=True)
+            .agg(pl.col("nvtx").first(), pl.col("duration").sum().alias("total_ns"))
+            .select(pl.col("nvtx").cast(pl.UInt32), pl.col("total_ns").cast(pl.Int64)))
 
 
 def _phase_names(names: list[str]) -> list[str]:
@@ -205,13 +234,14 @@ def _gather(cells: Cells, chosen: np.ndarray, *, ordered: bool) -> np.ndarray:
 @dataclass
 class Run:
     """One trace inside the window: its calls grouped into cells (Cells) whose table carries codes of the
-    comparison's Vocabulary, the classified signatures behind them, and the NVTX ranges the window's calls
-    were launched in."""
+    comparison's Vocabulary, the classified signatures behind them, the NVTX ranges the window's calls
+    were launched in, and the units of each phase's work with their summed time (`_units`)."""
 
     trace: Trace
     classes: pl.DataFrame
     cells: Cells
     ranges: pl.Series
+    units: pl.DataFrame
 
     def signatures(self, group: Cells) -> pl.DataFrame:
         """The classified signatures that a group of cells uses."""

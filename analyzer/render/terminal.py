@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from kvtrace.analyzer.compare import Diff, KernelList, Summary
+from kvtrace.analyzer.headline import APPEND_PHASE, Headline
 from kvtrace.analyzer.render.units import (LEVEL, arm_time, calls, duration, interval, numbered_notes, per_call, percent,
                                           ratio, run_ratios, signed_duration)
 from kvtrace.analyzer.stats import IMPROVEMENT, REGRESSION
@@ -54,7 +56,45 @@ def _summary(summary: Summary, console: Console) -> None:
         console.print(table)
 
 
+def head_time(arm, cells: int) -> str:
+    """One arm's time in a head row, short: per call, or the total (Σ) over cells of different cost."""
+    if arm is None:
+        return "–"
+    return duration(arm.mean_ns) if arm.mean_ns is not None else f"{duration(arm.total_ns)} Σ{cells}"
+
+
+def _head(diff: Diff, console: Console) -> None:
+    """The answer first, in 100 columns: one table per question, its families in the title."""
+    head = diff.headline or Headline.of(diff)
+    b, c = diff.baseline, diff.candidate
+    console.print(f"[bold]{b.label}[/] → [bold]{c.label}[/] on {b.info.gpu_label}: time per call, ratio "
+                  f"{c.label}/{b.label} with its {100 * diff.confidence:.0f}% interval (Σn: total of n cells that "
+                  "cost differently per call)")
+    questions = list(dict.fromkeys(r.question for r in head.rows))
+    for question in questions:
+        rows = [r for r in head.rows if r.question == question]
+        families = " | ".join(dict.fromkeys(r.family for r in rows))
+        table = Table(title=f"{question} · {escape(families)}", title_justify="left", box=None, padding=(0, 1),
+                      title_style="bold")
+        for column in ("point", b.label, c.label, "ratio", "interval", "verdict", "pairs"):
+            table.add_column(column, justify="left" if column in ("point", "verdict") else "right", overflow="fold")
+        for r in rows:
+            row = r.row
+            style = _STYLE.get(row.verdict)
+            table.add_row(escape(r.point), head_time(row.baseline, row.cells), head_time(row.candidate, row.cells),
+                          ratio(row.ratio), interval(row.ci_low, row.ci_high),
+                          f"[{style}]{row.verdict}[/]" if style else row.verdict, f"{row.compared_calls:,}")
+        console.print(table)
+    if any(r.question == APPEND_PHASE for r in head.rows):
+        console.print("  KV append phase: one call is one append with the kernels launched since the previous one "
+                      "(FP8's cast and copy, NVFP4's fused quantize-append)", highlight=False)
+    if head.drift:
+        console.print(f"  drift: {head.drift}", markup=False, highlight=False)
+    console.rule("everything else", style="dim")
+
+
 def _diff(diff: Diff, console: Console) -> None:
+    _head(diff, console)
     b, c = diff.baseline, diff.candidate
     console.print(f"[bold]{b.label}[/] → [bold]{c.label}[/]: total GPU kernel time {duration(b.total_ns)} → "
                   f"{duration(c.total_ns)} ({ratio(diff.total_ratio)})")
@@ -70,7 +110,8 @@ def _diff(diff: Diff, console: Console) -> None:
         table = Table(title=title, title_justify="left")
         for column in lead_columns + ["calls", f"time {b.label}", f"time {c.label}", "ratio", confidence] + \
                 (["runs"] if diff.runs > 1 else []) + ["verdict", "Δ total", "share of |Δ|"]:
-            table.add_column(column, justify="left" if column in ("segment", "family", "phase", "verdict") else "right")
+            table.add_column(column, justify="left" if column in ("segment", "family", "phase", "verdict") else "right",
+                             overflow="fold")
         verdicts, notes = numbered_notes(rows)
         for r, verdict in zip(rows, verdicts):
             style = _STYLE.get(r.verdict)
