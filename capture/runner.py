@@ -12,12 +12,11 @@ import platform
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kvtrace import __version__
+from kvtrace import __version__, files
 from kvtrace.errors import KvtraceError
 
 MANIFEST = "manifest.json"
@@ -74,23 +73,8 @@ def export_sqlite(nsys: str, report: Path, sqlite_path: Path, log) -> None:
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as handle:
-            json.dump(data, handle, indent=2, sort_keys=False)
-            handle.write("\n")
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; a manifest is as readable as any output
-        os.replace(tmp, path)
-    except BaseException:
-        # Nothing half-written stays behind: neither the temporary file nor a truncated target.
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+    """Serialised first, so that data that is not JSON leaves the previous file as it was."""
+    files.write(path, json.dumps(data, indent=2, sort_keys=False) + "\n")
 
 
 def _is_kvtrace_run(out: Path) -> bool:

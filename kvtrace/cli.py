@@ -6,7 +6,9 @@ analyzer's dependencies (polars, matplotlib), and `kvtrace diff ...` never impor
 
 from __future__ import annotations
 
+import difflib
 import importlib
+import os
 import sys
 
 import click
@@ -29,6 +31,14 @@ class LazyGroup(click.Group):
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(_COMMANDS)
 
+    def resolve_command(self, ctx: click.Context, args: list[str]):
+        name = args[0] if args else ""
+        if name and not name.startswith("-") and name not in _COMMANDS:
+            close = difflib.get_close_matches(name, list(_COMMANDS), n=1)
+            hint = f"did you mean `kvtrace {close[0]}`?" if close else f"commands: {', '.join(sorted(_COMMANDS))}"
+            raise click.UsageError(f"no such command {name!r}; {hint}", ctx)
+        return super().resolve_command(ctx, args)
+
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         if name not in _COMMANDS:
             return None
@@ -47,8 +57,12 @@ def cli() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
     try:
-        cli.main(args=argv, prog_name="kvtrace", standalone_mode=False)
+        if not args:  # a bare `kvtrace` asks what there is: help on standard output, not a usage error
+            args = ["--help"]
+        cli.main(args=args, prog_name="kvtrace", standalone_mode=False)
+        sys.stdout.flush()  # inside the try: a reader that has gone away is not an error
     except KvtraceError as error:
         click.echo(f"kvtrace: error: {error}", err=True)
         sys.exit(error.exit_code)
@@ -65,4 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     except click.exceptions.Exit as done:
         sys.exit(done.exit_code)
     except BrokenPipeError:
+        # `kvtrace diff … | head`: the reader has what it wanted. Standard output now goes nowhere, so that
+        # the interpreter's final flush does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(0)
