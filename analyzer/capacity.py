@@ -334,7 +334,52 @@ def read_manifest(path: Path) -> dict:
                            "written by `kvtrace capture`")
     if not isinstance(data.get("arms"), dict):
         raise KvtraceError(f"{file} lists no arms: capture the run again")
+    _check_manifest(data, file)
     return data
+
+
+# What the values kvtrace reads from a manifest must be, where present and not null: a type, a dict of an
+# object's fields, or [shape] for a list. A hand-edited or damaged manifest fails here in one line.
+_MANIFEST_SHAPE = {"engine": str, "environment": dict,
+                   "settings": {"model": dict, "scenario": str, "mode": str, "engine_flags": dict,
+                                "extra_vllm_args": list}}
+_ARM_SHAPE = {
+    "status": str, "error": str, "sqlite": str, "kv_cache_dtype": str, "request_order_sha256": str,
+    "workload": {"kv_format": str, "engine": dict,
+                 "phases": [{"nvtx": str, "calls": (int, float), "bytes_per_call": (int, float)}]},
+    "kv_cache": {"tokens": (int, float), "line": str},
+    "points": [{"point": str, "bench": dict, "metrics": {"deltas": {"counters": dict, "histograms": dict},
+                                                         "peaks": dict}}],
+}
+
+
+def _check_manifest(data: dict, file: Path) -> None:
+    _check_shape(data, _MANIFEST_SHAPE, "", file)
+    for name, arm in data["arms"].items():
+        if not isinstance(arm, dict):
+            raise _bad_shape(file, f"arms.{name}", "an object")
+        _check_shape(arm, _ARM_SHAPE, f"arms.{name}", file)
+
+
+def _check_shape(value, shape, where: str, file: Path) -> None:
+    if value is None:
+        return
+    if isinstance(shape, dict):
+        if not isinstance(value, dict):
+            raise _bad_shape(file, where, "an object")
+        for key, inner in shape.items():
+            _check_shape(value.get(key), inner, f"{where}.{key}" if where else key, file)
+    elif isinstance(shape, list):
+        if not isinstance(value, list):
+            raise _bad_shape(file, where, "a list")
+        for index, item in enumerate(value):
+            _check_shape(item, shape[0], f"{where}[{index}]", file)
+    elif not isinstance(value, shape) or isinstance(value, bool):
+        raise _bad_shape(file, where, "a string" if shape is str else "a number")
+
+
+def _bad_shape(file: Path, where: str, wanted: str) -> KvtraceError:
+    return KvtraceError(f"{file}: {where} is not {wanted}: the manifest was edited or damaged; capture the run again")
 
 
 def run_shape(manifest: dict, source: str) -> tuple[ModelShape, int, int]:
