@@ -87,17 +87,24 @@ def _is_kvtrace_run(out: Path) -> bool:
 
 
 def prepare_run_dir(out: Path, force: bool) -> None:
+    if out.is_symlink():
+        # --force removes the run directory; through a link it would remove what the link points to.
+        raise KvtraceError(f"--out {out} is a symbolic link (to {os.readlink(out)}): name the run directory itself")
     if out.exists() and not out.is_dir():
         raise KvtraceError(f"--out {out} is a file, not a directory: choose another --out")
-    if out.exists() and any(out.iterdir()):
-        # Checked before --force, so that the message never suggests a --force that would be refused.
-        if not _is_kvtrace_run(out):
-            raise KvtraceError(f"{out} is not empty and has no kvtrace {MANIFEST}: kvtrace replaces only its own "
-                               "run directories, choose another --out")
-        if not force:
-            raise KvtraceError(f"{out} already holds a run: pass --force to replace it, or choose another --out")
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        if out.exists() and any(out.iterdir()):
+            # Checked before --force, so that the message never suggests a --force that would be refused.
+            if not _is_kvtrace_run(out):
+                raise KvtraceError(f"{out} is not empty and has no kvtrace {MANIFEST}: kvtrace replaces only its "
+                                   "own run directories, choose another --out")
+            if not force:
+                raise KvtraceError(f"{out} already holds a run: pass --force to replace it, or choose another --out")
+            shutil.rmtree(out)
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise KvtraceError(f"cannot prepare --out {out}: {error.strerror or error}; choose a folder you can "
+                           "write to") from None
 
 
 def gpu_inventory() -> list[dict]:
