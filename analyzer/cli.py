@@ -32,10 +32,10 @@ def target_options(command):
     -o - is standard output."""
 
     @click.option("--format", "fmt", type=click.Choice(render.FORMATS), default="table", show_default=True,
-                  help="Terminal table, GitHub markdown, JSON (versioned schema) or CSV.  [default with -o: from "
-                       "its suffix, .md, .json or .csv]")
-    @click.option("-o", "--output", type=click.Path(allow_dash=True, path_type=Path),
-                  help="Write to FILE (atomically; never onto an input) instead of standard output; - is standard "
+                  help="Terminal table, GitHub markdown, JSON (versioned schema) or CSV. With -o FILE the default "
+                       "is the one its suffix names (.md, .json, .csv).")
+    @click.option("-o", "--output", metavar="FILE", type=click.Path(allow_dash=True, path_type=Path),
+                  help="Write to FILE (atomically, never onto an input) instead of standard output; - is standard "
                        "output.")
     @functools.wraps(command)
     def wrapper(*args, fmt, output, **kwargs):
@@ -135,13 +135,17 @@ def load_traces(paths: list[Path], nsys_path: str | None):
 
 def emit(result, fmt: str, output: Path | None) -> None:
     if output is None or files.is_stdout(output):
-        if fmt == "table":
-            console = _Stdout()
-            if not console.is_terminal:
-                console = _Stdout(width=200)  # piped: no terminal width to fit, keep rows on one line
-            render.terminal.render(result, console)
-        else:
-            sys.stdout.write(render.render_text(result, fmt))
+        try:
+            if fmt == "table":
+                console = _Stdout()
+                if not console.is_terminal:
+                    console = _Stdout(width=200)  # piped: no terminal width to fit, keep rows on one line
+                render.terminal.render(result, console)
+            else:
+                sys.stdout.write(render.render_text(result, fmt))
+            sys.stdout.flush()
+        except BrokenPipeError:
+            files.discard_stdout()  # the reader has what it wanted; a --fail-on gate still decides the exit code
         return
     if fmt == "table":
         buffer = io.StringIO()
@@ -157,7 +161,7 @@ def emit(result, fmt: str, output: Path | None) -> None:
 
 class _Stdout(Console):
     def on_broken_pipe(self) -> None:
-        raise BrokenPipeError  # rich would exit 1; kvtrace.cli.main ends a `| head` with 0
+        raise BrokenPipeError  # rich would exit 1 at once; emit() carries on
 
 
 def _warnings(result) -> list:

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import difflib
 import importlib
-import os
 import sys
 
 import click
 
-from kvtrace import __version__
+from kvtrace import __version__, files
 from kvtrace.errors import KvtraceError
 
 # command name -> ("module:attribute", one-line help shown by `kvtrace --help` without importing it)
@@ -79,7 +78,5 @@ def main(argv: list[str] | None = None) -> None:
     except click.exceptions.Exit as done:
         sys.exit(done.exit_code)
     except BrokenPipeError:
-        # `kvtrace diff … | head`: the reader has what it wanted. Standard output now goes nowhere, so that
-        # the interpreter's final flush does not fail again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        files.discard_stdout()
         sys.exit(0)

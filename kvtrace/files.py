@@ -39,6 +39,12 @@ def is_stdout(path: str | os.PathLike | None) -> bool:
     return path is not None and os.fspath(path) == STDOUT
 
 
+def discard_stdout() -> None:
+    """Standard output's reader has gone (`kvtrace diff … | head`): what is still written goes nowhere, so that
+    neither the rest of the command nor the interpreter's final flush fails on it."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
 def check_target(path: str | os.PathLike, inputs=()) -> None:
     """Refuse a target that the write would destroy or that cannot be written: one of `inputs`, a folder,
     or a name in a folder that does not exist."""
@@ -68,13 +74,8 @@ def check_target(path: str | os.PathLike, inputs=()) -> None:
 
 
 def write(path: str | os.PathLike, data: str | bytes, inputs=()) -> None:
-    """Write `data` (text is UTF-8) to `path` by the rules above."""
+    """Write `data` (text is UTF-8) to a file by the rules above (standard output is the caller's)."""
     payload = data.encode() if isinstance(data, str) else data
-    if is_stdout(path):
-        sys.stdout.flush()
-        sys.stdout.buffer.write(payload)
-        sys.stdout.buffer.flush()
-        return
     check_target(path, inputs)
     path = Path(path)
     try:
