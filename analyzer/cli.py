@@ -15,7 +15,6 @@ from click.core import ParameterSource
 from rich.console import Console
 
 from kvtrace import files
-
 from kvtrace.analyzer import align, compare, render, stats
 from kvtrace.analyzer.classify import SEGMENTS, load_recipes
 from kvtrace.analyzer.load import open_trace, open_traces
@@ -40,13 +39,12 @@ def target_options(command):
     @functools.wraps(command)
     def wrapper(*args, fmt, output, **kwargs):
         context = click.get_current_context()
-        if output is not None and context.get_parameter_source("fmt") is ParameterSource.DEFAULT:
-            fmt = FORMAT_OF_SUFFIX.get(output.suffix.lower(), fmt)
         if output is not None:
-            # The paths given are inputs: refused as output before any work is done.
-            given = [v for name, v in context.params.items() if name not in ("output", "plots_dir")
-                     for v in (v if isinstance(v, tuple) else (v,)) if isinstance(v, Path)]
-            inputs().extend(given)
+            if context.get_parameter_source("fmt") is ParameterSource.DEFAULT:
+                fmt = FORMAT_OF_SUFFIX.get(output.suffix.lower(), fmt)
+            # The paths given are inputs: an output naming one is refused before any work is done.
+            inputs().extend(v for name, value in context.params.items() if name not in ("output", "plots_dir")
+                            for v in (value if isinstance(value, tuple) else (value,)) if isinstance(v, Path))
             files.check_target(output, inputs())
         return command(*args, fmt=fmt, output=output, **kwargs)
 

@@ -188,9 +188,9 @@ def _cache_entry(sqlite_path: Path) -> _Entry | None:
     if folder is None:
         return None
     resolved = sqlite_path.resolve()
-    stat_ = resolved.stat()
-    export = {"path": str(resolved), "device": stat_.st_dev, "inode": stat_.st_ino, "size": stat_.st_size,
-              "mtime_ns": stat_.st_mtime_ns, "ctime_ns": stat_.st_ctime_ns, "cache_format": CACHE_FORMAT,
+    status = resolved.stat()
+    export = {"path": str(resolved), "device": status.st_dev, "inode": status.st_ino, "size": status.st_size,
+              "mtime_ns": status.st_mtime_ns, "ctime_ns": status.st_ctime_ns, "cache_format": CACHE_FORMAT,
               "kvtrace": __version__}
     place = hashlib.sha256(str(resolved).encode()).hexdigest()[:12]
     version = hashlib.sha256(json.dumps(export, sort_keys=True).encode()).hexdigest()[:12]

@@ -56,10 +56,9 @@ def cli() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = sys.argv[1:] if argv is None else argv
+    # A bare `kvtrace` asks what there is: the help on standard output, not a usage error.
+    args = (sys.argv[1:] if argv is None else argv) or ["--help"]
     try:
-        if not args:  # a bare `kvtrace` asks what there is: help on standard output, not a usage error
-            args = ["--help"]
         cli.main(args=args, prog_name="kvtrace", standalone_mode=False)
         sys.stdout.flush()  # inside the try: a reader that has gone away is not an error
     except KvtraceError as error:

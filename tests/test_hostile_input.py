@@ -109,7 +109,7 @@ def _old(path: Path) -> None:
 
 
 def _user_folder(folder: Path) -> Path:
-    """A month-old folder of the user's with a file in it; named like a cache entry and without, in turn."""
+    """A month-old folder of the user's with a file in it."""
     folder.mkdir(parents=True)
     (folder / "result.txt").write_text("x\n")
     _old(folder)
@@ -120,6 +120,7 @@ def _user_folder(folder: Path) -> Path:
 def test_cache_cleanup_removes_only_kvtrace_entries(layout, tmp_path, kv):
     cache = tmp_path / "shared"
     user = tmp_path / "user-data" if layout == "traces-link" else cache / "traces"
+    # Plain, and named like an entry or a temporary entry (but without kvtrace's marker).
     keep = [_user_folder(user / "run-old"), _user_folder(user / "run-aaaaaaaaaaaa-bbbbbbbbbbbb"),
             _user_folder(user / ".run-aaaaaaaaaaaa-bbbbbbbbbbbb-x")]
     (user / "link-aaaaaaaaaaaa-bbbbbbbbbbbb").symlink_to(keep[0])  # an entry's name, but a link
@@ -479,9 +480,9 @@ HOSTILE = ("void k<int>::[lambda() (instance 3)] [/] [link=https://evil.example]
 @pytest.mark.parametrize("command", ["kernels", "summary", "diff"])
 def test_hostile_names_are_inert_in_every_format(command, fmt, tmp_path, kv):
     trace = named(tmp_path, HOSTILE)
-    args = {"kernels": ["kernels", trace], "summary": ["summary", trace], "diff": ["diff", trace, trace]}[command]
-    code, out, err = kv(*args, "--format", fmt, "--label", "[/]", "--label", "<b>*") if command == "diff" else \
-        kv(*args, "--format", fmt)
+    args = {"kernels": ["kernels", trace], "summary": ["summary", trace],
+            "diff": ["diff", trace, trace, "--label", "[/]", "--label", "<b>*"]}[command]
+    code, out, err = kv(*args, "--format", fmt)
     assert code == 0, err
     for raw in ("\x1b", "\x07", "\r", "\x9b", "\u202e"):
         assert raw not in out
