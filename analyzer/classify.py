@@ -19,6 +19,7 @@ import polars as pl
 import regex
 
 from kvtrace.errors import KvtraceError
+from kvtrace.kv_formats import STORAGE_LABELS, kernel_dtype_label
 
 SEGMENTS = (
     "prefill_attention",
@@ -250,47 +251,11 @@ def _same_name(qualified: str, ref: str) -> bool:
 # KV dtype labels
 # ---------------------------------------------------------------------------------------------------
 
-DTYPE_LABELS = {
-    "__nv_fp4x2_e2m1": "nvfp4",
-    "__nv_fp4_e2m1": "nvfp4",
-    "cutlass::float_e2m1_t": "nvfp4",
-    "E2m1": "nvfp4",  # trtllm-gen cubin names, e.g. `KvE2m1`
-    "__nv_fp8_e4m3": "fp8_e4m3",
-    "cutlass::float_e4m3_t": "fp8_e4m3",
-    "c10::Float8_e4m3fn": "fp8_e4m3",
-    "E4m3": "fp8_e4m3",
-    "__nv_fp8_e5m2": "fp8_e5m2",
-    "cutlass::float_e5m2_t": "fp8_e5m2",
-    "c10::Float8_e5m2": "fp8_e5m2",
-    "E5m2": "fp8_e5m2",
-    "__nv_bfloat16": "bf16",
-    "cutlass::bfloat16_t": "bf16",
-    "c10::BFloat16": "bf16",
-    "Bfloat16": "bf16",
-    "half": "fp16",
-    "__half": "fp16",
-    "cutlass::half_t": "fp16",
-    "c10::Half": "fp16",
-    "Fp16": "fp16",
-    "float": "fp32",
-    "unsigned char": "uint8",
-    "uint8_t": "uint8",
-    "unsigned short": "uint16",
-    "uint16_t": "uint16",
-}
-# Storage types say how bytes are held, not how they are encoded; another slot of the same rule
-# (e.g. vLLM's Fp8KVCacheDataType) names the encoding, so these lose to any other label.
-_STORAGE_LABELS = frozenset({"uint8", "uint16", "auto"})
 # Unambiguous KV-capable tokens, abstracted when a rule names no slot (see KV_SEGMENTS).
 _FALLBACK_TOKENS = re.compile(
     r"(?<![\w:])(?:__nv_fp8_e4m3|__nv_fp8_e5m2|__nv_fp4x2_e2m1|__nv_fp4_e2m1"
     r"|cutlass::float_e4m3_t|cutlass::float_e5m2_t|cutlass::float_e2m1_t)(?!\w)"
 )
-
-
-def dtype_label(token: str) -> str:
-    """Canonical label ("nvfp4", "fp8_e4m3", "bf16", ...) of a C++ dtype token; unknown tokens verbatim."""
-    return DTYPE_LABELS.get(token, token)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -396,6 +361,9 @@ def _parse_recipe_file(name: str, location: str, data: bytes, *, order_required:
     return _RecipeFile(name, location, order, tuple(rules))
 
 
+_Fail = Callable[[str, str], KvtraceError]
+
+
 def _parse_rule(file_name: str, location: str, position: int, table: dict) -> Rule:
     rule_id = table.get("id")
     label = f"rule {rule_id!r} (#{position})" if isinstance(rule_id, str) else f"rule #{position}"
@@ -415,8 +383,19 @@ def _parse_rule(file_name: str, location: str, position: int, table: dict) -> Ru
         pattern = regex.compile(table["match"])
     except regex.error as err:
         raise fail(f"`match` is not a valid Python regex ({err})", "fix the pattern (single quotes keep backslashes)")
+    template = _parse_template(table.get("template", {}), fail)
+    dims = _parse_dims(table, fail)
+    kv_slots, kv_enum, kv_dtype = _parse_kv(table, pattern, fail)
+    for key in ("note", "source"):
+        if not isinstance(table.get(key, ""), str):
+            raise fail(f"`{key}` is not a string", f'write `{key} = "..."`')
+    return Rule(file=file_name, id=table["id"], segment=table["segment"], pattern=pattern, template=template,
+                dims=dims, kv_slots=kv_slots, kv_enum=kv_enum, kv_dtype=kv_dtype, note=table.get("note", ""),
+                source=table.get("source", ""))
 
-    conditions = table.get("template", {})
+
+def _parse_template(conditions, fail: _Fail) -> tuple[tuple[SlotRef, tuple[str, ...]], ...]:
+    """`template = { MaskMode = "1", "KernelTraits[3]" = ["a", "b"] }`: slot -> accepted values."""
     if not isinstance(conditions, dict):
         raise fail("`template` is not a table", 'write e.g. `template = { MaskMode = "1" }`')
     template = []
@@ -429,7 +408,11 @@ def _parse_rule(file_name: str, location: str, position: int, table: dict) -> Ru
                 'name an enum type or Template[index] and give a string, an integer or a list of them',
             )
         template.append((ref, tuple(str(v) for v in values)))
+    return tuple(template)
 
+
+def _parse_dims(table: dict, fail: _Fail) -> tuple[DimCondition, ...]:
+    """grid_x … block_z: an integer (equality) or a comparison such as ">1"."""
     dims = []
     for dim in DIMS:
         if dim not in table:
@@ -442,7 +425,13 @@ def _parse_rule(file_name: str, location: str, position: int, table: dict) -> Ru
             dims.append(DimCondition(dim, m["op"] or "==", int(m["value"])))
         else:
             raise fail(f"bad `{dim}` condition {spec!r}", f'write an integer or a comparison such as `{dim} = ">1"`')
+    return tuple(dims)
 
+
+def _parse_kv(table: dict, pattern: re.Pattern[str],
+              fail: _Fail) -> tuple[tuple[SlotRef, ...], dict[str, tuple[str, ...]], str | None]:
+    """Where the KV dtype is named: kv_slots (with kv_enum labels for enum slots), a fixed kv_dtype, or a
+    (?P<kv>...) group of the pattern; the last two exclude the others."""
     slot_specs = table.get("kv_slots", [])
     if not isinstance(slot_specs, list):
         slot_specs = [slot_specs]
@@ -466,23 +455,7 @@ def _parse_rule(file_name: str, location: str, position: int, table: dict) -> Ru
     kv_dtype = table.get("kv_dtype")
     if kv_dtype is not None and (not isinstance(kv_dtype, str) or kv_slots or "kv" in pattern.groupindex):
         raise fail("`kv_dtype` must be a string and excludes kv_slots and a (?P<kv>...) group", "keep one of them")
-    for key in ("note", "source"):
-        if not isinstance(table.get(key, ""), str):
-            raise fail(f"`{key}` is not a string", f'write `{key} = "..."`')
-
-    return Rule(
-        file=file_name,
-        id=table["id"],
-        segment=table["segment"],
-        pattern=pattern,
-        template=tuple(template),
-        dims=tuple(dims),
-        kv_slots=tuple(kv_slots),
-        kv_enum={key: tuple(labels) for key, labels in kv_enum.items()},
-        kv_dtype=kv_dtype,
-        note=table.get("note", ""),
-        source=table.get("source", ""),
-    )
+    return tuple(kv_slots), {key: tuple(labels) for key, labels in kv_enum.items()}, kv_dtype
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -501,12 +474,12 @@ def kernel_family(kernel: KernelName, rule: Rule | None, match: regex.Match | No
     """Family of a kernel name under the rule that matched it (None when no rule matched)."""
     slots: list[tuple[int, int, str]] = []  # (start, end, dtype label)
     if match is not None and "kv" in match.re.groupindex and match["kv"] is not None:
-        slots.append((*match.span("kv"), dtype_label(match["kv"])))
+        slots.append((*match.span("kv"), kernel_dtype_label(match["kv"])))
     for ref in rule.kv_slots if rule else ():
         enum_labels = rule.kv_enum.get(str(ref))
         for arg, value in ref.find(kernel):
             if enum_labels is None:
-                label = dtype_label(value)
+                label = kernel_dtype_label(value)
             else:
                 known = value.isdigit() and int(value) < len(enum_labels)
                 label = enum_labels[int(value)] if known else f"{ref}={value}"
@@ -515,7 +488,7 @@ def kernel_family(kernel: KernelName, rule: Rule | None, match: regex.Match | No
     fixed_label = rule.kv_dtype if rule else None
     if not slots and fixed_label is None and (rule is None or rule.segment in KV_SEGMENTS):
         slots = [
-            (m.start(), m.end(), dtype_label(m.group()))
+            (m.start(), m.end(), kernel_dtype_label(m.group()))
             for m in _FALLBACK_TOKENS.finditer(kernel.text, kernel.key_start, kernel.key_end)
         ]
 
@@ -530,7 +503,7 @@ def kernel_family(kernel: KernelName, rule: Rule | None, match: regex.Match | No
     if conditions:
         label += f"[{','.join(conditions)}]"
     labels = [s[2] for s in slots]
-    kv_dtype = fixed_label or next((x for x in labels if x not in _STORAGE_LABELS), labels[0] if labels else None)
+    kv_dtype = fixed_label or next((x for x in labels if x not in STORAGE_LABELS), labels[0] if labels else None)
     return Family(key, label, kv_dtype)
 
 

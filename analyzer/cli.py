@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import io
-import os
 import sys
 import threading
 from contextlib import contextmanager
@@ -14,6 +13,7 @@ import click
 from click.core import ParameterSource
 from rich.console import Console
 
+import kvtrace.nsys
 from kvtrace import files
 from kvtrace.analyzer import align, compare, render, stats
 from kvtrace.analyzer.classify import SEGMENTS, load_recipes
@@ -73,9 +73,9 @@ def output_options(command):
 
 
 def _check_nsys_option(context, parameter, value: str | None) -> str | None:
-    if value is not None and not (os.path.isfile(value) and os.access(value, os.X_OK)):
-        problem = "is a directory" if os.path.isdir(value) else "is not an executable file"
-        raise KvtraceError(f"--nsys {value} {problem}: point it at the nsys binary (e.g. .../bin/nsys)")
+    """At once, not only when an .nsys-rep needs exporting: a wrong --nsys is wrong with .sqlite inputs too."""
+    if value is not None:
+        kvtrace.nsys.check_explicit(value)
     return value
 
 

@@ -2,7 +2,8 @@
 
 Kernels are classified once per distinct signature (name, grid, block) and joined back; the window
 (analyzer.align) picks which calls count; calls are paired across arms per kernel family and launch shape
-before any ratio is formed. Numbers come from analyzer.stats only.
+before any ratio is formed. Per-call statistics, ratio intervals and verdicts come from analyzer.stats; this
+module itself only adds up times and counts (totals, shares, the total-time ratio, the kernel list's means).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from kvtrace.analyzer import align, stats
 from kvtrace.analyzer.classify import SEGMENTS, RecipeSet
 from kvtrace.analyzer.load import Trace, TraceInfo
 from kvtrace.errors import KvtraceError
+from kvtrace.kv_formats import claimed_dtypes
 
 SUMMARY_SCHEMA = "kvtrace.summary/1"
 DIFF_SCHEMA = "kvtrace.diff/2"
@@ -466,10 +468,6 @@ def comparability(baseline: Arm, candidate: Arm) -> list[Finding]:
     return findings
 
 
-_DTYPE_WORDS = {"nvfp4": ("nvfp4", "fp4"), "fp8_e4m3": ("fp8",), "fp8_e5m2": ("fp8",), "bf16": ("bf16", "auto"),
-                "fp16": ("fp16", "auto"), "auto": ("auto", "bf16")}
-
-
 def _dtype_findings(baseline: Arm, candidate: Arm) -> list[Finding]:
     findings = []
     for arm in (baseline, candidate):
@@ -479,16 +477,11 @@ def _dtype_findings(baseline: Arm, candidate: Arm) -> list[Finding]:
         findings.append(Finding("warning", "kv-dtype", "both arms ran the same KV dtype "
                                 f"({', '.join(baseline.kv_dtypes)}): this compares runs, not formats"))
 
-    def claims(label: str) -> set[str]:
-        lowered = label.lower()
-        return {dtype for dtype, words in _DTYPE_WORDS.items() if any(w in lowered for w in words)}
-
     for arm, other in ((baseline, candidate), (candidate, baseline)):
-        claimed = claims(arm.label)
-        # "fp8" is a substring of nothing else, "fp4" only of nvfp4; a label naming the other arm's
-        # dtype but not its own is the swapped-arms signature.
+        claimed = claimed_dtypes(arm.label)
+        # A label naming the other arm's dtype but not its own is the swapped-arms signature.
         if claimed and arm.kv_dtypes and not claimed & set(arm.kv_dtypes):
-            swapped = claims(other.label) & set(arm.kv_dtypes)
+            swapped = claimed_dtypes(other.label) & set(arm.kv_dtypes)
             findings.append(Finding("error", "kv-dtype",
                                     f"'{arm.label}' ran {', '.join(arm.kv_dtypes)} kernels"
                                     + (": the arms look swapped (baseline first, candidate second)" if swapped else

@@ -16,7 +16,6 @@ import shutil
 import sqlite3
 import stat
 import struct
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,12 +30,12 @@ import numpy as np
 import polars as pl
 import sqlite_utils
 
+import kvtrace.nsys
 from kvtrace import __version__
 from kvtrace.analyzer import ranges as ranges_
-from kvtrace.capture import runner  # nsys discovery, shared with capture (standard library only)
 from kvtrace.errors import KvtraceError
+from kvtrace.nsys import is_sqlite
 
-SQLITE_MAGIC = b"SQLite format 3\x00"
 KERNEL_TABLE = "CUPTI_ACTIVITY_KIND_KERNEL"
 RUNTIME_TABLE = "CUPTI_ACTIVITY_KIND_RUNTIME"
 NVTX_TABLE = "NVTX_EVENTS"
@@ -115,7 +114,7 @@ def open_trace(path: str | os.PathLike, *, nsys: str | None = None, cache: bool 
     source = Path(path)
     _check_file(source)
     sqlite_path = source
-    if not _is_sqlite(source):
+    if not is_sqlite(source):
         if source.suffix in (".nsys-rep", ".qdrep"):
             sqlite_path = export_report(source, nsys=nsys)
         else:
@@ -430,8 +429,7 @@ def read_launches(sqlite_path: Path, index: ranges_.RangeIndex, api_ids: list[in
     """Every launch call's innermost NVTX range, as runs. A process's runtime rows usually come in
     correlationId order, and then runs are cut batch by batch and memory stays at a few values per range;
     otherwise the calls are read again, sorted, and cut."""
-    query = (f"SELECT correlationId, globalTid, start FROM {RUNTIME_TABLE} "
-             f"WHERE nameId IN ({','.join(map(str, api_ids))})")
+    query = _launch_query(api_ids)
     processes = _Processes()
     runs: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
     last: dict[int, int] = {}
@@ -488,8 +486,6 @@ def read_kernels(sqlite_path: Path, launches: Launches | Future | None) -> tuple
     """Per-launch rows (start, duration, sig, range) and the distinct signatures they use. While the launch
     calls are still being read (`launches` is a Future), each kernel's correlationId and process are kept
     until they are."""
-    columns = f"start, \"end\", {_NAMES}, {_GRID}, {_BLOCK}" + \
-        (", correlationId, globalPid" if launches is not None else "")
     with closing(_connect(sqlite_path)) as conn:
         count = conn.execute(f"SELECT count(*) FROM {KERNEL_TABLE}").fetchone()[0]
     # Filled batch by batch, so the rows are never held twice.
@@ -502,7 +498,7 @@ def read_kernels(sqlite_path: Path, launches: Launches | Future | None) -> tuple
         correlation, pid = np.empty(count, dtype=np.int64), np.empty(count, dtype=np.int64)
     signatures = pl.DataFrame(schema={"names": pl.Int64, "grid": pl.Int64, "block": pl.Int64, "sig": pl.UInt32})
     filled = not_after = 0
-    for batch in _read_batches(sqlite_path, f"SELECT {columns} FROM {KERNEL_TABLE}"):
+    for batch in _read_batches(sqlite_path, _kernel_query(launch_keys=launches is not None)):
         if filled + batch.num_rows > count:
             raise KvtraceError(f"{sqlite_path} changed while it was read (more than {count} kernel rows): "
                                "read it again once nothing writes to it")
@@ -571,6 +567,17 @@ def _unpack(signatures: pl.DataFrame) -> pl.DataFrame:
         field("block", 32, 31).alias("device_id")).sort("sig")
 
 
+def _launch_query(api_ids: list[int]) -> str:
+    return (f"SELECT correlationId, globalTid, start FROM {RUNTIME_TABLE} "
+            f"WHERE nameId IN ({','.join(map(str, api_ids))})")
+
+
+def _kernel_query(*, launch_keys: bool) -> str:
+    """The kernel table's columns kvtrace reads; `launch_keys` adds what ties a kernel to its launch call."""
+    columns = f"start, \"end\", {_NAMES}, {_GRID}, {_BLOCK}" + (", correlationId, globalPid" if launch_keys else "")
+    return f"SELECT {columns} FROM {KERNEL_TABLE}"
+
+
 def _read_batches(path: Path, query: str):
     """Stream a query's rows as Arrow record batches through ADBC, read-only: memory stays at one batch."""
     import adbc_driver_sqlite.dbapi as adbc
@@ -590,44 +597,33 @@ def export_report(report: Path, *, nsys: str | None = None) -> Path:
     A sibling `<report>.sqlite` newer than the report is used as is, as `nsys recipe` does.
     """
     sibling = report.with_suffix(".sqlite")
-    if sibling.exists() and sibling.stat().st_mtime >= report.stat().st_mtime and _is_sqlite(sibling):
+    if sibling.exists() and sibling.stat().st_mtime >= report.stat().st_mtime and is_sqlite(sibling):
         return sibling
-    nsys_path = _find_nsys(nsys)
-    stat = report.stat()
-    key = hashlib.sha256(f"{report.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{nsys_path}".encode()).hexdigest()[:20]
-    cache = _cache_dir("exports") or Path(tempfile.mkdtemp(prefix="kvtrace-export-"))
-    target = cache / f"{report.stem}-{key}.sqlite"
-    if target.exists():
-        return target
-    # nsys writes into a temporary name; only a complete export is renamed into the cache.
-    fd, partial_name = tempfile.mkstemp(dir=cache, prefix=f".{report.stem}-", suffix=".sqlite")
-    os.close(fd)
-    partial = Path(partial_name)
-    command = [nsys_path, "export", "--type=sqlite", "--force-overwrite=true", f"--output={partial}", str(report)]
     try:
-        result = subprocess.run(command, capture_output=True, text=True, check=False)
-        output = (result.stdout + result.stderr)
-        if result.returncode != 0 or not _is_sqlite(partial):
-            if "ProtobufParseException" in output:
-                version = runner.nsys_version(nsys_path).replace("NVIDIA ", "")
-                raise KvtraceError(f"{version} cannot read {report}: it was recorded by a newer "
-                                   "Nsight Systems; export it there (nsys export --type sqlite) or point "
-                                   "NSYS at that version")
-            last_line = next((l for l in reversed(output.strip().splitlines()) if l.strip()), "no output")
-            raise KvtraceError(f"nsys export failed on {report} (exit {result.returncode}: {last_line.strip()}); "
-                               "check the report opens in Nsight Systems, or export it yourself")
-        os.replace(partial, target)
-    finally:
-        partial.unlink(missing_ok=True)
-    return target
-
-
-def _find_nsys(explicit: str | None) -> str:
-    try:
-        return runner.find_nsys(explicit)
+        nsys_path = kvtrace.nsys.find_nsys(nsys)
     except KvtraceError as error:
         raise KvtraceError(f"an .nsys-rep needs nsys to export it: {error}; or pass the .sqlite from "
                            "`nsys export --type sqlite`") from None
+    # The same identity as a trace-cache entry: a report rewritten with its size and mtime kept is another key.
+    status = report.stat()
+    identity = (report.resolve(), status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns,
+                status.st_ctime_ns, nsys_path)
+    key = hashlib.sha256("|".join(map(str, identity)).encode()).hexdigest()[:20]
+    cache = _cache_dir("exports") or Path(tempfile.mkdtemp(prefix="kvtrace-export-"))
+    target = cache / f"{report.stem[:64]}-{key}.sqlite"
+    if target.exists():
+        return target
+    try:
+        kvtrace.nsys.export_sqlite(nsys_path, report, target)
+    except kvtrace.nsys.ExportFailed as failed:
+        if failed.newer_report:
+            version = kvtrace.nsys.nsys_version(nsys_path).replace("NVIDIA ", "")
+            raise KvtraceError(f"{version} cannot read {report}: it was recorded by a newer "
+                               "Nsight Systems; export it there (nsys export --type sqlite) or point "
+                               "NSYS at that version") from None
+        raise KvtraceError(f"nsys export failed on {report} (exit {failed.returncode}: {failed.last_line}); "
+                           "check the report opens in Nsight Systems, or export it yourself") from None
+    return target
 
 
 def _cache_dir(kind: str) -> Path | None:
@@ -690,11 +686,6 @@ def _check_file(path: Path) -> None:
         raise KvtraceError(f"cannot read {path}: {error.strerror.lower()}; check its permissions") from None
     if status.st_size == 0:
         raise KvtraceError(f"{path} is empty (0 bytes): re-run `nsys export --type sqlite` on the report")
-
-
-def _is_sqlite(path: Path) -> bool:
-    with open(path, "rb") as handle:
-        return handle.read(len(SQLITE_MAGIC)) == SQLITE_MAGIC
 
 
 def _check_sqlite_size(path: Path) -> None:
@@ -799,3 +790,23 @@ def _with_names(conn: sqlite3.Connection, signatures: pl.DataFrame) -> pl.DataFr
     strings = pl.DataFrame(rows.fetchall(), schema={"id": pl.Int64, "value": pl.Utf8}, orient="row")
     return (signatures.join(strings.rename({"id": "name_id", "value": "demangled"}), on="name_id", how="left")
             .join(strings.rename({"id": "short_id", "value": "short"}), on="short_id", how="left").sort("sig"))
+
+
+# ---- stages of a load, for bench/stages.py, which times each alone -------------------------------------
+
+def stage_queries(sqlite_path: Path) -> dict[str, str]:
+    """The two table reads open_trace makes, as SQL: "kernels" (with the launch keys) and "launches"."""
+    with closing(_connect(sqlite_path)) as conn:
+        api_ids = _launch_api_ids(conn)
+    return {"kernels": _kernel_query(launch_keys=True), "launches": _launch_query(api_ids)}
+
+
+def drain(sqlite_path: Path, query: str) -> int:
+    """Read a query's rows as open_trace reads them (Arrow batches through ADBC) and throw them away."""
+    return sum(batch.num_rows for batch in _read_batches(sqlite_path, query))
+
+
+def write_cache(sqlite_path: Path, trace: Trace) -> bool:
+    """Write the export's trace-cache entry, as open_trace does after a load; False when there is no cache."""
+    entry = _cache_entry(sqlite_path)
+    return entry is not None and _write_cached(entry, trace)

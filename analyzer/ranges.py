@@ -1,9 +1,9 @@
 """NVTX range nesting and point lookup over numpy arrays: which range is innermost at a time on a thread.
 
 A kernel belongs to the ranges around the CUDA API call that launched it, on the launching thread, as in
-Nsight Systems' own projection (nvtx_gpu_proj_trace.py, shared/reference/nsys-sqlite.md §2). nsys tests
-that the whole call lies inside the range; the call's start is enough here, because a range that ends on
-its own thread cannot end while that thread is inside the launch call.
+Nsight Systems' own projection (target-linux-x64/reports/nvtx_gpu_proj_trace.py, which ships with nsys;
+read in 2023.4.4). That script tests that the whole call lies inside the range; the call's start is enough
+here, because a range that ends on its own thread cannot end while that thread is inside the launch call.
 """
 
 from __future__ import annotations

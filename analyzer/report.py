@@ -1,6 +1,6 @@
 """The serving report: the kernel diff of two arms beside the serving metrics their run directories recorded.
 
-The seed's decision rule needs both kinds of number side by side, kept apart: prefill pays the conversion and
+Choosing a KV format needs both kinds of number side by side, kept apart: prefill pays the conversion and
 may gain prefix hits, decode repeatedly saves bytes, append pays the packing bill, and capacity is not
 latency. `build()` reads two arms' manifests (kvtrace.capture.runner's format: `arms.{name}.{status, sqlite,
 workload, ...}`; the vLLM engine adds `kv_cache` and per-point `bench` and `metrics`), diffs their traces
@@ -13,26 +13,24 @@ analyzer.compare/align, serving numbers from the manifests as the capture engine
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from statistics import NormalDist
 
 
-from kvtrace import __version__
+from kvtrace import __version__, kv_formats
 from kvtrace.analyzer import align, capacity, compare, stats
 from kvtrace.analyzer.classify import RecipeSet
 from kvtrace.analyzer.compare import Diff, Finding
 from kvtrace.analyzer.load import open_traces
-from kvtrace.capture.vllm_common import Point, capacity_reason
 from kvtrace.errors import KvtraceError
+from kvtrace.manifest import Manifest, Phase, Point, RunRecord, capacity_reason, parse_phase_name, read_manifest
 
 REPORT_SCHEMA = "kvtrace.report/1"
 # Segments whose per-call durations the report keeps for the ECDF plots.
 DISTRIBUTION_SEGMENTS = ("prefill_attention", "decode_attention")
-# FlashInfer workload phases (NVTX `kvtrace:<kind> ctx=<n> ...`) and the segment whose kernels do their KV work.
+# FlashInfer workload phases (kvtrace.manifest.phase_name) and the segment whose kernels do their KV work.
 PHASE_SEGMENTS = {"prefill": "prefill_attention", "decode": "decode_attention", "append": "kv_append"}
-_PHASE_NAME = re.compile(r"kvtrace:(\w+) ctx=(\d+)")
 _LATENCIES = ("ttft", "itl", "tpot", "e2el")
 # vLLM histograms (seconds) that stand in for the bench client's latencies in offline runs: means only.
 _HISTOGRAMS = {"ttft": ("vllm:time_to_first_token_seconds",),
@@ -63,35 +61,30 @@ class RunArm:
 @dataclass
 class _Input:
     run: Path
-    manifest: dict
-    arm: str
+    manifest: Manifest
+    arm: str  # the run's name in its manifest
+
+    @property
+    def record(self) -> RunRecord:
+        return self.manifest.runs[self.arm]
 
 
-def _arm_dtype(arm: dict, name: str) -> str:
-    return arm.get("kv_cache_dtype") or (arm.get("workload") or {}).get("kv_format") or name
-
-
-def _width(manifest: dict, name: str) -> float:
-    dtype = (((manifest.get("settings") or {}).get("model") or {}).get("torch_dtype"))
-    return capacity.format_width(_arm_dtype(manifest["arms"][name], name), dtype)
-
-
-def _locate(path: Path) -> tuple[Path, dict, str | None]:
+def _locate(path: Path) -> tuple[Path, Manifest, str | None]:
     """A run directory, its manifest.json or an ARM.manifest.json in it, or RUNDIR/ARM (an arm by name)."""
     if path.is_file() and path.name.endswith("manifest.json"):
-        manifest = capacity.read_manifest(path)
-        arms = list(manifest["arms"])
+        manifest = read_manifest(path)
+        arms = list(manifest.runs)
         return path.parent, manifest, arms[0] if path.name != "manifest.json" and len(arms) == 1 else None
     if not path.exists() and (path.parent / "manifest.json").is_file():
-        manifest = capacity.read_manifest(path.parent)
-        if path.name in manifest["arms"]:
+        manifest = read_manifest(path.parent)
+        if path.name in manifest.runs:
             return path.parent, manifest, path.name
         raise KvtraceError(f"{path}: no such run directory, and {path.parent} has no arm {path.name!r} (it has "
-                           f"{', '.join(manifest['arms'])}): pass RUNDIR or RUNDIR/ARM")
+                           f"{', '.join(manifest.runs)}): pass RUNDIR or RUNDIR/ARM")
     if path.exists() and not path.is_dir():
         raise KvtraceError(f"{path} is a file: pass a run directory written by `kvtrace capture` (it holds "
                            "manifest.json), not a trace; `kvtrace diff` compares traces")
-    return path, capacity.read_manifest(path), None
+    return path, read_manifest(path), None
 
 
 def resolve_inputs(paths: list[Path], arms: tuple[str, ...] = ()) -> list[_Input]:
@@ -113,11 +106,11 @@ def resolve_inputs(paths: list[Path], arms: tuple[str, ...] = ()) -> list[_Input
         if arms:
             names = list(arms)
         else:
-            names = list(manifest["arms"])
+            names = list(manifest.runs)
             if len(names) != 2:
                 raise KvtraceError(f"{run} holds {len(names)} arm(s) ({', '.join(names) or 'none'}): pick two with "
                                    "--arm BASELINE --arm CANDIDATE")
-            names.sort(key=lambda name: -_width(manifest, name))  # the wider format is the baseline
+            names = manifest.widest_first(names)
         inputs = [_Input(run, manifest, name) for name in names]
     else:
         inputs = []
@@ -126,10 +119,10 @@ def resolve_inputs(paths: list[Path], arms: tuple[str, ...] = ()) -> list[_Input
             if name is None and arms:
                 name = arms[index] if len(arms) == 2 else arms[0]
             if name is None:
-                if len(manifest["arms"]) != 1:
-                    raise KvtraceError(f"{run} holds arms {', '.join(manifest['arms'])}: pick one with --arm NAME "
+                if len(manifest.runs) != 1:
+                    raise KvtraceError(f"{run} holds arms {', '.join(manifest.runs)}: pick one with --arm NAME "
                                        "(once for both run directories, twice for one each) or pass RUNDIR/ARM")
-                name = next(iter(manifest["arms"]))
+                name = next(iter(manifest.runs))
             inputs.append(_Input(run, manifest, name))
     for item in inputs:
         _check_arm(item)
@@ -137,36 +130,32 @@ def resolve_inputs(paths: list[Path], arms: tuple[str, ...] = ()) -> list[_Input
 
 
 def _check_arm(item: _Input) -> None:
-    arms = item.manifest["arms"]
-    if item.arm not in arms:
-        raise KvtraceError(f"{item.run} has no arm {item.arm!r} (it has {', '.join(arms)}): check --arm")
-    arm = arms[item.arm]
-    status = arm.get("status")
-    if status != "ok":
-        detail = f": {arm['error']}" if arm.get("error") else ""
-        raise KvtraceError(f"arm {item.arm} in {item.run} {'failed' if status == 'failed' else 'is ' + str(status)}"
-                           f"{detail}; capture it again or report on another arm")
-    if not arm.get("sqlite"):
+    runs = item.manifest.runs
+    if item.arm not in runs:
+        raise KvtraceError(f"{item.run} has no arm {item.arm!r} (it has {', '.join(runs)}): check --arm")
+    arm = item.record
+    if arm.status != "ok":
+        state = "failed" if arm.status == "failed" else f"is {arm.status}"
+        detail = f": {arm.error}" if arm.error else ""
+        raise KvtraceError(f"arm {item.arm} in {item.run} {state}{detail}; capture it again or report on another arm")
+    if not arm.sqlite:
         raise KvtraceError(f"arm {item.arm} in {item.run} lists no SQLite export: export its report with "
                            "`nsys export --type sqlite` and capture again")
-    path = item.run / arm["sqlite"]
+    path = item.run / arm.sqlite
     if not path.is_file():
         raise KvtraceError(f"{path}, the export that arm {item.arm} lists, is missing: copy the run directory whole "
                            f"or re-export {item.arm}.nsys-rep with `nsys export --type sqlite`")
 
 
 def _run_arm(item: _Input, label: str) -> RunArm:
-    arm = item.manifest["arms"][item.arm]
-    settings = item.manifest.get("settings") or {}
-    dtype = _arm_dtype(arm, item.arm)
+    arm, manifest = item.record, item.manifest
     try:
-        fmt = capacity.canonical_format(dtype, (settings.get("model") or {}).get("torch_dtype"))
+        fmt = kv_formats.canonical_format(arm.kv_dtype, manifest.model_dtype)
     except KvtraceError:
         fmt = None
-    kv = arm.get("kv_cache") or {}
-    return RunArm(label=label, run=str(item.run), arm=item.arm, engine=item.manifest.get("engine"),
-                  kv_cache_dtype=dtype, kv_format=fmt, scenario=settings.get("scenario"), mode=settings.get("mode"),
-                  sqlite=str(item.run / arm["sqlite"]), kv_cache_tokens=kv.get("tokens"), kv_cache_line=kv.get("line"))
+    return RunArm(label=label, run=str(item.run), arm=item.arm, engine=manifest.engine, kv_cache_dtype=arm.kv_dtype,
+                  kv_format=fmt, scenario=manifest.scenario, mode=manifest.mode, sqlite=str(item.run / arm.sqlite),
+                  kv_cache_tokens=arm.kv_cache_tokens, kv_cache_line=arm.kv_cache.get("line"))
 
 
 # ---- result --------------------------------------------------------------------------------------------
@@ -258,6 +247,16 @@ class BandwidthRow:
 
 
 @dataclass
+class Statement:
+    """What the numbers say on one topic (prefill, decode, append, capacity, ttft), kept apart from the others;
+    a Finding, by contrast, says whether the two runs can be compared at all."""
+
+    level: str  # ok, warning
+    check: str  # the topic
+    message: str
+
+
+@dataclass
 class Ceiling:
     gpu: str
     bytes_per_s: int
@@ -277,7 +276,7 @@ class Report:
     baseline: RunArm
     candidate: RunArm
     diff: Diff
-    statements: list[Finding]  # what the numbers say, one topic each (prefill, decode, append, capacity, ttft)
+    statements: list[Statement]
     findings: list[Finding]  # comparability of the two runs beyond the kernel diff's own findings
     segment_means: list[SegmentMean]
     serving: list[ServingRow]
@@ -378,16 +377,12 @@ def serving_metrics(record: dict, kv_cache_tokens: int | None) -> ServingMetrics
         capacity=reason)
 
 
-def _points(manifest: dict, arm: str) -> list[dict]:
-    return list((manifest["arms"][arm].get("points") or []))
-
-
 def serving_rows(base: _Input, cand: _Input) -> list[ServingRow]:
     """One row per traffic point either arm ran, in the baseline's order, matched by the point's spec."""
     records = []
     for item in (base, cand):
-        kv = (item.manifest["arms"][item.arm].get("kv_cache") or {}).get("tokens")
-        records.append({p["point"]: serving_metrics(p, kv) for p in _points(item.manifest, item.arm) if p.get("point")})
+        kv = item.record.kv_cache_tokens
+        records.append({p["point"]: serving_metrics(p, kv) for p in item.record.points if p.get("point")})
     order = list(records[0]) + [p for p in records[1] if p not in records[0]]
     rows = []
     for spec in order:
@@ -440,39 +435,35 @@ def segment_means(diff: Diff) -> list[SegmentMean]:
 
 def _phase_calls(item: _Input, kind: str) -> int | None:
     """Workload calls of one kind of FlashInfer phase (all contexts), from the arm's manifest."""
-    phases = (item.manifest["arms"][item.arm].get("workload") or {}).get("phases") or []
-    calls = [p.get("calls") or 0 for p in phases if (m := _PHASE_NAME.match(p.get("nvtx", ""))) and m.group(1) == kind]
-    return sum(calls) or None
+    return sum(phase.calls or 0 for phase in item.record.phases if phase.kind == kind) or None
 
 
 def bandwidth_rows(diff: Diff, base: _Input, cand: _Input, ceiling: Ceiling | None) -> list[BandwidthRow]:
     """FlashInfer workload phases with KV bytes per call: achieved bytes/s of the phase's segment kernels."""
-    phases = {}
+    phases: dict[str, dict[str, Phase]] = {}
     for side, item in (("baseline", base), ("candidate", cand)):
-        workload = item.manifest["arms"][item.arm].get("workload") or {}
-        for phase in workload.get("phases") or []:
-            match = _PHASE_NAME.match(phase.get("nvtx", ""))
-            if match and match.group(1) in PHASE_SEGMENTS and phase.get("bytes_per_call"):
-                phases.setdefault(phase["nvtx"], {})[side] = phase
+        for phase in item.record.phases:
+            if phase.kind in PHASE_SEGMENTS and phase.bytes_per_call:
+                phases.setdefault(phase.nvtx, {})[side] = phase
     totals = {(r.segment, r.phase): r for r in diff.phases}
     rows = []
     for nvtx, sides in phases.items():
-        kind, context = _PHASE_NAME.match(nvtx).groups()
+        kind, context = parse_phase_name(nvtx)
         segment = PHASE_SEGMENTS[kind]
         diff_row = totals.get((segment, nvtx))
         values = {}
         for side in ("baseline", "candidate"):
             phase = sides.get(side)
             total = getattr(diff_row, f"{side}_total_ns") if diff_row else 0
-            if phase is None or not total or not phase.get("calls"):
-                values[side] = (phase and phase.get("calls"), phase and phase.get("bytes_per_call"), None, None, None)
+            if phase is None or not total or not phase.calls:
+                values[side] = (phase and phase.calls, phase and phase.bytes_per_call, None, None, None)
                 continue
-            per_call = total / phase["calls"]
-            rate = phase["bytes_per_call"] / (per_call / 1e9)
-            values[side] = (phase["calls"], phase["bytes_per_call"], per_call, rate,
+            per_call = total / phase.calls
+            rate = phase.bytes_per_call / (per_call / 1e9)
+            values[side] = (phase.calls, phase.bytes_per_call, per_call, rate,
                             rate / ceiling.bytes_per_s if ceiling else None)
         b, c = values["baseline"], values["candidate"]
-        rows.append(BandwidthRow(phase=nvtx, kind=kind, segment=segment, context=int(context), baseline_calls=b[0],
+        rows.append(BandwidthRow(phase=nvtx, kind=kind, segment=segment, context=context, baseline_calls=b[0],
                                  candidate_calls=c[0], baseline_bytes_per_call=b[1], candidate_bytes_per_call=c[1],
                                  baseline_ns_per_call=b[2], candidate_ns_per_call=c[2], baseline_bytes_per_s=b[3],
                                  candidate_bytes_per_s=c[3], baseline_fraction_of_ceiling=b[4],
@@ -500,36 +491,36 @@ def _fmt_ns(ns: float | None) -> str:
     return duration(ns)
 
 
-def _segment_statement(diff: Diff, segment: str, topic: str, what: str) -> Finding | None:
+def _segment_statement(diff: Diff, segment: str, topic: str, what: str) -> Statement | None:
     row = next((r for r in diff.segments if r.segment == segment), None)
     if row is None:
         return None
     b, c = diff.baseline.label, diff.candidate.label
     if row.ratio is None:
-        return Finding("warning", topic, f"{what}: {row.verdict} ({row.reason or row.note or 'no paired calls'})")
+        return Statement("warning", topic, f"{what}: {row.verdict} ({row.reason or row.note or 'no paired calls'})")
     interval = f" [{row.ci_low:.3f}, {row.ci_high:.3f}]" if row.ci_low is not None else ""
-    return Finding("warning" if row.verdict == stats.REGRESSION else "ok", topic,
+    return Statement("warning" if row.verdict == stats.REGRESSION else "ok", topic,
                    f"{what}: {_fmt_ns(row.baseline.mean_ns)} ({b}) → {_fmt_ns(row.candidate.mean_ns)} ({c}) per call, "
                    f"{row.ratio:.3f}×{interval}, {row.verdict} over {row.compared_calls:,} paired calls")
 
 
-def _append_phase_statement(diff: Diff, calls: tuple[int | None, int | None]) -> Finding | None:
+def _append_phase_statement(diff: Diff, calls: tuple[int | None, int | None]) -> Statement | None:
     """FlashInfer's append ranges hold the whole append path (FP8: a cast in separate kernels; NVFP4: one
     fused quantize-append), so the phase's GPU time per workload call is the fair comparison."""
-    rows = [r for r in diff.phases if r.phase and ":append " in r.phase]
+    rows = [r for r in diff.phases if r.phase and (parsed := parse_phase_name(r.phase)) and parsed[0] == "append"]
     base = sum(r.baseline_total_ns for r in rows)
     cand = sum(r.candidate_total_ns for r in rows)
     if not rows or not base or not all(calls):
         return None
     b, c = base / calls[0], cand / calls[1]
-    return Finding("warning" if c > b * (1 + diff.threshold) else "ok", "append",
+    return Statement("warning" if c > b * (1 + diff.threshold) else "ok", "append",
                    f"append phase, every kernel in the kvtrace:append ranges (the FP8 cast and the NVFP4 packing "
                    f"included): {_fmt_ns(b)} ({diff.baseline.label}) → {_fmt_ns(c)} ({diff.candidate.label}) per "
                    f"append call over {calls[0]:,} and {calls[1]:,} calls, {c / b:.3f}×")
 
 
 def statements(diff: Diff, serving: list[ServingRow], cap: capacity.Capacity | None, base: RunArm,
-               cand: RunArm, append_calls: tuple[int | None, int | None] = (None, None)) -> list[Finding]:
+               cand: RunArm, append_calls: tuple[int | None, int | None] = (None, None)) -> list[Statement]:
     out = [s for s in (
         _segment_statement(diff, "prefill_attention", "prefill", "prefill attention kernels"),
         _segment_statement(diff, "decode_attention", "decode", "decode attention kernels"),
@@ -537,13 +528,13 @@ def statements(diff: Diff, serving: list[ServingRow], cap: capacity.Capacity | N
         _append_phase_statement(diff, append_calls)) if s is not None]
     if cap is not None and cap.measured:
         for row in cap.measured[1:]:
-            out.append(Finding("ok", "capacity",
+            out.append(Statement("ok", "capacity",
                                f"capacity: vLLM reports {row.tokens:,} KV tokens for {row.arm} against "
                                f"{cap.measured[0].tokens:,} for {cap.measured[0].arm} ({row.multiplier:.2f}×; "
                                f"ideal from bytes per token {row.ideal_multiplier:.2f}×). Capacity is not latency: "
                                "more tokens fit, no kernel got faster"))
     elif cap is not None and cap.ideal_multiplier is not None and cap.formats[0].format != cap.formats[-1].format:
-        out.append(Finding("ok", "capacity",
+        out.append(Statement("ok", "capacity",
                            f"capacity (ideal, from bytes per token): {cap.formats[-1].label} fits "
                            f"{cap.ideal_multiplier:.2f}× the tokens of {cap.formats[0].label} in the same memory "
                            f"(ratio {cap.ideal_ratio:.4g}); no run measured it. Capacity is not latency"))
@@ -551,9 +542,9 @@ def statements(diff: Diff, serving: list[ServingRow], cap: capacity.Capacity | N
     return out
 
 
-def ttft_guard_rail(diff: Diff, serving: list[ServingRow], base: RunArm, cand: RunArm) -> list[Finding]:
-    """The seed's "two valid but different prefill statements": a TTFT gain beside a prefill-kernel
-    regression, with different cached prompt tokens, is a capacity / prefix-hit effect, not a faster kernel."""
+def ttft_guard_rail(diff: Diff, serving: list[ServingRow], base: RunArm, cand: RunArm) -> list[Statement]:
+    """Two prefill statements that can both be true: a TTFT gain beside a prefill-kernel regression, with
+    different cached prompt tokens, is a capacity / prefix-hit effect, not a faster kernel."""
     prefill = next((r for r in diff.segments if r.segment == "prefill_attention"), None)
     kernel_regressed = prefill is not None and prefill.verdict == stats.REGRESSION
     out = []
@@ -569,27 +560,27 @@ def ttft_guard_rail(diff: Diff, serving: list[ServingRow], base: RunArm, cand: R
         cached = (f"{c_cached:,} cached prompt tokens ({cand.label}) against {b_cached:,} ({base.label})"
                   if cached_differ else "")
         if improved and kernel_regressed and cached_differ:
-            out.append(Finding("warning", "ttft",
+            out.append(Statement("warning", "ttft",
                                f"{ttft}{where} while prefill attention kernels regressed {prefill.ratio:.3f}× per "
                                f"call, with {cached}: the TTFT gain is a capacity / prefix-hit effect (more of the "
                                "prompt came from the prefix cache, so less prefill ran), not a faster prefill kernel"))
         elif improved and kernel_regressed and row.baseline.capacity and not row.candidate.capacity:
-            out.append(Finding("warning", "ttft",
+            out.append(Statement("warning", "ttft",
                                f"{ttft}{where} although prefill attention kernels regressed {prefill.ratio:.3f}× per "
                                f"call: {base.label} was capacity-bound there ({row.baseline.capacity}) and "
                                f"{cand.label} was not, so the TTFT gain is a capacity effect (less queueing and "
                                "recomputation after preemption), not a faster prefill kernel"))
         elif improved and kernel_regressed:
-            out.append(Finding("warning", "ttft",
+            out.append(Statement("warning", "ttft",
                                f"{ttft}{where} although prefill attention kernels regressed {prefill.ratio:.3f}× per "
                                "call, with the same cached prompt tokens: the gain comes from outside the prefill "
                                "kernels (scheduling, queueing, preemptions), not a faster kernel"))
         elif cached_differ:
-            out.append(Finding("warning", "ttft",
+            out.append(Statement("warning", "ttft",
                                f"{ttft}{where}, with {cached}: the arms prefilled different amounts, so TTFT "
                                "mixes kernel speed with prefix-cache hits"))
         else:
-            out.append(Finding("ok", "ttft", f"{ttft}{where}"
+            out.append(Statement("ok", "ttft", f"{ttft}{where}"
                                + (", same cached prompt tokens" if b_cached is not None and c_cached is not None
                                   else "")))
     return out
@@ -602,7 +593,7 @@ def _run_findings(base: _Input, cand: _Input, report_base: RunArm, report_cand: 
                             f"engine {engines[0]}" if engines[0] == engines[1] else
                             f"different capture engines: {engines[0]} vs {engines[1]}"))
     if base.run != cand.run:
-        b_set, c_set = base.manifest.get("settings") or {}, cand.manifest.get("settings") or {}
+        b_set, c_set = base.manifest.settings, cand.manifest.settings
         for key in ("scenario", "mode", "points", "spec"):
             if key in b_set or key in c_set:
                 same = b_set.get(key) == c_set.get(key)
@@ -610,13 +601,12 @@ def _run_findings(base: _Input, cand: _Input, report_base: RunArm, report_cand: 
                                         f"same {key} in both runs" if same else
                                         f"{key} differs between the runs: {b_set.get(key)} vs {c_set.get(key)}"))
     else:
-        matched = base.manifest.get("request_order_matched")
+        matched = base.manifest.request_order_matched
         if matched is not None:
             findings.append(Finding("ok" if matched else "warning", "requests",
                                     "both arms saw the same requests in the same order" if matched else
                                     "the arms' request orders differ: serving metrics compare different traffic"))
-    b_hash = base.manifest["arms"][base.arm].get("request_order_sha256")
-    c_hash = cand.manifest["arms"][cand.arm].get("request_order_sha256")
+    b_hash, c_hash = base.record.request_order_sha256, cand.record.request_order_sha256
     if base.run != cand.run and b_hash and c_hash:
         findings.append(Finding("ok" if b_hash == c_hash else "warning", "requests",
                                 "both arms saw the same requests in the same order" if b_hash == c_hash else
@@ -626,24 +616,24 @@ def _run_findings(base: _Input, cand: _Input, report_base: RunArm, report_cand: 
 
 def _capacity(base: _Input, cand: _Input, b: RunArm, c: RunArm, notes: list[str]) -> capacity.Capacity | None:
     try:
-        shape, tp, page = capacity.run_shape(base.manifest, str(base.run))
+        layout, tp, page = capacity.run_shape(base.manifest, str(base.run))
     except KvtraceError as error:
         notes.append(f"capacity: {error}")
         return None
     try:
-        result = capacity.capacity(shape, [(b.label, b.kv_cache_dtype or b.arm), (c.label, c.kv_cache_dtype or c.arm)],
+        result = capacity.capacity(layout, [(b.label, b.kv_cache_dtype or b.arm), (c.label, c.kv_cache_dtype or c.arm)],
                                    tp=tp, page_size=page)
     except KvtraceError as error:
         notes.append(f"capacity: {error}")
         return None
-    rows = [capacity.measured_arm(item.arm, item.manifest["arms"][item.arm], shape, tp, page) for item in (base, cand)]
+    rows = [capacity.measured_arm(item.arm, item.record, layout, tp, page) for item in (base, cand)]
     if all(rows):
         for row, label in zip(rows, (b.label, c.label)):
             row.arm = label
         result.measured = rows
-        result.notes += capacity.link_measured(rows, shape, tp)
-    elif base.manifest.get("engine") != "vllm":
-        result.notes.append(f"no measured capacity: the {base.manifest.get('engine')} engine allocates no serving "
+        result.notes += capacity.link_measured(rows, layout, tp)
+    elif base.manifest.engine != "vllm":
+        result.notes.append(f"no measured capacity: the {base.manifest.engine} engine allocates no serving "
                             "KV pool")
     result.run = str(base.run)
     return result
@@ -676,7 +666,7 @@ def build(paths: list[Path], recipes: RecipeSet, *, arms: tuple[str, ...] = (), 
         notes.append("no serving metrics: " + ("the FlashInfer engine calls kernels directly (no requests, TTFT or "
                                                "throughput)" if engines == {"flashinfer"} else
                                                "the manifests record no traffic points"))
-    sweep = any(item.manifest.get("settings", {}).get("scenario") == "sweep" for item in (base, cand)) or len(serving) > 1
+    sweep = any(item.manifest.scenario == "sweep" for item in (base, cand)) or len(serving) > 1
     ceiling = hbm_ceiling(diff)
     bandwidth = []
     if window.describe():

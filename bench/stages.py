@@ -35,22 +35,6 @@ def timed(work) -> tuple[float, object]:
     return time.perf_counter() - start, result
 
 
-def drain(path: Path, query: str) -> int:
-    return sum(batch.num_rows for batch in load._read_batches(path, query))
-
-
-def kernel_query(path: Path) -> str:
-    return (f'SELECT start, "end", {load._NAMES}, {load._GRID}, {load._BLOCK}, correlationId, globalPid '
-            f"FROM {load.KERNEL_TABLE}")
-
-
-def launch_query(path: Path) -> str:
-    with closing(load._connect(path)) as conn:
-        api_ids = load._launch_api_ids(conn)
-    return (f"SELECT correlationId, globalTid, start FROM {load.RUNTIME_TABLE} "
-            f"WHERE nameId IN ({','.join(map(str, api_ids))})")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kernels", type=int, default=10_000_000)
@@ -77,15 +61,15 @@ def main(argv: list[str] | None = None) -> int:
     for path in files:
         with closing(sqlite3.connect(f"file:{path}?mode=ro&immutable=1", uri=True)) as conn:
             record("floor query (sqlite3, GROUP BY shortName)", timed(lambda: conn.execute(FLOOR).fetchall())[0])
-        record("SQLite read: kernel columns kvtrace needs", timed(lambda: drain(path, kernel_query(path)))[0])
+        queries = load.stage_queries(path)
+        record("SQLite read: kernel columns kvtrace needs", timed(lambda: load.drain(path, queries["kernels"]))[0])
         record("SQLite read: launch calls (runtime rows named *Launch*)",
-               timed(lambda: drain(path, launch_query(path)))[0])
+               timed(lambda: load.drain(path, queries["launches"]))[0])
         seconds, _ = timed(lambda: load.open_trace(path, cache=False, overlap_tables=False))
         record("whole load, no cache, tables one after the other", seconds)
         seconds, trace = timed(lambda: load.open_trace(path, cache=False))
         record("whole load, no cache, as `summary` loads it", seconds)
-        entry = load._cache_entry(path)
-        record("write the trace cache", timed(lambda: load._write_cached(entry, trace))[0])
+        record("write the trace cache", timed(lambda: load.write_cache(path, trace))[0])
         seconds, trace = timed(lambda: load.open_trace(path))
         record("load from the trace cache", seconds)
         traces.append(trace)

@@ -1,12 +1,13 @@
 # `make capture`: matched vLLM runs (one per KV-cache dtype) under Nsight Systems. Included from the main
 # Makefile; every variable can also be given on the command line:
 #   make capture MODEL=/models/llama-3.1-8b [SCENARIO=cold-prefill] [OUT=runs/x] [ARMS=fp8,nvfp4]
-#                [MODE=serve|offline] [DRY_RUN=1] [FORCE=1] [CAPTURE_ARGS='--load-format dummy']
+#                [MODE=serve|offline] [REPEATS=N] [DRY_RUN=1] [FORCE=1] [CAPTURE_ARGS='--load-format dummy']
 #                [VLLM_ARGS='--max-model-len 8192']
-# SCENARIO: cold-prefill, decode-heavy, prefix-reuse or sweep. DRY_RUN=1 prints every arm's commands and
-# needs no GPU. CAPTURE_ARGS go to `kvtrace capture vllm`, VLLM_ARGS to vLLM in both arms, split at spaces
-# (no quoting inside them). OUT counts only when given on the command line (the main Makefile's OUT default
-# is for other targets); without it the run goes to runs/vllm-SCENARIO.
+# SCENARIO: cold-prefill, decode-heavy, prefix-reuse or sweep. REPEATS=N records each arm N times, arms
+# interleaved. DRY_RUN=1 prints every run's commands and needs no GPU. CAPTURE_ARGS go to `kvtrace capture
+# vllm`, VLLM_ARGS to vLLM in both arms, split at spaces (no quoting inside them). OUT counts only when given
+# on the command line (the main Makefile's OUT default is for other targets); without it the run goes to
+# runs/vllm-SCENARIO.
 KVTRACE ?= kvtrace
 SCENARIO ?= cold-prefill
 ARMS ?= fp8,nvfp4
@@ -20,13 +21,15 @@ capture: export CAPTURE_SCENARIO = $(value SCENARIO)
 capture: export CAPTURE_ARMS = $(value ARMS)
 capture: export CAPTURE_MODE = $(value MODE)
 capture: export CAPTURE_OUT = $(value OUT)
+capture: export CAPTURE_REPEATS = $(value REPEATS)
 capture: export CAPTURE_EXTRA = $(value CAPTURE_ARGS)
 capture: export CAPTURE_VLLM_ARGS = $(value VLLM_ARGS)
 
 .PHONY: capture
 capture:
-	@test -n "$$CAPTURE_MODEL" || { echo "usage: make capture MODEL=<model dir or Hugging Face id> [SCENARIO=...] [OUT=...] [ARMS=...] [MODE=serve|offline] [DRY_RUN=1]" >&2; exit 2; }
+	@test -n "$$CAPTURE_MODEL" || { echo "usage: make capture MODEL=<model dir or Hugging Face id> [SCENARIO=...] [OUT=...] [ARMS=...] [MODE=serve|offline] [REPEATS=N] [DRY_RUN=1]" >&2; exit 2; }
 	set -f; $(KVTRACE) capture vllm --model "$$CAPTURE_MODEL" --scenario "$$CAPTURE_SCENARIO" \
 	  --arms "$$CAPTURE_ARMS" --mode "$$CAPTURE_MODE" \
-	  $(if $(filter command line,$(origin OUT)),--out "$$CAPTURE_OUT") $(if $(value DRY_RUN),--dry-run) \
+	  $(if $(filter command line,$(origin OUT)),--out "$$CAPTURE_OUT") \
+	  $(if $(value REPEATS),--repeats "$$CAPTURE_REPEATS") $(if $(value DRY_RUN),--dry-run) \
 	  $(if $(value FORCE),--force) $$CAPTURE_EXTRA $(if $(value VLLM_ARGS),-- $$CAPTURE_VLLM_ARGS)

@@ -20,6 +20,10 @@ def _name_list(ctx, param, value: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in value.split(",") if part.strip())
 
 
+REPEATS_HELP = ("Record each arm N times, arms interleaved (A B A B ...) so that drift over time is not "
+                "confounded with the arm; runs are named ARM.rK when N > 1.")
+
+
 # Set here too, not only on the top-level group: click caches each command's help option on first use, and
 # the group may be invoked on its own (tests, embedding).
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -42,14 +46,15 @@ def capture() -> None:
 @click.option("--gemm-calls", default=16, show_default=True, help="Control GEMM calls per context.")
 @click.option("--seed", default=0, show_default=True, help="Seed of the BF16 source tensors (same in both arms).")
 @click.option("--arms", default="fp8,nvfp4", show_default=True, callback=_name_list, help="Formats to record, comma-separated.")
+@click.option("--repeats", default=1, show_default=True, help=REPEATS_HELP)
 @click.option("--nsys", "nsys_path", default=None, help="nsys binary (default: $NSYS, PATH, known installs).")
 @click.option("--force", is_flag=True, help="Replace an existing run directory.")
 def flashinfer(out, context, batch, q_heads, kv_heads, head_dim, page_size, prefill_calls, decode_calls,
-               append_calls, gemm_calls, seed, arms, nsys_path, force) -> None:
+               append_calls, gemm_calls, seed, arms, repeats, nsys_path, force) -> None:
     """Kernel-level A/B: the same cached tokens stored as FP8 and as NVFP4, one trace per format.
 
     Needs an SM80+ GPU, torch, FlashInfer and nsys. Writes ARM.nsys-rep, ARM.sqlite, ARM.log and
-    ARM.workload.json per arm and manifest.json for the run.
+    ARM.workload.json per arm (ARM.rK.* per arm and repeat with --repeats) and manifest.json for the run.
     """
     from kvtrace.capture import flashinfer_engine
 
@@ -57,7 +62,7 @@ def flashinfer(out, context, batch, q_heads, kv_heads, head_dim, page_size, pref
         contexts=context, batch=batch, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, page_size=page_size,
         prefill_calls=prefill_calls, decode_calls=decode_calls, append_calls=append_calls, gemm_calls=gemm_calls,
         seed=seed)
-    manifest = flashinfer_engine.capture(out, spec, arms=arms, force=force, nsys=nsys_path)
+    manifest = flashinfer_engine.capture(out, spec, arms=arms, repeats=repeats, force=force, nsys=nsys_path)
     failed = [name for name, arm in manifest["arms"].items() if arm["status"] != "ok"]
     for name, arm in manifest["arms"].items():
         click.echo(f"{name}: {arm['status']}" + (f" ({arm['error']})" if arm["error"] else f" -> {out / arm['sqlite']}"))
@@ -97,31 +102,33 @@ def _optional_int_list(ctx, param, value: str | None) -> tuple[int, ...] | None:
 @click.option("--host", default="127.0.0.1", show_default=True, help="serve: address the server binds.")
 @click.option("--port", default=8000, show_default=True, help="serve: port the server binds.")
 @click.option("--startup-timeout", default=1800.0, show_default=True, help="serve: seconds to wait for /health.")
+@click.option("--repeats", default=1, show_default=True, help=REPEATS_HELP)
 @click.option("--nsys", "nsys_path", default=None, help="nsys binary (default: $NSYS, PATH, known installs).")
 @click.option("--dry-run", is_flag=True, help="Print every arm's commands and exit; needs no GPU, vLLM or nsys.")
 @click.option("--force", is_flag=True, help="Replace an existing run directory.")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
 def vllm(model, scenario, out, arms, mode, input_len, output_len, num_prompts, concurrency, prefix_len, num_prefixes,
-         trace_file, contexts, concurrencies, seed, load_format, host, port, startup_timeout, nsys_path, dry_run,
-         force, vllm_args) -> None:
+         trace_file, contexts, concurrencies, seed, load_format, host, port, startup_timeout, repeats, nsys_path,
+         dry_run, force, vllm_args) -> None:
     """Matched vLLM runs that differ only in --kv-cache-dtype, each traced by Nsight Systems.
 
     Extra vLLM engine flags go after `--`, e.g. `-- --max-model-len 8192 --kv-cache-memory-bytes 20G`;
     both arms get them. nvfp4 needs a Blackwell GPU (SM100); on Hopper use --arms auto,fp8. Writes, per
-    arm, ARM.nsys-rep, ARM.sqlite, ARM.log, ARM.manifest.json and (serve) bench results and /metrics
-    scrapes or (offline) ARM.workload.json, plus manifest.json for the run.
+    arm (per arm and repeat, named ARM.rK, with --repeats), ARM.nsys-rep, ARM.sqlite, ARM.log,
+    ARM.manifest.json and (serve) bench results and /metrics scrapes or (offline) ARM.workload.json, plus
+    manifest.json for the run.
     """
-    from kvtrace.capture import vllm_engine
+    from kvtrace.capture import vllm_commands, vllm_config, vllm_engine
 
-    workload = vllm_engine.Workload.for_scenario(
+    workload = vllm_config.Workload.for_scenario(
         scenario, input_len=input_len, output_len=output_len, num_prompts=num_prompts, concurrency=concurrency,
         prefix_len=prefix_len, num_prefixes=num_prefixes, trace_file=trace_file, contexts=contexts,
         concurrencies=concurrencies, seed=seed)
-    cfg = vllm_engine.VllmCapture(model=model, workload=workload, arms=arms, mode=mode, load_format=load_format,
-                                  host=host, port=port, extra_args=tuple(vllm_args))
+    cfg = vllm_config.VllmCapture(model=model, workload=workload, arms=arms, mode=mode, load_format=load_format,
+                                  host=host, port=port, extra_args=tuple(vllm_args), repeats=repeats)
     out = out or Path("runs") / f"vllm-{scenario}"
     if dry_run:
-        click.echo(vllm_engine.dry_run(cfg, out, nsys=nsys_path), nl=False)
+        click.echo(vllm_commands.dry_run(cfg, out, nsys=nsys_path), nl=False)
         return
     manifest = vllm_engine.capture(cfg, out, force=force, nsys=nsys_path, startup_timeout_s=startup_timeout)
     for name, arm in manifest["arms"].items():

@@ -1,4 +1,5 @@
-"""FlashInfer engine: kernel-level FP8 vs NVFP4 A/B over identical cached tokens, one nsys trace per arm."""
+"""FlashInfer engine: kernel-level FP8 vs NVFP4 A/B over identical cached tokens, one nsys trace per run
+(one run per arm, or per arm and repeat with --repeats)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import kvtrace.nsys
 from kvtrace.capture import runner
 from kvtrace.errors import KvtraceError
+from kvtrace.manifest import MANIFEST, run_order
 
 ENGINE = "flashinfer"
 ARMS = ("fp8", "nvfp4")
@@ -75,26 +78,27 @@ def preflight(arms: tuple[str, ...]) -> None:
                                "install flashinfer-python 0.6.15 or newer, or drop nvfp4 from --arms")
 
 
-def capture(out: Path, spec: FlashInferSpec, *, arms: tuple[str, ...] = ARMS, force: bool = False,
-            nsys: str | None = None) -> dict:
+def capture(out: Path, spec: FlashInferSpec, *, arms: tuple[str, ...] = ARMS, repeats: int = 1,
+            force: bool = False, nsys: str | None = None) -> dict:
     spec.validate()
     unknown = set(arms) - set(ARMS)
     if unknown:
         raise KvtraceError(f"unknown arm(s) {', '.join(sorted(unknown))}: choose from {', '.join(ARMS)}")
     if not arms or len(set(arms)) != len(arms):
         raise KvtraceError(f"--arms needs one or more distinct arms from {', '.join(ARMS)}, got {','.join(arms)!r}")
-    nsys_path = runner.find_nsys(nsys)
+    runs = run_order(arms, repeats)
+    nsys_path = kvtrace.nsys.find_nsys(nsys)
     preflight(arms)
     runner.prepare_run_dir(out, force)
     environment = runner.host_environment(nsys_path)
-    settings = {"spec": asdict(spec), "arms": list(arms)}
+    settings = {"spec": asdict(spec), "arms": list(arms), "repeats": repeats, "order": [run.name for run in runs]}
     results: list[runner.ArmResult] = []
-    for arm in arms:
-        result_file = out / f"{arm}.workload.json"
-        workload = [sys.executable, "-m", "kvtrace.capture.flashinfer_workload", "--kv-format", arm,
+    for run in runs:
+        result_file = out / f"{run.name}.workload.json"
+        workload = [sys.executable, "-m", "kvtrace.capture.flashinfer_workload", "--kv-format", run.arm,
                     *spec.workload_args(), "--result", str(result_file)]
-        results.append(runner.run_arm(arm, out, nsys_path, workload, env=dict(os.environ),
-                                      workload_result=result_file))
+        results.append(runner.run_arm(run.name, out, nsys_path, workload, env=dict(os.environ),
+                                      workload_result=result_file, arm_name=run.arm, repeat=run.repeat))
         # Written after each arm so that an interrupted run still says what finished.
-        runner.write_json_atomic(out / runner.MANIFEST, runner.manifest(ENGINE, environment, settings, results))
+        runner.write_json_atomic(out / MANIFEST, runner.manifest(ENGINE, environment, settings, results))
     return runner.manifest(ENGINE, environment, settings, results)

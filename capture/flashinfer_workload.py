@@ -9,13 +9,17 @@ GEMM control that must not move between arms.
 from __future__ import annotations
 
 import argparse
-import json
+import functools
 import math
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
-from kvtrace.capture import formats
+from kvtrace.capture import formats, runner
+from kvtrace.kv_formats import kv_bytes_per_token_head
+from kvtrace.manifest import phase_name
 
 KV_DTYPES = {"fp8": torch.float8_e4m3fn, "nvfp4": torch.uint8}
 
@@ -109,12 +113,142 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref).norm() / ref.norm())
 
 
+@dataclass(frozen=True)
+class MeasuredPhase:
+    """One NVTX range of the measured region: `calls` calls of `run`, each moving `bytes_per_call` KV bytes
+    (the GEMM control: its operand and result bytes)."""
+
+    name: str
+    run: Callable[[], object]
+    calls: int
+    bytes_per_call: int
+
+
+@dataclass
+class Inputs:
+    """One context length's BF16 tensors, drawn from the shared generator in a fixed order (same in both arms)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    q_prefill: torch.Tensor
+    q_decode: torch.Tensor
+    new_k: torch.Tensor  # one token per sequence for each append call
+    new_v: torch.Tensor
+
+    @classmethod
+    def draw(cls, args: argparse.Namespace, context: int, generator: torch.Generator) -> "Inputs":
+        def randn(*shape):
+            return torch.randn(shape, generator=generator, device=generator.device, dtype=torch.bfloat16)
+
+        keys = randn(args.batch * context, args.kv_heads, args.head_dim)
+        values = randn(args.batch * context, args.kv_heads, args.head_dim)
+        q_prefill = randn(args.batch * context, args.q_heads, args.head_dim)
+        q_decode = randn(args.batch, args.q_heads, args.head_dim)
+        new_k = randn(args.append_calls, args.batch, args.kv_heads, args.head_dim)
+        new_v = randn(args.append_calls, args.batch, args.kv_heads, args.head_dim)
+        return cls(keys, values, q_prefill, q_decode, new_k, new_v)
+
+
+class Appender:
+    """KV append calls: call `step` writes token `context + step` of every sequence (cycling through the
+    prepared steps); page tables include that slot."""
+
+    def __init__(self, flashinfer, cache: PagedCache, inputs: Inputs, calls: int):
+        self.flashinfer, self.cache, self.inputs, self.step = flashinfer, cache, inputs, 0
+        batch, device, context = cache.batch, cache.indptr.device, cache.context
+        self.tables = []
+        for step in range(calls):
+            indptr, indices = cache.pages_used(context + step + 1)
+            self.tables.append((indptr, indices, cache.last_page_len(context + step + 1),
+                                torch.arange(batch, dtype=torch.int32, device=device),
+                                torch.full((batch,), context + step, dtype=torch.int32, device=device)))
+
+    def __call__(self) -> None:
+        s = self.step % len(self.tables)
+        self.step += 1
+        indptr, indices, last, batch_indices, positions = self.tables[s]
+        cache, paged = self.cache, (self.cache.k_cache, self.cache.v_cache)
+        new_k, new_v = self.inputs.new_k[s], self.inputs.new_v[s]
+        if cache.kv_format == "fp8":
+            # vLLM-style cast-and-scatter: quantize with the per-tensor scale, then write the rows.
+            k8 = (new_k.float() / cache.k_scale).to(torch.float8_e4m3fn)
+            v8 = (new_v.float() / cache.v_scale).to(torch.float8_e4m3fn)
+            self.flashinfer.page.append_paged_kv_cache(k8, v8, batch_indices, positions, paged, indices, indptr,
+                                                       last, "NHD")
+        else:
+            self.flashinfer.page.nvfp4_quantize_append_paged_kv_cache(
+                new_k, new_v, batch_indices, positions, paged, cache.scales, indices, indptr, last,
+                cache.k_scale, cache.v_scale, "NHD")
+
+
+def plan_attention(flashinfer, args: argparse.Namespace, cache: PagedCache, workspace: torch.Tensor):
+    """FA2 paged prefill (causal, the whole context as queries) and tensor-core decode wrappers, planned."""
+    context, kv_dtype, device = cache.context, KV_DTYPES[args.kv_format], workspace.device
+    kv_indptr, kv_indices = cache.pages_used(context)
+    qo_indptr = torch.arange(args.batch + 1, dtype=torch.int32, device=device) * context
+    prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend="fa2")
+    prefill.plan(qo_indptr, kv_indptr, kv_indices, cache.last_page_len(context), args.q_heads, args.kv_heads,
+                 args.head_dim, args.page_size, causal=True, q_data_type=torch.bfloat16, kv_data_type=kv_dtype,
+                 o_data_type=torch.bfloat16)
+    decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True, backend="fa2")
+    decode.plan(kv_indptr, kv_indices, cache.last_page_len(context), args.q_heads, args.kv_heads, args.head_dim,
+                args.page_size, q_data_type=torch.bfloat16, kv_data_type=kv_dtype, o_data_type=torch.bfloat16)
+    return prefill, decode
+
+
+def prepare_context(flashinfer, args: argparse.Namespace, context: int, generator: torch.Generator,
+                    workspace: torch.Tensor, gemm: Callable[[], object]) -> tuple[list[MeasuredPhase], dict]:
+    """One context length: its cache, planned kernels and phases, warmed up (JIT compiles every FlashInfer
+    variant here, outside the measured region). Returns the phases and the context's result entry."""
+    inputs = Inputs.draw(args, context, generator)
+    cache = PagedCache(args.kv_format, inputs.keys, inputs.values, args.batch, context, args.append_calls,
+                       args.page_size)
+    prefill, decode = plan_attention(flashinfer, args, cache, workspace)
+    paged = (cache.k_cache, cache.v_cache)
+    run_prefill = functools.partial(prefill.run, inputs.q_prefill, paged, **cache.run_kwargs())
+    run_decode = functools.partial(decode.run, inputs.q_decode, paged, **cache.run_kwargs())
+    append = Appender(flashinfer, cache, inputs, args.append_calls)
+
+    bytes_per_token_head = kv_bytes_per_token_head(args.kv_format, args.head_dim)
+    kv_read = int(args.batch * context * args.kv_heads * 2 * bytes_per_token_head)
+    phases = [MeasuredPhase(phase_name("prefill", context, args.batch), run_prefill, args.prefill_calls, kv_read),
+              MeasuredPhase(phase_name("decode", context, args.batch), run_decode, args.decode_calls, kv_read),
+              MeasuredPhase(phase_name("append", context, args.batch), append, args.append_calls,
+                            int(args.batch * args.kv_heads * 2 * bytes_per_token_head)),
+              MeasuredPhase(phase_name("gemm", context, args.batch), gemm, args.gemm_calls,
+                            3 * 2 * args.gemm_size ** 2)]
+
+    # Accuracy checks run on the smallest context only, where a float32 reference is cheap.
+    out_prefill, out_decode = run_prefill(), run_decode()
+    entry = {"context": context, "kv_bytes_read_per_attention_call": kv_read,
+             "k_scale": cache.k_scale, "v_scale": cache.v_scale}
+    if context == min(args.contexts):
+        entry["accuracy"] = accuracy_checks(args, cache, inputs.keys, inputs.values, inputs.q_prefill,
+                                            inputs.q_decode, out_prefill, out_decode, prefill)
+    append()
+    append.step = 0  # the measured appends start at the first prepared token again
+    gemm()
+    return phases, entry
+
+
+def measure(phases: list[MeasuredPhase]) -> None:
+    """The measured region: cudaProfilerStart/Stop open and close nsys' capture range around the phases."""
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    for phase in phases:
+        torch.cuda.nvtx.range_push(phase.name)
+        for _ in range(phase.calls):
+            phase.run()
+        torch.cuda.nvtx.range_pop()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     import flashinfer
 
     device = torch.device("cuda")
-    kv_dtype = KV_DTYPES[args.kv_format]
     generator = torch.Generator(device=device).manual_seed(args.seed)
     workspace = torch.zeros(512 * 1024 * 1024, dtype=torch.uint8, device=device)
     result = {"kv_format": args.kv_format, "versions": {
@@ -123,102 +257,18 @@ def main(argv=None) -> None:
                 "sm_count": torch.cuda.get_device_properties(device).multi_processor_count},
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "contexts": []}
-    bytes_per_token_head = formats.kv_bytes_per_token_head(args.kv_format, args.head_dim)
-
-    phases = []  # (label, callable, calls, per-call bytes)
     gemm_a = torch.randn(args.gemm_size, args.gemm_size, generator=generator, device=device, dtype=torch.bfloat16)
     gemm_b = torch.randn(args.gemm_size, args.gemm_size, generator=generator, device=device, dtype=torch.bfloat16)
+    gemm = functools.partial(torch.matmul, gemm_a, gemm_b)  # the control that must not move between arms
+    phases = []
     for context in args.contexts:
-        shape_kv = (args.batch * context, args.kv_heads, args.head_dim)
-        keys = torch.randn(shape_kv, generator=generator, device=device, dtype=torch.bfloat16)
-        values = torch.randn(shape_kv, generator=generator, device=device, dtype=torch.bfloat16)
-        q_prefill = torch.randn((args.batch * context, args.q_heads, args.head_dim), generator=generator,
-                                device=device, dtype=torch.bfloat16)
-        q_decode = torch.randn((args.batch, args.q_heads, args.head_dim), generator=generator, device=device,
-                               dtype=torch.bfloat16)
-        new_k = torch.randn((args.append_calls, args.batch, args.kv_heads, args.head_dim), generator=generator,
-                            device=device, dtype=torch.bfloat16)
-        new_v = torch.randn(new_k.shape, generator=generator, device=device, dtype=torch.bfloat16)
-        cache = PagedCache(args.kv_format, keys, values, args.batch, context, args.append_calls, args.page_size)
-        kv_indptr, kv_indices = cache.pages_used(context)
-        qo_indptr = torch.arange(args.batch + 1, dtype=torch.int32, device=device) * context
-
-        prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend="fa2")
-        prefill.plan(qo_indptr, kv_indptr, kv_indices, cache.last_page_len(context), args.q_heads, args.kv_heads,
-                     args.head_dim, args.page_size, causal=True, q_data_type=torch.bfloat16, kv_data_type=kv_dtype,
-                     o_data_type=torch.bfloat16)
-        decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True, backend="fa2")
-        decode.plan(kv_indptr, kv_indices, cache.last_page_len(context), args.q_heads, args.kv_heads, args.head_dim,
-                    args.page_size, q_data_type=torch.bfloat16, kv_data_type=kv_dtype, o_data_type=torch.bfloat16)
-        paged = (cache.k_cache, cache.v_cache)
-
-        def run_prefill(prefill=prefill, q=q_prefill, paged=paged, cache=cache):
-            return prefill.run(q, paged, **cache.run_kwargs())
-
-        def run_decode(decode=decode, q=q_decode, paged=paged, cache=cache):
-            return decode.run(q, paged, **cache.run_kwargs())
-
-        # Each append writes token `context + step` of every sequence; page tables include that slot.
-        append_tables = []
-        for step in range(args.append_calls):
-            indptr, indices = cache.pages_used(context + step + 1)
-            append_tables.append((indptr, indices, cache.last_page_len(context + step + 1),
-                                  torch.arange(args.batch, dtype=torch.int32, device=device),
-                                  torch.full((args.batch,), context + step, dtype=torch.int32, device=device)))
-        append_step = [0]
-
-        def run_append(cache=cache, paged=paged, tables=append_tables, new_k=new_k, new_v=new_v, step=append_step):
-            s = step[0] % len(tables)
-            step[0] += 1
-            indptr, indices, last, batch_indices, positions = tables[s]
-            if cache.kv_format == "fp8":
-                # vLLM-style cast-and-scatter: quantize with the per-tensor scale, then write the rows.
-                k8 = (new_k[s].float() / cache.k_scale).to(torch.float8_e4m3fn)
-                v8 = (new_v[s].float() / cache.v_scale).to(torch.float8_e4m3fn)
-                flashinfer.page.append_paged_kv_cache(k8, v8, batch_indices, positions, paged, indices, indptr,
-                                                      last, "NHD")
-            else:
-                flashinfer.page.nvfp4_quantize_append_paged_kv_cache(
-                    new_k[s], new_v[s], batch_indices, positions, paged, cache.scales, indices, indptr, last,
-                    cache.k_scale, cache.v_scale, "NHD")
-
-        def run_gemm(a=gemm_a, b=gemm_b):
-            return a @ b
-
-        kv_read = int(args.batch * context * args.kv_heads * 2 * bytes_per_token_head)
-        label = f"ctx={context} batch={args.batch}"
-        phases += [(f"kvtrace:prefill {label}", run_prefill, args.prefill_calls, kv_read),
-                   (f"kvtrace:decode {label}", run_decode, args.decode_calls, kv_read),
-                   (f"kvtrace:append {label}", run_append, args.append_calls,
-                    int(args.batch * args.kv_heads * 2 * bytes_per_token_head)),
-                   (f"kvtrace:gemm {label}", run_gemm, args.gemm_calls, 3 * 2 * args.gemm_size ** 2)]
-
-        # Warm-up compiles every FlashInfer variant (JIT) outside the measured region; accuracy checks
-        # run on the smallest context only, where a float32 reference is cheap.
-        out_prefill, out_decode = run_prefill(), run_decode()
-        entry = {"context": context, "kv_bytes_read_per_attention_call": kv_read,
-                 "k_scale": cache.k_scale, "v_scale": cache.v_scale}
-        if context == min(args.contexts):
-            entry["accuracy"] = accuracy_checks(args, cache, keys, values, q_prefill, q_decode, out_prefill,
-                                                out_decode, prefill)
-        run_append()
-        append_step[0] = 0
-        run_gemm()
+        context_phases, entry = prepare_context(flashinfer, args, context, generator, workspace, gemm)
+        phases += context_phases
         result["contexts"].append(entry)
-    torch.cuda.synchronize()
-
-    torch.cuda.profiler.start()
-    for label, fn, calls, _ in phases:
-        torch.cuda.nvtx.range_push(label)
-        for _ in range(calls):
-            fn()
-        torch.cuda.nvtx.range_pop()
-    torch.cuda.synchronize()
-    torch.cuda.profiler.stop()
-
-    result["phases"] = [{"nvtx": label, "calls": calls, "bytes_per_call": per_call}
-                        for label, _, calls, per_call in phases]
-    args.result.write_text(json.dumps(result, indent=2) + "\n")
+    measure(phases)
+    result["phases"] = [{"nvtx": phase.name, "calls": phase.calls, "bytes_per_call": phase.bytes_per_call}
+                        for phase in phases]
+    runner.write_json_atomic(args.result, result)
 
 
 def accuracy_checks(args, cache, keys, values, q_prefill, q_decode, out_prefill, out_decode, prefill):

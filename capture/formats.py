@@ -1,4 +1,5 @@
-"""KV-cache formats: FP8 E4M3 and packed NVFP4, in FlashInfer's paged layout, plus their byte costs.
+"""KV-cache quantizers: FP8 E4M3 and packed NVFP4, in FlashInfer's paged layout (their byte costs are
+kvtrace.kv_formats').
 
 NVFP4 here is what FlashInfer's FA2 kernels read (flashinfer PR #3097, `kv_cache_sf` docstring in
 `flashinfer/prefill.py`): two E2M1 codes per uint8 (even element in the low nibble), one float8_e4m3fn
@@ -6,14 +7,15 @@ scale per 16 consecutive values along head_dim (linear layout), and one float32 
 tensor passed as `k_scale` / `v_scale`, so that value = e2m1 * block_scale * global_scale.
 FlashInfer's own quantizer needs SM100 (PTX cvt to e2m1); this one is plain torch and runs anywhere.
 
-Importing this module needs torch; the byte-count functions at the bottom do not use it.
+The functions import torch when called; importing the module does not.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-NVFP4_BLOCK = 16
+from kvtrace.kv_formats import NVFP4_BLOCK
+
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 # Magnitudes of the eight positive E2M1 codes 0..7; bit 3 is the sign.
@@ -93,26 +95,3 @@ def fp8_quantize(x: "torch.Tensor", scale: float | None = None) -> tuple["torch.
     amax = float(x.abs().max())
     scale = (amax / E4M3_MAX if amax > 0 else 1.0) if scale is None else float(scale)
     return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
-
-
-# Byte costs: no torch needed.
-
-def kv_bytes_per_token_head(kv_format: str, head_dim: int) -> float:
-    """Bytes one token occupies for one KV head, K or V alone."""
-    if kv_format in ("fp8", "fp8_e4m3", "fp8_e5m2"):
-        return float(head_dim)
-    if kv_format == "nvfp4":
-        if head_dim % NVFP4_BLOCK:
-            raise ValueError(f"NVFP4 needs head_dim divisible by {NVFP4_BLOCK}, got {head_dim}")
-        return head_dim / 2 + head_dim / NVFP4_BLOCK
-    if kv_format in ("bf16", "fp16", "auto"):
-        return 2.0 * head_dim
-    raise ValueError(f"unknown KV format {kv_format!r}: use fp8, nvfp4 or bf16")
-
-
-def kv_cache_bytes(kv_format: str, *, tokens_per_sequence: int, sequences: int, num_kv_heads: int,
-                   head_dim: int, page_size: int, layers: int = 1) -> int:
-    """Bytes of K and V held for `sequences` of `tokens_per_sequence`, whole pages included."""
-    pages = -(-tokens_per_sequence // page_size) * sequences
-    per_slot = kv_bytes_per_token_head(kv_format, head_dim) * num_kv_heads * 2 * layers
-    return int(pages * page_size * per_slot)

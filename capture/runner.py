@@ -1,11 +1,10 @@
-"""Shared by every capture engine: run directories, nsys command lines, SQLite export, manifests.
+"""Shared by every capture engine: run directories, nsys profile command lines, export of each run, manifests.
 
-Standard library only, so that it runs on a bare GPU box.
+Standard library only (plus the kvtrace floor), so that it runs on a bare GPU box.
 """
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import platform
@@ -15,38 +14,12 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TextIO
 
+import kvtrace.nsys
 from kvtrace import __version__, files
 from kvtrace.errors import KvtraceError
-
-MANIFEST = "manifest.json"
-MANIFEST_SCHEMA = 1
-
-# Nsight Systems installs nsys in different places: a standalone install, the copy inside Nsight Compute
-# (the H200 image), or a distribution package.
-_NSYS_GLOBS = (
-    "/opt/nvidia/nsight-systems/*/bin/nsys",
-    "/opt/nvidia/nsight-compute/*/host/target-linux-x64/nsys",
-    "/usr/local/cuda/bin/nsys",
-)
-
-
-def find_nsys(explicit: str | None = None) -> str:
-    if explicit and not os.access(explicit, os.X_OK):
-        raise KvtraceError(f"--nsys {explicit} is not an executable file: point it at the nsys binary")
-    candidates = [explicit, os.environ.get("NSYS"), shutil.which("nsys")]
-    candidates += sorted((p for g in _NSYS_GLOBS for p in glob.glob(g)), reverse=True)
-    for candidate in candidates:
-        if candidate and os.access(candidate, os.X_OK):
-            return candidate
-    raise KvtraceError("nsys (Nsight Systems CLI) not found: install Nsight Systems, put nsys on PATH "
-                       "or set NSYS=/path/to/nsys")
-
-
-def nsys_version(nsys: str) -> str:
-    result = subprocess.run([nsys, "--version"], capture_output=True, text=True, check=False)
-    return result.stdout.strip() or result.stderr.strip()
-
+from kvtrace.manifest import MANIFEST, MARKER, SCHEMA, is_kvtrace_manifest
 
 def profile_command(nsys: str, report: Path, workload: list[str], *, extra: tuple[str, ...] = ()) -> list[str]:
     """nsys profile over a workload that opens its own measured region with cudaProfilerStart/Stop.
@@ -59,17 +32,20 @@ def profile_command(nsys: str, report: Path, workload: list[str], *, extra: tupl
             *extra, "--force-overwrite=true", f"--output={report}", *workload]
 
 
-def export_sqlite(nsys: str, report: Path, sqlite_path: Path, log) -> None:
-    """Export next to the report; the SQLite file appears only once the export succeeded."""
-    partial = sqlite_path.with_name(sqlite_path.name + ".partial")
-    command = [nsys, "export", "--type=sqlite", "--force-overwrite=true", f"--output={partial}", str(report)]
-    log.write(f"$ {' '.join(command)}\n")
-    log.flush()
-    result = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, check=False)
-    if result.returncode != 0 or not partial.exists():
-        partial.unlink(missing_ok=True)
-        raise RuntimeError(f"nsys export failed with exit code {result.returncode}")
-    os.replace(partial, sqlite_path)
+def export_run(out: Path, name: str, nsys: str, log: TextIO, *, no_report: str) -> list[str]:
+    """Export the run's report (out/NAME.nsys-rep) to out/NAME.sqlite; returns the command to record.
+    `no_report` says what to check when nsys wrote no report at all."""
+    report = out / f"{name}.nsys-rep"
+    if not report.exists():
+        raw = report.with_suffix(".qdstrm")
+        if raw.exists():
+            # An nsys without its host importer (e.g. a bare target install) stops at the raw file.
+            raise RuntimeError(f"nsys left {raw.name} but no report because its importer is missing: run "
+                               f"QdstrmImporter -i {raw.name} from the same Nsight Systems version, then nsys "
+                               "export --type sqlite")
+        raise RuntimeError(f"nsys wrote no report: {no_report}")
+    kvtrace.nsys.export_sqlite(nsys, report, out / f"{name}.sqlite", log=log)
+    return kvtrace.nsys.export_command(nsys, Path(report.name), Path(f"{name}.sqlite"))
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
@@ -80,10 +56,9 @@ def write_json_atomic(path: Path, data: dict) -> None:
 def _is_kvtrace_run(out: Path) -> bool:
     """A folder with a manifest.json that kvtrace wrote (not merely any manifest.json)."""
     try:
-        data = json.loads((out / MANIFEST).read_text())
+        return is_kvtrace_manifest(json.loads((out / MANIFEST).read_text()))
     except (OSError, ValueError):
         return False
-    return isinstance(data, dict) and "kvtrace_manifest" in data
 
 
 def prepare_run_dir(out: Path, force: bool) -> None:
@@ -128,7 +103,7 @@ def host_environment(nsys: str) -> dict:
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "hostname": platform.node(),
-        "nsys": nsys_version(nsys),
+        "nsys": kvtrace.nsys.nsys_version(nsys),
         "nsys_path": nsys,
         "gpus": gpu_inventory(),
     }
@@ -136,7 +111,7 @@ def host_environment(nsys: str) -> dict:
 
 @dataclass
 class ArmResult:
-    name: str
+    name: str  # the run's name: the arm's, or ARM.rK with repeats
     status: str = "not run"  # "ok" or "failed"
     error: str | None = None
     sqlite: str | None = None
@@ -145,14 +120,18 @@ class ArmResult:
     workload: dict | None = None
     commands: list[list[str]] = field(default_factory=list)
     seconds: float | None = None
+    arm: str = ""  # the arm this run recorded (the run's name when empty)
+    repeat: int = 1
+
+    def __post_init__(self) -> None:
+        self.arm = self.arm or self.name
 
 
 def run_arm(name: str, out: Path, nsys: str, workload: list[str], *, env: dict | None = None,
-            workload_result: Path | None = None) -> ArmResult:
-    """Profile one arm and export it. Failures are recorded, not raised, so the other arm still runs."""
-    arm = ArmResult(name=name, log=f"{name}.log")
+            workload_result: Path | None = None, arm_name: str = "", repeat: int = 1) -> ArmResult:
+    """Profile one run and export it. Failures are recorded, not raised, so the other runs still happen."""
+    arm = ArmResult(name=name, log=f"{name}.log", arm=arm_name, repeat=repeat)
     report = out / f"{name}.nsys-rep"
-    sqlite_path = out / f"{name}.sqlite"
     command = profile_command(nsys, out / name, workload)
     arm.commands.append(command)
     started = time.monotonic()
@@ -163,17 +142,8 @@ def run_arm(name: str, out: Path, nsys: str, workload: list[str], *, env: dict |
             result = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env, check=False)
             if result.returncode != 0:
                 raise RuntimeError(f"workload under nsys exited with code {result.returncode}")
-            if not report.exists():
-                raw = report.with_suffix(".qdstrm")
-                if raw.exists():
-                    # An nsys without its host importer (e.g. a bare target install) stops at the raw file.
-                    raise RuntimeError(f"nsys left {raw.name} but no report because its importer is missing: "
-                                       f"run QdstrmImporter -i {raw.name} from the same Nsight Systems "
-                                       "version, then nsys export --type sqlite")
-                raise RuntimeError("nsys wrote no report: did the workload call cudaProfilerStart?")
-            export_sqlite(nsys, report, sqlite_path, log)
-            arm.commands.append([nsys, "export", "--type=sqlite", f"--output={sqlite_path.name}", report.name])
-            arm.sqlite = sqlite_path.name
+            arm.commands.append(export_run(out, name, nsys, log, no_report="did the workload call cudaProfilerStart?"))
+            arm.sqlite = f"{name}.sqlite"
             arm.status = "ok"
         except (OSError, RuntimeError) as failure:
             arm.status, arm.error = "failed", f"{failure} (see {arm.log})"
@@ -191,7 +161,7 @@ def run_arm(name: str, out: Path, nsys: str, workload: list[str], *, env: dict |
 
 def manifest(engine: str, environment: dict, settings: dict, arms: list[ArmResult]) -> dict:
     return {
-        "kvtrace_manifest": MANIFEST_SCHEMA,
+        MARKER: SCHEMA,
         "engine": engine,
         "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "environment": environment,

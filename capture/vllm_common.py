@@ -1,5 +1,6 @@
-"""What the vLLM engine and its offline worker share: workload points, metric snapshots, deltas and peaks,
-the sweep's capacity rule, the request-order hash and the KV-cache startup line.
+"""What the vLLM engine and its offline worker share: metric snapshots, deltas and peaks, the request-order
+hash and the KV-cache startup line. Traffic points and the capacity rule are kvtrace.manifest's (the report
+reads them too).
 
 Standard library only: the worker imports this next to vLLM on the GPU box.
 """
@@ -9,47 +10,11 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import dataclass
 
-PREEMPTIONS = "vllm:num_preemptions_total"
-KV_USAGE = "vllm:kv_cache_usage_perc"
+from kvtrace.manifest import KV_USAGE
+
 # Gauges polled during the measured traffic; their maxima are the run's peaks.
 PEAK_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", KV_USAGE)
-# The sweep stops stepping up a context length once the reference arm preempts or fills this much of its KV.
-CAPACITY_FRACTION = 0.95
-
-
-@dataclass(frozen=True)
-class Point:
-    """One traffic shape: `num_prompts` requests of `prefix_len + input_len` prompt tokens, `concurrency` at
-    a time, each generating exactly `output_len` tokens (EOS ignored)."""
-
-    input_len: int
-    output_len: int
-    num_prompts: int
-    concurrency: int
-    prefix_len: int = 0
-    num_prefixes: int = 0
-
-    _KEYS = {"input": "input_len", "output": "output_len", "prompts": "num_prompts", "concurrency": "concurrency",
-             "prefix": "prefix_len", "prefixes": "num_prefixes"}
-
-    def spec(self) -> str:
-        """Compact, exact text form used on command lines and in manifests."""
-        keys = [key for key in self._KEYS if self.prefix_len or key not in ("prefix", "prefixes")]
-        return ",".join(f"{key}={getattr(self, self._KEYS[key])}" for key in keys)
-
-    @classmethod
-    def parse(cls, text: str) -> "Point":
-        values = dict(item.split("=", 1) for item in text.split(","))
-        unknown = set(values) - set(cls._KEYS)
-        if unknown:
-            raise ValueError(f"unknown point key(s) {sorted(unknown)} in {text!r}")
-        return cls(**{cls._KEYS[key]: int(value) for key, value in values.items()})
-
-    def kv_tokens(self) -> int:
-        """KV-cache tokens the running requests hold at the end of generation."""
-        return self.concurrency * (self.prefix_len + self.input_len + self.output_len)
 
 
 def empty_snapshot() -> dict:
@@ -98,20 +63,6 @@ def update_peaks(peaks: dict, snapshot: dict) -> None:
         value = snapshot["gauges"].get(name)
         if value is not None:
             peaks[name] = max(value, peaks.get(name, value))
-
-
-def capacity_reason(point: Point, deltas: dict, peaks: dict | None, kv_cache_tokens: int | None) -> str | None:
-    """Why this point counts as capacity-bound, or None. Offline runs have no polled peaks; there the KV
-    demand against the startup line's token count stands in for the usage gauge."""
-    preempted = deltas["counters"].get(PREEMPTIONS, 0)
-    if preempted > 0:
-        return f"{preempted:g} preemptions"
-    usage = (peaks or {}).get(KV_USAGE)
-    if usage is not None and usage >= CAPACITY_FRACTION:
-        return f"KV cache usage peaked at {usage:.0%}"
-    if kv_cache_tokens and point.kv_tokens() >= CAPACITY_FRACTION * kv_cache_tokens:
-        return f"{point.kv_tokens():,} KV tokens needed of {kv_cache_tokens:,} available"
-    return None
 
 
 def request_order_sha256(obj) -> str:

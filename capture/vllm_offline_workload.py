@@ -24,8 +24,8 @@ from importlib import metadata
 from pathlib import Path
 
 from kvtrace.capture import runner
-from kvtrace.capture.vllm_common import (Point, add_sample, capacity_reason, empty_snapshot, metric_deltas,
-                                         request_order_sha256)
+from kvtrace.capture.vllm_common import add_sample, empty_snapshot, metric_deltas, request_order_sha256
+from kvtrace.manifest import Point, capacity_reason, point_range_name
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -182,7 +182,7 @@ def run(args: argparse.Namespace, engine_flags: list[str]) -> dict:
             if (point.prefix_len, point.input_len) in capped:
                 continue
             before = snapshot(llm)
-            with nvtx_range(f"kvtrace:{args.scenario}:{point.spec()}"):
+            with nvtx_range(point_range_name(args.scenario, point)):
                 tick = time.perf_counter()
                 prompts, outputs = generate(point, "measure")
                 elapsed = time.perf_counter() - tick

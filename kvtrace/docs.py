@@ -1,4 +1,5 @@
-"""Print the CLI reference (docs/cli.md) from the commands' own --help; tests/test_docs.py keeps it current."""
+"""Print the CLI reference (docs/cli.md) from the commands' own --help; tests/test_packaging.py keeps it
+current."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ def walk(command: click.Command, path: list[str]):
 
 def reference() -> str:
     parts = ["# kvtrace command-line reference", "",
-             "Generated from `--help` by `make docs`; `tests/test_docs.py` fails when it is out of date.", ""]
+             "Generated from `--help` by `make docs`; `tests/test_packaging.py` fails when it is out of date.", ""]
     for path, command in walk(cli, ["kvtrace"]):
         context = click.Context(command, info_name=" ".join(path), terminal_width=100,
                                 help_option_names=["-h", "--help"])

@@ -1,4 +1,5 @@
-"""Writing output files: the one atomic write, and what an output path may name.
+"""Writing output files: the one atomic write (also for files another program writes), and what an output path
+may name.
 
 Standard library only: the analyzer (reports, plots) and capture (manifests, on a bare GPU box) both use it.
 
@@ -23,6 +24,7 @@ import signal
 import stat
 import sys
 import tempfile
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -91,19 +93,28 @@ def write(path: str | os.PathLike, data: str | bytes, inputs=()) -> None:
         raise _cannot_write(path, error) from None
 
 
+@contextmanager
+def beside(target: Path, suffix: str = ".tmp") -> Iterator[Path]:
+    """A new empty file in `target`'s folder, for the block to fill (kvtrace, or a program such as nsys export):
+    renamed over `target` when the block ends, removed when it raises. A reader of `target` sees the old file
+    or the whole new one, never half of it."""
+    fd, name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=suffix)
+    os.close(fd)
+    temporary = Path(name)
+    try:
+        yield temporary
+        os.replace(temporary, target)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
 def _replace(target: Path, payload: bytes) -> None:
-    with _signals_deferred():
-        fd, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-        try:
-            with open(fd, "wb") as handle:
-                handle.write(payload)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.chmod(temporary, _mode_for(target))
-            os.replace(temporary, target)
-        except BaseException:
-            os.unlink(temporary)
-            raise
+    with _signals_deferred(), beside(target) as temporary:
+        with open(temporary, "wb") as handle:
+            handle.write(payload)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(temporary, _mode_for(target))
 
 
 def _mode_for(target: Path) -> int:

@@ -25,9 +25,11 @@ from pathlib import Path
 
 import pytest
 
+import kvtrace.nsys
 from conftest import NSYS2023_DIR, NSYS2025_DIR, fingerprint, sha256
 from kvtrace.capture import flashinfer_engine, runner
 from kvtrace.errors import KvtraceError
+from kvtrace.manifest import MANIFEST, SCHEMA, Run, run_order
 
 STAND_IN_VERSION = "NVIDIA Nsight Systems version 0.0.0-stand-in"
 
@@ -35,7 +37,8 @@ STAND_IN_NSYS = r'''#!{python}
 """Stand-in for the nsys CLI surface used by kvtrace's capture runner. Controlled by environment:
 FAKE_NSYS_CALLS (append each argv as a JSON line), FAKE_NSYS_FIXTURES (folder of real ARM.sqlite exports
 and ARM.workload.json results), FAKE_NSYS_RUN (run | replay: skip the app and copy ARM.workload.json to its
---result), FAKE_NSYS_PROFILE (report | qdstrm | nothing), FAKE_NSYS_EXPORT (ok | partial | nothing)."""
+--result), FAKE_NSYS_PROFILE (report | qdstrm | nothing), FAKE_NSYS_EXPORT (ok | partial | nothing),
+FAKE_NSYS_FAIL (the --output base name of one profile that exits 1, e.g. fp8.r2)."""
 import json, os, shutil, subprocess, sys
 from pathlib import Path
 
@@ -66,6 +69,8 @@ if args[:1] == ["profile"]:
             result = Path(app[app.index("--result") + 1])
             arm = app[app.index("--kv-format") + 1]
             shutil.copyfile(fixtures / (arm + ".workload.json"), result)
+    if base.name == os.environ.get("FAKE_NSYS_FAIL"):
+        code = 1
     mode = os.environ.get("FAKE_NSYS_PROFILE", "report")
     if mode == "report":
         base.with_name(base.name + ".nsys-rep").write_bytes(b"stand-in report\n")
@@ -114,7 +119,7 @@ def stand_in(tmp_path, monkeypatch):
     calls = tmp_path / "nsys-calls.jsonl"
     monkeypatch.setenv("FAKE_NSYS_CALLS", str(calls))
     monkeypatch.setenv("FAKE_NSYS_FIXTURES", str(NSYS2025_DIR))
-    for name in ("FAKE_NSYS_RUN", "FAKE_NSYS_PROFILE", "FAKE_NSYS_EXPORT"):
+    for name in ("FAKE_NSYS_RUN", "FAKE_NSYS_PROFILE", "FAKE_NSYS_EXPORT", "FAKE_NSYS_FAIL"):
         monkeypatch.delenv(name, raising=False)
     return path
 
@@ -151,8 +156,8 @@ def no_gpu_here():
 
 
 def nsys_findable_without_path() -> bool:
-    """Whether runner.find_nsys would find an nsys in one of its well-known install locations."""
-    return any(glob.glob(pattern) for pattern in runner._NSYS_GLOBS)
+    """Whether kvtrace.nsys.find_nsys would find an nsys in one of its well-known install locations."""
+    return any(glob.glob(pattern) for pattern in kvtrace.nsys.INSTALL_GLOBS)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -187,6 +192,8 @@ def test_no_gpu_is_one_line_and_creates_nothing(run_kvtrace, tmp_path, stand_in)
     (["--arms", "bf16"], "unknown arm(s) bf16"),
     (["--arms", ","], "--arms needs one or more distinct arms"),
     (["--arms", "fp8,fp8"], "--arms needs one or more distinct arms"),
+    (["--repeats", "0"], "--repeats must be at least 1, got 0"),
+    (["--repeats", "-2"], "--repeats must be at least 1, got -2"),
 ])
 def test_spec_errors_are_one_line(run_kvtrace, tmp_path, args, says):
     # No nsys anywhere, no GPU: the spec is checked first, so its error is the one reported.
@@ -232,7 +239,7 @@ def _fake_run_dir(folder: Path) -> None:
     folder.mkdir(parents=True)
     (folder / "fp8.log").write_text("old log\n")
     arm = runner.ArmResult(name="fp8", status="ok", sqlite="fp8.sqlite", log="fp8.log")
-    runner.write_json_atomic(folder / runner.MANIFEST, runner.manifest("flashinfer", {}, {}, [arm]))
+    runner.write_json_atomic(folder / MANIFEST, runner.manifest("flashinfer", {}, {}, [arm]))
     shutil.copyfile(NSYS2025_DIR / "fp8.sqlite", folder / "fp8.sqlite")
 
 
@@ -345,16 +352,18 @@ def test_cli_end_to_end_with_stand_in_nsys(tmp_path, stand_in, no_preflight, mon
     assert stdout.splitlines() == [f"fp8: ok -> {out / 'fp8.sqlite'}", f"nvfp4: ok -> {out / 'nvfp4.sqlite'}"]
 
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["kvtrace_manifest"] == runner.MANIFEST_SCHEMA and manifest["engine"] == "flashinfer"
+    assert manifest["kvtrace_manifest"] == SCHEMA and manifest["engine"] == "flashinfer"
     assert manifest["environment"]["nsys"] == STAND_IN_VERSION
     assert manifest["environment"]["nsys_path"] == str(stand_in)
     spec = manifest["settings"]["spec"]
     assert (spec["contexts"], spec["batch"], spec["q_heads"], spec["kv_heads"], spec["head_dim"],
             spec["page_size"], spec["seed"]) == ([2048, 8192], 2, 32, 4, 64, 32, 7)
     assert manifest["settings"]["arms"] == ["fp8", "nvfp4"]
+    assert (manifest["settings"]["repeats"], manifest["settings"]["order"]) == (1, ["fp8", "nvfp4"])
     for arm in ("fp8", "nvfp4"):
         entry = manifest["arms"][arm]
         assert entry["status"] == "ok" and entry["error"] is None
+        assert (entry["name"], entry["arm"], entry["repeat"]) == (arm, arm, 1)
         assert sha256(out / entry["sqlite"]) == sha256(NSYS2025_DIR / f"{arm}.sqlite")
         # The workload result the arm wrote is embedded in the manifest.
         assert entry["workload"] == json.loads((NSYS2025_DIR / f"{arm}.workload.json").read_text())
@@ -369,6 +378,56 @@ def test_cli_end_to_end_with_stand_in_nsys(tmp_path, stand_in, no_preflight, mon
                          "--gemm-size": "4096", "--seed": "7", "--result": str(out / f"{arm}.workload.json")}
     # No temporary files anywhere in the run directory.
     assert not [p.name for p in out.iterdir() if p.name.startswith(".") or p.name.endswith((".tmp", ".partial"))]
+
+
+def test_repeats_interleave_the_arms(tmp_path, stand_in, no_preflight, monkeypatch, capsys):
+    """--repeats 2: runs fp8.r1 nvfp4.r1 fp8.r2 nvfp4.r2, in that order, each with its own files and manifest
+    entry; one failed run leaves the others and their entries."""
+    monkeypatch.setenv("FAKE_NSYS_RUN", "replay")
+    monkeypatch.setenv("FAKE_NSYS_FAIL", "fp8.r2")
+    out = tmp_path / "fi"
+    code, stdout, err = run_cli_in_process(capsys, "capture", "flashinfer", "--out", out, "--context", "16",
+                                           "--batch", "1", "--repeats", "2", "--nsys", stand_in)
+    order = ["fp8.r1", "nvfp4.r1", "fp8.r2", "nvfp4.r2"]
+    assert code == 1, err  # one run failed
+    assert [line.split(":")[0] for line in stdout.splitlines()] == order
+    assert "fp8.r2: failed (workload under nsys exited with code 1 (see fp8.r2.log))" in stdout
+    # The order nsys was called in: profile and export of each run before the next run starts.
+    calls = [(call[0], Path(call[-1]).name if call[0] == "export" else
+              Path(next(a.split("=", 1)[1] for a in call if a.startswith("--output="))).name)
+             for call in nsys_calls(tmp_path) if call[:1] in (["profile"], ["export"])]
+    assert calls == [("profile", "fp8.r1"), ("export", "fp8.r1.nsys-rep"), ("profile", "nvfp4.r1"),
+                     ("export", "nvfp4.r1.nsys-rep"), ("profile", "fp8.r2"), ("profile", "nvfp4.r2"),
+                     ("export", "nvfp4.r2.nsys-rep")]
+
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["settings"]["arms"] == ["fp8", "nvfp4"]
+    assert (manifest["settings"]["repeats"], manifest["settings"]["order"]) == (2, order)
+    assert list(manifest["arms"]) == order
+    for name, entry in manifest["arms"].items():
+        arm, repeat = name.split(".r")
+        assert (entry["name"], entry["arm"], entry["repeat"]) == (name, arm, int(repeat))
+        assert entry["log"] == f"{name}.log" and (out / entry["log"]).exists()
+        workload = entry["commands"][0]
+        assert workload[workload.index("--kv-format") + 1] == arm  # the arm's format, the run's files
+        assert workload[workload.index("--result") + 1] == str(out / f"{name}.workload.json")
+        if name == "fp8.r2":
+            assert entry["status"] == "failed" and entry["sqlite"] is None and "see fp8.r2.log" in entry["error"]
+        else:
+            assert entry["status"] == "ok" and entry["sqlite"] == f"{name}.sqlite"
+            assert sha256(out / entry["sqlite"]) == sha256(NSYS2025_DIR / f"{arm}.sqlite")
+            assert entry["workload"] == json.loads((NSYS2025_DIR / f"{arm}.workload.json").read_text())
+    assert {p.name for p in out.iterdir()} == {"manifest.json"} | {
+        f"{name}.{ext}" for name in order for ext in ("log", "nsys-rep", "sqlite", "workload.json")} - {
+        "fp8.r2.sqlite"}
+
+
+def test_run_order():
+    assert run_order(("fp8", "nvfp4"), 1) == [Run("fp8", "fp8", 1), Run("nvfp4", "nvfp4", 1)]
+    assert [(run.name, run.arm, run.repeat) for run in run_order(("a", "b", "c"), 2)] == [
+        ("a.r1", "a", 1), ("b.r1", "b", 1), ("c.r1", "c", 1), ("a.r2", "a", 2), ("b.r2", "b", 2), ("c.r2", "c", 2)]
+    with pytest.raises(KvtraceError, match="--repeats must be at least 1, got 0"):
+        run_order(("fp8",), 0)
 
 
 def test_cli_real_workload_fails_on_cpu_and_both_arms_are_recorded(tmp_path, stand_in, no_preflight, capsys):
@@ -412,7 +471,7 @@ def test_one_failing_arm_leaves_the_other_and_a_manifest_entry(tmp_path, stand_i
     arms = []
     for name in ("fp8", "nvfp4"):
         arms.append(runner.run_arm(name, out, str(stand_in), exits_workload(failing) + [name]))
-        runner.write_json_atomic(out / runner.MANIFEST, runner.manifest("flashinfer", {"nsys": "stand-in"},
+        runner.write_json_atomic(out / MANIFEST, runner.manifest("flashinfer", {"nsys": "stand-in"},
                                                                         {"arms": ["fp8", "nvfp4"]}, arms))
     ok_name = "fp8" if failing == "nvfp4" else "nvfp4"
     results = {arm.name: arm for arm in arms}
@@ -435,7 +494,7 @@ def test_one_failing_arm_leaves_the_other_and_a_manifest_entry(tmp_path, stand_i
     assert (out / good.report).exists() and (out / good.log).exists()
     assert [c[1] for c in good.commands] == ["profile", "export"]
 
-    manifest = json.loads((out / runner.MANIFEST).read_text())
+    manifest = json.loads((out / MANIFEST).read_text())
     assert list(manifest["arms"]) == ["fp8", "nvfp4"]
     for name, entry in manifest["arms"].items():
         assert entry["commands"] == [list(c) for c in results[name].commands]
@@ -513,7 +572,7 @@ def test_workload_result_is_embedded_and_env_is_passed(tmp_path, stand_in):
 
 
 def test_nsys_version_and_host_environment_from_the_binary(stand_in):
-    assert runner.nsys_version(str(stand_in)) == STAND_IN_VERSION
+    assert kvtrace.nsys.nsys_version(str(stand_in)) == STAND_IN_VERSION
     environment = runner.host_environment(str(stand_in))
     assert environment["nsys"] == STAND_IN_VERSION and environment["nsys_path"] == str(stand_in)
     assert isinstance(environment["gpus"], list)
@@ -525,10 +584,10 @@ def test_find_nsys_order(tmp_path, stand_in, monkeypatch):
     shutil.copy2(stand_in, other / "nsys")
     monkeypatch.setenv("PATH", str(other))
     monkeypatch.setenv("NSYS", str(stand_in))
-    assert runner.find_nsys() == str(stand_in)  # $NSYS before PATH
-    assert runner.find_nsys(str(other / "nsys")) == str(other / "nsys")  # --nsys before $NSYS
+    assert kvtrace.nsys.find_nsys() == str(stand_in)  # $NSYS before PATH
+    assert kvtrace.nsys.find_nsys(str(other / "nsys")) == str(other / "nsys")  # --nsys before $NSYS
     monkeypatch.delenv("NSYS")
-    assert runner.find_nsys() == str(other / "nsys")  # then PATH
+    assert kvtrace.nsys.find_nsys() == str(other / "nsys")  # then PATH
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -543,11 +602,11 @@ def test_manifest_is_valid_json_written_atomically(tmp_path):
             runner.ArmResult(name="nvfp4", status="failed", error="boom (see nvfp4.log)", log="nvfp4.log",
                              commands=[["nsys", "profile", "z"]])]
     data = runner.manifest("flashinfer", {"nsys": "v"}, {"spec": {"batch": 8}}, arms)
-    path = out / runner.MANIFEST
+    path = out / MANIFEST
     runner.write_json_atomic(path, data)
     loaded = json.loads(path.read_text())
     assert loaded == json.loads(json.dumps(data))
-    assert loaded["kvtrace_manifest"] == runner.MANIFEST_SCHEMA
+    assert loaded["kvtrace_manifest"] == SCHEMA
     assert set(loaded) == {"kvtrace_manifest", "engine", "created_utc", "environment", "settings", "arms"}
     assert loaded["arms"]["nvfp4"]["commands"] == [["nsys", "profile", "z"]]
     assert loaded["arms"]["fp8"]["error"] is None and loaded["arms"]["nvfp4"]["sqlite"] is None
@@ -571,9 +630,10 @@ def test_committed_fixture_manifest_has_the_runner_shape():
     """The H200 run's manifest.json (fixtures/fi-h200-sm90) is what runner.manifest writes."""
     manifest = json.loads((NSYS2025_DIR / "manifest.json").read_text())
     fields = set(runner.ArmResult.__dataclass_fields__)
-    assert manifest["kvtrace_manifest"] == runner.MANIFEST_SCHEMA and manifest["engine"] == "flashinfer"
+    assert manifest["kvtrace_manifest"] == SCHEMA and manifest["engine"] == "flashinfer"
     for name, arm in manifest["arms"].items():
-        assert set(arm) == fields and arm["name"] == name and arm["status"] == "ok"
+        # Recorded before --repeats added each run's `arm` and `repeat`.
+        assert set(arm) == fields - {"arm", "repeat"} and arm["name"] == name and arm["status"] == "ok"
         assert (NSYS2025_DIR / arm["sqlite"]).exists() and (NSYS2025_DIR / arm["log"]).exists()
         assert arm["commands"][0][1] == "profile" and "--capture-range=cudaProfilerApi" in arm["commands"][0]
     assert runner._is_kvtrace_run(NSYS2025_DIR)
@@ -588,7 +648,7 @@ def test_real_nsys_export_through_temporary_name(nsys, tmp_path):
     shutil.copy2(NSYS2023_DIR / "fp8.nsys-rep", report)
     target = tmp_path / "fp8.sqlite"
     with open(tmp_path / "fp8.log", "w") as log:
-        runner.export_sqlite(nsys, report, target, log)
+        kvtrace.nsys.export_sqlite(nsys, report, target, log=log)
     import sqlite3
 
     conn = sqlite3.connect(f"{target.resolve().as_uri()}?mode=ro", uri=True)
@@ -605,6 +665,6 @@ def test_real_nsys_failed_export_leaves_nothing(nsys, tmp_path):
     report = tmp_path / "nvfp4.nsys-rep"
     shutil.copy2(NSYS2025_DIR / "nvfp4.nsys-rep", report)
     with open(tmp_path / "nvfp4.log", "w") as log, pytest.raises(RuntimeError, match="nsys export failed"):
-        runner.export_sqlite(nsys, report, tmp_path / "nvfp4.sqlite", log)
+        kvtrace.nsys.export_sqlite(nsys, report, tmp_path / "nvfp4.sqlite", log=log)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["nvfp4.log", "nvfp4.nsys-rep"]
     assert "ProtobufParseException" in (tmp_path / "nvfp4.log").read_text()

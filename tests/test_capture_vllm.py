@@ -24,13 +24,17 @@ from types import SimpleNamespace
 import pytest
 from click.testing import CliRunner
 
+import kvtrace.nsys
 import vllm_standin
 from kvtrace.capture import cli as capture_cli
-from kvtrace.capture import runner
+from kvtrace.capture import vllm_commands as commands
+from kvtrace.capture import vllm_config
 from kvtrace.capture import vllm_engine as engine
+from kvtrace.capture import vllm_http as http
+from kvtrace.capture import vllm_preflight as preflight
 from kvtrace.capture import vllm_offline_workload as worker
-from kvtrace.capture.vllm_common import (Point, capacity_reason, metric_deltas, parse_kv_cache_log,
-                                         request_order_sha256, update_peaks)
+from kvtrace.capture.vllm_common import metric_deltas, parse_kv_cache_log, request_order_sha256, update_peaks
+from kvtrace.manifest import Point, capacity_reason
 from kvtrace.errors import KvtraceError
 
 TESTS = Path(__file__).resolve().parent
@@ -45,25 +49,25 @@ PROBE_B200 = {"vllm": "0.33.0", "torch": "2.11.0+cu130", "flashinfer-python": "0
 
 
 def recorded(name: str) -> dict:
-    return engine.parse_metrics((RECORDED / name).read_text())
+    return http.parse_metrics((RECORDED / name).read_text())
 
 
 def config(scenario="cold-prefill", mode="serve", arms=("fp8", "nvfp4"), model="/models/llama-tiny", extra=(),
-           load_format="dummy", port=8000, **workload) -> engine.VllmCapture:
-    return engine.VllmCapture(model=model, workload=engine.Workload.for_scenario(scenario, **workload), arms=arms,
-                              mode=mode, load_format=load_format, port=port, extra_args=tuple(extra))
+           load_format="dummy", port=8000, repeats=1, **workload) -> vllm_config.VllmCapture:
+    return vllm_config.VllmCapture(model=model, workload=vllm_config.Workload.for_scenario(scenario, **workload), arms=arms,
+                              mode=mode, load_format=load_format, port=port, extra_args=tuple(extra), repeats=repeats)
 
 
 # Command lines ---------------------------------------------------------------------------------------------
 
-GOLDEN_CASES = [(scenario, mode) for mode in engine.MODES for scenario in engine.SCENARIOS]
+GOLDEN_CASES = [(scenario, mode) for mode in vllm_config.MODES for scenario in vllm_config.SCENARIOS]
 
 
 @pytest.mark.parametrize("scenario,mode", GOLDEN_CASES)
 def test_dry_run_matches_golden(scenario, mode, monkeypatch):
-    monkeypatch.setattr(runner, "find_nsys", lambda explicit=None: "nsys")
+    monkeypatch.setattr(kvtrace.nsys, "find_nsys", lambda explicit=None: "nsys")
     arms = ("fp8", "nvfp4") if mode == "serve" else ("auto", "fp8")
-    text = engine.dry_run(config(scenario, mode, arms), Path("runs/demo"), python="python3")
+    text = commands.dry_run(config(scenario, mode, arms), Path("runs/demo"), python="python3")
     golden = GOLDEN / f"{scenario}.{mode}.txt"
     if os.environ.get("KVTRACE_UPDATE_GOLDEN"):
         golden.parent.mkdir(parents=True, exist_ok=True)
@@ -71,16 +75,16 @@ def test_dry_run_matches_golden(scenario, mode, monkeypatch):
     assert text == golden.read_text()
 
 
-@pytest.mark.parametrize("mode", engine.MODES)
-@pytest.mark.parametrize("scenario", engine.SCENARIOS)
+@pytest.mark.parametrize("mode", vllm_config.MODES)
+@pytest.mark.parametrize("scenario", vllm_config.SCENARIOS)
 def test_arms_differ_only_in_kv_dtype(scenario, mode):
     cfg = config(scenario, mode, extra=("--max-model-len", "8192"))
     out = Path("runs/x")
     if mode == "serve":
-        first, second = (engine.server_command(cfg, arm, out, "nsys", "python3") for arm in ("fp8", "nvfp4"))
+        first, second = (commands.server_command(cfg, arm, out, "nsys", "python3") for arm in ("fp8", "nvfp4"))
     else:
         points = cfg.workload.points(mode)
-        first, second = (engine.worker_command(cfg, arm, out, "nsys", "python3", points, False)
+        first, second = (commands.worker_command(cfg, arm, out, "nsys", "python3", points, False)
                          for arm in ("fp8", "nvfp4"))
     assert [arg.replace("fp8", "ARM") for arg in first] == [arg.replace("nvfp4", "ARM") for arg in second]
     flags = " ".join(first)
@@ -92,24 +96,25 @@ def test_arms_differ_only_in_kv_dtype(scenario, mode):
 
 def test_scenarios_set_what_they_measure():
     cold = config("cold-prefill")
-    assert "--no-enable-prefix-caching" in engine.engine_flags(cold, "fp8")
+    assert "--no-enable-prefix-caching" in vllm_config.engine_flags(cold, "fp8")
     assert cold.workload.points("serve") == [Point(2048, 1, 64, 16)]
     reuse = config("prefix-reuse")
-    assert "--enable-prefix-caching" in engine.engine_flags(reuse, "fp8")
-    assert engine.child_env(reuse)["VLLM_SERVER_DEV_MODE"] == "1"
-    bench = engine.bench_command(reuse, "python3", reuse.workload.points("serve")[0], seed=0, result=None)
+    assert "--enable-prefix-caching" in vllm_config.engine_flags(reuse, "fp8")
+    assert vllm_config.child_env(reuse)["VLLM_SERVER_DEV_MODE"] == "1"
+    bench = commands.bench_command(reuse, "python3", reuse.workload.points("serve")[0], seed=0, result=None)
     assert bench[bench.index("--dataset-name") + 1] == "prefix_repetition"
     assert bench[bench.index("--num-warmups") + 1] == "0" and bench[bench.index("--ready-check-timeout-sec") + 1] == "0"
     decode = config("decode-heavy", mode="offline")
-    assert engine.engine_flags(decode, "fp8")[-3:] == ["--skip-tokenizer-init", "--max-num-seqs", "32"]
-    env = engine.child_env(decode)
+    assert vllm_config.engine_flags(decode, "fp8")[-3:] == ["--skip-tokenizer-init", "--max-num-seqs", "32"]
+    env = vllm_config.child_env(decode)
     assert env["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn" and env["HF_HUB_OFFLINE"] == "1"
     assert "VLLM_SERVER_DEV_MODE" not in env
 
 
 def test_sweep_steps_up_and_runs_fp8_first():
     cfg = config("sweep", arms=("nvfp4", "fp8"), contexts=(4096, 1024), concurrencies=(32, 8))
-    assert cfg.run_order() == ("fp8", "nvfp4")
+    assert cfg.arm_order() == ("fp8", "nvfp4")
+    assert [run.name for run in cfg.runs()] == ["fp8", "nvfp4"]
     assert [p.spec() for p in cfg.workload.points("serve")] == [
         "input=1024,output=64,prompts=16,concurrency=8", "input=1024,output=64,prompts=64,concurrency=32",
         "input=4096,output=64,prompts=16,concurrency=8", "input=4096,output=64,prompts=64,concurrency=32"]
@@ -131,6 +136,7 @@ def test_sweep_steps_up_and_runs_fp8_first():
     ({"scenario": "prefix-reuse", "trace_file": "/nonexistent.jsonl"}, "does not exist"),
     ({"port": 70000}, "is not a TCP port"),
     ({"mode": "offline", "scenario": "sweep", "num_prompts": 64}, "does not apply to an offline sweep"),
+    ({"repeats": 0}, "--repeats must be at least 1, got 0"),
 ])
 def test_bad_input_is_one_clear_error(kwargs, message):
     with pytest.raises(KvtraceError) as error:
@@ -138,15 +144,43 @@ def test_bad_input_is_one_clear_error(kwargs, message):
     assert message in str(error.value) and "\n" not in str(error.value)
 
 
+def test_dry_run_with_repeats_prints_the_runs_in_order(monkeypatch):
+    monkeypatch.setattr(kvtrace.nsys, "find_nsys", lambda explicit=None: "nsys")
+    out = Path("runs/demo")
+    offline = config("sweep", "offline", ("auto", "fp8"), repeats=2, contexts=(64,), concurrencies=(2,))
+    text = commands.dry_run(offline, out, python="python3")
+    order = ["fp8.r1", "auto.r1", "fp8.r2", "auto.r2"]
+    assert text.splitlines()[0].startswith("# kvtrace capture vllm: scenario sweep, mode offline, arms fp8, auto, "
+                                           "2 repeats interleaved")
+    assert "# sweep: run fp8.r1 steps up" in text and "the other runs run exactly the points it ran" in text
+    runs = [line for line in text.splitlines() if line.startswith("# run ")]
+    assert runs == [f"# run {name}: arm {name.split('.')[0]}, repeat {name[-1]}" for name in order]
+    workers = [line.split() for line in text.splitlines() if " profile " in line]
+    assert [next(a for a in w if a.startswith("--output=")) for w in workers] == [f"--output={out / n}" for n in order]
+    assert [w[w.index("--result") + 1] for w in workers] == [str(out / f"{n}.workload.json") for n in order]
+    assert [w[w.index("--kv-cache-dtype") + 1] for w in workers] == ["fp8", "auto", "fp8", "auto"]
+    assert ["--stop-at-capacity" in w for w in workers] == [True, False, False, False]
+    exports = [line.split()[-1] for line in text.splitlines() if " export " in line]
+    assert exports == [f"{out / n}.nsys-rep" for n in order]
+
+    serve = commands.dry_run(config("decode-heavy", repeats=2), out, python="python3")
+    results = [line.split()[-1] for line in serve.splitlines() if "--save-result" in line]
+    order = ["fp8.r1", "nvfp4.r1", "fp8.r2", "nvfp4.r2"]
+    assert results == [f"{n}.bench.json" for n in order]  # --result-filename, last on the line
+    servers = [line.split() for line in serve.splitlines() if " serve " in line and " profile " in line]
+    assert [(next(a for a in s if a.startswith("--output=")), s[s.index("--kv-cache-dtype") + 1]) for s in servers] == [
+        (f"--output={out / n}", n.split(".")[0]) for n in order]
+
+
 def test_options_outside_their_scenario_are_rejected():
     with pytest.raises(KvtraceError, match="--contexts does not apply to --scenario cold-prefill"):
-        engine.Workload.for_scenario("cold-prefill", contexts=(1024,))
+        vllm_config.Workload.for_scenario("cold-prefill", contexts=(1024,))
     with pytest.raises(KvtraceError, match="--input-len does not apply to --scenario sweep"):
-        engine.Workload.for_scenario("sweep", input_len=10)
+        vllm_config.Workload.for_scenario("sweep", input_len=10)
 
 
 def test_cli_dry_run_and_errors(monkeypatch):
-    monkeypatch.setattr(runner, "find_nsys", lambda explicit=None: "nsys")
+    monkeypatch.setattr(kvtrace.nsys, "find_nsys", lambda explicit=None: "nsys")
     runner_ = CliRunner()
     result = runner_.invoke(capture_cli.capture, ["vllm", "--model", "/models/m", "--scenario", "decode-heavy",
                                                   "--mode", "offline", "--arms", "auto,fp8", "--dry-run", "--",
@@ -157,6 +191,15 @@ def test_cli_dry_run_and_errors(monkeypatch):
     bad = subprocess.run([sys.executable, "-m", "kvtrace", "capture", "vllm", "--model", "m", "--arms", "fp8,bogus",
                           "--dry-run"], capture_output=True, text=True, cwd=TESTS)
     assert bad.returncode == 2 and bad.stderr.startswith("kvtrace: error: unknown arm(s) bogus")
+    bad = subprocess.run([sys.executable, "-m", "kvtrace", "capture", "vllm", "--model", "m", "--repeats", "0",
+                          "--dry-run"], capture_output=True, text=True, cwd=TESTS)
+    assert (bad.returncode, bad.stderr) == (2, "kvtrace: error: --repeats must be at least 1, got 0\n")
+    repeated = runner_.invoke(capture_cli.capture, ["vllm", "--model", "/models/m", "--mode", "offline",
+                                                    "--arms", "auto,fp8", "--repeats", "2", "--dry-run"])
+    assert repeated.exit_code == 0, repeated.output
+    assert [line for line in repeated.output.splitlines() if line.startswith("# run ")] == [
+        "# run auto.r1: arm auto, repeat 1", "# run fp8.r1: arm fp8, repeat 1", "# run auto.r2: arm auto, repeat 2",
+        "# run fp8.r2: arm fp8, repeat 2"]
 
 
 def test_makefile_fragment_runs_the_cli(tmp_path):
@@ -177,6 +220,8 @@ def test_makefile_fragment_runs_the_cli(tmp_path):
     assert "scenario sweep, mode offline, arms fp8, auto" in done.stdout
     assert "--max-model-len 20000" in done.stdout and "--output=runs/vllm-sweep/fp8" in done.stdout
     assert "--output=runs/x/fp8" in make("MODEL=/models/m", "OUT=runs/x", "DRY_RUN=1").stdout
+    repeated = make("MODEL=/models/m", "REPEATS=2", "DRY_RUN=1").stdout
+    assert "2 repeats interleaved" in repeated and "--output=runs/vllm-cold-prefill/nvfp4.r2" in repeated
 
 
 # Preflight --------------------------------------------------------------------------------------------------
@@ -190,24 +235,33 @@ def test_makefile_fragment_runs_the_cli(tmp_path):
 def test_nvfp4_preflight_names_the_gpu_and_the_way_out(gpu, capability, verdict, message):
     probe = {**PROBE_B200, "gpu_name": gpu, "capability": capability, "vllm_nvfp4_kv": verdict, "vllm": "0.26.0"}
     with pytest.raises(KvtraceError) as error:
-        engine.check_probe(probe, ("fp8", "nvfp4"))
+        preflight.check_probe(probe, ("fp8", "nvfp4"))
     assert message in str(error.value) and "--arms auto,fp8" in str(error.value)
-    engine.check_probe(probe, ("auto", "fp8"))  # the same GPU is fine without nvfp4
+    preflight.check_probe(probe, ("auto", "fp8"))  # the same GPU is fine without nvfp4
 
 
-@pytest.mark.parametrize("capability,verdict", [([10, 0], True), ([10, 3], None), ([12, 0], True)])
-def test_nvfp4_preflight_trusts_the_installed_vllm(capability, verdict):
-    engine.check_probe({**PROBE_B200, "capability": capability, "vllm_nvfp4_kv": verdict}, ("fp8", "nvfp4"))
+@pytest.mark.parametrize("capability,verdict,refused", [
+    ([10, 0], True, (False,)),  # vLLM says yes
+    ([10, 3], None, (False,)),  # no answer from vLLM: SM10x passes
+    ([12, 0], True, (False, None)),  # SM120 passes only on vLLM's yes
+])
+def test_nvfp4_preflight_trusts_the_installed_vllm(capability, verdict, refused):
+    probe = {**PROBE_B200, "capability": capability, "vllm_nvfp4_kv": verdict}
+    preflight.check_probe(probe, ("fp8", "nvfp4"))
+    # The same GPU is refused once the installed vLLM's answer changes: that answer is what decides.
+    for other in refused:
+        with pytest.raises(KvtraceError, match="nvfp4 KV"):
+            preflight.check_probe({**probe, "vllm_nvfp4_kv": other}, ("fp8", "nvfp4"))
 
 
 def test_real_probe_reports_missing_vllm_and_gpu():
-    probe = engine.probe_environment(sys.executable, nvfp4=True)
+    probe = preflight.probe_environment(sys.executable, nvfp4=True)
     assert {"vllm", "torch", "flashinfer-python", "prometheus-client"} <= set(probe)
     if probe["vllm"] is None:
         with pytest.raises(KvtraceError, match="vLLM is not installed"):
-            engine.check_probe(probe, ("fp8",))
+            preflight.check_probe(probe, ("fp8",))
     with pytest.raises(KvtraceError, match="no CUDA GPU visible to torch"):
-        engine.check_probe({**probe, "vllm": "0.26.0", "gpu_count": 0}, ("fp8",))
+        preflight.check_probe({**probe, "vllm": "0.26.0", "gpu_count": 0}, ("fp8",))
 
 
 def model_dir(tmp_path: Path, tokenizer: bool = True) -> Path:
@@ -221,21 +275,21 @@ def model_dir(tmp_path: Path, tokenizer: bool = True) -> Path:
 
 def test_model_checks(tmp_path):
     with pytest.raises(KvtraceError, match="model path /nonexistent/model does not exist"):
-        engine.check_model(config(model="/nonexistent/model"))
+        preflight.check_model(config(model="/nonexistent/model"))
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(KvtraceError, match="has no config.json"):
-        engine.check_model(config(model=str(empty)))
+        preflight.check_model(config(model=str(empty)))
     (empty / "config.json").write_text("{not json")
     with pytest.raises(KvtraceError, match="config.json is not valid JSON"):
-        engine.check_model(config(model=str(empty), mode="offline"))
+        preflight.check_model(config(model=str(empty), mode="offline"))
     with pytest.raises(KvtraceError, match="holds no weights.*--load-format dummy"):
-        engine.check_model(config(model=str(TINY), mode="offline", load_format="auto"))
+        preflight.check_model(config(model=str(TINY), mode="offline", load_format="auto"))
     with pytest.raises(KvtraceError, match="no tokenizer files.*--mode offline"):
-        engine.check_model(config(model=str(TINY)))
+        preflight.check_model(config(model=str(TINY)))
     with pytest.raises(KvtraceError, match="exceed the model's 8192 positions"):
-        engine.check_model(config("decode-heavy", mode="offline", model=str(TINY), input_len=8192))
-    summary = engine.check_model(config(model=str(TINY), mode="offline", arms=("auto", "fp8", "nvfp4")))
+        preflight.check_model(config("decode-heavy", mode="offline", model=str(TINY), input_len=8192))
+    summary = preflight.check_model(config(model=str(TINY), mode="offline", arms=("auto", "fp8", "nvfp4")))
     assert (summary["num_hidden_layers"], summary["num_key_value_heads"], summary["head_dim"]) == (16, 8, 128)
     assert summary["kv_bytes_per_token"] == {"auto": 65536, "fp8": 32768, "nvfp4": 18432}
 
@@ -243,7 +297,7 @@ def test_model_checks(tmp_path):
 def test_missing_nsys_and_busy_port(tmp_path, monkeypatch):
     monkeypatch.delenv("NSYS", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path))
-    monkeypatch.setattr(runner, "_NSYS_GLOBS", ())
+    monkeypatch.setattr(kvtrace.nsys, "INSTALL_GLOBS", ())
     with pytest.raises(KvtraceError, match="nsys \\(Nsight Systems CLI\\) not found"):
         engine.capture(config(model=str(TINY), mode="offline"), tmp_path / "out")
     with socket.socket() as busy:
@@ -256,7 +310,7 @@ def test_missing_nsys_and_busy_port(tmp_path, monkeypatch):
 
 
 def test_missing_vllm_stops_before_the_run_directory(tmp_path):
-    probe = engine.probe_environment(sys.executable, nvfp4=False)
+    probe = preflight.probe_environment(sys.executable, nvfp4=False)
     if probe["vllm"] is not None:
         pytest.skip("vLLM is installed here")
     with pytest.raises(KvtraceError, match="vLLM is not installed"):
@@ -317,7 +371,7 @@ def test_metrics_add_up_across_engines():
         'vllm:num_requests_running{engine="1",model_name="m"} 4.0',
         "# TYPE process_cpu_seconds_total counter",
         "process_cpu_seconds_total 12.0", ""])
-    snapshot = engine.parse_metrics(text)
+    snapshot = http.parse_metrics(text)
     assert snapshot["counters"] == {"vllm:prompt_tokens_total": 150}
     assert snapshot["gauges"] == {"vllm:kv_cache_usage_perc": 0.7, "vllm:num_requests_running": 7}
 
@@ -423,7 +477,7 @@ def run_capture(standin, cfg, **kwargs) -> dict:
     return engine.capture(cfg, standin.tmp / "run", **{**options, **kwargs})
 
 
-def serve_config(standin, **kwargs) -> engine.VllmCapture:
+def serve_config(standin, **kwargs) -> vllm_config.VllmCapture:
     workload = {"input_len": 32, "output_len": 4, "num_prompts": 6, "concurrency": 3}
     return config(kwargs.pop("scenario", "decode-heavy"), model=str(standin.model), port=free_port(),
                   **{**workload, **kwargs})
@@ -558,7 +612,7 @@ def test_cli_exit_code_on_partial_failure(standin, monkeypatch):
     assert "nvfp4: failed (vllm bench serve exited with code 1" in result.output
 
 
-def offline_config(standin, **kwargs) -> engine.VllmCapture:
+def offline_config(standin, **kwargs) -> vllm_config.VllmCapture:
     workload = {"input_len": 64, "output_len": 8, "num_prompts": 8, "concurrency": 4}
     return config(kwargs.pop("scenario", "decode-heavy"), mode="offline", arms=kwargs.pop("arms", ("auto", "fp8")),
                   model=str(TINY), **{**workload, **kwargs})
@@ -626,6 +680,47 @@ def test_offline_worker_failure_is_recorded(standin, monkeypatch):
     assert fp8["status"] == "failed" and "workload under nsys exited with code 1 (see fp8.log)" in fp8["error"]
     assert "illegal memory access" in (standin.tmp / "run" / "fp8.log").read_text()
     assert manifest["status"] == "partial"
+
+
+def test_offline_repeats_interleave_and_a_failed_run_keeps_the_others(standin, monkeypatch):
+    monkeypatch.setenv("STANDIN_FAIL", "export@auto.r1")
+    manifest = run_capture(standin, offline_config(standin, repeats=2))
+    run = standin.tmp / "run"
+    order = ["auto.r1", "fp8.r1", "auto.r2", "fp8.r2"]
+    assert list(manifest["arms"]) == order and manifest["status"] == "partial"
+    assert (manifest["settings"]["arms"], manifest["settings"]["repeats"], manifest["settings"]["order"]) == (
+        ["auto", "fp8"], 2, order)
+    assert manifest["request_order_matched"] is True
+    # The stand-in LLM logs the KV dtype each engine started with: the arms alternate.
+    assert [c["arm"] for c in standin.calls() if c["call"] == "init"] == ["auto", "fp8", "auto", "fp8"]
+    for name, entry in manifest["arms"].items():
+        arm, repeat = name.split(".r")
+        assert (entry["name"], entry["arm"], entry["repeat"], entry["kv_cache_dtype"]) == (name, arm, int(repeat), arm)
+        assert entry["workload"]["kv_cache_dtype"] == arm
+        for file in (f"{name}.log", f"{name}.nsys-rep", f"{name}.workload.json", f"{name}.manifest.json"):
+            assert (run / file).exists(), file
+        per_run = json.loads((run / f"{name}.manifest.json").read_text())
+        assert list(per_run["arms"]) == [name] and per_run["status"] == entry["status"]
+        if name == "auto.r1":
+            assert entry["status"] == "failed" and "nsys export failed" in entry["error"]
+            assert not (run / f"{name}.sqlite").exists()
+        else:
+            assert entry["status"] == "ok" and (run / entry["sqlite"]).exists() and entry["sqlite"] == f"{name}.sqlite"
+
+
+def test_serve_repeats_name_every_file_by_run(standin):
+    manifest = run_capture(standin, serve_config(standin, repeats=2))
+    run = standin.tmp / "run"
+    order = ["fp8.r1", "nvfp4.r1", "fp8.r2", "nvfp4.r2"]
+    assert manifest["status"] == "ok" and list(manifest["arms"]) == order and manifest["settings"]["order"] == order
+    for name, entry in manifest["arms"].items():
+        point = entry["points"][0]
+        assert point["metrics"]["cache_config"][0]["cache_dtype"] == entry["arm"] == name.split(".")[0]
+        assert point["bench_result"] == f"{name}.bench.json"
+        for file in (entry["sqlite"], entry["report"], f"{name}.log", f"{name}.bench.log", f"{name}.manifest.json",
+                     point["metrics"]["before"], point["metrics"]["after"]):
+            assert file.startswith(name + ".") and (run / file).exists(), file
+    assert not [pid for pid in standin.pids() if alive(pid)]
 
 
 def test_force_rules_follow_the_runner(standin):

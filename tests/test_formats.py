@@ -1,4 +1,5 @@
-"""capture/formats.py and the paged cache the FlashInfer workload builds, on the CPU.
+"""capture/formats.py (quantizers), kvtrace/kv_formats.py (bytes) and the paged cache the FlashInfer workload
+builds, on the CPU.
 
 Every expected value is derived here, independently of the code under test: the E2M1 and E4M3 roundings
 are re-implemented in float64 numpy from their definitions (E2M1: magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6},
@@ -19,6 +20,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from kvtrace import kv_formats  # noqa: E402
 from kvtrace.capture import formats  # noqa: E402
 from kvtrace.capture.flashinfer_workload import PagedCache  # noqa: E402
 
@@ -361,7 +363,7 @@ def test_nvfp4_last_dimension_must_be_a_multiple_of_16():
         with pytest.raises(ValueError, match="multiple of 16"):
             formats.nvfp4_quantize(torch.ones(2, bad))
     with pytest.raises(ValueError):
-        formats.kv_bytes_per_token_head("nvfp4", 100)
+        kv_formats.kv_bytes_per_token_head("nvfp4", 100)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -447,9 +449,9 @@ def test_fp8_matches_the_float64_e4m3_reference_and_error_bound():
 def test_bytes_per_token_head_from_bit_widths_and_real_tensors(head_dim):
     fp8 = head_dim * 8 / 8  # 8 bits per value
     nvfp4 = head_dim * 4 / 8 + (head_dim / BLOCK) * 8 / 8  # 4 bits per value + one byte per 16 values
-    assert formats.kv_bytes_per_token_head("fp8", head_dim) == fp8
-    assert formats.kv_bytes_per_token_head("nvfp4", head_dim) == nvfp4
-    assert formats.kv_bytes_per_token_head("bf16", head_dim) == 2 * head_dim
+    assert kv_formats.kv_bytes_per_token_head("fp8", head_dim) == fp8
+    assert kv_formats.kv_bytes_per_token_head("nvfp4", head_dim) == nvfp4
+    assert kv_formats.kv_bytes_per_token_head("bf16", head_dim) == 2 * head_dim
     # The tensors the quantizers actually produce take exactly that much per token-head.
     row = random_normal(1, 1, head_dim)
     q = formats.nvfp4_quantize(row)
@@ -460,7 +462,7 @@ def test_bytes_per_token_head_from_bit_widths_and_real_tensors(head_dim):
 
 
 def test_bytes_per_token_head_at_head_dim_128():
-    fp8, nvfp4 = (formats.kv_bytes_per_token_head(f, 128) for f in ("fp8", "nvfp4"))
+    fp8, nvfp4 = (kv_formats.kv_bytes_per_token_head(f, 128) for f in ("fp8", "nvfp4"))
     assert (fp8, nvfp4) == (128, 128 // 2 + 128 // 16)
     assert nvfp4 / fp8 == (1 / 2 + 1 / 16)  # 0.5625 for any head dim
 
@@ -468,16 +470,16 @@ def test_bytes_per_token_head_at_head_dim_128():
 def test_kv_cache_bytes_rounds_tokens_up_to_whole_pages():
     heads, dim, page, seqs, layers = 8, 128, 16, 3, 2
     for fmt in ("fp8", "nvfp4", "bf16"):
-        per = formats.kv_bytes_per_token_head(fmt, dim)
+        per = kv_formats.kv_bytes_per_token_head(fmt, dim)
         for tokens in (1, 15, 16, 17, 33, 2048):
             slots = math.ceil(tokens / page) * page
             expected = slots * seqs * heads * 2 * layers * per  # K and V
-            assert formats.kv_cache_bytes(fmt, tokens_per_sequence=tokens, sequences=seqs, num_kv_heads=heads,
-                                          head_dim=dim, page_size=page, layers=layers) == expected
+            assert kv_formats.kv_cache_bytes(fmt, tokens_per_sequence=tokens, sequences=seqs, num_kv_heads=heads,
+                                             head_dim=dim, page_size=page, layers=layers) == expected
     # 17 tokens on 16-token pages cost the same as 32.
     args = dict(sequences=1, num_kv_heads=1, head_dim=dim, page_size=page)
-    assert formats.kv_cache_bytes("fp8", tokens_per_sequence=17, **args) == \
-        formats.kv_cache_bytes("fp8", tokens_per_sequence=32, **args) == 2 * 32 * dim
+    assert kv_formats.kv_cache_bytes("fp8", tokens_per_sequence=17, **args) == \
+        kv_formats.kv_cache_bytes("fp8", tokens_per_sequence=32, **args) == 2 * 32 * dim
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
@@ -486,16 +488,16 @@ def test_kv_cache_bytes_equals_the_bytes_of_the_workloads_paged_cache(fmt):
     keys, values = random_normal(batch * context, heads, dim, seed=1), random_normal(batch * context, heads, dim, seed=2)
     cache = PagedCache(fmt, keys, values, batch, context, 0, page)
     held = sum(t.numel() * t.element_size() for t in (cache.k_cache, cache.v_cache, *(cache.scales or ())))
-    assert formats.kv_cache_bytes(fmt, tokens_per_sequence=context, sequences=batch, num_kv_heads=heads,
-                                  head_dim=dim, page_size=page) == held
+    assert kv_formats.kv_cache_bytes(fmt, tokens_per_sequence=context, sequences=batch, num_kv_heads=heads,
+                                     head_dim=dim, page_size=page) == held
 
 
 def test_unknown_format_is_a_value_error():
     with pytest.raises(ValueError, match="unknown KV format"):
-        formats.kv_bytes_per_token_head("int4", 128)
+        kv_formats.kv_bytes_per_token_head("int4", 128)
     with pytest.raises(ValueError, match="unknown KV format"):
-        formats.kv_cache_bytes("mxfp4", tokens_per_sequence=16, sequences=1, num_kv_heads=1, head_dim=128,
-                               page_size=16)
+        kv_formats.kv_cache_bytes("mxfp4", tokens_per_sequence=16, sequences=1, num_kv_heads=1, head_dim=128,
+                                  page_size=16)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -27,7 +27,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from conftest import GOOD_SQLITE, NSYS2025_DIR, REPO, fingerprint
+from conftest import GOOD_SQLITE, NSYS2023_DIR, NSYS2025_DIR, REPO, fingerprint
+import kvtrace.nsys
 from kvtrace.analyzer import compare, load, render
 from kvtrace.analyzer.classify import load_recipes, parse_kernel_name
 from kvtrace.capture import runner
@@ -82,8 +83,8 @@ def _sql_text(text: str) -> str:
     return "CAST(X'" + text.encode().hex() + "' AS TEXT)"
 
 
-def json_of(kv, *args) -> dict:
-    code, out, err = kv(*args, "--format", "json")
+def json_of(kv, *args, **options) -> dict:
+    code, out, err = kv(*args, "--format", "json", **options)
     assert code == 0, err
     return json.loads(out)
 
@@ -295,6 +296,25 @@ def test_an_export_edited_with_size_and_mtime_kept_is_read_again(how, tmp_path, 
     assert again["segments"] != first["segments"]
 
 
+def test_a_report_renamed_over_with_its_mtime_kept_is_exported_again(tmp_path, cache_dir, nsys, kv):
+    """The .nsys-rep export cache keys on the same identity as the trace cache: a new file under the old name
+    (`rsync -t`) is another export, even with the same size and mtime."""
+    report = tmp_path / "fp8.nsys-rep"
+    shutil.copy2(NSYS2023_DIR / "fp8.nsys-rep", report)
+    first = json_of(kv, "kernels", report, env={"NSYS": nsys})
+    replacement = tmp_path / "replacement.nsys-rep"
+    shutil.copy2(report, replacement)
+    status = report.stat()
+    os.replace(replacement, report)
+    os.utime(report, ns=(status.st_atime_ns, status.st_mtime_ns))
+    assert (report.stat().st_size, report.stat().st_mtime_ns) == (status.st_size, status.st_mtime_ns)
+
+    again = json_of(kv, "kernels", report, env={"NSYS": nsys})
+    assert again["arm"]["info"]["sqlite"] != first["arm"]["info"]["sqlite"]
+    assert Path(again["arm"]["info"]["sqlite"]).parent == cache_dir / "exports"
+    assert again["rows"] == first["rows"]
+
+
 def _entry(cache: Path, stem: str) -> Path:
     [entry] = [p for p in (cache / "traces").iterdir() if p.name.startswith(stem + "-")]
     return entry
@@ -421,8 +441,26 @@ def test_bad_options_are_one_line(args, names, problem, kv):
     assert_one_line_error(code, out, err, names, problem)
 
 
+def test_an_nsys_setting_that_names_a_directory_is_refused(tmp_path, monkeypatch):
+    """--nsys and $NSYS naming a folder (the usual slip: its bin/) are refused, not run nor skipped for another nsys."""
+    monkeypatch.setenv("NSYS", str(tmp_path))
+    with pytest.raises(KvtraceError, match=rf"^NSYS={re.escape(str(tmp_path))} is a directory: point NSYS at"):
+        kvtrace.nsys.find_nsys()
+    with pytest.raises(KvtraceError, match=rf"^--nsys {re.escape(str(tmp_path))} is a directory: point it at"):
+        kvtrace.nsys.find_nsys(str(tmp_path))
+
+
+def test_an_nsys_rep_with_nsys_a_directory_is_one_line(tmp_path, kv):
+    report = tmp_path / "fp8.nsys-rep"
+    shutil.copy2(NSYS2023_DIR / "fp8.nsys-rep", report)
+    code, out, err = kv("summary", report, env={"NSYS": "/usr"})
+    assert_one_line_error(code, out, err, "NSYS=/usr is a directory", r"\.\.\./bin/nsys", r"pass the \.sqlite")
+
+
 @pytest.mark.parametrize("edit,where,wanted", [
     (lambda m: m["arms"].update(fp8=None), "arms.fp8", "an object"),
+    (lambda m: m["arms"]["fp8"].update(repeat="2"), "arms.fp8.repeat", "a whole number"),
+    (lambda m: m.update(request_order_matched="yes"), "request_order_matched", "true or false"),
     (lambda m: m["arms"]["nvfp4"].update(workload="oops"), "arms.nvfp4.workload", "an object"),
     (lambda m: m["arms"]["fp8"]["workload"].update(phases=[1]), r"arms.fp8.workload.phases\[0\]", "an object"),
     (lambda m: m["arms"]["fp8"].update(sqlite=5), "arms.fp8.sqlite", "a string"),

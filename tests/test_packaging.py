@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -10,14 +12,22 @@ from conftest import NSYS2025_DIR, REPO
 
 
 def test_wheel_puts_everything_under_kvtrace(tmp_path):
+    # Built from a copy, so that setuptools' build/ folder never lands in the checkout.
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(REPO / name, source / name)
+    for folder in ("kvtrace", "analyzer", "capture", "recipes"):
+        shutil.copytree(REPO / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                    str(tmp_path), str(REPO)], check=True)
+                    str(tmp_path), str(source)], check=True)
     wheel = next(tmp_path.glob("kvtrace-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     top_level = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert top_level == {"kvtrace"}
     for module in ("kvtrace/analyzer/load.py", "kvtrace/capture/runner.py", "kvtrace/recipes/flashinfer.toml",
-                   "kvtrace/__main__.py"):
+                   "kvtrace/__main__.py", "kvtrace/nsys.py", "kvtrace/kv_formats.py", "kvtrace/manifest.py",
+                   "kvtrace/capture/vllm_probe.py"):
         assert module in names, module
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert "kvtrace = kvtrace.cli:main" in entry_points
@@ -45,9 +55,38 @@ def test_analyzer_never_imports_gpu_stacks():
 
 
 def test_capture_never_imports_analyzer_or_plotting():
-    modules = _imported_after("from kvtrace.capture import cli, runner, flashinfer_engine, formats\n"
-                              "from kvtrace.capture.formats import kv_cache_bytes")
-    assert not modules & {"polars", "matplotlib", "kvtrace.analyzer"}
+    modules = _imported_after("from kvtrace.capture import cli, runner, flashinfer_engine, formats, vllm_engine, "
+                              "vllm_commands, vllm_offline_workload\n"
+                              "from kvtrace.capture.formats import nvfp4_quantize")
+    assert not modules & {"polars", "matplotlib", "numpy", "kvtrace.analyzer", "torch", "vllm"}
+
+
+def _kvtrace_imports(path) -> set[str]:
+    """Every kvtrace module a source file imports, at module level or inside functions."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+    return {name for name in found if name.startswith("kvtrace.")}
+
+
+def test_layers_import_only_the_floor():
+    """analyzer/ never imports capture/ and capture/ never imports analyzer/; the floor (kvtrace/*.py but the
+    CLI modules) imports neither. Read from the source, so that an import inside a function counts too."""
+    floor = {"kvtrace.nsys", "kvtrace.kv_formats", "kvtrace.manifest", "kvtrace.errors", "kvtrace.files",
+             "kvtrace.model_config"}
+    for layer, forbidden in (("analyzer", "kvtrace.capture"), ("capture", "kvtrace.analyzer")):
+        for path in sorted((REPO / layer).rglob("*.py")):
+            bad = {name for name in _kvtrace_imports(path) if name.startswith(forbidden)}
+            assert not bad, f"{path.relative_to(REPO)} imports {sorted(bad)}"
+    for name in floor:
+        path = REPO / (name.replace(".", "/") + ".py")
+        if path.exists():
+            layers = {n for n in _kvtrace_imports(path) if n.startswith(("kvtrace.analyzer", "kvtrace.capture",
+                                                                         "kvtrace.cli"))}
+            assert not layers, f"{path.relative_to(REPO)} imports {sorted(layers)}"
 
 
 def test_help_lists_commands_without_importing_them():

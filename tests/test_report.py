@@ -154,7 +154,7 @@ def test_json_is_the_result_object(fi):
     assert "durations" not in data
     assert {"statements", "findings", "segment_means", "serving", "bandwidth", "hbm_ceiling", "capacity",
             "plots", "baseline", "candidate", "sweep", "notes"} <= set(data)
-    assert data["capacity"]["schema"] == "kvtrace.capacity/1"
+    assert data["capacity"]["schema"] == "kvtrace.capacity/2"
     assert len(data["bandwidth"]) == len(fi.bandwidth)
 
 

@@ -10,9 +10,9 @@
 
 Failures are switched on per arm through STANDIN_FAIL, e.g. "never-ready@fp8,bench@nvfp4":
 server-exit, never-ready, ignore-sigint, profile-404 (server); bench (client); worker (offline LLM);
-no-report, export (nsys). STANDIN_PIDDIR collects pid files so tests can check that nothing survives;
-STANDIN_BENCH_HANG names a file the measured bench creates before hanging (for Ctrl-C tests);
-STANDIN_CALLS names a file the offline LLM appends its calls to.
+no-report, export (nsys; these two also per run, e.g. "export@fp8.r2"). STANDIN_PIDDIR collects pid files so
+tests can check that nothing survives; STANDIN_BENCH_HANG names a file the measured bench creates before
+hanging (for Ctrl-C tests); STANDIN_CALLS names a file the offline LLM appends its calls to.
 """
 
 from __future__ import annotations
@@ -362,9 +362,11 @@ def nsys(argv: list[str]) -> int:
     count = next((i for i, arg in enumerate(rest) if not arg.startswith("-")), len(rest))
     options, workload = rest[:count], rest[count:]
     output = next(arg.split("=", 1)[1] for arg in options if arg.startswith("--output="))
-    arm = Path(output).name.split(".")[0]
+    # The run (ARM, or ARM.rK with repeats; a failure may name either): an export names it by its report.
+    run = Path(workload[0]).name.removesuffix(".nsys-rep") if argv[0] == "export" else Path(output).name
+    arm = run.split(".")[0]
     if argv[0] == "export":
-        if failing("export", arm):
+        if failing("export", arm) or failing("export", run):
             print("stand-in nsys: export failed", file=sys.stderr)
             return 1
         with sqlite3.connect(output) as db:
@@ -374,7 +376,7 @@ def nsys(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # nsys outlives its target to write the report
     child = subprocess.Popen(workload, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     returncode = child.wait()
-    if not failing("no-report", arm):
+    if not (failing("no-report", arm) or failing("no-report", run)):
         Path(output + ".nsys-rep").write_text("stand-in report\n")
     return returncode if returncode >= 0 else 128 - returncode
 

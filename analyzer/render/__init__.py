@@ -1,4 +1,6 @@
-"""Renderers: each takes a result object from analyzer.compare and computes nothing new."""
+"""Renderers: each formats a result object (analyzer.compare's Summary, Diff and KernelList, analyzer.report's
+Report, analyzer.capacity's Capacity). Text renderers pick and format its fields; the plots add only what a
+drawing needs (ECDF steps, unit scaling)."""
 
 from __future__ import annotations
 

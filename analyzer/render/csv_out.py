@@ -12,9 +12,9 @@ STAT_FIELDS = ("calls", "total_ns", "mean_ns", "median_ns", "p90_ns", "p99_ns", 
 
 def render(result: Summary | Diff | KernelList) -> str:
     if not isinstance(result, (Summary, Diff, KernelList)):
-        from kvtrace.analyzer.render import report_out  # kvtrace report / capacity results
+        from kvtrace.analyzer.render import report_tables  # kvtrace report / capacity results
 
-        return report_out.csv_text(result)
+        return report_tables.csv_text(result)
     buffer = io.StringIO()
     writer = csv_writer(buffer)
     if isinstance(result, KernelList):

@@ -14,9 +14,9 @@ def render(result: Summary | Diff | KernelList) -> str:
     if isinstance(result, KernelList):
         return _kernels(result)
     if not isinstance(result, (Summary, Diff)):
-        from kvtrace.analyzer.render import report_out  # kvtrace report / capacity results
+        from kvtrace.analyzer.render import report_tables  # kvtrace report / capacity results
 
-        return report_out.markdown(result)
+        return report_tables.markdown(result)
     return _summary(result) if isinstance(result, Summary) else _diff(result)
 
 

@@ -17,9 +17,9 @@ def render(result: Summary | Diff | KernelList, console: Console) -> None:
     if isinstance(result, KernelList):
         _kernels(result, console)
     elif not isinstance(result, (Summary, Diff)):
-        from kvtrace.analyzer.render import report_out  # kvtrace report / capacity results
+        from kvtrace.analyzer.render import report_tables  # kvtrace report / capacity results
 
-        report_out.terminal(result, console)
+        report_tables.terminal(result, console)
     else:
         (_summary if isinstance(result, Summary) else _diff)(result, console)
 

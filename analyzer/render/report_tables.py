@@ -18,7 +18,6 @@ from kvtrace.analyzer.render.units import LEVEL, MARK, duration, markdown_table,
 from kvtrace.analyzer.report import Latency, Report, ServingMetrics
 
 
-
 # ---- cell formatting -----------------------------------------------------------------------------------
 
 def _count(value) -> str:
@@ -168,6 +167,18 @@ def _capacity_tables(cap: Capacity) -> list[tuple[str, list[str], list[list[str]
             row.append(_count(f.tokens_in_memory))
         rows.append(row)
     tables = [("Bytes per token", header, rows)]
+    if cap.groups:
+        group_header = ["format", "layer group", "layers", f"bytes/token{' ' + per_gpu if per_gpu else ''}"]
+        if cap.tokens_per_sequence is not None:
+            group_header += ["pages per sequence", f"{_count(cap.formats[0].tokens)} tokens"]
+        group_rows = []
+        for g in cap.groups:
+            row = [g.label, f"sliding window {g.window:,}" if g.window else g.kind, str(g.layers),
+                   _exact_bytes(g.bytes_per_token)]
+            if cap.tokens_per_sequence is not None:
+                row += [_count(g.pages_per_sequence), f"{_bytes(g.bytes_for_tokens)} ({g.bytes_for_tokens:,} B)"]
+            group_rows.append(row)
+        tables.append(("Per layer group", group_header, group_rows))
     if cap.measured:
         measured = [[m.arm, m.kv_cache_dtype, _count(m.tokens),
                      "–" if m.available_gib is None else f"{m.available_gib:g} GiB",
@@ -182,18 +193,25 @@ def _capacity_tables(cap: Capacity) -> list[tuple[str, list[str], list[list[str]
 
 def _capacity_lead(cap: Capacity) -> str:
     m = cap.model
-    parts = [f"{m.layers} layer{'s' if m.layers != 1 else ''} × {m.kv_heads} KV head{'s' if m.kv_heads != 1 else ''} "
-             f"× head_dim {m.head_dim}"]
+    parts = [m.describe()]
     if m.source:
         parts.append(f"from {m.source}")
-    parts.append(f"TP {cap.tp} ({cap.kv_heads_per_rank} KV head{'s' if cap.kv_heads_per_rank != 1 else ''} per GPU"
-                 + (f", each replicated on {cap.replicas} GPUs" if cap.replicas > 1 else "") + ")")
+    if m.groups[0].kind == "mla":
+        parts.append(f"TP {cap.tp} (the whole latent on every GPU)")
+    else:
+        parts.append(f"TP {cap.tp} ({cap.kv_heads_per_rank} KV head{'s' if cap.kv_heads_per_rank != 1 else ''} per GPU"
+                     + (f", each replicated on {cap.replicas} GPUs" if cap.replicas > 1 else "") + ")")
     parts.append(f"pages of {cap.page_size} tokens")
     if cap.tokens_per_sequence is not None:
         parts.append(f"{_count(cap.tokens_per_sequence)} tokens × {cap.sequences} sequence"
                      + ("s" if cap.sequences != 1 else ""))
-    lead = "Model: " + ", ".join(parts) + ". Bytes per token count K and V of every layer: FP8 = 2·L·H·D, " \
-           "NVFP4 = 2·L·H·(D/2 + D/16), BF16 = 2·L·H·2D."
+    if m.groups[0].kind == "mla":
+        math = "Bytes per token count one latent of D values per layer: FP8 = L·D, BF16 = 2·L·D."
+    else:
+        math = ("Bytes per token count K and V of every " + ("attention " if m.kv_layers != m.layers else "")
+                + "layer" + (" (windowed ones until their window is full)" if len(m.groups) > 1 else "")
+                + ": FP8 = 2·L·H·D, NVFP4 = 2·L·H·(D/2 + D/16), BF16 = 2·L·H·2D.")
+    lead = "Model: " + ", ".join(parts) + ". " + math
     if cap.ideal_ratio is not None:
         lead += (f" {cap.formats[-1].label} / {cap.formats[0].label}: ratio {cap.ideal_ratio:.4g}, capacity "
                  f"{cap.ideal_multiplier:.2f}×.")
@@ -207,10 +225,11 @@ def markdown(result) -> str:
 
 
 def _capacity_markdown(cap: Capacity, level: str = "##") -> str:
-    lines = [f"{level} kvtrace capacity" + (f": {cap.run}" if cap.run else ""), "", _capacity_lead(cap), ""]
+    lines = [f"{level} kvtrace capacity" + (f": {visible(cap.run)}" if cap.run else ""), "",
+             visible(_capacity_lead(cap)), ""]
     for title, header, rows in _capacity_tables(cap):
         lines += [f"{level}# {title}", ""] + markdown_table(header, rows) + [""]
-    lines += [f"- {note}" for note in cap.notes]
+    lines += [f"- {visible(note)}" for note in cap.notes]
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -318,6 +337,10 @@ def csv_text(result) -> str:
         writer.writerow(["section", *columns])
         for row in result.formats:
             writer.writerow(["format", *("" if v is None else v for v in asdict(row).values())])
+        if result.groups:
+            writer.writerow(["section", *(f.name for f in fields(result.groups[0]))])
+            for row in result.groups:
+                writer.writerow(["group", *("" if v is None else v for v in asdict(row).values())])
         if result.measured:
             measured = [f.name for f in fields(result.measured[0])]
             writer.writerow(["section", *measured])
@@ -359,6 +382,11 @@ def csv_text(result) -> str:
             for name, value in asdict(row).items():
                 if name != "label":
                     writer.writerow(["capacity", row.label, "", name, "" if value is None else value])
+        for row in report.capacity.groups:
+            for name, value in asdict(row).items():
+                if name not in ("label", "kind"):
+                    writer.writerow(["capacity_group", f"{row.label} {row.kind}", "", name,
+                                     "" if value is None else value])
         for row in report.capacity.measured:
             for name, value in asdict(row).items():
                 if name != "arm":

@@ -1,0 +1,197 @@
+"""A vLLM capture's configuration: scenarios and their traffic, the arms, and the engine flags and environment
+every arm shares (they differ only in --kv-cache-dtype).
+
+Standard library only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvtrace.errors import KvtraceError
+from kvtrace.kv_formats import VLLM_KV_CACHE_DTYPES
+from kvtrace.manifest import Point, Run, check_repeats, run_order
+
+SCENARIOS = ("cold-prefill", "decode-heavy", "prefix-reuse", "sweep")
+MODES = ("serve", "offline")
+LOAD_FORMATS = ("auto", "dummy")
+ATTENTION_BACKEND = "FLASHINFER"
+PROFILER_CONFIG = '{"profiler": "cuda"}'
+DEFAULTS = {
+    "cold-prefill": {"input_len": 2048, "output_len": 1, "num_prompts": 64, "concurrency": 16},
+    "decode-heavy": {"input_len": 512, "output_len": 256, "num_prompts": 64, "concurrency": 32},
+    "prefix-reuse": {"input_len": 256, "output_len": 64, "num_prompts": 128, "concurrency": 32,
+                     "prefix_len": 1024, "num_prefixes": 8},
+    "sweep": {"output_len": 64, "contexts": (1024, 4096, 16384), "concurrencies": (8, 32, 128)},
+}
+PREFIX_CACHING = {"cold-prefill": False, "decode-heavy": False, "prefix-reuse": True, "sweep": False}
+# Workload options that only some scenarios take.
+_ONLY_FOR = {"contexts": ("sweep",), "concurrencies": ("sweep",), "prefix_len": ("prefix-reuse",),
+             "num_prefixes": ("prefix-reuse",), "trace_file": ("prefix-reuse",),
+             "input_len": ("cold-prefill", "decode-heavy", "prefix-reuse"),
+             "concurrency": ("cold-prefill", "decode-heavy", "prefix-reuse")}
+
+# vLLM flags that kvtrace sets itself, so that `-- extra args` cannot break the match between arms.
+_OWNED_FLAGS = {
+    "--model": "use --model",
+    "--kv-cache-dtype": "each arm sets it: use --arms",
+    "--attention-backend": f"kvtrace pins {ATTENTION_BACKEND}, the only backend that stores nvfp4",
+    "--attention-config.backend": f"kvtrace pins {ATTENTION_BACKEND}, the only backend that stores nvfp4",
+    "--profiler-config": "kvtrace sets the CUDA profiler that opens the nsys capture range",
+    "--enable-prefix-caching": "the scenario sets prefix caching",
+    "--no-enable-prefix-caching": "the scenario sets prefix caching",
+    "--load-format": "use kvtrace's --load-format",
+    "--seed": "use kvtrace's --seed",
+    "--host": "use kvtrace's --host",
+    "--port": "use kvtrace's --port",
+    "--skip-tokenizer-init": "--mode offline sets it",
+}
+_OWNED_OFFLINE = {"--max-num-seqs": "--mode offline sets it from --concurrency"}
+
+
+@dataclass(frozen=True)
+class Workload:
+    scenario: str
+    input_len: int = 0
+    output_len: int = 0
+    num_prompts: int = 0
+    concurrency: int = 0
+    prefix_len: int = 0
+    num_prefixes: int = 0
+    contexts: tuple[int, ...] = ()
+    concurrencies: tuple[int, ...] = ()
+    trace_file: str | None = None
+    seed: int = 0
+
+    @classmethod
+    def for_scenario(cls, scenario: str, **options) -> "Workload":
+        """The scenario's defaults with the options that were given (None = not given)."""
+        if scenario not in SCENARIOS:
+            raise KvtraceError(f"unknown scenario {scenario!r}: choose from {', '.join(SCENARIOS)}")
+        given = {name: value for name, value in options.items() if value is not None}
+        for name in given:
+            if name in _ONLY_FOR and scenario not in _ONLY_FOR[name]:
+                raise KvtraceError(f"--{name.replace('_', '-')} does not apply to --scenario {scenario} "
+                                   f"(only to {', '.join(_ONLY_FOR[name])}): drop it")
+        values = {**DEFAULTS[scenario], **given}
+        for name in ("contexts", "concurrencies"):
+            if name in values:
+                values[name] = tuple(sorted(set(values[name])))  # the sweep steps up
+        return cls(scenario=scenario, **values)
+
+    def validate(self, mode: str) -> None:
+        sizes = {"output_len": self.output_len}
+        if self.scenario == "sweep":
+            if not self.contexts or not self.concurrencies:
+                raise KvtraceError("--scenario sweep needs --contexts and --concurrencies, e.g. 1024,4096 and 8,32")
+            sizes.update(contexts=min(self.contexts), concurrencies=min(self.concurrencies))
+            if self.num_prompts and mode == "offline":
+                raise KvtraceError("--num-prompts does not apply to an offline sweep, whose points each submit "
+                                   "their concurrency's worth of prompts at once: drop it")
+            if self.num_prompts:
+                sizes["num_prompts"] = self.num_prompts
+        else:
+            sizes.update(input_len=self.input_len, num_prompts=self.num_prompts, concurrency=self.concurrency)
+        if self.scenario == "prefix-reuse" and not self.trace_file:
+            sizes.update(prefix_len=self.prefix_len, num_prefixes=self.num_prefixes)
+        for name, value in sizes.items():
+            if value < 1:
+                raise KvtraceError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+        if self.trace_file:
+            if mode != "serve":
+                raise KvtraceError("--trace-file needs --mode serve: offline prompts are token ids drawn from --seed")
+            if not Path(self.trace_file).is_file():
+                raise KvtraceError(f"trace file {self.trace_file} does not exist: check --trace-file")
+
+    def points(self, mode: str) -> list[Point]:
+        if self.scenario != "sweep":
+            return [Point(self.input_len, self.output_len, self.num_prompts, self.concurrency,
+                          self.prefix_len, self.num_prefixes)]
+        # Offline submits a point's prompts at once, so there a point's concurrency is its prompt count.
+        return [Point(context, self.output_len,
+                      concurrency if mode == "offline" else (self.num_prompts or 2 * concurrency), concurrency)
+                for context in self.contexts for concurrency in self.concurrencies]
+
+
+@dataclass(frozen=True)
+class VllmCapture:
+    model: str
+    workload: Workload
+    arms: tuple[str, ...] = ("fp8", "nvfp4")
+    mode: str = "serve"
+    load_format: str = "auto"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    extra_args: tuple[str, ...] = ()
+    repeats: int = 1
+
+    def validate(self) -> None:
+        if self.mode not in MODES:
+            raise KvtraceError(f"unknown mode {self.mode!r}: choose serve or offline")
+        if self.load_format not in LOAD_FORMATS:
+            raise KvtraceError(f"unknown --load-format {self.load_format!r}: choose auto or dummy")
+        if not self.arms:
+            raise KvtraceError("--arms is empty: name the KV-cache dtypes to compare, e.g. fp8,nvfp4")
+        unknown = [arm for arm in self.arms if arm not in VLLM_KV_CACHE_DTYPES]
+        if unknown:
+            raise KvtraceError(f"unknown arm(s) {', '.join(unknown)}: arms are vLLM --kv-cache-dtype values, "
+                               f"choose from {', '.join(VLLM_KV_CACHE_DTYPES)}")
+        if len(set(self.arms)) != len(self.arms):
+            raise KvtraceError(f"--arms {','.join(self.arms)} names an arm twice: list each KV dtype once")
+        check_repeats(self.repeats)
+        if not 0 < self.port < 65536:
+            raise KvtraceError(f"--port {self.port} is not a TCP port: choose one in 1-65535")
+        owned = {**_OWNED_FLAGS, **(_OWNED_OFFLINE if self.mode == "offline" else {})}
+        for arg in self.extra_args:
+            for flag, reason in owned.items():
+                if arg == flag or arg.startswith((flag + "=", flag + ".")):
+                    raise KvtraceError(f"extra vLLM argument {arg} is set by kvtrace ({reason}): drop it")
+        self.workload.validate(self.mode)
+
+    def is_local_model(self) -> bool:
+        return Path(self.model).expanduser().exists() or self.model.startswith(("/", "./", "../", "~"))
+
+    def arm_order(self) -> tuple[str, ...]:
+        """Arms in the order they run. The sweep's first run decides its grid, so an fp8 arm goes first."""
+        if self.workload.scenario != "sweep":
+            return self.arms
+        return tuple(sorted(self.arms, key=lambda arm: not arm.startswith("fp8")))
+
+    def runs(self) -> list[Run]:
+        """Every run in the order it is recorded (with --repeats the arms interleave)."""
+        return run_order(self.arm_order(), self.repeats)
+
+
+def engine_flags(cfg: VllmCapture, kv_dtype: str) -> list[str]:
+    """vLLM engine flags of one arm; arms differ only in the first pair."""
+    workload = cfg.workload
+    flags = ["--kv-cache-dtype", kv_dtype, "--attention-backend", ATTENTION_BACKEND,
+             "--profiler-config", PROFILER_CONFIG, "--seed", str(workload.seed),
+             "--enable-prefix-caching" if PREFIX_CACHING[workload.scenario] else "--no-enable-prefix-caching"]
+    if cfg.load_format == "dummy":
+        flags += ["--load-format", "dummy"]
+    if cfg.mode == "offline":
+        max_seqs = max(point.concurrency for point in workload.points(cfg.mode))
+        flags += ["--skip-tokenizer-init", "--max-num-seqs", str(max_seqs)]
+    return flags + list(cfg.extra_args)
+
+
+def child_env(cfg: VllmCapture) -> dict[str, str]:
+    """Environment kvtrace sets for every child (server, client, worker), on top of its own."""
+    env = {
+        "VLLM_WORKER_MULTIPROC_METHOD": "spawn",  # Nsight Systems cannot follow fork() without exec()
+        "VLLM_NO_USAGE_STATS": "1",
+        "PYTHONHASHSEED": "0",  # the bench client's timed_trace prompts hash strings
+        "PYTHONSAFEPATH": "1",  # `python -m` must not import a source checkout from the working directory
+    }
+    if cfg.is_local_model():
+        env["HF_HUB_OFFLINE"] = "1"
+    if cfg.mode == "serve" and PREFIX_CACHING[cfg.workload.scenario]:
+        env["VLLM_SERVER_DEV_MODE"] = "1"  # mounts POST /reset_prefix_cache, used after the warm-up
+    if cfg.mode == "offline":
+        # With the engine core in its own process, requests reach it while it already steps, so the two
+        # arms batched 32 prompts differently on the H200 (3+13+… vs 15+1+… requests per step). In-process,
+        # generate() queues every request before the first step and both arms schedule the same batches.
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    return env

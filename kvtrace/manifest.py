@@ -1,0 +1,323 @@
+"""A run directory's manifest.json, the contract between capture (which writes it) and the analyzer (which
+reads it): the runs and the order they were recorded in, the NVTX names of kvtrace's workload phases, the
+vLLM traffic points and their capacity rule, and the typed view the analyzer reads.
+
+Standard library only: capture imports it on the GPU box.
+
+Shape of the file (capture/runner.manifest writes it; the engines add fields):
+
+    {"kvtrace_manifest": 1, "engine": "flashinfer" | "vllm", "created_utc": ..., "environment": {...},
+     "settings": {..., "arms": [ARM, ...], "repeats": N, "order": [RUN, ...]},
+     "arms": {RUN: {"name": RUN, "arm": ARM, "repeat": K, "status": "ok" | "failed" | "not run", "error",
+                    "sqlite", "report", "log", "workload", "commands", "seconds", ...}},
+     vLLM only: "status", "request_order_matched"; per run "kv_cache_dtype", "kv_cache", "points", ...}
+
+A run is one recording of one arm: named like the arm, or ARM.rK with --repeats (then its files are
+ARM.rK.sqlite, ...). Manifests written before --repeats have no `arm` and `repeat`: the run is the arm.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvtrace.errors import KvtraceError
+from kvtrace.kv_formats import bytes_per_value
+
+MANIFEST = "manifest.json"
+SCHEMA = 1
+MARKER = "kvtrace_manifest"  # the key that says kvtrace wrote the file; its value is SCHEMA
+
+
+# ---- runs: which arm, which repeat, in which order ------------------------------------------------------
+
+@dataclass(frozen=True)
+class Run:
+    """One recording of one arm."""
+
+    name: str
+    arm: str
+    repeat: int
+
+
+def check_repeats(repeats: int) -> None:
+    if repeats < 1:
+        raise KvtraceError(f"--repeats must be at least 1, got {repeats}")
+
+
+def run_order(arms: tuple[str, ...] | list[str], repeats: int) -> list[Run]:
+    """The runs in the order they are recorded: arms interleaved (A B A B …), so that drift over time (clocks,
+    temperature, other tenants) is spread over both arms instead of riding on one."""
+    check_repeats(repeats)
+    if repeats == 1:
+        return [Run(arm, arm, 1) for arm in arms]
+    return [Run(f"{arm}.r{k}", arm, k) for k in range(1, repeats + 1) for arm in arms]
+
+
+# ---- NVTX names of kvtrace's workload phases ------------------------------------------------------------
+
+# The FlashInfer workload names each measured phase `kvtrace:<kind> ctx=<tokens> batch=<sequences>`.
+PHASE_KINDS = ("prefill", "decode", "append", "gemm")
+_PHASE_NAME = re.compile(r"kvtrace:(\w+) ctx=(\d+)")
+
+
+def phase_name(kind: str, context: int, batch: int) -> str:
+    return f"kvtrace:{kind} ctx={context} batch={batch}"
+
+
+def parse_phase_name(name: str) -> tuple[str, int] | None:
+    """(kind, context) of a FlashInfer workload phase's NVTX name; None for any other name."""
+    match = _PHASE_NAME.match(name)
+    return (match.group(1), int(match.group(2))) if match else None
+
+
+# ---- vLLM traffic points and the capacity rule ----------------------------------------------------------
+
+PREEMPTIONS = "vllm:num_preemptions_total"
+KV_USAGE = "vllm:kv_cache_usage_perc"
+# A point is capacity-bound once the arm preempts or fills this much of its KV cache; a sweep stops
+# stepping up a context length there.
+CAPACITY_FRACTION = 0.95
+
+
+@dataclass(frozen=True)
+class Point:
+    """One traffic shape: `num_prompts` requests of `prefix_len + input_len` prompt tokens, `concurrency` at
+    a time, each generating exactly `output_len` tokens (EOS ignored)."""
+
+    input_len: int
+    output_len: int
+    num_prompts: int
+    concurrency: int
+    prefix_len: int = 0
+    num_prefixes: int = 0
+
+    _KEYS = {"input": "input_len", "output": "output_len", "prompts": "num_prompts", "concurrency": "concurrency",
+             "prefix": "prefix_len", "prefixes": "num_prefixes"}
+
+    def spec(self) -> str:
+        """Compact, exact text form used on command lines and in manifests."""
+        keys = [key for key in self._KEYS if self.prefix_len or key not in ("prefix", "prefixes")]
+        return ",".join(f"{key}={getattr(self, self._KEYS[key])}" for key in keys)
+
+    @classmethod
+    def parse(cls, text: str) -> "Point":
+        values = dict(item.split("=", 1) for item in text.split(","))
+        unknown = set(values) - set(cls._KEYS)
+        if unknown:
+            raise ValueError(f"unknown point key(s) {sorted(unknown)} in {text!r}")
+        return cls(**{cls._KEYS[key]: int(value) for key, value in values.items()})
+
+    def kv_tokens(self) -> int:
+        """KV-cache tokens the running requests hold at the end of generation."""
+        return self.concurrency * (self.prefix_len + self.input_len + self.output_len)
+
+
+def point_range_name(scenario: str, point: Point) -> str:
+    """NVTX name of one traffic point in the vLLM offline worker."""
+    return f"kvtrace:{scenario}:{point.spec()}"
+
+
+def capacity_reason(point: Point, deltas: dict, peaks: dict | None, kv_cache_tokens: int | None) -> str | None:
+    """Why this point counts as capacity-bound, or None. Offline runs have no polled peaks; there the KV
+    demand against the startup line's token count stands in for the usage gauge."""
+    preempted = deltas["counters"].get(PREEMPTIONS, 0)
+    if preempted > 0:
+        return f"{preempted:g} preemptions"
+    usage = (peaks or {}).get(KV_USAGE)
+    if usage is not None and usage >= CAPACITY_FRACTION:
+        return f"KV cache usage peaked at {usage:.0%}"
+    if kv_cache_tokens and point.kv_tokens() >= CAPACITY_FRACTION * kv_cache_tokens:
+        return f"{point.kv_tokens():,} KV tokens needed of {kv_cache_tokens:,} available"
+    return None
+
+
+# ---- reading ---------------------------------------------------------------------------------------------
+
+def _dict(value) -> dict:
+    return value if isinstance(value, dict) else {}
+
+
+def _int(value) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+@dataclass(frozen=True)
+class Phase:
+    """A FlashInfer workload phase as the run recorded it: its NVTX range, calls and KV bytes per call."""
+
+    nvtx: str
+    kind: str | None  # prefill, decode, append, gemm; None when the name is not a kvtrace phase name
+    context: int | None
+    calls: int | None
+    bytes_per_call: int | None
+
+    @classmethod
+    def of(cls, record: dict) -> "Phase":
+        nvtx = record.get("nvtx") or ""
+        kind, context = parse_phase_name(nvtx) or (None, None)
+        return cls(nvtx, kind, context, _int(record.get("calls")), _int(record.get("bytes_per_call")))
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """One run's entry under `arms` (Manifest.of has checked the types of its fields)."""
+
+    name: str  # the run's name: the arm's, or ARM.rK
+    arm: str
+    repeat: int
+    status: str | None  # ok, failed, not run
+    error: str | None
+    sqlite: str | None  # file name in the run directory
+    kv_cache_dtype: str | None  # vLLM's --kv-cache-dtype
+    kv_cache: dict  # vLLM's startup capacity line: tokens, line, ...
+    workload: dict  # the workload's own result (FlashInfer: kv_format, phases; vLLM offline: engine, ...)
+    points: list[dict]  # vLLM traffic points with bench results and metrics
+    request_order_sha256: str | None
+
+    @classmethod
+    def of(cls, name: str, entry: dict) -> "RunRecord":
+        return cls(name=name, arm=entry.get("arm") or name, repeat=entry.get("repeat") or 1, status=entry.get("status"),
+                   error=entry.get("error"), sqlite=entry.get("sqlite"), kv_cache_dtype=entry.get("kv_cache_dtype"),
+                   kv_cache=_dict(entry.get("kv_cache")), workload=_dict(entry.get("workload")),
+                   points=[p for p in entry.get("points") or [] if isinstance(p, dict)],
+                   request_order_sha256=entry.get("request_order_sha256"))
+
+    @property
+    def kv_dtype(self) -> str:
+        """The KV format as the engine named it: vLLM's --kv-cache-dtype, FlashInfer's kv_format, else the arm."""
+        kv_format = self.workload.get("kv_format")
+        return self.kv_cache_dtype or (kv_format if isinstance(kv_format, str) else None) or self.arm
+
+    @property
+    def kv_cache_tokens(self) -> int | None:
+        return _int(self.kv_cache.get("tokens"))
+
+    @property
+    def phases(self) -> list[Phase]:
+        phases = self.workload.get("phases")
+        return [Phase.of(p) for p in phases if isinstance(p, dict)] if isinstance(phases, list) else []
+
+
+@dataclass(frozen=True)
+class Manifest:
+    path: Path  # the file read
+    engine: str | None
+    settings: dict
+    runs: dict[str, RunRecord]  # by run name, in the file's order
+    status: str | None = None  # vLLM: ok, partial, failed, interrupted
+    request_order_matched: bool | None = None  # vLLM: every run saw the same requests in the same order
+    raw: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def of(cls, data: dict, path: Path) -> "Manifest":
+        _check_shape(data, _MANIFEST_SHAPE, "", path)
+        runs = data["arms"]
+        for name, entry in runs.items():
+            if not isinstance(entry, dict):
+                raise _bad_shape(path, f"arms.{name}", "an object")
+            _check_shape(entry, _RUN_SHAPE, f"arms.{name}", path)
+        return cls(path=path, engine=data.get("engine"), settings=_dict(data.get("settings")),
+                   runs={name: RunRecord.of(name, e) for name, e in runs.items()}, status=data.get("status"),
+                   request_order_matched=data.get("request_order_matched"), raw=data)
+
+    @property
+    def scenario(self) -> str | None:
+        return self.settings.get("scenario")
+
+    @property
+    def mode(self) -> str | None:
+        return self.settings.get("mode")
+
+    @property
+    def model(self) -> dict:
+        """vLLM: the model's config summary (layers, heads, head_dim, torch_dtype, kv_config, kv_layout, ...); {}
+        otherwise."""
+        return _dict(self.settings.get("model"))
+
+    @property
+    def kv_config(self) -> dict:
+        """vLLM: the config fields kvtrace.model_config reads the KV layout from (the summary's kv_config);
+        manifests written before capture recorded them offer the summary's own fields."""
+        return _dict(self.model.get("kv_config")) or self.model
+
+    @property
+    def model_dtype(self) -> str | None:
+        """The model's torch_dtype, what vLLM's "auto" KV cache stores."""
+        dtype = self.model.get("torch_dtype")
+        return dtype if isinstance(dtype, str) else None
+
+    def widest_first(self, names: list[str] | None = None, model_dtype: str | None = None) -> list[str]:
+        """Run names (all by default), the widest KV format first: a comparison's baseline is the wider
+        format. Equal widths keep their order. `model_dtype` decides "auto" (default: the manifest's)."""
+        dtype = model_dtype or self.model_dtype
+        return sorted(names if names is not None else self.runs,
+                      key=lambda name: -bytes_per_value(self.runs[name].kv_dtype, dtype))
+
+
+# What the values kvtrace reads must be, where present and not null: a type, a dict of an object's fields, or
+# [shape] for a list. A hand-edited or damaged manifest fails in one line naming the field, rather than
+# reading as absent or failing later in the analysis.
+_MANIFEST_SHAPE = {"engine": str, "status": str, "request_order_matched": bool, "environment": dict,
+                   "settings": {"model": {"kv_config": dict}, "spec": dict, "scenario": str, "mode": str,
+                                "engine_flags": dict, "extra_vllm_args": list}}
+_RUN_SHAPE = {
+    "arm": str, "repeat": int, "status": str, "error": str, "sqlite": str, "kv_cache_dtype": str,
+    "request_order_sha256": str,
+    "workload": {"kv_format": str, "engine": dict,
+                 "phases": [{"nvtx": str, "calls": (int, float), "bytes_per_call": (int, float)}]},
+    "kv_cache": {"tokens": (int, float), "line": str},
+    "points": [{"point": str, "bench": dict, "metrics": {"deltas": {"counters": dict, "histograms": dict},
+                                                         "peaks": dict}}],
+}
+
+
+def _check_shape(value, shape, where: str, file: Path) -> None:
+    if value is None:
+        return
+    if isinstance(shape, dict):
+        if not isinstance(value, dict):
+            raise _bad_shape(file, where, "an object")
+        for key, inner in shape.items():
+            _check_shape(value.get(key), inner, f"{where}.{key}" if where else key, file)
+    elif isinstance(shape, list):
+        if not isinstance(value, list):
+            raise _bad_shape(file, where, "a list")
+        for index, item in enumerate(value):
+            _check_shape(item, shape[0], f"{where}[{index}]", file)
+    elif shape is bool:
+        if not isinstance(value, bool):
+            raise _bad_shape(file, where, "true or false")
+    elif not isinstance(value, shape) or isinstance(value, bool):
+        raise _bad_shape(file, where, {str: "a string", int: "a whole number"}.get(shape, "a number"))
+
+
+def _bad_shape(file: Path, where: str, wanted: str) -> KvtraceError:
+    return KvtraceError(f"{file}: {where} is not {wanted}: the manifest was edited or damaged; capture the run again")
+
+
+def is_kvtrace_manifest(data) -> bool:
+    """Whether parsed JSON is a manifest that kvtrace wrote (not merely any manifest.json)."""
+    return isinstance(data, dict) and MARKER in data
+
+
+def read_manifest(path: Path) -> Manifest:
+    """manifest.json of a kvtrace run directory (or the file itself), validated."""
+    path = Path(path)
+    file = path / MANIFEST if path.is_dir() else path
+    if not path.exists():
+        raise KvtraceError(f"{path}: no such run directory: pass a directory written by `kvtrace capture`")
+    if not file.is_file():
+        raise KvtraceError(f"{path} has no manifest.json: pass a run directory written by `kvtrace capture`")
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, ValueError) as error:
+        raise KvtraceError(f"{file} is not readable JSON ({error}): capture the run again") from None
+    if not is_kvtrace_manifest(data):
+        raise KvtraceError(f"{file} was not written by kvtrace (no kvtrace_manifest field): pass a run directory "
+                           "written by `kvtrace capture`")
+    if not isinstance(data.get("arms"), dict):
+        raise KvtraceError(f"{file} lists no arms: capture the run again")
+    return Manifest.of(data, file)

@@ -1,0 +1,102 @@
+"""The Nsight Systems command line as both sides use it: finding nsys, asking its version, exporting a report
+to SQLite.
+
+Standard library only: capture runs it on a bare GPU box, the analyzer when it is given an .nsys-rep.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import TextIO
+
+from kvtrace import files
+from kvtrace.errors import KvtraceError
+
+SQLITE_MAGIC = b"SQLite format 3\x00"
+# Nsight Systems installs nsys in different places: a standalone install, the copy inside Nsight Compute
+# (the H200 image), or a distribution package.
+INSTALL_GLOBS = (
+    "/opt/nvidia/nsight-systems/*/bin/nsys",
+    "/opt/nvidia/nsight-compute/*/host/target-linux-x64/nsys",
+    "/usr/local/cuda/bin/nsys",
+)
+
+
+def find_nsys(explicit: str | None = None) -> str:
+    """The nsys binary: `explicit` (--nsys), else $NSYS, else PATH, else the newest known install."""
+    if explicit:
+        check_explicit(explicit)
+    elif os.path.isdir(os.environ.get("NSYS") or ""):
+        # Naming the bin folder is the usual slip; skipping it would quietly pick another nsys.
+        raise KvtraceError(f"NSYS={os.environ['NSYS']} is a directory: point NSYS at the nsys binary in it "
+                           "(e.g. .../bin/nsys)")
+    candidates = [explicit, os.environ.get("NSYS"), shutil.which("nsys")]
+    candidates += sorted((p for g in INSTALL_GLOBS for p in glob.glob(g)), reverse=True)
+    for candidate in candidates:
+        if candidate and _executable_file(candidate):
+            return candidate
+    raise KvtraceError("nsys (Nsight Systems CLI) not found: install Nsight Systems, put nsys on PATH "
+                       "or set NSYS=/path/to/nsys")
+
+
+def check_explicit(nsys: str) -> None:
+    """Refuse an nsys named on the command line (--nsys) that is not an executable file."""
+    if not _executable_file(nsys):
+        problem = "is a directory" if os.path.isdir(nsys) else "is not an executable file"
+        raise KvtraceError(f"--nsys {nsys} {problem}: point it at the nsys binary (e.g. .../bin/nsys)")
+
+
+def _executable_file(path: str) -> bool:
+    return os.path.isfile(path) and os.access(path, os.X_OK)
+
+
+def nsys_version(nsys: str) -> str:
+    result = subprocess.run([nsys, "--version"], capture_output=True, text=True, check=False)
+    return result.stdout.strip() or result.stderr.strip()
+
+
+def is_sqlite(path: Path) -> bool:
+    with open(path, "rb") as handle:
+        return handle.read(len(SQLITE_MAGIC)) == SQLITE_MAGIC
+
+
+class ExportFailed(RuntimeError):
+    """nsys export ended without a complete SQLite file; `output` is what it printed."""
+
+    def __init__(self, returncode: int, output: str):
+        super().__init__(f"nsys export failed with exit code {returncode}")
+        self.returncode, self.output = returncode, output
+
+    @property
+    def newer_report(self) -> bool:
+        """An older nsys fails this way on a report that a newer one recorded (2023.4 on a 2025.3 report)."""
+        return "ProtobufParseException" in self.output
+
+    @property
+    def last_line(self) -> str:
+        return next((line.strip() for line in reversed(self.output.splitlines()) if line.strip()), "no output")
+
+
+def export_command(nsys: str, report: Path, output: Path) -> list[str]:
+    return [nsys, "export", "--type=sqlite", "--force-overwrite=true", f"--output={output}", str(report)]
+
+
+def export_sqlite(nsys: str, report: Path, target: Path, *, log: TextIO | None = None) -> None:
+    """Export `report` to `target`. nsys writes a temporary file beside the target, renamed into place only
+    once it is a complete SQLite file, so `target` never holds half an export. The command and nsys' output
+    go to `log` when one is given. Raises ExportFailed."""
+    with files.beside(target, suffix=".sqlite") as partial:
+        command = export_command(nsys, report, partial)
+        if log is not None:
+            log.write(f"$ {' '.join(command)}\n")
+            log.flush()
+        result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                errors="replace", check=False)
+        if log is not None:
+            log.write(result.stdout)
+        if result.returncode != 0 or not is_sqlite(partial):
+            raise ExportFailed(result.returncode, result.stdout)
