@@ -16,8 +16,9 @@ from kvtrace.manifest import read_manifest
 @click.command()
 @click.argument("runs", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("--arm", "arms", multiple=True, metavar="NAME",
-              help="Arm to report on. One run directory: give it twice (baseline first). Two run directories: "
-                   "once for both, or twice for one each. Default: a run's two arms, wider KV format first.")
+              help="Arm to report on, with all its runs (ARM.rK: one run of a --repeats capture). One run directory: "
+                   "give it twice (baseline first). Two run directories: once for both, or twice for one each. "
+                   "Default: a run's two arms, wider KV format first.")
 @click.option("--label", "labels", multiple=True, help="Names for the two arms, baseline first (repeat twice).")
 @click.option("--threshold", default=0.02, show_default=True, type=click.FloatRange(0, 1, max_open=True),
               help="No-change band around a ratio of 1 (0.02 = ±2%), for kernels and TTFT.")
@@ -40,7 +41,8 @@ def report(runs, arms, labels, threshold, confidence, seed, plots_dir, plot_form
     from the manifests, TTFT with the cached prompt tokens next to it, ITL/TPOT, throughput, preemptions,
     peak running requests and KV usage, prefix-cache hit rate, capacity, and achieved KV bandwidth where
     the engine records bytes per call. It says when a TTFT gain is a prefix-hit/capacity effect rather than
-    a faster prefill kernel. Exit codes: 0 done, 2 bad input.
+    a faster prefill kernel. An arm recorded with --repeats N is compared run by run (r1 with r1, …), and
+    the kernel intervals then include the between-run variance. Exit codes: 0 done, 2 bad input.
     """
     from kvtrace.analyzer import report as report_lib
     from kvtrace.analyzer.classify import load_recipes
@@ -49,7 +51,7 @@ def report(runs, arms, labels, threshold, confidence, seed, plots_dir, plot_form
         result = report_lib.build(list(runs), load_recipes(recipe_files), arms=tuple(arms), labels=tuple(labels),
                                   threshold=threshold, confidence=confidence, seed=seed, window=window,
                                   nsys=nsys_path, cache=use_cache())
-    inputs().extend(Path(arm.sqlite) for arm in (result.baseline, result.candidate))
+    inputs().extend(Path(export) for arm in (result.baseline, result.candidate) for export in arm.runs)
     inputs().extend(Path(arm.run) / "manifest.json" for arm in (result.baseline, result.candidate))
     if plots_dir is not None:
         from kvtrace.analyzer.render import plots  # matplotlib only on this path

@@ -249,6 +249,14 @@ class Manifest:
         dtype = self.model.get("torch_dtype")
         return dtype if isinstance(dtype, str) else None
 
+    @property
+    def runs_by_arm(self) -> dict[str, list[str]]:
+        """Run names per arm, in repeat order; arms in the order their first runs appear."""
+        arms: dict[str, list[RunRecord]] = {}
+        for record in self.runs.values():
+            arms.setdefault(record.arm, []).append(record)
+        return {arm: [r.name for r in sorted(records, key=lambda r: r.repeat)] for arm, records in arms.items()}
+
     def widest_first(self, names: list[str] | None = None, model_dtype: str | None = None) -> list[str]:
         """Run names (all by default), the widest KV format first: a comparison's baseline is the wider
         format. Equal widths keep their order. `model_dtype` decides "auto" (default: the manifest's)."""

@@ -169,6 +169,25 @@ def test_output_onto_a_recipe_is_refused(tmp_path, kv):
     assert "[[rule]]" in recipe.read_text()
 
 
+def test_output_onto_a_repeat_run_is_refused_before_loading(tmp_path, kv):
+    """--repeat's pairs are inputs as well; the refusal comes first, before the (here unreadable) run is loaded."""
+    repeat = tmp_path / "nvfp4.r2.sqlite"
+    repeat.write_text("not yet exported")
+    code, out, err = kv("diff", SMALL, NVFP4, "--repeat", SMALL, repeat, "-o", repeat)
+    assert_one_line_error(code, out, err, str(repeat), r"is the input", r"choose another output")
+    assert repeat.read_text() == "not yet exported"
+
+
+def test_output_onto_a_later_run_of_a_repeats_capture_is_refused(tmp_path, kv):
+    run = tmp_path / "run"
+    shutil.copytree(REPO / "fixtures" / "fi-h200-sm90-repeats2", run, ignore=shutil.ignore_patterns("*.nsys-rep"))
+    later = run / "nvfp4.r2.sqlite"
+    before = fingerprint(later)
+    code, out, err = kv("report", run, "--format", "json", "-o", later)
+    assert_one_line_error(code, out, err, str(later), r"is the input", r"choose another output")
+    assert fingerprint(later) == before
+
+
 def test_output_to_a_character_device_is_written_in_place(tmp_path, kv):
     device = tmp_path / "null"
     try:

@@ -74,10 +74,6 @@ def _per_s(value) -> str:
     return "–" if value is None else f"{value:,.0f}/s"
 
 
-def _ratio_of(b, c) -> str:
-    return ratio(c / b) if b and c is not None else "–"
-
-
 # ---- table models shared by markdown and terminal ----------------------------------------------------
 
 def _serving_point_table(report: Report) -> tuple[list[str], list[list[str]]]:
@@ -102,15 +98,15 @@ def _serving_point_table(report: Report) -> tuple[list[str], list[list[str]]]:
             vb, vc = lat(name, stat)
             if vb is None and vc is None:
                 continue
-            rows.append([f"{title} {stat}", _ms(vb), _ms(vc), _ratio_of(vb, vc)])
+            rows.append([f"{title} {stat}", _ms(vb), _ms(vc), ratio(row.ratios.get(f"{name}.{stat}"))])
         if name == "ttft_ms":  # cached prompt tokens belong beside TTFT: they are prefill that did not run
             rows.append(["cached prompt tokens", _cached(b), _cached(c), ""])
             rows.append(["prefix-cache hit rate", percent(get(b, "prefix_hit_rate")),
                          percent(get(c, "prefix_hit_rate")), ""])
     rows += [["input tokens/s", _per_s(get(b, "input_tokens_per_s")), _per_s(get(c, "input_tokens_per_s")),
-              _ratio_of(get(b, "input_tokens_per_s"), get(c, "input_tokens_per_s"))],
+              ratio(row.ratios.get("input_tokens_per_s"))],
              ["output tokens/s", _per_s(get(b, "output_tokens_per_s")), _per_s(get(c, "output_tokens_per_s")),
-              _ratio_of(get(b, "output_tokens_per_s"), get(c, "output_tokens_per_s"))],
+              ratio(row.ratios.get("output_tokens_per_s"))],
              ["preemptions", _count(get(b, "preemptions")), _count(get(c, "preemptions")), ""],
              ["peak running requests", _count(get(b, "peak_running")), _count(get(c, "peak_running")), ""],
              ["peak KV-cache usage", percent(get(b, "peak_kv_usage")), percent(get(c, "peak_kv_usage")), ""],
@@ -361,7 +357,7 @@ def csv_text(result) -> str:
             for name, value in _flatten(asdict(metrics)):
                 writer.writerow(["serving", row.point, labels[side], name, "" if value is None else value])
             writer.writerow(["serving", row.point, labels[side], "first_capacity", getattr(row, f"{side}_first_capacity")])
-    for row in report.segment_means:
+    for row in report.segment_times:
         for name, value in asdict(row).items():
             if name == "segment":
                 continue
