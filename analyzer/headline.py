@@ -90,9 +90,10 @@ def _environment(diff: Diff, manifest: Manifest | None) -> list[tuple[str, str]]
     found.insert(2, ("CUDA runtime", str(cuda or "not recorded")))
     found.append(("engine", (manifest.engine or "unknown") + "".join(
         f", {name} {version}" for name, version in sorted(packages.items()) if isinstance(version, str))))
-    engine = workload.get("engine") or workload.get("settings") or {}
-    flags = ", ".join(f"{k}={v}" for k, v in engine.items() if isinstance(v, (str, int, float, bool))
-                      and not (isinstance(v, str) and v.startswith("/")))
+    # Settings every run shares (an arm's own KV format and capacity are in its rows and traces).
+    engines = [r.workload.get("engine") or r.workload.get("settings") or {} for r in manifest.runs.values()]
+    flags = ", ".join(f"{k}={v}" for k, v in engines[0].items() if isinstance(v, (str, int, float, bool))
+                      and not (isinstance(v, str) and v.startswith("/")) and all(e.get(k) == v for e in engines))
     if flags:
         found.append(("engine settings", flags))
     return found

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 
 from kvtrace.analyzer.compare import Diff, KernelList, Summary
 from kvtrace.analyzer.headline import APPEND_PHASE, Headline
 from kvtrace.analyzer.render.escape import rich, visible
-from kvtrace.analyzer.render.units import (LEVEL, arm_time, calls, duration, interval, numbered_notes, per_call, percent,
+from kvtrace.analyzer.render.units import (LEVEL, arm_time, calls, duration, head_time, interval, numbered_notes, per_call, percent,
                                           ratio, run_ratios, signed_duration)
 from kvtrace.analyzer.stats import IMPROVEMENT, REGRESSION
 
@@ -56,13 +55,6 @@ def _summary(summary: Summary, console: Console) -> None:
                           duration(r.stats.total_ns), percent(r.stats.share), per_call(r.stats, r.cells),
                           duration(r.stats.median_ns), duration(r.stats.p90_ns), rich(", ".join(r.kv_dtypes) or "–"))
         console.print(table)
-
-
-def head_time(arm, cells: int) -> str:
-    """One arm's time in a head row, short: per call, or the total (Σ) over cells of different cost."""
-    if arm is None:
-        return "–"
-    return duration(arm.mean_ns) if arm.mean_ns is not None else f"{duration(arm.total_ns)} Σ{cells}"
 
 
 def _head(diff: Diff, console: Console) -> None:

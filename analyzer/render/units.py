@@ -45,6 +45,13 @@ def arm_time(arm, cells: int) -> str:
     return f"{duration(arm.total_ns)} total" + (f", {cells:,} cells" if cells > 1 else "")
 
 
+def head_time(arm, cells: int) -> str:
+    """One arm's time in a head row, short: per call, or the total (Σ) over cells of different cost."""
+    if arm is None:
+        return "–"
+    return duration(arm.mean_ns) if arm.mean_ns is not None else f"{duration(arm.total_ns)} Σ{cells}"
+
+
 def per_call(stats, cells: int) -> str:
     """A summary row's mean per call, or that its cells cost different amounts per call."""
     return duration(stats.mean_ns) if stats.mean_ns is not None else f"mixed ({cells:,} cells)"
