@@ -418,8 +418,10 @@ def from_run(run: Path, *, layout: KVLayout | None = None, tp: int | None = None
     tp = tp or run_tp
     page_size = page_size or run_page
     names = manifest.widest_first(model_dtype=layout.dtype)
+    # One format row per arm (its repeated runs share the format); measured rows stay per run.
+    arms = manifest.widest_first([runs[0] for runs in manifest.runs_by_arm.values()], model_dtype=layout.dtype)
     labels = ([(name, name) for name in kv_formats] if kv_formats
-              else [(name, manifest.runs[name].kv_dtype) for name in names])
+              else [(manifest.runs[name].arm, manifest.runs[name].kv_dtype) for name in arms])
     result = capacity(layout, labels, tp=tp, page_size=page_size, tokens=tokens, sequences=sequences,
                       memory_gib=memory_gib)
     result.run = str(run)

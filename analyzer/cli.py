@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import io
+import os
 import sys
 import threading
 from contextlib import contextmanager

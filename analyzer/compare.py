@@ -23,7 +23,7 @@ from kvtrace.analyzer.classify import KV_SEGMENTS, RecipeSet
 from kvtrace.analyzer.load import Trace, TraceInfo
 from kvtrace.analyzer.pairing import KERNEL, RANGE, Cells, Run, Vocabulary, segment_order
 from kvtrace.errors import KvtraceError
-from kvtrace.kv_formats import claimed_dtypes
+from kvtrace.kv_formats import bytes_per_value, claimed_dtypes
 
 SUMMARY_SCHEMA = "kvtrace.summary/2"
 # Cells with fewer call pairs than this are named in the row's note: their spread is poorly known.
@@ -227,7 +227,7 @@ def summarize(trace: Trace, recipes: RecipeSet, label: str | None = None,
     classes = classify_signatures(trace, recipes)
     vocabulary = Vocabulary.of([trace], [classes])
     run = vocabulary.run(trace, classes, window)
-    arm = _arm([run], label or _default_label(trace))
+    arm = _arm([run], label or _default_label([trace]))
 
     def row(group: Cells, **extra) -> SummaryRow:
         kv, names = run.kv_dtypes_and_names(group)
@@ -332,8 +332,8 @@ def diff(baseline: Trace | list[Trace], candidate: Trace | list[Trace], recipes:
     vocabulary = Vocabulary.of(traces, classes)
     built = [vocabulary.run(t, c, window) for t, c in zip(traces, classes)]
     base_runs, cand_runs = built[:len(base_traces)], built[len(base_traces):]
-    base_arm = _arm(base_runs, labels[0] or _default_label(base_traces[0]))
-    cand_arm = _arm(cand_runs, labels[1] or _default_label(cand_traces[0]))
+    base_arm = _arm(base_runs, labels[0] or _default_label(base_traces))
+    cand_arm = _arm(cand_runs, labels[1] or _default_label(cand_traces))
     comparison = _Comparison.of(vocabulary, list(zip(base_runs, cand_runs)))
     strata = comparison.strata
 
@@ -726,6 +726,11 @@ def _dtype_findings(baseline: Arm, candidate: Arm) -> list[Finding]:
         findings.append(Finding("warning", "kv-dtype", "both arms ran the same KV dtype "
                                 f"({', '.join(baseline.kv_dtypes)}): this compares runs, not formats"))
 
+    widths = [max((bytes_per_value(d) for d in arm.kv_dtypes), default=0.0) for arm in (baseline, candidate)]
+    if 0 < widths[0] < widths[1]:  # `kvtrace report` puts the widest format first; a diff says so
+        findings.append(Finding("warning", "kv-dtype", f"the baseline ran the narrower KV format "
+                                f"({', '.join(baseline.kv_dtypes)} against {', '.join(candidate.kv_dtypes)}): every "
+                                "ratio reads the other way round from kvtrace report's; give the wider format first"))
     for arm, other in ((baseline, candidate), (candidate, baseline)):
         claimed = claimed_dtypes(arm.label)
         # A label naming the other arm's dtype but not its own is the swapped-arms signature.
@@ -738,8 +743,13 @@ def _dtype_findings(baseline: Arm, candidate: Arm) -> list[Finding]:
     return findings
 
 
-def _default_label(trace: Trace) -> str:
-    return Path(trace.info.source).stem
+def _default_label(traces: list[Trace]) -> str:
+    """The file name; for repeated runs the arm's name (fp8.r1, fp8.r2 → fp8), since the numbers cover them all."""
+    stems = [Path(t.info.source).stem for t in traces]
+    arms = {re.sub(r"\.r\d+$", "", stem) for stem in stems}
+    if len(stems) == 1:
+        return stems[0]
+    return arms.pop() if len(arms) == 1 else f"{stems[0]} (+{len(stems) - 1} runs)"
 
 
 @dataclass
@@ -763,7 +773,7 @@ def list_kernels(trace: Trace, recipes: RecipeSet, *, unclassified: bool = False
     per_sig = trace.kernels.group_by("sig").agg(pl.len().alias("calls"), pl.col("duration").sum().alias("total_ns"))
     total_ns = int(per_sig["total_ns"].sum())
     kv = classes.filter(pl.col("segment").is_in(list(KV_SEGMENTS)))["kv_dtype"].drop_nulls().unique().sort()
-    arm = Arm(label=label or _default_label(trace), info=trace.info, total_ns=total_ns, kv_dtypes=tuple(kv))
+    arm = Arm(label=label or _default_label([trace]), info=trace.info, total_ns=total_ns, kv_dtypes=tuple(kv))
     kernels = per_sig.join(classes, on="sig")
     if unclassified:
         kernels = kernels.filter(pl.col("recipe").is_null())
