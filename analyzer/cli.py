@@ -16,7 +16,7 @@ from rich.console import Console
 
 import kvtrace.nsys
 from kvtrace import files
-from kvtrace.analyzer import align, compare, headline, render, stats
+from kvtrace.analyzer import align, compare, headline, render, stats, verify
 from kvtrace.analyzer.classify import SEGMENTS, load_recipes
 from kvtrace.analyzer.load import open_trace, open_traces
 from kvtrace.analyzer.render.escape import visible
@@ -314,10 +314,14 @@ def gate(result, watched: list[str | None]) -> int:
 @click.option("--fail-on", "fail_on", multiple=True, metavar="regression[:SEGMENT]",
               help="Exit 1 when a compared segment (or this SEGMENT) regresses beyond the threshold; exit 3 when "
                    "SEGMENT cannot be measured. Repeatable.")
+@click.option("--verify", "verify_totals", is_flag=True,
+              help="Check kvtrace's per-kernel calls and totals of every input against `nsys stats -r "
+                   "cuda_gpu_kern_sum` (nsys from --nsys, $NSYS or PATH); the report says they agree to the "
+                   "nanosecond or lists where they do not.")
 @window_options
 @output_options
-def diff(baseline, candidate, repeats, labels, threshold, confidence, seed, fail_on, window, fmt, output,
-         recipe_files, nsys_path):
+def diff(baseline, candidate, repeats, labels, threshold, confidence, seed, fail_on, verify_totals, window, fmt,
+         output, recipe_files, nsys_path):
     """Compare BASELINE (e.g. fp8) with CANDIDATE (e.g. nvfp4), segment by segment and per kernel family.
 
     Calls are paired per kernel family, launch shape and NVTX range; intervals resample the pairs inside
@@ -335,6 +339,12 @@ def diff(baseline, candidate, repeats, labels, threshold, confidence, seed, fail
     with progress(f"comparing {baseline} and {candidate}" + (f" ({len(runs)} runs each)" if repeats else "")):
         result = compare.diff(traces[0::2], traces[1::2], recipes, labels=tuple(labels) or (None, None),
                               threshold=threshold, confidence=confidence, seed=seed, window=window)
+    if verify_totals:
+        with progress("checking kernel totals with nsys stats"):
+            result.verification = verify.verify(traces, recipes, kvtrace.nsys.find_nsys(nsys_path))
+        result.findings += [compare.Finding("ok" if result.verification.agrees else "error", "verify",
+                                            result.verification.summary()),
+                            compare.Finding("ok", "verify", result.verification.recipe)]
     manifest = headline.find_manifest(baseline)
     result.headline = headline.Headline.of(result, manifest, as_run(manifest.path.parent if manifest else None))
     emit(result, fmt, output)

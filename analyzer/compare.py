@@ -178,6 +178,7 @@ class Diff:
     method: str = stats.BOOTSTRAP
     window: list[str] = field(default_factory=list)
     headline: Any = None  # analyzer.headline.Headline: the rows that answer first, environment, commands
+    verification: Any = None  # analyzer.verify.Verification, with --verify
     schema: str = DIFF_SCHEMA
     kvtrace_version: str = __version__
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from kvtrace.analyzer.compare import Arm, Diff, DiffRow, KernelList, Summary
 from kvtrace.analyzer.headline import APPEND_PHASE, Headline
 from kvtrace.analyzer.render.escape import md_code, md_text, visible
+from kvtrace.analyzer.verify import MISMATCHES_SHOWN, mismatch_lines
 from kvtrace.analyzer.render.units import (MARK, arm_time, calls, duration, head_time, interval, markdown_table, numbered_notes,
                                           per_call, percent, ratio, run_ratios, signed_duration)
 
@@ -153,7 +154,11 @@ def _head(diff: Diff) -> list[str]:
                      "(FP8 pays a separate cast and copy, NVFP4 one fused quantize-append).")
     if head.drift:
         notes.append(f"Control: {visible(head.drift)}.")
-    lines += [""] + [f"- {n}" for n in notes] if notes else []
+    checked = diff.verification
+    if checked is not None:
+        notes.append(f"{MARK['ok' if checked.agrees else 'error']} {visible(checked.summary())}.")
+        notes += [f"  - {md_text(line)}" for line in mismatch_lines(checked)[:MISMATCHES_SHOWN]]
+    lines += [""] + [f"- {n}" if not n.startswith("  ") else n for n in notes] if notes else []
     lines += ["", "### Environment", ""]
     lines += markdown_table(["", ""], [[name, md_text(value)] for name, value in head.environment])
     if head.commands:
