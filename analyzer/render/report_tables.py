@@ -14,7 +14,7 @@ from rich.table import Table
 
 from kvtrace.analyzer.capacity import Capacity
 from kvtrace.analyzer.render.escape import csv_writer, md_code, md_text, rich, visible
-from kvtrace.analyzer.render.units import LEVEL, MARK, duration, markdown_table, percent, ratio
+from kvtrace.analyzer.render.units import LEVEL, MARK, duration, markdown_table, percent, ratio, shown_path
 from kvtrace.analyzer.report import Latency, Report, ServingMetrics
 
 
@@ -221,7 +221,7 @@ def markdown(result) -> str:
 
 
 def _capacity_markdown(cap: Capacity, level: str = "##") -> str:
-    lines = [f"{level} kvtrace capacity" + (f": {visible(cap.run)}" if cap.run else ""), "",
+    lines = [f"{level} kvtrace capacity" + (f": {visible(shown_path(cap.run))}" if cap.run else ""), "",
              visible(_capacity_lead(cap)), ""]
     for title, header, rows in _capacity_tables(cap):
         lines += [f"{level}# {title}", ""] + markdown_table(header, rows) + [""]
@@ -235,9 +235,9 @@ def _report_markdown(report: Report) -> str:
     b, c = report.baseline, report.candidate
     labels = md_text(b.label), md_text(c.label)
     lines = [f"## kvtrace report: {labels[0]} → {labels[1]}", "",
-             f"Baseline **{labels[0]}** (arm {md_code(b.arm)} of {md_code(b.run)}, {md_text(b.engine)} engine"
+             f"Baseline **{labels[0]}** (arm {md_code(b.arm)} of {md_code(shown_path(b.run))}, {md_text(b.engine)} engine"
              + (f", {md_text(b.scenario)}" if b.scenario else "") + f"), candidate **{labels[1]}** (arm "
-             f"{md_code(c.arm)} of {md_code(c.run)}"
+             f"{md_code(c.arm)} of {md_code(shown_path(c.run))}"
              + (f", {md_text(c.engine)} engine" if c.engine != b.engine else "") + "). Kernel numbers are per call over the "
              "calls both arms ran (the kernel diff below); serving numbers are what the capture recorded. They "
              "answer different questions and are kept apart.", "",
@@ -297,7 +297,7 @@ def terminal(result, console: Console) -> None:
 
     report = result
     b, c = report.baseline, report.candidate
-    console.print(f"[bold]{rich(b.label)}[/] ({rich(b.run)}) → [bold]{rich(c.label)}[/] ({rich(c.run)})")
+    console.print(f"[bold]{rich(b.label)}[/] ({rich(shown_path(b.run))}) → [bold]{rich(c.label)}[/] ({rich(shown_path(c.run))})")
     for s in report.statements:
         console.print(f"  {LEVEL[s.level]}  {s.check}: ", end="")
         console.print(visible(s.message), markup=False, highlight=False)

@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import math
+from pathlib import PurePath
 
 from kvtrace.analyzer.render.escape import visible
+
+
+def shown_path(path) -> str:
+    """A file or run directory as reports show it: its name. Full paths name the machine and user; the
+    manifest keeps them, reports do not."""
+    return PurePath(str(path)).name or str(path)
 
 
 def duration(ns: float | None) -> str:
