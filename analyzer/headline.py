@@ -85,7 +85,8 @@ def _environment(diff: Diff, manifest: Manifest | None) -> list[tuple[str, str]]
         return found + [("CUDA, engine", "not recorded (no kvtrace manifest beside the traces)")]
     raw = manifest.raw.get("environment") if isinstance(manifest.raw.get("environment"), dict) else {}
     workload = next((r.workload for r in manifest.runs.values() if r.workload), {})
-    packages = {**(workload.get("versions") or {}), **(raw.get("packages") or {})}
+    # The workload's own versions (as the engine process imported them) over the capture host's packages.
+    packages = {**(raw.get("packages") or {}), **(workload.get("versions") or {})}
     cuda = packages.pop("cuda_runtime", None) or raw.get("cuda_runtime")
     found.insert(2, ("CUDA runtime", str(cuda or "not recorded")))
     found.append(("engine", (manifest.engine or "unknown") + "".join(

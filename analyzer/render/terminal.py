@@ -112,8 +112,9 @@ def _diff(diff: Diff, console: Console) -> None:
         table = Table(title=title, title_justify="left")
         for column in lead_columns + ["calls", f"time {b.label}", f"time {c.label}", "ratio", confidence] + \
                 (["runs"] if diff.runs > 1 else []) + ["verdict", "Δ total", "share of |Δ|"]:
+            # Segment and verdict whole, whatever the width; the other cells fold rather than lose their end.
             table.add_column(rich(column), justify="left" if column in ("segment", "family", "phase", "verdict")
-                             else "right", overflow="fold")
+                             else "right", overflow="fold", no_wrap=column in ("segment", "verdict"))
         verdicts, notes = numbered_notes(rows)
         for r, verdict in zip(rows, verdicts):
             style = _STYLE.get(r.verdict)
