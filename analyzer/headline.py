@@ -30,7 +30,7 @@ EVERY_KERNEL = "every kernel of the phase"
 @dataclass(frozen=True)
 class HeadRow:
     question: str
-    point: str  # the workload point: a context (ctx=2048), a vLLM step kind, or "all calls"
+    point: str  # the workload point: a context (ctx=2048), a vLLM step kind, "all calls"; a control's segment
     family: str  # short family name(s) of the row's kernels
     row: DiffRow
 
@@ -58,7 +58,7 @@ class Headline:
             rows += [HeadRow(question, _point(r.phase), _families(diff, r), r) for r in chosen]
         rows += [HeadRow(APPEND_PHASE, _point(r.phase), EVERY_KERNEL, r) for r in diff.phase_totals
                  if (parse_phase_name(r.phase) or ("",))[0] == "append"]
-        rows += [HeadRow(CONTROL, "all calls", r.segment, r) for r in diff.segments
+        rows += [HeadRow(CONTROL, r.segment, r.segment, r) for r in diff.segments
                  if r.kv_independent and r.ratio is not None]
         drift = next((f.message for f in diff.findings if f.check == "drift"), None)
         commands = [_command(c) for c in _capture_commands(manifest)]

@@ -105,7 +105,7 @@ def _diff(diff: Diff) -> str:
     labels = md_text(b.label), md_text(c.label)
     runs = (f" over {diff.runs} runs per arm (r1 with r1, …); the interval resamples run pairs, then call pairs "
             "within each run" if diff.runs > 1 else "")
-    lines = [f"## kvtrace diff: {labels[0]} → {labels[1]}", ""] + _head(diff) + [
+    lines = [f"## kvtrace diff: {labels[0]} → {labels[1]}", ""] + head(diff) + [
              "", "<details><summary>Everything else: how rows are compared, comparability, every segment, phase and "
              "kernel family, each trace, kernel names</summary>", "", f"Baseline **{labels[0]}**, candidate **{labels[1]}**. Ratio = candidate / baseline GPU time summed over "
              f"the calls both arms ran, paired call for call per kernel family, launch shape and NVTX range{runs}; "
@@ -136,7 +136,7 @@ def _diff(diff: Diff) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _head(diff: Diff) -> list[str]:
+def head(diff: Diff) -> list[str]:
     """The answer first (analyzer.headline): the deciding rows, the environment, how to reproduce."""
     head = diff.headline or Headline.of(diff)
     b, c = md_text(diff.baseline.label), md_text(diff.candidate.label)

@@ -234,7 +234,8 @@ def _report_markdown(report: Report) -> str:
 
     b, c = report.baseline, report.candidate
     labels = md_text(b.label), md_text(c.label)
-    lines = [f"## kvtrace report: {labels[0]} → {labels[1]}", "",
+    lines = [f"## kvtrace report: {labels[0]} → {labels[1]}", ""] + diff_markdown.head(report.diff) + [
+             "", "<details><summary>Everything else: serving, bandwidth, capacity, the whole kernel diff</summary>", "",
              f"Baseline **{labels[0]}** (arm {md_code(b.arm)} of {md_code(shown_path(b.run))}, {md_text(b.engine)} engine"
              + (f", {md_text(b.scenario)}" if b.scenario else "") + f"), candidate **{labels[1]}** (arm "
              f"{md_code(c.arm)} of {md_code(shown_path(c.run))}"
@@ -271,6 +272,7 @@ def _report_markdown(report: Report) -> str:
     lines += ["", "### Kernel diff", ""]
     lines += [line.replace("## kvtrace diff", "#### kvtrace diff", 1) if line.startswith("## ") else
               ("#" + line if line.startswith("### ") else line) for line in diff_text.splitlines()]
+    lines += ["", "</details>"]
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -296,6 +298,7 @@ def terminal(result, console: Console) -> None:
     from kvtrace.analyzer.render import terminal as diff_terminal
 
     report = result
+    diff_terminal.head(report.diff, console)
     b, c = report.baseline, report.candidate
     console.print(f"[bold]{rich(b.label)}[/] ({rich(shown_path(b.run))}) → [bold]{rich(c.label)}[/] ({rich(shown_path(c.run))})")
     for s in report.statements:

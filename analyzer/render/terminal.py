@@ -58,7 +58,7 @@ def _summary(summary: Summary, console: Console) -> None:
         console.print(table)
 
 
-def _head(diff: Diff, console: Console) -> None:
+def head(diff: Diff, console: Console) -> None:
     """The answer first, in 100 columns: one table per question, its families in the title."""
     head = diff.headline or Headline.of(diff)
     b, c = diff.baseline, diff.candidate
@@ -95,7 +95,7 @@ def _head(diff: Diff, console: Console) -> None:
 
 
 def _diff(diff: Diff, console: Console) -> None:
-    _head(diff, console)
+    head(diff, console)
     b, c = diff.baseline, diff.candidate
     console.print(f"[bold]{rich(b.label)}[/] → [bold]{rich(c.label)}[/]: total GPU kernel time "
                   f"{duration(b.total_ns)} → {duration(c.total_ns)} ({ratio(diff.total_ratio)})")
