@@ -63,7 +63,7 @@ class Verification:
     def summary(self) -> str:
         if self.agrees:
             names = ", ".join(f"{c.source} ({c.kernels:,} kernels, {c.calls:,} calls)" for c in self.inputs)
-            return (f"`nsys stats -r {REPORT}` ({self.tool}) agrees with kvtrace's per-kernel calls and totals to "
+            return (f"nsys stats -r {REPORT} ({self.tool}) agrees with kvtrace's per-kernel calls and totals to "
                     f"the nanosecond on {names}")
         parts = []
         for c in self.inputs:
@@ -71,7 +71,7 @@ class Verification:
                 parts.append(f"{c.source}: not checked ({c.problem})")
             elif c.mismatches:
                 parts.append(f"{c.source}: {len(c.mismatches)} of {c.kernels:,} kernels differ")
-        return f"`nsys stats -r {REPORT}` ({self.tool}) disagrees with kvtrace: " + "; ".join(parts)
+        return f"nsys stats -r {REPORT} ({self.tool}) disagrees with kvtrace: " + "; ".join(parts)
 
 
 def mismatch_lines(verification: Verification) -> list[str]:

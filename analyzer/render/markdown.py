@@ -153,10 +153,10 @@ def head(diff: Diff) -> list[str]:
         notes.append("KV append phase: one call is one append with the kernels launched since the previous one "
                      "(FP8 pays a separate cast and copy, NVFP4 one fused quantize-append).")
     if head.drift:
-        notes.append(f"Control: {visible(head.drift)}.")
+        notes.append(f"Control: {md_text(head.drift)}.")
     checked = diff.verification
     if checked is not None:
-        notes.append(f"{MARK['ok' if checked.agrees else 'error']} {visible(checked.summary())}.")
+        notes.append(f"{MARK['ok' if checked.agrees else 'error']} {md_text(checked.summary())}.")
         notes += [f"  - {md_text(line)}" for line in mismatch_lines(checked)[:MISMATCHES_SHOWN]]
     lines += [""] + [f"- {n}" if not n.startswith("  ") else n for n in notes] if notes else []
     lines += ["", "### Environment", ""]
