@@ -79,7 +79,7 @@ def test_one_flashinfer_run_directory_compares_its_two_arms(fi):
     assert (fi.baseline.arm, fi.candidate.arm) == ("fp8", "nvfp4")  # wider format first
     assert fi.baseline.sqlite == str(NSYS2025_DIR / "fp8.sqlite")
     assert (fi.baseline.engine, fi.baseline.kv_format, fi.candidate.kv_format) == ("flashinfer", "fp8", "nvfp4")
-    assert fi.diff.schema == "kvtrace.diff/3" and fi.serving == []
+    assert fi.diff.schema == "kvtrace.diff/4" and fi.serving == []
     assert fi.baseline.runs == (str(NSYS2025_DIR / "fp8.sqlite"),) and fi.diff.runs == 1
     assert any("no serving metrics" in note for note in fi.notes)
 
@@ -155,7 +155,7 @@ def test_capacity_in_the_report_uses_the_runs_shape(fi):
 
 def test_json_is_the_result_object(fi):
     data = json.loads(json_out.render(fi))
-    assert data["schema"] == "kvtrace.report/2" and data["diff"]["schema"] == "kvtrace.diff/3"
+    assert data["schema"] == "kvtrace.report/2" and data["diff"]["schema"] == "kvtrace.diff/4"
     assert "durations" not in data
     assert {"statements", "findings", "segment_times", "serving", "bandwidth", "hbm_ceiling", "capacity",
             "plots", "baseline", "candidate", "sweep", "notes"} <= set(data)
