@@ -290,6 +290,7 @@ class Rule:
     kv_slots: tuple[SlotRef, ...]
     kv_enum: dict[str, tuple[str, ...]]
     kv_dtype: str | None
+    kv_independent: bool  # the KV-cache format cannot change these kernels' work (drift controls)
     note: str
     source: str
 
@@ -309,7 +310,8 @@ class Rule:
 
 
 _FILE_KEYS = ("order", "description", "rule")
-_RULE_KEYS = ("id", "segment", "match", "template", *DIMS, "kv_slots", "kv_enum", "kv_dtype", "note", "source")
+_RULE_KEYS = ("id", "segment", "match", "template", *DIMS, "kv_slots", "kv_enum", "kv_dtype", "kv_independent",
+              "note", "source")
 
 
 @dataclass(frozen=True)
@@ -373,11 +375,14 @@ def _parse_rule(file_name: str, location: str, position: int, table: dict) -> Ru
     template = _parse_template(table.get("template", {}), fail)
     dims = _parse_dims(table, fail)
     kv_slots, kv_enum, kv_dtype = _parse_kv(table, pattern, fail)
+    if not isinstance(table.get("kv_independent", False), bool):
+        raise fail("`kv_independent` is not a boolean", "write `kv_independent = true` or leave it out")
     for key in ("note", "source"):
         if not isinstance(table.get(key, ""), str):
             raise fail(f"`{key}` is not a string", f'write `{key} = "..."`')
     return Rule(file=file_name, id=table["id"], segment=table["segment"], pattern=pattern, template=template,
-                dims=dims, kv_slots=kv_slots, kv_enum=kv_enum, kv_dtype=kv_dtype, note=table.get("note", ""),
+                dims=dims, kv_slots=kv_slots, kv_enum=kv_enum, kv_dtype=kv_dtype,
+                kv_independent=table.get("kv_independent", False), note=table.get("note", ""),
                 source=table.get("source", ""))
 
 
@@ -520,6 +525,7 @@ class Classification:
     family_label: str
     kv_dtype: str | None
     recipe: str | None
+    kv_independent: bool = False
 
 
 class RecipeSet:
@@ -532,7 +538,8 @@ class RecipeSet:
         self._families: dict[tuple[str, int | None], Family] = {}
 
     def classify(self, names: pl.DataFrame) -> pl.DataFrame:
-        """Add segment, family, family_label, kv_dtype and recipe to one row per distinct signature."""
+        """Add segment, family, family_label, kv_dtype, recipe and kv_independent to one row per distinct
+        signature."""
         missing = [c for c in INPUT_COLUMNS if c not in names.columns]
         if missing:
             raise ValueError(f"classify() input lacks columns {missing}")
@@ -545,6 +552,7 @@ class RecipeSet:
             pl.Series("family_label", [r.family_label for r in results], dtype=pl.Utf8),
             pl.Series("kv_dtype", [r.kv_dtype for r in results], dtype=pl.Utf8),
             pl.Series("recipe", [r.recipe for r in results], dtype=pl.Utf8),
+            pl.Series("kv_independent", [r.kv_independent for r in results], dtype=pl.Boolean),
         )
 
     def classify_one(self, demangled: str, dims: dict | None = None) -> Classification:
@@ -554,7 +562,8 @@ class RecipeSet:
             rule = self.rules[index]
             if all(c.holds(dims or {}) for c in rule.dims):
                 family = self._family(demangled, kernel, index, match)
-                return Classification(rule.segment, family.key, family.label, family.kv_dtype, rule.recipe)
+                return Classification(rule.segment, family.key, family.label, family.kv_dtype, rule.recipe,
+                                      rule.kv_independent)
         family = self._family(demangled, kernel, None, None)
         return Classification("other", family.key, family.label, family.kv_dtype, None)
 

@@ -176,9 +176,45 @@ def summary(trace, label, window, fmt, output, recipe_files, nsys_path):
     emit(result, fmt, output)
 
 
+# Exit codes of `kvtrace diff` (docs/cli.md): a gate that saw a regression, and one that could not measure
+# what it was told to watch. 2 is bad input (kvtrace.errors).
+GATE_REGRESSION = 1
+GATE_UNMEASURED = 3
+
+
+def gate(result, watched: list[str | None]) -> int:
+    """Apply --fail-on to a diff: one stderr line per finding; the exit code (0 when nothing tripped).
+
+    A named segment that cannot be measured (not comparable, insufficient data, different work, or absent
+    from both arms) exits GATE_UNMEASURED rather than passing; the unnamed form watches the segments that
+    can be measured and lists the others. A regression wins over an unmeasured segment."""
+    if not watched:
+        return 0
+    rows = {r.segment: r for r in result.segments}
+    named = {segment for segment in watched if segment is not None}
+    every = None in watched
+    tripped = [r for r in result.segments if r.verdict == stats.REGRESSION and (every or r.segment in named)]
+    unmeasured = [(segment, rows[segment].verdict if segment in rows else "no calls in either arm")
+                  for segment in sorted(named) if segment not in rows or rows[segment].verdict in stats.UNMEASURED]
+    if tripped:
+        click.echo("kvtrace: gate: " + "; ".join(f"{r.segment} regressed {r.ratio:.3f}× [{r.ci_low:.3f}, {r.ci_high:.3f}]"
+                                                  for r in tripped), err=True)
+    if unmeasured:
+        click.echo("kvtrace: gate: cannot judge " + "; ".join(f"{segment} ({why})" for segment, why in unmeasured)
+                   + ": compare runs that did the same work, or drop it from --fail-on", err=True)
+    skipped = [r for r in result.segments if every and r.verdict in stats.UNMEASURED and r.segment not in named]
+    if skipped:
+        click.echo("kvtrace: gate: not judged: " + ", ".join(f"{r.segment} ({r.verdict})" for r in skipped), err=True)
+    return GATE_REGRESSION if tripped else GATE_UNMEASURED if unmeasured else 0
+
+
 @click.command()
 @_trace_argument("baseline")
 @_trace_argument("candidate")
+@click.option("--repeat", "repeats", multiple=True, nargs=2, metavar="BASELINE CANDIDATE",
+              type=click.Path(path_type=Path, exists=False, readable=False),
+              help="A further run of each arm, baseline first; repeat the option per run. Intervals then resample "
+                   "runs, then calls within runs.")
 @click.option("--label", "labels", multiple=True, help="Names for the two arms, baseline first (repeat twice).")
 @click.option("--threshold", default=0.02, show_default=True, type=click.FloatRange(0, 1, max_open=True),
               help="No-change band around a ratio of 1 (0.02 = ±2%).")
@@ -186,31 +222,33 @@ def summary(trace, label, window, fmt, output, recipe_files, nsys_path):
               help="Confidence level of the bootstrap intervals.")
 @click.option("--seed", default=0, show_default=True, help="Bootstrap seed (same inputs and seed, same output).")
 @click.option("--fail-on", "fail_on", multiple=True, metavar="regression[:SEGMENT]",
-              help="Exit 1 when a compared segment (or this SEGMENT) regresses beyond the threshold. Repeatable.")
+              help="Exit 1 when a compared segment (or this SEGMENT) regresses beyond the threshold; exit 3 when "
+                   "SEGMENT cannot be measured. Repeatable.")
 @window_options
 @output_options
-def diff(baseline, candidate, labels, threshold, confidence, seed, fail_on, window, fmt, output, recipe_files,
-         nsys_path):
+def diff(baseline, candidate, repeats, labels, threshold, confidence, seed, fail_on, window, fmt, output,
+         recipe_files, nsys_path):
     """Compare BASELINE (e.g. fp8) with CANDIDATE (e.g. nvfp4), segment by segment and per kernel family.
 
-    Calls are paired per kernel family, launch shape and NVTX range; rows whose arms did different work
-    say "not comparable". Exit codes: 0 done, 1 a --fail-on gate tripped, 2 bad input.
+    Calls are paired per kernel family, launch shape and NVTX range; intervals resample the pairs inside
+    each such cell. Rows whose arms did different work say "not comparable" or "different work". With
+    --repeat, run k of the baseline pairs with run k of the candidate (record them interleaved: A B A B).
+    Exit codes: 0 done, 1 a --fail-on gate saw a regression, 2 bad input, 3 a --fail-on segment could not
+    be measured.
     """
     if len(labels) not in (0, 2):
         raise KvtraceError("--label takes two names, baseline first: --label fp8 --label nvfp4")
     watched = parse_gate(fail_on)
     recipes = load_recipes(recipe_files)
-    traces = load_traces([baseline, candidate], nsys_path)
-    with progress(f"comparing {baseline} and {candidate}"):
-        result = compare.diff(*traces, recipes, labels=tuple(labels) or (None, None), threshold=threshold,
-                              confidence=confidence, seed=seed, window=window)
+    runs = [(baseline, candidate), *repeats]
+    traces = load_traces([path for run in runs for path in run], nsys_path)
+    with progress(f"comparing {baseline} and {candidate}" + (f" ({len(runs)} runs each)" if repeats else "")):
+        result = compare.diff(traces[0::2], traces[1::2], recipes, labels=tuple(labels) or (None, None),
+                              threshold=threshold, confidence=confidence, seed=seed, window=window)
     emit(result, fmt, output)
-    tripped = [r for r in result.segments if r.verdict == stats.REGRESSION
-               and any(segment in (None, r.segment) for segment in watched)]
-    if tripped:
-        click.echo("kvtrace: gate: " + "; ".join(f"{r.segment} regressed {r.ratio:.3f}× "
-                                                  f"[{r.ci_low:.3f}, {r.ci_high:.3f}]" for r in tripped), err=True)
-        sys.exit(1)
+    code = gate(result, watched)
+    if code:
+        sys.exit(code)
 
 
 @click.command()

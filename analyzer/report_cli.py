@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import click
 
+from kvtrace import model_config
 from kvtrace.analyzer import capacity as capacity_lib
 from kvtrace.analyzer import render
 from kvtrace.analyzer.cli import emit, output_options, progress, use_cache, window_options
@@ -17,8 +17,9 @@ from kvtrace.manifest import read_manifest
 @click.command()
 @click.argument("runs", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("--arm", "arms", multiple=True, metavar="NAME",
-              help="Arm to report on. One run directory: give it twice (baseline first). Two run directories: "
-                   "once for both, or twice for one each. Default: a run's two arms, wider KV format first.")
+              help="Arm to report on, with all its runs (ARM.rK: one run of a --repeats capture). One run directory: "
+                   "give it twice (baseline first). Two run directories: once for both, or twice for one each. "
+                   "Default: a run's two arms, wider KV format first.")
 @click.option("--label", "labels", multiple=True, help="Names for the two arms, baseline first (repeat twice).")
 @click.option("--threshold", default=0.02, show_default=True, type=click.FloatRange(0, 1, max_open=True),
               help="No-change band around a ratio of 1 (0.02 = ±2%), for kernels and TTFT.")
@@ -40,7 +41,8 @@ def report(runs, arms, labels, threshold, confidence, seed, plots_dir, plot_form
     from the manifests, TTFT with the cached prompt tokens next to it, ITL/TPOT, throughput, preemptions,
     peak running requests and KV usage, prefix-cache hit rate, capacity, and achieved KV bandwidth where
     the engine records bytes per call. It says when a TTFT gain is a prefix-hit/capacity effect rather than
-    a faster prefill kernel. Exit codes: 0 done, 2 bad input.
+    a faster prefill kernel. An arm recorded with --repeats N is compared run by run (r1 with r1, …), and
+    the kernel intervals then include the between-run variance. Exit codes: 0 done, 2 bad input.
     """
     from kvtrace.analyzer import report as report_lib
     from kvtrace.analyzer.classify import load_recipes
@@ -61,7 +63,8 @@ def report(runs, arms, labels, threshold, confidence, seed, plots_dir, plot_form
 @click.command()
 @click.argument("run", required=False, type=click.Path(path_type=Path))
 @click.option("--config", "config_path", type=click.Path(path_type=Path),
-              help="Hugging Face config.json (or its model folder): layers, KV heads, head dim.")
+              help="Hugging Face config.json (or its model folder): full, sliding-window and MLA attention layers; "
+                   "recurrent layers are left out, layouts it cannot size are refused.")
 @click.option("--layers", type=click.IntRange(1), help="num_hidden_layers (instead of, or over, --config).")
 @click.option("--kv-heads", type=click.IntRange(1), help="num_key_value_heads (instead of, or over, --config).")
 @click.option("--head-dim", type=click.IntRange(1), help="head_dim (instead of, or over, --config).")
@@ -72,10 +75,10 @@ def report(runs, arms, labels, threshold, confidence, seed, plots_dir, plot_form
                                                    "or the run's --tensor-parallel-size]")
 @click.option("--page-size", type=click.IntRange(1), help="Tokens per KV page.  [default: 16, or the run's block size]")
 @click.option("--memory", "memory_gib", type=click.FloatRange(0, min_open=True),
-              help="KV-cache memory per GPU in GiB: how many tokens fit.")
+              help="KV-cache memory per GPU in GiB: how many tokens fit (one sequence's, when layers are windowed).")
 @click.option("--kv-format", "kv_formats", multiple=True, metavar="FORMAT",
               help="Format to size (fp8, nvfp4, bf16, fp16 or a vLLM --kv-cache-dtype), the first the reference. "
-                   "Repeatable.  [default: fp8 and nvfp4, or the run's arms]")
+                   "Repeatable.  [default: fp8 and nvfp4 (MLA: bf16 and fp8), or the run's arms]")
 @click.option("--format", "fmt", type=click.Choice(render.FORMATS), default="table", show_default=True,
               help="Terminal table, GitHub markdown, JSON (versioned schema) or CSV.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
@@ -85,34 +88,39 @@ def capacity(run, config_path, layers, kv_heads, head_dim, tokens, sequences, tp
     """KV-cache bytes per token per format, and how many tokens fit, from a model's shape.
 
     FP8 = 2·L·H·D bytes per token, NVFP4 = 2·L·H·(D/2 + D/16): ratio 0.5625, 1.78× the tokens. With
-    --tp the KV heads are split across GPUs (replicated when there are fewer heads than GPUs). With a vLLM
-    RUN directory, vLLM's own "GPU KV cache size: N tokens" per arm is set against the ideal.
+    --tp the KV heads are split across GPUs (replicated when there are fewer heads than GPUs). An MLA model
+    (DeepSeek-V2/V3) caches one latent per layer on every GPU: FP8 = L·(kv_lora_rank + qk_rope_head_dim).
+    Sliding-window layers hold at most their window, per layer group; Mamba and linear-attention layers are
+    not counted; configs kvtrace cannot size are refused (exit 2). With a vLLM RUN directory, vLLM's own
+    "GPU KV cache size: N tokens" per arm is set against the ideal.
     """
     overrides = {k: v for k, v in {"layers": layers, "kv_heads": kv_heads, "head_dim": head_dim}.items() if v is not None}
-    shape = None
+    layout = None
     if config_path is not None:
-        shape = capacity_lib.load_config(config_path)
+        layout = capacity_lib.load_config(config_path)
         if overrides:
-            shape = replace(shape, **overrides, source=f"{shape.source}, with {_flags(overrides)} from the command line")
+            layout = capacity_lib.with_overrides(layout, f"{layout.source}, with {_flags(overrides)} from the command "
+                                                 "line", **overrides)
     elif len(overrides) == 3:
-        shape = capacity_lib.ModelShape(**overrides, source="the command line")
+        layout = model_config.plain(**overrides, source="the command line")
     elif overrides and run is None:
         missing = [f"--{name.replace('_', '-')}" for name in ("layers", "kv_heads", "head_dim") if name not in overrides]
         raise KvtraceError(f"give {', '.join(missing)} too, or --config with the model's config.json")
     if run is not None:
-        if shape is None and overrides:
-            manifest_shape = capacity_lib.run_shape(read_manifest(run), str(run))[0]
-            shape = replace(manifest_shape, **overrides,
-                            source=f"{manifest_shape.source}, with {_flags(overrides)} from the command line")
-        result = capacity_lib.from_run(run, shape=shape, tp=tp, page_size=page_size, tokens=tokens,
+        if layout is None and overrides:
+            manifest_layout = capacity_lib.run_shape(read_manifest(run), str(run))[0]
+            layout = capacity_lib.with_overrides(manifest_layout, f"{manifest_layout.source}, with {_flags(overrides)} "
+                                                 "from the command line", **overrides)
+        result = capacity_lib.from_run(run, layout=layout, tp=tp, page_size=page_size, tokens=tokens,
                                        sequences=sequences, memory_gib=memory_gib, kv_formats=list(kv_formats) or None)
     else:
-        if shape is None:
+        if layout is None:
             raise KvtraceError("give the model's shape: --config path/to/config.json, or --layers, --kv-heads and "
                                "--head-dim, or a vLLM run directory")
-        names = list(kv_formats) or ["fp8", "nvfp4"]
-        result = capacity_lib.capacity(shape, [(name, name) for name in names], tp=tp or 1, page_size=page_size or 16,
+        names, left_out = (list(kv_formats), []) if kv_formats else capacity_lib.default_formats(layout)
+        result = capacity_lib.capacity(layout, [(name, name) for name in names], tp=tp or 1, page_size=page_size or 16,
                                        tokens=tokens, sequences=sequences, memory_gib=memory_gib)
+        result.notes += left_out
     emit(result, fmt, output)
 
 

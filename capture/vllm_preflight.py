@@ -13,10 +13,11 @@ import socket
 import subprocess
 from pathlib import Path
 
+from kvtrace import model_config
 from kvtrace.capture import vllm_probe
 from kvtrace.capture.vllm_config import VllmCapture
 from kvtrace.errors import KvtraceError
-from kvtrace.kv_formats import canonical_format, kv_bytes_per_token
+from kvtrace.kv_formats import canonical_format
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
@@ -139,27 +140,37 @@ def _hub_config(model: str) -> dict | None:
 def model_summary(model: str, config: dict | None, arms: tuple[str, ...]) -> dict:
     if config is None:
         return {"source": model, "config": "not found locally"}
-    text = config.get("text_config", config)  # multimodal configs nest the language model
-    heads, hidden = text.get("num_attention_heads"), text.get("hidden_size")
+    text = model_config.text_part(config)
     summary = {
         "source": model,
         "architectures": config.get("architectures"),
         "model_type": text.get("model_type", config.get("model_type")),
         "num_hidden_layers": text.get("num_hidden_layers"),
-        "num_attention_heads": heads,
-        "num_key_value_heads": text.get("num_key_value_heads", heads),
-        "head_dim": text.get("head_dim") or (hidden // heads if hidden and heads else None),
-        "hidden_size": hidden,
+        "num_attention_heads": text.get("num_attention_heads"),
+        "num_key_value_heads": text.get("num_key_value_heads"),
+        "head_dim": text.get("head_dim"),
+        "hidden_size": text.get("hidden_size"),
         "vocab_size": text.get("vocab_size"),
         "max_position_embeddings": text.get("max_position_embeddings"),
         "torch_dtype": text.get("torch_dtype") or text.get("dtype"),
+        "kv_config": model_config.kv_fields(config),  # the analyzer reads the KV layout from these
     }
-    layers, kv_heads, head_dim = summary["num_hidden_layers"], summary["num_key_value_heads"], summary["head_dim"]
-    if layers and kv_heads and head_dim:
-        # K and V of every layer; "auto" stores the model dtype, taken as 16-bit.
-        per_token = {arm: kv_bytes_per_token(canonical_format(arm, summary["torch_dtype"]), head_dim=head_dim,
-                                             kv_heads=kv_heads, layers=layers) for arm in arms}
-        summary["kv_bytes_per_token"] = {arm: int(b) if b.is_integer() else b for arm, b in per_token.items()}
+    try:
+        layout = model_config.read(config, model)
+    except KvtraceError as error:  # kvtrace cannot size this layout; vLLM still runs it
+        summary["kv_layout"] = f"not sized: {error}"
+        return summary
+    summary["kv_layout"] = layout.describe()
+    per_token = {}
+    for arm in arms:
+        kv_format = canonical_format(arm, layout.dtype)  # "auto" stores the model dtype, taken as 16-bit
+        if model_config.format_problem(layout, kv_format):
+            continue
+        try:  # every KV layer's bytes per token
+            per_token[arm] = layout.bytes_per_token(kv_format)
+        except ValueError:  # NVFP4 of a head_dim that is no multiple of 16: vLLM refuses that arm itself
+            continue
+    summary["kv_bytes_per_token"] = {arm: int(b) if b.is_integer() else b for arm, b in per_token.items()}
     return summary
 
 

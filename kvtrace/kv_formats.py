@@ -89,7 +89,8 @@ def claimed_dtypes(label: str) -> set[str]:
 # ---- bytes ---------------------------------------------------------------------------------------------
 
 def kv_bytes_per_token_head(kv_format: str, head_dim: int) -> float:
-    """Bytes one token occupies for one KV head, K or V alone."""
+    """Bytes of one cached row of head_dim values for one token: one KV head's K or V alone, or an MLA latent
+    (which vLLM caches as a single KV head of kv_lora_rank + qk_rope_head_dim values)."""
     if kv_format in ("fp8", "fp8_e4m3", "fp8_e5m2"):
         return float(head_dim)
     if kv_format == "nvfp4":

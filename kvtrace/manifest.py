@@ -236,14 +236,29 @@ class Manifest:
 
     @property
     def model(self) -> dict:
-        """vLLM: the model's config summary (layers, heads, head_dim, torch_dtype, ...); {} otherwise."""
+        """vLLM: the model's config summary (layers, heads, head_dim, torch_dtype, kv_config, kv_layout, ...); {}
+        otherwise."""
         return _dict(self.settings.get("model"))
+
+    @property
+    def kv_config(self) -> dict:
+        """vLLM: the config fields kvtrace.model_config reads the KV layout from (the summary's kv_config);
+        manifests written before capture recorded them offer the summary's own fields."""
+        return _dict(self.model.get("kv_config")) or self.model
 
     @property
     def model_dtype(self) -> str | None:
         """The model's torch_dtype, what vLLM's "auto" KV cache stores."""
         dtype = self.model.get("torch_dtype")
         return dtype if isinstance(dtype, str) else None
+
+    @property
+    def runs_by_arm(self) -> dict[str, list[str]]:
+        """Run names per arm, in repeat order; arms in the order their first runs appear."""
+        arms: dict[str, list[RunRecord]] = {}
+        for record in self.runs.values():
+            arms.setdefault(record.arm, []).append(record)
+        return {arm: [r.name for r in sorted(records, key=lambda r: r.repeat)] for arm, records in arms.items()}
 
     def widest_first(self, names: list[str] | None = None, model_dtype: str | None = None) -> list[str]:
         """Run names (all by default), the widest KV format first: a comparison's baseline is the wider

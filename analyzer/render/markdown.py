@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvtrace.analyzer.compare import Arm, Diff, DiffRow, KernelList, Summary
-from kvtrace.analyzer.render.units import (MARK, calls, duration, interval, markdown_table, numbered_notes, percent,
-                                          ratio, signed_duration)
+from kvtrace.analyzer.render.units import (MARK, arm_time, calls, duration, interval, markdown_table, numbered_notes,
+                                          per_call, percent, ratio, run_ratios, signed_duration)
 
 
 def render(result: Summary | Diff | KernelList) -> str:
@@ -54,16 +54,17 @@ def _environment(arms: list[Arm]) -> list[str]:
 def _summary(summary: Summary) -> str:
     arm = summary.arm
     lines = [f"## kvtrace summary: {arm.label}", "",
-             f"{arm.info.kernel_count:,} kernels, {duration(arm.total_ns)} of GPU kernel time.", "",
-             "### Segments", ""]
-    lines += markdown_table(["segment", "calls", "total", "share", "mean", "median", "p90", "KV dtype"],
+             f"{arm.info.kernel_count:,} kernels, {duration(arm.total_ns)} of GPU kernel time. Per-call statistics "
+             "appear only where a row's cells (kernel × NVTX range) cost the same per call; rows over cells of "
+             "different cost say \"mixed\" (their total is beside it).", "", "### Segments", ""]
+    lines += markdown_table(["segment", "calls", "total", "share", "per call", "median", "p90", "KV dtype"],
                     [[r.segment, f"{r.stats.calls:,}", duration(r.stats.total_ns), percent(r.stats.share),
-                      duration(r.stats.mean_ns), duration(r.stats.median_ns), duration(r.stats.p90_ns),
+                      per_call(r.stats, r.cells), duration(r.stats.median_ns), duration(r.stats.p90_ns),
                       ", ".join(r.kv_dtypes) or "–"] for r in summary.segments])
     lines += ["", "### Kernel families", ""]
-    lines += markdown_table(["segment", "family", "calls", "total", "share", "mean", "median", "p90", "KV dtype"],
+    lines += markdown_table(["segment", "family", "calls", "total", "share", "per call", "median", "p90", "KV dtype"],
                     [[r.segment, f"`{r.family_label}`", f"{r.stats.calls:,}", duration(r.stats.total_ns),
-                      percent(r.stats.share), duration(r.stats.mean_ns), duration(r.stats.median_ns),
+                      percent(r.stats.share), per_call(r.stats, r.cells), duration(r.stats.median_ns),
                       duration(r.stats.p90_ns), ", ".join(r.kv_dtypes) or "–"] for r in summary.families])
     lines += ["", "### Environment", ""] + _environment([arm])
     lines += ["", "<details><summary>Kernel names per segment</summary>", ""]
@@ -77,13 +78,13 @@ def _diff_table(first: list[str], rows: list[DiffRow], lead, diff: Diff) -> list
     """A diff table whose verdict cells point to numbered notes below it (pairing notes, reasons)."""
     b, c = diff.baseline, diff.candidate
     confidence = f"{100 * diff.confidence:.0f}%"
-    header = first + [f"calls {b.label}", f"calls {c.label}", f"mean {b.label}", f"mean {c.label}", "ratio",
-                      f"{confidence} CI", "verdict", "Δ total", "share of Δ"]
+    header = first + [f"calls {b.label}", f"calls {c.label}", f"time {b.label}", f"time {c.label}", "ratio",
+                      f"{confidence} CI"] + (["runs"] if diff.runs > 1 else []) + ["verdict", "Δ total",
+                                                                                  "share of |Δ|"]
     verdicts, notes = numbered_notes(rows)
-    body = [lead(r) + [*calls(r), duration(r.baseline.mean_ns if r.baseline else None),
-                       duration(r.candidate.mean_ns if r.candidate else None), ratio(r.ratio),
-                       interval(r.ci_low, r.ci_high), verdict, signed_duration(r.total_delta_ns),
-                       percent(r.delta_share)]
+    body = [lead(r) + [*calls(r), arm_time(r.baseline, r.cells), arm_time(r.candidate, r.cells), ratio(r.ratio),
+                       interval(r.ci_low, r.ci_high)] + ([run_ratios(r.run_ratios)] if diff.runs > 1 else [])
+            + [verdict, signed_duration(r.total_delta_ns), percent(r.abs_delta_share)]
             for r, verdict in zip(rows, verdicts)]
     lines = markdown_table(header, body)
     if notes:
@@ -94,12 +95,18 @@ def _diff_table(first: list[str], rows: list[DiffRow], lead, diff: Diff) -> list
 def _diff(diff: Diff) -> str:
     b, c = diff.baseline, diff.candidate
     confidence = f"{100 * diff.confidence:.0f}%"
+    runs = (f" over {diff.runs} runs per arm (r1 with r1, …); the interval resamples run pairs, then call pairs "
+            "within each run" if diff.runs > 1 else "")
     lines = [f"## kvtrace diff: {b.label} → {c.label}", "",
-             f"Baseline **{b.label}**, candidate **{c.label}**. Ratio = candidate / baseline mean time per call "
-             f"over the calls both arms ran (paired per kernel family, launch shape and NVTX range); "
-             f"{confidence} bootstrap interval; a change inside ±{100 * diff.threshold:g}% or an interval that "
-             "includes 1 is \"no significant change\". Rows whose arms did different work say \"not comparable\" "
-             "instead of a verdict.", "",
+             f"Baseline **{b.label}**, candidate **{c.label}**. Ratio = candidate / baseline GPU time summed over "
+             f"the calls both arms ran, paired call for call per kernel family, launch shape and NVTX range{runs}; "
+             f"{confidence} bootstrap interval that resamples the pairs inside each such cell (docs/statistics.md). "
+             f"A ratio within ±{100 * diff.threshold:g}% of 1, or whose interval "
+             + (f"reaches 1 ± {100 * diff.drift.band:.1f}% (how far kernels the KV format cannot affect surely "
+                "moved between the runs)" if diff.drift and diff.drift.band else "includes 1")
+             + ", is \"no significant change\". \"time\" is per call where a row's cells cost the same per "
+             "call, else the row's total. Rows whose arms did different work say \"not comparable\" or "
+             "\"different work\" instead of a verdict.", "",
              f"Total GPU kernel time: {duration(b.total_ns)} → {duration(c.total_ns)} ({ratio(diff.total_ratio)}).",
              "", "### Comparability", ""]
     lines += [f"- {MARK[f.level]} {f.message}" for f in diff.findings]

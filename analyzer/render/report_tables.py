@@ -113,10 +113,6 @@ def _per_s(value) -> str:
     return "–" if value is None else f"{value:,.0f}/s"
 
 
-def _ratio_of(b, c) -> str:
-    return ratio(c / b) if b and c is not None else "–"
-
-
 # ---- table models shared by markdown and terminal ----------------------------------------------------
 
 def _serving_point_table(report: Report) -> tuple[list[str], list[list[str]]]:
@@ -141,16 +137,16 @@ def _serving_point_table(report: Report) -> tuple[list[str], list[list[str]]]:
             vb, vc = lat(name, stat)
             if vb is None and vc is None:
                 continue
-            rows.append([f"{title} {stat}", _ms(vb), _ms(vc), _ratio_of(vb, vc)])
+            rows.append([f"{title} {stat}", _ms(vb), _ms(vc), ratio(row.ratios.get(f"{name}.{stat}"))])
         if name == "ttft_ms":  # cached prompt tokens belong beside TTFT: they are prefill that did not run
             rows.append(["cached prompt tokens", _cached(b), _cached(c), ""])
             rows.append(["prefix-cache hit rate", percent(get(b, "prefix_hit_rate")),
                          percent(get(c, "prefix_hit_rate")), ""])
             rows.append(["mean time queued", _ms(get(b, "queue_ms")), _ms(get(c, "queue_ms")), ""])
     rows += [["input tokens/s", _per_s(get(b, "input_tokens_per_s")), _per_s(get(c, "input_tokens_per_s")),
-              _ratio_of(get(b, "input_tokens_per_s"), get(c, "input_tokens_per_s"))],
+              ratio(row.ratios.get("input_tokens_per_s"))],
              ["output tokens/s", _per_s(get(b, "output_tokens_per_s")), _per_s(get(c, "output_tokens_per_s")),
-              _ratio_of(get(b, "output_tokens_per_s"), get(c, "output_tokens_per_s"))],
+              ratio(row.ratios.get("output_tokens_per_s"))],
              ["preemptions", _count(get(b, "preemptions")), _count(get(c, "preemptions")), ""],
              ["peak running requests", _peak(b, "peak_running", _count), _peak(c, "peak_running", _count), ""],
              ["peak KV-cache usage", _peak(b, "peak_kv_usage", percent), _peak(c, "peak_kv_usage", percent), ""],
@@ -208,6 +204,18 @@ def _capacity_tables(cap: Capacity) -> list[tuple[str, list[str], list[list[str]
             row.append(_count(f.tokens_in_memory))
         rows.append(row)
     tables = [("Bytes per token", header, rows)]
+    if cap.groups:
+        group_header = ["format", "layer group", "layers", f"bytes/token{' ' + per_gpu if per_gpu else ''}"]
+        if cap.tokens_per_sequence is not None:
+            group_header += ["pages per sequence", f"{_count(cap.formats[0].tokens)} tokens"]
+        group_rows = []
+        for g in cap.groups:
+            row = [g.label, f"sliding window {g.window:,}" if g.window else g.kind, str(g.layers),
+                   _exact_bytes(g.bytes_per_token)]
+            if cap.tokens_per_sequence is not None:
+                row += [_count(g.pages_per_sequence), f"{_bytes(g.bytes_for_tokens)} ({g.bytes_for_tokens:,} B)"]
+            group_rows.append(row)
+        tables.append(("Per layer group", group_header, group_rows))
     if cap.measured:
         measured = [[m.arm, m.kv_cache_dtype, _count(m.tokens),
                      "–" if m.available_gib is None else f"{m.available_gib:g} GiB",
@@ -222,18 +230,25 @@ def _capacity_tables(cap: Capacity) -> list[tuple[str, list[str], list[list[str]
 
 def _capacity_lead(cap: Capacity) -> str:
     m = cap.model
-    parts = [f"{m.layers} layer{'s' if m.layers != 1 else ''} × {m.kv_heads} KV head{'s' if m.kv_heads != 1 else ''} "
-             f"× head_dim {m.head_dim}"]
+    parts = [m.describe()]
     if m.source:
         parts.append(f"from {m.source}")
-    parts.append(f"TP {cap.tp} ({cap.kv_heads_per_rank} KV head{'s' if cap.kv_heads_per_rank != 1 else ''} per GPU"
-                 + (f", each replicated on {cap.replicas} GPUs" if cap.replicas > 1 else "") + ")")
+    if m.groups[0].kind == "mla":
+        parts.append(f"TP {cap.tp} (the whole latent on every GPU)")
+    else:
+        parts.append(f"TP {cap.tp} ({cap.kv_heads_per_rank} KV head{'s' if cap.kv_heads_per_rank != 1 else ''} per GPU"
+                     + (f", each replicated on {cap.replicas} GPUs" if cap.replicas > 1 else "") + ")")
     parts.append(f"pages of {cap.page_size} tokens")
     if cap.tokens_per_sequence is not None:
         parts.append(f"{_count(cap.tokens_per_sequence)} tokens × {cap.sequences} sequence"
                      + ("s" if cap.sequences != 1 else ""))
-    lead = "Model: " + ", ".join(parts) + ". Bytes per token count K and V of every layer: FP8 = 2·L·H·D, " \
-           "NVFP4 = 2·L·H·(D/2 + D/16), BF16 = 2·L·H·2D."
+    if m.groups[0].kind == "mla":
+        math = "Bytes per token count one latent of D values per layer: FP8 = L·D, BF16 = 2·L·D."
+    else:
+        math = ("Bytes per token count K and V of every " + ("attention " if m.kv_layers != m.layers else "")
+                + "layer" + (" (windowed ones until their window is full)" if len(m.groups) > 1 else "")
+                + ": FP8 = 2·L·H·D, NVFP4 = 2·L·H·(D/2 + D/16), BF16 = 2·L·H·2D.")
+    lead = "Model: " + ", ".join(parts) + ". " + math
     if cap.ideal_ratio is not None:
         lead += (f" {cap.formats[-1].label} / {cap.formats[0].label}: ratio {cap.ideal_ratio:.4g}, capacity "
                  f"{cap.ideal_multiplier:.2f}×.")
@@ -365,6 +380,10 @@ def csv_text(result) -> str:
         writer.writerow(["section", *columns])
         for row in result.formats:
             writer.writerow(["format", *("" if v is None else v for v in asdict(row).values())])
+        if result.groups:
+            writer.writerow(["section", *(f.name for f in fields(result.groups[0]))])
+            for row in result.groups:
+                writer.writerow(["group", *("" if v is None else v for v in asdict(row).values())])
         if result.measured:
             measured = [f.name for f in fields(result.measured[0])]
             writer.writerow(["section", *measured])
@@ -392,7 +411,7 @@ def csv_text(result) -> str:
                 writer.writerow(["serving_check", row.point, labels[side], f"{check['quantity']}: agree",
                                  check["agree"]])
             writer.writerow(["serving", row.point, labels[side], "first_capacity", getattr(row, f"{side}_first_capacity")])
-    for row in report.segment_means:
+    for row in report.segment_times:
         for name, value in asdict(row).items():
             if name == "segment":
                 continue
@@ -413,6 +432,11 @@ def csv_text(result) -> str:
             for name, value in asdict(row).items():
                 if name != "label":
                     writer.writerow(["capacity", row.label, "", name, "" if value is None else value])
+        for row in report.capacity.groups:
+            for name, value in asdict(row).items():
+                if name not in ("label", "kind"):
+                    writer.writerow(["capacity_group", f"{row.label} {row.kind}", "", name,
+                                     "" if value is None else value])
         for row in report.capacity.measured:
             for name, value in asdict(row).items():
                 if name != "arm":

@@ -6,7 +6,8 @@ from rich.console import Console
 from rich.table import Table
 
 from kvtrace.analyzer.compare import Diff, KernelList, Summary
-from kvtrace.analyzer.render.units import LEVEL, calls, duration, interval, numbered_notes, percent, ratio, signed_duration
+from kvtrace.analyzer.render.units import (LEVEL, arm_time, calls, duration, interval, numbered_notes, per_call, percent,
+                                          ratio, run_ratios, signed_duration)
 from kvtrace.analyzer.stats import IMPROVEMENT, REGRESSION
 
 _STYLE = {REGRESSION: "red", IMPROVEMENT: "green"}
@@ -43,12 +44,12 @@ def _summary(summary: Summary, console: Console) -> None:
                   f"{arm.info.kernel_count:,} kernels, {duration(arm.total_ns)} GPU kernel time")
     for title, rows, with_family in (("Segments", summary.segments, False), ("Kernel families", summary.families, True)):
         table = Table(title=title, title_justify="left")
-        for column in ["segment"] + (["family"] if with_family else []) + ["calls", "total", "share", "mean",
+        for column in ["segment"] + (["family"] if with_family else []) + ["calls", "total", "share", "per call",
                                                                              "median", "p90", "KV dtype"]:
             table.add_column(column, justify="left" if column in ("segment", "family", "KV dtype") else "right")
         for r in rows:
             table.add_row(r.segment, *([r.family_label] if with_family else []), f"{r.stats.calls:,}",
-                          duration(r.stats.total_ns), percent(r.stats.share), duration(r.stats.mean_ns),
+                          duration(r.stats.total_ns), percent(r.stats.share), per_call(r.stats, r.cells),
                           duration(r.stats.median_ns), duration(r.stats.p90_ns), ", ".join(r.kv_dtypes) or "–")
         console.print(table)
 
@@ -67,16 +68,17 @@ def _diff(diff: Diff, console: Console) -> None:
     tables.append(("Kernel families", diff.families, ["segment", "family"], lambda r: [r.segment, r.family_label]))
     for title, rows, lead_columns, lead in tables:
         table = Table(title=title, title_justify="left")
-        for column in lead_columns + ["calls", f"mean {b.label}", f"mean {c.label}", "ratio", confidence, "verdict",
-                                      "Δ total", "share of Δ"]:
+        for column in lead_columns + ["calls", f"time {b.label}", f"time {c.label}", "ratio", confidence] + \
+                (["runs"] if diff.runs > 1 else []) + ["verdict", "Δ total", "share of |Δ|"]:
             table.add_column(column, justify="left" if column in ("segment", "family", "phase", "verdict") else "right")
         verdicts, notes = numbered_notes(rows)
         for r, verdict in zip(rows, verdicts):
             style = _STYLE.get(r.verdict)
-            table.add_row(*lead(r), " / ".join(calls(r)), duration(r.baseline.mean_ns if r.baseline else None),
-                          duration(r.candidate.mean_ns if r.candidate else None), ratio(r.ratio),
-                          interval(r.ci_low, r.ci_high), f"[{style}]{verdict}[/]" if style else verdict,
-                          signed_duration(r.total_delta_ns), percent(r.delta_share))
+            table.add_row(*lead(r), " / ".join(calls(r)), arm_time(r.baseline, r.cells),
+                          arm_time(r.candidate, r.cells), ratio(r.ratio), interval(r.ci_low, r.ci_high),
+                          *([run_ratios(r.run_ratios)] if diff.runs > 1 else []),
+                          f"[{style}]{verdict}[/]" if style else verdict, signed_duration(r.total_delta_ns),
+                          percent(r.abs_delta_share))
         console.print(table)
         for i, text in enumerate(notes, 1):
             console.print(f"  [{i}] {text}", markup=False, highlight=False)

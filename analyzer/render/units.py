@@ -33,6 +33,29 @@ def percent(fraction: float | None) -> str:
     return "0.0%" if text == "-0.0%" else text
 
 
+def arm_time(arm, cells: int) -> str:
+    """One arm's time in a row: per call when the row's cells cost the same per call, else the total (a
+    pooled mean over different work would describe no call that ran)."""
+    if arm is None:
+        return "–"
+    if arm.mean_ns is not None:
+        return f"{duration(arm.mean_ns)}/call"
+    return f"{duration(arm.total_ns)} total" + (f", {cells:,} cells" if cells > 1 else "")
+
+
+def per_call(stats, cells: int) -> str:
+    """A summary row's mean per call, or that its cells cost different amounts per call."""
+    return duration(stats.mean_ns) if stats.mean_ns is not None else f"mixed ({cells:,} cells)"
+
+
+def run_ratios(values) -> str:
+    """The ratios of the run pairs, lowest to highest (repeated runs)."""
+    found = [v for v in values if v is not None]
+    if not found:
+        return "–"
+    return f"{min(found):.3f}–{max(found):.3f}×" if len(found) > 1 else ratio(found[0])
+
+
 def numbered_notes(rows) -> tuple[list[str], list[str]]:
     """Per diff row, the verdict with references to numbered notes (reasons, pairing notes), and the notes;
     identical texts share one number."""
