@@ -335,6 +335,11 @@ def test_real_vllm_run_directories(run, recipes):
         if record and "tokens_in" in record:
             assert row.baseline.prompt_tokens == record["metrics"]["deltas"]["counters"].get(
                 "vllm:prompt_tokens_total", record["tokens_in"])
+            # The offline worker's own counts against vLLM's counters: the same requests and tokens.
+            checks = {check.quantity: check for check in row.baseline.checks}
+            assert checks["prompt tokens"].first_value == record["tokens_in"]
+            assert checks["output tokens"].first_value == record["tokens_out"]
+            assert all(check.agree for check in checks.values()), checks
     if result.capacity and result.capacity.measured:
         assert result.capacity.measured[0].tokens == data["arms"][result.baseline.arm]["kv_cache"]["tokens"]
 
@@ -628,6 +633,25 @@ def test_real_cold_prefill_arms_ran_the_same_steps_and_pair(run_kvtrace, recipes
     result = report.build([SERVE_RUNS["cold-prefill-auto"], SERVE_RUNS["cold-prefill-fp8"]], recipes)
     metrics = result.serving[0].baseline
     assert metrics.itl_ms == report.Latency() and metrics.tpot_ms == report.Latency()  # one output token each
+
+
+def test_polled_peaks_count_as_peaks_only_with_enough_polls_in_the_traffic():
+    """Synthetic point records as the serve engine writes them now (busy polls counted) and as the real H200
+    runs were written (polls over the point's whole wall time, client start-up included)."""
+    def record(**metrics):
+        return {"point": "input=1024,output=16,prompts=32,concurrency=8", "seconds": 21.0,
+                "bench": {"duration": 0.42, "completed": 32},
+                "metrics": {"deltas": {"counters": {}, "histograms": {}}, "polls": 40,
+                            "peaks": {"vllm:num_requests_running": 2.0, "vllm:kv_cache_usage_perc": 0.31}, **metrics}}
+
+    few = report.serving_metrics(record(busy_polls=1, poll_interval_s=0.5), None)
+    assert few.peak_running is None and few.peak_kv_usage is None
+    assert few.peaks_note == ("peaks not observed: 0.42 s of traffic, /metrics polled about every 0.50 s "
+                              "(1 poll saw requests in flight)")
+    enough = report.serving_metrics(record(busy_polls=report.MIN_PEAK_POLLS, poll_interval_s=0.5), None)
+    assert (enough.peak_running, enough.peak_kv_usage, enough.peaks_note) == (2.0, 0.31, None)
+    estimated = report.serving_metrics(record(), None)  # 40 polls in 21 s: one every 0.525 s, about 1 in 0.42 s
+    assert estimated.peak_running is None and "about every 0.53 s (about 1 poll inside it)" in estimated.peaks_note
 
 
 @pytest.mark.parametrize("name", sorted(SERVE_RUNS))
