@@ -26,7 +26,7 @@ from click.testing import CliRunner
 from conftest import FIXTURES, NSYS2023_DIR, NSYS2025_DIR, SERVE_RUNS, sql_durations
 from kvtrace.analyzer import report, stats
 from kvtrace.analyzer.classify import load_recipes
-from kvtrace.analyzer.render import json_out, markdown
+from kvtrace.analyzer.render import json_out, markdown, report_tables
 from kvtrace.analyzer.render.units import duration
 from kvtrace.cli import cli, main
 from kvtrace.errors import KvtraceError
@@ -545,6 +545,10 @@ def test_real_prefix_reuse_hit_rate_disagreement_is_named(prefix_reuse):
     assert not next(c for c in prefix_reuse.serving[0].baseline.checks if c.quantity == "prefix-cache hit rate").agree
     text = markdown.render(prefix_reuse)
     assert "auto: prefix-cache hit rate disagrees" in text and "| peak running requests | not observed |" in text
+    rows = list(csv.DictReader(io.StringIO(report_tables.csv_text(prefix_reuse))))
+    agree = {r["arm"]: r["value"] for r in rows if r["section"] == "serving_check"
+             and r["metric"] == "prefix-cache hit rate: agree"}
+    assert agree == {"auto": "False", "fp8": "True"}
 
 
 def test_real_prefix_reuse_tells_the_capacity_story(prefix_reuse):
