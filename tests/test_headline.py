@@ -238,3 +238,20 @@ def test_capacity_groups_repeated_runs_by_arm(run_kvtrace):
     manifest = json.loads((REPEATS / "manifest.json").read_text())
     assert len(manifest["arms"]) == 4
     assert [r["label"] for r in json.loads(out)["formats"]] == ["fp8", "nvfp4"]
+
+
+@pytest.mark.parametrize("scenario", ["prefix-reuse", "cold-prefill", "sweep"])
+def test_serve_reports_are_paste_ready(run_kvtrace, scenario):
+    """The real serve-mode runs: two run directories, one arm each; their report and diff carry no private text."""
+    from conftest import SERVE_RUNS
+
+    runs = [SERVE_RUNS[f"{scenario}-{arm}"] for arm in ("auto", "fp8")]
+    for fmt in ("markdown", "json"):
+        for args in (["report", *runs], ["diff", runs[0] / "auto.sqlite", runs[1] / "fp8.sqlite"]):
+            code, out, err = run_kvtrace(*args, "--format", fmt)
+            assert code == 0, err
+            assert _private(out, runs[0]) == [] and _private(out, runs[1]) == []
+            if fmt == "markdown":
+                assert _markdown_problems(out) == []
+                head = out.split("<details>")[0]
+                assert "### The answer" in head and "vllm" in head and "### Reproduce" in head

@@ -14,14 +14,8 @@ from rich.table import Table
 
 from kvtrace.analyzer.capacity import Capacity
 from kvtrace.analyzer.render.escape import csv_writer, md_code, md_text, rich, visible
-<<<<<<< HEAD
 from kvtrace.analyzer.render.units import LEVEL, MARK, duration, markdown_table, percent, ratio, shown_path
-from kvtrace.analyzer.report import Latency, Report, ServingMetrics
-
-=======
-from kvtrace.analyzer.render.units import LEVEL, MARK, duration, markdown_table, percent, ratio
 from kvtrace.analyzer.report import MIN_PEAK_POLLS, Latency, Report, ServingMetrics, SourceCheck
->>>>>>> main
 
 # ---- cell formatting -----------------------------------------------------------------------------------
 
