@@ -390,7 +390,8 @@ def diff(baseline: Trace | list[Trace], candidate: Trace | list[Trace], recipes:
         findings.append(_drift_finding(drift, threshold))
     return Diff(baseline=base_arm, candidate=cand_arm, recipes=tuple(recipes.files), threshold=threshold,
                 confidence=confidence, findings=findings, segments=segments, families=families, phases=phases,
-                phase_totals=phase_totals, drift=drift, runs=len(base_runs), method=stats.HIERARCHICAL if len(base_runs) > 1 else stats.BOOTSTRAP,
+                phase_totals=phase_totals, drift=drift, runs=len(base_runs),
+                method=stats.HIERARCHICAL if len(base_runs) > 1 else stats.BOOTSTRAP,
                 window=window.describe())
 
 
@@ -547,7 +548,7 @@ def _phase_totals(comparison: _Comparison, base_arm: Arm, cand_arm: Arm, *, thre
     name (the last N, as kernel cells pair). The unit, not the kernel, is compared, since the arms may do
     the same work with different kernels (FP8's append is a cast plus a copy, NVFP4's one fused kernel)."""
     vocabulary = comparison.vocabulary
-    pieces, strata = ([], []), []  # strata: (run, nvtx, pairs, instances per arm)
+    pieces, strata = ([], []), []  # strata: (run, nvtx, pairs, units per arm)
     for run, (base, cand) in enumerate(comparison.runs):
         sides = [dict(tuple(g) for g in r.units.group_by("nvtx", maintain_order=True)
                       .agg(pl.col("total_ns")).iter_rows()) for r in (base, cand)]
@@ -579,22 +580,22 @@ def _phase_totals(comparison: _Comparison, base_arm: Arm, cand_arm: Arm, *, thre
         arm_stats = [ArmStats.of(values[side], arm_totals[side], intervals[side]) if per_call else
                      ArmStats.total(values[side].size, int(values[side].sum()), arm_totals[side], intervals[side])
                      for side in (0, 1)]
-        instances = [sum(strata[i][3 + side] for i in chosen.tolist()) for side in (0, 1)]
+        units = [sum(strata[i][3 + side] for i in chosen.tolist()) for side in (0, 1)]
         totals = [sum(int(r[side].units.filter(pl.col("nvtx").is_in([strata[i][1] for i in chosen.tolist()]))
                           ["total_ns"].sum()) for r in comparison.runs) for side in (0, 1)]
         paired_delta = int(values[1].sum()) - int(values[0].sum())
         verdict, paired_verdict = stats.row_verdict(estimate, threshold=threshold, drift=band,
                                                     paired_delta=paired_delta,
                                                     unpaired_delta=totals[1] - totals[0] - paired_delta)
-        left = [instances[side] - values[side].size for side in (0, 1)]
+        left = [units[side] - values[side].size for side in (0, 1)]
         rows.append(DiffRow(
-            segment=WHOLE_PHASE, baseline=arm_stats[0], candidate=arm_stats[1], baseline_calls=instances[0],
-            candidate_calls=instances[1], baseline_total_ns=totals[0], candidate_total_ns=totals[1],
+            segment=WHOLE_PHASE, baseline=arm_stats[0], candidate=arm_stats[1], baseline_calls=units[0],
+            candidate_calls=units[1], baseline_total_ns=totals[0], candidate_total_ns=totals[1],
             compared_calls=int(values[0].size), cells=int(chosen.size), single_call_cells=estimate.single_call_strata,
             same_work=per_call, ratio=estimate.ratio, ci_low=estimate.low, ci_high=estimate.high, verdict=verdict,
             paired_verdict=paired_verdict,
-            note="; ".join(filter(None, [UNIT_NOTE, f"{left[0]:,} baseline and {left[1]:,} candidate units without a partner"
-                                         if any(left) else None])),
+            note="; ".join([UNIT_NOTE] + ([f"{left[0]:,} baseline and {left[1]:,} candidate units without a partner"]
+                                          if any(left) else [])),
             reason=None, total_delta_ns=totals[1] - totals[0], paired_delta_ns=paired_delta,
             unpaired_share=stats.unpaired_share(paired_delta, totals[1] - totals[0] - paired_delta),
             abs_delta_share=None, run_ratios=estimate.run_ratios, phase=vocabulary.phases[code]))

@@ -8,9 +8,9 @@ from pathlib import Path
 from kvtrace.analyzer.compare import Arm, Diff, DiffRow, KernelList, Summary
 from kvtrace.analyzer.headline import APPEND_PHASE, Headline
 from kvtrace.analyzer.render.escape import md_code, md_text, visible
+from kvtrace.analyzer.render.units import (MARK, arm_time, calls, duration, head_time, interval, markdown_table,
+                                          numbered_notes, per_call, percent, ratio, run_ratios, signed_duration)
 from kvtrace.analyzer.verify import MISMATCHES_SHOWN, mismatch_lines
-from kvtrace.analyzer.render.units import (MARK, arm_time, calls, duration, head_time, interval, markdown_table, numbered_notes,
-                                          per_call, percent, ratio, run_ratios, signed_duration)
 
 
 def render(result: Summary | Diff | KernelList) -> str:
@@ -107,7 +107,8 @@ def _diff(diff: Diff) -> str:
             "within each run" if diff.runs > 1 else "")
     lines = [f"## kvtrace diff: {labels[0]} → {labels[1]}", ""] + head(diff) + [
              "", "<details><summary>Everything else: how rows are compared, comparability, every segment, phase and "
-             "kernel family, each trace, kernel names</summary>", "", f"Baseline **{labels[0]}**, candidate **{labels[1]}**. Ratio = candidate / baseline GPU time summed over "
+             "kernel family, each trace, kernel names</summary>", "",
+             f"Baseline **{labels[0]}**, candidate **{labels[1]}**. Ratio = candidate / baseline GPU time summed over "
              f"the calls both arms ran, paired call for call per kernel family, launch shape and NVTX range{runs}; "
              f"{confidence} bootstrap interval that resamples the pairs inside each such cell (docs/statistics.md). "
              f"A ratio within ±{100 * diff.threshold:g}% of 1, or whose interval "

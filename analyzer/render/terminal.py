@@ -8,8 +8,8 @@ from rich.table import Table
 from kvtrace.analyzer.compare import Diff, KernelList, Summary
 from kvtrace.analyzer.headline import APPEND_PHASE, Headline
 from kvtrace.analyzer.render.escape import rich, visible
-from kvtrace.analyzer.render.units import (LEVEL, arm_time, calls, duration, head_time, interval, numbered_notes, per_call, percent,
-                                          ratio, run_ratios, signed_duration)
+from kvtrace.analyzer.render.units import (LEVEL, arm_time, calls, duration, head_time, interval, numbered_notes,
+                                          per_call, percent, ratio, run_ratios, signed_duration)
 from kvtrace.analyzer.stats import IMPROVEMENT, REGRESSION
 from kvtrace.analyzer.verify import MISMATCHES_SHOWN, mismatch_lines
 
@@ -62,9 +62,9 @@ def head(diff: Diff, console: Console) -> None:
     """The answer first, in 100 columns: one table per question, its families in the title."""
     head = diff.headline or Headline.of(diff)
     b, c = diff.baseline, diff.candidate
-    console.print(f"[bold]{rich(b.label)}[/] → [bold]{rich(c.label)}[/] on {rich(b.info.gpu_label)}: time per call, "
-                  f"ratio {rich(c.label)}/{rich(b.label)} with its {100 * diff.confidence:.0f}% interval (Σn: total of n cells that "
-                  "cost differently per call)")
+    console.print(f"[bold]{rich(b.label)}[/] → [bold]{rich(c.label)}[/] on {rich(b.info.gpu_label)}: time per "
+                  f"call, ratio {rich(c.label)}/{rich(b.label)} with its {100 * diff.confidence:.0f}% interval "
+                  "(Σn: total of n cells that cost differently per call)")
     questions = list(dict.fromkeys(r.question for r in head.rows))
     for question in questions:
         rows = [r for r in head.rows if r.question == question]
