@@ -17,18 +17,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from kvtrace import __version__, kv_formats
-from kvtrace.analyzer import align, capacity, compare, pairing, stats
+from kvtrace.analyzer import align, capacity, compare, pairing, roofline, stats
 from kvtrace.analyzer.classify import RecipeSet
 from kvtrace.analyzer.compare import Diff, Finding
 from kvtrace.analyzer.load import open_traces
 from kvtrace.errors import KvtraceError
 from kvtrace.manifest import Manifest, Phase, Point, RunRecord, capacity_reason, parse_phase_name, read_manifest
 
-REPORT_SCHEMA = "kvtrace.report/2"
+REPORT_SCHEMA = "kvtrace.report/3"
 # Segments whose per-call durations the report keeps for the ECDF plots.
 DISTRIBUTION_SEGMENTS = ("prefill_attention", "decode_attention")
-# FlashInfer workload phases (kvtrace.manifest.phase_name) and the segment whose kernels do their KV work.
-PHASE_SEGMENTS = {"prefill": "prefill_attention", "decode": "decode_attention", "append": "kv_append"}
+# FlashInfer workload phases (kvtrace.manifest.phase_name) bound by memory bandwidth, and the segment whose
+# kernels do their KV work; prefill is compute-bound (analyzer/roofline).
+PHASE_SEGMENTS = {"decode": "decode_attention", "append": "kv_append"}
 _LATENCIES = ("ttft", "itl", "tpot", "e2el")
 # vLLM histograms (seconds) that stand in for the bench client's latencies in offline runs: means only.
 _HISTOGRAMS = {"ttft": ("vllm:time_to_first_token_seconds",),
@@ -303,6 +304,8 @@ class Report:
     sweep: bool
     bandwidth: list[BandwidthRow]
     hbm_ceiling: Ceiling | None
+    prefill_compute: list[roofline.PrefillCompute]
+    compute_ceiling: roofline.ComputeCeiling | None
     capacity: capacity.Capacity | None
     notes: list[str] = field(default_factory=list)
     plots: list[PlotFile] = field(default_factory=list)
@@ -321,6 +324,9 @@ class Report:
         data["sweep"] = self.sweep
         data["bandwidth"] = [asdict(row) for row in self.bandwidth]
         data["hbm_ceiling"] = asdict(self.hbm_ceiling) if self.hbm_ceiling else None
+        data["prefill_compute"] = [asdict(row) for row in self.prefill_compute]
+        data["compute_ceiling"] = asdict(self.compute_ceiling) if self.compute_ceiling else None
+        data["flops_convention"] = roofline.CAUSAL_CONVENTION
         data["capacity"] = self.capacity.to_dict() if self.capacity else None
         data["notes"] = list(self.notes)
         data["plots"] = [asdict(p) for p in self.plots]
@@ -714,10 +720,20 @@ def build(paths: list[Path], recipes: RecipeSet, *, arms: tuple[str, ...] = (), 
         if not bandwidth:
             notes.append("no achieved bandwidth: the manifests give no KV bytes per call (the FlashInfer engine's "
                          "workload phases do)")
+    gpus = diff.baseline.info.gpus
+    compute_ceiling = roofline.compute_ceiling(gpus[0].name) if gpus else None
+    prefill_compute = []
+    if base.manifest.engine == "vllm":
+        row = roofline.vllm_row((b_traces, c_traces), recipes, base.manifest, window, compute_ceiling)
+        prefill_compute = [row] if row is not None else []
+    elif not window.describe():
+        prefill_compute = roofline.flashinfer_rows(diff, (base.manifest, cand.manifest),
+                                                   (base.record.phases, cand.record.phases), compute_ceiling)
     cap = _capacity(base, cand, b_arm, c_arm, notes)
     append_calls = tuple(_phase_calls(item, "append") for item in (base, cand))
     return Report(baseline=b_arm, candidate=c_arm, diff=diff,
                   statements=statements(diff, serving, cap, b_arm, c_arm, append_calls),
                   findings=_run_findings(base, cand, b_arm, c_arm), segment_times=segment_times(diff),
-                  serving=serving, sweep=sweep, bandwidth=bandwidth, hbm_ceiling=ceiling, capacity=cap, notes=notes,
+                  serving=serving, sweep=sweep, bandwidth=bandwidth, hbm_ceiling=ceiling,
+                  prefill_compute=prefill_compute, compute_ceiling=compute_ceiling, capacity=cap, notes=notes,
                   durations=durations)

@@ -16,6 +16,7 @@ from rich.table import Table
 from kvtrace.analyzer.capacity import Capacity
 from kvtrace.analyzer.render.units import LEVEL, MARK, duration, markdown_table, percent, ratio
 from kvtrace.analyzer.report import Latency, Report, ServingMetrics
+from kvtrace.analyzer.roofline import CAUSAL_CONVENTION
 
 
 
@@ -135,6 +136,30 @@ def _serving_sweep_table(report: Report) -> tuple[list[str], list[list[str]]]:
                      percent(b.peak_kv_usage if b else None), percent(c.peak_kv_usage if c else None),
                      "; ".join(marks) or "–"])
     return header, rows
+
+
+def _tflops(value: float | None) -> str:
+    return "–" if value is None else f"{value / 1e12:,.1f} TFLOP/s"
+
+
+def _compute_table(report: Report) -> tuple[list[str], list[list[str]]]:
+    bl, cl = report.baseline.label, report.candidate.label
+    header = ["phase", "TFLOP/call", f"time/call {bl}", f"time/call {cl}", f"achieved {bl}", f"achieved {cl}",
+              f"of peak {bl}", f"of peak {cl}"]
+    rows = [[r.phase, "not derivable" if r.flops_per_call is None else f"{r.flops_per_call / 1e12:,.3f}",
+             duration(r.baseline_ns_per_call), duration(r.candidate_ns_per_call), _tflops(r.baseline_flops_per_s),
+             _tflops(r.candidate_flops_per_s), percent(r.baseline_fraction_of_peak),
+             percent(r.candidate_fraction_of_peak)] for r in report.prefill_compute]
+    return header, rows
+
+
+def _compute_lead(report: Report) -> str:
+    ceiling = report.compute_ceiling
+    peak = (f"peak {_tflops(ceiling.flops_per_s)} dense BF16 ({ceiling.gpu}; {ceiling.source})"
+            if ceiling and ceiling.flops_per_s else "peak unknown" + (f" for {ceiling.gpu}" if ceiling else ""))
+    how = "; ".join(dict.fromkeys(r.derivation for r in report.prefill_compute))
+    return (f"Prefill attention is compute-bound: FLOPs per call / the prefill-attention kernels' GPU time per call, "
+            f"against the {peak}. {CAUSAL_CONVENTION}. Shapes: {how}.")
 
 
 def _bandwidth_table(report: Report) -> tuple[list[str], list[list[str]]]:
@@ -260,6 +285,9 @@ def _report_markdown(report: Report) -> str:
                   + (f" Ceiling: {_rate(ceiling.bytes_per_s)}, the {ceiling.source}." if ceiling else
                      " The traces give no HBM bandwidth for the GPU, so no ceiling is stated."), ""]
         lines += markdown_table(*_bandwidth_table(report))
+    if report.prefill_compute:
+        lines += ["", "### Achieved compute (prefill)", "", _compute_lead(report), ""]
+        lines += markdown_table(*_compute_table(report))
     if report.capacity is not None:
         lines += ["", _capacity_markdown(report.capacity, level="###").rstrip()]
     if report.plots:
@@ -314,6 +342,9 @@ def terminal(result, console: Console) -> None:
         title = "Achieved bandwidth" + (f" (ceiling {_rate(ceiling.bytes_per_s)}: {ceiling.gpu} memoryBandwidth "
                                         "from the trace)" if ceiling else "")
         console.print(_rich_table(title, *_bandwidth_table(report)))
+    if report.prefill_compute:
+        console.print(_rich_table("Achieved compute (prefill)", *_compute_table(report)))
+        console.print(f"  {_compute_lead(report)}", markup=False, highlight=False)
     if report.capacity is not None:
         terminal(report.capacity, console)
     for plot in report.plots:
@@ -371,6 +402,15 @@ def csv_text(result) -> str:
                              name.removeprefix(f"{side}_") if side else name, "" if value is None else value])
     if report.hbm_ceiling:
         writer.writerow(["bandwidth", "ceiling", "", "bytes_per_s", report.hbm_ceiling.bytes_per_s])
+    for row in report.prefill_compute:
+        for name, value in asdict(row).items():
+            if name == "phase":
+                continue
+            side = next((s for s in ("baseline", "candidate") if name.startswith(s + "_")), None)
+            writer.writerow(["compute", row.phase, labels[side] if side else "",
+                             name.removeprefix(f"{side}_") if side else name, "" if value is None else value])
+    if report.compute_ceiling and report.compute_ceiling.flops_per_s:
+        writer.writerow(["compute", "ceiling", "", "flops_per_s", report.compute_ceiling.flops_per_s])
     if report.capacity:
         for row in report.capacity.formats:
             for name, value in asdict(row).items():
