@@ -238,20 +238,26 @@ def summarize(trace: Trace, recipes: RecipeSet, label: str | None = None,
     return Summary(arm=arm, recipes=tuple(recipes.files), segments=segments, families=families)
 
 
-def segment_durations(traces: list[Trace], recipes: RecipeSet, window: align.Window, segments: tuple[str, ...]
-                      ) -> dict[str, np.ndarray]:
-    """Per-call durations of the given segments in the window over an arm's runs, sorted (for ECDFs)."""
+def cell_durations(traces: list[Trace], recipes: RecipeSet, window: align.Window, segments: tuple[str, ...]
+                   ) -> dict[tuple[str, str | None, str], np.ndarray]:
+    """Per-call durations in the window over an arm's runs, sorted (for ECDFs), per (segment, phase, family
+    label) of the given segments: one context (or vLLM step kind) and one kernel family, never pooled."""
     classes = [classify_signatures(t, recipes) for t in traces]
     vocabulary = Vocabulary.of(traces, classes)
     runs = [vocabulary.run(t, c, window) for t, c in zip(traces, classes)]
-    out = {}
-    for segment in segments:
-        if segment in vocabulary.segments:
-            code = vocabulary.segments.index(segment)
-            values = np.concatenate([run.cells.where(pl.col("segment") == code).values() for run in runs])
-            if values.size:
-                out[segment] = np.sort(values.astype(np.int64))
-    return out
+    parts: dict[tuple[str, str | None, str], list[np.ndarray]] = {}
+    for run in runs:
+        for segment in segments:
+            if segment not in vocabulary.segments:
+                continue
+            group = run.cells.where(pl.col("segment") == vocabulary.segments.index(segment))
+            for phase, family in _codes_in(group, "phase", "family"):
+                cell = group.where((pl.col("phase") == phase) & (pl.col("family") == family))
+                name = vocabulary.phases[phase] if phase < len(vocabulary.phases) else None
+                key = (segment, name, run.earliest(cell, "family_label"))
+                parts.setdefault(key, []).append(cell.values())
+    return {key: np.sort(np.concatenate(values).astype(np.int64)) for key, values in sorted(
+        parts.items(), key=lambda item: (segments.index(item[0][0]), _natural(item[0][1] or ""), item[0][2]))}
 
 
 # ---- diff -------------------------------------------------------------------------------------------------

@@ -56,6 +56,7 @@ class RunArm:
     runs: tuple[str, ...]  # every run's export, in repeat order
     kv_cache_tokens: int | None  # vLLM's "GPU KV cache size: N tokens"
     kv_cache_line: str | None
+    versions: dict = field(default_factory=dict)  # torch, CUDA runtime, FlashInfer, vLLM, as the workload recorded
 
 
 @dataclass
@@ -171,7 +172,8 @@ def _run_arm(item: _Input, label: str) -> RunArm:
     return RunArm(label=label, run=str(item.run), arm=item.arm, engine=manifest.engine, kv_cache_dtype=arm.kv_dtype,
                   kv_format=fmt, scenario=manifest.scenario, mode=manifest.mode, sqlite=str(item.run / arm.sqlite),
                   runs=tuple(str(item.run / manifest.runs[name].sqlite) for name in item.runs),
-                  kv_cache_tokens=arm.kv_cache_tokens, kv_cache_line=arm.kv_cache.get("line"))
+                  kv_cache_tokens=arm.kv_cache_tokens, kv_cache_line=arm.kv_cache.get("line"),
+                  versions=dict(arm.workload.get("versions") or {}))
 
 
 # ---- result --------------------------------------------------------------------------------------------
@@ -286,10 +288,12 @@ class Ceiling:
 
 @dataclass
 class PlotFile:
-    kind: str  # segment-times, segment-ratios, ecdf, bandwidth, sweep
-    title: str
+    kind: str  # summary, forest, context, ecdf, segment-times, segment-ratios, bandwidth, sweep
+    title: str  # what the plot shows
     path: str  # as written
     link: str  # relative to the report file (or the working directory when printed)
+    heading: str = ""  # the figure's own title: the arms, the GPU and the versions
+    panels: tuple[str, ...] = ()  # its panels' titles
 
 
 @dataclass
@@ -308,8 +312,9 @@ class Report:
     compute_ceiling: roofline.ComputeCeiling | None
     capacity: capacity.Capacity | None
     notes: list[str] = field(default_factory=list)
-    plots: list[PlotFile] = field(default_factory=list)
-    # Per-call durations (ns, sorted) per segment and arm, for the ECDF plots; not in the JSON.
+    plots: list[PlotFile] = field(default_factory=list)  # set by the caller that wrote them (render.plots)
+    # Per-call durations (ns, sorted) per cell (segment, phase, family label) and arm, for the ECDF plots; not in
+    # the JSON.
     durations: dict = field(default_factory=dict, repr=False)
     schema: str = REPORT_SCHEMA
     kvtrace_version: str = __version__
@@ -697,8 +702,8 @@ def build(paths: list[Path], recipes: RecipeSet, *, arms: tuple[str, ...] = (), 
                         seed=seed, window=window)
     durations = {}
     for side, arm_traces in (("baseline", b_traces), ("candidate", c_traces)):
-        for segment, values in compare.segment_durations(arm_traces, recipes, window, DISTRIBUTION_SEGMENTS).items():
-            durations.setdefault(segment, {})[side] = values
+        for cell, values in compare.cell_durations(arm_traces, recipes, window, DISTRIBUTION_SEGMENTS).items():
+            durations.setdefault(cell, {})[side] = values
     notes: list[str] = []
     if len(b_traces) > 1:
         notes.append(f"{len(b_traces)} runs per arm: kernel numbers cover every run; serving metrics and capacity are "

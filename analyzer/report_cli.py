@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import click
@@ -56,7 +57,9 @@ def report(runs, arms, labels, threshold, confidence, seed, plots_dir, plot_form
             raise KvtraceError(f"cannot write {output}: folder {output.parent} does not exist; create it first")
         from kvtrace.analyzer.render import plots  # matplotlib only on this path
 
-        plots.write_plots(result, plots_dir, plot_format, link_base=output.parent if output is not None else None)
+        written = plots.write_plots(result, plots_dir, plot_format,
+                                    link_base=output.parent if output is not None else None)
+        result = dataclasses.replace(result, plots=written)
     emit(result, fmt, output)
 
 

@@ -103,11 +103,16 @@ def test_prefill_statement_and_segment_times_match_plain_sql(fi):
     assert "regression" in statement.message and f"{len(base):,} paired calls" in statement.message
 
 
-def test_ecdf_durations_are_the_traces_per_call_durations(fi):
+def test_ecdf_durations_are_the_traces_per_call_durations_per_cell(fi):
     for segment, likes in (("prefill_attention", (PREFILL,)), ("decode_attention", (DECODE, MERGE))):
         for side, name in (("baseline", "fp8"), ("candidate", "nvfp4")):
-            expected = sorted(sql_durations(NSYS2025_DIR / f"{name}.sqlite", *likes))
-            assert fi.durations[segment][side].tolist() == expected, (segment, side)
+            cells = [cell for cell in fi.durations if cell[0] == segment]
+            assert len({(phase, family) for _, phase, family in cells}) == len(cells)
+            pooled = sorted(v for cell in cells for v in fi.durations[cell][side].tolist())
+            assert pooled == sorted(sql_durations(NSYS2025_DIR / f"{name}.sqlite", *likes)), (segment, side)
+            for phase in {phase for _, phase, _ in cells}:  # a range's cells hold that range's calls only
+                in_phase = sorted(v for cell in cells if cell[1] == phase for v in fi.durations[cell][side].tolist())
+                assert in_phase == sorted(sql_durations(NSYS2025_DIR / f"{name}.sqlite", *likes, nvtx=phase))
 
 
 def test_bandwidth_per_phase_from_the_manifest_bytes_and_sql_time(fi):
@@ -396,7 +401,7 @@ def test_subprocess_smoke(tmp_path):
                             cwd=tmp_path, check=False)
     assert result.returncode == 0, result.stderr
     text = out.read_text()
-    assert "![" in text and "(plots/segment-times.png)" in text and (tmp_path / "plots" / "segment-times.png").is_file()
+    assert "Drag `plots/summary.png` into the issue" in text and (tmp_path / "plots" / "summary.png").is_file()
 
 
 def test_offline_point_records_give_means_and_rates():

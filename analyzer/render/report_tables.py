@@ -291,8 +291,13 @@ def _report_markdown(report: Report) -> str:
     if report.capacity is not None:
         lines += ["", _capacity_markdown(report.capacity, level="###").rstrip()]
     if report.plots:
+        summary = next((p for p in report.plots if p.kind == "summary"), None)
         lines += ["", "### Plots", ""]
-        lines += [f"![{p.title}]({p.link})" + "\n" for p in report.plots]
+        if summary is not None:
+            lines += [f"Drag `{summary.link}` into the issue or pull request: GitHub renders uploaded images, not "
+                      "images linked by a relative path. It holds the ratio per workload point with intervals and "
+                      "the ratio against context length.", ""]
+        lines += [f"- `{p.link}`: {p.title}" for p in report.plots if p is not summary]
     diff_text = diff_markdown.render(report.diff)
     lines += ["", "### Kernel diff", ""]
     lines += [line.replace("## kvtrace diff", "#### kvtrace diff", 1) if line.startswith("## ") else
