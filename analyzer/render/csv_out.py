@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import csv
 import io
 
 from kvtrace.analyzer.compare import Diff, KernelList, Summary
+from kvtrace.analyzer.render.escape import csv_writer
 
 STAT_FIELDS = ("calls", "total_ns", "mean_ns", "median_ns", "p90_ns", "p99_ns", "min_ns", "max_ns", "cv", "share")
 # A diff row per line; every name is unique and documented in docs/json-schema.md. *_window_* count all calls
@@ -26,7 +26,7 @@ def render(result: Summary | Diff | KernelList) -> str:
 
         return report_tables.csv_text(result)
     buffer = io.StringIO()
-    writer = csv.writer(buffer, lineterminator="\n")
+    writer = csv_writer(buffer)
     if isinstance(result, KernelList):
         columns = list(result.rows[0]) if result.rows else ["segment", "demangled"]
         writer.writerow(columns)

@@ -19,8 +19,8 @@ module imports matplotlib, so only the plotting path imports it (never `kvtrace 
 
 from __future__ import annotations
 
+import io
 import os
-import tempfile
 import textwrap
 from pathlib import Path
 
@@ -31,6 +31,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: E402
 
+from kvtrace import files  # noqa: E402
 from kvtrace.analyzer import stats  # noqa: E402
 from kvtrace.analyzer.report import PlotFile, Report  # noqa: E402
 from kvtrace.errors import KvtraceError  # noqa: E402
@@ -419,15 +420,7 @@ def write_plots(report: Report, folder: Path, fmt: str = "png", link_base: Path 
 def _save(figure: Figure, path: Path, fmt: str) -> None:
     """Atomic, and reproducible: no creation date in the file; SVG text stays text (searchable)."""
     metadata = {"Date": None} if fmt == "svg" else {"Software": None}
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": "kvtrace"}):
-            figure.savefig(tmp, format=fmt, dpi=_DPI, metadata=metadata, bbox_inches="tight")
-        mask = os.umask(0)
-        os.umask(mask)
-        os.chmod(tmp, 0o666 & ~mask)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    image = io.BytesIO()
+    with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": "kvtrace"}):
+        figure.savefig(image, format=fmt, dpi=_DPI, metadata=metadata, bbox_inches="tight")
+    files.write(path, image.getvalue())

@@ -6,7 +6,6 @@ tables below only pick and format its fields. markdown.py, terminal.py and csv_o
 
 from __future__ import annotations
 
-import csv
 import io
 from dataclasses import asdict, fields
 
@@ -14,10 +13,10 @@ from rich.console import Console
 from rich.table import Table
 
 from kvtrace.analyzer.capacity import Capacity
+from kvtrace.analyzer.render.escape import csv_writer, md_code, md_text, rich, visible
 from kvtrace.analyzer.render.units import LEVEL, MARK, duration, markdown_table, percent, ratio
 from kvtrace.analyzer.report import Latency, Report, ServingMetrics
 from kvtrace.analyzer.roofline import CAUSAL_CONVENTION
-
 
 
 # ---- cell formatting -----------------------------------------------------------------------------------
@@ -247,10 +246,11 @@ def markdown(result) -> str:
 
 
 def _capacity_markdown(cap: Capacity, level: str = "##") -> str:
-    lines = [f"{level} kvtrace capacity" + (f": {cap.run}" if cap.run else ""), "", _capacity_lead(cap), ""]
+    lines = [f"{level} kvtrace capacity" + (f": {visible(cap.run)}" if cap.run else ""), "",
+             visible(_capacity_lead(cap)), ""]
     for title, header, rows in _capacity_tables(cap):
         lines += [f"{level}# {title}", ""] + markdown_table(header, rows) + [""]
-    lines += [f"- {note}" for note in cap.notes]
+    lines += [f"- {visible(note)}" for note in cap.notes]
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -258,16 +258,18 @@ def _report_markdown(report: Report) -> str:
     from kvtrace.analyzer.render import markdown as diff_markdown
 
     b, c = report.baseline, report.candidate
-    lines = [f"## kvtrace report: {b.label} → {c.label}", "",
-             f"Baseline **{b.label}** (arm `{b.arm}` of `{b.run}`, {b.engine} engine"
-             + (f", {b.scenario}" if b.scenario else "") + f"), candidate **{c.label}** (arm `{c.arm}` of `{c.run}`"
-             + (f", {c.engine} engine" if c.engine != b.engine else "") + "). Kernel numbers are per call over the "
+    labels = md_text(b.label), md_text(c.label)
+    lines = [f"## kvtrace report: {labels[0]} → {labels[1]}", "",
+             f"Baseline **{labels[0]}** (arm {md_code(b.arm)} of {md_code(b.run)}, {md_text(b.engine)} engine"
+             + (f", {md_text(b.scenario)}" if b.scenario else "") + f"), candidate **{labels[1]}** (arm "
+             f"{md_code(c.arm)} of {md_code(c.run)}"
+             + (f", {md_text(c.engine)} engine" if c.engine != b.engine else "") + "). Kernel numbers are per call over the "
              "calls both arms ran (the kernel diff below); serving numbers are what the capture recorded. They "
              "answer different questions and are kept apart.", "",
              "### What the numbers say", ""]
-    lines += [f"- {MARK[s.level]} **{s.check}**: {s.message}" for s in report.statements]
-    lines += ["", "### Runs", ""] + [f"- {MARK[f.level]} {f.message}" for f in report.findings]
-    lines += [f"- {note}" for note in report.notes]
+    lines += [f"- {MARK[s.level]} **{s.check}**: {visible(s.message)}" for s in report.statements]
+    lines += ["", "### Runs", ""] + [f"- {MARK[f.level]} {visible(f.message)}" for f in report.findings]
+    lines += [f"- {visible(note)}" for note in report.notes]
     if report.serving:
         lines += ["", "### Serving" + (" (sweep)" if report.sweep and len(report.serving) > 1 else ""), ""]
         if len(report.serving) == 1:
@@ -286,7 +288,7 @@ def _report_markdown(report: Report) -> str:
                      " The traces give no HBM bandwidth for the GPU, so no ceiling is stated."), ""]
         lines += markdown_table(*_bandwidth_table(report))
     if report.prefill_compute:
-        lines += ["", "### Achieved compute (prefill)", "", _compute_lead(report), ""]
+        lines += ["", "### Achieved compute (prefill)", "", md_text(_compute_lead(report)), ""]
         lines += markdown_table(*_compute_table(report))
     if report.capacity is not None:
         lines += ["", _capacity_markdown(report.capacity, level="###").rstrip()]
@@ -294,10 +296,10 @@ def _report_markdown(report: Report) -> str:
         summary = next((p for p in report.plots if p.kind == "summary"), None)
         lines += ["", "### Plots", ""]
         if summary is not None:
-            lines += [f"Drag `{summary.link}` into the issue or pull request: GitHub renders uploaded images, not "
+            lines += [f"Drag {md_code(summary.link)} into the issue or pull request: GitHub renders uploaded images, not "
                       "images linked by a relative path. It holds the ratio per workload point with intervals and "
                       "the ratio against context length.", ""]
-        lines += [f"- `{p.link}`: {p.title}" for p in report.plots if p is not summary]
+        lines += [f"- {md_code(p.link)}: {p.title}" for p in report.plots if p is not summary]
     diff_text = diff_markdown.render(report.diff)
     lines += ["", "### Kernel diff", ""]
     lines += [line.replace("## kvtrace diff", "#### kvtrace diff", 1) if line.startswith("## ") else
@@ -308,34 +310,34 @@ def _report_markdown(report: Report) -> str:
 # ---- terminal -----------------------------------------------------------------------------------------
 
 def _rich_table(title: str, header: list[str], rows: list[list[str]]) -> Table:
-    table = Table(title=title, title_justify="left")
+    table = Table(title=rich(title), title_justify="left")
     for index, column in enumerate(header):
-        table.add_column(column, justify="left" if index == 0 else "right", overflow="fold")
+        table.add_column(rich(column), justify="left" if index == 0 else "right", overflow="fold")
     for row in rows:
-        table.add_row(*[str(cell) for cell in row])
+        table.add_row(*[rich(cell) for cell in row])
     return table
 
 
 def terminal(result, console: Console) -> None:
     if isinstance(result, Capacity):
-        console.print(_capacity_lead(result), highlight=False)
+        console.print(rich(_capacity_lead(result)), highlight=False)
         for title, header, rows in _capacity_tables(result):
             console.print(_rich_table(title, header, rows))
         for note in result.notes:
-            console.print(f"  {note}", markup=False, highlight=False)
+            console.print(f"  {visible(note)}", markup=False, highlight=False)
         return
     from kvtrace.analyzer.render import terminal as diff_terminal
 
     report = result
-    console.print(f"[bold]{report.baseline.label}[/] ({report.baseline.run}) → [bold]{report.candidate.label}[/] "
-                  f"({report.candidate.run})")
+    b, c = report.baseline, report.candidate
+    console.print(f"[bold]{rich(b.label)}[/] ({rich(b.run)}) → [bold]{rich(c.label)}[/] ({rich(c.run)})")
     for s in report.statements:
         console.print(f"  {LEVEL[s.level]}  {s.check}: ", end="")
-        console.print(s.message, markup=False, highlight=False)
+        console.print(visible(s.message), markup=False, highlight=False)
     for f in report.findings:
-        console.print(f"  {LEVEL[f.level]}  {f.message}", highlight=False)
+        console.print(f"  {LEVEL[f.level]}  {rich(f.message)}", highlight=False)
     for note in report.notes:
-        console.print(f"  {note}", markup=False, highlight=False)
+        console.print(f"  {visible(note)}", markup=False, highlight=False)
     if report.serving:
         if len(report.serving) == 1:
             console.print(_rich_table("Serving", *_serving_point_table(report)))
@@ -349,7 +351,7 @@ def terminal(result, console: Console) -> None:
         console.print(_rich_table(title, *_bandwidth_table(report)))
     if report.prefill_compute:
         console.print(_rich_table("Achieved compute (prefill)", *_compute_table(report)))
-        console.print(f"  {_compute_lead(report)}", markup=False, highlight=False)
+        console.print(f"  {visible(_compute_lead(report))}", markup=False, highlight=False)
     if report.capacity is not None:
         terminal(report.capacity, console)
     for plot in report.plots:
@@ -361,7 +363,7 @@ def terminal(result, console: Console) -> None:
 
 def csv_text(result) -> str:
     buffer = io.StringIO()
-    writer = csv.writer(buffer, lineterminator="\n")
+    writer = csv_writer(buffer)
     if isinstance(result, Capacity):
         columns = [f.name for f in fields(result.formats[0])] if result.formats else ["label"]
         writer.writerow(["section", *columns])

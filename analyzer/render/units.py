@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+from kvtrace.analyzer.render.escape import visible
+
 
 def duration(ns: float | None) -> str:
     if ns is None or (isinstance(ns, float) and math.isnan(ns)):
@@ -87,9 +89,10 @@ LEVEL = {"ok": "[green]ok[/]", "warning": "[yellow]warning[/]", "error": "[bold 
 
 
 def markdown_table(header: list[str], rows: list[list]) -> list[str]:
-    """GitHub table lines; pipes and line breaks in cells are escaped so a cell never splits the row."""
+    """GitHub table lines; pipes and control characters (CR and LF among them) in cells are escaped so that a
+    cell never splits the row or ends the table."""
     def cell(text) -> str:
-        return str(text).replace("|", "\\|").replace("\n", " ")
+        return visible(text).replace("|", "\\|")
 
     lines = ["| " + " | ".join(cell(h) for h in header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     return lines + ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows]
