@@ -471,11 +471,6 @@ def _serving_ratios(base: ServingMetrics, cand: ServingMetrics) -> dict[str, flo
     return ratios
 
 
-def _phase_calls(item: _Input, kind: str) -> int | None:
-    """Workload calls of one kind of FlashInfer phase (all contexts, all runs), from the arm's manifest."""
-    return sum(phase.calls or 0 for phase in item.record.phases if phase.kind == kind) * len(item.runs) or None
-
-
 def bandwidth_rows(diff: Diff, base: _Input, cand: _Input, ceiling: Ceiling | None) -> list[BandwidthRow]:
     """FlashInfer workload phases with KV bytes per call: achieved bytes/s of the phase's segment kernels."""
     phases: dict[str, dict[str, Phase]] = {}
@@ -547,12 +542,16 @@ def _segment_statement(diff: Diff, segment: str, topic: str, what: str) -> State
                      "calls")
 
 
-def _append_phase_statement(diff: Diff, calls: tuple[int | None, int | None]) -> Statement | None:
+def _append_phase_statement(diff: Diff) -> Statement | None:
     """FlashInfer's append ranges hold the whole append path (FP8: a cast in separate kernels; NVFP4: one
-    fused quantize-append), so the phase's GPU time per workload call is the fair comparison."""
+    fused quantize-append), so the phase's GPU time per workload call is the fair comparison. A workload call
+    launches one KV append kernel, so the append kernels the window kept count the calls whose time it kept
+    (--skip-warmup, --last and --time trim every family alike)."""
     rows = [r for r in diff.phases if r.phase and (parsed := parse_phase_name(r.phase)) and parsed[0] == "append"]
     base = sum(r.baseline_total_ns for r in rows)
     cand = sum(r.candidate_total_ns for r in rows)
+    calls = tuple(sum(getattr(r, f"{side}_calls") for r in rows if r.segment == "kv_append")
+                  for side in ("baseline", "candidate"))
     if not rows or not base or not all(calls):
         return None
     b, c = base / calls[0], cand / calls[1]
@@ -564,12 +563,12 @@ def _append_phase_statement(diff: Diff, calls: tuple[int | None, int | None]) ->
 
 
 def statements(diff: Diff, serving: list[ServingRow], cap: capacity.Capacity | None, base: RunArm,
-               cand: RunArm, append_calls: tuple[int | None, int | None] = (None, None)) -> list[Statement]:
+               cand: RunArm) -> list[Statement]:
     out = [s for s in (
         _segment_statement(diff, "prefill_attention", "prefill", "prefill attention kernels"),
         _segment_statement(diff, "decode_attention", "decode", "decode attention kernels"),
         _segment_statement(diff, "kv_append", "append", "KV append kernels"),
-        _append_phase_statement(diff, append_calls)) if s is not None]
+        _append_phase_statement(diff)) if s is not None]
     if cap is not None and cap.measured:
         for row in cap.measured[1:]:
             out.append(Statement("ok", "capacity",
@@ -735,9 +734,8 @@ def build(paths: list[Path], recipes: RecipeSet, *, arms: tuple[str, ...] = (), 
         prefill_compute = roofline.flashinfer_rows(diff, (base.manifest, cand.manifest),
                                                    (base.record.phases, cand.record.phases), compute_ceiling)
     cap = _capacity(base, cand, b_arm, c_arm, notes)
-    append_calls = tuple(_phase_calls(item, "append") for item in (base, cand))
     return Report(baseline=b_arm, candidate=c_arm, diff=diff,
-                  statements=statements(diff, serving, cap, b_arm, c_arm, append_calls),
+                  statements=statements(diff, serving, cap, b_arm, c_arm),
                   findings=_run_findings(base, cand, b_arm, c_arm), segment_times=segment_times(diff),
                   serving=serving, sweep=sweep, bandwidth=bandwidth, hbm_ceiling=ceiling,
                   prefill_compute=prefill_compute, compute_ceiling=compute_ceiling, capacity=cap, notes=notes,

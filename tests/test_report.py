@@ -20,7 +20,7 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import FIXTURES, NSYS2023_DIR, NSYS2025_DIR, sql_durations
-from kvtrace.analyzer import report, stats
+from kvtrace.analyzer import align, report, stats
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.render import json_out, markdown
 from kvtrace.analyzer.render.units import duration
@@ -439,3 +439,32 @@ def test_a_per_arm_manifest_names_its_arm(tmp_path, recipes):
         (tmp_path / f"{name}.manifest.json").write_text(json.dumps(single))
     inputs = report.resolve_inputs([tmp_path / "fp8.manifest.json", tmp_path / "nvfp4.manifest.json"])
     assert [(i.run, i.arm) for i in inputs] == [(tmp_path, "fp8"), (tmp_path, "nvfp4")]
+
+
+def test_append_phase_statement_inside_a_window_counts_the_windowed_calls(recipes):
+    last = 16
+    result = report.build([NSYS2025_DIR], recipes, window=align.Window(last=last))
+    data = manifest(NSYS2025_DIR)
+    per_call = {}
+    for arm in ("fp8", "nvfp4"):
+        ranges = [p["nvtx"] for p in data["arms"][arm]["workload"]["phases"] if p["nvtx"].startswith("kvtrace:append ")]
+        total = calls = 0
+        for nvtx in ranges:
+            # --last keeps the last calls of every kernel and launch shape in each range: written out in SQL.
+            rows = sql(NSYS2025_DIR / f"{arm}.sqlite", """
+                SELECT s.value, k.gridX, k.gridY, k.gridZ, k.blockX, k.blockY, k.blockZ, k.end - k.start
+                FROM CUPTI_ACTIVITY_KIND_KERNEL k JOIN StringIds s ON s.id = k.demangledName
+                JOIN CUPTI_ACTIVITY_KIND_RUNTIME r ON r.correlationId = k.correlationId
+                     AND (r.globalTid & 0xFFFFFFFFFF000000) = k.globalPid
+                JOIN NVTX_EVENTS n ON n.globalTid = r.globalTid AND n.start <= r.start AND n.end >= r.end
+                     AND n.eventType IN (59, 60) AND n.text = ? ORDER BY k.start""", nvtx)
+            groups: dict = {}
+            for row in rows:
+                groups.setdefault(row[:7], []).append(row[7])
+            total += sum(sum(values[-last:]) for values in groups.values())
+            calls += sum(len(values[-last:]) for key, values in groups.items() if "AppendPagedKVCache" in key[0])
+        assert calls == last * len(ranges)  # one append kernel per workload call
+        per_call[arm] = total / calls
+    statement = next(s for s in result.statements if s.check == "append" and "append phase" in s.message)
+    assert f"{duration(per_call['fp8'])} (fp8) → {duration(per_call['nvfp4'])} (nvfp4)" in statement.message
+    assert f"over {last * 3:,} and {last * 3:,} calls" in statement.message
