@@ -238,13 +238,10 @@ def summarize(trace: Trace, recipes: RecipeSet, label: str | None = None,
     return Summary(arm=arm, recipes=tuple(recipes.files), segments=segments, families=families)
 
 
-def cell_durations(traces: list[Trace], recipes: RecipeSet, window: align.Window, segments: tuple[str, ...]
+def cell_durations(vocabulary: Vocabulary, runs: list[Run], segments: tuple[str, ...]
                    ) -> dict[tuple[str, str | None, str], np.ndarray]:
-    """Per-call durations in the window over an arm's runs, sorted (for ECDFs), per (segment, phase, family
-    label) of the given segments: one context (or vLLM step kind) and one kernel family, never pooled."""
-    classes = [classify_signatures(t, recipes) for t in traces]
-    vocabulary = Vocabulary.of(traces, classes)
-    runs = [vocabulary.run(t, c, window) for t, c in zip(traces, classes)]
+    """Per-call durations of an arm's runs (as Sides windowed them), sorted (for ECDFs), per (segment, phase,
+    family label) of the given segments: one context (or vLLM step kind) and one kernel family, never pooled."""
     parts: dict[tuple[str, str | None, str], list[np.ndarray]] = {}
     for run in runs:
         for segment in segments:
@@ -315,23 +312,49 @@ class _Row:
     phase: int | None = None
 
 
+@dataclass
+class Sides:
+    """Both arms' runs over one Vocabulary, classified and windowed once: what the diff compares, and what the
+    report reads per-call durations from."""
+
+    vocabulary: Vocabulary
+    baseline: list[Run]
+    candidate: list[Run]
+    recipes: RecipeSet
+    window: align.Window
+
+    @classmethod
+    def of(cls, baseline: Trace | list[Trace], candidate: Trace | list[Trace], recipes: RecipeSet,
+           window: align.Window = align.Window()) -> Sides:
+        """Each arm is one trace or its repeated runs in repeat order; run k of the baseline pairs with run k
+        of the candidate."""
+        base_traces = [baseline] if isinstance(baseline, Trace) else list(baseline)
+        cand_traces = [candidate] if isinstance(candidate, Trace) else list(candidate)
+        if not base_traces or len(base_traces) != len(cand_traces):
+            raise KvtraceError(f"{len(base_traces)} baseline run(s) and {len(cand_traces)} candidate run(s): give "
+                               "each arm the same number of runs, in repeat order")
+        traces = base_traces + cand_traces
+        classes = [classify_signatures(t, recipes) for t in traces]
+        vocabulary = Vocabulary.of(traces, classes)
+        built = [vocabulary.run(t, c, window) for t, c in zip(traces, classes)]
+        return cls(vocabulary, built[:len(base_traces)], built[len(base_traces):], recipes, window)
+
+
 def diff(baseline: Trace | list[Trace], candidate: Trace | list[Trace], recipes: RecipeSet, *,
          labels: tuple[str | None, str | None] = (None, None), threshold: float = 0.02, confidence: float = 0.95,
          seed: int = 0, window: align.Window = align.Window()) -> Diff:
-    """Compare the baseline arm with the candidate arm. Each arm is one trace or its repeated runs in
-    repeat order; run k of the baseline pairs with run k of the candidate."""
-    base_traces = [baseline] if isinstance(baseline, Trace) else list(baseline)
-    cand_traces = [candidate] if isinstance(candidate, Trace) else list(candidate)
-    if not base_traces or len(base_traces) != len(cand_traces):
-        raise KvtraceError(f"{len(base_traces)} baseline run(s) and {len(cand_traces)} candidate run(s): give each "
-                           "arm the same number of runs, in repeat order")
-    traces = base_traces + cand_traces
-    classes = [classify_signatures(t, recipes) for t in traces]
-    vocabulary = Vocabulary.of(traces, classes)
-    built = [vocabulary.run(t, c, window) for t, c in zip(traces, classes)]
-    base_runs, cand_runs = built[:len(base_traces)], built[len(base_traces):]
-    base_arm = _arm(base_runs, labels[0] or _default_label(base_traces[0]))
-    cand_arm = _arm(cand_runs, labels[1] or _default_label(cand_traces[0]))
+    """Compare the baseline arm with the candidate arm (see Sides.of)."""
+    return diff_sides(Sides.of(baseline, candidate, recipes, window), labels=labels, threshold=threshold,
+                      confidence=confidence, seed=seed)
+
+
+def diff_sides(sides: Sides, *, labels: tuple[str | None, str | None] = (None, None), threshold: float = 0.02,
+               confidence: float = 0.95, seed: int = 0) -> Diff:
+    vocabulary, base_runs, cand_runs, recipes, window = (sides.vocabulary, sides.baseline, sides.candidate,
+                                                         sides.recipes, sides.window)
+    built = base_runs + cand_runs
+    base_arm = _arm(base_runs, labels[0] or _default_label(base_runs[0].trace))
+    cand_arm = _arm(cand_runs, labels[1] or _default_label(cand_runs[0].trace))
     comparison = _Comparison.of(vocabulary, list(zip(base_runs, cand_runs)))
     strata = comparison.strata
 

@@ -697,11 +697,11 @@ def build(paths: list[Path], recipes: RecipeSet, *, arms: tuple[str, ...] = (), 
     b_arm, c_arm = _run_arm(base, labels[0]), _run_arm(cand, labels[1])
     traces = open_traces([*b_arm.runs, *c_arm.runs], nsys=nsys, cache=cache)
     b_traces, c_traces = traces[:len(b_arm.runs)], traces[len(b_arm.runs):]
-    diff = compare.diff(b_traces, c_traces, recipes, labels=tuple(labels), threshold=threshold, confidence=confidence,
-                        seed=seed, window=window)
+    sides = compare.Sides.of(b_traces, c_traces, recipes, window)
+    diff = compare.diff_sides(sides, labels=tuple(labels), threshold=threshold, confidence=confidence, seed=seed)
     durations = {}
-    for side, arm_traces in (("baseline", b_traces), ("candidate", c_traces)):
-        for cell, values in compare.cell_durations(arm_traces, recipes, window, DISTRIBUTION_SEGMENTS).items():
+    for side, runs in (("baseline", sides.baseline), ("candidate", sides.candidate)):
+        for cell, values in compare.cell_durations(sides.vocabulary, runs, DISTRIBUTION_SEGMENTS).items():
             durations.setdefault(cell, {})[side] = values
     notes: list[str] = []
     if len(b_traces) > 1:
@@ -728,7 +728,7 @@ def build(paths: list[Path], recipes: RecipeSet, *, arms: tuple[str, ...] = (), 
     compute_ceiling = roofline.compute_ceiling(gpus[0].name) if gpus else None
     prefill_compute = []
     if base.manifest.engine == "vllm":
-        row = roofline.vllm_row((b_traces, c_traces), recipes, base.manifest, window, compute_ceiling)
+        row = roofline.vllm_row(sides, base.manifest, compute_ceiling)
         prefill_compute = [row] if row is not None else []
     elif not window.describe():
         prefill_compute = roofline.flashinfer_rows(diff, (base.manifest, cand.manifest),

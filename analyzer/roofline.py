@@ -20,9 +20,8 @@ import polars as pl
 
 from kvtrace import model_config
 from kvtrace.analyzer import align
-from kvtrace.analyzer.classify import RecipeSet
-from kvtrace.analyzer.compare import Diff, classify_signatures
-from kvtrace.analyzer.load import Trace
+from kvtrace.analyzer.compare import Diff, Sides
+from kvtrace.analyzer.pairing import Run
 from kvtrace.errors import KvtraceError
 from kvtrace.manifest import Manifest, Point, parse_phase_name
 
@@ -125,8 +124,7 @@ def flashinfer_rows(diff: Diff, manifests: tuple[Manifest, Manifest], phases: tu
 _STEP = re.compile(align.VLLM_STEP.pattern)
 
 
-def vllm_row(traces: tuple[list[Trace], list[Trace]], recipes: RecipeSet, manifest: Manifest, window: align.Window,
-             ceiling: ComputeCeiling | None) -> PrefillCompute | None:
+def vllm_row(sides: Sides, manifest: Manifest, ceiling: ComputeCeiling | None) -> PrefillCompute:
     """vLLM's prefill steps (context requests only) whose every request prefilled the whole prompt of the run's
     one traffic point: N requests of T tokens, causal over T, in every full-attention layer."""
     def not_derivable(reason: str) -> PrefillCompute:
@@ -139,6 +137,8 @@ def vllm_row(traces: tuple[list[Trace], list[Trace]], recipes: RecipeSet, manife
     groups = [g for g in layout.groups if g.kind == model_config.FULL]
     if len(groups) != len(layout.groups) or not layout.attention_heads:
         return not_derivable("only plain full-attention models (no sliding window, MLA or recurrent layers) are counted")
+    if sides.window.skip_warmup or sides.window.last is not None:
+        return not_derivable("--skip-warmup and --last trim calls per kernel, not whole steps")
     if manifest.settings.get("prefix_caching"):
         return not_derivable("prefix caching is on, so a step's kv_len is not its token count")
     points = manifest.settings.get("points") or []
@@ -150,13 +150,12 @@ def vllm_row(traces: tuple[list[Trace], list[Trace]], recipes: RecipeSet, manife
         return not_derivable("the run has no single traffic point that fixes every prompt's length")
     prompt = prompts.pop()
     layers, head_dim, q_heads = sum(g.layers for g in groups), groups[0].head_dim, layout.attention_heads
-    sides = {}
+    sides_time = {}
     flops_per_step = []
-    for side, arm_traces in zip(("baseline", "candidate"), traces):
+    for side, runs in (("baseline", sides.baseline), ("candidate", sides.candidate)):
         calls = total = flops = 0
-        for trace in arm_traces:
-            step_time = _prefill_step_times(trace, recipes, window)
-            for name, time_ns in step_time.iter_rows():
+        for run in runs:
+            for name, time_ns in _prefill_step_times(run, sides.window).iter_rows():
                 match = _STEP.fullmatch(name)
                 requests, tokens = int(match.group(1)), match.group(2)
                 if not tokens.isdigit() or int(tokens) != requests * prompt:
@@ -165,19 +164,21 @@ def vllm_row(traces: tuple[list[Trace], list[Trace]], recipes: RecipeSet, manife
                 calls += 1
                 total += time_ns
                 flops += layers * attention_flops(requests, q_heads, prompt, prompt, head_dim, causal=True)
-        sides[side] = (calls or None, total or None)
+        sides_time[side] = (calls or None, total or None)
         flops_per_step.append(flops / calls if calls else None)
     if not all(flops_per_step) or abs(flops_per_step[0] - flops_per_step[1]) > 1e-9 * flops_per_step[0]:
         return not_derivable("the arms ran different prefill steps")
     derivation = (f"causal, per prefill step: N requests × q_heads {q_heads} × q_len = kv_len {prompt:,} × head_dim "
                   f"{head_dim} × {layers} layers (model config, vLLM step names); mean over the steps")
-    return _row(align.PREFILL, prompt, flops_per_step[0], derivation, sides, ceiling)
+    return _row(align.PREFILL, prompt, flops_per_step[0], derivation, sides_time, ceiling)
 
 
-def _prefill_step_times(trace: Trace, recipes: RecipeSet, window: align.Window) -> pl.DataFrame:
-    """Per prefill step (its name): the GPU time of its prefill-attention kernels, inside the window."""
-    classes = classify_signatures(trace, recipes).filter(pl.col("segment") == "prefill_attention").select("sig")
+def _prefill_step_times(run: Run, window: align.Window) -> pl.DataFrame:
+    """Per prefill step (its name): the GPU time of its prefill-attention kernels inside the window, from the
+    signatures the comparison classified."""
+    trace = run.trace
+    signatures = run.classes.filter(pl.col("segment") == "prefill_attention").select("sig")
     steps = align.steps(trace).filter(pl.col("phase") == align.PREFILL).select("range", "step_range", "step")
     calls = align.apply_window(trace, trace.kernels, window)
-    return (calls.join(classes, on="sig").join(steps, on="range")
+    return (calls.join(signatures, on="sig").join(steps, on="range")
             .group_by("step_range", "step").agg(pl.col("duration").sum()).sort("step_range").select("step", "duration"))

@@ -10,7 +10,7 @@ import sqlite3
 import pytest
 
 from conftest import FIXTURES, NSYS2025_DIR, sql_durations
-from kvtrace.analyzer import report, roofline
+from kvtrace.analyzer import align, report, roofline
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.render import json_out, markdown
 
@@ -80,3 +80,13 @@ def test_not_derivable_and_unknown_peak_are_said():
     assert "not derivable" in markdown.render(sweep)
     unknown = roofline.compute_ceiling("NVIDIA A100-SXM4-80GB")
     assert unknown.flops_per_s is None and unknown.source.startswith("peak unknown")
+
+
+def test_vllm_prefill_flops_under_trimming_are_not_derivable_and_a_time_window_keeps_whole_steps():
+    trimmed = report.build([COLD], load_recipes(), window=align.Window(last=2))
+    (row,) = trimmed.prefill_compute
+    assert row.flops_per_call is None and "--last" in row.derivation
+    whole = report.build([COLD], load_recipes())
+    (full,) = whole.prefill_compute
+    timed = report.build([COLD], load_recipes(), window=align.Window(time_ns=(0, None)))
+    assert timed.prefill_compute[0].baseline_calls == full.baseline_calls
