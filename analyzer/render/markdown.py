@@ -10,14 +10,15 @@ from kvtrace.analyzer.render.units import (MARK, arm_time, calls, duration, inte
                                           per_call, percent, ratio, run_ratios, signed_duration)
 
 
-def render(result: Summary | Diff | KernelList) -> str:
+def render(result: Summary | Diff | KernelList, level: int = 2) -> str:
+    """level: the heading level of a diff's title (its sections one below), for a diff inside a report."""
     if isinstance(result, KernelList):
         return _kernels(result)
     if not isinstance(result, (Summary, Diff)):
         from kvtrace.analyzer.render import report_tables  # kvtrace report / capacity results
 
         return report_tables.markdown(result)
-    return _summary(result) if isinstance(result, Summary) else _diff(result)
+    return _summary(result) if isinstance(result, Summary) else _diff(result, level)
 
 
 def _kernels(kernels: KernelList) -> str:
@@ -96,13 +97,14 @@ def _diff_table(first: list[str], rows: list[DiffRow], lead, diff: Diff) -> list
     return lines
 
 
-def _diff(diff: Diff) -> str:
+def _diff(diff: Diff, level: int) -> str:
     b, c = diff.baseline, diff.candidate
     confidence = f"{100 * diff.confidence:.0f}%"
     labels = md_text(b.label), md_text(c.label)
     runs = (f" over {diff.runs} runs per arm (r1 with r1, …); the interval resamples run pairs, then call pairs "
             "within each run" if diff.runs > 1 else "")
-    lines = [f"## kvtrace diff: {labels[0]} → {labels[1]}", "",
+    title, section = "#" * level, "#" * (level + 1)
+    lines = [f"{title} kvtrace diff: {labels[0]} → {labels[1]}", "",
              f"Baseline **{labels[0]}**, candidate **{labels[1]}**. Ratio = candidate / baseline GPU time summed over "
              f"the calls both arms ran, paired call for call per kernel family, launch shape and NVTX range{runs}; "
              f"{confidence} bootstrap interval that resamples the pairs inside each such cell (docs/statistics.md). "
@@ -113,16 +115,16 @@ def _diff(diff: Diff) -> str:
              "call, else the row's total. Rows whose arms did different work say \"not comparable\" or "
              "\"different work\" instead of a verdict.", "",
              f"Total GPU kernel time: {duration(b.total_ns)} → {duration(c.total_ns)} ({ratio(diff.total_ratio)}).",
-             "", "### Comparability", ""]
+             "", f"{section} Comparability", ""]
     lines += [f"- {MARK[f.level]} {visible(f.message)}" for f in diff.findings]
-    lines += ["", "### Segments", ""]
+    lines += ["", f"{section} Segments", ""]
     lines += _diff_table(["segment"], diff.segments, lambda r: [r.segment], diff)
     if diff.phases:
-        lines += ["", "### Segments by phase (NVTX range)", ""]
+        lines += ["", f"{section} Segments by phase (NVTX range)", ""]
         lines += _diff_table(["segment", "phase"], diff.phases, lambda r: [r.segment, md_code(r.phase)], diff)
-    lines += ["", "### Kernel families", ""]
+    lines += ["", f"{section} Kernel families", ""]
     lines += _diff_table(["segment", "family"], diff.families, lambda r: [r.segment, md_code(r.family_label)], diff)
-    lines += ["", "### Environment", ""] + _environment([b, c])
+    lines += ["", f"{section} Environment", ""] + _environment([b, c])
     lines += ["", "<details><summary>Kernel names per segment</summary>", ""]
     for r in diff.segments:
         lines += [f"**{r.segment}**", ""]

@@ -300,10 +300,7 @@ def _report_markdown(report: Report) -> str:
                       "images linked by a relative path. It holds the ratio per workload point with intervals and "
                       "the ratio against context length.", ""]
         lines += [f"- {md_code(p.link)}: {p.title}" for p in report.plots if p is not summary]
-    diff_text = diff_markdown.render(report.diff)
-    lines += ["", "### Kernel diff", ""]
-    lines += [line.replace("## kvtrace diff", "#### kvtrace diff", 1) if line.startswith("## ") else
-              ("#" + line if line.startswith("### ") else line) for line in diff_text.splitlines()]
+    lines += ["", "### Kernel diff", "", diff_markdown.render(report.diff, level=4).rstrip()]
     return "\n".join(lines).rstrip() + "\n"
 
 
