@@ -30,7 +30,12 @@ DISTRIBUTION_SEGMENTS = ("prefill_attention", "decode_attention")
 # FlashInfer workload phases (kvtrace.manifest.phase_name) bound by memory bandwidth, and the segment whose
 # kernels do their KV work; prefill is compute-bound (analyzer/roofline).
 PHASE_SEGMENTS = {"decode": "decode_attention", "append": "kv_append"}
-_LATENCIES = ("ttft", "itl", "tpot", "e2el")
+# Polls of /metrics inside a point's traffic before their maxima count as its peaks. A point shorter than a few
+# poll intervals (vLLM bench points of under a second against 0.5 s polling) gives one or two samples at random
+# moments, whose maximum says nothing about the peak.
+MIN_PEAK_POLLS = 10
+# Two hit rates that differ by less than this (half a percentage point) agree.
+HIT_RATE_TOLERANCE = 0.005
 # vLLM histograms (seconds) that stand in for the bench client's latencies in offline runs: means only.
 _HISTOGRAMS = {"ttft": ("vllm:time_to_first_token_seconds",),
                "itl": ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
@@ -187,6 +192,20 @@ class Latency:
 
 
 @dataclass
+class SourceCheck:
+    """One quantity that two sources measure, and whether they agree (`note`: why not, when known)."""
+
+    quantity: str
+    unit: str  # count, fraction
+    first: str
+    first_value: float | None
+    second: str
+    second_value: float | None
+    agree: bool
+    note: str | None
+
+
+@dataclass
 class ServingMetrics:
     """One arm at one traffic point, as the capture recorded it. Latencies in milliseconds."""
 
@@ -206,11 +225,14 @@ class ServingMetrics:
     output_tokens: int | None
     input_tokens_per_s: float | None
     output_tokens_per_s: float | None
+    queue_ms: float | None  # mean time a request waited in vLLM's queue (vllm:request_queue_time_seconds)
     preemptions: int | None
-    peak_running: float | None
+    peak_running: float | None  # polled maxima; None when the polls could not observe them (peaks_note)
     peak_waiting: float | None
     peak_kv_usage: float | None  # fraction of the KV cache
+    peaks_note: str | None  # why the polled maxima are not peaks, when they are not
     capacity: str | None  # why this point is capacity-bound (preemptions, KV usage, KV demand), or None
+    checks: list[SourceCheck] = field(default_factory=list)
 
 
 @dataclass
@@ -355,14 +377,106 @@ def _latency(bench: dict, histograms: dict, name: str) -> Latency:
     return Latency()
 
 
+def _check(quantity: str, first: tuple[str, float | None], second: tuple[str, float | None], *,
+           unit: str = "count", tolerance: float = 0.0, note: str | None = None) -> SourceCheck | None:
+    """Two sources of one quantity; None when either did not record it."""
+    if first[1] is None or second[1] is None:
+        return None
+    agree = abs(first[1] - second[1]) <= tolerance
+    return SourceCheck(quantity=quantity, unit=unit, first=first[0], first_value=_number(first[1]), second=second[0],
+                       second_value=_number(second[1]), agree=agree, note=None if agree else note)
+
+
+def _kv_pool_tokens(cache_config) -> tuple[str, float | None]:
+    """vLLM's KV pool in tokens as /metrics' cache_config_info gives it (vLLM 0.26: kv_cache_size_tokens, else
+    num_gpu_blocks × block_size)."""
+    labels = cache_config[0] if isinstance(cache_config, list) and cache_config else {}
+    try:
+        if labels.get("kv_cache_size_tokens") not in (None, "None"):
+            return "/metrics cache_config_info kv_cache_size_tokens", float(labels["kv_cache_size_tokens"])
+        return "/metrics cache_config_info num_gpu_blocks × block_size", (float(labels["num_gpu_blocks"])
+                                                                            * float(labels["block_size"]))
+    except (KeyError, TypeError, ValueError):
+        return "/metrics cache_config_info", None
+
+
+def source_checks(record: dict, counters: dict, histograms: dict, kv_cache_tokens: int | None) -> list[SourceCheck]:
+    """Where two sources measure the same thing: the client (bench JSON, or the offline worker's counts)
+    against vLLM's /metrics counters, two /metrics counters of cached tokens, the hit rate against the
+    cached share, and the startup log's KV pool against /metrics' cache config."""
+    bench = record.get("bench") or {}
+    client = "vllm bench serve" if bench else "offline worker"
+
+    def own(bench_key: str, worker_key: str):
+        return bench.get(bench_key) if bench else record.get(worker_key)
+
+    checks = [
+        _check("completed requests", (client, own("completed", "requests")),
+               ("/metrics request_success", counters.get("vllm:request_success_total"))),
+        _check("prompt tokens", (client, own("total_input_tokens", "tokens_in")),
+               ("/metrics prompt_tokens", counters.get("vllm:prompt_tokens_total"))),
+        _check("output tokens", (client, own("total_output_tokens", "tokens_out")),
+               ("/metrics generation_tokens", counters.get("vllm:generation_tokens_total"))),
+    ]
+    prompt, cached = counters.get("vllm:prompt_tokens_total"), counters.get("vllm:prompt_tokens_cached_total")
+    computed = (histograms.get("vllm:request_prefill_kv_computed_tokens") or {}).get("sum")
+    if record.get("cached_tokens") is not None:  # the offline worker's own count
+        checks.append(_check("cached prompt tokens", ("offline worker", record["cached_tokens"]),
+                             ("/metrics prompt_tokens_cached", cached)))
+    elif prompt is not None and computed is not None:
+        checks.append(_check("cached prompt tokens", ("/metrics prompt_tokens_cached", cached),
+                             ("/metrics prompt_tokens − request_prefill_kv_computed_tokens", prompt - computed)))
+    queries, hits = counters.get("vllm:prefix_cache_queries_total"), counters.get("vllm:prefix_cache_hits_total")
+    if queries and prompt and cached is not None:
+        # vLLM counts a lookup each time the scheduler tries a waiting request (KVCacheManager.get_computed_blocks)
+        # and tries it again at the next step when its KV blocks do not fit (Scheduler.schedule keeps it waiting).
+        note = (f"vLLM made {queries:,.0f} prefix-cache lookups for {prompt:,.0f} prompt tokens ({queries / prompt:.2f} "
+                "per token): it looks a waiting request up again at every step until its KV blocks fit, so hits per "
+                "lookup understate the share of prompt tokens served from the cache" if queries > prompt else
+                "the counters disagree without repeated lookups to explain it")
+        checks.append(_check("prefix-cache hit rate", ("/metrics prefix_cache_hits / prefix_cache_queries",
+                                                       (hits or 0) / queries),
+                             ("/metrics prompt_tokens_cached / prompt_tokens", cached / prompt), unit="fraction",
+                             tolerance=HIT_RATE_TOLERANCE, note=note))
+    checks.append(_check("KV cache size (tokens)", ('startup log "GPU KV cache size"', kv_cache_tokens),
+                         _kv_pool_tokens((record.get("metrics") or {}).get("cache_config"))))
+    return [check for check in checks if check is not None]
+
+
+def _peaks_note(record: dict, duration: float | None) -> str | None:
+    """Why the polled maxima of this point are not its peaks, or None when enough polls fell inside the traffic
+    (or nothing says how many did: offline runs, recorded examples)."""
+    metrics = record.get("metrics") or {}
+    polls = metrics.get("polls")
+    if not polls or not duration:
+        return None
+    busy, interval = metrics.get("busy_polls"), metrics.get("poll_interval_s")
+    if busy is None:  # recorded before busy polls were counted: the poller ran over the point's whole wall time
+        if not record.get("seconds"):
+            return None
+        interval = record["seconds"] / (polls + (metrics.get("poll_errors") or 0))
+        inside = duration / interval
+        how = f"about {inside:.0f} poll{'s' if round(inside) != 1 else ''} inside it"
+    else:
+        inside, how = busy, f"{busy} poll{'s' if busy != 1 else ''} saw requests in flight"
+    if inside >= MIN_PEAK_POLLS:
+        return None
+    every = f"about every {interval:.2f} s" if interval else "periodically"
+    return f"peaks not observed: {duration:.2f} s of traffic, /metrics polled {every} ({how})"
+
+
 def serving_metrics(record: dict, kv_cache_tokens: int | None) -> ServingMetrics:
     """One point of a vLLM arm: the bench client's summary (serve) or the worker's counts (offline), with
-    vLLM's own counter deltas and polled peaks."""
+    vLLM's own counter deltas and polled peaks, and the checks of sources that measure the same thing."""
     bench = record.get("bench") or {}
     metrics = record.get("metrics") or {}
     deltas = metrics.get("deltas") or {}
     counters, histograms = deltas.get("counters") or {}, deltas.get("histograms") or {}
     peaks = metrics.get("peaks") or {}
+    try:
+        point = Point.parse(record["point"]) if record.get("point") else None
+    except (ValueError, TypeError):
+        point = None
 
     def counter(*names):
         return next((_number(counters[n]) for n in names if n in counters), None)
@@ -385,27 +499,28 @@ def serving_metrics(record: dict, kv_cache_tokens: int | None) -> ServingMetrics
     if output_rate is None and output is not None and duration:
         output_rate = output / duration
     reason = record.get("capacity")
-    if reason is None and record.get("point"):
-        try:
-            reason = capacity_reason(Point.parse(record["point"]), {"counters": counters}, peaks or None,
-                                     kv_cache_tokens)
-        except (ValueError, TypeError):
-            reason = None
+    if reason is None and point is not None:
+        reason = capacity_reason(point, {"counters": counters}, peaks or None, kv_cache_tokens)
     requests = bench.get("completed", record.get("requests"))
     if requests is None:
         requests = counter("vllm:request_success_total")
+    # One output token per request leaves no inter-token gaps; the client then reports 0 ms, which is no latency.
+    single = point is not None and point.output_len <= 1
+    queue = histograms.get("vllm:request_queue_time_seconds") or {}
+    peaks_note = _peaks_note(record, duration)
+    observed = {} if peaks_note else peaks
     return ServingMetrics(
         source="vllm bench serve" if bench else "vLLM metrics (offline)",
         requests=_number(requests), failed=_number(bench.get("failed")), duration_s=duration,
-        ttft_ms=_latency(bench, histograms, "ttft"), itl_ms=_latency(bench, histograms, "itl"),
-        tpot_ms=_latency(bench, histograms, "tpot"), e2el_ms=_latency(bench, histograms, "e2el"),
+        ttft_ms=_latency(bench, histograms, "ttft"), itl_ms=Latency() if single else _latency(bench, histograms, "itl"),
+        tpot_ms=Latency() if single else _latency(bench, histograms, "tpot"), e2el_ms=_latency(bench, histograms, "e2el"),
         prompt_tokens=_number(prompt), cached_prompt_tokens=_number(cached), prefix_cache_queries=queries,
         prefix_cache_hits=hits, prefix_hit_rate=hits / queries if queries and hits is not None else None,
         output_tokens=_number(output), input_tokens_per_s=input_rate, output_tokens_per_s=output_rate,
-        preemptions=counter("vllm:num_preemptions_total"), peak_running=peaks.get("vllm:num_requests_running",
-                                                                                  bench.get("max_concurrent_requests")),
-        peak_waiting=peaks.get("vllm:num_requests_waiting"), peak_kv_usage=peaks.get("vllm:kv_cache_usage_perc"),
-        capacity=reason)
+        queue_ms=1000.0 * queue["sum"] / queue["count"] if queue.get("count") else None,
+        preemptions=counter("vllm:num_preemptions_total"), peak_running=observed.get("vllm:num_requests_running"),
+        peak_waiting=observed.get("vllm:num_requests_waiting"), peak_kv_usage=observed.get("vllm:kv_cache_usage_perc"),
+        peaks_note=peaks_note, capacity=reason, checks=source_checks(record, counters, histograms, kv_cache_tokens))
 
 
 def serving_rows(base: _Input, cand: _Input) -> list[ServingRow]:
@@ -581,43 +696,89 @@ def statements(diff: Diff, serving: list[ServingRow], cap: capacity.Capacity | N
                            f"capacity (ideal, from bytes per token): {cap.formats[-1].label} fits "
                            f"{cap.ideal_multiplier:.2f}× the tokens of {cap.formats[0].label} in the same memory "
                            f"(ratio {cap.ideal_ratio:.4g}); no run measured it. Capacity is not latency"))
+    sweep = sweep_capacity_statement(serving, base, cand)
+    if sweep is not None:
+        out.append(sweep)
     out += ttft_guard_rail(diff, serving, base, cand)
     return out
 
 
+def _prefix_evidence(row: ServingRow, base: RunArm, cand: RunArm) -> str:
+    """What made the candidate prefill less: its KV pool holding the shared prefixes the baseline's could not,
+    the prompt tokens each arm prefilled, and the time requests waited in vLLM's queue."""
+    b, c = row.baseline, row.candidate
+    cause, effects = "", []
+    try:
+        point = Point.parse(row.point)
+    except (ValueError, TypeError):
+        point = None
+    pools = (base.kv_cache_tokens, cand.kv_cache_tokens)
+    if point is not None and point.prefix_len and point.num_prefixes and all(pools):
+        shared = point.prefix_len * point.num_prefixes
+        if pools[1] >= shared > pools[0]:
+            cause = (f"the {point.num_prefixes} shared prefixes ({shared:,} tokens) fit {cand.label}'s "
+                     f"{pools[1]:,}-token KV cache and not {base.label}'s {pools[0]:,}, so ")
+    if None not in (b.prompt_tokens, c.prompt_tokens, b.cached_prompt_tokens, c.cached_prompt_tokens):
+        effects.append(f"{cand.label} prefilled {c.prompt_tokens - c.cached_prompt_tokens:,} prompt tokens against "
+                       f"{b.prompt_tokens - b.cached_prompt_tokens:,}")
+    if b.queue_ms is not None and c.queue_ms is not None:
+        effects.append(f"{cand.label}'s requests waited {c.queue_ms:.1f} ms in vLLM's queue on average against "
+                       f"{b.queue_ms:.1f} ms")
+    return f": {cause}{' and '.join(effects)}" if effects else ""
+
+
 def ttft_guard_rail(diff: Diff, serving: list[ServingRow], base: RunArm, cand: RunArm) -> list[Statement]:
-    """Two prefill statements that can both be true: a TTFT gain beside a prefill-kernel regression, with
-    different cached prompt tokens, is a capacity / prefix-hit effect, not a faster kernel."""
+    """Two prefill statements that can both be true: a TTFT gain while the candidate served more of its prompts
+    from the prefix cache is a capacity / prefix-hit effect, not a faster kernel, when its prefill kernels are
+    not faster; when they are faster too, TTFT credits neither alone."""
     prefill = next((r for r in diff.segments if r.segment == "prefill_attention"), None)
-    kernel_regressed = prefill is not None and prefill.verdict == stats.REGRESSION
+    verdict = None
+    if prefill is not None and prefill.ratio is not None:
+        # Arms that prefilled different amounts leave unpaired calls ("different work"); the matched calls
+        # still say whether the kernel is faster.
+        verdict = prefill.paired_verdict if prefill.verdict == stats.DIFFERENT_WORK else prefill.verdict
+    not_faster = verdict in (stats.REGRESSION, stats.NO_CHANGE)
+    kernels = ("" if verdict is None else
+               f"prefill attention kernels regressed {prefill.ratio:.3f}× per call" if verdict == stats.REGRESSION else
+               f"prefill attention kernels showed no significant change per call ({prefill.ratio:.3f}×)"
+               if verdict == stats.NO_CHANGE else
+               f"{cand.label}'s prefill attention kernels are also faster per matched call ({prefill.ratio:.3f}× over "
+               f"{prefill.compared_calls:,} paired calls)")
     out = []
     for row in serving:
         if not (row.baseline and row.candidate and row.ttft_ratio is not None):
             continue
         b_cached, c_cached = row.baseline.cached_prompt_tokens, row.candidate.cached_prompt_tokens
         cached_differ = b_cached is not None and c_cached is not None and b_cached != c_cached
+        more_hits = cached_differ and c_cached > b_cached
         improved = row.ttft_ratio < 1 - diff.threshold
         where = f" at {row.point}" if len(serving) > 1 else ""
         ttft = (f"TTFT {row.ttft_stat} {getattr(row.baseline.ttft_ms, row.ttft_stat):.1f} ms ({base.label}) → "
                 f"{getattr(row.candidate.ttft_ms, row.ttft_stat):.1f} ms ({cand.label}), {row.ttft_ratio:.3f}×")
         cached = (f"{c_cached:,} cached prompt tokens ({cand.label}) against {b_cached:,} ({base.label})"
                   if cached_differ else "")
-        if improved and kernel_regressed and cached_differ:
+        if improved and more_hits and not_faster:
             out.append(Statement("warning", "ttft",
-                               f"{ttft}{where} while prefill attention kernels regressed {prefill.ratio:.3f}× per "
-                               f"call, with {cached}: the TTFT gain is a capacity / prefix-hit effect (more of the "
-                               "prompt came from the prefix cache, so less prefill ran), not a faster prefill kernel"))
-        elif improved and kernel_regressed and row.baseline.capacity and not row.candidate.capacity:
+                               f"{ttft}{where} while {kernels}, with {cached}"
+                               f"{_prefix_evidence(row, base, cand)}. The TTFT gain is a capacity / prefix-hit "
+                               "effect (more of the prompt came from the prefix cache, so less prefill ran), not a "
+                               "faster prefill kernel"))
+        elif improved and more_hits and verdict == stats.IMPROVEMENT:
             out.append(Statement("warning", "ttft",
-                               f"{ttft}{where} although prefill attention kernels regressed {prefill.ratio:.3f}× per "
-                               f"call: {base.label} was capacity-bound there ({row.baseline.capacity}) and "
-                               f"{cand.label} was not, so the TTFT gain is a capacity effect (less queueing and "
-                               "recomputation after preemption), not a faster prefill kernel"))
-        elif improved and kernel_regressed:
+                               f"{ttft}{where}, with {cached}{_prefix_evidence(row, base, cand)}. Part of the TTFT "
+                               f"gain is this capacity / prefix-hit effect, not kernel speed; {kernels}, so TTFT "
+                               "credits neither alone"))
+        elif improved and not_faster and row.baseline.capacity and not row.candidate.capacity:
             out.append(Statement("warning", "ttft",
-                               f"{ttft}{where} although prefill attention kernels regressed {prefill.ratio:.3f}× per "
-                               "call, with the same cached prompt tokens: the gain comes from outside the prefill "
-                               "kernels (scheduling, queueing, preemptions), not a faster kernel"))
+                               f"{ttft}{where} although {kernels}: {base.label} was capacity-bound there "
+                               f"({row.baseline.capacity}) and {cand.label} was not, so the TTFT gain is a capacity "
+                               "effect (less queueing and recomputation after preemption), not a faster prefill "
+                               "kernel"))
+        elif improved and not_faster and not cached_differ:
+            out.append(Statement("warning", "ttft",
+                               f"{ttft}{where} although {kernels}, with the same cached prompt tokens: the gain comes "
+                               "from outside the prefill kernels (scheduling, queueing, preemptions), not a faster "
+                               "kernel"))
         elif cached_differ:
             out.append(Statement("warning", "ttft",
                                f"{ttft}{where}, with {cached}: the arms prefilled different amounts, so TTFT "
@@ -629,7 +790,81 @@ def ttft_guard_rail(diff: Diff, serving: list[ServingRow], base: RunArm, cand: R
     return out
 
 
-def _run_findings(base: _Input, cand: _Input, report_base: RunArm, report_cand: RunArm) -> list[Finding]:
+def sweep_capacity_statement(serving: list[ServingRow], base: RunArm, cand: RunArm) -> Statement | None:
+    """Where each arm of a sweep first reaches capacity, per context length."""
+    if len(serving) < 2:
+        return None
+    parts = []
+    for side, arm in (("baseline", base), ("candidate", cand)):
+        ran = [row for row in serving if getattr(row, side)]
+        first = [row for row in ran if getattr(row, f"{side}_first_capacity")]
+        parts.append(f"{arm.label} first reaches capacity at " + "; ".join(
+            f"{row.point} ({getattr(row, side).capacity})" for row in first) if first else
+            f"{arm.label} reaches capacity at none of its {len(ran)} points")
+    return Statement("ok", "capacity", "sweep: " + ". ".join(parts))
+
+
+def _points_finding(b: RunArm, c: RunArm, serving: list[ServingRow]) -> Finding:
+    """Which traffic points both arms ran. A sweep arm recorded on its own may stop a context length at its own
+    capacity before the other arm does."""
+    only = {side: [row for row in serving if getattr(row, side) and not getattr(row, other)]
+            for side, other in (("baseline", "candidate"), ("candidate", "baseline"))}
+    both = len(serving) - len(only["baseline"]) - len(only["candidate"])
+    if not only["baseline"] and not only["candidate"]:
+        return Finding("ok", "settings", "both arms ran the same traffic point" if both == 1 else
+                       f"both arms ran the same {both} traffic points")
+    parts = []
+    for side, arm, other_side, other in (("baseline", b, "candidate", c), ("candidate", c, "baseline", b)):
+        if not only[side]:
+            continue
+        stopped = [row.point for row in only[side] if any(
+            r.context == row.context and (r.concurrency or 0) < (row.concurrency or 0)
+            and getattr(r, other_side) and getattr(r, other_side).capacity for r in serving)]
+        parts.append(f"only {arm.label} ran {', '.join(row.point for row in only[side])}"
+                     + (f" ({other.label} had reached capacity at a lower concurrency of that context length)"
+                        if len(stopped) == len(only[side]) else ""))
+    return Finding("warning", "settings", f"the arms share {both} traffic point{'s' if both != 1 else ''}; "
+                   + "; ".join(parts) + ": those rows have one arm only")
+
+
+def _request_finding(base: _Input, cand: _Input) -> Finding | None:
+    """Same requests in the same order: per traffic point both arms ran (each point's hash), else per arm."""
+    if base.run == cand.run and base.manifest.request_order_matched is not None:
+        same = base.manifest.request_order_matched
+    else:
+        hashes = [{p["point"]: p.get("request_order_sha256") for p in item.record.points if p.get("point")}
+                  for item in (base, cand)]
+        common = [spec for spec in hashes[0] if spec in hashes[1] and hashes[0][spec] and hashes[1][spec]]
+        arms = (base.record.request_order_sha256, cand.record.request_order_sha256)
+        if common:
+            same = all(hashes[0][spec] == hashes[1][spec] for spec in common)
+        elif all(arms):
+            same = arms[0] == arms[1]
+        else:
+            return None
+    return Finding("ok" if same else "warning", "requests",
+                   "both arms saw the same requests in the same order" if same else
+                   "the arms' request orders differ: serving metrics compare different traffic")
+
+
+def _capture_finding(base: _Input, cand: _Input, b: RunArm, c: RunArm) -> Finding | None:
+    """Two run directories are two captures: whatever drifted between them (clocks, temperature, the machine)
+    rides on the arm."""
+    if base.run == cand.run:
+        return None
+    times = [item.manifest.raw.get("created_utc") for item in (base, cand)]
+    gpus = [[g.get("uuid") for g in (item.manifest.raw.get("environment") or {}).get("gpus") or []
+             if isinstance(g, dict)] for item in (base, cand)]
+    when = f" ({times[0]} and {times[1]})" if all(isinstance(t, str) for t in times) else ""
+    where = (" on the same GPU" if gpus[0] and gpus[0] == gpus[1] else
+             " on different GPUs" if gpus[0] and gpus[1] else "")
+    return Finding("warning", "capture", f"{b.label} and {c.label} come from separate captures{when}{where}: drift "
+                   "between the captures is not separated from the arm (record both arms in one capture, with "
+                   "--repeats, to separate them)")
+
+
+def _run_findings(base: _Input, cand: _Input, report_base: RunArm, report_cand: RunArm,
+                  serving: list[ServingRow]) -> list[Finding]:
     findings = []
     engines = (report_base.engine, report_cand.engine)
     findings.append(Finding("ok" if engines[0] == engines[1] else "warning", "engine",
@@ -637,23 +872,16 @@ def _run_findings(base: _Input, cand: _Input, report_base: RunArm, report_cand: 
                             f"different capture engines: {engines[0]} vs {engines[1]}"))
     if base.run != cand.run:
         b_set, c_set = base.manifest.settings, cand.manifest.settings
-        for key in ("scenario", "mode", "points", "spec"):
+        for key in ("scenario", "mode", "spec"):
             if key in b_set or key in c_set:
                 same = b_set.get(key) == c_set.get(key)
                 findings.append(Finding("ok" if same else "warning", "settings",
                                         f"same {key} in both runs" if same else
                                         f"{key} differs between the runs: {b_set.get(key)} vs {c_set.get(key)}"))
-    else:
-        matched = base.manifest.request_order_matched
-        if matched is not None:
-            findings.append(Finding("ok" if matched else "warning", "requests",
-                                    "both arms saw the same requests in the same order" if matched else
-                                    "the arms' request orders differ: serving metrics compare different traffic"))
-    b_hash, c_hash = base.record.request_order_sha256, cand.record.request_order_sha256
-    if base.run != cand.run and b_hash and c_hash:
-        findings.append(Finding("ok" if b_hash == c_hash else "warning", "requests",
-                                "both arms saw the same requests in the same order" if b_hash == c_hash else
-                                "the arms' request orders differ: serving metrics compare different traffic"))
+    if serving:
+        findings.append(_points_finding(report_base, report_cand, serving))
+    findings += [f for f in (_request_finding(base, cand), _capture_finding(base, cand, report_base, report_cand))
+                 if f is not None]
     return findings
 
 
@@ -736,7 +964,7 @@ def build(paths: list[Path], recipes: RecipeSet, *, arms: tuple[str, ...] = (), 
     cap = _capacity(base, cand, b_arm, c_arm, notes)
     return Report(baseline=b_arm, candidate=c_arm, diff=diff,
                   statements=statements(diff, serving, cap, b_arm, c_arm),
-                  findings=_run_findings(base, cand, b_arm, c_arm), segment_times=segment_times(diff),
+                  findings=_run_findings(base, cand, b_arm, c_arm, serving), segment_times=segment_times(diff),
                   serving=serving, sweep=sweep, bandwidth=bandwidth, hbm_ceiling=ceiling,
                   prefill_compute=prefill_compute, compute_ceiling=compute_ceiling, capacity=cap, notes=notes,
                   durations=durations)

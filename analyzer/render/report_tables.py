@@ -15,9 +15,8 @@ from rich.table import Table
 from kvtrace.analyzer.capacity import Capacity
 from kvtrace.analyzer.render.escape import csv_writer, md_code, md_text, rich, visible
 from kvtrace.analyzer.render.units import LEVEL, MARK, duration, markdown_table, percent, ratio
-from kvtrace.analyzer.report import Latency, Report, ServingMetrics
+from kvtrace.analyzer.report import MIN_PEAK_POLLS, Latency, Report, ServingMetrics, SourceCheck
 from kvtrace.analyzer.roofline import CAUSAL_CONVENTION
-
 
 # ---- cell formatting -----------------------------------------------------------------------------------
 
@@ -71,6 +70,45 @@ def _cached(m: ServingMetrics | None) -> str:
     return _count(m.cached_prompt_tokens)
 
 
+def _peak(m: ServingMetrics | None, name: str, fmt) -> str:
+    if m is not None and m.peaks_note:
+        return "not observed"
+    return fmt(getattr(m, name) if m is not None else None)
+
+
+def _check_value(check: SourceCheck, value) -> str:
+    return percent(value) if check.unit == "fraction" else _count(value)
+
+
+def _serving_notes(report: Report) -> list[tuple[str, str]]:
+    """(level, text) lines under the serving table: per arm, the quantities whose two sources agree, each
+    disagreement with its reason, and the points whose polled peaks are not observations."""
+    lines = []
+    for side, label in (("baseline", report.baseline.label), ("candidate", report.candidate.label)):
+        agreed: dict[str, int] = {}
+        rows = [(row, getattr(row, side)) for row in report.serving if getattr(row, side)]
+        warnings = []
+        for row, metrics in rows:
+            where = f" at {row.point}" if len(report.serving) > 1 else ""
+            for check in metrics.checks:
+                if check.agree:
+                    agreed[check.quantity] = agreed.get(check.quantity, 0) + 1
+                else:
+                    warnings.append(("warning", f"{label}{where}: {check.quantity} disagrees: "
+                                     f"{_check_value(check, check.first_value)} ({check.first}) against "
+                                     f"{_check_value(check, check.second_value)} ({check.second})"
+                                     + (f"; {check.note}" if check.note else "")))
+            if metrics.peaks_note:
+                warnings.append(("warning", f"{label}{where}: {metrics.peaks_note}"))
+        if agreed:
+            everywhere = all(n == len(rows) for n in agreed.values())
+            lines.append(("ok", f"{label}: two sources agree on " + ", ".join(
+                quantity + ("" if n == len(rows) else f" ({n} of {len(rows)} points)") for quantity, n in agreed.items())
+                + (f" at all {len(rows)} points" if len(rows) > 1 and everywhere else "")))
+        lines += warnings
+    return lines
+
+
 def _per_s(value) -> str:
     return "–" if value is None else f"{value:,.0f}/s"
 
@@ -104,13 +142,14 @@ def _serving_point_table(report: Report) -> tuple[list[str], list[list[str]]]:
             rows.append(["cached prompt tokens", _cached(b), _cached(c), ""])
             rows.append(["prefix-cache hit rate", percent(get(b, "prefix_hit_rate")),
                          percent(get(c, "prefix_hit_rate")), ""])
+            rows.append(["mean time queued", _ms(get(b, "queue_ms")), _ms(get(c, "queue_ms")), ""])
     rows += [["input tokens/s", _per_s(get(b, "input_tokens_per_s")), _per_s(get(c, "input_tokens_per_s")),
               ratio(row.ratios.get("input_tokens_per_s"))],
              ["output tokens/s", _per_s(get(b, "output_tokens_per_s")), _per_s(get(c, "output_tokens_per_s")),
               ratio(row.ratios.get("output_tokens_per_s"))],
              ["preemptions", _count(get(b, "preemptions")), _count(get(c, "preemptions")), ""],
-             ["peak running requests", _count(get(b, "peak_running")), _count(get(c, "peak_running")), ""],
-             ["peak KV-cache usage", percent(get(b, "peak_kv_usage")), percent(get(c, "peak_kv_usage")), ""],
+             ["peak running requests", _peak(b, "peak_running", _count), _peak(c, "peak_running", _count), ""],
+             ["peak KV-cache usage", _peak(b, "peak_kv_usage", percent), _peak(c, "peak_kv_usage", percent), ""],
              ["capacity-bound", get(b, "capacity") or "no", get(c, "capacity") or "no", ""]]
     return header, rows
 
@@ -119,8 +158,8 @@ def _serving_sweep_table(report: Report) -> tuple[list[str], list[list[str]]]:
     """A sweep: one row per grid point; ◆ marks where an arm first hits capacity at that context length."""
     bl, cl = report.baseline.label, report.candidate.label
     header = ["point", f"TTFT {bl}", f"TTFT {cl}", f"cached {bl}", f"cached {cl}", f"ITL {bl}", f"ITL {cl}",
-              f"out tok/s {bl}", f"out tok/s {cl}", f"preempt. {bl}", f"preempt. {cl}", f"peak KV {bl}",
-              f"peak KV {cl}", "capacity"]
+              f"out tok/s {bl}", f"out tok/s {cl}", f"queued {bl}", f"queued {cl}", f"preempt. {bl}",
+              f"preempt. {cl}", f"peak KV {bl}", f"peak KV {cl}", "capacity"]
     rows = []
     for row in report.serving:
         b, c = row.baseline, row.candidate
@@ -131,8 +170,9 @@ def _serving_sweep_table(report: Report) -> tuple[list[str], list[list[str]]]:
         rows.append([row.point, _latency(b.ttft_ms if b else None), _latency(c.ttft_ms if c else None),
                      _cached(b), _cached(c), _latency(b.itl_ms if b else None), _latency(c.itl_ms if c else None),
                      _per_s(b.output_tokens_per_s if b else None), _per_s(c.output_tokens_per_s if c else None),
+                     _ms(b.queue_ms if b else None), _ms(c.queue_ms if c else None),
                      _count(b.preemptions if b else None), _count(c.preemptions if c else None),
-                     percent(b.peak_kv_usage if b else None), percent(c.peak_kv_usage if c else None),
+                     _peak(b, "peak_kv_usage", percent), _peak(c, "peak_kv_usage", percent),
                      "; ".join(marks) or "–"])
     return header, rows
 
@@ -279,6 +319,12 @@ def _report_markdown(report: Report) -> str:
                       "prompt tokens served from the prefix cache; ◆ marks the first point of a context length at "
                       "which an arm is capacity-bound.", ""]
             lines += markdown_table(*_serving_sweep_table(report))
+        notes = _serving_notes(report)
+        if notes:
+            lines += ["", f"Sources that measure the same quantity, checked against each other; peaks are maxima of "
+                      f"/metrics polled during the traffic, observations only with at least {MIN_PEAK_POLLS} polls "
+                      "inside it.", ""]
+            lines += [f"- {MARK[level]} {text}" for level, text in notes]
     if report.bandwidth:
         ceiling = report.hbm_ceiling
         lines += ["", "### Achieved bandwidth", "",
@@ -341,6 +387,9 @@ def terminal(result, console: Console) -> None:
         else:
             console.print(_rich_table("Serving sweep (◆ first capacity-bound point per context length)",
                                       *_serving_sweep_table(report)))
+        for level, text in _serving_notes(report):
+            console.print(f"  {LEVEL[level]}  ", end="")
+            console.print(text, markup=False, highlight=False)
     if report.bandwidth:
         ceiling = report.hbm_ceiling
         title = "Achieved bandwidth" + (f" (ceiling {_rate(ceiling.bytes_per_s)}: {ceiling.gpu} memoryBandwidth "
@@ -387,8 +436,15 @@ def csv_text(result) -> str:
             metrics = getattr(row, side)
             if metrics is None:
                 continue
-            for name, value in _flatten(asdict(metrics)):
+            values = asdict(metrics)
+            checks = values.pop("checks")
+            for name, value in _flatten(values):
                 writer.writerow(["serving", row.point, labels[side], name, "" if value is None else value])
+            for check in checks:  # one line per source and one for the verdict
+                for source, value in ((check["first"], check["first_value"]), (check["second"], check["second_value"])):
+                    writer.writerow(["serving_check", row.point, labels[side], f"{check['quantity']}: {source}", value])
+                writer.writerow(["serving_check", row.point, labels[side], f"{check['quantity']}: agree",
+                                 check["agree"]])
             writer.writerow(["serving", row.point, labels[side], "first_capacity", getattr(row, f"{side}_first_capacity")])
     for row in report.segment_times:
         for name, value in asdict(row).items():
