@@ -24,7 +24,7 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import FIXTURES, NSYS2023_DIR, NSYS2025_DIR, SERVE_RUNS, sql_durations
-from kvtrace.analyzer import align, report, stats
+from kvtrace.analyzer import align, report, runs, serving, stats
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.render import json_out, markdown, report_tables
 from kvtrace.analyzer.render.units import duration
@@ -178,11 +178,11 @@ def test_two_run_directories_one_arm_each(recipes):
     prefill = next(r for r in result.diff.segments if r.segment == "prefill_attention")
     assert prefill.verdict == stats.NO_CHANGE  # a same-format repeat (fixtures/README.md)
     assert not any(s.check == "capacity" for s in result.statements)  # same format: nothing to say
-    named = report.resolve_inputs([NSYS2025_DIR / "fp8", REPEAT / "nvfp4"])
+    named = runs.resolve_inputs([NSYS2025_DIR / "fp8", REPEAT / "nvfp4"])
     assert [(i.run, i.arm) for i in named] == [(NSYS2025_DIR, "fp8"), (REPEAT, "nvfp4")]
-    both = report.resolve_inputs([NSYS2025_DIR, REPEAT], ("nvfp4", "fp8"))
+    both = runs.resolve_inputs([NSYS2025_DIR, REPEAT], ("nvfp4", "fp8"))
     assert [i.arm for i in both] == ["nvfp4", "fp8"]
-    chosen = report.resolve_inputs([NSYS2025_DIR], ("nvfp4", "fp8"))  # --arm twice: the user's order
+    chosen = runs.resolve_inputs([NSYS2025_DIR], ("nvfp4", "fp8"))  # --arm twice: the user's order
     assert [i.arm for i in chosen] == ["nvfp4", "fp8"]
 
 
@@ -420,9 +420,9 @@ def test_bad_inputs_are_one_line_and_exit_2(tmp_path, case, message):
 
 def test_resolve_errors_name_the_fix():
     with pytest.raises(KvtraceError, match="pick one with --arm"):
-        report.resolve_inputs([NSYS2025_DIR, REPEAT])
+        runs.resolve_inputs([NSYS2025_DIR, REPEAT])
     with pytest.raises(KvtraceError, match="one run directory and one --arm"):
-        report.resolve_inputs([NSYS2025_DIR], ("fp8",))
+        runs.resolve_inputs([NSYS2025_DIR], ("fp8",))
 
 
 def test_subprocess_smoke(tmp_path):
@@ -444,7 +444,7 @@ def test_offline_point_records_give_means_and_rates():
               "metrics": {"deltas": {"counters": {"vllm:num_preemptions_total": 0.0},
                                      "histograms": {"vllm:time_to_first_token_seconds": {"count": 16.0, "sum": 4.0},
                                                     "vllm:inter_token_latency_seconds": {"count": 112.0, "sum": 2.24}}}}}
-    metrics = report.serving_metrics(record, kv_cache_tokens=None)
+    metrics = serving.serving_metrics(record, kv_cache_tokens=None)
     assert metrics.source == "vLLM metrics (offline)"
     assert metrics.ttft_ms.mean == pytest.approx(4.0 / 16 * 1000) and metrics.ttft_ms.p50 is None
     assert metrics.itl_ms.mean == pytest.approx(2.24 / 112 * 1000)
@@ -452,7 +452,7 @@ def test_offline_point_records_give_means_and_rates():
     assert metrics.input_tokens_per_s == 16 * 1024 / 2.5 and metrics.output_tokens_per_s == 16 * 8 / 2.5
     assert metrics.capacity is None
     # The same point against a pool too small for 16 x (1,024 + 8) tokens is capacity-bound (the engine's rule).
-    tight = report.serving_metrics(record, kv_cache_tokens=16 * (1024 + 8))
+    tight = serving.serving_metrics(record, kv_cache_tokens=16 * (1024 + 8))
     assert tight.capacity is not None and "KV tokens needed" in tight.capacity
 
 
@@ -469,7 +469,7 @@ def test_a_per_arm_manifest_names_its_arm(tmp_path, recipes):
         single = {**data, "arms": {name: {**data["arms"][name],
                                           "sqlite": str((CAPACITY_WIN / data["arms"][name]["sqlite"]).resolve())}}}
         (tmp_path / f"{name}.manifest.json").write_text(json.dumps(single))
-    inputs = report.resolve_inputs([tmp_path / "fp8.manifest.json", tmp_path / "nvfp4.manifest.json"])
+    inputs = runs.resolve_inputs([tmp_path / "fp8.manifest.json", tmp_path / "nvfp4.manifest.json"])
     assert [(i.run, i.arm) for i in inputs] == [(tmp_path, "fp8"), (tmp_path, "nvfp4")]
 
 
@@ -641,7 +641,7 @@ def test_real_cold_prefill_arms_ran_the_same_steps_and_pair(run_kvtrace, recipes
         assert row["compared_calls"] == per_arm["auto"]
     result = report.build([SERVE_RUNS["cold-prefill-auto"], SERVE_RUNS["cold-prefill-fp8"]], recipes)
     metrics = result.serving[0].baseline
-    assert metrics.itl_ms == report.Latency() and metrics.tpot_ms == report.Latency()  # one output token each
+    assert metrics.itl_ms == serving.Latency() and metrics.tpot_ms == serving.Latency()  # one output token each
 
 
 def test_polled_peaks_count_as_peaks_only_with_enough_polls_in_the_traffic():
@@ -653,13 +653,13 @@ def test_polled_peaks_count_as_peaks_only_with_enough_polls_in_the_traffic():
                 "metrics": {"deltas": {"counters": {}, "histograms": {}}, "polls": 40,
                             "peaks": {"vllm:num_requests_running": 2.0, "vllm:kv_cache_usage_perc": 0.31}, **metrics}}
 
-    few = report.serving_metrics(record(busy_polls=1, poll_interval_s=0.5), None)
+    few = serving.serving_metrics(record(busy_polls=1, poll_interval_s=0.5), None)
     assert few.peak_running is None and few.peak_kv_usage is None
     assert few.peaks_note == ("peaks not observed: 0.42 s of traffic, /metrics polled about every 0.50 s "
                               "(1 poll saw requests in flight)")
-    enough = report.serving_metrics(record(busy_polls=report.MIN_PEAK_POLLS, poll_interval_s=0.5), None)
+    enough = serving.serving_metrics(record(busy_polls=serving.MIN_PEAK_POLLS, poll_interval_s=0.5), None)
     assert (enough.peak_running, enough.peak_kv_usage, enough.peaks_note) == (2.0, 0.31, None)
-    estimated = report.serving_metrics(record(), None)  # 40 polls in 21 s: one every 0.525 s, about 1 in 0.42 s
+    estimated = serving.serving_metrics(record(), None)  # 40 polls in 21 s: one every 0.525 s, about 1 in 0.42 s
     assert estimated.peak_running is None and "about every 0.53 s (about 1 poll inside it)" in estimated.peaks_note
 
 

@@ -15,7 +15,8 @@ from rich.table import Table
 from kvtrace.analyzer.capacity import Capacity
 from kvtrace.analyzer.render.escape import csv_writer, md_code, md_text, rich, visible
 from kvtrace.analyzer.render.units import LEVEL, MARK, duration, markdown_table, percent, ratio
-from kvtrace.analyzer.report import MIN_PEAK_POLLS, Latency, Report, ServingMetrics, SourceCheck
+from kvtrace.analyzer.report import Report
+from kvtrace.analyzer.serving import MIN_PEAK_POLLS, Latency, ServingMetrics, SourceCheck
 from kvtrace.analyzer.roofline import CAUSAL_CONVENTION
 
 # ---- cell formatting -----------------------------------------------------------------------------------
