@@ -106,8 +106,8 @@ def flashinfer_rows(diff: Diff, manifests: tuple[Manifest, Manifest], phases: tu
         if {"batch", "q_heads", "head_dim"} <= set(spec) and context:
             flops = attention_flops(int(spec["batch"]), int(spec["q_heads"]), context, context, int(spec["head_dim"]),
                                     causal=True)
-            derivation = (f"causal, batch {spec['batch']} × q_heads {spec['q_heads']} × q_len = kv_len {context:,} × "
-                          f"head_dim {spec['head_dim']} (settings.spec)")
+            derivation = (f"causal, batch {spec['batch']} × q_heads {spec['q_heads']} × q_len = kv_len = the phase's "
+                          f"context × head_dim {spec['head_dim']} (settings.spec)")
         else:
             flops, derivation = None, "not derivable: the manifest's settings.spec has no batch, q_heads or head_dim"
         row = totals.get(nvtx)
