@@ -247,20 +247,23 @@ def summarize(trace: Trace, recipes: RecipeSet, label: str | None = None,
     return Summary(arm=arm, recipes=tuple(recipes.files), segments=segments, families=families)
 
 
-def segment_durations(traces: list[Trace], recipes: RecipeSet, window: align.Window, segments: tuple[str, ...]
-                      ) -> dict[str, np.ndarray]:
-    """Per-call durations of the given segments in the window over an arm's runs, sorted (for ECDFs)."""
-    classes = [classify_signatures(t, recipes) for t in traces]
-    vocabulary = Vocabulary.of(traces, classes)
-    runs = [vocabulary.run(t, c, window) for t, c in zip(traces, classes)]
-    out = {}
-    for segment in segments:
-        if segment in vocabulary.segments:
-            code = vocabulary.segments.index(segment)
-            values = np.concatenate([run.cells.where(pl.col("segment") == code).values() for run in runs])
-            if values.size:
-                out[segment] = np.sort(values.astype(np.int64))
-    return out
+def cell_durations(vocabulary: Vocabulary, runs: list[Run], segments: tuple[str, ...]
+                   ) -> dict[tuple[str, str | None, str], np.ndarray]:
+    """Per-call durations of an arm's runs (as Sides windowed them), sorted (for ECDFs), per (segment, phase,
+    family label) of the given segments: one context (or vLLM step kind) and one kernel family, never pooled."""
+    parts: dict[tuple[str, str | None, str], list[np.ndarray]] = {}
+    for run in runs:
+        for segment in segments:
+            if segment not in vocabulary.segments:
+                continue
+            group = run.cells.where(pl.col("segment") == vocabulary.segments.index(segment))
+            for phase, family in _codes_in(group, "phase", "family"):
+                cell = group.where((pl.col("phase") == phase) & (pl.col("family") == family))
+                name = vocabulary.phases[phase] if phase < len(vocabulary.phases) else None
+                key = (segment, name, run.earliest(cell, "family_label"))
+                parts.setdefault(key, []).append(cell.values())
+    return {key: np.sort(np.concatenate(values).astype(np.int64)) for key, values in sorted(
+        parts.items(), key=lambda item: (segments.index(item[0][0]), _natural(item[0][1] or ""), item[0][2]))}
 
 
 # ---- diff -------------------------------------------------------------------------------------------------
@@ -318,23 +321,49 @@ class _Row:
     phase: int | None = None
 
 
+@dataclass
+class Sides:
+    """Both arms' runs over one Vocabulary, classified and windowed once: what the diff compares, and what the
+    report reads per-call durations from."""
+
+    vocabulary: Vocabulary
+    baseline: list[Run]
+    candidate: list[Run]
+    recipes: RecipeSet
+    window: align.Window
+
+    @classmethod
+    def of(cls, baseline: Trace | list[Trace], candidate: Trace | list[Trace], recipes: RecipeSet,
+           window: align.Window = align.Window()) -> Sides:
+        """Each arm is one trace or its repeated runs in repeat order; run k of the baseline pairs with run k
+        of the candidate."""
+        base_traces = [baseline] if isinstance(baseline, Trace) else list(baseline)
+        cand_traces = [candidate] if isinstance(candidate, Trace) else list(candidate)
+        if not base_traces or len(base_traces) != len(cand_traces):
+            raise KvtraceError(f"{len(base_traces)} baseline run(s) and {len(cand_traces)} candidate run(s): give "
+                               "each arm the same number of runs, in repeat order")
+        traces = base_traces + cand_traces
+        classes = [classify_signatures(t, recipes) for t in traces]
+        vocabulary = Vocabulary.of(traces, classes)
+        built = [vocabulary.run(t, c, window) for t, c in zip(traces, classes)]
+        return cls(vocabulary, built[:len(base_traces)], built[len(base_traces):], recipes, window)
+
+
 def diff(baseline: Trace | list[Trace], candidate: Trace | list[Trace], recipes: RecipeSet, *,
          labels: tuple[str | None, str | None] = (None, None), threshold: float = 0.02, confidence: float = 0.95,
          seed: int = 0, window: align.Window = align.Window()) -> Diff:
-    """Compare the baseline arm with the candidate arm. Each arm is one trace or its repeated runs in
-    repeat order; run k of the baseline pairs with run k of the candidate."""
-    base_traces = [baseline] if isinstance(baseline, Trace) else list(baseline)
-    cand_traces = [candidate] if isinstance(candidate, Trace) else list(candidate)
-    if not base_traces or len(base_traces) != len(cand_traces):
-        raise KvtraceError(f"{len(base_traces)} baseline run(s) and {len(cand_traces)} candidate run(s): give each "
-                           "arm the same number of runs, in repeat order")
-    traces = base_traces + cand_traces
-    classes = [classify_signatures(t, recipes) for t in traces]
-    vocabulary = Vocabulary.of(traces, classes)
-    built = [vocabulary.run(t, c, window) for t, c in zip(traces, classes)]
-    base_runs, cand_runs = built[:len(base_traces)], built[len(base_traces):]
-    base_arm = _arm(base_runs, labels[0] or _default_label(base_traces))
-    cand_arm = _arm(cand_runs, labels[1] or _default_label(cand_traces))
+    """Compare the baseline arm with the candidate arm (see Sides.of)."""
+    return diff_sides(Sides.of(baseline, candidate, recipes, window), labels=labels, threshold=threshold,
+                      confidence=confidence, seed=seed)
+
+
+def diff_sides(sides: Sides, *, labels: tuple[str | None, str | None] = (None, None), threshold: float = 0.02,
+               confidence: float = 0.95, seed: int = 0) -> Diff:
+    vocabulary, base_runs, cand_runs, recipes, window = (sides.vocabulary, sides.baseline, sides.candidate,
+                                                         sides.recipes, sides.window)
+    built = base_runs + cand_runs
+    base_arm = _arm(base_runs, labels[0] or _default_label([run.trace for run in base_runs]))
+    cand_arm = _arm(cand_runs, labels[1] or _default_label([run.trace for run in cand_runs]))
     comparison = _Comparison.of(vocabulary, list(zip(base_runs, cand_runs)))
     strata = comparison.strata
 

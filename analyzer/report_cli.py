@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import click
@@ -61,7 +62,8 @@ def report(runs, arms, labels, threshold, confidence, seed, plots_dir, plot_form
         from kvtrace.analyzer.render import plots  # matplotlib only on this path
 
         to_file = output is not None and not files.is_stdout(output)
-        plots.write_plots(result, plots_dir, plot_format, link_base=output.parent if to_file else None)
+        written = plots.write_plots(result, plots_dir, plot_format, link_base=output.parent if to_file else None)
+        result = dataclasses.replace(result, plots=written)
     emit(result, fmt, output)
 
 

@@ -24,7 +24,7 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import FIXTURES, NSYS2023_DIR, NSYS2025_DIR, SERVE_RUNS, sql_durations
-from kvtrace.analyzer import report, stats
+from kvtrace.analyzer import align, report, runs, serving, stats
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.render import json_out, markdown, report_tables
 from kvtrace.analyzer.render.units import duration
@@ -107,11 +107,16 @@ def test_prefill_statement_and_segment_times_match_plain_sql(fi):
     assert "regression" in statement.message and f"{len(base):,} paired calls" in statement.message
 
 
-def test_ecdf_durations_are_the_traces_per_call_durations(fi):
+def test_ecdf_durations_are_the_traces_per_call_durations_per_cell(fi):
     for segment, likes in (("prefill_attention", (PREFILL,)), ("decode_attention", (DECODE, MERGE))):
         for side, name in (("baseline", "fp8"), ("candidate", "nvfp4")):
-            expected = sorted(sql_durations(NSYS2025_DIR / f"{name}.sqlite", *likes))
-            assert fi.durations[segment][side].tolist() == expected, (segment, side)
+            cells = [cell for cell in fi.durations if cell[0] == segment]
+            assert len({(phase, family) for _, phase, family in cells}) == len(cells)
+            pooled = sorted(v for cell in cells for v in fi.durations[cell][side].tolist())
+            assert pooled == sorted(sql_durations(NSYS2025_DIR / f"{name}.sqlite", *likes)), (segment, side)
+            for phase in {phase for _, phase, _ in cells}:  # a range's cells hold that range's calls only
+                in_phase = sorted(v for cell in cells if cell[1] == phase for v in fi.durations[cell][side].tolist())
+                assert in_phase == sorted(sql_durations(NSYS2025_DIR / f"{name}.sqlite", *likes, nvtx=phase))
 
 
 def test_bandwidth_per_phase_from_the_manifest_bytes_and_sql_time(fi):
@@ -119,7 +124,7 @@ def test_bandwidth_per_phase_from_the_manifest_bytes_and_sql_time(fi):
     ceiling = sql(NSYS2025_DIR / "fp8.sqlite", "SELECT memoryBandwidth FROM TARGET_INFO_GPU WHERE id IN "
                   "(SELECT DISTINCT deviceId FROM CUPTI_ACTIVITY_KIND_KERNEL)")[0][0]
     assert fi.hbm_ceiling.bytes_per_s == ceiling and "TARGET_INFO_GPU" in fi.hbm_ceiling.source
-    likes = {"prefill": (PREFILL,), "decode": (DECODE, MERGE), "append": (APPEND,)}
+    likes = {"decode": (DECODE, MERGE), "append": (APPEND,)}  # prefill: tests/test_roofline.py
     phases = [p for p in data["arms"]["fp8"]["workload"]["phases"] if p["nvtx"].split(":")[1].split()[0] in likes]
     assert [r.phase for r in fi.bandwidth] == sorted((p["nvtx"] for p in phases),
                                                       key=lambda n: (list(likes).index(n.split(":")[1].split()[0]),
@@ -159,7 +164,7 @@ def test_capacity_in_the_report_uses_the_runs_shape(fi):
 
 def test_json_is_the_result_object(fi):
     data = json.loads(json_out.render(fi))
-    assert data["schema"] == "kvtrace.report/2" and data["diff"]["schema"] == "kvtrace.diff/4"
+    assert data["schema"] == "kvtrace.report/3" and data["diff"]["schema"] == "kvtrace.diff/4"
     assert "durations" not in data
     assert {"statements", "findings", "segment_times", "serving", "bandwidth", "hbm_ceiling", "capacity",
             "plots", "baseline", "candidate", "sweep", "notes"} <= set(data)
@@ -173,11 +178,11 @@ def test_two_run_directories_one_arm_each(recipes):
     prefill = next(r for r in result.diff.segments if r.segment == "prefill_attention")
     assert prefill.verdict == stats.NO_CHANGE  # a same-format repeat (fixtures/README.md)
     assert not any(s.check == "capacity" for s in result.statements)  # same format: nothing to say
-    named = report.resolve_inputs([NSYS2025_DIR / "fp8", REPEAT / "nvfp4"])
+    named = runs.resolve_inputs([NSYS2025_DIR / "fp8", REPEAT / "nvfp4"])
     assert [(i.run, i.arm) for i in named] == [(NSYS2025_DIR, "fp8"), (REPEAT, "nvfp4")]
-    both = report.resolve_inputs([NSYS2025_DIR, REPEAT], ("nvfp4", "fp8"))
+    both = runs.resolve_inputs([NSYS2025_DIR, REPEAT], ("nvfp4", "fp8"))
     assert [i.arm for i in both] == ["nvfp4", "fp8"]
-    chosen = report.resolve_inputs([NSYS2025_DIR], ("nvfp4", "fp8"))  # --arm twice: the user's order
+    chosen = runs.resolve_inputs([NSYS2025_DIR], ("nvfp4", "fp8"))  # --arm twice: the user's order
     assert [i.arm for i in chosen] == ["nvfp4", "fp8"]
 
 
@@ -415,9 +420,9 @@ def test_bad_inputs_are_one_line_and_exit_2(tmp_path, case, message):
 
 def test_resolve_errors_name_the_fix():
     with pytest.raises(KvtraceError, match="pick one with --arm"):
-        report.resolve_inputs([NSYS2025_DIR, REPEAT])
+        runs.resolve_inputs([NSYS2025_DIR, REPEAT])
     with pytest.raises(KvtraceError, match="one run directory and one --arm"):
-        report.resolve_inputs([NSYS2025_DIR], ("fp8",))
+        runs.resolve_inputs([NSYS2025_DIR], ("fp8",))
 
 
 def test_subprocess_smoke(tmp_path):
@@ -428,7 +433,7 @@ def test_subprocess_smoke(tmp_path):
                             cwd=tmp_path, check=False)
     assert result.returncode == 0, result.stderr
     text = out.read_text()
-    assert "![" in text and "(plots/segment-times.png)" in text and (tmp_path / "plots" / "segment-times.png").is_file()
+    assert "Drag `plots/summary.png` into the issue" in text and (tmp_path / "plots" / "summary.png").is_file()
 
 
 def test_offline_point_records_give_means_and_rates():
@@ -439,7 +444,7 @@ def test_offline_point_records_give_means_and_rates():
               "metrics": {"deltas": {"counters": {"vllm:num_preemptions_total": 0.0},
                                      "histograms": {"vllm:time_to_first_token_seconds": {"count": 16.0, "sum": 4.0},
                                                     "vllm:inter_token_latency_seconds": {"count": 112.0, "sum": 2.24}}}}}
-    metrics = report.serving_metrics(record, kv_cache_tokens=None)
+    metrics = serving.serving_metrics(record, kv_cache_tokens=None)
     assert metrics.source == "vLLM metrics (offline)"
     assert metrics.ttft_ms.mean == pytest.approx(4.0 / 16 * 1000) and metrics.ttft_ms.p50 is None
     assert metrics.itl_ms.mean == pytest.approx(2.24 / 112 * 1000)
@@ -447,7 +452,7 @@ def test_offline_point_records_give_means_and_rates():
     assert metrics.input_tokens_per_s == 16 * 1024 / 2.5 and metrics.output_tokens_per_s == 16 * 8 / 2.5
     assert metrics.capacity is None
     # The same point against a pool too small for 16 x (1,024 + 8) tokens is capacity-bound (the engine's rule).
-    tight = report.serving_metrics(record, kv_cache_tokens=16 * (1024 + 8))
+    tight = serving.serving_metrics(record, kv_cache_tokens=16 * (1024 + 8))
     assert tight.capacity is not None and "KV tokens needed" in tight.capacity
 
 
@@ -464,7 +469,7 @@ def test_a_per_arm_manifest_names_its_arm(tmp_path, recipes):
         single = {**data, "arms": {name: {**data["arms"][name],
                                           "sqlite": str((CAPACITY_WIN / data["arms"][name]["sqlite"]).resolve())}}}
         (tmp_path / f"{name}.manifest.json").write_text(json.dumps(single))
-    inputs = report.resolve_inputs([tmp_path / "fp8.manifest.json", tmp_path / "nvfp4.manifest.json"])
+    inputs = runs.resolve_inputs([tmp_path / "fp8.manifest.json", tmp_path / "nvfp4.manifest.json"])
     assert [(i.run, i.arm) for i in inputs] == [(tmp_path, "fp8"), (tmp_path, "nvfp4")]
 
 
@@ -636,7 +641,7 @@ def test_real_cold_prefill_arms_ran_the_same_steps_and_pair(run_kvtrace, recipes
         assert row["compared_calls"] == per_arm["auto"]
     result = report.build([SERVE_RUNS["cold-prefill-auto"], SERVE_RUNS["cold-prefill-fp8"]], recipes)
     metrics = result.serving[0].baseline
-    assert metrics.itl_ms == report.Latency() and metrics.tpot_ms == report.Latency()  # one output token each
+    assert metrics.itl_ms == serving.Latency() and metrics.tpot_ms == serving.Latency()  # one output token each
 
 
 def test_polled_peaks_count_as_peaks_only_with_enough_polls_in_the_traffic():
@@ -648,13 +653,13 @@ def test_polled_peaks_count_as_peaks_only_with_enough_polls_in_the_traffic():
                 "metrics": {"deltas": {"counters": {}, "histograms": {}}, "polls": 40,
                             "peaks": {"vllm:num_requests_running": 2.0, "vllm:kv_cache_usage_perc": 0.31}, **metrics}}
 
-    few = report.serving_metrics(record(busy_polls=1, poll_interval_s=0.5), None)
+    few = serving.serving_metrics(record(busy_polls=1, poll_interval_s=0.5), None)
     assert few.peak_running is None and few.peak_kv_usage is None
     assert few.peaks_note == ("peaks not observed: 0.42 s of traffic, /metrics polled about every 0.50 s "
                               "(1 poll saw requests in flight)")
-    enough = report.serving_metrics(record(busy_polls=report.MIN_PEAK_POLLS, poll_interval_s=0.5), None)
+    enough = serving.serving_metrics(record(busy_polls=serving.MIN_PEAK_POLLS, poll_interval_s=0.5), None)
     assert (enough.peak_running, enough.peak_kv_usage, enough.peaks_note) == (2.0, 0.31, None)
-    estimated = report.serving_metrics(record(), None)  # 40 polls in 21 s: one every 0.525 s, about 1 in 0.42 s
+    estimated = serving.serving_metrics(record(), None)  # 40 polls in 21 s: one every 0.525 s, about 1 in 0.42 s
     assert estimated.peak_running is None and "about every 0.53 s (about 1 poll inside it)" in estimated.peaks_note
 
 
@@ -677,3 +682,32 @@ def test_cut_exports_keep_the_originals_kernel_totals(name):
                .sort("demangled", "range_name"))
         assert [[r["kernel"], r["range"], r["calls"], r["total_ns"]] for r in record["kernel_totals"]] == [
             list(row) for row in got.iter_rows()]
+
+
+def test_append_phase_statement_inside_a_window_counts_the_windowed_calls(recipes):
+    last = 16
+    result = report.build([NSYS2025_DIR], recipes, window=align.Window(last=last))
+    data = manifest(NSYS2025_DIR)
+    per_call = {}
+    for arm in ("fp8", "nvfp4"):
+        ranges = [p["nvtx"] for p in data["arms"][arm]["workload"]["phases"] if p["nvtx"].startswith("kvtrace:append ")]
+        total = calls = 0
+        for nvtx in ranges:
+            # --last keeps the last calls of every kernel and launch shape in each range: written out in SQL.
+            rows = sql(NSYS2025_DIR / f"{arm}.sqlite", """
+                SELECT s.value, k.gridX, k.gridY, k.gridZ, k.blockX, k.blockY, k.blockZ, k.end - k.start
+                FROM CUPTI_ACTIVITY_KIND_KERNEL k JOIN StringIds s ON s.id = k.demangledName
+                JOIN CUPTI_ACTIVITY_KIND_RUNTIME r ON r.correlationId = k.correlationId
+                     AND (r.globalTid & 0xFFFFFFFFFF000000) = k.globalPid
+                JOIN NVTX_EVENTS n ON n.globalTid = r.globalTid AND n.start <= r.start AND n.end >= r.end
+                     AND n.eventType IN (59, 60) AND n.text = ? ORDER BY k.start""", nvtx)
+            groups: dict = {}
+            for row in rows:
+                groups.setdefault(row[:7], []).append(row[7])
+            total += sum(sum(values[-last:]) for values in groups.values())
+            calls += sum(len(values[-last:]) for key, values in groups.items() if "AppendPagedKVCache" in key[0])
+        assert calls == last * len(ranges)  # one append kernel per workload call
+        per_call[arm] = total / calls
+    statement = next(s for s in result.statements if s.check == "append" and "append phase" in s.message)
+    assert f"{duration(per_call['fp8'])} (fp8) → {duration(per_call['nvfp4'])} (nvfp4)" in statement.message
+    assert f"over {last * 3:,} and {last * 3:,} calls" in statement.message

@@ -15,7 +15,9 @@ from rich.table import Table
 from kvtrace.analyzer.capacity import Capacity
 from kvtrace.analyzer.render.escape import csv_writer, md_code, md_text, rich, visible
 from kvtrace.analyzer.render.units import LEVEL, MARK, duration, markdown_table, percent, ratio, shown_path
-from kvtrace.analyzer.report import MIN_PEAK_POLLS, Latency, Report, ServingMetrics, SourceCheck
+from kvtrace.analyzer.report import Report
+from kvtrace.analyzer.serving import MIN_PEAK_POLLS, Latency, ServingMetrics, SourceCheck
+from kvtrace.analyzer.roofline import CAUSAL_CONVENTION
 
 # ---- cell formatting -----------------------------------------------------------------------------------
 
@@ -176,6 +178,30 @@ def _serving_sweep_table(report: Report) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
+def _tflops(value: float | None) -> str:
+    return "–" if value is None else f"{value / 1e12:,.1f} TFLOP/s"
+
+
+def _compute_table(report: Report) -> tuple[list[str], list[list[str]]]:
+    bl, cl = report.baseline.label, report.candidate.label
+    header = ["phase", "TFLOP/call", f"time/call {bl}", f"time/call {cl}", f"achieved {bl}", f"achieved {cl}",
+              f"of peak {bl}", f"of peak {cl}"]
+    rows = [[r.phase, "not derivable" if r.flops_per_call is None else f"{r.flops_per_call / 1e12:,.3f}",
+             duration(r.baseline_ns_per_call), duration(r.candidate_ns_per_call), _tflops(r.baseline_flops_per_s),
+             _tflops(r.candidate_flops_per_s), percent(r.baseline_fraction_of_peak),
+             percent(r.candidate_fraction_of_peak)] for r in report.prefill_compute]
+    return header, rows
+
+
+def _compute_lead(report: Report) -> str:
+    ceiling = report.compute_ceiling
+    peak = (f"peak {_tflops(ceiling.flops_per_s)} dense BF16 ({ceiling.gpu}; {ceiling.source})"
+            if ceiling and ceiling.flops_per_s else "peak unknown" + (f" for {ceiling.gpu}" if ceiling else ""))
+    how = "; ".join(dict.fromkeys(r.derivation for r in report.prefill_compute))
+    return (f"Prefill attention is compute-bound: FLOPs per call / the prefill-attention kernels' GPU time per call, "
+            f"against the {peak}. {CAUSAL_CONVENTION}. Shapes: {how}.")
+
+
 def _bandwidth_table(report: Report) -> tuple[list[str], list[list[str]]]:
     bl, cl = report.baseline.label, report.candidate.label
     header = ["phase", f"KV bytes/call {bl}", f"KV bytes/call {cl}", f"time/call {bl}", f"time/call {cl}",
@@ -309,15 +335,20 @@ def _report_markdown(report: Report) -> str:
                   + (f" Ceiling: {_rate(ceiling.bytes_per_s)}, the {ceiling.source}." if ceiling else
                      " The traces give no HBM bandwidth for the GPU, so no ceiling is stated."), ""]
         lines += markdown_table(*_bandwidth_table(report))
+    if report.prefill_compute:
+        lines += ["", "### Achieved compute (prefill)", "", md_text(_compute_lead(report)), ""]
+        lines += markdown_table(*_compute_table(report))
     if report.capacity is not None:
         lines += ["", _capacity_markdown(report.capacity, level="###").rstrip()]
     if report.plots:
+        summary = next((p for p in report.plots if p.kind == "summary"), None)
         lines += ["", "### Plots", ""]
-        lines += [f"![{p.title}]({p.link})" + "\n" for p in report.plots]
-    diff_text = diff_markdown.render(report.diff)
-    lines += ["", "### Kernel diff", ""]
-    lines += [line.replace("## kvtrace diff", "#### kvtrace diff", 1) if line.startswith("## ") else
-              ("#" + line if line.startswith("### ") else line) for line in diff_text.splitlines()]
+        if summary is not None:
+            lines += [f"Drag {md_code(summary.link)} into the issue or pull request: GitHub renders uploaded images, not "
+                      "images linked by a relative path. It holds the ratio per workload point with intervals and "
+                      "the ratio against context length.", ""]
+        lines += [f"- {md_code(p.link)}: {p.title}" for p in report.plots if p is not summary]
+    lines += ["", "### Kernel diff", "", diff_markdown.render(report.diff, level=4).rstrip()]
     lines += ["", "</details>"]
     return "\n".join(lines).rstrip() + "\n"
 
@@ -368,6 +399,9 @@ def terminal(result, console: Console) -> None:
         title = "Achieved bandwidth" + (f" (ceiling {_rate(ceiling.bytes_per_s)}: {ceiling.gpu} memoryBandwidth "
                                         "from the trace)" if ceiling else "")
         console.print(_rich_table(title, *_bandwidth_table(report)))
+    if report.prefill_compute:
+        console.print(_rich_table("Achieved compute (prefill)", *_compute_table(report)))
+        console.print(f"  {visible(_compute_lead(report))}", markup=False, highlight=False)
     if report.capacity is not None:
         terminal(report.capacity, console)
     for plot in report.plots:
@@ -432,6 +466,15 @@ def csv_text(result) -> str:
                              name.removeprefix(f"{side}_") if side else name, "" if value is None else value])
     if report.hbm_ceiling:
         writer.writerow(["bandwidth", "ceiling", "", "bytes_per_s", report.hbm_ceiling.bytes_per_s])
+    for row in report.prefill_compute:
+        for name, value in asdict(row).items():
+            if name == "phase":
+                continue
+            side = next((s for s in ("baseline", "candidate") if name.startswith(s + "_")), None)
+            writer.writerow(["compute", row.phase, labels[side] if side else "",
+                             name.removeprefix(f"{side}_") if side else name, "" if value is None else value])
+    if report.compute_ceiling and report.compute_ceiling.flops_per_s:
+        writer.writerow(["compute", "ceiling", "", "flops_per_s", report.compute_ceiling.flops_per_s])
     if report.capacity:
         for row in report.capacity.formats:
             for name, value in asdict(row).items():
