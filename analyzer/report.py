@@ -30,9 +30,9 @@ from kvtrace.manifest import Phase, parse_phase_name
 REPORT_SCHEMA = "kvtrace.report/3"
 # Segments whose per-call durations the report keeps for the ECDF plots.
 DISTRIBUTION_SEGMENTS = ("prefill_attention", "decode_attention")
-# FlashInfer workload phases (kvtrace.manifest.phase_name) bound by memory bandwidth, and the segment whose
-# kernels do their KV work; prefill is compute-bound (analyzer/roofline).
-PHASE_SEGMENTS = {"decode": "decode_attention", "append": "kv_append"}
+# FlashInfer workload phases (kvtrace.manifest.phase_name) bound by memory bandwidth; prefill is compute-bound
+# (analyzer/roofline). pairing.PHASE_SEGMENTS names the segment whose kernels do each phase's KV work.
+BANDWIDTH_PHASES = ("decode", "append")
 
 
 # ---- result --------------------------------------------------------------------------------------------
@@ -160,13 +160,13 @@ def bandwidth_rows(diff: Diff, base: ArmInput, cand: ArmInput, ceiling: Ceiling 
     phases: dict[str, dict[str, Phase]] = {}
     for side, item in (("baseline", base), ("candidate", cand)):
         for phase in item.record.phases:
-            if phase.kind in PHASE_SEGMENTS and phase.bytes_per_call:
+            if phase.kind in BANDWIDTH_PHASES and phase.bytes_per_call:
                 phases.setdefault(phase.nvtx, {})[side] = phase
     totals = {(r.segment, r.phase): r for r in diff.phases}
     rows = []
     for nvtx, sides in phases.items():
         kind, context = parse_phase_name(nvtx)
-        segment = PHASE_SEGMENTS[kind]
+        segment = pairing.PHASE_SEGMENTS[kind]
         diff_row = totals.get((segment, nvtx))
         values = {}
         for side in ("baseline", "candidate"):
@@ -185,7 +185,7 @@ def bandwidth_rows(diff: Diff, base: ArmInput, cand: ArmInput, ceiling: Ceiling 
                                  baseline_ns_per_call=b[2], candidate_ns_per_call=c[2], baseline_bytes_per_s=b[3],
                                  candidate_bytes_per_s=c[3], baseline_fraction_of_ceiling=b[4],
                                  candidate_fraction_of_ceiling=c[4]))
-    order = list(PHASE_SEGMENTS)
+    order = list(BANDWIDTH_PHASES)
     rows.sort(key=lambda r: (order.index(r.kind), r.context or 0))
     return rows
 
