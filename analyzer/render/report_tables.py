@@ -450,29 +450,11 @@ def csv_text(result) -> str:
                 writer.writerow(["serving_check", row.point, labels[side], f"{check['quantity']}: agree",
                                  check["agree"]])
             writer.writerow(["serving", row.point, labels[side], "first_capacity", getattr(row, f"{side}_first_capacity")])
-    for row in report.segment_times:
-        for name, value in asdict(row).items():
-            if name == "segment":
-                continue
-            side = next((s for s in ("baseline", "candidate") if name.startswith(s + "_")), None)
-            writer.writerow(["segment", row.segment, labels[side] if side else "",
-                             name.removeprefix(f"{side}_") if side else name, "" if value is None else value])
-    for row in report.bandwidth:
-        for name, value in asdict(row).items():
-            if name in ("phase",):
-                continue
-            side = next((s for s in ("baseline", "candidate") if name.startswith(s + "_")), None)
-            writer.writerow(["bandwidth", row.phase, labels[side] if side else "",
-                             name.removeprefix(f"{side}_") if side else name, "" if value is None else value])
+    _write_arm_fields(writer, "segment", "segment", report.segment_times, labels)
+    _write_arm_fields(writer, "bandwidth", "phase", report.bandwidth, labels)
     if report.hbm_ceiling:
         writer.writerow(["bandwidth", "ceiling", "", "bytes_per_s", report.hbm_ceiling.bytes_per_s])
-    for row in report.prefill_compute:
-        for name, value in asdict(row).items():
-            if name == "phase":
-                continue
-            side = next((s for s in ("baseline", "candidate") if name.startswith(s + "_")), None)
-            writer.writerow(["compute", row.phase, labels[side] if side else "",
-                             name.removeprefix(f"{side}_") if side else name, "" if value is None else value])
+    _write_arm_fields(writer, "compute", "phase", report.prefill_compute, labels)
     if report.compute_ceiling and report.compute_ceiling.flops_per_s:
         writer.writerow(["compute", "ceiling", "", "flops_per_s", report.compute_ceiling.flops_per_s])
     if report.capacity:
@@ -500,3 +482,15 @@ def _flatten(data: dict, prefix: str = ""):
             yield from _flatten(value, f"{prefix}{name}.")
         else:
             yield f"{prefix}{name}", value
+
+
+def _write_arm_fields(writer, kind: str, key: str, rows, labels) -> None:
+    """One CSV line per field of each row, keyed by the row's `key` field; baseline_/candidate_ fields name their
+    arm in the label column."""
+    for row in rows:
+        for name, value in asdict(row).items():
+            if name == key:
+                continue
+            side = next((s for s in ("baseline", "candidate") if name.startswith(s + "_")), None)
+            writer.writerow([kind, getattr(row, key), labels[side] if side else "",
+                             name.removeprefix(f"{side}_") if side else name, "" if value is None else value])
