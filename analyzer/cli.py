@@ -146,7 +146,7 @@ def emit(result, fmt: str, output: Path | None) -> None:
                 console = _Stdout()
                 if not console.is_terminal and "COLUMNS" not in os.environ:
                     console = _Stdout(width=200)  # piped: no terminal width to fit, keep rows on one line
-                render.terminal.render(result, console)
+                render.render_table(result, console)
             else:
                 sys.stdout.write(render.render_text(result, fmt))
             sys.stdout.flush()
@@ -155,7 +155,7 @@ def emit(result, fmt: str, output: Path | None) -> None:
         return
     if fmt == "table":
         buffer = io.StringIO()
-        render.terminal.render(result, Console(file=buffer, width=200, no_color=True, force_terminal=False))
+        render.render_table(result, Console(file=buffer, width=200, no_color=True, force_terminal=False))
         text = buffer.getvalue()
     else:
         text = render.render_text(result, fmt)

@@ -559,8 +559,8 @@ def test_hostile_names_are_inert_in_every_format(command, fmt, tmp_path, kv):
 def test_hostile_names_make_no_hyperlinks_or_markup_on_a_terminal(tmp_path):
     trace = load.open_trace(named(tmp_path, HOSTILE), cache=False)
     buffer = StringIO()
-    render.terminal.render(compare.list_kernels(trace, load_recipes()),
-                           Console(file=buffer, force_terminal=True, color_system="truecolor", width=400))
+    render.render_table(compare.list_kernels(trace, load_recipes()),
+                        Console(file=buffer, force_terminal=True, color_system="truecolor", width=400))
     text = buffer.getvalue()
     assert "\x1b]8;" not in text  # OSC 8: a hyperlink
     assert "[link=https://evil.example]click[/link]" in re.sub(r"\x1b\[[0-9;]*m", "", text)

@@ -22,11 +22,12 @@ import numpy as np
 import polars as pl
 import pytest
 from click.testing import CliRunner
+from rich.console import Console
 
 from conftest import FIXTURES, NSYS2023_DIR, NSYS2025_DIR, SERVE_RUNS, sql_durations
-from kvtrace.analyzer import align, report, runs, serving, stats
+from kvtrace.analyzer import align, headline, report, runs, serving, stats
 from kvtrace.analyzer.classify import load_recipes
-from kvtrace.analyzer.render import json_out, markdown, report_tables
+from kvtrace.analyzer.render import json_out, render_table, render_text
 from kvtrace.analyzer.render.units import duration
 from kvtrace.cli import cli, main
 from kvtrace.errors import KvtraceError
@@ -227,7 +228,7 @@ def test_guard_rail_names_a_capacity_win_as_a_prefix_hit_effect(win):
     assert "capacity / prefix-hit effect" in message and "not a faster prefill kernel" in message
     assert f"{hits['nvfp4']:,} cached prompt tokens (nvfp4) against {hits['fp8']:,} (fp8)" in message
     assert f"regressed {np.mean(cand) / np.mean(base):.3f}×" in message
-    text = markdown.render(win)
+    text = render_text(win, "markdown")
     assert "capacity / prefix-hit effect" in text
     lines = text.splitlines()
     ttft_row = next(i for i, line in enumerate(lines) if line.startswith("| TTFT mean"))
@@ -318,7 +319,7 @@ def test_sweep_has_one_row_per_grid_point_and_marks_first_capacity(sweep):
         marked = {r.point for r in sweep.serving if getattr(r, f"{side}_first_capacity")}
         assert marked == {spec for _, spec in first.values()}, side
     assert any(r.baseline_first_capacity for r in sweep.serving)  # fp8 runs out of KV in this sweep
-    text = markdown.render(sweep)
+    text = render_text(sweep, "markdown")
     assert text.count("◆ fp8") == sum(r.baseline_first_capacity for r in sweep.serving)
     assert any(s.check == "ttft" and "capacity-bound" in s.message for s in sweep.statements)
 
@@ -366,6 +367,26 @@ def test_cli_writes_markdown_json_and_csv(tmp_path):
         arm: point["metrics"]["deltas"]["counters"]["vllm:prefix_cache_hits_total"] for arm, point in points.items()}
     table = runner.invoke(cli, ["report", str(CAPACITY_WIN), "--label", "A", "--label", "B"])
     assert table.exit_code == 0 and "A" in table.stdout and "prefix-hit effect" in table.stdout
+
+
+def test_the_head_is_printed_once_and_the_whole_diff_follows(fi):
+    """The report opens with the diff's head; its kernel-diff section holds the rest of the diff, not the head
+    again."""
+    text = render_text(fi, "markdown")
+    assert text.count("The answer: nvfp4 against fp8") == 1 and text.count("### Environment") == 1
+    assert text.index("### The answer") < text.index("### Kernel diff") < text.index("#### Segments by phase")
+    assert text.count("<details>") == text.count("</details>")
+    buffer = io.StringIO()
+    render_table(fi, Console(file=buffer, width=200))
+    table = buffer.getvalue()
+    assert table.count("time per call, ratio nvfp4/fp8") == 1 and "Segments by phase (NVTX range)" in table
+
+
+def test_each_format_is_dispatched_by_result_type_and_an_unknown_type_is_refused(fi):
+    assert render_text(fi.capacity, "csv").startswith("section,label,")
+    assert render_text(fi.diff, "csv").startswith("level,segment,phase,")
+    with pytest.raises(KvtraceError, match=r"^--format csv is not available for a Headline result: use "):
+        render_text(fi.diff.headline or headline.Headline.of(fi.diff), "csv")
 
 
 def _copy_run(tmp_path: Path, edit=None) -> Path:
@@ -548,9 +569,9 @@ def test_real_prefix_reuse_hit_rate_disagreement_is_named(prefix_reuse):
         if queries > prompt:
             assert f"{queries:,.0f} prefix-cache lookups for {prompt:,.0f} prompt tokens" in check.note
     assert not next(c for c in prefix_reuse.serving[0].baseline.checks if c.quantity == "prefix-cache hit rate").agree
-    text = markdown.render(prefix_reuse)
+    text = render_text(prefix_reuse, "markdown")
     assert "auto: prefix-cache hit rate disagrees" in text and "| peak running requests | not observed |" in text
-    rows = list(csv.DictReader(io.StringIO(report_tables.csv_text(prefix_reuse))))
+    rows = list(csv.DictReader(io.StringIO(render_text(prefix_reuse, "csv"))))
     agree = {r["arm"]: r["value"] for r in rows if r["section"] == "serving_check"
              and r["metric"] == "prefix-cache hit rate: agree"}
     assert agree == {"auto": "False", "fp8": "True"}
@@ -617,7 +638,7 @@ def test_real_sweep_marks_where_each_arm_first_reaches_capacity(recipes):
     only_fp8 = [r.point for r in result.serving if r.candidate and not r.baseline]
     points = next(f for f in result.findings if f.check == "settings" and "traffic point" in f.message)
     assert only_fp8 and all(point in points.message for point in only_fp8) and "auto had reached capacity" in points.message
-    text = markdown.render(result)
+    text = render_text(result, "markdown")
     assert text.count("◆ auto") == len(expected["baseline"]) and text.count("◆ fp8") == len(expected["candidate"])
 
 

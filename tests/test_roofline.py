@@ -12,7 +12,7 @@ import pytest
 from conftest import FIXTURES, NSYS2025_DIR, sql_durations
 from kvtrace.analyzer import align, report, roofline
 from kvtrace.analyzer.classify import load_recipes
-from kvtrace.analyzer.render import json_out, markdown
+from kvtrace.analyzer.render import json_out, render_text
 
 PREFILL = "%BatchPrefillWithPagedKVCacheKernel%MaskMode)1%"
 COLD = FIXTURES / "vllm-h200-cold-prefill"
@@ -49,7 +49,7 @@ def test_prefill_tflops_of_fi_h200_match_the_hand_calculation(fi):
 
 
 def test_the_convention_is_stated_in_the_report(fi):
-    text = markdown.render(fi)
+    text = render_text(fi, "markdown")
     assert "### Achieved compute (prefill)" in text
     assert "causal attention counts half" in text and "989.4 TFLOP/s" in text
     assert json.loads(json_out.render(fi))["flops_convention"] == roofline.CAUSAL_CONVENTION
@@ -77,7 +77,7 @@ def test_not_derivable_and_unknown_peak_are_said():
     sweep = report.build([FIXTURES / "vllm-recorded-report" / "sweep"], load_recipes())
     (row,) = sweep.prefill_compute
     assert row.flops_per_call is None and row.derivation.startswith("not derivable:")
-    assert "not derivable" in markdown.render(sweep)
+    assert "not derivable" in render_text(sweep, "markdown")
     unknown = roofline.compute_ceiling("NVIDIA A100-SXM4-80GB")
     assert unknown.flops_per_s is None and unknown.source.startswith("peak unknown")
 

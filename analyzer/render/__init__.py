@@ -1,15 +1,48 @@
 """Renderers: each formats a result object (analyzer.compare's Summary, Diff and KernelList, analyzer.report's
 Report, analyzer.capacity's Capacity). Text renderers pick and format its fields; the plots add only what a
-drawing needs (ECDF steps, unit scaling)."""
+drawing needs (ECDF steps, unit scaling).
+
+One dispatch per format, keyed by the result's type: a new result type or format is one entry below.
+"""
 
 from __future__ import annotations
 
-from kvtrace.analyzer.render import csv_out, json_out, markdown, terminal
+from rich.console import Console
+
+from kvtrace.analyzer.capacity import Capacity
+from kvtrace.analyzer.compare import Diff, KernelList, Summary
+from kvtrace.analyzer.render import csv_out, json_out, markdown, report_tables, terminal
+from kvtrace.analyzer.report import Report
+from kvtrace.errors import KvtraceError
 
 FORMATS = ("table", "markdown", "json", "csv")
 
+# format -> result type -> renderer. 'table' renderers print to a console, the others return text.
+RENDERERS = {
+    "table": {Summary: terminal.summary, Diff: terminal.diff, KernelList: terminal.kernels,
+              Report: report_tables.report_terminal, Capacity: report_tables.capacity_terminal},
+    "markdown": {Summary: markdown.summary, Diff: markdown.diff, KernelList: markdown.kernels,
+                 Report: report_tables.report_markdown, Capacity: report_tables.capacity_markdown},
+    "json": {kind: json_out.render for kind in (Summary, Diff, KernelList, Report, Capacity)},
+    "csv": {Summary: csv_out.summary, Diff: csv_out.diff, KernelList: csv_out.kernels,
+            Report: report_tables.report_csv, Capacity: report_tables.capacity_csv},
+}
+
+
+def _renderer(result, fmt: str):
+    renderer = RENDERERS[fmt].get(type(result))
+    if renderer is None:
+        offered = [name for name, table in RENDERERS.items() if type(result) in table]
+        raise KvtraceError(f"--format {fmt} is not available for a {type(result).__name__} result: use "
+                           + (", ".join(offered) if offered else "another command"))
+    return renderer
+
+
+def render_table(result, console: Console) -> None:
+    """Print `result` as terminal tables."""
+    _renderer(result, "table")(result, console)
+
 
 def render_text(result, fmt: str) -> str:
-    """Text of a Summary or Diff in one of FORMATS except 'table' (which needs a console)."""
-    module = {"markdown": markdown, "json": json_out, "csv": csv_out}[fmt]
-    return module.render(result)
+    """Text of `result` in one of FORMATS except 'table' (which needs a console)."""
+    return _renderer(result, fmt)(result)

@@ -20,39 +20,44 @@ DIFF_COLUMNS = ("level", "segment", "phase", "family_label", "family", "kv_indep
                 "abs_delta_share", "run_ratios", "baseline_kv_dtypes", "candidate_kv_dtypes")
 
 
-def render(result: Summary | Diff | KernelList) -> str:
-    if not isinstance(result, (Summary, Diff, KernelList)):
-        from kvtrace.analyzer.render import report_tables  # kvtrace report / capacity results
-
-        return report_tables.csv_text(result)
+def kernels(result: KernelList) -> str:
     buffer = io.StringIO()
     writer = csv_writer(buffer)
-    if isinstance(result, KernelList):
-        columns = list(result.rows[0]) if result.rows else ["segment", "demangled"]
-        writer.writerow(columns)
-        writer.writerows([row[c] if row[c] is not None else "" for c in columns] for row in result.rows)
-    elif isinstance(result, Summary):
-        writer.writerow(["level", "segment", "family_label", "family", *STAT_FIELDS, "kv_dtypes"])
-        for level, rows in (("segment", result.segments), ("family", result.families)):
-            for row in rows:
-                writer.writerow([level, row.segment, row.family_label or "", row.family or "",
-                                 *(_blank(getattr(row.stats, f)) for f in STAT_FIELDS), " ".join(row.kv_dtypes)])
-    else:
-        writer.writerow(DIFF_COLUMNS)
-        for level, rows in (("segment", result.segments), ("phase", result.phases),
-                            ("phase_total", result.phase_totals), ("family", result.families)):
-            for row in rows:
-                writer.writerow([
-                    level, row.segment, row.phase or "", row.family_label or "", row.family or "", row.kv_independent,
-                    row.baseline_calls, row.candidate_calls, row.baseline_total_ns, row.candidate_total_ns,
-                    row.compared_calls, row.cells, row.single_call_cells, row.same_work,
-                    *(_blank(getattr(row.baseline, f)) if row.baseline else "" for f in DIFF_STAT_FIELDS),
-                    *(_blank(getattr(row.candidate, f)) if row.candidate else "" for f in DIFF_STAT_FIELDS),
-                    _blank(row.ratio), _blank(row.ci_low), _blank(row.ci_high), row.verdict,
-                    row.paired_verdict or "", row.note or "", row.reason or "", row.total_delta_ns,
-                    row.paired_delta_ns, _blank(row.unpaired_share), _blank(row.abs_delta_share),
-                    " ".join(f"{r:.6g}" if r is not None else "" for r in row.run_ratios),
-                    " ".join(row.baseline_kv_dtypes), " ".join(row.candidate_kv_dtypes)])
+    columns = list(result.rows[0]) if result.rows else ["segment", "demangled"]
+    writer.writerow(columns)
+    writer.writerows([row[c] if row[c] is not None else "" for c in columns] for row in result.rows)
+    return buffer.getvalue()
+
+
+def summary(result: Summary) -> str:
+    buffer = io.StringIO()
+    writer = csv_writer(buffer)
+    writer.writerow(["level", "segment", "family_label", "family", *STAT_FIELDS, "kv_dtypes"])
+    for level, rows in (("segment", result.segments), ("family", result.families)):
+        for row in rows:
+            writer.writerow([level, row.segment, row.family_label or "", row.family or "",
+                             *(_blank(getattr(row.stats, f)) for f in STAT_FIELDS), " ".join(row.kv_dtypes)])
+    return buffer.getvalue()
+
+
+def diff(result: Diff) -> str:
+    buffer = io.StringIO()
+    writer = csv_writer(buffer)
+    writer.writerow(DIFF_COLUMNS)
+    for level, rows in (("segment", result.segments), ("phase", result.phases),
+                        ("phase_total", result.phase_totals), ("family", result.families)):
+        for row in rows:
+            writer.writerow([
+                level, row.segment, row.phase or "", row.family_label or "", row.family or "", row.kv_independent,
+                row.baseline_calls, row.candidate_calls, row.baseline_total_ns, row.candidate_total_ns,
+                row.compared_calls, row.cells, row.single_call_cells, row.same_work,
+                *(_blank(getattr(row.baseline, f)) if row.baseline else "" for f in DIFF_STAT_FIELDS),
+                *(_blank(getattr(row.candidate, f)) if row.candidate else "" for f in DIFF_STAT_FIELDS),
+                _blank(row.ratio), _blank(row.ci_low), _blank(row.ci_high), row.verdict,
+                row.paired_verdict or "", row.note or "", row.reason or "", row.total_delta_ns,
+                row.paired_delta_ns, _blank(row.unpaired_share), _blank(row.abs_delta_share),
+                " ".join(f"{r:.6g}" if r is not None else "" for r in row.run_ratios),
+                " ".join(row.baseline_kv_dtypes), " ".join(row.candidate_kv_dtypes)])
     return buffer.getvalue()
 
 

@@ -13,24 +13,13 @@ from kvtrace.analyzer.render.units import (MARK, arm_time, calls, duration, head
 from kvtrace.analyzer.verify import MISMATCHES_SHOWN, mismatch_lines
 
 
-def render(result: Summary | Diff | KernelList, level: int = 2) -> str:
-    """level: the heading level of a diff's title (its sections one below), for a diff inside a report."""
-    if isinstance(result, KernelList):
-        return _kernels(result)
-    if not isinstance(result, (Summary, Diff)):
-        from kvtrace.analyzer.render import report_tables  # kvtrace report / capacity results
-
-        return report_tables.markdown(result)
-    return _summary(result) if isinstance(result, Summary) else _diff(result, level)
-
-
-def _kernels(kernels: KernelList) -> str:
+def kernels(kernels: KernelList) -> str:
     what = "Unclassified kernels" if kernels.only_unclassified else "Kernels"
     lines = [f"## {what}: {md_text(kernels.arm.label)}", ""]
     lines += markdown_table(["segment", "calls", "total", "share", "mean", "recipe", "kernel"],
                     [[r["segment"], f"{r['calls']:,}", duration(r["total_ns"]), percent(r["share"]),
                       duration(r["mean_ns"]), r["recipe"] or "–", md_code(r["demangled"])] for r in kernels.rows])
-    return "\n".join(lines + ["", _footer(kernels.kvtrace_version, kernels.recipes)]) + "\n"
+    return "\n".join(lines + ["", footer(kernels.kvtrace_version, kernels.recipes)]) + "\n"
 
 
 def _environment(arms: list[Arm]) -> list[str]:
@@ -58,7 +47,7 @@ def _environment(arms: list[Arm]) -> list[str]:
                           [[name] + [fn(a) for a in arms] for name, fn in fields])
 
 
-def _summary(summary: Summary) -> str:
+def summary(summary: Summary) -> str:
     arm = summary.arm
     lines = [f"## kvtrace summary: {md_text(arm.label)}", "",
              f"{arm.info.kernel_count:,} kernels, {duration(arm.total_ns)} of GPU kernel time. Per-call statistics "
@@ -77,7 +66,7 @@ def _summary(summary: Summary) -> str:
     lines += ["", "<details><summary>Kernel names per segment</summary>", ""]
     for r in summary.segments:
         lines += [f"**{r.segment}**", ""] + [f"- {md_code(name)}" for name in r.names] + [""]
-    lines += ["</details>", "", _footer(summary.kvtrace_version, summary.recipes)]
+    lines += ["</details>", "", footer(summary.kvtrace_version, summary.recipes)]
     return "\n".join(lines) + "\n"
 
 
@@ -100,17 +89,25 @@ def _diff_table(first: list[str], rows: list[DiffRow], lead, diff: Diff) -> list
     return lines
 
 
-def _diff(diff: Diff, level: int) -> str:
+def diff(diff: Diff) -> str:
+    labels = md_text(diff.baseline.label), md_text(diff.candidate.label)
+    lines = [f"## kvtrace diff: {labels[0]} → {labels[1]}", ""] + head(diff, 3) + [
+             "", "<details><summary>Everything else: how rows are compared, comparability, every segment, phase and "
+             "kernel family, each trace, kernel names</summary>", ""] + body(diff, 3)
+    lines += ["", "</details>", "", footer(diff.kvtrace_version, diff.recipes)]
+    return "\n".join(lines) + "\n"
+
+
+def body(diff: Diff, level: int) -> list[str]:
+    """Everything after the head: how rows are compared, comparability, every table, each trace, kernel names;
+    `level` is the heading level of its sections."""
     b, c = diff.baseline, diff.candidate
     confidence = f"{100 * diff.confidence:.0f}%"
     labels = md_text(b.label), md_text(c.label)
     runs = (f" over {diff.runs} runs per arm (r1 with r1, …); the interval resamples run pairs, then call pairs "
             "within each run" if diff.runs > 1 else "")
-    title, section = "#" * level, "#" * (level + 1)
-    lines = [f"{title} kvtrace diff: {labels[0]} → {labels[1]}", ""] + head(diff, level + 1) + [
-             "", "<details><summary>Everything else: how rows are compared, comparability, every segment, phase and "
-             "kernel family, each trace, kernel names</summary>", "",
-             f"Baseline **{labels[0]}**, candidate **{labels[1]}**. Ratio = candidate / baseline GPU time summed over "
+    section = "#" * level
+    lines = [f"Baseline **{labels[0]}**, candidate **{labels[1]}**. Ratio = candidate / baseline GPU time summed over "
              f"the calls both arms ran, paired call for call per kernel family, launch shape and NVTX range{runs}; "
              f"{confidence} bootstrap interval that resamples the pairs inside each such cell (docs/statistics.md). "
              f"A ratio within ±{100 * diff.threshold:g}% of 1, or whose interval "
@@ -135,8 +132,7 @@ def _diff(diff: Diff, level: int) -> str:
         lines += [f"**{r.segment}**", ""]
         lines += [f"- {labels[0]}: {md_code(name)}" for name in r.baseline_names]
         lines += [f"- {labels[1]}: {md_code(name)}" for name in r.candidate_names] + [""]
-    lines += ["</details>", "", "</details>", "", _footer(diff.kvtrace_version, diff.recipes)]
-    return "\n".join(lines) + "\n"
+    return lines + ["</details>"]
 
 
 def head(diff: Diff, level: int = 3) -> list[str]:
@@ -174,5 +170,5 @@ def head(diff: Diff, level: int = 3) -> list[str]:
     return lines
 
 
-def _footer(version: str, recipes: tuple[str, ...]) -> str:
+def footer(version: str, recipes: tuple[str, ...]) -> str:
     return f"<sub>kvtrace {version} · recipes: {', '.join(recipes)}</sub>"

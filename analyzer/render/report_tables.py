@@ -1,7 +1,7 @@
 """Markdown, terminal and CSV for the serving report and the capacity calculation (JSON is json_out's).
 
 Both read a result object (analyzer.report.Report, analyzer.capacity.Capacity) and compute nothing new: the
-tables below only pick and format its fields. markdown.py, terminal.py and csv_out.py hand these types here.
+tables below only pick and format its fields. analyzer.render dispatches these types here.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from rich.console import Console
 from rich.table import Table
 
 from kvtrace.analyzer.capacity import Capacity
+from kvtrace.analyzer.render import markdown as diff_markdown
+from kvtrace.analyzer.render import terminal as diff_terminal
 from kvtrace.analyzer.render.escape import csv_writer, md_code, md_text, rich, visible
 from kvtrace.analyzer.render.units import LEVEL, MARK, duration, markdown_table, percent, ratio, shown_path
 from kvtrace.analyzer.report import Report
@@ -282,11 +284,7 @@ def _capacity_lead(cap: Capacity) -> str:
 
 # ---- markdown -----------------------------------------------------------------------------------------
 
-def markdown(result) -> str:
-    return _capacity_markdown(result) if isinstance(result, Capacity) else _report_markdown(result)
-
-
-def _capacity_markdown(cap: Capacity, level: str = "##") -> str:
+def capacity_markdown(cap: Capacity, level: str = "##") -> str:
     lines = [f"{level} kvtrace capacity" + (f": {visible(shown_path(cap.run))}" if cap.run else ""), "",
              visible(_capacity_lead(cap)), ""]
     for title, header, rows in _capacity_tables(cap):
@@ -295,9 +293,7 @@ def _capacity_markdown(cap: Capacity, level: str = "##") -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def _report_markdown(report: Report) -> str:
-    from kvtrace.analyzer.render import markdown as diff_markdown
-
+def report_markdown(report: Report) -> str:
     b, c = report.baseline, report.candidate
     labels = md_text(b.label), md_text(c.label)
     lines = [f"## kvtrace report: {labels[0]} → {labels[1]}", ""] + diff_markdown.head(report.diff) + [
@@ -339,7 +335,7 @@ def _report_markdown(report: Report) -> str:
         lines += ["", "### Achieved compute (prefill)", "", md_text(_compute_lead(report)), ""]
         lines += markdown_table(*_compute_table(report))
     if report.capacity is not None:
-        lines += ["", _capacity_markdown(report.capacity, level="###").rstrip()]
+        lines += ["", capacity_markdown(report.capacity, level="###").rstrip()]
     if report.plots:
         summary = next((p for p in report.plots if p.kind == "summary"), None)
         lines += ["", "### Plots", ""]
@@ -348,8 +344,8 @@ def _report_markdown(report: Report) -> str:
                       "images linked by a relative path. It holds the ratio per workload point with intervals and "
                       "the ratio against context length.", ""]
         lines += [f"- {md_code(p.link)}: {p.title}" for p in report.plots if p is not summary]
-    lines += ["", "### Kernel diff", "", diff_markdown.render(report.diff, level=4).rstrip()]
-    lines += ["", "</details>"]
+    lines += ["", "### Kernel diff", ""] + diff_markdown.body(report.diff, 4)
+    lines += ["", "</details>", "", diff_markdown.footer(report.diff.kvtrace_version, report.diff.recipes)]
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -364,17 +360,15 @@ def _rich_table(title: str, header: list[str], rows: list[list[str]]) -> Table:
     return table
 
 
-def terminal(result, console: Console) -> None:
-    if isinstance(result, Capacity):
-        console.print(rich(_capacity_lead(result)), highlight=False)
-        for title, header, rows in _capacity_tables(result):
-            console.print(_rich_table(title, header, rows))
-        for note in result.notes:
-            console.print(f"  {visible(note)}", markup=False, highlight=False)
-        return
-    from kvtrace.analyzer.render import terminal as diff_terminal
+def capacity_terminal(cap: Capacity, console: Console) -> None:
+    console.print(rich(_capacity_lead(cap)), highlight=False)
+    for title, header, rows in _capacity_tables(cap):
+        console.print(_rich_table(title, header, rows))
+    for note in cap.notes:
+        console.print(f"  {visible(note)}", markup=False, highlight=False)
 
-    report = result
+
+def report_terminal(report: Report, console: Console) -> None:
     diff_terminal.head(report.diff, console)
     b, c = report.baseline, report.candidate
     console.print(f"[bold]{rich(b.label)}[/] ({rich(shown_path(b.run))}) → [bold]{rich(c.label)}[/] ({rich(shown_path(c.run))})")
@@ -403,33 +397,36 @@ def terminal(result, console: Console) -> None:
         console.print(_rich_table("Achieved compute (prefill)", *_compute_table(report)))
         console.print(f"  {visible(_compute_lead(report))}", markup=False, highlight=False)
     if report.capacity is not None:
-        terminal(report.capacity, console)
+        capacity_terminal(report.capacity, console)
     for plot in report.plots:
         console.print(f"  plot: {plot.path}", markup=False, highlight=False)
-    diff_terminal.render(report.diff, console)
+    diff_terminal.body(report.diff, console)
 
 
 # ---- CSV ----------------------------------------------------------------------------------------------
 
-def csv_text(result) -> str:
+def capacity_csv(cap: Capacity) -> str:
     buffer = io.StringIO()
     writer = csv_writer(buffer)
-    if isinstance(result, Capacity):
-        columns = [f.name for f in fields(result.formats[0])] if result.formats else ["label"]
-        writer.writerow(["section", *columns])
-        for row in result.formats:
-            writer.writerow(["format", *("" if v is None else v for v in asdict(row).values())])
-        if result.groups:
-            writer.writerow(["section", *(f.name for f in fields(result.groups[0]))])
-            for row in result.groups:
-                writer.writerow(["group", *("" if v is None else v for v in asdict(row).values())])
-        if result.measured:
-            measured = [f.name for f in fields(result.measured[0])]
-            writer.writerow(["section", *measured])
-            for row in result.measured:
-                writer.writerow(["measured", *("" if v is None else v for v in asdict(row).values())])
-        return buffer.getvalue()
-    report = result
+    columns = [f.name for f in fields(cap.formats[0])] if cap.formats else ["label"]
+    writer.writerow(["section", *columns])
+    for row in cap.formats:
+        writer.writerow(["format", *("" if v is None else v for v in asdict(row).values())])
+    if cap.groups:
+        writer.writerow(["section", *(f.name for f in fields(cap.groups[0]))])
+        for row in cap.groups:
+            writer.writerow(["group", *("" if v is None else v for v in asdict(row).values())])
+    if cap.measured:
+        measured = [f.name for f in fields(cap.measured[0])]
+        writer.writerow(["section", *measured])
+        for row in cap.measured:
+            writer.writerow(["measured", *("" if v is None else v for v in asdict(row).values())])
+    return buffer.getvalue()
+
+
+def report_csv(report: Report) -> str:
+    buffer = io.StringIO()
+    writer = csv_writer(buffer)
     # Long format: one value per line, so that every section fits one header.
     writer.writerow(["section", "key", "arm", "metric", "value"])
     labels = {"baseline": report.baseline.label, "candidate": report.candidate.label}

@@ -16,18 +16,7 @@ from kvtrace.analyzer.verify import MISMATCHES_SHOWN, mismatch_lines
 _STYLE = {REGRESSION: "red", IMPROVEMENT: "green"}
 
 
-def render(result: Summary | Diff | KernelList, console: Console) -> None:
-    if isinstance(result, KernelList):
-        _kernels(result, console)
-    elif not isinstance(result, (Summary, Diff)):
-        from kvtrace.analyzer.render import report_tables  # kvtrace report / capacity results
-
-        report_tables.terminal(result, console)
-    else:
-        (_summary if isinstance(result, Summary) else _diff)(result, console)
-
-
-def _kernels(kernels: KernelList, console: Console) -> None:
+def kernels(kernels: KernelList, console: Console) -> None:
     title = "Unclassified kernels" if kernels.only_unclassified else "Kernels"
     table = Table(title=f"{title}: {rich(kernels.arm.label)}", title_justify="left")
     for column in ("segment", "calls", "total", "share", "mean", "recipe", "kernel"):
@@ -41,7 +30,7 @@ def _kernels(kernels: KernelList, console: Console) -> None:
         console.print("every kernel matched a recipe" if kernels.only_unclassified else "no kernels")
 
 
-def _summary(summary: Summary, console: Console) -> None:
+def summary(summary: Summary, console: Console) -> None:
     arm = summary.arm
     console.print(f"[bold]{rich(arm.label)}[/]: {rich(arm.info.gpu_label)}, Nsight Systems "
                   f"{rich(arm.info.product_version)}, {arm.info.kernel_count:,} kernels, {duration(arm.total_ns)} "
@@ -94,8 +83,13 @@ def head(diff: Diff, console: Console) -> None:
     console.rule("everything else", style="dim")
 
 
-def _diff(diff: Diff, console: Console) -> None:
+def diff(diff: Diff, console: Console) -> None:
     head(diff, console)
+    body(diff, console)
+
+
+def body(diff: Diff, console: Console) -> None:
+    """Everything after the head: totals, findings, every table with its notes."""
     b, c = diff.baseline, diff.candidate
     console.print(f"[bold]{rich(b.label)}[/] → [bold]{rich(c.label)}[/]: total GPU kernel time "
                   f"{duration(b.total_ns)} → {duration(c.total_ns)} ({ratio(diff.total_ratio)})")
