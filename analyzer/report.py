@@ -27,7 +27,7 @@ from kvtrace.analyzer.statements import Statement, statements
 from kvtrace.errors import KvtraceError
 from kvtrace.manifest import Phase, parse_phase_name
 
-REPORT_SCHEMA = "kvtrace.report/3"
+REPORT_SCHEMA = "kvtrace.report/4"
 # Segments whose per-call durations the report keeps for the ECDF plots.
 DISTRIBUTION_SEGMENTS = ("prefill_attention", "decode_attention")
 # FlashInfer workload phases (kvtrace.manifest.phase_name) bound by memory bandwidth; prefill is compute-bound
@@ -124,7 +124,8 @@ class Report:
         for name in ("baseline", "candidate"):
             data[name] = asdict(getattr(self, name))
         data["diff"] = self.diff.to_dict()
-        for name in ("statements", "findings", "segment_times", "serving"):
+        data["statements"] = [{"kind": s.kind, **asdict(s)} for s in self.statements]
+        for name in ("findings", "segment_times", "serving"):
             data[name] = [asdict(row) for row in getattr(self, name)]
         data["sweep"] = self.sweep
         data["bandwidth"] = [asdict(row) for row in self.bandwidth]

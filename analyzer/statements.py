@@ -4,87 +4,184 @@ the TTFT guard rail that tells a capacity / prefix-hit effect from a faster pref
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from kvtrace.analyzer import capacity, stats
-from kvtrace.analyzer.compare import Diff
+from kvtrace.analyzer.compare import Diff, DiffRow
 from kvtrace.analyzer.runs import RunArm
 from kvtrace.analyzer.serving import ServingRow
 from kvtrace.manifest import Point, parse_phase_name
 
 
-@dataclass
+# How a TTFT change reads beside the prefill kernels and the prefix cache (TtftStatement.reading).
+PREFIX_HIT = "prefix-hit effect"  # more cached prompt tokens, prefill kernels not faster
+PREFIX_HIT_AND_FASTER = "prefix-hit effect and faster kernels"  # both: TTFT credits neither alone
+CAPACITY_EFFECT = "capacity effect"  # the baseline was capacity-bound there, the candidate not
+OUTSIDE_KERNELS = "outside the prefill kernels"  # same cached tokens, prefill kernels not faster
+PREFILLED_DIFFERENT = "different prefill amounts"  # cached tokens differ: TTFT mixes kernel speed and hits
+PLAIN = "plain"  # nothing to qualify
+
+
+@dataclass(frozen=True)
 class Statement:
     """What the numbers say on one topic (prefill, decode, append, capacity, ttft), kept apart from the others;
-    a Finding, by contrast, says whether the two runs can be compared at all."""
+    a Finding, by contrast, says whether the two runs can be compared at all. Each kind carries its numbers
+    (ns, ms, ratios, counts) and names; analyzer/render/statements.py words them."""
 
     level: str  # ok, warning
     check: str  # the topic
-    message: str
+    kind: ClassVar[str]
 
 
-def _fmt_ns(ns: float | None) -> str:
-    from kvtrace.analyzer.render.units import duration
+@dataclass(frozen=True)
+class KernelStatement(Statement):
+    """A diff row: a segment over every point (prefill, decode, KV append kernels) or the append phase at one
+    workload point (the diff's phase_totals row, every kernel of the phase)."""
 
-    return duration(ns)
+    kind: ClassVar[str] = "kernels"
+    subject: str  # a segment (prefill_attention, decode_attention, kv_append) or APPEND_PHASE
+    phase: str | None  # the NVTX range of a per-point row
+    context: int | None  # its context length
+    baseline: str  # arm labels
+    candidate: str
+    verdict: str
+    ratio: float | None  # None: not compared (reason says why)
+    ci_low: float | None
+    ci_high: float | None
+    compared_calls: int
+    per_call: bool  # the row's cells cost the same per call: the times are per call, else totals over `cells`
+    baseline_ns: float | None
+    candidate_ns: float | None
+    cells: int
+    reason: str | None  # why there is no ratio
 
 
-def _segment_statement(diff: Diff, segment: str, topic: str, what: str) -> Statement | None:
+APPEND_PHASE = "append_phase"
+
+
+@dataclass(frozen=True)
+class MeasuredCapacityStatement(Statement):
+    """vLLM's own KV-token count of an arm against the first arm's."""
+
+    kind: ClassVar[str] = "capacity-measured"
+    arm: str
+    tokens: int
+    reference_arm: str
+    reference_tokens: int
+    multiplier: float
+    ideal_multiplier: float
+
+
+@dataclass(frozen=True)
+class IdealCapacityStatement(Statement):
+    """Tokens per memory from bytes per token alone, when no run measured capacity."""
+
+    kind: ClassVar[str] = "capacity-ideal"
+    format: str  # the candidate format's label
+    reference_format: str
+    multiplier: float
+    ratio: float  # bytes per token, candidate / reference
+
+
+@dataclass(frozen=True)
+class FirstCapacity:
+    point: str
+    reason: str  # why the point is capacity-bound
+
+
+@dataclass(frozen=True)
+class SweepArm:
+    label: str
+    points: int  # points the arm ran
+    first: tuple[FirstCapacity, ...]  # per context length, its first capacity-bound point
+
+
+@dataclass(frozen=True)
+class SweepCapacityStatement(Statement):
+    """Where each arm of a sweep first reaches capacity, per context length."""
+
+    kind: ClassVar[str] = "sweep-capacity"
+    arms: tuple[SweepArm, ...]
+
+
+@dataclass(frozen=True)
+class PrefixFit:
+    """The shared prefixes fit the candidate's KV cache and not the baseline's."""
+
+    prefixes: int
+    tokens: int
+    baseline_kv_tokens: int
+    candidate_kv_tokens: int
+
+
+@dataclass(frozen=True)
+class TtftStatement(Statement):
+    """TTFT at one traffic point, read beside the prefill kernels' verdict and the prefix cache (the guard rail)."""
+
+    kind: ClassVar[str] = "ttft"
+    reading: str  # PREFIX_HIT, PREFIX_HIT_AND_FASTER, CAPACITY_EFFECT, OUTSIDE_KERNELS, PREFILLED_DIFFERENT, PLAIN
+    baseline: str
+    candidate: str
+    point: str | None  # None when the run has one traffic point
+    stat: str  # p50 or mean
+    baseline_ms: float
+    candidate_ms: float
+    ratio: float
+    prefill_verdict: str | None  # the prefill-attention kernels' (paired) verdict, ratio and pairs
+    prefill_ratio: float | None
+    prefill_compared_calls: int | None
+    baseline_cached_tokens: int | None
+    candidate_cached_tokens: int | None
+    baseline_prefilled_tokens: int | None  # prompt tokens not served from the prefix cache
+    candidate_prefilled_tokens: int | None
+    baseline_queue_ms: float | None
+    candidate_queue_ms: float | None
+    prefix_fit: PrefixFit | None
+    baseline_capacity: str | None  # why the baseline was capacity-bound at the point
+
+
+def _kernel_statement(diff: Diff, row: DiffRow, check: str, subject: str) -> KernelStatement:
+    parsed = parse_phase_name(row.phase) if subject == APPEND_PHASE else None
+    compared = row.ratio is not None
+    times = [None, None]
+    if compared:  # cells of different cost per call: the totals, since a pooled mean describes no call that ran
+        times = [getattr(arm, "mean_ns" if row.same_work else "total_ns") for arm in (row.baseline, row.candidate)]
+    return KernelStatement(
+        level="warning" if not compared or row.verdict in (stats.REGRESSION, stats.DIFFERENT_WORK) else "ok",
+        check=check, subject=subject, phase=row.phase if parsed else None, context=parsed[1] if parsed else None,
+        baseline=diff.baseline.label, candidate=diff.candidate.label, verdict=row.verdict, ratio=row.ratio,
+        ci_low=row.ci_low, ci_high=row.ci_high, compared_calls=row.compared_calls, per_call=row.same_work,
+        baseline_ns=times[0], candidate_ns=times[1], cells=row.cells,
+        reason=None if compared else row.reason or row.note)
+
+
+def _segment_statement(diff: Diff, segment: str, check: str) -> KernelStatement | None:
     row = next((r for r in diff.segments if r.segment == segment), None)
-    if row is None:
-        return None
-    b, c = diff.baseline.label, diff.candidate.label
-    if row.ratio is None:
-        return Statement("warning", topic, f"{what}: {row.verdict} ({row.reason or row.note or 'no paired calls'})")
-    interval = f" [{row.ci_low:.3f}, {row.ci_high:.3f}]" if row.ci_low is not None else ""
-    if row.same_work:
-        times = f"{_fmt_ns(row.baseline.mean_ns)} ({b}) → {_fmt_ns(row.candidate.mean_ns)} ({c}) per call"
-    else:  # cells of different cost per call: a pooled mean would describe no call that ran
-        times = (f"{_fmt_ns(row.baseline.total_ns)} ({b}) → {_fmt_ns(row.candidate.total_ns)} ({c}) in total over "
-                 f"{row.cells:,} cells")
-    return Statement("warning" if row.verdict in (stats.REGRESSION, stats.DIFFERENT_WORK) else "ok", topic,
-                     f"{what}: {times}, {row.ratio:.3f}×{interval}, {row.verdict} over {row.compared_calls:,} paired "
-                     "calls")
+    return None if row is None else _kernel_statement(diff, row, check, segment)
 
 
-def _append_phase_statement(diff: Diff) -> Statement | None:
+def _append_phase_statements(diff: Diff) -> list[KernelStatement]:
     """FlashInfer's append ranges hold the whole append path (FP8: a cast in separate kernels; NVFP4: one
-    fused quantize-append), so the phase's GPU time per workload call is the fair comparison. A workload call
-    launches one KV append kernel, so the append kernels the window kept count the calls whose time it kept
-    (--skip-warmup, --last and --time trim every family alike)."""
-    rows = [r for r in diff.phases if r.phase and (parsed := parse_phase_name(r.phase)) and parsed[0] == "append"]
-    base = sum(r.baseline_total_ns for r in rows)
-    cand = sum(r.candidate_total_ns for r in rows)
-    calls = tuple(sum(getattr(r, f"{side}_calls") for r in rows if r.segment == "kv_append")
-                  for side in ("baseline", "candidate"))
-    if not rows or not base or not all(calls):
-        return None
-    b, c = base / calls[0], cand / calls[1]
-    ratio = stats.ratio(b, c)
-    return Statement("warning" if ratio > 1 + diff.threshold else "ok", "append",
-                     f"append phase, every kernel in the kvtrace:append ranges (the FP8 cast and the NVFP4 packing "
-                     f"included): {_fmt_ns(b)} ({diff.baseline.label}) → {_fmt_ns(c)} ({diff.candidate.label}) per "
-                     f"append call over {calls[0]:,} and {calls[1]:,} calls, {ratio:.3f}×")
+    fused quantize-append): the diff's phase totals, one per workload point as its head shows them, so that
+    report and diff say the same and no ratio pooled across contexts poses as one answer."""
+    return [_kernel_statement(diff, row, "append", APPEND_PHASE) for row in diff.phase_totals
+            if (parse_phase_name(row.phase) or ("",))[0] == "append"]
 
 
 def statements(diff: Diff, serving: list[ServingRow], cap: capacity.Capacity | None, base: RunArm,
                cand: RunArm) -> list[Statement]:
-    out = [s for s in (
-        _segment_statement(diff, "prefill_attention", "prefill", "prefill attention kernels"),
-        _segment_statement(diff, "decode_attention", "decode", "decode attention kernels"),
-        _segment_statement(diff, "kv_append", "append", "KV append kernels"),
-        _append_phase_statement(diff)) if s is not None]
+    out: list[Statement] = [s for s in (
+        _segment_statement(diff, "prefill_attention", "prefill"),
+        _segment_statement(diff, "decode_attention", "decode"),
+        _segment_statement(diff, "kv_append", "append")) if s is not None]
+    out += _append_phase_statements(diff)
     if cap is not None and cap.measured:
-        for row in cap.measured[1:]:
-            out.append(Statement("ok", "capacity",
-                               f"capacity: vLLM reports {row.tokens:,} KV tokens for {row.arm} against "
-                               f"{cap.measured[0].tokens:,} for {cap.measured[0].arm} ({row.multiplier:.2f}×; "
-                               f"ideal from bytes per token {row.ideal_multiplier:.2f}×). Capacity is not latency: "
-                               "more tokens fit, no kernel got faster"))
+        reference = cap.measured[0]
+        out += [MeasuredCapacityStatement("ok", "capacity", row.arm, row.tokens, reference.arm, reference.tokens,
+                                          row.multiplier, row.ideal_multiplier) for row in cap.measured[1:]]
     elif cap is not None and cap.ideal_multiplier is not None and cap.formats[0].format != cap.formats[-1].format:
-        out.append(Statement("ok", "capacity",
-                           f"capacity (ideal, from bytes per token): {cap.formats[-1].label} fits "
-                           f"{cap.ideal_multiplier:.2f}× the tokens of {cap.formats[0].label} in the same memory "
-                           f"(ratio {cap.ideal_ratio:.4g}); no run measured it. Capacity is not latency"))
+        out.append(IdealCapacityStatement("ok", "capacity", cap.formats[-1].label, cap.formats[0].label,
+                                          cap.ideal_multiplier, cap.ideal_ratio))
     sweep = sweep_capacity_statement(serving, base, cand)
     if sweep is not None:
         out.append(sweep)
@@ -92,31 +189,21 @@ def statements(diff: Diff, serving: list[ServingRow], cap: capacity.Capacity | N
     return out
 
 
-def _prefix_evidence(row: ServingRow, base: RunArm, cand: RunArm) -> str:
-    """What made the candidate prefill less: its KV pool holding the shared prefixes the baseline's could not,
-    the prompt tokens each arm prefilled, and the time requests waited in vLLM's queue."""
-    b, c = row.baseline, row.candidate
-    cause, effects = "", []
+def _prefix_fit(row: ServingRow, base: RunArm, cand: RunArm) -> PrefixFit | None:
+    """What made the candidate prefill less: its KV pool holding the shared prefixes the baseline's could not."""
     try:
         point = Point.parse(row.point)
     except (ValueError, TypeError):
-        point = None
+        return None
     pools = (base.kv_cache_tokens, cand.kv_cache_tokens)
-    if point is not None and point.prefix_len and point.num_prefixes and all(pools):
+    if point.prefix_len and point.num_prefixes and all(pools):
         shared = point.prefix_len * point.num_prefixes
         if pools[1] >= shared > pools[0]:
-            cause = (f"the {point.num_prefixes} shared prefixes ({shared:,} tokens) fit {cand.label}'s "
-                     f"{pools[1]:,}-token KV cache and not {base.label}'s {pools[0]:,}, so ")
-    if None not in (b.prompt_tokens, c.prompt_tokens, b.cached_prompt_tokens, c.cached_prompt_tokens):
-        effects.append(f"{cand.label} prefilled {c.prompt_tokens - c.cached_prompt_tokens:,} prompt tokens against "
-                       f"{b.prompt_tokens - b.cached_prompt_tokens:,}")
-    if b.queue_ms is not None and c.queue_ms is not None:
-        effects.append(f"{cand.label}'s requests waited {c.queue_ms:.1f} ms in vLLM's queue on average against "
-                       f"{b.queue_ms:.1f} ms")
-    return f": {cause}{' and '.join(effects)}" if effects else ""
+            return PrefixFit(point.num_prefixes, shared, pools[0], pools[1])
+    return None
 
 
-def ttft_guard_rail(diff: Diff, serving: list[ServingRow], base: RunArm, cand: RunArm) -> list[Statement]:
+def ttft_guard_rail(diff: Diff, serving: list[ServingRow], base: RunArm, cand: RunArm) -> list[TtftStatement]:
     """Two prefill statements that can both be true: a TTFT gain while the candidate served more of its prompts
     from the prefix cache is a capacity / prefix-hit effect, not a faster kernel, when its prefill kernels are
     not faster; when they are faster too, TTFT credits neither alone."""
@@ -127,67 +214,51 @@ def ttft_guard_rail(diff: Diff, serving: list[ServingRow], base: RunArm, cand: R
         # still say whether the kernel is faster.
         verdict = prefill.paired_verdict if prefill.verdict == stats.DIFFERENT_WORK else prefill.verdict
     not_faster = verdict in (stats.REGRESSION, stats.NO_CHANGE)
-    kernels = ("" if verdict is None else
-               f"prefill attention kernels regressed {prefill.ratio:.3f}× per call" if verdict == stats.REGRESSION else
-               f"prefill attention kernels showed no significant change per call ({prefill.ratio:.3f}×)"
-               if verdict == stats.NO_CHANGE else
-               f"{cand.label}'s prefill attention kernels are also faster per matched call ({prefill.ratio:.3f}× over "
-               f"{prefill.compared_calls:,} paired calls)")
     out = []
     for row in serving:
         if not (row.baseline and row.candidate and row.ttft_ratio is not None):
             continue
-        b_cached, c_cached = row.baseline.cached_prompt_tokens, row.candidate.cached_prompt_tokens
-        cached_differ = b_cached is not None and c_cached is not None and b_cached != c_cached
-        more_hits = cached_differ and c_cached > b_cached
+        b, c = row.baseline, row.candidate
+        cached_differ = b.cached_prompt_tokens is not None and c.cached_prompt_tokens is not None and \
+            b.cached_prompt_tokens != c.cached_prompt_tokens
+        more_hits = cached_differ and c.cached_prompt_tokens > b.cached_prompt_tokens
         improved = row.ttft_ratio < 1 - diff.threshold
-        where = f" at {row.point}" if len(serving) > 1 else ""
-        ttft = (f"TTFT {row.ttft_stat} {getattr(row.baseline.ttft_ms, row.ttft_stat):.1f} ms ({base.label}) → "
-                f"{getattr(row.candidate.ttft_ms, row.ttft_stat):.1f} ms ({cand.label}), {row.ttft_ratio:.3f}×")
-        cached = (f"{c_cached:,} cached prompt tokens ({cand.label}) against {b_cached:,} ({base.label})"
-                  if cached_differ else "")
         if improved and more_hits and not_faster:
-            out.append(Statement("warning", "ttft",
-                               f"{ttft}{where} while {kernels}, with {cached}"
-                               f"{_prefix_evidence(row, base, cand)}. The TTFT gain is a capacity / prefix-hit "
-                               "effect (more of the prompt came from the prefix cache, so less prefill ran), not a "
-                               "faster prefill kernel"))
+            reading = PREFIX_HIT
         elif improved and more_hits and verdict == stats.IMPROVEMENT:
-            out.append(Statement("warning", "ttft",
-                               f"{ttft}{where}, with {cached}{_prefix_evidence(row, base, cand)}. Part of the TTFT "
-                               f"gain is this capacity / prefix-hit effect, not kernel speed; {kernels}, so TTFT "
-                               "credits neither alone"))
-        elif improved and not_faster and row.baseline.capacity and not row.candidate.capacity:
-            out.append(Statement("warning", "ttft",
-                               f"{ttft}{where} although {kernels}: {base.label} was capacity-bound there "
-                               f"({row.baseline.capacity}) and {cand.label} was not, so the TTFT gain is a capacity "
-                               "effect (less queueing and recomputation after preemption), not a faster prefill "
-                               "kernel"))
+            reading = PREFIX_HIT_AND_FASTER
+        elif improved and not_faster and b.capacity and not c.capacity:
+            reading = CAPACITY_EFFECT
         elif improved and not_faster and not cached_differ:
-            out.append(Statement("warning", "ttft",
-                               f"{ttft}{where} although {kernels}, with the same cached prompt tokens: the gain comes "
-                               "from outside the prefill kernels (scheduling, queueing, preemptions), not a faster "
-                               "kernel"))
+            reading = OUTSIDE_KERNELS
         elif cached_differ:
-            out.append(Statement("warning", "ttft",
-                               f"{ttft}{where}, with {cached}: the arms prefilled different amounts, so TTFT "
-                               "mixes kernel speed with prefix-cache hits"))
+            reading = PREFILLED_DIFFERENT
         else:
-            out.append(Statement("ok", "ttft", f"{ttft}{where}"
-                               + (", same cached prompt tokens" if b_cached is not None and c_cached is not None
-                                  else "")))
+            reading = PLAIN
+        prefilled = (b.prompt_tokens - b.cached_prompt_tokens, c.prompt_tokens - c.cached_prompt_tokens) if None not in (
+            b.prompt_tokens, c.prompt_tokens, b.cached_prompt_tokens, c.cached_prompt_tokens) else (None, None)
+        queued = (b.queue_ms, c.queue_ms) if b.queue_ms is not None and c.queue_ms is not None else (None, None)
+        out.append(TtftStatement(
+            level="ok" if reading == PLAIN else "warning", check="ttft", reading=reading, baseline=base.label,
+            candidate=cand.label, point=row.point if len(serving) > 1 else None, stat=row.ttft_stat,
+            baseline_ms=getattr(b.ttft_ms, row.ttft_stat), candidate_ms=getattr(c.ttft_ms, row.ttft_stat),
+            ratio=row.ttft_ratio, prefill_verdict=verdict, prefill_ratio=prefill.ratio if verdict else None,
+            prefill_compared_calls=prefill.compared_calls if verdict else None,
+            baseline_cached_tokens=b.cached_prompt_tokens, candidate_cached_tokens=c.cached_prompt_tokens,
+            baseline_prefilled_tokens=prefilled[0], candidate_prefilled_tokens=prefilled[1],
+            baseline_queue_ms=queued[0], candidate_queue_ms=queued[1], prefix_fit=_prefix_fit(row, base, cand),
+            baseline_capacity=b.capacity))
     return out
 
 
-def sweep_capacity_statement(serving: list[ServingRow], base: RunArm, cand: RunArm) -> Statement | None:
+def sweep_capacity_statement(serving: list[ServingRow], base: RunArm, cand: RunArm) -> SweepCapacityStatement | None:
     """Where each arm of a sweep first reaches capacity, per context length."""
     if len(serving) < 2:
         return None
-    parts = []
+    arms = []
     for side, arm in (("baseline", base), ("candidate", cand)):
         ran = [row for row in serving if getattr(row, side)]
-        first = [row for row in ran if getattr(row, f"{side}_first_capacity")]
-        parts.append(f"{arm.label} first reaches capacity at " + "; ".join(
-            f"{row.point} ({getattr(row, side).capacity})" for row in first) if first else
-            f"{arm.label} reaches capacity at none of its {len(ran)} points")
-    return Statement("ok", "capacity", "sweep: " + ". ".join(parts))
+        arms.append(SweepArm(arm.label, len(ran), tuple(
+            FirstCapacity(row.point, getattr(row, side).capacity) for row in ran
+            if getattr(row, f"{side}_first_capacity"))))
+    return SweepCapacityStatement("ok", "capacity", tuple(arms))

@@ -25,9 +25,10 @@ from click.testing import CliRunner
 from rich.console import Console
 
 from conftest import FIXTURES, NSYS2023_DIR, NSYS2025_DIR, SERVE_RUNS, sql_durations
-from kvtrace.analyzer import align, headline, report, runs, serving, stats
+from kvtrace.analyzer import align, headline, report, runs, serving, statements, stats
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.render import json_out, render_table, render_text
+from kvtrace.analyzer.render.statements import text as statement_text
 from kvtrace.analyzer.render.units import duration
 from kvtrace.cli import cli, main
 from kvtrace.errors import KvtraceError
@@ -103,9 +104,11 @@ def test_prefill_statement_and_segment_times_match_plain_sql(fi):
     gemm = next(r for r in fi.segment_times if r.segment == "gemm")  # one GEMM shape in three ranges: per call
     assert gemm.baseline_mean_ns == pytest.approx(np.mean(sql_durations(NSYS2025_DIR / "fp8.sqlite", "nvjet%")))
     statement = next(s for s in fi.statements if s.check == "prefill")
-    assert statement.level == "warning" and f"{sum(cand) / sum(base):.3f}×" in statement.message
-    assert "in total over 3 cells" in statement.message and "per call" not in statement.message
-    assert "regression" in statement.message and f"{len(base):,} paired calls" in statement.message
+    assert (statement.baseline_ns, statement.candidate_ns, statement.per_call) == (sum(base), sum(cand), False)
+    assert statement.ratio == pytest.approx(sum(cand) / sum(base)) and statement.compared_calls == len(base)
+    assert statement.level == "warning" and f"{sum(cand) / sum(base):.3f}×" in statement_text(statement)
+    assert "in total over 3 cells" in statement_text(statement) and "per call" not in statement_text(statement)
+    assert "regression" in statement_text(statement) and f"{len(base):,} paired calls" in statement_text(statement)
 
 
 def test_ecdf_durations_are_the_traces_per_call_durations_per_cell(fi):
@@ -142,16 +145,31 @@ def test_bandwidth_per_phase_from_the_manifest_bytes_and_sql_time(fi):
                 phase["bytes_per_call"] / per_call * 1e9 / ceiling)
 
 
+def _append_phase_statements(result) -> dict[int, statements.KernelStatement]:
+    return {s.context: s for s in result.statements if s.kind == "kernels" and s.subject == statements.APPEND_PHASE}
+
+
 def test_append_phase_statement_counts_every_kernel_in_the_append_ranges(fi):
+    """One statement per context, every kernel in its kvtrace:append range per workload call, with the diff's
+    interval and verdict: the numbers of the diff's head, never a ratio pooled across contexts."""
     data = manifest(NSYS2025_DIR)
-    per_call = {}
-    for arm in ("fp8", "nvfp4"):
-        phases = [p for p in data["arms"][arm]["workload"]["phases"] if p["nvtx"].startswith("kvtrace:append ")]
-        total = sum(sum(sql_durations(NSYS2025_DIR / f"{arm}.sqlite", "%", nvtx=p["nvtx"])) for p in phases)
-        per_call[arm] = total / sum(p["calls"] for p in phases)
-    statement = next(s for s in fi.statements if s.check == "append" and "append phase" in s.message)
-    assert f"{duration(per_call['fp8'])} (fp8) → {duration(per_call['nvfp4'])} (nvfp4)" in statement.message
-    assert f"{per_call['nvfp4'] / per_call['fp8']:.3f}×" in statement.message
+    said = _append_phase_statements(fi)
+    phases = {arm: [p for p in data["arms"][arm]["workload"]["phases"] if p["nvtx"].startswith("kvtrace:append ")]
+              for arm in ("fp8", "nvfp4")}
+    contexts = [int(re.search(r"ctx=(\d+)", p["nvtx"]).group(1)) for p in phases["fp8"]]
+    assert sorted(said) == sorted(contexts) and len(said) == 3
+    for index, (phase, context) in enumerate(zip(phases["fp8"], contexts)):
+        per_call = {arm: sum(sql_durations(NSYS2025_DIR / f"{arm}.sqlite", "%", nvtx=phases[arm][index]["nvtx"]))
+                    / phases[arm][index]["calls"] for arm in ("fp8", "nvfp4")}
+        statement = said[context]
+        assert (statement.baseline_ns, statement.candidate_ns) == pytest.approx((per_call["fp8"], per_call["nvfp4"]))
+        assert statement.ratio == pytest.approx(per_call["nvfp4"] / per_call["fp8"])
+        assert statement.ci_low < statement.ratio < statement.ci_high and statement.verdict == stats.IMPROVEMENT
+        assert statement.compared_calls == phase["calls"]
+        words = statement_text(statement)
+        assert words.startswith(f"append phase at ctx={context}, every kernel in the kvtrace:append ranges")
+        assert f"{duration(per_call['fp8'])} (fp8) → {duration(per_call['nvfp4'])} (nvfp4) per append call" in words
+        assert f"{statement.ratio:.3f}× [{statement.ci_low:.3f}, {statement.ci_high:.3f}], improvement" in words
 
 
 def test_capacity_in_the_report_uses_the_runs_shape(fi):
@@ -160,17 +178,26 @@ def test_capacity_in_the_report_uses_the_runs_shape(fi):
     per_token = context["kv_bytes_read_per_attention_call"] / (workload["settings"]["batch"] * context["context"])
     assert fi.capacity.formats[0].bytes_per_token == per_token
     assert fi.capacity.ideal_ratio == 0.5625 and fi.capacity.measured == []
-    assert next(s for s in fi.statements if s.check == "capacity").message.count("1.78×") == 1
+    assert statement_text(next(s for s in fi.statements if s.check == "capacity")).count("1.78×") == 1
 
 
 def test_json_is_the_result_object(fi):
     data = json.loads(json_out.render(fi))
-    assert data["schema"] == "kvtrace.report/3" and data["diff"]["schema"] == "kvtrace.diff/4"
+    assert data["schema"] == "kvtrace.report/4" and data["diff"]["schema"] == "kvtrace.diff/4"
     assert "durations" not in data
     assert {"statements", "findings", "segment_times", "serving", "bandwidth", "hbm_ceiling", "capacity",
             "plots", "baseline", "candidate", "sweep", "notes"} <= set(data)
     assert data["capacity"]["schema"] == "kvtrace.capacity/2"
     assert len(data["bandwidth"]) == len(fi.bandwidth)
+    # Statements carry numbers, not words: the append phase per context is the diff's phase-total row.
+    appends = [s for s in data["statements"] if s["kind"] == "kernels" and s["subject"] == "append_phase"]
+    rows = {r["phase"]: r for r in data["diff"]["phase_totals"]}
+    assert appends and all("message" not in s for s in data["statements"])
+    for statement in appends:
+        row = rows[statement["phase"]]
+        assert (statement["ratio"], statement["ci_low"], statement["ci_high"], statement["compared_calls"]) == (
+            row["ratio"], row["ci_low"], row["ci_high"], row["compared_calls"])
+        assert statement["baseline_ns"] == row["baseline"]["mean_ns"]
 
 
 def test_two_run_directories_one_arm_each(recipes):
@@ -224,7 +251,7 @@ def test_guard_rail_names_a_capacity_win_as_a_prefix_hit_effect(win):
     cand = sql_durations(NSYS2025_DIR / "nvfp4.sqlite", PREFILL)
     ttft = [s for s in win.statements if s.check == "ttft"]
     assert len(ttft) == 1 and ttft[0].level == "warning"
-    message = ttft[0].message
+    message = statement_text(ttft[0])
     assert "capacity / prefix-hit effect" in message and "not a faster prefill kernel" in message
     assert f"{hits['nvfp4']:,} cached prompt tokens (nvfp4) against {hits['fp8']:,} (fp8)" in message
     assert f"regressed {np.mean(cand) / np.mean(base):.3f}×" in message
@@ -258,7 +285,7 @@ def test_guard_rail_stays_quiet_or_changes_its_words_when_the_case_differs(tmp_p
         data["arms"]["fp8"]["points"][0]["metrics"]["peaks"]["vllm:kv_cache_usage_perc"] = 0.5
 
     result = report.build([_variant(tmp_path, CAPACITY_WIN, same_cache)], recipes)
-    message = next(s for s in result.statements if s.check == "ttft").message
+    message = statement_text(next(s for s in result.statements if s.check == "ttft"))
     assert "prefix-hit" not in message and "outside the prefill kernels" in message
 
     def ttft_worse(data):
@@ -268,7 +295,7 @@ def test_guard_rail_stays_quiet_or_changes_its_words_when_the_case_differs(tmp_p
     (tmp_path / "b").mkdir()
     result = report.build([_variant(tmp_path / "b", CAPACITY_WIN, ttft_worse)], recipes)
     statement = next(s for s in result.statements if s.check == "ttft")
-    assert "capacity / prefix-hit effect" not in statement.message and "mixes kernel speed" in statement.message
+    assert "capacity / prefix-hit effect" not in statement_text(statement) and "mixes kernel speed" in statement_text(statement)
 
     def fp8_traces_only(data):  # same-format traces: prefill kernels not faster (no significant change)
         data["arms"]["nvfp4"]["sqlite"] = str(REPEAT / "fp8.sqlite")
@@ -276,8 +303,8 @@ def test_guard_rail_stays_quiet_or_changes_its_words_when_the_case_differs(tmp_p
     (tmp_path / "c").mkdir()
     result = report.build([_variant(tmp_path / "c", CAPACITY_WIN, fp8_traces_only)], recipes)
     statement = next(s for s in result.statements if s.check == "ttft")
-    assert "capacity / prefix-hit effect" in statement.message and "not a faster prefill kernel" in statement.message
-    assert "showed no significant change per call" in statement.message
+    assert "capacity / prefix-hit effect" in statement_text(statement) and "not a faster prefill kernel" in statement_text(statement)
+    assert "showed no significant change per call" in statement_text(statement)
 
     def faster_kernels(data):  # the candidate's prefill kernels are the faster ones: TTFT credits neither alone
         data["arms"]["fp8"]["sqlite"], data["arms"]["nvfp4"]["sqlite"] = (str(NSYS2025_DIR / "nvfp4.sqlite"),
@@ -285,7 +312,7 @@ def test_guard_rail_stays_quiet_or_changes_its_words_when_the_case_differs(tmp_p
 
     (tmp_path / "d").mkdir()
     result = report.build([_variant(tmp_path / "d", CAPACITY_WIN, faster_kernels)], recipes)
-    message = next(s for s in result.statements if s.check == "ttft").message
+    message = statement_text(next(s for s in result.statements if s.check == "ttft"))
     assert "Part of the TTFT gain is this capacity / prefix-hit effect" in message and "credits neither alone" in message
     assert "not a faster prefill kernel" not in message
 
@@ -298,7 +325,7 @@ def test_guard_rail_stays_quiet_or_changes_its_words_when_the_case_differs(tmp_p
 
     (tmp_path / "e").mkdir()
     result = report.build([_variant(tmp_path / "e", CAPACITY_WIN, fewer_hits)], recipes)
-    message = next(s for s in result.statements if s.check == "ttft").message
+    message = statement_text(next(s for s in result.statements if s.check == "ttft"))
     assert "prefix-hit effect" not in message and "mixes kernel speed" in message
 
 
@@ -321,7 +348,7 @@ def test_sweep_has_one_row_per_grid_point_and_marks_first_capacity(sweep):
     assert any(r.baseline_first_capacity for r in sweep.serving)  # fp8 runs out of KV in this sweep
     text = render_text(sweep, "markdown")
     assert text.count("◆ fp8") == sum(r.baseline_first_capacity for r in sweep.serving)
-    assert any(s.check == "ttft" and "capacity-bound" in s.message for s in sweep.statements)
+    assert any(s.check == "ttft" and "capacity-bound" in statement_text(s) for s in sweep.statements)
 
 
 @pytest.mark.skipif(not VLLM_H200, reason="no real vLLM H200 run directories under fixtures/ yet")
@@ -380,6 +407,18 @@ def test_the_head_is_printed_once_and_the_whole_diff_follows(fi):
     render_table(fi, Console(file=buffer, width=200))
     table = buffer.getvalue()
     assert table.count("time per call, ratio nvfp4/fp8") == 1 and "Segments by phase (NVTX range)" in table
+
+
+def test_statement_names_are_escaped_for_each_format(recipes):
+    """Statements carry the labels as data; each renderer makes them inert its own way."""
+    result = report.build([NSYS2025_DIR], recipes, labels=("<b>fp8*", "\x1b[31mnv"))
+    said = [line for line in render_text(result, "markdown").splitlines() if line.startswith("- ✅ **append**")]
+    assert said and all("(\\<b\\>fp8\\*) → " in line and "(\\\\x1b\\[31mnv)" in line for line in said)
+    buffer = io.StringIO()
+    render_table(result, Console(file=buffer, width=400, force_terminal=True))
+    assert "\x1b[31mnv" not in buffer.getvalue() and "(\\x1b[31mnv) per append call" in buffer.getvalue()
+    rows = [r for r in csv.reader(io.StringIO(render_text(result, "csv"))) if r[0] == "statement"]
+    assert any("(<b>fp8*) → " in r[4] and "(\\x1b[31mnv)" in r[4] for r in rows)
 
 
 def test_each_format_is_dispatched_by_result_type_and_an_unknown_type_is_refused(fi):
@@ -590,7 +629,7 @@ def test_real_prefix_reuse_tells_the_capacity_story(prefix_reuse):
     shared = int(spec["prefix"]) * int(spec["prefixes"])
     assert own["auto"]["log_tokens"] < shared <= own["fp8"]["log_tokens"]
     statement = next(s for s in prefix_reuse.statements if s.check == "ttft")
-    message = statement.message
+    message = statement_text(statement)
     assert statement.level == "warning"
     assert f"TTFT p50 {p50['auto']:.1f} ms (auto) → {p50['fp8']:.1f} ms (fp8), {p50['fp8'] / p50['auto']:.3f}×" in message
     assert f"{cached['fp8']:,} cached prompt tokens (fp8) against {cached['auto']:,} (auto)" in message
@@ -631,9 +670,9 @@ def test_real_sweep_marks_where_each_arm_first_reaches_capacity(recipes):
         expected[side] = set(first.values())
         assert {r.point for r in result.serving if getattr(r, f"{side}_first_capacity")} == expected[side], arm
         assert expected[side]  # each arm reached capacity somewhere in this grid
-    statement = next(s for s in result.statements if s.check == "capacity" and s.message.startswith("sweep:"))
+    statement = next(s for s in result.statements if s.kind == "sweep-capacity")
     for point in expected["baseline"] | expected["candidate"]:
-        assert point in statement.message
+        assert point in statement_text(statement)
     # auto stopped the 2,048-token context at capacity, so it never ran the last point fp8 ran.
     only_fp8 = [r.point for r in result.serving if r.candidate and not r.baseline]
     points = next(f for f in result.findings if f.check == "settings" and "traffic point" in f.message)
@@ -709,11 +748,10 @@ def test_append_phase_statement_inside_a_window_counts_the_windowed_calls(recipe
     last = 16
     result = report.build([NSYS2025_DIR], recipes, window=align.Window(last=last))
     data = manifest(NSYS2025_DIR)
-    per_call = {}
+    said = _append_phase_statements(result)
     for arm in ("fp8", "nvfp4"):
-        ranges = [p["nvtx"] for p in data["arms"][arm]["workload"]["phases"] if p["nvtx"].startswith("kvtrace:append ")]
-        total = calls = 0
-        for nvtx in ranges:
+        phases = [p for p in data["arms"][arm]["workload"]["phases"] if p["nvtx"].startswith("kvtrace:append ")]
+        for phase in phases:
             # --last keeps the last calls of every kernel and launch shape in each range: written out in SQL.
             rows = sql(NSYS2025_DIR / f"{arm}.sqlite", """
                 SELECT s.value, k.gridX, k.gridY, k.gridZ, k.blockX, k.blockY, k.blockZ, k.end - k.start
@@ -721,14 +759,13 @@ def test_append_phase_statement_inside_a_window_counts_the_windowed_calls(recipe
                 JOIN CUPTI_ACTIVITY_KIND_RUNTIME r ON r.correlationId = k.correlationId
                      AND (r.globalTid & 0xFFFFFFFFFF000000) = k.globalPid
                 JOIN NVTX_EVENTS n ON n.globalTid = r.globalTid AND n.start <= r.start AND n.end >= r.end
-                     AND n.eventType IN (59, 60) AND n.text = ? ORDER BY k.start""", nvtx)
+                     AND n.eventType IN (59, 60) AND n.text = ? ORDER BY k.start""", phase["nvtx"])
             groups: dict = {}
             for row in rows:
                 groups.setdefault(row[:7], []).append(row[7])
-            total += sum(sum(values[-last:]) for values in groups.values())
-            calls += sum(len(values[-last:]) for key, values in groups.items() if "AppendPagedKVCache" in key[0])
-        assert calls == last * len(ranges)  # one append kernel per workload call
-        per_call[arm] = total / calls
-    statement = next(s for s in result.statements if s.check == "append" and "append phase" in s.message)
-    assert f"{duration(per_call['fp8'])} (fp8) → {duration(per_call['nvfp4'])} (nvfp4)" in statement.message
-    assert f"over {last * 3:,} and {last * 3:,} calls" in statement.message
+            total = sum(sum(values[-last:]) for values in groups.values())
+            calls = sum(len(values[-last:]) for key, values in groups.items() if "AppendPagedKVCache" in key[0])
+            assert calls == last  # one append kernel per workload call
+            statement = said[int(re.search(r"ctx=(\d+)", phase["nvtx"]).group(1))]
+            assert statement.compared_calls == last
+            assert getattr(statement, "baseline_ns" if arm == "fp8" else "candidate_ns") == pytest.approx(total / calls)

@@ -16,6 +16,7 @@ from kvtrace.analyzer.capacity import Capacity
 from kvtrace.analyzer.render import markdown as diff_markdown
 from kvtrace.analyzer.render import terminal as diff_terminal
 from kvtrace.analyzer.render.escape import csv_writer, md_code, md_text, rich, visible
+from kvtrace.analyzer.render.statements import text as statement_text
 from kvtrace.analyzer.render.units import LEVEL, MARK, duration, markdown_table, percent, ratio, shown_path
 from kvtrace.analyzer.report import Report
 from kvtrace.analyzer.serving import MIN_PEAK_POLLS, Latency, ServingMetrics, SourceCheck
@@ -305,7 +306,7 @@ def report_markdown(report: Report) -> str:
              "calls both arms ran (the kernel diff below); serving numbers are what the capture recorded. They "
              "answer different questions and are kept apart.", "",
              "### What the numbers say", ""]
-    lines += [f"- {MARK[s.level]} **{s.check}**: {visible(s.message)}" for s in report.statements]
+    lines += [f"- {MARK[s.level]} **{s.check}**: {statement_text(s, md_text)}" for s in report.statements]
     lines += ["", "### Runs", ""] + [f"- {MARK[f.level]} {visible(f.message)}" for f in report.findings]
     lines += [f"- {visible(note)}" for note in report.notes]
     if report.serving:
@@ -374,7 +375,7 @@ def report_terminal(report: Report, console: Console) -> None:
     console.print(f"[bold]{rich(b.label)}[/] ({rich(shown_path(b.run))}) → [bold]{rich(c.label)}[/] ({rich(shown_path(c.run))})")
     for s in report.statements:
         console.print(f"  {LEVEL[s.level]}  {s.check}: ", end="")
-        console.print(visible(s.message), markup=False, highlight=False)
+        console.print(statement_text(s, visible), markup=False, highlight=False)
     for f in report.findings:
         console.print(f"  {LEVEL[f.level]}  {rich(f.message)}", highlight=False)
     for note in report.notes:
@@ -431,7 +432,7 @@ def report_csv(report: Report) -> str:
     writer.writerow(["section", "key", "arm", "metric", "value"])
     labels = {"baseline": report.baseline.label, "candidate": report.candidate.label}
     for s in report.statements:
-        writer.writerow(["statement", s.check, "", s.level, s.message])
+        writer.writerow(["statement", s.check, "", s.level, statement_text(s)])
     for row in report.serving:
         for side in ("baseline", "candidate"):
             metrics = getattr(row, side)

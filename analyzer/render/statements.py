@@ -1,0 +1,124 @@
+"""The words of a report's statements (analyzer.statements), one template per kind, for the terminal, markdown
+and CSV; JSON carries their numbers instead. `name` makes trace and user text (labels, points, reasons) inert
+for the format at hand (render.escape); numbers and kvtrace's own words pass as they are."""
+
+from __future__ import annotations
+
+from functools import singledispatch
+from typing import Callable
+
+from kvtrace.analyzer import statements as st
+from kvtrace.analyzer.render.units import duration
+from kvtrace.analyzer.stats import NO_CHANGE, REGRESSION
+
+Name = Callable[[str], str]
+
+_SUBJECTS = {"prefill_attention": "prefill attention kernels", "decode_attention": "decode attention kernels",
+             "kv_append": "KV append kernels"}
+_APPEND_PHASE = ("every kernel in the kvtrace:append ranges (the FP8 cast and the NVFP4 packing included)")
+
+
+def _plain(text: str) -> str:
+    return text
+
+
+@singledispatch
+def text(statement: st.Statement, name: Name = _plain) -> str:
+    raise TypeError(f"no words for a {type(statement).__name__}")
+
+
+@text.register
+def _kernels(s: st.KernelStatement, name: Name = _plain) -> str:
+    if s.subject == st.APPEND_PHASE:
+        what = f"append phase at ctx={s.context}, {_APPEND_PHASE}"
+    else:
+        what = _SUBJECTS[s.subject]
+    if s.ratio is None:
+        return f"{what}: {s.verdict} ({name(s.reason or 'no paired calls')})"
+    b, c = name(s.baseline), name(s.candidate)
+    interval = f" [{s.ci_low:.3f}, {s.ci_high:.3f}]" if s.ci_low is not None else ""
+    if s.per_call:
+        unit = "per append call" if s.subject == st.APPEND_PHASE else "per call"
+        times = f"{duration(s.baseline_ns)} ({b}) → {duration(s.candidate_ns)} ({c}) {unit}"
+    else:
+        times = f"{duration(s.baseline_ns)} ({b}) → {duration(s.candidate_ns)} ({c}) in total over {s.cells:,} cells"
+    return f"{what}: {times}, {s.ratio:.3f}×{interval}, {s.verdict} over {s.compared_calls:,} paired calls"
+
+
+@text.register
+def _measured(s: st.MeasuredCapacityStatement, name: Name = _plain) -> str:
+    return (f"capacity: vLLM reports {s.tokens:,} KV tokens for {name(s.arm)} against {s.reference_tokens:,} for "
+            f"{name(s.reference_arm)} ({s.multiplier:.2f}×; ideal from bytes per token {s.ideal_multiplier:.2f}×). "
+            "Capacity is not latency: more tokens fit, no kernel got faster")
+
+
+@text.register
+def _ideal(s: st.IdealCapacityStatement, name: Name = _plain) -> str:
+    return (f"capacity (ideal, from bytes per token): {name(s.format)} fits {s.multiplier:.2f}× the tokens of "
+            f"{name(s.reference_format)} in the same memory (ratio {s.ratio:.4g}); no run measured it. Capacity is "
+            "not latency")
+
+
+@text.register
+def _sweep(s: st.SweepCapacityStatement, name: Name = _plain) -> str:
+    parts = [f"{name(arm.label)} first reaches capacity at "
+             + "; ".join(f"{name(f.point)} ({name(f.reason)})" for f in arm.first) if arm.first else
+             f"{name(arm.label)} reaches capacity at none of its {arm.points} points" for arm in s.arms]
+    return "sweep: " + ". ".join(parts)
+
+
+def _prefill_kernels(s: st.TtftStatement, name: Name) -> str:
+    if s.prefill_verdict is None:
+        return ""
+    if s.prefill_verdict == REGRESSION:
+        return f"prefill attention kernels regressed {s.prefill_ratio:.3f}× per call"
+    if s.prefill_verdict == NO_CHANGE:
+        return f"prefill attention kernels showed no significant change per call ({s.prefill_ratio:.3f}×)"
+    return (f"{name(s.candidate)}'s prefill attention kernels are also faster per matched call "
+            f"({s.prefill_ratio:.3f}× over {s.prefill_compared_calls:,} paired calls)")
+
+
+def _prefix_evidence(s: st.TtftStatement, name: Name) -> str:
+    """Why the candidate prefilled less: the shared prefixes its KV pool held, the prompt tokens each arm
+    prefilled, the time requests waited in vLLM's queue."""
+    b, c = name(s.baseline), name(s.candidate)
+    fit = s.prefix_fit
+    cause = (f"the {fit.prefixes} shared prefixes ({fit.tokens:,} tokens) fit {c}'s {fit.candidate_kv_tokens:,}-token "
+             f"KV cache and not {b}'s {fit.baseline_kv_tokens:,}, so " if fit else "")
+    effects = []
+    if s.candidate_prefilled_tokens is not None:
+        effects.append(f"{c} prefilled {s.candidate_prefilled_tokens:,} prompt tokens against "
+                       f"{s.baseline_prefilled_tokens:,}")
+    if s.candidate_queue_ms is not None:
+        effects.append(f"{c}'s requests waited {s.candidate_queue_ms:.1f} ms in vLLM's queue on average against "
+                       f"{s.baseline_queue_ms:.1f} ms")
+    return f": {cause}{' and '.join(effects)}" if effects else ""
+
+
+@text.register
+def _ttft(s: st.TtftStatement, name: Name = _plain) -> str:
+    b, c = name(s.baseline), name(s.candidate)
+    ttft = f"TTFT {s.stat} {s.baseline_ms:.1f} ms ({b}) → {s.candidate_ms:.1f} ms ({c}), {s.ratio:.3f}×"
+    where = f" at {name(s.point)}" if s.point else ""
+    kernels = _prefill_kernels(s, name)
+    cached = (f"{s.candidate_cached_tokens:,} cached prompt tokens ({c}) against {s.baseline_cached_tokens:,} ({b})"
+              if s.reading in (st.PREFIX_HIT, st.PREFIX_HIT_AND_FASTER, st.PREFILLED_DIFFERENT) else "")
+    if s.reading == st.PREFIX_HIT:
+        return (f"{ttft}{where} while {kernels}, with {cached}{_prefix_evidence(s, name)}. The TTFT gain is a "
+                "capacity / prefix-hit effect (more of the prompt came from the prefix cache, so less prefill ran), "
+                "not a faster prefill kernel")
+    if s.reading == st.PREFIX_HIT_AND_FASTER:
+        return (f"{ttft}{where}, with {cached}{_prefix_evidence(s, name)}. Part of the TTFT gain is this capacity / "
+                f"prefix-hit effect, not kernel speed; {kernels}, so TTFT credits neither alone")
+    if s.reading == st.CAPACITY_EFFECT:
+        return (f"{ttft}{where} although {kernels}: {b} was capacity-bound there ({name(s.baseline_capacity)}) and "
+                f"{c} was not, so the TTFT gain is a capacity effect (less queueing and recomputation after "
+                "preemption), not a faster prefill kernel")
+    if s.reading == st.OUTSIDE_KERNELS:
+        return (f"{ttft}{where} although {kernels}, with the same cached prompt tokens: the gain comes from outside "
+                "the prefill kernels (scheduling, queueing, preemptions), not a faster kernel")
+    if s.reading == st.PREFILLED_DIFFERENT:
+        return (f"{ttft}{where}, with {cached}: the arms prefilled different amounts, so TTFT mixes kernel speed "
+                "with prefix-cache hits")
+    same = s.baseline_cached_tokens is not None and s.candidate_cached_tokens is not None
+    return f"{ttft}{where}" + (", same cached prompt tokens" if same else "")
