@@ -199,6 +199,13 @@ def window_options(command):
     return wrapper
 
 
+verify_option = click.option(
+    "--verify", "verify_totals", is_flag=True,
+    help="Check kvtrace's per-kernel calls and totals of every input (each run of both arms) against `nsys stats "
+         "-r cuda_gpu_kern_sum` (nsys from --nsys, $NSYS or PATH); the output says they agree to the nanosecond or "
+         "lists where they do not.")
+
+
 def parse_gate(values: tuple[str, ...]) -> list[str | None]:
     """--fail-on regression[:SEGMENT] -> segments to watch (None = any segment)."""
     watched = []
@@ -314,10 +321,7 @@ def gate(result, watched: list[str | None]) -> int:
 @click.option("--fail-on", "fail_on", multiple=True, metavar="regression[:SEGMENT]",
               help="Exit 1 when a compared segment (or this SEGMENT) regresses beyond the threshold; exit 3 when "
                    "SEGMENT cannot be measured. Repeatable.")
-@click.option("--verify", "verify_totals", is_flag=True,
-              help="Check kvtrace's per-kernel calls and totals of every input against `nsys stats -r "
-                   "cuda_gpu_kern_sum` (nsys from --nsys, $NSYS or PATH); the report says they agree to the "
-                   "nanosecond or lists where they do not.")
+@verify_option
 @window_options
 @output_options
 def diff(baseline, candidate, repeats, labels, threshold, confidence, seed, fail_on, verify_totals, window, fmt,
@@ -341,10 +345,7 @@ def diff(baseline, candidate, repeats, labels, threshold, confidence, seed, fail
                               threshold=threshold, confidence=confidence, seed=seed, window=window)
     if verify_totals:
         with progress("checking kernel totals with nsys stats"):
-            result.verification = verify.verify(traces, recipes, kvtrace.nsys.find_nsys(nsys_path))
-        result.findings += [compare.Finding("ok" if result.verification.agrees else "error", "verify",
-                                            result.verification.summary()),
-                            compare.Finding("ok", "verify", result.verification.recipe)]
+            verify.attach(result, traces, recipes, kvtrace.nsys.find_nsys(nsys_path))
     manifest = headline.find_manifest(baseline)
     result.headline = headline.Headline.of(result, manifest, as_run(manifest.path.parent if manifest else None))
     emit(result, fmt, output)

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from kvtrace import __version__
-from kvtrace.analyzer import align, capacity, compare, pairing, roofline
+from kvtrace.analyzer import align, capacity, compare, pairing, roofline, verify
 from kvtrace.analyzer.classify import RecipeSet
 from kvtrace.analyzer.compare import Diff, Finding
 from kvtrace.analyzer.load import open_traces
@@ -309,7 +309,8 @@ def _capacity(base: ArmInput, cand: ArmInput, b: RunArm, c: RunArm, notes: list[
 
 def build(paths: list[Path], recipes: RecipeSet, *, arms: tuple[str, ...] = (), labels: tuple[str, ...] = (),
           threshold: float = 0.02, confidence: float = 0.95, seed: int = 0, window: align.Window = align.Window(),
-          nsys: str | None = None, cache: bool = True) -> Report:
+          nsys: str | None = None, cache: bool = True, verify_with: str | None = None) -> Report:
+    """`verify_with`: an nsys binary to check every trace's per-kernel totals with (analyzer.verify)."""
     base, cand = resolve_inputs(paths, arms)
     if labels and len(labels) != 2:
         raise KvtraceError("--label takes two names, baseline first: --label fp8 --label nvfp4")
@@ -324,6 +325,8 @@ def build(paths: list[Path], recipes: RecipeSet, *, arms: tuple[str, ...] = (), 
     b_traces, c_traces = traces[:len(b_arm.runs)], traces[len(b_arm.runs):]
     sides = compare.Sides.of(b_traces, c_traces, recipes, window)
     diff = compare.diff_sides(sides, labels=tuple(labels), threshold=threshold, confidence=confidence, seed=seed)
+    if verify_with is not None:
+        verify.attach(diff, traces, recipes, verify_with)
     durations = {}
     for side, runs in (("baseline", sides.baseline), ("candidate", sides.candidate)):
         for cell, values in compare.cell_durations(sides.vocabulary, runs, DISTRIBUTION_SEGMENTS).items():

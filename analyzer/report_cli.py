@@ -10,9 +10,11 @@ import click
 from kvtrace import files, model_config
 from kvtrace.analyzer import capacity as capacity_lib
 from kvtrace.analyzer import headline
-from kvtrace.analyzer.cli import as_run, emit, inputs, output_options, progress, target_options, use_cache, window_options
+from kvtrace.analyzer.cli import (as_run, emit, inputs, output_options, progress, target_options, use_cache,
+                                  verify_option, window_options)
 from kvtrace.errors import KvtraceError
 from kvtrace.manifest import read_manifest
+from kvtrace.nsys import find_nsys
 
 
 @click.command()
@@ -32,10 +34,11 @@ from kvtrace.manifest import read_manifest
               help="Write plots into this folder (created if missing); the markdown report links them.")
 @click.option("--plot-format", type=click.Choice(["png", "svg"]), default="png", show_default=True,
               help="Image format of --plots.")
+@verify_option
 @window_options
 @output_options
-def report(runs, arms, labels, threshold, confidence, seed, plots_dir, plot_format, window, fmt, output, recipe_files,
-           nsys_path):
+def report(runs, arms, labels, threshold, confidence, seed, plots_dir, plot_format, verify_totals, window, fmt, output,
+           recipe_files, nsys_path):
     """Kernel diff and serving metrics of two arms, side by side, from run directories.
 
     RUNS is one run directory written by `kvtrace capture` (its two arms are compared, e.g. FlashInfer's fp8
@@ -49,10 +52,12 @@ def report(runs, arms, labels, threshold, confidence, seed, plots_dir, plot_form
     from kvtrace.analyzer import report as report_lib
     from kvtrace.analyzer.classify import load_recipes
 
-    with progress(f"loading and comparing {' '.join(map(str, runs))}"):
+    verify_with = find_nsys(nsys_path) if verify_totals else None
+    with progress(f"loading and comparing {' '.join(map(str, runs))}"
+                  + (", checking kernel totals with nsys stats" if verify_with else "")):
         result = report_lib.build(list(runs), load_recipes(recipe_files), arms=tuple(arms), labels=tuple(labels),
                                   threshold=threshold, confidence=confidence, seed=seed, window=window,
-                                  nsys=nsys_path, cache=use_cache())
+                                  nsys=nsys_path, cache=use_cache(), verify_with=verify_with)
     manifest = headline.find_manifest(Path(result.baseline.sqlite))
     result.diff.headline = headline.Headline.of(result.diff, manifest,
                                                 as_run(manifest.path.parent if manifest else None))

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvtrace.analyzer.classify import RecipeSet
-from kvtrace.analyzer.compare import list_kernels
+from kvtrace.analyzer.compare import Diff, Finding, list_kernels
 from kvtrace.analyzer.load import Trace
 from kvtrace.nsys import nsys_version
 
@@ -81,6 +81,14 @@ def mismatch_lines(verification: Verification) -> list[str]:
 
     return [f"{c.source}: {m.kernel}: kvtrace {side(m.kvtrace_calls, m.kvtrace_total_ns)}, nsys stats "
             f"{side(m.nsys_calls, m.nsys_total_ns)}" for c in verification.inputs for m in c.mismatches]
+
+
+def attach(diff: Diff, traces: list[Trace], recipes: RecipeSet, nsys: str) -> None:
+    """Check every trace `diff` compared (each run of both arms) and record the result on it: its
+    `verification` for the head and the JSON, and findings that reach every format (and standard error)."""
+    diff.verification = verify(traces, recipes, nsys)
+    diff.findings += [Finding("ok" if diff.verification.agrees else "error", "verify", diff.verification.summary()),
+                      Finding("ok", "verify", diff.verification.recipe)]
 
 
 def verify(traces: list[Trace], recipes: RecipeSet, nsys: str) -> Verification:

@@ -119,3 +119,66 @@ def test_nsys_that_prints_no_table_is_not_a_pass(tmp_path, run_kvtrace):
     checked = json.loads(out)["verification"]
     assert checked["agrees"] is False
     assert all(c["problem"] and "SKIPPED" in c["problem"] for c in checked["inputs"])
+
+
+# ---- kvtrace report --verify: the same check on every trace the report diffs --------------------------------
+
+REPEATS = NSYS2025_DIR.parent / "fi-h200-sm90-repeats2"
+
+
+def test_report_agrees_with_nsys_stats_on_every_repeat(nsys, run_kvtrace):
+    code, out, err = run_kvtrace("report", REPEATS, "--verify", "--nsys", nsys, "--format", "json")
+    assert code == 0, err
+    checked = json.loads(out)["diff"]["verification"]
+    runs = [REPEATS / f"{arm}.r{k}.sqlite" for arm in ("fp8", "nvfp4") for k in (1, 2)]
+    assert checked["agrees"] is True and [c["source"] for c in checked["inputs"]] == [p.name for p in runs]
+    for c, path in zip(checked["inputs"], runs):
+        totals = _sql_totals(path)
+        assert (c["kernels"], c["calls"], c["mismatches"]) == (len(totals), sum(n for n, _ in totals.values()), [])
+
+
+def test_report_states_agreement_once_in_every_format(nsys, run_kvtrace):
+    line = "nsys stats -r cuda_gpu_kern_sum (Nsight Systems version 2023.4.4"
+    code, out, err = run_kvtrace("report", NSYS2025_DIR, "--verify", "--nsys", nsys, "--format", "markdown")
+    assert code == 0, err
+    head, rest = out.split("<details>", 1)
+    assert f"✅ {line}" in head and "to the nanosecond on fp8.sqlite" in head
+    assert rest.count(f"✅ {line}") == 1 and f"- ✅ {line}" in rest.split("#### Comparability")[1]  # the finding
+    code, out, err = run_kvtrace("report", NSYS2025_DIR, "--verify", "--nsys", nsys)
+    assert code == 0, err
+    head, rest = out.split("everything else", 1)
+    assert head.count(f"ok  {line}") == 1 and rest.count(f"ok  {line}") == 1  # the head's line, the finding
+    code, out, err = run_kvtrace("report", NSYS2025_DIR, "--verify", "--nsys", nsys, "--format", "csv")
+    assert code == 0, err
+    rows = [r for r in csv.DictReader(io.StringIO(out)) if r["section"] == "verify"]
+    assert {(r["key"], r["metric"]): r["value"] for r in rows if r["metric"] == "agrees"} == {
+        ("", "agrees"): "True", ("fp8.sqlite", "agrees"): "True", ("nvfp4.sqlite", "agrees"): "True"}
+
+
+def test_report_disagreement_is_reported_in_every_format(tmp_path, run_kvtrace):
+    nsys = _stand_in(tmp_path, shift_ns=7)
+    out_file = tmp_path / "report.md"
+    code, _, err = run_kvtrace("report", NSYS2025_DIR, "--verify", "--nsys", nsys, "-o", out_file)
+    assert code == 0, err
+    head = out_file.read_text().split("<details>")[0]
+    assert "❌ nsys stats -r cuda_gpu_kern_sum (Nsight Systems version 0.0-stand-in) disagrees" in head
+    assert "disagrees" in err  # -o: the error finding still reaches the terminal
+    code, out, err = run_kvtrace("report", NSYS2025_DIR, "--verify", "--nsys", nsys, "--format", "json")
+    assert code == 0, err
+    checked = json.loads(out)["diff"]["verification"]
+    assert checked["agrees"] is False
+    for c, path in zip(checked["inputs"], PAIR):
+        name, (calls, total) = sorted(_sql_totals(path).items())[0]
+        assert c["mismatches"] == [{"kernel": name, "kvtrace_calls": calls, "kvtrace_total_ns": total,
+                                    "nsys_calls": calls, "nsys_total_ns": total + 7}]
+    code, out, err = run_kvtrace("report", NSYS2025_DIR, "--verify", "--nsys", nsys, "--format", "csv")
+    assert code == 0, err
+    mismatched = {(r["key"], r["metric"]): r["value"] for r in csv.DictReader(io.StringIO(out))
+                  if r["section"] == "verify_mismatch"}
+    for path in PAIR:
+        name, (_, total) = sorted(_sql_totals(path).items())[0]
+        assert mismatched[(f"{path.name}: {name}", "nsys_total_ns")] == str(total + 7)
+        assert mismatched[(f"{path.name}: {name}", "kvtrace_total_ns")] == str(total)
+    code, out, err = run_kvtrace("report", NSYS2025_DIR, "--verify", "--nsys", nsys)
+    assert code == 0, err
+    assert "MISMATCH  nsys stats -r cuda_gpu_kern_sum" in out.split("everything else")[0]

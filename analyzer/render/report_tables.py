@@ -433,6 +433,20 @@ def report_csv(report: Report) -> str:
     labels = {"baseline": report.baseline.label, "candidate": report.candidate.label}
     for s in report.statements:
         writer.writerow(["statement", s.check, "", s.level, statement_text(s)])
+    checked = report.diff.verification
+    if checked is not None:  # --verify: one line per input and per kernel whose calls or total differ
+        writer.writerow(["verify", "", "", "agrees", checked.agrees])
+        writer.writerow(["verify", "", "", "summary", checked.summary()])
+        writer.writerow(["verify", "", "", "recipe", checked.recipe])
+        for item in checked.inputs:
+            for metric in ("agrees", "kernels", "calls", "problem"):
+                value = getattr(item, metric)
+                writer.writerow(["verify", item.source, "", metric, "" if value is None else value])
+            for m in item.mismatches:
+                for metric in ("kvtrace_calls", "kvtrace_total_ns", "nsys_calls", "nsys_total_ns"):
+                    value = getattr(m, metric)
+                    writer.writerow(["verify_mismatch", f"{item.source}: {m.kernel}", "", metric,
+                                     "" if value is None else value])
     for row in report.serving:
         for side in ("baseline", "candidate"):
             metrics = getattr(row, side)
