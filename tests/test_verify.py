@@ -182,3 +182,17 @@ def test_report_disagreement_is_reported_in_every_format(tmp_path, run_kvtrace):
     code, out, err = run_kvtrace("report", NSYS2025_DIR, "--verify", "--nsys", nsys)
     assert code == 0, err
     assert "MISMATCH  nsys stats -r cuda_gpu_kern_sum" in out.split("everything else")[0]
+
+
+def test_a_working_nsys_recipe_is_named_and_the_check_stays_on_nsys_stats(tmp_path, run_kvtrace):
+    """kvtrace does not read `nsys recipe` output (its format is documented for 2023.4.4 only); an nsys whose
+    recipe runs is said so, and the totals still come from nsys stats."""
+    nsys = _stand_in(tmp_path, shift_ns=0)
+    nsys.write_text(nsys.read_text().replace('print("ERROR: No module named \'psutil\'")\n    sys.exit(1)',
+                                             'print("usage: cuda_gpu_kern_sum [-h] --input INPUT")'))
+    code, out, err = run_kvtrace("diff", *PAIR, "--verify", "--nsys", nsys, "--format", "json")
+    assert code == 0, err
+    checked = json.loads(out)["verification"]
+    assert checked["agrees"] is True
+    assert checked["recipe"].startswith("nsys recipe cuda_gpu_kern_sum runs here") and "checked with nsys stats" in \
+        checked["recipe"]
