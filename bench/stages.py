@@ -2,9 +2,10 @@
 
     python bench/stages.py [--kernels 10000000]
 
-Times, per file and one after the other: the floor query; the two SQLite reads kvtrace makes (the kernel
-columns it needs and the launch calls), with the rows thrown away; a whole load without the cache; writing
-and reading the trace cache; and, for the pair, the comparison itself. Prints a markdown table for
+Times, per file and one after the other: the floor query; the kvtrace-job floor (bench/floor.c), whole and
+per table; the two SQLite reads kvtrace makes (the kernel columns it needs and the launch calls), with the
+rows thrown away; a whole load without the cache; writing and reading the trace cache; and, for the pair,
+the comparison itself. Prints a markdown table for
 docs/performance.md. Run bench/run.py first (it builds the files) or let this build them.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import sqlite3
 import subprocess
@@ -23,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import make_large_trace  # noqa: E402
-from run import FLOOR, OUT, WORKLOADS  # noqa: E402
+from run import FLOOR, OUT, WORKLOADS, job_floor  # noqa: E402
 
 from kvtrace.analyzer import compare, load  # noqa: E402
 from kvtrace.analyzer.classify import load_recipes  # noqa: E402
@@ -58,9 +60,16 @@ def main(argv: list[str] | None = None) -> int:
                               "import kvtrace.analyzer.compare, kvtrace.analyzer.render.terminal; "
                               "print(time.perf_counter() - t)"], capture_output=True, text=True, check=True)
     traces = []
+    floor_binary = job_floor()
     for path in files:
         with closing(sqlite3.connect(f"file:{path}?mode=ro&immutable=1", uri=True)) as conn:
             record("floor query (sqlite3, GROUP BY shortName)", timed(lambda: conn.execute(FLOOR).fetchall())[0])
+        seconds, job = timed(lambda: subprocess.run([str(floor_binary), str(path)], capture_output=True, text=True,
+                                                    check=True).stdout)
+        record("kvtrace-job floor (bench/floor.c, one C pass)", seconds)
+        for table, part in zip(("kernel columns", "launch calls", "NVTX ranges"),
+                               re.findall(r"in ([0-9.]+) s", job)):
+            record(f"kvtrace-job floor: {table}", float(part))
         queries = load.stage_queries(path)
         record("SQLite read: kernel columns kvtrace needs", timed(lambda: load.drain(path, queries["kernels"]))[0])
         record("SQLite read: launch calls (runtime rows named *Launch*)",
