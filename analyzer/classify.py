@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 import polars as pl
+import regex
 
 from kvtrace.errors import KvtraceError
 from kvtrace.kv_formats import STORAGE_LABELS, kernel_dtype_label
@@ -68,6 +69,10 @@ _LAUNCH_WRAPPERS = re.compile(
     r"device_kernel|Kernel2?|enable_sm\d+\w*|(?:vectorized_|unrolled_)?elementwise_kernel|gpu_kernel_impl\w*"
 )
 _NUMBER_ARG = re.compile(r"(?:\([\w: ]+\))?-?\d+\w*")  # 4, 128u, (int)8, (unsigned int)128
+# Template arguments are recorded down to this many enclosing brackets (real kernels nest about ten deep).
+# Each level's arguments together hold at most the whole name, so a hostile name of thousands of nested
+# brackets costs this many times its length, not its length squared.
+_MAX_ARG_DEPTH = 32
 
 
 @dataclass(frozen=True)
@@ -159,7 +164,7 @@ def _is_word(char: str) -> bool:
 
 def _close(stack: list[list], end: int, text: str, args: list[TemplateArg], top_level: list) -> None:
     opener, start, name, arg_start, spans = stack.pop()
-    if opener == "<":
+    if opener == "<" and len(stack) < _MAX_ARG_DEPTH:
         spans.append((arg_start, end))
         for index, (a, b) in enumerate(spans):
             raw = text[a:b]
@@ -284,12 +289,13 @@ class Rule:
     file: str  # file name, for the recipe column
     id: str
     segment: str
-    pattern: re.Pattern[str]
+    pattern: regex.Pattern
     template: tuple[tuple[SlotRef, tuple[str, ...]], ...]
     dims: tuple[DimCondition, ...]
     kv_slots: tuple[SlotRef, ...]
     kv_enum: dict[str, tuple[str, ...]]
     kv_dtype: str | None
+    kv_independent: bool  # the KV-cache format cannot change these kernels' work (drift controls)
     note: str
     source: str
 
@@ -297,9 +303,14 @@ class Rule:
     def recipe(self) -> str:
         return f"{self.file}:{self.id}"
 
-    def match_name(self, kernel: KernelName) -> re.Match[str] | None:
+    def match_name(self, kernel: KernelName) -> regex.Match | None:
         """The regex match when the name and template conditions hold (grid/block are per row)."""
-        found = self.pattern.search(kernel.text)
+        try:
+            found = self.pattern.search(kernel.text, timeout=MATCH_TIMEOUT_S)
+        except TimeoutError:
+            raise KvtraceError(f"recipe {self.recipe}: `match` took over {MATCH_TIMEOUT_S:g} s on a kernel name of "
+                               f"{len(kernel.text):,} characters (nested quantifiers such as (a+)+ backtrack "
+                               "without end): simplify the pattern") from None
         if found is None:
             return None
         for ref, wanted in self.template:
@@ -308,8 +319,12 @@ class Rule:
         return found
 
 
+# Recipe patterns are matched by the `regex` package: `re`'s syntax and backtracking engine, plus a time limit
+# per match, because a pattern such as (a+)+$ can backtrack without end and a user's --recipe is not vetted.
+MATCH_TIMEOUT_S = 1.0
 _FILE_KEYS = ("order", "description", "rule")
-_RULE_KEYS = ("id", "segment", "match", "template", *DIMS, "kv_slots", "kv_enum", "kv_dtype", "note", "source")
+_RULE_KEYS = ("id", "segment", "match", "template", *DIMS, "kv_slots", "kv_enum", "kv_dtype", "kv_independent",
+              "note", "source")
 
 
 @dataclass(frozen=True)
@@ -367,17 +382,20 @@ def _parse_rule(file_name: str, location: str, position: int, table: dict) -> Ru
     if table["segment"] not in SEGMENTS:
         raise fail(f"unknown segment {table['segment']!r}", f"use one of {', '.join(SEGMENTS)}")
     try:
-        pattern = re.compile(table["match"])
-    except re.error as err:
+        pattern = regex.compile(table["match"])
+    except regex.error as err:
         raise fail(f"`match` is not a valid Python regex ({err})", "fix the pattern (single quotes keep backslashes)")
     template = _parse_template(table.get("template", {}), fail)
     dims = _parse_dims(table, fail)
     kv_slots, kv_enum, kv_dtype = _parse_kv(table, pattern, fail)
+    if not isinstance(table.get("kv_independent", False), bool):
+        raise fail("`kv_independent` is not a boolean", "write `kv_independent = true` or leave it out")
     for key in ("note", "source"):
         if not isinstance(table.get(key, ""), str):
             raise fail(f"`{key}` is not a string", f'write `{key} = "..."`')
     return Rule(file=file_name, id=table["id"], segment=table["segment"], pattern=pattern, template=template,
-                dims=dims, kv_slots=kv_slots, kv_enum=kv_enum, kv_dtype=kv_dtype, note=table.get("note", ""),
+                dims=dims, kv_slots=kv_slots, kv_enum=kv_enum, kv_dtype=kv_dtype,
+                kv_independent=table.get("kv_independent", False), note=table.get("note", ""),
                 source=table.get("source", ""))
 
 
@@ -457,7 +475,7 @@ class Family:
     kv_dtype: str | None
 
 
-def kernel_family(kernel: KernelName, rule: Rule | None, match: re.Match[str] | None) -> Family:
+def kernel_family(kernel: KernelName, rule: Rule | None, match: regex.Match | None) -> Family:
     """Family of a kernel name under the rule that matched it (None when no rule matched)."""
     slots: list[tuple[int, int, str]] = []  # (start, end, dtype label)
     if match is not None and "kv" in match.re.groupindex and match["kv"] is not None:
@@ -520,6 +538,7 @@ class Classification:
     family_label: str
     kv_dtype: str | None
     recipe: str | None
+    kv_independent: bool = False
 
 
 class RecipeSet:
@@ -528,11 +547,12 @@ class RecipeSet:
     def __init__(self, rules: Sequence[Rule], files: Sequence[str]):
         self.rules = tuple(rules)
         self.files = tuple(files)
-        self._by_name: dict[str, tuple[KernelName, list[tuple[int, re.Match[str]]]]] = {}
+        self._by_name: dict[str, tuple[KernelName, list[tuple[int, regex.Match]]]] = {}
         self._families: dict[tuple[str, int | None], Family] = {}
 
     def classify(self, names: pl.DataFrame) -> pl.DataFrame:
-        """Add segment, family, family_label, kv_dtype and recipe to one row per distinct signature."""
+        """Add segment, family, family_label, kv_dtype, recipe and kv_independent to one row per distinct
+        signature."""
         missing = [c for c in INPUT_COLUMNS if c not in names.columns]
         if missing:
             raise ValueError(f"classify() input lacks columns {missing}")
@@ -545,6 +565,7 @@ class RecipeSet:
             pl.Series("family_label", [r.family_label for r in results], dtype=pl.Utf8),
             pl.Series("kv_dtype", [r.kv_dtype for r in results], dtype=pl.Utf8),
             pl.Series("recipe", [r.recipe for r in results], dtype=pl.Utf8),
+            pl.Series("kv_independent", [r.kv_independent for r in results], dtype=pl.Boolean),
         )
 
     def classify_one(self, demangled: str, dims: dict | None = None) -> Classification:
@@ -554,11 +575,12 @@ class RecipeSet:
             rule = self.rules[index]
             if all(c.holds(dims or {}) for c in rule.dims):
                 family = self._family(demangled, kernel, index, match)
-                return Classification(rule.segment, family.key, family.label, family.kv_dtype, rule.recipe)
+                return Classification(rule.segment, family.key, family.label, family.kv_dtype, rule.recipe,
+                                      rule.kv_independent)
         family = self._family(demangled, kernel, None, None)
         return Classification("other", family.key, family.label, family.kv_dtype, None)
 
-    def _candidates(self, demangled: str) -> tuple[KernelName, list[tuple[int, re.Match[str]]]]:
+    def _candidates(self, demangled: str) -> tuple[KernelName, list[tuple[int, regex.Match]]]:
         """Rules whose name and template conditions hold, cached per name (grid/block vary by row)."""
         cached = self._by_name.get(demangled)
         if cached is None:

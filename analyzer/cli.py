@@ -4,32 +4,68 @@ from __future__ import annotations
 
 import functools
 import io
-import os
 import sys
-import tempfile
 import threading
 from contextlib import contextmanager
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 from rich.console import Console
 
+import kvtrace.nsys
+from kvtrace import files
 from kvtrace.analyzer import align, compare, render, stats
 from kvtrace.analyzer.classify import SEGMENTS, load_recipes
 from kvtrace.analyzer.load import open_trace, open_traces
+from kvtrace.analyzer.render.escape import visible
 from kvtrace.errors import KvtraceError
+
+
+# A suffix of -o FILE that picks the format when --format is not given.
+FORMAT_OF_SUFFIX = {".md": "markdown", ".markdown": "markdown", ".json": "json", ".csv": "csv"}
+
+
+def target_options(command):
+    """--format and -o: where the result goes. -o FILE takes the format from its suffix unless --format is given;
+    -o - is standard output."""
+
+    @click.option("--format", "fmt", type=click.Choice(render.FORMATS), default="table", show_default=True,
+                  help="Terminal table, GitHub markdown, JSON (versioned schema) or CSV. With -o FILE the default "
+                       "is the one its suffix names (.md, .json, .csv).")
+    @click.option("-o", "--output", metavar="FILE", type=click.Path(allow_dash=True, path_type=Path),
+                  help="Write to FILE (atomically, never onto an input) instead of standard output; - is standard "
+                       "output.")
+    @functools.wraps(command)
+    def wrapper(*args, fmt, output, **kwargs):
+        context = click.get_current_context()
+        if output is not None:
+            if context.get_parameter_source("fmt") is ParameterSource.DEFAULT:
+                fmt = FORMAT_OF_SUFFIX.get(output.suffix.lower(), fmt)
+            # The paths given are inputs: an output naming one is refused before any work is done.
+            inputs().extend(path for name, value in context.params.items() if name not in ("output", "plots_dir")
+                            for path in _paths(value))
+            files.check_target(output, inputs())
+        return command(*args, fmt=fmt, output=output, **kwargs)
+
+    return wrapper
+
+
+def _paths(value) -> list[Path]:
+    """The paths in an option's value: a path, or paths in (nested) tuples (--recipe, --repeat A B)."""
+    if isinstance(value, tuple):
+        return [path for item in value for path in _paths(item)]
+    return [value] if isinstance(value, Path) else []
 
 
 def output_options(command):
     """--format, -o, --recipe, --nsys, --quiet and --no-cache, shared by every analyzer command."""
 
-    @click.option("--format", "fmt", type=click.Choice(render.FORMATS), default="table", show_default=True,
-                  help="Terminal table, GitHub markdown, JSON (versioned schema) or CSV.")
-    @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
-                  help="Write to FILE (atomically) instead of standard output.")
+    @target_options
     @click.option("--recipe", "recipe_files", multiple=True, type=click.Path(path_type=Path),
                   help="Extra recipe file; its rules take precedence over the shipped ones. Repeatable.")
-    @click.option("--nsys", "nsys_path", help="nsys used to export .nsys-rep inputs (default: $NSYS, PATH).")
+    @click.option("--nsys", "nsys_path", callback=_check_nsys_option,
+                  help="nsys used to export .nsys-rep inputs (default: $NSYS, PATH).")
     @click.option("-q", "--quiet", is_flag=True, help="No progress display on standard error.")
     @click.option("--no-cache", is_flag=True,
                   help="Read the exports afresh and keep nothing in kvtrace's cache ($KVTRACE_CACHE_DIR, else "
@@ -41,6 +77,18 @@ def output_options(command):
         return command(*args, **kwargs)
 
     return wrapper
+
+
+def _check_nsys_option(context, parameter, value: str | None) -> str | None:
+    """At once, not only when an .nsys-rep needs exporting: a wrong --nsys is wrong with .sqlite inputs too."""
+    if value is not None:
+        kvtrace.nsys.check_explicit(value)
+    return value
+
+
+def inputs() -> list[Path]:
+    """Files this command reads, which its output must never replace."""
+    return click.get_current_context().meta.setdefault("kvtrace.inputs", [])
 
 
 @contextmanager
@@ -78,48 +126,54 @@ def use_cache() -> bool:
 
 def load_trace(path: Path, nsys_path: str | None):
     with progress(f"loading {path}"):
-        return open_trace(path, nsys=nsys_path, cache=use_cache())
+        trace = open_trace(path, nsys=nsys_path, cache=use_cache())
+    inputs().append(Path(trace.info.sqlite))
+    return trace
 
 
 def load_traces(paths: list[Path], nsys_path: str | None):
     with progress(f"loading {' and '.join(map(str, paths))}"):
-        return open_traces(paths, nsys=nsys_path, cache=use_cache())
+        traces = open_traces(paths, nsys=nsys_path, cache=use_cache())
+    inputs().extend(Path(t.info.sqlite) for t in traces)
+    return traces
 
 
 def emit(result, fmt: str, output: Path | None) -> None:
+    if output is None or files.is_stdout(output):
+        try:
+            if fmt == "table":
+                console = _Stdout()
+                if not console.is_terminal:
+                    console = _Stdout(width=200)  # piped: no terminal width to fit, keep rows on one line
+                render.terminal.render(result, console)
+            else:
+                sys.stdout.write(render.render_text(result, fmt))
+            sys.stdout.flush()
+        except BrokenPipeError:
+            files.discard_stdout()  # the reader has what it wanted; a --fail-on gate still decides the exit code
+        return
     if fmt == "table":
-        if output is None:
-            console = Console()
-            if not console.is_terminal:
-                console = Console(width=200)  # piped: no terminal width to fit, keep rows on one line
-            render.terminal.render(result, console)
-            return
         buffer = io.StringIO()
         render.terminal.render(result, Console(file=buffer, width=200, no_color=True, force_terminal=False))
         text = buffer.getvalue()
     else:
         text = render.render_text(result, fmt)
-    if output is None:
-        sys.stdout.write(text)
-    else:
-        write_atomic(output, text)
+    files.write(output, text, inputs())
+    # Standard output stays empty, so what a reader of the file would be warned about goes to standard error.
+    for finding in _warnings(result):
+        click.echo(f"kvtrace: {finding.level}: {visible(finding.message)}", err=True)
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Readers see the old file or the new one, never half of it."""
-    if not path.parent.exists():
-        raise KvtraceError(f"cannot write {path}: folder {path.parent} does not exist; create it first")
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-        mask = os.umask(0)
-        os.umask(mask)
-        os.chmod(tmp, 0o666 & ~mask)  # mkstemp creates 0600; a report is as readable as any other file
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+class _Stdout(Console):
+    def on_broken_pipe(self) -> None:
+        raise BrokenPipeError  # rich would exit 1 at once; emit() carries on
+
+
+def _warnings(result) -> list:
+    found = list(getattr(result, "findings", ()))
+    if getattr(result, "diff", None) is not None:  # a serving report carries its kernel diff
+        found += result.diff.findings
+    return [f for f in found if f.level != "ok"]
 
 
 def window_options(command):
@@ -176,41 +230,80 @@ def summary(trace, label, window, fmt, output, recipe_files, nsys_path):
     emit(result, fmt, output)
 
 
+# Exit codes of `kvtrace diff` (docs/cli.md): a gate that saw a regression, and one that could not measure
+# what it was told to watch. 2 is bad input (kvtrace.errors).
+GATE_REGRESSION = 1
+GATE_UNMEASURED = 3
+
+
+def gate(result, watched: list[str | None]) -> int:
+    """Apply --fail-on to a diff: one stderr line per finding; the exit code (0 when nothing tripped).
+
+    A named segment that cannot be measured (not comparable, insufficient data, different work, or absent
+    from both arms) exits GATE_UNMEASURED rather than passing; the unnamed form watches the segments that
+    can be measured and lists the others. A regression wins over an unmeasured segment."""
+    if not watched:
+        return 0
+    rows = {r.segment: r for r in result.segments}
+    named = {segment for segment in watched if segment is not None}
+    every = None in watched
+    tripped = [r for r in result.segments if r.verdict == stats.REGRESSION and (every or r.segment in named)]
+    unmeasured = [(segment, rows[segment].verdict if segment in rows else "no calls in either arm")
+                  for segment in sorted(named) if segment not in rows or rows[segment].verdict in stats.UNMEASURED]
+    if tripped:
+        click.echo("kvtrace: gate: " + "; ".join(f"{r.segment} regressed {r.ratio:.3f}× [{r.ci_low:.3f}, {r.ci_high:.3f}]"
+                                                  for r in tripped), err=True)
+    if unmeasured:
+        click.echo("kvtrace: gate: cannot judge " + "; ".join(f"{segment} ({why})" for segment, why in unmeasured)
+                   + ": compare runs that did the same work, or drop it from --fail-on", err=True)
+    skipped = [r for r in result.segments if every and r.verdict in stats.UNMEASURED and r.segment not in named]
+    if skipped:
+        click.echo("kvtrace: gate: not judged: " + ", ".join(f"{r.segment} ({r.verdict})" for r in skipped), err=True)
+    return GATE_REGRESSION if tripped else GATE_UNMEASURED if unmeasured else 0
+
+
 @click.command()
 @_trace_argument("baseline")
 @_trace_argument("candidate")
+@click.option("--repeat", "repeats", multiple=True, nargs=2, metavar="BASELINE CANDIDATE",
+              type=click.Path(path_type=Path, exists=False, readable=False),
+              help="A further run of each arm, baseline first; repeat the option per run. Intervals then resample "
+                   "runs, then calls within runs.")
 @click.option("--label", "labels", multiple=True, help="Names for the two arms, baseline first (repeat twice).")
 @click.option("--threshold", default=0.02, show_default=True, type=click.FloatRange(0, 1, max_open=True),
               help="No-change band around a ratio of 1 (0.02 = ±2%).")
 @click.option("--confidence", default=0.95, show_default=True, type=click.FloatRange(0, 1, min_open=True, max_open=True),
               help="Confidence level of the bootstrap intervals.")
-@click.option("--seed", default=0, show_default=True, help="Bootstrap seed (same inputs and seed, same output).")
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(0),
+              help="Bootstrap seed (same inputs and seed, same output).")
 @click.option("--fail-on", "fail_on", multiple=True, metavar="regression[:SEGMENT]",
-              help="Exit 1 when a compared segment (or this SEGMENT) regresses beyond the threshold. Repeatable.")
+              help="Exit 1 when a compared segment (or this SEGMENT) regresses beyond the threshold; exit 3 when "
+                   "SEGMENT cannot be measured. Repeatable.")
 @window_options
 @output_options
-def diff(baseline, candidate, labels, threshold, confidence, seed, fail_on, window, fmt, output, recipe_files,
-         nsys_path):
+def diff(baseline, candidate, repeats, labels, threshold, confidence, seed, fail_on, window, fmt, output,
+         recipe_files, nsys_path):
     """Compare BASELINE (e.g. fp8) with CANDIDATE (e.g. nvfp4), segment by segment and per kernel family.
 
-    Calls are paired per kernel family, launch shape and NVTX range; rows whose arms did different work
-    say "not comparable". Exit codes: 0 done, 1 a --fail-on gate tripped, 2 bad input.
+    Calls are paired per kernel family, launch shape and NVTX range; intervals resample the pairs inside
+    each such cell. Rows whose arms did different work say "not comparable" or "different work". With
+    --repeat, run k of the baseline pairs with run k of the candidate (record them interleaved: A B A B).
+    Exit codes: 0 done, 1 a --fail-on gate saw a regression, 2 bad input, 3 a --fail-on segment could not
+    be measured.
     """
     if len(labels) not in (0, 2):
         raise KvtraceError("--label takes two names, baseline first: --label fp8 --label nvfp4")
     watched = parse_gate(fail_on)
     recipes = load_recipes(recipe_files)
-    traces = load_traces([baseline, candidate], nsys_path)
-    with progress(f"comparing {baseline} and {candidate}"):
-        result = compare.diff(*traces, recipes, labels=tuple(labels) or (None, None), threshold=threshold,
-                              confidence=confidence, seed=seed, window=window)
+    runs = [(baseline, candidate), *repeats]
+    traces = load_traces([path for run in runs for path in run], nsys_path)
+    with progress(f"comparing {baseline} and {candidate}" + (f" ({len(runs)} runs each)" if repeats else "")):
+        result = compare.diff(traces[0::2], traces[1::2], recipes, labels=tuple(labels) or (None, None),
+                              threshold=threshold, confidence=confidence, seed=seed, window=window)
     emit(result, fmt, output)
-    tripped = [r for r in result.segments if r.verdict == stats.REGRESSION
-               and any(segment in (None, r.segment) for segment in watched)]
-    if tripped:
-        click.echo("kvtrace: gate: " + "; ".join(f"{r.segment} regressed {r.ratio:.3f}× "
-                                                  f"[{r.ci_low:.3f}, {r.ci_high:.3f}]" for r in tripped), err=True)
-        sys.exit(1)
+    code = gate(result, watched)
+    if code:
+        sys.exit(code)
 
 
 @click.command()

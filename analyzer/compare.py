@@ -1,65 +1,86 @@
-"""Summaries of one trace and diffs of two, as plain result objects that every renderer reads.
+"""Summaries of one trace and diffs of two arms, as plain result objects that every renderer reads.
 
 Kernels are classified once per distinct signature (name, grid, block) and joined back; the window
-(analyzer.align) picks which calls count; calls are paired across arms per kernel family and launch shape
-before any ratio is formed. Per-call statistics, ratio intervals and verdicts come from analyzer.stats; this
-module itself only adds up times and counts (totals, shares, the total-time ratio, the kernel list's means).
+(analyzer.align) picks which calls count; analyzer.pairing pairs the calls of each baseline run with those
+of its candidate run, cell by cell; analyzer.stats turns the pairs into ratios, intervals, drift and
+verdicts. This module decides which cells make up each row, adds up times and counts (totals, the kernel
+list's shares and means) and words what it found.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import numpy as np
 import polars as pl
 
 from kvtrace import __version__
-from kvtrace.analyzer import align, stats
-from kvtrace.analyzer.classify import SEGMENTS, RecipeSet
+from kvtrace.analyzer import align, pairing, stats
+from kvtrace.analyzer.classify import KV_SEGMENTS, RecipeSet
 from kvtrace.analyzer.load import Trace, TraceInfo
+from kvtrace.analyzer.pairing import KERNEL, RANGE, Cells, Run, Vocabulary, segment_order
 from kvtrace.errors import KvtraceError
 from kvtrace.kv_formats import claimed_dtypes
 
-SUMMARY_SCHEMA = "kvtrace.summary/1"
-DIFF_SCHEMA = "kvtrace.diff/2"
-NOT_COMPARABLE = "not comparable"
-# Attention and append kernels carry the KV dtype in their template arguments.
-KV_SEGMENTS = ("prefill_attention", "decode_attention", "kv_append")
+SUMMARY_SCHEMA = "kvtrace.summary/2"
+# Cells with fewer call pairs than this are named in the row's note: their spread is poorly known.
+FEW_CALLS = 5
+DIFF_SCHEMA = "kvtrace.diff/3"
 
 
 @dataclass(frozen=True)
 class ArmStats:
+    """One arm's calls in a row. The per-call statistics (mean … cv) are None when the row spans cells of
+    different work (stats.same_work): a pooled mean would describe no call that ran."""
+
     calls: int
     total_ns: int
-    mean_ns: float
-    median_ns: float
-    p90_ns: float
-    p99_ns: float
-    min_ns: float
-    max_ns: float
-    cv: float
+    total_low_ns: float | None  # interval of the summed paired time (diff rows with pairs only)
+    total_high_ns: float | None
+    mean_ns: float | None
+    median_ns: float | None
+    p90_ns: float | None
+    p99_ns: float | None
+    min_ns: float | None
+    max_ns: float | None
+    cv: float | None
     share: float | None  # of the arm's GPU kernel time
 
     @classmethod
-    def of(cls, durations: np.ndarray, arm_total_ns: int) -> ArmStats:
+    def of(cls, durations: np.ndarray, arm_total_ns: int,
+           interval: tuple[float | None, float | None] = (None, None)) -> ArmStats:
+        """Calls of one kind of work: every statistic."""
         d = stats.describe(durations)
-        return cls(calls=d.count, total_ns=int(d.total), mean_ns=d.mean, median_ns=d.median, p90_ns=d.p90,
-                   p99_ns=d.p99, min_ns=d.min, max_ns=d.max, cv=d.cv, share=stats.share(d.total, arm_total_ns))
+        return cls(calls=d.count, total_ns=int(d.total), total_low_ns=interval[0], total_high_ns=interval[1],
+                   mean_ns=d.mean, median_ns=d.median, p90_ns=d.p90, p99_ns=d.p99, min_ns=d.min, max_ns=d.max,
+                   cv=d.cv, share=stats.share(d.total, arm_total_ns))
+
+    @classmethod
+    def total(cls, calls: int, total_ns: int, arm_total_ns: int,
+              interval: tuple[float | None, float | None] = (None, None)) -> ArmStats:
+        """Calls of different work: counts and time only."""
+        return cls(calls=calls, total_ns=total_ns, total_low_ns=interval[0], total_high_ns=interval[1], mean_ns=None,
+                   median_ns=None, p90_ns=None, p99_ns=None, min_ns=None, max_ns=None, cv=None,
+                   share=stats.share(total_ns, arm_total_ns))
 
 
 @dataclass(frozen=True)
 class Arm:
     label: str
-    info: TraceInfo
-    total_ns: int
+    info: TraceInfo  # of the first run
+    total_ns: int  # GPU kernel time in the window, all runs
     kv_dtypes: tuple[str, ...]  # seen in attention / append kernels
+    runs: int = 1
+    sources: tuple[str, ...] = ()  # every run's trace, in repeat order
 
 
 @dataclass
 class SummaryRow:
     segment: str
     stats: ArmStats
+    cells: int = 1  # cells (signature × NVTX range) the row spans
     family: str | None = None
     family_label: str | None = None
     kv_dtypes: tuple[str, ...] = ()
@@ -82,21 +103,29 @@ class Summary:
 @dataclass
 class DiffRow:
     segment: str
-    baseline: ArmStats | None  # of the compared calls; of all calls when nothing could be compared
+    baseline: ArmStats | None  # of the paired calls; of all calls in the window when none paired
     candidate: ArmStats | None
-    baseline_calls: int  # in the window, matched or not
+    baseline_calls: int  # in the window (all runs), paired or not
     candidate_calls: int
     baseline_total_ns: int  # all calls in the window
     candidate_total_ns: int
-    compared_calls: int  # paired calls per arm (0 when not comparable)
-    ratio: float | None  # candidate mean / baseline mean over the compared calls
+    compared_calls: int  # call pairs (0 when not comparable)
+    cells: int  # cells the pairs come from (a cell: one kernel, launch shape and NVTX range in one run)
+    single_call_cells: int
+    same_work: bool  # the cells cost the same per call, so per-call statistics describe calls
+    ratio: float | None  # Σ candidate / Σ baseline over the pairs
     ci_low: float | None
     ci_high: float | None
     verdict: str
+    paired_verdict: str | None  # the pairs' own verdict when the row is "different work"
     note: str | None  # how calls were paired when not one-to-one
     reason: str | None  # why the row is not comparable
     total_delta_ns: int  # candidate total - baseline total, all calls in the window
-    delta_share: float | None  # fraction of the whole delta this row explains
+    paired_delta_ns: int  # the same over the paired calls only
+    unpaired_share: float | None  # of the row's absolute change, the part carried by calls without a partner
+    abs_delta_share: float | None  # |Δ| of this row / Σ|Δ| of its table
+    run_ratios: tuple[float | None, ...] = ()  # per run pair, with repeated runs
+    kv_independent: bool = False  # every kernel of the row is one the KV format cannot affect
     family: str | None = None
     family_label: str | None = None
     phase: str | None = None
@@ -104,6 +133,19 @@ class DiffRow:
     candidate_kv_dtypes: tuple[str, ...] = ()
     baseline_names: tuple[str, ...] = ()
     candidate_names: tuple[str, ...] = ()
+
+
+@dataclass
+class Drift:
+    """How far the kernels the KV format cannot affect moved between the arms' runs."""
+
+    ratio: float | None  # all their call pairs together
+    ci_low: float | None
+    ci_high: float | None
+    compared_calls: int
+    segments: tuple[str, ...]
+    band: float  # changes within 1 ± band are not attributed to the KV format (before the threshold)
+    widest: str | None  # the row whose sure move set the band
 
 
 @dataclass
@@ -124,13 +166,21 @@ class Diff:
     segments: list[DiffRow]
     families: list[DiffRow]
     phases: list[DiffRow] = field(default_factory=list)  # per segment and NVTX phase, when ranges exist
+    drift: Drift | None = None
+    runs: int = 1  # run pairs (repeated runs per arm)
+    method: str = stats.BOOTSTRAP
     window: list[str] = field(default_factory=list)
     schema: str = DIFF_SCHEMA
     kvtrace_version: str = __version__
 
     @property
     def total_ratio(self) -> float | None:
-        return self.candidate.total_ns / self.baseline.total_ns if self.baseline.total_ns else None
+        return stats.ratio(self.baseline.total_ns, self.candidate.total_ns)
+
+    @property
+    def band(self) -> float:
+        """Half-width of the no-change band: the threshold, widened to the measured drift."""
+        return max(self.threshold, self.drift.band if self.drift else 0.0)
 
     def to_dict(self) -> dict:
         data = _schema_first(asdict(self))
@@ -143,183 +193,374 @@ def _schema_first(data: dict) -> dict:
 
 
 def classify_signatures(trace: Trace, recipes: RecipeSet) -> pl.DataFrame:
-    """The trace's distinct signatures with segment, family, family_label, kv_dtype and recipe."""
+    """The trace's distinct signatures with segment, family, family_label, kv_dtype, recipe, kv_independent."""
     return recipes.classify(trace.signatures)  # a few hundred rows: cheap to redo per analysis
 
 
-@dataclass
-class _Side:
-    """One arm in the window: its calls grouped into cells (align.Cells) whose table carries codes of a
-    vocabulary shared with the other arm, the classified signatures behind them, and the NVTX ranges the
-    window's calls were launched in."""
-
-    trace: Trace
-    classes: pl.DataFrame
-    cells: align.Cells
-    ranges: pl.Series
-
-    def sigs(self, cells: align.Cells) -> pl.DataFrame:
-        """The classified signatures that a group of cells uses."""
-        return self.classes.filter(pl.col("sig").is_in(cells.table["sig"].unique().implode()))
-
-    def first(self, cells: align.Cells, column: str) -> str:
-        """A classification column of the group's earliest call."""
-        sig = cells.table.sort("first")["sig"][0]
-        return self.classes.filter(pl.col("sig") == sig)[column][0]
-
-    def info(self, cells: align.Cells) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        """The KV dtypes and demangled names of a group of cells."""
-        if cells.table.height == 0:
-            return (), ()
-        sigs = self.sigs(cells)
-        return tuple(sigs["kv_dtype"].drop_nulls().unique().sort()), tuple(sigs["demangled"].unique().sort())
+def _arm(runs: list[Run], label: str) -> Arm:
+    kv = set()
+    for run in runs:
+        kv |= set(run.signatures(run.cells).filter(pl.col("segment").is_in(list(KV_SEGMENTS)))["kv_dtype"]
+                  .drop_nulls())
+    return Arm(label=label, info=runs[0].trace.info, total_ns=sum(run.cells.total_ns for run in runs),
+               kv_dtypes=tuple(sorted(kv)), runs=len(runs), sources=tuple(run.trace.info.source for run in runs))
 
 
-@dataclass(frozen=True)
-class _Codes:
-    """Vocabulary for a comparison: match-key codes (align.Vocabulary) plus family, segment and phase codes."""
-
-    vocabulary: align.Vocabulary
-    families: tuple[str, ...]
-    segments: tuple[str, ...]
-    phases: tuple[str, ...]  # the last code (len(phases)) stands for calls outside every range
-    phase_of_nvtx: np.ndarray
-
-    @classmethod
-    def of(cls, traces: list[Trace], classes: list[pl.DataFrame]) -> _Codes:
-        families = sorted(set().union(*(set(c["family"]) for c in classes)))
-        segments = sorted(set().union(*(set(c["segment"]) for c in classes)), key=_segment_order)
-        vocabulary = align.Vocabulary.of(classes, [t.ranges["name"] for t in traces])
-        phase_names = _phase_names(vocabulary.names)
-        phases = tuple(sorted(set(phase_names)))
-        phase_of_nvtx = np.array([phases.index(p) for p in phase_names] + [len(phases)], dtype=np.uint32)
-        return cls(vocabulary, tuple(families), tuple(segments), phases, phase_of_nvtx)
-
-    def side(self, trace: Trace, classes: pl.DataFrame, window: align.Window) -> _Side:
-        by_sig = classes.sort("sig")
-        family = np.searchsorted(self.families, by_sig["family"].to_numpy()).astype(np.uint32)
-        segment = np.array([self.segments.index(s) for s in by_sig["segment"]], dtype=np.uint32)
-        shape = self.vocabulary.shape_codes(by_sig)
-        nvtx_of_range = self.vocabulary.name_codes(trace.ranges["name"])  # last entry: outside every range
-        calls = trace.kernels.with_columns(pl.Series("nvtx", nvtx_of_range[trace.kernels["range"].to_numpy()]))
-        if window.skip_warmup or window.last is not None:  # trimming counts calls per family and match key
-            sig = calls["sig"].to_numpy()
-            calls = calls.with_columns(pl.Series("family", family[sig]), pl.Series("shape", shape[sig]))
-        calls = align.apply_window(trace, calls, window)
-        if calls.height == 0:
-            raise KvtraceError(f"{trace.info.source}: no kernels inside the window "
-                               f"({'; '.join(window.describe())}); widen --window/--time/--phase")
-        cells = align.Cells.of(calls)
-        sig, nvtx = cells.table["sig"].to_numpy(), cells.table["nvtx"].to_numpy()
-        cells = replace(cells, table=cells.table.with_columns(
-            pl.Series("family", family[sig]), pl.Series("segment", segment[sig]), pl.Series("shape", shape[sig]),
-            pl.Series("phase", self.phase_of_nvtx[nvtx])))
-        return _Side(trace, classes, cells, calls["range"].unique())
-
-
-def _phase_names(names: tuple[str, ...]) -> list[str]:
-    """Per range name, its phase: the name itself, or for vLLM's per-step ranges their step kind."""
-    named = pl.DataFrame({"nvtx": pl.Series(names, dtype=pl.Utf8)})
-    step = pl.col("nvtx").str.extract_groups(align.VLLM_STEP.pattern)
-    context, generation = step.struct.field("1").cast(pl.Int64), step.struct.field("3").cast(pl.Int64)
-    kind = pl.format("vLLM {} steps", align.step_kind(context, generation))
-    return named.select(pl.when(context.is_null()).then(pl.col("nvtx")).otherwise(kind))["nvtx"].to_list()
-
-
-def _segment_order(segment: str) -> int:
-    return SEGMENTS.index(segment) if segment in SEGMENTS else len(SEGMENTS)
-
-
-def _arm(side: _Side, label: str) -> Arm:
-    kv = side.sigs(side.cells).filter(pl.col("segment").is_in(KV_SEGMENTS))["kv_dtype"].drop_nulls().unique().sort()
-    return Arm(label=label, info=side.trace.info, total_ns=side.cells.total_ns, kv_dtypes=tuple(kv))
-
-
-def _codes_in(cells: align.Cells, *columns: str) -> set:
+def _codes_in(cells: Cells, *columns: str) -> set:
     return set(cells.table.select(columns).unique().iter_rows())
+
+
+def _per_call_means(table: pl.DataFrame, calls: str = "calls", total: str = "total_ns") -> np.ndarray:
+    return (table[total].to_numpy() / table[calls].to_numpy()) if table.height else np.zeros(0)
 
 
 def summarize(trace: Trace, recipes: RecipeSet, label: str | None = None,
               window: align.Window = align.Window()) -> Summary:
     classes = classify_signatures(trace, recipes)
-    codes = _Codes.of([trace], [classes])
-    side = codes.side(trace, classes, window)
-    arm = _arm(side, label or _default_label(trace))
-    segments, families = [], []
-    for (code,) in _codes_in(side.cells, "segment"):
-        cells = side.cells.where(pl.col("segment") == code)
-        kv, names = side.info(cells)
-        segments.append(SummaryRow(segment=codes.segments[code], stats=ArmStats.of(cells.values(), arm.total_ns),
-                                   kv_dtypes=kv, names=names))
-    for (code,) in _codes_in(side.cells, "family"):
-        cells = side.cells.where(pl.col("family") == code)
-        kv, names = side.info(cells)
-        families.append(SummaryRow(segment=side.first(cells, "segment"), family=codes.families[code],
-                                   family_label=side.first(cells, "family_label"),
-                                   stats=ArmStats.of(cells.values(), arm.total_ns), kv_dtypes=kv, names=names))
-    segments.sort(key=lambda r: -r.stats.total_ns)
-    families.sort(key=lambda r: -r.stats.total_ns)
+    vocabulary = Vocabulary.of([trace], [classes])
+    run = vocabulary.run(trace, classes, window)
+    arm = _arm([run], label or _default_label(trace))
+
+    def row(group: Cells, **extra) -> SummaryRow:
+        kv, names = run.kv_dtypes_and_names(group)
+        numbers = ArmStats.of(group.values(), arm.total_ns) if stats.same_work([_per_call_means(group.table)]) else \
+            ArmStats.total(group.calls, group.total_ns, arm.total_ns)
+        return SummaryRow(segment=run.earliest(group, "segment"), cells=group.table.height, stats=numbers,
+                          kv_dtypes=kv, names=names, **extra)
+
+    segments = [row(run.cells.where(pl.col("segment") == code)) for (code,) in _codes_in(run.cells, "segment")]
+    families = []
+    for (code,) in _codes_in(run.cells, "family"):
+        group = run.cells.where(pl.col("family") == code)
+        families.append(row(group, family=vocabulary.families[code], family_label=run.earliest(group, "family_label")))
+    segments.sort(key=lambda r: (-r.stats.total_ns, r.segment))
+    families.sort(key=lambda r: (-r.stats.total_ns, r.family))
     return Summary(arm=arm, recipes=tuple(recipes.files), segments=segments, families=families)
 
 
-def segment_durations(trace: Trace, recipes: RecipeSet, window: align.Window, segments: tuple[str, ...]
+def segment_durations(traces: list[Trace], recipes: RecipeSet, window: align.Window, segments: tuple[str, ...]
                       ) -> dict[str, np.ndarray]:
-    """Per-call durations of the given segments in the window, sorted (for ECDFs)."""
-    classes = classify_signatures(trace, recipes)
-    codes = _Codes.of([trace], [classes])
-    cells = codes.side(trace, classes, window).cells
+    """Per-call durations of the given segments in the window over an arm's runs, sorted (for ECDFs)."""
+    classes = [classify_signatures(t, recipes) for t in traces]
+    vocabulary = Vocabulary.of(traces, classes)
+    runs = [vocabulary.run(t, c, window) for t, c in zip(traces, classes)]
     out = {}
     for segment in segments:
-        if segment in codes.segments:
-            values = cells.where(pl.col("segment") == codes.segments.index(segment)).values()
+        if segment in vocabulary.segments:
+            code = vocabulary.segments.index(segment)
+            values = np.concatenate([run.cells.where(pl.col("segment") == code).values() for run in runs])
             if values.size:
                 out[segment] = np.sort(values.astype(np.int64))
     return out
 
 
-def diff(baseline: Trace, candidate: Trace, recipes: RecipeSet, *, labels: tuple[str | None, str | None] = (None, None),
-         threshold: float = 0.02, confidence: float = 0.95, seed: int = 0,
-         window: align.Window = align.Window()) -> Diff:
-    classes = [classify_signatures(t, recipes) for t in (baseline, candidate)]
-    codes = _Codes.of([baseline, candidate], classes)
-    base, cand = (codes.side(t, c, window) for t, c in zip((baseline, candidate), classes))
-    base_arm = _arm(base, labels[0] or _default_label(baseline))
-    cand_arm = _arm(cand, labels[1] or _default_label(candidate))
-    context = _RowContext(base, cand, base_arm.total_ns, cand_arm.total_ns, threshold, confidence, seed)
+# ---- diff -------------------------------------------------------------------------------------------------
 
-    family_matches = {}
-    families = []
-    for (code,) in sorted(_codes_in(base.cells, "family") | _codes_in(cand.cells, "family"),
-                          key=lambda k: codes.families[k[0]]):
-        b, c = (side.cells.where(pl.col("family") == code) for side in (base, cand))
-        family_matches[code] = match = align.match_family(b, c, codes.vocabulary)
-        row = context.row(b, c, match)
-        row.family, row.family_label = codes.families[code], context.first(b, c, "family_label")
-        families.append(row)
-    segments = []
-    for (code,) in sorted(_codes_in(base.cells, "segment") | _codes_in(cand.cells, "segment")):
-        b, c = (side.cells.where(pl.col("segment") == code) for side in (base, cand))
-        segments.append(context.row(b, c, context.match_segment(b, c, lambda: _pooled(b, c, family_matches))))
-    phases = []
-    outside = len(codes.phases)
-    for segment, phase in sorted(k for k in _codes_in(base.cells, "segment", "phase") |
-                                 _codes_in(cand.cells, "segment", "phase") if k[1] != outside):
-        b, c = (side.cells.where((pl.col("segment") == segment) & (pl.col("phase") == phase)) for side in (base, cand))
-        row = context.row(b, c, context.match_segment(b, c, lambda: align.match_family(b, c, codes.vocabulary)))
-        row.phase = codes.phases[phase]
-        phases.append(row)
-    for rows in (segments, families, phases):
-        total = sum(r.total_delta_ns for r in rows)
-        for r in rows:
-            r.delta_share = stats.share(r.total_delta_ns, total)
-        rows.sort(key=lambda r: (-abs(r.total_delta_ns), _segment_order(r.segment)))
 
-    findings = comparability(base_arm, cand_arm) + _window_findings(window, families)
-    findings += _step_findings(base, cand, base_arm, cand_arm)
-    phases.sort(key=lambda r: (_segment_order(r.segment), _natural(r.phase)))
+@dataclass
+class _Comparison:
+    """Every run pair of a diff with its pairs, and the pairs of all runs as strata for analyzer.stats."""
+
+    vocabulary: Vocabulary
+    runs: list[tuple[Run, Run]]
+    pairs: list[pairing.Pairs]
+    strata: pl.DataFrame  # all runs' strata, with `run` and a global `stratum`
+    paired: stats.PairedStrata
+    strata_totals: tuple[np.ndarray, np.ndarray]  # per global stratum, summed paired time per arm
+
+    @classmethod
+    def of(cls, vocabulary: Vocabulary, runs: list[tuple[Run, Run]]) -> _Comparison:
+        pairs = [pairing.pair(base, cand, vocabulary) for base, cand in runs]
+        tables, first = [], 0
+        for index, found in enumerate(pairs):
+            tables.append(found.strata.with_columns(pl.lit(index, dtype=pl.UInt32).alias("run"),
+                                                    (pl.col("stratum") + first).alias("stratum")))
+            first += found.strata.height
+        strata = pl.concat(tables)
+        offsets = np.concatenate([[0]] + [p.offsets[1:] + total for p, total in
+                                          zip(pairs, np.cumsum([0] + [p.offsets[-1] for p in pairs[:-1]]))])
+        baseline = np.concatenate([p.baseline for p in pairs])
+        candidate = np.concatenate([p.candidate for p in pairs])
+        paired = stats.PairedStrata(baseline, candidate, offsets.astype(np.int64), strata["run"].to_numpy(),
+                                    len(runs))
+        starts = offsets[:-1]
+        totals = tuple(np.add.reduceat(values, starts, dtype=np.int64) if starts.size else np.zeros(0, np.int64)
+                       for values in (baseline, candidate))
+        return cls(vocabulary, runs, pairs, strata, paired, totals)
+
+    def pair_count(self, members: np.ndarray) -> int:
+        return int(np.diff(self.paired.offsets)[members].sum())
+
+    def values(self, members: np.ndarray, side: int) -> np.ndarray:
+        """The paired durations of some strata, one arm."""
+        array = self.paired.baseline if side == 0 else self.paired.candidate
+        offsets = self.paired.offsets
+        return np.concatenate([array[offsets[s]:offsets[s + 1]] for s in members.tolist()])
+
+
+@dataclass
+class _Row:
+    """What one row covers: its cells in every run and its strata, before any number is computed."""
+
+    level: str  # "segment", "phase", "family"
+    cells: pl.Expr
+    members: np.ndarray  # global strata
+    code: int  # segment, or family code
+    phase: int | None = None
+
+
+def diff(baseline: Trace | list[Trace], candidate: Trace | list[Trace], recipes: RecipeSet, *,
+         labels: tuple[str | None, str | None] = (None, None), threshold: float = 0.02, confidence: float = 0.95,
+         seed: int = 0, window: align.Window = align.Window()) -> Diff:
+    """Compare the baseline arm with the candidate arm. Each arm is one trace or its repeated runs in
+    repeat order; run k of the baseline pairs with run k of the candidate."""
+    base_traces = [baseline] if isinstance(baseline, Trace) else list(baseline)
+    cand_traces = [candidate] if isinstance(candidate, Trace) else list(candidate)
+    if not base_traces or len(base_traces) != len(cand_traces):
+        raise KvtraceError(f"{len(base_traces)} baseline run(s) and {len(cand_traces)} candidate run(s): give each "
+                           "arm the same number of runs, in repeat order")
+    traces = base_traces + cand_traces
+    classes = [classify_signatures(t, recipes) for t in traces]
+    vocabulary = Vocabulary.of(traces, classes)
+    built = [vocabulary.run(t, c, window) for t, c in zip(traces, classes)]
+    base_runs, cand_runs = built[:len(base_traces)], built[len(base_traces):]
+    base_arm = _arm(base_runs, labels[0] or _default_label(base_traces[0]))
+    cand_arm = _arm(cand_runs, labels[1] or _default_label(cand_traces[0]))
+    comparison = _Comparison.of(vocabulary, list(zip(base_runs, cand_runs)))
+    strata = comparison.strata
+
+    def present(*columns: str) -> set:
+        return set().union(*(_codes_in(run.cells, *columns) for run in built))
+
+    specs = []
+    for (code,) in sorted(present("segment")):
+        specs.append(_Row("segment", pl.col("segment") == code,
+                          strata.filter(pl.col("segment") == code)["stratum"].to_numpy(), code))
+    for code, phase in sorted(k for k in present("segment", "phase") if k[1] != vocabulary.outside_phase):
+        specs.append(_Row("phase", (pl.col("segment") == code) & (pl.col("phase") == phase),
+                          strata.filter((pl.col("segment") == code) & (pl.col("phase") == phase))["stratum"].to_numpy(),
+                          code, phase))
+    for (code,) in sorted(present("family"), key=lambda k: vocabulary.families[k[0]]):
+        specs.append(_Row("family", pl.col("family") == code,
+                          strata.filter((pl.col("level") == KERNEL) & (pl.col("family") == code))["stratum"].to_numpy(),
+                          code))
+    controls = strata.filter(pl.col("kv_independent"))
+    estimates = stats.estimate_rows(comparison.paired, [spec.members for spec in specs] +
+                                    [controls["stratum"].to_numpy()], confidence=confidence, seed=seed)
+    builder = _RowBuilder(comparison, base_arm, cand_arm)
+    rows = [builder.row(spec, estimate) for spec, estimate in zip(specs, estimates)]
+
+    drift = _drift(rows, estimates[-1], controls, vocabulary)
+    band = drift.band if drift else 0.0
+    for row, spec, estimate in zip(rows, specs, estimates):
+        unpaired_delta = row.total_delta_ns - row.paired_delta_ns
+        row.verdict, row.paired_verdict = stats.row_verdict(estimate, threshold=threshold, drift=band,
+                                                            paired_delta=row.paired_delta_ns,
+                                                            unpaired_delta=unpaired_delta)
+        left = (row.baseline_calls - row.compared_calls, row.candidate_calls - row.compared_calls)
+        if row.verdict == stats.DIFFERENT_WORK:
+            row.note = "; ".join(filter(None, [builder.different_work(spec, row), row.note]))
+        elif estimate is not None and any(left):
+            row.note = "; ".join(filter(None, [row.note, f"{left[0]:,} baseline and {left[1]:,} candidate calls "
+                                                         "without a partner"]))
+    segments = [r for r, s in zip(rows, specs) if s.level == "segment"]
+    phases = [r for r, s in zip(rows, specs) if s.level == "phase"]
+    families = [r for r, s in zip(rows, specs) if s.level == "family"]
+    for table in (segments, families, phases):
+        for row, share in zip(table, stats.abs_shares([r.total_delta_ns for r in table])):
+            row.abs_delta_share = share
+    segments.sort(key=lambda r: (-abs(r.total_delta_ns), segment_order(r.segment)))
+    families.sort(key=lambda r: (-abs(r.total_delta_ns), segment_order(r.segment), r.family))
+    phases.sort(key=lambda r: (segment_order(r.segment), _natural(r.phase)))
+
+    findings = comparability(base_arm, cand_arm) + _window_findings(window, families, builder.realigned)
+    findings += _run_findings(comparison, base_arm, cand_arm)
+    if drift is not None:
+        findings.append(_drift_finding(drift, threshold))
     return Diff(baseline=base_arm, candidate=cand_arm, recipes=tuple(recipes.files), threshold=threshold,
                 confidence=confidence, findings=findings, segments=segments, families=families, phases=phases,
+                drift=drift, runs=len(base_runs), method=stats.HIERARCHICAL if len(base_runs) > 1 else stats.BOOTSTRAP,
                 window=window.describe())
+
+
+class _RowBuilder:
+    """Counts, statistics and words of a row from its cells and strata (the verdict comes after the drift)."""
+
+    def __init__(self, comparison: _Comparison, base_arm: Arm, cand_arm: Arm):
+        self.comparison = comparison
+        self.arm_totals = (base_arm.total_ns, cand_arm.total_ns)
+        self.realigned: list[str] = []  # families paired on their last calls, for the alignment finding
+
+    def groups(self, spec: _Row, side: int) -> list[tuple[Run, Cells, pl.DataFrame]]:
+        """Per run of one arm: the run, the row's cells, and those cells with what each gave to pairs."""
+        out = []
+        for runs, found in zip(self.comparison.runs, self.comparison.pairs):
+            run = runs[side]
+            group = run.cells.where(spec.cells)
+            table = group.table.join(found.paired[side], on="cell", how="left").with_columns(
+                pl.col("paired_calls", "paired_ns").fill_null(0))
+            out.append((run, group, table))
+        return out
+
+    def row(self, spec: _Row, estimate: stats.Estimate | None) -> DiffRow:
+        vocabulary = self.comparison.vocabulary
+        sides = [self.groups(spec, side) for side in (0, 1)]
+        window_calls = [sum(g.calls for _, g, _ in groups) for groups in sides]
+        window_ns = [sum(g.total_ns for _, g, _ in groups) for groups in sides]
+        paired_ns = [sum(int(t["paired_ns"].sum()) for _, _, t in groups) for groups in sides]
+        kv = [self._kv_and_names(groups) for groups in sides]
+        run, group = next((r, g) for groups in sides for r, g, _ in groups if g.table.height)  # earliest: baseline
+        members = spec.members
+        if estimate is not None:
+            totals = self.comparison.strata_totals
+            sizes = np.diff(self.comparison.paired.offsets)[members]
+            per_call = stats.same_work([totals[side][members] / sizes for side in (0, 1)])
+            intervals = ((estimate.baseline_low, estimate.baseline_high),
+                         (estimate.candidate_low, estimate.candidate_high))
+            arm_stats = [ArmStats.of(self.comparison.values(members, side), self.arm_totals[side], intervals[side])
+                         if per_call else ArmStats.total(int(sizes.sum()), int(totals[side][members].sum()),
+                                                         self.arm_totals[side], intervals[side]) for side in (0, 1)]
+        else:  # nothing paired: each arm's calls in the window
+            tables = [pl.concat([t for _, _, t in groups]) for groups in sides]
+            per_call = stats.same_work([_per_call_means(t) for t in tables if t.height])
+            arm_stats = [None if not window_calls[side] else
+                         ArmStats.of(np.concatenate([g.values() for _, g, _ in groups]), self.arm_totals[side])
+                         if per_call else ArmStats.total(window_calls[side], window_ns[side], self.arm_totals[side])
+                         for side, groups in enumerate(sides)]
+        kv_independent = all(bool(g.table["kv_independent"].all()) for groups in sides for _, g, _ in groups
+                             if g.table.height)
+        row = DiffRow(segment=run.earliest(group, "segment"), baseline=arm_stats[0], candidate=arm_stats[1],
+                      baseline_calls=window_calls[0], candidate_calls=window_calls[1], baseline_total_ns=window_ns[0],
+                      candidate_total_ns=window_ns[1], compared_calls=self.comparison.pair_count(members),
+                      cells=int(members.size), single_call_cells=estimate.single_call_strata if estimate else 0,
+                      same_work=per_call, ratio=None, ci_low=None, ci_high=None, verdict=stats.NOT_COMPARABLE,
+                      paired_verdict=None, note=None, reason=None, total_delta_ns=window_ns[1] - window_ns[0],
+                      paired_delta_ns=paired_ns[1] - paired_ns[0], unpaired_share=None, abs_delta_share=None,
+                      kv_independent=kv_independent, baseline_kv_dtypes=kv[0][0], candidate_kv_dtypes=kv[1][0],
+                      baseline_names=kv[0][1], candidate_names=kv[1][1])
+        row.unpaired_share = stats.unpaired_share(row.paired_delta_ns, row.total_delta_ns - row.paired_delta_ns) \
+            if estimate is not None else None
+        if spec.level == "family":
+            row.family, row.family_label = vocabulary.families[spec.code], run.earliest(group, "family_label")
+        if spec.level == "phase":
+            row.phase = vocabulary.phases[spec.phase]
+        if estimate is not None:
+            row.ratio, row.ci_low, row.ci_high = estimate.ratio, estimate.low, estimate.high
+            row.run_ratios = estimate.run_ratios
+        row.reason = None if estimate is not None else self._reason(spec, sides, window_calls)
+        row.note = self._note(spec, row, sides) if estimate is not None else None
+        return row
+
+    @staticmethod
+    def _kv_and_names(groups) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        kv, names = set(), set()
+        for run, group, _ in groups:
+            found = run.kv_dtypes_and_names(group)
+            kv |= set(found[0])
+            names |= set(found[1])
+        return tuple(sorted(kv)), tuple(sorted(names))
+
+    def _reason(self, spec: _Row, sides, window_calls: list[int]) -> str:
+        if not window_calls[0] or not window_calls[1]:
+            return f"only in the {'candidate' if not window_calls[0] else 'baseline'}"
+        if spec.level == "family":
+            vocabulary = self.comparison.vocabulary
+            lists = [pairing.shape_list(next(g for _, g, _ in groups if g.table.height), vocabulary)
+                     for groups in sides]
+            return (f"the arms ran this family with different launch shapes or NVTX ranges ({lists[0]} vs "
+                    f"{lists[1]})")
+        return (f"no calls pair across arms ({window_calls[0]:,} vs {window_calls[1]:,} calls in different NVTX "
+                "ranges or launch shapes)")
+
+    def _note(self, spec: _Row, row: DiffRow, sides) -> str | None:
+        vocabulary = self.comparison.vocabulary
+        strata = self.comparison.strata.filter(pl.col("stratum").is_in(pl.Series(spec.members).implode()))
+        runs = self.comparison.paired.runs
+        notes = []
+        truncated = strata.filter((pl.col("level") == KERNEL) &
+                                  (pl.col("baseline_calls") != pl.col("candidate_calls"))).sort("run", "stratum")
+        for run, shape, nvtx, pairs, nb, nc in truncated.select("run", "shape", "nvtx", "pairs", "baseline_calls",
+                                                                 "candidate_calls").iter_rows():
+            where = f"r{run + 1} " if runs > 1 else ""
+            notes.append(f"{where}{vocabulary.label(shape, nvtx)}: last {pairs} of {nb} vs {nc} calls")
+        if notes and spec.level == "family":
+            self.realigned.append(row.family_label)
+        if strata.filter(pl.col("level") == RANGE).height:
+            labels = [self._labels(groups) for groups in sides]
+            notes.append(f"different kernels paired by NVTX range: {', '.join(labels[0])} vs {', '.join(labels[1])}")
+        single = row.single_call_cells
+        if single > 1:
+            notes.append(f"{single} single-call cells resampled together (one call has no spread of its own)")
+        sizes = np.diff(self.comparison.paired.offsets)[spec.members]
+        few = int(np.count_nonzero((sizes > 1) & (sizes < FEW_CALLS)))
+        if few:
+            notes.append(f"{few} cell{'s' if few > 1 else ''} of 2 to {FEW_CALLS - 1} call pairs: the interval rests "
+                         "on few calls and widens for it (Student's t)")
+        return "; ".join(notes) or None
+
+    def _labels(self, groups) -> list[str]:
+        """Family labels (with the KV dtype) of the cells one arm paired by range."""
+        labels = set()
+        for run, group, table in groups:
+            cells = table.filter(pl.col("paired_level") == RANGE)
+            if cells.height:
+                sigs = run.classes.filter(pl.col("sig").is_in(cells["sig"].implode()))
+                labels |= {label + (f" ({kv})" if kv else "") for label, kv in sigs.select("family_label", "kv_dtype")
+                           .iter_rows()}
+        return sorted(labels)
+
+    def different_work(self, spec: _Row, row: DiffRow) -> str:
+        """What the unpaired calls are: the families with the most unpaired time, per arm."""
+        parts = []
+        for side, word in ((0, "baseline"), (1, "candidate")):
+            unpaired = {}
+            for run, group, table in self.groups(spec, side):
+                left = table.filter(pl.col("calls") > pl.col("paired_calls"))
+                for sig, calls, paired_calls, total, paired_ns in left.select(
+                        "sig", "calls", "paired_calls", "total_ns", "paired_ns").iter_rows():
+                    label = run.classes.filter(pl.col("sig") == sig)["family_label"][0]
+                    count, ns = unpaired.get(label, (0, 0))
+                    unpaired[label] = (count + calls - paired_calls, ns + total - paired_ns)
+            top = sorted(unpaired.items(), key=lambda item: (-item[1][1], item[0]))[:3]
+            if top:
+                parts.append(f"{word} " + ", ".join(f"{label} ×{count:,}" for label, (count, _) in top)
+                             + (", …" if len(unpaired) > 3 else ""))
+        share = f"{100 * row.unpaired_share:.0f}%" if row.unpaired_share is not None else "most"
+        return (f"calls without a partner carry {share} of the change ({'; '.join(parts)}); the ratio is of the "
+                f"{row.compared_calls:,} paired calls alone ({row.paired_verdict})")
+
+
+def _drift(rows: list[DiffRow], pooled: stats.Estimate | None, controls: pl.DataFrame,
+           vocabulary: Vocabulary) -> Drift | None:
+    """Drift from the rows the KV format cannot affect; None when the traces have no such kernels paired."""
+    if pooled is None:
+        return None
+    candidates = [r for r in rows if r.kv_independent and r.ratio is not None]
+    band, widest = stats.drift_band([(r.ci_low, r.ci_high) for r in candidates])
+    segments = tuple(sorted({vocabulary.segments[s] for s in controls["segment"].unique().to_list()},
+                            key=segment_order))
+    where = None
+    if widest is not None:
+        row = candidates[widest]
+        where = row.family_label or (f"{row.segment} in {row.phase}" if row.phase else row.segment)
+    return Drift(ratio=pooled.ratio, ci_low=pooled.low, ci_high=pooled.high,
+                 compared_calls=int(controls["pairs"].sum()), segments=segments, band=band, widest=where)
+
+
+def _drift_finding(drift: Drift, threshold: float) -> Finding:
+    def signed(value: float) -> str:
+        return f"{100 * (value - 1):+.1f}%".replace("-", "−")
+
+    moved = signed(drift.ratio)
+    if drift.ci_low is not None:
+        moved += f" [{signed(drift.ci_low)}, {signed(drift.ci_high)}]"
+    text = (f"KV-independent kernels ({', '.join(drift.segments)}; {drift.compared_calls:,} call pairs) moved "
+            f"{moved} between the runs")
+    if drift.band > threshold:
+        return Finding("warning", "drift", f"{text}; the largest sure move, {drift.widest}, was "
+                       f"{100 * drift.band:.1f}%: changes within ±{100 * drift.band:.1f}% are not attributed to the KV "
+                       "format")
+    return Finding("ok", "drift", f"{text}, within the ±{100 * threshold:g}% threshold")
 
 
 def _natural(text: str) -> list:
@@ -327,97 +568,14 @@ def _natural(text: str) -> list:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
 
 
-def _pooled(b: align.Cells, c: align.Cells, family_matches: dict) -> align.Match:
-    """The calls a segment's families paired, pooled."""
-    shared = sorted(_codes_in(b, "family") & _codes_in(c, "family"))
-    paired = [family_matches[k] for (k,) in shared if family_matches[k].matched]
-    if not paired:
-        empty = np.zeros(0, dtype=np.int64)
-        return align.Match(empty, empty, b.calls, c.calls, None,
-                           f"no calls pair across arms ({b.calls} vs {c.calls} calls in different NVTX ranges "
-                           "or launch shapes)")
-    compared = sum(len(m.baseline) for m in paired)
-    return align.Match(np.concatenate([m.baseline for m in paired]), np.concatenate([m.candidate for m in paired]),
-                       b.calls, c.calls,
-                       f"compared the {compared} calls that {len(paired)} kernel "
-                       f"famil{'y' if len(paired) == 1 else 'ies'} paired", None)
-
-
-@dataclass
-class _RowContext:
-    base: _Side
-    cand: _Side
-    base_total: int  # all calls of the arm in the window
-    cand_total: int
-    threshold: float
-    confidence: float
-    seed: int
-
-    def first(self, b: align.Cells, c: align.Cells, column: str) -> str:
-        return self.base.first(b, column) if b.table.height else self.cand.first(c, column)
-
-    def match_segment(self, b: align.Cells, c: align.Cells, fallback) -> align.Match:
-        """Pair a segment's calls NVTX range by range, even through different kernels (FP8 and NVFP4 append
-        kernels differ by name and grid; so do vLLM's BF16 and FP8 prefill kernels): the calls of a range
-        pair when both arms made as many there. Ranges with different counts are left out; when no range
-        pairs, `fallback()` decides (the families' own pairing)."""
-        nb, nc = b.calls, c.calls
-        if not (nb and nc):
-            empty = np.zeros(0, dtype=np.int64)
-            return align.Match(empty, empty, nb, nc, None, f"only in the {'candidate' if nb == 0 else 'baseline'}")
-        counts = (b.counts(["nvtx"]).join(c.counts(["nvtx"]), on="nvtx", how="full", coalesce=True,
-                                          suffix="_candidate")
-                  .with_columns(pl.col("len", "len_candidate").fill_null(0)))
-        equal = counts.filter((pl.col("len") == pl.col("len_candidate")) & (pl.col("len") > 0))
-        if equal.height == 0:
-            return fallback()
-        paired_b, paired_c = (cells.where(pl.col("nvtx").is_in(equal["nvtx"].implode())) for cells in (b, c))
-        notes = []
-        families_b = set(self.base.sigs(paired_b)["family_label"])
-        families_c = set(self.cand.sigs(paired_c)["family_label"])
-        if families_b != families_c:
-            notes.append(f"different kernels: {', '.join(sorted(families_b - families_c))} vs "
-                         f"{', '.join(sorted(families_c - families_b))}")
-        if equal.height < counts.height:
-            notes.append(f"paired the calls of {equal.height} NVTX range(s) both arms ran equally often; "
-                         f"{nb - paired_b.calls} baseline and {nc - paired_c.calls} candidate calls "
-                         "in other ranges left out")
-        return align.Match(paired_b.values(), paired_c.values(), nb, nc, "; ".join(notes) or None, None)
-
-    def row(self, b: align.Cells, c: align.Cells, match: align.Match) -> DiffRow:
-        info_b, info_c = self.base.info(b), self.cand.info(c)
-        base_calls, cand_calls = b.calls, c.calls
-        base_total, cand_total = b.total_ns, c.total_ns
-        if match.matched:
-            base_stats = ArmStats.of(match.baseline, self.base_total)
-            cand_stats = ArmStats.of(match.candidate, self.cand_total)
-        else:
-            base_stats = ArmStats.of(b.values(), self.base_total) if base_calls else None
-            cand_stats = ArmStats.of(c.values(), self.cand_total) if cand_calls else None
-        row = DiffRow(segment=self.first(b, c, "segment"), baseline=base_stats, candidate=cand_stats,
-                      baseline_calls=base_calls, candidate_calls=cand_calls, baseline_total_ns=base_total,
-                      candidate_total_ns=cand_total,
-                      compared_calls=len(match.baseline) if match.matched else 0, ratio=None, ci_low=None,
-                      ci_high=None, verdict=NOT_COMPARABLE, note=match.note, reason=match.reason,
-                      total_delta_ns=cand_total - base_total, delta_share=None,
-                      baseline_kv_dtypes=info_b[0], candidate_kv_dtypes=info_c[0],
-                      baseline_names=info_b[1], candidate_names=info_c[1])
-        if not match.matched:
-            return row
-        interval = stats.ratio_interval(match.baseline, match.candidate, confidence=self.confidence, seed=self.seed)
-        row.ratio, row.ci_low, row.ci_high = interval.ratio, interval.low, interval.high
-        row.verdict = stats.verdict(interval, threshold=self.threshold)
-        return row
-
-
-def _window_findings(window: align.Window, families: list[DiffRow]) -> list[Finding]:
+def _window_findings(window: align.Window, families: list[DiffRow], realigned: list[str]) -> list[Finding]:
     findings = [Finding("ok", "window", "compared " + part) for part in window.describe()]
     if not window.describe():
         findings.append(Finding("ok", "window", "compared whole traces (no --window, --time, --phase or trimming)"))
-    realigned = [r for r in families if r.note and r.verdict != NOT_COMPARABLE]
-    for r in realigned:
-        findings.append(Finding("warning", "alignment", f"{r.family_label}: {r.note}; extra calls at the start "
-                                "are usually warm-up (--skip-warmup), missing calls at the end a truncated arm"))
+    for r in families:
+        if r.family_label in realigned:
+            findings.append(Finding("warning", "alignment", f"{r.family_label}: {r.note}; extra calls at the start "
+                                    "are usually warm-up (--skip-warmup), missing calls at the end a truncated arm"))
     unmatched = [r.family_label for r in families if r.reason and r.baseline_calls and r.candidate_calls]
     if unmatched:
         examples = ", ".join(unmatched[:3]) + (", …" if len(unmatched) > 3 else "")
@@ -428,11 +586,30 @@ def _window_findings(window: align.Window, families: list[DiffRow]) -> list[Find
     return findings
 
 
-def _step_findings(base: _Side, cand: _Side, base_arm: Arm, cand_arm: Arm) -> list[Finding]:
+def _run_findings(comparison: _Comparison, base_arm: Arm, cand_arm: Arm) -> list[Finding]:
+    findings = []
+    count = len(comparison.runs)
+    if count > 1:
+        findings.append(Finding("ok", "runs", f"{count} runs per arm, paired in repeat order (r1 with r1, …): "
+                                "intervals resample run pairs, then calls within each run, so between-run variance "
+                                "is inside them"))
+        gpus = sorted({run.trace.info.gpu_label for pair in comparison.runs for run in pair})
+        if len(gpus) > 1:
+            findings.append(Finding("error", "gpu", f"the runs ran on different GPUs: {', '.join(gpus)}"))
+    for index, (base, cand) in enumerate(comparison.runs):
+        found = _step_findings(base, cand, base_arm, cand_arm)
+        if count > 1:
+            for f in found:
+                f.message = f"r{index + 1}: {f.message}"
+        findings += found
+    return findings
+
+
+def _step_findings(base: Run, cand: Run, base_arm: Arm, cand_arm: Arm) -> list[Finding]:
     """vLLM step token counts must agree, or per-step kernel times describe different work (kekzl/imp#1816)."""
     steps = []
-    for side in (base, cand):
-        found = align.steps(side.trace).filter(pl.col("range").is_in(side.ranges.implode()))
+    for run in (base, cand):
+        found = align.steps(run.trace).filter(pl.col("range").is_in(run.ranges.implode()))
         steps.append(found.unique("step_range").sort("step_start", "step_range")["step"].to_list())
     if not steps[0] and not steps[1]:
         return []
@@ -490,8 +667,6 @@ def _dtype_findings(baseline: Arm, candidate: Arm) -> list[Finding]:
 
 
 def _default_label(trace: Trace) -> str:
-    from pathlib import Path
-
     return Path(trace.info.source).stem
 
 
@@ -515,7 +690,7 @@ def list_kernels(trace: Trace, recipes: RecipeSet, *, unclassified: bool = False
     classes = classify_signatures(trace, recipes)
     per_sig = trace.kernels.group_by("sig").agg(pl.len().alias("calls"), pl.col("duration").sum().alias("total_ns"))
     total_ns = int(per_sig["total_ns"].sum())
-    kv = classes.filter(pl.col("segment").is_in(KV_SEGMENTS))["kv_dtype"].drop_nulls().unique().sort()
+    kv = classes.filter(pl.col("segment").is_in(list(KV_SEGMENTS)))["kv_dtype"].drop_nulls().unique().sort()
     arm = Arm(label=label or _default_label(trace), info=trace.info, total_ns=total_ns, kv_dtypes=tuple(kv))
     kernels = per_sig.join(classes, on="sig")
     if unclassified:

@@ -11,11 +11,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import sqlite3
+import stat
 import struct
+import sys
 import tempfile
 import time
+import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import closing, contextmanager, suppress
 from dataclasses import asdict, dataclass, field
@@ -101,8 +105,9 @@ def open_trace(path: str | os.PathLike, *, nsys: str | None = None, cache: bool 
                overlap_tables: bool = True) -> Trace:
     """Validate and load one export (.sqlite), or export an .nsys-rep first.
 
-    With `cache`, the loaded frames are kept in kvtrace's cache directory (keyed by the export's path,
-    size and modification time), and a later load of the same unchanged export reads them from there.
+    With `cache`, the loaded frames are kept in kvtrace's cache directory (keyed by the export's path, inode,
+    size, modification and change time), and a later load of the same unchanged export reads them from there
+    once the entry's checksums hold.
     With `overlap_tables`, the launch calls and the kernels are read at the same time, on two cores, for
     8 more bytes per kernel while loading.
     """
@@ -123,7 +128,7 @@ def open_trace(path: str | os.PathLike, *, nsys: str | None = None, cache: bool 
             if entry is not None and (cached := _read_cached(entry, source)) is not None:
                 return cached
             tables = set(sqlite_utils.Database(conn).table_names())
-            ranges, index = read_ranges(conn, tables)
+            ranges, index = read_ranges(conn, tables, sqlite_path)
             launch_names = _launch_api_ids(conn) if ranges.height and RUNTIME_TABLE in tables else None
             side_by_side = overlap_tables and bool(launch_names) and _many_launch_calls(conn)
         with ThreadPoolExecutor(max_workers=1) as pool:
@@ -136,6 +141,7 @@ def open_trace(path: str | os.PathLike, *, nsys: str | None = None, cache: bool 
             kernels, signatures = read_kernels(sqlite_path, launches)
         with closing(_connect(sqlite_path)) as conn:
             signatures = _with_names(conn, signatures)
+            _check_names(signatures, sqlite_path)
             info = _trace_info(conn, tables, source, sqlite_path, kernels, signatures)
     trace = Trace(info=info, kernels=kernels, signatures=signatures, ranges=ranges)
     if entry is not None and _write_cached(entry, trace):
@@ -155,73 +161,150 @@ def open_traces(paths: list, *, nsys: str | None = None, cache: bool = True) -> 
 
 # ---- cache of loaded traces ---------------------------------------------------------------------------
 
-CACHE_FORMAT = 1  # bump whenever the cached frames or TraceInfo change shape
+CACHE_FORMAT = 2  # bump whenever the cached frames, TraceInfo or the entry's files change shape
 CACHE_DAYS = 14  # entries not read for this long are removed when another entry is written
 _FRAMES = ("kernels", "signatures", "ranges")
+_ENTRY_FILES = (*(f"{name}.arrow" for name in _FRAMES), "info.json")
+# kvtrace's own file in each entry, written first: the clean-up removes only folders that hold it, and a read
+# checks the entry against it (which export, as it is now; each file's size and CRC-32).
+_MARKER = "kvtrace-cache-entry.json"
+# <export stem>-<hash of its path>-<hash of its identity>, and .<that>-<random> while it is being written.
+_ENTRY_NAME = re.compile(r"\.?.+-[0-9a-f]{12}-[0-9a-f]{12}(?:-\w+)?", re.DOTALL)
+_warned: set[str] = set()
 
 
-def _cache_entry(sqlite_path: Path) -> Path | None:
-    """The cache folder for this export as it is now (another size, mtime or kvtrace version is another
-    entry), or None when there is no private cache folder."""
+@dataclass(frozen=True)
+class _Entry:
+    path: Path
+    export: dict  # the export's identity when the load began
+
+
+def _cache_entry(sqlite_path: Path) -> _Entry | None:
+    """The cache entry of this export as it is now, or None when there is no private cache folder. Another
+    path, device, inode, size, modification or change time (which `touch` and `cp -p` cannot set back), or
+    kvtrace version is another entry."""
     folder = _cache_dir("traces")
     if folder is None:
         return None
     resolved = sqlite_path.resolve()
-    stat = resolved.stat()
+    status = resolved.stat()
+    export = {"path": str(resolved), "device": status.st_dev, "inode": status.st_ino, "size": status.st_size,
+              "mtime_ns": status.st_mtime_ns, "ctime_ns": status.st_ctime_ns, "cache_format": CACHE_FORMAT,
+              "kvtrace": __version__}
     place = hashlib.sha256(str(resolved).encode()).hexdigest()[:12]
-    version = hashlib.sha256(f"{stat.st_size}|{stat.st_mtime_ns}|{CACHE_FORMAT}|{__version__}".encode()).hexdigest()
-    return folder / f"{resolved.stem}-{place}-{version[:12]}"
+    version = hashlib.sha256(json.dumps(export, sort_keys=True).encode()).hexdigest()[:12]
+    return _Entry(folder / f"{resolved.stem[:64]}-{place}-{version}", export)
 
 
-def _read_cached(entry: Path, source: Path) -> Trace | None:
-    """The cached trace, or None when the entry is missing or unreadable (it is then written again)."""
+class _Unsound(Exception):
+    """A cache entry that is not a whole, unchanged copy of this export's frames."""
+
+
+def _read_cached(entry: _Entry, source: Path) -> Trace | None:
+    """The cached trace, or None when there is none. An entry that fails its checks (damaged, left half
+    written, planted, a link, another export's) is removed, so that it is written again."""
     import pyarrow as pa
 
     try:
-        info = json.loads((entry / "info.json").read_text())
+        folder = os.lstat(entry.path)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISDIR(folder.st_mode) or folder.st_uid != os.getuid():
+            raise _Unsound
+        marker = json.loads(_entry_bytes(entry.path / _MARKER))
+        if marker.get("export") != entry.export:
+            raise _Unsound
+        for name in _ENTRY_FILES:
+            if marker["files"][name] != _size_and_crc(entry.path / name):
+                raise _Unsound
+        info = json.loads(_entry_bytes(entry.path / "info.json"))
         frames = {}
         for name in _FRAMES:
-            # Memory-mapped, one record batch per file: the columns are views of the page cache, and the
-            # kernel rows are paged in only as an analysis touches them.
-            with pa.memory_map(str(entry / f"{name}.arrow")) as mapped:
+            # Memory-mapped, one record batch per file: the columns are views of the page cache.
+            with pa.memory_map(str(entry.path / f"{name}.arrow")) as mapped:
                 frames[name] = pl.from_arrow(pa.ipc.open_file(mapped).read_all())
         info["gpus"] = tuple(GpuInfo(**gpu) for gpu in info["gpus"])
         trace = Trace(info=TraceInfo(**{**info, "source": str(source)}), **frames)
-    except (OSError, ValueError, KeyError, TypeError, pa.ArrowException, pl.exceptions.PolarsError):
+    except (_Unsound, OSError, ValueError, KeyError, TypeError, pa.ArrowException, pl.exceptions.PolarsError):
+        _discard(entry.path)
         return None
     with suppress(OSError):
-        os.utime(entry)  # last use, for the age-based clean-up
+        os.utime(entry.path)  # last use, for the age-based clean-up
     return trace
 
 
-def _write_cached(entry: Path, trace: Trace) -> bool:
+def _entry_bytes(path: Path) -> bytes:
+    """A file of an entry, never through a link."""
+    with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as handle:
+        return handle.read()
+
+
+def _size_and_crc(path: Path) -> list[int]:
+    """Size and CRC-32 of a file of an entry (about 0.1 s per 10M kernels). Read in chunks rather than mapped,
+    so that the pass adds nothing to the process's resident memory."""
+    crc, size, chunk = 0, 0, bytearray(1 << 20)
+    with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb", buffering=0) as handle:
+        while read := handle.readinto(chunk):
+            crc = zlib.crc32(memoryview(chunk)[:read], crc)
+            size += read
+    return [size, crc]
+
+
+def _write_cached(entry: _Entry, trace: Trace) -> bool:
     """Write the entry under a temporary name and rename it into place; then remove older entries and
     leftover temporary folders of the same export, and entries unused for CACHE_DAYS. Caching is best
     effort: False when the cache cannot be written."""
     import pyarrow as pa
 
     try:
-        partial = Path(tempfile.mkdtemp(dir=entry.parent, prefix=f".{entry.name}-"))
+        partial = Path(tempfile.mkdtemp(dir=entry.path.parent, prefix=f".{entry.path.name}-"))
         try:
+            marker = {"kvtrace_cache_entry": CACHE_FORMAT}
+            (partial / _MARKER).write_text(json.dumps(marker))  # kvtrace's from the first moment, for the clean-up
             for name in _FRAMES:
                 table = getattr(trace, name).rechunk().to_arrow()
                 with pa.OSFile(str(partial / f"{name}.arrow"), "wb") as sink, \
                         pa.ipc.new_file(sink, table.schema) as writer:
                     writer.write_table(table, max_chunksize=max(table.num_rows, 1))
             (partial / "info.json").write_text(json.dumps(asdict(trace.info)))
-            os.replace(partial, entry)
+            marker.update(export=entry.export, files={name: _size_and_crc(partial / name) for name in _ENTRY_FILES})
+            (partial / _MARKER).write_text(json.dumps(marker))
+            os.replace(partial, entry.path)
         finally:
             shutil.rmtree(partial, ignore_errors=True)
     except OSError:
         return False
-    same_export = entry.name.rsplit("-", 1)[0] + "-"
+    same_export = entry.path.name.rsplit("-", 1)[0] + "-"
     unused_since = time.time() - CACHE_DAYS * 86400
-    for other in entry.parent.iterdir():
+    for other in entry.path.parent.iterdir():
         with suppress(OSError):
-            if other != entry and (other.name.lstrip(".").startswith(same_export)
-                                   or other.stat().st_mtime < unused_since):
-                shutil.rmtree(other, ignore_errors=True)
+            if other != entry.path and _is_entry(other) and (other.name.lstrip(".").startswith(same_export)
+                                                             or other.lstat().st_mtime < unused_since):
+                shutil.rmtree(other)
     return True
+
+
+def _is_entry(path: Path) -> bool:
+    """Whether kvtrace made this folder: an entry's name, a folder of this user's (not a link to one), and
+    kvtrace's marker file in it. Nothing else in the cache folder is ever removed."""
+    if not _ENTRY_NAME.fullmatch(path.name):
+        return False
+    try:
+        folder, marker = os.lstat(path), os.lstat(path / _MARKER)
+    except OSError:
+        return False
+    return stat.S_ISDIR(folder.st_mode) and folder.st_uid == os.getuid() and stat.S_ISREG(marker.st_mode)
+
+
+def _discard(path: Path) -> None:
+    """Clear an entry's name for a sound entry: a link or file there is unlinked (never followed), a folder
+    removed only when kvtrace made it."""
+    with suppress(OSError):
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            os.unlink(path)
+        elif _is_entry(path):
+            shutil.rmtree(path)
 
 
 @contextmanager
@@ -236,7 +319,8 @@ def _reading(source: Path):
         raise KvtraceError(f"{source} is damaged ({detail}): copy or export it again") from None
 
 
-def read_ranges(conn: sqlite3.Connection, tables: set[str]) -> tuple[pl.DataFrame, ranges_.RangeIndex]:
+def read_ranges(conn: sqlite3.Connection, tables: set[str],
+                sqlite_path: Path) -> tuple[pl.DataFrame, ranges_.RangeIndex]:
     """Closed NVTX ranges that ended on their own thread, nested per thread and indexed for launch lookups."""
     schema = {"range": pl.Int32, "name": pl.Utf8, "start": pl.Int64, "end": pl.Int64, "global_tid": pl.Int64}
     rows = []
@@ -254,6 +338,8 @@ def read_ranges(conn: sqlite3.Connection, tables: set[str]) -> tuple[pl.DataFram
                  AND (d.globalTid & 0x0000FFFFFF000000) = (e.globalTid & 0x0000FFFFFF000000)
             WHERE e.eventType IN ({types}) AND e."end" IS NOT NULL AND e.endGlobalTid IS NULL
             ORDER BY e.rowid""").fetchall()
+        if any(type(value) is not int for row in rows for value in row[2:]):
+            raise _damaged_values(sqlite_path, NVTX_TABLE, "NULL or non-integer", "start, end or globalTid")
     frame = pl.DataFrame([r[1:] for r in rows], schema=list(schema)[1:], orient="row") \
         .with_columns(pl.int_range(pl.len(), dtype=pl.Int32).alias("range")).select(list(schema)) \
         .cast(schema)
@@ -371,6 +457,7 @@ def read_launches(sqlite_path: Path, index: ranges_.RangeIndex, api_ids: list[in
 
 def _launch_batches(sqlite_path: Path, query: str, index: ranges_.RangeIndex, processes: _Processes):
     for batch in _read_batches(sqlite_path, query):
+        _check_integers(batch, sqlite_path, RUNTIME_TABLE, _LAUNCH_VALUES)
         correlation, tid, start = (batch.column(i).to_numpy() for i in range(3))
         if correlation.size:
             yield _launch_key(processes.of(tid, add=True), correlation), index.innermost(tid, start)
@@ -389,6 +476,10 @@ _NAMES = "demangledName + shortName * 4294967296"
 _GRID = "gridX + gridY * 2147483648 + gridZ * 140737488355328"
 _BLOCK = "blockX + blockY * 2048 + blockZ * 4194304 + deviceId * 4294967296"
 SIGNATURE = ["names", "grid", "block"]
+# What each column read from the kernel table is made of, for messages about its values.
+_KERNEL_VALUES = ("start", "end", "demangledName or shortName", "gridX, gridY or gridZ",
+                  "blockX, blockY, blockZ or deviceId", "correlationId", "globalPid")
+_LAUNCH_VALUES = ("correlationId", "globalTid", "start")
 
 
 def read_kernels(sqlite_path: Path, launches: Launches | Future | None) -> tuple[pl.DataFrame, pl.DataFrame]:
@@ -406,11 +497,12 @@ def read_kernels(sqlite_path: Path, launches: Launches | Future | None) -> tuple
     if pending is not None:
         correlation, pid = np.empty(count, dtype=np.int64), np.empty(count, dtype=np.int64)
     signatures = pl.DataFrame(schema={"names": pl.Int64, "grid": pl.Int64, "block": pl.Int64, "sig": pl.UInt32})
-    filled = 0
+    filled = not_after = 0
     for batch in _read_batches(sqlite_path, _kernel_query(launch_keys=launches is not None)):
         if filled + batch.num_rows > count:
             raise KvtraceError(f"{sqlite_path} changed while it was read (more than {count} kernel rows): "
                                "read it again once nothing writes to it")
+        _check_integers(batch, sqlite_path, KERNEL_TABLE, _KERNEL_VALUES)
         rows = slice(filled, filled + batch.num_rows)
         packed = pl.from_arrow(batch.select([2, 3, 4])).rename(dict(zip(batch.schema.names[2:5], SIGNATURE)))
         found = packed.join(signatures, on=SIGNATURE, how="left", maintain_order="left")["sig"]
@@ -423,6 +515,7 @@ def read_kernels(sqlite_path: Path, launches: Launches | Future | None) -> tuple
         sig[rows] = found.to_numpy()
         start[rows] = batch.column(0).to_numpy()
         np.subtract(batch.column(1).to_numpy(), start[rows], out=duration[rows])
+        not_after += int(np.count_nonzero(duration[rows] <= 0))
         if launches is not None:
             if pending is not None:
                 correlation[rows], pid[rows] = batch.column(5).to_numpy(), batch.column(6).to_numpy()
@@ -432,6 +525,11 @@ def read_kernels(sqlite_path: Path, launches: Launches | Future | None) -> tuple
     if filled != count:
         raise KvtraceError(f"{sqlite_path} changed while it was read ({filled} of {count} kernel rows): "
                            "read it again once nothing writes to it")
+    if not_after:
+        # A kernel takes at least a few hundred nanoseconds; end <= start is a damaged or edited timestamp, and a
+        # zero or negative duration would poison every mean and ratio it enters.
+        raise KvtraceError(f"{sqlite_path}: {not_after:,} of {count:,} kernel rows do not end after they start "
+                           "(end <= start): its timestamps are damaged; export the report again")
     if pending is not None:
         in_range[:] = launches.result().innermost_of(correlation, pid)
         del correlation, pid
@@ -440,6 +538,21 @@ def read_kernels(sqlite_path: Path, launches: Launches | Future | None) -> tuple
         # Sorted here rather than by SQLite's single-threaded sorter; ties keep table order.
         kernels = kernels.sort("start", maintain_order=True)
     return kernels, _unpack(signatures)
+
+
+def _check_integers(batch, sqlite_path: Path, table: str, values: tuple[str, ...]) -> None:
+    """Every value read is an integer: nsys writes them NOT NULL, so a NULL or text is a damaged or edited export."""
+    import pyarrow as pa
+
+    for column, what in zip(batch.columns, values):
+        if column.null_count or not pa.types.is_integer(column.type):
+            problem = "NULL" if column.null_count else f"{column.type} (not integer)"
+            raise _damaged_values(sqlite_path, table, problem, what)
+
+
+def _damaged_values(sqlite_path: Path, table: str, problem: str, what: str) -> KvtraceError:
+    return KvtraceError(f"{sqlite_path}: {table} has {problem} values in {what}: the export is damaged or was "
+                        "edited; export the report again")
 
 
 def _unpack(signatures: pl.DataFrame) -> pl.DataFrame:
@@ -491,10 +604,13 @@ def export_report(report: Path, *, nsys: str | None = None) -> Path:
     except KvtraceError as error:
         raise KvtraceError(f"an .nsys-rep needs nsys to export it: {error}; or pass the .sqlite from "
                            "`nsys export --type sqlite`") from None
-    stat = report.stat()
-    key = hashlib.sha256(f"{report.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{nsys_path}".encode()).hexdigest()[:20]
+    # The same identity as a trace-cache entry: a report rewritten with its size and mtime kept is another key.
+    status = report.stat()
+    identity = (report.resolve(), status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns,
+                status.st_ctime_ns, nsys_path)
+    key = hashlib.sha256("|".join(map(str, identity)).encode()).hexdigest()[:20]
     cache = _cache_dir("exports") or Path(tempfile.mkdtemp(prefix="kvtrace-export-"))
-    target = cache / f"{report.stem}-{key}.sqlite"
+    target = cache / f"{report.stem[:64]}-{key}.sqlite"
     if target.exists():
         return target
     try:
@@ -512,42 +628,63 @@ def export_report(report: Path, *, nsys: str | None = None) -> Path:
 
 def _cache_dir(kind: str) -> Path | None:
     """kvtrace's cache folder for `kind` (exports, traces): $KVTRACE_CACHE_DIR, else $XDG_CACHE_HOME/kvtrace
-    or ~/.cache/kvtrace. When that cannot be created, a folder of this user's own under the temporary
-    directory; None if even that is not private (another user could have planted files in it)."""
+    or ~/.cache/kvtrace. When that cannot be created, or is not this user's alone (another user could plant
+    entries in it), a folder of this user's own under the temporary directory; None if even that is not."""
     base = Path(os.environ.get("KVTRACE_CACHE_DIR") or
                 Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvtrace")
-    try:
-        (base / kind).mkdir(parents=True, exist_ok=True)
-        return base / kind
-    except OSError:
-        pass
     fallback = Path(tempfile.gettempdir()) / f"kvtrace-{os.getuid()}"
+    for folder in (base / kind, fallback / kind):
+        try:
+            folder.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            folder.mkdir(mode=0o700, exist_ok=True)
+        except OSError:
+            continue
+        if _private(folder.parent if folder.parent == fallback else folder):
+            return folder
+        if str(folder) not in _warned:
+            _warned.add(str(folder))
+            sys.stderr.write(f"kvtrace: warning: cache folder {folder} is not this user's alone (owner or mode); "
+                             "not using it: make it yours with mode 0700, or set KVTRACE_CACHE_DIR\n")
+    return None
+
+
+def _private(folder: Path) -> bool:
+    """A folder (links followed) that this user owns and no one else may write to."""
     try:
-        fallback.mkdir(mode=0o700, exist_ok=True)
-        stat = fallback.stat()
-        if stat.st_uid != os.getuid() or stat.st_mode & 0o077:
-            return None
-        (fallback / kind).mkdir(exist_ok=True)
-        return fallback / kind
+        status = folder.stat()
     except OSError:
-        return None
+        return False
+    return stat.S_ISDIR(status.st_mode) and status.st_uid == os.getuid() and not status.st_mode & 0o022
 
 
 # ---- validation ---------------------------------------------------------------------------------------
 
 def _check_file(path: Path) -> None:
-    if not path.exists():
-        raise KvtraceError(f"{path}: no such file: check the path")
-    if path.is_dir():
-        found = sorted(p.name for p in path.iterdir() if p.suffix in (".sqlite", ".nsys-rep"))
+    try:
+        status = path.stat()
+    except (FileNotFoundError, NotADirectoryError):
+        raise KvtraceError(f"{path}: no such file: check the path") from None
+    except OSError as error:
+        # Typically a folder on the way that this user may not search (no x permission).
+        raise KvtraceError(f"cannot reach {path}: {error.strerror.lower()}; check the permissions of the folders "
+                           "on its path") from None
+    if stat.S_ISDIR(status.st_mode):
+        try:
+            found = sorted(p.name for p in path.iterdir() if p.suffix in (".sqlite", ".nsys-rep"))
+        except OSError:
+            found = []
         hint = f" (it holds {', '.join(found[:4])})" if found else ""
         raise KvtraceError(f"{path} is a directory{hint}: pass one .sqlite or .nsys-rep file")
+    if not stat.S_ISREG(status.st_mode):
+        # Opening a FIFO would wait for a writer, and SQLite needs to seek: streams are not read.
+        raise KvtraceError(f"{path} is not a regular file (a pipe, FIFO or device): kvtrace reads exports from "
+                           "files; save the stream to a .sqlite file first")
     try:
         with open(path, "rb") as handle:
             handle.read(1)
     except OSError as error:
         raise KvtraceError(f"cannot read {path}: {error.strerror.lower()}; check its permissions") from None
-    if path.stat().st_size == 0:
+    if status.st_size == 0:
         raise KvtraceError(f"{path} is empty (0 bytes): re-run `nsys export --type sqlite` on the report")
 
 
@@ -627,13 +764,23 @@ def _gpus(conn: sqlite3.Connection, tables: set[str], signatures: pl.DataFrame) 
     # Only GPUs that ran kernels: a multi-GPU host lists all of its devices.
     rows = conn.execute(f"SELECT {select} FROM TARGET_INFO_GPU WHERE id IN (SELECT value FROM json_each(?)) "
                         "ORDER BY id", (_json_ids(signatures["device_id"]),)).fetchall()
-    return tuple(GpuInfo(device_id=r[0], name=r[1], sm_count=r[2],
+    return tuple(GpuInfo(device_id=r[0], name=r[1] or f"GPU {r[0]} (unnamed)", sm_count=r[2],
                          compute_capability=None if r[3] is None else f"{r[3]}.{r[4]}", chip=r[5],
                          memory_bytes=r[6], memory_bandwidth=r[7]) for r in rows)
 
 
 def _json_ids(*columns: pl.Series) -> str:
     return json.dumps(pl.concat([c.cast(pl.Int64) for c in columns]).unique().to_list())
+
+
+def _check_names(signatures: pl.DataFrame, sqlite_path: Path) -> None:
+    dangling = signatures.filter(pl.col("demangled").is_null() | pl.col("short").is_null())
+    if dangling.height:
+        ids = sorted(set(dangling.filter(pl.col("demangled").is_null())["name_id"].to_list())
+                     | set(dangling.filter(pl.col("short").is_null())["short_id"].to_list()))
+        raise KvtraceError(f"{sqlite_path}: kernel names refer to string ids that StringIds lacks "
+                           f"({', '.join(map(str, ids[:3]))}{', …' if len(ids) > 3 else ''}): the export is damaged; "
+                           "export the report again")
 
 
 def _with_names(conn: sqlite3.Connection, signatures: pl.DataFrame) -> pl.DataFrame:

@@ -2,9 +2,10 @@
 
 Choosing a KV format needs both kinds of number side by side, kept apart: prefill pays the conversion and
 may gain prefix hits, decode repeatedly saves bytes, append pays the packing bill, and capacity is not
-latency. `build()` reads two arms' manifests (kvtrace.capture.runner's format: `arms.{name}.{status, sqlite,
-workload, ...}`; the vLLM engine adds `kv_cache` and per-point `bench` and `metrics`), diffs their traces
-with analyzer.compare, and returns one Report that every renderer and the plots read.
+latency. `build()` reads two arms' manifests (kvtrace.manifest's format: `arms.{run}.{arm, repeat, status,
+sqlite, workload, ...}`; the vLLM engine adds `kv_cache` and per-point `bench` and `metrics`), diffs their
+traces (every run of each arm) with analyzer.compare, and returns one Report that every renderer and the
+plots read.
 
 Nothing here re-reads SQL: kernel numbers come from the Diff, per-call durations (for the ECDF plots) from
 analyzer.compare/align, serving numbers from the manifests as the capture engines wrote them.
@@ -12,21 +13,18 @@ analyzer.compare/align, serving numbers from the manifests as the capture engine
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from statistics import NormalDist
-
 
 from kvtrace import __version__, kv_formats
-from kvtrace.analyzer import align, capacity, compare, stats
+from kvtrace.analyzer import align, capacity, compare, pairing, stats
 from kvtrace.analyzer.classify import RecipeSet
 from kvtrace.analyzer.compare import Diff, Finding
 from kvtrace.analyzer.load import open_traces
 from kvtrace.errors import KvtraceError
 from kvtrace.manifest import Manifest, Phase, Point, RunRecord, capacity_reason, parse_phase_name, read_manifest
 
-REPORT_SCHEMA = "kvtrace.report/1"
+REPORT_SCHEMA = "kvtrace.report/2"
 # Segments whose per-call durations the report keeps for the ECDF plots.
 DISTRIBUTION_SEGMENTS = ("prefill_attention", "decode_attention")
 # FlashInfer workload phases (kvtrace.manifest.phase_name) and the segment whose kernels do their KV work.
@@ -53,7 +51,8 @@ class RunArm:
     kv_format: str | None  # fp8, nvfp4, bf16 or fp16 (None when unknown)
     scenario: str | None
     mode: str | None
-    sqlite: str
+    sqlite: str  # the first run's export
+    runs: tuple[str, ...]  # every run's export, in repeat order
     kv_cache_tokens: int | None  # vLLM's "GPU KV cache size: N tokens"
     kv_cache_line: str | None
 
@@ -62,25 +61,37 @@ class RunArm:
 class _Input:
     run: Path
     manifest: Manifest
-    arm: str  # the run's name in its manifest
+    arm: str  # the arm's name, or the run's name when one run of an arm was picked
+    runs: tuple[str, ...]  # the names of its runs in the manifest, in repeat order
+
+    @classmethod
+    def of(cls, run: Path, manifest: Manifest, name: str) -> _Input:
+        """An arm by name (all its runs) or one run by its name (ARM.rK)."""
+        by_arm = manifest.runs_by_arm
+        if name in by_arm:
+            return cls(run, manifest, name, tuple(by_arm[name]))
+        if name in manifest.runs:
+            return cls(run, manifest, name, (name,))
+        raise KvtraceError(f"{run} has no arm {name!r} (it has {', '.join(by_arm)}): check --arm")
 
     @property
     def record(self) -> RunRecord:
-        return self.manifest.runs[self.arm]
+        """The first run's record (what every run of the arm shares: format, workload, serving points)."""
+        return self.manifest.runs[self.runs[0]]
 
 
 def _locate(path: Path) -> tuple[Path, Manifest, str | None]:
-    """A run directory, its manifest.json or an ARM.manifest.json in it, or RUNDIR/ARM (an arm by name)."""
+    """A run directory, its manifest.json or an ARM.manifest.json in it, or RUNDIR/ARM (an arm or a run by name)."""
     if path.is_file() and path.name.endswith("manifest.json"):
         manifest = read_manifest(path)
-        arms = list(manifest.runs)
+        arms = list(manifest.runs_by_arm)
         return path.parent, manifest, arms[0] if path.name != "manifest.json" and len(arms) == 1 else None
     if not path.exists() and (path.parent / "manifest.json").is_file():
         manifest = read_manifest(path.parent)
-        if path.name in manifest.runs:
+        if path.name in manifest.runs_by_arm or path.name in manifest.runs:
             return path.parent, manifest, path.name
         raise KvtraceError(f"{path}: no such run directory, and {path.parent} has no arm {path.name!r} (it has "
-                           f"{', '.join(manifest.runs)}): pass RUNDIR or RUNDIR/ARM")
+                           f"{', '.join(manifest.runs_by_arm)}): pass RUNDIR or RUNDIR/ARM")
     if path.exists() and not path.is_dir():
         raise KvtraceError(f"{path} is a file: pass a run directory written by `kvtrace capture` (it holds "
                            "manifest.json), not a trace; `kvtrace diff` compares traces")
@@ -88,7 +99,7 @@ def _locate(path: Path) -> tuple[Path, Manifest, str | None]:
 
 
 def resolve_inputs(paths: list[Path], arms: tuple[str, ...] = ()) -> list[_Input]:
-    """Baseline and candidate from one run directory (its two arms) or two (one arm each)."""
+    """Baseline and candidate from one run directory (its two arms) or two (one arm each), each with its runs."""
     if not 1 <= len(paths) <= 2:
         raise KvtraceError(f"report takes one run directory (compares its two arms) or two (one arm each), "
                            f"got {len(paths)}")
@@ -106,12 +117,12 @@ def resolve_inputs(paths: list[Path], arms: tuple[str, ...] = ()) -> list[_Input
         if arms:
             names = list(arms)
         else:
-            names = list(manifest.runs)
-            if len(names) != 2:
-                raise KvtraceError(f"{run} holds {len(names)} arm(s) ({', '.join(names) or 'none'}): pick two with "
-                                   "--arm BASELINE --arm CANDIDATE")
-            names = manifest.widest_first(names)
-        inputs = [_Input(run, manifest, name) for name in names]
+            by_arm = manifest.runs_by_arm
+            if len(by_arm) != 2:
+                raise KvtraceError(f"{run} holds {len(by_arm)} arm(s) ({', '.join(by_arm) or 'none'}): pick two "
+                                   "with --arm BASELINE --arm CANDIDATE")
+            names = [manifest.runs[first].arm for first in manifest.widest_first([runs[0] for runs in by_arm.values()])]
+        inputs = [_Input.of(run, manifest, name) for name in names]
     else:
         inputs = []
         for index, (run, manifest, named) in enumerate(located):
@@ -119,32 +130,35 @@ def resolve_inputs(paths: list[Path], arms: tuple[str, ...] = ()) -> list[_Input
             if name is None and arms:
                 name = arms[index] if len(arms) == 2 else arms[0]
             if name is None:
-                if len(manifest.runs) != 1:
-                    raise KvtraceError(f"{run} holds arms {', '.join(manifest.runs)}: pick one with --arm NAME "
+                arms_here = list(manifest.runs_by_arm)
+                if len(arms_here) != 1:
+                    raise KvtraceError(f"{run} holds arms {', '.join(arms_here)}: pick one with --arm NAME "
                                        "(once for both run directories, twice for one each) or pass RUNDIR/ARM")
-                name = next(iter(manifest.runs))
-            inputs.append(_Input(run, manifest, name))
+                name = arms_here[0]
+            inputs.append(_Input.of(run, manifest, name))
     for item in inputs:
         _check_arm(item)
+    base, cand = inputs
+    if len(base.runs) != len(cand.runs):
+        raise KvtraceError(f"arm {base.arm} has {len(base.runs)} run(s) and arm {cand.arm} {len(cand.runs)}: "
+                           "runs pair in repeat order, so both arms need as many; name single runs as RUNDIR/ARM.rK")
     return inputs
 
 
 def _check_arm(item: _Input) -> None:
-    runs = item.manifest.runs
-    if item.arm not in runs:
-        raise KvtraceError(f"{item.run} has no arm {item.arm!r} (it has {', '.join(runs)}): check --arm")
-    arm = item.record
-    if arm.status != "ok":
-        state = "failed" if arm.status == "failed" else f"is {arm.status}"
-        detail = f": {arm.error}" if arm.error else ""
-        raise KvtraceError(f"arm {item.arm} in {item.run} {state}{detail}; capture it again or report on another arm")
-    if not arm.sqlite:
-        raise KvtraceError(f"arm {item.arm} in {item.run} lists no SQLite export: export its report with "
-                           "`nsys export --type sqlite` and capture again")
-    path = item.run / arm.sqlite
-    if not path.is_file():
-        raise KvtraceError(f"{path}, the export that arm {item.arm} lists, is missing: copy the run directory whole "
-                           f"or re-export {item.arm}.nsys-rep with `nsys export --type sqlite`")
+    for name in item.runs:
+        record = item.manifest.runs[name]
+        if record.status != "ok":
+            state = "failed" if record.status == "failed" else f"is {record.status}"
+            detail = f": {record.error}" if record.error else ""
+            raise KvtraceError(f"arm {name} in {item.run} {state}{detail}; capture it again or report on another arm")
+        if not record.sqlite:
+            raise KvtraceError(f"arm {name} in {item.run} lists no SQLite export: export its report with "
+                               "`nsys export --type sqlite` and capture again")
+        path = item.run / record.sqlite
+        if not path.is_file():
+            raise KvtraceError(f"{path}, the export that arm {name} lists, is missing: copy the run directory whole "
+                               f"or re-export {name}.nsys-rep with `nsys export --type sqlite`")
 
 
 def _run_arm(item: _Input, label: str) -> RunArm:
@@ -155,6 +169,7 @@ def _run_arm(item: _Input, label: str) -> RunArm:
         fmt = None
     return RunArm(label=label, run=str(item.run), arm=item.arm, engine=manifest.engine, kv_cache_dtype=arm.kv_dtype,
                   kv_format=fmt, scenario=manifest.scenario, mode=manifest.mode, sqlite=str(item.run / arm.sqlite),
+                  runs=tuple(str(item.run / manifest.runs[name].sqlite) for name in item.runs),
                   kv_cache_tokens=arm.kv_cache_tokens, kv_cache_line=arm.kv_cache.get("line"))
 
 
@@ -206,20 +221,25 @@ class ServingRow:
     candidate_first_capacity: bool = False
     ttft_stat: str | None = None  # p50, else mean: the statistic both arms have
     ttft_ratio: float | None = None  # candidate / baseline
+    ratios: dict = field(default_factory=dict)  # candidate / baseline per metric (`ttft_ms.p50`, `output_tokens_per_s`)
 
 
 @dataclass
-class SegmentMean:
-    """Per-call mean of each arm's compared calls with a normal-approximation interval (mean ± z·s/√n)."""
+class SegmentTime:
+    """Each arm's GPU time in a segment's paired calls, with the diff's bootstrap interval, and the per-call
+    mean where the segment's cells cost the same per call (else None: a pooled mean of different work)."""
 
     segment: str
     compared_calls: int
-    baseline_mean_ns: float | None
+    cells: int
+    baseline_total_ns: float | None
     baseline_ci_low: float | None
     baseline_ci_high: float | None
-    candidate_mean_ns: float | None
+    baseline_mean_ns: float | None
+    candidate_total_ns: float | None
     candidate_ci_low: float | None
     candidate_ci_high: float | None
+    candidate_mean_ns: float | None
     ratio: float | None
     ci_low: float | None
     ci_high: float | None
@@ -265,7 +285,7 @@ class Ceiling:
 
 @dataclass
 class PlotFile:
-    kind: str  # segment-means, segment-ratios, ecdf, bandwidth, sweep
+    kind: str  # segment-times, segment-ratios, ecdf, bandwidth, sweep
     title: str
     path: str  # as written
     link: str  # relative to the report file (or the working directory when printed)
@@ -278,7 +298,7 @@ class Report:
     diff: Diff
     statements: list[Statement]
     findings: list[Finding]  # comparability of the two runs beyond the kernel diff's own findings
-    segment_means: list[SegmentMean]
+    segment_times: list[SegmentTime]
     serving: list[ServingRow]
     sweep: bool
     bandwidth: list[BandwidthRow]
@@ -296,7 +316,7 @@ class Report:
         for name in ("baseline", "candidate"):
             data[name] = asdict(getattr(self, name))
         data["diff"] = self.diff.to_dict()
-        for name in ("statements", "findings", "segment_means", "serving"):
+        for name in ("statements", "findings", "segment_times", "serving"):
             data[name] = [asdict(row) for row in getattr(self, name)]
         data["sweep"] = self.sweep
         data["bandwidth"] = [asdict(row) for row in self.bandwidth]
@@ -397,8 +417,9 @@ def serving_rows(base: _Input, cand: _Input) -> list[ServingRow]:
             for stat in ("p50", "mean"):
                 b, c = getattr(row.baseline.ttft_ms, stat), getattr(row.candidate.ttft_ms, stat)
                 if b and c is not None:
-                    row.ttft_stat, row.ttft_ratio = stat, c / b
+                    row.ttft_stat, row.ttft_ratio = stat, stats.ratio(b, c)
                     break
+            row.ratios = _serving_ratios(row.baseline, row.candidate)
         rows.append(row)
     for side in ("baseline", "candidate"):
         seen: set = set()
@@ -412,30 +433,36 @@ def serving_rows(base: _Input, cand: _Input) -> list[ServingRow]:
 
 # ---- kernels: means, distributions, bandwidth ---------------------------------------------------------
 
-def segment_means(diff: Diff) -> list[SegmentMean]:
-    z = NormalDist().inv_cdf(0.5 + diff.confidence / 2)
-
-    def interval(arm: compare.ArmStats | None) -> tuple[float | None, float | None, float | None]:
-        if arm is None:
-            return None, None, None
-        if arm.calls < 2 or arm.cv is None or math.isnan(arm.cv):
-            return arm.mean_ns, None, None
-        half = z * arm.cv * arm.mean_ns / math.sqrt(arm.calls)
-        return arm.mean_ns, arm.mean_ns - half, arm.mean_ns + half
-
+def segment_times(diff: Diff) -> list[SegmentTime]:
+    """The diff's segment rows as paired time per arm (the intervals come from analyzer.stats through the diff)."""
     rows = []
-    for row in sorted(diff.segments, key=lambda r: compare._segment_order(r.segment)):
-        b, c = interval(row.baseline), interval(row.candidate)
-        rows.append(SegmentMean(segment=row.segment, compared_calls=row.compared_calls, baseline_mean_ns=b[0],
-                                baseline_ci_low=b[1], baseline_ci_high=b[2], candidate_mean_ns=c[0],
-                                candidate_ci_low=c[1], candidate_ci_high=c[2], ratio=row.ratio, ci_low=row.ci_low,
-                                ci_high=row.ci_high, verdict=row.verdict))
+    for row in sorted(diff.segments, key=lambda r: pairing.segment_order(r.segment)):
+        base, cand = (row.baseline, row.candidate) if row.ratio is not None else (None, None)
+        rows.append(SegmentTime(
+            segment=row.segment, compared_calls=row.compared_calls, cells=row.cells,
+            baseline_total_ns=base and base.total_ns, baseline_ci_low=base and base.total_low_ns,
+            baseline_ci_high=base and base.total_high_ns, baseline_mean_ns=base and base.mean_ns,
+            candidate_total_ns=cand and cand.total_ns, candidate_ci_low=cand and cand.total_low_ns,
+            candidate_ci_high=cand and cand.total_high_ns, candidate_mean_ns=cand and cand.mean_ns,
+            ratio=row.ratio, ci_low=row.ci_low, ci_high=row.ci_high, verdict=row.verdict))
     return rows
 
 
+def _serving_ratios(base: ServingMetrics, cand: ServingMetrics) -> dict[str, float | None]:
+    """candidate / baseline of the latencies (per statistic) and throughputs, keyed like `ttft_ms.p50`."""
+    ratios = {}
+    for name in ("ttft_ms", "itl_ms", "tpot_ms", "e2el_ms"):
+        for stat in ("p50", "p90", "p99", "mean"):
+            ratios[f"{name}.{stat}"] = stats.ratio(getattr(getattr(base, name), stat),
+                                                   getattr(getattr(cand, name), stat))
+    for name in ("input_tokens_per_s", "output_tokens_per_s"):
+        ratios[name] = stats.ratio(getattr(base, name), getattr(cand, name))
+    return ratios
+
+
 def _phase_calls(item: _Input, kind: str) -> int | None:
-    """Workload calls of one kind of FlashInfer phase (all contexts), from the arm's manifest."""
-    return sum(phase.calls or 0 for phase in item.record.phases if phase.kind == kind) or None
+    """Workload calls of one kind of FlashInfer phase (all contexts, all runs), from the arm's manifest."""
+    return sum(phase.calls or 0 for phase in item.record.phases if phase.kind == kind) * len(item.runs) or None
 
 
 def bandwidth_rows(diff: Diff, base: _Input, cand: _Input, ceiling: Ceiling | None) -> list[BandwidthRow]:
@@ -458,7 +485,7 @@ def bandwidth_rows(diff: Diff, base: _Input, cand: _Input, ceiling: Ceiling | No
             if phase is None or not total or not phase.calls:
                 values[side] = (phase and phase.calls, phase and phase.bytes_per_call, None, None, None)
                 continue
-            per_call = total / phase.calls
+            per_call = total / (phase.calls * diff.runs)  # the diff sums the runs
             rate = phase.bytes_per_call / (per_call / 1e9)
             values[side] = (phase.calls, phase.bytes_per_call, per_call, rate,
                             rate / ceiling.bytes_per_s if ceiling else None)
@@ -499,9 +526,14 @@ def _segment_statement(diff: Diff, segment: str, topic: str, what: str) -> State
     if row.ratio is None:
         return Statement("warning", topic, f"{what}: {row.verdict} ({row.reason or row.note or 'no paired calls'})")
     interval = f" [{row.ci_low:.3f}, {row.ci_high:.3f}]" if row.ci_low is not None else ""
-    return Statement("warning" if row.verdict == stats.REGRESSION else "ok", topic,
-                   f"{what}: {_fmt_ns(row.baseline.mean_ns)} ({b}) → {_fmt_ns(row.candidate.mean_ns)} ({c}) per call, "
-                   f"{row.ratio:.3f}×{interval}, {row.verdict} over {row.compared_calls:,} paired calls")
+    if row.same_work:
+        times = f"{_fmt_ns(row.baseline.mean_ns)} ({b}) → {_fmt_ns(row.candidate.mean_ns)} ({c}) per call"
+    else:  # cells of different cost per call: a pooled mean would describe no call that ran
+        times = (f"{_fmt_ns(row.baseline.total_ns)} ({b}) → {_fmt_ns(row.candidate.total_ns)} ({c}) in total over "
+                 f"{row.cells:,} cells")
+    return Statement("warning" if row.verdict in (stats.REGRESSION, stats.DIFFERENT_WORK) else "ok", topic,
+                     f"{what}: {times}, {row.ratio:.3f}×{interval}, {row.verdict} over {row.compared_calls:,} paired "
+                     "calls")
 
 
 def _append_phase_statement(diff: Diff, calls: tuple[int | None, int | None]) -> Statement | None:
@@ -513,10 +545,11 @@ def _append_phase_statement(diff: Diff, calls: tuple[int | None, int | None]) ->
     if not rows or not base or not all(calls):
         return None
     b, c = base / calls[0], cand / calls[1]
-    return Statement("warning" if c > b * (1 + diff.threshold) else "ok", "append",
-                   f"append phase, every kernel in the kvtrace:append ranges (the FP8 cast and the NVFP4 packing "
-                   f"included): {_fmt_ns(b)} ({diff.baseline.label}) → {_fmt_ns(c)} ({diff.candidate.label}) per "
-                   f"append call over {calls[0]:,} and {calls[1]:,} calls, {c / b:.3f}×")
+    ratio = stats.ratio(b, c)
+    return Statement("warning" if ratio > 1 + diff.threshold else "ok", "append",
+                     f"append phase, every kernel in the kvtrace:append ranges (the FP8 cast and the NVFP4 packing "
+                     f"included): {_fmt_ns(b)} ({diff.baseline.label}) → {_fmt_ns(c)} ({diff.candidate.label}) per "
+                     f"append call over {calls[0]:,} and {calls[1]:,} calls, {ratio:.3f}×")
 
 
 def statements(diff: Diff, serving: list[ServingRow], cap: capacity.Capacity | None, base: RunArm,
@@ -652,14 +685,18 @@ def build(paths: list[Path], recipes: RecipeSet, *, arms: tuple[str, ...] = (), 
             if labels[0] == labels[1]:
                 raise KvtraceError(f"baseline and candidate are the same arm ({base.run}/{base.arm}): pick another")
     b_arm, c_arm = _run_arm(base, labels[0]), _run_arm(cand, labels[1])
-    b_trace, c_trace = open_traces([b_arm.sqlite, c_arm.sqlite], nsys=nsys, cache=cache)
-    diff = compare.diff(b_trace, c_trace, recipes, labels=tuple(labels), threshold=threshold, confidence=confidence,
+    traces = open_traces([*b_arm.runs, *c_arm.runs], nsys=nsys, cache=cache)
+    b_traces, c_traces = traces[:len(b_arm.runs)], traces[len(b_arm.runs):]
+    diff = compare.diff(b_traces, c_traces, recipes, labels=tuple(labels), threshold=threshold, confidence=confidence,
                         seed=seed, window=window)
     durations = {}
-    for side, trace in (("baseline", b_trace), ("candidate", c_trace)):
-        for segment, values in compare.segment_durations(trace, recipes, window, DISTRIBUTION_SEGMENTS).items():
+    for side, arm_traces in (("baseline", b_traces), ("candidate", c_traces)):
+        for segment, values in compare.segment_durations(arm_traces, recipes, window, DISTRIBUTION_SEGMENTS).items():
             durations.setdefault(segment, {})[side] = values
     notes: list[str] = []
+    if len(b_traces) > 1:
+        notes.append(f"{len(b_traces)} runs per arm: kernel numbers cover every run; serving metrics and capacity are "
+                     "the first run's")
     serving = serving_rows(base, cand)
     if not serving:
         engines = {b_arm.engine, c_arm.engine}
@@ -681,6 +718,6 @@ def build(paths: list[Path], recipes: RecipeSet, *, arms: tuple[str, ...] = (), 
     append_calls = tuple(_phase_calls(item, "append") for item in (base, cand))
     return Report(baseline=b_arm, candidate=c_arm, diff=diff,
                   statements=statements(diff, serving, cap, b_arm, c_arm, append_calls),
-                  findings=_run_findings(base, cand, b_arm, c_arm), segment_means=segment_means(diff),
+                  findings=_run_findings(base, cand, b_arm, c_arm), segment_times=segment_times(diff),
                   serving=serving, sweep=sweep, bandwidth=bandwidth, hbm_ceiling=ceiling, capacity=cap, notes=notes,
                   durations=durations)

@@ -6,10 +6,9 @@ from pathlib import Path
 
 import click
 
-from kvtrace import model_config
+from kvtrace import files, model_config
 from kvtrace.analyzer import capacity as capacity_lib
-from kvtrace.analyzer import render
-from kvtrace.analyzer.cli import emit, output_options, progress, use_cache, window_options
+from kvtrace.analyzer.cli import emit, inputs, output_options, progress, target_options, use_cache, window_options
 from kvtrace.errors import KvtraceError
 from kvtrace.manifest import read_manifest
 
@@ -17,14 +16,16 @@ from kvtrace.manifest import read_manifest
 @click.command()
 @click.argument("runs", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("--arm", "arms", multiple=True, metavar="NAME",
-              help="Arm to report on. One run directory: give it twice (baseline first). Two run directories: "
-                   "once for both, or twice for one each. Default: a run's two arms, wider KV format first.")
+              help="Arm to report on, with all its runs (ARM.rK: one run of a --repeats capture). One run directory: "
+                   "give it twice (baseline first). Two run directories: once for both, or twice for one each. "
+                   "Default: a run's two arms, wider KV format first.")
 @click.option("--label", "labels", multiple=True, help="Names for the two arms, baseline first (repeat twice).")
 @click.option("--threshold", default=0.02, show_default=True, type=click.FloatRange(0, 1, max_open=True),
               help="No-change band around a ratio of 1 (0.02 = ±2%), for kernels and TTFT.")
 @click.option("--confidence", default=0.95, show_default=True,
               type=click.FloatRange(0, 1, min_open=True, max_open=True), help="Confidence level of the intervals.")
-@click.option("--seed", default=0, show_default=True, help="Bootstrap seed (same inputs and seed, same output).")
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(0),
+              help="Bootstrap seed (same inputs and seed, same output).")
 @click.option("--plots", "plots_dir", type=click.Path(path_type=Path),
               help="Write plots into this folder (created if missing); the markdown report links them.")
 @click.option("--plot-format", type=click.Choice(["png", "svg"]), default="png", show_default=True,
@@ -40,7 +41,8 @@ def report(runs, arms, labels, threshold, confidence, seed, plots_dir, plot_form
     from the manifests, TTFT with the cached prompt tokens next to it, ITL/TPOT, throughput, preemptions,
     peak running requests and KV usage, prefix-cache hit rate, capacity, and achieved KV bandwidth where
     the engine records bytes per call. It says when a TTFT gain is a prefix-hit/capacity effect rather than
-    a faster prefill kernel. Exit codes: 0 done, 2 bad input.
+    a faster prefill kernel. An arm recorded with --repeats N is compared run by run (r1 with r1, …), and
+    the kernel intervals then include the between-run variance. Exit codes: 0 done, 2 bad input.
     """
     from kvtrace.analyzer import report as report_lib
     from kvtrace.analyzer.classify import load_recipes
@@ -49,12 +51,13 @@ def report(runs, arms, labels, threshold, confidence, seed, plots_dir, plot_form
         result = report_lib.build(list(runs), load_recipes(recipe_files), arms=tuple(arms), labels=tuple(labels),
                                   threshold=threshold, confidence=confidence, seed=seed, window=window,
                                   nsys=nsys_path, cache=use_cache())
+    inputs().extend(Path(export) for arm in (result.baseline, result.candidate) for export in arm.runs)
+    inputs().extend(Path(arm.run) / "manifest.json" for arm in (result.baseline, result.candidate))
     if plots_dir is not None:
-        if output is not None and not output.parent.exists():
-            raise KvtraceError(f"cannot write {output}: folder {output.parent} does not exist; create it first")
         from kvtrace.analyzer.render import plots  # matplotlib only on this path
 
-        plots.write_plots(result, plots_dir, plot_format, link_base=output.parent if output is not None else None)
+        to_file = output is not None and not files.is_stdout(output)
+        plots.write_plots(result, plots_dir, plot_format, link_base=output.parent if to_file else None)
     emit(result, fmt, output)
 
 
@@ -77,10 +80,7 @@ def report(runs, arms, labels, threshold, confidence, seed, plots_dir, plot_form
 @click.option("--kv-format", "kv_formats", multiple=True, metavar="FORMAT",
               help="Format to size (fp8, nvfp4, bf16, fp16 or a vLLM --kv-cache-dtype), the first the reference. "
                    "Repeatable.  [default: fp8 and nvfp4 (MLA: bf16 and fp8), or the run's arms]")
-@click.option("--format", "fmt", type=click.Choice(render.FORMATS), default="table", show_default=True,
-              help="Terminal table, GitHub markdown, JSON (versioned schema) or CSV.")
-@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
-              help="Write to FILE (atomically) instead of standard output.")
+@target_options
 def capacity(run, config_path, layers, kv_heads, head_dim, tokens, sequences, tp, page_size, memory_gib, kv_formats,
              fmt, output):
     """KV-cache bytes per token per format, and how many tokens fit, from a model's shape.

@@ -1,13 +1,14 @@
-"""Pure statistics over per-kernel-call durations: summaries, bootstrap ratio intervals, verdicts.
+"""Pure statistics over kernel-call durations: summaries, paired stratified intervals, drift, verdicts.
 
-No I/O and no dataframes: callers hand in arrays and get plain numbers back, so every renderer and
-the CI gate judge the same values.
+No I/O and no dataframes: callers hand in arrays grouped by stratum and run and get frozen results back,
+so every renderer and the CI gate judge the same values. The model is described in docs/statistics.md.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,17 +16,28 @@ from numpy.typing import ArrayLike
 
 __all__ = [
     "BOOTSTRAP",
+    "DIFFERENT_WORK",
+    "HIERARCHICAL",
     "IMPROVEMENT",
     "INSUFFICIENT_DATA",
+    "NOT_COMPARABLE",
     "NO_CHANGE",
     "REGRESSION",
+    "SAME_WORK_SPREAD",
     "SINGLE_CALL",
+    "UNMEASURED",
     "Describe",
-    "RatioInterval",
-    "delta_attribution",
+    "Estimate",
+    "PairedStrata",
+    "abs_shares",
     "describe",
-    "ratio_interval",
+    "drift_band",
+    "estimate_rows",
+    "ratio",
+    "row_verdict",
+    "same_work",
     "share",
+    "unpaired_share",
     "verdict",
 ]
 
@@ -33,12 +45,23 @@ REGRESSION = "regression"
 IMPROVEMENT = "improvement"
 NO_CHANGE = "no significant change"
 INSUFFICIENT_DATA = "insufficient data"
+NOT_COMPARABLE = "not comparable"
+DIFFERENT_WORK = "different work"
+# Verdicts that say the row could not be measured: a gate watching such a row cannot pass or fail on it.
+UNMEASURED = frozenset({INSUFFICIENT_DATA, NOT_COMPARABLE, DIFFERENT_WORK})
 
-BOOTSTRAP = "percentile bootstrap"
+BOOTSTRAP = "stratified paired bootstrap"
+HIERARCHICAL = "hierarchical bootstrap: run pairs, then call pairs within cells"
 SINGLE_CALL = "single call"
 
-# Elements drawn per bootstrap chunk (index matrix or count matrix): bounds memory to tens of MiB
-# whatever the arm size. A constant, so the random stream, and hence the result, is reproducible.
+# A row's per-call statistics describe calls only when its cells cost about the same per call: the
+# largest cell mean at most this much above the smallest, in each arm. Otherwise the row is a total.
+SAME_WORK_SPREAD = 0.10
+
+# Call pairs resampled index by index per comparison, smallest units first (where the bootstrap's shape
+# matters most); the rest use the bootstrap's normal limit. Exact draws cost resamples x calls.
+EXACT_CALLS = 1 << 13
+# Elements drawn per chunk of exact resampling: bounds memory to tens of MiB whatever the cell sizes.
 _CHUNK_ELEMENTS = 1 << 22
 
 
@@ -56,18 +79,6 @@ class Describe:
     max: float
     std: float
     cv: float
-
-
-@dataclass(frozen=True)
-class RatioInterval:
-    """mean(candidate) / mean(baseline) with its interval; low/high are None when undefined."""
-
-    ratio: float
-    low: float | None
-    high: float | None
-    confidence: float
-    resamples: int
-    method: str
 
 
 def _as_1d(values: ArrayLike, name: str) -> np.ndarray:
@@ -107,94 +118,437 @@ def describe(durations_ns: ArrayLike) -> Describe:
     )
 
 
-def _resample_means(x: np.ndarray, resamples: int, rng: np.random.Generator) -> np.ndarray:
-    """Means of ``resamples`` bootstrap resamples (n draws with replacement) of ``x``.
+# ---- paired, stratified estimates -----------------------------------------------------------------------
 
-    A resample's mean depends only on how often each distinct value is drawn, and those counts are
-    Multinomial(n, share of each value). Nsight durations are integer ns with heavy ties, so drawing
-    counts over the k distinct values costs O(resamples * k) instead of O(resamples * n) for index
-    draws; both are exact. A multinomial count costs ~16x an index draw (measured, ~80 ns vs ~5 ns),
-    hence the switch at k <= n / 16. Work is chunked to bound memory. Index draws go over the sorted
-    values, so that neither path depends on the order of ``x``.
+
+@dataclass(frozen=True)
+class PairedStrata:
+    """The paired calls of a comparison, stratum after stratum.
+
+    A stratum is the calls of one cell in one run pair; ``baseline[i]`` pairs with ``candidate[i]``
+    (the same call of the same work in both arms). Stratum s is ``[offsets[s], offsets[s + 1])`` and was
+    recorded in run pair ``run[s]`` of ``runs``.
     """
-    n = x.size
-    values, counts = np.unique(x, return_counts=True)
-    values = values.astype(np.float64)  # float sums: BLAS for the count matrix product
-    use_counts = values.size * 16 <= n
-    if not use_counts:
-        x = np.repeat(values, counts)  # x sorted
-    width = values.size if use_counts else n
-    rows = max(1, _CHUNK_ELEMENTS // width)
-    means = np.empty(resamples)
-    for start in range(0, resamples, rows):
-        size = min(rows, resamples - start)
-        if use_counts:
-            sums = rng.multinomial(n, counts / n, size=size) @ values
-        else:
-            sums = x[rng.integers(0, n, size=(size, n))].sum(axis=1)
-        means[start : start + size] = sums / n
-    return means
+
+    baseline: np.ndarray
+    candidate: np.ndarray
+    offsets: np.ndarray
+    run: np.ndarray
+    runs: int
+
+    def __post_init__(self):
+        if self.baseline.shape != self.candidate.shape or self.baseline.ndim != 1:
+            raise ValueError("baseline and candidate must be 1-D arrays of the same length (one element per pair)")
+        if self.offsets.size == 0 or self.offsets[0] != 0 or self.offsets[-1] != self.baseline.size or \
+                np.any(np.diff(self.offsets) < 1):
+            raise ValueError("offsets must start at 0, end at the number of pairs and give every stratum a pair")
+        if self.run.size != self.offsets.size - 1 or (self.run.size and not 0 <= self.run.min() <= self.run.max()
+                                                        < self.runs):
+            raise ValueError("run must give each stratum a run pair in [0, runs)")
+
+    @property
+    def sizes(self) -> np.ndarray:
+        return np.diff(self.offsets)
 
 
-def ratio_interval(
-    baseline: ArrayLike,
-    candidate: ArrayLike,
-    *,
-    confidence: float = 0.95,
-    resamples: int = 2000,
-    seed: int = 0,
-) -> RatioInterval:
-    """Percentile-bootstrap interval for mean(candidate) / mean(baseline).
+@dataclass(frozen=True)
+class Estimate:
+    """One row: candidate / baseline summed paired time, with its interval and each arm's paired time.
 
-    Each arm is resampled independently (the calls of two traces are not paired), baseline first,
-    from one ``Generator(PCG64(seed))``. The interval depends on the durations and the seed, not on the
-    order the calls arrive in. Ratio of
-    means rather than mean of per-call ratios, because it is the ratio of total GPU time per call.
-    With a single call in either arm there is no spread to resample: low and high are None and
-    ``method`` is ``SINGLE_CALL``. Raises ValueError for an empty arm or a zero baseline mean.
+    ``ratio`` is Σ candidate / Σ baseline over the row's call pairs (all runs); low/high are None when no
+    stratum of the row has two pairs (``method`` SINGLE_CALL). ``baseline_ns``/``candidate_ns`` are the
+    summed paired times with their intervals. ``run_ratios`` holds the ratio of each run pair.
+    """
+
+    ratio: float
+    low: float | None
+    high: float | None
+    confidence: float
+    resamples: int
+    method: str
+    baseline_ns: float
+    baseline_low: float | None
+    baseline_high: float | None
+    candidate_ns: float
+    candidate_low: float | None
+    candidate_high: float | None
+    run_ratios: tuple[float | None, ...]
+    strata: int
+    single_call_strata: int
+
+
+def estimate_rows(strata: PairedStrata, rows: Sequence[np.ndarray], *, confidence: float = 0.95,
+                  resamples: int = 2000, seed: int = 0, exact_calls: int = EXACT_CALLS) -> list[Estimate | None]:
+    """Ratio of summed paired time per row (a set of strata), with a bootstrap interval.
+
+    Within a stratum, call pairs are resampled as pairs (the same index in both arms), so variation
+    both arms share cancels; strata are resampled each inside itself and never across, so a row over
+    2k and 32k contexts mixes no calls of one into the other. A stratum of n pairs draws n − 1 pairs
+    (the with-replacement bootstrap of McCarthy & Snowden 1985, Rao & Wu 1988's rescaling with m = n − 1),
+    whose variance is the unbiased one: with 8 calls per cell the plain bootstrap would understate it by
+    1/8. Single-call strata that belong to the same rows and run are pooled into one, since one call
+    has no spread of its own. Units above the ``exact_calls`` budget use the bootstrap's normal limit
+    (a bivariate normal with the same covariance).
+
+    With several run pairs the bootstrap is hierarchical (Kalibera & Jones 2013): each resample draws
+    runs − 1 run pairs, then, within each, the calls as above, so between-run variance is inside the
+    interval. Draws come from one ``Generator(PCG64(seed))`` in a fixed order. A row without strata, or
+    whose baseline sums to 0, gets None.
     """
     if not 0.0 < confidence < 1.0:
         raise ValueError(f"confidence must be in (0, 1), got {confidence}")
     if resamples < 1:
         raise ValueError(f"resamples must be >= 1, got {resamples}")
-    base = _as_1d(baseline, "baseline")
-    cand = _as_1d(candidate, "candidate")
-    base_mean = base.mean()
-    if base_mean == 0:
-        raise ValueError("baseline mean is 0; the ratio is undefined")
-    ratio = float(cand.mean() / base_mean)
-    if base.size == 1 or cand.size == 1:
-        return RatioInterval(ratio, None, None, confidence, 0, SINGLE_CALL)
+    sizes = strata.sizes
+    row_of, stratum_of = _incidence(rows, sizes.size)
+    units = _units(strata, row_of, stratum_of)
     rng = np.random.Generator(np.random.PCG64(seed))
-    base_means = _resample_means(base, resamples, rng)
-    cand_means = _resample_means(cand, resamples, rng)
+    cells = len(rows) * strata.runs
+    point_b, point_c = np.zeros(cells), np.zeros(cells)
+    draws_b, draws_c = np.zeros((cells, resamples)), np.zeros((cells, resamples))
+    varied = np.zeros(cells, dtype=bool)  # whether a (row, run) has any spread to resample
+    normal = np.zeros((cells, 3))  # summed covariance (bb, cc, bc) of the normal-limit units
+
+    for unit in units:
+        np.add.at(point_b, unit.targets, unit.total_b)
+        np.add.at(point_c, unit.targets, unit.total_c)
+    for size, group in _by_size(units, exact_calls):
+        if size == 1:
+            continue
+        totals_b, totals_c = _resampled_totals(strata, group, size, resamples, rng)
+        targets = np.concatenate([u.targets for u in group])
+        which = np.repeat(np.arange(len(group)), [u.targets.size for u in group])
+        np.add.at(draws_b, targets, totals_b[which] - np.array([u.total_b for u in group])[which, None])
+        np.add.at(draws_c, targets, totals_c[which] - np.array([u.total_c for u in group])[which, None])
+        varied[targets] = True
+    for unit in units:
+        if unit.normal:
+            np.add.at(normal, unit.targets, unit.covariance)
+            varied[unit.targets] = True
+    draws_b, draws_c = _add_normal(draws_b, draws_c, normal, rng)
+    draws_b += point_b[:, None]
+    draws_c += point_c[:, None]
+
+    shape = (len(rows), strata.runs)
+    point_b, point_c, varied = point_b.reshape(shape), point_c.reshape(shape), varied.reshape(shape)
+    draws_b, draws_c = draws_b.reshape(*shape, resamples), draws_c.reshape(*shape, resamples)
+    if strata.runs > 1:
+        draws_b, draws_c = _resample_runs(draws_b, draws_c, rng)
+        method = HIERARCHICAL
+    else:
+        draws_b, draws_c = draws_b[:, 0], draws_c[:, 0]
+        method = BOOTSTRAP
+    base, cand = point_b.sum(axis=1), point_c.sum(axis=1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratios = cand / base
+        ratio_bounds = _bounds(draws_c / draws_b, ratios, _widening(units, point_b, point_c, ratios, confidence),
+                               confidence)
+    base_bounds = _bounds(draws_b, base, _widening(units, point_b, point_c, None, confidence, arm=0), confidence)
+    cand_bounds = _bounds(draws_c, cand, _widening(units, point_b, point_c, None, confidence, arm=1), confidence)
+
+    results: list[Estimate | None] = []
+    for index, members in enumerate(rows):
+        if members.size == 0 or base[index] == 0:
+            results.append(None)
+            continue
+        spread = bool(varied[index].any()) or strata.runs > 1 and np.count_nonzero(point_b[index]) > 1
+        run_ratios = tuple(float(c / b) if b else None for b, c in zip(point_b[index], point_c[index])) \
+            if strata.runs > 1 else ()
+        single = int(np.count_nonzero(sizes[members] == 1))
+        b, c = float(base[index]), float(cand[index])
+        if spread:
+            results.append(Estimate(c / b, float(ratio_bounds[0, index]), float(ratio_bounds[1, index]),
+                                    confidence, resamples, method, b, float(base_bounds[0, index]),
+                                    float(base_bounds[1, index]), c, float(cand_bounds[0, index]),
+                                    float(cand_bounds[1, index]), run_ratios, int(members.size), single))
+        else:
+            results.append(Estimate(c / b, None, None, confidence, 0, SINGLE_CALL, b, None, None, c,
+                                    None, None, run_ratios, int(members.size), single))
+    return results
+
+
+def _incidence(rows: Sequence[np.ndarray], count: int) -> tuple[np.ndarray, np.ndarray]:
+    """(row, stratum) pairs, one per membership."""
+    arrays = [np.asarray(r, dtype=np.int64) for r in rows]
+    for members in arrays:
+        if members.size and (members.min() < 0 or members.max() >= count or np.unique(members).size != members.size):
+            raise ValueError("each row must list distinct strata of the comparison")
+    row_of = np.repeat(np.arange(len(arrays)), [a.size for a in arrays])
+    stratum_of = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
+    return row_of, stratum_of
+
+
+@dataclass
+class _Unit:
+    """What is resampled as one: a stratum, or single-call strata pooled; with the accumulators it feeds."""
+
+    positions: slice | np.ndarray  # of its pairs in PairedStrata's arrays
+    targets: np.ndarray  # row * runs + run, one per row it belongs to
+    total_b: float = 0.0
+    total_c: float = 0.0
+    covariance: tuple[float, float, float] = (0.0, 0.0, 0.0)  # of the totals under resampling
+    normal: bool = False
+
+    @property
+    def size(self) -> int:
+        if isinstance(self.positions, slice):
+            return self.positions.stop - self.positions.start
+        return int(self.positions.size)
+
+    def indices(self) -> np.ndarray:
+        if isinstance(self.positions, slice):
+            return np.arange(self.positions.start, self.positions.stop)
+        return self.positions
+
+
+def _units(strata: PairedStrata, row_of: np.ndarray, stratum_of: np.ndarray) -> list[_Unit]:
+    sizes, offsets, runs = strata.sizes, strata.offsets, strata.runs
+    order = np.argsort(stratum_of, kind="stable")
+    bounds = np.searchsorted(stratum_of[order], np.arange(sizes.size + 1))
+    units: list[_Unit] = []
+    pooled: dict[tuple, list[int]] = {}
+    for s in range(sizes.size):
+        rows_of_s = row_of[order[bounds[s]:bounds[s + 1]]]
+        if rows_of_s.size == 0:
+            continue
+        targets = rows_of_s * runs + int(strata.run[s])
+        if sizes[s] == 1:
+            pooled.setdefault(tuple(targets.tolist()), []).append(int(offsets[s]))
+        else:
+            units.append(_Unit(slice(int(offsets[s]), int(offsets[s + 1])), targets))
+    units += [_Unit(np.array(positions), np.array(targets)) for targets, positions in pooled.items()]
+    for unit in units:
+        unit.total_b, unit.total_c, unit.covariance = _moments(strata.baseline[unit.positions],
+                                                               strata.candidate[unit.positions])
+    return units
+
+
+def _moments(base: np.ndarray, cand: np.ndarray) -> tuple[float, float, tuple[float, float, float]]:
+    """Sums of both arms and the covariance of the resampled totals, in float64 chunks (no full copy).
+
+    Rao-Wu with m = n - 1: the resampled total n·mean(m draws) has variance n·s² (s² with ddof=1)."""
+    n = base.size
+    total_b, total_c = float(base.sum(dtype=np.float64)), float(cand.sum(dtype=np.float64))
+    if n < 2:
+        return total_b, total_c, (0.0, 0.0, 0.0)
+    mean_b, mean_c = total_b / n, total_c / n
+    bb = cc = bc = 0.0
+    for start in range(0, n, _CHUNK_ELEMENTS):
+        db = base[start:start + _CHUNK_ELEMENTS].astype(np.float64) - mean_b
+        dc = cand[start:start + _CHUNK_ELEMENTS].astype(np.float64) - mean_c
+        bb, cc, bc = bb + float(db @ db), cc + float(dc @ dc), bc + float(db @ dc)
+    scale = n / (n - 1)
+    return total_b, total_c, (scale * bb, scale * cc, scale * bc)
+
+
+def _by_size(units: list[_Unit], exact_calls: int) -> list[tuple[int, list[_Unit]]]:
+    """Units drawn exactly, grouped by size, smallest first within the budget; the rest marked normal."""
+    groups: dict[int, list[_Unit]] = {}
+    spent = 0
+    for unit in sorted(units, key=lambda u: u.size):
+        if unit.size > 1 and spent + unit.size > exact_calls:
+            unit.normal = True
+            continue
+        spent += unit.size if unit.size > 1 else 0
+        groups.setdefault(unit.size, []).append(unit)
+    return sorted(groups.items())
+
+
+def _resampled_totals(strata: PairedStrata, group: list[_Unit], size: int, resamples: int,
+                      rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Per unit of one size, `resamples` totals n/m · Σ of m = n - 1 pairs drawn with replacement."""
+    positions = np.stack([u.indices() for u in group])
+    base = strata.baseline[positions].astype(np.float64).ravel()
+    cand = strata.candidate[positions].astype(np.float64).ravel()
+    draws = size - 1
+    totals_b, totals_c = np.empty((len(group), resamples)), np.empty((len(group), resamples))
+    per_unit = max(1, _CHUNK_ELEMENTS // (resamples * draws))
+    per_block = max(1, _CHUNK_ELEMENTS // draws)
+    for first in range(0, len(group), per_unit):
+        units = slice(first, min(first + per_unit, len(group)))
+        count = units.stop - units.start
+        for start in range(0, resamples, per_block):
+            block = slice(start, min(start + per_block, resamples))
+            picked = rng.integers(0, size, size=(count, block.stop - block.start, draws))
+            picked += (np.arange(units.start, units.stop) * size)[:, None, None]
+            totals_b[units, block] = base[picked].sum(axis=2) * (size / draws)
+            totals_c[units, block] = cand[picked].sum(axis=2) * (size / draws)
+    return totals_b, totals_c
+
+
+def _add_normal(draws_b: np.ndarray, draws_c: np.ndarray, normal: np.ndarray, rng: np.random.Generator):
+    """Add the normal limit of the large units: per (row, run), a bivariate normal with their summed covariance."""
+    if not normal.any():
+        return draws_b, draws_c
+    vb, vc, vbc = normal.T
+    sb = np.sqrt(vb)
+    slope = np.divide(vbc, sb, out=np.zeros_like(vbc), where=sb > 0)
+    rest = np.sqrt(np.maximum(vc - slope ** 2, 0.0))
+    first = rng.standard_normal(draws_b.shape)
+    second = rng.standard_normal(draws_b.shape)
+    return draws_b + sb[:, None] * first, draws_c + slope[:, None] * first + rest[:, None] * second
+
+
+def _bounds(draws: np.ndarray, point: np.ndarray, widening: np.ndarray, confidence: float) -> np.ndarray:
+    """Percentile interval of each row's draws, its distances from the point estimate times `widening`."""
     alpha = 1.0 - confidence
-    low, high = np.quantile(cand_means / base_means, [alpha / 2, 1 - alpha / 2])
-    return RatioInterval(ratio, float(low), float(high), confidence, resamples, BOOTSTRAP)
+    low, high = np.quantile(draws, [alpha / 2, 1 - alpha / 2], axis=1)
+    return np.stack([point - widening * (point - low), point + widening * (high - point)])
 
 
-def verdict(interval: RatioInterval, *, threshold: float = 0.02) -> str:
+def _widening(units: list[_Unit], point_b: np.ndarray, point_c: np.ndarray, ratios: np.ndarray | None,
+              confidence: float, *, arm: int | None = None) -> np.ndarray:
+    """Per row, t(df) / z at the confidence level: the percentile bootstrap stretched as a t interval is
+    over a z interval, with df the Welch-Satterthwaite degrees of freedom of the row's variance.
+
+    The percentile bootstrap treats the estimated spread as known; with eight calls per cell that is the
+    difference between z = 1.96 and t = 2.36 (Hesterberg 2015 expands the percentile interval for the
+    same reason). Components: per unit of n pairs, the variance of its linearised total (C - R·B for the
+    ratio, B or C for one arm) with n - 1 df; with several run pairs, the spread of the run pairs'
+    totals with runs - 1 df."""
+    rows, runs = point_b.shape
+    spread_units = [u for u in units if u.size > 1]
+    row_index = np.concatenate([u.targets // runs for u in spread_units] + [np.zeros(0, dtype=np.int64)])
+    repeat = [u.targets.size for u in spread_units]
+    covariance = np.repeat(np.array([u.covariance for u in spread_units]).reshape(-1, 3), repeat, axis=0)
+    df = np.repeat(np.array([u.size - 1 for u in spread_units], dtype=np.float64), repeat)
+    vbb, vcc, vbc = covariance.T
+    if arm is None:
+        r = ratios[row_index]
+        values = vcc - 2 * r * vbc + r * r * vbb
+    else:
+        values = vbb if arm == 0 else vcc
+    variance = np.bincount(row_index, values, minlength=rows)
+    weighted = np.bincount(row_index, values ** 2 / df, minlength=rows)
+    if runs > 1:
+        totals = point_c - ratios[:, None] * point_b if arm is None else (point_b if arm == 0 else point_c)
+        between = runs / (runs - 1) * ((totals - totals.mean(axis=1, keepdims=True)) ** 2).sum(axis=1)
+        variance += between
+        weighted += between ** 2 / (runs - 1)
+    z = _normal_quantile(0.5 + confidence / 2)
+    widening = np.ones(rows)
+    for row in np.flatnonzero(weighted > 0):
+        widening[row] = _t_quantile(0.5 + confidence / 2, round(float(variance[row] ** 2 / weighted[row]), 2)) / z
+    return widening
+
+
+def _normal_quantile(p: float) -> float:
+    from statistics import NormalDist
+
+    return NormalDist().inv_cdf(p)
+
+
+@functools.lru_cache(maxsize=4096)
+def _t_quantile(p: float, df: float) -> float:
+    """Student's t quantile for p > 1/2 and real df >= 1 (Satterthwaite df need not be whole).
+
+    With t = √df·tan θ the density becomes k·cos^(df-1) θ on [0, π/2), k = Γ((df+1)/2) / (√π Γ(df/2)), a
+    bounded integrand, so P(0 < T < t) is a smooth integral up to atan(t/√df), taken on a fine grid and
+    inverted. Above 1000 df t differs from z by under 0.1%."""
+    if df > 1000:
+        return _normal_quantile(p)
+    df = max(df, 1.0)
+    theta = np.linspace(0.0, np.pi / 2, 1 << 13)
+    density = np.cos(theta) ** (df - 1)
+    mass = np.concatenate([[0.0], np.cumsum((density[1:] + density[:-1]) / 2) * (theta[1] - theta[0])])
+    scale = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(math.pi)
+    angle = float(np.interp(p - 0.5, scale * mass, theta))
+    return math.sqrt(df) * math.tan(angle)
+
+
+def _resample_runs(draws_b: np.ndarray, draws_c: np.ndarray, rng: np.random.Generator):
+    """Top level of the hierarchical bootstrap: per resample, runs - 1 run pairs drawn with replacement
+    (the same m = n - 1 rule as for calls), each with an inner resample of its own, scaled to all runs."""
+    rows, runs, resamples = draws_b.shape
+    picks = runs - 1
+    chosen = rng.integers(0, runs, size=(resamples, picks))
+    total_b, total_c = np.zeros((rows, resamples)), np.zeros((rows, resamples))
+    for position in range(picks):
+        inner = rng.permutation(resamples)  # a run drawn twice gets two different inner resamples
+        total_b += draws_b[:, chosen[:, position], inner]
+        total_c += draws_c[:, chosen[:, position], inner]
+    return total_b * (runs / picks), total_c * (runs / picks)
+
+
+# ---- verdicts -----------------------------------------------------------------------------------------
+
+
+def verdict(estimate: Estimate, *, threshold: float = 0.02, drift: float = 0.0) -> str:
     """Classify a candidate/baseline ratio (above 1 means the candidate is slower).
 
-    Rule: REGRESSION when the interval lies wholly above 1 (significant) and the ratio exceeds
-    1 + threshold (matters); IMPROVEMENT when the interval lies wholly below 1 and the ratio is below
-    1 - threshold; otherwise NO_CHANGE. Like pyperf's "Not significant!" plus ``--min-speed``, a
-    real but tiny change is not reported, and a large one is not reported without evidence.
-    Without an interval (single call): NO_CHANGE if the ratio is within the band, else
-    INSUFFICIENT_DATA, since one call cannot show significance.
+    REGRESSION when the interval lies wholly above 1 + drift (a change the run-to-run drift cannot
+    explain) and the ratio exceeds 1 + threshold (a change that matters); IMPROVEMENT mirrored below;
+    otherwise NO_CHANGE. Like pyperf's "Not significant!" plus ``--min-speed``, a real but tiny change
+    is not reported, and a large one is not reported without evidence. With drift 0 the interval need
+    only exclude 1. Without an interval (single calls): NO_CHANGE if the ratio is within the threshold,
+    else INSUFFICIENT_DATA, since one call cannot show significance.
     """
     if not 0.0 <= threshold < 1.0:
         raise ValueError(f"threshold must be in [0, 1), got {threshold}")
-    ratio = interval.ratio
-    beyond_above = ratio > 1.0 + threshold
-    beyond_below = ratio < 1.0 - threshold
-    if interval.low is None or interval.high is None:
+    if not 0.0 <= drift < 1.0:
+        raise ValueError(f"drift must be in [0, 1), got {drift}")
+    beyond_above = estimate.ratio > 1.0 + threshold
+    beyond_below = estimate.ratio < 1.0 - threshold
+    if estimate.low is None or estimate.high is None:
         return INSUFFICIENT_DATA if beyond_above or beyond_below else NO_CHANGE
-    if beyond_above and interval.low > 1.0:
+    if beyond_above and estimate.low > 1.0 + drift:
         return REGRESSION
-    if beyond_below and interval.high < 1.0:
+    if beyond_below and estimate.high < 1.0 - drift:
         return IMPROVEMENT
     return NO_CHANGE
+
+
+def unpaired_share(paired_delta: float, unpaired_delta: float) -> float | None:
+    """The part of a row's change carried by calls without a partner: |Δ unpaired| / (|Δ paired| + |Δ unpaired|)."""
+    return share(abs(unpaired_delta), abs(paired_delta) + abs(unpaired_delta))
+
+
+def row_verdict(estimate: Estimate | None, *, threshold: float, drift: float, paired_delta: float,
+                unpaired_delta: float) -> tuple[str, str | None]:
+    """(verdict, verdict of the paired calls alone). NOT_COMPARABLE without paired calls; DIFFERENT_WORK
+    when the unpaired calls carry more of the change than the paired ones, whatever the paired calls say."""
+    if estimate is None:
+        return NOT_COMPARABLE, None
+    paired = verdict(estimate, threshold=threshold, drift=drift)
+    if (unpaired_share(paired_delta, unpaired_delta) or 0.0) > 0.5:
+        return DIFFERENT_WORK, paired
+    return paired, None
+
+
+def drift_band(controls: Sequence[tuple[float | None, float | None]]) -> tuple[float, int | None]:
+    """How far rows the KV format cannot affect surely moved, from their intervals (low, high): the largest
+    distance from 1 of the interval end nearest 1 over intervals that exclude 1 (0 when none does), and
+    which one it is.
+
+    Every such row then falls inside the band by construction, and a KV-dependent row needs its whole
+    interval beyond it to be called a change.
+    """
+    band, widest = 0.0, None
+    for index, (low, high) in enumerate(controls):
+        if low is None or high is None:
+            continue
+        moved = low - 1.0 if low > 1.0 else 1.0 - high if high < 1.0 else 0.0
+        if moved > band:
+            band, widest = moved, index
+    return band, widest
+
+
+def same_work(per_call_means: Sequence[np.ndarray]) -> bool:
+    """Whether cells cost the same per call (within SAME_WORK_SPREAD) in every arm, so that a pooled
+    per-call mean describes calls that ran rather than a mix of different work."""
+    for means in per_call_means:
+        means = np.asarray(means, dtype=np.float64)
+        if means.size > 1 and means.max() > (1.0 + SAME_WORK_SPREAD) * means.min():
+            return False
+    return True
+
+
+# ---- ratios and shares ---------------------------------------------------------------------------------
+
+
+def ratio(baseline: float | None, candidate: float | None) -> float | None:
+    """candidate / baseline, or None when either is missing or the baseline is 0."""
+    return candidate / baseline if baseline and candidate is not None else None
 
 
 def share(part: float, whole: float) -> float | None:
@@ -202,13 +556,9 @@ def share(part: float, whole: float) -> float | None:
     return part / whole if whole else None
 
 
-def delta_attribution(deltas: Mapping[str, float]) -> dict[str, float | None]:
-    """Fraction of the total delta that each segment explains.
-
-    The denominator is the signed sum of the deltas, taken exactly (``math.fsum``) so that it does not
-    depend on segment order and deltas that cancel give exactly 0; the fractions add up to 1. With mixed signs a segment can explain
-    more than 100% (others partly offset it) and an offsetting segment gets a negative fraction. When
-    the sum is 0 there is no net change to explain and every fraction is None.
-    """
-    total = math.fsum(deltas.values())
-    return {segment: share(delta, total) for segment, delta in deltas.items()}
+def abs_shares(deltas: Sequence[float]) -> list[float | None]:
+    """Each delta's part of the total absolute change, |Δ_i| / Σ|Δ|: within 0–1 and summing to 1, whatever
+    the signs (a signed share reaches far beyond 100% when changes offset each other). None when
+    nothing changed. Summed exactly (math.fsum), so the order of the rows does not matter."""
+    total = math.fsum(abs(d) for d in deltas)
+    return [share(abs(d), total) for d in deltas]

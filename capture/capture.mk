@@ -5,16 +5,31 @@
 #                [VLLM_ARGS='--max-model-len 8192']
 # SCENARIO: cold-prefill, decode-heavy, prefix-reuse or sweep. REPEATS=N records each arm N times, arms
 # interleaved. DRY_RUN=1 prints every run's commands and needs no GPU. CAPTURE_ARGS go to `kvtrace capture
-# vllm`, VLLM_ARGS to vLLM in both arms. OUT counts only when given on the command line (the main Makefile's OUT default is for other targets); without it the run
-# goes to runs/vllm-SCENARIO.
+# vllm`, VLLM_ARGS to vLLM in both arms, split at spaces (no quoting inside them). OUT counts only when given
+# on the command line (the main Makefile's OUT default is for other targets); without it the run goes to
+# runs/vllm-SCENARIO.
 KVTRACE ?= kvtrace
 SCENARIO ?= cold-prefill
 ARMS ?= fp8,nvfp4
 MODE ?= serve
 
+# The values reach the shell through the environment and are quoted there ("$$CAPTURE_MODEL"), never pasted
+# into the command line, so a quote, `;` or `$` in them is text: nothing in them runs. $(value X) keeps a `$`
+# that make would otherwise expand (/models/$HOME stays /models/$HOME).
+capture: export CAPTURE_MODEL = $(value MODEL)
+capture: export CAPTURE_SCENARIO = $(value SCENARIO)
+capture: export CAPTURE_ARMS = $(value ARMS)
+capture: export CAPTURE_MODE = $(value MODE)
+capture: export CAPTURE_OUT = $(value OUT)
+capture: export CAPTURE_REPEATS = $(value REPEATS)
+capture: export CAPTURE_EXTRA = $(value CAPTURE_ARGS)
+capture: export CAPTURE_VLLM_ARGS = $(value VLLM_ARGS)
+
 .PHONY: capture
 capture:
-	@test -n "$(MODEL)" || { echo "usage: make capture MODEL=<model dir or Hugging Face id> [SCENARIO=...] [OUT=...] [ARMS=...] [MODE=serve|offline] [REPEATS=N] [DRY_RUN=1]" >&2; exit 2; }
-	$(KVTRACE) capture vllm --model '$(MODEL)' --scenario '$(SCENARIO)' --arms '$(ARMS)' --mode '$(MODE)' \
-	  $(if $(filter command line,$(origin OUT)),--out '$(OUT)') $(if $(REPEATS),--repeats '$(REPEATS)') \
-	  $(if $(DRY_RUN),--dry-run) $(if $(FORCE),--force) $(CAPTURE_ARGS) $(if $(VLLM_ARGS),-- $(VLLM_ARGS))
+	@test -n "$$CAPTURE_MODEL" || { echo "usage: make capture MODEL=<model dir or Hugging Face id> [SCENARIO=...] [OUT=...] [ARMS=...] [MODE=serve|offline] [REPEATS=N] [DRY_RUN=1]" >&2; exit 2; }
+	set -f; $(KVTRACE) capture vllm --model "$$CAPTURE_MODEL" --scenario "$$CAPTURE_SCENARIO" \
+	  --arms "$$CAPTURE_ARMS" --mode "$$CAPTURE_MODE" \
+	  $(if $(filter command line,$(origin OUT)),--out "$$CAPTURE_OUT") \
+	  $(if $(value REPEATS),--repeats "$$CAPTURE_REPEATS") $(if $(value DRY_RUN),--dry-run) \
+	  $(if $(value FORCE),--force) $$CAPTURE_EXTRA $(if $(value VLLM_ARGS),-- $$CAPTURE_VLLM_ARGS)

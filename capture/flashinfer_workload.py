@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from kvtrace.capture import formats
+from kvtrace.capture import formats, runner
 from kvtrace.kv_formats import kv_bytes_per_token_head
 from kvtrace.manifest import phase_name
 
@@ -269,7 +268,7 @@ def main(argv=None) -> None:
     measure(phases)
     result["phases"] = [{"nvtx": phase.name, "calls": phase.calls, "bytes_per_call": phase.bytes_per_call}
                         for phase in phases]
-    args.result.write_text(json.dumps(result, indent=2) + "\n")
+    runner.write_json_atomic(args.result, result)
 
 
 def accuracy_checks(args, cache, keys, values, q_prefill, q_decode, out_prefill, out_decode, prefill):

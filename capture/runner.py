@@ -11,14 +11,13 @@ import platform
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TextIO
 
 import kvtrace.nsys
-from kvtrace import __version__
+from kvtrace import __version__, files
 from kvtrace.errors import KvtraceError
 from kvtrace.manifest import MANIFEST, MARKER, SCHEMA, is_kvtrace_manifest
 
@@ -50,23 +49,8 @@ def export_run(out: Path, name: str, nsys: str, log: TextIO, *, no_report: str) 
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as handle:
-            json.dump(data, handle, indent=2, sort_keys=False)
-            handle.write("\n")
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; a manifest is as readable as any output
-        os.replace(tmp, path)
-    except BaseException:
-        # Nothing half-written stays behind: neither the temporary file nor a truncated target.
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+    """Serialised first, so that data that is not JSON leaves the previous file as it was."""
+    files.write(path, json.dumps(data, indent=2, sort_keys=False) + "\n")
 
 
 def _is_kvtrace_run(out: Path) -> bool:
@@ -78,17 +62,24 @@ def _is_kvtrace_run(out: Path) -> bool:
 
 
 def prepare_run_dir(out: Path, force: bool) -> None:
+    if out.is_symlink():
+        # --force removes the run directory; through a link it would remove what the link points to.
+        raise KvtraceError(f"--out {out} is a symbolic link (to {os.readlink(out)}): name the run directory itself")
     if out.exists() and not out.is_dir():
         raise KvtraceError(f"--out {out} is a file, not a directory: choose another --out")
-    if out.exists() and any(out.iterdir()):
-        # Checked before --force, so that the message never suggests a --force that would be refused.
-        if not _is_kvtrace_run(out):
-            raise KvtraceError(f"{out} is not empty and has no kvtrace {MANIFEST}: kvtrace replaces only its own "
-                               "run directories, choose another --out")
-        if not force:
-            raise KvtraceError(f"{out} already holds a run: pass --force to replace it, or choose another --out")
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        if out.exists() and any(out.iterdir()):
+            # Checked before --force, so that the message never suggests a --force that would be refused.
+            if not _is_kvtrace_run(out):
+                raise KvtraceError(f"{out} is not empty and has no kvtrace {MANIFEST}: kvtrace replaces only its "
+                                   "own run directories, choose another --out")
+            if not force:
+                raise KvtraceError(f"{out} already holds a run: pass --force to replace it, or choose another --out")
+            shutil.rmtree(out)
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise KvtraceError(f"cannot prepare --out {out}: {error.strerror or error}; choose a folder you can "
+                           "write to") from None
 
 
 def gpu_inventory() -> list[dict]:

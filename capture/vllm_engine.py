@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import kvtrace.nsys
+from kvtrace import files
 from kvtrace.capture import runner
 from kvtrace.capture.processes import ManagedProcess, sigterm_as_interrupt
 from kvtrace.capture.vllm_commands import (POLL_INTERVAL_S, base_url, bench_command, point_tag, request_identity,
@@ -161,8 +162,8 @@ def _serve_point(session: _Session, arm: VllmArm, index: int, point: Point, benc
         peaks = poller.finish()
     after_text = scrape(base)
     record["seconds"] = round(time.monotonic() - started, 2)
-    (out / f"{stem}.metrics.before.prom").write_text(before_text)
-    (out / f"{stem}.metrics.after.prom").write_text(after_text)
+    files.write(out / f"{stem}.metrics.before.prom", before_text)
+    files.write(out / f"{stem}.metrics.after.prom", after_text)
     before, after = parse_metrics(before_text), parse_metrics(after_text)
     update_peaks(peaks, before)
     update_peaks(peaks, after)

@@ -6,12 +6,13 @@ analyzer's dependencies (polars, matplotlib), and `kvtrace diff ...` never impor
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import sys
 
 import click
 
-from kvtrace import __version__
+from kvtrace import __version__, files
 from kvtrace.errors import KvtraceError
 
 # command name -> ("module:attribute", one-line help shown by `kvtrace --help` without importing it)
@@ -28,6 +29,14 @@ _COMMANDS = {
 class LazyGroup(click.Group):
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(_COMMANDS)
+
+    def resolve_command(self, ctx: click.Context, args: list[str]):
+        name = args[0] if args else ""
+        if name and not name.startswith("-") and name not in _COMMANDS:
+            close = difflib.get_close_matches(name, list(_COMMANDS), n=1)
+            hint = f"did you mean `kvtrace {close[0]}`?" if close else f"commands: {', '.join(sorted(_COMMANDS))}"
+            raise click.UsageError(f"no such command {name!r}; {hint}", ctx)
+        return super().resolve_command(ctx, args)
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         if name not in _COMMANDS:
@@ -47,8 +56,11 @@ def cli() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    # A bare `kvtrace` asks what there is: the help on standard output, not a usage error.
+    args = (sys.argv[1:] if argv is None else argv) or ["--help"]
     try:
-        cli.main(args=argv, prog_name="kvtrace", standalone_mode=False)
+        cli.main(args=args, prog_name="kvtrace", standalone_mode=False)
+        sys.stdout.flush()  # inside the try: a reader that has gone away is not an error
     except KvtraceError as error:
         click.echo(f"kvtrace: error: {error}", err=True)
         sys.exit(error.exit_code)
@@ -65,4 +77,5 @@ def main(argv: list[str] | None = None) -> None:
     except click.exceptions.Exit as done:
         sys.exit(done.exit_code)
     except BrokenPipeError:
+        files.discard_stdout()
         sys.exit(0)

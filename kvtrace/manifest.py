@@ -156,14 +156,14 @@ class Phase:
 
     @classmethod
     def of(cls, record: dict) -> "Phase":
-        nvtx = record.get("nvtx") if isinstance(record.get("nvtx"), str) else ""
+        nvtx = record.get("nvtx") or ""
         kind, context = parse_phase_name(nvtx) or (None, None)
         return cls(nvtx, kind, context, _int(record.get("calls")), _int(record.get("bytes_per_call")))
 
 
 @dataclass(frozen=True)
 class RunRecord:
-    """One run's entry under `arms`. Fields of the wrong type read as absent."""
+    """One run's entry under `arms` (Manifest.of has checked the types of its fields)."""
 
     name: str  # the run's name: the arm's, or ARM.rK
     arm: str
@@ -179,14 +179,11 @@ class RunRecord:
 
     @classmethod
     def of(cls, name: str, entry: dict) -> "RunRecord":
-        text = {key: entry.get(key) if isinstance(entry.get(key), str) else None
-                for key in ("arm", "status", "error", "sqlite", "kv_cache_dtype", "request_order_sha256")}
-        points = entry.get("points") if isinstance(entry.get("points"), list) else []
-        return cls(name=name, arm=text["arm"] or name, repeat=_int(entry.get("repeat")) or 1, status=text["status"],
-                   error=text["error"], sqlite=text["sqlite"], kv_cache_dtype=text["kv_cache_dtype"],
+        return cls(name=name, arm=entry.get("arm") or name, repeat=entry.get("repeat") or 1, status=entry.get("status"),
+                   error=entry.get("error"), sqlite=entry.get("sqlite"), kv_cache_dtype=entry.get("kv_cache_dtype"),
                    kv_cache=_dict(entry.get("kv_cache")), workload=_dict(entry.get("workload")),
-                   points=[p for p in points if isinstance(p, dict)],
-                   request_order_sha256=text["request_order_sha256"])
+                   points=[p for p in entry.get("points") or [] if isinstance(p, dict)],
+                   request_order_sha256=entry.get("request_order_sha256"))
 
     @property
     def kv_dtype(self) -> str:
@@ -216,15 +213,15 @@ class Manifest:
 
     @classmethod
     def of(cls, data: dict, path: Path) -> "Manifest":
+        _check_shape(data, _MANIFEST_SHAPE, "", path)
         runs = data["arms"]
         for name, entry in runs.items():
             if not isinstance(entry, dict):
-                raise KvtraceError(f"{path}: arm {name!r} is not a JSON object: capture the run again")
-        matched = data.get("request_order_matched")
-        return cls(path=path, engine=data.get("engine") if isinstance(data.get("engine"), str) else None,
-                   settings=_dict(data.get("settings")), runs={name: RunRecord.of(name, e) for name, e in runs.items()},
-                   status=data.get("status") if isinstance(data.get("status"), str) else None,
-                   request_order_matched=matched if isinstance(matched, bool) else None, raw=data)
+                raise _bad_shape(path, f"arms.{name}", "an object")
+            _check_shape(entry, _RUN_SHAPE, f"arms.{name}", path)
+        return cls(path=path, engine=data.get("engine"), settings=_dict(data.get("settings")),
+                   runs={name: RunRecord.of(name, e) for name, e in runs.items()}, status=data.get("status"),
+                   request_order_matched=data.get("request_order_matched"), raw=data)
 
     @property
     def scenario(self) -> str | None:
@@ -252,12 +249,61 @@ class Manifest:
         dtype = self.model.get("torch_dtype")
         return dtype if isinstance(dtype, str) else None
 
+    @property
+    def runs_by_arm(self) -> dict[str, list[str]]:
+        """Run names per arm, in repeat order; arms in the order their first runs appear."""
+        arms: dict[str, list[RunRecord]] = {}
+        for record in self.runs.values():
+            arms.setdefault(record.arm, []).append(record)
+        return {arm: [r.name for r in sorted(records, key=lambda r: r.repeat)] for arm, records in arms.items()}
+
     def widest_first(self, names: list[str] | None = None, model_dtype: str | None = None) -> list[str]:
         """Run names (all by default), the widest KV format first: a comparison's baseline is the wider
         format. Equal widths keep their order. `model_dtype` decides "auto" (default: the manifest's)."""
         dtype = model_dtype or self.model_dtype
         return sorted(names if names is not None else self.runs,
                       key=lambda name: -bytes_per_value(self.runs[name].kv_dtype, dtype))
+
+
+# What the values kvtrace reads must be, where present and not null: a type, a dict of an object's fields, or
+# [shape] for a list. A hand-edited or damaged manifest fails in one line naming the field, rather than
+# reading as absent or failing later in the analysis.
+_MANIFEST_SHAPE = {"engine": str, "status": str, "request_order_matched": bool, "environment": dict,
+                   "settings": {"model": {"kv_config": dict}, "spec": dict, "scenario": str, "mode": str,
+                                "engine_flags": dict, "extra_vllm_args": list}}
+_RUN_SHAPE = {
+    "arm": str, "repeat": int, "status": str, "error": str, "sqlite": str, "kv_cache_dtype": str,
+    "request_order_sha256": str,
+    "workload": {"kv_format": str, "engine": dict,
+                 "phases": [{"nvtx": str, "calls": (int, float), "bytes_per_call": (int, float)}]},
+    "kv_cache": {"tokens": (int, float), "line": str},
+    "points": [{"point": str, "bench": dict, "metrics": {"deltas": {"counters": dict, "histograms": dict},
+                                                         "peaks": dict}}],
+}
+
+
+def _check_shape(value, shape, where: str, file: Path) -> None:
+    if value is None:
+        return
+    if isinstance(shape, dict):
+        if not isinstance(value, dict):
+            raise _bad_shape(file, where, "an object")
+        for key, inner in shape.items():
+            _check_shape(value.get(key), inner, f"{where}.{key}" if where else key, file)
+    elif isinstance(shape, list):
+        if not isinstance(value, list):
+            raise _bad_shape(file, where, "a list")
+        for index, item in enumerate(value):
+            _check_shape(item, shape[0], f"{where}[{index}]", file)
+    elif shape is bool:
+        if not isinstance(value, bool):
+            raise _bad_shape(file, where, "true or false")
+    elif not isinstance(value, shape) or isinstance(value, bool):
+        raise _bad_shape(file, where, {str: "a string", int: "a whole number"}.get(shape, "a number"))
+
+
+def _bad_shape(file: Path, where: str, wanted: str) -> KvtraceError:
+    return KvtraceError(f"{file}: {where} is not {wanted}: the manifest was edited or damaged; capture the run again")
 
 
 def is_kvtrace_manifest(data) -> bool:

@@ -10,10 +10,10 @@ import glob
 import os
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 from typing import TextIO
 
+from kvtrace import files
 from kvtrace.errors import KvtraceError
 
 SQLITE_MAGIC = b"SQLite format 3\x00"
@@ -28,15 +28,30 @@ INSTALL_GLOBS = (
 
 def find_nsys(explicit: str | None = None) -> str:
     """The nsys binary: `explicit` (--nsys), else $NSYS, else PATH, else the newest known install."""
-    if explicit and not os.access(explicit, os.X_OK):
-        raise KvtraceError(f"--nsys {explicit} is not an executable file: point it at the nsys binary")
+    if explicit:
+        check_explicit(explicit)
+    elif os.path.isdir(os.environ.get("NSYS") or ""):
+        # Naming the bin folder is the usual slip; skipping it would quietly pick another nsys.
+        raise KvtraceError(f"NSYS={os.environ['NSYS']} is a directory: point NSYS at the nsys binary in it "
+                           "(e.g. .../bin/nsys)")
     candidates = [explicit, os.environ.get("NSYS"), shutil.which("nsys")]
     candidates += sorted((p for g in INSTALL_GLOBS for p in glob.glob(g)), reverse=True)
     for candidate in candidates:
-        if candidate and os.access(candidate, os.X_OK):
+        if candidate and _executable_file(candidate):
             return candidate
     raise KvtraceError("nsys (Nsight Systems CLI) not found: install Nsight Systems, put nsys on PATH "
                        "or set NSYS=/path/to/nsys")
+
+
+def check_explicit(nsys: str) -> None:
+    """Refuse an nsys named on the command line (--nsys) that is not an executable file."""
+    if not _executable_file(nsys):
+        problem = "is a directory" if os.path.isdir(nsys) else "is not an executable file"
+        raise KvtraceError(f"--nsys {nsys} {problem}: point it at the nsys binary (e.g. .../bin/nsys)")
+
+
+def _executable_file(path: str) -> bool:
+    return os.path.isfile(path) and os.access(path, os.X_OK)
 
 
 def nsys_version(nsys: str) -> str:
@@ -74,20 +89,14 @@ def export_sqlite(nsys: str, report: Path, target: Path, *, log: TextIO | None =
     """Export `report` to `target`. nsys writes a temporary file beside the target, renamed into place only
     once it is a complete SQLite file, so `target` never holds half an export. The command and nsys' output
     go to `log` when one is given. Raises ExportFailed."""
-    fd, partial_name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.stem}-", suffix=".sqlite")
-    os.close(fd)
-    partial = Path(partial_name)
-    command = export_command(nsys, report, partial)
-    if log is not None:
-        log.write(f"$ {' '.join(command)}\n")
-        log.flush()
-    try:
+    with files.beside(target, suffix=".sqlite") as partial:
+        command = export_command(nsys, report, partial)
+        if log is not None:
+            log.write(f"$ {' '.join(command)}\n")
+            log.flush()
         result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 errors="replace", check=False)
         if log is not None:
             log.write(result.stdout)
         if result.returncode != 0 or not is_sqlite(partial):
             raise ExportFailed(result.returncode, result.stdout)
-        os.replace(partial, target)
-    finally:
-        partial.unlink(missing_ok=True)

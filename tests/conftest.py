@@ -142,8 +142,8 @@ def nsys() -> str:
     pytest.skip(message)
 
 
-def sql_durations(path, *likes: str, nvtx: str | None = None) -> list[int]:
-    """Kernel durations by demangled-name pattern, in launch order, written in plain SQL independently of
+def sql_calls(path, *likes: str, nvtx: str | None = None) -> list[tuple[int, int]]:
+    """Kernel (start, end) by demangled-name pattern, in launch order, written in plain SQL independently of
     kvtrace. With `nvtx`, only kernels whose launch call lies inside the NVTX range of that name on the same
     thread: the projection rule of Nsight Systems' nvtx_gpu_proj_trace, written out by hand."""
     where = " OR ".join("s.value LIKE ?" for _ in likes) or "1"
@@ -152,8 +152,13 @@ def sql_durations(path, *likes: str, nvtx: str | None = None) -> list[int]:
              AND (r.globalTid & 0xFFFFFFFFFF000000) = k.globalPid
         JOIN NVTX_EVENTS n ON n.globalTid = r.globalTid AND n.start <= r.start AND n.end >= r.end
              AND n.eventType IN (59, 60) AND n.text = ?""" if nvtx is not None else ""
-    query = (f"SELECT k.end - k.start FROM CUPTI_ACTIVITY_KIND_KERNEL k JOIN StringIds s ON s.id = k.demangledName"
+    query = (f"SELECT k.start, k.end FROM CUPTI_ACTIVITY_KIND_KERNEL k JOIN StringIds s ON s.id = k.demangledName"
              f"{projection} WHERE {where} ORDER BY k.start")
     args = ([nvtx] if nvtx is not None else []) + list(likes)
     with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as conn:
-        return [row[0] for row in conn.execute(query, args)]
+        return [tuple(row) for row in conn.execute(query, args)]
+
+
+def sql_durations(path, *likes: str, nvtx: str | None = None) -> list[int]:
+    """Durations of sql_calls, in launch order."""
+    return [end - start for start, end in sql_calls(path, *likes, nvtx=nvtx)]

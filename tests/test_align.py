@@ -13,8 +13,8 @@ import sqlite3
 import polars as pl
 import pytest
 
-from conftest import FIXTURES, NSYS2023_DIR, NSYS2025_DIR, sql_durations
-from kvtrace.analyzer import align, compare, stats
+from conftest import FIXTURES, NSYS2023_DIR, NSYS2025_DIR, sql_calls, sql_durations
+from kvtrace.analyzer import align, compare, pairing, stats
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.load import open_trace
 from kvtrace.analyzer.ranges import NO_RANGE
@@ -40,6 +40,20 @@ def sql_range_durations(path, like: str, range_name: str) -> list[int]:
     return sql_durations(path, like, nvtx=range_name)
 
 
+def kernel_cell(recipes, base_path, cand_path, label: str, range_name: str) -> dict:
+    """How pairing paired one family in one NVTX range: its kernel cell's pairs and each arm's calls."""
+    traces = [open_trace(base_path), open_trace(cand_path)]
+    classes = [compare.classify_signatures(t, recipes) for t in traces]
+    vocabulary = pairing.Vocabulary.of(traces, classes)
+    runs = [vocabulary.run(t, c, align.Window()) for t, c in zip(traces, classes)]
+    family = classes[0].filter(pl.col("family_label") == label)["family"][0]
+    strata = pairing.pair(*runs, vocabulary).strata.filter(
+        (pl.col("level") == pairing.KERNEL) & (pl.col("family") == vocabulary.families.index(family))
+        & (pl.col("nvtx") == vocabulary.names.index(range_name)))
+    assert strata.height == 1
+    return strata.row(0, named=True)
+
+
 def test_every_kernel_lands_in_its_workload_phase_range(recipes):
     trace = open_trace(FP8)
     assert (trace.kernels["range"] != NO_RANGE).all()  # every launch of the workload was inside a phase range
@@ -60,9 +74,12 @@ def test_phases_split_prefill_by_context(recipes):
         base, cand = sql_range_durations(FP8, PREFILL_LIKE, name), sql_range_durations(NVFP4, PREFILL_LIKE, name)
         assert row.ratio == pytest.approx((sum(cand) / len(cand)) / (sum(base) / len(base)))
         assert row.verdict == stats.REGRESSION and row.ci_low > 1
-    # Per context the interval is far tighter than over all 24 calls mixed together.
+    # The segment resamples each context inside itself: it is no wider than its widest context (plus one
+    # percentage point), where mixing 2k- and 32k-context calls would span [2.5, 11.7].
     whole = next(r for r in result.segments if r.segment == "prefill_attention")
-    assert all(r.ci_high - r.ci_low < (whole.ci_high - whole.ci_low) / 10 for r in prefill.values())
+    widest = max((r.ci_high - r.ci_low) / r.ratio for r in prefill.values())
+    assert (whole.ci_high - whole.ci_low) / whole.ratio <= widest + 0.01
+    assert whole.cells == 3 and not whole.same_work and whole.baseline.mean_ns is None
 
 
 def test_unmatched_contexts_are_never_paired(recipes):
@@ -75,7 +92,8 @@ def test_unmatched_contexts_are_never_paired(recipes):
     base, cand = sql_range_durations(FP8, DECODE_LIKE, name), sql_range_durations(small, DECODE_LIKE, name)
     assert row.compared_calls == len(cand) == 16
     assert row.ratio == pytest.approx((sum(cand) / len(cand)) / (sum(base[-16:]) / 16))
-    assert "last 16 of 64 vs 16 calls" in row.note
+    cell = kernel_cell(load_recipes(), FP8, small, DECODE_FAMILY, name)
+    assert (cell["pairs"], cell["baseline_calls"], cell["candidate_calls"]) == (16, len(base), 16)
     assert any(f.check == "alignment" and DECODE_FAMILY in f.message for f in result.findings)
     assert any(f.check == "nsys" and f.level == "warning" for f in result.findings)
 
@@ -119,13 +137,15 @@ def test_extra_warmup_calls_in_one_arm_are_flagged_and_trimmed(tmp_path, recipes
     result = compare.diff(open_trace(FP8), open_trace(planted), recipes)
     row = family(result, DECODE_FAMILY)
     assert row.candidate_calls == family(clean, DECODE_FAMILY).candidate_calls + 8
-    assert f"in '{name}': last 64 of 64 vs 72 calls" in row.note
+    cell = kernel_cell(recipes, FP8, planted, DECODE_FAMILY, name)
+    calls = len(sql_range_durations(FP8, DECODE_LIKE, name))
+    assert (cell["pairs"], cell["baseline_calls"], cell["candidate_calls"]) == (calls, calls, calls + 8)
     assert any(f.level == "warning" and f.check == "alignment" and "warm-up" in f.message for f in result.findings)
     # The extra calls sit at the start, so pairing the last 64 compares exactly the clean calls.
     assert row.ratio == pytest.approx(family(clean, DECODE_FAMILY).ratio)
     code, out, err = run_kvtrace("diff", str(FP8), str(planted), "--format", "markdown")
     assert code == 0, err
-    assert "last 64 of 64 vs 72 calls" in out and "⚠️" in out
+    assert f"last {calls} of {calls} vs {calls + 8} calls" in out and "⚠️" in out
 
 
 def test_truncated_arm_is_flagged(tmp_path, recipes):
@@ -133,21 +153,25 @@ def test_truncated_arm_is_flagged(tmp_path, recipes):
     path = tmp_path / "nvfp4-truncated.sqlite"
     shutil.copy(NVFP4, path)
     name = "kvtrace:prefill ctx=32768 batch=8"
-    third = sql_range_durations(NVFP4, PREFILL_LIKE, name)[:3]
+    calls = sql_calls(NVFP4, PREFILL_LIKE, nvtx=name)
+    third = [end - start for start, end in calls[:3]]
     with sqlite3.connect(path) as conn:
-        cutoff = conn.execute("""SELECT k.end FROM CUPTI_ACTIVITY_KIND_KERNEL k JOIN StringIds s ON s.id = k.demangledName
-            WHERE s.value LIKE ? ORDER BY k.start LIMIT 1 OFFSET 18""", (PREFILL_LIKE,)).fetchone()[0]
-        conn.execute("DELETE FROM CUPTI_ACTIVITY_KIND_KERNEL WHERE start > ?", (cutoff,))
+        conn.execute("DELETE FROM CUPTI_ACTIVITY_KIND_KERNEL WHERE start > ?", (calls[2][1],))
     result = compare.diff(open_trace(FP8), open_trace(path), recipes)
     prefill = next(r for r in result.phases if r.segment == "prefill_attention" and r.phase == name)
-    assert prefill.compared_calls == 3 and "last 3 of 8 vs 3 calls" in prefill.note
-    assert prefill.candidate.total_ns == sum(third)
+    cell = kernel_cell(recipes, FP8, path, PREFILL_FAMILY, name)
+    assert (cell["pairs"], cell["baseline_calls"], cell["candidate_calls"]) == (3, len(calls), 3)
+    assert prefill.compared_calls == 3 and prefill.candidate.total_ns == sum(third)
     gone = [r for r in result.phases if "ctx=32768" in r.phase and r.segment in ("decode_attention", "kv_append", "gemm")]
-    assert gone and all(r.verdict == compare.NOT_COMPARABLE and r.reason == "only in the baseline" for r in gone)
+    assert gone and all(r.verdict == stats.NOT_COMPARABLE and r.reason == "only in the baseline" for r in gone)
     decode = next(r for r in result.segments if r.segment == "decode_attention")
-    # The two contexts both arms decoded pair whole; the ctx=32768 decode range exists only in the baseline.
+    # The two contexts both arms decoded pair whole; the ctx=32768 decode calls exist only in the baseline and
+    # carry more of the segment's change than the pairs do, so the segment is "different work", not a ratio.
+    missing = sum(sql_durations(FP8, DECODE_LIKE, "%MergeStates%", nvtx="kvtrace:decode ctx=32768 batch=8"))
     assert decode.compared_calls == 256 and (decode.baseline_calls, decode.candidate_calls) == (384, 256)
-    assert "paired the calls of 2 NVTX range(s)" in decode.note and "128 baseline and 0 candidate" in decode.note
+    assert decode.total_delta_ns - decode.paired_delta_ns == -missing
+    assert decode.verdict == stats.DIFFERENT_WORK and decode.paired_verdict == stats.REGRESSION
+    assert decode.unpaired_share > 0.5
 
 
 def test_same_format_repeat_passes_the_gate(run_kvtrace):
@@ -166,6 +190,25 @@ def test_gate_trips_on_a_regressed_segment_only(run_kvtrace):
     assert err.count("\n") == 1 and err.startswith("kvtrace: gate: prefill_attention regressed")
     code, out, err = run_kvtrace("diff", str(FP8), str(NVFP4), "--fail-on", "regression:attention")
     assert code == 2 and err.startswith("kvtrace: error: --fail-on")
+
+
+def test_gate_cannot_pass_a_segment_it_cannot_measure(run_kvtrace):
+    """quantize ran only in the FP8 arm (its cast), memory's change is the FP8 arm's extra copies, moe ran in
+    neither: a gate watching them exits 3 with one line, and never 0."""
+    for segment, why in (("quantize", stats.NOT_COMPARABLE), ("memory", stats.DIFFERENT_WORK),
+                         ("moe", "no calls in either arm")):
+        code, out, err = run_kvtrace("diff", str(FP8), str(NVFP4), "--fail-on", f"regression:{segment}",
+                                     "--format", "json")
+        assert code == 3 and out, err
+        assert err.count("\n") == 1 and err.startswith(f"kvtrace: gate: cannot judge {segment} ({why})")
+    # A regression wins: exit 1, with both lines.
+    code, out, err = run_kvtrace("diff", str(FP8), str(NVFP4), "--fail-on", "regression:prefill_attention",
+                                 "--fail-on", "regression:quantize", "--format", "json")
+    assert code == 1 and err.count("\n") == 2 and "cannot judge quantize" in err
+    # Watching every segment judges those it can and lists the others.
+    code, out, err = run_kvtrace("diff", str(FP8), str(NVFP4), "--fail-on", "regression", "--format", "json")
+    assert code == 1 and err.splitlines()[1] == ("kvtrace: gate: not judged: memory (different work), quantize (not "
+                                                 "comparable), other (different work)"), err
 
 
 def test_windows_select_calls(run_kvtrace):
@@ -219,8 +262,8 @@ def test_real_vllm_steps_are_projected_and_unmatched_batches_refused(recipes):
     assert result.baseline.kv_dtypes == ("bf16",) and result.candidate.kv_dtypes == ("fp8_e4m3",)
     segments = {r.segment: r for r in result.segments}
     assert {"prefill_attention", "kv_append", "gemm"} <= set(segments)
-    assert segments["prefill_attention"].verdict == compare.NOT_COMPARABLE
-    assert segments["kv_append"].verdict == compare.NOT_COMPARABLE
+    assert segments["prefill_attention"].verdict == stats.NOT_COMPARABLE
+    assert segments["kv_append"].verdict == stats.NOT_COMPARABLE
     assert any(f.check == "steps" and f.level == "warning" and "different vLLM steps" in f.message
                for f in result.findings)
 

@@ -236,9 +236,10 @@ def test_classify_adds_columns_per_distinct_signature(recipes):
     out = recipes.classify(names_frame(names))
     assert out.columns == [
         "name_id", "demangled", "short", "grid_x", "grid_y", "grid_z", "block_x", "block_y", "block_z",
-        "segment", "family", "family_label", "kv_dtype", "recipe",
+        "segment", "family", "family_label", "kv_dtype", "recipe", "kv_independent",
     ]
     assert all(out.schema[c] == pl.Utf8 for c in ("segment", "family", "family_label", "kv_dtype", "recipe"))
+    assert out.schema["kv_independent"] == pl.Boolean
     assert out["segment"].to_list() == [case[1] for case in SEGMENT_CASES]
     assert out["recipe"].to_list() == [case[2] for case in SEGMENT_CASES]
     unmatched = out.filter(pl.col("recipe").is_null())
@@ -406,6 +407,20 @@ match = 'reshape_and_cache_flash_kernel'
     assert recipes.classify_one(flashinfer_fa2(1, "__nv_fp8_e4m3")).recipe == "flashinfer.toml:fa2-paged-prefill"
 
 
+def test_kv_independent_marks_the_drift_controls(recipes, tmp_path):
+    """Weight GEMMs, norms and activations cannot see the KV format; attention, append, quantize (the FP8
+    cast) and MoE (routing follows the activations) can. A user rule is KV-dependent unless it says so."""
+    by_segment = {}
+    for rule in recipes.rules:
+        by_segment.setdefault(rule.segment, set()).add(rule.kv_independent)
+    assert by_segment["gemm"] == by_segment["norm"] == by_segment["activation"] == {True}
+    for segment in ("prefill_attention", "decode_attention", "kv_append", "quantize", "moe", "memory", "other"):
+        assert by_segment[segment] == {False}, segment
+    user = write(tmp_path, "[[rule]]\nid='a'\nsegment='gemm'\nmatch='my_gemm'\n")
+    assert load_recipes([user]).classify_one("void my_gemm()").kv_independent is False
+    assert recipes.classify_one("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT").kv_independent is True
+
+
 def test_user_rules_with_template_and_grid_conditions(tmp_path):
     user = write(tmp_path, """
 description = "split tiny-query chunked prefill from long prefill by grid size"
@@ -455,6 +470,7 @@ def test_user_files_keep_command_line_order(tmp_path):
         ("[[rule]]\nid='a'\nsegment='gemm'\nmatch='x'\nkv_enum={ E = ['auto'] }\n", "bad `kv_enum`"),
         ("[[rule]]\nid='a'\nsegment='gemm'\nmatch='x'\nkv_dtype='nvfp4'\nkv_slots=['K[1]']\n", "`kv_dtype`"),
         ("[[rule]]\nid='a'\nsegment='gemm'\nmatch='x'\n[[rule]]\nid='a'\nsegment='moe'\nmatch='y'\n", "duplicate id"),
+        ("[[rule]]\nid='a'\nsegment='gemm'\nmatch='x'\nkv_independent='yes'\n", "`kv_independent` is not a boolean"),
     ],
 )
 def test_bad_user_recipe_raises_one_line_naming_file_and_fix(tmp_path, text, expected):

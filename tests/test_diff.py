@@ -7,9 +7,10 @@ import io
 import json
 import sqlite3
 
+import numpy as np
 import pytest
 
-from conftest import FIXTURES, NSYS2023_DIR, NSYS2025_DIR
+from conftest import FIXTURES, NSYS2023_DIR, NSYS2025_DIR, REPO
 from kvtrace.analyzer import compare, stats
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.load import open_trace
@@ -75,7 +76,8 @@ def test_segments_partition_each_arm_and_explain_the_whole_delta(fp8_nvfp4):
         assert arm.total_ns == total
         assert sum(getattr(r, f"{side}_total_ns") for r in rows) == total
         assert sum(getattr(r, f"{side}_calls") for r in rows) == count
-    assert sum(r.delta_share for r in fp8_nvfp4.segments) == pytest.approx(1)
+    shares = [r.abs_delta_share for r in fp8_nvfp4.segments]
+    assert all(0 <= s <= 1 for s in shares) and sum(shares) == pytest.approx(1)
     # Sorted by impact: the largest absolute delta first.
     deltas = [abs(r.total_delta_ns) for r in fp8_nvfp4.segments]
     assert deltas == sorted(deltas, reverse=True)
@@ -84,9 +86,40 @@ def test_segments_partition_each_arm_and_explain_the_whole_delta(fp8_nvfp4):
 def test_rows_with_different_work_are_not_comparable(fp8_nvfp4):
     # The FP8 append casts in separate torch kernels the NVFP4 arm never launches.
     only_fp8 = [r for r in fp8_nvfp4.families if r.candidate is None]
-    assert only_fp8 and all(r.verdict == compare.NOT_COMPARABLE and "only in the baseline" in r.reason
+    assert only_fp8 and all(r.verdict == stats.NOT_COMPARABLE and "only in the baseline" in r.reason
                             for r in only_fp8)
     assert all(r.ratio is None and r.ci_low is None for r in only_fp8)
+
+
+def test_unpaired_work_that_carries_the_change_is_different_work(fp8_nvfp4):
+    """The `other` segment pairs its 224 elementwise calls, which did not change, while the FP8 arm's 384
+    scaling multiplies (part of its KV cast, BUnaryFunctor) have no partner: the segment is "different
+    work", never "no significant change", and the pairs' own verdict stays available."""
+    row = next(r for r in fp8_nvfp4.segments if r.segment == "other")
+    unpaired = sum(sql_durations(FP8, "%BUnaryFunctor%"))
+    assert row.total_delta_ns - row.paired_delta_ns == -unpaired
+    assert row.unpaired_share == pytest.approx(unpaired / (unpaired + abs(row.paired_delta_ns)))
+    assert row.verdict == stats.DIFFERENT_WORK and row.paired_verdict == stats.NO_CHANGE
+    assert "BUnaryFunctor ×384" in row.note
+    assert row.compared_calls == row.candidate_calls == len(sql_durations(NVFP4, "%AUnaryFunctor%"))
+
+
+def test_a_pooled_mean_never_poses_as_one_call(fp8_nvfp4, run_kvtrace):
+    """Prefill calls of 2k, 8k and 32k contexts take 2 ms to 468 ms; their pooled mean (167 ms) describes no
+    call that ran, so rows spanning them show totals, and rows of one context show per-call means."""
+    from kvtrace.analyzer.render.units import duration
+
+    base = sql_durations(FP8, PREFILL)
+    segment = next(r for r in fp8_nvfp4.segments if r.segment == "prefill_attention")
+    assert not segment.same_work and segment.baseline.mean_ns is None and segment.baseline.total_ns == sum(base)
+    phases = [r for r in fp8_nvfp4.phases if r.segment == "prefill_attention"]
+    assert all(r.same_work and r.baseline.mean_ns == pytest.approx(r.baseline.total_ns / r.compared_calls)
+               for r in phases)
+    gemm = next(r for r in fp8_nvfp4.segments if r.segment == "gemm")  # one GEMM in three ranges: same work
+    assert gemm.same_work and gemm.baseline.mean_ns == pytest.approx(np.mean(sql_durations(FP8, GEMM)))
+    code, out, err = run_kvtrace("diff", str(FP8), str(NVFP4), "--format", "markdown")
+    assert code == 0, err
+    assert duration(sum(base) / len(base)) not in out and f"{duration(sum(base))} total, 3 cells" in out
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
@@ -124,6 +157,12 @@ def test_cli_formats(run_kvtrace, tmp_path):
     assert code == 0, err
     rows = list(csv.DictReader(io.StringIO(out)))
     assert len(rows) == len(data["segments"]) + len(data["phases"]) + len(data["families"])
+    header = out.splitlines()[0].split(",")
+    documented = (REPO / "docs" / "json-schema.md").read_text().split("### CSV")[1]
+    assert len(set(header)) == len(header)  # one meaning per name
+    for name in header:
+        stat = name.split("_stats_")[-1]
+        assert f"`{name}`" in documented or ("_stats_" in name and f"`{stat}`" in documented), name
     prefill = next(r for r in rows if r["level"] == "segment" and r["segment"] == "prefill_attention")
     assert float(prefill["ratio"]) == pytest.approx(next(
         s["ratio"] for s in data["segments"] if s["segment"] == "prefill_attention"))

@@ -37,17 +37,17 @@ def by_gid(figure, prefix: str) -> dict:
     return {artist.get_gid(): artist for artist in figure.findobj(lambda a: (a.get_gid() or "").startswith(prefix))}
 
 
-def test_segment_means_show_both_arms_with_intervals(fi):
-    figure = plots.segment_means_figure(fi)
+def test_segment_times_show_both_arms_with_intervals(fi):
+    figure = plots.segment_times_figure(fi)
     ax = figure.axes[0]
     assert ax.get_legend_handles_labels()[1] == ["fp8", "nvfp4"]
-    rows = [r for r in fi.segment_means if r.baseline_mean_ns or r.candidate_mean_ns]
+    rows = [r for r in fi.segment_times if r.baseline_total_ns or r.candidate_total_ns]
     assert [t.get_text() for t in ax.get_yticklabels()] == [r.segment for r in rows]
     with sqlite3.connect(f"file:{NSYS2025_DIR / 'fp8.sqlite'}?mode=ro", uri=True) as conn:
-        prefill_mean = conn.execute("SELECT avg(k.end - k.start) FROM CUPTI_ACTIVITY_KIND_KERNEL k JOIN StringIds s "
-                                    "ON s.id = k.demangledName WHERE s.value LIKE ?", (PREFILL,)).fetchone()[0]
-    bars = by_gid(figure, "means-")
-    assert bars["means-baseline-prefill_attention"].get_width() == pytest.approx(prefill_mean / 1e3)
+        prefill_total = conn.execute("SELECT sum(k.end - k.start) FROM CUPTI_ACTIVITY_KIND_KERNEL k JOIN StringIds s "
+                                     "ON s.id = k.demangledName WHERE s.value LIKE ?", (PREFILL,)).fetchone()[0]
+    bars = by_gid(figure, "times-")
+    assert bars["times-baseline-prefill_attention"].get_width() == pytest.approx(prefill_total / 1e6)
     assert {gid.split("-")[1] for gid in bars} == {"baseline", "candidate"}
     bar_containers = [c for c in ax.containers if isinstance(c, BarContainer)]
     assert len(bar_containers) == 2 and all(c.errorbar is not None for c in bar_containers)  # whiskers: intervals
@@ -58,8 +58,8 @@ def test_ratio_plot_has_the_no_change_band_and_every_compared_segment(fi):
     ax = figure.axes[0]
     band = by_gid(figure, "no-change-band")["no-change-band"]
     low, high = band.get_x(), band.get_x() + band.get_width()
-    assert (low, high) == pytest.approx((1 - fi.diff.threshold, 1 + fi.diff.threshold))
-    compared = [r for r in fi.segment_means if r.ratio is not None]
+    assert (low, high) == pytest.approx((1 - fi.diff.band, 1 + fi.diff.band))
+    compared = [r for r in fi.segment_times if r.ratio is not None]
     points = []
     for line in figure.findobj(lambda a: (a.get_gid() or "").startswith("ratios-")):
         points += list(zip(line.get_xdata(), line.get_ydata()))
@@ -114,7 +114,7 @@ def test_sweep_curves_per_arm_and_context_with_capacity_marks(sweep, fi):
 def test_write_plots_png_and_svg_with_relative_links(fi, sweep, tmp_path):
     folder = tmp_path / "out" / "plots"
     written = plots.write_plots(fi, folder, "png", link_base=tmp_path / "out")
-    assert {p.kind for p in written} == {"segment-means", "segment-ratios", "ecdf", "bandwidth"}
+    assert {p.kind for p in written} == {"segment-times", "segment-ratios", "ecdf", "bandwidth"}
     for plot in written:
         assert plot.link == f"plots/{plot.kind}.png"
         assert (folder / f"{plot.kind}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -123,7 +123,7 @@ def test_write_plots_png_and_svg_with_relative_links(fi, sweep, tmp_path):
     text = (tmp_path / "svg" / "sweep.svg").read_text()
     assert "sweep-ttft-baseline-1024" in text and "TTFT (ms) vs concurrency" in text
     assert "first capacity-bound point" in text
-    assert {p.kind for p in svg} >= {"sweep", "segment-means"}
+    assert {p.kind for p in svg} >= {"sweep", "segment-times"}
     assert not [p for p in (tmp_path / "svg").iterdir() if p.name.startswith(".")]  # no temporary files left
 
 
@@ -133,7 +133,7 @@ def test_cli_plots_are_linked_from_the_markdown(tmp_path):
                                       str(tmp_path / "figs"), "--plot-format", "svg"])
     assert result.exit_code == 0, result.output
     text = out.read_text()
-    for kind in ("segment-means", "segment-ratios", "ecdf", "sweep"):
+    for kind in ("segment-times", "segment-ratios", "ecdf", "sweep"):
         assert f"(figs/{kind}.svg)" in text and (tmp_path / "figs" / f"{kind}.svg").is_file()
     (tmp_path / "file").write_text("x")
     bad = CliRunner().invoke(cli, ["report", str(SWEEP), "--plots", str(tmp_path / "file")])

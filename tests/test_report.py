@@ -8,13 +8,11 @@ import copy
 import csv
 import io
 import json
-import math
 import shutil
 import sqlite3
 import subprocess
 import sys
 from pathlib import Path
-from statistics import NormalDist
 
 import click
 import numpy as np
@@ -81,20 +79,27 @@ def test_one_flashinfer_run_directory_compares_its_two_arms(fi):
     assert (fi.baseline.arm, fi.candidate.arm) == ("fp8", "nvfp4")  # wider format first
     assert fi.baseline.sqlite == str(NSYS2025_DIR / "fp8.sqlite")
     assert (fi.baseline.engine, fi.baseline.kv_format, fi.candidate.kv_format) == ("flashinfer", "fp8", "nvfp4")
-    assert fi.diff.schema == "kvtrace.diff/2" and fi.serving == []
+    assert fi.diff.schema == "kvtrace.diff/3" and fi.serving == []
+    assert fi.baseline.runs == (str(NSYS2025_DIR / "fp8.sqlite"),) and fi.diff.runs == 1
     assert any("no serving metrics" in note for note in fi.notes)
 
 
-def test_prefill_statement_and_segment_means_match_plain_sql(fi):
+def test_prefill_statement_and_segment_times_match_plain_sql(fi):
+    """Prefill spans three contexts (2 ms to 468 ms per call): the report gives each arm's total over the
+    paired calls with the diff's interval, no pooled per-call mean, and the statement says "in total"."""
     base, cand = sql_durations(NSYS2025_DIR / "fp8.sqlite", PREFILL), sql_durations(NSYS2025_DIR / "nvfp4.sqlite", PREFILL)
-    row = next(r for r in fi.segment_means if r.segment == "prefill_attention")
-    assert row.baseline_mean_ns == pytest.approx(np.mean(base)) and row.candidate_mean_ns == pytest.approx(np.mean(cand))
-    assert row.ratio == pytest.approx(np.mean(cand) / np.mean(base))
-    z = NormalDist().inv_cdf(0.5 + fi.diff.confidence / 2)
-    half = z * np.std(base, ddof=1) / math.sqrt(len(base))
-    assert (row.baseline_ci_low, row.baseline_ci_high) == pytest.approx((np.mean(base) - half, np.mean(base) + half))
+    row = next(r for r in fi.segment_times if r.segment == "prefill_attention")
+    assert row.baseline_total_ns == sum(base) and row.candidate_total_ns == sum(cand)
+    assert row.baseline_mean_ns is None and row.candidate_mean_ns is None and row.cells == 3
+    assert row.ratio == pytest.approx(sum(cand) / sum(base))
+    assert row.baseline_ci_low < sum(base) < row.baseline_ci_high
+    segment = next(r for r in fi.diff.segments if r.segment == "prefill_attention")
+    assert (row.baseline_ci_low, row.baseline_ci_high) == (segment.baseline.total_low_ns, segment.baseline.total_high_ns)
+    gemm = next(r for r in fi.segment_times if r.segment == "gemm")  # one GEMM shape in three ranges: per call
+    assert gemm.baseline_mean_ns == pytest.approx(np.mean(sql_durations(NSYS2025_DIR / "fp8.sqlite", "nvjet%")))
     statement = next(s for s in fi.statements if s.check == "prefill")
-    assert statement.level == "warning" and f"{np.mean(cand) / np.mean(base):.3f}×" in statement.message
+    assert statement.level == "warning" and f"{sum(cand) / sum(base):.3f}×" in statement.message
+    assert "in total over 3 cells" in statement.message and "per call" not in statement.message
     assert "regression" in statement.message and f"{len(base):,} paired calls" in statement.message
 
 
@@ -150,9 +155,9 @@ def test_capacity_in_the_report_uses_the_runs_shape(fi):
 
 def test_json_is_the_result_object(fi):
     data = json.loads(json_out.render(fi))
-    assert data["schema"] == "kvtrace.report/1" and data["diff"]["schema"] == "kvtrace.diff/2"
+    assert data["schema"] == "kvtrace.report/2" and data["diff"]["schema"] == "kvtrace.diff/3"
     assert "durations" not in data
-    assert {"statements", "findings", "segment_means", "serving", "bandwidth", "hbm_ceiling", "capacity",
+    assert {"statements", "findings", "segment_times", "serving", "bandwidth", "hbm_ceiling", "capacity",
             "plots", "baseline", "candidate", "sweep", "notes"} <= set(data)
     assert data["capacity"]["schema"] == "kvtrace.capacity/2"
     assert len(data["bandwidth"]) == len(fi.bandwidth)
@@ -391,7 +396,7 @@ def test_subprocess_smoke(tmp_path):
                             cwd=tmp_path, check=False)
     assert result.returncode == 0, result.stderr
     text = out.read_text()
-    assert "![" in text and "(plots/segment-means.png)" in text and (tmp_path / "plots" / "segment-means.png").is_file()
+    assert "![" in text and "(plots/segment-times.png)" in text and (tmp_path / "plots" / "segment-times.png").is_file()
 
 
 def test_offline_point_records_give_means_and_rates():

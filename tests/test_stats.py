@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
-from statistics import NormalDist
 
 import numpy as np
 import pytest
@@ -22,14 +21,33 @@ def lognormal_ns(seed: int, n: int, *, scale: float = 1.0, sigma: float = 0.3) -
     return scale * np.random.default_rng(seed).lognormal(np.log(20_000.0), sigma, n)
 
 
-def normal_half_width(baseline: np.ndarray, candidate: np.ndarray, confidence: float) -> float:
-    """Delta-method half-width of the interval for mean(candidate)/mean(baseline)."""
-    z = NormalDist().inv_cdf(0.5 + confidence / 2)
-    ratio = candidate.mean() / baseline.mean()
-    rel_var = sum(
-        arm.var(ddof=0) / arm.size / arm.mean() ** 2 for arm in (baseline, candidate)
-    )
-    return z * ratio * math.sqrt(rel_var)
+def paired_half_width(strata: list[tuple[np.ndarray, np.ndarray]], confidence: float) -> float:
+    """Delta-method half-width for Σ candidate / Σ baseline over paired strata: each stratum adds
+    n·var(c - R·b) (ddof=1) to the variance of the linearised total, and the quantile is Student's t with the
+    Welch-Satterthwaite df of those parts (scipy-free: statistics.NormalDist only for df=inf)."""
+    base = sum(b.sum() for b, _ in strata)
+    ratio = sum(c.sum() for _, c in strata) / base
+    parts = [(b.size * np.var(c - ratio * b, ddof=1), b.size - 1) for b, c in strata]
+    variance = sum(v for v, _ in parts)
+    df = variance ** 2 / sum(v * v / d for v, d in parts)
+    return t_quantile(0.5 + confidence / 2, df) * math.sqrt(variance) / base
+
+
+def t_quantile(p: float, df: float) -> float:
+    """Student's t quantile by bisection on the CDF, integrated with statistics-free Simpson sums over the
+    density (an independent check of stats' own quantile)."""
+    def cdf(x: float) -> float:
+        grid = np.linspace(0.0, x, 20001)
+        density = np.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi) * (
+            1 + grid * grid / df) ** (-(df + 1) / 2)
+        h = grid[1] - grid[0]
+        return 0.5 + h / 3 * (density[0] + density[-1] + 4 * density[1:-1:2].sum() + 2 * density[2:-1:2].sum())
+
+    low, high = 0.0, 100.0
+    for _ in range(60):
+        middle = (low + high) / 2
+        low, high = (middle, high) if cdf(middle) < p else (low, middle)
+    return (low + high) / 2
 
 
 # --- describe ---------------------------------------------------------------------------------
@@ -82,201 +100,280 @@ def test_describe_rejects_empty_and_non_1d(bad):
         stats.describe(bad)
 
 
-# --- ratio_interval -----------------------------------------------------------------------------
-
-# Distinct floats take the index-draw path; a few distinct integers take the multinomial-count path.
-ARMS = {
-    "float": (lognormal_ns(1, 300), lognormal_ns(2, 400, scale=1.1)),
-    "tied-int": (
-        np.random.default_rng(5).integers(10_000, 10_050, 3000),
-        np.random.default_rng(6).integers(10_020, 10_060, 2000),
-    ),
-}
+# --- estimate_rows: paired, stratified ratios -----------------------------------------------------------
 
 
-@pytest.mark.parametrize("arms", ARMS.values(), ids=ARMS.keys())
-def test_ratio_is_ratio_of_means_and_inside_interval(arms):
-    baseline, candidate = arms
-    r = stats.ratio_interval(baseline, candidate, resamples=500)
-    expected = statistics.fmean(candidate.tolist()) / statistics.fmean(baseline.tolist())
-    assert r.ratio == pytest.approx(expected, rel=1e-12)
-    assert r.low < r.ratio < r.high
-    assert (r.confidence, r.resamples, r.method) == (0.95, 500, stats.BOOTSTRAP)
+def strata_of(pairs: list[tuple[np.ndarray, np.ndarray]], runs: list[int] | None = None, count: int = 1
+              ) -> stats.PairedStrata:
+    sizes = [b.size for b, _ in pairs]
+    return stats.PairedStrata(np.concatenate([b for b, _ in pairs]), np.concatenate([c for _, c in pairs]),
+                              np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64),
+                              np.array(runs if runs is not None else [0] * len(pairs)), count)
 
 
-@pytest.mark.parametrize("arms", ARMS.values(), ids=ARMS.keys())
-def test_bootstrap_is_deterministic_per_seed(arms):
-    baseline, candidate = arms
-    first = stats.ratio_interval(baseline, candidate, resamples=500, seed=7)
-    again = stats.ratio_interval(baseline.copy(), candidate.copy(), resamples=500, seed=7)
-    other = stats.ratio_interval(baseline, candidate, resamples=500, seed=8)
-    assert (first.low, first.high) == (again.low, again.high)  # identical floats, not approx
-    assert (first.low, first.high) != (other.low, other.high)
+def shared_noise_pair(seed: int, n: int, level: float, ratio: float, *, shared: float = 0.2, own: float = 0.01):
+    """Call pairs whose durations share most of their variation (a long step slows both arms' call)."""
+    rng = np.random.default_rng(seed)
+    common = level * rng.lognormal(0.0, shared, n)
+    return common * rng.lognormal(0.0, own, n), ratio * common * rng.lognormal(0.0, own, n)
+
+
+PAIRS = [shared_noise_pair(1, 40, 2e6, 5.0), shared_noise_pair(2, 12, 4e8, 5.4), shared_noise_pair(3, 200, 1e4, 0.9)]
+
+
+def test_ratio_is_the_ratio_of_summed_paired_time():
+    estimates = stats.estimate_rows(strata_of(PAIRS), [np.array([0]), np.array([0, 1, 2])], resamples=500)
+    assert estimates[0].ratio == pytest.approx(PAIRS[0][1].sum() / PAIRS[0][0].sum(), rel=1e-12)
+    expected = math.fsum(c.sum() for _, c in PAIRS) / math.fsum(b.sum() for b, _ in PAIRS)
+    assert estimates[1].ratio == pytest.approx(expected, rel=1e-12)
+    assert estimates[1].baseline_ns == pytest.approx(math.fsum(b.sum() for b, _ in PAIRS), rel=1e-12)
+    for e in estimates:
+        assert e.low < e.ratio < e.high and e.baseline_low < e.baseline_ns < e.baseline_high
+        assert (e.confidence, e.resamples, e.method) == (0.95, 500, stats.BOOTSTRAP)
+    assert (estimates[1].strata, estimates[1].single_call_strata) == (3, 0)
+
+
+@pytest.mark.parametrize("members", [[0], [1], [0, 1, 2]], ids=["40-pairs", "12-pairs", "three-strata"])
+def test_interval_width_matches_paired_stratified_normal_theory(members):
+    estimate = stats.estimate_rows(strata_of(PAIRS), [np.array(members)], resamples=4000)[0]
+    expected = paired_half_width([PAIRS[m] for m in members], 0.95)
+    assert (estimate.high - estimate.low) / 2 == pytest.approx(expected, rel=0.12)
+
+
+def test_pairing_cancels_variation_both_arms_share():
+    """20% shared spread per call, 1% own: the paired interval is as narrow as the own noise allows, far
+    narrower than treating the arms as independent samples would give."""
+    base, cand = PAIRS[2]
+    estimate = stats.estimate_rows(strata_of([PAIRS[2]]), [np.array([0])])[0]
+    unpaired = 1.96 * estimate.ratio * math.sqrt(sum(np.var(a, ddof=1) / a.size / a.mean() ** 2 for a in (base, cand)))
+    assert (estimate.high - estimate.low) / 2 < unpaired / 10
+
+
+def test_strata_are_never_mixed():
+    """2k- and 32k-context cells with the same ratio: resampled apart, the mix cannot move the ratio, so the
+    row is as tight as its cells; pooled into one cell, its width would follow the mix."""
+    short = shared_noise_pair(4, 8, 2e6, 5.0, shared=0.01)
+    long = shared_noise_pair(5, 8, 4.7e8, 5.0, shared=0.01)
+    strata = strata_of([short, long])
+    row, alone_short, alone_long = stats.estimate_rows(strata, [np.array([0, 1]), np.array([0]), np.array([1])])
+    assert row.high - row.low <= max(alone_short.high - alone_short.low, alone_long.high - alone_long.low)
+
+
+def test_seeded_and_independent_of_the_order_of_rows():
+    strata = strata_of(PAIRS)
+    first = stats.estimate_rows(strata, [np.array([0, 1, 2]), np.array([1])], seed=7)
+    again = stats.estimate_rows(strata_of([(b.copy(), c.copy()) for b, c in PAIRS]),
+                                [np.array([0, 1, 2]), np.array([1])], seed=7)
+    other = stats.estimate_rows(strata, [np.array([0, 1, 2]), np.array([1])], seed=8)
+    assert [(e.low, e.high) for e in first] == [(e.low, e.high) for e in again]  # identical floats
+    assert (first[0].low, first[0].high) != (other[0].low, other[0].high)
 
 
 def test_higher_confidence_nests_the_interval():
-    baseline, candidate = ARMS["float"]
-    narrow = stats.ratio_interval(baseline, candidate, confidence=0.8)
-    wide = stats.ratio_interval(baseline, candidate, confidence=0.99)
+    strata = strata_of(PAIRS)
+    narrow = stats.estimate_rows(strata, [np.array([0, 1, 2])], confidence=0.8)[0]
+    wide = stats.estimate_rows(strata, [np.array([0, 1, 2])], confidence=0.99)[0]
     assert wide.low < narrow.low < narrow.high < wide.high
 
 
-@pytest.mark.parametrize("arms", ARMS.values(), ids=ARMS.keys())
-def test_interval_width_matches_normal_theory(arms):
-    baseline, candidate = arms
-    r = stats.ratio_interval(baseline, candidate)
-    expected = normal_half_width(baseline.astype(float), candidate.astype(float), 0.95)
-    assert (r.high - r.low) / 2 == pytest.approx(expected, rel=0.15)
+@pytest.mark.parametrize("size", [2, 9, 300])
+def test_resampled_totals_have_the_unbiased_variance(size, monkeypatch):
+    """n - 1 draws scaled by n / (n - 1): mean n·x̄ and variance n·s² (ddof=1), the unbiased variance of
+    a total, where n draws would give n·s²·(n-1)/n. Chunks of seven rows leave a partial last chunk, so an
+    unfilled or misplaced row would show."""
+    base, cand = shared_noise_pair(6, size, 1e5, 1.3)
+    strata = strata_of([(base, cand)])
+    monkeypatch.setattr(stats, "_CHUNK_ELEMENTS", 7 * (size - 1))
+    unit = stats._units(strata, np.array([0]), np.array([0]))[0]
+    totals_b, totals_c = stats._resampled_totals(strata, [unit], size, 4000, np.random.default_rng(0))
+    assert totals_b.shape == totals_c.shape == (1, 4000)
+    sd = math.sqrt(size * np.var(base, ddof=1))
+    assert abs(totals_b.mean() - base.sum()) < 5 * sd / math.sqrt(4000)
+    assert totals_b.std(ddof=1) == pytest.approx(sd, rel=0.08)
+    assert np.corrcoef(totals_b[0], totals_c[0])[0, 1] > 0.9  # pairs drawn together
 
 
-@pytest.mark.parametrize(
-    "data",
-    [lognormal_ns(9, 500), np.random.default_rng(10).integers(0, 20, 4000)],
-    ids=["index-draws", "multinomial-counts"],
-)
-def test_resampled_means_have_bootstrap_moments(data, monkeypatch):
-    # Seven rows per chunk and 2000 resamples: the last chunk is partial, so an unfilled or
-    # misplaced row would show up as a wrong mean or spread.
-    n = data.size
-    distinct = np.unique(data).size
-    monkeypatch.setattr(stats, "_CHUNK_ELEMENTS", 7 * (distinct if distinct * 16 <= n else n))
-    means = stats._resample_means(data.astype(float), 2000, np.random.default_rng(0))
-    sd = data.std(ddof=0) / math.sqrt(n)  # exact sd of a bootstrap mean
-    assert means.shape == (2000,)
-    assert abs(means.mean() - data.mean()) < 4 * sd / math.sqrt(2000)
-    assert means.std(ddof=1) == pytest.approx(sd, rel=0.1)
+def test_large_units_take_the_normal_limit_with_the_same_interval():
+    strata = strata_of(PAIRS)
+    exact = stats.estimate_rows(strata, [np.array([0, 1, 2])], resamples=4000)[0]
+    limit = stats.estimate_rows(strata, [np.array([0, 1, 2])], resamples=4000, exact_calls=0)[0]
+    assert limit.ratio == exact.ratio
+    assert (limit.low, limit.high) == pytest.approx((exact.low, exact.high), rel=2e-3)
 
 
-def test_same_distribution_repeat_is_no_significant_change():
-    r = stats.ratio_interval(lognormal_ns(1, 200), lognormal_ns(2, 200))
-    assert r.low < 1 < r.high
-    assert stats.verdict(r) == stats.NO_CHANGE
+def test_million_call_cell():
+    # Realistic size (integer ns); runs through the normal limit. Runtime is reported, not asserted.
+    base, cand = shared_noise_pair(11, 1_000_000, 2e4, 1.01, shared=0.1)
+    base, cand = np.rint(base).astype(np.int64), np.rint(cand).astype(np.int64)
+    estimate = stats.estimate_rows(strata_of([(base, cand)]), [np.array([0])])[0]
+    assert estimate.low < estimate.ratio < estimate.high
+    assert (estimate.high - estimate.low) / 2 == pytest.approx(paired_half_width([(base, cand)], 0.95), rel=0.1)
 
 
-def test_same_distribution_repeats_are_calibrated():
-    results = [
-        stats.ratio_interval(lognormal_ns(2 * i, 200), lognormal_ns(2 * i + 1, 200), resamples=1000)
-        for i in range(200)
-    ]
-    coverage = np.mean([r.low <= 1.0 <= r.high for r in results])
-    assert 0.90 <= coverage <= 0.99
-    assert np.mean([stats.verdict(r) == stats.NO_CHANGE for r in results]) >= 0.9
+def test_single_call_strata_are_pooled_or_have_no_interval():
+    rng = np.random.default_rng(9)
+    singles = [(np.array([v]), np.array([v * 1.2 * rng.lognormal(0, 0.01)])) for v in rng.uniform(1e4, 1e6, 30)]
+    strata = strata_of(singles + [PAIRS[0]])
+    pooled, lone, mixed = stats.estimate_rows(strata, [np.arange(30), np.array([0]), np.array([0, 30])])
+    assert pooled.low < pooled.ratio < pooled.high and (pooled.strata, pooled.single_call_strata) == (30, 30)
+    assert (lone.low, lone.high, lone.resamples, lone.method) == (None, None, 0, stats.SINGLE_CALL)
+    assert lone.ratio == pytest.approx(singles[0][1][0] / singles[0][0][0])
+    assert mixed.low is not None and mixed.single_call_strata == 1
 
 
-def test_slower_candidate_is_regression():
-    r = stats.ratio_interval(lognormal_ns(1, 200), lognormal_ns(2, 200, scale=1.7))
-    assert 1.0 < r.low < r.ratio < r.high
-    assert stats.verdict(r) == stats.REGRESSION
-
-
-def test_faster_candidate_is_improvement():
-    r = stats.ratio_interval(lognormal_ns(1, 200), lognormal_ns(2, 200, scale=0.8))
-    assert r.low < r.ratio < r.high < 1.0
-    assert stats.verdict(r) == stats.IMPROVEMENT
-
-
-def test_million_call_arms():
-    # Realistic size and shape (integer ns, heavy ties). Runtime is reported, not asserted.
-    baseline = np.rint(lognormal_ns(11, 1_000_000, sigma=0.1)).astype(np.int64)
-    candidate = np.rint(lognormal_ns(12, 1_000_000, scale=1.01, sigma=0.1)).astype(np.int64)
-    r = stats.ratio_interval(baseline, candidate)
-    assert r.low < r.ratio < r.high
-    expected = normal_half_width(baseline.astype(float), candidate.astype(float), 0.95)
-    assert (r.high - r.low) / 2 == pytest.approx(expected, rel=0.1)
-
-
-@pytest.mark.parametrize(
-    "baseline,candidate",
-    [([100.0], [90.0, 110.0]), ([90.0, 110.0], [100.0]), ([100.0], [250.0])],
-    ids=["single-baseline", "single-candidate", "single-both"],
-)
-def test_single_call_has_no_interval(baseline, candidate):
-    r = stats.ratio_interval(baseline, candidate)
-    assert r.ratio == pytest.approx(np.mean(candidate) / np.mean(baseline))
-    assert (r.low, r.high, r.resamples, r.method) == (None, None, 0, stats.SINGLE_CALL)
-
-
-@pytest.mark.parametrize(
-    "baseline,candidate",
-    [([], [1.0, 2.0]), ([1.0, 2.0], []), ([0, 0, 0], [1, 2]), ([0], [5])],
-    ids=["empty-baseline", "empty-candidate", "zero-baseline-mean", "zero-single-baseline"],
-)
-def test_ratio_interval_rejects_undefined_ratios(baseline, candidate):
-    with pytest.raises(ValueError):
-        stats.ratio_interval(baseline, candidate)
+def test_repeated_runs_put_between_run_variance_in_the_interval():
+    """Two run pairs whose ratios differ by 4%: within each run the calls agree to 0.1%, so only the
+    hierarchical bootstrap (runs, then calls) covers both runs' ratios."""
+    first = shared_noise_pair(12, 64, 1e5, 2.0, own=0.001)
+    second = shared_noise_pair(13, 64, 1e5, 2.08, own=0.001)
+    strata = strata_of([first, second], runs=[0, 1], count=2)
+    both = stats.estimate_rows(strata, [np.array([0, 1])])[0]
+    alone = stats.estimate_rows(strata_of([first]), [np.array([0])])[0]
+    assert both.method == stats.HIERARCHICAL
+    assert both.run_ratios == pytest.approx((first[1].sum() / first[0].sum(), second[1].sum() / second[0].sum()))
+    assert both.low < min(both.run_ratios) and max(both.run_ratios) < both.high
+    assert alone.high - alone.low < (both.high - both.low) / 10
 
 
 @pytest.mark.parametrize("kwargs", [{"confidence": 1.0}, {"confidence": 0.0}, {"resamples": 0}])
-def test_ratio_interval_rejects_bad_parameters(kwargs):
+def test_estimate_rows_rejects_bad_parameters(kwargs):
     with pytest.raises(ValueError):
-        stats.ratio_interval([1.0, 2.0], [1.0, 2.0], **kwargs)
+        stats.estimate_rows(strata_of(PAIRS), [np.array([0])], **kwargs)
 
 
-# --- verdict ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("rows", [[np.array([3])], [np.array([0, 0])], [np.array([-1])]],
+                         ids=["unknown", "twice", "negative"])
+def test_estimate_rows_rejects_bad_rows(rows):
+    with pytest.raises(ValueError):
+        stats.estimate_rows(strata_of(PAIRS), rows)
 
 
-def interval(ratio: float, low: float | None, high: float | None) -> stats.RatioInterval:
+def test_rows_without_strata_or_baseline_time_have_no_estimate():
+    zero = (np.zeros(4), np.ones(4))
+    estimates = stats.estimate_rows(strata_of([PAIRS[0], zero]), [np.zeros(0, dtype=np.int64), np.array([1])])
+    assert estimates == [None, None]
+
+
+@pytest.mark.parametrize("make", [
+    lambda: stats.PairedStrata(np.ones(3), np.ones(2), np.array([0, 3]), np.array([0]), 1),
+    lambda: stats.PairedStrata(np.ones(3), np.ones(3), np.array([0, 2]), np.array([0]), 1),
+    lambda: stats.PairedStrata(np.ones(3), np.ones(3), np.array([0, 3, 3]), np.array([0, 0]), 1),
+    lambda: stats.PairedStrata(np.ones(3), np.ones(3), np.array([0, 3]), np.array([1]), 1),
+], ids=["lengths", "offsets-end", "empty-stratum", "run-out-of-range"])
+def test_paired_strata_reject_inconsistent_arrays(make):
+    with pytest.raises(ValueError):
+        make()
+
+
+@pytest.mark.parametrize("df", [1, 1.5, 2, 3, 7.5, 30, 400])
+def test_t_quantile(df):
+    assert stats._t_quantile(0.975, df) == pytest.approx(t_quantile(0.975, df), rel=1e-5)
+
+
+# --- verdicts ---------------------------------------------------------------------------------------------
+
+
+def estimate(ratio: float, low: float | None, high: float | None) -> stats.Estimate:
     method = stats.SINGLE_CALL if low is None else stats.BOOTSTRAP
-    return stats.RatioInterval(ratio, low, high, 0.95, 0 if low is None else 2000, method)
+    return stats.Estimate(ratio, low, high, 0.95, 0 if low is None else 2000, method, 1.0, None, None, ratio, None,
+                          None, (), 1, 0)
 
 
 @pytest.mark.parametrize(
-    "ratio,low,high,threshold,expected",
+    "ratio,low,high,threshold,drift,expected",
     [
-        (1.05, 1.03, 1.07, 0.02, stats.REGRESSION),
-        (0.90, 0.85, 0.95, 0.02, stats.IMPROVEMENT),
-        (1.01, 1.005, 1.015, 0.02, stats.NO_CHANGE),  # significant, inside the band
-        (1.01, 1.005, 1.015, 0.0, stats.REGRESSION),  # same, with no band
-        (0.99, 0.985, 0.995, 0.02, stats.NO_CHANGE),
-        (1.10, 0.98, 1.22, 0.02, stats.NO_CHANGE),  # large but not significant
-        (0.90, 0.78, 1.02, 0.02, stats.NO_CHANGE),
-        (1.05, 1.00, 1.10, 0.02, stats.NO_CHANGE),  # touching 1 does not exclude it
-        (1.01, None, None, 0.02, stats.NO_CHANGE),  # single call, inside the band
-        (2.50, None, None, 0.02, stats.INSUFFICIENT_DATA),
-        (0.50, None, None, 0.02, stats.INSUFFICIENT_DATA),
+        (1.05, 1.03, 1.07, 0.02, 0.0, stats.REGRESSION),
+        (0.90, 0.85, 0.95, 0.02, 0.0, stats.IMPROVEMENT),
+        (1.01, 1.005, 1.015, 0.02, 0.0, stats.NO_CHANGE),  # significant, inside the band
+        (1.01, 1.005, 1.015, 0.0, 0.0, stats.REGRESSION),  # same, with no band
+        (0.99, 0.985, 0.995, 0.02, 0.0, stats.NO_CHANGE),
+        (1.10, 0.98, 1.22, 0.02, 0.0, stats.NO_CHANGE),  # large but not significant
+        (0.90, 0.78, 1.02, 0.02, 0.0, stats.NO_CHANGE),
+        (1.05, 1.00, 1.10, 0.02, 0.0, stats.NO_CHANGE),  # touching 1 does not exclude it
+        (0.974, 0.971, 0.977, 0.02, 0.0, stats.IMPROVEMENT),
+        (0.974, 0.971, 0.977, 0.02, 0.032, stats.NO_CHANGE),  # within what drift moves
+        (1.05, 1.04, 1.06, 0.02, 0.032, stats.REGRESSION),  # beyond it
+        (1.05, 1.03, 1.07, 0.02, 0.032, stats.NO_CHANGE),  # reaching into it
+        (1.01, None, None, 0.02, 0.0, stats.NO_CHANGE),  # single call, inside the band
+        (2.50, None, None, 0.02, 0.0, stats.INSUFFICIENT_DATA),
+        (0.50, None, None, 0.02, 0.0, stats.INSUFFICIENT_DATA),
     ],
 )
-def test_verdict_rule(ratio, low, high, threshold, expected):
-    assert stats.verdict(interval(ratio, low, high), threshold=threshold) == expected
+def test_verdict_rule(ratio, low, high, threshold, drift, expected):
+    assert stats.verdict(estimate(ratio, low, high), threshold=threshold, drift=drift) == expected
 
 
 def test_verdicts_are_distinct():
-    names = {stats.REGRESSION, stats.IMPROVEMENT, stats.NO_CHANGE, stats.INSUFFICIENT_DATA}
-    assert len(names) == 4
+    names = {stats.REGRESSION, stats.IMPROVEMENT, stats.NO_CHANGE, stats.INSUFFICIENT_DATA, stats.NOT_COMPARABLE,
+             stats.DIFFERENT_WORK}
+    assert len(names) == 6
+    assert stats.UNMEASURED == {stats.INSUFFICIENT_DATA, stats.NOT_COMPARABLE, stats.DIFFERENT_WORK}
 
 
-@pytest.mark.parametrize("threshold", [-0.01, 1.0])
-def test_verdict_rejects_bad_threshold(threshold):
+@pytest.mark.parametrize("kwargs", [{"threshold": -0.01}, {"threshold": 1.0}, {"drift": -0.1}, {"drift": 1.0}])
+def test_verdict_rejects_bad_bands(kwargs):
     with pytest.raises(ValueError):
-        stats.verdict(interval(1.0, 0.9, 1.1), threshold=threshold)
-
-
-# --- share and delta_attribution ----------------------------------------------------------------
-
-
-def test_share():
-    assert stats.share(3.0, 12.0) == 0.25
-    assert stats.share(0.0, 5.0) == 0.0
-    assert stats.share(1.0, 0.0) is None
-
-
-def test_delta_attribution_mixed_signs_sums_to_one():
-    deltas = {"attention": 30.0, "gemm": -10.0, "quantize": 5.0}
-    fractions = stats.delta_attribution(deltas)
-    total = sum(deltas.values())
-    assert fractions == {k: pytest.approx(v / total) for k, v in deltas.items()}
-    assert math.fsum(fractions.values()) == pytest.approx(1.0)
-    assert fractions["attention"] > 1.0 and fractions["gemm"] < 0.0
+        stats.verdict(estimate(1.0, 0.9, 1.1), **kwargs)
 
 
 @pytest.mark.parametrize(
-    "deltas",
-    [{"a": 5.0, "b": -5.0}, {"a": 1e16, "b": 1.0, "c": -1e16, "d": -1.0}],
-    ids=["cancel", "cancel-beyond-float-summation"],
+    "paired_delta,unpaired_delta,expected",
+    [(100.0, 0.0, (stats.REGRESSION, None)),
+     (100.0, 99.0, (stats.REGRESSION, None)),
+     (100.0, -101.0, (stats.DIFFERENT_WORK, stats.REGRESSION)),  # offsetting unpaired work still dominates
+     (1.0, 350.0, (stats.DIFFERENT_WORK, stats.REGRESSION))],
 )
-def test_delta_attribution_zero_net_change_is_none(deltas):
-    assert stats.delta_attribution(deltas) == dict.fromkeys(deltas)
+def test_different_work_is_never_a_plain_verdict(paired_delta, unpaired_delta, expected):
+    found = stats.row_verdict(estimate(1.05, 1.03, 1.07), threshold=0.02, drift=0.0, paired_delta=paired_delta,
+                              unpaired_delta=unpaired_delta)
+    assert found == expected
 
 
-def test_delta_attribution_empty():
-    assert stats.delta_attribution({}) == {}
+def test_no_pairs_is_not_comparable():
+    assert stats.row_verdict(None, threshold=0.02, drift=0.0, paired_delta=0, unpaired_delta=5) == \
+        (stats.NOT_COMPARABLE, None)
+
+
+def test_unpaired_share_stays_within_zero_and_one():
+    assert stats.unpaired_share(-40.0, -354.0) == pytest.approx(354 / 394)
+    assert stats.unpaired_share(100.0, -100.0) == pytest.approx(0.5)
+    assert stats.unpaired_share(0.0, 0.0) is None
+
+
+def test_drift_band_is_the_largest_sure_move():
+    intervals = [(0.964, 0.968), (0.98, 1.01), (1.004, 1.02), (None, None), (0.97, 0.99)]
+    band, widest = stats.drift_band(intervals)
+    assert band == pytest.approx(0.032) and widest == 0
+    assert stats.drift_band([(0.99, 1.01), (None, None)]) == (0.0, None)
+    assert stats.drift_band([]) == (0.0, None)
+
+
+def test_same_work():
+    assert stats.same_work([np.array([170.7, 172.1, 171.7]), np.array([171.1, 171.3])])
+    assert not stats.same_work([np.array([2.08e6, 30.1e6, 468e6])])
+    assert not stats.same_work([np.array([100.0]), np.array([100.0, 111.0])])
+    assert stats.same_work([np.array([100.0, 110.0]), np.zeros(0)])
+
+
+# --- ratios and shares --------------------------------------------------------------------------------------
+
+
+def test_share_and_ratio():
+    assert stats.share(3.0, 12.0) == 0.25
+    assert stats.share(0.0, 5.0) == 0.0
+    assert stats.share(1.0, 0.0) is None
+    assert stats.ratio(4.0, 5.0) == 1.25
+    assert stats.ratio(0.0, 5.0) is None and stats.ratio(None, 5.0) is None and stats.ratio(4.0, None) is None
+
+
+def test_abs_shares_stay_within_zero_and_one_and_sum_to_one():
+    deltas = [11.45e6, -9.34e6, -2.22e6, 1.64e6, 1.59e6]  # signed shares of these reach 398% and -325%
+    shares = stats.abs_shares(deltas)
+    assert all(0.0 <= s <= 1.0 for s in shares)
+    assert math.fsum(shares) == pytest.approx(1.0)
+    assert shares[0] == pytest.approx(11.45e6 / sum(abs(d) for d in deltas))
+
+
+@pytest.mark.parametrize("deltas", [[0.0, 0.0], []], ids=["no-change", "empty"])
+def test_abs_shares_without_change_are_none(deltas):
+    assert stats.abs_shares(deltas) == [None] * len(deltas)

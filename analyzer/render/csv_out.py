@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
-import csv
 import io
 
 from kvtrace.analyzer.compare import Diff, KernelList, Summary
+from kvtrace.analyzer.render.escape import csv_writer
 
 STAT_FIELDS = ("calls", "total_ns", "mean_ns", "median_ns", "p90_ns", "p99_ns", "min_ns", "max_ns", "cv", "share")
+# A diff row per line; every name is unique and documented in docs/json-schema.md. *_window_* count all calls
+# in the window; *_stats_* describe the compared calls (all calls of the window when the row is not comparable).
+DIFF_STAT_FIELDS = ("calls", "total_ns", "total_low_ns", "total_high_ns", "mean_ns", "median_ns", "p90_ns", "p99_ns",
+                    "min_ns", "max_ns", "cv", "share")
+DIFF_COLUMNS = ("level", "segment", "phase", "family_label", "family", "kv_independent", "baseline_window_calls",
+                "candidate_window_calls", "baseline_window_total_ns", "candidate_window_total_ns", "compared_calls",
+                "cells", "single_call_cells", "same_work", *(f"baseline_stats_{f}" for f in DIFF_STAT_FIELDS),
+                *(f"candidate_stats_{f}" for f in DIFF_STAT_FIELDS), "ratio", "ci_low", "ci_high", "verdict",
+                "paired_verdict", "note", "reason", "total_delta_ns", "paired_delta_ns", "unpaired_share",
+                "abs_delta_share", "run_ratios", "baseline_kv_dtypes", "candidate_kv_dtypes")
 
 
 def render(result: Summary | Diff | KernelList) -> str:
@@ -16,7 +26,7 @@ def render(result: Summary | Diff | KernelList) -> str:
 
         return report_tables.csv_text(result)
     buffer = io.StringIO()
-    writer = csv.writer(buffer, lineterminator="\n")
+    writer = csv_writer(buffer)
     if isinstance(result, KernelList):
         columns = list(result.rows[0]) if result.rows else ["segment", "demangled"]
         writer.writerow(columns)
@@ -26,25 +36,21 @@ def render(result: Summary | Diff | KernelList) -> str:
         for level, rows in (("segment", result.segments), ("family", result.families)):
             for row in rows:
                 writer.writerow([level, row.segment, row.family_label or "", row.family or "",
-                                 *(getattr(row.stats, f) for f in STAT_FIELDS), " ".join(row.kv_dtypes)])
+                                 *(_blank(getattr(row.stats, f)) for f in STAT_FIELDS), " ".join(row.kv_dtypes)])
     else:
-        # baseline_*/candidate_* statistics describe the compared (paired) calls; *_calls and *_total_ns all
-        # calls in the window.
-        writer.writerow(["level", "segment", "phase", "family_label", "family", "baseline_calls", "candidate_calls",
-                         "compared_calls", "baseline_total_ns", "candidate_total_ns",
-                         *(f"baseline_{f}" for f in STAT_FIELDS), *(f"candidate_{f}" for f in STAT_FIELDS),
-                         "ratio", "ci_low", "ci_high", "verdict", "note", "reason", "total_delta_ns", "delta_share",
-                         "baseline_kv_dtypes", "candidate_kv_dtypes"])
+        writer.writerow(DIFF_COLUMNS)
         for level, rows in (("segment", result.segments), ("phase", result.phases), ("family", result.families)):
             for row in rows:
                 writer.writerow([
-                    level, row.segment, row.phase or "", row.family_label or "", row.family or "",
-                    row.baseline_calls, row.candidate_calls, row.compared_calls, row.baseline_total_ns,
-                    row.candidate_total_ns,
-                    *(getattr(row.baseline, f) if row.baseline else "" for f in STAT_FIELDS),
-                    *(getattr(row.candidate, f) if row.candidate else "" for f in STAT_FIELDS),
-                    _blank(row.ratio), _blank(row.ci_low), _blank(row.ci_high), row.verdict, row.note or "",
-                    row.reason or "", row.total_delta_ns, _blank(row.delta_share),
+                    level, row.segment, row.phase or "", row.family_label or "", row.family or "", row.kv_independent,
+                    row.baseline_calls, row.candidate_calls, row.baseline_total_ns, row.candidate_total_ns,
+                    row.compared_calls, row.cells, row.single_call_cells, row.same_work,
+                    *(_blank(getattr(row.baseline, f)) if row.baseline else "" for f in DIFF_STAT_FIELDS),
+                    *(_blank(getattr(row.candidate, f)) if row.candidate else "" for f in DIFF_STAT_FIELDS),
+                    _blank(row.ratio), _blank(row.ci_low), _blank(row.ci_high), row.verdict,
+                    row.paired_verdict or "", row.note or "", row.reason or "", row.total_delta_ns,
+                    row.paired_delta_ns, _blank(row.unpaired_share), _blank(row.abs_delta_share),
+                    " ".join(f"{r:.6g}" if r is not None else "" for r in row.run_ratios),
                     " ".join(row.baseline_kv_dtypes), " ".join(row.candidate_kv_dtypes)])
     return buffer.getvalue()
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvtrace.analyzer.compare import Arm, Diff, DiffRow, KernelList, Summary
-from kvtrace.analyzer.render.units import (MARK, calls, duration, interval, markdown_table, numbered_notes, percent,
-                                          ratio, signed_duration)
+from kvtrace.analyzer.render.escape import md_code, md_text, visible
+from kvtrace.analyzer.render.units import (MARK, arm_time, calls, duration, interval, markdown_table, numbered_notes,
+                                          per_call, percent, ratio, run_ratios, signed_duration)
 
 
 def render(result: Summary | Diff | KernelList) -> str:
@@ -21,10 +22,10 @@ def render(result: Summary | Diff | KernelList) -> str:
 
 def _kernels(kernels: KernelList) -> str:
     what = "Unclassified kernels" if kernels.only_unclassified else "Kernels"
-    lines = [f"## {what}: {kernels.arm.label}", ""]
+    lines = [f"## {what}: {md_text(kernels.arm.label)}", ""]
     lines += markdown_table(["segment", "calls", "total", "share", "mean", "recipe", "kernel"],
                     [[r["segment"], f"{r['calls']:,}", duration(r["total_ns"]), percent(r["share"]),
-                      duration(r["mean_ns"]), r["recipe"] or "–", f"`{r['demangled']}`"] for r in kernels.rows])
+                      duration(r["mean_ns"]), r["recipe"] or "–", md_code(r["demangled"])] for r in kernels.rows])
     return "\n".join(lines + ["", _footer(kernels.kvtrace_version, kernels.recipes)]) + "\n"
 
 
@@ -34,41 +35,44 @@ def _environment(arms: list[Arm]) -> list[str]:
         for g in arm.info.gpus:
             extras = [f"{g.sm_count} SMs" if g.sm_count else None,
                       f"SM {g.compute_capability}" if g.compute_capability else None]
-            parts.append(g.name + (f" ({', '.join(e for e in extras if e)})" if any(extras) else ""))
+            parts.append(md_text(g.name) + (f" ({', '.join(e for e in extras if e)})" if any(extras) else ""))
         return "; ".join(parts) or "unknown"
 
     fields = [
-        ("file", lambda a: f"`{Path(a.info.source).name}`"),
+        ("file", lambda a: md_code(Path(a.info.source).name)),
         ("GPU", gpu),
-        ("driver", lambda a: a.info.driver_version or "–"),
-        ("Nsight Systems", lambda a: f"{a.info.product_version or '?'} (schema {a.info.schema_version or '?'})"),
+        ("driver", lambda a: md_text(a.info.driver_version or "–")),
+        ("Nsight Systems",
+         lambda a: md_text(f"{a.info.product_version or '?'} (schema {a.info.schema_version or '?'})")),
         ("CUDA graph trace", lambda a: a.info.graph_trace_mode or "not recorded"),
         ("kernels", lambda a: f"{a.info.kernel_count:,}"),
         ("kernel span", lambda a: duration(a.info.kernel_span_ns)),
         ("GPU kernel time", lambda a: duration(a.total_ns)),
         ("KV dtype (from kernel names)", lambda a: ", ".join(a.kv_dtypes) or "none detected"),
     ]
-    return markdown_table([""] + [a.label for a in arms], [[name] + [fn(a) for a in arms] for name, fn in fields])
+    return markdown_table([""] + [md_text(a.label) for a in arms],
+                          [[name] + [fn(a) for a in arms] for name, fn in fields])
 
 
 def _summary(summary: Summary) -> str:
     arm = summary.arm
-    lines = [f"## kvtrace summary: {arm.label}", "",
-             f"{arm.info.kernel_count:,} kernels, {duration(arm.total_ns)} of GPU kernel time.", "",
-             "### Segments", ""]
-    lines += markdown_table(["segment", "calls", "total", "share", "mean", "median", "p90", "KV dtype"],
+    lines = [f"## kvtrace summary: {md_text(arm.label)}", "",
+             f"{arm.info.kernel_count:,} kernels, {duration(arm.total_ns)} of GPU kernel time. Per-call statistics "
+             "appear only where a row's cells (kernel × NVTX range) cost the same per call; rows over cells of "
+             "different cost say \"mixed\" (their total is beside it).", "", "### Segments", ""]
+    lines += markdown_table(["segment", "calls", "total", "share", "per call", "median", "p90", "KV dtype"],
                     [[r.segment, f"{r.stats.calls:,}", duration(r.stats.total_ns), percent(r.stats.share),
-                      duration(r.stats.mean_ns), duration(r.stats.median_ns), duration(r.stats.p90_ns),
+                      per_call(r.stats, r.cells), duration(r.stats.median_ns), duration(r.stats.p90_ns),
                       ", ".join(r.kv_dtypes) or "–"] for r in summary.segments])
     lines += ["", "### Kernel families", ""]
-    lines += markdown_table(["segment", "family", "calls", "total", "share", "mean", "median", "p90", "KV dtype"],
-                    [[r.segment, f"`{r.family_label}`", f"{r.stats.calls:,}", duration(r.stats.total_ns),
-                      percent(r.stats.share), duration(r.stats.mean_ns), duration(r.stats.median_ns),
+    lines += markdown_table(["segment", "family", "calls", "total", "share", "per call", "median", "p90", "KV dtype"],
+                    [[r.segment, md_code(r.family_label), f"{r.stats.calls:,}", duration(r.stats.total_ns),
+                      percent(r.stats.share), per_call(r.stats, r.cells), duration(r.stats.median_ns),
                       duration(r.stats.p90_ns), ", ".join(r.kv_dtypes) or "–"] for r in summary.families])
     lines += ["", "### Environment", ""] + _environment([arm])
     lines += ["", "<details><summary>Kernel names per segment</summary>", ""]
     for r in summary.segments:
-        lines += [f"**{r.segment}**", ""] + [f"- `{name}`" for name in r.names] + [""]
+        lines += [f"**{r.segment}**", ""] + [f"- {md_code(name)}" for name in r.names] + [""]
     lines += ["</details>", "", _footer(summary.kvtrace_version, summary.recipes)]
     return "\n".join(lines) + "\n"
 
@@ -77,45 +81,53 @@ def _diff_table(first: list[str], rows: list[DiffRow], lead, diff: Diff) -> list
     """A diff table whose verdict cells point to numbered notes below it (pairing notes, reasons)."""
     b, c = diff.baseline, diff.candidate
     confidence = f"{100 * diff.confidence:.0f}%"
-    header = first + [f"calls {b.label}", f"calls {c.label}", f"mean {b.label}", f"mean {c.label}", "ratio",
-                      f"{confidence} CI", "verdict", "Δ total", "share of Δ"]
+    labels = md_text(b.label), md_text(c.label)
+    header = first + [f"calls {labels[0]}", f"calls {labels[1]}", f"time {labels[0]}", f"time {labels[1]}", "ratio",
+                      f"{confidence} CI"] + (["runs"] if diff.runs > 1 else []) + ["verdict", "Δ total",
+                                                                                  "share of |Δ|"]
     verdicts, notes = numbered_notes(rows)
-    body = [lead(r) + [*calls(r), duration(r.baseline.mean_ns if r.baseline else None),
-                       duration(r.candidate.mean_ns if r.candidate else None), ratio(r.ratio),
-                       interval(r.ci_low, r.ci_high), verdict, signed_duration(r.total_delta_ns),
-                       percent(r.delta_share)]
+    body = [lead(r) + [*calls(r), arm_time(r.baseline, r.cells), arm_time(r.candidate, r.cells), ratio(r.ratio),
+                       interval(r.ci_low, r.ci_high)] + ([run_ratios(r.run_ratios)] if diff.runs > 1 else [])
+            + [verdict, signed_duration(r.total_delta_ns), percent(r.abs_delta_share)]
             for r, verdict in zip(rows, verdicts)]
     lines = markdown_table(header, body)
     if notes:
-        lines += [""] + [f"{i}. {text}" for i, text in enumerate(notes, 1)]
+        lines += [""] + [f"{i}. {visible(text)}" for i, text in enumerate(notes, 1)]
     return lines
 
 
 def _diff(diff: Diff) -> str:
     b, c = diff.baseline, diff.candidate
     confidence = f"{100 * diff.confidence:.0f}%"
-    lines = [f"## kvtrace diff: {b.label} → {c.label}", "",
-             f"Baseline **{b.label}**, candidate **{c.label}**. Ratio = candidate / baseline mean time per call "
-             f"over the calls both arms ran (paired per kernel family, launch shape and NVTX range); "
-             f"{confidence} bootstrap interval; a change inside ±{100 * diff.threshold:g}% or an interval that "
-             "includes 1 is \"no significant change\". Rows whose arms did different work say \"not comparable\" "
-             "instead of a verdict.", "",
+    labels = md_text(b.label), md_text(c.label)
+    runs = (f" over {diff.runs} runs per arm (r1 with r1, …); the interval resamples run pairs, then call pairs "
+            "within each run" if diff.runs > 1 else "")
+    lines = [f"## kvtrace diff: {labels[0]} → {labels[1]}", "",
+             f"Baseline **{labels[0]}**, candidate **{labels[1]}**. Ratio = candidate / baseline GPU time summed over "
+             f"the calls both arms ran, paired call for call per kernel family, launch shape and NVTX range{runs}; "
+             f"{confidence} bootstrap interval that resamples the pairs inside each such cell (docs/statistics.md). "
+             f"A ratio within ±{100 * diff.threshold:g}% of 1, or whose interval "
+             + (f"reaches 1 ± {100 * diff.drift.band:.1f}% (how far kernels the KV format cannot affect surely "
+                "moved between the runs)" if diff.drift and diff.drift.band else "includes 1")
+             + ", is \"no significant change\". \"time\" is per call where a row's cells cost the same per "
+             "call, else the row's total. Rows whose arms did different work say \"not comparable\" or "
+             "\"different work\" instead of a verdict.", "",
              f"Total GPU kernel time: {duration(b.total_ns)} → {duration(c.total_ns)} ({ratio(diff.total_ratio)}).",
              "", "### Comparability", ""]
-    lines += [f"- {MARK[f.level]} {f.message}" for f in diff.findings]
+    lines += [f"- {MARK[f.level]} {visible(f.message)}" for f in diff.findings]
     lines += ["", "### Segments", ""]
     lines += _diff_table(["segment"], diff.segments, lambda r: [r.segment], diff)
     if diff.phases:
         lines += ["", "### Segments by phase (NVTX range)", ""]
-        lines += _diff_table(["segment", "phase"], diff.phases, lambda r: [r.segment, f"`{r.phase}`"], diff)
+        lines += _diff_table(["segment", "phase"], diff.phases, lambda r: [r.segment, md_code(r.phase)], diff)
     lines += ["", "### Kernel families", ""]
-    lines += _diff_table(["segment", "family"], diff.families, lambda r: [r.segment, f"`{r.family_label}`"], diff)
+    lines += _diff_table(["segment", "family"], diff.families, lambda r: [r.segment, md_code(r.family_label)], diff)
     lines += ["", "### Environment", ""] + _environment([b, c])
     lines += ["", "<details><summary>Kernel names per segment</summary>", ""]
     for r in diff.segments:
         lines += [f"**{r.segment}**", ""]
-        lines += [f"- {b.label}: `{name}`" for name in r.baseline_names]
-        lines += [f"- {c.label}: `{name}`" for name in r.candidate_names] + [""]
+        lines += [f"- {labels[0]}: {md_code(name)}" for name in r.baseline_names]
+        lines += [f"- {labels[1]}: {md_code(name)}" for name in r.candidate_names] + [""]
     lines += ["</details>", "", _footer(diff.kvtrace_version, diff.recipes)]
     return "\n".join(lines) + "\n"
 

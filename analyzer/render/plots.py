@@ -1,6 +1,6 @@
 """Plots of a serving report (matplotlib, Agg, no pyplot state): readable without the text.
 
-- segment-means: per-call mean of each segment for both arms, with the report's interval of each mean;
+- segment-times: GPU time of each segment's paired calls for both arms, with the bootstrap interval of each;
 - segment-ratios: candidate / baseline per segment with its bootstrap interval and the no-change band;
 - ecdf: cumulative distribution of per-call durations of prefill and decode attention, both arms;
 - bandwidth: achieved KV bandwidth per workload phase against the GPU's HBM ceiling (FlashInfer runs);
@@ -13,8 +13,8 @@ module imports matplotlib, so only the plotting path imports it (never `kvtrace 
 
 from __future__ import annotations
 
+import io
 import os
-import tempfile
 from pathlib import Path
 
 import matplotlib
@@ -23,6 +23,7 @@ matplotlib.use("Agg", force=False)  # no display; harmless when a backend is alr
 from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
+from kvtrace import files  # noqa: E402
 from kvtrace.analyzer import stats  # noqa: E402
 from kvtrace.analyzer.report import PlotFile, Report  # noqa: E402
 from kvtrace.errors import KvtraceError  # noqa: E402
@@ -44,8 +45,8 @@ def _labels(report: Report) -> tuple[str, str]:
     return report.baseline.label, report.candidate.label
 
 
-def segment_means_figure(report: Report) -> Figure | None:
-    rows = [r for r in report.segment_means if r.baseline_mean_ns or r.candidate_mean_ns]
+def segment_times_figure(report: Report) -> Figure | None:
+    rows = [r for r in report.segment_times if r.baseline_total_ns or r.candidate_total_ns]
     if not rows:
         return None
     figure = _figure(8, 0.55 * len(rows) + 1.8)
@@ -55,32 +56,32 @@ def segment_means_figure(report: Report) -> Figure | None:
     confidence = f"{100 * report.diff.confidence:.0f}%"
     for index, (side, color) in enumerate(zip(("baseline", "candidate"), _COLORS)):
         label = _labels(report)[index]
-        means = [getattr(r, f"{side}_mean_ns") or 0.0 for r in rows]
+        totals = [getattr(r, f"{side}_total_ns") or 0.0 for r in rows]
         lows = [getattr(r, f"{side}_ci_low") for r in rows]
         highs = [getattr(r, f"{side}_ci_high") for r in rows]
-        errors = [[m - lo if lo is not None else 0.0 for m, lo in zip(means, lows)],
-                  [hi - m if hi is not None else 0.0 for m, hi in zip(means, highs)]]
+        errors = [[m - lo if lo is not None else 0.0 for m, lo in zip(totals, lows)],
+                  [hi - m if hi is not None else 0.0 for m, hi in zip(totals, highs)]]
         offset = [p + (index - 0.5) * height for p in positions]
-        bars = ax.barh(offset, [m / 1e3 for m in means], height=height, color=color, label=label,
-                       xerr=[[e / 1e3 for e in errors[0]], [e / 1e3 for e in errors[1]]], capsize=3,
+        bars = ax.barh(offset, [m / 1e6 for m in totals], height=height, color=color, label=label,
+                       xerr=[[e / 1e6 for e in errors[0]], [e / 1e6 for e in errors[1]]], capsize=3,
                        error_kw={"elinewidth": 1})
         for patch, row in zip(bars.patches, rows):
-            patch.set_gid(f"means-{side}-{row.segment}")
+            patch.set_gid(f"times-{side}-{row.segment}")
     ax.set_yticks(positions, [r.segment for r in rows])
     ax.invert_yaxis()
     ax.set_xscale("log")
-    ax.set_xlabel(f"mean time per call (µs, log scale); whiskers: {confidence} interval of the mean")
-    ax.set_title(f"Per-call mean per segment: {_labels(report)[0]} vs {_labels(report)[1]}")
+    ax.set_xlabel(f"GPU time of the paired calls (ms, log scale); whiskers: {confidence} bootstrap interval")
+    ax.set_title(f"Paired time per segment: {_labels(report)[0]} vs {_labels(report)[1]}")
     ax.legend(loc="lower right")
     ax.grid(axis="x", which="both", alpha=0.3)
     return figure
 
 
 def segment_ratios_figure(report: Report) -> Figure | None:
-    rows = [r for r in report.segment_means if r.ratio is not None]
+    rows = [r for r in report.segment_times if r.ratio is not None]
     if not rows:
         return None
-    threshold = report.diff.threshold
+    threshold = report.diff.band  # the threshold, widened to the measured drift
     figure = _figure(8, 0.5 * len(rows) + 1.8)
     ax = figure.add_subplot()
     positions = list(range(len(rows)))
@@ -101,7 +102,7 @@ def segment_ratios_figure(report: Report) -> Figure | None:
     ax.set_yticks(positions, [r.segment for r in rows])
     ax.invert_yaxis()
     ax.set_xscale("log")
-    ax.set_xlabel(f"{_labels(report)[1]} / {_labels(report)[0]} mean time per call (log scale; >1 = slower); "
+    ax.set_xlabel(f"{_labels(report)[1]} / {_labels(report)[0]} paired GPU time (log scale; >1 = slower); "
                   f"whiskers: {100 * report.diff.confidence:.0f}% bootstrap interval")
     ax.set_title("Ratio per segment")
     ax.legend(loc="best", fontsize=8)
@@ -211,7 +212,7 @@ def _stat(latency) -> float | None:
     return latency.p50 if latency.p50 is not None else latency.mean
 
 
-PLOTS = (("segment-means", "Per-call mean per segment, both arms, with intervals", segment_means_figure),
+PLOTS = (("segment-times", "Paired GPU time per segment, both arms, with intervals", segment_times_figure),
          ("segment-ratios", "Ratio per segment with the no-change band", segment_ratios_figure),
          ("ecdf", "Per-call duration distributions (ECDF) of prefill and decode attention", ecdf_figure),
          ("bandwidth", "Achieved KV bandwidth per phase against the HBM ceiling", bandwidth_figure),
@@ -255,15 +256,7 @@ def write_plots(report: Report, folder: Path, fmt: str = "png", link_base: Path 
 def _save(figure: Figure, path: Path, fmt: str) -> None:
     """Atomic, and reproducible: no creation date in the file; SVG text stays text (searchable)."""
     metadata = {"Date": None} if fmt == "svg" else {"Software": None}
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": "kvtrace"}):
-            figure.savefig(tmp, format=fmt, dpi=110, metadata=metadata)
-        mask = os.umask(0)
-        os.umask(mask)
-        os.chmod(tmp, 0o666 & ~mask)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    image = io.BytesIO()
+    with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": "kvtrace"}):
+        figure.savefig(image, format=fmt, dpi=110, metadata=metadata)
+    files.write(path, image.getvalue())

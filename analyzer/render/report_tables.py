@@ -6,7 +6,6 @@ tables below only pick and format its fields. markdown.py, terminal.py and csv_o
 
 from __future__ import annotations
 
-import csv
 import io
 from dataclasses import asdict, fields
 
@@ -14,9 +13,9 @@ from rich.console import Console
 from rich.table import Table
 
 from kvtrace.analyzer.capacity import Capacity
+from kvtrace.analyzer.render.escape import csv_writer, md_code, md_text, rich, visible
 from kvtrace.analyzer.render.units import LEVEL, MARK, duration, markdown_table, percent, ratio
 from kvtrace.analyzer.report import Latency, Report, ServingMetrics
-
 
 
 # ---- cell formatting -----------------------------------------------------------------------------------
@@ -75,10 +74,6 @@ def _per_s(value) -> str:
     return "–" if value is None else f"{value:,.0f}/s"
 
 
-def _ratio_of(b, c) -> str:
-    return ratio(c / b) if b and c is not None else "–"
-
-
 # ---- table models shared by markdown and terminal ----------------------------------------------------
 
 def _serving_point_table(report: Report) -> tuple[list[str], list[list[str]]]:
@@ -103,15 +98,15 @@ def _serving_point_table(report: Report) -> tuple[list[str], list[list[str]]]:
             vb, vc = lat(name, stat)
             if vb is None and vc is None:
                 continue
-            rows.append([f"{title} {stat}", _ms(vb), _ms(vc), _ratio_of(vb, vc)])
+            rows.append([f"{title} {stat}", _ms(vb), _ms(vc), ratio(row.ratios.get(f"{name}.{stat}"))])
         if name == "ttft_ms":  # cached prompt tokens belong beside TTFT: they are prefill that did not run
             rows.append(["cached prompt tokens", _cached(b), _cached(c), ""])
             rows.append(["prefix-cache hit rate", percent(get(b, "prefix_hit_rate")),
                          percent(get(c, "prefix_hit_rate")), ""])
     rows += [["input tokens/s", _per_s(get(b, "input_tokens_per_s")), _per_s(get(c, "input_tokens_per_s")),
-              _ratio_of(get(b, "input_tokens_per_s"), get(c, "input_tokens_per_s"))],
+              ratio(row.ratios.get("input_tokens_per_s"))],
              ["output tokens/s", _per_s(get(b, "output_tokens_per_s")), _per_s(get(c, "output_tokens_per_s")),
-              _ratio_of(get(b, "output_tokens_per_s"), get(c, "output_tokens_per_s"))],
+              ratio(row.ratios.get("output_tokens_per_s"))],
              ["preemptions", _count(get(b, "preemptions")), _count(get(c, "preemptions")), ""],
              ["peak running requests", _count(get(b, "peak_running")), _count(get(c, "peak_running")), ""],
              ["peak KV-cache usage", percent(get(b, "peak_kv_usage")), percent(get(c, "peak_kv_usage")), ""],
@@ -226,10 +221,11 @@ def markdown(result) -> str:
 
 
 def _capacity_markdown(cap: Capacity, level: str = "##") -> str:
-    lines = [f"{level} kvtrace capacity" + (f": {cap.run}" if cap.run else ""), "", _capacity_lead(cap), ""]
+    lines = [f"{level} kvtrace capacity" + (f": {visible(cap.run)}" if cap.run else ""), "",
+             visible(_capacity_lead(cap)), ""]
     for title, header, rows in _capacity_tables(cap):
         lines += [f"{level}# {title}", ""] + markdown_table(header, rows) + [""]
-    lines += [f"- {note}" for note in cap.notes]
+    lines += [f"- {visible(note)}" for note in cap.notes]
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -237,16 +233,18 @@ def _report_markdown(report: Report) -> str:
     from kvtrace.analyzer.render import markdown as diff_markdown
 
     b, c = report.baseline, report.candidate
-    lines = [f"## kvtrace report: {b.label} → {c.label}", "",
-             f"Baseline **{b.label}** (arm `{b.arm}` of `{b.run}`, {b.engine} engine"
-             + (f", {b.scenario}" if b.scenario else "") + f"), candidate **{c.label}** (arm `{c.arm}` of `{c.run}`"
-             + (f", {c.engine} engine" if c.engine != b.engine else "") + "). Kernel numbers are per call over the "
+    labels = md_text(b.label), md_text(c.label)
+    lines = [f"## kvtrace report: {labels[0]} → {labels[1]}", "",
+             f"Baseline **{labels[0]}** (arm {md_code(b.arm)} of {md_code(b.run)}, {md_text(b.engine)} engine"
+             + (f", {md_text(b.scenario)}" if b.scenario else "") + f"), candidate **{labels[1]}** (arm "
+             f"{md_code(c.arm)} of {md_code(c.run)}"
+             + (f", {md_text(c.engine)} engine" if c.engine != b.engine else "") + "). Kernel numbers are per call over the "
              "calls both arms ran (the kernel diff below); serving numbers are what the capture recorded. They "
              "answer different questions and are kept apart.", "",
              "### What the numbers say", ""]
-    lines += [f"- {MARK[s.level]} **{s.check}**: {s.message}" for s in report.statements]
-    lines += ["", "### Runs", ""] + [f"- {MARK[f.level]} {f.message}" for f in report.findings]
-    lines += [f"- {note}" for note in report.notes]
+    lines += [f"- {MARK[s.level]} **{s.check}**: {visible(s.message)}" for s in report.statements]
+    lines += ["", "### Runs", ""] + [f"- {MARK[f.level]} {visible(f.message)}" for f in report.findings]
+    lines += [f"- {visible(note)}" for note in report.notes]
     if report.serving:
         lines += ["", "### Serving" + (" (sweep)" if report.sweep and len(report.serving) > 1 else ""), ""]
         if len(report.serving) == 1:
@@ -279,34 +277,34 @@ def _report_markdown(report: Report) -> str:
 # ---- terminal -----------------------------------------------------------------------------------------
 
 def _rich_table(title: str, header: list[str], rows: list[list[str]]) -> Table:
-    table = Table(title=title, title_justify="left")
+    table = Table(title=rich(title), title_justify="left")
     for index, column in enumerate(header):
-        table.add_column(column, justify="left" if index == 0 else "right", overflow="fold")
+        table.add_column(rich(column), justify="left" if index == 0 else "right", overflow="fold")
     for row in rows:
-        table.add_row(*[str(cell) for cell in row])
+        table.add_row(*[rich(cell) for cell in row])
     return table
 
 
 def terminal(result, console: Console) -> None:
     if isinstance(result, Capacity):
-        console.print(_capacity_lead(result), highlight=False)
+        console.print(rich(_capacity_lead(result)), highlight=False)
         for title, header, rows in _capacity_tables(result):
             console.print(_rich_table(title, header, rows))
         for note in result.notes:
-            console.print(f"  {note}", markup=False, highlight=False)
+            console.print(f"  {visible(note)}", markup=False, highlight=False)
         return
     from kvtrace.analyzer.render import terminal as diff_terminal
 
     report = result
-    console.print(f"[bold]{report.baseline.label}[/] ({report.baseline.run}) → [bold]{report.candidate.label}[/] "
-                  f"({report.candidate.run})")
+    b, c = report.baseline, report.candidate
+    console.print(f"[bold]{rich(b.label)}[/] ({rich(b.run)}) → [bold]{rich(c.label)}[/] ({rich(c.run)})")
     for s in report.statements:
         console.print(f"  {LEVEL[s.level]}  {s.check}: ", end="")
-        console.print(s.message, markup=False, highlight=False)
+        console.print(visible(s.message), markup=False, highlight=False)
     for f in report.findings:
-        console.print(f"  {LEVEL[f.level]}  {f.message}", highlight=False)
+        console.print(f"  {LEVEL[f.level]}  {rich(f.message)}", highlight=False)
     for note in report.notes:
-        console.print(f"  {note}", markup=False, highlight=False)
+        console.print(f"  {visible(note)}", markup=False, highlight=False)
     if report.serving:
         if len(report.serving) == 1:
             console.print(_rich_table("Serving", *_serving_point_table(report)))
@@ -329,7 +327,7 @@ def terminal(result, console: Console) -> None:
 
 def csv_text(result) -> str:
     buffer = io.StringIO()
-    writer = csv.writer(buffer, lineterminator="\n")
+    writer = csv_writer(buffer)
     if isinstance(result, Capacity):
         columns = [f.name for f in fields(result.formats[0])] if result.formats else ["label"]
         writer.writerow(["section", *columns])
@@ -359,7 +357,7 @@ def csv_text(result) -> str:
             for name, value in _flatten(asdict(metrics)):
                 writer.writerow(["serving", row.point, labels[side], name, "" if value is None else value])
             writer.writerow(["serving", row.point, labels[side], "first_capacity", getattr(row, f"{side}_first_capacity")])
-    for row in report.segment_means:
+    for row in report.segment_times:
         for name, value in asdict(row).items():
             if name == "segment":
                 continue

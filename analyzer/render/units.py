@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+from kvtrace.analyzer.render.escape import visible
+
 
 def duration(ns: float | None) -> str:
     if ns is None or (isinstance(ns, float) and math.isnan(ns)):
@@ -31,6 +33,29 @@ def percent(fraction: float | None) -> str:
         return "–"
     text = f"{100 * fraction:.1f}%"
     return "0.0%" if text == "-0.0%" else text
+
+
+def arm_time(arm, cells: int) -> str:
+    """One arm's time in a row: per call when the row's cells cost the same per call, else the total (a
+    pooled mean over different work would describe no call that ran)."""
+    if arm is None:
+        return "–"
+    if arm.mean_ns is not None:
+        return f"{duration(arm.mean_ns)}/call"
+    return f"{duration(arm.total_ns)} total" + (f", {cells:,} cells" if cells > 1 else "")
+
+
+def per_call(stats, cells: int) -> str:
+    """A summary row's mean per call, or that its cells cost different amounts per call."""
+    return duration(stats.mean_ns) if stats.mean_ns is not None else f"mixed ({cells:,} cells)"
+
+
+def run_ratios(values) -> str:
+    """The ratios of the run pairs, lowest to highest (repeated runs)."""
+    found = [v for v in values if v is not None]
+    if not found:
+        return "–"
+    return f"{min(found):.3f}–{max(found):.3f}×" if len(found) > 1 else ratio(found[0])
 
 
 def numbered_notes(rows) -> tuple[list[str], list[str]]:
@@ -64,9 +89,10 @@ LEVEL = {"ok": "[green]ok[/]", "warning": "[yellow]warning[/]", "error": "[bold 
 
 
 def markdown_table(header: list[str], rows: list[list]) -> list[str]:
-    """GitHub table lines; pipes and line breaks in cells are escaped so a cell never splits the row."""
+    """GitHub table lines; pipes and control characters (CR and LF among them) in cells are escaped so that a
+    cell never splits the row or ends the table."""
     def cell(text) -> str:
-        return str(text).replace("|", "\\|").replace("\n", " ")
+        return visible(text).replace("|", "\\|")
 
     lines = ["| " + " | ".join(cell(h) for h in header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     return lines + ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows]

@@ -1,0 +1,337 @@
+"""Which calls are compared with which: cells of each run, codes shared by every run, and call pairs.
+
+A run (one trace, inside the window) groups its calls into cells of one signature and one innermost NVTX
+range. Two runs, one per arm, pair their calls in two passes:
+
+1. **Kernel cells**: calls of the same kernel family, launch shape and NVTX range (and segment) pair call
+   for call in launch order. When the arms made different numbers of such calls, the last N of each pair
+   (N the smaller count): extra calls are usually warm-up at the start, and a truncated arm loses calls at
+   the end.
+2. **Range cells**: calls of kernels that only one arm ran in a range (the FP8 and NVFP4 append kernels
+   differ by name and grid; so do vLLM's BF16 and FP8 prefill kernels) pair per segment and range, in
+   launch order, when both arms made as many there.
+
+Each pair of cells is a stratum for the statistics (analyzer.stats); nothing here computes numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+import polars as pl
+
+from kvtrace.analyzer import align, ranges
+from kvtrace.analyzer.classify import DIMS, SEGMENTS
+from kvtrace.analyzer.load import Trace
+from kvtrace.errors import KvtraceError
+
+# The key of a kernel cell; range cells keep segment and nvtx.
+KERNEL_KEY = ["segment", "family", *align.MATCH_KEY]
+RANGE_KEY = ["segment", "nvtx"]
+KERNEL, RANGE = "kernel", "range"
+
+
+def segment_order(segment: str) -> int:
+    return SEGMENTS.index(segment) if segment in SEGMENTS else len(SEGMENTS)
+
+
+@dataclass(frozen=True)
+class Vocabulary:
+    """Codes shared by every run of a comparison: launch shapes, innermost range names, kernel families,
+    segments and phases. Shape, name and family codes follow the sorted values, so sorting by code sorts
+    by value; the code after the last name (`outside`) and after the last phase stand for calls outside
+    every range."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    names: tuple[str, ...]
+    families: tuple[str, ...]
+    segments: tuple[str, ...]  # in SEGMENTS order
+    phases: tuple[str, ...]
+    phase_of_nvtx: np.ndarray  # per name code (and `outside`), its phase code
+
+    @classmethod
+    def of(cls, traces: list[Trace], classes: list[pl.DataFrame]) -> Vocabulary:
+        shapes = sorted(set().union(*(set(c.select(DIMS).iter_rows()) for c in classes)))
+        names = sorted(set().union(*(set(t.ranges["name"].drop_nulls().unique()) for t in traces)))
+        families = sorted(set().union(*(set(c["family"]) for c in classes)))
+        segments = sorted(set().union(*(set(c["segment"]) for c in classes)), key=segment_order)
+        phase_names = _phase_names(names)
+        phases = tuple(sorted(set(phase_names)))
+        phase_of_nvtx = np.array([phases.index(p) for p in phase_names] + [len(phases)], dtype=np.uint32)
+        return cls(tuple(shapes), tuple(names), tuple(families), tuple(segments), phases, phase_of_nvtx)
+
+    @property
+    def outside(self) -> int:
+        """The nvtx code of calls outside every range."""
+        return len(self.names)
+
+    @property
+    def outside_phase(self) -> int:
+        return len(self.phases)
+
+    def name(self, code: int) -> str | None:
+        return self.names[code] if code < len(self.names) else None
+
+    def label(self, shape: int, nvtx: int) -> str:
+        (gx, gy, gz, bx, by, bz), name = self.shapes[shape], self.name(nvtx)
+        return f"grid {gx}×{gy}×{gz} block {bx}×{by}×{bz}" + (f" in '{name}'" if name else "")
+
+    def run(self, trace: Trace, classes: pl.DataFrame, window: align.Window) -> Run:
+        """One trace's calls inside the window, grouped into cells that carry this vocabulary's codes."""
+        by_sig = classes.sort("sig")
+        family = np.searchsorted(self.families, by_sig["family"].to_numpy()).astype(np.uint32)
+        segment = np.array([self.segments.index(s) for s in by_sig["segment"]], dtype=np.uint32)
+        index = {shape: code for code, shape in enumerate(self.shapes)}
+        shape = np.array([index[s] for s in by_sig.select(DIMS).iter_rows()], dtype=np.uint32)
+        name_index = {name: code for code, name in enumerate(self.names)}
+        # A range without a name (nvtxRangePushEx with only a colour) cannot be matched: like outside.
+        nvtx_of_range = np.array([name_index.get(n, self.outside) for n in trace.ranges["name"].to_list()],
+                                 dtype=np.uint32)
+        in_range = trace.kernels["range"].to_numpy()
+        nvtx = np.full(in_range.size, self.outside, dtype=np.uint32)
+        inside = in_range != ranges.NO_RANGE
+        nvtx[inside] = nvtx_of_range[in_range[inside]]
+        calls = trace.kernels.with_columns(pl.Series("nvtx", nvtx))
+        if window.skip_warmup or window.last is not None:  # trimming counts calls per family and match key
+            sig = calls["sig"].to_numpy()
+            calls = calls.with_columns(pl.Series("family", family[sig]), pl.Series("shape", shape[sig]))
+        calls = align.apply_window(trace, calls, window)
+        if calls.height == 0:
+            raise KvtraceError(f"{trace.info.source}: no kernels inside the window "
+                               f"({'; '.join(window.describe())}); widen --window/--time/--phase")
+        cells = Cells.of(calls)
+        sig, cell_nvtx = cells.table["sig"].to_numpy(), cells.table["nvtx"].to_numpy()
+        cells = replace(cells, table=cells.table.with_columns(
+            pl.Series("family", family[sig]), pl.Series("segment", segment[sig]), pl.Series("shape", shape[sig]),
+            pl.Series("phase", self.phase_of_nvtx[cell_nvtx]),
+            pl.Series("kv_independent", by_sig["kv_independent"].to_numpy()[sig])))
+        return Run(trace, classes, cells, calls["range"].unique())
+
+
+def _phase_names(names: list[str]) -> list[str]:
+    """Per range name, its phase: the name itself, or for vLLM's per-step ranges their step kind."""
+    named = pl.DataFrame({"nvtx": pl.Series(names, dtype=pl.Utf8)})
+    step = pl.col("nvtx").str.extract_groups(align.VLLM_STEP.pattern)
+    context, generation = step.struct.field("1").cast(pl.Int64), step.struct.field("3").cast(pl.Int64)
+    kind = pl.format("vLLM {} steps", align.step_kind(context, generation))
+    return named.select(pl.when(context.is_null()).then(pl.col("nvtx")).otherwise(kind))["nvtx"].to_list()
+
+
+@dataclass(frozen=True)
+class Cells:
+    """A run's calls grouped into cells of one signature and one innermost range (`nvtx` code).
+
+    `table` has a row per cell: cell, sig, nvtx, calls, total_ns, first (the row of its earliest call), plus
+    the codes Vocabulary.run adds (family, segment, shape, phase, kv_independent). `order` lists the calls'
+    rows (in the run's start order) cell after cell, ascending within a cell, and `durations` their
+    durations in that order: cell i is [offsets[i], offsets[i + 1]) of both. Groups of cells (`where`) share
+    the arrays, so comparisons work on the small table and copy contiguous runs of durations only for what
+    they report.
+    """
+
+    table: pl.DataFrame
+    durations: np.ndarray
+    order: np.ndarray
+    offsets: np.ndarray
+
+    @classmethod
+    def of(cls, calls: pl.DataFrame) -> Cells:
+        """From calls (sig, nvtx, duration) in start order, in numpy: a hash group-by over millions of
+        rows would hold several times their size."""
+        width = int(calls["nvtx"].max()) + 1 if calls.height else 1
+        key_type = np.uint32 if (int(calls["sig"].max() or 0) + 1) * width < 1 << 32 else np.int64
+        keys = calls["sig"].to_numpy().astype(key_type)
+        keys *= width
+        keys += calls["nvtx"].to_numpy()
+        if keys.size and int(keys.max()) < 1 << 24:
+            calls_by_key = np.bincount(keys)
+            present = np.flatnonzero(calls_by_key)
+            lookup = np.zeros(calls_by_key.size, dtype=np.uint16 if present.size <= 1 << 16 else np.uint32)
+            lookup[present] = np.arange(present.size)
+            cell = lookup[keys]
+            counts = calls_by_key[present]
+        else:
+            present, cell, counts = np.unique(keys, return_inverse=True, return_counts=True)
+        del keys
+        # A stable sort keeps each cell's calls in start order; numpy radix-sorts 16-bit cell numbers.
+        order = np.argsort(cell, kind="stable").astype(np.uint32 if calls.height < 1 << 32 else np.int64)
+        del cell
+        offsets = np.zeros(present.size + 1, dtype=np.int64)
+        np.cumsum(counts, out=offsets[1:])
+        durations = calls["duration"].to_numpy()[order]
+        totals = np.add.reduceat(durations, offsets[:-1], dtype=np.int64) if present.size else \
+            np.zeros(0, dtype=np.int64)
+        if durations.size and 0 <= durations.min() and durations.max() < 1 << 32:
+            durations = durations.astype(np.uint32)  # kernels shorter than 4.3 s: half the memory
+        table = pl.DataFrame({"cell": np.arange(present.size, dtype=np.uint32),
+                              "sig": (present // width).astype(np.uint32), "nvtx": (present % width).astype(np.uint32),
+                              "calls": counts.astype(np.int64), "total_ns": totals, "first": order[offsets[:-1]]})
+        return cls(table=table, durations=durations, order=order, offsets=offsets)
+
+    def where(self, predicate: pl.Expr) -> Cells:
+        return replace(self, table=self.table.filter(predicate))
+
+    @property
+    def calls(self) -> int:
+        return int(self.table["calls"].sum())
+
+    @property
+    def total_ns(self) -> int:
+        return int(self.table["total_ns"].sum())
+
+    def values(self, *, ordered: bool = False) -> np.ndarray:
+        """The durations of the group's calls; in launch order when `ordered`."""
+        return _gather(self, self.table["cell"].to_numpy(), ordered=ordered)
+
+    def counts(self, keys: list[str]) -> pl.DataFrame:
+        return self.table.group_by(keys).agg(pl.col("calls").sum().alias("len"))
+
+
+def _gather(cells: Cells, chosen: np.ndarray, *, ordered: bool) -> np.ndarray:
+    """Durations of the chosen cells: one slice for one cell, else concatenated (in launch order when asked)."""
+    offsets = cells.offsets
+    if chosen.size == 1:
+        return cells.durations[offsets[chosen[0]]:offsets[chosen[0] + 1]]
+    if chosen.size == 0:
+        return np.zeros(0, dtype=cells.durations.dtype)
+    durations = np.concatenate([cells.durations[offsets[i]:offsets[i + 1]] for i in chosen.tolist()])
+    if ordered:
+        rows = np.concatenate([cells.order[offsets[i]:offsets[i + 1]] for i in chosen.tolist()])
+        durations = durations[np.argsort(rows, kind="stable")]
+    return durations
+
+
+@dataclass
+class Run:
+    """One trace inside the window: its calls grouped into cells (Cells) whose table carries codes of the
+    comparison's Vocabulary, the classified signatures behind them, and the NVTX ranges the window's calls
+    were launched in."""
+
+    trace: Trace
+    classes: pl.DataFrame
+    cells: Cells
+    ranges: pl.Series
+
+    def signatures(self, group: Cells) -> pl.DataFrame:
+        """The classified signatures that a group of cells uses."""
+        return self.classes.filter(pl.col("sig").is_in(group.table["sig"].unique().implode()))
+
+    def earliest(self, group: Cells, column: str) -> str:
+        """A classification column (segment, family_label) of the group's earliest call."""
+        sig = group.table.sort("first")["sig"][0]
+        return self.classes.filter(pl.col("sig") == sig)[column][0]
+
+    def kv_dtypes_and_names(self, group: Cells) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The KV dtypes and demangled names of a group of cells."""
+        if group.table.height == 0:
+            return (), ()
+        sigs = self.signatures(group)
+        return tuple(sigs["kv_dtype"].drop_nulls().unique().sort()), tuple(sigs["demangled"].unique().sort())
+
+
+@dataclass(frozen=True)
+class Pairs:
+    """The call pairs of one run pair (baseline run, candidate run), cell by cell.
+
+    `strata` has a row per pair of cells: stratum, level (KERNEL or RANGE), segment, family (null at range
+    level), shape (null at range level), nvtx, phase, kv_independent, pairs, and the calls each arm made
+    under that key (`baseline_calls`, `candidate_calls`, more than `pairs` when the counts differ).
+    `baseline[i]` pairs with `candidate[i]`; stratum s is [offsets[s], offsets[s + 1]). `paired` has, per
+    arm, each cell's paired calls, their time and the level they paired at (cell, paired_calls, paired_ns,
+    paired_level), so that the unpaired rest of any group of cells is known.
+    """
+
+    strata: pl.DataFrame
+    baseline: np.ndarray
+    candidate: np.ndarray
+    offsets: np.ndarray
+    paired: tuple[pl.DataFrame, pl.DataFrame]
+
+
+_STRATA_SCHEMA = {"stratum": pl.UInt32, "level": pl.Utf8, "segment": pl.UInt32, "family": pl.UInt32,
+                  "shape": pl.UInt32, "nvtx": pl.UInt32, "kv_independent": pl.Boolean, "pairs": pl.Int64,
+                  "baseline_calls": pl.Int64, "candidate_calls": pl.Int64}
+
+
+def pair(base: Run, cand: Run, vocabulary: Vocabulary) -> Pairs:
+    """Pair the calls of two runs, kernel cells first, then range cells (see the module docstring)."""
+    arms = (base.cells, cand.cells)
+    keys = [_cell_lists(cells.table, KERNEL_KEY) for cells in arms]
+    both = (keys[0].join(keys[1], on=KERNEL_KEY, how="full", coalesce=True, suffix="_candidate")
+            .with_columns(pl.col("calls", "calls_candidate").fill_null(0)).sort(KERNEL_KEY))
+    rows, pieces = [], ([], [])
+    paired = ({}, {})  # cell -> (paired calls, paired ns), per arm
+    shared = both.filter((pl.col("calls") > 0) & (pl.col("calls_candidate") > 0))
+    for row in shared.iter_rows(named=True):
+        count = min(row["calls"], row["calls_candidate"])
+        for side, cell_list in enumerate((row["cells"], row["cells_candidate"])):
+            pieces[side].append(_last(arms[side], np.array(cell_list), count, paired[side], KERNEL))
+        kv_independent = row["kv_independent"] and row["kv_independent_candidate"]
+        rows.append((KERNEL, row["segment"], row["family"], row["shape"], row["nvtx"], kv_independent, count,
+                     row["calls"], row["calls_candidate"]))
+    # Range cells: the calls of kernel keys that only one arm ran, per segment and range.
+    alone = both.filter((pl.col("calls") == 0) | (pl.col("calls_candidate") == 0))
+    ranges_of = []
+    for side, suffix in enumerate(("", "_candidate")):
+        cells = alone.filter(pl.col(f"calls{suffix}") > 0).select(*RANGE_KEY, pl.col(f"cells{suffix}").alias("cells"))
+        ranges_of.append(cells.explode("cells").group_by(RANGE_KEY).agg(pl.col("cells").sort()))
+    by_range = ranges_of[0].join(ranges_of[1], on=RANGE_KEY, how="inner", suffix="_candidate").sort(RANGE_KEY)
+    for row in by_range.iter_rows(named=True):
+        chosen = [np.array(row["cells"]), np.array(row["cells_candidate"])]
+        counts = [int(arms[side].table["calls"].to_numpy()[chosen[side]].sum()) for side in (0, 1)]
+        if counts[0] != counts[1]:
+            continue
+        for side in (0, 1):
+            pieces[side].append(_last(arms[side], chosen[side], counts[side], paired[side], RANGE))
+        rows.append((RANGE, row["segment"], None, None, row["nvtx"], False, counts[0], counts[0], counts[1]))
+    strata = pl.DataFrame(
+        [(index, *row) for index, row in enumerate(rows)], schema=_STRATA_SCHEMA, orient="row").with_columns(
+        pl.Series("phase", vocabulary.phase_of_nvtx[np.array([r[4] for r in rows], dtype=np.int64)]
+                  if rows else np.zeros(0, dtype=np.uint32), dtype=pl.UInt32))
+    sizes = strata["pairs"].to_numpy()
+    offsets = np.zeros(sizes.size + 1, dtype=np.int64)
+    np.cumsum(sizes, out=offsets[1:])
+    dtype = np.result_type(*(cells.durations.dtype for cells in arms))
+    baseline, candidate = (np.concatenate(p).astype(dtype, copy=False) if p else np.zeros(0, dtype=dtype)
+                           for p in pieces)
+    return Pairs(strata, baseline, candidate, offsets, tuple(_paired_table(p) for p in paired))
+
+
+def _cell_lists(table: pl.DataFrame, key: list[str]) -> pl.DataFrame:
+    return table.group_by(key).agg(pl.col("calls").sum(), pl.col("cell").sort().alias("cells"),
+                                   pl.col("kv_independent").all())
+
+
+def _last(cells: Cells, chosen: np.ndarray, count: int, paired: dict, level: str) -> np.ndarray:
+    """The last `count` calls of the chosen cells in launch order; records what each cell gave, at which level."""
+    if chosen.size == 1:
+        cell = int(chosen[0])
+        end = cells.offsets[cell + 1]
+        values = cells.durations[end - count:end]
+        paired[cell] = (count, int(values.sum(dtype=np.int64)), level)
+        return values
+    rows = np.concatenate([cells.order[cells.offsets[i]:cells.offsets[i + 1]] for i in chosen.tolist()])
+    owner = np.repeat(chosen, np.diff(cells.offsets)[chosen])
+    values = np.concatenate([cells.durations[cells.offsets[i]:cells.offsets[i + 1]] for i in chosen.tolist()])
+    order = np.argsort(rows, kind="stable")[-count:]
+    for cell in np.unique(owner[order]).tolist():
+        mine = order[owner[order] == cell]
+        paired[cell] = (int(mine.size), int(values[mine].sum(dtype=np.int64)), level)
+    return values[order]
+
+
+def _paired_table(paired: dict) -> pl.DataFrame:
+    cells = sorted(paired)
+    return pl.DataFrame({"cell": pl.Series(cells, dtype=pl.UInt32),
+                         "paired_calls": pl.Series([paired[c][0] for c in cells], dtype=pl.Int64),
+                         "paired_ns": pl.Series([paired[c][1] for c in cells], dtype=pl.Int64),
+                         "paired_level": pl.Series([paired[c][2] for c in cells], dtype=pl.Utf8)})
+
+
+def shape_list(group: Cells, vocabulary: Vocabulary, limit: int = 3) -> str:
+    """The launch shapes and ranges a group of cells ran, most calls first."""
+    # Ties in count sort by shape and range, so that the same inputs always give the same text.
+    shapes = group.counts(align.MATCH_KEY).sort(["len", *align.MATCH_KEY], descending=[True, False, False])
+    text = ", ".join(vocabulary.label(shape, nvtx) for shape, nvtx, _ in shapes.head(limit).iter_rows())
+    return text + (", …" if shapes.height > limit else "")
