@@ -118,33 +118,44 @@ def _steps(trace: Trace) -> pl.DataFrame:
             .select("range", "step_range", "step", "step_start", "phase", "context_tokens", "generation_tokens"))
 
 
-def apply_window(trace: Trace, calls: pl.DataFrame, window: Window) -> pl.DataFrame:
-    """Filter a trace's calls (with `range`, NO_RANGE outside every range) to the window; per-family
-    trimming last."""
+def window_calls(trace: Trace, window: Window, group_of_cell: np.ndarray) -> np.ndarray | None:
+    """Which of a trace's calls (in the order of its cells, analyzer.calls) are inside the window; None when
+    the window keeps every call. Trimming (--skip-warmup, --last) comes last and counts calls per group of
+    cells (`group_of_cell`: the family and match key of each of the trace's cells) in start order."""
+    calls = trace.calls
+    keep = None
+
+    def narrow(inside: np.ndarray) -> np.ndarray:
+        return inside if keep is None else keep & inside
+
     if window.nvtx:
         try:
             pattern = re.compile(window.nvtx)
         except re.error as error:
             raise KvtraceError(f"--window {window.nvtx!r} is not a valid regex ({error})") from None
-        inside = np.flatnonzero(range_matches(trace, pattern.pattern))
-        calls = calls.filter(pl.col("range").is_in(pl.Series(inside, dtype=pl.Int32).implode()))
+        keep = narrow(np.isin(calls.range, np.flatnonzero(range_matches(trace, pattern.pattern))))
     start, end = window.time_ns
-    if start is not None:
-        calls = calls.filter(pl.col("start") >= start)
-    if end is not None:
-        calls = calls.filter(pl.col("start") < end)
+    if start is not None or end is not None:
+        # Starts are kept in start order, so the window is a span of ranks.
+        low = int(np.searchsorted(calls.start, start)) if start is not None else 0
+        high = int(np.searchsorted(calls.start, end)) if end is not None else calls.count
+        keep = narrow((calls.rank >= low) & (calls.rank < high))
     if window.phase:
-        in_phase = steps(trace).filter(pl.col("phase") == window.phase)["range"]
-        calls = calls.filter(pl.col("range").is_in(in_phase.implode()))
+        in_phase = steps(trace).filter(pl.col("phase") == window.phase)["range"].to_numpy()
+        keep = narrow(np.isin(calls.range, in_phase))
     if window.skip_warmup or window.last is not None:
-        # Calls are in start order, so a call's position in its group is its launch order.
-        order = pl.int_range(pl.len()).over(["family", *MATCH_KEY])
-        count = pl.len().over(["family", *MATCH_KEY])
-        keep = order >= window.skip_warmup
+        kept = np.arange(calls.count) if keep is None else np.flatnonzero(keep)
+        group = np.repeat(group_of_cell, np.diff(calls.offsets))[kept]
+        by_group = np.lexsort((calls.rank[kept], group))  # a call's position in its group is its launch order
+        count = np.bincount(group, minlength=int(group_of_cell.max(initial=-1)) + 1)
+        position = np.empty(kept.size, dtype=np.int64)
+        position[by_group] = np.arange(kept.size) - (np.cumsum(count) - count)[group[by_group]]
+        trimmed = position >= window.skip_warmup
         if window.last is not None:
-            keep = keep & (order >= count - window.last)
-        calls = calls.filter(keep)
-    return calls
+            trimmed &= position >= count[group] - window.last
+        keep = np.zeros(calls.count, dtype=bool)
+        keep[kept[trimmed]] = True
+    return keep
 
 
 # Calls pair only within the same launch shape and the same innermost NVTX range: a decode kernel keeps

@@ -688,7 +688,8 @@ class KernelList:
 def list_kernels(trace: Trace, recipes: RecipeSet, *, unclassified: bool = False, segment: str | None = None,
                  label: str | None = None) -> KernelList:
     classes = classify_signatures(trace, recipes)
-    per_sig = trace.kernels.group_by("sig").agg(pl.len().alias("calls"), pl.col("duration").sum().alias("total_ns"))
+    per_sig = trace.calls.cells.group_by("sig").agg(pl.col("calls").sum().cast(pl.UInt32),
+                                                    pl.col("total_ns").sum())
     total_ns = int(per_sig["total_ns"].sum())
     kv = classes.filter(pl.col("segment").is_in(list(KV_SEGMENTS)))["kv_dtype"].drop_nulls().unique().sort()
     arm = Arm(label=label or _default_label(trace), info=trace.info, total_ns=total_ns, kv_dtypes=tuple(kv))

@@ -3,7 +3,8 @@
 Exports are opened read-only (`mode=ro&immutable=1`, as NVIDIA's own report scripts do) and validated at
 the boundary, so every bad input becomes one KvtraceError naming the problem and the fix. Checks go by
 tables and columns, not version strings: 2023.4 (schema 3.7.x) and 2025.3 (schema 3.20.x) exports both
-load. Kernel rows are read as Arrow through ADBC, never as Python rows.
+load. Kernel rows are read as Arrow through ADBC, never as Python rows, over several connections at once (one
+per core, each over a range of rowids), and laid out by cell as they come (analyzer.calls).
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ import stat
 import struct
 import sys
 import tempfile
+import threading
 import time
 import zlib
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing, contextmanager, suppress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -32,6 +34,7 @@ import sqlite_utils
 
 import kvtrace.nsys
 from kvtrace import __version__
+from kvtrace.analyzer import calls as calls_
 from kvtrace.analyzer import ranges as ranges_
 from kvtrace.errors import KvtraceError
 from kvtrace.nsys import is_sqlite
@@ -43,7 +46,12 @@ NVTX_TABLE = "NVTX_EVENTS"
 KERNEL_COLUMNS = ("start", "end", "deviceId", "correlationId", "globalPid", "demangledName",
                   "shortName", "gridX", "gridY", "gridZ", "blockX", "blockY", "blockZ")
 NVTX_RANGE_TYPES = (59, 60, 70, 71)  # push/pop, start/end, and their NVTXT twins
-BATCH_ROWS = 1 << 18  # rows per Arrow batch: large enough to amortise per-batch work, small enough for memory
+# Rows per Arrow batch and connection, for memory: one batch per core in flight, about 60 bytes per row while it
+# is turned into the layout's columns. The batch size barely changes SQLite's cost.
+BATCH_BYTES = 64 << 20
+# Rows of a table read over one connection: a table is cut into at most 4 such ranges per core, so that cores
+# that finish early take more.
+CHUNK_ROWS = 1 << 20
 NSYS_HINT = "profile with `nsys profile -t cuda` (add --cuda-graph-trace=node for vLLM)"
 
 
@@ -85,12 +93,13 @@ class TraceInfo:
 @dataclass
 class Trace:
     info: TraceInfo
-    # One row per kernel launch in start order: start, duration, sig (row of `signatures`) and range (row of
-    # `ranges`: the innermost NVTX range around the launch; NO_RANGE, -1, outside every range).
-    kernels: pl.DataFrame
+    # The kernel calls grouped by cell (signature and innermost range name), in analyzer.calls' compact layout;
+    # the cells' `name` codes index `range_names`.
+    calls: calls_.Calls
     # Distinct launch signatures: sig, name_id, short_id, demangled, short, grid_x…block_z, device_id.
     signatures: pl.DataFrame
-    # Closed NVTX ranges: range, name (domain-prefixed), start, end, global_tid, depth, parent (NO_RANGE at depth 0).
+    # Closed NVTX ranges: range, name (domain-prefixed), start, end, global_tid, depth, parent (NO_RANGE at depth 0),
+    # calls (the kernels launched with it as their innermost range).
     ranges: pl.DataFrame
     # Derived frames (vLLM steps) that several analyses of one trace share.
     _memo: dict = field(default_factory=dict, repr=False)
@@ -100,16 +109,33 @@ class Trace:
             self._memo[key] = compute()
         return self._memo[key]
 
+    @property
+    def range_names(self) -> tuple[str, ...]:
+        return self.memo("range_names", lambda: range_names(self.ranges)[0])
 
-def open_trace(path: str | os.PathLike, *, nsys: str | None = None, cache: bool = True,
-               overlap_tables: bool = True) -> Trace:
+    @property
+    def kernels(self) -> pl.DataFrame:
+        """One row per kernel in start order: start, duration, sig and range (NO_RANGE outside every range). The
+        whole trace in memory: for tests and small traces."""
+        return self.calls.per_kernel()
+
+
+def range_names(ranges: pl.DataFrame) -> tuple[tuple[str, ...], np.ndarray]:
+    """The ranges' distinct names, sorted, and per range its name's code (one past the last for a range without
+    a name, which cannot be matched: its calls count as outside every range)."""
+    names = tuple(sorted(set(ranges["name"].drop_nulls().to_list())))
+    index = {name: code for code, name in enumerate(names)}
+    return names, np.array([index.get(n, len(names)) for n in ranges["name"].to_list()], dtype=np.int64)
+
+
+def open_trace(path: str | os.PathLike, *, nsys: str | None = None, cache: bool = True) -> Trace:
     """Validate and load one export (.sqlite), or export an .nsys-rep first.
 
-    With `cache`, the loaded frames are kept in kvtrace's cache directory (keyed by the export's path, inode,
-    size, modification and change time), and a later load of the same unchanged export reads them from there
-    once the entry's checksums hold.
-    With `overlap_tables`, the launch calls and the kernels are read at the same time, on two cores, for
-    8 more bytes per kernel while loading.
+    The tables are read over one connection per core this process may use. The calls are laid out in a new
+    entry of kvtrace's cache (keyed by the export's path, inode, size, modification and change time), and a
+    later load of the same unchanged export maps that entry once its checksums hold. Without `cache`, they
+    are laid out in a temporary folder that is removed once they are mapped; in memory when no folder can be
+    written.
     """
     source = Path(path)
     _check_file(source)
@@ -130,41 +156,74 @@ def open_trace(path: str | os.PathLike, *, nsys: str | None = None, cache: bool 
             tables = set(sqlite_utils.Database(conn).table_names())
             ranges, index = read_ranges(conn, tables, sqlite_path)
             launch_names = _launch_api_ids(conn) if ranges.height and RUNTIME_TABLE in tables else None
-            side_by_side = overlap_tables and bool(launch_names) and _many_launch_calls(conn)
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            launches = None
-            if side_by_side:
-                launches = pool.submit(read_launches, sqlite_path, index, launch_names)
-            elif launch_names:
-                launches = read_launches(sqlite_path, index, launch_names)
-            # The kernel table is scanned once; counts, span, devices and names come from the columns read.
-            kernels, signatures = read_kernels(sqlite_path, launches)
-        with closing(_connect(sqlite_path)) as conn:
-            signatures = _with_names(conn, signatures)
-            _check_names(signatures, sqlite_path)
-            info = _trace_info(conn, tables, source, sqlite_path, kernels, signatures)
-    trace = Trace(info=info, kernels=kernels, signatures=signatures, ranges=ranges)
-    if entry is not None and _write_cached(entry, trace):
-        # The memory-mapped copy pages in only the columns an analysis touches.
-        return _read_cached(entry, source) or trace
+            spans = {table: _rowid_spans(conn, table) for table in (KERNEL_TABLE, RUNTIME_TABLE) if table in tables}
+        launches = read_launches(sqlite_path, index, launch_names, spans[RUNTIME_TABLE]) if launch_names else None
+        partial = _partial_entry(entry) if entry is not None else None
+        try:
+            laid, signatures, in_partial = _laid_out(sqlite_path, launches, ranges, spans[KERNEL_TABLE], partial)
+            with closing(_connect(sqlite_path)) as conn:
+                signatures = _with_names(conn, signatures)
+                _check_names(signatures, sqlite_path)
+                info = _trace_info(conn, tables, source, sqlite_path, laid, signatures)
+            trace = Trace(info=info, calls=laid.calls, signatures=signatures,
+                          ranges=ranges.with_columns(pl.Series("calls", laid.launched, dtype=pl.Int64)))
+            if in_partial:
+                _seal(entry, partial, trace)
+                partial = None
+        finally:
+            if partial is not None:
+                shutil.rmtree(partial, ignore_errors=True)
     return trace
 
 
 def open_traces(paths: list, *, nsys: str | None = None, cache: bool = True) -> list[Trace]:
-    """Load several exports side by side: each load is mostly SQLite and numpy work that releases the GIL.
-    The cores are then busy with one trace each, so each load reads its tables one after the other."""
-    if len(paths) < 2:
-        return [open_trace(p, nsys=nsys, cache=cache) for p in paths]
-    with ThreadPoolExecutor(max_workers=len(paths)) as pool:
-        return list(pool.map(lambda p: open_trace(p, nsys=nsys, cache=cache, overlap_tables=False), paths))
+    """Load several exports one after the other: each load keeps every core busy on its own."""
+    return [open_trace(p, nsys=nsys, cache=cache) for p in paths]
+
+
+def _workers() -> int:
+    """The cores this process may run on (taskset and cpusets narrow them)."""
+    return max(1, len(os.sched_getaffinity(0)))
+
+
+def _rowid_spans(conn: sqlite3.Connection, table: str) -> list[tuple[int, int]]:
+    """A table's rowids cut into ranges of about CHUNK_ROWS, at most 4 per core; rowid bounds are b-tree
+    lookups. Each range is read over its own connection."""
+    # Separate queries: SQLite answers a lone min() or max() from the b-tree, but scans for both together.
+    low, high = (conn.execute(f"SELECT {bound}(rowid) FROM {table}").fetchone()[0] for bound in ("min", "max"))
+    if low is None:
+        return []
+    rows = high - low + 1
+    pieces = max(1, min(4 * _workers(), -(-rows // CHUNK_ROWS)))
+    edges = [low + rows * i // pieces for i in range(pieces + 1)]
+    return [(edges[i], edges[i + 1] - 1) for i in range(pieces)]
+
+
+def _laid_out(sqlite_path: Path, launches: Launches | None, ranges: pl.DataFrame, spans: list[tuple[int, int]],
+              partial: Path | None) -> tuple[calls_.Laid, pl.DataFrame, bool]:
+    """read_kernels into the cache entry being written (`partial`), else into a temporary folder removed once
+    the layout is mapped (its files live on while mapped), else in memory; whether it went into `partial`. A
+    disk without room for the layout (OSError) means memory."""
+    folder = partial
+    if folder is None:
+        with suppress(OSError):
+            folder = Path(tempfile.mkdtemp(prefix="kvtrace-calls-"))
+    try:
+        if folder is not None:
+            with suppress(OSError):
+                return (*read_kernels(sqlite_path, launches, ranges, spans, folder), folder == partial)
+        return (*read_kernels(sqlite_path, launches, ranges, spans, None), False)
+    finally:
+        if folder is not None and folder != partial:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 # ---- cache of loaded traces ---------------------------------------------------------------------------
 
-CACHE_FORMAT = 2  # bump whenever the cached frames, TraceInfo or the entry's files change shape
+CACHE_FORMAT = 3  # bump whenever the cached frames, TraceInfo or the entry's files change shape
 CACHE_DAYS = 14  # entries not read for this long are removed when another entry is written
-_FRAMES = ("kernels", "signatures", "ranges")
-_ENTRY_FILES = (*(f"{name}.arrow" for name in _FRAMES), "info.json")
+_FRAMES = ("cells", "signatures", "ranges")
+_ENTRY_FILES = (*(f"{name}.arrow" for name in _FRAMES), *(f"{name}.npy" for name in calls_.ARRAYS), "info.json")
 # kvtrace's own file in each entry, written first: the clean-up removes only folders that hold it, and a read
 # checks the entry against it (which export, as it is now; each file's size and CRC-32).
 _MARKER = "kvtrace-cache-entry.json"
@@ -215,18 +274,21 @@ def _read_cached(entry: _Entry, source: Path) -> Trace | None:
         marker = json.loads(_entry_bytes(entry.path / _MARKER))
         if marker.get("export") != entry.export:
             raise _Unsound
-        for name in _ENTRY_FILES:
-            if marker["files"][name] != _size_and_crc(entry.path / name):
-                raise _Unsound
+        with ThreadPoolExecutor(max_workers=_workers()) as pool:  # zlib releases the GIL
+            found = list(pool.map(_size_and_crc, (entry.path / name for name in _ENTRY_FILES)))
+        if [marker["files"][name] for name in _ENTRY_FILES] != found:
+            raise _Unsound
         info = json.loads(_entry_bytes(entry.path / "info.json"))
         frames = {}
         for name in _FRAMES:
-            # Memory-mapped, one record batch per file: the columns are views of the page cache.
             with pa.memory_map(str(entry.path / f"{name}.arrow")) as mapped:
                 frames[name] = pl.from_arrow(pa.ipc.open_file(mapped).read_all())
         info["gpus"] = tuple(GpuInfo(**gpu) for gpu in info["gpus"])
-        trace = Trace(info=TraceInfo(**{**info, "source": str(source)}), **frames)
-    except (_Unsound, OSError, ValueError, KeyError, TypeError, pa.ArrowException, pl.exceptions.PolarsError):
+        # Memory-mapped: the calls' columns are views of the page cache, paged in as an analysis reads them.
+        calls = calls_.open_layout(entry.path, frames.pop("cells"))
+        trace = Trace(info=TraceInfo(**{**info, "source": str(source)}), calls=calls, **frames)
+    except (_Unsound, calls_.Damaged, OSError, ValueError, KeyError, TypeError, pa.ArrowException,
+            pl.exceptions.PolarsError):
         _discard(entry.path)
         return None
     with suppress(OSError):
@@ -251,30 +313,46 @@ def _size_and_crc(path: Path) -> list[int]:
     return [size, crc]
 
 
-def _write_cached(entry: _Entry, trace: Trace) -> bool:
-    """Write the entry under a temporary name and rename it into place; then remove older entries and
-    leftover temporary folders of the same export, and entries unused for CACHE_DAYS. Caching is best
-    effort: False when the cache cannot be written."""
+def _partial_entry(entry: _Entry) -> Path | None:
+    """A new entry's folder under a temporary name, kvtrace's (marked) from the first moment so that the clean-up
+    knows it; None when the cache folder cannot take it."""
+    try:
+        partial = Path(tempfile.mkdtemp(dir=entry.path.parent, prefix=f".{entry.path.name}-"))
+    except OSError:
+        return None
+    try:
+        (partial / _MARKER).write_text(json.dumps({"kvtrace_cache_entry": CACHE_FORMAT}))
+    except OSError:
+        shutil.rmtree(partial, ignore_errors=True)
+        return None
+    return partial
+
+
+def _seal(entry: _Entry, partial: Path, trace: Trace) -> None:
+    """Complete an entry whose calls are laid out in `partial` (its frames, info, and the marker with each file's
+    size and CRC-32) and rename it into place; then remove older entries and leftover temporary folders of the
+    same export, and entries unused for CACHE_DAYS. Caching is best effort: on failure the folder goes, and the
+    trace keeps its mapped calls."""
     import pyarrow as pa
 
     try:
-        partial = Path(tempfile.mkdtemp(dir=entry.path.parent, prefix=f".{entry.path.name}-"))
         try:
-            marker = {"kvtrace_cache_entry": CACHE_FORMAT}
-            (partial / _MARKER).write_text(json.dumps(marker))  # kvtrace's from the first moment, for the clean-up
-            for name in _FRAMES:
-                table = getattr(trace, name).rechunk().to_arrow()
+            for name, frame in (("cells", trace.calls.cells), ("signatures", trace.signatures),
+                                ("ranges", trace.ranges)):
+                table = frame.rechunk().to_arrow()
                 with pa.OSFile(str(partial / f"{name}.arrow"), "wb") as sink, \
                         pa.ipc.new_file(sink, table.schema) as writer:
                     writer.write_table(table, max_chunksize=max(table.num_rows, 1))
             (partial / "info.json").write_text(json.dumps(asdict(trace.info)))
-            marker.update(export=entry.export, files={name: _size_and_crc(partial / name) for name in _ENTRY_FILES})
+            with ThreadPoolExecutor(max_workers=_workers()) as pool:
+                files = dict(zip(_ENTRY_FILES, pool.map(_size_and_crc, (partial / name for name in _ENTRY_FILES))))
+            marker = {"kvtrace_cache_entry": CACHE_FORMAT, "export": entry.export, "files": files}
             (partial / _MARKER).write_text(json.dumps(marker))
             os.replace(partial, entry.path)
         finally:
             shutil.rmtree(partial, ignore_errors=True)
     except OSError:
-        return False
+        return
     same_export = entry.path.name.rsplit("-", 1)[0] + "-"
     unused_since = time.time() - CACHE_DAYS * 86400
     for other in entry.path.parent.iterdir():
@@ -282,7 +360,6 @@ def _write_cached(entry: _Entry, trace: Trace) -> bool:
             if other != entry.path and _is_entry(other) and (other.name.lstrip(".").startswith(same_export)
                                                              or other.lstat().st_mtime < unused_since):
                 shutil.rmtree(other)
-    return True
 
 
 def _is_entry(path: Path) -> bool:
@@ -347,15 +424,6 @@ def read_ranges(conn: sqlite3.Connection, tables: set[str],
     return frame.with_columns(pl.Series("depth", nesting.depth), pl.Series("parent", nesting.parent)), index
 
 
-def _many_launch_calls(conn: sqlite3.Connection) -> bool:
-    """Whether reading the launch calls beside the kernels pays: with CUDA graphs there are far fewer
-    runtime rows than kernels, and the launch calls take a fraction of the kernel read. max(rowid) is a
-    b-tree lookup, and both tables are only ever appended to."""
-    runtime, kernels = (conn.execute(f"SELECT max(rowid) FROM {table}").fetchone()[0] or 0
-                        for table in (RUNTIME_TABLE, KERNEL_TABLE))
-    return runtime >= kernels
-
-
 def _launch_api_ids(conn: sqlite3.Connection) -> list[int]:
     """StringIds of the runtime and driver calls that can launch kernels (cudaLaunchKernel*, cuLaunchKernel*,
     cudaGraphLaunch*, cudaLaunchCooperativeKernel*, …): reading only those rows halves the runtime scan."""
@@ -368,6 +436,7 @@ class _Processes:
 
     def __init__(self):
         self.numbers: dict[int, int] = {}
+        self.lock = threading.Lock()  # launch calls are read on several threads
 
     def of(self, global_id: np.ndarray, *, add: bool) -> np.ndarray:
         """Per row, its process number; -1 for a process without launch calls when not `add`ing."""
@@ -378,8 +447,9 @@ class _Processes:
         return np.array([self._number(int(p), add) for p in unique], dtype=np.int64)[inverse]
 
     def _number(self, process: int, add: bool) -> int:
-        if add:
-            return self.numbers.setdefault(process, len(self.numbers))
+        if add and process not in self.numbers:
+            with self.lock:
+                return self.numbers.setdefault(process, len(self.numbers))
         return self.numbers.get(process, -1)
 
 
@@ -425,16 +495,18 @@ class _Unsorted(Exception):
     """A process's launch calls are not in correlationId order in the runtime table (its threads interleave)."""
 
 
-def read_launches(sqlite_path: Path, index: ranges_.RangeIndex, api_ids: list[int]) -> Launches:
-    """Every launch call's innermost NVTX range, as runs. A process's runtime rows usually come in
-    correlationId order, and then runs are cut batch by batch and memory stays at a few values per range;
-    otherwise the calls are read again, sorted, and cut."""
+def read_launches(sqlite_path: Path, index: ranges_.RangeIndex, api_ids: list[int],
+                  spans: list[tuple[int, int]]) -> Launches:
+    """Every launch call's innermost NVTX range, as runs; the rowid spans are read side by side. A process's
+    runtime rows usually come in correlationId order, and then runs are cut batch by batch and memory stays at
+    a few values per range; otherwise the calls are read again, sorted, and cut."""
     query = _launch_query(api_ids)
     processes = _Processes()
-    runs: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
-    last: dict[int, int] = {}
-    try:
-        for key, found in _launch_batches(sqlite_path, query, index, processes):
+
+    def runs_of(span: tuple[int, int]) -> tuple[dict, dict]:
+        runs: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
+        last: dict[int, int] = {}
+        for key, found in _launch_batches(sqlite_path, query, span, index, processes):
             numbers = key >> 32
             if numbers.min() == numbers.max():  # one process per batch, the usual case
                 parts = [(int(numbers[0]), key, found)]
@@ -445,18 +517,33 @@ def read_launches(sqlite_path: Path, index: ranges_.RangeIndex, api_ids: list[in
                     raise _Unsorted
                 runs.setdefault(number, []).append(_cut(own_key, own_found))
                 last[number] = int(own_key[-1])
-    except _Unsorted:
-        batches = list(_launch_batches(sqlite_path, query, index, processes))
-        key = np.concatenate([k for k, _ in batches]) if batches else np.zeros(0, dtype=np.int64)
-        found = np.concatenate([f for _, f in batches]) if batches else np.zeros(0, dtype=np.int32)
-        del batches
-        order = np.argsort(key, kind="stable")
-        runs = {0: [_cut(key[order], found[order])]}
+        return runs, last
+
+    with ThreadPoolExecutor(max_workers=_workers()) as pool:
+        try:
+            runs: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
+            last: dict[int, int] = {}
+            for span_runs, span_last in pool.map(runs_of, spans):  # in rowid order
+                for number, pieces in span_runs.items():
+                    if pieces[0][0][0] <= last.get(number, -1):
+                        raise _Unsorted
+                    runs.setdefault(number, []).extend(pieces)
+                    last[number] = span_last[number]
+        except _Unsorted:
+            batches = [batch for span in pool.map(
+                lambda span: list(_launch_batches(sqlite_path, query, span, index, processes)), spans)
+                for batch in span]
+            key = np.concatenate([k for k, _ in batches]) if batches else np.zeros(0, dtype=np.int64)
+            found = np.concatenate([f for _, f in batches]) if batches else np.zeros(0, dtype=np.int32)
+            del batches
+            order = np.argsort(key, kind="stable")
+            runs = {0: [_cut(key[order], found[order])]}
     return Launches.of_sorted([run for number in sorted(runs) for run in runs[number]], processes)
 
 
-def _launch_batches(sqlite_path: Path, query: str, index: ranges_.RangeIndex, processes: _Processes):
-    for batch in _read_batches(sqlite_path, query):
+def _launch_batches(sqlite_path: Path, query: str, span: tuple[int, int], index: ranges_.RangeIndex,
+                    processes: _Processes):
+    for batch in _read_batches(sqlite_path, _within(query, span)):
         _check_integers(batch, sqlite_path, RUNTIME_TABLE, _LAUNCH_VALUES)
         correlation, tid, start = (batch.column(i).to_numpy() for i in range(3))
         if correlation.size:
@@ -482,62 +569,64 @@ _KERNEL_VALUES = ("start", "end", "demangledName or shortName", "gridX, gridY or
 _LAUNCH_VALUES = ("correlationId", "globalTid", "start")
 
 
-def read_kernels(sqlite_path: Path, launches: Launches | Future | None) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """Per-launch rows (start, duration, sig, range) and the distinct signatures they use. While the launch
-    calls are still being read (`launches` is a Future), each kernel's correlationId and process are kept
-    until they are."""
-    with closing(_connect(sqlite_path)) as conn:
-        count = conn.execute(f"SELECT count(*) FROM {KERNEL_TABLE}").fetchone()[0]
-    # Filled batch by batch, so the rows are never held twice.
-    start = np.empty(count, dtype=np.int64)
-    duration = np.empty(count, dtype=np.int64)
-    sig = np.empty(count, dtype=np.uint32)
-    in_range = np.full(count, ranges_.NO_RANGE, dtype=np.int32)
-    pending = launches if isinstance(launches, Future) else None
-    if pending is not None:
-        correlation, pid = np.empty(count, dtype=np.int64), np.empty(count, dtype=np.int64)
-    signatures = pl.DataFrame(schema={"names": pl.Int64, "grid": pl.Int64, "block": pl.Int64, "sig": pl.UInt32})
-    filled = not_after = 0
-    for batch in _read_batches(sqlite_path, _kernel_query(launch_keys=launches is not None)):
-        if filled + batch.num_rows > count:
-            raise KvtraceError(f"{sqlite_path} changed while it was read (more than {count} kernel rows): "
-                               "read it again once nothing writes to it")
-        _check_integers(batch, sqlite_path, KERNEL_TABLE, _KERNEL_VALUES)
-        rows = slice(filled, filled + batch.num_rows)
-        packed = pl.from_arrow(batch.select([2, 3, 4])).rename(dict(zip(batch.schema.names[2:5], SIGNATURE)))
-        found = packed.join(signatures, on=SIGNATURE, how="left", maintain_order="left")["sig"]
+class _SignatureNumbers:
+    """Numbers for launch signatures as the kernel-table ranges meet them, on several threads at once; the
+    layout numbers them again by first appearance in the table."""
+
+    def __init__(self):
+        self.table = pl.DataFrame(schema={"names": pl.Int64, "grid": pl.Int64, "block": pl.Int64, "sig": pl.UInt32})
+        self.lock = threading.Lock()
+
+    def of(self, packed: pl.DataFrame) -> np.ndarray:
+        found = packed.join(self.table, on=SIGNATURE, how="left", maintain_order="left")["sig"]
         if found.null_count():
-            # Numbered in order of first appearance, so that listings break ties the same way every time.
-            new = packed.filter(found.is_null()).unique(maintain_order=True)
-            signatures = pl.concat([signatures, new.with_columns(
-                pl.int_range(signatures.height, signatures.height + new.height, dtype=pl.UInt32).alias("sig"))])
-            found = packed.join(signatures, on=SIGNATURE, how="left", maintain_order="left")["sig"]
-        sig[rows] = found.to_numpy()
-        start[rows] = batch.column(0).to_numpy()
-        np.subtract(batch.column(1).to_numpy(), start[rows], out=duration[rows])
-        not_after += int(np.count_nonzero(duration[rows] <= 0))
-        if launches is not None:
-            if pending is not None:
-                correlation[rows], pid[rows] = batch.column(5).to_numpy(), batch.column(6).to_numpy()
-            else:
-                in_range[rows] = launches.innermost_of(batch.column(5).to_numpy(), batch.column(6).to_numpy())
-        filled += batch.num_rows
-    if filled != count:
-        raise KvtraceError(f"{sqlite_path} changed while it was read ({filled} of {count} kernel rows): "
-                           "read it again once nothing writes to it")
+            with self.lock:
+                new = packed.filter(found.is_null()).unique(maintain_order=True).join(self.table, on=SIGNATURE,
+                                                                                       how="anti")
+                self.table = pl.concat([self.table, new.with_columns(
+                    pl.int_range(self.table.height, self.table.height + new.height, dtype=pl.UInt32).alias("sig"))])
+            found = packed.join(self.table, on=SIGNATURE, how="left", maintain_order="left")["sig"]
+        return found.to_numpy()
+
+
+def read_kernels(sqlite_path: Path, launches: Launches | None, ranges: pl.DataFrame, spans: list[tuple[int, int]],
+                 folder: Path | None) -> tuple[calls_.Laid, pl.DataFrame]:
+    """The kernel calls laid out by cell in `folder` (None: in memory), and the distinct signatures they use.
+    The rowid spans are read side by side, each batch looked up in the launch calls' runs and handed to the
+    layout, so that memory stays at a batch per core."""
+    names, name_of_range = range_names(ranges)
+    layout = calls_.Layout(folder, name_of_range, outside=len(names))
+    numbers = _SignatureNumbers()
+    query = _kernel_query(launch_keys=launches is not None)
+
+    def read(position: int) -> int:
+        """Reads one span into its chunk of the layout; the number of kernels that do not end after they start."""
+        chunk = layout.chunk(position)
+        not_after = 0
+        for batch in _read_batches(sqlite_path, _within(query, spans[position])):
+            _check_integers(batch, sqlite_path, KERNEL_TABLE, _KERNEL_VALUES)
+            start = batch.column(0).to_numpy()
+            duration = batch.column(1).to_numpy() - start
+            not_after += int(np.count_nonzero(duration <= 0))
+            packed = pl.from_arrow(batch.select([2, 3, 4])).rename(dict(zip(batch.schema.names[2:5], SIGNATURE)))
+            in_range = launches.innermost_of(batch.column(5).to_numpy(), batch.column(6).to_numpy()) \
+                if launches is not None else np.full(start.size, ranges_.NO_RANGE, dtype=np.int32)
+            chunk.add(start, duration, numbers.of(packed), in_range)
+        return not_after
+
+    with ThreadPoolExecutor(max_workers=_workers()) as pool:
+        not_after = sum(pool.map(read, range(len(spans))))
     if not_after:
         # A kernel takes at least a few hundred nanoseconds; end <= start is a damaged or edited timestamp, and a
         # zero or negative duration would poison every mean and ratio it enters.
+        count = sum(chunk.rows for chunk in layout.chunks.values())
+        layout.discard()
         raise KvtraceError(f"{sqlite_path}: {not_after:,} of {count:,} kernel rows do not end after they start "
                            "(end <= start): its timestamps are damaged; export the report again")
-    if pending is not None:
-        in_range[:] = launches.result().innermost_of(correlation, pid)
-        del correlation, pid
-    kernels = pl.DataFrame({"start": start, "duration": duration, "sig": sig, "range": in_range})
-    if not kernels["start"].is_sorted():
-        # Sorted here rather than by SQLite's single-threaded sorter; ties keep table order.
-        kernels = kernels.sort("start", maintain_order=True)
-    return kernels, _unpack(signatures)
+    laid = layout.finish(_workers())
+    provisional = numbers.table["sig"].to_numpy()
+    signatures = numbers.table.with_columns(pl.Series("sig", laid.sig_order[provisional], dtype=pl.UInt32))
+    return laid, _unpack(signatures)
 
 
 def _check_integers(batch, sqlite_path: Path, table: str, values: tuple[str, ...]) -> None:
@@ -578,13 +667,19 @@ def _kernel_query(*, launch_keys: bool) -> str:
     return f"SELECT {columns} FROM {KERNEL_TABLE}"
 
 
+def _within(query: str, span: tuple[int, int]) -> str:
+    """A query of one table narrowed to a range of its rowids (a b-tree range, not a scan)."""
+    return f"{query} {'AND' if ' WHERE ' in query else 'WHERE'} rowid BETWEEN {span[0]} AND {span[1]}"
+
+
 def _read_batches(path: Path, query: str):
     """Stream a query's rows as Arrow record batches through ADBC, read-only: memory stays at one batch."""
     import adbc_driver_sqlite.dbapi as adbc
 
     with adbc.connect(f"file:{quote(str(path.resolve()))}?mode=ro&immutable=1") as conn:
         with conn.cursor() as cursor:
-            cursor.adbc_statement.set_options(**{"adbc.sqlite.query.batch_rows": str(BATCH_ROWS)})
+            rows = min(1 << 18, max(1 << 14, BATCH_BYTES // 60 // _workers()))
+            cursor.adbc_statement.set_options(**{"adbc.sqlite.query.batch_rows": str(rows)})
             cursor.execute(query)
             yield from cursor.fetch_record_batch()
 
@@ -736,7 +831,7 @@ def _check_export(conn: sqlite3.Connection, path: Path) -> None:
         raise KvtraceError(f"{path} is damaged ({error}): copy or export it again") from None
 
 
-def _trace_info(conn: sqlite3.Connection, tables: set[str], source: Path, sqlite_path: Path, kernels: pl.DataFrame,
+def _trace_info(conn: sqlite3.Connection, tables: set[str], source: Path, sqlite_path: Path, laid: calls_.Laid,
                 signatures: pl.DataFrame) -> TraceInfo:
     meta = dict(conn.execute("SELECT name, value FROM META_DATA_EXPORT").fetchall())
     capture = dict(conn.execute("SELECT name, value FROM META_DATA_CAPTURE").fetchall()) \
@@ -744,9 +839,7 @@ def _trace_info(conn: sqlite3.Connection, tables: set[str], source: Path, sqlite
     graph_mode = next((v for k, v in capture.items() if k.endswith("CUDA_GRAPH_TRACE_OPTIONS:MODE")), None)
     system = dict(conn.execute("SELECT name, value FROM TARGET_INFO_SYSTEM_ENV").fetchall()) \
         if "TARGET_INFO_SYSTEM_ENV" in tables else {}
-    count, first = kernels.height, kernels["start"].min()
-    # Streamed, so that no column of kernel end times is built.
-    last = kernels.lazy().select((pl.col("start") + pl.col("duration")).max()).collect(engine="streaming").item()
+    count, first, last = laid.calls.count, int(laid.calls.start[0]), laid.last_end
     return TraceInfo(
         source=str(source), sqlite=str(sqlite_path),
         product_version=meta.get("EXPORT_PRODUCT_VERSION"), schema_version=meta.get("EXPORT_SCHEMA_VERSION"),
@@ -804,9 +897,3 @@ def stage_queries(sqlite_path: Path) -> dict[str, str]:
 def drain(sqlite_path: Path, query: str) -> int:
     """Read a query's rows as open_trace reads them (Arrow batches through ADBC) and throw them away."""
     return sum(batch.num_rows for batch in _read_batches(sqlite_path, query))
-
-
-def write_cache(sqlite_path: Path, trace: Trace) -> bool:
-    """Write the export's trace-cache entry, as open_trace does after a load; False when there is no cache."""
-    entry = _cache_entry(sqlite_path)
-    return entry is not None and _write_cached(entry, trace)

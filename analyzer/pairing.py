@@ -21,7 +21,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 import polars as pl
 
-from kvtrace.analyzer import align, ranges
+from kvtrace.analyzer import align
+from kvtrace.analyzer.calls import Calls
 from kvtrace.analyzer.classify import DIMS, SEGMENTS
 from kvtrace.analyzer.load import Trace
 from kvtrace.errors import KvtraceError
@@ -85,28 +86,28 @@ class Vocabulary:
         index = {shape: code for code, shape in enumerate(self.shapes)}
         shape = np.array([index[s] for s in by_sig.select(DIMS).iter_rows()], dtype=np.uint32)
         name_index = {name: code for code, name in enumerate(self.names)}
-        # A range without a name (nvtxRangePushEx with only a colour) cannot be matched: like outside.
-        nvtx_of_range = np.array([name_index.get(n, self.outside) for n in trace.ranges["name"].to_list()],
-                                 dtype=np.uint32)
-        in_range = trace.kernels["range"].to_numpy()
-        nvtx = np.full(in_range.size, self.outside, dtype=np.uint32)
-        inside = in_range != ranges.NO_RANGE
-        nvtx[inside] = nvtx_of_range[in_range[inside]]
-        calls = trace.kernels.with_columns(pl.Series("nvtx", nvtx))
-        if window.skip_warmup or window.last is not None:  # trimming counts calls per family and match key
-            sig = calls["sig"].to_numpy()
-            calls = calls.with_columns(pl.Series("family", family[sig]), pl.Series("shape", shape[sig]))
-        calls = align.apply_window(trace, calls, window)
-        if calls.height == 0:
+        # The trace's cells number their range names among its own; a range without a name (nvtxRangePushEx
+        # with only a colour) cannot be matched, and its calls count as outside, like calls outside every range.
+        nvtx_of_name = np.array([name_index[n] for n in trace.range_names] + [self.outside], dtype=np.uint32)
+        of_trace = trace.calls.cells
+        cell_sig, cell_nvtx = of_trace["sig"].to_numpy(), nvtx_of_name[of_trace["name"].to_numpy()]
+        group_of_cell = np.unique(np.stack([family[cell_sig], shape[cell_sig], cell_nvtx]), axis=1,
+                                  return_inverse=True)[1].reshape(-1) if of_trace.height else np.zeros(0, np.int64)
+        keep = align.window_calls(trace, window, group_of_cell)
+        cells = Cells.of(trace.calls, cell_nvtx, keep)
+        if cells.table.height == 0:
             raise KvtraceError(f"{trace.info.source}: no kernels inside the window "
                                f"({'; '.join(window.describe())}); widen --window/--time/--phase")
-        cells = Cells.of(calls)
+        if keep is None:
+            launched = trace.ranges.filter(pl.col("calls") > 0)["range"]
+        else:
+            launched = pl.Series("range", np.unique(trace.calls.range[keep]), dtype=pl.Int32)
         sig, cell_nvtx = cells.table["sig"].to_numpy(), cells.table["nvtx"].to_numpy()
         cells = replace(cells, table=cells.table.with_columns(
             pl.Series("family", family[sig]), pl.Series("segment", segment[sig]), pl.Series("shape", shape[sig]),
             pl.Series("phase", self.phase_of_nvtx[cell_nvtx]),
             pl.Series("kv_independent", by_sig["kv_independent"].to_numpy()[sig])))
-        return Run(trace, classes, cells, calls["range"].unique())
+        return Run(trace, classes, cells, launched)
 
 
 def _phase_names(names: list[str]) -> list[str]:
@@ -122,12 +123,12 @@ def _phase_names(names: list[str]) -> list[str]:
 class Cells:
     """A run's calls grouped into cells of one signature and one innermost range (`nvtx` code).
 
-    `table` has a row per cell: cell, sig, nvtx, calls, total_ns, first (the row of its earliest call), plus
-    the codes Vocabulary.run adds (family, segment, shape, phase, kv_independent). `order` lists the calls'
-    rows (in the run's start order) cell after cell, ascending within a cell, and `durations` their
-    durations in that order: cell i is [offsets[i], offsets[i + 1]) of both. Groups of cells (`where`) share
-    the arrays, so comparisons work on the small table and copy contiguous runs of durations only for what
-    they report.
+    `table` has a row per cell: cell, sig, nvtx, calls, total_ns, first (the rank of its earliest call in the
+    trace's start order), plus the codes Vocabulary.run adds (family, segment, shape, phase, kv_independent).
+    `durations` holds the calls' durations cell after cell, in start order within a cell, and `order` their
+    ranks in the trace's start order: cell i is [offsets[i], offsets[i + 1]) of both. Without a window both
+    are the trace's own memory-mapped columns (analyzer.calls). Groups of cells (`where`) share the arrays,
+    so comparisons work on the small table and copy contiguous runs of durations only for what they report.
     """
 
     table: pl.DataFrame
@@ -136,37 +137,23 @@ class Cells:
     offsets: np.ndarray
 
     @classmethod
-    def of(cls, calls: pl.DataFrame) -> Cells:
-        """From calls (sig, nvtx, duration) in start order, in numpy: a hash group-by over millions of
-        rows would hold several times their size."""
-        width = int(calls["nvtx"].max()) + 1 if calls.height else 1
-        key_type = np.uint32 if (int(calls["sig"].max() or 0) + 1) * width < 1 << 32 else np.int64
-        keys = calls["sig"].to_numpy().astype(key_type)
-        keys *= width
-        keys += calls["nvtx"].to_numpy()
-        if keys.size and int(keys.max()) < 1 << 24:
-            calls_by_key = np.bincount(keys)
-            present = np.flatnonzero(calls_by_key)
-            lookup = np.zeros(calls_by_key.size, dtype=np.uint16 if present.size <= 1 << 16 else np.uint32)
-            lookup[present] = np.arange(present.size)
-            cell = lookup[keys]
-            counts = calls_by_key[present]
-        else:
-            present, cell, counts = np.unique(keys, return_inverse=True, return_counts=True)
-        del keys
-        # A stable sort keeps each cell's calls in start order; numpy radix-sorts 16-bit cell numbers.
-        order = np.argsort(cell, kind="stable").astype(np.uint32 if calls.height < 1 << 32 else np.int64)
-        del cell
+    def of(cls, calls: Calls, nvtx: np.ndarray, keep: np.ndarray | None) -> Cells:
+        """A trace's cells, with their nvtx codes, and only the calls `keep` marks (all with None)."""
+        table = calls.cells.select("cell", "sig", pl.Series("nvtx", nvtx, dtype=pl.UInt32), "calls", "total_ns",
+                                   "first")
+        if keep is None:
+            return cls(table=table, durations=calls.duration, order=calls.rank, offsets=calls.offsets)
+        kept = np.add.reduceat(keep, calls.offsets[:-1], dtype=np.int64) if table.height else \
+            np.zeros(0, dtype=np.int64)
+        present = np.flatnonzero(kept)
         offsets = np.zeros(present.size + 1, dtype=np.int64)
-        np.cumsum(counts, out=offsets[1:])
-        durations = calls["duration"].to_numpy()[order]
+        np.cumsum(kept[present], out=offsets[1:])
+        durations, order = calls.duration[keep], calls.rank[keep]
         totals = np.add.reduceat(durations, offsets[:-1], dtype=np.int64) if present.size else \
             np.zeros(0, dtype=np.int64)
-        if durations.size and 0 <= durations.min() and durations.max() < 1 << 32:
-            durations = durations.astype(np.uint32)  # kernels shorter than 4.3 s: half the memory
-        table = pl.DataFrame({"cell": np.arange(present.size, dtype=np.uint32),
-                              "sig": (present // width).astype(np.uint32), "nvtx": (present % width).astype(np.uint32),
-                              "calls": counts.astype(np.int64), "total_ns": totals, "first": order[offsets[:-1]]})
+        table = table[present].with_columns(
+            pl.int_range(present.size, dtype=pl.UInt32).alias("cell"), pl.Series("calls", kept[present]),
+            pl.Series("total_ns", totals), pl.Series("first", order[offsets[:-1]].astype(np.int64)))
         return cls(table=table, durations=durations, order=order, offsets=offsets)
 
     def where(self, predicate: pl.Expr) -> Cells:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import resource
 import shutil
 import subprocess
 import sys

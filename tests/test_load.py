@@ -16,6 +16,7 @@ import subprocess
 from contextlib import closing
 from pathlib import Path
 
+import numpy as np
 import polars as pl
 import pytest
 
@@ -221,7 +222,8 @@ def test_kernels_of_a_process_without_launch_calls_are_outside_every_range(tmp_p
 
 
 def test_nvtx_ranges_load(real_sqlite):
-    ranges = open_trace(real_sqlite).ranges
+    trace = open_trace(real_sqlite)
+    ranges = trace.ranges
     # Independent: closed push/pop and start/end ranges that ended on their own thread; the fixtures use
     # the default domain (domainId 0), so the name is the range text itself.
     rows = own_sql(real_sqlite, """
@@ -232,8 +234,11 @@ def test_nvtx_ranges_load(real_sqlite):
         FROM NVTX_EVENTS e
         LEFT JOIN StringIds s ON s.id = e.textId
         WHERE e.eventType IN (59, 60, 70, 71) AND e."end" IS NOT NULL AND e.endGlobalTid IS NULL""")
-    assert ranges.columns == ["range", "name", "start", "end", "global_tid", "depth", "parent"]
+    assert ranges.columns == ["range", "name", "start", "end", "global_tid", "depth", "parent", "calls"]
     assert ranges.height == len(rows) > 0
+    # calls: the kernels whose launch call has it as the innermost range
+    launched = trace.kernels.filter(pl.col("range") != NO_RANGE)["range"].to_numpy()
+    assert ranges["calls"].to_list() == np.bincount(launched, minlength=ranges.height).tolist()
     # depth = the number of ranges around it on its thread
     assert sorted(zip(ranges["start"], ranges["end"], ranges["name"], ranges["global_tid"], ranges["depth"])) \
         == sorted(rows)
@@ -305,8 +310,8 @@ def test_an_unreadable_entry_is_written_again(tmp_path, cache_dir, monkeypatch):
     fresh = open_trace(export)
     [entry] = (cache_dir / "traces").iterdir()
     # Replaced, not truncated in place: `fresh` maps the old file.
-    (entry / "damaged").write_bytes(b"not arrow")
-    os.replace(entry / "damaged", entry / "kernels.arrow")
+    (entry / "damaged").write_bytes(b"not npy")
+    os.replace(entry / "damaged", entry / "duration.npy")
     assert _same_trace(open_trace(export), fresh)
     assert _same_trace(open_trace(export), fresh)  # from the rewritten entry
 
