@@ -8,9 +8,9 @@ by its position. A comparison without a window reads the durations alone, 4 byte
 and starts are paged in only where a window or the launch order across cells needs them.
 
 The loader hands in the calls chunk by chunk, from several threads at once (one chunk per rowid range of the
-kernel table, each in table order). Chunks are spilled to files beside the layout, counted by cell as they
-arrive, and scattered into place once every chunk is in, so that memory stays at a few batches whatever the
-trace's size.
+kernel table, each in table order). Chunks are counted by cell as they arrive, held in memory up to HELD_BYTES
+and spilled to files beside the layout beyond that, and scattered into place once every chunk is in, so that
+memory stays bounded whatever the trace's size.
 """
 
 from __future__ import annotations
@@ -28,9 +28,13 @@ import polars as pl
 
 # Per call, in cell order; and the starts, in start order.
 ARRAYS = ("duration", "rank", "range", "start")
-# Spilled per call in table order; `key` is the cell key as the chunks number signatures (signature times the
-# name width, plus the name code).
-_SPILLED = {"key": np.int64, "range": np.int32, "start": np.int64, "duration": np.int64}
+# Kept per call in table order until the layout is made. A duration is kept as uint32: the few that do not fit
+# (kernels of 4.3 s and more) are kept beside, exactly.
+_SPILLED = {"sig": np.uint32, "range": np.int32, "start": np.int64, "duration": np.uint32}
+_SPILLED_BYTES = sum(np.dtype(t).itemsize for t in _SPILLED.values())
+# Chunks are held in memory up to this much per layout, and spilled to files in the layout's folder beyond it:
+# writing new file pages costs about 1.5 s of system time per GB on the machines of docs/performance.md.
+HELD_BYTES = 256 << 20
 BLOCK_ROWS = 1 << 18  # calls placed at a time per thread, about 10 MiB of working memory
 _DENSE_KEYS = 1 << 22  # below this many (signature, name) keys, keys are counted and looked up in flat arrays
 
@@ -98,10 +102,13 @@ class Layout:
         self.chunks: dict[int, _Chunk] = {}
         self.lock = threading.Lock()
 
-    def chunk(self, index: int) -> _Chunk:
-        """The writer of chunk `index` (chunks are laid out in index order), for one thread."""
-        chunk = _Chunk(self, index, self.folder)
+    def chunk(self, index: int, rows: int) -> _Chunk:
+        """The writer of chunk `index` of at most `rows` calls (chunks are laid out in index order), for one
+        thread."""
         with self.lock:
+            held = sum(c.capacity for c in self.chunks.values() if c.folder is None) * _SPILLED_BYTES
+            in_memory = self.folder is None or held + rows * _SPILLED_BYTES <= HELD_BYTES
+            chunk = _Chunk(self, index, None if in_memory else self.folder, rows)
             self.chunks[index] = chunk
         return chunk
 
@@ -169,10 +176,10 @@ class Layout:
             chunk, (cells, before) = chunks[position], earlier[position]
             cursor = offsets[:-1].copy()  # where this chunk's next call of each cell goes
             cursor[cells] += before
-            for block, keys in chunk.blocks("key"):
-                rows = slice(block, block + keys.size)
-                cell = cell_of(keys)
-                del keys
+            for block, sig in chunk.blocks("sig"):
+                rows = slice(block, block + sig.size)
+                in_range = chunk.read("range", rows)
+                cell = cell_of(sig.astype(np.int64) * self.width + self.name_of_range[in_range])
                 if cell_keys.size <= 1 << 16:
                     cell = cell.astype(np.uint16)  # numpy radix-sorts 16-bit cell numbers
                 order = np.argsort(cell, kind="stable")
@@ -184,7 +191,13 @@ class Layout:
                 target += np.arange(target.size)
                 cursor += counts
                 out["duration"][target] = chunk.read("duration", rows)[order]
-                out["range"][target] = chunk.read("range", rows)[order]
+                out["range"][target] = in_range[order]
+                for long_rows, long_durations in chunk.overflow:
+                    inside = (long_rows >= rows.start) & (long_rows < rows.stop)
+                    if inside.any():
+                        place = np.empty(order.size, dtype=np.int64)
+                        place[order] = target
+                        out["duration"][place[long_rows[inside] - rows.start]] = long_durations[inside]
                 order += int(base[position]) + block  # the rank of a call in start order is its row
                 out["rank"][target] = order
                 files.release()
@@ -209,25 +222,33 @@ def _in_start_order(chunks: list[_Chunk]) -> _Chunk:
     table order). This costs about 32 bytes per kernel while loading; exports list a GPU's kernels in start
     order, so only traces of several GPUs can need it."""
     layout = chunks[0].layout
-    whole = _Chunk(layout, -1, folder=None)
+    rows = sum(c.rows for c in chunks)
+    whole = _Chunk(layout, -1, None, 0)
     starts = np.concatenate([c.read("start") for c in chunks])
     order = np.argsort(starts, kind="stable")
-    whole.parts["start"] = [starts[order]]
+    whole.held["start"] = starts[order]
     del starts
-    for name in ("key", "range", "duration"):
-        whole.parts[name] = [np.concatenate([c.read(name) for c in chunks])[order]]
-    whole.rows = int(order.size)
+    for name in ("sig", "range", "duration"):
+        whole.held[name] = np.concatenate([c.read(name) for c in chunks])[order]
+    whole.rows = whole.capacity = rows
     whole.counts = [part for c in chunks for part in c.counts]
+    if any(c.overflow for c in chunks):
+        place = np.empty(rows, dtype=np.int64)
+        place[order] = np.arange(rows)
+        base = np.cumsum([0] + [c.rows for c in chunks])
+        whole.overflow = [(place[first + long_rows], values) for c, first in zip(chunks, base)
+                          for long_rows, values in c.overflow]
     for chunk in chunks:
         chunk.remove()
     return whole
 
 
 class _Chunk:
-    """One chunk of calls in table order, written by one thread: spilled, and counted by cell key."""
+    """One chunk of calls in table order, written by one thread: counted by cell key, and kept in memory (with
+    room for `capacity` calls) or spilled to files in `folder`."""
 
-    def __init__(self, layout: Layout, index: int, folder: Path | None = None):
-        self.layout, self.index, self.folder = layout, index, folder
+    def __init__(self, layout: Layout, index: int, folder: Path | None, capacity: int):
+        self.layout, self.index, self.folder, self.capacity = layout, index, folder, capacity
         self.rows = 0
         self.in_order = True
         self.first_start = self.last_start = 0
@@ -236,11 +257,14 @@ class _Chunk:
         self.first_row = np.zeros(0, dtype=np.int64)  # per signature, its first row in the chunk (-1: none)
         # per range (from NO_RANGE), the calls launched in it
         self.launched = np.zeros(layout.name_of_range.size, dtype=np.int64)
-        self.parts: dict[str, list] = {name: [] for name in _SPILLED}
-        self.handles = {}
         self.counts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self.overflow: list[tuple[np.ndarray, np.ndarray]] = []  # rows and durations of calls of 2^32 ns or more
+        self.handles = {}
+        self.held: dict[str, np.ndarray] = {}
         if folder is not None:
             self.handles = {name: open(self._path(name), "wb") for name in _SPILLED}
+        else:
+            self.held = {name: np.empty(capacity, dtype=dtype) for name, dtype in _SPILLED.items()}
 
     def _path(self, name: str) -> Path:
         return self.folder / f".chunk-{self.index}.{name}"
@@ -257,6 +281,9 @@ class _Chunk:
         self.last_start = int(start[-1])
         low, high = int(duration.min()), int(duration.max())
         self.extremes = (min(self.extremes[0], low), max(self.extremes[1], high)) if self.rows else (low, high)
+        if high >= 1 << 32:
+            long = np.flatnonzero(duration >= 1 << 32)
+            self.overflow.append((self.rows + long, duration[long]))
         end = int((start + duration).max())
         self.last_end = end if self.last_end is None else max(self.last_end, end)
         top = int(sig.max()) + 1
@@ -268,7 +295,6 @@ class _Chunk:
             found, first = np.unique(sig[rows], return_index=True)
             self.first_row[found] = self.rows + rows[first]
         self.launched += np.bincount(in_range + 1, minlength=self.launched.size)
-        self.rows += start.size
         keys = sig.astype(np.int64) * self.layout.width + self.layout.name_of_range[in_range]
         if int(keys.max()) < _DENSE_KEYS:
             counts = np.bincount(keys)
@@ -279,12 +305,14 @@ class _Chunk:
         else:
             present, inverse, counts = np.unique(keys, return_inverse=True, return_counts=True)
             self.counts.append((present, counts, np.bincount(inverse, weights=duration).astype(np.int64)))
-        for name, values in (("key", keys), ("range", in_range), ("start", start), ("duration", duration)):
-            values = np.ascontiguousarray(values, dtype=_SPILLED[name])
+        rows = slice(self.rows, self.rows + start.size)
+        for name, values in (("sig", sig), ("range", in_range), ("start", start), ("duration", duration)):
+            values = values.astype(_SPILLED[name], copy=False)  # durations of 2^32 ns and more wrap: see overflow
             if self.handles:
                 values.tofile(self.handles[name])
             else:
-                self.parts[name].append(values)
+                self.held[name][rows] = values
+        self.rows = rows.stop
 
     def counted(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The chunk's cell keys, with their calls and summed durations."""
@@ -300,30 +328,26 @@ class _Chunk:
     def close(self) -> None:
         for handle in self.handles.values():
             handle.close()
-        for name, parts in self.parts.items():
-            if len(parts) > 1:
-                self.parts[name] = [np.concatenate(parts)]
 
     def read(self, name: str, rows: slice = slice(0, None)) -> np.ndarray:
-        """One spilled column, whole or some rows."""
+        """One kept column, whole or some rows."""
         dtype = np.dtype(_SPILLED[name])
         stop = self.rows if rows.stop is None else rows.stop
         if self.folder is not None:
             return np.fromfile(self._path(name), dtype=dtype, count=stop - rows.start,
                                offset=rows.start * dtype.itemsize)
-        parts = self.parts[name]  # one array once the chunk is closed
-        return parts[0][rows.start:stop] if parts else np.zeros(0, dtype=dtype)
+        return self.held[name][rows.start:stop]
 
     def blocks(self, name: str):
-        """(first row, values) of one spilled column, BLOCK_ROWS at a time: memory stays at a block."""
+        """(first row, values) of one kept column, BLOCK_ROWS at a time: memory stays at a block."""
         for first in range(0, self.rows, BLOCK_ROWS):
             yield first, self.read(name, slice(first, min(first + BLOCK_ROWS, self.rows)))
 
     def remove(self) -> None:
-        for name in _SPILLED:
-            if self.folder is not None:
+        if self.folder is not None:
+            for name in _SPILLED:
                 self._path(name).unlink(missing_ok=True)
-            self.parts[name] = []
+        self.held = {}
 
 
 class _Files:
@@ -349,6 +373,23 @@ class _Files:
     def release(self) -> None:
         for mapped in self.maps:
             mapped.madvise(mmap.MADV_DONTNEED)  # shared file pages: written through, only unmapped here
+
+
+def sums(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """Per span [offsets[i], offsets[i + 1]) of `values` (none empty), its int64 sum. Spans are summed a few
+    million values at a time: np.add.reduceat would first copy all of the values as int64."""
+    out = np.zeros(offsets.size - 1, dtype=np.int64)
+    first = 0
+    while first < out.size:
+        last = max(first + 1, int(np.searchsorted(offsets, offsets[first] + BLOCK_ROWS * 16, side="right")) - 1)
+        last = min(last, out.size)
+        low, high = int(offsets[first]), int(offsets[last])
+        if last == first + 1:  # one span, however long: a buffered sum
+            out[first] = values[low:high].sum(dtype=np.int64)
+        else:
+            out[first:last] = np.add.reduceat(values[low:high], offsets[first:last] - low, dtype=np.int64)
+        first = last
+    return out
 
 
 def open_layout(folder: Path, cells: pl.DataFrame) -> Calls:

@@ -10,7 +10,7 @@ list's shares and means) and words what it found.
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +18,7 @@ import polars as pl
 
 from kvtrace import __version__
 from kvtrace.analyzer import align, pairing, stats
+from kvtrace.analyzer.calls import sums
 from kvtrace.analyzer.classify import KV_SEGMENTS, RecipeSet
 from kvtrace.analyzer.load import Trace, TraceInfo
 from kvtrace.analyzer.pairing import KERNEL, RANGE, Cells, Run, Vocabulary, segment_order
@@ -206,6 +207,14 @@ def _arm(runs: list[Run], label: str) -> Arm:
                kv_dtypes=tuple(sorted(kv)), runs=len(runs), sources=tuple(run.trace.info.source for run in runs))
 
 
+def _release(runs) -> None:
+    """Hand the pages of the traces' calls read so far back to the page cache (analyzer.calls), once what was
+    read from them is held elsewhere: memory then stays at what a comparison keeps, not at the traces' size."""
+    for run in runs:
+        for one in (run if isinstance(run, tuple) else (run,)):
+            one.trace.calls.release()
+
+
 def _codes_in(cells: Cells, *columns: str) -> set:
     return set(cells.table.select(columns).unique().iter_rows())
 
@@ -225,6 +234,7 @@ def summarize(trace: Trace, recipes: RecipeSet, label: str | None = None,
         kv, names = run.kv_dtypes_and_names(group)
         numbers = ArmStats.of(group.values(), arm.total_ns) if stats.same_work([_per_call_means(group.table)]) else \
             ArmStats.total(group.calls, group.total_ns, arm.total_ns)
+        _release([run])
         return SummaryRow(segment=run.earliest(group, "segment"), cells=group.table.height, stats=numbers,
                           kv_dtypes=kv, names=names, **extra)
 
@@ -249,6 +259,7 @@ def segment_durations(traces: list[Trace], recipes: RecipeSet, window: align.Win
         if segment in vocabulary.segments:
             code = vocabulary.segments.index(segment)
             values = np.concatenate([run.cells.where(pl.col("segment") == code).values() for run in runs])
+            _release(runs)
             if values.size:
                 out[segment] = np.sort(values.astype(np.int64))
     return out
@@ -279,14 +290,22 @@ class _Comparison:
         strata = pl.concat(tables)
         offsets = np.concatenate([[0]] + [p.offsets[1:] + total for p, total in
                                           zip(pairs, np.cumsum([0] + [p.offsets[-1] for p in pairs[:-1]]))])
-        baseline = np.concatenate([p.baseline for p in pairs])
-        candidate = np.concatenate([p.candidate for p in pairs])
+        if len(pairs) == 1:
+            baseline, candidate = pairs[0].baseline, pairs[0].candidate
+        else:  # each run pair's calls become a view of the concatenation: they are held once
+            baseline = np.concatenate([p.baseline for p in pairs])
+            candidate = np.concatenate([p.candidate for p in pairs])
+            ends = np.cumsum([p.baseline.size for p in pairs]).tolist()
+            pairs = [replace(p, baseline=baseline[end - p.baseline.size:end], candidate=candidate[end - p.baseline.size:end])
+                     for p, end in zip(pairs, ends)]
+        _release(runs)
         paired = stats.PairedStrata(baseline, candidate, offsets.astype(np.int64), strata["run"].to_numpy(),
                                     len(runs))
-        starts = offsets[:-1]
-        totals = tuple(np.add.reduceat(values, starts, dtype=np.int64) if starts.size else np.zeros(0, np.int64)
-                       for values in (baseline, candidate))
+        totals = tuple(sums(values, offsets) for values in (baseline, candidate))
         return cls(vocabulary, runs, pairs, strata, paired, totals)
+
+    def release(self) -> None:
+        _release(self.runs)
 
     def pair_count(self, members: np.ndarray) -> int:
         return int(np.diff(self.paired.offsets)[members].sum())
@@ -427,6 +446,7 @@ class _RowBuilder:
                          ArmStats.of(np.concatenate([g.values() for _, g, _ in groups]), self.arm_totals[side])
                          if per_call else ArmStats.total(window_calls[side], window_ns[side], self.arm_totals[side])
                          for side, groups in enumerate(sides)]
+            self.comparison.release()
         kv_independent = all(bool(g.table["kv_independent"].all()) for groups in sides for _, g, _ in groups
                              if g.table.height)
         row = DiffRow(segment=run.earliest(group, "segment"), baseline=arm_stats[0], candidate=arm_stats[1],

@@ -601,7 +601,8 @@ def read_kernels(sqlite_path: Path, launches: Launches | None, ranges: pl.DataFr
 
     def read(position: int) -> int:
         """Reads one span into its chunk of the layout; the number of kernels that do not end after they start."""
-        chunk = layout.chunk(position)
+        low, high = spans[position]
+        chunk = layout.chunk(position, high - low + 1)
         not_after = 0
         for batch in _read_batches(sqlite_path, _within(query, spans[position])):
             _check_integers(batch, sqlite_path, KERNEL_TABLE, _KERNEL_VALUES)

@@ -22,7 +22,7 @@ import numpy as np
 import polars as pl
 
 from kvtrace.analyzer import align
-from kvtrace.analyzer.calls import Calls
+from kvtrace.analyzer.calls import Calls, sums
 from kvtrace.analyzer.classify import DIMS, SEGMENTS
 from kvtrace.analyzer.load import Trace
 from kvtrace.errors import KvtraceError
@@ -149,8 +149,7 @@ class Cells:
         offsets = np.zeros(present.size + 1, dtype=np.int64)
         np.cumsum(kept[present], out=offsets[1:])
         durations, order = calls.duration[keep], calls.rank[keep]
-        totals = np.add.reduceat(durations, offsets[:-1], dtype=np.int64) if present.size else \
-            np.zeros(0, dtype=np.int64)
+        totals = sums(durations, offsets)
         table = table[present].with_columns(
             pl.int_range(present.size, dtype=pl.UInt32).alias("cell"), pl.Series("calls", kept[present]),
             pl.Series("total_ns", totals), pl.Series("first", order[offsets[:-1]].astype(np.int64)))
@@ -249,11 +248,12 @@ def pair(base: Run, cand: Run, vocabulary: Vocabulary) -> Pairs:
             .with_columns(pl.col("calls", "calls_candidate").fill_null(0)).sort(KERNEL_KEY))
     rows, pieces = [], ([], [])
     paired = ({}, {})  # cell -> (paired calls, paired ns), per arm
+    paging = _Paging(base, cand)
     shared = both.filter((pl.col("calls") > 0) & (pl.col("calls_candidate") > 0))
     for row in shared.iter_rows(named=True):
         count = min(row["calls"], row["calls_candidate"])
         for side, cell_list in enumerate((row["cells"], row["cells_candidate"])):
-            pieces[side].append(_last(arms[side], np.array(cell_list), count, paired[side], KERNEL))
+            pieces[side].append(paging.read(_last(arms[side], np.array(cell_list), count, paired[side], KERNEL)))
         kv_independent = row["kv_independent"] and row["kv_independent_candidate"]
         rows.append((KERNEL, row["segment"], row["family"], row["shape"], row["nvtx"], kv_independent, count,
                      row["calls"], row["calls_candidate"]))
@@ -270,7 +270,7 @@ def pair(base: Run, cand: Run, vocabulary: Vocabulary) -> Pairs:
         if counts[0] != counts[1]:
             continue
         for side in (0, 1):
-            pieces[side].append(_last(arms[side], chosen[side], counts[side], paired[side], RANGE))
+            pieces[side].append(paging.read(_last(arms[side], chosen[side], counts[side], paired[side], RANGE)))
         rows.append((RANGE, row["segment"], None, None, row["nvtx"], False, counts[0], counts[0], counts[1]))
     strata = pl.DataFrame(
         [(index, *row) for index, row in enumerate(rows)], schema=_STRATA_SCHEMA, orient="row").with_columns(
@@ -280,9 +280,36 @@ def pair(base: Run, cand: Run, vocabulary: Vocabulary) -> Pairs:
     offsets = np.zeros(sizes.size + 1, dtype=np.int64)
     np.cumsum(sizes, out=offsets[1:])
     dtype = np.result_type(*(cells.durations.dtype for cells in arms))
-    baseline, candidate = (np.concatenate(p).astype(dtype, copy=False) if p else np.zeros(0, dtype=dtype)
-                           for p in pieces)
+    baseline, candidate = (paging.joined(p, dtype) for p in pieces)
     return Pairs(strata, baseline, candidate, offsets, tuple(_paired_table(p) for p in paired))
+
+
+class _Paging:
+    """Reads of the traces' memory-mapped durations (analyzer.calls) that hand their pages back to the page
+    cache every RELEASE_BYTES, so that pairing holds the pairs it copies out and little of the traces."""
+
+    RELEASE_BYTES = 64 << 20
+
+    def __init__(self, *runs: Run):
+        self.calls = [run.trace.calls for run in runs]
+        self.since = 0
+
+    def read(self, values: np.ndarray) -> np.ndarray:
+        self.since += values.nbytes
+        if self.since > self.RELEASE_BYTES:
+            for calls in self.calls:
+                calls.release()
+            self.since = 0
+        return values
+
+    def joined(self, pieces: list[np.ndarray], dtype) -> np.ndarray:
+        """The pieces in one array, read piece by piece."""
+        out = np.empty(sum(piece.size for piece in pieces), dtype=dtype)
+        at = 0
+        for piece in pieces:
+            out[at:at + piece.size] = self.read(piece)
+            at += piece.size
+        return out
 
 
 def _cell_lists(table: pl.DataFrame, key: list[str]) -> pl.DataFrame:
