@@ -35,7 +35,8 @@ test: install-dev
 # install libsqlite3-dev) and `nsys stats`, then stage by stage; the tables go into docs/performance.md.
 bench: install
 	@if [ -n "$(NSYS_INSTALLER)" ]; then export NSYS=$$(bash $(NSYS_INSTALLER)); fi; \
-	$(PYTHON) bench/run.py --sizes 10000000 30000000 100000000 && $(PYTHON) bench/stages.py
+	$(PYTHON) bench/run.py --sizes 10000000 30000000 100000000 && $(PYTHON) bench/stages.py && \
+	$(PYTHON) bench/stages.py --workload decode-heavy
 
 docs: install
 	$(PYTHON) -m kvtrace.docs > docs/cli.md

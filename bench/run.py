@@ -37,7 +37,9 @@ JOB_FLOOR = OUT / "kvtrace-floor"
 # decode-heavy arms ran the same steps (every row paired and bootstrapped).
 WORKLOADS = {"cold-prefill": ("vllm", "vllm-fp8"), "decode-heavy": ("vllm-decode", "vllm-decode-fp8")}
 SPARE_DISK = 4 << 30  # left free for everyone else on the machine
-CACHE_BYTES_PER_KERNEL = 24  # kvtrace's trace cache, which first runs write beside the grown files
+# kvtrace's trace cache, which first runs write beside the grown files (20 bytes per kernel), and as much again
+# while a first run lays a large trace out.
+CACHE_BYTES_PER_KERNEL = 40
 
 
 @dataclass(frozen=True)
