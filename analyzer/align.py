@@ -98,24 +98,26 @@ def steps(trace: Trace) -> pl.DataFrame:
 
 def _steps(trace: Trace) -> pl.DataFrame:
     table = trace.ranges
-    parsed = table.select("range", pl.col("name").str.extract_groups(VLLM_STEP.pattern).alias("m"))
-    is_step = parsed["m"].struct.field("1").is_not_null().to_numpy()
-    step_range = ranges.propagate(table["parent"].to_numpy(), table["depth"].to_numpy(),
-                                  np.where(is_step, table["range"].to_numpy(), ranges.NO_RANGE))
-    m = pl.col("m")
-    step_table = parsed.filter(pl.Series(is_step)).select(
-        pl.col("range").alias("step_range"),
+    # Each distinct name is parsed once (steps of the same batch share their name, and an hour of serving has
+    # hundreds of thousands of step ranges); per range, only codes are gathered.
+    m = pl.col("name").str.extract_groups(VLLM_STEP.pattern)
+    names = pl.DataFrame({"name": pl.Series([*trace.range_names, None], dtype=pl.Utf8)}).select(
+        "name",
         m.struct.field("1").cast(pl.Int64).alias("context_requests"),
         m.struct.field("2").cast(pl.Int64, strict=False).alias("context_tokens"),
         m.struct.field("3").cast(pl.Int64).alias("generation_requests"),
         m.struct.field("4").cast(pl.Int64, strict=False).alias("generation_tokens"))
-    phase = step_kind(pl.col("context_requests"), pl.col("generation_requests"))
-    step_table = step_table.with_columns(phase.alias("phase")).join(
-        table.select(pl.col("range").alias("step_range"), pl.col("name").alias("step"),
-                     pl.col("start").alias("step_start")), on="step_range")
-    return (pl.DataFrame({"range": table["range"], "step_range": pl.Series(step_range, dtype=pl.Int32)})
-            .join(step_table, on="step_range", how="inner")
-            .select("range", "step_range", "step", "step_start", "phase", "context_tokens", "generation_tokens"))
+    names = names.with_columns(step_kind(pl.col("context_requests"), pl.col("generation_requests")).alias("phase"))
+    codes = trace.range_name_codes
+    is_step = names["context_requests"].is_not_null().to_numpy()[codes]
+    step_range = ranges.propagate(table["parent"].to_numpy(), table["depth"].to_numpy(),
+                                  np.where(is_step, table["range"].to_numpy(), ranges.NO_RANGE))
+    inside = np.flatnonzero(step_range != ranges.NO_RANGE)
+    step_of = step_range[inside]
+    step = names[codes[step_of]]
+    return pl.DataFrame({"range": table["range"].gather(inside), "step_range": pl.Series(step_of, dtype=pl.Int32),
+                         "step": step["name"], "step_start": table["start"].gather(step_of), "phase": step["phase"],
+                         "context_tokens": step["context_tokens"], "generation_tokens": step["generation_tokens"]})
 
 
 def window_calls(trace: Trace, window: Window, group_of_cell: np.ndarray) -> np.ndarray | None:

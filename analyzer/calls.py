@@ -263,8 +263,13 @@ class _Chunk:
         self.held: dict[str, np.ndarray] = {}
         if folder is not None:
             self.handles = {name: open(self._path(name), "wb") for name in _SPILLED}
-        else:
-            self.held = {name: np.empty(capacity, dtype=dtype) for name, dtype in _SPILLED.items()}
+        elif capacity:
+            # An anonymous mapping of its own, so that its pages go back to the system with the chunk rather than
+            # stay in the allocator's heap.
+            memory, at = mmap.mmap(-1, capacity * _SPILLED_BYTES), 0
+            for name, dtype in _SPILLED.items():
+                self.held[name] = np.frombuffer(memory, dtype=dtype, count=capacity, offset=at)
+                at += capacity * np.dtype(dtype).itemsize
 
     def _path(self, name: str) -> Path:
         return self.folder / f".chunk-{self.index}.{name}"
@@ -336,7 +341,7 @@ class _Chunk:
         if self.folder is not None:
             return np.fromfile(self._path(name), dtype=dtype, count=stop - rows.start,
                                offset=rows.start * dtype.itemsize)
-        return self.held[name][rows.start:stop]
+        return self.held[name][rows.start:stop] if name in self.held else np.zeros(0, dtype=dtype)
 
     def blocks(self, name: str):
         """(first row, values) of one kept column, BLOCK_ROWS at a time: memory stays at a block."""

@@ -345,6 +345,8 @@ def diff(baseline: Trace | list[Trace], candidate: Trace | list[Trace], recipes:
     base_runs, cand_runs = built[:len(base_traces)], built[len(base_traces):]
     base_arm = _arm(base_runs, labels[0] or _default_label(base_traces[0]))
     cand_arm = _arm(cand_runs, labels[1] or _default_label(cand_traces[0]))
+    # Before the pairs exist: the step check holds a few hundred bytes per step, the pairs 8 per call pair.
+    run_findings = _run_findings(list(zip(base_runs, cand_runs)), base_arm, cand_arm)
     comparison = _Comparison.of(vocabulary, list(zip(base_runs, cand_runs)))
     strata = comparison.strata
 
@@ -393,7 +395,7 @@ def diff(baseline: Trace | list[Trace], candidate: Trace | list[Trace], recipes:
     phases.sort(key=lambda r: (segment_order(r.segment), _natural(r.phase)))
 
     findings = comparability(base_arm, cand_arm) + _window_findings(window, families, builder.realigned)
-    findings += _run_findings(comparison, base_arm, cand_arm)
+    findings += run_findings
     if drift is not None:
         findings.append(_drift_finding(drift, threshold))
     return Diff(baseline=base_arm, candidate=cand_arm, recipes=tuple(recipes.files), threshold=threshold,
@@ -606,17 +608,17 @@ def _window_findings(window: align.Window, families: list[DiffRow], realigned: l
     return findings
 
 
-def _run_findings(comparison: _Comparison, base_arm: Arm, cand_arm: Arm) -> list[Finding]:
+def _run_findings(runs: list[tuple[Run, Run]], base_arm: Arm, cand_arm: Arm) -> list[Finding]:
     findings = []
-    count = len(comparison.runs)
+    count = len(runs)
     if count > 1:
         findings.append(Finding("ok", "runs", f"{count} runs per arm, paired in repeat order (r1 with r1, …): "
                                 "intervals resample run pairs, then calls within each run, so between-run variance "
                                 "is inside them"))
-        gpus = sorted({run.trace.info.gpu_label for pair in comparison.runs for run in pair})
+        gpus = sorted({run.trace.info.gpu_label for pair in runs for run in pair})
         if len(gpus) > 1:
             findings.append(Finding("error", "gpu", f"the runs ran on different GPUs: {', '.join(gpus)}"))
-    for index, (base, cand) in enumerate(comparison.runs):
+    for index, (base, cand) in enumerate(runs):
         found = _step_findings(base, cand, base_arm, cand_arm)
         if count > 1:
             for f in found:
@@ -627,19 +629,20 @@ def _run_findings(comparison: _Comparison, base_arm: Arm, cand_arm: Arm) -> list
 
 def _step_findings(base: Run, cand: Run, base_arm: Arm, cand_arm: Arm) -> list[Finding]:
     """vLLM step token counts must agree, or per-step kernel times describe different work (kekzl/imp#1816)."""
-    steps = []
-    for run in (base, cand):
-        found = align.steps(run.trace).filter(pl.col("range").is_in(run.ranges.implode()))
-        steps.append(found.unique("step_range").sort("step_start", "step_range")["step"].to_list())
-    if not steps[0] and not steps[1]:
+    steps = [align.steps(run.trace).filter(pl.col("range").is_in(run.ranges.implode())).unique("step_range")
+             for run in (base, cand)]
+    if not steps[0].height and not steps[1].height:
         return []
 
-    def describe(arm: Arm, names: list[str]) -> str:
-        shown = ", ".join(names[:4]) + (f", … ({len(names)} steps)" if len(names) > 4 else "")
+    def describe(arm: Arm, found: pl.DataFrame) -> str:
+        first = found.bottom_k(4, by=["step_start", "step_range"]).sort("step_start", "step_range")["step"].to_list()
+        shown = ", ".join(first) + (f", … ({found.height} steps)" if found.height > 4 else "")
         return f"{arm.label}: {shown or 'none'}"
 
-    if sorted(steps[0]) == sorted(steps[1]):
-        return [Finding("ok", "steps", f"both arms ran the same {len(steps[0])} vLLM steps (same requests and "
+    # The same steps: each step name as often in both arms. Counted per distinct name, since an hour of serving
+    # has hundreds of thousands of steps.
+    if steps[0]["step"].value_counts().sort("step").equals(steps[1]["step"].value_counts().sort("step")):
+        return [Finding("ok", "steps", f"both arms ran the same {steps[0].height} vLLM steps (same requests and "
                                        "token counts per step)")]
     return [Finding("warning", "steps", f"the arms scheduled different vLLM steps ({describe(base_arm, steps[0])}; "
                     f"{describe(cand_arm, steps[1])}): kernel times of different steps are not comparable, so "

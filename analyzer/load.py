@@ -111,7 +111,12 @@ class Trace:
 
     @property
     def range_names(self) -> tuple[str, ...]:
-        return self.memo("range_names", lambda: range_names(self.ranges)[0])
+        return self.memo("range_names", lambda: range_names(self.ranges))[0]
+
+    @property
+    def range_name_codes(self) -> np.ndarray:
+        """Per range, its name's place in `range_names` (one past the last for a range without a name)."""
+        return self.memo("range_names", lambda: range_names(self.ranges))[1]
 
     @property
     def kernels(self) -> pl.DataFrame:
