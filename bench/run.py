@@ -7,8 +7,9 @@ count by make_large_trace.py into bench/out/, reused when present) are measured 
 tool: wall time, CPU time and peak RSS of `kvtrace summary` and `kvtrace diff` (first runs, which read the
 SQLite exports and fill kvtrace's trace cache in bench/out/cache, and repeat runs, which read the cache); the
 first diff again on 1, 2, … cores (taskset); the floor query (`sqlite3` GROUP BY); the kvtrace-job floor
-(bench/floor.c: one C pass over exactly the values kvtrace reads); and `nsys stats`. A pair is skipped, and
-says so, when the disk cannot hold it. Prints markdown tables with the machine description, for
+(bench/floor.c: one C pass over exactly the values kvtrace reads); and `nsys stats`. With --baseline, the
+first diff of another kvtrace version on the same cores beside. A pair is skipped, and says so, when the disk
+cannot hold it. Prints markdown tables with the machine description, for
 docs/performance.md, and the 1-minute load average beside each measurement.
 """
 
@@ -65,7 +66,8 @@ def measure(command: list[str], env: dict | None = None, cores: int | None = Non
     if cores is not None:
         command = ["taskset", "-c", f"0-{cores - 1}", *command]
     start = time.perf_counter()
-    child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    # Run from bench/out: from the checkout, `python -m kvtrace` would find the checkout's kvtrace/ first.
+    child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd=OUT)
     stderr = child.stderr.read()
     _, status, usage = os.wait4(child.pid, 0)  # this child's own usage, peak RSS included
     wall = time.perf_counter() - start
@@ -143,6 +145,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS), default=sorted(WORKLOADS))
     parser.add_argument("--cores", type=int, nargs="+",
                         help="also time the first diff on this many cores (default: 1, 2 and all of them)")
+    parser.add_argument("--baseline", type=Path, metavar="DIR",
+                        help="another kvtrace to time beside on the first diff, installed into DIR with `pip install "
+                             "--no-deps --target DIR CHECKOUT`")
+    parser.add_argument("--baseline-up-to", type=int, default=30_000_000, metavar="KERNELS",
+                        help="time the baseline up to this size only (kvtrace before issue 16 held 45 bytes per kernel)")
     parser.add_argument("--no-nsys", action="store_true", help="skip `nsys stats`")
     parser.add_argument("--nsys-up-to", type=int, default=30_000_000, metavar="KERNELS",
                         help="run `nsys stats` up to this size only (it holds about 190 bytes per kernel)")
@@ -186,13 +193,17 @@ def main(argv: list[str] | None = None) -> int:
                     shutil.rmtree(cache, ignore_errors=True)
                 measured.append(measure([*kvtrace, *command], env))
             rows[run] = measured
-        by_cores = {}
+        by_cores, baseline = {}, {}
         for count in cores:
             shutil.rmtree(cache, ignore_errors=True)
             by_cores[count] = measure([*kvtrace, "diff", *map(str, files)], env, cores=count)
+            if args.baseline and size <= args.baseline_up_to:
+                shutil.rmtree(cache, ignore_errors=True)
+                baseline[count] = measure([*kvtrace, "diff", *map(str, files)],
+                                          {**env, "PYTHONPATH": str(args.baseline.resolve())}, cores=count)
         kernels = sum(make_large_trace.kernel_count(f) for f in files) // 2
         results.append((workload, kernels, rows, floor, job, stats))
-        parallel.append((workload, kernels, by_cores, job))
+        parallel.append((workload, kernels, by_cores, baseline, job))
         if size > args.keep_up_to:
             for path in files:
                 path.unlink()
@@ -222,13 +233,19 @@ def print_tables(results, parallel, skipped, cores) -> None:
         return
     print("\nFirst `kvtrace diff` (empty cache) on the first N cores (taskset), against the kvtrace-job floor "
           "(one core, both files one after the other) divided by N:\n")
+    with_baseline = any(baseline for *_, baseline, _ in parallel)
     print("| workload | kernels/file | " + " | ".join(f"{n} core{'s' * (n > 1)}" for n in cores)
+          + "".join(f" | {n} core{'s' * (n > 1)}, baseline" for n in cores if with_baseline)
           + " | job floor | " + " | ".join(f"{n}-core diff / (floor / {n})" for n in cores) + " | load |")
-    print("|---|---|" + "---|" * (2 * len(cores) + 2))
-    for workload, kernels, by_cores, job in parallel:
-        load = max(m.load for m in (*by_cores.values(), job))
-        print(f"| {workload} | {kernels:,} | "
-              + " | ".join(f"{m.wall:.2f} s ({m.cpu:.2f} s CPU), {m.rss:.0f} MiB" for m in by_cores.values())
+    print("|---|---|" + "---|" * ((3 if with_baseline else 2) * len(cores) + 2))
+
+    def timing(m: Measured) -> str:
+        return f"{m.wall:.2f} s ({m.cpu:.2f} s CPU), {m.rss:.0f} MiB"
+
+    for workload, kernels, by_cores, baseline, job in parallel:
+        load = max(m.load for m in (*by_cores.values(), *baseline.values(), job))
+        print(f"| {workload} | {kernels:,} | " + " | ".join(timing(m) for m in by_cores.values())
+              + "".join(f" | {timing(baseline[n]) if n in baseline else 'not run'}" for n in cores if with_baseline)
               + f" | {job.wall:.2f} s ({job.cpu:.2f} s CPU) | "
               + " | ".join(f"{m.wall / (job.wall / n):.2f}×" for n, m in by_cores.items()) + f" | {load:.1f} |")
 
