@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import make_large_trace  # noqa: E402
-from run import FLOOR, OUT, WORKLOADS, job_floor  # noqa: E402
+from run import FLOOR, OUT, WORKLOADS, job_floor, warm  # noqa: E402
 
 from kvtrace.analyzer import compare, load  # noqa: E402
 from kvtrace.analyzer.classify import load_recipes  # noqa: E402
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
             OUT.mkdir(parents=True, exist_ok=True)
             make_large_trace.grow(make_large_trace.FIXTURES[arm], path, args.kernels)
         files.append(path)
-    subprocess.run(["cat", *map(str, files)], stdout=subprocess.DEVNULL)
+    warm(files)
     cache = tempfile.mkdtemp(prefix="kvtrace-stages-", dir=OUT)
     os.environ["KVTRACE_CACHE_DIR"] = cache
     cores = len(os.sched_getaffinity(0))
