@@ -379,7 +379,8 @@ def run_shape(manifest: Manifest, source: str) -> tuple[KVLayout, int, int]:
         if "num_hidden_layers" not in config:
             raise KvtraceError(f"{source}: the manifest has no model config (vLLM could not read config.json "
                                "locally): pass --config")
-        layout = model_config.read(config, f"{source} (settings.model)")
+        # Reports show the run directory by name (render/units.shown_path); errors above keep the path.
+        layout = model_config.read(config, f"{Path(source).name} (settings.model)")
         flags = next(iter((settings.get("engine_flags") or {}).values()), []) + list(settings.get("extra_vllm_args") or [])
         page = 16
         for arm in manifest.runs.values():
@@ -397,7 +398,7 @@ def run_shape(manifest: Manifest, source: str) -> tuple[KVLayout, int, int]:
     if {"kv_heads", "head_dim"} <= set(spec):
         # The FlashInfer engine's cache is one attention layer.
         layout = model_config.plain(1, int(spec["kv_heads"]), int(spec["head_dim"]),
-                                    attention_heads=spec.get("q_heads"), source=f"{source} (settings.spec: one layer)")
+                                    attention_heads=spec.get("q_heads"), source=f"{Path(source).name} (settings.spec: one layer)")
         return layout, 1, int(spec.get("page_size", 16))
     raise KvtraceError(f"{source}: the manifest records no model shape: pass --config")
 
@@ -418,8 +419,10 @@ def from_run(run: Path, *, layout: KVLayout | None = None, tp: int | None = None
     tp = tp or run_tp
     page_size = page_size or run_page
     names = manifest.widest_first(model_dtype=layout.dtype)
+    # One format row per arm (its repeated runs share the format); measured rows stay per run.
+    arms = manifest.widest_first([runs[0] for runs in manifest.runs_by_arm.values()], model_dtype=layout.dtype)
     labels = ([(name, name) for name in kv_formats] if kv_formats
-              else [(name, manifest.runs[name].kv_dtype) for name in names])
+              else [(manifest.runs[name].arm, manifest.runs[name].kv_dtype) for name in arms])
     result = capacity(layout, labels, tp=tp, page_size=page_size, tokens=tokens, sequences=sequences,
                       memory_gib=memory_gib)
     result.run = str(run)

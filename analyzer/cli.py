@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import io
+import os
 import sys
 import threading
 from contextlib import contextmanager
@@ -15,7 +16,7 @@ from rich.console import Console
 
 import kvtrace.nsys
 from kvtrace import files
-from kvtrace.analyzer import align, compare, render, stats
+from kvtrace.analyzer import align, compare, headline, render, stats, verify
 from kvtrace.analyzer.classify import SEGMENTS, load_recipes
 from kvtrace.analyzer.load import open_trace, open_traces
 from kvtrace.analyzer.render.escape import visible
@@ -143,7 +144,7 @@ def emit(result, fmt: str, output: Path | None) -> None:
         try:
             if fmt == "table":
                 console = _Stdout()
-                if not console.is_terminal:
+                if not console.is_terminal and "COLUMNS" not in os.environ:
                     console = _Stdout(width=200)  # piped: no terminal width to fit, keep rows on one line
                 render.terminal.render(result, console)
             else:
@@ -208,6 +209,40 @@ def parse_gate(values: tuple[str, ...]) -> list[str | None]:
                                f"{', '.join(SEGMENTS)}")
         watched.append(segment or None)
     return watched
+
+
+def as_run(run_dir: Path | None) -> list[str]:
+    """The current command's arguments as given (defaults left out), for the report to show how to reproduce
+    it: paths relative to `run_dir` (run from inside it), other absolute paths by name, no --nsys path."""
+    context = click.get_current_context()
+
+    def path(value) -> str:
+        value = Path(value)
+        if run_dir is not None:
+            try:
+                return str(value.resolve().relative_to(run_dir.resolve()))
+            except ValueError:
+                pass
+        return value.name if value.is_absolute() or run_dir is not None else str(value)
+
+    def text(value) -> str:
+        return path(value) if isinstance(value, Path) else str(value)
+
+    args = [context.info_name]
+    for param in context.command.params:
+        value = context.params.get(param.name)
+        if isinstance(param, click.Argument):
+            args += [text(v) for v in (value if isinstance(value, tuple) else [value])]
+            continue
+        if param.name == "nsys_path" or value in (None, (), False) or value == param.default:
+            continue
+        flag = max(param.opts, key=len)
+        if getattr(param, "is_flag", False):
+            args.append(flag)
+        else:
+            for item in (value if param.multiple else [value]):
+                args += [flag, *map(text, item if isinstance(item, tuple) else [item])]
+    return args
 
 
 def _trace_argument(name: str):
@@ -279,10 +314,14 @@ def gate(result, watched: list[str | None]) -> int:
 @click.option("--fail-on", "fail_on", multiple=True, metavar="regression[:SEGMENT]",
               help="Exit 1 when a compared segment (or this SEGMENT) regresses beyond the threshold; exit 3 when "
                    "SEGMENT cannot be measured. Repeatable.")
+@click.option("--verify", "verify_totals", is_flag=True,
+              help="Check kvtrace's per-kernel calls and totals of every input against `nsys stats -r "
+                   "cuda_gpu_kern_sum` (nsys from --nsys, $NSYS or PATH); the report says they agree to the "
+                   "nanosecond or lists where they do not.")
 @window_options
 @output_options
-def diff(baseline, candidate, repeats, labels, threshold, confidence, seed, fail_on, window, fmt, output,
-         recipe_files, nsys_path):
+def diff(baseline, candidate, repeats, labels, threshold, confidence, seed, fail_on, verify_totals, window, fmt,
+         output, recipe_files, nsys_path):
     """Compare BASELINE (e.g. fp8) with CANDIDATE (e.g. nvfp4), segment by segment and per kernel family.
 
     Calls are paired per kernel family, launch shape and NVTX range; intervals resample the pairs inside
@@ -300,6 +339,14 @@ def diff(baseline, candidate, repeats, labels, threshold, confidence, seed, fail
     with progress(f"comparing {baseline} and {candidate}" + (f" ({len(runs)} runs each)" if repeats else "")):
         result = compare.diff(traces[0::2], traces[1::2], recipes, labels=tuple(labels) or (None, None),
                               threshold=threshold, confidence=confidence, seed=seed, window=window)
+    if verify_totals:
+        with progress("checking kernel totals with nsys stats"):
+            result.verification = verify.verify(traces, recipes, kvtrace.nsys.find_nsys(nsys_path))
+        result.findings += [compare.Finding("ok" if result.verification.agrees else "error", "verify",
+                                            result.verification.summary()),
+                            compare.Finding("ok", "verify", result.verification.recipe)]
+    manifest = headline.find_manifest(baseline)
+    result.headline = headline.Headline.of(result, manifest, as_run(manifest.path.parent if manifest else None))
     emit(result, fmt, output)
     code = gate(result, watched)
     if code:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import polars as pl
@@ -23,12 +24,16 @@ from kvtrace.analyzer.classify import KV_SEGMENTS, RecipeSet
 from kvtrace.analyzer.load import Trace, TraceInfo
 from kvtrace.analyzer.pairing import KERNEL, RANGE, Cells, Run, Vocabulary, segment_order
 from kvtrace.errors import KvtraceError
-from kvtrace.kv_formats import claimed_dtypes
+from kvtrace.kv_formats import bytes_per_value, claimed_dtypes
 
 SUMMARY_SCHEMA = "kvtrace.summary/2"
 # Cells with fewer call pairs than this are named in the row's note: their spread is poorly known.
 FEW_CALLS = 5
-DIFF_SCHEMA = "kvtrace.diff/3"
+DIFF_SCHEMA = "kvtrace.diff/4"
+# The segment field of a whole-phase row: every kernel of a phase's NVTX range instances together.
+WHOLE_PHASE = "whole phase"
+UNIT_NOTE = ("a call here is one unit of the phase's work: one append, prefill or decode call with the kernels "
+             "launched since the previous one, or one NVTX range (a vLLM step)")
 
 
 @dataclass(frozen=True)
@@ -167,10 +172,14 @@ class Diff:
     segments: list[DiffRow]
     families: list[DiffRow]
     phases: list[DiffRow] = field(default_factory=list)  # per segment and NVTX phase, when ranges exist
+    # Per phase, every kernel together, paired range instance by range instance (_phase_totals).
+    phase_totals: list[DiffRow] = field(default_factory=list)
     drift: Drift | None = None
     runs: int = 1  # run pairs (repeated runs per arm)
     method: str = stats.BOOTSTRAP
     window: list[str] = field(default_factory=list)
+    headline: Any = None  # analyzer.headline.Headline: the rows that answer first, environment, commands
+    verification: Any = None  # analyzer.verify.Verification, with --verify
     schema: str = DIFF_SCHEMA
     kvtrace_version: str = __version__
 
@@ -228,7 +237,7 @@ def summarize(trace: Trace, recipes: RecipeSet, label: str | None = None,
     classes = classify_signatures(trace, recipes)
     vocabulary = Vocabulary.of([trace], [classes])
     run = vocabulary.run(trace, classes, window)
-    arm = _arm([run], label or _default_label(trace))
+    arm = _arm([run], label or _default_label([trace]))
 
     def row(group: Cells, **extra) -> SummaryRow:
         kv, names = run.kv_dtypes_and_names(group)
@@ -248,21 +257,25 @@ def summarize(trace: Trace, recipes: RecipeSet, label: str | None = None,
     return Summary(arm=arm, recipes=tuple(recipes.files), segments=segments, families=families)
 
 
-def segment_durations(traces: list[Trace], recipes: RecipeSet, window: align.Window, segments: tuple[str, ...]
-                      ) -> dict[str, np.ndarray]:
-    """Per-call durations of the given segments in the window over an arm's runs, sorted (for ECDFs)."""
-    classes = [classify_signatures(t, recipes) for t in traces]
-    vocabulary = Vocabulary.of(traces, classes)
-    runs = [vocabulary.run(t, c, window) for t, c in zip(traces, classes)]
-    out = {}
-    for segment in segments:
-        if segment in vocabulary.segments:
-            code = vocabulary.segments.index(segment)
-            values = np.concatenate([run.cells.where(pl.col("segment") == code).values() for run in runs])
-            _release(runs)
-            if values.size:
-                out[segment] = np.sort(values.astype(np.int64))
-    return out
+def cell_durations(vocabulary: Vocabulary, runs: list[Run], segments: tuple[str, ...]
+                   ) -> dict[tuple[str, str | None, str], np.ndarray]:
+    """Per-call durations of an arm's runs (as Sides windowed them), sorted (for ECDFs), per (segment, phase,
+    family label) of the given segments: one context (or vLLM step kind) and one kernel family, never pooled."""
+    parts: dict[tuple[str, str | None, str], list[np.ndarray]] = {}
+    for run in runs:
+        for segment in segments:
+            if segment not in vocabulary.segments:
+                continue
+            group = run.cells.where(pl.col("segment") == vocabulary.segments.index(segment))
+            for phase, family in _codes_in(group, "phase", "family"):
+                cell = group.where((pl.col("phase") == phase) & (pl.col("family") == family))
+                name = vocabulary.phases[phase] if phase < len(vocabulary.phases) else None
+                key = (segment, name, run.earliest(cell, "family_label"))
+                parts.setdefault(key, []).append(cell.values())
+    durations = {key: np.sort(np.concatenate(values).astype(np.int64)) for key, values in sorted(
+        parts.items(), key=lambda item: (segments.index(item[0][0]), _natural(item[0][1] or ""), item[0][2]))}
+    _release(runs)
+    return durations
 
 
 # ---- diff -------------------------------------------------------------------------------------------------
@@ -328,23 +341,49 @@ class _Row:
     phase: int | None = None
 
 
+@dataclass
+class Sides:
+    """Both arms' runs over one Vocabulary, classified and windowed once: what the diff compares, and what the
+    report reads per-call durations from."""
+
+    vocabulary: Vocabulary
+    baseline: list[Run]
+    candidate: list[Run]
+    recipes: RecipeSet
+    window: align.Window
+
+    @classmethod
+    def of(cls, baseline: Trace | list[Trace], candidate: Trace | list[Trace], recipes: RecipeSet,
+           window: align.Window = align.Window()) -> Sides:
+        """Each arm is one trace or its repeated runs in repeat order; run k of the baseline pairs with run k
+        of the candidate."""
+        base_traces = [baseline] if isinstance(baseline, Trace) else list(baseline)
+        cand_traces = [candidate] if isinstance(candidate, Trace) else list(candidate)
+        if not base_traces or len(base_traces) != len(cand_traces):
+            raise KvtraceError(f"{len(base_traces)} baseline run(s) and {len(cand_traces)} candidate run(s): give "
+                               "each arm the same number of runs, in repeat order")
+        traces = base_traces + cand_traces
+        classes = [classify_signatures(t, recipes) for t in traces]
+        vocabulary = Vocabulary.of(traces, classes)
+        built = [vocabulary.run(t, c, window) for t, c in zip(traces, classes)]
+        return cls(vocabulary, built[:len(base_traces)], built[len(base_traces):], recipes, window)
+
+
 def diff(baseline: Trace | list[Trace], candidate: Trace | list[Trace], recipes: RecipeSet, *,
          labels: tuple[str | None, str | None] = (None, None), threshold: float = 0.02, confidence: float = 0.95,
          seed: int = 0, window: align.Window = align.Window()) -> Diff:
-    """Compare the baseline arm with the candidate arm. Each arm is one trace or its repeated runs in
-    repeat order; run k of the baseline pairs with run k of the candidate."""
-    base_traces = [baseline] if isinstance(baseline, Trace) else list(baseline)
-    cand_traces = [candidate] if isinstance(candidate, Trace) else list(candidate)
-    if not base_traces or len(base_traces) != len(cand_traces):
-        raise KvtraceError(f"{len(base_traces)} baseline run(s) and {len(cand_traces)} candidate run(s): give each "
-                           "arm the same number of runs, in repeat order")
-    traces = base_traces + cand_traces
-    classes = [classify_signatures(t, recipes) for t in traces]
-    vocabulary = Vocabulary.of(traces, classes)
-    built = [vocabulary.run(t, c, window) for t, c in zip(traces, classes)]
-    base_runs, cand_runs = built[:len(base_traces)], built[len(base_traces):]
-    base_arm = _arm(base_runs, labels[0] or _default_label(base_traces[0]))
-    cand_arm = _arm(cand_runs, labels[1] or _default_label(cand_traces[0]))
+    """Compare the baseline arm with the candidate arm (see Sides.of)."""
+    return diff_sides(Sides.of(baseline, candidate, recipes, window), labels=labels, threshold=threshold,
+                      confidence=confidence, seed=seed)
+
+
+def diff_sides(sides: Sides, *, labels: tuple[str | None, str | None] = (None, None), threshold: float = 0.02,
+               confidence: float = 0.95, seed: int = 0) -> Diff:
+    vocabulary, base_runs, cand_runs, recipes, window = (sides.vocabulary, sides.baseline, sides.candidate,
+                                                         sides.recipes, sides.window)
+    built = base_runs + cand_runs
+    base_arm = _arm(base_runs, labels[0] or _default_label([run.trace for run in base_runs]))
+    cand_arm = _arm(cand_runs, labels[1] or _default_label([run.trace for run in cand_runs]))
     # Before the pairs exist: the step check holds a few hundred bytes per step, the pairs 8 per call pair.
     run_findings = _run_findings(list(zip(base_runs, cand_runs)), base_arm, cand_arm)
     comparison = _Comparison.of(vocabulary, list(zip(base_runs, cand_runs)))
@@ -394,13 +433,16 @@ def diff(baseline: Trace | list[Trace], candidate: Trace | list[Trace], recipes:
     families.sort(key=lambda r: (-abs(r.total_delta_ns), segment_order(r.segment), r.family))
     phases.sort(key=lambda r: (segment_order(r.segment), _natural(r.phase)))
 
+    phase_totals = _phase_totals(comparison, base_arm, cand_arm, threshold=threshold, band=band,
+                                 confidence=confidence, seed=seed)
     findings = comparability(base_arm, cand_arm) + _window_findings(window, families, builder.realigned)
     findings += run_findings
     if drift is not None:
         findings.append(_drift_finding(drift, threshold))
     return Diff(baseline=base_arm, candidate=cand_arm, recipes=tuple(recipes.files), threshold=threshold,
                 confidence=confidence, findings=findings, segments=segments, families=families, phases=phases,
-                drift=drift, runs=len(base_runs), method=stats.HIERARCHICAL if len(base_runs) > 1 else stats.BOOTSTRAP,
+                phase_totals=phase_totals, drift=drift, runs=len(base_runs),
+                method=stats.HIERARCHICAL if len(base_runs) > 1 else stats.BOOTSTRAP,
                 window=window.describe())
 
 
@@ -552,6 +594,68 @@ class _RowBuilder:
                 f"{row.compared_calls:,} paired calls alone ({row.paired_verdict})")
 
 
+def _phase_totals(comparison: _Comparison, base_arm: Arm, cand_arm: Arm, *, threshold: float, band: float,
+                  confidence: float, seed: int) -> list[DiffRow]:
+    """Per phase, every kernel together: the units of its work (pairing._units) pair unit for unit per range
+    name (the last N, as kernel cells pair). The unit, not the kernel, is compared, since the arms may do
+    the same work with different kernels (FP8's append is a cast plus a copy, NVFP4's one fused kernel)."""
+    vocabulary = comparison.vocabulary
+    pieces, strata = ([], []), []  # strata: (run, nvtx, pairs, units per arm)
+    for run, (base, cand) in enumerate(comparison.runs):
+        sides = [dict(tuple(g) for g in r.units.group_by("nvtx", maintain_order=True)
+                      .agg(pl.col("total_ns")).iter_rows()) for r in (base, cand)]
+        for nvtx in sorted(set(sides[0]) & set(sides[1])):
+            lists = [sides[0][nvtx], sides[1][nvtx]]
+            count = min(map(len, lists))
+            for side in (0, 1):
+                pieces[side].append(np.array(lists[side][-count:], dtype=np.int64))
+            strata.append((run, nvtx, count, *map(len, lists)))
+    if not strata:
+        return []
+    sizes = np.array([s[2] for s in strata])
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    paired = stats.PairedStrata(np.concatenate(pieces[0]), np.concatenate(pieces[1]), offsets,
+                                np.array([s[0] for s in strata]), len(comparison.runs))
+    phase_of = vocabulary.phase_of_nvtx[[s[1] for s in strata]]
+    codes = sorted(set(phase_of.tolist()), key=lambda code: _natural(vocabulary.phases[code]))
+    members = [np.flatnonzero(phase_of == code) for code in codes]
+    estimates = stats.estimate_rows(paired, members, confidence=confidence, seed=seed)
+    rows = []
+    for code, chosen, estimate in zip(codes, members, estimates):
+        values = [np.concatenate([(paired.baseline, paired.candidate)[side][offsets[i]:offsets[i + 1]]
+                                  for i in chosen.tolist()]) for side in (0, 1)]
+        means = [np.array([(paired.baseline, paired.candidate)[side][offsets[i]:offsets[i + 1]].mean()
+                           for i in chosen.tolist()]) for side in (0, 1)]
+        per_call = stats.same_work(means)
+        intervals = ((estimate.baseline_low, estimate.baseline_high), (estimate.candidate_low, estimate.candidate_high))
+        arm_totals = (base_arm.total_ns, cand_arm.total_ns)
+        arm_stats = [ArmStats.of(values[side], arm_totals[side], intervals[side]) if per_call else
+                     ArmStats.total(values[side].size, int(values[side].sum()), arm_totals[side], intervals[side])
+                     for side in (0, 1)]
+        units = [sum(strata[i][3 + side] for i in chosen.tolist()) for side in (0, 1)]
+        totals = [sum(int(r[side].units.filter(pl.col("nvtx").is_in([strata[i][1] for i in chosen.tolist()]))
+                          ["total_ns"].sum()) for r in comparison.runs) for side in (0, 1)]
+        paired_delta = int(values[1].sum()) - int(values[0].sum())
+        verdict, paired_verdict = stats.row_verdict(estimate, threshold=threshold, drift=band,
+                                                    paired_delta=paired_delta,
+                                                    unpaired_delta=totals[1] - totals[0] - paired_delta)
+        left = [units[side] - values[side].size for side in (0, 1)]
+        rows.append(DiffRow(
+            segment=WHOLE_PHASE, baseline=arm_stats[0], candidate=arm_stats[1], baseline_calls=units[0],
+            candidate_calls=units[1], baseline_total_ns=totals[0], candidate_total_ns=totals[1],
+            compared_calls=int(values[0].size), cells=int(chosen.size), single_call_cells=estimate.single_call_strata,
+            same_work=per_call, ratio=estimate.ratio, ci_low=estimate.low, ci_high=estimate.high, verdict=verdict,
+            paired_verdict=paired_verdict,
+            note="; ".join([UNIT_NOTE] + ([f"{left[0]:,} baseline and {left[1]:,} candidate units without a partner"]
+                                          if any(left) else [])),
+            reason=None, total_delta_ns=totals[1] - totals[0], paired_delta_ns=paired_delta,
+            unpaired_share=stats.unpaired_share(paired_delta, totals[1] - totals[0] - paired_delta),
+            abs_delta_share=None, run_ratios=estimate.run_ratios, phase=vocabulary.phases[code]))
+    for row, share in zip(rows, stats.abs_shares([r.total_delta_ns for r in rows])):
+        row.abs_delta_share = share
+    return rows
+
+
 def _drift(rows: list[DiffRow], pooled: stats.Estimate | None, controls: pl.DataFrame,
            vocabulary: Vocabulary) -> Drift | None:
     """Drift from the rows the KV format cannot affect; None when the traces have no such kernels paired."""
@@ -677,6 +781,11 @@ def _dtype_findings(baseline: Arm, candidate: Arm) -> list[Finding]:
         findings.append(Finding("warning", "kv-dtype", "both arms ran the same KV dtype "
                                 f"({', '.join(baseline.kv_dtypes)}): this compares runs, not formats"))
 
+    widths = [max((bytes_per_value(d) for d in arm.kv_dtypes), default=0.0) for arm in (baseline, candidate)]
+    if 0 < widths[0] < widths[1]:  # `kvtrace report` puts the widest format first; a diff says so
+        findings.append(Finding("warning", "kv-dtype", f"the baseline ran the narrower KV format "
+                                f"({', '.join(baseline.kv_dtypes)} against {', '.join(candidate.kv_dtypes)}): every "
+                                "ratio reads the other way round from kvtrace report's; give the wider format first"))
     for arm, other in ((baseline, candidate), (candidate, baseline)):
         claimed = claimed_dtypes(arm.label)
         # A label naming the other arm's dtype but not its own is the swapped-arms signature.
@@ -689,8 +798,13 @@ def _dtype_findings(baseline: Arm, candidate: Arm) -> list[Finding]:
     return findings
 
 
-def _default_label(trace: Trace) -> str:
-    return Path(trace.info.source).stem
+def _default_label(traces: list[Trace]) -> str:
+    """The file name; for repeated runs the arm's name (fp8.r1, fp8.r2 → fp8), since the numbers cover them all."""
+    stems = [Path(t.info.source).stem for t in traces]
+    arms = {re.sub(r"\.r\d+$", "", stem) for stem in stems}
+    if len(stems) == 1:
+        return stems[0]
+    return arms.pop() if len(arms) == 1 else f"{stems[0]} (+{len(stems) - 1} runs)"
 
 
 @dataclass
@@ -715,7 +829,7 @@ def list_kernels(trace: Trace, recipes: RecipeSet, *, unclassified: bool = False
                                                     pl.col("total_ns").sum())
     total_ns = int(per_sig["total_ns"].sum())
     kv = classes.filter(pl.col("segment").is_in(list(KV_SEGMENTS)))["kv_dtype"].drop_nulls().unique().sort()
-    arm = Arm(label=label or _default_label(trace), info=trace.info, total_ns=total_ns, kv_dtypes=tuple(kv))
+    arm = Arm(label=label or _default_label([trace]), info=trace.info, total_ns=total_ns, kv_dtypes=tuple(kv))
     kernels = per_sig.join(classes, on="sig")
     if unclassified:
         kernels = kernels.filter(pl.col("recipe").is_null())

@@ -22,15 +22,18 @@ import numpy as np
 import polars as pl
 
 from kvtrace.analyzer import align
-from kvtrace.analyzer.calls import Calls, sums
+from kvtrace.analyzer.calls import BLOCK_ROWS, Calls, sums
 from kvtrace.analyzer.classify import DIMS, SEGMENTS
 from kvtrace.analyzer.load import Trace
 from kvtrace.errors import KvtraceError
+from kvtrace.manifest import parse_phase_name
 
 # The key of a kernel cell; range cells keep segment and nvtx.
 KERNEL_KEY = ["segment", "family", *align.MATCH_KEY]
 RANGE_KEY = ["segment", "nvtx"]
 KERNEL, RANGE = "kernel", "range"
+# FlashInfer workload phases (kvtrace.manifest.phase_name) and the segment whose kernels do their KV work.
+PHASE_SEGMENTS = {"prefill": "prefill_attention", "decode": "decode_attention", "append": "kv_append"}
 
 
 def segment_order(segment: str) -> int:
@@ -71,6 +74,14 @@ class Vocabulary:
     def outside_phase(self) -> int:
         return len(self.phases)
 
+    def anchor_of_nvtx(self) -> np.ndarray:
+        """Per name code (and `outside`), the segment code whose calls delimit units of its work (`_units`);
+        a code no segment has for other ranges."""
+        none = len(self.segments)
+        anchors = [PHASE_SEGMENTS.get((parse_phase_name(name) or ("", 0))[0]) for name in self.names]
+        return np.array([self.segments.index(a) if a in self.segments else none for a in anchors] + [none],
+                        dtype=np.uint32)
+
     def name(self, code: int) -> str | None:
         return self.names[code] if code < len(self.names) else None
 
@@ -102,12 +113,70 @@ class Vocabulary:
             launched = trace.ranges.filter(pl.col("calls") > 0)["range"]
         else:
             launched = pl.Series("range", np.unique(trace.calls.range[keep]), dtype=pl.Int32)
-        sig, cell_nvtx = cells.table["sig"].to_numpy(), cells.table["nvtx"].to_numpy()
+        units = _units(trace.calls, keep, cell_nvtx, segment[cell_sig], self.anchor_of_nvtx(),
+                       nvtx_of_name[trace.range_name_codes], self.outside)
+        sig, nvtx = cells.table["sig"].to_numpy(), cells.table["nvtx"].to_numpy()
         cells = replace(cells, table=cells.table.with_columns(
             pl.Series("family", family[sig]), pl.Series("segment", segment[sig]), pl.Series("shape", shape[sig]),
-            pl.Series("phase", self.phase_of_nvtx[cell_nvtx]),
+            pl.Series("phase", self.phase_of_nvtx[nvtx]),
             pl.Series("kv_independent", by_sig["kv_independent"].to_numpy()[sig])))
-        return Run(trace, classes, cells, launched)
+        return Run(trace, classes, cells, launched, units, keep)
+
+
+def _units(calls: Calls, keep: np.ndarray | None, nvtx_of_cell: np.ndarray, segment_of_cell: np.ndarray,
+           anchor_of_nvtx: np.ndarray, nvtx_of_range: np.ndarray, outside: int) -> pl.DataFrame:
+    """Units of a phase's work in launch order, with their range-name code and summed time (every kernel
+    launched directly inside, whichever did the work). A unit is one range instance, or inside a kvtrace
+    workload phase one call of its anchor segment with the calls launched since the previous one (FP8's
+    append is a cast and a copy before AppendPagedKVCacheKernel; NVFP4's one fused kernel); calls after a
+    range's last anchor join its last unit.
+
+    Read from the trace's layout cell by cell, a block at a time: units are numbered first by anchor call,
+    in (range, rank) order, then one per range without anchors, so that a call's unit is a search among
+    the anchors alone."""
+    inside = np.flatnonzero(nvtx_of_cell != outside)
+    anchored = inside[segment_of_cell[inside] == anchor_of_nvtx[nvtx_of_cell[inside]]]
+    count = calls.count
+    unreleased = 0  # bytes read since the pages were last handed back
+
+    def blocks(cells: np.ndarray):
+        """(range, rank, duration) of the kept calls of these cells, a million at a time."""
+        nonlocal unreleased
+        for cell in cells.tolist():
+            low, high = int(calls.offsets[cell]), int(calls.offsets[cell + 1])
+            for first in range(low, high, BLOCK_ROWS * 4):
+                span = slice(first, min(first + BLOCK_ROWS * 4, high))
+                kept = slice(None) if keep is None else keep[span]
+                yield (calls.range[span][kept].astype(np.int64), calls.rank[span][kept].astype(np.int64),
+                       calls.duration[span][kept])
+                unreleased += (span.stop - span.start) * 12
+                if unreleased > 64 << 20:
+                    calls.release()
+                    unreleased = 0
+        calls.release()
+
+    anchor_keys = [range_ * count + rank for range_, rank, _ in blocks(anchored)]
+    anchor_keys = np.sort(np.concatenate(anchor_keys)) if anchor_keys else np.zeros(0, dtype=np.int64)
+    anchor_range = anchor_keys // max(count, 1)
+    anchors = np.bincount(anchor_range, minlength=nvtx_of_range.size)
+    anchor_first = np.cumsum(anchors) - anchors
+    units = anchor_keys.size + nvtx_of_range.size
+    total_ns = np.zeros(units, dtype=np.int64)
+    first_rank = np.full(units, count, dtype=np.int64)
+    for range_, rank, duration in blocks(inside):
+        unit = range_ + anchor_keys.size
+        with_anchors = anchors[range_] > 0
+        if with_anchors.any():
+            ranged = range_[with_anchors]
+            found = np.searchsorted(anchor_keys, ranged * count + rank[with_anchors])
+            unit[with_anchors] = np.minimum(found, anchor_first[ranged] + anchors[ranged] - 1)
+        np.add.at(total_ns, unit, duration)
+        np.minimum.at(first_rank, unit, rank)
+    present = np.flatnonzero(first_rank < count)
+    present = present[np.argsort(first_rank[present])]
+    range_of_unit = np.concatenate([anchor_range, np.arange(nvtx_of_range.size)])
+    return pl.DataFrame({"nvtx": pl.Series(nvtx_of_range[range_of_unit[present]], dtype=pl.UInt32),
+                         "total_ns": pl.Series(total_ns[present], dtype=pl.Int64)})
 
 
 def _phase_names(names: list[str]) -> list[str]:
@@ -191,13 +260,16 @@ def _gather(cells: Cells, chosen: np.ndarray, *, ordered: bool) -> np.ndarray:
 @dataclass
 class Run:
     """One trace inside the window: its calls grouped into cells (Cells) whose table carries codes of the
-    comparison's Vocabulary, the classified signatures behind them, and the NVTX ranges the window's calls
-    were launched in."""
+    comparison's Vocabulary, the classified signatures behind them, the NVTX ranges the window's calls
+    were launched in, the units of each phase's work with their summed time (`_units`), and the window as a
+    mask over the trace's calls."""
 
     trace: Trace
     classes: pl.DataFrame
     cells: Cells
     ranges: pl.Series
+    units: pl.DataFrame
+    keep: np.ndarray | None  # which of the trace's calls (in its layout's cell order) are inside the window; None: all
 
     def signatures(self, group: Cells) -> pl.DataFrame:
         """The classified signatures that a group of cells uses."""

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import click
 
 from kvtrace import files, model_config
 from kvtrace.analyzer import capacity as capacity_lib
-from kvtrace.analyzer.cli import emit, inputs, output_options, progress, target_options, use_cache, window_options
+from kvtrace.analyzer import headline
+from kvtrace.analyzer.cli import as_run, emit, inputs, output_options, progress, target_options, use_cache, window_options
 from kvtrace.errors import KvtraceError
 from kvtrace.manifest import read_manifest
 
@@ -51,13 +53,17 @@ def report(runs, arms, labels, threshold, confidence, seed, plots_dir, plot_form
         result = report_lib.build(list(runs), load_recipes(recipe_files), arms=tuple(arms), labels=tuple(labels),
                                   threshold=threshold, confidence=confidence, seed=seed, window=window,
                                   nsys=nsys_path, cache=use_cache())
+    manifest = headline.find_manifest(Path(result.baseline.sqlite))
+    result.diff.headline = headline.Headline.of(result.diff, manifest,
+                                                as_run(manifest.path.parent if manifest else None))
     inputs().extend(Path(export) for arm in (result.baseline, result.candidate) for export in arm.runs)
     inputs().extend(Path(arm.run) / "manifest.json" for arm in (result.baseline, result.candidate))
     if plots_dir is not None:
         from kvtrace.analyzer.render import plots  # matplotlib only on this path
 
         to_file = output is not None and not files.is_stdout(output)
-        plots.write_plots(result, plots_dir, plot_format, link_base=output.parent if to_file else None)
+        written = plots.write_plots(result, plots_dir, plot_format, link_base=output.parent if to_file else None)
+        result = dataclasses.replace(result, plots=written)
     emit(result, fmt, output)
 
 

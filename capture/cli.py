@@ -96,6 +96,9 @@ def _optional_int_list(ctx, param, value: str | None) -> tuple[int, ...] | None:
               help="prefix-reuse, serve: replay this timed_trace JSONL instead of prefix_repetition.")
 @click.option("--contexts", default=None, callback=_optional_int_list, help="sweep: prompt lengths, e.g. 1024,4096.")
 @click.option("--concurrencies", default=None, callback=_optional_int_list, help="sweep: concurrencies, e.g. 8,32,128.")
+@click.option("--points-from", type=click.Path(), default=None,
+              help="sweep: run exactly the points an earlier sweep run directory ran (its first finished run), so "
+                   "that arms recorded one at a time cover the same grid.")
 @click.option("--seed", default=0, show_default=True, help="Seed of the prompts and of vLLM's sampling.")
 @click.option("--load-format", type=click.Choice(["auto", "dummy"]), default="auto", show_default=True,
               help="dummy: random weights from config.json alone (no download).")
@@ -108,8 +111,8 @@ def _optional_int_list(ctx, param, value: str | None) -> tuple[int, ...] | None:
 @click.option("--force", is_flag=True, help="Replace an existing run directory.")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
 def vllm(model, scenario, out, arms, mode, input_len, output_len, num_prompts, concurrency, prefix_len, num_prefixes,
-         trace_file, contexts, concurrencies, seed, load_format, host, port, startup_timeout, repeats, nsys_path,
-         dry_run, force, vllm_args) -> None:
+         trace_file, contexts, concurrencies, points_from, seed, load_format, host, port, startup_timeout, repeats,
+         nsys_path, dry_run, force, vllm_args) -> None:
     """Matched vLLM runs that differ only in --kv-cache-dtype, each traced by Nsight Systems.
 
     Extra vLLM engine flags go after `--`, e.g. `-- --max-model-len 8192 --kv-cache-memory-bytes 20G`;
@@ -120,10 +123,11 @@ def vllm(model, scenario, out, arms, mode, input_len, output_len, num_prompts, c
     """
     from kvtrace.capture import vllm_commands, vllm_config, vllm_engine
 
+    followed, followed_from = vllm_config.followed_points(points_from, mode) if points_from else (None, None)
     workload = vllm_config.Workload.for_scenario(
         scenario, input_len=input_len, output_len=output_len, num_prompts=num_prompts, concurrency=concurrency,
         prefix_len=prefix_len, num_prefixes=num_prefixes, trace_file=trace_file, contexts=contexts,
-        concurrencies=concurrencies, seed=seed)
+        concurrencies=concurrencies, followed=followed, followed_from=followed_from, seed=seed)
     cfg = vllm_config.VllmCapture(model=model, workload=workload, arms=arms, mode=mode, load_format=load_format,
                                   host=host, port=port, extra_args=tuple(vllm_args), repeats=repeats)
     out = out or Path("runs") / f"vllm-{scenario}"

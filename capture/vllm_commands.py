@@ -67,8 +67,11 @@ def bench_command(cfg: VllmCapture, python: str, point: Point, *, seed: int, res
 
 
 def warmup_point(point: Point) -> Point:
-    return Point(point.input_len, point.output_len, min(point.num_prompts, point.concurrency), point.concurrency,
-                 point.prefix_len, point.num_prefixes)
+    """One round of the first point's traffic. `vllm bench serve --dataset-name prefix_repetition` refuses fewer
+    prompts than prefixes ("num_requests (8) must be greater than or equal to num_prefixes (12)", vLLM 0.26),
+    so a prefix-reuse warm-up sends at least one prompt per prefix."""
+    prompts = max(min(point.num_prompts, point.concurrency), point.num_prefixes)
+    return Point(point.input_len, point.output_len, prompts, point.concurrency, point.prefix_len, point.num_prefixes)
 
 
 def worker_command(cfg: VllmCapture, arm: str, out: Path, nsys: str, python: str, points: list[Point],
@@ -99,7 +102,10 @@ def dry_run(cfg: VllmCapture, out: Path, *, nsys: str | None = None, python: str
     lines = [f"# kvtrace capture vllm: scenario {workload.scenario}, mode {cfg.mode}, arms "
              f"{', '.join(cfg.arm_order())}{repeats} (dry run: nothing is started)"]
     word = "arm" if cfg.repeats == 1 else "run"
-    if workload.scenario == "sweep":
+    if workload.followed:
+        lines.append(f"# sweep: every {word} runs the {len(workload.followed)} points that {workload.followed_from} "
+                     "ran (--points-from)")
+    elif workload.scenario == "sweep":
         lines.append(f"# sweep: {word} {runs[0].name} steps up concurrency per context length and stops a length "
                      "at its first capacity-bound point (preemptions, or KV cache >= 95% full); the other "
                      f"{word}s run exactly the points it ran")
@@ -108,7 +114,7 @@ def dry_run(cfg: VllmCapture, out: Path, *, nsys: str | None = None, python: str
         lines.append(f"# arm {arm}" if cfg.repeats == 1 else f"# run {run.name}: arm {arm}, repeat {run.repeat}")
         if cfg.mode == "offline":
             points = workload.points(cfg.mode)
-            stop = workload.scenario == "sweep" and run == runs[0]
+            stop = workload.scenario == "sweep" and not workload.followed and run == runs[0]
             command = worker_command(cfg, arm, out, nsys, python, points, stop, run=run.name)
             lines.append(f"{env} {shlex.join(command)}")
         else:

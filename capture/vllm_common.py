@@ -13,8 +13,9 @@ import re
 
 from kvtrace.manifest import KV_USAGE
 
+RUNNING, WAITING = "vllm:num_requests_running", "vllm:num_requests_waiting"
 # Gauges polled during the measured traffic; their maxima are the run's peaks.
-PEAK_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", KV_USAGE)
+PEAK_GAUGES = (RUNNING, WAITING, KV_USAGE)
 
 
 def empty_snapshot() -> dict:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from kvtrace.errors import KvtraceError
 from kvtrace.kv_formats import VLLM_KV_CACHE_DTYPES
-from kvtrace.manifest import Point, Run, check_repeats, run_order
+from kvtrace.manifest import Point, Run, check_repeats, read_manifest, run_order
 
 SCENARIOS = ("cold-prefill", "decode-heavy", "prefix-reuse", "sweep")
 MODES = ("serve", "offline")
@@ -48,6 +48,8 @@ _OWNED_FLAGS = {
     "--skip-tokenizer-init": "--mode offline sets it",
 }
 _OWNED_OFFLINE = {"--max-num-seqs": "--mode offline sets it from --concurrency"}
+# What a followed sweep's points fix, so that these options would contradict them.
+_FOLLOWED_SHAPE = ("contexts", "concurrencies", "num_prompts", "output_len")
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,9 @@ class Workload:
     concurrencies: tuple[int, ...] = ()
     trace_file: str | None = None
     seed: int = 0
+    # A sweep that runs exactly these points (an earlier run's, --points-from) instead of choosing its own.
+    followed: tuple[Point, ...] = ()
+    followed_from: str | None = None  # which run and arm they come from
 
     @classmethod
     def for_scenario(cls, scenario: str, **options) -> "Workload":
@@ -70,10 +75,19 @@ class Workload:
         if scenario not in SCENARIOS:
             raise KvtraceError(f"unknown scenario {scenario!r}: choose from {', '.join(SCENARIOS)}")
         given = {name: value for name, value in options.items() if value is not None}
+        if given.get("followed") and scenario != "sweep":
+            raise KvtraceError(f"--points-from applies only to --scenario sweep, not {scenario}: drop it")
         for name in given:
             if name in _ONLY_FOR and scenario not in _ONLY_FOR[name]:
                 raise KvtraceError(f"--{name.replace('_', '-')} does not apply to --scenario {scenario} "
                                    f"(only to {', '.join(_ONLY_FOR[name])}): drop it")
+        if given.get("followed"):
+            shaped = [name for name in _FOLLOWED_SHAPE if name in given]
+            if shaped:
+                raise KvtraceError(f"--points-from takes every point from {given['followed_from']}: drop "
+                                   + ", ".join(f"--{name.replace('_', '-')}" for name in shaped))
+            given.update(contexts=tuple(sorted({p.input_len for p in given["followed"]})),
+                         concurrencies=tuple(sorted({p.concurrency for p in given["followed"]})))
         values = {**DEFAULTS[scenario], **given}
         for name in ("contexts", "concurrencies"):
             if name in values:
@@ -105,6 +119,8 @@ class Workload:
                 raise KvtraceError(f"trace file {self.trace_file} does not exist: check --trace-file")
 
     def points(self, mode: str) -> list[Point]:
+        if self.followed:
+            return list(self.followed)
         if self.scenario != "sweep":
             return [Point(self.input_len, self.output_len, self.num_prompts, self.concurrency,
                           self.prefix_len, self.num_prefixes)]
@@ -112,6 +128,26 @@ class Workload:
         return [Point(context, self.output_len,
                       concurrency if mode == "offline" else (self.num_prompts or 2 * concurrency), concurrency)
                 for context in self.contexts for concurrency in self.concurrencies]
+
+
+def followed_points(path: str, mode: str) -> tuple[tuple[Point, ...], str]:
+    """The points an earlier sweep ran (its first run that finished, whose points the sweep's other runs
+    followed), so that an arm recorded on its own later runs the same grid; and where they come from."""
+    manifest = read_manifest(Path(path))
+    if manifest.scenario != "sweep" or manifest.mode != mode:
+        raise KvtraceError(f"{path} holds a {manifest.mode} {manifest.scenario} run: --points-from follows an "
+                           f"earlier --scenario sweep --mode {mode} run")
+    order = [name for name in manifest.settings.get("order", []) if name in manifest.runs] or list(manifest.runs)
+    for name in order:
+        record = manifest.runs[name]
+        if record.status == "ok" and record.points:
+            try:
+                points = tuple(Point.parse(point["point"]) for point in record.points)
+            except (KeyError, TypeError, ValueError):
+                break
+            return points, f"{path} (run {name})"
+    raise KvtraceError(f"{path} has no finished sweep run with its points: follow a run whose first arm "
+                       "finished, or let this sweep choose its own points")
 
 
 @dataclass(frozen=True)

@@ -168,7 +168,8 @@ def _serve_point(session: _Session, arm: VllmArm, index: int, point: Point, benc
     update_peaks(peaks, before)
     update_peaks(peaks, after)
     record["metrics"] = {"deltas": metric_deltas(before, after), "peaks": peaks, "polls": poller.polls,
-                         "poll_errors": poller.errors, "before": f"{stem}.metrics.before.prom",
+                         "poll_errors": poller.errors, "busy_polls": poller.busy_polls,
+                         "poll_interval_s": session.poll_interval_s, "before": f"{stem}.metrics.before.prom",
                          "after": f"{stem}.metrics.after.prom",
                          "cache_config": after["info"].get("vllm:cache_config_info")}
     if record["bench_exit_code"] != 0:
@@ -267,6 +268,8 @@ def capture(cfg: VllmCapture, out: Path, *, force: bool = False, nsys: str | Non
         "request_order_basis": ("token ids of every prompt, in order, with the output length" if cfg.mode == "offline"
                                 else "the bench client's dataset arguments and seed (it draws the prompts from them)"),
     }
+    if workload.followed:
+        settings["points_from"] = workload.followed_from
     if cfg.mode == "serve":
         settings["server"] = {"host": cfg.host, "port": cfg.port, "trace_file": workload.trace_file}
     session = _Session(cfg, out, nsys_path, python, {**os.environ, **env}, startup_timeout_s, shutdown_grace_s,
@@ -275,7 +278,8 @@ def capture(cfg: VllmCapture, out: Path, *, force: bool = False, nsys: str | Non
             for run in runs]
     _write_manifests(out, environment, settings, arms, interrupted=False)
     run_arm = _offline_arm if cfg.mode == "offline" else _serve_arm
-    grid: list[Point] | None = None  # the sweep's points, once the first run has chosen them
+    # The sweep's points, once chosen: by the first run, or by an earlier run that this one follows.
+    grid: list[Point] | None = list(workload.followed) or None
     with sigterm_as_interrupt():
         for arm in arms:
             points = grid if grid is not None else workload.points(cfg.mode)

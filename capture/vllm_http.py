@@ -11,7 +11,7 @@ import threading
 import urllib.error
 import urllib.request
 
-from kvtrace.capture.vllm_common import add_sample, empty_snapshot, update_peaks
+from kvtrace.capture.vllm_common import RUNNING, WAITING, add_sample, empty_snapshot, update_peaks
 
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # the server is local: no proxy
 NET_ERRORS = (OSError, http.client.HTTPException)
@@ -59,20 +59,26 @@ def parse_metrics(text: str) -> dict:
 
 
 class MetricsPoller(threading.Thread):
-    """Polls /metrics during the measured traffic and keeps the gauges' maxima."""
+    """Polls /metrics during the measured traffic and keeps the gauges' maxima. `busy_polls` counts the polls
+    that found requests running or waiting: how many samples the peaks rest on (a point shorter than the
+    interval may get none)."""
 
     def __init__(self, base: str, interval_s: float):
         super().__init__(daemon=True)
         self.base, self.interval_s = base, interval_s
         self.peaks: dict = {}
-        self.polls = self.errors = 0
+        self.polls = self.errors = self.busy_polls = 0
         self._done = threading.Event()
 
     def run(self) -> None:
         while True:
             try:
-                update_peaks(self.peaks, parse_metrics(scrape(self.base)))
+                snapshot = parse_metrics(scrape(self.base))
+                update_peaks(self.peaks, snapshot)
                 self.polls += 1
+                gauges = snapshot["gauges"]
+                if gauges.get(RUNNING, 0) + gauges.get(WAITING, 0) > 0:
+                    self.busy_polls += 1
             except (*NET_ERRORS, RuntimeError, ValueError):
                 self.errors += 1
             if self._done.wait(self.interval_s):

@@ -21,6 +21,7 @@ from kvtrace.kv_formats import canonical_format
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+MAKE_TOKENIZER = "make_tokenizer.py"  # beside llama-tiny's config.json (fixtures/models/llama-tiny)
 # Inherited environment worth recording; names that look like credentials are never written.
 _ENV_PREFIXES = ("VLLM_", "FLASHINFER_", "CUDA_", "NCCL_", "TORCH_", "PYTORCH_", "TRITON_", "HF_", "NVIDIA_")
 _ENV_NAMES = ("PYTHONHASHSEED", "PYTHONPATH", "MAX_JOBS", "LD_LIBRARY_PATH")
@@ -93,7 +94,7 @@ def check_model(cfg: VllmCapture) -> dict:
                                "--model at a full checkpoint")
         if cfg.mode == "serve" and not any((path / name).exists() for name in TOKENIZER_FILES):
             raise KvtraceError(f"{cfg.model} has no tokenizer files, which `vllm bench serve` needs to build "
-                               "prompts: add the model's tokenizer files there, or use --mode offline "
+                               f"prompts: {_tokenizer_fix(path, cfg.load_format)}, or use --mode offline "
                                "(token-id prompts)")
         try:
             config = json.loads((path / "config.json").read_text())
@@ -110,6 +111,17 @@ def check_model(cfg: VllmCapture) -> dict:
         raise KvtraceError(f"requests of {longest} tokens exceed the model's {limit} positions: shorten the "
                            "prompts or outputs of this scenario")
     return summary
+
+
+def _tokenizer_fix(path: Path, load_format: str) -> str:
+    # fixtures/models/llama-tiny ships a config and the script that writes its word-level tokenizer.
+    script = path / MAKE_TOKENIZER
+    if script.is_file():
+        return f"run `python3 {script} {path}` (needs the tokenizers package) to write llama-tiny's tokenizer there"
+    if load_format == "dummy":
+        return (f"add tokenizer files there (for a copy of kvtrace's fixtures/models/llama-tiny config, "
+                f"`python3 fixtures/models/llama-tiny/{MAKE_TOKENIZER} {path}` writes a word-level one)")
+    return "add the model's tokenizer files there"
 
 
 def _hub_config(model: str) -> dict | None:

@@ -13,6 +13,8 @@ import shutil
 import sqlite3
 import subprocess
 import sys
+import tarfile
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -22,15 +24,51 @@ FIXTURES = REPO / "fixtures"
 NSYS2025_DIR = FIXTURES / "fi-h200-sm90"  # Nsight Systems 2025.3.2, export schema 3.20.3
 NSYS2023_DIR = FIXTURES / "fi-h200-sm90-nsys2023"  # Nsight Systems 2023.4.4, export schema 3.7.2
 BAD_DIR = FIXTURES / "bad"
+SERVE_PACKS = FIXTURES / "vllm-h200-serve"  # serve-mode vLLM runs packed by its pack_run.py (RUN.tar.xz)
+
+
+def _unpack(pack: Path) -> Path:
+    """A packed run directory, unpacked once per content into a folder outside the source tree (under
+    $KVTRACE_FIXTURE_CACHE, else the system's temporary folder), its files read-only like fixtures/."""
+    digest = sha256(pack)[:16]
+    root = Path(os.environ.get("KVTRACE_FIXTURE_CACHE") or tempfile.gettempdir()) / f"kvtrace-fixtures-{os.getuid()}"
+    done = root / f"{pack.parent.name}-{pack.name.removesuffix('.tar.xz')}-{digest}"
+    if not done.is_dir():
+        root.mkdir(parents=True, exist_ok=True)
+        scratch = Path(tempfile.mkdtemp(dir=root, prefix=".unpacking-"))
+        with tarfile.open(pack, "r:xz") as tar:
+            tar.extractall(scratch, filter="data")
+        for path in scratch.rglob("*"):
+            if path.is_file():
+                path.chmod(0o444)
+        (unpacked,) = scratch.iterdir()  # the archive holds one run directory
+        try:
+            unpacked.rename(done)
+        except OSError:  # another session unpacked it meanwhile
+            pass
+        shutil.rmtree(scratch, ignore_errors=True)
+    return done
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+# The serve-mode run directories (fixtures/README.md), by pack name: prefix-reuse-auto, ..., sweep-fp8.
+SERVE_RUNS = {pack.name.removesuffix(".tar.xz"): _unpack(pack) for pack in sorted(SERVE_PACKS.glob("*.tar.xz"))}
 
 
 def _discover_real_exports(suffix: str) -> dict[str, Path]:
-    """Every real recording under fixtures/<run>/ (fixtures/bad/ holds rejects), keyed "<run>/<name>"."""
-    return {f"{p.parent.name}/{p.name}": p for p in sorted(FIXTURES.glob(f"*/*{suffix}")) if p.parent != BAD_DIR}
+    """Every real recording under fixtures/<run>/ (fixtures/bad/ holds rejects) and in the packed serve runs,
+    keyed "<run>/<name>"."""
+    found = {f"{p.parent.name}/{p.name}": p for p in sorted(FIXTURES.glob(f"*/*{suffix}")) if p.parent != BAD_DIR}
+    found.update({f"vllm-h200-serve/{name}/{p.name}": p for name, run in SERVE_RUNS.items()
+                  for p in sorted(run.glob(f"*{suffix}"))})
+    return found
 
 
 # Every real export shipped for behaviour tests (the two runs above and any later recording, such as
-# fi-h200-sm90-repeat), as id -> path.
+# fi-h200-sm90-repeat and the packed serve runs), as id -> path.
 REAL_SQLITE = _discover_real_exports(".sqlite")
 REAL_REPORTS = _discover_real_exports(".nsys-rep")
 # The smallest real export: the "good" arm of diffs whose other arm is bad.
@@ -38,10 +76,6 @@ GOOD_SQLITE = NSYS2023_DIR / "fp8.sqlite"
 
 NSYS_WANTED = "2023.4.4"
 NSYS_FALLBACK = Path("/tmp/nsys-cli/nsys")  # where shared/ci/install-nsys-cli.sh puts it by default
-
-
-def sha256(path: Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def fingerprint(path: Path) -> tuple[str, int, int]:

@@ -26,6 +26,7 @@ from click.testing import CliRunner
 
 import kvtrace.nsys
 import vllm_standin
+from conftest import SERVE_RUNS
 from kvtrace.capture import cli as capture_cli
 from kvtrace.capture import vllm_commands as commands
 from kvtrace.capture import vllm_config
@@ -179,6 +180,45 @@ def test_options_outside_their_scenario_are_rejected():
         vllm_config.Workload.for_scenario("sweep", input_len=10)
 
 
+def test_points_from_follows_the_points_an_earlier_sweep_ran(monkeypatch):
+    """The real H200 sweep recorded alone (fixtures/vllm-h200-serve/sweep-auto): it stopped at capacity after 3
+    of the 4 grid points, and an arm recorded later with --points-from runs exactly those 3, without stopping."""
+    monkeypatch.setattr(kvtrace.nsys, "find_nsys", lambda explicit=None: "nsys")
+    earlier = SERVE_RUNS["sweep-auto"]
+    ran = [point["point"] for point in json.loads((earlier / "manifest.json").read_text())["arms"]["auto"]["points"]]
+    monkeypatch.chdir(earlier.parent)  # so that the golden names the run directory, not where it was unpacked
+    followed, source = vllm_config.followed_points(earlier.name, "serve")
+    assert [point.spec() for point in followed] == ran and source == f"{earlier.name} (run auto)"
+    cfg = config("sweep", arms=("fp8",), followed=followed, followed_from="sweep-auto (run auto)")
+    assert [point.spec() for point in cfg.workload.points("serve")] == ran
+    text = commands.dry_run(cfg, Path("runs/demo"), python="python3")
+    golden = GOLDEN / "sweep.serve.points-from.txt"
+    if os.environ.get("KVTRACE_UPDATE_GOLDEN"):
+        golden.write_text(text)
+    assert text == golden.read_text()
+    result = CliRunner().invoke(capture_cli.capture, ["vllm", "--model", "/models/m", "--scenario", "sweep", "--arms",
+                                                      "fp8", "--points-from", earlier.name, "--dry-run"])
+    assert result.exit_code == 0, result.output
+    assert f"runs the 3 points that {earlier.name} (run auto) ran" in result.output
+    assert result.output.count("--save-result") == 3
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--scenario", "sweep", "--contexts", "1024"], "--points-from takes every point from"),
+    (["--scenario", "cold-prefill"], "--points-from applies only to --scenario sweep"),
+    (["--scenario", "sweep", "--mode", "offline"], "follows an earlier --scenario sweep --mode offline run"),
+])
+def test_points_from_refuses_what_contradicts_it(args, message):
+    earlier = SERVE_RUNS["sweep-auto"]
+    bad = subprocess.run([sys.executable, "-m", "kvtrace", "capture", "vllm", "--model", "m", *args,
+                          "--points-from", str(earlier), "--dry-run"], capture_output=True, text=True, cwd=TESTS)
+    assert bad.returncode == 2 and bad.stderr.startswith("kvtrace: error: ") and message in bad.stderr, bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1
+    prefix = SERVE_RUNS["prefix-reuse-fp8"]
+    with pytest.raises(KvtraceError, match="holds a serve prefix-reuse run"):
+        vllm_config.followed_points(str(prefix), "serve")
+
+
 def test_cli_dry_run_and_errors(monkeypatch):
     monkeypatch.setattr(kvtrace.nsys, "find_nsys", lambda explicit=None: "nsys")
     runner_ = CliRunner()
@@ -285,8 +325,14 @@ def test_model_checks(tmp_path):
         preflight.check_model(config(model=str(empty), mode="offline"))
     with pytest.raises(KvtraceError, match="holds no weights.*--load-format dummy"):
         preflight.check_model(config(model=str(TINY), mode="offline", load_format="auto"))
-    with pytest.raises(KvtraceError, match="no tokenizer files.*--mode offline"):
+    with pytest.raises(KvtraceError, match="no tokenizer files.*--mode offline") as error:
         preflight.check_model(config(model=str(TINY)))
+    assert f"python3 {TINY / 'make_tokenizer.py'} {TINY}" in str(error.value)
+    copy = tmp_path / "llama-tiny"
+    copy.mkdir()
+    shutil.copy(TINY / "config.json", copy)
+    with pytest.raises(KvtraceError, match=f"fixtures/models/llama-tiny/make_tokenizer.py {copy}"):
+        preflight.check_model(config(model=str(copy)))
     with pytest.raises(KvtraceError, match="exceed the model's 8192 positions"):
         preflight.check_model(config("decode-heavy", mode="offline", model=str(TINY), input_len=8192))
     summary = preflight.check_model(config(model=str(TINY), mode="offline", arms=("auto", "fp8", "nvfp4")))
@@ -535,6 +581,43 @@ def test_prefix_reuse_resets_the_cache_after_warmup(standin):
     counters = manifest["arms"]["fp8"]["points"][0]["metrics"]["deltas"]["counters"]
     assert counters["vllm:prefix_cache_hits_total"] == 30 * 32  # the stand-in client reuses 2 prefixes
     assert manifest["settings"]["env"]["VLLM_SERVER_DEV_MODE"] == "1"
+
+
+def test_prefix_reuse_warmup_sends_a_prompt_per_prefix(standin):
+    """vLLM's prefix_repetition dataset (and the stand-in client) refuse fewer prompts than prefixes, so a warm-up
+    of one round of concurrency (3) with 12 prefixes sends 12 prompts."""
+    assert commands.warmup_point(Point(16, 4, 24, 3, prefix_len=32, num_prefixes=12)).num_prompts == 12
+    assert commands.warmup_point(Point(16, 4, 24, 3)).num_prompts == 3
+    cfg = serve_config(standin, scenario="prefix-reuse", prefix_len=32, num_prefixes=12, input_len=16,
+                       num_prompts=24, arms=("fp8",))
+    manifest = run_capture(standin, cfg)
+    arm = manifest["arms"]["fp8"]
+    assert arm["status"] == "ok", arm["error"]
+    warmup = arm["commands"][1]
+    assert warmup[warmup.index("--num-prompts") + 1] == "12" and warmup[warmup.index("--seed") + 1] == "1"
+
+
+def test_a_later_arm_follows_an_earlier_sweep(standin, monkeypatch):
+    monkeypatch.setenv("STANDIN_KV_TOKENS", "1000")  # fp8 holds 1,000 tokens, auto 500
+    sweep = {"contexts": (64, 256), "concurrencies": (2, 4, 8), "output_len": 8}
+    first = engine.capture(config("sweep", arms=("fp8",), model=str(standin.model), port=free_port(), **sweep),
+                           standin.tmp / "first", nsys=standin.nsys, startup_timeout_s=60.0, shutdown_grace_s=30.0,
+                           poll_interval_s=0.05)
+    ran = [point["point"] for point in first["arms"]["fp8"]["points"]]
+    assert len(ran) < 6 and first["arms"]["fp8"]["points"][-1]["capacity"]  # stopped a length at capacity
+    followed, source = vllm_config.followed_points(str(standin.tmp / "first"), "serve")
+    cfg = config("sweep", arms=("auto",), model=str(standin.model), port=free_port(), followed=followed,
+                 followed_from=source)
+    later = engine.capture(cfg, standin.tmp / "later", nsys=standin.nsys, startup_timeout_s=60.0,
+                           shutdown_grace_s=30.0, poll_interval_s=0.05)
+    auto = later["arms"]["auto"]
+    assert auto["status"] == "ok" and [point["point"] for point in auto["points"]] == ran
+    assert not any("capacity" in point for point in auto["points"])  # it follows; it does not stop
+    assert any(point["metrics"]["deltas"]["counters"]["vllm:num_preemptions_total"] for point in auto["points"])
+    assert later["settings"]["points"] == ran and later["settings"]["points_from"] == source
+    for point in auto["points"]:
+        metrics = point["metrics"]
+        assert 0 <= metrics["busy_polls"] <= metrics["polls"] and metrics["poll_interval_s"] == 0.05
 
 
 @pytest.mark.parametrize("failure,message", [

@@ -156,7 +156,7 @@ def test_cli_formats(run_kvtrace, tmp_path):
     code, out, err = run_kvtrace("diff", str(FP8), str(NVFP4), "--format", "csv")
     assert code == 0, err
     rows = list(csv.DictReader(io.StringIO(out)))
-    assert len(rows) == len(data["segments"]) + len(data["phases"]) + len(data["families"])
+    assert len(rows) == len(data["segments"]) + len(data["phases"]) + len(data["phase_totals"]) + len(data["families"])
     header = out.splitlines()[0].split(",")
     documented = (REPO / "docs" / "json-schema.md").read_text().split("### CSV")[1]
     assert len(set(header)) == len(header)  # one meaning per name

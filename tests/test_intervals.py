@@ -226,7 +226,7 @@ def test_repeats_capture_diff_covers_every_run_pairs_ratio(recipes, run_kvtrace)
     assert code == 0, err
     both = json.loads(out)
     assert both["runs"] == 2 and both["method"] == stats.HIERARCHICAL
-    assert both["baseline"]["sources"] == [str(runs[0][0]), str(runs[1][0])]
+    assert both["baseline"]["sources"] == [runs[0][0].name, runs[1][0].name]
     singles = [compare.diff(open_trace(b), open_trace(c), recipes) for b, c in runs]
     checked = disagree = 0
     for level in ("segments", "phases", "families"):

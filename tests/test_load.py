@@ -452,7 +452,7 @@ def test_read_only_copy_loads_and_stays_unchanged(real_sqlite, tmp_path, run_kvt
     before = fingerprint(copy)
     code, out, err = run_kvtrace("diff", copy, copy, "--format", "json", "--label", "a", "--label", "b")
     assert code == 0, err
-    assert json.loads(out)["baseline"]["info"]["sqlite"] == str(copy)
+    assert json.loads(out)["baseline"]["info"]["sqlite"] == copy.name  # reports name files, no paths
     assert open_trace(copy).info.kernel_count > 0
     assert fingerprint(copy) == before
     assert listing(folder) == [copy.name]
@@ -478,9 +478,9 @@ def test_nsys_rep_2023_exports_through_nsys_into_cache(name, nsys, tmp_path, cac
     code, out, err = run_kvtrace("kernels", report, "--format", "json", env={"NSYS": nsys})
     assert code == 0, err
     info = json.loads(out)["arm"]["info"]
-    exported = Path(info["sqlite"])
-    assert info["source"] == str(report)
-    assert exported.parent == cache_dir / "exports"
+    exported = cache_dir / "exports" / info["sqlite"]  # reports name files, no paths
+    assert info["source"] == report.name
+    assert exported.is_file()
     assert info["product_version"].startswith("2023.4.4")
     # Only the complete export is left in the cache: no hidden temporary/partial files.
     assert files_under(cache_dir / "exports") == [exported]
@@ -497,7 +497,7 @@ def test_nsys_rep_2023_exports_through_nsys_into_cache(name, nsys, tmp_path, cac
     # Second load reuses the cached export (same path, no new files).
     code, again, err = run_kvtrace("kernels", report, "--format", "json", env={"NSYS": nsys})
     assert code == 0, err
-    assert json.loads(again)["arm"]["info"]["sqlite"] == str(exported)
+    assert json.loads(again)["arm"]["info"]["sqlite"] == exported.name
     assert files_under(cache_dir / "exports") == [exported]
 
     # In-process: identical per-launch rows to the committed export.
@@ -578,6 +578,6 @@ def test_nsys_rep_with_newer_sibling_sqlite_uses_it_without_nsys(tmp_path, run_k
                                  env={"NSYS": str(tmp_path / "no-nsys-here"), "PATH": os.defpath})
     assert code == 0, err
     info = json.loads(out)["arm"]["info"]
-    assert info["sqlite"] == str(sibling)
+    assert info["sqlite"] == sibling.name
     assert info["product_version"].startswith("2025.3")
     assert listing(folder) == ["fp8.nsys-rep", "fp8.sqlite"]

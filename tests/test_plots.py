@@ -8,12 +8,13 @@ import sqlite3
 import subprocess
 import sys
 
+import matplotlib.image
 import numpy as np
 import pytest
 from click.testing import CliRunner
 from matplotlib.container import BarContainer
 
-from conftest import FIXTURES, NSYS2025_DIR
+from conftest import FIXTURES, NSYS2025_DIR, sql_durations
 from kvtrace.analyzer import report
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.render import plots
@@ -67,19 +68,63 @@ def test_ratio_plot_has_the_no_change_band_and_every_compared_segment(fi):
     assert "no-change band (±2%)" in ax.get_legend_handles_labels()[1]
 
 
-def test_ecdf_holds_the_per_call_durations_of_prefill_and_decode(fi):
+def test_ecdf_has_one_panel_per_cell_never_pooled(fi):
     figure = plots.ecdf_figure(fi)
     lines = by_gid(figure, "ecdf-")
-    assert set(lines) == {f"ecdf-{s}-{side}" for s in ("prefill_attention", "decode_attention")
+    assert set(lines) == {f"ecdf-{segment}-{phase}-{family}-{side}" for segment, phase, family in fi.durations
                           for side in ("baseline", "candidate")}
-    with sqlite3.connect(f"file:{NSYS2025_DIR / 'nvfp4.sqlite'}?mode=ro", uri=True) as conn:
-        prefill = sorted(r[0] for r in conn.execute(
-            "SELECT k.end - k.start FROM CUPTI_ACTIVITY_KIND_KERNEL k JOIN StringIds s ON s.id = k.demangledName "
-            "WHERE s.value LIKE ?", (PREFILL,)))
-    line = lines["ecdf-prefill_attention-candidate"]
-    assert np.allclose(line.get_xdata(), np.array(prefill) / 1e3)
-    assert line.get_ydata()[-1] == 1.0 and line.get_ydata()[0] == pytest.approx(1 / len(prefill))
-    assert [ax.get_title().split(":")[0] for ax in figure.axes] == ["prefill attention", "decode attention"]
+    contexts = json.loads((NSYS2025_DIR / "manifest.json").read_text())["settings"]["spec"]["contexts"]
+    prefill = [cell for cell in fi.durations if cell[0] == "prefill_attention"]
+    # One context and one family each: the ~3 µs merge-states kernel never joins prefill or decode attention.
+    assert len(prefill) == len(contexts) and not [c for c in fi.durations if c[0] == "prefill_attention"
+                                                  and "MergeStates" in c[2]]
+    merge = [cell for cell in fi.durations if "MergeStates" in cell[2]]
+    assert merge and all(cell[0] == "decode_attention" for cell in merge)
+    phase = "kvtrace:prefill ctx=2048 batch=8"
+    expected = sorted(sql_durations(NSYS2025_DIR / "nvfp4.sqlite", PREFILL, nvtx=phase))
+    (cell,) = [c for c in prefill if c[1] == phase]
+    line = lines[f"ecdf-{cell[0]}-{cell[1]}-{cell[2]}-candidate"]
+    assert np.allclose(line.get_xdata(), np.array(expected) / 1e3)
+    assert line.get_ydata()[-1] == 1.0 and line.get_ydata()[0] == pytest.approx(1 / len(expected))
+    titles = [ax.get_title() for ax in figure.axes if ax.get_visible()]
+    assert len(titles) == len(fi.durations) and titles[0].startswith("prefill attention · ctx 2,048")
+
+
+def test_forest_has_every_workload_point_with_its_interval_and_the_drift_control(fi):
+    figure = plots.forest_figure(fi)
+    rows = [r for r in fi.diff.phases if r.segment in ("prefill_attention", "decode_attention", "kv_append")]
+    points = []
+    for line in figure.findobj(lambda a: (a.get_gid() or "").startswith("forest-") and hasattr(a, "get_xdata")):
+        if line.get_gid() != "forest-drift":
+            points += list(line.get_xdata())
+    assert sorted(points) == pytest.approx(sorted(r.ratio for r in rows if r.ratio is not None))
+    assert by_gid(figure, "forest-drift")["forest-drift"].get_xdata()[0] == pytest.approx(fi.diff.drift.ratio)
+    labels = [t.get_text() for t in figure.axes[0].get_yticklabels()]
+    contexts = json.loads((NSYS2025_DIR / "manifest.json").read_text())["settings"]["spec"]["contexts"]
+    assert labels[:len(contexts)] == [f"prefill attention · ctx {c:,}" for c in contexts]
+    assert labels[-1] == "drift: KV-independent kernels"
+
+
+def test_ratio_against_context_per_phase(fi):
+    figure = plots.context_figure(fi)
+    contexts = json.loads((NSYS2025_DIR / "manifest.json").read_text())["settings"]["spec"]["contexts"]
+    lines = by_gid(figure, "context-")
+    assert set(lines) == {"context-prefill_attention", "context-decode_attention", "context-kv_append"}
+    for segment, line in lines.items():
+        expected = {int(r.phase.split("ctx=")[1].split()[0]): r.ratio for r in fi.diff.phases
+                    if r.segment == segment.removeprefix("context-")}
+        assert list(line.get_xdata()) == contexts
+        assert list(line.get_ydata()) == pytest.approx([expected[c] for c in contexts])
+    vllm = report.build([FIXTURES / "vllm-h200-cold-prefill"], load_recipes())
+    assert plots.context_figure(vllm) is None  # vLLM step kinds have no context axis
+
+
+def test_titles_name_the_gpu_and_the_versions(fi):
+    versions = json.loads((NSYS2025_DIR / "manifest.json").read_text())["arms"]["fp8"]["workload"]["versions"]
+    for kind, figure in plots.figures(fi).items():
+        title = figure.get_suptitle()
+        assert "NVIDIA H200" in title, kind
+        assert f"torch {versions['torch']}" in title and f"FlashInfer {versions['flashinfer']}" in title, kind
 
 
 def test_bandwidth_plot_against_the_trace_ceiling(fi):
@@ -111,30 +156,37 @@ def test_sweep_curves_per_arm_and_context_with_capacity_marks(sweep, fi):
     assert "fp8, context 1,024" in labels and "nvfp4, context 1,024" in labels
 
 
-def test_write_plots_png_and_svg_with_relative_links(fi, sweep, tmp_path):
+def test_write_plots_returns_its_files_png_and_svg(fi, sweep, tmp_path):
     folder = tmp_path / "out" / "plots"
     written = plots.write_plots(fi, folder, "png", link_base=tmp_path / "out")
-    assert {p.kind for p in written} == {"segment-times", "segment-ratios", "ecdf", "bandwidth"}
+    assert [p.kind for p in written] == ["summary", "forest", "context", "segment-times", "segment-ratios", "ecdf",
+                                         "bandwidth"]
+    assert fi.plots == []  # the report is left as it was: the caller takes the files
     for plot in written:
         assert plot.link == f"plots/{plot.kind}.png"
-        assert (folder / f"{plot.kind}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert fi.plots == written
+        image = matplotlib.image.imread(folder / f"{plot.kind}.png")  # a PNG matplotlib can open
+        assert image.ndim == 3 and image.shape[0] > 300 and image.shape[1] > 500, plot.kind
+        assert "NVIDIA H200" in plot.heading and plot.panels
+    summary = written[0]
+    assert summary.panels == ("Ratio per workload point", "Ratio against context length per phase")
     svg = plots.write_plots(sweep, tmp_path / "svg", "svg", link_base=tmp_path)
     text = (tmp_path / "svg" / "sweep.svg").read_text()
     assert "sweep-ttft-baseline-1024" in text and "TTFT (ms) vs concurrency" in text
     assert "first capacity-bound point" in text
-    assert {p.kind for p in svg} >= {"sweep", "segment-times"}
+    assert {p.kind for p in svg} >= {"sweep", "segment-times", "summary"}
     assert not [p for p in (tmp_path / "svg").iterdir() if p.name.startswith(".")]  # no temporary files left
 
 
-def test_cli_plots_are_linked_from_the_markdown(tmp_path):
+def test_cli_markdown_names_the_summary_to_drag_instead_of_relative_image_links(tmp_path):
     out = tmp_path / "report.md"
     result = CliRunner().invoke(cli, ["report", str(SWEEP), "--format", "markdown", "-o", str(out), "--plots",
                                       str(tmp_path / "figs"), "--plot-format", "svg"])
     assert result.exit_code == 0, result.output
     text = out.read_text()
-    for kind in ("segment-times", "segment-ratios", "ecdf", "sweep"):
-        assert f"(figs/{kind}.svg)" in text and (tmp_path / "figs" / f"{kind}.svg").is_file()
+    assert "![" not in text  # GitHub does not render images linked by a relative path
+    assert "Drag `figs/summary.svg` into the issue" in text
+    for kind in ("summary", "forest", "segment-times", "segment-ratios", "ecdf", "sweep"):
+        assert f"`figs/{kind}.svg`" in text and (tmp_path / "figs" / f"{kind}.svg").is_file()
     (tmp_path / "file").write_text("x")
     bad = CliRunner().invoke(cli, ["report", str(SWEEP), "--plots", str(tmp_path / "file")])
     assert bad.exit_code != 0 and "is a file" in str(bad.exception)

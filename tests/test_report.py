@@ -1,6 +1,8 @@
-"""`kvtrace report`: the kernel diff beside serving metrics, on the real FlashInfer run directories and the recorded
-vLLM manifests in fixtures/vllm-recorded-report/. Kernel numbers are checked against plain SQL over the same
-exports, serving numbers against the manifests' own fields, the guard rail against the capacity-win example."""
+"""`kvtrace report`: the kernel diff beside serving metrics, on the real FlashInfer run directories, the recorded
+vLLM manifests in fixtures/vllm-recorded-report/ and the real serve-mode vLLM runs (fixtures/vllm-h200-serve).
+Kernel numbers are checked against plain SQL over the same exports, serving numbers against the manifests' own
+fields and the real runs' bench JSON and /metrics pages, the guard rail against the capacity-win example and the
+real prefix-reuse pair."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import copy
 import csv
 import io
 import json
+import re
 import shutil
 import sqlite3
 import subprocess
@@ -16,13 +19,14 @@ from pathlib import Path
 
 import click
 import numpy as np
+import polars as pl
 import pytest
 from click.testing import CliRunner
 
-from conftest import FIXTURES, NSYS2023_DIR, NSYS2025_DIR, sql_durations
-from kvtrace.analyzer import report, stats
+from conftest import FIXTURES, NSYS2023_DIR, NSYS2025_DIR, SERVE_RUNS, sql_durations
+from kvtrace.analyzer import align, report, runs, serving, stats
 from kvtrace.analyzer.classify import load_recipes
-from kvtrace.analyzer.render import json_out, markdown
+from kvtrace.analyzer.render import json_out, markdown, report_tables
 from kvtrace.analyzer.render.units import duration
 from kvtrace.cli import cli, main
 from kvtrace.errors import KvtraceError
@@ -79,7 +83,7 @@ def test_one_flashinfer_run_directory_compares_its_two_arms(fi):
     assert (fi.baseline.arm, fi.candidate.arm) == ("fp8", "nvfp4")  # wider format first
     assert fi.baseline.sqlite == str(NSYS2025_DIR / "fp8.sqlite")
     assert (fi.baseline.engine, fi.baseline.kv_format, fi.candidate.kv_format) == ("flashinfer", "fp8", "nvfp4")
-    assert fi.diff.schema == "kvtrace.diff/3" and fi.serving == []
+    assert fi.diff.schema == "kvtrace.diff/4" and fi.serving == []
     assert fi.baseline.runs == (str(NSYS2025_DIR / "fp8.sqlite"),) and fi.diff.runs == 1
     assert any("no serving metrics" in note for note in fi.notes)
 
@@ -103,11 +107,16 @@ def test_prefill_statement_and_segment_times_match_plain_sql(fi):
     assert "regression" in statement.message and f"{len(base):,} paired calls" in statement.message
 
 
-def test_ecdf_durations_are_the_traces_per_call_durations(fi):
+def test_ecdf_durations_are_the_traces_per_call_durations_per_cell(fi):
     for segment, likes in (("prefill_attention", (PREFILL,)), ("decode_attention", (DECODE, MERGE))):
         for side, name in (("baseline", "fp8"), ("candidate", "nvfp4")):
-            expected = sorted(sql_durations(NSYS2025_DIR / f"{name}.sqlite", *likes))
-            assert fi.durations[segment][side].tolist() == expected, (segment, side)
+            cells = [cell for cell in fi.durations if cell[0] == segment]
+            assert len({(phase, family) for _, phase, family in cells}) == len(cells)
+            pooled = sorted(v for cell in cells for v in fi.durations[cell][side].tolist())
+            assert pooled == sorted(sql_durations(NSYS2025_DIR / f"{name}.sqlite", *likes)), (segment, side)
+            for phase in {phase for _, phase, _ in cells}:  # a range's cells hold that range's calls only
+                in_phase = sorted(v for cell in cells if cell[1] == phase for v in fi.durations[cell][side].tolist())
+                assert in_phase == sorted(sql_durations(NSYS2025_DIR / f"{name}.sqlite", *likes, nvtx=phase))
 
 
 def test_bandwidth_per_phase_from_the_manifest_bytes_and_sql_time(fi):
@@ -115,7 +124,7 @@ def test_bandwidth_per_phase_from_the_manifest_bytes_and_sql_time(fi):
     ceiling = sql(NSYS2025_DIR / "fp8.sqlite", "SELECT memoryBandwidth FROM TARGET_INFO_GPU WHERE id IN "
                   "(SELECT DISTINCT deviceId FROM CUPTI_ACTIVITY_KIND_KERNEL)")[0][0]
     assert fi.hbm_ceiling.bytes_per_s == ceiling and "TARGET_INFO_GPU" in fi.hbm_ceiling.source
-    likes = {"prefill": (PREFILL,), "decode": (DECODE, MERGE), "append": (APPEND,)}
+    likes = {"decode": (DECODE, MERGE), "append": (APPEND,)}  # prefill: tests/test_roofline.py
     phases = [p for p in data["arms"]["fp8"]["workload"]["phases"] if p["nvtx"].split(":")[1].split()[0] in likes]
     assert [r.phase for r in fi.bandwidth] == sorted((p["nvtx"] for p in phases),
                                                       key=lambda n: (list(likes).index(n.split(":")[1].split()[0]),
@@ -155,7 +164,7 @@ def test_capacity_in_the_report_uses_the_runs_shape(fi):
 
 def test_json_is_the_result_object(fi):
     data = json.loads(json_out.render(fi))
-    assert data["schema"] == "kvtrace.report/2" and data["diff"]["schema"] == "kvtrace.diff/3"
+    assert data["schema"] == "kvtrace.report/3" and data["diff"]["schema"] == "kvtrace.diff/4"
     assert "durations" not in data
     assert {"statements", "findings", "segment_times", "serving", "bandwidth", "hbm_ceiling", "capacity",
             "plots", "baseline", "candidate", "sweep", "notes"} <= set(data)
@@ -169,11 +178,11 @@ def test_two_run_directories_one_arm_each(recipes):
     prefill = next(r for r in result.diff.segments if r.segment == "prefill_attention")
     assert prefill.verdict == stats.NO_CHANGE  # a same-format repeat (fixtures/README.md)
     assert not any(s.check == "capacity" for s in result.statements)  # same format: nothing to say
-    named = report.resolve_inputs([NSYS2025_DIR / "fp8", REPEAT / "nvfp4"])
+    named = runs.resolve_inputs([NSYS2025_DIR / "fp8", REPEAT / "nvfp4"])
     assert [(i.run, i.arm) for i in named] == [(NSYS2025_DIR, "fp8"), (REPEAT, "nvfp4")]
-    both = report.resolve_inputs([NSYS2025_DIR, REPEAT], ("nvfp4", "fp8"))
+    both = runs.resolve_inputs([NSYS2025_DIR, REPEAT], ("nvfp4", "fp8"))
     assert [i.arm for i in both] == ["nvfp4", "fp8"]
-    chosen = report.resolve_inputs([NSYS2025_DIR], ("nvfp4", "fp8"))  # --arm twice: the user's order
+    chosen = runs.resolve_inputs([NSYS2025_DIR], ("nvfp4", "fp8"))  # --arm twice: the user's order
     assert [i.arm for i in chosen] == ["nvfp4", "fp8"]
 
 
@@ -260,13 +269,36 @@ def test_guard_rail_stays_quiet_or_changes_its_words_when_the_case_differs(tmp_p
     statement = next(s for s in result.statements if s.check == "ttft")
     assert "capacity / prefix-hit effect" not in statement.message and "mixes kernel speed" in statement.message
 
-    def fp8_traces_only(data):  # same-format traces: no prefill regression to contradict
+    def fp8_traces_only(data):  # same-format traces: prefill kernels not faster (no significant change)
         data["arms"]["nvfp4"]["sqlite"] = str(REPEAT / "fp8.sqlite")
 
     (tmp_path / "c").mkdir()
     result = report.build([_variant(tmp_path / "c", CAPACITY_WIN, fp8_traces_only)], recipes)
     statement = next(s for s in result.statements if s.check == "ttft")
-    assert "capacity / prefix-hit effect" not in statement.message
+    assert "capacity / prefix-hit effect" in statement.message and "not a faster prefill kernel" in statement.message
+    assert "showed no significant change per call" in statement.message
+
+    def faster_kernels(data):  # the candidate's prefill kernels are the faster ones: TTFT credits neither alone
+        data["arms"]["fp8"]["sqlite"], data["arms"]["nvfp4"]["sqlite"] = (str(NSYS2025_DIR / "nvfp4.sqlite"),
+                                                                          str(NSYS2025_DIR / "fp8.sqlite"))
+
+    (tmp_path / "d").mkdir()
+    result = report.build([_variant(tmp_path / "d", CAPACITY_WIN, faster_kernels)], recipes)
+    message = next(s for s in result.statements if s.check == "ttft").message
+    assert "Part of the TTFT gain is this capacity / prefix-hit effect" in message and "credits neither alone" in message
+    assert "not a faster prefill kernel" not in message
+
+    def fewer_hits(data):  # the faster arm served fewer prompt tokens from the cache: no prefix-hit story
+        counters = [data["arms"][arm]["points"][0]["metrics"]["deltas"]["counters"] for arm in ("fp8", "nvfp4")]
+        counters[0]["vllm:prefix_cache_hits_total"], counters[1]["vllm:prefix_cache_hits_total"] = (
+            counters[1]["vllm:prefix_cache_hits_total"], counters[0]["vllm:prefix_cache_hits_total"])
+        data["arms"]["nvfp4"]["points"][0]["capacity"] = data["arms"]["fp8"]["points"][0]["capacity"] = None
+        data["arms"]["fp8"]["points"][0]["metrics"]["peaks"]["vllm:kv_cache_usage_perc"] = 0.5
+
+    (tmp_path / "e").mkdir()
+    result = report.build([_variant(tmp_path / "e", CAPACITY_WIN, fewer_hits)], recipes)
+    message = next(s for s in result.statements if s.check == "ttft").message
+    assert "prefix-hit effect" not in message and "mixes kernel speed" in message
 
 
 def test_sweep_has_one_row_per_grid_point_and_marks_first_capacity(sweep):
@@ -308,6 +340,11 @@ def test_real_vllm_run_directories(run, recipes):
         if record and "tokens_in" in record:
             assert row.baseline.prompt_tokens == record["metrics"]["deltas"]["counters"].get(
                 "vllm:prompt_tokens_total", record["tokens_in"])
+            # The offline worker's own counts against vLLM's counters: the same requests and tokens.
+            checks = {check.quantity: check for check in row.baseline.checks}
+            assert checks["prompt tokens"].first_value == record["tokens_in"]
+            assert checks["output tokens"].first_value == record["tokens_out"]
+            assert all(check.agree for check in checks.values()), checks
     if result.capacity and result.capacity.measured:
         assert result.capacity.measured[0].tokens == data["arms"][result.baseline.arm]["kv_cache"]["tokens"]
 
@@ -383,9 +420,9 @@ def test_bad_inputs_are_one_line_and_exit_2(tmp_path, case, message):
 
 def test_resolve_errors_name_the_fix():
     with pytest.raises(KvtraceError, match="pick one with --arm"):
-        report.resolve_inputs([NSYS2025_DIR, REPEAT])
+        runs.resolve_inputs([NSYS2025_DIR, REPEAT])
     with pytest.raises(KvtraceError, match="one run directory and one --arm"):
-        report.resolve_inputs([NSYS2025_DIR], ("fp8",))
+        runs.resolve_inputs([NSYS2025_DIR], ("fp8",))
 
 
 def test_subprocess_smoke(tmp_path):
@@ -396,7 +433,7 @@ def test_subprocess_smoke(tmp_path):
                             cwd=tmp_path, check=False)
     assert result.returncode == 0, result.stderr
     text = out.read_text()
-    assert "![" in text and "(plots/segment-times.png)" in text and (tmp_path / "plots" / "segment-times.png").is_file()
+    assert "Drag `plots/summary.png` into the issue" in text and (tmp_path / "plots" / "summary.png").is_file()
 
 
 def test_offline_point_records_give_means_and_rates():
@@ -407,7 +444,7 @@ def test_offline_point_records_give_means_and_rates():
               "metrics": {"deltas": {"counters": {"vllm:num_preemptions_total": 0.0},
                                      "histograms": {"vllm:time_to_first_token_seconds": {"count": 16.0, "sum": 4.0},
                                                     "vllm:inter_token_latency_seconds": {"count": 112.0, "sum": 2.24}}}}}
-    metrics = report.serving_metrics(record, kv_cache_tokens=None)
+    metrics = serving.serving_metrics(record, kv_cache_tokens=None)
     assert metrics.source == "vLLM metrics (offline)"
     assert metrics.ttft_ms.mean == pytest.approx(4.0 / 16 * 1000) and metrics.ttft_ms.p50 is None
     assert metrics.itl_ms.mean == pytest.approx(2.24 / 112 * 1000)
@@ -415,7 +452,7 @@ def test_offline_point_records_give_means_and_rates():
     assert metrics.input_tokens_per_s == 16 * 1024 / 2.5 and metrics.output_tokens_per_s == 16 * 8 / 2.5
     assert metrics.capacity is None
     # The same point against a pool too small for 16 x (1,024 + 8) tokens is capacity-bound (the engine's rule).
-    tight = report.serving_metrics(record, kv_cache_tokens=16 * (1024 + 8))
+    tight = serving.serving_metrics(record, kv_cache_tokens=16 * (1024 + 8))
     assert tight.capacity is not None and "KV tokens needed" in tight.capacity
 
 
@@ -432,5 +469,245 @@ def test_a_per_arm_manifest_names_its_arm(tmp_path, recipes):
         single = {**data, "arms": {name: {**data["arms"][name],
                                           "sqlite": str((CAPACITY_WIN / data["arms"][name]["sqlite"]).resolve())}}}
         (tmp_path / f"{name}.manifest.json").write_text(json.dumps(single))
-    inputs = report.resolve_inputs([tmp_path / "fp8.manifest.json", tmp_path / "nvfp4.manifest.json"])
+    inputs = runs.resolve_inputs([tmp_path / "fp8.manifest.json", tmp_path / "nvfp4.manifest.json"])
     assert [(i.run, i.arm) for i in inputs] == [(tmp_path, "fp8"), (tmp_path, "nvfp4")]
+
+
+# ---- the real serve-mode runs from the H200 (fixtures/vllm-h200-serve, unpacked by conftest) --------------
+# Checked against each run's own files, read here without kvtrace: the bench client's JSON, the /metrics pages
+# scraped before and after the traffic (summed over label sets by hand), and the server log's capacity line.
+
+def prom(path: Path) -> dict[str, float]:
+    """A Prometheus text page as {sample name: value summed over its label sets}."""
+    totals: dict[str, float] = {}
+    for line in path.read_text().splitlines():
+        if line and not line.startswith("#"):
+            sample, value = line.rsplit(" ", 1)
+            name = sample.split("{", 1)[0]
+            totals[name] = totals.get(name, 0.0) + float(value)
+    return totals
+
+
+def recorded_point(run: Path, arm: str, index: int = 0) -> dict:
+    """One traffic point as the run's own files record it."""
+    entry = manifest(run)["arms"][arm]["points"][index]
+    before, after = (prom(run / entry["metrics"][when]) for when in ("before", "after"))
+    delta = {name: after[name] - before[name] for name in after if name in before}
+    pool = re.search(r'kv_cache_size_tokens="(\d+)"', (run / entry["metrics"]["after"]).read_text())
+    return {"point": entry["point"], "bench": json.loads((run / entry["bench_result"]).read_text()), "delta": delta,
+            "log_tokens": int(re.search(r"GPU KV cache size: ([\d,]+) tokens", (run / f"{arm}.log").read_text())
+                              .group(1).replace(",", "")),
+            "metrics_tokens": int(pool.group(1))}
+
+
+@pytest.fixture(scope="module")
+def prefix_reuse(recipes):
+    return report.build([SERVE_RUNS["prefix-reuse-auto"], SERVE_RUNS["prefix-reuse-fp8"]], recipes)
+
+
+def test_real_prefix_reuse_serving_metrics_match_the_runs_own_files(prefix_reuse):
+    row = prefix_reuse.serving[0]
+    for side, arm in (("baseline", "auto"), ("candidate", "fp8")):
+        metrics, own = getattr(row, side), recorded_point(SERVE_RUNS[f"prefix-reuse-{arm}"], arm)
+        bench, delta = own["bench"], own["delta"]
+        assert (metrics.ttft_ms.p50, metrics.ttft_ms.p90, metrics.ttft_ms.p99) == (
+            bench["p50_ttft_ms"], bench["p90_ttft_ms"], bench["p99_ttft_ms"])
+        assert (metrics.itl_ms.p50, metrics.tpot_ms.p50) == (bench["p50_itl_ms"], bench["p50_tpot_ms"])
+        assert metrics.requests == bench["completed"] == delta["vllm:request_success_total"]
+        assert metrics.output_tokens_per_s == bench["output_throughput"]
+        assert metrics.input_tokens_per_s == pytest.approx(bench["total_input_tokens"] / bench["duration"])
+        assert metrics.prompt_tokens == bench["total_input_tokens"] == delta["vllm:prompt_tokens_total"]
+        assert metrics.cached_prompt_tokens == delta["vllm:prompt_tokens_cached_total"]
+        assert metrics.prefix_hit_rate == pytest.approx(
+            delta["vllm:prefix_cache_hits_total"] / delta["vllm:prefix_cache_queries_total"])
+        assert metrics.preemptions == delta["vllm:num_preemptions_total"]
+        assert metrics.queue_ms == pytest.approx(1000 * delta["vllm:request_queue_time_seconds_sum"]
+                                                 / delta["vllm:request_queue_time_seconds_count"])
+        # Sub-second traffic against 0.5 s polling: no peak is claimed.
+        assert metrics.peak_running is None and metrics.peak_kv_usage is None
+        assert f"{bench['duration']:.2f} s of traffic" in metrics.peaks_note
+        checks = {check.quantity: check for check in metrics.checks}
+        assert checks["completed requests"].agree and checks["prompt tokens"].agree and checks["output tokens"].agree
+        cached = checks["cached prompt tokens"]
+        assert cached.agree and cached.second_value == (delta["vllm:prompt_tokens_total"]
+                                                        - delta["vllm:request_prefill_kv_computed_tokens_sum"])
+        pool = checks["KV cache size (tokens)"]
+        assert pool.agree and pool.first_value == own["log_tokens"] and pool.second_value == own["metrics_tokens"]
+
+
+def test_real_prefix_reuse_hit_rate_disagreement_is_named(prefix_reuse):
+    """BF16 (auto) could not keep the 12 prefixes: vLLM looked waiting requests up again and again, so its hit
+    rate per lookup is not the share of prompt tokens it served from the cache. FP8's two numbers agree."""
+    for side, arm in (("baseline", "auto"), ("candidate", "fp8")):
+        delta = recorded_point(SERVE_RUNS[f"prefix-reuse-{arm}"], arm)["delta"]
+        queries, prompt = delta["vllm:prefix_cache_queries_total"], delta["vllm:prompt_tokens_total"]
+        check = next(c for c in getattr(prefix_reuse.serving[0], side).checks if c.quantity == "prefix-cache hit rate")
+        assert check.first_value == pytest.approx(delta["vllm:prefix_cache_hits_total"] / queries)
+        assert check.second_value == pytest.approx(delta["vllm:prompt_tokens_cached_total"] / prompt)
+        assert check.agree == (queries == prompt)
+        if queries > prompt:
+            assert f"{queries:,.0f} prefix-cache lookups for {prompt:,.0f} prompt tokens" in check.note
+    assert not next(c for c in prefix_reuse.serving[0].baseline.checks if c.quantity == "prefix-cache hit rate").agree
+    text = markdown.render(prefix_reuse)
+    assert "auto: prefix-cache hit rate disagrees" in text and "| peak running requests | not observed |" in text
+    rows = list(csv.DictReader(io.StringIO(report_tables.csv_text(prefix_reuse))))
+    agree = {r["arm"]: r["value"] for r in rows if r["section"] == "serving_check"
+             and r["metric"] == "prefix-cache hit rate: agree"}
+    assert agree == {"auto": "False", "fp8": "True"}
+
+
+def test_real_prefix_reuse_tells_the_capacity_story(prefix_reuse):
+    """FP8 served more of its prompts from the prefix cache and had the lower TTFT. On this H200 its prefill
+    kernels (FP8 FA3) are also faster per call, so the report credits neither alone, and says which part is
+    capacity: the shared prefixes fit FP8's pool and not BF16's."""
+    own = {arm: recorded_point(SERVE_RUNS[f"prefix-reuse-{arm}"], arm) for arm in ("auto", "fp8")}
+    cached = {arm: int(p["delta"]["vllm:prompt_tokens_cached_total"]) for arm, p in own.items()}
+    prompt = {arm: int(p["delta"]["vllm:prompt_tokens_total"]) for arm, p in own.items()}
+    p50 = {arm: p["bench"]["p50_ttft_ms"] for arm, p in own.items()}
+    assert cached["fp8"] > cached["auto"] and p50["fp8"] < p50["auto"]  # what the run shows
+    spec = dict(item.split("=") for item in own["fp8"]["point"].split(","))
+    shared = int(spec["prefix"]) * int(spec["prefixes"])
+    assert own["auto"]["log_tokens"] < shared <= own["fp8"]["log_tokens"]
+    statement = next(s for s in prefix_reuse.statements if s.check == "ttft")
+    message = statement.message
+    assert statement.level == "warning"
+    assert f"TTFT p50 {p50['auto']:.1f} ms (auto) → {p50['fp8']:.1f} ms (fp8), {p50['fp8'] / p50['auto']:.3f}×" in message
+    assert f"{cached['fp8']:,} cached prompt tokens (fp8) against {cached['auto']:,} (auto)" in message
+    assert (f"the {spec['prefixes']} shared prefixes ({shared:,} tokens) fit fp8's {own['fp8']['log_tokens']:,}-token "
+            f"KV cache and not auto's {own['auto']['log_tokens']:,}") in message
+    assert f"fp8 prefilled {prompt['fp8'] - cached['fp8']:,} prompt tokens against {prompt['auto'] - cached['auto']:,}" in message
+    assert "capacity / prefix-hit effect, not kernel speed" in message
+    prefill = next(r for r in prefix_reuse.diff.segments if r.segment == "prefill_attention")
+    # The arms prefilled different amounts, so most prefill calls have no partner ("different work"); the
+    # matched ones say the kernel (FA3 with FP8 queries) is faster on this GPU too.
+    assert (prefill.verdict, prefill.paired_verdict) == (stats.DIFFERENT_WORK, stats.IMPROVEMENT)
+    assert f"faster per matched call ({prefill.ratio:.3f}× over {prefill.compared_calls:,} paired calls)" in message
+    assert "credits neither alone" in message
+    capture = next(f for f in prefix_reuse.findings if f.check == "capture")
+    assert capture.level == "warning" and "separate captures" in capture.message and "same GPU" in capture.message
+
+
+def test_real_sweep_marks_where_each_arm_first_reaches_capacity(recipes):
+    runs = {arm: SERVE_RUNS[f"sweep-{arm}"] for arm in ("auto", "fp8")}
+    result = report.build([runs["auto"], runs["fp8"]], recipes)
+    assert result.sweep
+    expected = {}
+    for side, arm in (("baseline", "auto"), ("candidate", "fp8")):
+        first: dict = {}
+        for index, entry in enumerate(manifest(runs[arm])["arms"][arm]["points"]):
+            own = recorded_point(runs[arm], arm, index)
+            spec = dict(item.split("=") for item in own["point"].split(","))
+            context, concurrency = int(spec["input"]), int(spec["concurrency"])
+            demand = concurrency * (context + int(spec["output"]))
+            if (own["delta"]["vllm:num_preemptions_total"] > 0 or demand >= 0.95 * own["log_tokens"]) \
+                    and context not in first:
+                first[context] = own["point"]
+            row = next(r for r in result.serving if r.point == own["point"])
+            metrics = getattr(row, side)
+            assert metrics.ttft_ms.p50 == own["bench"]["p50_ttft_ms"] and metrics.queue_ms == pytest.approx(
+                1000 * own["delta"]["vllm:request_queue_time_seconds_sum"]
+                / own["delta"]["vllm:request_queue_time_seconds_count"])
+        expected[side] = set(first.values())
+        assert {r.point for r in result.serving if getattr(r, f"{side}_first_capacity")} == expected[side], arm
+        assert expected[side]  # each arm reached capacity somewhere in this grid
+    statement = next(s for s in result.statements if s.check == "capacity" and s.message.startswith("sweep:"))
+    for point in expected["baseline"] | expected["candidate"]:
+        assert point in statement.message
+    # auto stopped the 2,048-token context at capacity, so it never ran the last point fp8 ran.
+    only_fp8 = [r.point for r in result.serving if r.candidate and not r.baseline]
+    points = next(f for f in result.findings if f.check == "settings" and "traffic point" in f.message)
+    assert only_fp8 and all(point in points.message for point in only_fp8) and "auto had reached capacity" in points.message
+    text = markdown.render(result)
+    assert text.count("◆ auto") == len(expected["baseline"]) and text.count("◆ fp8") == len(expected["candidate"])
+
+
+def test_real_cold_prefill_arms_ran_the_same_steps_and_pair(run_kvtrace, recipes):
+    """One 1,024-token prompt at a time: every engine step is the same in both arms, so `kvtrace diff` pairs
+    prefill attention and KV append call for call (not "not comparable")."""
+    exports = {arm: SERVE_RUNS[f"cold-prefill-{arm}"] / f"{arm}.sqlite" for arm in ("auto", "fp8")}
+    steps = {arm: sql(path, "SELECT text FROM NVTX_EVENTS WHERE text LIKE 'execute_%' ORDER BY start")
+             for arm, path in exports.items()}
+    assert steps["auto"] == steps["fp8"] and steps["auto"]
+    counts = {segment: {arm: len(sql_durations(path, like)) for arm, path in exports.items()}
+              for segment, like in (("prefill_attention", "%PrefillWithKVCacheKernel%"),
+                                    ("kv_append", "%reshape_and_cache_flash_kernel%"))}
+    code, out, err = run_kvtrace("diff", exports["auto"], exports["fp8"], "--format", "json")
+    assert code == 0, err
+    segments = {row["segment"]: row for row in json.loads(out)["segments"]}
+    for segment, per_arm in counts.items():
+        assert per_arm["auto"] == per_arm["fp8"] > 0
+        row = segments[segment]
+        assert row["verdict"] in (stats.REGRESSION, stats.IMPROVEMENT, stats.NO_CHANGE) and row["ratio"], row
+        assert row["compared_calls"] == per_arm["auto"]
+    result = report.build([SERVE_RUNS["cold-prefill-auto"], SERVE_RUNS["cold-prefill-fp8"]], recipes)
+    metrics = result.serving[0].baseline
+    assert metrics.itl_ms == serving.Latency() and metrics.tpot_ms == serving.Latency()  # one output token each
+
+
+def test_polled_peaks_count_as_peaks_only_with_enough_polls_in_the_traffic():
+    """Synthetic point records as the serve engine writes them now (busy polls counted) and as the real H200
+    runs were written (polls over the point's whole wall time, client start-up included)."""
+    def record(**metrics):
+        return {"point": "input=1024,output=16,prompts=32,concurrency=8", "seconds": 21.0,
+                "bench": {"duration": 0.42, "completed": 32},
+                "metrics": {"deltas": {"counters": {}, "histograms": {}}, "polls": 40,
+                            "peaks": {"vllm:num_requests_running": 2.0, "vllm:kv_cache_usage_perc": 0.31}, **metrics}}
+
+    few = serving.serving_metrics(record(busy_polls=1, poll_interval_s=0.5), None)
+    assert few.peak_running is None and few.peak_kv_usage is None
+    assert few.peaks_note == ("peaks not observed: 0.42 s of traffic, /metrics polled about every 0.50 s "
+                              "(1 poll saw requests in flight)")
+    enough = serving.serving_metrics(record(busy_polls=serving.MIN_PEAK_POLLS, poll_interval_s=0.5), None)
+    assert (enough.peak_running, enough.peak_kv_usage, enough.peaks_note) == (2.0, 0.31, None)
+    estimated = serving.serving_metrics(record(), None)  # 40 polls in 21 s: one every 0.525 s, about 1 in 0.42 s
+    assert estimated.peak_running is None and "about every 0.53 s (about 1 poll inside it)" in estimated.peaks_note
+
+
+@pytest.mark.parametrize("name", sorted(SERVE_RUNS))
+def test_cut_exports_keep_the_originals_kernel_totals(name):
+    """pack_run.py recorded, by plain SQL on the original export, calls and GPU time per kernel and innermost
+    NVTX range; kvtrace reads the same from the cut export."""
+    from kvtrace.analyzer.load import open_trace
+
+    run = SERVE_RUNS[name]
+    cut = json.loads((run / "cut.json").read_text())
+    for export, record in cut["exports"].items():
+        assert "CUDA_GRAPH_NODE_EVENTS" in record["rows_dropped"] and record["cut"]["bytes"] < record["original"]["bytes"]
+        trace = open_trace(run / export)
+        names = trace.signatures.select("sig", "demangled")
+        ranges = trace.ranges.select("range", pl.col("name").alias("range_name"))
+        got = (trace.kernels.join(names, on="sig").join(ranges, on="range", how="left")
+               .with_columns(pl.col("range_name").fill_null(""))
+               .group_by("demangled", "range_name").agg(pl.len().alias("calls"), pl.col("duration").sum())
+               .sort("demangled", "range_name"))
+        assert [[r["kernel"], r["range"], r["calls"], r["total_ns"]] for r in record["kernel_totals"]] == [
+            list(row) for row in got.iter_rows()]
+
+
+def test_append_phase_statement_inside_a_window_counts_the_windowed_calls(recipes):
+    last = 16
+    result = report.build([NSYS2025_DIR], recipes, window=align.Window(last=last))
+    data = manifest(NSYS2025_DIR)
+    per_call = {}
+    for arm in ("fp8", "nvfp4"):
+        ranges = [p["nvtx"] for p in data["arms"][arm]["workload"]["phases"] if p["nvtx"].startswith("kvtrace:append ")]
+        total = calls = 0
+        for nvtx in ranges:
+            # --last keeps the last calls of every kernel and launch shape in each range: written out in SQL.
+            rows = sql(NSYS2025_DIR / f"{arm}.sqlite", """
+                SELECT s.value, k.gridX, k.gridY, k.gridZ, k.blockX, k.blockY, k.blockZ, k.end - k.start
+                FROM CUPTI_ACTIVITY_KIND_KERNEL k JOIN StringIds s ON s.id = k.demangledName
+                JOIN CUPTI_ACTIVITY_KIND_RUNTIME r ON r.correlationId = k.correlationId
+                     AND (r.globalTid & 0xFFFFFFFFFF000000) = k.globalPid
+                JOIN NVTX_EVENTS n ON n.globalTid = r.globalTid AND n.start <= r.start AND n.end >= r.end
+                     AND n.eventType IN (59, 60) AND n.text = ? ORDER BY k.start""", nvtx)
+            groups: dict = {}
+            for row in rows:
+                groups.setdefault(row[:7], []).append(row[7])
+            total += sum(sum(values[-last:]) for values in groups.values())
+            calls += sum(len(values[-last:]) for key, values in groups.items() if "AppendPagedKVCache" in key[0])
+        assert calls == last * len(ranges)  # one append kernel per workload call
+        per_call[arm] = total / calls
+    statement = next(s for s in result.statements if s.check == "append" and "append phase" in s.message)
+    assert f"{duration(per_call['fp8'])} (fp8) → {duration(per_call['nvfp4'])} (nvfp4)" in statement.message
+    assert f"over {last * 3:,} and {last * 3:,} calls" in statement.message

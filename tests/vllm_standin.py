@@ -164,7 +164,7 @@ def bench(argv: list[str]) -> None:
         parser.add_argument(name)
     for name in ("--port", "--num-prompts", "--max-concurrency", "--random-input-len", "--random-output-len",
                  "--prefix-repetition-prefix-len", "--prefix-repetition-suffix-len", "--prefix-repetition-output-len",
-                 "--seed"):
+                 "--prefix-repetition-num-prefixes", "--seed"):
         parser.add_argument(name, type=int, default=0)
     parser.add_argument("--save-result", action="store_true")
     args, _ = parser.parse_known_args(argv)
@@ -180,13 +180,16 @@ def bench(argv: list[str]) -> None:
         sys.exit(1)
     import urllib.request
 
-    prefix = args.prefix_repetition_prefix_len
+    prefix, prefixes = args.prefix_repetition_prefix_len, args.prefix_repetition_num_prefixes
+    if prefix and args.num_prompts < prefixes:  # vLLM 0.26's prefix_repetition dataset refuses this
+        print(f"ValueError: num_requests ({args.num_prompts}) must be greater than or equal to num_prefixes "
+              f"({prefixes})", file=sys.stderr)
+        sys.exit(1)
     prompt_len = prefix + (args.prefix_repetition_suffix_len if prefix else args.random_input_len)
     output_len = args.prefix_repetition_output_len if prefix else args.random_output_len
-    prefixes = max(1, args.num_prompts // 16)
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     for index in range(args.num_prompts):
-        cached = prefix if prefix and index >= prefixes else 0
+        cached = prefix if prefix and index >= prefixes else 0  # each prefix misses once, then hits
         body = json.dumps({"prompt_len": prompt_len, "output_len": output_len, "concurrency": args.max_concurrency,
                            "cached": cached}).encode()
         request = urllib.request.Request(f"http://{args.host}:{args.port}/v1/completions", data=body, method="POST")

@@ -39,7 +39,8 @@ def render(result: Summary | Diff | KernelList) -> str:
                                  *(_blank(getattr(row.stats, f)) for f in STAT_FIELDS), " ".join(row.kv_dtypes)])
     else:
         writer.writerow(DIFF_COLUMNS)
-        for level, rows in (("segment", result.segments), ("phase", result.phases), ("family", result.families)):
+        for level, rows in (("segment", result.segments), ("phase", result.phases),
+                            ("phase_total", result.phase_totals), ("family", result.families)):
             for row in rows:
                 writer.writerow([
                     level, row.segment, row.phase or "", row.family_label or "", row.family or "", row.kv_independent,

@@ -5,16 +5,30 @@ from __future__ import annotations
 import json
 import math
 
+from kvtrace.analyzer.render.units import shown_path
+
+
+# Fields that hold a file or run directory: shown by name (units.shown_path), as in every other report.
+PATH_FIELDS = frozenset({"source", "sqlite", "sources", "runs", "run", "path"})
+
 
 def _clean(value):
     # JSON has no NaN; a coefficient of variation over a zero mean is reported as null.
     if isinstance(value, float) and math.isnan(value):
         return None
     if isinstance(value, dict):
-        return {k: _clean(v) for k, v in value.items()}
+        return {k: _shown(v) if k in PATH_FIELDS else _clean(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_clean(v) for v in value]
     return value
+
+
+def _shown(value):
+    if isinstance(value, str):
+        return shown_path(value)
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return [shown_path(v) for v in value]
+    return _clean(value)
 
 
 def render(result) -> str:

@@ -2,22 +2,26 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from kvtrace.analyzer.compare import Arm, Diff, DiffRow, KernelList, Summary
+from kvtrace.analyzer.headline import APPEND_PHASE, Headline
 from kvtrace.analyzer.render.escape import md_code, md_text, visible
-from kvtrace.analyzer.render.units import (MARK, arm_time, calls, duration, interval, markdown_table, numbered_notes,
-                                          per_call, percent, ratio, run_ratios, signed_duration)
+from kvtrace.analyzer.render.units import (MARK, arm_time, calls, duration, head_time, interval, markdown_table,
+                                          numbered_notes, per_call, percent, ratio, run_ratios, signed_duration)
+from kvtrace.analyzer.verify import MISMATCHES_SHOWN, mismatch_lines
 
 
-def render(result: Summary | Diff | KernelList) -> str:
+def render(result: Summary | Diff | KernelList, level: int = 2) -> str:
+    """level: the heading level of a diff's title (its sections one below), for a diff inside a report."""
     if isinstance(result, KernelList):
         return _kernels(result)
     if not isinstance(result, (Summary, Diff)):
         from kvtrace.analyzer.render import report_tables  # kvtrace report / capacity results
 
         return report_tables.markdown(result)
-    return _summary(result) if isinstance(result, Summary) else _diff(result)
+    return _summary(result) if isinstance(result, Summary) else _diff(result, level)
 
 
 def _kernels(kernels: KernelList) -> str:
@@ -96,13 +100,16 @@ def _diff_table(first: list[str], rows: list[DiffRow], lead, diff: Diff) -> list
     return lines
 
 
-def _diff(diff: Diff) -> str:
+def _diff(diff: Diff, level: int) -> str:
     b, c = diff.baseline, diff.candidate
     confidence = f"{100 * diff.confidence:.0f}%"
     labels = md_text(b.label), md_text(c.label)
     runs = (f" over {diff.runs} runs per arm (r1 with r1, …); the interval resamples run pairs, then call pairs "
             "within each run" if diff.runs > 1 else "")
-    lines = [f"## kvtrace diff: {labels[0]} → {labels[1]}", "",
+    title, section = "#" * level, "#" * (level + 1)
+    lines = [f"{title} kvtrace diff: {labels[0]} → {labels[1]}", ""] + head(diff, level + 1) + [
+             "", "<details><summary>Everything else: how rows are compared, comparability, every segment, phase and "
+             "kernel family, each trace, kernel names</summary>", "",
              f"Baseline **{labels[0]}**, candidate **{labels[1]}**. Ratio = candidate / baseline GPU time summed over "
              f"the calls both arms ran, paired call for call per kernel family, launch shape and NVTX range{runs}; "
              f"{confidence} bootstrap interval that resamples the pairs inside each such cell (docs/statistics.md). "
@@ -113,23 +120,58 @@ def _diff(diff: Diff) -> str:
              "call, else the row's total. Rows whose arms did different work say \"not comparable\" or "
              "\"different work\" instead of a verdict.", "",
              f"Total GPU kernel time: {duration(b.total_ns)} → {duration(c.total_ns)} ({ratio(diff.total_ratio)}).",
-             "", "### Comparability", ""]
+             "", f"{section} Comparability", ""]
     lines += [f"- {MARK[f.level]} {visible(f.message)}" for f in diff.findings]
-    lines += ["", "### Segments", ""]
+    lines += ["", f"{section} Segments", ""]
     lines += _diff_table(["segment"], diff.segments, lambda r: [r.segment], diff)
     if diff.phases:
-        lines += ["", "### Segments by phase (NVTX range)", ""]
+        lines += ["", f"{section} Segments by phase (NVTX range)", ""]
         lines += _diff_table(["segment", "phase"], diff.phases, lambda r: [r.segment, md_code(r.phase)], diff)
-    lines += ["", "### Kernel families", ""]
+    lines += ["", f"{section} Kernel families", ""]
     lines += _diff_table(["segment", "family"], diff.families, lambda r: [r.segment, md_code(r.family_label)], diff)
-    lines += ["", "### Environment", ""] + _environment([b, c])
+    lines += ["", f"{section} Each trace", ""] + _environment([b, c])
     lines += ["", "<details><summary>Kernel names per segment</summary>", ""]
     for r in diff.segments:
         lines += [f"**{r.segment}**", ""]
         lines += [f"- {labels[0]}: {md_code(name)}" for name in r.baseline_names]
         lines += [f"- {labels[1]}: {md_code(name)}" for name in r.candidate_names] + [""]
-    lines += ["</details>", "", _footer(diff.kvtrace_version, diff.recipes)]
+    lines += ["</details>", "", "</details>", "", _footer(diff.kvtrace_version, diff.recipes)]
     return "\n".join(lines) + "\n"
+
+
+def head(diff: Diff, level: int = 3) -> list[str]:
+    """The answer first (analyzer.headline): the deciding rows, the environment, how to reproduce; `level` is
+    the heading level of its sections."""
+    head = diff.headline or Headline.of(diff)
+    b, c = md_text(diff.baseline.label), md_text(diff.candidate.label)
+    section = "#" * level
+    lines = [f"{section} The answer: {c} against {b}", "",
+             f"Time per call of each arm (Σn: the total of n cells that cost differently per call), ratio {c} / {b} "
+             f"with its {100 * diff.confidence:.0f}% interval, verdict and the call pairs compared.", ""]
+    lines += markdown_table(["question", "point", "kernel family", b, c, "ratio", "interval", "verdict", "pairs"],
+                            [[r.question, md_text(r.point), md_code(r.family), head_time(r.row.baseline, r.row.cells),
+                              head_time(r.row.candidate, r.row.cells), ratio(r.row.ratio),
+                              interval(r.row.ci_low, r.row.ci_high), r.row.verdict, f"{r.row.compared_calls:,}"]
+                             for r in head.rows])
+    notes = []
+    if any(r.question == APPEND_PHASE for r in head.rows):
+        notes.append("KV append phase: one call is one append with the kernels launched since the previous one "
+                     "(FP8 pays a separate cast and copy, NVFP4 one fused quantize-append).")
+    if head.drift:
+        notes.append(f"Control: {md_text(head.drift)}.")
+    checked = diff.verification
+    if checked is not None:
+        notes.append(f"{MARK['ok' if checked.agrees else 'error']} {md_text(checked.summary())}.")
+        notes += [f"  - {md_text(line)}" for line in mismatch_lines(checked)[:MISMATCHES_SHOWN]]
+    lines += [""] + [f"- {n}" if not n.startswith("  ") else n for n in notes] if notes else []
+    lines += ["", f"{section} Environment", ""]
+    lines += markdown_table(["", ""], [[name, md_text(value)] for name, value in head.environment])
+    if head.commands:
+        commands = [visible(command) for command in head.commands]
+        fence = "`" * max(3, 1 + max(len(run) for run in re.findall("`*", "\n".join(commands))))
+        lines += ["", f"{section} Reproduce", "", "From the run directory (absolute paths shortened to their last "
+                  "component):", "", f"{fence}sh", *commands, fence]
+    return lines
 
 
 def _footer(version: str, recipes: tuple[str, ...]) -> str:

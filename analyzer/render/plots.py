@@ -1,13 +1,19 @@
 """Plots of a serving report (matplotlib, Agg, no pyplot state): readable without the text.
 
+- summary: the one to drag into an upstream issue: the forest plot beside the ratio against context length;
+- forest: candidate / baseline per workload point (context, or vLLM step kind) of prefill attention, decode
+  attention and KV append, with intervals, the drift control and the no-change band;
+- context: the same ratios against context length, one line per phase (FlashInfer's context sweep);
+- ecdf: cumulative distribution of per-call durations per cell (one context or step kind, one kernel family:
+  never pooled, so decode's ~3 µs merge-states kernel has its own panel), both arms;
 - segment-times: GPU time of each segment's paired calls for both arms, with the bootstrap interval of each;
 - segment-ratios: candidate / baseline per segment with its bootstrap interval and the no-change band;
-- ecdf: cumulative distribution of per-call durations of prefill and decode attention, both arms;
 - bandwidth: achieved KV bandwidth per workload phase against the GPU's HBM ceiling (FlashInfer runs);
 - sweep: TTFT, ITL and preemptions against concurrency, one line per arm and context length (sweeps).
 
 Every function takes the Report and returns a matplotlib Figure (or None when the report has nothing to
-draw), whose lines, bars and collections carry the series labels; `write_plots` saves them. Importing this
+draw), whose lines, bars and collections carry the series labels, titled with the GPU and the versions the
+workload recorded; `write_plots` saves them (tight bounding box: no clipped labels) and returns their files. Importing this
 module imports matplotlib, so only the plotting path imports it (never `kvtrace diff`).
 """
 
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import io
 import os
+import textwrap
 from pathlib import Path
 
 import matplotlib
@@ -22,17 +29,21 @@ import matplotlib
 matplotlib.use("Agg", force=False)  # no display; harmless when a backend is already chosen
 from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: E402
 
 from kvtrace import files  # noqa: E402
 from kvtrace.analyzer import stats  # noqa: E402
 from kvtrace.analyzer.report import PlotFile, Report  # noqa: E402
 from kvtrace.errors import KvtraceError  # noqa: E402
+from kvtrace.manifest import parse_phase_name  # noqa: E402
 
 FORMATS = ("png", "svg")
 _COLORS = ("#1f77b4", "#d62728")  # baseline, candidate
 _VERDICT_COLORS = {stats.REGRESSION: "#d62728", stats.IMPROVEMENT: "#2ca02c"}
 _DEFAULT_COLOR = "#7f7f7f"
-_TITLES = {"prefill_attention": "prefill attention", "decode_attention": "decode attention"}
+_TITLES = {"prefill_attention": "prefill attention", "decode_attention": "decode attention", "kv_append": "KV append"}
+_VERSION_NAMES = {"torch": "torch", "cuda_runtime": "CUDA", "flashinfer": "FlashInfer", "vllm": "vLLM"}
+_DPI = 110
 
 
 def _figure(width: float, height: float) -> Figure:
@@ -43,6 +54,145 @@ def _figure(width: float, height: float) -> Figure:
 
 def _labels(report: Report) -> tuple[str, str]:
     return report.baseline.label, report.candidate.label
+
+
+def heading(report: Report, what: str) -> str:
+    """A figure's title: what it shows, the arms, the GPU and the versions the workloads recorded."""
+    b, c = report.baseline.versions, report.candidate.versions
+    versions = []
+    for key, name in _VERSION_NAMES.items():
+        values = list(dict.fromkeys(v for v in (b.get(key), c.get(key)) if v))
+        if values:
+            versions.append(f"{name} {' / '.join(values)}")
+    lines = [f"{what}: {_labels(report)[1]} vs {_labels(report)[0]}",
+             " · ".join([report.diff.baseline.info.gpu_label, *versions])]
+    return "\n".join(lines)
+
+
+def _point(row) -> str:
+    """A workload point's short name: the context of a FlashInfer phase, or the phase (vLLM step kind) itself."""
+    parsed = parse_phase_name(row.phase or "")
+    where = f"ctx {parsed[1]:,}" if parsed else (row.phase or "outside every range")
+    return f"{_TITLES.get(row.segment, row.segment)} · {where}"
+
+
+def _answer_rows(report: Report) -> list:
+    """The diff's rows per segment and workload point for the segments the KV format decides."""
+    return [r for r in report.diff.phases if r.segment in _TITLES]
+
+
+def _forest(ax, report: Report) -> None:
+    rows = _answer_rows(report)
+    drift = report.diff.drift
+    labels = [_point(r) + ("" if r.ratio is not None else f" ({r.verdict})") for r in rows]
+    if drift is not None and drift.ratio is not None:
+        labels.append("drift: KV-independent kernels")
+    positions = list(range(len(labels)))
+    threshold = report.diff.band
+    band = ax.axvspan(1 - threshold, 1 + threshold, color="#bbbbbb", alpha=0.5,
+                      label=f"no-change band (±{100 * threshold:g}%)")
+    band.set_gid("forest-band")
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    for verdict in dict.fromkeys(r.verdict for r in rows if r.ratio is not None):
+        chosen = [(p, r) for p, r in zip(positions, rows) if r.ratio is not None and r.verdict == verdict]
+        container = ax.errorbar([r.ratio for _, r in chosen], [p for p, _ in chosen], xerr=_whiskers(chosen),
+                                fmt="o", capsize=4, color=_VERDICT_COLORS.get(verdict, _DEFAULT_COLOR), label=verdict)
+        container.lines[0].set_gid(f"forest-{verdict.replace(' ', '-')}")
+    if drift is not None and drift.ratio is not None:
+        container = ax.errorbar([drift.ratio], [positions[-1]], xerr=_whiskers([(0, drift)]), fmt="s", capsize=4,
+                                color="black", label="drift control")
+        container.lines[0].set_gid("forest-drift")
+    for p, r in zip(positions, rows):
+        if r.ratio is not None:
+            ax.annotate(f"{r.ratio:.3f}×", (r.ratio, p), textcoords="offset points", xytext=(6, 6), fontsize=8)
+    ax.set_yticks(positions, labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    _ratio_ticks(ax.xaxis)
+    ax.set_xlabel(f"{_labels(report)[1]} / {_labels(report)[0]} GPU time of the paired calls (log; >1 = slower); "
+                  f"whiskers: {100 * report.diff.confidence:.0f}% interval", fontsize=8)
+    ax.set_title("Ratio per workload point", fontsize=10)
+    ax.legend(loc="best", fontsize=7)
+    ax.grid(axis="x", which="both", alpha=0.3)
+
+
+def _ratio_ticks(axis) -> None:
+    """Ratios on a log axis read as 0.5×, 1×, 2×, 5× (no 2×10⁰ labels, no crowded minor labels)."""
+    axis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    axis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}×"))
+    axis.set_minor_formatter(NullFormatter())
+
+
+def _whiskers(chosen) -> list[list[float]]:
+    return [[r.ratio - r.ci_low if r.ci_low is not None else 0.0 for _, r in chosen],
+            [r.ci_high - r.ratio if r.ci_high is not None else 0.0 for _, r in chosen]]
+
+
+def _context_rows(report: Report) -> dict[str, list]:
+    """Per segment, its rows with a ratio at each context length (FlashInfer phases), by context."""
+    out: dict[str, list] = {}
+    for row in _answer_rows(report):
+        parsed = parse_phase_name(row.phase or "")
+        if parsed and row.ratio is not None:
+            out.setdefault(row.segment, []).append((parsed[1], row))
+    return {segment: sorted(points, key=lambda p: p[0]) for segment, points in out.items()
+            if len({c for c, _ in points}) >= 2}
+
+
+def _by_context(ax, report: Report, series: dict[str, list]) -> None:
+    threshold = report.diff.band
+    ax.axhspan(1 - threshold, 1 + threshold, color="#bbbbbb", alpha=0.5, label=f"no-change band (±{100 * threshold:g}%)")
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    for segment, points in series.items():
+        container = ax.errorbar([c for c, _ in points], [r.ratio for _, r in points],
+                                yerr=[[r.ratio - (r.ci_low if r.ci_low is not None else r.ratio) for _, r in points],
+                                      [(r.ci_high if r.ci_high is not None else r.ratio) - r.ratio for _, r in points]],
+                                marker="o", capsize=4, label=_TITLES[segment])
+        container.lines[0].set_gid(f"context-{segment}")
+    contexts = sorted({c for points in series.values() for c, _ in points})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(contexts, [f"{c:,}" for c in contexts])
+    ax.minorticks_off()
+    ax.set_yscale("log")
+    _ratio_ticks(ax.yaxis)
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel(f"{_labels(report)[1]} / {_labels(report)[0]} (log)")
+    ax.set_title("Ratio against context length per phase", fontsize=10)
+    ax.legend(loc="best", fontsize=7)
+    ax.grid(alpha=0.3, which="both")
+
+
+def forest_figure(report: Report) -> Figure | None:
+    if not _answer_rows(report):
+        return None
+    figure = _figure(9, 0.38 * len(_answer_rows(report)) + 2.4)
+    _forest(figure.add_subplot(), report)
+    figure.suptitle(heading(report, "Ratio per workload point"), fontsize=10)
+    return figure
+
+
+def context_figure(report: Report) -> Figure | None:
+    series = _context_rows(report)
+    if not series:
+        return None
+    figure = _figure(7, 4.5)
+    _by_context(figure.add_subplot(), report, series)
+    figure.suptitle(heading(report, "Ratio against context length"), fontsize=10)
+    return figure
+
+
+def summary_figure(report: Report) -> Figure | None:
+    """The forest plot, beside the ratio against context length where the run swept contexts."""
+    if not _answer_rows(report):
+        return None
+    series = _context_rows(report)
+    figure = _figure(15 if series else 9, 0.38 * len(_answer_rows(report)) + 2.6)
+    axes = figure.subplots(1, 2 if series else 1, squeeze=False)[0]
+    _forest(axes[0], report)
+    if series:
+        _by_context(axes[1], report, series)
+    figure.suptitle(heading(report, "kvtrace summary"), fontsize=11)
+    return figure
 
 
 def segment_times_figure(report: Report) -> Figure | None:
@@ -71,7 +221,8 @@ def segment_times_figure(report: Report) -> Figure | None:
     ax.invert_yaxis()
     ax.set_xscale("log")
     ax.set_xlabel(f"GPU time of the paired calls (ms, log scale); whiskers: {confidence} bootstrap interval")
-    ax.set_title(f"Paired time per segment: {_labels(report)[0]} vs {_labels(report)[1]}")
+    ax.set_title("Paired time per segment", fontsize=10)
+    figure.suptitle(heading(report, "Paired GPU time per segment"), fontsize=10)
     ax.legend(loc="lower right")
     ax.grid(axis="x", which="both", alpha=0.3)
     return figure
@@ -104,34 +255,42 @@ def segment_ratios_figure(report: Report) -> Figure | None:
     ax.set_xscale("log")
     ax.set_xlabel(f"{_labels(report)[1]} / {_labels(report)[0]} paired GPU time (log scale; >1 = slower); "
                   f"whiskers: {100 * report.diff.confidence:.0f}% bootstrap interval")
-    ax.set_title("Ratio per segment")
+    ax.set_title("Ratio per segment", fontsize=10)
+    figure.suptitle(heading(report, "Ratio per segment"), fontsize=10)
     ax.legend(loc="best", fontsize=8)
     ax.grid(axis="x", which="both", alpha=0.3)
     return figure
 
 
 def ecdf_figure(report: Report) -> Figure | None:
-    segments = [s for s in _TITLES if s in report.durations]
-    if not segments:
+    """One panel per cell (segment, context or step kind, kernel family), both arms in each."""
+    cells = list(report.durations)
+    if not cells:
         return None
-    figure = _figure(5.5 * len(segments), 4)
-    axes = figure.subplots(1, len(segments), squeeze=False)[0]
-    for ax, segment in zip(axes, segments):
+    columns = min(3, len(cells))
+    rows = -(-len(cells) // columns)
+    figure = _figure(5.2 * columns, 3.6 * rows + 0.8)
+    axes = figure.subplots(rows, columns, squeeze=False).ravel()
+    for ax, cell in zip(axes, cells):
+        segment, phase, family = cell
         for index, (side, color) in enumerate(zip(("baseline", "candidate"), _COLORS)):
-            values = report.durations[segment].get(side)
+            values = report.durations[cell].get(side)
             if values is None or len(values) == 0:
                 continue
             fractions = [(i + 1) / len(values) for i in range(len(values))]
             (line,) = ax.step([v / 1e3 for v in values], fractions, where="post", color=color,
                               label=f"{_labels(report)[index]} ({len(values):,} calls)")
-            line.set_gid(f"ecdf-{segment}-{side}")
-        ax.set_xscale("log")
-        ax.set_xlabel("time per call (µs, log scale)")
-        ax.set_ylabel("fraction of calls ≤ x")
+            line.set_gid(f"ecdf-{segment}-{phase}-{family}-{side}")
+        ax.set_xlabel("time per call (µs)", fontsize=8)
+        ax.set_ylabel("fraction of calls ≤ x", fontsize=8)
         ax.set_ylim(0, 1.02)
-        ax.set_title(f"{_TITLES[segment]}: per-call durations of its kernels (ECDF)", fontsize=10)
-        ax.legend(loc="lower right", fontsize=8)
+        where = f"ctx {parse_phase_name(phase)[1]:,}" if parse_phase_name(phase or "") else (phase or "outside ranges")
+        ax.set_title(textwrap.fill(f"{_TITLES[segment]} · {where} · {family}", 48), fontsize=8)
+        ax.legend(loc="lower right", fontsize=7)
         ax.grid(alpha=0.3, which="both")
+    for ax in axes[len(cells):]:
+        ax.set_visible(False)
+    figure.suptitle(heading(report, "Per-call durations per cell (ECDF)"), fontsize=10)
     return figure
 
 
@@ -162,7 +321,8 @@ def bandwidth_figure(report: Report) -> Figure | None:
     ax.set_yticks(positions, [r.phase.removeprefix("kvtrace:") for r in rows])
     ax.invert_yaxis()
     ax.set_xlabel("achieved KV bandwidth (TB/s; labels: % of the ceiling): KV bytes per call / kernel time per call")
-    ax.set_title("Achieved bandwidth per workload phase")
+    ax.set_title("Achieved bandwidth per workload phase (decode, append)", fontsize=10)
+    figure.suptitle(heading(report, "Achieved KV bandwidth"), fontsize=10)
     ax.legend(loc="lower right", fontsize=8)
     ax.grid(axis="x", alpha=0.3)
     return figure
@@ -204,7 +364,7 @@ def sweep_figure(report: Report) -> Figure | None:
         ax.set_title(f"{title} vs concurrency")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
-    figure.suptitle("Sweep per KV format (◇ = first capacity-bound point)")
+    figure.suptitle(heading(report, "Sweep per KV format (◇ = first capacity-bound point)"))
     return figure
 
 
@@ -212,9 +372,13 @@ def _stat(latency) -> float | None:
     return latency.p50 if latency.p50 is not None else latency.mean
 
 
-PLOTS = (("segment-times", "Paired GPU time per segment, both arms, with intervals", segment_times_figure),
+PLOTS = (("summary", "Summary to drag into the issue: ratio per workload point and against context length",
+          summary_figure),
+         ("forest", "Ratio per workload point with intervals and the drift control", forest_figure),
+         ("context", "Ratio against context length per phase", context_figure),
+         ("segment-times", "Paired GPU time per segment, both arms, with intervals", segment_times_figure),
          ("segment-ratios", "Ratio per segment with the no-change band", segment_ratios_figure),
-         ("ecdf", "Per-call duration distributions (ECDF) of prefill and decode attention", ecdf_figure),
+         ("ecdf", "Per-call duration distributions (ECDF), one panel per context and kernel family", ecdf_figure),
          ("bandwidth", "Achieved KV bandwidth per phase against the HBM ceiling", bandwidth_figure),
          ("sweep", "TTFT, ITL and preemptions against concurrency per KV format", sweep_figure))
 
@@ -230,8 +394,8 @@ def figures(report: Report) -> dict[str, Figure]:
 
 
 def write_plots(report: Report, folder: Path, fmt: str = "png", link_base: Path | None = None) -> list[PlotFile]:
-    """Save every plot into folder (created when missing) and record them on the report, with links relative
-    to link_base (the report file's folder; the working directory when None)."""
+    """Save every plot into folder (created when missing); its files, with paths relative to link_base (the
+    report file's folder; the working directory when None), the figure's title and its panels' titles."""
     if fmt not in FORMATS:
         raise KvtraceError(f"--plot-format {fmt}: choose png or svg")
     folder = Path(folder)
@@ -248,8 +412,8 @@ def write_plots(report: Report, folder: Path, fmt: str = "png", link_base: Path 
         path = folder / f"{kind}.{fmt}"
         _save(figure, path, fmt)
         link = Path(os.path.relpath(path.resolve(), base.resolve())).as_posix()
-        written.append(PlotFile(kind=kind, title=titles[kind], path=str(path), link=link))
-    report.plots = written
+        written.append(PlotFile(kind=kind, title=titles[kind], path=str(path), link=link, heading=figure.get_suptitle(),
+                                panels=tuple(ax.get_title() for ax in figure.axes if ax.get_visible())))
     return written
 
 
@@ -258,5 +422,5 @@ def _save(figure: Figure, path: Path, fmt: str) -> None:
     metadata = {"Date": None} if fmt == "svg" else {"Software": None}
     image = io.BytesIO()
     with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": "kvtrace"}):
-        figure.savefig(image, format=fmt, dpi=110, metadata=metadata)
+        figure.savefig(image, format=fmt, dpi=_DPI, metadata=metadata, bbox_inches="tight")
     files.write(path, image.getvalue())

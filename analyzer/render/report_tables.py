@@ -14,9 +14,10 @@ from rich.table import Table
 
 from kvtrace.analyzer.capacity import Capacity
 from kvtrace.analyzer.render.escape import csv_writer, md_code, md_text, rich, visible
-from kvtrace.analyzer.render.units import LEVEL, MARK, duration, markdown_table, percent, ratio
-from kvtrace.analyzer.report import Latency, Report, ServingMetrics
-
+from kvtrace.analyzer.render.units import LEVEL, MARK, duration, markdown_table, percent, ratio, shown_path
+from kvtrace.analyzer.report import Report
+from kvtrace.analyzer.serving import MIN_PEAK_POLLS, Latency, ServingMetrics, SourceCheck
+from kvtrace.analyzer.roofline import CAUSAL_CONVENTION
 
 # ---- cell formatting -----------------------------------------------------------------------------------
 
@@ -70,6 +71,45 @@ def _cached(m: ServingMetrics | None) -> str:
     return _count(m.cached_prompt_tokens)
 
 
+def _peak(m: ServingMetrics | None, name: str, fmt) -> str:
+    if m is not None and m.peaks_note:
+        return "not observed"
+    return fmt(getattr(m, name) if m is not None else None)
+
+
+def _check_value(check: SourceCheck, value) -> str:
+    return percent(value) if check.unit == "fraction" else _count(value)
+
+
+def _serving_notes(report: Report) -> list[tuple[str, str]]:
+    """(level, text) lines under the serving table: per arm, the quantities whose two sources agree, each
+    disagreement with its reason, and the points whose polled peaks are not observations."""
+    lines = []
+    for side, label in (("baseline", report.baseline.label), ("candidate", report.candidate.label)):
+        agreed: dict[str, int] = {}
+        rows = [(row, getattr(row, side)) for row in report.serving if getattr(row, side)]
+        warnings = []
+        for row, metrics in rows:
+            where = f" at {row.point}" if len(report.serving) > 1 else ""
+            for check in metrics.checks:
+                if check.agree:
+                    agreed[check.quantity] = agreed.get(check.quantity, 0) + 1
+                else:
+                    warnings.append(("warning", f"{label}{where}: {check.quantity} disagrees: "
+                                     f"{_check_value(check, check.first_value)} ({check.first}) against "
+                                     f"{_check_value(check, check.second_value)} ({check.second})"
+                                     + (f"; {check.note}" if check.note else "")))
+            if metrics.peaks_note:
+                warnings.append(("warning", f"{label}{where}: {metrics.peaks_note}"))
+        if agreed:
+            everywhere = all(n == len(rows) for n in agreed.values())
+            lines.append(("ok", f"{label}: two sources agree on " + ", ".join(
+                quantity + ("" if n == len(rows) else f" ({n} of {len(rows)} points)") for quantity, n in agreed.items())
+                + (f" at all {len(rows)} points" if len(rows) > 1 and everywhere else "")))
+        lines += warnings
+    return lines
+
+
 def _per_s(value) -> str:
     return "–" if value is None else f"{value:,.0f}/s"
 
@@ -103,13 +143,14 @@ def _serving_point_table(report: Report) -> tuple[list[str], list[list[str]]]:
             rows.append(["cached prompt tokens", _cached(b), _cached(c), ""])
             rows.append(["prefix-cache hit rate", percent(get(b, "prefix_hit_rate")),
                          percent(get(c, "prefix_hit_rate")), ""])
+            rows.append(["mean time queued", _ms(get(b, "queue_ms")), _ms(get(c, "queue_ms")), ""])
     rows += [["input tokens/s", _per_s(get(b, "input_tokens_per_s")), _per_s(get(c, "input_tokens_per_s")),
               ratio(row.ratios.get("input_tokens_per_s"))],
              ["output tokens/s", _per_s(get(b, "output_tokens_per_s")), _per_s(get(c, "output_tokens_per_s")),
               ratio(row.ratios.get("output_tokens_per_s"))],
              ["preemptions", _count(get(b, "preemptions")), _count(get(c, "preemptions")), ""],
-             ["peak running requests", _count(get(b, "peak_running")), _count(get(c, "peak_running")), ""],
-             ["peak KV-cache usage", percent(get(b, "peak_kv_usage")), percent(get(c, "peak_kv_usage")), ""],
+             ["peak running requests", _peak(b, "peak_running", _count), _peak(c, "peak_running", _count), ""],
+             ["peak KV-cache usage", _peak(b, "peak_kv_usage", percent), _peak(c, "peak_kv_usage", percent), ""],
              ["capacity-bound", get(b, "capacity") or "no", get(c, "capacity") or "no", ""]]
     return header, rows
 
@@ -118,8 +159,8 @@ def _serving_sweep_table(report: Report) -> tuple[list[str], list[list[str]]]:
     """A sweep: one row per grid point; ◆ marks where an arm first hits capacity at that context length."""
     bl, cl = report.baseline.label, report.candidate.label
     header = ["point", f"TTFT {bl}", f"TTFT {cl}", f"cached {bl}", f"cached {cl}", f"ITL {bl}", f"ITL {cl}",
-              f"out tok/s {bl}", f"out tok/s {cl}", f"preempt. {bl}", f"preempt. {cl}", f"peak KV {bl}",
-              f"peak KV {cl}", "capacity"]
+              f"out tok/s {bl}", f"out tok/s {cl}", f"queued {bl}", f"queued {cl}", f"preempt. {bl}",
+              f"preempt. {cl}", f"peak KV {bl}", f"peak KV {cl}", "capacity"]
     rows = []
     for row in report.serving:
         b, c = row.baseline, row.candidate
@@ -130,10 +171,35 @@ def _serving_sweep_table(report: Report) -> tuple[list[str], list[list[str]]]:
         rows.append([row.point, _latency(b.ttft_ms if b else None), _latency(c.ttft_ms if c else None),
                      _cached(b), _cached(c), _latency(b.itl_ms if b else None), _latency(c.itl_ms if c else None),
                      _per_s(b.output_tokens_per_s if b else None), _per_s(c.output_tokens_per_s if c else None),
+                     _ms(b.queue_ms if b else None), _ms(c.queue_ms if c else None),
                      _count(b.preemptions if b else None), _count(c.preemptions if c else None),
-                     percent(b.peak_kv_usage if b else None), percent(c.peak_kv_usage if c else None),
+                     _peak(b, "peak_kv_usage", percent), _peak(c, "peak_kv_usage", percent),
                      "; ".join(marks) or "–"])
     return header, rows
+
+
+def _tflops(value: float | None) -> str:
+    return "–" if value is None else f"{value / 1e12:,.1f} TFLOP/s"
+
+
+def _compute_table(report: Report) -> tuple[list[str], list[list[str]]]:
+    bl, cl = report.baseline.label, report.candidate.label
+    header = ["phase", "TFLOP/call", f"time/call {bl}", f"time/call {cl}", f"achieved {bl}", f"achieved {cl}",
+              f"of peak {bl}", f"of peak {cl}"]
+    rows = [[r.phase, "not derivable" if r.flops_per_call is None else f"{r.flops_per_call / 1e12:,.3f}",
+             duration(r.baseline_ns_per_call), duration(r.candidate_ns_per_call), _tflops(r.baseline_flops_per_s),
+             _tflops(r.candidate_flops_per_s), percent(r.baseline_fraction_of_peak),
+             percent(r.candidate_fraction_of_peak)] for r in report.prefill_compute]
+    return header, rows
+
+
+def _compute_lead(report: Report) -> str:
+    ceiling = report.compute_ceiling
+    peak = (f"peak {_tflops(ceiling.flops_per_s)} dense BF16 ({ceiling.gpu}; {ceiling.source})"
+            if ceiling and ceiling.flops_per_s else "peak unknown" + (f" for {ceiling.gpu}" if ceiling else ""))
+    how = "; ".join(dict.fromkeys(r.derivation for r in report.prefill_compute))
+    return (f"Prefill attention is compute-bound: FLOPs per call / the prefill-attention kernels' GPU time per call, "
+            f"against the {peak}. {CAUSAL_CONVENTION}. Shapes: {how}.")
 
 
 def _bandwidth_table(report: Report) -> tuple[list[str], list[list[str]]]:
@@ -221,7 +287,7 @@ def markdown(result) -> str:
 
 
 def _capacity_markdown(cap: Capacity, level: str = "##") -> str:
-    lines = [f"{level} kvtrace capacity" + (f": {visible(cap.run)}" if cap.run else ""), "",
+    lines = [f"{level} kvtrace capacity" + (f": {visible(shown_path(cap.run))}" if cap.run else ""), "",
              visible(_capacity_lead(cap)), ""]
     for title, header, rows in _capacity_tables(cap):
         lines += [f"{level}# {title}", ""] + markdown_table(header, rows) + [""]
@@ -234,10 +300,11 @@ def _report_markdown(report: Report) -> str:
 
     b, c = report.baseline, report.candidate
     labels = md_text(b.label), md_text(c.label)
-    lines = [f"## kvtrace report: {labels[0]} → {labels[1]}", "",
-             f"Baseline **{labels[0]}** (arm {md_code(b.arm)} of {md_code(b.run)}, {md_text(b.engine)} engine"
+    lines = [f"## kvtrace report: {labels[0]} → {labels[1]}", ""] + diff_markdown.head(report.diff) + [
+             "", "<details><summary>Everything else: serving, bandwidth, capacity, the whole kernel diff</summary>", "",
+             f"Baseline **{labels[0]}** (arm {md_code(b.arm)} of {md_code(shown_path(b.run))}, {md_text(b.engine)} engine"
              + (f", {md_text(b.scenario)}" if b.scenario else "") + f"), candidate **{labels[1]}** (arm "
-             f"{md_code(c.arm)} of {md_code(c.run)}"
+             f"{md_code(c.arm)} of {md_code(shown_path(c.run))}"
              + (f", {md_text(c.engine)} engine" if c.engine != b.engine else "") + "). Kernel numbers are per call over the "
              "calls both arms ran (the kernel diff below); serving numbers are what the capture recorded. They "
              "answer different questions and are kept apart.", "",
@@ -254,6 +321,12 @@ def _report_markdown(report: Report) -> str:
                       "prompt tokens served from the prefix cache; ◆ marks the first point of a context length at "
                       "which an arm is capacity-bound.", ""]
             lines += markdown_table(*_serving_sweep_table(report))
+        notes = _serving_notes(report)
+        if notes:
+            lines += ["", f"Sources that measure the same quantity, checked against each other; peaks are maxima of "
+                      f"/metrics polled during the traffic, observations only with at least {MIN_PEAK_POLLS} polls "
+                      "inside it.", ""]
+            lines += [f"- {MARK[level]} {text}" for level, text in notes]
     if report.bandwidth:
         ceiling = report.hbm_ceiling
         lines += ["", "### Achieved bandwidth", "",
@@ -262,15 +335,21 @@ def _report_markdown(report: Report) -> str:
                   + (f" Ceiling: {_rate(ceiling.bytes_per_s)}, the {ceiling.source}." if ceiling else
                      " The traces give no HBM bandwidth for the GPU, so no ceiling is stated."), ""]
         lines += markdown_table(*_bandwidth_table(report))
+    if report.prefill_compute:
+        lines += ["", "### Achieved compute (prefill)", "", md_text(_compute_lead(report)), ""]
+        lines += markdown_table(*_compute_table(report))
     if report.capacity is not None:
         lines += ["", _capacity_markdown(report.capacity, level="###").rstrip()]
     if report.plots:
+        summary = next((p for p in report.plots if p.kind == "summary"), None)
         lines += ["", "### Plots", ""]
-        lines += [f"![{p.title}]({p.link})" + "\n" for p in report.plots]
-    diff_text = diff_markdown.render(report.diff)
-    lines += ["", "### Kernel diff", ""]
-    lines += [line.replace("## kvtrace diff", "#### kvtrace diff", 1) if line.startswith("## ") else
-              ("#" + line if line.startswith("### ") else line) for line in diff_text.splitlines()]
+        if summary is not None:
+            lines += [f"Drag {md_code(summary.link)} into the issue or pull request: GitHub renders uploaded images, not "
+                      "images linked by a relative path. It holds the ratio per workload point with intervals and "
+                      "the ratio against context length.", ""]
+        lines += [f"- {md_code(p.link)}: {p.title}" for p in report.plots if p is not summary]
+    lines += ["", "### Kernel diff", "", diff_markdown.render(report.diff, level=4).rstrip()]
+    lines += ["", "</details>"]
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -296,8 +375,9 @@ def terminal(result, console: Console) -> None:
     from kvtrace.analyzer.render import terminal as diff_terminal
 
     report = result
+    diff_terminal.head(report.diff, console)
     b, c = report.baseline, report.candidate
-    console.print(f"[bold]{rich(b.label)}[/] ({rich(b.run)}) → [bold]{rich(c.label)}[/] ({rich(c.run)})")
+    console.print(f"[bold]{rich(b.label)}[/] ({rich(shown_path(b.run))}) → [bold]{rich(c.label)}[/] ({rich(shown_path(c.run))})")
     for s in report.statements:
         console.print(f"  {LEVEL[s.level]}  {s.check}: ", end="")
         console.print(visible(s.message), markup=False, highlight=False)
@@ -311,11 +391,17 @@ def terminal(result, console: Console) -> None:
         else:
             console.print(_rich_table("Serving sweep (◆ first capacity-bound point per context length)",
                                       *_serving_sweep_table(report)))
+        for level, text in _serving_notes(report):
+            console.print(f"  {LEVEL[level]}  ", end="")
+            console.print(text, markup=False, highlight=False)
     if report.bandwidth:
         ceiling = report.hbm_ceiling
         title = "Achieved bandwidth" + (f" (ceiling {_rate(ceiling.bytes_per_s)}: {ceiling.gpu} memoryBandwidth "
                                         "from the trace)" if ceiling else "")
         console.print(_rich_table(title, *_bandwidth_table(report)))
+    if report.prefill_compute:
+        console.print(_rich_table("Achieved compute (prefill)", *_compute_table(report)))
+        console.print(f"  {visible(_compute_lead(report))}", markup=False, highlight=False)
     if report.capacity is not None:
         terminal(report.capacity, console)
     for plot in report.plots:
@@ -354,25 +440,23 @@ def csv_text(result) -> str:
             metrics = getattr(row, side)
             if metrics is None:
                 continue
-            for name, value in _flatten(asdict(metrics)):
+            values = asdict(metrics)
+            checks = values.pop("checks")
+            for name, value in _flatten(values):
                 writer.writerow(["serving", row.point, labels[side], name, "" if value is None else value])
+            for check in checks:  # one line per source and one for the verdict
+                for source, value in ((check["first"], check["first_value"]), (check["second"], check["second_value"])):
+                    writer.writerow(["serving_check", row.point, labels[side], f"{check['quantity']}: {source}", value])
+                writer.writerow(["serving_check", row.point, labels[side], f"{check['quantity']}: agree",
+                                 check["agree"]])
             writer.writerow(["serving", row.point, labels[side], "first_capacity", getattr(row, f"{side}_first_capacity")])
-    for row in report.segment_times:
-        for name, value in asdict(row).items():
-            if name == "segment":
-                continue
-            side = next((s for s in ("baseline", "candidate") if name.startswith(s + "_")), None)
-            writer.writerow(["segment", row.segment, labels[side] if side else "",
-                             name.removeprefix(f"{side}_") if side else name, "" if value is None else value])
-    for row in report.bandwidth:
-        for name, value in asdict(row).items():
-            if name in ("phase",):
-                continue
-            side = next((s for s in ("baseline", "candidate") if name.startswith(s + "_")), None)
-            writer.writerow(["bandwidth", row.phase, labels[side] if side else "",
-                             name.removeprefix(f"{side}_") if side else name, "" if value is None else value])
+    _write_arm_fields(writer, "segment", "segment", report.segment_times, labels)
+    _write_arm_fields(writer, "bandwidth", "phase", report.bandwidth, labels)
     if report.hbm_ceiling:
         writer.writerow(["bandwidth", "ceiling", "", "bytes_per_s", report.hbm_ceiling.bytes_per_s])
+    _write_arm_fields(writer, "compute", "phase", report.prefill_compute, labels)
+    if report.compute_ceiling and report.compute_ceiling.flops_per_s:
+        writer.writerow(["compute", "ceiling", "", "flops_per_s", report.compute_ceiling.flops_per_s])
     if report.capacity:
         for row in report.capacity.formats:
             for name, value in asdict(row).items():
@@ -398,3 +482,15 @@ def _flatten(data: dict, prefix: str = ""):
             yield from _flatten(value, f"{prefix}{name}.")
         else:
             yield f"{prefix}{name}", value
+
+
+def _write_arm_fields(writer, kind: str, key: str, rows, labels) -> None:
+    """One CSV line per field of each row, keyed by the row's `key` field; baseline_/candidate_ fields name their
+    arm in the label column."""
+    for row in rows:
+        for name, value in asdict(row).items():
+            if name == key:
+                continue
+            side = next((s for s in ("baseline", "candidate") if name.startswith(s + "_")), None)
+            writer.writerow([kind, getattr(row, key), labels[side] if side else "",
+                             name.removeprefix(f"{side}_") if side else name, "" if value is None else value])

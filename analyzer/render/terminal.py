@@ -6,10 +6,12 @@ from rich.console import Console
 from rich.table import Table
 
 from kvtrace.analyzer.compare import Diff, KernelList, Summary
+from kvtrace.analyzer.headline import APPEND_PHASE, Headline
 from kvtrace.analyzer.render.escape import rich, visible
-from kvtrace.analyzer.render.units import (LEVEL, arm_time, calls, duration, interval, numbered_notes, per_call, percent,
-                                          ratio, run_ratios, signed_duration)
+from kvtrace.analyzer.render.units import (LEVEL, arm_time, calls, duration, head_time, interval, numbered_notes,
+                                          per_call, percent, ratio, run_ratios, signed_duration)
 from kvtrace.analyzer.stats import IMPROVEMENT, REGRESSION
+from kvtrace.analyzer.verify import MISMATCHES_SHOWN, mismatch_lines
 
 _STYLE = {REGRESSION: "red", IMPROVEMENT: "green"}
 
@@ -56,7 +58,44 @@ def _summary(summary: Summary, console: Console) -> None:
         console.print(table)
 
 
+def head(diff: Diff, console: Console) -> None:
+    """The answer first, in 100 columns: one table per question, its families in the title."""
+    head = diff.headline or Headline.of(diff)
+    b, c = diff.baseline, diff.candidate
+    console.print(f"[bold]{rich(b.label)}[/] → [bold]{rich(c.label)}[/] on {rich(b.info.gpu_label)}: time per "
+                  f"call, ratio {rich(c.label)}/{rich(b.label)} with its {100 * diff.confidence:.0f}% interval "
+                  "(Σn: total of n cells that cost differently per call)")
+    questions = list(dict.fromkeys(r.question for r in head.rows))
+    for question in questions:
+        rows = [r for r in head.rows if r.question == question]
+        families = " | ".join(dict.fromkeys(r.family for r in rows))
+        table = Table(title=f"{question} · {rich(families)}", title_justify="left", box=None, padding=(0, 1),
+                      title_style="bold")
+        for column in ("point", rich(b.label), rich(c.label), "ratio", "interval", "verdict", "pairs"):
+            table.add_column(column, justify="left" if column in ("point", "verdict") else "right", overflow="fold")
+        for r in rows:
+            row = r.row
+            style = _STYLE.get(row.verdict)
+            table.add_row(rich(r.point), head_time(row.baseline, row.cells), head_time(row.candidate, row.cells),
+                          ratio(row.ratio), interval(row.ci_low, row.ci_high),
+                          f"[{style}]{row.verdict}[/]" if style else row.verdict, f"{row.compared_calls:,}")
+        console.print(table)
+    if any(r.question == APPEND_PHASE for r in head.rows):
+        console.print("  KV append phase: one call is one append with the kernels launched since the previous one "
+                      "(FP8's cast and copy, NVFP4's fused quantize-append)", highlight=False)
+    if head.drift:
+        console.print(f"  drift: {visible(head.drift)}", markup=False, highlight=False)
+    checked = diff.verification
+    if checked is not None:
+        console.print(f"  {'ok' if checked.agrees else 'MISMATCH'}  {visible(checked.summary())}", markup=False,
+                      highlight=False)
+        for line in mismatch_lines(checked)[:MISMATCHES_SHOWN]:
+            console.print(f"    {visible(line)}", markup=False, highlight=False)
+    console.rule("everything else", style="dim")
+
+
 def _diff(diff: Diff, console: Console) -> None:
+    head(diff, console)
     b, c = diff.baseline, diff.candidate
     console.print(f"[bold]{rich(b.label)}[/] → [bold]{rich(c.label)}[/]: total GPU kernel time "
                   f"{duration(b.total_ns)} → {duration(c.total_ns)} ({ratio(diff.total_ratio)})")
@@ -73,8 +112,9 @@ def _diff(diff: Diff, console: Console) -> None:
         table = Table(title=title, title_justify="left")
         for column in lead_columns + ["calls", f"time {b.label}", f"time {c.label}", "ratio", confidence] + \
                 (["runs"] if diff.runs > 1 else []) + ["verdict", "Δ total", "share of |Δ|"]:
+            # Segment and verdict whole, whatever the width; the other cells fold rather than lose their end.
             table.add_column(rich(column), justify="left" if column in ("segment", "family", "phase", "verdict")
-                             else "right")
+                             else "right", overflow="fold", no_wrap=column in ("segment", "verdict"))
         verdicts, notes = numbered_notes(rows)
         for r, verdict in zip(rows, verdicts):
             style = _STYLE.get(r.verdict)

@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import math
+from pathlib import PurePath
 
 from kvtrace.analyzer.render.escape import visible
+
+
+def shown_path(path) -> str:
+    """A file or run directory as reports show it: its name. Full paths name the machine and user; the
+    manifest keeps them, reports do not."""
+    return PurePath(str(path)).name or str(path)
 
 
 def duration(ns: float | None) -> str:
@@ -43,6 +50,13 @@ def arm_time(arm, cells: int) -> str:
     if arm.mean_ns is not None:
         return f"{duration(arm.mean_ns)}/call"
     return f"{duration(arm.total_ns)} total" + (f", {cells:,} cells" if cells > 1 else "")
+
+
+def head_time(arm, cells: int) -> str:
+    """One arm's time in a head row, short: per call, or the total (Σ) over cells of different cost."""
+    if arm is None:
+        return "–"
+    return duration(arm.mean_ns) if arm.mean_ns is not None else f"{duration(arm.total_ns)} Σ{cells}"
 
 
 def per_call(stats, cells: int) -> str:

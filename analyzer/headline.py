@@ -1,0 +1,152 @@
+"""The answer first: the rows of a Diff that decide FP8 against NVFP4, one per workload point.
+
+Nothing here is computed: each row is a Diff row (its per-call times, ratio, interval, verdict and pairs),
+picked and named for the head of every rendering (docs/statistics.md explains the rows themselves).
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+
+from kvtrace import __version__
+from kvtrace.analyzer.compare import Diff, DiffRow
+from kvtrace.analyzer.pairing import PHASE_SEGMENTS
+from kvtrace.errors import KvtraceError
+from kvtrace.manifest import MANIFEST, Manifest, parse_phase_name, read_manifest
+
+# The questions, in the order the head asks them, with the segment whose rows answer each.
+PREFILL = "prefill attention"
+DECODE = "decode attention"
+APPEND_KERNEL = "KV append kernel"
+APPEND_PHASE = "KV append phase"
+CONTROL = "control (KV-independent)"
+_SEGMENT_QUESTIONS = ((PREFILL, PHASE_SEGMENTS["prefill"]), (DECODE, PHASE_SEGMENTS["decode"]),
+                      (APPEND_KERNEL, PHASE_SEGMENTS["append"]))
+EVERY_KERNEL = "every kernel of the phase"
+
+
+@dataclass(frozen=True)
+class HeadRow:
+    question: str
+    point: str  # the workload point: a context (ctx=2048), a vLLM step kind, "all calls"; a control's segment
+    family: str  # short family name(s) of the row's kernels
+    row: DiffRow
+
+
+@dataclass(frozen=True)
+class Headline:
+    baseline: str
+    candidate: str
+    confidence: float
+    rows: list[HeadRow]
+    drift: str | None  # the drift finding's words, when KV-independent kernels were paired
+    # (name, value) of the GPU, driver, CUDA, Nsight Systems, kvtrace and, from a run directory's manifest,
+    # the engine's packages and flags; no hostnames, UUIDs, user names or absolute paths.
+    environment: list[tuple[str, str]] = field(default_factory=list)
+    commands: list[str] = field(default_factory=list)  # to reproduce: capture (per arm), then this diff
+
+    @classmethod
+    def of(cls, diff: Diff, manifest: Manifest | None = None, command: list[str] | None = None) -> Headline:
+        """The head of `diff`; `manifest` is the run directory's beside the traces, `command` the diff's
+        arguments as run (paths relative to the run directory)."""
+        rows = []
+        for question, segment in _SEGMENT_QUESTIONS:
+            chosen = [r for r in diff.phases if r.segment == segment] or \
+                     [r for r in diff.segments if r.segment == segment]
+            rows += [HeadRow(question, _point(r.phase), _families(diff, r), r) for r in chosen]
+        rows += [HeadRow(APPEND_PHASE, _point(r.phase), EVERY_KERNEL, r) for r in diff.phase_totals
+                 if (parse_phase_name(r.phase) or ("",))[0] == "append"]
+        rows += [HeadRow(CONTROL, r.segment, r.segment, r) for r in diff.segments
+                 if r.kv_independent and r.ratio is not None]
+        drift = next((f.message for f in diff.findings if f.check == "drift"), None)
+        commands = [_command(c) for c in _capture_commands(manifest)]
+        if command:
+            commands.append(shlex.join(["kvtrace", *command]))
+        return cls(diff.baseline.label, diff.candidate.label, diff.confidence, rows, drift,
+                   _environment(diff, manifest), commands)
+
+
+def _environment(diff: Diff, manifest: Manifest | None) -> list[tuple[str, str]]:
+    info = diff.baseline.info
+    gpus = []
+    for g in info.gpus:
+        extras = [f"SM {g.compute_capability}" if g.compute_capability else None,
+                  f"{g.sm_count} SMs" if g.sm_count else None,
+                  f"{g.memory_bytes / 2**30:.0f} GiB" if g.memory_bytes else None]
+        gpus.append(g.name + "".join(f", {e}" for e in extras if e))
+    versions = {info.product_version for info in (diff.baseline.info, diff.candidate.info)}
+    found = [("GPU", "; ".join(dict.fromkeys(gpus)) or "not recorded"),
+             ("driver", info.driver_version or "not recorded"),
+             ("Nsight Systems", ", ".join(sorted(v or "?" for v in versions))),
+             ("kvtrace", __version__)]
+    if manifest is None:
+        return found + [("CUDA, engine", "not recorded (no kvtrace manifest beside the traces)")]
+    raw = manifest.raw.get("environment") if isinstance(manifest.raw.get("environment"), dict) else {}
+    workload = next((r.workload for r in manifest.runs.values() if r.workload), {})
+    # The workload's own versions (as the engine process imported them) over the capture host's packages.
+    packages = {**(raw.get("packages") or {}), **(workload.get("versions") or {})}
+    cuda = packages.pop("cuda_runtime", None) or raw.get("cuda_runtime")
+    found.insert(2, ("CUDA runtime", str(cuda or "not recorded")))
+    found.append(("engine", (manifest.engine or "unknown") + "".join(
+        f", {name} {version}" for name, version in sorted(packages.items()) if isinstance(version, str))))
+    # Settings every run shares (an arm's own KV format and capacity are in its rows and traces).
+    engines = [r.workload.get("engine") or r.workload.get("settings") or {} for r in manifest.runs.values()]
+    flags = ", ".join(f"{k}={v}" for k, v in engines[0].items() if isinstance(v, (str, int, float, bool))
+                      and not (isinstance(v, str) and v.startswith("/")) and all(e.get(k) == v for e in engines))
+    if flags:
+        found.append(("engine settings", flags))
+    return found
+
+
+def _capture_commands(manifest: Manifest | None) -> list[list[str]]:
+    if manifest is None:
+        return []
+    commands = []
+    for name in manifest.runs:
+        raw = manifest.raw["arms"][name].get("commands")
+        if isinstance(raw, list) and raw and isinstance(raw[0], list) and all(isinstance(a, str) for a in raw[0]):
+            commands.append(raw[0])
+    return commands
+
+
+def _command(argv: list[str]) -> str:
+    """A recorded command with machine paths made portable: files of the run directory by name, any other
+    absolute path by its last component (`nsys`, `python3`, the model's folder)."""
+    out = []
+    for arg in argv:
+        key, eq, value = arg.partition("=") if arg.startswith("--") else ("", "", arg)
+        if value.startswith("/"):
+            value = PurePosixPath(value).name
+        out.append(f"{key}{eq}{value}")
+    return shlex.join(out)
+
+
+def find_manifest(trace: Path) -> Manifest | None:
+    """The kvtrace manifest of the run directory a trace sits in, if any (a broken one is not an error here:
+    the diff stands without it)."""
+    try:
+        return read_manifest(trace.parent) if (trace.parent / MANIFEST).is_file() else None
+    except KvtraceError:
+        return None
+
+
+def _point(phase: str | None) -> str:
+    if phase is None:
+        return "all calls"
+    parsed = parse_phase_name(phase)
+    if parsed:
+        return f"ctx={parsed[1]}"
+    return phase.removeprefix("vLLM ")
+
+
+def _families(diff: Diff, row: DiffRow) -> str:
+    """The family labels of a segment or phase row's kernels, baseline's first; '→' where the arms differ."""
+    def labels(names: tuple[str, ...], side: str) -> list[str]:
+        return sorted({f.family_label for f in diff.families if f.segment == row.segment
+                       and set(getattr(f, f"{side}_names")) & set(names)})
+
+    base, cand = labels(row.baseline_names, "baseline"), labels(row.candidate_names, "candidate")
+    text = " + ".join(base or cand)
+    return text if not base or not cand or base == cand else f"{text} → {' + '.join(cand)}"

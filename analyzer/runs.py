@@ -1,0 +1,147 @@
+"""The inputs of a report: run directories written by `kvtrace capture`, their manifests, and the arms (with all
+their runs) that a report compares, checked before any trace is opened."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvtrace import kv_formats
+from kvtrace.errors import KvtraceError
+from kvtrace.manifest import Manifest, RunRecord, read_manifest
+
+
+@dataclass
+class RunArm:
+    """One side of the report: an arm of a run directory."""
+
+    label: str
+    run: str  # the run directory
+    arm: str  # the arm's name in its manifest
+    engine: str | None
+    kv_cache_dtype: str | None  # as the engine names it (vLLM --kv-cache-dtype, FlashInfer kv_format)
+    kv_format: str | None  # fp8, nvfp4, bf16 or fp16 (None when unknown)
+    scenario: str | None
+    mode: str | None
+    sqlite: str  # the first run's export
+    runs: tuple[str, ...]  # every run's export, in repeat order
+    kv_cache_tokens: int | None  # vLLM's "GPU KV cache size: N tokens"
+    kv_cache_line: str | None
+    versions: dict = field(default_factory=dict)  # torch, CUDA runtime, FlashInfer, vLLM, as the workload recorded
+
+
+@dataclass
+class ArmInput:
+    run: Path
+    manifest: Manifest
+    arm: str  # the arm's name, or the run's name when one run of an arm was picked
+    runs: tuple[str, ...]  # the names of its runs in the manifest, in repeat order
+
+    @classmethod
+    def of(cls, run: Path, manifest: Manifest, name: str) -> ArmInput:
+        """An arm by name (all its runs) or one run by its name (ARM.rK)."""
+        by_arm = manifest.runs_by_arm
+        if name in by_arm:
+            return cls(run, manifest, name, tuple(by_arm[name]))
+        if name in manifest.runs:
+            return cls(run, manifest, name, (name,))
+        raise KvtraceError(f"{run} has no arm {name!r} (it has {', '.join(by_arm)}): check --arm")
+
+    @property
+    def record(self) -> RunRecord:
+        """The first run's record (what every run of the arm shares: format, workload, serving points)."""
+        return self.manifest.runs[self.runs[0]]
+
+
+def _locate(path: Path) -> tuple[Path, Manifest, str | None]:
+    """A run directory, its manifest.json or an ARM.manifest.json in it, or RUNDIR/ARM (an arm or a run by name)."""
+    if path.is_file() and path.name.endswith("manifest.json"):
+        manifest = read_manifest(path)
+        arms = list(manifest.runs_by_arm)
+        return path.parent, manifest, arms[0] if path.name != "manifest.json" and len(arms) == 1 else None
+    if not path.exists() and (path.parent / "manifest.json").is_file():
+        manifest = read_manifest(path.parent)
+        if path.name in manifest.runs_by_arm or path.name in manifest.runs:
+            return path.parent, manifest, path.name
+        raise KvtraceError(f"{path}: no such run directory, and {path.parent} has no arm {path.name!r} (it has "
+                           f"{', '.join(manifest.runs_by_arm)}): pass RUNDIR or RUNDIR/ARM")
+    if path.exists() and not path.is_dir():
+        raise KvtraceError(f"{path} is a file: pass a run directory written by `kvtrace capture` (it holds "
+                           "manifest.json), not a trace; `kvtrace diff` compares traces")
+    return path, read_manifest(path), None
+
+
+def resolve_inputs(paths: list[Path], arms: tuple[str, ...] = ()) -> list[ArmInput]:
+    """Baseline and candidate from one run directory (its two arms) or two (one arm each), each with its runs."""
+    if not 1 <= len(paths) <= 2:
+        raise KvtraceError(f"report takes one run directory (compares its two arms) or two (one arm each), "
+                           f"got {len(paths)}")
+    if len(arms) > 2:
+        raise KvtraceError("--arm takes at most two names, baseline first")
+    located = [_locate(Path(p)) for p in paths]
+    if len(located) == 1:
+        run, manifest, named = located[0]
+        if named is not None:
+            raise KvtraceError(f"{paths[0]} names one arm: give a second run directory or arm to compare it with, "
+                               f"e.g. `kvtrace report {run}` compares all of {run}'s arms")
+        if len(arms) == 1:
+            raise KvtraceError(f"one run directory and one --arm: name two arms, baseline first "
+                               f"(--arm {arms[0]} --arm OTHER), or give a second run directory")
+        if arms:
+            names = list(arms)
+        else:
+            by_arm = manifest.runs_by_arm
+            if len(by_arm) != 2:
+                raise KvtraceError(f"{run} holds {len(by_arm)} arm(s) ({', '.join(by_arm) or 'none'}): pick two "
+                                   "with --arm BASELINE --arm CANDIDATE")
+            names = [manifest.runs[first].arm for first in manifest.widest_first([runs[0] for runs in by_arm.values()])]
+        inputs = [ArmInput.of(run, manifest, name) for name in names]
+    else:
+        inputs = []
+        for index, (run, manifest, named) in enumerate(located):
+            name = named
+            if name is None and arms:
+                name = arms[index] if len(arms) == 2 else arms[0]
+            if name is None:
+                arms_here = list(manifest.runs_by_arm)
+                if len(arms_here) != 1:
+                    raise KvtraceError(f"{run} holds arms {', '.join(arms_here)}: pick one with --arm NAME "
+                                       "(once for both run directories, twice for one each) or pass RUNDIR/ARM")
+                name = arms_here[0]
+            inputs.append(ArmInput.of(run, manifest, name))
+    for item in inputs:
+        _check_arm(item)
+    base, cand = inputs
+    if len(base.runs) != len(cand.runs):
+        raise KvtraceError(f"arm {base.arm} has {len(base.runs)} run(s) and arm {cand.arm} {len(cand.runs)}: "
+                           "runs pair in repeat order, so both arms need as many; name single runs as RUNDIR/ARM.rK")
+    return inputs
+
+
+def _check_arm(item: ArmInput) -> None:
+    for name in item.runs:
+        record = item.manifest.runs[name]
+        if record.status != "ok":
+            state = "failed" if record.status == "failed" else f"is {record.status}"
+            detail = f": {record.error}" if record.error else ""
+            raise KvtraceError(f"arm {name} in {item.run} {state}{detail}; capture it again or report on another arm")
+        if not record.sqlite:
+            raise KvtraceError(f"arm {name} in {item.run} lists no SQLite export: export its report with "
+                               "`nsys export --type sqlite` and capture again")
+        path = item.run / record.sqlite
+        if not path.is_file():
+            raise KvtraceError(f"{path}, the export that arm {name} lists, is missing: copy the run directory whole "
+                               f"or re-export {name}.nsys-rep with `nsys export --type sqlite`")
+
+
+def run_arm(item: ArmInput, label: str) -> RunArm:
+    arm, manifest = item.record, item.manifest
+    try:
+        fmt = kv_formats.canonical_format(arm.kv_dtype, manifest.model_dtype)
+    except KvtraceError:
+        fmt = None
+    return RunArm(label=label, run=str(item.run), arm=item.arm, engine=manifest.engine, kv_cache_dtype=arm.kv_dtype,
+                  kv_format=fmt, scenario=manifest.scenario, mode=manifest.mode, sqlite=str(item.run / arm.sqlite),
+                  runs=tuple(str(item.run / manifest.runs[name].sqlite) for name in item.runs),
+                  kv_cache_tokens=arm.kv_cache_tokens, kv_cache_line=arm.kv_cache.get("line"),
+                  versions=dict(arm.workload.get("versions") or {}))

@@ -1,0 +1,296 @@
+"""Serving metrics of a report: one arm at one traffic point as the capture recorded it (the bench client's
+summary, vLLM's /metrics counter deltas and polled peaks, the startup log's KV pool), the checks between sources
+that measure the same thing, and the rows that set the two arms' points side by side."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvtrace.analyzer import stats
+from kvtrace.analyzer.runs import ArmInput
+from kvtrace.manifest import Point, capacity_reason
+
+# Polls of /metrics inside a point's traffic before their maxima count as its peaks. A point shorter than a few
+# poll intervals (vLLM bench points of under a second against 0.5 s polling) gives one or two samples at random
+# moments, whose maximum says nothing about the peak.
+MIN_PEAK_POLLS = 10
+# Two hit rates that differ by less than this (half a percentage point) agree.
+HIT_RATE_TOLERANCE = 0.005
+# vLLM histograms (seconds) that stand in for the bench client's latencies in offline runs: means only.
+_HISTOGRAMS = {"ttft": ("vllm:time_to_first_token_seconds",),
+               "itl": ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
+               "tpot": ("vllm:request_time_per_output_token_seconds",),
+               "e2el": ("vllm:e2e_request_latency_seconds",)}
+
+
+@dataclass
+class Latency:
+    mean: float | None = None
+    p50: float | None = None
+    p90: float | None = None
+    p99: float | None = None
+
+
+@dataclass
+class SourceCheck:
+    """One quantity that two sources measure, and whether they agree (`note`: why not, when known)."""
+
+    quantity: str
+    unit: str  # count, fraction
+    first: str
+    first_value: float | None
+    second: str
+    second_value: float | None
+    agree: bool
+    note: str | None
+
+
+@dataclass
+class ServingMetrics:
+    """One arm at one traffic point, as the capture recorded it. Latencies in milliseconds."""
+
+    source: str  # "vllm bench serve" or "vLLM metrics (offline)"
+    requests: int | None
+    failed: int | None
+    duration_s: float | None
+    ttft_ms: Latency
+    itl_ms: Latency
+    tpot_ms: Latency
+    e2el_ms: Latency
+    prompt_tokens: int | None
+    cached_prompt_tokens: int | None  # served from the prefix cache
+    prefix_cache_queries: int | None
+    prefix_cache_hits: int | None
+    prefix_hit_rate: float | None
+    output_tokens: int | None
+    input_tokens_per_s: float | None
+    output_tokens_per_s: float | None
+    queue_ms: float | None  # mean time a request waited in vLLM's queue (vllm:request_queue_time_seconds)
+    preemptions: int | None
+    peak_running: float | None  # polled maxima; None when the polls could not observe them (peaks_note)
+    peak_waiting: float | None
+    peak_kv_usage: float | None  # fraction of the KV cache
+    peaks_note: str | None  # why the polled maxima are not peaks, when they are not
+    capacity: str | None  # why this point is capacity-bound (preemptions, KV usage, KV demand), or None
+    checks: list[SourceCheck] = field(default_factory=list)
+
+
+@dataclass
+class ServingRow:
+    point: str  # the traffic shape, e.g. input=1024,output=1,prompts=32,concurrency=16
+    context: int | None  # prompt tokens per request (prefix + input)
+    concurrency: int | None
+    baseline: ServingMetrics | None
+    candidate: ServingMetrics | None
+    baseline_first_capacity: bool = False  # the first point of its context length that is capacity-bound
+    candidate_first_capacity: bool = False
+    ttft_stat: str | None = None  # p50, else mean: the statistic both arms have
+    ttft_ratio: float | None = None  # candidate / baseline
+    ratios: dict = field(default_factory=dict)  # candidate / baseline per metric (`ttft_ms.p50`, `output_tokens_per_s`)
+
+
+def _number(value):
+    return None if value is None else (int(value) if float(value).is_integer() else float(value))
+
+
+def _latency(bench: dict, histograms: dict, name: str) -> Latency:
+    if bench and any(key.endswith(f"_{name}_ms") for key in bench):
+        return Latency(mean=bench.get(f"mean_{name}_ms"), p50=bench.get(f"p50_{name}_ms", bench.get(f"median_{name}_ms")),
+                       p90=bench.get(f"p90_{name}_ms"), p99=bench.get(f"p99_{name}_ms"))
+    for metric in _HISTOGRAMS[name]:
+        entry = histograms.get(metric)
+        if entry and entry.get("count"):
+            return Latency(mean=1000.0 * entry["sum"] / entry["count"])
+    return Latency()
+
+
+def _check(quantity: str, first: tuple[str, float | None], second: tuple[str, float | None], *,
+           unit: str = "count", tolerance: float = 0.0, note: str | None = None) -> SourceCheck | None:
+    """Two sources of one quantity; None when either did not record it."""
+    if first[1] is None or second[1] is None:
+        return None
+    agree = abs(first[1] - second[1]) <= tolerance
+    return SourceCheck(quantity=quantity, unit=unit, first=first[0], first_value=_number(first[1]), second=second[0],
+                       second_value=_number(second[1]), agree=agree, note=None if agree else note)
+
+
+def _kv_pool_tokens(cache_config) -> tuple[str, float | None]:
+    """vLLM's KV pool in tokens as /metrics' cache_config_info gives it (vLLM 0.26: kv_cache_size_tokens, else
+    num_gpu_blocks × block_size)."""
+    labels = cache_config[0] if isinstance(cache_config, list) and cache_config else {}
+    try:
+        if labels.get("kv_cache_size_tokens") not in (None, "None"):
+            return "/metrics cache_config_info kv_cache_size_tokens", float(labels["kv_cache_size_tokens"])
+        return "/metrics cache_config_info num_gpu_blocks × block_size", (float(labels["num_gpu_blocks"])
+                                                                            * float(labels["block_size"]))
+    except (KeyError, TypeError, ValueError):
+        return "/metrics cache_config_info", None
+
+
+def source_checks(record: dict, counters: dict, histograms: dict, kv_cache_tokens: int | None) -> list[SourceCheck]:
+    """Where two sources measure the same thing: the client (bench JSON, or the offline worker's counts)
+    against vLLM's /metrics counters, two /metrics counters of cached tokens, the hit rate against the
+    cached share, and the startup log's KV pool against /metrics' cache config."""
+    bench = record.get("bench") or {}
+    client = "vllm bench serve" if bench else "offline worker"
+
+    def own(bench_key: str, worker_key: str):
+        return bench.get(bench_key) if bench else record.get(worker_key)
+
+    checks = [
+        _check("completed requests", (client, own("completed", "requests")),
+               ("/metrics request_success", counters.get("vllm:request_success_total"))),
+        _check("prompt tokens", (client, own("total_input_tokens", "tokens_in")),
+               ("/metrics prompt_tokens", counters.get("vllm:prompt_tokens_total"))),
+        _check("output tokens", (client, own("total_output_tokens", "tokens_out")),
+               ("/metrics generation_tokens", counters.get("vllm:generation_tokens_total"))),
+    ]
+    prompt, cached = counters.get("vllm:prompt_tokens_total"), counters.get("vllm:prompt_tokens_cached_total")
+    computed = (histograms.get("vllm:request_prefill_kv_computed_tokens") or {}).get("sum")
+    if record.get("cached_tokens") is not None:  # the offline worker's own count
+        checks.append(_check("cached prompt tokens", ("offline worker", record["cached_tokens"]),
+                             ("/metrics prompt_tokens_cached", cached)))
+    elif prompt is not None and computed is not None:
+        checks.append(_check("cached prompt tokens", ("/metrics prompt_tokens_cached", cached),
+                             ("/metrics prompt_tokens − request_prefill_kv_computed_tokens", prompt - computed)))
+    queries, hits = counters.get("vllm:prefix_cache_queries_total"), counters.get("vllm:prefix_cache_hits_total")
+    if queries and prompt and cached is not None:
+        # vLLM counts a lookup each time the scheduler tries a waiting request (KVCacheManager.get_computed_blocks)
+        # and tries it again at the next step when its KV blocks do not fit (Scheduler.schedule keeps it waiting).
+        note = (f"vLLM made {queries:,.0f} prefix-cache lookups for {prompt:,.0f} prompt tokens ({queries / prompt:.2f} "
+                "per token): it looks a waiting request up again at every step until its KV blocks fit, so hits per "
+                "lookup understate the share of prompt tokens served from the cache" if queries > prompt else
+                "the counters disagree without repeated lookups to explain it")
+        checks.append(_check("prefix-cache hit rate", ("/metrics prefix_cache_hits / prefix_cache_queries",
+                                                       (hits or 0) / queries),
+                             ("/metrics prompt_tokens_cached / prompt_tokens", cached / prompt), unit="fraction",
+                             tolerance=HIT_RATE_TOLERANCE, note=note))
+    checks.append(_check("KV cache size (tokens)", ('startup log "GPU KV cache size"', kv_cache_tokens),
+                         _kv_pool_tokens((record.get("metrics") or {}).get("cache_config"))))
+    return [check for check in checks if check is not None]
+
+
+def _peaks_note(record: dict, duration: float | None) -> str | None:
+    """Why the polled maxima of this point are not its peaks, or None when enough polls fell inside the traffic
+    (or nothing says how many did: offline runs, recorded examples)."""
+    metrics = record.get("metrics") or {}
+    polls = metrics.get("polls")
+    if not polls or not duration:
+        return None
+    busy, interval = metrics.get("busy_polls"), metrics.get("poll_interval_s")
+    if busy is None:  # recorded before busy polls were counted: the poller ran over the point's whole wall time
+        if not record.get("seconds"):
+            return None
+        interval = record["seconds"] / (polls + (metrics.get("poll_errors") or 0))
+        inside = duration / interval
+        how = f"about {inside:.0f} poll{'s' if round(inside) != 1 else ''} inside it"
+    else:
+        inside, how = busy, f"{busy} poll{'s' if busy != 1 else ''} saw requests in flight"
+    if inside >= MIN_PEAK_POLLS:
+        return None
+    every = f"about every {interval:.2f} s" if interval else "periodically"
+    return f"peaks not observed: {duration:.2f} s of traffic, /metrics polled {every} ({how})"
+
+
+def serving_metrics(record: dict, kv_cache_tokens: int | None) -> ServingMetrics:
+    """One point of a vLLM arm: the bench client's summary (serve) or the worker's counts (offline), with
+    vLLM's own counter deltas and polled peaks, and the checks of sources that measure the same thing."""
+    bench = record.get("bench") or {}
+    metrics = record.get("metrics") or {}
+    deltas = metrics.get("deltas") or {}
+    counters, histograms = deltas.get("counters") or {}, deltas.get("histograms") or {}
+    peaks = metrics.get("peaks") or {}
+    try:
+        point = Point.parse(record["point"]) if record.get("point") else None
+    except (ValueError, TypeError):
+        point = None
+
+    def counter(*names):
+        return next((_number(counters[n]) for n in names if n in counters), None)
+
+    duration = bench.get("duration", record.get("elapsed_s"))
+    prompt = counter("vllm:prompt_tokens_total")
+    if prompt is None:
+        prompt = bench.get("total_input_tokens", record.get("tokens_in"))
+    output = counter("vllm:generation_tokens_total")
+    if output is None:
+        output = bench.get("total_output_tokens", record.get("tokens_out"))
+    cached = record.get("cached_tokens")
+    if cached is None:
+        cached = counter("vllm:prompt_tokens_cached_total", "vllm:prefix_cache_hits_total")
+    queries, hits = counter("vllm:prefix_cache_queries_total"), counter("vllm:prefix_cache_hits_total")
+    input_rate = bench.get("input_throughput")
+    if input_rate is None and prompt is not None and duration:
+        input_rate = prompt / duration
+    output_rate = bench.get("output_throughput")
+    if output_rate is None and output is not None and duration:
+        output_rate = output / duration
+    reason = record.get("capacity")
+    if reason is None and point is not None:
+        reason = capacity_reason(point, {"counters": counters}, peaks or None, kv_cache_tokens)
+    requests = bench.get("completed", record.get("requests"))
+    if requests is None:
+        requests = counter("vllm:request_success_total")
+    # One output token per request leaves no inter-token gaps; the client then reports 0 ms, which is no latency.
+    single = point is not None and point.output_len <= 1
+    queue = histograms.get("vllm:request_queue_time_seconds") or {}
+    peaks_note = _peaks_note(record, duration)
+    observed = {} if peaks_note else peaks
+    return ServingMetrics(
+        source="vllm bench serve" if bench else "vLLM metrics (offline)",
+        requests=_number(requests), failed=_number(bench.get("failed")), duration_s=duration,
+        ttft_ms=_latency(bench, histograms, "ttft"), itl_ms=Latency() if single else _latency(bench, histograms, "itl"),
+        tpot_ms=Latency() if single else _latency(bench, histograms, "tpot"), e2el_ms=_latency(bench, histograms, "e2el"),
+        prompt_tokens=_number(prompt), cached_prompt_tokens=_number(cached), prefix_cache_queries=queries,
+        prefix_cache_hits=hits, prefix_hit_rate=hits / queries if queries and hits is not None else None,
+        output_tokens=_number(output), input_tokens_per_s=input_rate, output_tokens_per_s=output_rate,
+        queue_ms=1000.0 * queue["sum"] / queue["count"] if queue.get("count") else None,
+        preemptions=counter("vllm:num_preemptions_total"), peak_running=observed.get("vllm:num_requests_running"),
+        peak_waiting=observed.get("vllm:num_requests_waiting"), peak_kv_usage=observed.get("vllm:kv_cache_usage_perc"),
+        peaks_note=peaks_note, capacity=reason, checks=source_checks(record, counters, histograms, kv_cache_tokens))
+
+
+def serving_rows(base: ArmInput, cand: ArmInput) -> list[ServingRow]:
+    """One row per traffic point either arm ran, in the baseline's order, matched by the point's spec."""
+    records = []
+    for item in (base, cand):
+        kv = item.record.kv_cache_tokens
+        records.append({p["point"]: serving_metrics(p, kv) for p in item.record.points if p.get("point")})
+    order = list(records[0]) + [p for p in records[1] if p not in records[0]]
+    rows = []
+    for spec in order:
+        try:
+            point = Point.parse(spec)
+            context, concurrency = point.prefix_len + point.input_len, point.concurrency
+        except (ValueError, TypeError):
+            context = concurrency = None
+        row = ServingRow(point=spec, context=context, concurrency=concurrency, baseline=records[0].get(spec),
+                         candidate=records[1].get(spec))
+        if row.baseline and row.candidate:
+            for stat in ("p50", "mean"):
+                b, c = getattr(row.baseline.ttft_ms, stat), getattr(row.candidate.ttft_ms, stat)
+                if b and c is not None:
+                    row.ttft_stat, row.ttft_ratio = stat, stats.ratio(b, c)
+                    break
+            row.ratios = serving_ratios(row.baseline, row.candidate)
+        rows.append(row)
+    for side in ("baseline", "candidate"):
+        seen: set = set()
+        for row in sorted(rows, key=lambda r: (r.context or 0, r.concurrency or 0)):
+            metrics = getattr(row, side)
+            if metrics and metrics.capacity and row.context not in seen:
+                seen.add(row.context)
+                setattr(row, f"{side}_first_capacity", True)
+    return rows
+
+
+def serving_ratios(base: ServingMetrics, cand: ServingMetrics) -> dict[str, float | None]:
+    """candidate / baseline of the latencies (per statistic) and throughputs, keyed like `ttft_ms.p50`."""
+    ratios = {}
+    for name in ("ttft_ms", "itl_ms", "tpot_ms", "e2el_ms"):
+        for stat in ("p50", "p90", "p99", "mean"):
+            ratios[f"{name}.{stat}"] = stats.ratio(getattr(getattr(base, name), stat),
+                                                   getattr(getattr(cand, name), stat))
+    for name in ("input_tokens_per_s", "output_tokens_per_s"):
+        ratios[name] = stats.ratio(getattr(base, name), getattr(cand, name))
+    return ratios
