@@ -4,24 +4,20 @@ Exports are opened read-only (`mode=ro&immutable=1`, as NVIDIA's own report scri
 the boundary, so every bad input becomes one KvtraceError naming the problem and the fix. Checks go by
 tables and columns, not version strings: 2023.4 (schema 3.7.x) and 2025.3 (schema 3.20.x) exports both
 load. Kernel rows are read as Arrow through ADBC, never as Python rows, over several connections at once (one
-per core, each over a range of rowids), and laid out by cell as they come (analyzer.calls).
+per core, each over a range of rowids), and laid out by cell as they come (analyzer.calls), into an entry of
+the trace cache (analyzer.cache).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import re
 import shutil
 import sqlite3
 import stat
 import struct
-import sys
 import tempfile
 import threading
-import time
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing, contextmanager, suppress
 from dataclasses import asdict, dataclass, field
@@ -32,10 +28,9 @@ import numpy as np
 import polars as pl
 import sqlite_utils
 
-import kvtrace.nsys
-from kvtrace import __version__
 from kvtrace.analyzer import calls as calls_
 from kvtrace.analyzer import ranges as ranges_
+from kvtrace.analyzer import cache as cache_
 from kvtrace.errors import KvtraceError
 from kvtrace.nsys import is_sqlite
 
@@ -147,7 +142,7 @@ def open_trace(path: str | os.PathLike, *, nsys: str | None = None, cache: bool 
     sqlite_path = source
     if not is_sqlite(source):
         if source.suffix in (".nsys-rep", ".qdrep"):
-            sqlite_path = export_report(source, nsys=nsys)
+            sqlite_path = cache_.export_report(source, nsys=nsys)
         else:
             raise KvtraceError(f"{source} is not an SQLite file: pass an Nsight Systems export (.sqlite from "
                                "`nsys export --type sqlite`) or an .nsys-rep report")
@@ -155,15 +150,15 @@ def open_trace(path: str | os.PathLike, *, nsys: str | None = None, cache: bool 
     with _reading(source):
         with closing(_connect(sqlite_path)) as conn:
             _check_export(conn, source if sqlite_path == source else Path(f"{source} (exported as {sqlite_path})"))
-            entry = _cache_entry(sqlite_path) if cache else None
-            if entry is not None and (cached := _read_cached(entry, source)) is not None:
+            entry = cache_.entry_of(sqlite_path) if cache else None
+            if entry is not None and (cached := cache_.read(entry, _workers(), _cached_trace(source))) is not None:
                 return cached
             tables = set(sqlite_utils.Database(conn).table_names())
             ranges, index = read_ranges(conn, tables, sqlite_path)
             launch_names = _launch_api_ids(conn) if ranges.height and RUNTIME_TABLE in tables else None
             spans = {table: _rowid_spans(conn, table) for table in (KERNEL_TABLE, RUNTIME_TABLE) if table in tables}
         launches = read_launches(sqlite_path, index, launch_names, spans[RUNTIME_TABLE]) if launch_names else None
-        partial = _partial_entry(entry) if entry is not None else None
+        partial = cache_.partial(entry) if entry is not None else None
         try:
             laid, signatures, in_partial = _laid_out(sqlite_path, launches, ranges, spans[KERNEL_TABLE], partial)
             with closing(_connect(sqlite_path)) as conn:
@@ -173,12 +168,21 @@ def open_trace(path: str | os.PathLike, *, nsys: str | None = None, cache: bool 
             trace = Trace(info=info, calls=laid.calls, signatures=signatures,
                           ranges=ranges.with_columns(pl.Series("calls", laid.launched, dtype=pl.Int64)))
             if in_partial:
-                _seal(entry, partial, trace)
+                frames = {"cells": trace.calls.cells, "signatures": trace.signatures, "ranges": trace.ranges}
+                cache_.seal(entry, partial, frames, asdict(trace.info), _workers())
                 partial = None
         finally:
             if partial is not None:
                 shutil.rmtree(partial, ignore_errors=True)
     return trace
+
+
+def _cached_trace(source: Path):
+    """Builds the Trace of a cache entry (analyzer.cache.read), named by the path the user passed."""
+    def build(info: dict, frames: dict[str, pl.DataFrame], calls: calls_.Calls) -> Trace:
+        info["gpus"] = tuple(GpuInfo(**gpu) for gpu in info["gpus"])
+        return Trace(info=TraceInfo(**{**info, "source": str(source)}), calls=calls, **frames)
+    return build
 
 
 def open_traces(paths: list, *, nsys: str | None = None, cache: bool = True) -> list[Trace]:
@@ -204,7 +208,7 @@ def _rowid_spans(conn: sqlite3.Connection, table: str) -> list[tuple[int, int]]:
     return [(edges[i], edges[i + 1] - 1) for i in range(pieces)]
 
 
-def _laid_out(sqlite_path: Path, launches: Launches | None, ranges: pl.DataFrame, spans: list[tuple[int, int]],
+def _laid_out(sqlite_path: Path, launches: ranges_.Launches | None, ranges: pl.DataFrame, spans: list[tuple[int, int]],
               partial: Path | None) -> tuple[calls_.Laid, pl.DataFrame, bool]:
     """read_kernels into the cache entry being written (`partial`), else into a temporary folder removed once
     the layout is mapped (its files live on while mapped), else in memory; whether it went into `partial`. A
@@ -221,172 +225,6 @@ def _laid_out(sqlite_path: Path, launches: Launches | None, ranges: pl.DataFrame
     finally:
         if folder is not None and folder != partial:
             shutil.rmtree(folder, ignore_errors=True)
-
-
-# ---- cache of loaded traces ---------------------------------------------------------------------------
-
-CACHE_FORMAT = 3  # bump whenever the cached frames, TraceInfo or the entry's files change shape
-CACHE_DAYS = 14  # entries not read for this long are removed when another entry is written
-_FRAMES = ("cells", "signatures", "ranges")
-_ENTRY_FILES = (*(f"{name}.arrow" for name in _FRAMES), *(f"{name}.npy" for name in calls_.ARRAYS), "info.json")
-# kvtrace's own file in each entry, written first: the clean-up removes only folders that hold it, and a read
-# checks the entry against it (which export, as it is now; each file's size and CRC-32).
-_MARKER = "kvtrace-cache-entry.json"
-# <export stem>-<hash of its path>-<hash of its identity>, and .<that>-<random> while it is being written.
-_ENTRY_NAME = re.compile(r"\.?.+-[0-9a-f]{12}-[0-9a-f]{12}(?:-\w+)?", re.DOTALL)
-_warned: set[str] = set()
-
-
-@dataclass(frozen=True)
-class _Entry:
-    path: Path
-    export: dict  # the export's identity when the load began
-
-
-def _cache_entry(sqlite_path: Path) -> _Entry | None:
-    """The cache entry of this export as it is now, or None when there is no private cache folder. Another
-    path, device, inode, size, modification or change time (which `touch` and `cp -p` cannot set back), or
-    kvtrace version is another entry."""
-    folder = _cache_dir("traces")
-    if folder is None:
-        return None
-    resolved = sqlite_path.resolve()
-    status = resolved.stat()
-    export = {"path": str(resolved), "device": status.st_dev, "inode": status.st_ino, "size": status.st_size,
-              "mtime_ns": status.st_mtime_ns, "ctime_ns": status.st_ctime_ns, "cache_format": CACHE_FORMAT,
-              "kvtrace": __version__}
-    place = hashlib.sha256(str(resolved).encode()).hexdigest()[:12]
-    version = hashlib.sha256(json.dumps(export, sort_keys=True).encode()).hexdigest()[:12]
-    return _Entry(folder / f"{resolved.stem[:64]}-{place}-{version}", export)
-
-
-class _Unsound(Exception):
-    """A cache entry that is not a whole, unchanged copy of this export's frames."""
-
-
-def _read_cached(entry: _Entry, source: Path) -> Trace | None:
-    """The cached trace, or None when there is none. An entry that fails its checks (damaged, left half
-    written, planted, a link, another export's) is removed, so that it is written again."""
-    import pyarrow as pa
-
-    try:
-        folder = os.lstat(entry.path)
-    except OSError:
-        return None
-    try:
-        if not stat.S_ISDIR(folder.st_mode) or folder.st_uid != os.getuid():
-            raise _Unsound
-        marker = json.loads(_entry_bytes(entry.path / _MARKER))
-        if marker.get("export") != entry.export:
-            raise _Unsound
-        with ThreadPoolExecutor(max_workers=_workers()) as pool:  # zlib releases the GIL
-            found = list(pool.map(_size_and_crc, (entry.path / name for name in _ENTRY_FILES)))
-        if [marker["files"][name] for name in _ENTRY_FILES] != found:
-            raise _Unsound
-        info = json.loads(_entry_bytes(entry.path / "info.json"))
-        frames = {}
-        for name in _FRAMES:
-            with pa.memory_map(str(entry.path / f"{name}.arrow")) as mapped:
-                frames[name] = pl.from_arrow(pa.ipc.open_file(mapped).read_all())
-        info["gpus"] = tuple(GpuInfo(**gpu) for gpu in info["gpus"])
-        # Memory-mapped: the calls' columns are views of the page cache, paged in as an analysis reads them.
-        calls = calls_.open_layout(entry.path, frames.pop("cells"))
-        trace = Trace(info=TraceInfo(**{**info, "source": str(source)}), calls=calls, **frames)
-    except (_Unsound, calls_.Damaged, OSError, ValueError, KeyError, TypeError, pa.ArrowException,
-            pl.exceptions.PolarsError):
-        _discard(entry.path)
-        return None
-    with suppress(OSError):
-        os.utime(entry.path)  # last use, for the age-based clean-up
-    return trace
-
-
-def _entry_bytes(path: Path) -> bytes:
-    """A file of an entry, never through a link."""
-    with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as handle:
-        return handle.read()
-
-
-def _size_and_crc(path: Path) -> list[int]:
-    """Size and CRC-32 of a file of an entry (about 0.1 s per 10M kernels). Read in chunks rather than mapped,
-    so that the pass adds nothing to the process's resident memory."""
-    crc, size, chunk = 0, 0, bytearray(1 << 20)
-    with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb", buffering=0) as handle:
-        while read := handle.readinto(chunk):
-            crc = zlib.crc32(memoryview(chunk)[:read], crc)
-            size += read
-    return [size, crc]
-
-
-def _partial_entry(entry: _Entry) -> Path | None:
-    """A new entry's folder under a temporary name, kvtrace's (marked) from the first moment so that the clean-up
-    knows it; None when the cache folder cannot take it."""
-    try:
-        partial = Path(tempfile.mkdtemp(dir=entry.path.parent, prefix=f".{entry.path.name}-"))
-    except OSError:
-        return None
-    try:
-        (partial / _MARKER).write_text(json.dumps({"kvtrace_cache_entry": CACHE_FORMAT}))
-    except OSError:
-        shutil.rmtree(partial, ignore_errors=True)
-        return None
-    return partial
-
-
-def _seal(entry: _Entry, partial: Path, trace: Trace) -> None:
-    """Complete an entry whose calls are laid out in `partial` (its frames, info, and the marker with each file's
-    size and CRC-32) and rename it into place; then remove older entries and leftover temporary folders of the
-    same export, and entries unused for CACHE_DAYS. Caching is best effort: on failure the folder goes, and the
-    trace keeps its mapped calls."""
-    import pyarrow as pa
-
-    try:
-        try:
-            for name, frame in (("cells", trace.calls.cells), ("signatures", trace.signatures),
-                                ("ranges", trace.ranges)):
-                table = frame.rechunk().to_arrow()
-                with pa.OSFile(str(partial / f"{name}.arrow"), "wb") as sink, \
-                        pa.ipc.new_file(sink, table.schema) as writer:
-                    writer.write_table(table, max_chunksize=max(table.num_rows, 1))
-            (partial / "info.json").write_text(json.dumps(asdict(trace.info)))
-            with ThreadPoolExecutor(max_workers=_workers()) as pool:
-                files = dict(zip(_ENTRY_FILES, pool.map(_size_and_crc, (partial / name for name in _ENTRY_FILES))))
-            marker = {"kvtrace_cache_entry": CACHE_FORMAT, "export": entry.export, "files": files}
-            (partial / _MARKER).write_text(json.dumps(marker))
-            os.replace(partial, entry.path)
-        finally:
-            shutil.rmtree(partial, ignore_errors=True)
-    except OSError:
-        return
-    same_export = entry.path.name.rsplit("-", 1)[0] + "-"
-    unused_since = time.time() - CACHE_DAYS * 86400
-    for other in entry.path.parent.iterdir():
-        with suppress(OSError):
-            if other != entry.path and _is_entry(other) and (other.name.lstrip(".").startswith(same_export)
-                                                             or other.lstat().st_mtime < unused_since):
-                shutil.rmtree(other)
-
-
-def _is_entry(path: Path) -> bool:
-    """Whether kvtrace made this folder: an entry's name, a folder of this user's (not a link to one), and
-    kvtrace's marker file in it. Nothing else in the cache folder is ever removed."""
-    if not _ENTRY_NAME.fullmatch(path.name):
-        return False
-    try:
-        folder, marker = os.lstat(path), os.lstat(path / _MARKER)
-    except OSError:
-        return False
-    return stat.S_ISDIR(folder.st_mode) and folder.st_uid == os.getuid() and stat.S_ISREG(marker.st_mode)
-
-
-def _discard(path: Path) -> None:
-    """Clear an entry's name for a sound entry: a link or file there is unlinked (never followed), a folder
-    removed only when kvtrace made it."""
-    with suppress(OSError):
-        if not stat.S_ISDIR(os.lstat(path).st_mode):
-            os.unlink(path)
-        elif _is_entry(path):
-            shutil.rmtree(path)
 
 
 @contextmanager
@@ -435,78 +273,17 @@ def _launch_api_ids(conn: sqlite3.Connection) -> list[int]:
     return [r[0] for r in conn.execute("SELECT id FROM StringIds WHERE value GLOB '*Launch*'")]
 
 
-class _Processes:
-    """Small numbers for the processes that made launch calls (globalTid >> 24: pid, VM and hardware id, 40
-    bits), so that a process number and a 32-bit correlationId fit one int64 launch key."""
-
-    def __init__(self):
-        self.numbers: dict[int, int] = {}
-        self.lock = threading.Lock()  # launch calls are read on several threads
-
-    def of(self, global_id: np.ndarray, *, add: bool) -> np.ndarray:
-        """Per row, its process number; -1 for a process without launch calls when not `add`ing."""
-        process = global_id >> 24
-        if process.size and process.min() == process.max():  # one process per batch, the usual case
-            return np.full(process.size, self._number(int(process[0]), add), dtype=np.int64)
-        unique, inverse = np.unique(process, return_inverse=True)
-        return np.array([self._number(int(p), add) for p in unique], dtype=np.int64)[inverse]
-
-    def _number(self, process: int, add: bool) -> int:
-        if add and process not in self.numbers:
-            with self.lock:
-                return self.numbers.setdefault(process, len(self.numbers))
-        return self.numbers.get(process, -1)
-
-
-def _launch_key(number: np.ndarray, correlation: np.ndarray) -> np.ndarray:
-    # CUPTI correlation ids are 32-bit and unique per process.
-    return (number << 32) | correlation.astype(np.int64)
-
-
-@dataclass(frozen=True)
-class Launches:
-    """Kernel-launching API calls in launch-key order (process number, then correlationId), cut into runs
-    of calls with the same innermost NVTX range. A kernel carries its launch call's correlationId and
-    process, so the run that holds its key gives its range; a NO_RANGE run opens and closes each process."""
-
-    starts: np.ndarray  # first key of each run, ascending
-    range: np.ndarray  # int32 innermost range of the run's calls
-    processes: _Processes
-
-    @classmethod
-    def of_sorted(cls, runs: list[tuple[np.ndarray, np.ndarray]], processes: _Processes) -> Launches:
-        starts = np.concatenate([s for s, _ in runs]) if runs else np.zeros(0, dtype=np.int64)
-        found = np.concatenate([r for _, r in runs]) if runs else np.zeros(0, dtype=np.int32)
-        numbers = np.arange(len(processes.numbers), dtype=np.int64)
-        # Before a process's first launch and after its last, kernels (launched before the capture began)
-        # are outside every range. Markers sort before real runs.
-        markers = np.concatenate([numbers << 32, (numbers + 1) << 32])
-        starts = np.concatenate([markers, starts])
-        found = np.concatenate([np.full(markers.size, ranges_.NO_RANGE, dtype=np.int32), found])
-        order = np.argsort(starts, kind="stable")
-        return cls(starts=starts[order], range=found[order], processes=processes)
-
-    def innermost_of(self, correlation: np.ndarray, global_pid: np.ndarray) -> np.ndarray:
-        """The innermost range of the launch calls of kernels with these correlation ids and processes."""
-        number = self.processes.of(global_pid, add=False)
-        if self.starts.size == 0:
-            return np.full(correlation.size, ranges_.NO_RANGE, dtype=np.int32)
-        # A process without traced launch calls (number -1) has negative keys, below every run.
-        run = np.searchsorted(self.starts, _launch_key(number, correlation), side="right") - 1
-        return np.where(run >= 0, self.range[np.maximum(run, 0)], ranges_.NO_RANGE).astype(np.int32)
-
-
 class _Unsorted(Exception):
     """A process's launch calls are not in correlationId order in the runtime table (its threads interleave)."""
 
 
 def read_launches(sqlite_path: Path, index: ranges_.RangeIndex, api_ids: list[int],
-                  spans: list[tuple[int, int]]) -> Launches:
+                  spans: list[tuple[int, int]]) -> ranges_.Launches:
     """Every launch call's innermost NVTX range, as runs; the rowid spans are read side by side. A process's
     runtime rows usually come in correlationId order, and then runs are cut batch by batch and memory stays at
     a few values per range; otherwise the calls are read again, sorted, and cut."""
     query = _launch_query(api_ids)
-    processes = _Processes()
+    processes = ranges_.Processes()
 
     def runs_of(span: tuple[int, int]) -> tuple[dict, dict]:
         runs: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
@@ -520,7 +297,7 @@ def read_launches(sqlite_path: Path, index: ranges_.RangeIndex, api_ids: list[in
             for number, own_key, own_found in parts:
                 if own_key[0] <= last.get(number, -1) or not np.all(own_key[1:] > own_key[:-1]):
                     raise _Unsorted
-                runs.setdefault(number, []).append(_cut(own_key, own_found))
+                runs.setdefault(number, []).append(ranges_.launch_runs(own_key, own_found))
                 last[number] = int(own_key[-1])
         return runs, last
 
@@ -542,24 +319,17 @@ def read_launches(sqlite_path: Path, index: ranges_.RangeIndex, api_ids: list[in
             found = np.concatenate([f for _, f in batches]) if batches else np.zeros(0, dtype=np.int32)
             del batches
             order = np.argsort(key, kind="stable")
-            runs = {0: [_cut(key[order], found[order])]}
-    return Launches.of_sorted([run for number in sorted(runs) for run in runs[number]], processes)
+            runs = {0: [ranges_.launch_runs(key[order], found[order])]}
+    return ranges_.Launches.of_sorted([run for number in sorted(runs) for run in runs[number]], processes)
 
 
 def _launch_batches(sqlite_path: Path, query: str, span: tuple[int, int], index: ranges_.RangeIndex,
-                    processes: _Processes):
+                    processes: ranges_.Processes):
     for batch in _read_batches(sqlite_path, _within(query, span)):
         _check_integers(batch, sqlite_path, RUNTIME_TABLE, _LAUNCH_VALUES)
         correlation, tid, start = (batch.column(i).to_numpy() for i in range(3))
         if correlation.size:
-            yield _launch_key(processes.of(tid, add=True), correlation), index.innermost(tid, start)
-
-
-def _cut(key: np.ndarray, found: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Runs of sorted launch keys: a new run where the range or the process changes."""
-    change = np.ones(key.size, dtype=bool)
-    change[1:] = (found[1:] != found[:-1]) | ((key[1:] >> 32) != (key[:-1] >> 32))
-    return key[change], found[change]
+            yield ranges_.launch_key(processes.of(tid, add=True), correlation), index.innermost(tid, start)
 
 
 # The signature travels packed, three integers per kernel instead of eight columns, within CUDA's launch
@@ -594,8 +364,8 @@ class _SignatureNumbers:
         return found.to_numpy()
 
 
-def read_kernels(sqlite_path: Path, launches: Launches | None, ranges: pl.DataFrame, spans: list[tuple[int, int]],
-                 folder: Path | None) -> tuple[calls_.Laid, pl.DataFrame]:
+def read_kernels(sqlite_path: Path, launches: ranges_.Launches | None, ranges: pl.DataFrame,
+                 spans: list[tuple[int, int]], folder: Path | None) -> tuple[calls_.Laid, pl.DataFrame]:
     """The kernel calls laid out by cell in `folder` (None: in memory), and the distinct signatures they use.
     The rowid spans are read side by side, each batch looked up in the launch calls' runs and handed to the
     layout, so that memory stays at a batch per core."""
@@ -688,74 +458,6 @@ def _read_batches(path: Path, query: str):
             cursor.adbc_statement.set_options(**{"adbc.sqlite.query.batch_rows": str(rows)})
             cursor.execute(query)
             yield from cursor.fetch_record_batch()
-
-
-# ---- .nsys-rep export ---------------------------------------------------------------------------------
-
-def export_report(report: Path, *, nsys: str | None = None) -> Path:
-    """Export an .nsys-rep to SQLite in kvtrace's cache (never beside the user's file).
-
-    A sibling `<report>.sqlite` newer than the report is used as is, as `nsys recipe` does.
-    """
-    sibling = report.with_suffix(".sqlite")
-    if sibling.exists() and sibling.stat().st_mtime >= report.stat().st_mtime and is_sqlite(sibling):
-        return sibling
-    try:
-        nsys_path = kvtrace.nsys.find_nsys(nsys)
-    except KvtraceError as error:
-        raise KvtraceError(f"an .nsys-rep needs nsys to export it: {error}; or pass the .sqlite from "
-                           "`nsys export --type sqlite`") from None
-    # The same identity as a trace-cache entry: a report rewritten with its size and mtime kept is another key.
-    status = report.stat()
-    identity = (report.resolve(), status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns,
-                status.st_ctime_ns, nsys_path)
-    key = hashlib.sha256("|".join(map(str, identity)).encode()).hexdigest()[:20]
-    cache = _cache_dir("exports") or Path(tempfile.mkdtemp(prefix="kvtrace-export-"))
-    target = cache / f"{report.stem[:64]}-{key}.sqlite"
-    if target.exists():
-        return target
-    try:
-        kvtrace.nsys.export_sqlite(nsys_path, report, target)
-    except kvtrace.nsys.ExportFailed as failed:
-        if failed.newer_report:
-            version = kvtrace.nsys.nsys_version(nsys_path).replace("NVIDIA ", "")
-            raise KvtraceError(f"{version} cannot read {report}: it was recorded by a newer "
-                               "Nsight Systems; export it there (nsys export --type sqlite) or point "
-                               "NSYS at that version") from None
-        raise KvtraceError(f"nsys export failed on {report} (exit {failed.returncode}: {failed.last_line}); "
-                           "check the report opens in Nsight Systems, or export it yourself") from None
-    return target
-
-
-def _cache_dir(kind: str) -> Path | None:
-    """kvtrace's cache folder for `kind` (exports, traces): $KVTRACE_CACHE_DIR, else $XDG_CACHE_HOME/kvtrace
-    or ~/.cache/kvtrace. When that cannot be created, or is not this user's alone (another user could plant
-    entries in it), a folder of this user's own under the temporary directory; None if even that is not."""
-    base = Path(os.environ.get("KVTRACE_CACHE_DIR") or
-                Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvtrace")
-    fallback = Path(tempfile.gettempdir()) / f"kvtrace-{os.getuid()}"
-    for folder in (base / kind, fallback / kind):
-        try:
-            folder.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            folder.mkdir(mode=0o700, exist_ok=True)
-        except OSError:
-            continue
-        if _private(folder.parent if folder.parent == fallback else folder):
-            return folder
-        if str(folder) not in _warned:
-            _warned.add(str(folder))
-            sys.stderr.write(f"kvtrace: warning: cache folder {folder} is not this user's alone (owner or mode); "
-                             "not using it: make it yours with mode 0700, or set KVTRACE_CACHE_DIR\n")
-    return None
-
-
-def _private(folder: Path) -> bool:
-    """A folder (links followed) that this user owns and no one else may write to."""
-    try:
-        status = folder.stat()
-    except OSError:
-        return False
-    return stat.S_ISDIR(status.st_mode) and status.st_uid == os.getuid() and not status.st_mode & 0o022
 
 
 # ---- validation ---------------------------------------------------------------------------------------
