@@ -147,8 +147,9 @@ def _units(calls: Calls, keep: np.ndarray | None, nvtx_of_cell: np.ndarray, segm
             for first in range(low, high, BLOCK_ROWS * 4):
                 span = slice(first, min(first + BLOCK_ROWS * 4, high))
                 kept = slice(None) if keep is None else keep[span]
+                # int64 throughout: np.add.at and np.minimum.at take their fast path only for matching types.
                 yield (calls.range[span][kept].astype(np.int64), calls.rank[span][kept].astype(np.int64),
-                       calls.duration[span][kept])
+                       calls.duration[span][kept].astype(np.int64))
                 unreleased += (span.stop - span.start) * 12
                 if unreleased > 64 << 20:
                     calls.release()
