@@ -227,14 +227,14 @@ def print_tables(results, parallel, skipped, cores) -> None:
 
     print("\n".join(f"- {line}" for line in machine()) + "\n")
     print("| workload | kernels/file | kvtrace run | kvtrace summary | kvtrace diff | floor: GROUP BY (both files) "
-          "| floor: kvtrace's job (both files) | nsys stats (both files) | diff / job floor | nsys stats / diff "
-          "| load |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| floor: kvtrace's job (both files) | nsys stats (both files) | diff / GROUP BY floor | diff / job floor "
+          "| nsys stats / diff | load |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for workload, kernels, rows, floor, job, stats in results:
         for run, (summary, diff) in rows.items():
             load = max(summary.load, diff.load, floor.load, job.load, stats.load if stats else 0)
             print(f"| {workload} | {kernels:,} | {run} | {summary.cell()} | {diff.cell()} | {floor.cell()} "
-                  f"| {job.cell()} | {cell(stats)} | {diff.wall / job.wall:.2f}× "
+                  f"| {job.cell()} | {cell(stats)} | {diff.wall / floor.wall:.2f}× | {diff.wall / job.wall:.2f}× "
                   f"| {'n/a' if stats is None else f'{stats.wall / diff.wall:.2f}×'} | {load:.1f} |")
     for line in skipped:
         print(f"\n{line}")
