@@ -29,11 +29,16 @@ test: install-dev
 	@if [ -n "$(NSYS_INSTALLER)" ]; then export NSYS=$$(bash $(NSYS_INSTALLER)); fi; \
 	$(PYTHON) -m pytest
 
-# Grows the vLLM fixtures to 1M and 10M kernels under bench/out/ (about 4 GB) and times kvtrace against the
-# SQLite floor and `nsys stats`, then stage by stage; the tables go into docs/performance.md.
+# Grows the vLLM fixtures to 10M, 30M and 100M kernels per file under bench/out/ (a pair is skipped, and says so,
+# when the disk cannot hold it; 100M pairs need 20 to 40 GB and are removed once measured) and times kvtrace
+# against the two floors (sqlite3 GROUP BY; bench/floor.c, built with $(CC) and the SQLite headers: apt-get
+# install libsqlite3-dev) and `nsys stats`, then stage by stage; the tables go into docs/performance.md.
+# BENCH_FLAGS go to bench/run.py (--baseline DIR, --keep-up-to KERNELS, …; see bench/run.py --help).
+BENCH_FLAGS ?=
 bench: install
 	@if [ -n "$(NSYS_INSTALLER)" ]; then export NSYS=$$(bash $(NSYS_INSTALLER)); fi; \
-	$(PYTHON) bench/run.py && $(PYTHON) bench/stages.py
+	$(PYTHON) bench/run.py --sizes 10000000 30000000 100000000 $(BENCH_FLAGS) && $(PYTHON) bench/stages.py && \
+	$(PYTHON) bench/stages.py --workload decode-heavy
 
 docs: install
 	$(PYTHON) -m kvtrace.docs > docs/cli.md

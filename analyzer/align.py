@@ -98,53 +98,66 @@ def steps(trace: Trace) -> pl.DataFrame:
 
 def _steps(trace: Trace) -> pl.DataFrame:
     table = trace.ranges
-    parsed = table.select("range", pl.col("name").str.extract_groups(VLLM_STEP.pattern).alias("m"))
-    is_step = parsed["m"].struct.field("1").is_not_null().to_numpy()
-    step_range = ranges.propagate(table["parent"].to_numpy(), table["depth"].to_numpy(),
-                                  np.where(is_step, table["range"].to_numpy(), ranges.NO_RANGE))
-    m = pl.col("m")
-    step_table = parsed.filter(pl.Series(is_step)).select(
-        pl.col("range").alias("step_range"),
+    # Each distinct name is parsed once (steps of the same batch share their name, and an hour of serving has
+    # hundreds of thousands of step ranges); per range, only codes are gathered.
+    m = pl.col("name").str.extract_groups(VLLM_STEP.pattern)
+    names = pl.DataFrame({"name": pl.Series([*trace.range_names, None], dtype=pl.Utf8)}).select(
+        "name",
         m.struct.field("1").cast(pl.Int64).alias("context_requests"),
         m.struct.field("2").cast(pl.Int64, strict=False).alias("context_tokens"),
         m.struct.field("3").cast(pl.Int64).alias("generation_requests"),
         m.struct.field("4").cast(pl.Int64, strict=False).alias("generation_tokens"))
-    phase = step_kind(pl.col("context_requests"), pl.col("generation_requests"))
-    step_table = step_table.with_columns(phase.alias("phase")).join(
-        table.select(pl.col("range").alias("step_range"), pl.col("name").alias("step"),
-                     pl.col("start").alias("step_start")), on="step_range")
-    return (pl.DataFrame({"range": table["range"], "step_range": pl.Series(step_range, dtype=pl.Int32)})
-            .join(step_table, on="step_range", how="inner")
-            .select("range", "step_range", "step", "step_start", "phase", "context_tokens", "generation_tokens"))
+    names = names.with_columns(step_kind(pl.col("context_requests"), pl.col("generation_requests")).alias("phase"))
+    codes = trace.range_name_codes
+    is_step = names["context_requests"].is_not_null().to_numpy()[codes]
+    step_range = ranges.propagate(table["parent"].to_numpy(), table["depth"].to_numpy(),
+                                  np.where(is_step, table["range"].to_numpy(), ranges.NO_RANGE))
+    inside = np.flatnonzero(step_range != ranges.NO_RANGE)
+    step_of = step_range[inside]
+    step = names[codes[step_of]]
+    return pl.DataFrame({"range": table["range"].gather(inside), "step_range": pl.Series(step_of, dtype=pl.Int32),
+                         "step": step["name"], "step_start": table["start"].gather(step_of), "phase": step["phase"],
+                         "context_tokens": step["context_tokens"], "generation_tokens": step["generation_tokens"]})
 
 
-def apply_window(trace: Trace, calls: pl.DataFrame, window: Window) -> pl.DataFrame:
-    """Filter a trace's calls (with `range`, NO_RANGE outside every range) to the window; per-family
-    trimming last."""
+def window_calls(trace: Trace, window: Window, group_of_cell: np.ndarray) -> np.ndarray | None:
+    """Which of a trace's calls (in the order of its cells, analyzer.calls) are inside the window; None when
+    the window keeps every call. Trimming (--skip-warmup, --last) comes last and counts calls per group of
+    cells (`group_of_cell`: the family and match key of each of the trace's cells) in start order."""
+    calls = trace.calls
+    keep = None
+
+    def narrow(inside: np.ndarray) -> np.ndarray:
+        return inside if keep is None else keep & inside
+
     if window.nvtx:
         try:
             pattern = re.compile(window.nvtx)
         except re.error as error:
             raise KvtraceError(f"--window {window.nvtx!r} is not a valid regex ({error})") from None
-        inside = np.flatnonzero(range_matches(trace, pattern.pattern))
-        calls = calls.filter(pl.col("range").is_in(pl.Series(inside, dtype=pl.Int32).implode()))
+        keep = narrow(np.isin(calls.range, np.flatnonzero(range_matches(trace, pattern.pattern))))
     start, end = window.time_ns
-    if start is not None:
-        calls = calls.filter(pl.col("start") >= start)
-    if end is not None:
-        calls = calls.filter(pl.col("start") < end)
+    if start is not None or end is not None:
+        # Starts are kept in start order, so the window is a span of ranks.
+        low = int(np.searchsorted(calls.start, start)) if start is not None else 0
+        high = int(np.searchsorted(calls.start, end)) if end is not None else calls.count
+        keep = narrow((calls.rank >= low) & (calls.rank < high))
     if window.phase:
-        in_phase = steps(trace).filter(pl.col("phase") == window.phase)["range"]
-        calls = calls.filter(pl.col("range").is_in(in_phase.implode()))
+        in_phase = steps(trace).filter(pl.col("phase") == window.phase)["range"].to_numpy()
+        keep = narrow(np.isin(calls.range, in_phase))
     if window.skip_warmup or window.last is not None:
-        # Calls are in start order, so a call's position in its group is its launch order.
-        order = pl.int_range(pl.len()).over(["family", *MATCH_KEY])
-        count = pl.len().over(["family", *MATCH_KEY])
-        keep = order >= window.skip_warmup
+        kept = np.arange(calls.count) if keep is None else np.flatnonzero(keep)
+        group = np.repeat(group_of_cell, np.diff(calls.offsets))[kept]
+        by_group = np.lexsort((calls.rank[kept], group))  # a call's position in its group is its launch order
+        count = np.bincount(group, minlength=int(group_of_cell.max(initial=-1)) + 1)
+        position = np.empty(kept.size, dtype=np.int64)
+        position[by_group] = np.arange(kept.size) - (np.cumsum(count) - count)[group[by_group]]
+        trimmed = position >= window.skip_warmup
         if window.last is not None:
-            keep = keep & (order >= count - window.last)
-        calls = calls.filter(keep)
-    return calls
+            trimmed &= position >= count[group] - window.last
+        keep = np.zeros(calls.count, dtype=bool)
+        keep[kept[trimmed]] = True
+    return keep
 
 
 # Calls pair only within the same launch shape and the same innermost NVTX range: a decode kernel keeps

@@ -10,7 +10,7 @@ list's shares and means) and words what it found.
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ import polars as pl
 
 from kvtrace import __version__
 from kvtrace.analyzer import align, pairing, stats
+from kvtrace.analyzer.calls import sums
 from kvtrace.analyzer.classify import KV_SEGMENTS, RecipeSet
 from kvtrace.analyzer.load import Trace, TraceInfo
 from kvtrace.analyzer.pairing import KERNEL, RANGE, Cells, Run, Vocabulary, segment_order
@@ -215,6 +216,14 @@ def _arm(runs: list[Run], label: str) -> Arm:
                kv_dtypes=tuple(sorted(kv)), runs=len(runs), sources=tuple(run.trace.info.source for run in runs))
 
 
+def _release(runs) -> None:
+    """Hand the pages of the traces' calls read so far back to the page cache (analyzer.calls), once what was
+    read from them is held elsewhere: memory then stays at what a comparison keeps, not at the traces' size."""
+    for run in runs:
+        for one in (run if isinstance(run, tuple) else (run,)):
+            one.trace.calls.release()
+
+
 def _codes_in(cells: Cells, *columns: str) -> set:
     return set(cells.table.select(columns).unique().iter_rows())
 
@@ -234,6 +243,7 @@ def summarize(trace: Trace, recipes: RecipeSet, label: str | None = None,
         kv, names = run.kv_dtypes_and_names(group)
         numbers = ArmStats.of(group.values(), arm.total_ns) if stats.same_work([_per_call_means(group.table)]) else \
             ArmStats.total(group.calls, group.total_ns, arm.total_ns)
+        _release([run])
         return SummaryRow(segment=run.earliest(group, "segment"), cells=group.table.height, stats=numbers,
                           kv_dtypes=kv, names=names, **extra)
 
@@ -262,8 +272,10 @@ def cell_durations(vocabulary: Vocabulary, runs: list[Run], segments: tuple[str,
                 name = vocabulary.phases[phase] if phase < len(vocabulary.phases) else None
                 key = (segment, name, run.earliest(cell, "family_label"))
                 parts.setdefault(key, []).append(cell.values())
-    return {key: np.sort(np.concatenate(values).astype(np.int64)) for key, values in sorted(
+    durations = {key: np.sort(np.concatenate(values).astype(np.int64)) for key, values in sorted(
         parts.items(), key=lambda item: (segments.index(item[0][0]), _natural(item[0][1] or ""), item[0][2]))}
+    _release(runs)
+    return durations
 
 
 # ---- diff -------------------------------------------------------------------------------------------------
@@ -291,14 +303,22 @@ class _Comparison:
         strata = pl.concat(tables)
         offsets = np.concatenate([[0]] + [p.offsets[1:] + total for p, total in
                                           zip(pairs, np.cumsum([0] + [p.offsets[-1] for p in pairs[:-1]]))])
-        baseline = np.concatenate([p.baseline for p in pairs])
-        candidate = np.concatenate([p.candidate for p in pairs])
+        if len(pairs) == 1:
+            baseline, candidate = pairs[0].baseline, pairs[0].candidate
+        else:  # each run pair's calls become a view of the concatenation: they are held once
+            baseline = np.concatenate([p.baseline for p in pairs])
+            candidate = np.concatenate([p.candidate for p in pairs])
+            ends = np.cumsum([p.baseline.size for p in pairs]).tolist()
+            pairs = [replace(p, baseline=baseline[end - p.baseline.size:end], candidate=candidate[end - p.baseline.size:end])
+                     for p, end in zip(pairs, ends)]
+        _release(runs)
         paired = stats.PairedStrata(baseline, candidate, offsets.astype(np.int64), strata["run"].to_numpy(),
                                     len(runs))
-        starts = offsets[:-1]
-        totals = tuple(np.add.reduceat(values, starts, dtype=np.int64) if starts.size else np.zeros(0, np.int64)
-                       for values in (baseline, candidate))
+        totals = tuple(sums(values, offsets) for values in (baseline, candidate))
         return cls(vocabulary, runs, pairs, strata, paired, totals)
+
+    def release(self) -> None:
+        _release(self.runs)
 
     def pair_count(self, members: np.ndarray) -> int:
         return int(np.diff(self.paired.offsets)[members].sum())
@@ -364,6 +384,8 @@ def diff_sides(sides: Sides, *, labels: tuple[str | None, str | None] = (None, N
     built = base_runs + cand_runs
     base_arm = _arm(base_runs, labels[0] or _default_label([run.trace for run in base_runs]))
     cand_arm = _arm(cand_runs, labels[1] or _default_label([run.trace for run in cand_runs]))
+    # Before the pairs exist: the step check holds a few hundred bytes per step, the pairs 8 per call pair.
+    run_findings = _run_findings(list(zip(base_runs, cand_runs)), base_arm, cand_arm)
     comparison = _Comparison.of(vocabulary, list(zip(base_runs, cand_runs)))
     strata = comparison.strata
 
@@ -414,7 +436,7 @@ def diff_sides(sides: Sides, *, labels: tuple[str | None, str | None] = (None, N
     phase_totals = _phase_totals(comparison, base_arm, cand_arm, threshold=threshold, band=band,
                                  confidence=confidence, seed=seed)
     findings = comparability(base_arm, cand_arm) + _window_findings(window, families, builder.realigned)
-    findings += _run_findings(comparison, base_arm, cand_arm)
+    findings += run_findings
     if drift is not None:
         findings.append(_drift_finding(drift, threshold))
     return Diff(baseline=base_arm, candidate=cand_arm, recipes=tuple(recipes.files), threshold=threshold,
@@ -468,6 +490,7 @@ class _RowBuilder:
                          ArmStats.of(np.concatenate([g.values() for _, g, _ in groups]), self.arm_totals[side])
                          if per_call else ArmStats.total(window_calls[side], window_ns[side], self.arm_totals[side])
                          for side, groups in enumerate(sides)]
+            self.comparison.release()
         kv_independent = all(bool(g.table["kv_independent"].all()) for groups in sides for _, g, _ in groups
                              if g.table.height)
         row = DiffRow(segment=run.earliest(group, "segment"), baseline=arm_stats[0], candidate=arm_stats[1],
@@ -689,17 +712,17 @@ def _window_findings(window: align.Window, families: list[DiffRow], realigned: l
     return findings
 
 
-def _run_findings(comparison: _Comparison, base_arm: Arm, cand_arm: Arm) -> list[Finding]:
+def _run_findings(runs: list[tuple[Run, Run]], base_arm: Arm, cand_arm: Arm) -> list[Finding]:
     findings = []
-    count = len(comparison.runs)
+    count = len(runs)
     if count > 1:
         findings.append(Finding("ok", "runs", f"{count} runs per arm, paired in repeat order (r1 with r1, …): "
                                 "intervals resample run pairs, then calls within each run, so between-run variance "
                                 "is inside them"))
-        gpus = sorted({run.trace.info.gpu_label for pair in comparison.runs for run in pair})
+        gpus = sorted({run.trace.info.gpu_label for pair in runs for run in pair})
         if len(gpus) > 1:
             findings.append(Finding("error", "gpu", f"the runs ran on different GPUs: {', '.join(gpus)}"))
-    for index, (base, cand) in enumerate(comparison.runs):
+    for index, (base, cand) in enumerate(runs):
         found = _step_findings(base, cand, base_arm, cand_arm)
         if count > 1:
             for f in found:
@@ -710,19 +733,20 @@ def _run_findings(comparison: _Comparison, base_arm: Arm, cand_arm: Arm) -> list
 
 def _step_findings(base: Run, cand: Run, base_arm: Arm, cand_arm: Arm) -> list[Finding]:
     """vLLM step token counts must agree, or per-step kernel times describe different work (kekzl/imp#1816)."""
-    steps = []
-    for run in (base, cand):
-        found = align.steps(run.trace).filter(pl.col("range").is_in(run.ranges.implode()))
-        steps.append(found.unique("step_range").sort("step_start", "step_range")["step"].to_list())
-    if not steps[0] and not steps[1]:
+    steps = [align.steps(run.trace).filter(pl.col("range").is_in(run.ranges.implode())).unique("step_range")
+             for run in (base, cand)]
+    if not steps[0].height and not steps[1].height:
         return []
 
-    def describe(arm: Arm, names: list[str]) -> str:
-        shown = ", ".join(names[:4]) + (f", … ({len(names)} steps)" if len(names) > 4 else "")
+    def describe(arm: Arm, found: pl.DataFrame) -> str:
+        first = found.bottom_k(4, by=["step_start", "step_range"]).sort("step_start", "step_range")["step"].to_list()
+        shown = ", ".join(first) + (f", … ({found.height} steps)" if found.height > 4 else "")
         return f"{arm.label}: {shown or 'none'}"
 
-    if sorted(steps[0]) == sorted(steps[1]):
-        return [Finding("ok", "steps", f"both arms ran the same {len(steps[0])} vLLM steps (same requests and "
+    # The same steps: each step name as often in both arms. Counted per distinct name, since an hour of serving
+    # has hundreds of thousands of steps.
+    if steps[0]["step"].value_counts().sort("step").equals(steps[1]["step"].value_counts().sort("step")):
+        return [Finding("ok", "steps", f"both arms ran the same {steps[0].height} vLLM steps (same requests and "
                                        "token counts per step)")]
     return [Finding("warning", "steps", f"the arms scheduled different vLLM steps ({describe(base_arm, steps[0])}; "
                     f"{describe(cand_arm, steps[1])}): kernel times of different steps are not comparable, so "
@@ -801,7 +825,8 @@ class KernelList:
 def list_kernels(trace: Trace, recipes: RecipeSet, *, unclassified: bool = False, segment: str | None = None,
                  label: str | None = None) -> KernelList:
     classes = classify_signatures(trace, recipes)
-    per_sig = trace.kernels.group_by("sig").agg(pl.len().alias("calls"), pl.col("duration").sum().alias("total_ns"))
+    per_sig = trace.calls.cells.group_by("sig").agg(pl.col("calls").sum().cast(pl.UInt32),
+                                                    pl.col("total_ns").sum())
     total_ns = int(per_sig["total_ns"].sum())
     kv = classes.filter(pl.col("segment").is_in(list(KV_SEGMENTS)))["kv_dtype"].drop_nulls().unique().sort()
     arm = Arm(label=label or _default_label([trace]), info=trace.info, total_ns=total_ns, kv_dtypes=tuple(kv))

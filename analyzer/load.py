@@ -3,24 +3,22 @@
 Exports are opened read-only (`mode=ro&immutable=1`, as NVIDIA's own report scripts do) and validated at
 the boundary, so every bad input becomes one KvtraceError naming the problem and the fix. Checks go by
 tables and columns, not version strings: 2023.4 (schema 3.7.x) and 2025.3 (schema 3.20.x) exports both
-load. Kernel rows are read as Arrow through ADBC, never as Python rows.
+load. Kernel rows are read as Arrow through ADBC, never as Python rows, over several connections at once (one
+per core, each over a range of rowids), and laid out by cell as they come (analyzer.calls), into an entry of
+the trace cache (analyzer.cache).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import re
 import shutil
 import sqlite3
 import stat
 import struct
-import sys
 import tempfile
-import time
-import zlib
-from concurrent.futures import Future, ThreadPoolExecutor
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing, contextmanager, suppress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,9 +28,9 @@ import numpy as np
 import polars as pl
 import sqlite_utils
 
-import kvtrace.nsys
-from kvtrace import __version__
+from kvtrace.analyzer import calls as calls_
 from kvtrace.analyzer import ranges as ranges_
+from kvtrace.analyzer import cache as cache_
 from kvtrace.errors import KvtraceError
 from kvtrace.nsys import is_sqlite
 
@@ -43,7 +41,12 @@ NVTX_TABLE = "NVTX_EVENTS"
 KERNEL_COLUMNS = ("start", "end", "deviceId", "correlationId", "globalPid", "demangledName",
                   "shortName", "gridX", "gridY", "gridZ", "blockX", "blockY", "blockZ")
 NVTX_RANGE_TYPES = (59, 60, 70, 71)  # push/pop, start/end, and their NVTXT twins
-BATCH_ROWS = 1 << 18  # rows per Arrow batch: large enough to amortise per-batch work, small enough for memory
+# Rows per Arrow batch and connection, for memory: one batch per core in flight, about 60 bytes per row while it
+# is turned into the layout's columns. The batch size barely changes SQLite's cost.
+BATCH_BYTES = 64 << 20
+# Rows of a table read over one connection: a table is cut into at most 4 such ranges per core, so that cores
+# that finish early take more.
+CHUNK_ROWS = 1 << 20
 NSYS_HINT = "profile with `nsys profile -t cuda` (add --cuda-graph-trace=node for vLLM)"
 
 
@@ -85,12 +88,13 @@ class TraceInfo:
 @dataclass
 class Trace:
     info: TraceInfo
-    # One row per kernel launch in start order: start, duration, sig (row of `signatures`) and range (row of
-    # `ranges`: the innermost NVTX range around the launch; NO_RANGE, -1, outside every range).
-    kernels: pl.DataFrame
+    # The kernel calls grouped by cell (signature and innermost range name), in analyzer.calls' compact layout;
+    # the cells' `name` codes index `range_names`.
+    calls: calls_.Calls
     # Distinct launch signatures: sig, name_id, short_id, demangled, short, grid_x…block_z, device_id.
     signatures: pl.DataFrame
-    # Closed NVTX ranges: range, name (domain-prefixed), start, end, global_tid, depth, parent (NO_RANGE at depth 0).
+    # Closed NVTX ranges: range, name (domain-prefixed), start, end, global_tid, depth, parent (NO_RANGE at depth 0),
+    # calls (the kernels launched with it as their innermost range).
     ranges: pl.DataFrame
     # Derived frames (vLLM steps) that several analyses of one trace share.
     _memo: dict = field(default_factory=dict, repr=False)
@@ -100,23 +104,45 @@ class Trace:
             self._memo[key] = compute()
         return self._memo[key]
 
+    @property
+    def range_names(self) -> tuple[str, ...]:
+        return self.memo("range_names", lambda: range_names(self.ranges))[0]
 
-def open_trace(path: str | os.PathLike, *, nsys: str | None = None, cache: bool = True,
-               overlap_tables: bool = True) -> Trace:
+    @property
+    def range_name_codes(self) -> np.ndarray:
+        """Per range, its name's place in `range_names` (one past the last for a range without a name)."""
+        return self.memo("range_names", lambda: range_names(self.ranges))[1]
+
+    @property
+    def kernels(self) -> pl.DataFrame:
+        """One row per kernel in start order: start, duration, sig and range (NO_RANGE outside every range). The
+        whole trace in memory: for tests and small traces."""
+        return self.calls.per_kernel()
+
+
+def range_names(ranges: pl.DataFrame) -> tuple[tuple[str, ...], np.ndarray]:
+    """The ranges' distinct names, sorted, and per range its name's code (one past the last for a range without
+    a name, which cannot be matched: its calls count as outside every range)."""
+    names = tuple(sorted(set(ranges["name"].drop_nulls().to_list())))
+    index = {name: code for code, name in enumerate(names)}
+    return names, np.array([index.get(n, len(names)) for n in ranges["name"].to_list()], dtype=np.int64)
+
+
+def open_trace(path: str | os.PathLike, *, nsys: str | None = None, cache: bool = True) -> Trace:
     """Validate and load one export (.sqlite), or export an .nsys-rep first.
 
-    With `cache`, the loaded frames are kept in kvtrace's cache directory (keyed by the export's path, inode,
-    size, modification and change time), and a later load of the same unchanged export reads them from there
-    once the entry's checksums hold.
-    With `overlap_tables`, the launch calls and the kernels are read at the same time, on two cores, for
-    8 more bytes per kernel while loading.
+    The tables are read over one connection per core this process may use. The calls are laid out in a new
+    entry of kvtrace's cache (keyed by the export's path, inode, size, modification and change time), and a
+    later load of the same unchanged export maps that entry once its checksums hold. Without `cache`, they
+    are laid out in a temporary folder that is removed once they are mapped; in memory when no folder can be
+    written.
     """
     source = Path(path)
     _check_file(source)
     sqlite_path = source
     if not is_sqlite(source):
         if source.suffix in (".nsys-rep", ".qdrep"):
-            sqlite_path = export_report(source, nsys=nsys)
+            sqlite_path = cache_.export_report(source, nsys=nsys)
         else:
             raise KvtraceError(f"{source} is not an SQLite file: pass an Nsight Systems export (.sqlite from "
                                "`nsys export --type sqlite`) or an .nsys-rep report")
@@ -124,187 +150,81 @@ def open_trace(path: str | os.PathLike, *, nsys: str | None = None, cache: bool 
     with _reading(source):
         with closing(_connect(sqlite_path)) as conn:
             _check_export(conn, source if sqlite_path == source else Path(f"{source} (exported as {sqlite_path})"))
-            entry = _cache_entry(sqlite_path) if cache else None
-            if entry is not None and (cached := _read_cached(entry, source)) is not None:
+            entry = cache_.entry_of(sqlite_path) if cache else None
+            if entry is not None and (cached := cache_.read(entry, _workers(), _cached_trace(source))) is not None:
                 return cached
             tables = set(sqlite_utils.Database(conn).table_names())
             ranges, index = read_ranges(conn, tables, sqlite_path)
             launch_names = _launch_api_ids(conn) if ranges.height and RUNTIME_TABLE in tables else None
-            side_by_side = overlap_tables and bool(launch_names) and _many_launch_calls(conn)
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            launches = None
-            if side_by_side:
-                launches = pool.submit(read_launches, sqlite_path, index, launch_names)
-            elif launch_names:
-                launches = read_launches(sqlite_path, index, launch_names)
-            # The kernel table is scanned once; counts, span, devices and names come from the columns read.
-            kernels, signatures = read_kernels(sqlite_path, launches)
-        with closing(_connect(sqlite_path)) as conn:
-            signatures = _with_names(conn, signatures)
-            _check_names(signatures, sqlite_path)
-            info = _trace_info(conn, tables, source, sqlite_path, kernels, signatures)
-    trace = Trace(info=info, kernels=kernels, signatures=signatures, ranges=ranges)
-    if entry is not None and _write_cached(entry, trace):
-        # The memory-mapped copy pages in only the columns an analysis touches.
-        return _read_cached(entry, source) or trace
+            spans = {table: _rowid_spans(conn, table) for table in (KERNEL_TABLE, RUNTIME_TABLE) if table in tables}
+        launches = read_launches(sqlite_path, index, launch_names, spans[RUNTIME_TABLE]) if launch_names else None
+        partial = cache_.partial(entry) if entry is not None else None
+        try:
+            laid, signatures, in_partial = _laid_out(sqlite_path, launches, ranges, spans[KERNEL_TABLE], partial)
+            with closing(_connect(sqlite_path)) as conn:
+                signatures = _with_names(conn, signatures)
+                _check_names(signatures, sqlite_path)
+                info = _trace_info(conn, tables, source, sqlite_path, laid, signatures)
+            trace = Trace(info=info, calls=laid.calls, signatures=signatures,
+                          ranges=ranges.with_columns(pl.Series("calls", laid.launched, dtype=pl.Int64)))
+            if in_partial:
+                frames = {"cells": trace.calls.cells, "signatures": trace.signatures, "ranges": trace.ranges}
+                cache_.seal(entry, partial, frames, asdict(trace.info), _workers())
+                partial = None
+        finally:
+            if partial is not None:
+                shutil.rmtree(partial, ignore_errors=True)
     return trace
+
+
+def _cached_trace(source: Path):
+    """Builds the Trace of a cache entry (analyzer.cache.read), named by the path the user passed."""
+    def build(info: dict, frames: dict[str, pl.DataFrame], calls: calls_.Calls) -> Trace:
+        info["gpus"] = tuple(GpuInfo(**gpu) for gpu in info["gpus"])
+        return Trace(info=TraceInfo(**{**info, "source": str(source)}), calls=calls, **frames)
+    return build
 
 
 def open_traces(paths: list, *, nsys: str | None = None, cache: bool = True) -> list[Trace]:
-    """Load several exports side by side: each load is mostly SQLite and numpy work that releases the GIL.
-    The cores are then busy with one trace each, so each load reads its tables one after the other."""
-    if len(paths) < 2:
-        return [open_trace(p, nsys=nsys, cache=cache) for p in paths]
-    with ThreadPoolExecutor(max_workers=len(paths)) as pool:
-        return list(pool.map(lambda p: open_trace(p, nsys=nsys, cache=cache, overlap_tables=False), paths))
+    """Load several exports one after the other: each load keeps every core busy on its own."""
+    return [open_trace(p, nsys=nsys, cache=cache) for p in paths]
 
 
-# ---- cache of loaded traces ---------------------------------------------------------------------------
-
-CACHE_FORMAT = 2  # bump whenever the cached frames, TraceInfo or the entry's files change shape
-CACHE_DAYS = 14  # entries not read for this long are removed when another entry is written
-_FRAMES = ("kernels", "signatures", "ranges")
-_ENTRY_FILES = (*(f"{name}.arrow" for name in _FRAMES), "info.json")
-# kvtrace's own file in each entry, written first: the clean-up removes only folders that hold it, and a read
-# checks the entry against it (which export, as it is now; each file's size and CRC-32).
-_MARKER = "kvtrace-cache-entry.json"
-# <export stem>-<hash of its path>-<hash of its identity>, and .<that>-<random> while it is being written.
-_ENTRY_NAME = re.compile(r"\.?.+-[0-9a-f]{12}-[0-9a-f]{12}(?:-\w+)?", re.DOTALL)
-_warned: set[str] = set()
+def _workers() -> int:
+    """The cores this process may run on (taskset and cpusets narrow them)."""
+    return max(1, len(os.sched_getaffinity(0)))
 
 
-@dataclass(frozen=True)
-class _Entry:
-    path: Path
-    export: dict  # the export's identity when the load began
+def _rowid_spans(conn: sqlite3.Connection, table: str) -> list[tuple[int, int]]:
+    """A table's rowids cut into ranges of about CHUNK_ROWS, at most 4 per core; rowid bounds are b-tree
+    lookups. Each range is read over its own connection."""
+    # Separate queries: SQLite answers a lone min() or max() from the b-tree, but scans for both together.
+    low, high = (conn.execute(f"SELECT {bound}(rowid) FROM {table}").fetchone()[0] for bound in ("min", "max"))
+    if low is None:
+        return []
+    rows = high - low + 1
+    pieces = max(1, min(4 * _workers(), -(-rows // CHUNK_ROWS)))
+    edges = [low + rows * i // pieces for i in range(pieces + 1)]
+    return [(edges[i], edges[i + 1] - 1) for i in range(pieces)]
 
 
-def _cache_entry(sqlite_path: Path) -> _Entry | None:
-    """The cache entry of this export as it is now, or None when there is no private cache folder. Another
-    path, device, inode, size, modification or change time (which `touch` and `cp -p` cannot set back), or
-    kvtrace version is another entry."""
-    folder = _cache_dir("traces")
+def _laid_out(sqlite_path: Path, launches: ranges_.Launches | None, ranges: pl.DataFrame, spans: list[tuple[int, int]],
+              partial: Path | None) -> tuple[calls_.Laid, pl.DataFrame, bool]:
+    """read_kernels into the cache entry being written (`partial`), else into a temporary folder removed once
+    the layout is mapped (its files live on while mapped), else in memory; whether it went into `partial`. A
+    disk without room for the layout (OSError) means memory."""
+    folder = partial
     if folder is None:
-        return None
-    resolved = sqlite_path.resolve()
-    status = resolved.stat()
-    export = {"path": str(resolved), "device": status.st_dev, "inode": status.st_ino, "size": status.st_size,
-              "mtime_ns": status.st_mtime_ns, "ctime_ns": status.st_ctime_ns, "cache_format": CACHE_FORMAT,
-              "kvtrace": __version__}
-    place = hashlib.sha256(str(resolved).encode()).hexdigest()[:12]
-    version = hashlib.sha256(json.dumps(export, sort_keys=True).encode()).hexdigest()[:12]
-    return _Entry(folder / f"{resolved.stem[:64]}-{place}-{version}", export)
-
-
-class _Unsound(Exception):
-    """A cache entry that is not a whole, unchanged copy of this export's frames."""
-
-
-def _read_cached(entry: _Entry, source: Path) -> Trace | None:
-    """The cached trace, or None when there is none. An entry that fails its checks (damaged, left half
-    written, planted, a link, another export's) is removed, so that it is written again."""
-    import pyarrow as pa
-
-    try:
-        folder = os.lstat(entry.path)
-    except OSError:
-        return None
-    try:
-        if not stat.S_ISDIR(folder.st_mode) or folder.st_uid != os.getuid():
-            raise _Unsound
-        marker = json.loads(_entry_bytes(entry.path / _MARKER))
-        if marker.get("export") != entry.export:
-            raise _Unsound
-        for name in _ENTRY_FILES:
-            if marker["files"][name] != _size_and_crc(entry.path / name):
-                raise _Unsound
-        info = json.loads(_entry_bytes(entry.path / "info.json"))
-        frames = {}
-        for name in _FRAMES:
-            # Memory-mapped, one record batch per file: the columns are views of the page cache.
-            with pa.memory_map(str(entry.path / f"{name}.arrow")) as mapped:
-                frames[name] = pl.from_arrow(pa.ipc.open_file(mapped).read_all())
-        info["gpus"] = tuple(GpuInfo(**gpu) for gpu in info["gpus"])
-        trace = Trace(info=TraceInfo(**{**info, "source": str(source)}), **frames)
-    except (_Unsound, OSError, ValueError, KeyError, TypeError, pa.ArrowException, pl.exceptions.PolarsError):
-        _discard(entry.path)
-        return None
-    with suppress(OSError):
-        os.utime(entry.path)  # last use, for the age-based clean-up
-    return trace
-
-
-def _entry_bytes(path: Path) -> bytes:
-    """A file of an entry, never through a link."""
-    with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as handle:
-        return handle.read()
-
-
-def _size_and_crc(path: Path) -> list[int]:
-    """Size and CRC-32 of a file of an entry (about 0.1 s per 10M kernels). Read in chunks rather than mapped,
-    so that the pass adds nothing to the process's resident memory."""
-    crc, size, chunk = 0, 0, bytearray(1 << 20)
-    with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb", buffering=0) as handle:
-        while read := handle.readinto(chunk):
-            crc = zlib.crc32(memoryview(chunk)[:read], crc)
-            size += read
-    return [size, crc]
-
-
-def _write_cached(entry: _Entry, trace: Trace) -> bool:
-    """Write the entry under a temporary name and rename it into place; then remove older entries and
-    leftover temporary folders of the same export, and entries unused for CACHE_DAYS. Caching is best
-    effort: False when the cache cannot be written."""
-    import pyarrow as pa
-
-    try:
-        partial = Path(tempfile.mkdtemp(dir=entry.path.parent, prefix=f".{entry.path.name}-"))
-        try:
-            marker = {"kvtrace_cache_entry": CACHE_FORMAT}
-            (partial / _MARKER).write_text(json.dumps(marker))  # kvtrace's from the first moment, for the clean-up
-            for name in _FRAMES:
-                table = getattr(trace, name).rechunk().to_arrow()
-                with pa.OSFile(str(partial / f"{name}.arrow"), "wb") as sink, \
-                        pa.ipc.new_file(sink, table.schema) as writer:
-                    writer.write_table(table, max_chunksize=max(table.num_rows, 1))
-            (partial / "info.json").write_text(json.dumps(asdict(trace.info)))
-            marker.update(export=entry.export, files={name: _size_and_crc(partial / name) for name in _ENTRY_FILES})
-            (partial / _MARKER).write_text(json.dumps(marker))
-            os.replace(partial, entry.path)
-        finally:
-            shutil.rmtree(partial, ignore_errors=True)
-    except OSError:
-        return False
-    same_export = entry.path.name.rsplit("-", 1)[0] + "-"
-    unused_since = time.time() - CACHE_DAYS * 86400
-    for other in entry.path.parent.iterdir():
         with suppress(OSError):
-            if other != entry.path and _is_entry(other) and (other.name.lstrip(".").startswith(same_export)
-                                                             or other.lstat().st_mtime < unused_since):
-                shutil.rmtree(other)
-    return True
-
-
-def _is_entry(path: Path) -> bool:
-    """Whether kvtrace made this folder: an entry's name, a folder of this user's (not a link to one), and
-    kvtrace's marker file in it. Nothing else in the cache folder is ever removed."""
-    if not _ENTRY_NAME.fullmatch(path.name):
-        return False
+            folder = Path(tempfile.mkdtemp(prefix="kvtrace-calls-"))
     try:
-        folder, marker = os.lstat(path), os.lstat(path / _MARKER)
-    except OSError:
-        return False
-    return stat.S_ISDIR(folder.st_mode) and folder.st_uid == os.getuid() and stat.S_ISREG(marker.st_mode)
-
-
-def _discard(path: Path) -> None:
-    """Clear an entry's name for a sound entry: a link or file there is unlinked (never followed), a folder
-    removed only when kvtrace made it."""
-    with suppress(OSError):
-        if not stat.S_ISDIR(os.lstat(path).st_mode):
-            os.unlink(path)
-        elif _is_entry(path):
-            shutil.rmtree(path)
+        if folder is not None:
+            with suppress(OSError):
+                return (*read_kernels(sqlite_path, launches, ranges, spans, folder), folder == partial)
+        return (*read_kernels(sqlite_path, launches, ranges, spans, None), False)
+    finally:
+        if folder is not None and folder != partial:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 @contextmanager
@@ -347,94 +267,28 @@ def read_ranges(conn: sqlite3.Connection, tables: set[str],
     return frame.with_columns(pl.Series("depth", nesting.depth), pl.Series("parent", nesting.parent)), index
 
 
-def _many_launch_calls(conn: sqlite3.Connection) -> bool:
-    """Whether reading the launch calls beside the kernels pays: with CUDA graphs there are far fewer
-    runtime rows than kernels, and the launch calls take a fraction of the kernel read. max(rowid) is a
-    b-tree lookup, and both tables are only ever appended to."""
-    runtime, kernels = (conn.execute(f"SELECT max(rowid) FROM {table}").fetchone()[0] or 0
-                        for table in (RUNTIME_TABLE, KERNEL_TABLE))
-    return runtime >= kernels
-
-
 def _launch_api_ids(conn: sqlite3.Connection) -> list[int]:
     """StringIds of the runtime and driver calls that can launch kernels (cudaLaunchKernel*, cuLaunchKernel*,
     cudaGraphLaunch*, cudaLaunchCooperativeKernel*, …): reading only those rows halves the runtime scan."""
     return [r[0] for r in conn.execute("SELECT id FROM StringIds WHERE value GLOB '*Launch*'")]
 
 
-class _Processes:
-    """Small numbers for the processes that made launch calls (globalTid >> 24: pid, VM and hardware id, 40
-    bits), so that a process number and a 32-bit correlationId fit one int64 launch key."""
-
-    def __init__(self):
-        self.numbers: dict[int, int] = {}
-
-    def of(self, global_id: np.ndarray, *, add: bool) -> np.ndarray:
-        """Per row, its process number; -1 for a process without launch calls when not `add`ing."""
-        process = global_id >> 24
-        if process.size and process.min() == process.max():  # one process per batch, the usual case
-            return np.full(process.size, self._number(int(process[0]), add), dtype=np.int64)
-        unique, inverse = np.unique(process, return_inverse=True)
-        return np.array([self._number(int(p), add) for p in unique], dtype=np.int64)[inverse]
-
-    def _number(self, process: int, add: bool) -> int:
-        if add:
-            return self.numbers.setdefault(process, len(self.numbers))
-        return self.numbers.get(process, -1)
-
-
-def _launch_key(number: np.ndarray, correlation: np.ndarray) -> np.ndarray:
-    # CUPTI correlation ids are 32-bit and unique per process.
-    return (number << 32) | correlation.astype(np.int64)
-
-
-@dataclass(frozen=True)
-class Launches:
-    """Kernel-launching API calls in launch-key order (process number, then correlationId), cut into runs
-    of calls with the same innermost NVTX range. A kernel carries its launch call's correlationId and
-    process, so the run that holds its key gives its range; a NO_RANGE run opens and closes each process."""
-
-    starts: np.ndarray  # first key of each run, ascending
-    range: np.ndarray  # int32 innermost range of the run's calls
-    processes: _Processes
-
-    @classmethod
-    def of_sorted(cls, runs: list[tuple[np.ndarray, np.ndarray]], processes: _Processes) -> Launches:
-        starts = np.concatenate([s for s, _ in runs]) if runs else np.zeros(0, dtype=np.int64)
-        found = np.concatenate([r for _, r in runs]) if runs else np.zeros(0, dtype=np.int32)
-        numbers = np.arange(len(processes.numbers), dtype=np.int64)
-        # Before a process's first launch and after its last, kernels (launched before the capture began)
-        # are outside every range. Markers sort before real runs.
-        markers = np.concatenate([numbers << 32, (numbers + 1) << 32])
-        starts = np.concatenate([markers, starts])
-        found = np.concatenate([np.full(markers.size, ranges_.NO_RANGE, dtype=np.int32), found])
-        order = np.argsort(starts, kind="stable")
-        return cls(starts=starts[order], range=found[order], processes=processes)
-
-    def innermost_of(self, correlation: np.ndarray, global_pid: np.ndarray) -> np.ndarray:
-        """The innermost range of the launch calls of kernels with these correlation ids and processes."""
-        number = self.processes.of(global_pid, add=False)
-        if self.starts.size == 0:
-            return np.full(correlation.size, ranges_.NO_RANGE, dtype=np.int32)
-        # A process without traced launch calls (number -1) has negative keys, below every run.
-        run = np.searchsorted(self.starts, _launch_key(number, correlation), side="right") - 1
-        return np.where(run >= 0, self.range[np.maximum(run, 0)], ranges_.NO_RANGE).astype(np.int32)
-
-
 class _Unsorted(Exception):
     """A process's launch calls are not in correlationId order in the runtime table (its threads interleave)."""
 
 
-def read_launches(sqlite_path: Path, index: ranges_.RangeIndex, api_ids: list[int]) -> Launches:
-    """Every launch call's innermost NVTX range, as runs. A process's runtime rows usually come in
-    correlationId order, and then runs are cut batch by batch and memory stays at a few values per range;
-    otherwise the calls are read again, sorted, and cut."""
+def read_launches(sqlite_path: Path, index: ranges_.RangeIndex, api_ids: list[int],
+                  spans: list[tuple[int, int]]) -> ranges_.Launches:
+    """Every launch call's innermost NVTX range, as runs; the rowid spans are read side by side. A process's
+    runtime rows usually come in correlationId order, and then runs are cut batch by batch and memory stays at
+    a few values per range; otherwise the calls are read again, sorted, and cut."""
     query = _launch_query(api_ids)
-    processes = _Processes()
-    runs: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
-    last: dict[int, int] = {}
-    try:
-        for key, found in _launch_batches(sqlite_path, query, index, processes):
+    processes = ranges_.Processes()
+
+    def runs_of(span: tuple[int, int]) -> tuple[dict, dict]:
+        runs: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
+        last: dict[int, int] = {}
+        for key, found in _launch_batches(sqlite_path, query, span, index, processes):
             numbers = key >> 32
             if numbers.min() == numbers.max():  # one process per batch, the usual case
                 parts = [(int(numbers[0]), key, found)]
@@ -443,31 +297,39 @@ def read_launches(sqlite_path: Path, index: ranges_.RangeIndex, api_ids: list[in
             for number, own_key, own_found in parts:
                 if own_key[0] <= last.get(number, -1) or not np.all(own_key[1:] > own_key[:-1]):
                     raise _Unsorted
-                runs.setdefault(number, []).append(_cut(own_key, own_found))
+                runs.setdefault(number, []).append(ranges_.launch_runs(own_key, own_found))
                 last[number] = int(own_key[-1])
-    except _Unsorted:
-        batches = list(_launch_batches(sqlite_path, query, index, processes))
-        key = np.concatenate([k for k, _ in batches]) if batches else np.zeros(0, dtype=np.int64)
-        found = np.concatenate([f for _, f in batches]) if batches else np.zeros(0, dtype=np.int32)
-        del batches
-        order = np.argsort(key, kind="stable")
-        runs = {0: [_cut(key[order], found[order])]}
-    return Launches.of_sorted([run for number in sorted(runs) for run in runs[number]], processes)
+        return runs, last
+
+    with ThreadPoolExecutor(max_workers=_workers()) as pool:
+        try:
+            runs: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
+            last: dict[int, int] = {}
+            for span_runs, span_last in pool.map(runs_of, spans):  # in rowid order
+                for number, pieces in span_runs.items():
+                    if pieces[0][0][0] <= last.get(number, -1):
+                        raise _Unsorted
+                    runs.setdefault(number, []).extend(pieces)
+                    last[number] = span_last[number]
+        except _Unsorted:
+            batches = [batch for span in pool.map(
+                lambda span: list(_launch_batches(sqlite_path, query, span, index, processes)), spans)
+                for batch in span]
+            key = np.concatenate([k for k, _ in batches]) if batches else np.zeros(0, dtype=np.int64)
+            found = np.concatenate([f for _, f in batches]) if batches else np.zeros(0, dtype=np.int32)
+            del batches
+            order = np.argsort(key, kind="stable")
+            runs = {0: [ranges_.launch_runs(key[order], found[order])]}
+    return ranges_.Launches.of_sorted([run for number in sorted(runs) for run in runs[number]], processes)
 
 
-def _launch_batches(sqlite_path: Path, query: str, index: ranges_.RangeIndex, processes: _Processes):
-    for batch in _read_batches(sqlite_path, query):
+def _launch_batches(sqlite_path: Path, query: str, span: tuple[int, int], index: ranges_.RangeIndex,
+                    processes: ranges_.Processes):
+    for batch in _read_batches(sqlite_path, _within(query, span)):
         _check_integers(batch, sqlite_path, RUNTIME_TABLE, _LAUNCH_VALUES)
         correlation, tid, start = (batch.column(i).to_numpy() for i in range(3))
         if correlation.size:
-            yield _launch_key(processes.of(tid, add=True), correlation), index.innermost(tid, start)
-
-
-def _cut(key: np.ndarray, found: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Runs of sorted launch keys: a new run where the range or the process changes."""
-    change = np.ones(key.size, dtype=bool)
-    change[1:] = (found[1:] != found[:-1]) | ((key[1:] >> 32) != (key[:-1] >> 32))
-    return key[change], found[change]
+            yield ranges_.launch_key(processes.of(tid, add=True), correlation), index.innermost(tid, start)
 
 
 # The signature travels packed, three integers per kernel instead of eight columns, within CUDA's launch
@@ -482,62 +344,65 @@ _KERNEL_VALUES = ("start", "end", "demangledName or shortName", "gridX, gridY or
 _LAUNCH_VALUES = ("correlationId", "globalTid", "start")
 
 
-def read_kernels(sqlite_path: Path, launches: Launches | Future | None) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """Per-launch rows (start, duration, sig, range) and the distinct signatures they use. While the launch
-    calls are still being read (`launches` is a Future), each kernel's correlationId and process are kept
-    until they are."""
-    with closing(_connect(sqlite_path)) as conn:
-        count = conn.execute(f"SELECT count(*) FROM {KERNEL_TABLE}").fetchone()[0]
-    # Filled batch by batch, so the rows are never held twice.
-    start = np.empty(count, dtype=np.int64)
-    duration = np.empty(count, dtype=np.int64)
-    sig = np.empty(count, dtype=np.uint32)
-    in_range = np.full(count, ranges_.NO_RANGE, dtype=np.int32)
-    pending = launches if isinstance(launches, Future) else None
-    if pending is not None:
-        correlation, pid = np.empty(count, dtype=np.int64), np.empty(count, dtype=np.int64)
-    signatures = pl.DataFrame(schema={"names": pl.Int64, "grid": pl.Int64, "block": pl.Int64, "sig": pl.UInt32})
-    filled = not_after = 0
-    for batch in _read_batches(sqlite_path, _kernel_query(launch_keys=launches is not None)):
-        if filled + batch.num_rows > count:
-            raise KvtraceError(f"{sqlite_path} changed while it was read (more than {count} kernel rows): "
-                               "read it again once nothing writes to it")
-        _check_integers(batch, sqlite_path, KERNEL_TABLE, _KERNEL_VALUES)
-        rows = slice(filled, filled + batch.num_rows)
-        packed = pl.from_arrow(batch.select([2, 3, 4])).rename(dict(zip(batch.schema.names[2:5], SIGNATURE)))
-        found = packed.join(signatures, on=SIGNATURE, how="left", maintain_order="left")["sig"]
+class _SignatureNumbers:
+    """Numbers for launch signatures as the kernel-table ranges meet them, on several threads at once; the
+    layout numbers them again by first appearance in the table."""
+
+    def __init__(self):
+        self.table = pl.DataFrame(schema={"names": pl.Int64, "grid": pl.Int64, "block": pl.Int64, "sig": pl.UInt32})
+        self.lock = threading.Lock()
+
+    def of(self, packed: pl.DataFrame) -> np.ndarray:
+        found = packed.join(self.table, on=SIGNATURE, how="left", maintain_order="left")["sig"]
         if found.null_count():
-            # Numbered in order of first appearance, so that listings break ties the same way every time.
-            new = packed.filter(found.is_null()).unique(maintain_order=True)
-            signatures = pl.concat([signatures, new.with_columns(
-                pl.int_range(signatures.height, signatures.height + new.height, dtype=pl.UInt32).alias("sig"))])
-            found = packed.join(signatures, on=SIGNATURE, how="left", maintain_order="left")["sig"]
-        sig[rows] = found.to_numpy()
-        start[rows] = batch.column(0).to_numpy()
-        np.subtract(batch.column(1).to_numpy(), start[rows], out=duration[rows])
-        not_after += int(np.count_nonzero(duration[rows] <= 0))
-        if launches is not None:
-            if pending is not None:
-                correlation[rows], pid[rows] = batch.column(5).to_numpy(), batch.column(6).to_numpy()
-            else:
-                in_range[rows] = launches.innermost_of(batch.column(5).to_numpy(), batch.column(6).to_numpy())
-        filled += batch.num_rows
-    if filled != count:
-        raise KvtraceError(f"{sqlite_path} changed while it was read ({filled} of {count} kernel rows): "
-                           "read it again once nothing writes to it")
+            with self.lock:
+                new = packed.filter(found.is_null()).unique(maintain_order=True).join(self.table, on=SIGNATURE,
+                                                                                       how="anti")
+                self.table = pl.concat([self.table, new.with_columns(
+                    pl.int_range(self.table.height, self.table.height + new.height, dtype=pl.UInt32).alias("sig"))])
+            found = packed.join(self.table, on=SIGNATURE, how="left", maintain_order="left")["sig"]
+        return found.to_numpy()
+
+
+def read_kernels(sqlite_path: Path, launches: ranges_.Launches | None, ranges: pl.DataFrame,
+                 spans: list[tuple[int, int]], folder: Path | None) -> tuple[calls_.Laid, pl.DataFrame]:
+    """The kernel calls laid out by cell in `folder` (None: in memory), and the distinct signatures they use.
+    The rowid spans are read side by side, each batch looked up in the launch calls' runs and handed to the
+    layout, so that memory stays at a batch per core."""
+    names, name_of_range = range_names(ranges)
+    layout = calls_.Layout(folder, name_of_range, outside=len(names))
+    numbers = _SignatureNumbers()
+    query = _kernel_query(launch_keys=launches is not None)
+
+    def read(position: int) -> int:
+        """Reads one span into its chunk of the layout; the number of kernels that do not end after they start."""
+        low, high = spans[position]
+        chunk = layout.chunk(position, high - low + 1)
+        not_after = 0
+        for batch in _read_batches(sqlite_path, _within(query, spans[position])):
+            _check_integers(batch, sqlite_path, KERNEL_TABLE, _KERNEL_VALUES)
+            start = batch.column(0).to_numpy()
+            duration = batch.column(1).to_numpy() - start
+            not_after += int(np.count_nonzero(duration <= 0))
+            packed = pl.from_arrow(batch.select([2, 3, 4])).rename(dict(zip(batch.schema.names[2:5], SIGNATURE)))
+            in_range = launches.innermost_of(batch.column(5).to_numpy(), batch.column(6).to_numpy()) \
+                if launches is not None else np.full(start.size, ranges_.NO_RANGE, dtype=np.int32)
+            chunk.add(start, duration, numbers.of(packed), in_range)
+        return not_after
+
+    with ThreadPoolExecutor(max_workers=_workers()) as pool:
+        not_after = sum(pool.map(read, range(len(spans))))
     if not_after:
         # A kernel takes at least a few hundred nanoseconds; end <= start is a damaged or edited timestamp, and a
         # zero or negative duration would poison every mean and ratio it enters.
+        count = sum(chunk.rows for chunk in layout.chunks.values())
+        layout.discard()
         raise KvtraceError(f"{sqlite_path}: {not_after:,} of {count:,} kernel rows do not end after they start "
                            "(end <= start): its timestamps are damaged; export the report again")
-    if pending is not None:
-        in_range[:] = launches.result().innermost_of(correlation, pid)
-        del correlation, pid
-    kernels = pl.DataFrame({"start": start, "duration": duration, "sig": sig, "range": in_range})
-    if not kernels["start"].is_sorted():
-        # Sorted here rather than by SQLite's single-threaded sorter; ties keep table order.
-        kernels = kernels.sort("start", maintain_order=True)
-    return kernels, _unpack(signatures)
+    laid = layout.finish(_workers())
+    provisional = numbers.table["sig"].to_numpy()
+    signatures = numbers.table.with_columns(pl.Series("sig", laid.sig_order[provisional], dtype=pl.UInt32))
+    return laid, _unpack(signatures)
 
 
 def _check_integers(batch, sqlite_path: Path, table: str, values: tuple[str, ...]) -> None:
@@ -578,83 +443,21 @@ def _kernel_query(*, launch_keys: bool) -> str:
     return f"SELECT {columns} FROM {KERNEL_TABLE}"
 
 
+def _within(query: str, span: tuple[int, int]) -> str:
+    """A query of one table narrowed to a range of its rowids (a b-tree range, not a scan)."""
+    return f"{query} {'AND' if ' WHERE ' in query else 'WHERE'} rowid BETWEEN {span[0]} AND {span[1]}"
+
+
 def _read_batches(path: Path, query: str):
     """Stream a query's rows as Arrow record batches through ADBC, read-only: memory stays at one batch."""
     import adbc_driver_sqlite.dbapi as adbc
 
     with adbc.connect(f"file:{quote(str(path.resolve()))}?mode=ro&immutable=1") as conn:
         with conn.cursor() as cursor:
-            cursor.adbc_statement.set_options(**{"adbc.sqlite.query.batch_rows": str(BATCH_ROWS)})
+            rows = min(1 << 18, max(1 << 14, BATCH_BYTES // 60 // _workers()))
+            cursor.adbc_statement.set_options(**{"adbc.sqlite.query.batch_rows": str(rows)})
             cursor.execute(query)
             yield from cursor.fetch_record_batch()
-
-
-# ---- .nsys-rep export ---------------------------------------------------------------------------------
-
-def export_report(report: Path, *, nsys: str | None = None) -> Path:
-    """Export an .nsys-rep to SQLite in kvtrace's cache (never beside the user's file).
-
-    A sibling `<report>.sqlite` newer than the report is used as is, as `nsys recipe` does.
-    """
-    sibling = report.with_suffix(".sqlite")
-    if sibling.exists() and sibling.stat().st_mtime >= report.stat().st_mtime and is_sqlite(sibling):
-        return sibling
-    try:
-        nsys_path = kvtrace.nsys.find_nsys(nsys)
-    except KvtraceError as error:
-        raise KvtraceError(f"an .nsys-rep needs nsys to export it: {error}; or pass the .sqlite from "
-                           "`nsys export --type sqlite`") from None
-    # The same identity as a trace-cache entry: a report rewritten with its size and mtime kept is another key.
-    status = report.stat()
-    identity = (report.resolve(), status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns,
-                status.st_ctime_ns, nsys_path)
-    key = hashlib.sha256("|".join(map(str, identity)).encode()).hexdigest()[:20]
-    cache = _cache_dir("exports") or Path(tempfile.mkdtemp(prefix="kvtrace-export-"))
-    target = cache / f"{report.stem[:64]}-{key}.sqlite"
-    if target.exists():
-        return target
-    try:
-        kvtrace.nsys.export_sqlite(nsys_path, report, target)
-    except kvtrace.nsys.ExportFailed as failed:
-        if failed.newer_report:
-            version = kvtrace.nsys.nsys_version(nsys_path).replace("NVIDIA ", "")
-            raise KvtraceError(f"{version} cannot read {report}: it was recorded by a newer "
-                               "Nsight Systems; export it there (nsys export --type sqlite) or point "
-                               "NSYS at that version") from None
-        raise KvtraceError(f"nsys export failed on {report} (exit {failed.returncode}: {failed.last_line}); "
-                           "check the report opens in Nsight Systems, or export it yourself") from None
-    return target
-
-
-def _cache_dir(kind: str) -> Path | None:
-    """kvtrace's cache folder for `kind` (exports, traces): $KVTRACE_CACHE_DIR, else $XDG_CACHE_HOME/kvtrace
-    or ~/.cache/kvtrace. When that cannot be created, or is not this user's alone (another user could plant
-    entries in it), a folder of this user's own under the temporary directory; None if even that is not."""
-    base = Path(os.environ.get("KVTRACE_CACHE_DIR") or
-                Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvtrace")
-    fallback = Path(tempfile.gettempdir()) / f"kvtrace-{os.getuid()}"
-    for folder in (base / kind, fallback / kind):
-        try:
-            folder.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            folder.mkdir(mode=0o700, exist_ok=True)
-        except OSError:
-            continue
-        if _private(folder.parent if folder.parent == fallback else folder):
-            return folder
-        if str(folder) not in _warned:
-            _warned.add(str(folder))
-            sys.stderr.write(f"kvtrace: warning: cache folder {folder} is not this user's alone (owner or mode); "
-                             "not using it: make it yours with mode 0700, or set KVTRACE_CACHE_DIR\n")
-    return None
-
-
-def _private(folder: Path) -> bool:
-    """A folder (links followed) that this user owns and no one else may write to."""
-    try:
-        status = folder.stat()
-    except OSError:
-        return False
-    return stat.S_ISDIR(status.st_mode) and status.st_uid == os.getuid() and not status.st_mode & 0o022
 
 
 # ---- validation ---------------------------------------------------------------------------------------
@@ -736,7 +539,7 @@ def _check_export(conn: sqlite3.Connection, path: Path) -> None:
         raise KvtraceError(f"{path} is damaged ({error}): copy or export it again") from None
 
 
-def _trace_info(conn: sqlite3.Connection, tables: set[str], source: Path, sqlite_path: Path, kernels: pl.DataFrame,
+def _trace_info(conn: sqlite3.Connection, tables: set[str], source: Path, sqlite_path: Path, laid: calls_.Laid,
                 signatures: pl.DataFrame) -> TraceInfo:
     meta = dict(conn.execute("SELECT name, value FROM META_DATA_EXPORT").fetchall())
     capture = dict(conn.execute("SELECT name, value FROM META_DATA_CAPTURE").fetchall()) \
@@ -744,9 +547,7 @@ def _trace_info(conn: sqlite3.Connection, tables: set[str], source: Path, sqlite
     graph_mode = next((v for k, v in capture.items() if k.endswith("CUDA_GRAPH_TRACE_OPTIONS:MODE")), None)
     system = dict(conn.execute("SELECT name, value FROM TARGET_INFO_SYSTEM_ENV").fetchall()) \
         if "TARGET_INFO_SYSTEM_ENV" in tables else {}
-    count, first = kernels.height, kernels["start"].min()
-    # Streamed, so that no column of kernel end times is built.
-    last = kernels.lazy().select((pl.col("start") + pl.col("duration")).max()).collect(engine="streaming").item()
+    count, first, last = laid.calls.count, int(laid.calls.start[0]), laid.last_end
     return TraceInfo(
         source=str(source), sqlite=str(sqlite_path),
         product_version=meta.get("EXPORT_PRODUCT_VERSION"), schema_version=meta.get("EXPORT_SCHEMA_VERSION"),
@@ -804,9 +605,3 @@ def stage_queries(sqlite_path: Path) -> dict[str, str]:
 def drain(sqlite_path: Path, query: str) -> int:
     """Read a query's rows as open_trace reads them (Arrow batches through ADBC) and throw them away."""
     return sum(batch.num_rows for batch in _read_batches(sqlite_path, query))
-
-
-def write_cache(sqlite_path: Path, trace: Trace) -> bool:
-    """Write the export's trace-cache entry, as open_trace does after a load; False when there is no cache."""
-    entry = _cache_entry(sqlite_path)
-    return entry is not None and _write_cached(entry, trace)

@@ -21,7 +21,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 import polars as pl
 
-from kvtrace.analyzer import align, ranges
+from kvtrace.analyzer import align
+from kvtrace.analyzer.calls import BLOCK_ROWS, Calls, sums
 from kvtrace.analyzer.classify import DIMS, SEGMENTS
 from kvtrace.analyzer.load import Trace
 from kvtrace.errors import KvtraceError
@@ -96,46 +97,87 @@ class Vocabulary:
         index = {shape: code for code, shape in enumerate(self.shapes)}
         shape = np.array([index[s] for s in by_sig.select(DIMS).iter_rows()], dtype=np.uint32)
         name_index = {name: code for code, name in enumerate(self.names)}
-        # A range without a name (nvtxRangePushEx with only a colour) cannot be matched: like outside.
-        nvtx_of_range = np.array([name_index.get(n, self.outside) for n in trace.ranges["name"].to_list()],
-                                 dtype=np.uint32)
-        in_range = trace.kernels["range"].to_numpy()
-        nvtx = np.full(in_range.size, self.outside, dtype=np.uint32)
-        inside = in_range != ranges.NO_RANGE
-        nvtx[inside] = nvtx_of_range[in_range[inside]]
-        calls = trace.kernels.with_columns(pl.Series("nvtx", nvtx))
-        if window.skip_warmup or window.last is not None:  # trimming counts calls per family and match key
-            sig = calls["sig"].to_numpy()
-            calls = calls.with_columns(pl.Series("family", family[sig]), pl.Series("shape", shape[sig]))
-        calls = align.apply_window(trace, calls, window)
-        if calls.height == 0:
+        # The trace's cells number their range names among its own; a range without a name (nvtxRangePushEx
+        # with only a colour) cannot be matched, and its calls count as outside, like calls outside every range.
+        nvtx_of_name = np.array([name_index[n] for n in trace.range_names] + [self.outside], dtype=np.uint32)
+        of_trace = trace.calls.cells
+        cell_sig, cell_nvtx = of_trace["sig"].to_numpy(), nvtx_of_name[of_trace["name"].to_numpy()]
+        group_of_cell = np.unique(np.stack([family[cell_sig], shape[cell_sig], cell_nvtx]), axis=1,
+                                  return_inverse=True)[1].reshape(-1) if of_trace.height else np.zeros(0, np.int64)
+        keep = align.window_calls(trace, window, group_of_cell)
+        cells = Cells.of(trace.calls, cell_nvtx, keep)
+        if cells.table.height == 0:
             raise KvtraceError(f"{trace.info.source}: no kernels inside the window "
                                f"({'; '.join(window.describe())}); widen --window/--time/--phase")
-        cells = Cells.of(calls)
-        sig, cell_nvtx = cells.table["sig"].to_numpy(), cells.table["nvtx"].to_numpy()
+        if keep is None:
+            launched = trace.ranges.filter(pl.col("calls") > 0)["range"]
+        else:
+            launched = pl.Series("range", np.unique(trace.calls.range[keep]), dtype=pl.Int32)
+        units = _units(trace.calls, keep, cell_nvtx, segment[cell_sig], self.anchor_of_nvtx(),
+                       nvtx_of_name[trace.range_name_codes], self.outside)
+        sig, nvtx = cells.table["sig"].to_numpy(), cells.table["nvtx"].to_numpy()
         cells = replace(cells, table=cells.table.with_columns(
             pl.Series("family", family[sig]), pl.Series("segment", segment[sig]), pl.Series("shape", shape[sig]),
-            pl.Series("phase", self.phase_of_nvtx[cell_nvtx]),
+            pl.Series("phase", self.phase_of_nvtx[nvtx]),
             pl.Series("kv_independent", by_sig["kv_independent"].to_numpy()[sig])))
-        return Run(trace, classes, cells, calls["range"].unique(),
-                   _units(calls, segment, self.anchor_of_nvtx(), self.outside))
+        return Run(trace, classes, cells, launched, units, keep)
 
 
-def _units(calls: pl.DataFrame, segment: np.ndarray, anchor_of_nvtx: np.ndarray, outside: int) -> pl.DataFrame:
+def _units(calls: Calls, keep: np.ndarray | None, nvtx_of_cell: np.ndarray, segment_of_cell: np.ndarray,
+           anchor_of_nvtx: np.ndarray, nvtx_of_range: np.ndarray, outside: int) -> pl.DataFrame:
     """Units of a phase's work in launch order, with their range-name code and summed time (every kernel
     launched directly inside, whichever did the work). A unit is one range instance, or inside a kvtrace
     workload phase one call of its anchor segment with the calls launched since the previous one (FP8's
-    append is a cast and a copy before AppendPagedKVCacheKernel; NVFP4's one fused kernel)."""
-    nvtx = calls["nvtx"].to_numpy()
-    anchor = segment[calls["sig"].to_numpy()] == anchor_of_nvtx[nvtx]
-    inside = calls.select("range", "nvtx", "duration").with_columns(anchor=pl.Series(anchor)).filter(
-        pl.col("nvtx") != outside)
-    before = pl.col("anchor").cast(pl.Int64).cum_sum().over("range") - pl.col("anchor").cast(pl.Int64)
-    anchors = pl.col("anchor").cast(pl.Int64).sum().over("range")
-    unit = pl.when(anchors == 0).then(0).otherwise(pl.min_horizontal(before, anchors - 1))
-    return (inside.with_columns(unit=unit).group_by("range", "unit", maintain_order=True)
-            .agg(pl.col("nvtx").first(), pl.col("duration").sum().alias("total_ns"))
-            .select(pl.col("nvtx").cast(pl.UInt32), pl.col("total_ns").cast(pl.Int64)))
+    append is a cast and a copy before AppendPagedKVCacheKernel; NVFP4's one fused kernel); calls after a
+    range's last anchor join its last unit.
+
+    Read from the trace's layout cell by cell, a block at a time: units are numbered first by anchor call,
+    in (range, rank) order, then one per range without anchors, so that a call's unit is a search among
+    the anchors alone."""
+    inside = np.flatnonzero(nvtx_of_cell != outside)
+    anchored = inside[segment_of_cell[inside] == anchor_of_nvtx[nvtx_of_cell[inside]]]
+    count = calls.count
+    unreleased = 0  # bytes read since the pages were last handed back
+
+    def blocks(cells: np.ndarray):
+        """(range, rank, duration) of the kept calls of these cells, a million at a time."""
+        nonlocal unreleased
+        for cell in cells.tolist():
+            low, high = int(calls.offsets[cell]), int(calls.offsets[cell + 1])
+            for first in range(low, high, BLOCK_ROWS * 4):
+                span = slice(first, min(first + BLOCK_ROWS * 4, high))
+                kept = slice(None) if keep is None else keep[span]
+                # int64 throughout: np.add.at and np.minimum.at take their fast path only for matching types.
+                yield (calls.range[span][kept].astype(np.int64), calls.rank[span][kept].astype(np.int64),
+                       calls.duration[span][kept].astype(np.int64))
+                unreleased += (span.stop - span.start) * 12
+                if unreleased > 64 << 20:
+                    calls.release()
+                    unreleased = 0
+        calls.release()
+
+    anchor_keys = [range_ * count + rank for range_, rank, _ in blocks(anchored)]
+    anchor_keys = np.sort(np.concatenate(anchor_keys)) if anchor_keys else np.zeros(0, dtype=np.int64)
+    anchor_range = anchor_keys // max(count, 1)
+    anchors = np.bincount(anchor_range, minlength=nvtx_of_range.size)
+    anchor_first = np.cumsum(anchors) - anchors
+    units = anchor_keys.size + nvtx_of_range.size
+    total_ns = np.zeros(units, dtype=np.int64)
+    first_rank = np.full(units, count, dtype=np.int64)
+    for range_, rank, duration in blocks(inside):
+        unit = range_ + anchor_keys.size
+        with_anchors = anchors[range_] > 0
+        if with_anchors.any():
+            ranged = range_[with_anchors]
+            found = np.searchsorted(anchor_keys, ranged * count + rank[with_anchors])
+            unit[with_anchors] = np.minimum(found, anchor_first[ranged] + anchors[ranged] - 1)
+        np.add.at(total_ns, unit, duration)
+        np.minimum.at(first_rank, unit, rank)
+    present = np.flatnonzero(first_rank < count)
+    present = present[np.argsort(first_rank[present])]
+    range_of_unit = np.concatenate([anchor_range, np.arange(nvtx_of_range.size)])
+    return pl.DataFrame({"nvtx": pl.Series(nvtx_of_range[range_of_unit[present]], dtype=pl.UInt32),
+                         "total_ns": pl.Series(total_ns[present], dtype=pl.Int64)})
 
 
 def _phase_names(names: list[str]) -> list[str]:
@@ -151,12 +193,12 @@ def _phase_names(names: list[str]) -> list[str]:
 class Cells:
     """A run's calls grouped into cells of one signature and one innermost range (`nvtx` code).
 
-    `table` has a row per cell: cell, sig, nvtx, calls, total_ns, first (the row of its earliest call), plus
-    the codes Vocabulary.run adds (family, segment, shape, phase, kv_independent). `order` lists the calls'
-    rows (in the run's start order) cell after cell, ascending within a cell, and `durations` their
-    durations in that order: cell i is [offsets[i], offsets[i + 1]) of both. Groups of cells (`where`) share
-    the arrays, so comparisons work on the small table and copy contiguous runs of durations only for what
-    they report.
+    `table` has a row per cell: cell, sig, nvtx, calls, total_ns, first (the rank of its earliest call in the
+    trace's start order), plus the codes Vocabulary.run adds (family, segment, shape, phase, kv_independent).
+    `durations` holds the calls' durations cell after cell, in start order within a cell, and `order` their
+    ranks in the trace's start order: cell i is [offsets[i], offsets[i + 1]) of both. Without a window both
+    are the trace's own memory-mapped columns (analyzer.calls). Groups of cells (`where`) share the arrays,
+    so comparisons work on the small table and copy contiguous runs of durations only for what they report.
     """
 
     table: pl.DataFrame
@@ -165,37 +207,22 @@ class Cells:
     offsets: np.ndarray
 
     @classmethod
-    def of(cls, calls: pl.DataFrame) -> Cells:
-        """From calls (sig, nvtx, duration) in start order, in numpy: a hash group-by over millions of
-        rows would hold several times their size."""
-        width = int(calls["nvtx"].max()) + 1 if calls.height else 1
-        key_type = np.uint32 if (int(calls["sig"].max() or 0) + 1) * width < 1 << 32 else np.int64
-        keys = calls["sig"].to_numpy().astype(key_type)
-        keys *= width
-        keys += calls["nvtx"].to_numpy()
-        if keys.size and int(keys.max()) < 1 << 24:
-            calls_by_key = np.bincount(keys)
-            present = np.flatnonzero(calls_by_key)
-            lookup = np.zeros(calls_by_key.size, dtype=np.uint16 if present.size <= 1 << 16 else np.uint32)
-            lookup[present] = np.arange(present.size)
-            cell = lookup[keys]
-            counts = calls_by_key[present]
-        else:
-            present, cell, counts = np.unique(keys, return_inverse=True, return_counts=True)
-        del keys
-        # A stable sort keeps each cell's calls in start order; numpy radix-sorts 16-bit cell numbers.
-        order = np.argsort(cell, kind="stable").astype(np.uint32 if calls.height < 1 << 32 else np.int64)
-        del cell
-        offsets = np.zeros(present.size + 1, dtype=np.int64)
-        np.cumsum(counts, out=offsets[1:])
-        durations = calls["duration"].to_numpy()[order]
-        totals = np.add.reduceat(durations, offsets[:-1], dtype=np.int64) if present.size else \
+    def of(cls, calls: Calls, nvtx: np.ndarray, keep: np.ndarray | None) -> Cells:
+        """A trace's cells, with their nvtx codes, and only the calls `keep` marks (all with None)."""
+        table = calls.cells.select("cell", "sig", pl.Series("nvtx", nvtx, dtype=pl.UInt32), "calls", "total_ns",
+                                   "first")
+        if keep is None:
+            return cls(table=table, durations=calls.duration, order=calls.rank, offsets=calls.offsets)
+        kept = np.add.reduceat(keep, calls.offsets[:-1], dtype=np.int64) if table.height else \
             np.zeros(0, dtype=np.int64)
-        if durations.size and 0 <= durations.min() and durations.max() < 1 << 32:
-            durations = durations.astype(np.uint32)  # kernels shorter than 4.3 s: half the memory
-        table = pl.DataFrame({"cell": np.arange(present.size, dtype=np.uint32),
-                              "sig": (present // width).astype(np.uint32), "nvtx": (present % width).astype(np.uint32),
-                              "calls": counts.astype(np.int64), "total_ns": totals, "first": order[offsets[:-1]]})
+        present = np.flatnonzero(kept)
+        offsets = np.zeros(present.size + 1, dtype=np.int64)
+        np.cumsum(kept[present], out=offsets[1:])
+        durations, order = calls.duration[keep], calls.rank[keep]
+        totals = sums(durations, offsets)
+        table = table[present].with_columns(
+            pl.int_range(present.size, dtype=pl.UInt32).alias("cell"), pl.Series("calls", kept[present]),
+            pl.Series("total_ns", totals), pl.Series("first", order[offsets[:-1]].astype(np.int64)))
         return cls(table=table, durations=durations, order=order, offsets=offsets)
 
     def where(self, predicate: pl.Expr) -> Cells:
@@ -235,13 +262,15 @@ def _gather(cells: Cells, chosen: np.ndarray, *, ordered: bool) -> np.ndarray:
 class Run:
     """One trace inside the window: its calls grouped into cells (Cells) whose table carries codes of the
     comparison's Vocabulary, the classified signatures behind them, the NVTX ranges the window's calls
-    were launched in, and the units of each phase's work with their summed time (`_units`)."""
+    were launched in, the units of each phase's work with their summed time (`_units`), and the window as a
+    mask over the trace's calls."""
 
     trace: Trace
     classes: pl.DataFrame
     cells: Cells
     ranges: pl.Series
     units: pl.DataFrame
+    keep: np.ndarray | None  # which of the trace's calls (in its layout's cell order) are inside the window; None: all
 
     def signatures(self, group: Cells) -> pl.DataFrame:
         """The classified signatures that a group of cells uses."""
@@ -292,11 +321,12 @@ def pair(base: Run, cand: Run, vocabulary: Vocabulary) -> Pairs:
             .with_columns(pl.col("calls", "calls_candidate").fill_null(0)).sort(KERNEL_KEY))
     rows, pieces = [], ([], [])
     paired = ({}, {})  # cell -> (paired calls, paired ns), per arm
+    paging = _Paging(base, cand)
     shared = both.filter((pl.col("calls") > 0) & (pl.col("calls_candidate") > 0))
     for row in shared.iter_rows(named=True):
         count = min(row["calls"], row["calls_candidate"])
         for side, cell_list in enumerate((row["cells"], row["cells_candidate"])):
-            pieces[side].append(_last(arms[side], np.array(cell_list), count, paired[side], KERNEL))
+            pieces[side].append(paging.read(_last(arms[side], np.array(cell_list), count, paired[side], KERNEL)))
         kv_independent = row["kv_independent"] and row["kv_independent_candidate"]
         rows.append((KERNEL, row["segment"], row["family"], row["shape"], row["nvtx"], kv_independent, count,
                      row["calls"], row["calls_candidate"]))
@@ -313,7 +343,7 @@ def pair(base: Run, cand: Run, vocabulary: Vocabulary) -> Pairs:
         if counts[0] != counts[1]:
             continue
         for side in (0, 1):
-            pieces[side].append(_last(arms[side], chosen[side], counts[side], paired[side], RANGE))
+            pieces[side].append(paging.read(_last(arms[side], chosen[side], counts[side], paired[side], RANGE)))
         rows.append((RANGE, row["segment"], None, None, row["nvtx"], False, counts[0], counts[0], counts[1]))
     strata = pl.DataFrame(
         [(index, *row) for index, row in enumerate(rows)], schema=_STRATA_SCHEMA, orient="row").with_columns(
@@ -323,9 +353,36 @@ def pair(base: Run, cand: Run, vocabulary: Vocabulary) -> Pairs:
     offsets = np.zeros(sizes.size + 1, dtype=np.int64)
     np.cumsum(sizes, out=offsets[1:])
     dtype = np.result_type(*(cells.durations.dtype for cells in arms))
-    baseline, candidate = (np.concatenate(p).astype(dtype, copy=False) if p else np.zeros(0, dtype=dtype)
-                           for p in pieces)
+    baseline, candidate = (paging.joined(p, dtype) for p in pieces)
     return Pairs(strata, baseline, candidate, offsets, tuple(_paired_table(p) for p in paired))
+
+
+class _Paging:
+    """Reads of the traces' memory-mapped durations (analyzer.calls) that hand their pages back to the page
+    cache every RELEASE_BYTES, so that pairing holds the pairs it copies out and little of the traces."""
+
+    RELEASE_BYTES = 64 << 20
+
+    def __init__(self, *runs: Run):
+        self.calls = [run.trace.calls for run in runs]
+        self.since = 0
+
+    def read(self, values: np.ndarray) -> np.ndarray:
+        self.since += values.nbytes
+        if self.since > self.RELEASE_BYTES:
+            for calls in self.calls:
+                calls.release()
+            self.since = 0
+        return values
+
+    def joined(self, pieces: list[np.ndarray], dtype) -> np.ndarray:
+        """The pieces in one array, read piece by piece."""
+        out = np.empty(sum(piece.size for piece in pieces), dtype=dtype)
+        at = 0
+        for piece in pieces:
+            out[at:at + piece.size] = self.read(piece)
+            at += piece.size
+        return out
 
 
 def _cell_lists(table: pl.DataFrame, key: list[str]) -> pl.DataFrame:

@@ -1,4 +1,5 @@
-"""NVTX range nesting and point lookup over numpy arrays: which range is innermost at a time on a thread.
+"""NVTX range nesting and point lookup over numpy arrays: which range is innermost at a time on a thread, and
+which range a kernel's launch call was made in (`Launches`, by correlation id and process).
 
 A kernel belongs to the ranges around the CUDA API call that launched it, on the launching thread, as in
 Nsight Systems' own projection (target-linux-x64/reports/nvtx_gpu_proj_trace.py, which ships with nsys;
@@ -8,6 +9,7 @@ here, because a range that ends on its own thread cannot end while that thread i
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -102,3 +104,73 @@ def propagate(parent: np.ndarray, depth: np.ndarray, own: np.ndarray) -> np.ndar
         at_level = np.flatnonzero((depth == level) & (result == NO_RANGE))
         result[at_level] = result[parent[at_level]]
     return result
+
+
+# ---- launch calls -------------------------------------------------------------------------------------
+
+class Processes:
+    """Small numbers for the processes that made launch calls (globalTid >> 24: pid, VM and hardware id, 40
+    bits), so that a process number and a 32-bit correlationId fit one int64 launch key."""
+
+    def __init__(self):
+        self.numbers: dict[int, int] = {}
+        self.lock = threading.Lock()  # launch calls are read on several threads
+
+    def of(self, global_id: np.ndarray, *, add: bool) -> np.ndarray:
+        """Per row, its process number; -1 for a process without launch calls when not `add`ing."""
+        process = global_id >> 24
+        if process.size and process.min() == process.max():  # one process per batch, the usual case
+            return np.full(process.size, self._number(int(process[0]), add), dtype=np.int64)
+        unique, inverse = np.unique(process, return_inverse=True)
+        return np.array([self._number(int(p), add) for p in unique], dtype=np.int64)[inverse]
+
+    def _number(self, process: int, add: bool) -> int:
+        if add and process not in self.numbers:
+            with self.lock:
+                return self.numbers.setdefault(process, len(self.numbers))
+        return self.numbers.get(process, -1)
+
+
+def launch_key(number: np.ndarray, correlation: np.ndarray) -> np.ndarray:
+    # CUPTI correlation ids are 32-bit and unique per process.
+    return (number << 32) | correlation.astype(np.int64)
+
+
+@dataclass(frozen=True)
+class Launches:
+    """Kernel-launching API calls in launch-key order (process number, then correlationId), cut into runs
+    of calls with the same innermost NVTX range. A kernel carries its launch call's correlationId and
+    process, so the run that holds its key gives its range; a NO_RANGE run opens and closes each process."""
+
+    starts: np.ndarray  # first key of each run, ascending
+    range: np.ndarray  # int32 innermost range of the run's calls
+    processes: Processes
+
+    @classmethod
+    def of_sorted(cls, runs: list[tuple[np.ndarray, np.ndarray]], processes: Processes) -> Launches:
+        starts = np.concatenate([s for s, _ in runs]) if runs else np.zeros(0, dtype=np.int64)
+        found = np.concatenate([r for _, r in runs]) if runs else np.zeros(0, dtype=np.int32)
+        numbers = np.arange(len(processes.numbers), dtype=np.int64)
+        # Before a process's first launch and after its last, kernels (launched before the capture began)
+        # are outside every range. Markers sort before real runs.
+        markers = np.concatenate([numbers << 32, (numbers + 1) << 32])
+        starts = np.concatenate([markers, starts])
+        found = np.concatenate([np.full(markers.size, NO_RANGE, dtype=np.int32), found])
+        order = np.argsort(starts, kind="stable")
+        return cls(starts=starts[order], range=found[order], processes=processes)
+
+    def innermost_of(self, correlation: np.ndarray, global_pid: np.ndarray) -> np.ndarray:
+        """The innermost range of the launch calls of kernels with these correlation ids and processes."""
+        number = self.processes.of(global_pid, add=False)
+        if self.starts.size == 0:
+            return np.full(correlation.size, NO_RANGE, dtype=np.int32)
+        # A process without traced launch calls (number -1) has negative keys, below every run.
+        run = np.searchsorted(self.starts, launch_key(number, correlation), side="right") - 1
+        return np.where(run >= 0, self.range[np.maximum(run, 0)], NO_RANGE).astype(np.int32)
+
+
+def launch_runs(key: np.ndarray, found: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Runs of sorted launch keys: a new run where the range or the process changes."""
+    change = np.ones(key.size, dtype=bool)
+    change[1:] = (found[1:] != found[:-1]) | ((key[1:] >> 32) != (key[:-1] >> 32))
+    return key[change], found[change]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+import numpy as np
 import polars as pl
 
 from kvtrace import model_config
@@ -155,7 +156,7 @@ def vllm_row(sides: Sides, manifest: Manifest, ceiling: ComputeCeiling | None) -
     for side, runs in (("baseline", sides.baseline), ("candidate", sides.candidate)):
         calls = total = flops = 0
         for run in runs:
-            for name, time_ns in _prefill_step_times(run, sides.window).iter_rows():
+            for name, time_ns in _prefill_step_times(run).iter_rows():
                 match = _STEP.fullmatch(name)
                 requests, tokens = int(match.group(1)), match.group(2)
                 if not tokens.isdigit() or int(tokens) != requests * prompt:
@@ -173,12 +174,17 @@ def vllm_row(sides: Sides, manifest: Manifest, ceiling: ComputeCeiling | None) -
     return _row(align.PREFILL, prompt, flops_per_step[0], derivation, sides_time, ceiling)
 
 
-def _prefill_step_times(run: Run, window: align.Window) -> pl.DataFrame:
-    """Per prefill step (its name): the GPU time of its prefill-attention kernels inside the window, from the
-    signatures the comparison classified."""
-    trace = run.trace
-    signatures = run.classes.filter(pl.col("segment") == "prefill_attention").select("sig")
-    steps = align.steps(trace).filter(pl.col("phase") == align.PREFILL).select("range", "step_range", "step")
-    calls = align.apply_window(trace, trace.kernels, window)
-    return (calls.join(signatures, on="sig").join(steps, on="range")
-            .group_by("step_range", "step").agg(pl.col("duration").sum()).sort("step_range").select("step", "duration"))
+def _prefill_step_times(run: Run) -> pl.DataFrame:
+    """Per prefill step (its name): the GPU time of its prefill-attention kernels inside the run's window, from
+    the signatures the comparison classified."""
+    calls = run.trace.calls
+    signatures = run.classes.filter(pl.col("segment") == "prefill_attention")["sig"]
+    cells = np.flatnonzero(calls.cells["sig"].is_in(signatures.implode()).to_numpy())
+    rows = [np.arange(calls.offsets[cell], calls.offsets[cell + 1]) for cell in cells.tolist()]
+    if run.keep is not None:
+        rows = [span[run.keep[span]] for span in rows]
+    rows = np.concatenate(rows + [np.zeros(0, dtype=np.int64)])
+    prefill = pl.DataFrame({"range": calls.range[rows], "duration": calls.duration[rows].astype(np.int64)})
+    steps = align.steps(run.trace).filter(pl.col("phase") == align.PREFILL).select("range", "step_range", "step")
+    return (prefill.join(steps, on="range").group_by("step_range", "step").agg(pl.col("duration").sum())
+            .sort("step_range").select("step", "duration"))

@@ -15,6 +15,7 @@ import os
 import shutil
 import sqlite3
 import sys
+from contextlib import closing
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -75,6 +76,19 @@ def _replicate(conn: sqlite3.Connection, kernels: int) -> int:
     conn.execute("DROP TABLE copies")
     conn.execute("COMMIT")
     return copies
+
+
+def estimate_bytes(source: Path, kernels: int) -> int:
+    """About how large `grow(source, target, kernels)` makes the target: a few copies are grown in memory
+    and measured, with a quarter on top (pages of a grown file hold fewer rows than pages grown in memory)."""
+    with closing(sqlite3.connect(f"file:{source}?mode=ro", uri=True)) as conn, \
+            closing(sqlite3.connect(":memory:", isolation_level=None)) as memory:
+        conn.backup(memory)
+        page_size, before = (memory.execute(f"PRAGMA {p}").fetchone()[0] for p in ("page_size", "page_count"))
+        base = memory.execute(f"SELECT count(*) FROM {KERNEL}").fetchone()[0]
+        copies = _replicate(memory, base * 9)
+        per_copy = (memory.execute("PRAGMA page_count").fetchone()[0] - before) * page_size / (copies - 1)
+    return int(source.stat().st_size + per_copy * max(0, round(kernels / base) - 1) * 1.25)
 
 
 def kernel_count(path: Path) -> int:

@@ -1,17 +1,20 @@
-"""Where a first `kvtrace diff` spends its time: each stage alone, one core, on the grown traces.
+"""Where a first `kvtrace diff` spends its time: each stage alone, on the grown traces.
 
-    python bench/stages.py [--kernels 10000000]
+    python bench/stages.py [--kernels 10000000] [--workload decode-heavy]
 
-Times, per file and one after the other: the floor query; the two SQLite reads kvtrace makes (the kernel
-columns it needs and the launch calls), with the rows thrown away; a whole load without the cache; writing
-and reading the trace cache; and, for the pair, the comparison itself. Prints a markdown table for
-docs/performance.md. Run bench/run.py first (it builds the files) or let this build them.
+Times, per file and one after the other: the floor query; the kvtrace-job floor (bench/floor.c), whole and
+per table; the two SQLite reads kvtrace makes (the kernel columns it needs and the launch calls) over one
+connection, with the rows thrown away; a whole load without the cache on one core and on every core (taskset,
+in a child process, start-up excluded); a load that writes the trace cache; a load from it; and, for the pair,
+the comparison itself. Prints a markdown table for docs/performance.md, with the load average. Run
+bench/run.py first (it builds the files) or let this build them.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import sqlite3
 import subprocess
@@ -23,16 +26,27 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import make_large_trace  # noqa: E402
-from run import FLOOR, OUT, WORKLOADS  # noqa: E402
+from run import FLOOR, OUT, WORKLOADS, job_floor, warm  # noqa: E402
 
 from kvtrace.analyzer import compare, load  # noqa: E402
 from kvtrace.analyzer.classify import load_recipes  # noqa: E402
+
+# Run in a child: the load's own seconds, without Python's start-up.
+LOAD = ("import sys, time; from kvtrace.analyzer import load; t = time.perf_counter(); "
+        "load.open_trace(sys.argv[1], cache=sys.argv[2] == 'cache'); print(time.perf_counter() - t)")
 
 
 def timed(work) -> tuple[float, object]:
     start = time.perf_counter()
     result = work()
     return time.perf_counter() - start, result
+
+
+def child_load(path: Path, cores: int | None, cache: bool) -> float:
+    command = [sys.executable, "-c", LOAD, str(path), "cache" if cache else "no-cache"]
+    if cores is not None:
+        command = ["taskset", "-c", f"0-{cores - 1}", *command]
+    return float(subprocess.run(command, capture_output=True, text=True, check=True).stdout)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,38 +61,48 @@ def main(argv: list[str] | None = None) -> int:
             OUT.mkdir(parents=True, exist_ok=True)
             make_large_trace.grow(make_large_trace.FIXTURES[arm], path, args.kernels)
         files.append(path)
-    subprocess.run(["cat", *map(str, files)], stdout=subprocess.DEVNULL)
-    os.environ["KVTRACE_CACHE_DIR"] = tempfile.mkdtemp(prefix="kvtrace-stages-")
+    warm(files)
+    cache = tempfile.mkdtemp(prefix="kvtrace-stages-", dir=OUT)
+    os.environ["KVTRACE_CACHE_DIR"] = cache
+    cores = len(os.sched_getaffinity(0))
     rows: dict[str, list[float]] = {}
+    loads: list[float] = []
 
     def record(stage: str, seconds: float) -> None:
         rows.setdefault(stage, []).append(seconds)
+        loads.append(os.getloadavg()[0])
 
     startup = subprocess.run([sys.executable, "-c", "import time, sys; t = time.perf_counter(); "
                               "import kvtrace.analyzer.compare, kvtrace.analyzer.render.terminal; "
                               "print(time.perf_counter() - t)"], capture_output=True, text=True, check=True)
     traces = []
+    floor_binary = job_floor()
     for path in files:
         with closing(sqlite3.connect(f"file:{path}?mode=ro&immutable=1", uri=True)) as conn:
             record("floor query (sqlite3, GROUP BY shortName)", timed(lambda: conn.execute(FLOOR).fetchall())[0])
+        seconds, job = timed(lambda: subprocess.run([str(floor_binary), str(path)], capture_output=True, text=True,
+                                                    check=True).stdout)
+        record("kvtrace-job floor (bench/floor.c, one C pass)", seconds)
+        for table, part in zip(("kernel columns", "launch calls", "NVTX ranges"), re.findall(r"in ([0-9.]+) s", job)):
+            record(f"kvtrace-job floor: {table}", float(part))
         queries = load.stage_queries(path)
-        record("SQLite read: kernel columns kvtrace needs", timed(lambda: load.drain(path, queries["kernels"]))[0])
-        record("SQLite read: launch calls (runtime rows named *Launch*)",
+        record("ADBC read, one connection: kernel columns kvtrace needs",
+               timed(lambda: load.drain(path, queries["kernels"]))[0])
+        record("ADBC read, one connection: launch calls (runtime rows named *Launch*)",
                timed(lambda: load.drain(path, queries["launches"]))[0])
-        seconds, _ = timed(lambda: load.open_trace(path, cache=False, overlap_tables=False))
-        record("whole load, no cache, tables one after the other", seconds)
-        seconds, trace = timed(lambda: load.open_trace(path, cache=False))
-        record("whole load, no cache, as `summary` loads it", seconds)
-        record("write the trace cache", timed(lambda: load.write_cache(path, trace))[0])
+        record("whole load, no cache, 1 core", child_load(path, 1, cache=False))
+        record(f"whole load, no cache, {cores} cores", child_load(path, None, cache=False))
+        record(f"whole load writing the trace cache, {cores} cores", child_load(path, None, cache=True))
         seconds, trace = timed(lambda: load.open_trace(path))
-        record("load from the trace cache", seconds)
+        record("load from the trace cache (checksums included)", seconds)
         traces.append(trace)
     recipes = load_recipes()
     seconds, _ = timed(lambda: compare.diff(*traces, recipes))
-    shutil.rmtree(os.environ["KVTRACE_CACHE_DIR"], ignore_errors=True)
+    shutil.rmtree(cache, ignore_errors=True)
 
     kernels = sum(t.info.kernel_count for t in traces) // len(traces)
-    print(f"{kernels:,} kernels per file; seconds on one core unless said otherwise\n")
+    print(f"{kernels:,} kernels per file ({args.workload}); seconds; 1-minute load average "
+          f"{min(loads):.1f} to {max(loads):.1f}\n")
     print("| stage | per file | both files |")
     print("|---|---|---|")
     for stage, values in rows.items():

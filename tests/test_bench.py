@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import hashlib
+import os
+import re
+import shutil
 import sqlite3
+import subprocess
 import sys
 from pathlib import Path
 
 import polars as pl
+import pytest
 
 from kvtrace.analyzer.load import open_trace
 from kvtrace.analyzer.ranges import NO_RANGE
@@ -59,3 +64,30 @@ def test_grown_trace_keeps_the_schema_and_multiplies_rows_exactly(tmp_path):
     grown = trace.kernels.filter(~outside).group_by(pl.col("range") % ranges_per_copy).len().sort("range")
     assert grown["range"].to_list() == per_range["range"].to_list()
     assert grown["len"].to_list() == [3 * n for n in per_range["len"]]
+
+
+def test_disk_estimate_covers_a_grown_file(tmp_path):
+    """bench/run.py checks the free disk against this estimate before growing a pair."""
+    source = make_large_trace.FIXTURES["vllm-decode"]
+    kernels = _facts(source)["kernels"] * 20
+    target = tmp_path / "grown.sqlite"
+    make_large_trace.grow(source, target, kernels)
+    size = target.stat().st_size
+    assert size <= make_large_trace.estimate_bytes(source, kernels) <= 2 * size
+
+
+def test_job_floor_reads_what_kvtrace_reads(tmp_path, monkeypatch):
+    """bench/floor.c, the kvtrace-job floor: the kernels, the launch calls and the NVTX ranges kvtrace loads."""
+    import run
+
+    if shutil.which(os.environ.get("CC", "cc")) is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setattr(run, "JOB_FLOOR", tmp_path / "kvtrace-floor")
+    path = make_large_trace.FIXTURES["vllm-decode"]
+    out = subprocess.run([str(run.job_floor()), str(path)], capture_output=True, text=True, check=True).stdout
+    kernels, launches, ranges = (int(n) for n in re.findall(r"(\d+) (?:kernels|launch calls|NVTX ranges) in", out))
+    trace = open_trace(path, cache=False)
+    with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as conn:
+        launch_calls = conn.execute("SELECT count(*) FROM CUPTI_ACTIVITY_KIND_RUNTIME r JOIN StringIds s "
+                                    "ON s.id = r.nameId WHERE s.value GLOB '*Launch*'").fetchone()[0]
+    assert (kernels, launches, ranges) == (trace.info.kernel_count, launch_calls, trace.ranges.height)

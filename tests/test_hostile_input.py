@@ -345,17 +345,18 @@ def _flip(path: Path, at: int, length: int = 16) -> None:
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("frame", ["kernels", "signatures", "ranges"])
-def test_flipped_bytes_in_a_cache_entry_are_detected_and_the_entry_repaired(frame, tmp_path, cache_dir, kv):
+@pytest.mark.parametrize("name", ["cells.arrow", "signatures.arrow", "ranges.arrow", "duration.npy", "rank.npy",
+                                  "range.npy", "start.npy"])
+def test_flipped_bytes_in_a_cache_entry_are_detected_and_the_entry_repaired(name, tmp_path, cache_dir, kv):
     export = tmp_path / "fp8.sqlite"
     shutil.copy2(FP8, export)
     fresh = json_of(kv, "summary", export)
     entry = _entry(cache_dir, "fp8")
-    sound = (entry / f"{frame}.arrow").read_bytes()
-    _flip(entry / f"{frame}.arrow", len(sound) // 2)
+    sound = (entry / name).read_bytes()
+    _flip(entry / name, len(sound) // 2)
 
     assert json_of(kv, "summary", export) == fresh
-    assert (_entry(cache_dir, "fp8") / f"{frame}.arrow").read_bytes() == sound  # rewritten, not re-read forever
+    assert (_entry(cache_dir, "fp8") / name).read_bytes() == sound  # rewritten, not re-read forever
 
 
 def test_a_structurally_bad_entry_is_replaced(tmp_path, cache_dir, kv):
@@ -363,10 +364,10 @@ def test_a_structurally_bad_entry_is_replaced(tmp_path, cache_dir, kv):
     shutil.copy2(SMALL, export)
     fresh = json_of(kv, "summary", export)
     entry = _entry(cache_dir, "fp8")
-    sound = (entry / "kernels.arrow").read_bytes()
-    (entry / "kernels.arrow").write_bytes(b"not arrow")
+    sound = (entry / "duration.npy").read_bytes()
+    (entry / "duration.npy").write_bytes(b"not npy")
     assert json_of(kv, "summary", export) == fresh
-    assert (_entry(cache_dir, "fp8") / "kernels.arrow").read_bytes() == sound
+    assert (_entry(cache_dir, "fp8") / "duration.npy").read_bytes() == sound
 
 
 @pytest.mark.parametrize("how", ["symlink", "copy"])
@@ -383,7 +384,7 @@ def test_an_entry_planted_for_another_export_is_not_served(how, tmp_path, cache_
     else:
         shutil.copytree(theirs, mine)
     assert json_of(kv, "summary", fp8) == fresh
-    assert (theirs / "kernels.arrow").exists()  # the link was removed, not what it pointed to
+    assert (theirs / "cells.arrow").exists()  # the link was removed, not what it pointed to
 
 
 def test_a_cache_folder_others_can_write_to_is_not_used(tmp_path, cache_dir, kv):

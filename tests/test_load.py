@@ -8,6 +8,7 @@ report (ProtobufParseException), which must leave no partial SQLite anywhere.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -16,6 +17,7 @@ import subprocess
 from contextlib import closing
 from pathlib import Path
 
+import numpy as np
 import polars as pl
 import pytest
 
@@ -220,8 +222,111 @@ def test_kernels_of_a_process_without_launch_calls_are_outside_every_range(tmp_p
     assert got.sort("start").tail(100)["range_start"].null_count() == 100
 
 
+# ---- parallel scan and the calls' layout (analyzer/calls.py) ---------------------------------------------
+
+def test_calls_are_laid_out_cell_by_cell_in_start_order(real_sqlite):
+    trace = open_trace(real_sqlite, cache=False)
+    calls, kernels = trace.calls, trace.kernels
+    cells = calls.cells
+    # One cell per (signature, innermost range name), in that order; a cell's calls are contiguous.
+    assert cells.select("sig", "name").is_unique().all()
+    assert cells.select("sig", "name").equals(cells.select("sig", "name").sort("sig", "name"))
+    assert np.diff(calls.offsets).tolist() == cells["calls"].to_list() and calls.count == kernels.height
+    assert calls.duration.dtype == np.uint32 and calls.rank.dtype == np.uint32
+    assert sorted(calls.rank.tolist()) == list(range(calls.count))  # every call once
+    assert np.all(np.diff(calls.start) >= 0)
+    names = {name: code for code, name in enumerate(trace.range_names)}
+    name_of_range = [names.get(n, len(names)) for n in trace.ranges["name"].to_list()] + [len(names)]
+    by_rank = kernels.with_columns(pl.int_range(pl.len()).alias("rank"))
+    for cell, sig, name, count, total, first in cells.iter_rows():
+        span = slice(calls.offsets[cell], calls.offsets[cell + 1])
+        ranks = calls.rank[span].astype(np.int64)
+        assert np.all(np.diff(ranks) > 0) and first == ranks[0]  # start order within the cell
+        rows = by_rank[ranks]
+        assert (rows["sig"] == sig).all() and rows["duration"].to_list() == calls.duration[span].tolist()
+        assert rows["range"].to_list() == calls.range[span].tolist()
+        assert {name_of_range[r] for r in rows["range"].to_list()} == {name} and total == rows["duration"].sum()
+
+
+def _same_calls(a, b) -> None:
+    assert a.info == b.info and a.signatures.equals(b.signatures) and a.ranges.equals(b.ranges)
+    assert a.calls.cells.equals(b.calls.cells) and a.kernels.equals(b.kernels)
+    for name in ("offsets", "duration", "rank", "range", "start"):
+        assert np.array_equal(getattr(a.calls, name), getattr(b.calls, name)), name
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_a_trace_read_in_many_rowid_ranges_and_spilled_loads_the_same(workers, tmp_path, monkeypatch):
+    """Small rowid ranges over several connections (threads), chunks spilled to files and laid out a few rows
+    at a time give the same trace as one range read in memory; rowids with gaps included."""
+    source = FIXTURES / "vllm-h200-decode-heavy" / "fp8.sqlite"
+    gaps = _edited_copy(tmp_path, source, f"DELETE FROM {KERNEL_TABLE} WHERE rowid % 97 = 0",
+                        "DELETE FROM CUPTI_ACTIVITY_KIND_RUNTIME WHERE rowid % 89 = 0 AND correlationId NOT IN "
+                        f"(SELECT correlationId FROM {KERNEL_TABLE})")
+    whole = open_trace(gaps, cache=False)
+    assert whole.info.kernel_count == own_sql(gaps, f"SELECT count(*) FROM {KERNEL_TABLE}")[0][0]
+    monkeypatch.setattr(load, "CHUNK_ROWS", 700)
+    monkeypatch.setattr(load, "_workers", lambda: workers)
+    monkeypatch.setattr(load.calls_, "HELD_BYTES", 3 * 700 * 20)  # three chunks in memory, the rest on disk
+    monkeypatch.setattr(load.calls_, "BLOCK_ROWS", 256)
+    [(rowids,)] = own_sql(gaps, f"SELECT max(rowid) - min(rowid) + 1 FROM {KERNEL_TABLE}")
+    with closing(load._connect(gaps)) as conn:
+        assert len(load._rowid_spans(conn, KERNEL_TABLE)) == min(4 * workers, -(-rowids // 700)) > 1
+    _same_calls(open_trace(gaps, cache=False), whole)
+
+
+def test_kernel_rows_out_of_start_order_load_in_start_order(tmp_path, monkeypatch):
+    """Traces of several GPUs can list kernels out of start order: they are sorted while laid out."""
+    source = FIXTURES / "vllm-h200-decode-heavy" / "fp8.sqlite"
+    shuffled = _edited_copy(
+        tmp_path, source,
+        f"CREATE TABLE shuffled AS SELECT * FROM {KERNEL_TABLE} ORDER BY (rowid * 7919) % 1009, rowid",
+        f"DROP TABLE {KERNEL_TABLE}", f"ALTER TABLE shuffled RENAME TO {KERNEL_TABLE}")
+    [(descending,)] = own_sql(shuffled, f"SELECT count(*) FROM (SELECT start - lag(start) OVER (ORDER BY rowid) "
+                                        f"AS step FROM {KERNEL_TABLE}) WHERE step < 0")
+    assert descending > 0
+    monkeypatch.setattr(load, "CHUNK_ROWS", 1000)
+    monkeypatch.setattr(load.calls_, "HELD_BYTES", 0)
+    got, expected = open_trace(shuffled, cache=False), open_trace(source, cache=False)
+    assert got.kernels["start"].is_sorted()
+    assert got.info == dataclasses.replace(expected.info, source=str(shuffled), sqlite=str(shuffled))
+
+    def named(trace):  # signatures are numbered by first appearance in the table, which moved
+        return trace.kernels.join(trace.signatures.select("sig", "demangled", "grid_x", "block_x"), on="sig") \
+            .drop("sig")
+
+    assert named(got).equals(named(expected))
+    assert got.calls.cells.height == expected.calls.cells.height
+
+
+def test_kernels_of_4_3_s_and_more_keep_their_duration(tmp_path, monkeypatch, run_kvtrace):
+    """Durations are kept as uint32 ns; a kernel of 2^32 ns or more makes them int64, exactly, whether the
+    chunk was held in memory or spilled."""
+    source = FIXTURES / "fi-h200-sm90" / "fp8.sqlite"
+    long = _edited_copy(tmp_path, source, f'UPDATE {KERNEL_TABLE} SET "end" = start + 5000000007 WHERE rowid = 7')
+    [(start,)] = own_sql(long, f"SELECT start FROM {KERNEL_TABLE} WHERE rowid = 7")
+    for held in (load.calls_.HELD_BYTES, 0):
+        monkeypatch.setattr(load.calls_, "HELD_BYTES", held)
+        trace = open_trace(long, cache=False)
+        assert trace.calls.duration.dtype == np.int64
+        assert trace.kernels.filter(pl.col("start") == start)["duration"].to_list() == [5000000007]
+        assert trace.info.last_kernel_ns >= start + 5000000007
+    code, out, err = run_kvtrace("summary", long, "--format", "json")
+    assert code == 0, err
+
+
+def test_no_cache_lays_the_calls_out_in_a_folder_removed_at_once(tmp_path, monkeypatch):
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    monkeypatch.setattr(load.tempfile, "tempdir", str(temporary))
+    trace = open_trace(FIXTURES / "vllm-h200-decode-heavy" / "auto.sqlite", cache=False)
+    assert list(temporary.iterdir()) == []
+    assert trace.calls.maps and int(trace.calls.duration.sum()) == trace.kernels["duration"].sum()
+
+
 def test_nvtx_ranges_load(real_sqlite):
-    ranges = open_trace(real_sqlite).ranges
+    trace = open_trace(real_sqlite)
+    ranges = trace.ranges
     # Independent: closed push/pop and start/end ranges that ended on their own thread; the fixtures use
     # the default domain (domainId 0), so the name is the range text itself.
     rows = own_sql(real_sqlite, """
@@ -232,8 +337,11 @@ def test_nvtx_ranges_load(real_sqlite):
         FROM NVTX_EVENTS e
         LEFT JOIN StringIds s ON s.id = e.textId
         WHERE e.eventType IN (59, 60, 70, 71) AND e."end" IS NOT NULL AND e.endGlobalTid IS NULL""")
-    assert ranges.columns == ["range", "name", "start", "end", "global_tid", "depth", "parent"]
+    assert ranges.columns == ["range", "name", "start", "end", "global_tid", "depth", "parent", "calls"]
     assert ranges.height == len(rows) > 0
+    # calls: the kernels whose launch call has it as the innermost range
+    launched = trace.kernels.filter(pl.col("range") != NO_RANGE)["range"].to_numpy()
+    assert ranges["calls"].to_list() == np.bincount(launched, minlength=ranges.height).tolist()
     # depth = the number of ranges around it on its thread
     assert sorted(zip(ranges["start"], ranges["end"], ranges["name"], ranges["global_tid"], ranges["depth"])) \
         == sorted(rows)
@@ -305,8 +413,8 @@ def test_an_unreadable_entry_is_written_again(tmp_path, cache_dir, monkeypatch):
     fresh = open_trace(export)
     [entry] = (cache_dir / "traces").iterdir()
     # Replaced, not truncated in place: `fresh` maps the old file.
-    (entry / "damaged").write_bytes(b"not arrow")
-    os.replace(entry / "damaged", entry / "kernels.arrow")
+    (entry / "damaged").write_bytes(b"not npy")
+    os.replace(entry / "damaged", entry / "duration.npy")
     assert _same_trace(open_trace(export), fresh)
     assert _same_trace(open_trace(export), fresh)  # from the rewritten entry
 

@@ -1,0 +1,273 @@
+"""kvtrace's cache: its folders, SQLite exports of .nsys-rep reports, and the trace cache (entries of loaded
+traces that a later load maps instead of reading the export again).
+
+An entry is a folder named by the export's identity (path, device, inode, size, modification and change
+time) and the kvtrace version. It holds the calls' layout (analyzer.calls: one .npy file per array, mapped
+when read), the cell, signature and range tables as Arrow IPC files, the trace's info as JSON, and kvtrace's
+marker with that identity and each file's size and CRC-32, which a read checks before it maps anything
+(docs/reliability.md). An entry is written under a temporary name (`partial`) while the export is read, and
+renamed into place once whole (`seal`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import stat
+import sys
+import tempfile
+import time
+import zlib
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+import polars as pl
+
+import kvtrace.nsys
+from kvtrace import __version__
+from kvtrace.analyzer import calls as calls_
+from kvtrace.errors import KvtraceError
+from kvtrace.nsys import is_sqlite
+
+CACHE_FORMAT = 3  # bump whenever the cached frames, TraceInfo or the entry's files change shape
+CACHE_DAYS = 14  # entries not read for this long are removed when another entry is written
+_FRAMES = ("cells", "signatures", "ranges")
+_ENTRY_FILES = (*(f"{name}.arrow" for name in _FRAMES), *(f"{name}.npy" for name in calls_.ARRAYS), "info.json")
+# kvtrace's own file in each entry, written first: the clean-up removes only folders that hold it, and a read
+# checks the entry against it (which export, as it is now; each file's size and CRC-32).
+_MARKER = "kvtrace-cache-entry.json"
+# <export stem>-<hash of its path>-<hash of its identity>, and .<that>-<random> while it is being written.
+_ENTRY_NAME = re.compile(r"\.?.+-[0-9a-f]{12}-[0-9a-f]{12}(?:-\w+)?", re.DOTALL)
+_warned: set[str] = set()
+
+Loaded = TypeVar("Loaded")
+
+
+@dataclass(frozen=True)
+class Entry:
+    path: Path
+    export: dict  # the export's identity when the load began
+
+
+def entry_of(sqlite_path: Path) -> Entry | None:
+    """The cache entry of this export as it is now, or None when there is no private cache folder. Another
+    path, device, inode, size, modification or change time (which `touch` and `cp -p` cannot set back), or
+    kvtrace version is another entry."""
+    folder = cache_dir("traces")
+    if folder is None:
+        return None
+    resolved = sqlite_path.resolve()
+    status = resolved.stat()
+    export = {"path": str(resolved), "device": status.st_dev, "inode": status.st_ino, "size": status.st_size,
+              "mtime_ns": status.st_mtime_ns, "ctime_ns": status.st_ctime_ns, "cache_format": CACHE_FORMAT,
+              "kvtrace": __version__}
+    place = hashlib.sha256(str(resolved).encode()).hexdigest()[:12]
+    version = hashlib.sha256(json.dumps(export, sort_keys=True).encode()).hexdigest()[:12]
+    return Entry(folder / f"{resolved.stem[:64]}-{place}-{version}", export)
+
+
+class _Unsound(Exception):
+    """A cache entry that is not a whole, unchanged copy of this export's frames."""
+
+
+def read(entry: Entry, workers: int, build: Callable[[dict, dict[str, pl.DataFrame], calls_.Calls], Loaded]
+         ) -> Loaded | None:
+    """What `build` makes of the entry's info, frames (signatures, ranges) and mapped calls, or None when
+    there is no entry. An entry that fails its checks (damaged, left half written, planted, a link, another
+    export's), or that `build` cannot take (KeyError, TypeError, ValueError), is removed, so that it is
+    written again."""
+    import pyarrow as pa
+
+    try:
+        folder = os.lstat(entry.path)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISDIR(folder.st_mode) or folder.st_uid != os.getuid():
+            raise _Unsound
+        marker = json.loads(_entry_bytes(entry.path / _MARKER))
+        if marker.get("export") != entry.export:
+            raise _Unsound
+        with ThreadPoolExecutor(max_workers=workers) as pool:  # zlib releases the GIL
+            found = list(pool.map(_size_and_crc, (entry.path / name for name in _ENTRY_FILES)))
+        if [marker["files"][name] for name in _ENTRY_FILES] != found:
+            raise _Unsound
+        info = json.loads(_entry_bytes(entry.path / "info.json"))
+        frames = {}
+        for name in _FRAMES:
+            with pa.memory_map(str(entry.path / f"{name}.arrow")) as mapped:
+                frames[name] = pl.from_arrow(pa.ipc.open_file(mapped).read_all())
+        # Memory-mapped: the calls' columns are views of the page cache, paged in as an analysis reads them.
+        calls = calls_.open_layout(entry.path, frames.pop("cells"))
+        loaded = build(info, frames, calls)
+    except (_Unsound, calls_.Damaged, OSError, ValueError, KeyError, TypeError, pa.ArrowException,
+            pl.exceptions.PolarsError):
+        _discard(entry.path)
+        return None
+    with suppress(OSError):
+        os.utime(entry.path)  # last use, for the age-based clean-up
+    return loaded
+
+
+def _entry_bytes(path: Path) -> bytes:
+    """A file of an entry, never through a link."""
+    with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as handle:
+        return handle.read()
+
+
+def _size_and_crc(path: Path) -> list[int]:
+    """Size and CRC-32 of a file of an entry (about 0.1 s per 10M kernels). Read in chunks rather than mapped,
+    so that the pass adds nothing to the process's resident memory."""
+    crc, size, chunk = 0, 0, bytearray(1 << 20)
+    with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb", buffering=0) as handle:
+        while got := handle.readinto(chunk):
+            crc = zlib.crc32(memoryview(chunk)[:got], crc)
+            size += got
+    return [size, crc]
+
+
+def partial(entry: Entry) -> Path | None:
+    """A new entry's folder under a temporary name, kvtrace's (marked) from the first moment so that the clean-up
+    knows it; None when the cache folder cannot take it. The loader lays the calls out in it."""
+    try:
+        folder = Path(tempfile.mkdtemp(dir=entry.path.parent, prefix=f".{entry.path.name}-"))
+    except OSError:
+        return None
+    try:
+        (folder / _MARKER).write_text(json.dumps({"kvtrace_cache_entry": CACHE_FORMAT}))
+    except OSError:
+        shutil.rmtree(folder, ignore_errors=True)
+        return None
+    return folder
+
+
+def seal(entry: Entry, folder: Path, frames: dict[str, pl.DataFrame], info: dict, workers: int) -> None:
+    """Complete an entry whose calls are laid out in `folder` (from `partial`) with its frames (cells,
+    signatures, ranges), info, and the marker with each file's size and CRC-32, and rename it into place; then
+    remove older entries and leftover temporary folders of the same export, and entries unused for
+    CACHE_DAYS. Caching is best effort: on failure the folder goes, and the trace keeps its mapped calls."""
+    import pyarrow as pa
+
+    try:
+        try:
+            for name in _FRAMES:
+                table = frames[name].rechunk().to_arrow()
+                with pa.OSFile(str(folder / f"{name}.arrow"), "wb") as sink, \
+                        pa.ipc.new_file(sink, table.schema) as writer:
+                    writer.write_table(table, max_chunksize=max(table.num_rows, 1))
+            (folder / "info.json").write_text(json.dumps(info))
+            with ThreadPoolExecutor(max_workers=workers) as pool:
+                files = dict(zip(_ENTRY_FILES, pool.map(_size_and_crc, (folder / name for name in _ENTRY_FILES))))
+            marker = {"kvtrace_cache_entry": CACHE_FORMAT, "export": entry.export, "files": files}
+            (folder / _MARKER).write_text(json.dumps(marker))
+            os.replace(folder, entry.path)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+    except OSError:
+        return
+    same_export = entry.path.name.rsplit("-", 1)[0] + "-"
+    unused_since = time.time() - CACHE_DAYS * 86400
+    for other in entry.path.parent.iterdir():
+        with suppress(OSError):
+            if other != entry.path and _is_entry(other) and (other.name.lstrip(".").startswith(same_export)
+                                                             or other.lstat().st_mtime < unused_since):
+                shutil.rmtree(other)
+
+
+def _is_entry(path: Path) -> bool:
+    """Whether kvtrace made this folder: an entry's name, a folder of this user's (not a link to one), and
+    kvtrace's marker file in it. Nothing else in the cache folder is ever removed."""
+    if not _ENTRY_NAME.fullmatch(path.name):
+        return False
+    try:
+        folder, marker = os.lstat(path), os.lstat(path / _MARKER)
+    except OSError:
+        return False
+    return stat.S_ISDIR(folder.st_mode) and folder.st_uid == os.getuid() and stat.S_ISREG(marker.st_mode)
+
+
+def _discard(path: Path) -> None:
+    """Clear an entry's name for a sound entry: a link or file there is unlinked (never followed), a folder
+    removed only when kvtrace made it."""
+    with suppress(OSError):
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            os.unlink(path)
+        elif _is_entry(path):
+            shutil.rmtree(path)
+
+
+# ---- .nsys-rep export ---------------------------------------------------------------------------------
+
+def export_report(report: Path, *, nsys: str | None = None) -> Path:
+    """Export an .nsys-rep to SQLite in kvtrace's cache (never beside the user's file).
+
+    A sibling `<report>.sqlite` newer than the report is used as is, as `nsys recipe` does.
+    """
+    sibling = report.with_suffix(".sqlite")
+    if sibling.exists() and sibling.stat().st_mtime >= report.stat().st_mtime and is_sqlite(sibling):
+        return sibling
+    try:
+        nsys_path = kvtrace.nsys.find_nsys(nsys)
+    except KvtraceError as error:
+        raise KvtraceError(f"an .nsys-rep needs nsys to export it: {error}; or pass the .sqlite from "
+                           "`nsys export --type sqlite`") from None
+    # The same identity as a trace-cache entry: a report rewritten with its size and mtime kept is another key.
+    status = report.stat()
+    identity = (report.resolve(), status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns,
+                status.st_ctime_ns, nsys_path)
+    key = hashlib.sha256("|".join(map(str, identity)).encode()).hexdigest()[:20]
+    folder = cache_dir("exports") or Path(tempfile.mkdtemp(prefix="kvtrace-export-"))
+    target = folder / f"{report.stem[:64]}-{key}.sqlite"
+    if target.exists():
+        return target
+    try:
+        kvtrace.nsys.export_sqlite(nsys_path, report, target)
+    except kvtrace.nsys.ExportFailed as failed:
+        if failed.newer_report:
+            version = kvtrace.nsys.nsys_version(nsys_path).replace("NVIDIA ", "")
+            raise KvtraceError(f"{version} cannot read {report}: it was recorded by a newer "
+                               "Nsight Systems; export it there (nsys export --type sqlite) or point "
+                               "NSYS at that version") from None
+        raise KvtraceError(f"nsys export failed on {report} (exit {failed.returncode}: {failed.last_line}); "
+                           "check the report opens in Nsight Systems, or export it yourself") from None
+    return target
+
+
+# ---- cache folders ------------------------------------------------------------------------------------
+
+def cache_dir(kind: str) -> Path | None:
+    """kvtrace's cache folder for `kind` (exports, traces): $KVTRACE_CACHE_DIR, else $XDG_CACHE_HOME/kvtrace
+    or ~/.cache/kvtrace. When that cannot be created, or is not this user's alone (another user could plant
+    entries in it), a folder of this user's own under the temporary directory; None if even that is not."""
+    base = Path(os.environ.get("KVTRACE_CACHE_DIR") or
+                Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvtrace")
+    fallback = Path(tempfile.gettempdir()) / f"kvtrace-{os.getuid()}"
+    for folder in (base / kind, fallback / kind):
+        try:
+            folder.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            folder.mkdir(mode=0o700, exist_ok=True)
+        except OSError:
+            continue
+        if _private(folder.parent if folder.parent == fallback else folder):
+            return folder
+        if str(folder) not in _warned:
+            _warned.add(str(folder))
+            sys.stderr.write(f"kvtrace: warning: cache folder {folder} is not this user's alone (owner or mode); "
+                             "not using it: make it yours with mode 0700, or set KVTRACE_CACHE_DIR\n")
+    return None
+
+
+def _private(folder: Path) -> bool:
+    """A folder (links followed) that this user owns and no one else may write to."""
+    try:
+        status = folder.stat()
+    except OSError:
+        return False
+    return stat.S_ISDIR(status.st_mode) and status.st_uid == os.getuid() and not status.st_mode & 0o022
