@@ -76,10 +76,12 @@ def parse_time_window(text: str) -> tuple[int | None, int | None]:
     return start, end
 
 
-def range_matches(trace: Trace, pattern: str) -> np.ndarray:
-    """Per range of the trace: it, or a range around it, has a name matching `pattern`."""
+def range_matches(trace: Trace, pattern: re.Pattern) -> np.ndarray:
+    """Per range of the trace: it, or a range around it, has a name matching `pattern`. Matched by the engine
+    that validated the pattern (Python's re), once per distinct name."""
     table = trace.ranges
-    own = np.where(table["name"].str.contains(pattern).fill_null(False).to_numpy(), 0, ranges.NO_RANGE)
+    named = np.array([pattern.search(name) is not None for name in trace.range_names] + [False])
+    own = np.where(named[trace.range_name_codes], 0, ranges.NO_RANGE)
     return ranges.propagate(table["parent"].to_numpy(), table["depth"].to_numpy(), own) == 0
 
 
@@ -135,7 +137,7 @@ def window_calls(trace: Trace, window: Window, group_of_cell: np.ndarray) -> np.
             pattern = re.compile(window.nvtx)
         except re.error as error:
             raise KvtraceError(f"--window {window.nvtx!r} is not a valid regex ({error})") from None
-        keep = narrow(np.isin(calls.range, np.flatnonzero(range_matches(trace, pattern.pattern))))
+        keep = narrow(np.isin(calls.range, np.flatnonzero(range_matches(trace, pattern))))
     start, end = window.time_ns
     if start is not None or end is not None:
         # Starts are kept in start order, so the window is a span of ranks.

@@ -225,6 +225,19 @@ def test_windows_select_calls(run_kvtrace):
     prefill = next(r for r in json.loads(out)["families"] if r["family_label"] == PREFILL_FAMILY)
     assert prefill["stats"]["calls"] == 2 * 3  # last 2 per context range
 
+    # A look-behind is valid Python regex; the window matches with the engine that validated it.
+    code, out, err = run_kvtrace("diff", str(FP8), str(NVFP4), "--window", "(?<=decode )ctx=8192", "--format", "json")
+    assert code == 0, err
+    behind = next(r for r in json.loads(out)["families"] if r["family_label"] == DECODE_FAMILY)
+    assert behind["baseline_calls"] == decode["baseline_calls"]
+
+    # --last N keeps every call of a group that has fewer than N (a count must not wrap below zero).
+    code, out, err = run_kvtrace("summary", str(FP8), "--format", "json")
+    every = next(r for r in json.loads(out)["families"] if r["family_label"] == PREFILL_FAMILY)["stats"]["calls"]
+    code, out, err = run_kvtrace("summary", str(FP8), "--last", str(every + 1), "--format", "json")
+    assert code == 0, err
+    assert next(r for r in json.loads(out)["families"] if r["family_label"] == PREFILL_FAMILY)["stats"]["calls"] == every
+
     code, out, err = run_kvtrace("summary", str(FP8), "--time", "0:0.0001", "--format", "json")
     assert code == 2 and "no kernels inside the window" in err
     code, out, err = run_kvtrace("summary", str(FP8), "--time", "later")
