@@ -518,3 +518,23 @@ def test_every_attention_and_append_kernel_in_the_real_fixtures_is_classified(re
         by_family.setdefault(result.family, set()).add(result.kv_dtype)
     # The FP8 and NVFP4 arms' prefill kernels meet in one family.
     assert any({"fp8_e4m3", "nvfp4"} <= dtypes for dtypes in by_family.values())
+
+
+def test_attention_kernels_are_never_gemm_drift_controls(recipes):
+    """FlashInfer's FA3 prefill kernels in the real H200 vLLM traces carry "cutlass" in their template arguments;
+    were the attention rules to miss them, the generic GEMM rule must not file them as KV-independent."""
+    gemm = next(rule for rule in recipes.rules if rule.recipe == "common.toml:gemm")
+    names = set()
+    for arm in ("auto", "fp8"):
+        with sqlite3.connect(f"file:{FIXTURES / 'vllm-h200-cold-prefill' / f'{arm}.sqlite'}?mode=ro", uri=True) as db:
+            names |= {name for (name,) in db.execute(
+                "SELECT DISTINCT s.value FROM CUPTI_ACTIVITY_KIND_KERNEL k JOIN StringIds s ON s.id = k.demangledName")}
+    cutlass_attention = {name for name in names if "cutlass" in name and "PrefillWithKVCacheKernel" in name}
+    assert len(cutlass_attention) == 2
+    for name in cutlass_attention:
+        assert gemm.match_name(parse_kernel_name(name)) is None
+        assert recipes.classify_one(name).segment == "prefill_attention"
+    fmha = "void cutlass::device_kernel<cutlass::fmha::kernel::Sm100FmhaFwdKernelTmaWarpspecialized<int>>(T1::Params)"
+    assert not recipes.classify_one(fmha).kv_independent
+    gemms = {name for name in names if recipes.classify_one(name).segment == "gemm"}
+    assert gemms and all(gemm.match_name(parse_kernel_name(name)) for name in gemms)
