@@ -401,6 +401,7 @@ def report_terminal(report: Report, console: Console) -> None:
         capacity_terminal(report.capacity, console)
     for plot in report.plots:
         console.print(f"  plot: {plot.path}", markup=False, highlight=False)
+    console.print("[bold]Kernel diff[/]")
     diff_terminal.body(report.diff, console)
 
 
