@@ -202,8 +202,9 @@ def window_options(command):
 verify_option = click.option(
     "--verify", "verify_totals", is_flag=True,
     help="Check kvtrace's per-kernel calls and totals of every input (each run of both arms) against `nsys stats "
-         "-r cuda_gpu_kern_sum` (nsys from --nsys, $NSYS or PATH); the output says they agree to the nanosecond or "
-         "lists where they do not.")
+         "-r cuda_gpu_kern_sum` (nsys from --nsys, $NSYS or PATH), and per short kernel name against `nsys recipe "
+         "cuda_gpu_kern_sum` on each input's .nsys-rep where that nsys runs its recipes; the output says they agree "
+         "to the nanosecond or lists where they do not.")
 
 
 def parse_gate(values: tuple[str, ...]) -> list[str | None]:

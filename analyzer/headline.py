@@ -51,21 +51,27 @@ class Headline:
     def of(cls, diff: Diff, manifest: Manifest | None = None, command: list[str] | None = None) -> Headline:
         """The head of `diff`; `manifest` is the run directory's beside the traces, `command` the diff's
         arguments as run (paths relative to the run directory)."""
-        rows = []
-        for question, segment in _SEGMENT_QUESTIONS:
-            chosen = [r for r in diff.phases if r.segment == segment] or \
-                     [r for r in diff.segments if r.segment == segment]
-            rows += [HeadRow(question, _point(r.phase), _families(diff, r), r) for r in chosen]
-        rows += [HeadRow(APPEND_PHASE, _point(r.phase), EVERY_KERNEL, r) for r in diff.phase_totals
-                 if (parse_phase_name(r.phase) or ("",))[0] == "append"]
-        rows += [HeadRow(CONTROL, r.segment, r.segment, r) for r in diff.segments
-                 if r.kv_independent and r.ratio is not None]
         drift = next((f.message for f in diff.findings if f.check == "drift"), None)
         commands = [_command(c) for c in _capture_commands(manifest)]
         if command:
             commands.append(shlex.join(["kvtrace", *command]))
-        return cls(diff.baseline.label, diff.candidate.label, diff.confidence, rows, drift,
+        return cls(diff.baseline.label, diff.candidate.label, diff.confidence, head_rows(diff), drift,
                    _environment(diff, manifest), commands)
+
+
+def head_rows(diff: Diff) -> list[HeadRow]:
+    """The questions in the head's order, each answered per workload point (a segment's phase rows, else its
+    row over all calls), then the KV-independent control; a report's kernel statements read these too."""
+    rows = []
+    for question, segment in _SEGMENT_QUESTIONS:
+        chosen = [r for r in diff.phases if r.segment == segment] or \
+                 [r for r in diff.segments if r.segment == segment]
+        rows += [HeadRow(question, _point(r.phase), _families(diff, r), r) for r in chosen]
+    rows += [HeadRow(APPEND_PHASE, _point(r.phase), EVERY_KERNEL, r) for r in diff.phase_totals
+             if (parse_phase_name(r.phase) or ("",))[0] == "append"]
+    rows += [HeadRow(CONTROL, r.segment, r.segment, r) for r in diff.segments
+             if r.kv_independent and r.ratio is not None]
+    return rows
 
 
 def _environment(diff: Diff, manifest: Manifest | None) -> list[tuple[str, str]]:

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kvtrace.analyzer import capacity, stats
-from kvtrace.analyzer.compare import Diff, DiffRow
+from kvtrace.analyzer import capacity, headline, stats
+from kvtrace.analyzer.compare import Diff
 from kvtrace.analyzer.runs import RunArm
 from kvtrace.analyzer.serving import ServingRow
 from kvtrace.manifest import Point, parse_phase_name
@@ -35,13 +35,14 @@ class Statement:
 
 @dataclass(frozen=True)
 class KernelStatement(Statement):
-    """A diff row: a segment over every point (prefill, decode, KV append kernels) or the append phase at one
-    workload point (the diff's phase_totals row, every kernel of the phase)."""
+    """One row of the diff's head at one workload point: a segment's (prefill, decode, KV append kernels) or the
+    append phase's (the diff's phase_totals row, every kernel of the phase)."""
 
     kind: ClassVar[str] = "kernels"
     subject: str  # a segment (prefill_attention, decode_attention, kv_append) or APPEND_PHASE
-    phase: str | None  # the NVTX range of a per-point row
-    context: int | None  # its context length
+    point: str  # the workload point as the head names it: ctx=N, a vLLM step kind, "all calls"
+    phase: str | None  # the row's NVTX range (None: all calls)
+    context: int | None  # its context length, for a kvtrace workload range
     baseline: str  # arm labels
     candidate: str
     verdict: str
@@ -140,41 +141,40 @@ class TtftStatement(Statement):
     baseline_capacity: str | None  # why the baseline was capacity-bound at the point
 
 
-def _kernel_statement(diff: Diff, row: DiffRow, check: str, subject: str) -> KernelStatement:
-    parsed = parse_phase_name(row.phase) if subject == APPEND_PHASE else None
+# The head's questions that kernel statements answer, with their topic.
+_KERNEL_CHECKS = {headline.PREFILL: "prefill", headline.DECODE: "decode", headline.APPEND_KERNEL: "append",
+                  headline.APPEND_PHASE: "append"}
+
+
+def _kernel_statement(diff: Diff, head: headline.HeadRow) -> KernelStatement:
+    row = head.row
+    subject = APPEND_PHASE if head.question == headline.APPEND_PHASE else row.segment
+    parsed = parse_phase_name(row.phase) if row.phase else None
     compared = row.ratio is not None
     times = [None, None]
     if compared:  # cells of different cost per call: the totals, since a pooled mean describes no call that ran
         times = [getattr(arm, "mean_ns" if row.same_work else "total_ns") for arm in (row.baseline, row.candidate)]
     return KernelStatement(
         level="warning" if not compared or row.verdict in (stats.REGRESSION, stats.DIFFERENT_WORK) else "ok",
-        check=check, subject=subject, phase=row.phase if parsed else None, context=parsed[1] if parsed else None,
+        check=_KERNEL_CHECKS[head.question], subject=subject, point=head.point, phase=row.phase,
+        context=parsed[1] if parsed else None,
         baseline=diff.baseline.label, candidate=diff.candidate.label, verdict=row.verdict, ratio=row.ratio,
         ci_low=row.ci_low, ci_high=row.ci_high, compared_calls=row.compared_calls, per_call=row.same_work,
         baseline_ns=times[0], candidate_ns=times[1], cells=row.cells,
         reason=None if compared else row.reason or row.note)
 
 
-def _segment_statement(diff: Diff, segment: str, check: str) -> KernelStatement | None:
-    row = next((r for r in diff.segments if r.segment == segment), None)
-    return None if row is None else _kernel_statement(diff, row, check, segment)
-
-
-def _append_phase_statements(diff: Diff) -> list[KernelStatement]:
-    """FlashInfer's append ranges hold the whole append path (FP8: a cast in separate kernels; NVFP4: one
-    fused quantize-append): the diff's phase totals, one per workload point as its head shows them, so that
-    report and diff say the same and no ratio pooled across contexts poses as one answer."""
-    return [_kernel_statement(diff, row, "append", APPEND_PHASE) for row in diff.phase_totals
-            if (parse_phase_name(row.phase) or ("",))[0] == "append"]
+def _kernel_statements(diff: Diff) -> list[KernelStatement]:
+    """Prefill, decode and KV append kernels, then the append phase (FlashInfer's append ranges hold the whole
+    append path: FP8's cast in separate kernels, NVFP4's one fused quantize-append), one statement per workload
+    point: the rows of the diff's head, so that report and diff say the same and no ratio pooled across
+    contexts poses as one answer."""
+    return [_kernel_statement(diff, head) for head in headline.head_rows(diff) if head.question in _KERNEL_CHECKS]
 
 
 def statements(diff: Diff, serving: list[ServingRow], cap: capacity.Capacity | None, base: RunArm,
                cand: RunArm) -> list[Statement]:
-    out: list[Statement] = [s for s in (
-        _segment_statement(diff, "prefill_attention", "prefill"),
-        _segment_statement(diff, "decode_attention", "decode"),
-        _segment_statement(diff, "kv_append", "append")) if s is not None]
-    out += _append_phase_statements(diff)
+    out: list[Statement] = list(_kernel_statements(diff))
     if cap is not None and cap.measured:
         reference = cap.measured[0]
         out += [MeasuredCapacityStatement("ok", "capacity", row.arm, row.tokens, reference.arm, reference.tokens,

@@ -90,9 +90,9 @@ def test_one_flashinfer_run_directory_compares_its_two_arms(fi):
     assert any("no serving metrics" in note for note in fi.notes)
 
 
-def test_prefill_statement_and_segment_times_match_plain_sql(fi):
-    """Prefill spans three contexts (2 ms to 468 ms per call): the report gives each arm's total over the
-    paired calls with the diff's interval, no pooled per-call mean, and the statement says "in total"."""
+def test_prefill_segment_times_match_plain_sql(fi):
+    """Prefill spans three contexts (2 ms to 468 ms per call): the report's segment times give each arm's total
+    over the paired calls with the diff's interval, no pooled per-call mean."""
     base, cand = sql_durations(NSYS2025_DIR / "fp8.sqlite", PREFILL), sql_durations(NSYS2025_DIR / "nvfp4.sqlite", PREFILL)
     row = next(r for r in fi.segment_times if r.segment == "prefill_attention")
     assert row.baseline_total_ns == sum(base) and row.candidate_total_ns == sum(cand)
@@ -103,12 +103,48 @@ def test_prefill_statement_and_segment_times_match_plain_sql(fi):
     assert (row.baseline_ci_low, row.baseline_ci_high) == (segment.baseline.total_low_ns, segment.baseline.total_high_ns)
     gemm = next(r for r in fi.segment_times if r.segment == "gemm")  # one GEMM shape in three ranges: per call
     assert gemm.baseline_mean_ns == pytest.approx(np.mean(sql_durations(NSYS2025_DIR / "fp8.sqlite", "nvjet%")))
-    statement = next(s for s in fi.statements if s.check == "prefill")
-    assert (statement.baseline_ns, statement.candidate_ns, statement.per_call) == (sum(base), sum(cand), False)
-    assert statement.ratio == pytest.approx(sum(cand) / sum(base)) and statement.compared_calls == len(base)
-    assert statement.level == "warning" and f"{sum(cand) / sum(base):.3f}×" in statement_text(statement)
-    assert "in total over 3 cells" in statement_text(statement) and "per call" not in statement_text(statement)
-    assert "regression" in statement_text(statement) and f"{len(base):,} paired calls" in statement_text(statement)
+
+
+def test_prefill_statements_are_per_context_and_match_plain_sql(fi):
+    """One prefill statement per context, per call inside its kvtrace:prefill range; none pooled across the
+    three contexts (2 ms to 468 ms per call)."""
+    ranges = [p["nvtx"] for p in manifest(NSYS2025_DIR)["arms"]["fp8"]["workload"]["phases"]
+              if p["nvtx"].startswith("kvtrace:prefill ")]
+    said = [s for s in fi.statements if s.check == "prefill"]
+    assert [s.phase for s in said] == ranges and len(said) == 3
+    for statement, nvtx in zip(said, ranges):
+        base, cand = (sql_durations(NSYS2025_DIR / f"{arm}.sqlite", PREFILL, nvtx=nvtx) for arm in ("fp8", "nvfp4"))
+        context = int(re.search(r"ctx=(\d+)", nvtx).group(1))
+        assert (statement.point, statement.context, statement.per_call) == (f"ctx={context}", context, True)
+        assert (statement.baseline_ns, statement.candidate_ns) == pytest.approx((np.mean(base), np.mean(cand)))
+        assert statement.ratio == pytest.approx(sum(cand) / sum(base)) and statement.compared_calls == len(base)
+        words = statement_text(statement)
+        assert words.startswith(f"prefill attention kernels (ctx={context}): {duration(np.mean(base))} (fp8) → "
+                                f"{duration(np.mean(cand))} (nvfp4) per call, {statement.ratio:.3f}×")
+        assert statement.level == "warning" and f"regression over {len(base):,} paired calls" in words
+
+
+@pytest.mark.parametrize("run", [NSYS2025_DIR, FIXTURES / "vllm-h200-decode-heavy"], ids=lambda p: p.name)
+def test_kernel_statements_are_the_heads_rows(run, recipes):
+    """Prefill, decode, append kernel and append phase: one statement per row of the diff's head, with its
+    point, numbers and verdict, so that head and statements cannot disagree; a row over cells of different
+    cost per call is worded as a total over those cells."""
+    result = report.build([run], recipes)
+    heads = [r for r in headline.head_rows(result.diff) if r.question != headline.CONTROL]
+    said = [s for s in result.statements if s.kind == "kernels"]
+    assert len(said) == len(heads) and len({(s.check, s.point) for s in said if s.subject != "append_phase"}) == \
+        len([s for s in said if s.subject != "append_phase"])
+    for statement, head in zip(said, heads):
+        row = head.row
+        assert (statement.point, statement.phase, statement.verdict, statement.compared_calls) == (
+            head.point, row.phase, row.verdict, row.compared_calls)
+        assert (statement.ratio, statement.ci_low, statement.ci_high) == (row.ratio, row.ci_low, row.ci_high)
+        side = "mean_ns" if row.same_work else "total_ns"
+        assert (statement.baseline_ns, statement.candidate_ns) == (getattr(row.baseline, side),
+                                                                  getattr(row.candidate, side))
+        words = statement_text(statement)
+        assert ("per call" in words or "per append call" in words) == row.same_work
+        assert (f"in total over {row.cells:,} cells" in words) == (not row.same_work)
 
 
 def test_ecdf_durations_are_the_traces_per_call_durations_per_cell(fi):
@@ -407,6 +443,11 @@ def test_the_head_is_printed_once_and_the_whole_diff_follows(fi):
     render_table(fi, Console(file=buffer, width=200))
     table = buffer.getvalue()
     assert table.count("time per call, ratio nvfp4/fp8") == 1 and "Segments by phase (NVTX range)" in table
+    # As in markdown, the rest of the diff comes under its own label, after the report's own sections.
+    lines = table.splitlines()
+    assert lines.count("Kernel diff") == 1
+    assert table.index("Achieved compute (prefill)") < table.index("\nKernel diff\n") < \
+        table.index("total GPU kernel time") < table.index("Segments by phase")
 
 
 def test_statement_names_are_escaped_for_each_format(recipes):

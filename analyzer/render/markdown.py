@@ -10,7 +10,7 @@ from kvtrace.analyzer.headline import APPEND_PHASE, Headline
 from kvtrace.analyzer.render.escape import md_code, md_text, visible
 from kvtrace.analyzer.render.units import (MARK, arm_time, calls, duration, head_time, interval, markdown_table,
                                           numbered_notes, per_call, percent, ratio, run_ratios, signed_duration)
-from kvtrace.analyzer.verify import MISMATCHES_SHOWN, mismatch_lines
+from kvtrace.analyzer.verify import MISMATCHES_SHOWN
 
 
 def kernels(kernels: KernelList) -> str:
@@ -155,10 +155,9 @@ def head(diff: Diff, level: int = 3) -> list[str]:
                      "(FP8 pays a separate cast and copy, NVFP4 one fused quantize-append).")
     if head.drift:
         notes.append(f"Control: {md_text(head.drift)}.")
-    checked = diff.verification
-    if checked is not None:
-        notes.append(f"{MARK['ok' if checked.agrees else 'error']} {md_text(checked.summary())}.")
-        notes += [f"  - {md_text(line)}" for line in mismatch_lines(checked)[:MISMATCHES_SHOWN]]
+    for outcome in diff.verification.outcomes() if diff.verification is not None else []:
+        notes.append(f"{MARK['ok' if outcome.agrees else 'error']} {md_text(outcome.summary)}.")
+        notes += [f"  - {md_text(line)}" for line in outcome.mismatches[:MISMATCHES_SHOWN]]
     lines += [""] + [f"- {n}" if not n.startswith("  ") else n for n in notes] if notes else []
     lines += ["", f"{section} Environment", ""]
     lines += markdown_table(["", ""], [[name, md_text(value)] for name, value in head.environment])

@@ -401,6 +401,7 @@ def report_terminal(report: Report, console: Console) -> None:
         capacity_terminal(report.capacity, console)
     for plot in report.plots:
         console.print(f"  plot: {plot.path}", markup=False, highlight=False)
+    console.print("[bold]Kernel diff[/]")
     diff_terminal.body(report.diff, console)
 
 
@@ -435,18 +436,23 @@ def report_csv(report: Report) -> str:
         writer.writerow(["statement", s.check, "", s.level, statement_text(s)])
     checked = report.diff.verification
     if checked is not None:  # --verify: one line per input and per kernel whose calls or total differ
+        stats, *recipe = checked.outcomes()
         writer.writerow(["verify", "", "", "agrees", checked.agrees])
-        writer.writerow(["verify", "", "", "summary", checked.summary()])
+        writer.writerow(["verify", "", "", "summary", stats.summary])
         writer.writerow(["verify", "", "", "recipe", checked.recipe])
-        for item in checked.inputs:
-            for metric in ("agrees", "kernels", "calls", "problem"):
-                value = getattr(item, metric)
-                writer.writerow(["verify", item.source, "", metric, "" if value is None else value])
-            for m in item.mismatches:
-                for metric in ("kvtrace_calls", "kvtrace_total_ns", "nsys_calls", "nsys_total_ns"):
-                    value = getattr(m, metric)
-                    writer.writerow(["verify_mismatch", f"{item.source}: {m.kernel}", "", metric,
-                                     "" if value is None else value])
+        for outcome in recipe:
+            writer.writerow(["verify_recipe", "", "", "agrees", outcome.agrees])
+            writer.writerow(["verify_recipe", "", "", "summary", outcome.summary])
+        for section, inputs in (("verify", checked.inputs), ("verify_recipe", checked.recipe_inputs)):
+            for item in inputs:
+                for metric in ("agrees", "kernels", "calls", "problem"):
+                    value = getattr(item, metric)
+                    writer.writerow([section, item.source, "", metric, "" if value is None else value])
+                for m in item.mismatches:
+                    for metric in ("kvtrace_calls", "kvtrace_total_ns", "nsys_calls", "nsys_total_ns"):
+                        value = getattr(m, metric)
+                        writer.writerow([f"{section}_mismatch", f"{item.source}: {m.kernel}", "", metric,
+                                         "" if value is None else value])
     for row in report.serving:
         for side in ("baseline", "candidate"):
             metrics = getattr(row, side)

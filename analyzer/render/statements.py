@@ -32,7 +32,7 @@ def _kernels(s: st.KernelStatement, name: Name = _plain) -> str:
     if s.subject == st.APPEND_PHASE:
         what = f"append phase at ctx={s.context}, {_APPEND_PHASE}"
     else:
-        what = _SUBJECTS[s.subject]
+        what = f"{_SUBJECTS[s.subject]} ({name(s.point)})"
     if s.ratio is None:
         return f"{what}: {s.verdict} ({name(s.reason or 'no paired calls')})"
     b, c = name(s.baseline), name(s.candidate)

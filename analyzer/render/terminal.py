@@ -11,7 +11,7 @@ from kvtrace.analyzer.render.escape import rich, visible
 from kvtrace.analyzer.render.units import (LEVEL, arm_time, calls, duration, head_time, interval, numbered_notes,
                                           per_call, percent, ratio, run_ratios, signed_duration)
 from kvtrace.analyzer.stats import IMPROVEMENT, REGRESSION
-from kvtrace.analyzer.verify import MISMATCHES_SHOWN, mismatch_lines
+from kvtrace.analyzer.verify import MISMATCHES_SHOWN
 
 _STYLE = {REGRESSION: "red", IMPROVEMENT: "green"}
 
@@ -74,11 +74,10 @@ def head(diff: Diff, console: Console) -> None:
                       "(FP8's cast and copy, NVFP4's fused quantize-append)", highlight=False)
     if head.drift:
         console.print(f"  drift: {visible(head.drift)}", markup=False, highlight=False)
-    checked = diff.verification
-    if checked is not None:
-        console.print(f"  {'ok' if checked.agrees else 'MISMATCH'}  {visible(checked.summary())}", markup=False,
+    for outcome in diff.verification.outcomes() if diff.verification is not None else []:
+        console.print(f"  {'ok' if outcome.agrees else 'MISMATCH'}  {visible(outcome.summary)}", markup=False,
                       highlight=False)
-        for line in mismatch_lines(checked)[:MISMATCHES_SHOWN]:
+        for line in outcome.mismatches[:MISMATCHES_SHOWN]:
             console.print(f"    {visible(line)}", markup=False, highlight=False)
     console.rule("everything else", style="dim")
 
