@@ -18,6 +18,7 @@ import kvtrace.nsys
 from kvtrace import files
 from kvtrace.analyzer import align, compare, headline, render, stats, verify
 from kvtrace.analyzer.classify import SEGMENTS, load_recipes
+from kvtrace.analyzer.kernels import list_kernels
 from kvtrace.analyzer.load import open_trace, open_traces
 from kvtrace.analyzer.render.escape import visible
 from kvtrace.errors import KvtraceError
@@ -363,5 +364,5 @@ def diff(baseline, candidate, repeats, labels, threshold, confidence, seed, fail
 def kernels(trace, unclassified, segment, fmt, output, recipe_files, nsys_path):
     """Distinct kernels with their segment and recipe, by share of GPU time."""
     recipes = load_recipes(recipe_files)
-    emit(compare.list_kernels(load_trace(trace, nsys_path), recipes, unclassified=unclassified,
-                              segment=segment), fmt, output)
+    emit(list_kernels(load_trace(trace, nsys_path), recipes, unclassified=unclassified, segment=segment),
+         fmt, output)

@@ -21,10 +21,10 @@ from kvtrace import __version__
 from kvtrace.analyzer import align, pairing, stats
 from kvtrace.analyzer.calls import sums
 from kvtrace.analyzer.classify import KV_SEGMENTS, RecipeSet
+from kvtrace.analyzer.findings import Finding, comparability, drift_finding, run_findings, window_findings
 from kvtrace.analyzer.load import Trace, TraceInfo
 from kvtrace.analyzer.pairing import KERNEL, RANGE, Cells, Run, Vocabulary, segment_order
 from kvtrace.errors import KvtraceError
-from kvtrace.kv_formats import bytes_per_value, claimed_dtypes
 
 SUMMARY_SCHEMA = "kvtrace.summary/2"
 # Cells with fewer call pairs than this are named in the row's note: their spread is poorly known.
@@ -103,7 +103,7 @@ class Summary:
     kvtrace_version: str = __version__
 
     def to_dict(self) -> dict:
-        return _schema_first(asdict(self))
+        return schema_first(asdict(self))
 
 
 @dataclass
@@ -155,13 +155,6 @@ class Drift:
 
 
 @dataclass
-class Finding:
-    level: str  # "ok", "warning", "error"
-    check: str
-    message: str
-
-
-@dataclass
 class Diff:
     baseline: Arm
     candidate: Arm
@@ -193,12 +186,12 @@ class Diff:
         return max(self.threshold, self.drift.band if self.drift else 0.0)
 
     def to_dict(self) -> dict:
-        data = _schema_first(asdict(self))
+        data = schema_first(asdict(self))
         data["total_ratio"] = self.total_ratio
         return data
 
 
-def _schema_first(data: dict) -> dict:
+def schema_first(data: dict) -> dict:
     return {"schema": data.pop("schema"), "kvtrace_version": data.pop("kvtrace_version"), **data}
 
 
@@ -237,7 +230,7 @@ def summarize(trace: Trace, recipes: RecipeSet, label: str | None = None,
     classes = classify_signatures(trace, recipes)
     vocabulary = Vocabulary.of([trace], [classes])
     run = vocabulary.run(trace, classes, window)
-    arm = _arm([run], label or _default_label([trace]))
+    arm = _arm([run], label or default_label([trace]))
 
     def row(group: Cells, **extra) -> SummaryRow:
         kv, names = run.kv_dtypes_and_names(group)
@@ -382,10 +375,10 @@ def diff_sides(sides: Sides, *, labels: tuple[str | None, str | None] = (None, N
     vocabulary, base_runs, cand_runs, recipes, window = (sides.vocabulary, sides.baseline, sides.candidate,
                                                          sides.recipes, sides.window)
     built = base_runs + cand_runs
-    base_arm = _arm(base_runs, labels[0] or _default_label([run.trace for run in base_runs]))
-    cand_arm = _arm(cand_runs, labels[1] or _default_label([run.trace for run in cand_runs]))
+    base_arm = _arm(base_runs, labels[0] or default_label([run.trace for run in base_runs]))
+    cand_arm = _arm(cand_runs, labels[1] or default_label([run.trace for run in cand_runs]))
     # Before the pairs exist: the step check holds a few hundred bytes per step, the pairs 8 per call pair.
-    run_findings = _run_findings(list(zip(base_runs, cand_runs)), base_arm, cand_arm)
+    findings_of_runs = run_findings(list(zip(base_runs, cand_runs)), base_arm, cand_arm)
     comparison = _Comparison.of(vocabulary, list(zip(base_runs, cand_runs)))
     strata = comparison.strata
 
@@ -435,10 +428,10 @@ def diff_sides(sides: Sides, *, labels: tuple[str | None, str | None] = (None, N
 
     phase_totals = _phase_totals(comparison, base_arm, cand_arm, threshold=threshold, band=band,
                                  confidence=confidence, seed=seed)
-    findings = comparability(base_arm, cand_arm) + _window_findings(window, families, builder.realigned)
-    findings += run_findings
+    findings = comparability(base_arm, cand_arm) + window_findings(window, families, builder.realigned)
+    findings += findings_of_runs
     if drift is not None:
-        findings.append(_drift_finding(drift, threshold))
+        findings.append(drift_finding(drift, threshold))
     return Diff(baseline=base_arm, candidate=cand_arm, recipes=tuple(recipes.files), threshold=threshold,
                 confidence=confidence, findings=findings, segments=segments, families=families, phases=phases,
                 phase_totals=phase_totals, drift=drift, runs=len(base_runs),
@@ -673,175 +666,15 @@ def _drift(rows: list[DiffRow], pooled: stats.Estimate | None, controls: pl.Data
                  compared_calls=int(controls["pairs"].sum()), segments=segments, band=band, widest=where)
 
 
-def _drift_finding(drift: Drift, threshold: float) -> Finding:
-    def signed(value: float) -> str:
-        return f"{100 * (value - 1):+.1f}%".replace("-", "−")
-
-    moved = signed(drift.ratio)
-    if drift.ci_low is not None:
-        moved += f" [{signed(drift.ci_low)}, {signed(drift.ci_high)}]"
-    text = (f"KV-independent kernels ({', '.join(drift.segments)}; {drift.compared_calls:,} call pairs) moved "
-            f"{moved} between the runs")
-    if drift.band > threshold:
-        return Finding("warning", "drift", f"{text}; the largest sure move, {drift.widest}, was "
-                       f"{100 * drift.band:.1f}%: changes within ±{100 * drift.band:.1f}% are not attributed to the KV "
-                       "format")
-    return Finding("ok", "drift", f"{text}, within the ±{100 * threshold:g}% threshold")
-
-
 def _natural(text: str) -> list:
     """Sort key that puts ctx=8192 before ctx=32768."""
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
 
 
-def _window_findings(window: align.Window, families: list[DiffRow], realigned: list[str]) -> list[Finding]:
-    findings = [Finding("ok", "window", "compared " + part) for part in window.describe()]
-    if not window.describe():
-        findings.append(Finding("ok", "window", "compared whole traces (no --window, --time, --phase or trimming)"))
-    for r in families:
-        if r.family_label in realigned:
-            findings.append(Finding("warning", "alignment", f"{r.family_label}: {r.note}; extra calls at the start "
-                                    "are usually warm-up (--skip-warmup), missing calls at the end a truncated arm"))
-    unmatched = [r.family_label for r in families if r.reason and r.baseline_calls and r.candidate_calls]
-    if unmatched:
-        examples = ", ".join(unmatched[:3]) + (", …" if len(unmatched) > 3 else "")
-        findings.append(Finding("warning", "alignment", f"{len(unmatched)} kernel famil"
-                                f"{'y' if len(unmatched) == 1 else 'ies'} ran in both arms but in different NVTX "
-                                f"ranges or launch shapes, so no calls pair ({examples}); the notes under the "
-                                "tables say where"))
-    return findings
-
-
-def _run_findings(runs: list[tuple[Run, Run]], base_arm: Arm, cand_arm: Arm) -> list[Finding]:
-    findings = []
-    count = len(runs)
-    if count > 1:
-        findings.append(Finding("ok", "runs", f"{count} runs per arm, paired in repeat order (r1 with r1, …): "
-                                "intervals resample run pairs, then calls within each run, so between-run variance "
-                                "is inside them"))
-        gpus = sorted({run.trace.info.gpu_label for pair in runs for run in pair})
-        if len(gpus) > 1:
-            findings.append(Finding("error", "gpu", f"the runs ran on different GPUs: {', '.join(gpus)}"))
-    for index, (base, cand) in enumerate(runs):
-        found = _step_findings(base, cand, base_arm, cand_arm)
-        if count > 1:
-            for f in found:
-                f.message = f"r{index + 1}: {f.message}"
-        findings += found
-    return findings
-
-
-def _step_findings(base: Run, cand: Run, base_arm: Arm, cand_arm: Arm) -> list[Finding]:
-    """vLLM step token counts must agree, or per-step kernel times describe different work (kekzl/imp#1816)."""
-    steps = [align.steps(run.trace).filter(pl.col("range").is_in(run.ranges.implode())).unique("step_range")
-             for run in (base, cand)]
-    if not steps[0].height and not steps[1].height:
-        return []
-
-    def describe(arm: Arm, found: pl.DataFrame) -> str:
-        first = found.bottom_k(4, by=["step_start", "step_range"]).sort("step_start", "step_range")["step"].to_list()
-        shown = ", ".join(first) + (f", … ({found.height} steps)" if found.height > 4 else "")
-        return f"{arm.label}: {shown or 'none'}"
-
-    # The same steps: each step name as often in both arms. Counted per distinct name, since an hour of serving
-    # has hundreds of thousands of steps.
-    if steps[0]["step"].value_counts().sort("step").equals(steps[1]["step"].value_counts().sort("step")):
-        return [Finding("ok", "steps", f"both arms ran the same {steps[0].height} vLLM steps (same requests and "
-                                       "token counts per step)")]
-    return [Finding("warning", "steps", f"the arms scheduled different vLLM steps ({describe(base_arm, steps[0])}; "
-                    f"{describe(cand_arm, steps[1])}): kernel times of different steps are not comparable, so "
-                    "only calls in identical steps pair; re-record so that both arms schedule the same batches")]
-
-
-def comparability(baseline: Arm, candidate: Arm) -> list[Finding]:
-    findings = []
-    b_gpu, c_gpu = baseline.info.gpu_label, candidate.info.gpu_label
-    findings.append(Finding("ok" if b_gpu == c_gpu else "error", "gpu",
-                            f"same GPU: {b_gpu}" if b_gpu == c_gpu else f"different GPUs: {b_gpu} vs {c_gpu}"))
-    b_ver, c_ver = baseline.info.product_version or "?", candidate.info.product_version or "?"
-    same_family = b_ver.split(".")[:2] == c_ver.split(".")[:2]
-    findings.append(Finding("ok" if same_family else "warning", "nsys",
-                            f"Nsight Systems {b_ver} and {c_ver}" + ("" if same_family else
-                            ": different versions can report kernels differently")))
-    for arm in (baseline, candidate):
-        if arm.info.graph_trace_mode is not None and arm.info.graph_trace_mode.lower() != "node":
-            findings.append(Finding("warning", "graph-trace", f"{arm.label}: CUDA graphs traced as "
-                                    f"'{arm.info.graph_trace_mode}', so kernels inside graphs are missing; "
-                                    "re-profile with --cuda-graph-trace=node"))
-    findings += _dtype_findings(baseline, candidate)
-    return findings
-
-
-def _dtype_findings(baseline: Arm, candidate: Arm) -> list[Finding]:
-    findings = []
-    for arm in (baseline, candidate):
-        seen = ", ".join(arm.kv_dtypes) or "none detected"
-        findings.append(Finding("ok", "kv-dtype", f"{arm.label}: KV cache dtype in kernel names: {seen}"))
-    if baseline.kv_dtypes and baseline.kv_dtypes == candidate.kv_dtypes:
-        findings.append(Finding("warning", "kv-dtype", "both arms ran the same KV dtype "
-                                f"({', '.join(baseline.kv_dtypes)}): this compares runs, not formats"))
-
-    widths = [max((bytes_per_value(d) for d in arm.kv_dtypes), default=0.0) for arm in (baseline, candidate)]
-    if 0 < widths[0] < widths[1]:  # `kvtrace report` puts the widest format first; a diff says so
-        findings.append(Finding("warning", "kv-dtype", f"the baseline ran the narrower KV format "
-                                f"({', '.join(baseline.kv_dtypes)} against {', '.join(candidate.kv_dtypes)}): every "
-                                "ratio reads the other way round from kvtrace report's; give the wider format first"))
-    for arm, other in ((baseline, candidate), (candidate, baseline)):
-        claimed = claimed_dtypes(arm.label)
-        # A label naming the other arm's dtype but not its own is the swapped-arms signature.
-        if claimed and arm.kv_dtypes and not claimed & set(arm.kv_dtypes):
-            swapped = claimed_dtypes(other.label) & set(arm.kv_dtypes)
-            findings.append(Finding("error", "kv-dtype",
-                                    f"'{arm.label}' ran {', '.join(arm.kv_dtypes)} kernels"
-                                    + (": the arms look swapped (baseline first, candidate second)" if swapped else
-                                       ": check that the file and its label match")))
-    return findings
-
-
-def _default_label(traces: list[Trace]) -> str:
+def default_label(traces: list[Trace]) -> str:
     """The file name; for repeated runs the arm's name (fp8.r1, fp8.r2 → fp8), since the numbers cover them all."""
     stems = [Path(t.info.source).stem for t in traces]
     arms = {re.sub(r"\.r\d+$", "", stem) for stem in stems}
     if len(stems) == 1:
         return stems[0]
     return arms.pop() if len(arms) == 1 else f"{stems[0]} (+{len(stems) - 1} runs)"
-
-
-@dataclass
-class KernelList:
-    """Distinct kernel names with their classification, by share of GPU time."""
-
-    arm: Arm
-    recipes: tuple[str, ...]
-    only_unclassified: bool
-    rows: list[dict] = field(default_factory=list)
-    schema: str = "kvtrace.kernels/1"
-    kvtrace_version: str = __version__
-
-    def to_dict(self) -> dict:
-        return _schema_first(asdict(self))
-
-
-def list_kernels(trace: Trace, recipes: RecipeSet, *, unclassified: bool = False, segment: str | None = None,
-                 label: str | None = None) -> KernelList:
-    classes = classify_signatures(trace, recipes)
-    per_sig = trace.calls.cells.group_by("sig").agg(pl.col("calls").sum().cast(pl.UInt32),
-                                                    pl.col("total_ns").sum())
-    total_ns = int(per_sig["total_ns"].sum())
-    kv = classes.filter(pl.col("segment").is_in(list(KV_SEGMENTS)))["kv_dtype"].drop_nulls().unique().sort()
-    arm = Arm(label=label or _default_label([trace]), info=trace.info, total_ns=total_ns, kv_dtypes=tuple(kv))
-    kernels = per_sig.join(classes, on="sig")
-    if unclassified:
-        kernels = kernels.filter(pl.col("recipe").is_null())
-    if segment:
-        kernels = kernels.filter(pl.col("segment") == segment)
-    table = (kernels.sort("sig").group_by("demangled", maintain_order=True)
-             .agg(pl.col("segment").first(), pl.col("recipe").first(), pl.col("family_label").first(),
-                  pl.col("kv_dtype").first(), pl.col("calls").sum(), pl.col("total_ns").sum())
-             .with_columns((pl.col("total_ns") / pl.col("calls")).alias("mean_ns"),
-                           (pl.col("total_ns") / arm.total_ns).alias("share"))
-             .sort("total_ns", descending=True, maintain_order=True)
-             .select("segment", "family_label", "kv_dtype", "calls", "total_ns", "mean_ns", "share", "recipe",
-                     "demangled"))
-    return KernelList(arm=arm, recipes=tuple(recipes.files), only_unclassified=unclassified,
-                      rows=table.to_dicts())

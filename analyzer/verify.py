@@ -3,7 +3,7 @@
 `nsys stats -r cuda_gpu_kern_sum -f csv:noconv` groups kernels by their full demangled name (the report's
 kernel view names each kernel by its demangledName string; no `:base`/`:mangled` option is passed) and
 prints Total Time as integer nanoseconds (`:noconv`), in CSV, which keeps long names whole. kvtrace's
-kernel list (compare.list_kernels) groups by the same string, so instances and totals must be equal.
+kernel list (kernels.list_kernels) groups by the same string, so instances and totals must be equal.
 `nsys stats` exits 0 even when it skips a report, so its output is checked rather than its exit code.
 nsys reads a copy of each export: it may add tables to the file it is given, and a user's trace is never
 modified.
@@ -29,7 +29,9 @@ from pathlib import Path
 import polars as pl
 
 from kvtrace.analyzer.classify import RecipeSet
-from kvtrace.analyzer.compare import Diff, Finding, list_kernels
+from kvtrace.analyzer.compare import Diff
+from kvtrace.analyzer.findings import Finding
+from kvtrace.analyzer.kernels import list_kernels
 from kvtrace.analyzer.load import Trace
 from kvtrace.nsys import nsys_version
 

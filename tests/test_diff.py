@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import FIXTURES, NSYS2023_DIR, NSYS2025_DIR, REPO
-from kvtrace.analyzer import compare, stats
+from kvtrace.analyzer import compare, kernels, stats
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.load import open_trace
 
@@ -187,7 +187,7 @@ def test_kernels_unclassified_lists_only_unmatched(run_kvtrace, recipes):
     assert code == 0, err
     rows = json.loads(out)["rows"]
     assert rows and all(r["recipe"] is None and r["segment"] == "other" for r in rows)
-    everything = compare.list_kernels(open_trace(FP8), recipes).rows
+    everything = kernels.list_kernels(open_trace(FP8), recipes).rows
     assert {r["demangled"] for r in rows} == {r["demangled"] for r in everything if r["recipe"] is None}
     shares = [r["share"] for r in rows]
     assert shares == sorted(shares, reverse=True)

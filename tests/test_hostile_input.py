@@ -29,7 +29,7 @@ from rich.console import Console
 
 from conftest import GOOD_SQLITE, NSYS2023_DIR, NSYS2025_DIR, REPO, fingerprint
 import kvtrace.nsys
-from kvtrace.analyzer import compare, load, render
+from kvtrace.analyzer import kernels, load, render
 from kvtrace.analyzer.classify import load_recipes, parse_kernel_name
 from kvtrace.capture import runner
 from kvtrace.errors import KvtraceError
@@ -560,7 +560,7 @@ def test_hostile_names_are_inert_in_every_format(command, fmt, tmp_path, kv):
 def test_hostile_names_make_no_hyperlinks_or_markup_on_a_terminal(tmp_path):
     trace = load.open_trace(named(tmp_path, HOSTILE), cache=False)
     buffer = StringIO()
-    render.render_table(compare.list_kernels(trace, load_recipes()),
+    render.render_table(kernels.list_kernels(trace, load_recipes()),
                         Console(file=buffer, force_terminal=True, color_system="truecolor", width=400))
     text = buffer.getvalue()
     assert "\x1b]8;" not in text  # OSC 8: a hyperlink

@@ -10,7 +10,8 @@ from __future__ import annotations
 from rich.console import Console
 
 from kvtrace.analyzer.capacity import Capacity
-from kvtrace.analyzer.compare import Diff, KernelList, Summary
+from kvtrace.analyzer.compare import Diff, Summary
+from kvtrace.analyzer.kernels import KernelList
 from kvtrace.analyzer.render import csv_out, json_out, markdown, report_tables, terminal
 from kvtrace.analyzer.report import Report
 from kvtrace.errors import KvtraceError

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import io
 
-from kvtrace.analyzer.compare import Diff, KernelList, Summary
+from kvtrace.analyzer.compare import Diff, Summary
+from kvtrace.analyzer.kernels import KernelList
 from kvtrace.analyzer.render.escape import csv_writer
 
 STAT_FIELDS = ("calls", "total_ns", "mean_ns", "median_ns", "p90_ns", "p99_ns", "min_ns", "max_ns", "cv", "share")

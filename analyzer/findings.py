@@ -1,0 +1,143 @@
+"""What kvtrace says about whether two arms can be compared at all (same GPU, nsys, KV dtypes, vLLM steps,
+window, drift), as opposed to what the numbers say (analyzer.statements)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import polars as pl
+
+from kvtrace.analyzer import align
+from kvtrace.kv_formats import bytes_per_value, claimed_dtypes
+
+if TYPE_CHECKING:
+    from kvtrace.analyzer.compare import Arm, DiffRow, Drift
+    from kvtrace.analyzer.pairing import Run
+
+
+@dataclass
+class Finding:
+    level: str  # "ok", "warning", "error"
+    check: str
+    message: str
+
+
+def drift_finding(drift: Drift, threshold: float) -> Finding:
+    def signed(value: float) -> str:
+        return f"{100 * (value - 1):+.1f}%".replace("-", "−")
+
+    moved = signed(drift.ratio)
+    if drift.ci_low is not None:
+        moved += f" [{signed(drift.ci_low)}, {signed(drift.ci_high)}]"
+    text = (f"KV-independent kernels ({', '.join(drift.segments)}; {drift.compared_calls:,} call pairs) moved "
+            f"{moved} between the runs")
+    if drift.band > threshold:
+        return Finding("warning", "drift", f"{text}; the largest sure move, {drift.widest}, was "
+                       f"{100 * drift.band:.1f}%: changes within ±{100 * drift.band:.1f}% are not attributed to the KV "
+                       "format")
+    return Finding("ok", "drift", f"{text}, within the ±{100 * threshold:g}% threshold")
+
+
+def window_findings(window: align.Window, families: list[DiffRow], realigned: list[str]) -> list[Finding]:
+    findings = [Finding("ok", "window", "compared " + part) for part in window.describe()]
+    if not window.describe():
+        findings.append(Finding("ok", "window", "compared whole traces (no --window, --time, --phase or trimming)"))
+    for r in families:
+        if r.family_label in realigned:
+            findings.append(Finding("warning", "alignment", f"{r.family_label}: {r.note}; extra calls at the start "
+                                    "are usually warm-up (--skip-warmup), missing calls at the end a truncated arm"))
+    unmatched = [r.family_label for r in families if r.reason and r.baseline_calls and r.candidate_calls]
+    if unmatched:
+        examples = ", ".join(unmatched[:3]) + (", …" if len(unmatched) > 3 else "")
+        findings.append(Finding("warning", "alignment", f"{len(unmatched)} kernel famil"
+                                f"{'y' if len(unmatched) == 1 else 'ies'} ran in both arms but in different NVTX "
+                                f"ranges or launch shapes, so no calls pair ({examples}); the notes under the "
+                                "tables say where"))
+    return findings
+
+
+def run_findings(runs: list[tuple[Run, Run]], base_arm: Arm, cand_arm: Arm) -> list[Finding]:
+    findings = []
+    count = len(runs)
+    if count > 1:
+        findings.append(Finding("ok", "runs", f"{count} runs per arm, paired in repeat order (r1 with r1, …): "
+                                "intervals resample run pairs, then calls within each run, so between-run variance "
+                                "is inside them"))
+        gpus = sorted({run.trace.info.gpu_label for pair in runs for run in pair})
+        if len(gpus) > 1:
+            findings.append(Finding("error", "gpu", f"the runs ran on different GPUs: {', '.join(gpus)}"))
+    for index, (base, cand) in enumerate(runs):
+        found = _step_findings(base, cand, base_arm, cand_arm)
+        if count > 1:
+            for f in found:
+                f.message = f"r{index + 1}: {f.message}"
+        findings += found
+    return findings
+
+
+def _step_findings(base: Run, cand: Run, base_arm: Arm, cand_arm: Arm) -> list[Finding]:
+    """vLLM step token counts must agree, or per-step kernel times describe different work (kekzl/imp#1816)."""
+    steps = [align.steps(run.trace).filter(pl.col("range").is_in(run.ranges.implode())).unique("step_range")
+             for run in (base, cand)]
+    if not steps[0].height and not steps[1].height:
+        return []
+
+    def describe(arm: Arm, found: pl.DataFrame) -> str:
+        first = found.bottom_k(4, by=["step_start", "step_range"]).sort("step_start", "step_range")["step"].to_list()
+        shown = ", ".join(first) + (f", … ({found.height} steps)" if found.height > 4 else "")
+        return f"{arm.label}: {shown or 'none'}"
+
+    # The same steps: each step name as often in both arms. Counted per distinct name, since an hour of serving
+    # has hundreds of thousands of steps.
+    if steps[0]["step"].value_counts().sort("step").equals(steps[1]["step"].value_counts().sort("step")):
+        return [Finding("ok", "steps", f"both arms ran the same {steps[0].height} vLLM steps (same requests and "
+                                       "token counts per step)")]
+    return [Finding("warning", "steps", f"the arms scheduled different vLLM steps ({describe(base_arm, steps[0])}; "
+                    f"{describe(cand_arm, steps[1])}): kernel times of different steps are not comparable, so "
+                    "only calls in identical steps pair; re-record so that both arms schedule the same batches")]
+
+
+def comparability(baseline: Arm, candidate: Arm) -> list[Finding]:
+    findings = []
+    b_gpu, c_gpu = baseline.info.gpu_label, candidate.info.gpu_label
+    findings.append(Finding("ok" if b_gpu == c_gpu else "error", "gpu",
+                            f"same GPU: {b_gpu}" if b_gpu == c_gpu else f"different GPUs: {b_gpu} vs {c_gpu}"))
+    b_ver, c_ver = baseline.info.product_version or "?", candidate.info.product_version or "?"
+    same_family = b_ver.split(".")[:2] == c_ver.split(".")[:2]
+    findings.append(Finding("ok" if same_family else "warning", "nsys",
+                            f"Nsight Systems {b_ver} and {c_ver}" + ("" if same_family else
+                            ": different versions can report kernels differently")))
+    for arm in (baseline, candidate):
+        if arm.info.graph_trace_mode is not None and arm.info.graph_trace_mode.lower() != "node":
+            findings.append(Finding("warning", "graph-trace", f"{arm.label}: CUDA graphs traced as "
+                                    f"'{arm.info.graph_trace_mode}', so kernels inside graphs are missing; "
+                                    "re-profile with --cuda-graph-trace=node"))
+    findings += _dtype_findings(baseline, candidate)
+    return findings
+
+
+def _dtype_findings(baseline: Arm, candidate: Arm) -> list[Finding]:
+    findings = []
+    for arm in (baseline, candidate):
+        seen = ", ".join(arm.kv_dtypes) or "none detected"
+        findings.append(Finding("ok", "kv-dtype", f"{arm.label}: KV cache dtype in kernel names: {seen}"))
+    if baseline.kv_dtypes and baseline.kv_dtypes == candidate.kv_dtypes:
+        findings.append(Finding("warning", "kv-dtype", "both arms ran the same KV dtype "
+                                f"({', '.join(baseline.kv_dtypes)}): this compares runs, not formats"))
+
+    widths = [max((bytes_per_value(d) for d in arm.kv_dtypes), default=0.0) for arm in (baseline, candidate)]
+    if 0 < widths[0] < widths[1]:  # `kvtrace report` puts the widest format first; a diff says so
+        findings.append(Finding("warning", "kv-dtype", f"the baseline ran the narrower KV format "
+                                f"({', '.join(baseline.kv_dtypes)} against {', '.join(candidate.kv_dtypes)}): every "
+                                "ratio reads the other way round from kvtrace report's; give the wider format first"))
+    for arm, other in ((baseline, candidate), (candidate, baseline)):
+        claimed = claimed_dtypes(arm.label)
+        # A label naming the other arm's dtype but not its own is the swapped-arms signature.
+        if claimed and arm.kv_dtypes and not claimed & set(arm.kv_dtypes):
+            swapped = claimed_dtypes(other.label) & set(arm.kv_dtypes)
+            findings.append(Finding("error", "kv-dtype",
+                                    f"'{arm.label}' ran {', '.join(arm.kv_dtypes)} kernels"
+                                    + (": the arms look swapped (baseline first, candidate second)" if swapped else
+                                       ": check that the file and its label match")))
+    return findings
