@@ -208,7 +208,8 @@ def _discard(path: Path) -> None:
 def export_report(report: Path, *, nsys: str | None = None) -> Path:
     """Export an .nsys-rep to SQLite in kvtrace's cache (never beside the user's file).
 
-    A sibling `<report>.sqlite` newer than the report is used as is, as 2023.4.4's `nsys recipe` does (2025.3's exports Parquet instead).
+    A sibling `<report>.sqlite` newer than the report is used as is, as 2023.4.4's `nsys recipe` does
+    (2025.3's exports Parquet instead).
     """
     sibling = report.with_suffix(".sqlite")
     if sibling.exists() and sibling.stat().st_mtime >= report.stat().st_mtime and is_sqlite(sibling):
