@@ -245,7 +245,8 @@ def _recipe_totals(nsys: str, report: Path) -> tuple[dict[str, tuple[int, int]],
 
 
 def _short_totals(trace: Trace) -> dict[str, tuple[int, int]]:
-    """kvtrace's calls and total ns per short kernel name, as the recipe groups them."""
-    per_short = (trace.kernels.join(trace.signatures.select("sig", "short"), on="sig")
-                 .group_by("short").agg(pl.len().alias("calls"), pl.col("duration").sum().alias("total_ns")))
+    """kvtrace's calls and total ns per short kernel name, as the recipe groups them: the per-cell totals the
+    layout holds (as list_kernels sums them per full name), never the calls one by one."""
+    per_short = (trace.calls.cells.join(trace.signatures.select("sig", "short"), on="sig")
+                 .group_by("short").agg(pl.col("calls").sum(), pl.col("total_ns").sum()))
     return {row["short"]: (row["calls"], row["total_ns"]) for row in per_short.to_dicts()}
