@@ -8,6 +8,7 @@ The recipe checks replay the real output of `nsys recipe cuda_gpu_kern_sum` 2025
 
 from __future__ import annotations
 
+import ast
 import csv
 import io
 import json
@@ -225,7 +226,7 @@ def test_recipe_agrees_per_short_name_and_runs_away_from_the_input(tmp_path, run
     # The stand-in, like the real recipe, exported <stem>_pqtdir beside the report it was given: a copy in a
     # temporary folder that is gone, never the user's folder.
     assert _listing(NSYS2025_DIR) == before
-    runs = [eval(line) for line in (tmp_path / "recipe-calls").read_text().splitlines() if "--input" in line]
+    runs = [ast.literal_eval(line) for line in (tmp_path / "recipe-calls").read_text().splitlines() if "--input" in line]
     given = [Path(args[args.index("--input") + 1]) for args in runs]
     assert [p.name for p in given] == ["fp8.nsys-rep", "nvfp4.nsys-rep"]
     assert all(p.parent != NSYS2025_DIR and not p.parent.exists() for p in given)
