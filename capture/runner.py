@@ -34,18 +34,40 @@ def profile_command(nsys: str, report: Path, workload: list[str], *, extra: tupl
 
 def export_run(out: Path, name: str, nsys: str, log: TextIO, *, no_report: str) -> list[str]:
     """Export the run's report (out/NAME.nsys-rep) to out/NAME.sqlite; returns the command to record.
-    `no_report` says what to check when nsys wrote no report at all."""
+    `no_report` says what to check when nsys wrote no report at all. When nsys left only the raw capture
+    (.qdstrm), its import step failed or is missing: the import is tried once more with QdstrmImporter."""
     report = out / f"{name}.nsys-rep"
     if not report.exists():
         raw = report.with_suffix(".qdstrm")
-        if raw.exists():
-            # An nsys without its host importer (e.g. a bare target install) stops at the raw file.
-            raise RuntimeError(f"nsys left {raw.name} but no report because its importer is missing: run "
-                               f"QdstrmImporter -i {raw.name} from the same Nsight Systems version, then nsys "
-                               "export --type sqlite")
-        raise RuntimeError(f"nsys wrote no report: {no_report}")
+        if not raw.exists():
+            raise RuntimeError(f"nsys wrote no report: {no_report}")
+        _import_again(nsys, raw, report, log)
     kvtrace.nsys.export_sqlite(nsys, report, out / f"{name}.sqlite", log=log)
     return kvtrace.nsys.export_command(nsys, Path(report.name), Path(f"{name}.sqlite"))
+
+
+def _import_again(nsys: str, raw: Path, report: Path, log: TextIO) -> None:
+    """Import `raw` with the QdstrmImporter of `nsys`' install; raises with nsys' own words if that fails."""
+    log.flush()
+    try:  # what nsys profile printed, for its own error line
+        profiled = Path(log.name).read_text(errors="replace")
+    except (OSError, TypeError):
+        profiled = ""
+    said = kvtrace.nsys.importer_error(profiled)
+    importer = kvtrace.nsys.find_importer(nsys)
+    if importer is None:
+        cause = f"nsys said \"{said}\"" if said else "its importer is missing"
+        raise RuntimeError(f"nsys left {raw.name} but no report ({cause}), and no QdstrmImporter was found beside "
+                           f"{nsys}: run QdstrmImporter -i {raw.name} from the same Nsight Systems version, then "
+                           "nsys export --type sqlite")
+    result = kvtrace.nsys.import_qdstrm(importer, raw, log=log)
+    if result.returncode == 0 and report.exists():
+        return
+    again = kvtrace.nsys.importer_error(result.stdout) or next(
+        (line.strip() for line in reversed(result.stdout.splitlines()) if line.strip()), "no output")
+    first = f"nsys profile's import said \"{said}\"; " if said else ""
+    raise RuntimeError(f"nsys left {raw.name} but no report: {first}QdstrmImporter -i {raw.name} failed too "
+                       f"(exit code {result.returncode}: \"{again}\"); see the log")
 
 
 def write_json_atomic(path: Path, data: dict) -> None:

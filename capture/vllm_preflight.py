@@ -59,25 +59,28 @@ def check_probe(probe: dict, arms: tuple[str, ...]) -> None:
 
 
 def check_nvfp4(probe: dict) -> None:
-    """Upstream vLLM stores nvfp4 KV only where its FlashInfer backend says so (SM100 trtllm-gen; SM120
-    through open PRs). The installed vLLM's own answer decides; without one, only SM10x passes."""
+    """The installed vLLM's own answer decides (FlashInferBackend.supports_kv_cache_dtype): vLLM 0.33 stores
+    nvfp4 on SM80/90/120 through FlashInfer's FA2 path, older releases only on SM100 (trtllm-gen). A probe that
+    could not ask is a failed probe, never a "no"."""
     verdict = probe.get("vllm_nvfp4_kv")
     major, minor = probe["capability"]
-    if verdict is True or (verdict is None and major == 10):
-        return
     gpu, version = f"{probe['gpu_name']} (SM{major}{minor})", probe["vllm"]
+    if verdict is True:
+        return
+    if verdict is None:
+        error = probe.get("vllm_nvfp4_kv_error") or "the probe gave no answer"
+        raise KvtraceError(f"could not ask vLLM {version} whether it stores an nvfp4 KV cache on {gpu}: importing "
+                           f"its FlashInfer backend failed ({error}); fix that vLLM install (the error names "
+                           "what is missing), or capture --arms auto,fp8")
     here = "--arms auto,fp8 here"
-    if major == 12:
-        problem = f"vLLM {version} does not store an nvfp4 KV cache on {gpu} (SM120 support is in open upstream PRs)"
-        fix = f"install a vLLM whose FlashInfer backend accepts nvfp4 on SM120, run on an SM100 GPU, or capture {here}"
-    elif major == 10:
+    if major == 10:
         problem = (f"vLLM {version} reports no nvfp4 KV support on {gpu}: its FlashInfer trtllm-gen attention is "
                    "unavailable")
         fix = ("check the FlashInfer install and that --attention-config.use_trtllm_attention is not false, "
                f"or capture {here}")
     else:
-        problem = f"vLLM {version} stores an nvfp4 KV cache only on Blackwell and rejects {gpu}"
-        fix = f"run the nvfp4 arm on an SM100 GPU (B200, GB200, B300), or capture {here}"
+        problem = f"vLLM {version} does not store an nvfp4 KV cache on {gpu}"
+        fix = f"install vLLM 0.33 or newer (its FlashInfer backend stores nvfp4 on SM80, SM90 and SM120), or capture {here}"
     raise KvtraceError(f"{problem}: {fix}")
 
 

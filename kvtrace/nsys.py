@@ -54,6 +54,37 @@ def _executable_file(path: str) -> bool:
     return os.path.isfile(path) and os.access(path, os.X_OK)
 
 
+def find_importer(nsys: str) -> str | None:
+    """QdstrmImporter of the same Nsight Systems install as `nsys`: beside it, or in a host folder next to
+    the folder that holds it (`host-linux-x64/` beside `target-linux-x64/` or `bin/`; `linux-desktop-*/`
+    inside Nsight Compute's `host/`)."""
+    here = Path(os.path.realpath(nsys)).parent
+    candidates = [here / "QdstrmImporter"]
+    for pattern in ("host-linux-*", "linux-desktop-*", "*/host-linux-*"):
+        candidates += sorted(here.parent.glob(f"{pattern}/QdstrmImporter"))
+    return next((str(c) for c in candidates if _executable_file(str(c))), None)
+
+
+def import_qdstrm(importer: str, raw: Path, *, log: TextIO | None = None) -> subprocess.CompletedProcess:
+    """Turn the raw capture `raw` (.qdstrm) into a report beside it, as nsys profile's own import step does."""
+    command = [importer, "-i", str(raw)]
+    if log is not None:
+        log.write(f"$ {' '.join(command)}\n")
+        log.flush()
+    result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            errors="replace", check=False)
+    if log is not None:
+        log.write(result.stdout)
+        log.flush()
+    return result
+
+
+def importer_error(output: str) -> str | None:
+    """nsys' own words when its import step failed ("Importer error status: ..."), else None."""
+    lines = [line.strip() for line in output.splitlines() if "importer error" in line.lower()]
+    return lines[-1] if lines else None
+
+
 def nsys_version(nsys: str) -> str:
     result = subprocess.run([nsys, "--version"], capture_output=True, text=True, check=False)
     return result.stdout.strip() or result.stderr.strip()
