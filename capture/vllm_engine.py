@@ -4,12 +4,12 @@ Both arms get one engine flag list and differ only in --kv-cache-dtype. The atte
 FLASHINFER (the only vLLM backend that stores nvfp4) and vLLM's CUDA profiler opens and closes the nsys
 capture range, so start-up and warm-up stay out of the trace.
 
-- serve (the Blackwell workflow): `vllm serve` under nsys and `vllm bench serve` as the client. /metrics is
+- serve (the serving stack as deployed): `vllm serve` under nsys and `vllm bench serve` as the client. /metrics is
   scraped before and after the measured traffic and polled during it for peaks; /start_profile and
   /stop_profile bracket it. The server runs in its own session and is always shut down, SIGINT first so
   that nsys writes its report, also on errors, Ctrl-C and SIGTERM; its log is kept.
 - offline: vLLM's LLM class in kvtrace.capture.vllm_offline_workload under nsys, token-id prompts, no
-  tokenizer and no server (what the project's H200 runs).
+  tokenizer and no server (kernel-level matched steps: both arms schedule the same batches).
 
 This module runs the sessions and writes the manifests; vllm_config (scenarios, arms, flags), vllm_commands
 (command lines, dry run), vllm_preflight (checks before anything starts), vllm_http (server requests and

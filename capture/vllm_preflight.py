@@ -60,13 +60,14 @@ def check_probe(probe: dict, arms: tuple[str, ...]) -> None:
 
 def check_nvfp4(probe: dict) -> None:
     """The installed vLLM's own answer decides (FlashInferBackend.supports_kv_cache_dtype): vLLM 0.33 stores
-    nvfp4 on SM80/90/120 through FlashInfer's FA2 path, older releases only on SM100 (trtllm-gen). A probe that
-    could not ask is a failed probe, never a "no"."""
+    nvfp4 on SM80/90/120 through FlashInfer's FA2 path (`_nvfp4_kv_on_fa2` in vllm/v1/attention/backends/
+    flashinfer.py), older releases only on SM100 (trtllm-gen). A probe that could not ask is a failed probe,
+    never a "no"."""
     verdict = probe.get("vllm_nvfp4_kv")
     major, minor = probe["capability"]
     gpu, version = f"{probe['gpu_name']} (SM{major}{minor})", probe["vllm"]
-    if verdict is True:
-        return
+    if verdict is True or (verdict is None and major == 10 and not probe.get("vllm_nvfp4_kv_error")):
+        return  # SM10x with a vLLM too old to be asked: its trtllm-gen path is where nvfp4 began
     if verdict is None:
         error = probe.get("vllm_nvfp4_kv_error") or "the probe gave no answer"
         raise KvtraceError(f"could not ask vLLM {version} whether it stores an nvfp4 KV cache on {gpu}: importing "

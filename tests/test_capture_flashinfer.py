@@ -37,7 +37,7 @@ STAND_IN_NSYS = r'''#!{python}
 """Stand-in for the nsys CLI surface used by kvtrace's capture runner. Controlled by environment:
 FAKE_NSYS_CALLS (append each argv as a JSON line), FAKE_NSYS_FIXTURES (folder of real ARM.sqlite exports
 and ARM.workload.json results), FAKE_NSYS_RUN (run | replay: skip the app and copy ARM.workload.json to its
---result), FAKE_NSYS_PROFILE (report | qdstrm | nothing), FAKE_NSYS_EXPORT (ok | partial | nothing),
+--result), FAKE_NSYS_PROFILE (report | qdstrm | import-error | nothing), FAKE_NSYS_EXPORT (ok | partial | nothing),
 FAKE_NSYS_FAIL (the --output base name of one profile that exits 1, e.g. fp8.r2)."""
 import json, os, shutil, subprocess, sys
 from pathlib import Path
@@ -78,6 +78,9 @@ if args[:1] == ["profile"]:
     elif mode == "qdstrm":
         base.with_name(base.name + ".qdstrm").write_bytes(b"stand-in raw stream\n")
         print("Importer not found; raw data left in " + str(base) + ".qdstrm")
+    elif mode == "import-error":  # what nsys 2025.3.1 printed on the H200 when its import step failed
+        base.with_name(base.name + ".qdstrm").write_bytes(b"stand-in raw stream\n")
+        print("Importer error status: An unknown error occurred.")
     sys.exit(code)
 
 if args[:1] == ["export"]:
@@ -119,7 +122,7 @@ def stand_in(tmp_path, monkeypatch):
     calls = tmp_path / "nsys-calls.jsonl"
     monkeypatch.setenv("FAKE_NSYS_CALLS", str(calls))
     monkeypatch.setenv("FAKE_NSYS_FIXTURES", str(NSYS2025_DIR))
-    for name in ("FAKE_NSYS_RUN", "FAKE_NSYS_PROFILE", "FAKE_NSYS_EXPORT", "FAKE_NSYS_FAIL"):
+    for name in ("FAKE_NSYS_RUN", "FAKE_NSYS_PROFILE", "FAKE_NSYS_EXPORT", "FAKE_NSYS_FAIL", "FAKE_QDSTRM_IMPORTER"):
         monkeypatch.delenv(name, raising=False)
     return path
 
@@ -516,6 +519,75 @@ def test_qdstrm_without_importer_is_explained(tmp_path, stand_in, monkeypatch):
     assert "QdstrmImporter -i fp8.qdstrm" in arm.error and "see fp8.log" in arm.error
     assert (out / "fp8.qdstrm").exists()  # kept, so that it can be imported elsewhere
     assert not (out / "fp8.sqlite").exists() and arm.sqlite is None and arm.report is None
+
+
+STAND_IN_IMPORTER = r'''#!{python}
+"""Stand-in QdstrmImporter: `-i RAW.qdstrm` writes RAW.nsys-rep (FAKE_QDSTRM_IMPORTER=ok) or fails as the
+real one did on the H200 without its libraries (fail)."""
+import json, os, sys
+from pathlib import Path
+args = sys.argv[1:]
+if os.environ.get("FAKE_NSYS_CALLS"):
+    with open(os.environ["FAKE_NSYS_CALLS"], "a") as calls:
+        calls.write(json.dumps(["QdstrmImporter", *args]) + "\n")
+raw = Path(args[args.index("-i") + 1])
+if os.environ.get("FAKE_QDSTRM_IMPORTER", "ok") == "ok":
+    raw.with_suffix(".nsys-rep").write_bytes(b"stand-in report\n")
+    print("Saved report file to " + str(raw.with_suffix(".nsys-rep")))
+    sys.exit(0)
+print("QdstrmImporter: error while loading shared libraries: libdw.so.1: cannot open shared object file")
+sys.exit(127)
+'''
+
+
+def add_importer(stand_in: Path, folder: Path | None = None) -> Path:
+    path = (folder or stand_in.parent) / "QdstrmImporter"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(STAND_IN_IMPORTER.replace("{python}", sys.executable))
+    path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    return path
+
+
+def test_failed_import_is_retried_with_qdstrm_importer(tmp_path, stand_in, monkeypatch):
+    """The H200 case (issue 20): nsys profile's import step failed and left only the raw capture; one more
+    import with QdstrmImporter of the same install makes the report, and the export goes on."""
+    monkeypatch.setenv("FAKE_NSYS_PROFILE", "import-error")
+    add_importer(stand_in)
+    out = tmp_path / "run"
+    out.mkdir()
+    arm = runner.run_arm("fp8", out, str(stand_in), exits_workload() + ["fp8"])
+    assert arm.status == "ok", arm.error
+    assert arm.report == "fp8.nsys-rep" and (out / "fp8.sqlite").exists()
+    assert ["QdstrmImporter", "-i", str(out / "fp8.qdstrm")] in nsys_calls(tmp_path)
+    log = (out / "fp8.log").read_text()
+    assert "Importer error status" in log and "QdstrmImporter -i" in log and "Saved report file" in log
+
+
+def test_failed_retry_quotes_both_errors(tmp_path, stand_in, monkeypatch):
+    monkeypatch.setenv("FAKE_NSYS_PROFILE", "import-error")
+    monkeypatch.setenv("FAKE_QDSTRM_IMPORTER", "fail")
+    add_importer(stand_in)
+    out = tmp_path / "run"
+    out.mkdir()
+    arm = runner.run_arm("nvfp4", out, str(stand_in), exits_workload() + ["nvfp4"])
+    assert arm.status == "failed" and arm.sqlite is None
+    assert 'nsys profile\'s import said "Importer error status: An unknown error occurred."' in arm.error
+    assert "QdstrmImporter -i nvfp4.qdstrm failed too (exit code 127" in arm.error and "libdw.so.1" in arm.error
+    assert "importer is missing" not in arm.error and (out / "nvfp4.qdstrm").exists()
+
+
+def test_importer_is_found_where_each_install_keeps_it(tmp_path):
+    """Beside nsys (a standalone install's bin/), in host-linux-x64/ beside target-linux-x64/ (Debian's
+    2023.4.4), in host/linux-desktop-*/ beside host/target-linux-x64/ (the copy inside Nsight Compute)."""
+    for layout, importer_dir in [("a/bin", "a/bin"), ("b/target-linux-x64", "b/host-linux-x64"),
+                                 ("c/host/target-linux-x64", "c/host/linux-desktop-glibc_2_11_3-x64")]:
+        nsys = tmp_path / layout / "nsys"
+        nsys.parent.mkdir(parents=True)
+        nsys.write_text("#!/bin/sh\n")
+        nsys.chmod(0o755)
+        assert kvtrace.nsys.find_importer(str(nsys)) is None
+        importer = add_importer(nsys, tmp_path / importer_dir)
+        assert kvtrace.nsys.find_importer(str(nsys)) == str(importer)
 
 
 def test_no_report_at_all_is_explained(tmp_path, stand_in, monkeypatch):

@@ -267,9 +267,9 @@ def test_makefile_fragment_runs_the_cli(tmp_path):
 # Preflight --------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("gpu,capability,verdict,message", [
-    ("NVIDIA H200", [9, 0], False, "rejects NVIDIA H200 (SM90): run the nvfp4 arm on an SM100 GPU"),
-    ("NVIDIA H200", [9, 0], None, "rejects NVIDIA H200 (SM90)"),
-    ("NVIDIA RTX PRO 6000 Blackwell", [12, 0], False, "on NVIDIA RTX PRO 6000 Blackwell (SM120) (SM120 support"),
+    ("NVIDIA H200", [9, 0], False, "vLLM 0.26.0 does not store an nvfp4 KV cache on NVIDIA H200 (SM90): install vLLM "
+                                   "0.33 or newer"),
+    ("NVIDIA RTX PRO 6000 Blackwell", [12, 0], False, "on NVIDIA RTX PRO 6000 Blackwell (SM120): install vLLM 0.33"),
     ("NVIDIA B200", [10, 0], False, "trtllm-gen attention is unavailable"),
 ])
 def test_nvfp4_preflight_names_the_gpu_and_the_way_out(gpu, capability, verdict, message):
@@ -282,8 +282,9 @@ def test_nvfp4_preflight_names_the_gpu_and_the_way_out(gpu, capability, verdict,
 
 @pytest.mark.parametrize("capability,verdict,refused", [
     ([10, 0], True, (False,)),  # vLLM says yes
-    ([10, 3], None, (False,)),  # no answer from vLLM: SM10x passes
-    ([12, 0], True, (False, None)),  # SM120 passes only on vLLM's yes
+    ([10, 3], None, (False,)),  # a vLLM too old to be asked: SM10x passes
+    ([9, 0], True, (False, None)),  # SM90 (vLLM 0.33's FA2 path) passes only on vLLM's yes
+    ([12, 0], True, (False, None)),  # SM120 likewise
 ])
 def test_nvfp4_preflight_trusts_the_installed_vllm(capability, verdict, refused):
     probe = {**PROBE_B200, "capability": capability, "vllm_nvfp4_kv": verdict}
@@ -292,6 +293,39 @@ def test_nvfp4_preflight_trusts_the_installed_vllm(capability, verdict, refused)
     for other in refused:
         with pytest.raises(KvtraceError, match="nvfp4 KV"):
             preflight.check_probe({**probe, "vllm_nvfp4_kv": other}, ("fp8", "nvfp4"))
+
+
+FAILING_VLLM = {  # a vLLM whose FlashInfer backend cannot be imported, on a torch that sees an H200
+    "torch/__init__.py": "from torch import cuda, version\n",
+    "torch/version.py": "cuda = '13.0'\n",
+    "torch/cuda.py": ("def device_count(): return 1\n"
+                      "def get_device_name(index): return 'NVIDIA H200'\n"
+                      "def get_device_capability(index): return (9, 0)\n"),
+    "vllm/__init__.py": "",
+    "vllm/v1/__init__.py": "",
+    "vllm/v1/attention/__init__.py": "",
+    "vllm/v1/attention/backends/__init__.py": "",
+    "vllm/v1/attention/backends/flashinfer.py": "import compressed_tensors_missing_on_purpose\n",
+}
+
+
+def test_failed_nvfp4_probe_is_reported_as_a_failed_probe(tmp_path, monkeypatch):
+    """Issue 20: a first staging of vLLM 0.33 on the H200 lacked a package its FlashInfer backend imports. The
+    probe could not ask vLLM, and the preflight must say that, with the import error, not "only on Blackwell"."""
+    for name, text in FAILING_VLLM.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    probe = preflight.probe_environment(sys.executable, nvfp4=True)
+    assert probe["gpu_name"] == "NVIDIA H200" and probe["capability"] == [9, 0] and probe.get("vllm_nvfp4_kv") is None
+    assert "ModuleNotFoundError" in probe["vllm_nvfp4_kv_error"]
+    with pytest.raises(KvtraceError) as error:
+        preflight.check_probe(probe, ("fp8", "nvfp4"))
+    message = str(error.value)
+    assert message.startswith("could not ask vLLM") and "NVIDIA H200 (SM90)" in message
+    assert "No module named 'compressed_tensors_missing_on_purpose'" in message
+    assert "Blackwell" not in message and "rejects" not in message and "\n" not in message
+    preflight.check_probe(probe, ("auto", "fp8"))  # only the nvfp4 arm needed the answer
 
 
 def test_real_probe_reports_missing_vllm_and_gpu():
