@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
 from conftest import FIXTURES, SERVE_RUNS
 from kvtrace.analyzer import matrix, report, stats
 from kvtrace.analyzer.classify import load_recipes
-from kvtrace.analyzer.render import render_text
+from kvtrace.analyzer.render import render_table, render_text
 from kvtrace.analyzer.render import matrix as matrix_render
 from kvtrace.manifest import Point
 from test_report import manifest, recorded_point, run_main
@@ -237,3 +239,51 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, case):
     result = run_main(["matrix", *args, "-q"])
     assert result.exit_code == 2
     assert words in result.output and "Traceback" not in result.output and result.output.count("\n") == 1
+
+
+def edited_cold_prefill(tmp_path: Path, edit) -> list[Path]:
+    """A copy of the real serve cold-prefill pair whose manifests `edit(arm, manifest)` changed."""
+    runs = []
+    for arm in ("auto", "fp8"):
+        run = tmp_path / SERVE_RUNS[f"cold-prefill-{arm}"].name
+        shutil.copytree(SERVE_RUNS[f"cold-prefill-{arm}"], run)
+        run.chmod(0o755)
+        path = run / "manifest.json"
+        data = json.loads(path.read_text())
+        edit(arm, data)
+        path.chmod(0o644)
+        path.write_text(json.dumps(data))
+        runs.append(run)
+    return runs
+
+
+def test_synthetic_capacity_resting_on_unobserved_peaks_does_not_count(recipes, tmp_path):
+    # The real cold-prefill pair, with auto's polled KV usage raised to 99%: its point is sub-second against
+    # 0.5 s polling, so that maximum is no observation, and the matrix does not call auto capacity-bound on it.
+    def edit(arm, data):
+        if arm == "auto":
+            data["arms"]["auto"]["points"][0]["metrics"]["peaks"]["vllm:kv_cache_usage_perc"] = 0.99
+
+    runs = edited_cold_prefill(tmp_path, edit)
+    alone = report.build(runs, recipes)
+    assert alone.serving[0].baseline.capacity == "KV cache usage peaked at 99%" and alone.serving[0].baseline.peaks_note
+    (point,) = matrix.build(runs, recipes).points
+    assert point.baseline_capacity is None and point.candidate_capacity is None
+    assert point.capacity_notes == [f"auto: KV cache usage peaked at 99%: not counted ({alone.serving[0].baseline.peaks_note})"]
+    assert matrix.CAPACITY not in point.causes
+
+
+def test_synthetic_hostile_scenario_name_is_inert_in_markdown_and_terminal(recipes, tmp_path):
+    hostile = "cold|<img src=x>\x1b[31m"
+
+    def edit(arm, data):
+        data["settings"]["scenario"] = hostile
+
+    result = matrix.build(edited_cold_prefill(tmp_path, edit), recipes)
+    markdown = render_text(result, "markdown")
+    assert not re.search(r"(?<!\\)<img", markdown) and "\x1b" not in markdown
+    assert "cold\\|\\<img src=x\\>\\\\x1b\\[31m (serve)" in markdown
+    console = Console(record=True, width=400, force_terminal=False)
+    render_table(result, console)
+    text = console.export_text()
+    assert "\x1b" not in text and "cold|<img src=x>\\x1b[31m (serve)" in text

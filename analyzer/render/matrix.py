@@ -258,8 +258,13 @@ def markdown(result: mx.Matrix) -> str:
 
 
 def terminal(result: mx.Matrix, console: Console) -> None:
-    console.print(_rich_table(f"kvtrace matrix: the decision on {_OBJECTIVE_WORDS[result.objective]}",
-                              *table(result, _plain)))
+    # The markdown's one table, split in two for a terminal's width: the phase evidence, then serving and who wins.
+    header, body = table(result, _plain)
+    split = 4 + len(KERNEL_COLUMNS)
+    console.print(_rich_table(f"kvtrace matrix: the decision on {_OBJECTIVE_WORDS[result.objective]} · kernels "
+                              "(candidate / baseline per call)", header[:split], [row[:split] for row in body]))
+    console.print(_rich_table("serving (baseline → candidate) and who wins each point", header[:1] + header[split:],
+                              [row[:1] + row[split:] for row in body]))
     console.print(visible(_lead(result)), markup=False, highlight=False)
     console.print("The decision", style="bold")
     console.print(f"  {RULE}", markup=False, highlight=False)
