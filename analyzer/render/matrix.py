@@ -225,8 +225,10 @@ def claim_text(claim: mx.Claim, result: mx.Matrix, name: Name = _plain) -> str:
                  f"no clear winner (within ±{100 * result.threshold:g}%) at {rows_text(v['no_clear_winner'])}"
                  if v["no_clear_winner"] else None,
                  f"not decided at {rows_text(v['undecided'])} (their cells say why)" if v["undecided"] else None]
+        measured = v["candidate_wins"] or v["baseline_wins"] or v["no_clear_winner"]
         return (f"On {objective}, {name(v['candidate'])} against {name(v['baseline'])}: "
-                + "; ".join(p for p in parts if p) + ". Serving numbers are one run per arm, without an interval.")
+                + "; ".join(p for p in parts if p) + "."
+                + (" Serving numbers are one run per arm, without an interval." if measured else ""))
     if claim.kind == "quality":
         return ("kvtrace does not measure model quality: check the narrower format's accuracy separately before "
                 "choosing it.")
