@@ -287,3 +287,24 @@ def test_synthetic_hostile_scenario_name_is_inert_in_markdown_and_terminal(recip
     render_table(result, console)
     text = console.export_text()
     assert "\x1b" not in text and "cold|<img src=x>\\x1b[31m (serve)" in text
+
+
+def test_crossover_plot_draws_the_runs_own_numbers(ttft):
+    from kvtrace.analyzer.render import plots
+
+    s = scenario(ttft, "sweep (serve)")
+    figure = plots.crossover_figure(ttft, s)
+    lines = {line.get_gid(): line for ax in figure.axes for line in ax.get_lines() if line.get_gid()}
+    for side, arm in (("baseline", "auto"), ("candidate", "fp8")):
+        run = SERVE_RUNS[f"sweep-{arm}"]
+        points = manifest(run)["arms"][arm]["points"]
+        for context in (1024, 2048):
+            own = sorted((Point.parse(p["point"]).concurrency, recorded_point(run, arm, i)["bench"]["p50_ttft_ms"])
+                         for i, p in enumerate(points) if Point.parse(p["point"]).input_len == context)
+            line = lines[f"crossover-{side}-{context}"]
+            assert list(zip(line.get_xdata(), line.get_ydata())) == own
+    crossover = next(p for p in s.points if p.crossover)
+    assert any(f"crossover: context {crossover.context:,}, concurrency {crossover.concurrency}" == line.get_label()
+               for ax in figure.axes for line in ax.get_lines())
+    assert "NVIDIA H200 · FlashInfer 0.6.14 · vLLM 0.26.0 · attention backend FLASHINFER" in figure.get_suptitle()
+    assert plots.crossover_figure(ttft, scenario(ttft, "prefix-reuse (serve)")) is None
