@@ -194,7 +194,8 @@ def _environment(result: Report) -> Environment:
 
 # ---- points ----------------------------------------------------------------------------------------------
 
-def _observed_capacity(metrics: ServingMetrics | None, point: str, kv_tokens: int | None) -> tuple[str | None, str | None]:
+def _observed_capacity(metrics: ServingMetrics | None, point: str,
+                       kv_tokens: int | None) -> tuple[str | None, str | None]:
     """Why the arm is capacity-bound at the point, on evidence that was observed, and a note when the report's
     reason rests on polled peaks that were not (too few polls inside the traffic)."""
     if metrics is None or metrics.capacity is None:
@@ -205,8 +206,8 @@ def _observed_capacity(metrics: ServingMetrics | None, point: str, kv_tokens: in
         parsed = Point.parse(point)
     except (ValueError, TypeError):
         return metrics.capacity, None
-    reason = capacity_reason(parsed, {"counters": {PREEMPTIONS: metrics.preemptions or 0}},
-                             {KV_USAGE: metrics.peak_kv_usage} if metrics.peak_kv_usage is not None else None, kv_tokens)
+    peaks = {KV_USAGE: metrics.peak_kv_usage} if metrics.peak_kv_usage is not None else None
+    reason = capacity_reason(parsed, {"counters": {PREEMPTIONS: metrics.preemptions or 0}}, peaks, kv_tokens)
     return reason, None if reason else f"{metrics.capacity}: not counted ({metrics.peaks_note})"
 
 
@@ -354,8 +355,9 @@ def _claims(scenarios: list[Scenario], objective: str) -> list[Claim]:
             elif p.cold_prefill or p.decode_heavy:
                 segment = "prefill_attention" if p.cold_prefill else "decode_attention"
                 kernels = point_kernels(next(s.report for s in group if s.name == p.scenario), segment)
-                values["phase_kernels"] = [{"point": k.point, "ratio": k.ratio, "ci_low": k.ci_low, "ci_high": k.ci_high,
-                                            "verdict": k.verdict, "reason": k.reason} for k in kernels]
+                values["phase_kernels"] = [{"point": k.point, "ratio": k.ratio, "ci_low": k.ci_low,
+                                            "ci_high": k.ci_high, "verdict": k.verdict, "reason": k.reason}
+                                           for k in kernels]
                 claims.append(Claim("cold-prefill" if p.cold_prefill else "decode", (p.row,), p.scenario, values))
             elif PREFIX_HITS in p.causes:
                 claims.append(Claim("prefix", (p.row,), p.scenario, values))

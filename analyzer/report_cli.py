@@ -171,9 +171,9 @@ def matrix(runs, objective, threshold, confidence, seed, plots_dir, plot_format,
         result = matrix_lib.build(list(runs), load_recipes(recipe_files), objective=objective, threshold=threshold,
                                   confidence=confidence, seed=seed, nsys=nsys_path, cache=use_cache())
     for scenario in result.scenarios:
-        inputs().extend(Path(export) for arm in (scenario.report.baseline, scenario.report.candidate)
-                        for export in arm.runs)
-        inputs().extend(Path(arm.run) / "manifest.json" for arm in (scenario.report.baseline, scenario.report.candidate))
+        arms = (scenario.report.baseline, scenario.report.candidate)
+        inputs().extend(Path(export) for arm in arms for export in arm.runs)
+        inputs().extend(Path(arm.run) / "manifest.json" for arm in arms)
     if plots_dir is not None:
         from kvtrace.analyzer.render import plots  # matplotlib only on this path
 

@@ -121,7 +121,7 @@ def test_serving_cells_match_the_runs_own_bench_json_and_metrics(ttft):
                 continue
             bench = {arm: own[arm]["bench"] for arm in own}
             delta = {arm: own[arm]["delta"] for arm in own}
-            assert cells["TTFT ms"] == f"p50 {bench['auto']['p50_ttft_ms']:,.1f} → p50 {bench['fp8']['p50_ttft_ms']:,.1f}"
+            assert cells["TTFT ms"] == " → ".join(f"p50 {bench[a]['p50_ttft_ms']:,.1f}" for a in ("auto", "fp8"))
             assert cells["completed"] == (f"{bench['auto']['completed']:,} → {bench['fp8']['completed']:,}")
             assert bench["auto"]["completed"] == delta["auto"]["vllm:request_success_total"]
             assert cells["preemptions"] == (f"{delta['auto']['vllm:num_preemptions_total']:,.0f} → "
@@ -130,7 +130,8 @@ def test_serving_cells_match_the_runs_own_bench_json_and_metrics(ttft):
             prompt = [delta[arm]["vllm:prompt_tokens_total"] for arm in ("auto", "fp8")]
             assert cells["cached prompt tokens"] == " → ".join(
                 f"{c:,.0f} of {p:,.0f} ({100 * c / p:.1f}%)" for c, p in zip(cached, prompt))
-            assert cells["output tok/s"] == " → ".join(f"{round(bench[a]['output_throughput']):,}" for a in ("auto", "fp8"))
+            assert cells["output tok/s"] == " → ".join(f"{round(bench[a]['output_throughput']):,}"
+                                                       for a in ("auto", "fp8"))
             # Sub-second points against 0.5 s polling: the peaks are not observations, and the cells say so.
             assert cells["peak KV usage"] == "not observed → not observed"
             # The winner, recomputed from the bench JSON alone.
@@ -165,7 +166,8 @@ def test_the_sweep_crossover_is_the_first_point_only_the_narrower_format_fits(tt
     fits = {arm: {spec: Point.parse(spec).kv_tokens() < 0.95 * pools[arm] for spec in both} for arm in pools}
     ordered = sorted(both, key=lambda spec: (Point.parse(spec).input_len, Point.parse(spec).concurrency))
     expected = next(spec for spec in ordered if not fits["auto"][spec] and fits["fp8"][spec])
-    assert [p.point for p in s.points if p.crossover] == [expected] == ["input=1024,output=16,prompts=32,concurrency=16"]
+    assert [p.point for p in s.points if p.crossover] == [expected]
+    assert expected == "input=1024,output=16,prompts=32,concurrency=16"
     assert "◆ crossover" in table_rows(ttft)[f"R{next(p.row for p in s.points if p.crossover)}"]["capacity-bound"]
 
 
@@ -269,7 +271,8 @@ def test_synthetic_capacity_resting_on_unobserved_peaks_does_not_count(recipes, 
     assert alone.serving[0].baseline.capacity == "KV cache usage peaked at 99%" and alone.serving[0].baseline.peaks_note
     (point,) = matrix.build(runs, recipes).points
     assert point.baseline_capacity is None and point.candidate_capacity is None
-    assert point.capacity_notes == [f"auto: KV cache usage peaked at 99%: not counted ({alone.serving[0].baseline.peaks_note})"]
+    note = alone.serving[0].baseline.peaks_note
+    assert point.capacity_notes == [f"auto: KV cache usage peaked at 99%: not counted ({note})"]
     assert matrix.CAPACITY not in point.causes
 
 

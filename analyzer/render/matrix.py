@@ -52,7 +52,8 @@ def rows_text(rows) -> str:
 def _kernel(statement: KernelStatement) -> str:
     if statement.ratio is None:
         return f"{statement.point}: {statement.verdict}"
-    return f"{statement.point}: {ratio(statement.ratio)} {interval(statement.ci_low, statement.ci_high)} {statement.verdict}"
+    return (f"{statement.point}: {ratio(statement.ratio)} {interval(statement.ci_low, statement.ci_high)} "
+            f"{statement.verdict}")
 
 
 def kernel_cell(scenario: mx.Scenario, subject: str) -> str:
@@ -142,7 +143,8 @@ def table(result: mx.Matrix, name: Name) -> tuple[list[str], list[list[str]]]:
 # ---- the decision paragraph --------------------------------------------------------------------------------
 
 def _kernel_words(k: dict, winner: str, b: str, c: str) -> str:
-    return (f"a faster {_SEGMENT_WORDS[k['segment']]} kernel ({winner}'s; {c} / {b} per matched call {k['ratio']:.3f}× "
+    return (f"a faster {_SEGMENT_WORDS[k['segment']]} kernel ({winner}'s; {c} / {b} per matched call "
+            f"{k['ratio']:.3f}× "
             f"{interval(k['ci_low'], k['ci_high'])} over {k['compared_calls']:,} pairs)")
 
 
@@ -198,14 +200,16 @@ def claim_text(claim: mx.Claim, result: mx.Matrix, name: Name = _plain) -> str:
     if claim.kind == "capacity":
         paid = {"candidate": "paid for its kernel costs", "baseline": "did not pay for its kernel costs"}.get(
             v["winner"], "neither paid nor lost")
-        where = " (the sweep's crossover: the first point where only the narrower format fits)" if v["crossover"] else ""
+        where = (" (the sweep's crossover: the first point where only the narrower format fits)"
+                 if v["crossover"] else "")
         return (f"Where capacity binds, at {name(v['point'])} {cite}{where}: {name(v['baseline'])} is capacity-bound "
                 f"({name(v['baseline_capacity'])}) and {name(v['candidate'])} is not, and {name(v['candidate'])}'s "
                 f"extra residency {paid} there: {_outcome(v, name)}.")
     if claim.kind in ("cold-prefill", "decode"):
-        kernels = "; ".join(f"{name(k['point'])} {ratio(k['ratio'])} {interval(k['ci_low'], k['ci_high'])} {k['verdict']}"
-                            if k["ratio"] is not None else f"{name(k['point'])} {k['verdict']} ({name(k['reason'] or '')})"
-                            for k in v["phase_kernels"]) or "not compared"
+        kernels = "; ".join(
+            f"{name(k['point'])} {ratio(k['ratio'])} {interval(k['ci_low'], k['ci_high'])} {k['verdict']}"
+            if k["ratio"] is not None else f"{name(k['point'])} {k['verdict']} ({name(k['reason'] or '')})"
+            for k in v["phase_kernels"]) or "not compared"
         where, what = (("cold prefill", "prefill") if claim.kind == "cold-prefill" else ("decode", "decode"))
         return (f"Where {where} dominates, at {name(v['point'])} {cite}, this is what {name(v['candidate'])} costs or "
                 f"saves: {what} attention kernels {kernels} ({name(v['candidate'])} / {name(v['baseline'])}); "
