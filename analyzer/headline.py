@@ -90,9 +90,7 @@ def _environment(diff: Diff, manifest: Manifest | None) -> list[tuple[str, str]]
     if manifest is None:
         return found + [("CUDA, engine", "not recorded (no kvtrace manifest beside the traces)")]
     raw = manifest.raw.get("environment") if isinstance(manifest.raw.get("environment"), dict) else {}
-    workload = next((r.workload for r in manifest.runs.values() if r.workload), {})
-    # The workload's own versions (as the engine process imported them) over the capture host's packages.
-    packages = {**(raw.get("packages") or {}), **(workload.get("versions") or {})}
+    packages = package_versions(manifest)
     cuda = packages.pop("cuda_runtime", None) or raw.get("cuda_runtime")
     found.insert(2, ("CUDA runtime", str(cuda or "not recorded")))
     found.append(("engine", (manifest.engine or "unknown") + "".join(
@@ -104,6 +102,14 @@ def _environment(diff: Diff, manifest: Manifest | None) -> list[tuple[str, str]]
     if flags:
         found.append(("engine settings", flags))
     return found
+
+
+def package_versions(manifest: Manifest) -> dict:
+    """The engine's packages by name: the workload's own versions (as the engine process imported them) over
+    the capture host's packages."""
+    raw = manifest.raw.get("environment") if isinstance(manifest.raw.get("environment"), dict) else {}
+    workload = next((r.workload for r in manifest.runs.values() if r.workload), {})
+    return {**(raw.get("packages") or {}), **(workload.get("versions") or {})}
 
 
 def _capture_commands(manifest: Manifest | None) -> list[list[str]]:

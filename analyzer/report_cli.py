@@ -1,4 +1,5 @@
-"""`kvtrace report` and `kvtrace capacity`: thin click commands over analyzer.report and analyzer.capacity."""
+"""`kvtrace report`, `kvtrace matrix` and `kvtrace capacity`: thin click commands over analyzer.report, analyzer.matrix
+and analyzer.capacity."""
 
 from __future__ import annotations
 
@@ -135,3 +136,48 @@ def capacity(run, config_path, layers, kv_heads, head_dim, tokens, sequences, tp
 
 def _flags(overrides: dict) -> str:
     return ", ".join(f"--{name.replace('_', '-')} {value}" for name, value in overrides.items())
+
+
+@click.command()
+@click.argument("runs", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("--objective", type=click.Choice(["ttft", "itl", "throughput"]), default="ttft", show_default=True,
+              help="What decides a traffic point: TTFT, ITL (inter-token latency) or throughput (output tokens/s).")
+@click.option("--threshold", default=0.02, show_default=True, type=click.FloatRange(0, 1, max_open=True),
+              help="No-change band around a ratio of 1 (0.02 = ±2%), for kernels and the objective.")
+@click.option("--confidence", default=0.95, show_default=True,
+              type=click.FloatRange(0, 1, min_open=True, max_open=True), help="Confidence level of the intervals.")
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(0),
+              help="Bootstrap seed (same inputs and seed, same output).")
+@click.option("--plots", "plots_dir", type=click.Path(path_type=Path),
+              help="Write each sweep's crossover plot into this folder (created if missing); the markdown links it.")
+@click.option("--plot-format", type=click.Choice(["png", "svg"]), default="png", show_default=True,
+              help="Image format of --plots.")
+@output_options
+def matrix(runs, objective, threshold, confidence, seed, plots_dir, plot_format, fmt, output, recipe_files, nsys_path):
+    """One decision over a matrix of scenarios: phase by phase, traffic point by traffic point.
+
+    RUNS are the run directories of several scenarios (`kvtrace capture` for each: cold prefill, decode-heavy,
+    prefix reuse, a sweep), or folders holding them. A run directory with two arms is one scenario; run
+    directories of one arm each pair by engine, mode and scenario. Each scenario is reported as `kvtrace
+    report` would; the matrix sets their kernel ratios (prefill, decode, KV append) beside TTFT, cached prompt
+    tokens, ITL/TPOT, throughput, preemptions and peaks per traffic point, says which arm wins each point on
+    --objective and what wins it (a faster kernel, more prefix hits, a capacity effect), where a sweep's
+    crossover lies, and states the decision with the rows it rests on. Exit codes: 0 done, 2 bad input.
+    """
+    from kvtrace.analyzer import matrix as matrix_lib
+    from kvtrace.analyzer.classify import load_recipes
+
+    with progress(f"reporting on every scenario of {' '.join(map(str, runs))}"):
+        result = matrix_lib.build(list(runs), load_recipes(recipe_files), objective=objective, threshold=threshold,
+                                  confidence=confidence, seed=seed, nsys=nsys_path, cache=use_cache())
+    for scenario in result.scenarios:
+        arms = (scenario.report.baseline, scenario.report.candidate)
+        inputs().extend(Path(export) for arm in arms for export in arm.runs)
+        inputs().extend(Path(arm.run) / "manifest.json" for arm in arms)
+    if plots_dir is not None:
+        from kvtrace.analyzer.render import plots  # matplotlib only on this path
+
+        to_file = output is not None and not files.is_stdout(output)
+        result.plots = plots.write_matrix_plots(result, plots_dir, plot_format,
+                                                link_base=output.parent if to_file else None)
+    emit(result, fmt, output)

@@ -203,16 +203,20 @@ def _prefix_fit(row: ServingRow, base: RunArm, cand: RunArm) -> PrefixFit | None
     return None
 
 
+def segment_verdict(diff: Diff, segment: str):
+    """A segment's row over all calls and whether its kernels are faster per matched call: arms that did
+    different amounts of work leave unpaired calls ("different work"); the matched calls still say it."""
+    row = next((r for r in diff.segments if r.segment == segment), None)
+    if row is None or row.ratio is None:
+        return row, None
+    return row, row.paired_verdict if row.verdict == stats.DIFFERENT_WORK else row.verdict
+
+
 def ttft_guard_rail(diff: Diff, serving: list[ServingRow], base: RunArm, cand: RunArm) -> list[TtftStatement]:
     """Two prefill statements that can both be true: a TTFT gain while the candidate served more of its prompts
     from the prefix cache is a capacity / prefix-hit effect, not a faster kernel, when its prefill kernels are
     not faster; when they are faster too, TTFT credits neither alone."""
-    prefill = next((r for r in diff.segments if r.segment == "prefill_attention"), None)
-    verdict = None
-    if prefill is not None and prefill.ratio is not None:
-        # Arms that prefilled different amounts leave unpaired calls ("different work"); the matched calls
-        # still say whether the kernel is faster.
-        verdict = prefill.paired_verdict if prefill.verdict == stats.DIFFERENT_WORK else prefill.verdict
+    prefill, verdict = segment_verdict(diff, "prefill_attention")
     not_faster = verdict in (stats.REGRESSION, stats.NO_CHANGE)
     out = []
     for row in serving:

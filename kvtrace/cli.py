@@ -22,6 +22,7 @@ _COMMANDS = {
     "kernels": ("kvtrace.analyzer.cli:kernels", "List kernels with their segment; --unclassified for the rest."),
     "capture": ("kvtrace.capture.cli:capture", "Record matched FP8 / NVFP4 runs under Nsight Systems."),
     "report": ("kvtrace.analyzer.report_cli:report", "Kernel diff beside serving metrics of two arms' run directories."),
+    "matrix": ("kvtrace.analyzer.report_cli:matrix", "One decision over several scenarios' run directories."),
     "capacity": ("kvtrace.analyzer.report_cli:capacity", "KV-cache bytes per token and tokens that fit, per format."),
 }
 

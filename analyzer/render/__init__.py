@@ -1,6 +1,6 @@
 """Renderers: each formats a result object (analyzer.compare's Summary, Diff and KernelList, analyzer.report's
-Report, analyzer.capacity's Capacity). Text renderers pick and format its fields; the plots add only what a
-drawing needs (ECDF steps, unit scaling).
+Report, analyzer.capacity's Capacity, analyzer.matrix's Matrix). Text renderers pick and format its fields; the
+plots add only what a drawing needs (ECDF steps, unit scaling).
 
 One dispatch per format, keyed by the result's type: a new result type or format is one entry below.
 """
@@ -12,7 +12,8 @@ from rich.console import Console
 from kvtrace.analyzer.capacity import Capacity
 from kvtrace.analyzer.compare import Diff, Summary
 from kvtrace.analyzer.kernels import KernelList
-from kvtrace.analyzer.render import csv_out, json_out, markdown, report_tables, terminal
+from kvtrace.analyzer.matrix import Matrix
+from kvtrace.analyzer.render import csv_out, json_out, markdown, matrix, report_tables, terminal
 from kvtrace.analyzer.report import Report
 from kvtrace.errors import KvtraceError
 
@@ -21,10 +22,12 @@ FORMATS = ("table", "markdown", "json", "csv")
 # format -> result type -> renderer. 'table' renderers print to a console, the others return text.
 RENDERERS = {
     "table": {Summary: terminal.summary, Diff: terminal.diff, KernelList: terminal.kernels,
-              Report: report_tables.report_terminal, Capacity: report_tables.capacity_terminal},
+              Report: report_tables.report_terminal, Capacity: report_tables.capacity_terminal,
+              Matrix: matrix.terminal},
     "markdown": {Summary: markdown.summary, Diff: markdown.diff, KernelList: markdown.kernels,
-                 Report: report_tables.report_markdown, Capacity: report_tables.capacity_markdown},
-    "json": {kind: json_out.render for kind in (Summary, Diff, KernelList, Report, Capacity)},
+                 Report: report_tables.report_markdown, Capacity: report_tables.capacity_markdown,
+                 Matrix: matrix.markdown},
+    "json": {kind: json_out.render for kind in (Summary, Diff, KernelList, Report, Capacity, Matrix)},
     "csv": {Summary: csv_out.summary, Diff: csv_out.diff, KernelList: csv_out.kernels,
             Report: report_tables.report_csv, Capacity: report_tables.capacity_csv},
 }

@@ -9,7 +9,9 @@
 - segment-times: GPU time of each segment's paired calls for both arms, with the bootstrap interval of each;
 - segment-ratios: candidate / baseline per segment with its bootstrap interval and the no-change band;
 - bandwidth: achieved KV bandwidth per workload phase against the GPU's HBM ceiling (FlashInfer runs);
-- sweep: TTFT, ITL and preemptions against concurrency, one line per arm and context length (sweeps).
+- sweep: TTFT, ITL and preemptions against concurrency, one line per arm and context length (sweeps);
+- crossover (kvtrace matrix): a sweep's objective for both arms against context and concurrency, capacity-bound
+  points and the crossover marked.
 
 Every function takes the Report and returns a matplotlib Figure (or None when the report has nothing to
 draw), whose lines, bars and collections carry the series labels, titled with the GPU and the versions the
@@ -33,6 +35,7 @@ from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: 
 
 from kvtrace import files  # noqa: E402
 from kvtrace.analyzer import stats  # noqa: E402
+from kvtrace.analyzer.matrix import OBJECTIVES, Matrix, Scenario  # noqa: E402
 from kvtrace.analyzer.report import PlotFile, Report  # noqa: E402
 from kvtrace.errors import KvtraceError  # noqa: E402
 from kvtrace.manifest import parse_phase_name  # noqa: E402
@@ -393,9 +396,84 @@ def figures(report: Report) -> dict[str, Figure]:
     return out
 
 
-def write_plots(report: Report, folder: Path, fmt: str = "png", link_base: Path | None = None) -> list[PlotFile]:
-    """Save every plot into folder (created when missing); its files, with paths relative to link_base (the
-    report file's folder; the working directory when None), the figure's title and its panels' titles."""
+def crossover_figure(matrix: Matrix, scenario: Scenario) -> Figure | None:
+    """A sweep's objective against concurrency, one line per arm and context length, with each arm's
+    capacity-bound points and the crossover (the first point where only the candidate fits) marked."""
+    points = [p for p in scenario.points if p.serving is not None and p.concurrency is not None]
+    if not scenario.sweep or len(points) < 2:
+        return None
+    name, lower_better, _ = OBJECTIVES[matrix.objective]
+    unit = "ms" if name.endswith("_ms") else "tokens/s"
+    figure = _figure(7.5, 4.6)
+    ax = figure.subplots()
+    contexts = sorted({p.context for p in points if p.context is not None})
+    styles = ("-", "--", ":", "-.")
+    labels = (scenario.baseline, scenario.candidate)
+    for index, (side, color) in enumerate(zip(("baseline", "candidate"), _COLORS)):
+        marked = False
+        for number, context in enumerate(contexts):
+            chosen = sorted((p for p in points if p.context == context and getattr(p.serving, side) is not None),
+                            key=lambda p: p.concurrency)
+            values = [_objective_value(getattr(p.serving, side), name) for p in chosen]
+            if not any(v is not None for v in values):
+                continue
+            (line,) = ax.plot([p.concurrency for p in chosen], [float("nan") if v is None else v for v in values],
+                              marker="o", color=color, linestyle=styles[number % len(styles)],
+                              label=f"{labels[index]}, context {context:,}")
+            line.set_gid(f"crossover-{side}-{context}")
+            bound = [(p.concurrency, v) for p, v in zip(chosen, values)
+                     if v is not None and getattr(p, f"{side}_capacity")]
+            if bound:
+                ax.scatter(*zip(*bound), marker="D", s=80, facecolors="none", edgecolors=color, zorder=3,
+                           label=None if marked else f"{labels[index]} capacity-bound")
+                marked = True
+    crossover = next((p for p in points if p.crossover), None)
+    if crossover is not None:
+        ax.axvline(crossover.concurrency, color=_DEFAULT_COLOR, linestyle=":", linewidth=1.2,
+                   label=f"crossover: context {crossover.context:,}, concurrency {crossover.concurrency}")
+    ax.set_xscale("log", base=2)
+    ticks = sorted({p.concurrency for p in points})
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.minorticks_off()
+    ax.set_xlabel("concurrency (requests in flight)")
+    ax.set_ylabel(f"{matrix.objective.upper() if unit == 'ms' else 'output throughput'} ({unit}, "
+                  f"{'lower' if lower_better else 'higher'} is better)")
+    ax.set_title(f"{scenario.name}: {matrix.objective} against context and concurrency")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    env = scenario.environment
+    built = [env.gpu, *(f"{name} {value}" for name, value in (("FlashInfer", env.flashinfer), ("vLLM", env.vllm),
+                                                               ("attention backend", env.attention_backend)) if value)]
+    figure.suptitle(f"Where the crossover lies (◇ = capacity-bound): {scenario.candidate} vs {scenario.baseline}\n"
+                    + " · ".join(built))
+    return figure
+
+
+def _objective_value(metrics, name: str) -> float | None:
+    value = getattr(metrics, name)
+    return _stat(value) if name.endswith("_ms") else value
+
+
+def write_matrix_plots(matrix: Matrix, folder: Path, fmt: str = "png", link_base: Path | None = None) -> list[PlotFile]:
+    """Each sweep's crossover plot in folder, as write_plots writes a report's."""
+    folder = _plot_folder(folder, fmt)
+    written = []
+    base = Path(link_base) if link_base is not None else Path.cwd()
+    for number, scenario in enumerate(matrix.scenarios, 1):
+        figure = crossover_figure(matrix, scenario)
+        if figure is None:
+            continue
+        path = folder / f"crossover-{number}.{fmt}"
+        _save(figure, path, fmt)
+        link = Path(os.path.relpath(path.resolve(), base.resolve())).as_posix()
+        written.append(PlotFile(kind="crossover", title=f"{scenario.name}: {matrix.objective} of both arms against "
+                                f"context and concurrency, with the crossover", path=str(path), link=link,
+                                heading=figure.get_suptitle(),
+                                panels=tuple(ax.get_title() for ax in figure.axes if ax.get_visible())))
+    return written
+
+
+def _plot_folder(folder: Path, fmt: str) -> Path:
     if fmt not in FORMATS:
         raise KvtraceError(f"--plot-format {fmt}: choose png or svg")
     folder = Path(folder)
@@ -405,6 +483,13 @@ def write_plots(report: Report, folder: Path, fmt: str = "png", link_base: Path 
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise KvtraceError(f"cannot create --plots folder {folder}: {error.strerror.lower()}") from None
+    return folder
+
+
+def write_plots(report: Report, folder: Path, fmt: str = "png", link_base: Path | None = None) -> list[PlotFile]:
+    """Save every plot into folder (created when missing); its files, with paths relative to link_base (the
+    report file's folder; the working directory when None), the figure's title and its panels' titles."""
+    folder = _plot_folder(folder, fmt)
     titles = {kind: title for kind, title, _ in PLOTS}
     written = []
     base = Path(link_base) if link_base is not None else Path.cwd()

@@ -1,0 +1,403 @@
+"""The decision over a matrix of scenarios: one serving report per scenario (analyzer/report), set side by side
+point by point, which arm wins each point on the user's objective and what wins it, where a sweep's crossover
+lies, and the claims of the decision paragraph with the rows they rest on.
+
+Nothing here re-reads a trace or a manifest's numbers: every cell is a field of a scenario's Report (its
+kernel statements, the rows of the diff's head, and its serving rows); this module only decides which points
+count, who wins them and why. analyzer/render/matrix.py words the claims.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from kvtrace import __version__, kv_formats
+from kvtrace.analyzer import headline, report as report_lib, stats
+from kvtrace.analyzer.classify import RecipeSet
+from kvtrace.analyzer.report import PlotFile, Report
+from kvtrace.analyzer.serving import ServingMetrics, ServingRow
+from kvtrace.analyzer.statements import KernelStatement, segment_verdict
+from kvtrace.errors import KvtraceError
+from kvtrace.manifest import KV_USAGE, MANIFEST, PREEMPTIONS, Point, capacity_reason, read_manifest
+
+MATRIX_SCHEMA = "kvtrace.matrix/1"
+# objective -> (ServingMetrics field, lower is better, the segments whose kernels serve it)
+OBJECTIVES = {"ttft": ("ttft_ms", True, ("prefill_attention",)),
+              "itl": ("itl_ms", True, ("decode_attention",)),
+              "throughput": ("output_tokens_per_s", False, ("prefill_attention", "decode_attention"))}
+# What wins a point (MatrixPoint.causes): one of these, or several, which then share the credit.
+FASTER_KERNEL = "faster kernel"
+PREFIX_HITS = "more prefix hits"
+CAPACITY = "avoided capacity limits"  # the loser was capacity-bound there (preemption, queueing), the winner not
+# MatrixPoint.winner besides an arm's side
+NO_CLEAR_WINNER = "no clear winner"
+
+
+@dataclass
+class Environment:
+    """What a scenario's decision holds for."""
+
+    gpu: str
+    flashinfer: str | None
+    vllm: str | None
+    attention_backend: str | None
+    engine: str | None
+
+
+@dataclass
+class MatrixPoint:
+    """One row of the matrix: a scenario at one traffic point (or the scenario itself, with no serving)."""
+
+    row: int  # R1, R2, …: what the decision's claims cite
+    scenario: str
+    point: str | None
+    context: int | None
+    concurrency: int | None
+    serving: ServingRow | None
+    excluded: str | None  # why the point does not count towards the decision (different work, one arm only)
+    baseline_capacity: str | None  # why the arm is capacity-bound there, counted on observed evidence only
+    candidate_capacity: str | None
+    capacity_notes: list[str] = field(default_factory=list)  # a capacity reason resting on unobserved peaks
+    stat: str | None = None  # p50 or mean for latencies; None for throughput
+    baseline_value: float | None = None
+    candidate_value: float | None = None
+    ratio: float | None = None  # candidate / baseline of the objective
+    winner: str | None = None  # baseline, candidate, NO_CLEAR_WINNER; None: not decided (`undecided` says why)
+    undecided: str | None = None
+    causes: tuple[str, ...] = ()
+    # The objective's kernels over all calls of the run, as the TTFT guard rail reads them: segment, ratio, interval,
+    # verdict of the matched calls (what FASTER_KERNEL rests on).
+    kernel_verdicts: list[dict] = field(default_factory=list)
+    crossover: bool = False  # first point of a sweep where the baseline is capacity-bound and the candidate not
+    cold_prefill: bool = False  # prefill-only traffic (one output token) or a cold-prefill scenario
+    decode_heavy: bool = False  # a decode-heavy scenario
+
+
+@dataclass
+class Scenario:
+    name: str
+    runs: tuple[str, ...]
+    baseline: str  # arm labels
+    candidate: str
+    baseline_format: str | None
+    candidate_format: str | None
+    environment: Environment
+    kernels: list[KernelStatement]  # the report's kernel statements: the rows of the diff's head
+    points: list[MatrixPoint]
+    sweep: bool
+    report: Report = field(repr=False)
+
+
+@dataclass
+class Claim:
+    """One sentence of the decision paragraph, with its numbers and the rows it cites."""
+
+    kind: str  # environment, capacity, cold-prefill, decode, prefix, point, kernels, choice, quality
+    rows: tuple[int, ...]
+    scenario: str | None = None
+    values: dict = field(default_factory=dict)
+
+
+@dataclass
+class Matrix:
+    objective: str
+    threshold: float
+    scenarios: list[Scenario]
+    claims: list[Claim]
+    plots: list[PlotFile] = field(default_factory=list)
+    schema: str = MATRIX_SCHEMA
+    kvtrace_version: str = __version__
+
+    @property
+    def points(self) -> list[MatrixPoint]:
+        return [p for s in self.scenarios for p in s.points]
+
+    def to_dict(self) -> dict:
+        scenarios = []
+        for s in self.scenarios:
+            data = {"name": s.name, "runs": list(s.runs), "baseline": s.baseline, "candidate": s.candidate,
+                    "baseline_format": s.baseline_format, "candidate_format": s.candidate_format,
+                    "environment": asdict(s.environment), "sweep": s.sweep,
+                    "kernels": [{"kind": k.kind, **asdict(k)} for k in s.kernels],
+                    "points": [asdict(p) for p in s.points]}
+            scenarios.append(data)
+        return {"schema": self.schema, "kvtrace_version": self.kvtrace_version, "objective": self.objective,
+                "threshold": self.threshold, "scenarios": scenarios, "claims": [asdict(c) for c in self.claims],
+                "plots": [asdict(p) for p in self.plots]}
+
+
+# ---- scenarios from run directories ---------------------------------------------------------------------
+
+def group_runs(paths: list[Path]) -> list[tuple[str, list[Path]]]:
+    """(name, run directories) per scenario: a run directory holding two arms is one scenario; run directories
+    of one arm each pair by engine, mode and scenario (the wider KV format first). A folder without a
+    manifest stands for the run directories inside it."""
+    runs: list[Path] = []
+    for path in map(Path, paths):
+        if (path / MANIFEST).is_file():
+            runs.append(path)
+        elif path.is_dir():
+            inside = sorted(p for p in path.iterdir() if (p / MANIFEST).is_file())
+            if not inside:
+                raise KvtraceError(f"{path} holds no run directory (no {MANIFEST} in it or in its folders): pass "
+                                   "run directories written by `kvtrace capture`, or a folder holding them")
+            runs += inside
+        else:
+            raise KvtraceError(f"{path}: no such run directory; pass run directories written by `kvtrace capture`")
+    groups: dict[tuple, list] = {}
+    for run in dict.fromkeys(runs):
+        manifest = read_manifest(run)
+        arms = manifest.runs_by_arm
+        if len(arms) >= 2:
+            groups[("run", str(run))] = [(run, manifest)]
+        else:
+            groups.setdefault((manifest.engine, manifest.mode, manifest.scenario), []).append((run, manifest))
+    out = []
+    for key, members in groups.items():
+        if key[0] == "run":
+            run, manifest = members[0]
+            name = _scenario_name(manifest, run)
+        else:
+            if len(members) != 2:
+                listed = ", ".join(str(run) for run, _ in members)
+                raise KvtraceError(f"scenario {key[2] or '?'} ({key[1] or '?'}) has {len(members)} run directories of "
+                                   f"one arm ({listed}): it needs two, one per KV format")
+            members.sort(key=lambda m: -_width(m[1]))
+            name = _scenario_name(members[0][1], members[0][0])
+        out.append((name, [run for run, _ in members]))
+    names = [name for name, _ in out]
+    return [(name if names.count(name) == 1 else f"{name} ({runs[0].name})", runs) for name, runs in out]
+
+
+def _width(manifest) -> float:
+    record = next(iter(manifest.runs.values()))
+    return kv_formats.bytes_per_value(record.kv_dtype or "", manifest.model_dtype)
+
+
+def _scenario_name(manifest, run: Path) -> str:
+    if manifest.scenario:
+        return f"{manifest.scenario} ({manifest.mode})" if manifest.mode else manifest.scenario
+    return run.name
+
+
+def _environment(result: Report) -> Environment:
+    manifest = read_manifest(Path(result.baseline.run))
+    packages = headline.package_versions(manifest)
+    flashinfer = packages.get("flashinfer") or packages.get("flashinfer-python")
+    backend = manifest.settings.get("attention_backend")
+    if backend is None and manifest.engine == "flashinfer":
+        backend = "FlashInfer kernels called directly"
+    return Environment(gpu=result.diff.baseline.info.gpu_label, flashinfer=flashinfer, vllm=packages.get("vllm"),
+                       attention_backend=backend, engine=manifest.engine)
+
+
+# ---- points ----------------------------------------------------------------------------------------------
+
+def _observed_capacity(metrics: ServingMetrics | None, point: str,
+                       kv_tokens: int | None) -> tuple[str | None, str | None]:
+    """Why the arm is capacity-bound at the point, on evidence that was observed, and a note when the report's
+    reason rests on polled peaks that were not (too few polls inside the traffic)."""
+    if metrics is None or metrics.capacity is None:
+        return None, None
+    if not metrics.peaks_note:
+        return metrics.capacity, None
+    try:
+        parsed = Point.parse(point)
+    except (ValueError, TypeError):
+        return metrics.capacity, None
+    peaks = {KV_USAGE: metrics.peak_kv_usage} if metrics.peak_kv_usage is not None else None
+    reason = capacity_reason(parsed, {"counters": {PREEMPTIONS: metrics.preemptions or 0}}, peaks, kv_tokens)
+    return reason, None if reason else f"{metrics.capacity}: not counted ({metrics.peaks_note})"
+
+
+def _different_work(row: ServingRow, result: Report) -> str | None:
+    b, c = row.baseline, row.candidate
+    if b is None or c is None:
+        only = result.baseline.label if b else result.candidate.label
+        return f"different work: only {only} ran this point"
+    requests = next((f for f in result.findings if f.check == "requests"), None)
+    if requests is not None and requests.level != "ok":
+        return f"different work: {requests.message}"
+    for name, words in (("requests", "completed requests"), ("prompt_tokens", "prompt tokens"),
+                        ("output_tokens", "output tokens")):
+        if getattr(b, name) != getattr(c, name):
+            return f"different work: {words} {getattr(b, name)} ({result.baseline.label}) vs {getattr(c, name)} " \
+                   f"({result.candidate.label})"
+    if b.failed or c.failed:
+        return f"different work: failed requests {b.failed or 0} ({result.baseline.label}) vs {c.failed or 0} " \
+               f"({result.candidate.label})"
+    return None
+
+
+def _objective(metrics: ServingMetrics, objective: str, stat: str | None) -> float | None:
+    name = OBJECTIVES[objective][0]
+    value = getattr(metrics, name)
+    return getattr(value, stat) if stat else value
+
+
+def _judge(point: MatrixPoint, result: Report, objective: str, threshold: float) -> None:
+    """Who wins the point on the objective (beyond the ±threshold band) and what wins it."""
+    row = point.serving
+    b, c = row.baseline, row.candidate
+    name, lower_better, segments = OBJECTIVES[objective]
+    if name.endswith("_ms"):
+        point.stat = next((s for s in ("p50", "mean") if getattr(getattr(b, name), s) is not None
+                           and getattr(getattr(c, name), s) is not None), None)
+        if point.stat is None:
+            point.undecided = (f"no {objective.upper()}: one output token per request leaves no inter-token gaps"
+                               if objective == "itl" and (b.output_tokens or 0) <= (b.requests or 0) else
+                               f"no {objective.upper()} recorded for both arms")
+            return
+    point.baseline_value = _objective(b, objective, point.stat)
+    point.candidate_value = _objective(c, objective, point.stat)
+    if point.baseline_value is None or point.candidate_value is None:
+        point.undecided = f"no {objective} recorded for both arms"
+        return
+    point.ratio = stats.ratio(point.baseline_value, point.candidate_value)
+    if point.ratio is None or abs(point.ratio - 1) <= threshold:
+        point.winner = NO_CLEAR_WINNER
+        return
+    candidate_better = (point.ratio < 1) == lower_better
+    point.winner = "candidate" if candidate_better else "baseline"
+    winner, loser = (c, b) if candidate_better else (b, c)
+    causes = []
+    for segment in segments:
+        diff_row, verdict = segment_verdict(result.diff, segment)
+        if verdict is None:
+            continue
+        point.kernel_verdicts.append({"segment": segment, "ratio": diff_row.ratio, "ci_low": diff_row.ci_low,
+                                      "ci_high": diff_row.ci_high, "verdict": verdict,
+                                      "compared_calls": diff_row.compared_calls})
+        if verdict == (stats.IMPROVEMENT if candidate_better else stats.REGRESSION):
+            causes.append(FASTER_KERNEL)
+    if objective != "itl" and None not in (winner.cached_prompt_tokens, loser.cached_prompt_tokens) \
+            and winner.cached_prompt_tokens > loser.cached_prompt_tokens:
+        causes.append(PREFIX_HITS)
+    bound = (point.baseline_capacity, point.candidate_capacity)
+    loser_bound, winner_bound = (bound[0], bound[1]) if candidate_better else (bound[1], bound[0])
+    if loser_bound and not winner_bound:
+        causes.append(CAPACITY)
+    point.causes = tuple(dict.fromkeys(causes))
+
+
+def point_kernels(result: Report, segment: str) -> list[KernelStatement]:
+    """The report's kernel statements of a segment (one per workload point of the diff's head)."""
+    return [s for s in result.statements if isinstance(s, KernelStatement) and s.subject == segment]
+
+
+def _points(name: str, result: Report, objective: str, threshold: float, start: int) -> list[MatrixPoint]:
+    if not result.serving:
+        return [MatrixPoint(row=start, scenario=name, point=None, context=None, concurrency=None, serving=None,
+                            excluded=None, baseline_capacity=None, candidate_capacity=None,
+                            undecided="no serving metrics: " + next((n.removeprefix("no serving metrics: ")
+                                                                    for n in result.notes
+                                                                    if n.startswith("no serving metrics")), "none"))]
+    points = []
+    scenario = (result.baseline.scenario or "")
+    for index, row in enumerate(result.serving):
+        notes = []
+        caps = []
+        for side in ("baseline", "candidate"):
+            reason, note = _observed_capacity(getattr(row, side), row.point, getattr(result, side).kv_cache_tokens)
+            caps.append(reason)
+            if note:
+                notes.append(f"{getattr(result, side).label}: {note}")
+        try:
+            single = Point.parse(row.point).output_len <= 1
+        except (ValueError, TypeError):
+            single = False
+        point = MatrixPoint(row=start + index, scenario=name, point=row.point, context=row.context,
+                            concurrency=row.concurrency, serving=row, excluded=_different_work(row, result),
+                            baseline_capacity=caps[0], candidate_capacity=caps[1], capacity_notes=notes,
+                            cold_prefill=single or scenario == "cold-prefill",
+                            decode_heavy=not single and scenario == "decode-heavy")
+        if point.excluded is None:
+            _judge(point, result, objective, threshold)
+        else:
+            point.undecided = point.excluded
+        points.append(point)
+    if result.sweep:
+        ordered = sorted((p for p in points if p.excluded is None), key=lambda p: (p.context or 0, p.concurrency or 0))
+        first = next((p for p in ordered if p.baseline_capacity and not p.candidate_capacity), None)
+        if first is not None:
+            first.crossover = True
+    return points
+
+
+# ---- the decision ----------------------------------------------------------------------------------------
+
+def _claims(scenarios: list[Scenario], objective: str) -> list[Claim]:
+    """Per pair of KV formats: what the decision holds for, then capacity, cold prefill, prefix hits and the
+    other points, the kernel costs of runs without serving, the choice per point, and model quality."""
+    claims = []
+    pairs: dict[tuple, list[Scenario]] = {}
+    for s in scenarios:
+        pairs.setdefault((s.baseline, s.candidate), []).append(s)
+    for (base, cand), group in pairs.items():
+        rows = tuple(p.row for s in group for p in s.points)
+        environments = [asdict(s.environment) for s in group]
+        claims.append(Claim("environment", rows, None, {"baseline": base, "candidate": cand,
+                                                        "environments": [dict(t) for t in dict.fromkeys(
+                                                            tuple(e.items()) for e in environments)]}))
+        decided = [p for s in group for p in s.points if p.winner is not None]
+        for p in decided:
+            values = {"baseline": base, "candidate": cand, "point": p.point, "objective": objective, "stat": p.stat,
+                      "ratio": p.ratio, "winner": p.winner, "causes": list(p.causes),
+                      "baseline_capacity": p.baseline_capacity, "candidate_capacity": p.candidate_capacity,
+                      "crossover": p.crossover, "baseline_value": p.baseline_value,
+                      "candidate_value": p.candidate_value, "kernels": p.kernel_verdicts,
+                      "cached_prompt_tokens": [p.serving.baseline.cached_prompt_tokens,
+                                               p.serving.candidate.cached_prompt_tokens],
+                      "queue_ms": [p.serving.baseline.queue_ms, p.serving.candidate.queue_ms]}
+            if p.baseline_capacity and not p.candidate_capacity:
+                claims.append(Claim("capacity", (p.row,), p.scenario, values))
+            elif p.cold_prefill or p.decode_heavy:
+                segment = "prefill_attention" if p.cold_prefill else "decode_attention"
+                kernels = point_kernels(next(s.report for s in group if s.name == p.scenario), segment)
+                values["phase_kernels"] = [{"point": k.point, "ratio": k.ratio, "ci_low": k.ci_low,
+                                            "ci_high": k.ci_high, "verdict": k.verdict, "reason": k.reason}
+                                           for k in kernels]
+                claims.append(Claim("cold-prefill" if p.cold_prefill else "decode", (p.row,), p.scenario, values))
+            elif PREFIX_HITS in p.causes:
+                claims.append(Claim("prefix", (p.row,), p.scenario, values))
+            else:
+                claims.append(Claim("point", (p.row,), p.scenario, values))
+        for s in group:
+            for p in s.points:
+                if p.serving is None:
+                    costs = [{"subject": k.subject, "point": k.point, "ratio": k.ratio, "ci_low": k.ci_low,
+                              "ci_high": k.ci_high, "verdict": k.verdict} for k in s.kernels if k.ratio is not None]
+                    claims.append(Claim("kernels", (p.row,), s.name, {"baseline": base, "candidate": cand,
+                                                                     "costs": costs}))
+        choice = {"candidate": [], "baseline": [], NO_CLEAR_WINNER: [], None: []}
+        for s in group:
+            for p in s.points:
+                choice[p.winner].append(p.row)
+        claims.append(Claim("choice", rows, None, {"baseline": base, "candidate": cand, "objective": objective,
+                                                   "candidate_wins": choice["candidate"],
+                                                   "baseline_wins": choice["baseline"],
+                                                   "no_clear_winner": choice[NO_CLEAR_WINNER],
+                                                   "undecided": choice[None]}))
+    claims.append(Claim("quality", ()))
+    return claims
+
+
+def build(paths: list[Path], recipes: RecipeSet, *, objective: str = "ttft", threshold: float = 0.02,
+          confidence: float = 0.95, seed: int = 0, nsys: str | None = None, cache: bool = True) -> Matrix:
+    if objective not in OBJECTIVES:
+        raise KvtraceError(f"--objective {objective}: choose {', '.join(OBJECTIVES)}")
+    scenarios = []
+    start = 1
+    for name, runs in group_runs(paths):
+        result = report_lib.build(runs, recipes, threshold=threshold, confidence=confidence, seed=seed, nsys=nsys,
+                                  cache=cache)
+        points = _points(name, result, objective, threshold, start)
+        start += len(points)
+        scenarios.append(Scenario(
+            name=name, runs=tuple(str(r) for r in runs), baseline=result.baseline.label,
+            candidate=result.candidate.label, baseline_format=result.baseline.kv_format,
+            candidate_format=result.candidate.kv_format, environment=_environment(result),
+            kernels=[s for s in result.statements if isinstance(s, KernelStatement)], points=points,
+            sweep=result.sweep, report=result))
+    return Matrix(objective=objective, threshold=threshold, scenarios=scenarios, claims=_claims(scenarios, objective))

@@ -1,0 +1,313 @@
+"""`kvtrace matrix`: one decision over the shipped real matrices (serve auto vs fp8: cold-prefill, prefix-reuse,
+sweep; offline cold-prefill and decode-heavy; the FlashInfer fp8 vs nvfp4 run). Each cell is checked against the
+per-scenario report built on its own, and the serving cells against the runs' own bench JSON and /metrics pages;
+winners and the crossover are recomputed from those files; the decision's wording is checked where a win is a
+capacity effect and where a faster prefill kernel and more prefix hits both lower TTFT."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from conftest import FIXTURES, SERVE_RUNS
+from kvtrace.analyzer import matrix, report, stats
+from kvtrace.analyzer.classify import load_recipes
+from kvtrace.analyzer.render import render_table, render_text
+from kvtrace.analyzer.render import matrix as matrix_render
+from kvtrace.manifest import Point
+from test_report import manifest, recorded_point, run_main
+
+OFFLINE = [FIXTURES / "vllm-h200-cold-prefill", FIXTURES / "vllm-h200-decode-heavy"]
+FLASHINFER = FIXTURES / "fi-h200-sm90"
+SERVE = [SERVE_RUNS[f"{scenario}-{arm}"] for scenario in ("cold-prefill", "prefix-reuse", "sweep")
+         for arm in ("auto", "fp8")]
+ALL = [*SERVE, *OFFLINE, FLASHINFER]
+
+
+@pytest.fixture(scope="module")
+def recipes():
+    return load_recipes()
+
+
+@pytest.fixture(scope="module")
+def ttft(recipes):
+    return matrix.build(ALL, recipes)
+
+
+@pytest.fixture(scope="module")
+def itl(recipes):
+    return matrix.build([SERVE_RUNS["sweep-auto"], SERVE_RUNS["sweep-fp8"]], recipes, objective="itl")
+
+
+def scenario(result: matrix.Matrix, name: str) -> matrix.Scenario:
+    return next(s for s in result.scenarios if s.name == name)
+
+
+def table_rows(result: matrix.Matrix) -> dict[str, dict[str, str]]:
+    header, body = matrix_render.table(result, str)
+    return {row[0]: dict(zip(header, row)) for row in body}
+
+
+def claim(result: matrix.Matrix, row: int) -> str:
+    found = [c for c in result.claims if c.rows == (row,)]
+    assert len(found) == 1
+    return matrix_render.claim_text(found[0], result)
+
+
+def test_scenarios_pair_one_arm_run_directories_and_keep_two_arm_ones(ttft):
+    names = [s.name for s in ttft.scenarios]
+    assert names == ["cold-prefill (serve)", "prefix-reuse (serve)", "sweep (serve)", "cold-prefill (offline)",
+                     "decode-heavy (offline)", "fi-h200-sm90"]
+    for s in ttft.scenarios[:3]:  # the wider format is the baseline, whatever order the directories came in
+        assert (s.baseline, s.candidate) == ("auto", "fp8") and "-auto-" in Path(s.runs[0]).name
+    assert (scenario(ttft, "fi-h200-sm90").baseline, scenario(ttft, "fi-h200-sm90").candidate) == ("fp8", "nvfp4")
+    assert [p.row for p in ttft.points] == list(range(1, len(ttft.points) + 1))
+
+
+def test_reversed_and_folder_inputs_give_the_same_matrix(recipes, ttft, tmp_path):
+    folder = tmp_path / "matrix"
+    folder.mkdir()
+    for run in reversed(ALL):
+        (folder / run.name).symlink_to(run)
+    result = matrix.build([folder], recipes)
+    by_name = sorted((s.name, s.baseline, s.candidate, [p.ratio for p in s.points]) for s in result.scenarios)
+    assert by_name == sorted((s.name, s.baseline, s.candidate, [p.ratio for p in s.points]) for s in ttft.scenarios)
+
+
+def test_each_cell_matches_the_per_scenario_report(recipes, ttft):
+    rows = table_rows(ttft)
+    for s in ttft.scenarios:
+        alone = report.build([Path(r) for r in s.runs], recipes)
+        kernels = [k for k in alone.statements if k.kind == "kernels"]
+        assert [(k.subject, k.point, k.ratio, k.ci_low, k.ci_high, k.verdict) for k in s.kernels] == \
+            [(k.subject, k.point, k.ratio, k.ci_low, k.ci_high, k.verdict) for k in kernels]
+        first = rows[f"R{s.points[0].row}"]
+        for header, subject in matrix_render.KERNEL_COLUMNS:
+            for k in (k for k in kernels if k.subject == subject):
+                expected = f"{k.point}: {k.ratio:.3f}× [{k.ci_low:.3f}, {k.ci_high:.3f}] {k.verdict}" \
+                    if k.ratio is not None else f"{k.point}: {k.verdict}"
+                assert expected in first[header]
+        for point, row in zip(s.points, alone.serving):
+            b, c = row.baseline, row.candidate
+            cells = rows[f"R{point.row}"]
+            assert point.point == row.point
+            if b is not None and c is not None:
+                assert (point.serving.baseline.ttft_ms, point.serving.candidate.ttft_ms) == (b.ttft_ms, c.ttft_ms)
+                assert cells["completed"] == f"{b.requests:,} → {c.requests:,}"
+                assert cells["preemptions"] == f"{b.preemptions:,} → {c.preemptions:,}"
+
+
+def test_serving_cells_match_the_runs_own_bench_json_and_metrics(ttft):
+    rows = table_rows(ttft)
+    for name, runs in (("cold-prefill (serve)", "cold-prefill"), ("prefix-reuse (serve)", "prefix-reuse"),
+                       ("sweep (serve)", "sweep")):
+        s = scenario(ttft, name)
+        for point in s.points:
+            own = {}
+            for arm in ("auto", "fp8"):
+                run = SERVE_RUNS[f"{runs}-{arm}"]
+                specs = [p["point"] for p in manifest(run)["arms"][arm]["points"]]
+                if point.point in specs:
+                    own[arm] = recorded_point(run, arm, specs.index(point.point))
+            cells = rows[f"R{point.row}"]
+            if len(own) < 2:  # the sweep's 2048 × 16: auto stopped that context at its capacity
+                assert point.excluded == f"different work: only {next(iter(own))} ran this point"
+                assert point.winner is None and point.excluded in cells["wins on TTFT"]
+                continue
+            bench = {arm: own[arm]["bench"] for arm in own}
+            delta = {arm: own[arm]["delta"] for arm in own}
+            assert cells["TTFT ms"] == " → ".join(f"p50 {bench[a]['p50_ttft_ms']:,.1f}" for a in ("auto", "fp8"))
+            assert cells["completed"] == (f"{bench['auto']['completed']:,} → {bench['fp8']['completed']:,}")
+            assert bench["auto"]["completed"] == delta["auto"]["vllm:request_success_total"]
+            assert cells["preemptions"] == (f"{delta['auto']['vllm:num_preemptions_total']:,.0f} → "
+                                            f"{delta['fp8']['vllm:num_preemptions_total']:,.0f}")
+            cached = [delta[arm]["vllm:prompt_tokens_cached_total"] for arm in ("auto", "fp8")]
+            prompt = [delta[arm]["vllm:prompt_tokens_total"] for arm in ("auto", "fp8")]
+            assert cells["cached prompt tokens"] == " → ".join(
+                f"{c:,.0f} of {p:,.0f} ({100 * c / p:.1f}%)" for c, p in zip(cached, prompt))
+            assert cells["output tok/s"] == " → ".join(f"{round(bench[a]['output_throughput']):,}"
+                                                       for a in ("auto", "fp8"))
+            # Sub-second points against 0.5 s polling: the peaks are not observations, and the cells say so.
+            assert cells["peak KV usage"] == "not observed → not observed"
+            # The winner, recomputed from the bench JSON alone.
+            ratio = bench["fp8"]["p50_ttft_ms"] / bench["auto"]["p50_ttft_ms"]
+            expected = "no clear winner" if abs(ratio - 1) <= 0.02 else "fp8" if ratio < 1 else "auto"
+            assert cells["wins on TTFT"] == f"{expected} ({ratio:.3f}×)"
+
+
+def test_offline_cells_match_the_manifests_histograms(ttft):
+    rows = table_rows(ttft)
+    for run, name in zip(OFFLINE, ("cold-prefill (offline)", "decode-heavy (offline)")):
+        (point,) = scenario(ttft, name).points
+        means = []
+        for arm in ("auto", "fp8"):
+            record = manifest(run)["arms"][arm]["points"][0]
+            histogram = record["metrics"]["deltas"]["histograms"]["vllm:time_to_first_token_seconds"]
+            means.append(1000 * histogram["sum"] / histogram["count"])
+        assert rows[f"R{point.row}"]["TTFT ms"] == f"mean {means[0]:,.1f} → mean {means[1]:,.1f}"
+        assert point.ratio == pytest.approx(means[1] / means[0])
+        # Offline runs poll no peaks: nothing is claimed about them.
+        assert rows[f"R{point.row}"]["peak running"] == "– → –"
+
+
+def test_the_sweep_crossover_is_the_first_point_only_the_narrower_format_fits(ttft):
+    s = scenario(ttft, "sweep (serve)")
+    pools = {}
+    for arm in ("auto", "fp8"):
+        log = (SERVE_RUNS[f"sweep-{arm}"] / f"{arm}.log").read_text()
+        pools[arm] = int(re.search(r"GPU KV cache size: ([\d,]+) tokens", log).group(1).replace(",", ""))
+    both = [spec for spec in manifest(SERVE_RUNS["sweep-auto"])["settings"]["points"]
+            if spec in manifest(SERVE_RUNS["sweep-fp8"])["settings"]["points"]]
+    fits = {arm: {spec: Point.parse(spec).kv_tokens() < 0.95 * pools[arm] for spec in both} for arm in pools}
+    ordered = sorted(both, key=lambda spec: (Point.parse(spec).input_len, Point.parse(spec).concurrency))
+    expected = next(spec for spec in ordered if not fits["auto"][spec] and fits["fp8"][spec])
+    assert [p.point for p in s.points if p.crossover] == [expected]
+    assert expected == "input=1024,output=16,prompts=32,concurrency=16"
+    assert "◆ crossover" in table_rows(ttft)[f"R{next(p.row for p in s.points if p.crossover)}"]["capacity-bound"]
+
+
+def test_prefix_reuse_credits_neither_the_faster_kernel_nor_the_prefix_hits_alone(ttft):
+    (point,) = scenario(ttft, "prefix-reuse (serve)").points
+    own = {arm: recorded_point(SERVE_RUNS[f"prefix-reuse-{arm}"], arm)["delta"] for arm in ("auto", "fp8")}
+    assert own["fp8"]["vllm:prompt_tokens_cached_total"] > own["auto"]["vllm:prompt_tokens_cached_total"]
+    prefill = next(r for r in scenario(ttft, "prefix-reuse (serve)").report.diff.segments
+                   if r.segment == "prefill_attention")
+    assert (prefill.paired_verdict if prefill.verdict == stats.DIFFERENT_WORK else prefill.verdict) == stats.IMPROVEMENT
+    assert point.winner == "candidate"
+    assert {matrix.FASTER_KERNEL, matrix.PREFIX_HITS} <= set(point.causes)
+    text = claim(ttft, point.row)
+    assert "a faster prefill attention kernel" in text and "more prefix hits (73,728 cached prompt tokens against " \
+        "42,064)" in text
+    assert re.search(r"credits (neither|none of them) alone", text)
+    assert f"(R{point.row})" in text
+
+
+def test_a_capacity_win_is_never_called_a_faster_kernel(itl):
+    # ITL at the sweep's capacity-bound points: fp8's decode kernels are slower (a regression), auto is
+    # capacity-bound and fp8 is not, and fp8's ITL is lower: a capacity effect.
+    decode = next(r for r in itl.scenarios[0].report.diff.segments if r.segment == "decode_attention")
+    assert decode.ratio > 1
+    capacity_only = [p for p in itl.points if p.causes == (matrix.CAPACITY,)]
+    assert [p.point for p in capacity_only] == ["input=1024,output=16,prompts=32,concurrency=16",
+                                                "input=2048,output=16,prompts=32,concurrency=8"]
+    for point in capacity_only:
+        text = claim(itl, point.row)
+        assert "a capacity effect (auto was capacity-bound" in text and "not kernel speed" in text
+        assert "faster" not in text
+        assert matrix_render.causes_cell(point) == matrix.CAPACITY
+
+
+def test_the_decision_names_what_it_holds_for_and_leaves_model_quality_out(ttft):
+    markdown = render_text(ttft, "markdown")
+    decision = markdown.split("### The decision", 1)[1]
+    env = manifest(SERVE_RUNS["sweep-fp8"])["environment"]
+    assert (f"fp8 against auto (R1–R8) holds for NVIDIA H200, FlashInfer {env['packages']['flashinfer-python']}, "
+            f"vLLM {env['packages']['vllm']}, attention backend FLASHINFER") in decision
+    assert "nvfp4 against fp8 (R9) holds for NVIDIA H200, FlashInfer 0.6.16.post3, no vLLM" in decision
+    assert "kvtrace does not measure model quality" in decision
+    # Every claim about a point cites it; every decided point is in the choice.
+    for c in ttft.claims:
+        if c.kind in ("capacity", "cold-prefill", "decode", "prefix", "point"):
+            assert f"(R{c.rows[0]})" in matrix_render.claim_text(c, ttft)
+    assert "choose fp8 at R1–R4; keep auto at R5, R7–R8; not decided at R6" in decision
+
+
+def test_json_schema_and_cli(tmp_path):
+    out = tmp_path / "matrix.json"
+    result = run_main(["matrix", *ALL[:6], "-q", "-o", out, "--plots", tmp_path / "plots"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert data["schema"] == "kvtrace.matrix/1" and data["objective"] == "ttft"
+    sweep = next(s for s in data["scenarios"] if s["name"] == "sweep (serve)")
+    assert [p["crossover"] for p in sweep["points"]] == [False, True, False, False]
+    assert sweep["points"][0]["serving"]["baseline"]["ttft_ms"]["p50"] == \
+        recorded_point(SERVE_RUNS["sweep-auto"], "auto")["bench"]["p50_ttft_ms"]
+    assert [p["kind"] for p in data["plots"]] == ["crossover"]
+    assert (tmp_path / "plots" / "crossover-3.png").read_bytes()[:4] == b"\x89PNG"
+    assert {c["kind"] for c in data["claims"]} >= {"environment", "capacity", "cold-prefill", "choice", "quality"}
+
+
+@pytest.mark.parametrize("case", ["empty folder", "unpaired scenario"])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, case):
+    if case == "empty folder":
+        args, words = [tmp_path], "holds no run directory"
+    else:
+        args, words = [SERVE_RUNS["sweep-auto"]], "it needs two, one per KV format"
+    result = run_main(["matrix", *args, "-q"])
+    assert result.exit_code == 2
+    assert words in result.output and "Traceback" not in result.output and result.output.count("\n") == 1
+
+
+def edited_cold_prefill(tmp_path: Path, edit) -> list[Path]:
+    """A copy of the real serve cold-prefill pair whose manifests `edit(arm, manifest)` changed."""
+    runs = []
+    for arm in ("auto", "fp8"):
+        run = tmp_path / SERVE_RUNS[f"cold-prefill-{arm}"].name
+        shutil.copytree(SERVE_RUNS[f"cold-prefill-{arm}"], run)
+        run.chmod(0o755)
+        path = run / "manifest.json"
+        data = json.loads(path.read_text())
+        edit(arm, data)
+        path.chmod(0o644)
+        path.write_text(json.dumps(data))
+        runs.append(run)
+    return runs
+
+
+def test_synthetic_capacity_resting_on_unobserved_peaks_does_not_count(recipes, tmp_path):
+    # The real cold-prefill pair, with auto's polled KV usage raised to 99%: its point is sub-second against
+    # 0.5 s polling, so that maximum is no observation, and the matrix does not call auto capacity-bound on it.
+    def edit(arm, data):
+        if arm == "auto":
+            data["arms"]["auto"]["points"][0]["metrics"]["peaks"]["vllm:kv_cache_usage_perc"] = 0.99
+
+    runs = edited_cold_prefill(tmp_path, edit)
+    alone = report.build(runs, recipes)
+    assert alone.serving[0].baseline.capacity == "KV cache usage peaked at 99%" and alone.serving[0].baseline.peaks_note
+    (point,) = matrix.build(runs, recipes).points
+    assert point.baseline_capacity is None and point.candidate_capacity is None
+    note = alone.serving[0].baseline.peaks_note
+    assert point.capacity_notes == [f"auto: KV cache usage peaked at 99%: not counted ({note})"]
+    assert matrix.CAPACITY not in point.causes
+
+
+def test_synthetic_hostile_scenario_name_is_inert_in_markdown_and_terminal(recipes, tmp_path):
+    hostile = "cold|<img src=x>\x1b[31m"
+
+    def edit(arm, data):
+        data["settings"]["scenario"] = hostile
+
+    result = matrix.build(edited_cold_prefill(tmp_path, edit), recipes)
+    markdown = render_text(result, "markdown")
+    assert not re.search(r"(?<!\\)<img", markdown) and "\x1b" not in markdown
+    assert "cold\\|\\<img src=x\\>\\\\x1b\\[31m (serve)" in markdown
+    console = Console(record=True, width=400, force_terminal=False)
+    render_table(result, console)
+    text = console.export_text()
+    assert "\x1b" not in text and "cold|<img src=x>\\x1b[31m (serve)" in text
+
+
+def test_crossover_plot_draws_the_runs_own_numbers(ttft):
+    from kvtrace.analyzer.render import plots
+
+    s = scenario(ttft, "sweep (serve)")
+    figure = plots.crossover_figure(ttft, s)
+    lines = {line.get_gid(): line for ax in figure.axes for line in ax.get_lines() if line.get_gid()}
+    for side, arm in (("baseline", "auto"), ("candidate", "fp8")):
+        run = SERVE_RUNS[f"sweep-{arm}"]
+        points = manifest(run)["arms"][arm]["points"]
+        for context in (1024, 2048):
+            own = sorted((Point.parse(p["point"]).concurrency, recorded_point(run, arm, i)["bench"]["p50_ttft_ms"])
+                         for i, p in enumerate(points) if Point.parse(p["point"]).input_len == context)
+            line = lines[f"crossover-{side}-{context}"]
+            assert list(zip(line.get_xdata(), line.get_ydata())) == own
+    crossover = next(p for p in s.points if p.crossover)
+    assert any(f"crossover: context {crossover.context:,}, concurrency {crossover.concurrency}" == line.get_label()
+               for ax in figure.axes for line in ax.get_lines())
+    assert "NVIDIA H200 · FlashInfer 0.6.14 · vLLM 0.26.0 · attention backend FLASHINFER" in figure.get_suptitle()
+    assert plots.crossover_figure(ttft, scenario(ttft, "prefix-reuse (serve)")) is None
