@@ -539,9 +539,10 @@ def row_verdict(estimate: Estimate | None, *, threshold: float, drift: float, pa
 # nanoseconds between runs (3-12% of its time), a 200 µs GEMM by a fraction of a percent.
 SIZE_CLASSES_NS = (4_000, 40_000, 400_000)
 # With one run per arm, the band of a size class that no KV-independent kernel of its size or smaller measured:
-# above the largest sure move of such kernels between two recordings of the same work in fixtures/ (9.1%, a
-# 1.1 µs elementwise kernel on two H200 machines; docs/statistics.md).
-ASSUMED_BAND = 0.15
+# above the largest sure move of a kernel under 40 µs between two recordings of the same work in fixtures/
+# (19.1%: NVFP4's 1.1 µs elementwise kernel of the 2k decode range, fi-h200-sm90 against -repeat, two H200
+# machines; docs/statistics.md).
+ASSUMED_BAND = 0.20
 MEASURED, AS_SMALLER, ASSUMED, REPEATS = "measured", "as smaller kernels", "assumed", "from the repeats"
 
 

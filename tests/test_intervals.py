@@ -281,20 +281,13 @@ def test_report_on_the_repeats_capture_compares_run_by_run(recipes, run_kvtrace)
     assert code == 2 and "repeat order" in err and len(err.strip().splitlines()) == 1
 
 
-def test_consecutive_same_format_runs_raise_few_false_alarms(recipes):
-    """fp8.r1 with fp8.r2 and nvfp4.r1 with nvfp4.r2: the same work recorded twice on one machine. No segment
-    and no KV-independent row says regression or improvement, and at most 5% of all rows do (the issue's
-    false-alarm bound). The rows that do are elementwise kernels of about 1 µs per call, which moved 3-10%
-    between consecutive runs while the GEMM control moved 0.2% (docs/statistics.md, Limits)."""
-    rows, alarms = [], []
+def test_consecutive_same_format_runs_raise_no_false_alarms(recipes):
+    """fp8.r1 with fp8.r2 and nvfp4.r1 with nvfp4.r2: the same work recorded twice on one machine. The GEMM
+    control's band stays under the threshold, and no row says regression or improvement: the 1-µs elementwise
+    kernels that moved 3-10% between the runs are within the band of their size (tests/test_drift_bands.py)."""
     for fmt in ("fp8", "nvfp4"):
         result = compare.diff(open_trace(REPEATS2 / f"{fmt}.r1.sqlite"), open_trace(REPEATS2 / f"{fmt}.r2.sqlite"),
                               recipes)
         assert result.drift is not None and result.drift.band < result.threshold
-        assert all(r.verdict not in CHANGES for r in result.segments)
-        table = result.segments + result.phases + result.families
-        assert all(r.verdict not in CHANGES for r in table if r.kv_independent)
-        rows += table
-        alarms += [r for r in table if r.verdict in CHANGES]
-    assert len(alarms) / len(rows) <= 0.05
-    assert all(r.baseline.total_ns / r.compared_calls < 2_000 for r in alarms)
+        table = result.segments + result.phases + result.families + result.phase_totals
+        assert not [r for r in table if r.verdict in CHANGES]
