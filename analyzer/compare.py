@@ -152,7 +152,7 @@ class Drift:
     segments: tuple[str, ...]
     band: float  # the widest measured band of any size class
     widest: str | None  # the kernel cell whose sure move set it
-    bands: tuple[SizeBand, ...] = ()  # per size class of call: changes within 1 ± band are not attributed to the KV format
+    bands: tuple[SizeBand, ...] = ()  # per size class: changes within 1 ± band are not attributed to the KV format
     outlier: str | None = None  # a KV-independent family that moved far more than its peers, left out of the bands
     outlier_move: float = 0.0  # its sure move
 
@@ -646,8 +646,8 @@ def _phase_totals(comparison: _Comparison, base_arm: Arm, cand_arm: Arm, *, thre
         totals = [sum(int(r[side].units.filter(pl.col("nvtx").is_in([strata[i][1] for i in chosen.tolist()]))
                           ["total_ns"].sum()) for r in comparison.runs) for side in (0, 1)]
         paired_delta = int(values[1].sum()) - int(values[0].sum())
-        sizes_b = np.array([paired.baseline[offsets[i]:offsets[i + 1]].sum() for i in chosen.tolist()])
-        band = bands.of(means[0], sizes_b) if bands else 0.0
+        base_ns = np.array([paired.baseline[offsets[i]:offsets[i + 1]].sum() for i in chosen.tolist()])
+        band = bands.of(means[0], base_ns) if bands else 0.0
         verdict, paired_verdict = stats.row_verdict(estimate, threshold=threshold, drift=band,
                                                     paired_delta=paired_delta,
                                                     unpaired_delta=totals[1] - totals[0] - paired_delta)

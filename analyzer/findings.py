@@ -50,13 +50,15 @@ def drift_findings(drift: Drift, threshold: float) -> list[Finding]:
             why = ("assumed: no KV-independent kernel this small was paired; --repeat measures it"
                    if basis == stats.ASSUMED else widest)
             parts.append(f"{stats.size_class_label(first, last)} ±{100 * band:.1f}% ({why})")
+        elsewhere = f"; elsewhere ±{100 * threshold:g}%" if sum(last - first + 1 for first, last, _ in spans) < \
+            len(drift.bands) else ""
         found = [Finding("warning", "drift", f"{text}; changes within the band of their call size are not attributed "
-                         f"to the KV format: {'; '.join(parts)}; elsewhere ±{100 * threshold:g}%")]
+                         f"to the KV format: {'; '.join(parts)}{elsewhere}")]
     if drift.outlier:
-        found.append(Finding("warning", "drift", f"{drift.outlier} (KV-independent) moved {100 * drift.outlier_move:.1f}%"
-                             " for sure, more than twice any other KV-independent family: it is left out of the drift "
-                             "bands, since a kernel next to attention can move with the KV format (cache and memory "
-                             "traffic)"))
+        found.append(Finding("warning", "drift", f"{drift.outlier} (KV-independent) moved "
+                             f"{100 * drift.outlier_move:.1f}% for sure, more than twice any other KV-independent "
+                             "family: it is left out of the drift bands, since a kernel next to attention can move "
+                             "with the KV format (cache and memory traffic)"))
     return found
 
 

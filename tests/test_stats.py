@@ -360,7 +360,8 @@ def test_drift_band_of_each_size_is_its_largest_sure_move():
     """Each class takes the largest sure move of its own controls; a larger class without controls takes the
     band of the nearest smaller one; classes below every control are assumed with one run per arm."""
     controls = [control("norm", 2_000, 0.964, 0.968), control("act", 1_400, 0.97, 0.99),
-                control("gemm", 9_000, 1.004, 1.02), control("gemm", 19_000, 0.98, 1.01), control("x", 30_000, None, None)]
+                control("gemm", 9_000, 1.004, 1.02), control("gemm", 19_000, 0.98, 1.01),
+                control("x", 30_000, None, None)]
     bands = stats.drift_bands(controls, threshold=0.02, runs=1)
     assert bands.band[:2] == pytest.approx((0.032, 0.004)) and bands.widest[:2] == (0, 2)
     assert bands.basis == (stats.MEASURED, stats.MEASURED, stats.AS_SMALLER, stats.AS_SMALLER)
