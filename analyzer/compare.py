@@ -21,7 +21,7 @@ from kvtrace import __version__
 from kvtrace.analyzer import align, pairing, stats
 from kvtrace.analyzer.calls import sums
 from kvtrace.analyzer.classify import KV_SEGMENTS, RecipeSet
-from kvtrace.analyzer.findings import Finding, comparability, drift_finding, run_findings, window_findings
+from kvtrace.analyzer.findings import Finding, comparability, drift_findings, run_findings, window_findings
 from kvtrace.analyzer.load import Trace, TraceInfo
 from kvtrace.analyzer.pairing import KERNEL, RANGE, Cells, Run, Vocabulary, segment_order
 from kvtrace.errors import KvtraceError
@@ -150,8 +150,19 @@ class Drift:
     ci_high: float | None
     compared_calls: int
     segments: tuple[str, ...]
-    band: float  # changes within 1 ± band are not attributed to the KV format (before the threshold)
-    widest: str | None  # the row whose sure move set the band
+    band: float  # the widest measured band of any size class
+    widest: str | None  # the kernel cell whose sure move set it
+    bands: tuple[SizeBand, ...] = ()  # per size class: changes within 1 ± band are not attributed to the KV format
+    outlier: str | None = None  # a KV-independent family that moved far more than its peers, left out of the bands
+    outlier_move: float = 0.0  # its sure move
+
+
+@dataclass(frozen=True)
+class SizeBand:
+    size: str  # the class of per-call time, "< 4 µs"
+    band: float
+    basis: str  # stats.MEASURED, AS_SMALLER, ASSUMED or REPEATS
+    widest: str | None  # the kernel cell whose sure move set it
 
 
 @dataclass
@@ -398,15 +409,21 @@ def diff_sides(sides: Sides, *, labels: tuple[str | None, str | None] = (None, N
                           strata.filter((pl.col("level") == KERNEL) & (pl.col("family") == code))["stratum"].to_numpy(),
                           code))
     controls = strata.filter(pl.col("kv_independent"))
+    # One control per KV-independent kernel cell (family, launch shape, NVTX range), all run pairs together.
+    cells = controls.group_by("family", "shape", "nvtx", maintain_order=True).agg("stratum").sort("family", "nvtx",
+                                                                                                   "shape")
     estimates = stats.estimate_rows(comparison.paired, [spec.members for spec in specs] +
-                                    [controls["stratum"].to_numpy()], confidence=confidence, seed=seed)
+                                    [controls["stratum"].to_numpy()] + [m.to_numpy() for m in cells["stratum"]],
+                                    confidence=confidence, seed=seed)
     builder = _RowBuilder(comparison, base_arm, cand_arm)
     rows = [builder.row(spec, estimate) for spec, estimate in zip(specs, estimates)]
 
-    drift = _drift(rows, estimates[-1], controls, vocabulary)
-    band = drift.band if drift else 0.0
+    drift, bands = _drift(rows, estimates[len(specs)], controls, cells, estimates[len(specs) + 1:], comparison,
+                          threshold)
+    per_call = comparison.strata_totals[0] / np.diff(comparison.paired.offsets)
     for row, spec, estimate in zip(rows, specs, estimates):
         unpaired_delta = row.total_delta_ns - row.paired_delta_ns
+        band = bands.of(per_call[spec.members], comparison.strata_totals[0][spec.members]) if bands else 0.0
         row.verdict, row.paired_verdict = stats.row_verdict(estimate, threshold=threshold, drift=band,
                                                             paired_delta=row.paired_delta_ns,
                                                             unpaired_delta=unpaired_delta)
@@ -426,12 +443,12 @@ def diff_sides(sides: Sides, *, labels: tuple[str | None, str | None] = (None, N
     families.sort(key=lambda r: (-abs(r.total_delta_ns), segment_order(r.segment), r.family))
     phases.sort(key=lambda r: (segment_order(r.segment), _natural(r.phase)))
 
-    phase_totals = _phase_totals(comparison, base_arm, cand_arm, threshold=threshold, band=band,
+    phase_totals = _phase_totals(comparison, base_arm, cand_arm, threshold=threshold, bands=bands,
                                  confidence=confidence, seed=seed)
     findings = comparability(base_arm, cand_arm) + window_findings(window, families, builder.realigned)
     findings += findings_of_runs
     if drift is not None:
-        findings.append(drift_finding(drift, threshold))
+        findings += drift_findings(drift, threshold)
     return Diff(baseline=base_arm, candidate=cand_arm, recipes=tuple(recipes.files), threshold=threshold,
                 confidence=confidence, findings=findings, segments=segments, families=families, phases=phases,
                 phase_totals=phase_totals, drift=drift, runs=len(base_runs),
@@ -587,8 +604,8 @@ class _RowBuilder:
                 f"{row.compared_calls:,} paired calls alone ({row.paired_verdict})")
 
 
-def _phase_totals(comparison: _Comparison, base_arm: Arm, cand_arm: Arm, *, threshold: float, band: float,
-                  confidence: float, seed: int) -> list[DiffRow]:
+def _phase_totals(comparison: _Comparison, base_arm: Arm, cand_arm: Arm, *, threshold: float,
+                  bands: stats.Bands | None, confidence: float, seed: int) -> list[DiffRow]:
     """Per phase, every kernel together: the units of its work (pairing._units) pair unit for unit per range
     name (the last N, as kernel cells pair). The unit, not the kernel, is compared, since the arms may do
     the same work with different kernels (FP8's append is a cast plus a copy, NVFP4's one fused kernel)."""
@@ -629,6 +646,8 @@ def _phase_totals(comparison: _Comparison, base_arm: Arm, cand_arm: Arm, *, thre
         totals = [sum(int(r[side].units.filter(pl.col("nvtx").is_in([strata[i][1] for i in chosen.tolist()]))
                           ["total_ns"].sum()) for r in comparison.runs) for side in (0, 1)]
         paired_delta = int(values[1].sum()) - int(values[0].sum())
+        base_ns = np.array([paired.baseline[offsets[i]:offsets[i + 1]].sum() for i in chosen.tolist()])
+        band = bands.of(means[0], base_ns) if bands else 0.0
         verdict, paired_verdict = stats.row_verdict(estimate, threshold=threshold, drift=band,
                                                     paired_delta=paired_delta,
                                                     unpaired_delta=totals[1] - totals[0] - paired_delta)
@@ -649,21 +668,37 @@ def _phase_totals(comparison: _Comparison, base_arm: Arm, cand_arm: Arm, *, thre
     return rows
 
 
-def _drift(rows: list[DiffRow], pooled: stats.Estimate | None, controls: pl.DataFrame,
-           vocabulary: Vocabulary) -> Drift | None:
-    """Drift from the rows the KV format cannot affect; None when the traces have no such kernels paired."""
+def _drift(rows: list[DiffRow], pooled: stats.Estimate | None, controls: pl.DataFrame, cells: pl.DataFrame,
+           estimates: list[stats.Estimate | None], comparison: _Comparison, threshold: float
+           ) -> tuple[Drift | None, stats.Bands | None]:
+    """Drift from the kernels the KV format cannot affect, and the band of each size class from their cells;
+    (None, None) when the traces have no such kernels paired."""
     if pooled is None:
-        return None
-    candidates = [r for r in rows if r.kv_independent and r.ratio is not None]
-    band, widest = stats.drift_band([(r.ci_low, r.ci_high) for r in candidates])
+        return None, None
+    vocabulary = comparison.vocabulary
+    labels = {r.family: r.family_label for r in rows if r.family is not None}
+    totals, sizes = comparison.strata_totals[0], np.diff(comparison.paired.offsets)
+    found, names = [], []
+    for family, nvtx, members, estimate in zip(cells["family"], cells["nvtx"], cells["stratum"], estimates):
+        members = members.to_numpy()
+        family = vocabulary.families[family]
+        per_call = totals[members].sum() / sizes[members].sum()
+        found.append(stats.Control(family, int(stats.size_class(per_call)), estimate.low if estimate else None,
+                                   estimate.high if estimate else None))
+        where = vocabulary.name(nvtx)
+        names.append(labels.get(family, family) + (f" in {where}" if where else ""))
+    bands = stats.drift_bands(found, threshold=threshold, runs=comparison.paired.runs)
+    size_bands = tuple(SizeBand(stats.size_class_label(index), band, basis, None if widest is None else names[widest])
+                       for index, (band, basis, widest) in enumerate(zip(bands.band, bands.basis, bands.widest)))
+    measured = [b for b in size_bands if b.basis == stats.MEASURED]
+    widest = max(measured, key=lambda b: b.band, default=None)
     segments = tuple(sorted({vocabulary.segments[s] for s in controls["segment"].unique().to_list()},
                             key=segment_order))
-    where = None
-    if widest is not None:
-        row = candidates[widest]
-        where = row.family_label or (f"{row.segment} in {row.phase}" if row.phase else row.segment)
-    return Drift(ratio=pooled.ratio, ci_low=pooled.low, ci_high=pooled.high,
-                 compared_calls=int(controls["pairs"].sum()), segments=segments, band=band, widest=where)
+    drift = Drift(ratio=pooled.ratio, ci_low=pooled.low, ci_high=pooled.high,
+                  compared_calls=int(controls["pairs"].sum()), segments=segments,
+                  band=widest.band if widest else 0.0, widest=widest.widest if widest and widest.band else None,
+                  bands=size_bands, outlier=labels.get(bands.outlier, bands.outlier), outlier_move=bands.outlier_move)
+    return drift, bands
 
 
 def _natural(text: str) -> list:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import polars as pl
 
-from kvtrace.analyzer import align
+from kvtrace.analyzer import align, stats
 from kvtrace.kv_formats import bytes_per_value, claimed_dtypes
 
 if TYPE_CHECKING:
@@ -23,7 +23,9 @@ class Finding:
     message: str
 
 
-def drift_finding(drift: Drift, threshold: float) -> Finding:
+def drift_findings(drift: Drift, threshold: float) -> list[Finding]:
+    """The drift line (how far the controls moved, and the band that applies to each size of call), and a
+    finding of its own for a KV-independent family left out of the bands."""
     def signed(value: float) -> str:
         return f"{100 * (value - 1):+.1f}%".replace("-", "−")
 
@@ -32,11 +34,32 @@ def drift_finding(drift: Drift, threshold: float) -> Finding:
         moved += f" [{signed(drift.ci_low)}, {signed(drift.ci_high)}]"
     text = (f"KV-independent kernels ({', '.join(drift.segments)}; {drift.compared_calls:,} call pairs) moved "
             f"{moved} between the runs")
-    if drift.band > threshold:
-        return Finding("warning", "drift", f"{text}; the largest sure move, {drift.widest}, was "
-                       f"{100 * drift.band:.1f}%: changes within ±{100 * drift.band:.1f}% are not attributed to the KV "
-                       "format")
-    return Finding("ok", "drift", f"{text}, within the ±{100 * threshold:g}% threshold")
+    spans: list[list] = []  # [first class, last class, band], neighbours that share one band merged
+    for index, size in enumerate(drift.bands):
+        if size.band <= threshold:
+            continue
+        if spans and spans[-1][1] == index - 1 and spans[-1][2] == (size.band, size.basis, size.widest):
+            spans[-1][1] = index
+        else:
+            spans.append([index, index, (size.band, size.basis, size.widest)])
+    if not spans:
+        found = [Finding("ok", "drift", f"{text}; every size of call within the ±{100 * threshold:g}% threshold")]
+    else:
+        parts = []
+        for first, last, (band, basis, widest) in spans:
+            why = ("assumed: no KV-independent kernel this small was paired; --repeat measures it"
+                   if basis == stats.ASSUMED else widest)
+            parts.append(f"{stats.size_class_label(first, last)} ±{100 * band:.1f}% ({why})")
+        elsewhere = f"; elsewhere ±{100 * threshold:g}%" if sum(last - first + 1 for first, last, _ in spans) < \
+            len(drift.bands) else ""
+        found = [Finding("warning", "drift", f"{text}; changes within the band of their call size are not attributed "
+                         f"to the KV format: {'; '.join(parts)}{elsewhere}")]
+    if drift.outlier:
+        found.append(Finding("warning", "drift", f"{drift.outlier} (KV-independent) moved "
+                             f"{100 * drift.outlier_move:.1f}% for sure, more than twice any other KV-independent "
+                             "family: it is left out of the drift bands, since a kernel next to attention can move "
+                             "with the KV format (cache and memory traffic)"))
+    return found
 
 
 def window_findings(window: align.Window, families: list[DiffRow], realigned: list[str]) -> list[Finding]:

@@ -155,7 +155,9 @@ def test_kernels_the_kv_format_cannot_touch_get_no_verdict_beyond_drift(decode_h
     drift = decode_heavy.drift
     assert drift.segments == ("gemm", "norm", "activation") and drift.band > decode_heavy.threshold
     finding = next(f for f in decode_heavy.findings if f.check == "drift")
-    assert f"±{100 * drift.band:.1f}% are not attributed to the KV format" in finding.message
+    small = drift.bands[0]
+    assert (small.size, small.basis, small.band) == ("< 4 µs", stats.MEASURED, drift.band)
+    assert f"< 4 µs ±{100 * drift.band:.1f}% (splitKreduce_kernel in " in finding.message
     rows = [r for r in decode_heavy.segments + decode_heavy.phases + decode_heavy.families
             if r.segment in ("activation", "norm", "memory", "gemm")]
     assert rows and all(r.verdict not in CHANGES for r in rows)
@@ -163,10 +165,10 @@ def test_kernels_the_kv_format_cannot_touch_get_no_verdict_beyond_drift(decode_h
     alone = stats.Estimate(activation.ratio, activation.ci_low, activation.ci_high, 0.95, 2000, stats.BOOTSTRAP, 0.0,
                            None, None, 0.0, None, None, (), 1, 0)
     assert stats.verdict(alone) == stats.IMPROVEMENT and activation.verdict == stats.NO_CHANGE
-    # The band comes from the rows themselves: the widest sure move among them sets it.
-    controls = [r for r in decode_heavy.segments + decode_heavy.phases + decode_heavy.families if r.kv_independent
-                and r.ci_low is not None]
-    assert drift.band == pytest.approx(max(max(r.ci_low - 1, 1 - r.ci_high, 0) for r in controls))
+    # The band comes from the controls' cells: splitKreduce runs in one cell (decode steps, 1.9 µs per call), so
+    # its family row's interval is the cell's (resampled in another draw order).
+    split = next(r for r in decode_heavy.families if r.family_label == "splitKreduce_kernel")
+    assert split.compared_calls == 992 and drift.band == pytest.approx(1 - split.ci_high, abs=0.002)
     # KV-dependent rows beyond the band keep their verdicts.
     decode = next(r for r in decode_heavy.segments if r.segment == "decode_attention")
     assert decode.verdict == stats.REGRESSION and decode.ci_low > 1 + drift.band
@@ -279,20 +281,13 @@ def test_report_on_the_repeats_capture_compares_run_by_run(recipes, run_kvtrace)
     assert code == 2 and "repeat order" in err and len(err.strip().splitlines()) == 1
 
 
-def test_consecutive_same_format_runs_raise_few_false_alarms(recipes):
-    """fp8.r1 with fp8.r2 and nvfp4.r1 with nvfp4.r2: the same work recorded twice on one machine. No segment
-    and no KV-independent row says regression or improvement, and at most 5% of all rows do (the issue's
-    false-alarm bound). The rows that do are elementwise kernels of about 1 µs per call, which moved 3-10%
-    between consecutive runs while the GEMM control moved 0.2% (docs/statistics.md, Limits)."""
-    rows, alarms = [], []
+def test_consecutive_same_format_runs_raise_no_false_alarms(recipes):
+    """fp8.r1 with fp8.r2 and nvfp4.r1 with nvfp4.r2: the same work recorded twice on one machine. The GEMM
+    control's band stays under the threshold, and no row says regression or improvement: the 1-µs elementwise
+    kernels that moved 3-10% between the runs are within the band of their size (tests/test_drift_bands.py)."""
     for fmt in ("fp8", "nvfp4"):
         result = compare.diff(open_trace(REPEATS2 / f"{fmt}.r1.sqlite"), open_trace(REPEATS2 / f"{fmt}.r2.sqlite"),
                               recipes)
         assert result.drift is not None and result.drift.band < result.threshold
-        assert all(r.verdict not in CHANGES for r in result.segments)
-        table = result.segments + result.phases + result.families
-        assert all(r.verdict not in CHANGES for r in table if r.kv_independent)
-        rows += table
-        alarms += [r for r in table if r.verdict in CHANGES]
-    assert len(alarms) / len(rows) <= 0.05
-    assert all(r.baseline.total_ns / r.compared_calls < 2_000 for r in alarms)
+        table = result.segments + result.phases + result.families + result.phase_totals
+        assert not [r for r in table if r.verdict in CHANGES]

@@ -340,12 +340,59 @@ def test_unpaired_share_stays_within_zero_and_one():
     assert stats.unpaired_share(0.0, 0.0) is None
 
 
-def test_drift_band_is_the_largest_sure_move():
-    intervals = [(0.964, 0.968), (0.98, 1.01), (1.004, 1.02), (None, None), (0.97, 0.99)]
-    band, widest = stats.drift_band(intervals)
-    assert band == pytest.approx(0.032) and widest == 0
-    assert stats.drift_band([(0.99, 1.01), (None, None)]) == (0.0, None)
-    assert stats.drift_band([]) == (0.0, None)
+def test_sure_move_is_the_interval_end_nearest_one():
+    assert stats.sure_move(0.964, 0.968) == pytest.approx(0.032)
+    assert stats.sure_move(1.004, 1.02) == pytest.approx(0.004)
+    assert stats.sure_move(0.98, 1.01) == 0.0 and stats.sure_move(None, None) == 0.0
+
+
+def test_size_classes():
+    assert stats.size_class([900, 3_999, 4_000, 19_000, 171_000, 468e6]).tolist() == [0, 0, 1, 1, 2, 3]
+    assert [stats.size_class_label(c) for c in range(4)] == ["< 4 µs", "4–40 µs", "40–400 µs", "≥ 400 µs"]
+    assert stats.size_class_label(0, 1) == "< 40 µs" and stats.size_class_label(2, 3) == "≥ 40 µs"
+
+
+def control(family: str, per_call_ns: float, low: float | None, high: float | None) -> stats.Control:
+    return stats.Control(family, int(stats.size_class(per_call_ns)), low, high)
+
+
+def test_drift_band_of_each_size_is_its_largest_sure_move():
+    """Each class takes the largest sure move of its own controls; a larger class without controls takes the
+    band of the nearest smaller one; classes below every control are assumed with one run per arm."""
+    controls = [control("norm", 2_000, 0.964, 0.968), control("act", 1_400, 0.97, 0.99),
+                control("gemm", 9_000, 1.004, 1.02), control("gemm", 19_000, 0.98, 1.01),
+                control("x", 30_000, None, None)]
+    bands = stats.drift_bands(controls, threshold=0.02, runs=1)
+    assert bands.band[:2] == pytest.approx((0.032, 0.004)) and bands.widest[:2] == (0, 2)
+    assert bands.basis == (stats.MEASURED, stats.MEASURED, stats.AS_SMALLER, stats.AS_SMALLER)
+    assert bands.band[2:] == pytest.approx((0.004, 0.004)) and bands.outlier is None
+    gemm_only = stats.drift_bands([control("gemm", 171_000, 0.997, 0.999)], threshold=0.02, runs=1)
+    assert gemm_only.band[:2] == (stats.ASSUMED_BAND,) * 2 and gemm_only.basis[:2] == (stats.ASSUMED,) * 2
+    assert gemm_only.band[2:] == pytest.approx((0.001, 0.001))
+    repeated = stats.drift_bands([control("gemm", 171_000, 0.99, 1.01)], threshold=0.02, runs=2)
+    assert repeated.band[:2] == (0.0, 0.0) and repeated.basis[:2] == (stats.REPEATS,) * 2
+    assert stats.drift_bands([], threshold=0.02, runs=1).band == (stats.ASSUMED_BAND,) * 4
+
+
+def test_one_family_that_moves_far_more_than_its_peers_is_left_out():
+    """The vLLM 0.33 FP8 vs NVFP4 shape: one 19 µs GEMM moved 7% for sure, its peers at most 2%. It is left out,
+    so the 4-40 µs band is its peers' 2%; with a single peer, or a move within twice the threshold, nothing is."""
+    peers = [control("splitK", 9_200, 1.020, 1.026), control("norm", 2_000, 0.995, 0.999),
+             control("nvjet_128x16", 19_000, 1.070, 1.076), control("nvjet_128x16", 25_000, 1.0, 1.01)]
+    bands = stats.drift_bands(peers, threshold=0.02, runs=1)
+    assert (bands.outlier, bands.outlier_move) == ("nvjet_128x16", pytest.approx(0.070))
+    assert bands.band[1] == pytest.approx(0.020) and bands.widest[1] == 0
+    assert stats.drift_bands(peers[1:3], threshold=0.02, runs=1).outlier is None  # one peer: no telling
+    assert stats.drift_bands(peers, threshold=0.04, runs=1).outlier is None  # within twice the threshold
+    close = peers[:2] + [control("nvjet_128x16", 19_000, 1.035, 1.04)]
+    assert stats.drift_bands(close, threshold=0.02, runs=1).outlier is None  # not twice the next
+
+
+def test_row_band_weighs_its_cells_bands_by_baseline_time():
+    bands = stats.Bands((0.15, 0.02, 0.004, 0.004), (stats.ASSUMED,) + (stats.MEASURED,) * 3, (None, 1, 2, 2))
+    assert bands.of([1_000], [5.0]) == pytest.approx(0.15)
+    assert bands.of([1_000, 171_000], [1.0, 99.0]) == pytest.approx(0.01 * 0.15 + 0.99 * 0.004)
+    assert bands.of([], []) == 0.0
 
 
 def test_same_work():

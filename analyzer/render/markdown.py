@@ -112,8 +112,8 @@ def body(diff: Diff, level: int) -> list[str]:
              f"the calls both arms ran, paired call for call per kernel family, launch shape and NVTX range{runs}; "
              f"{confidence} bootstrap interval that resamples the pairs inside each such cell (docs/statistics.md). "
              f"A ratio within ±{100 * diff.threshold:g}% of 1, or whose interval "
-             + (f"reaches 1 ± {100 * diff.drift.band:.1f}% (how far kernels the KV format cannot affect surely "
-                "moved between the runs)" if diff.drift and diff.drift.band else "includes 1")
+             + ("reaches the drift band of its calls' size (how far kernels the KV format cannot affect surely moved "
+                "between the runs; the drift finding gives each band)" if diff.drift else "includes 1")
              + ", is \"no significant change\". \"time\" is per call where a row's cells cost the same per "
              "call, else the row's total. Rows whose arms did different work say \"not comparable\" or "
              "\"different work\" instead of a verdict.", "",
