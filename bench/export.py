@@ -34,14 +34,15 @@ from stages import LOAD  # noqa: E402
 import kvtrace.nsys  # noqa: E402
 from kvtrace.analyzer.load import EXPORT_TABLES  # noqa: E402
 
-# name -> (export type, only the tables kvtrace reads, further options, output name for report stem S)
+# key -> (label, export type, only the tables kvtrace reads, further options, output name for report stem S)
 EXPORTS = {
-    "sqlite, every table (before issue 24)": ("sqlite", False, [], "{}.sqlite"),
-    "sqlite, --tables (kvtrace now)": ("sqlite", True, [], "{}.sqlite"),
-    "sqlite, --tables --lazy=false": ("sqlite", True, ["--lazy=false"], "{}.sqlite"),
-    "arrowdir, --tables": ("arrowdir", True, [], "{}_arwdir"),
-    "parquetdir, --tables": ("parquetdir", True, [], "{}_pqtdir"),
+    "sqlite-all": ("sqlite, every table (before issue 24)", "sqlite", False, [], "{}.sqlite"),
+    "sqlite-tables": ("sqlite, --tables (kvtrace now)", "sqlite", True, [], "{}.sqlite"),
+    "sqlite-tables-eager": ("sqlite, --tables --lazy=false", "sqlite", True, ["--lazy=false"], "{}.sqlite"),
+    "arrowdir": ("arrowdir, --tables", "arrowdir", True, [], "{}_arwdir"),
+    "parquetdir": ("parquetdir, --tables", "parquetdir", True, [], "{}_pqtdir"),
 }
+FULL = "sqlite-all"  # always run: the exactness check and the kernel counts read it
 # What kvtrace reads of each table (analyzer/load.py), for the polars read of Arrow and Parquet exports.
 COLUMNS = {
     "CUPTI_ACTIVITY_KIND_KERNEL": ["start", "end", "deviceId", "correlationId", "globalPid", "demangledName",
@@ -143,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("reports", type=Path, nargs=2, metavar="REPORT.nsys-rep")
     parser.add_argument("--nsys", help="nsys to run (default: $NSYS, shared/ci/install-nsys-cli.sh, PATH)")
     parser.add_argument("--repeat", type=int, default=3, help="runs of each command; the fastest is kept")
+    parser.add_argument("--exports", nargs="+", choices=sorted(EXPORTS), default=sorted(EXPORTS),
+                        help=f"export paths to time ({FULL} always runs), to split a large pair over several calls")
+    parser.add_argument("--no-diff", action="store_true", help="skip nsys stats and the whole kvtrace diff")
     args = parser.parse_args(argv)
     nsys = args.nsys or find_nsys()
     if not nsys:
@@ -156,37 +160,49 @@ def main(argv: list[str] | None = None) -> int:
         rows: list[tuple[str, list[Measured], Measured | None, str]] = []
 
         def timed(label: str, per_report, at_once: bool, note=lambda outputs: "", run=measure):
-            """per_report(report, copy) -> (command, output); each report alone, then the pair."""
+            """per_report(report, copy) -> (command, output); each report alone, then the pair. Only the last
+            output of each report is kept (for the reads), so that a 10M-kernel pair fits the disk."""
             singles, outputs = [], []
             for report in reports:
-                runs = []
+                runs, kept = [], None
                 for _ in range(args.repeat):
-                    command, output = per_report(report, fresh(report, work, "one"))
+                    if kept is not None:
+                        shutil.rmtree(kept)
+                    copy = fresh(report, work, "one")
+                    command, output = per_report(report, copy)
                     runs.append(run(command))
+                    kept = copy.parent
+                    if output is None:  # nothing to read later (nsys stats leaves a full export beside its input)
+                        shutil.rmtree(kept)
+                        kept = None
                 singles.append(best(runs))
                 outputs.append(output)
             pair = None
             if at_once:
                 runs = []
                 for _ in range(args.repeat):
-                    runs.append(together([per_report(r, fresh(r, work, "pair"))[0] for r in reports]))
+                    copies = [fresh(r, work, "pair") for r in reports]
+                    runs.append(together([per_report(r, c)[0] for r, c in zip(reports, copies)]))
+                    for copy in copies:
+                        shutil.rmtree(copy.parent)
                 pair = best(runs)
             rows.append((label, singles, pair, note(outputs)))
             print(f"  {label}: {', '.join(m.cell() for m in singles)}", file=sys.stderr, flush=True)
             return outputs
 
         exported = {}
-        for label, (kind, narrow, extra, name) in EXPORTS.items():
+        for label, kind, narrow, extra, name in (EXPORTS[k] for k in EXPORTS if k in {*args.exports, FULL}):
             def per_report(report, copy, kind=kind, narrow=narrow, extra=extra, name=name):
                 output = copy.parent / name.format(report.stem)
                 return export_command(nsys, copy, kind, narrow, extra, output), output
             exported[label] = timed(f"export: {label}", per_report, True,
                                     lambda outs: ", ".join(f"{size_mib(o):.1f} MiB" for o in outs))
-        timed("nsys stats -r cuda_gpu_kern_sum (on the .nsys-rep)",
-              lambda report, copy: ([nsys, "stats", "-q", "-r", "cuda_gpu_kern_sum", "-f", "csv:noconv", "-o", "-",
-                                     str(copy)], None), False)
+        if not args.no_diff:
+            timed("nsys stats -r cuda_gpu_kern_sum (on the .nsys-rep)",
+                  lambda report, copy: ([nsys, "stats", "-q", "-r", "cuda_gpu_kern_sum", "-f", "csv:noconv", "-o",
+                                         "-", str(copy)], None), False)
         exact = {}
-        full = exported["sqlite, every table (before issue 24)"]
+        full = exported[EXPORTS[FULL][0]]
         for label, outputs in exported.items():
             if outputs[0].suffix == ".sqlite":
                 timed(f"read: kvtrace's load, no cache ({label})",
@@ -204,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         timed("Python start and kvtrace's imports", lambda report, copy: (
             [sys.executable, "-c", "import kvtrace.analyzer.cli, kvtrace.analyzer.load"], None), False)
         diffs = {}
-        for run in ("first", "repeat"):
+        for run in () if args.no_diff else ("first", "repeat"):
             measured = []
             for _ in range(args.repeat):
                 folder = Path(tempfile.mkdtemp(prefix="diff-", dir=work))
@@ -247,17 +263,19 @@ def print_tables(reports, nsys, kernels, rows, diffs, exact, repeat) -> None:
     print("\nPer-kernel calls and totals equal to the full SQLite export's, to the nanosecond: "
           + "; ".join(f"{label}: {'yes' if same else 'NO'}" for label, same in exact.items()))
     by_label = {label: (singles, pair) for label, singles, pair, _ in rows}
-    stats = by_label["nsys stats -r cuda_gpu_kern_sum (on the .nsys-rep)"][0]
-    narrow, narrow_pair = by_label["export: sqlite, --tables (kvtrace now)"]
-    read = by_label["read: kvtrace's load, no cache (sqlite, --tables (kvtrace now))"][0]
-    start = by_label["Python start and kvtrace's imports"][0][0]
-    first = diffs["first"].wall
+    try:
+        stats = by_label["nsys stats -r cuda_gpu_kern_sum (on the .nsys-rep)"][0]
+        narrow_pair = by_label[f"export: {EXPORTS['sqlite-tables'][0]}"][1]
+        read = by_label[f"read: kvtrace's load, no cache ({EXPORTS['sqlite-tables'][0]})"][0]
+        start = by_label["Python start and kvtrace's imports"][0][0]
+        first = diffs["first"].wall
+    except KeyError:
+        return  # a partial run (--exports, --no-diff): no summary line
     floor = narrow_pair.wall + read[0].wall + read[1].wall + start.wall
     print(f"\nFirst diff: {first:.2f} s; nsys stats on both reports / first diff: "
           f"{(stats[0].wall + stats[1].wall) / first:.2f}×; first diff / (narrow export of both at once, "
           f"{narrow_pair.wall:.2f} s, + kvtrace's load of both, {read[0].wall + read[1].wall:.2f} s, + one Python "
           f"start, {start.wall:.2f} s): {first / floor:.2f}×")
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -39,13 +39,13 @@ def workload(kernels: int, variant: str) -> None:
         for i in range(PER_STEP):
             (small.add_ if i % 2 else other.mul_)(1.0)
     torch.cuda.synchronize()
-    torch.cuda.cudart().cudaProfilerStart()
+    torch.cuda.profiler.start()
     for step in range(max(1, kernels // PER_STEP)):
         torch.cuda.nvtx.range_push(f"step_{step % STEP_NAMES}")
         graph.replay()
         torch.cuda.nvtx.range_pop()
     torch.cuda.synchronize()
-    torch.cuda.cudart().cudaProfilerStop()
+    torch.cuda.profiler.stop()
 
 
 def record(out: Path, sizes: list[int]) -> None:
