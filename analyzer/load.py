@@ -186,25 +186,28 @@ def _cached_trace(source: Path):
     return build
 
 
-def _export_of(source: Path, nsys: str | None, step: Callable[[str], None] | None) -> Path:
-    """The SQLite file to read for `source`: itself, or the export of an .nsys-rep."""
+def _is_report(source: Path) -> bool:
+    """Whether `source` is an .nsys-rep to export (False: an SQLite export); anything else is refused."""
     _check_file(source)
     if is_sqlite(source):
-        return source
+        return False
     if source.suffix in (".nsys-rep", ".qdrep"):
-        return cache_.export_report(source, nsys=nsys, tables=EXPORT_TABLES, step=step)
+        return True
     raise KvtraceError(f"{source} is not an SQLite file: pass an Nsight Systems export (.sqlite from "
                        "`nsys export --type sqlite`) or an .nsys-rep report")
 
 
+def _export_of(source: Path, nsys: str | None, step: Callable[[str], None] | None) -> Path:
+    """The SQLite file to read for `source`: itself, or the export of an .nsys-rep."""
+    return cache_.export_report(source, nsys=nsys, tables=EXPORT_TABLES, step=step) if _is_report(source) else source
+
+
 def open_traces(paths: list, *, nsys: str | None = None, cache: bool = True,
                 step: Callable[[str], None] | None = None) -> list[Trace]:
-    """Load several exports one after the other (each load keeps every core busy on its own), once their
-    .nsys-rep reports are exported side by side."""
+    """Load several exports one after the other (each load keeps every core busy on its own), once every input
+    is checked and their .nsys-rep reports are exported side by side."""
     sources = [Path(p) for p in paths]
-    for source in sources:
-        _check_file(source)
-    reports = [s for s in sources if s.suffix in (".nsys-rep", ".qdrep") and not is_sqlite(s)]
+    reports = [s for s in sources if _is_report(s)]
     exported = cache_.export_reports(reports, _workers(), nsys=nsys, tables=EXPORT_TABLES, step=step)
     return [open_trace(s, nsys=nsys, cache=cache, step=step, exported=exported.get(s.resolve()))
             for s in sources]
