@@ -49,9 +49,13 @@ bench-export: install
 
 # On the GPU machine (torch with CUDA, NSYS set by .gpu/nsys-env.sh, kvtrace's analyzer dependencies importable):
 # records a pair of CUDA-graph-loop reports per size into bench/out/graph-loop and runs bench/export.py on each.
+# kvtrace is not installed there: the package is laid out in KV_COPY, as fixtures/record-flashinfer-h200.sh does.
 SIZES ?= 1000000 10000000
+KV_COPY ?= /tmp/kv
 bench-export-h200:
-	$(PYTHON) bench/graph_loop.py --record bench/out/graph-loop --kernels $(SIZES)
+	rm -rf $(KV_COPY) && mkdir -p $(KV_COPY) && cp -r kvtrace $(KV_COPY)/ && cp -r analyzer capture recipes $(KV_COPY)/kvtrace/
+	export PYTHONPATH=$(KV_COPY)$${PYTHONPATH:+:$$PYTHONPATH}; \
+	$(PYTHON) bench/graph_loop.py --record bench/out/graph-loop --kernels $(SIZES) && \
 	for n in $(SIZES); do $(PYTHON) bench/export.py --repeat 1 bench/out/graph-loop/a-$$n.nsys-rep \
 		bench/out/graph-loop/b-$$n.nsys-rep || exit 1; done
 
