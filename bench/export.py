@@ -11,7 +11,8 @@ labelled so), and Python's start with kvtrace's imports; and a whole first `kvtr
 cache) and a repeat. The pair's exports run both at once, as kvtrace runs them
 where there are cores for both. Each command runs on a fresh copy of the report in its own folder (nsys stats
 writes an export beside its input); the best of `--repeat` runs is kept. Every path's per-kernel totals are
-checked against the full SQLite export's, to the nanosecond. Prints markdown for docs/performance.md.
+checked against the full SQLite export's, to the nanosecond, and whether it holds META_DATA_CAPTURE (2023.4.4's
+Arrow and Parquet output does not). Prints markdown for docs/performance.md.
 """
 
 from __future__ import annotations
@@ -120,6 +121,11 @@ def sql_totals(path: Path) -> dict[str, tuple[int, int]]:
         return {name: (calls, total) for name, calls, total in conn.execute(TOTALS_SQL)}
 
 
+def sql_tables(path: Path) -> set[str]:
+    with closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as conn:
+        return {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+
+
 def polars_totals(folder: Path, suffix: str) -> dict[str, tuple[int, int]]:
     import polars as pl
 
@@ -201,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
             timed("nsys stats -r cuda_gpu_kern_sum (on the .nsys-rep)",
                   lambda report, copy: ([nsys, "stats", "-q", "-r", "cuda_gpu_kern_sum", "-f", "csv:noconv", "-o",
                                          "-", str(copy)], None), False)
-        exact = {}
+        exact, capture = {}, {}  # per path: totals equal to the full export's; META_DATA_CAPTURE exported
         full = exported[EXPORTS[FULL][0]]
         for label, outputs in exported.items():
             if outputs[0].suffix == ".sqlite":
@@ -210,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
                                                               str(outputs[reports.index(report)]), "no-cache"], None),
                       False, run=inner)
                 exact[label] = all(sql_totals(o) == sql_totals(f) for o, f in zip(outputs, full))
+                capture[label] = all("META_DATA_CAPTURE" in sql_tables(o) for o in outputs)
             else:
                 suffix = "parquet" if label.startswith("parquet") else "arrow"
                 timed(f"read: polars, the columns kvtrace reads ({label}; kvtrace does not read it)",
@@ -217,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
                           [sys.executable, "-c", POLARS_READ, str(outputs[reports.index(report)]), suffix], None),
                       False, run=inner)
                 exact[label] = all(polars_totals(o, suffix) == sql_totals(f) for o, f in zip(outputs, full))
+                capture[label] = all((o / f"META_DATA_CAPTURE.{suffix}").exists() for o in outputs)
         timed("Python start and kvtrace's imports", lambda report, copy: (
             [sys.executable, "-c", "import kvtrace.analyzer.cli, kvtrace.analyzer.load"], None), False)
         diffs = {}
@@ -238,11 +246,11 @@ def main(argv: list[str] | None = None) -> int:
         kernels = [sum(c for c, _ in sql_totals(f).values()) for f in full]
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print_tables(reports, nsys, kernels, rows, diffs, exact, args.repeat)
+    print_tables(reports, nsys, kernels, rows, diffs, exact, capture, args.repeat)
     return 0
 
 
-def print_tables(reports, nsys, kernels, rows, diffs, exact, repeat) -> None:
+def print_tables(reports, nsys, kernels, rows, diffs, exact, capture, repeat) -> None:
     print("\n".join(f"- {line}" for line in machine()))
     print(f"- {kvtrace.nsys.nsys_version(nsys)}; reports: "
           + ", ".join(f"{r.name} ({k:,} kernels, {r.stat().st_size / 2**20:.1f} MiB)" for r, k in zip(reports, kernels))
@@ -262,6 +270,8 @@ def print_tables(reports, nsys, kernels, rows, diffs, exact, repeat) -> None:
               f"| | | {measured.cell()} | | |")
     print("\nPer-kernel calls and totals equal to the full SQLite export's, to the nanosecond: "
           + "; ".join(f"{label}: {'yes' if same else 'NO'}" for label, same in exact.items()))
+    print("\nMETA_DATA_CAPTURE (the CUDA graph trace mode kvtrace checks) in the output: "
+          + "; ".join(f"{label}: {'yes' if held else 'no'}" for label, held in capture.items()))
     by_label = {label: (singles, pair) for label, singles, pair, _ in rows}
     try:
         stats = by_label["nsys stats -r cuda_gpu_kern_sum (on the .nsys-rep)"][0]
