@@ -6,7 +6,7 @@ NSYS_INSTALLER := $(wildcard ../shared/ci/install-nsys-cli.sh)
 DEMO := fixtures/fi-h200-sm90
 OUT ?= out
 
-.PHONY: install install-dev demo test docs capture bench
+.PHONY: install install-dev demo test docs capture bench bench-export bench-export-h200
 
 install:
 	$(PIP) -e .
@@ -39,6 +39,25 @@ bench: install
 	@if [ -n "$(NSYS_INSTALLER)" ]; then export NSYS=$$(bash $(NSYS_INSTALLER)); fi; \
 	$(PYTHON) bench/run.py --sizes 10000000 30000000 100000000 $(BENCH_FLAGS) && $(PYTHON) bench/stages.py && \
 	$(PYTHON) bench/stages.py --workload decode-heavy
+
+# From .nsys-rep reports to the answer (docs/performance.md, "Export"): every nsys export path, its read and a
+# whole diff, side by side, on REPORTS (default: the committed 2023.4 pair, which the installed nsys opens).
+REPORTS ?= fixtures/fi-h200-sm90-nsys2023/fp8.nsys-rep fixtures/fi-h200-sm90-nsys2023/nvfp4.nsys-rep
+bench-export: install
+	@if [ -z "$$NSYS" ] && [ -n "$(NSYS_INSTALLER)" ]; then export NSYS=$$(bash $(NSYS_INSTALLER)); fi; \
+	$(PYTHON) bench/export.py $(REPORTS)
+
+# On the GPU machine (torch with CUDA, NSYS set by .gpu/nsys-env.sh, kvtrace's analyzer dependencies importable):
+# records a pair of CUDA-graph-loop reports per size into bench/out/graph-loop and runs bench/export.py on each.
+# kvtrace is not installed there: the package is laid out in KV_COPY, as fixtures/record-flashinfer-h200.sh does.
+SIZES ?= 1000000 10000000
+KV_COPY ?= /tmp/kv
+bench-export-h200:
+	rm -rf $(KV_COPY) && mkdir -p $(KV_COPY) && cp -r kvtrace $(KV_COPY)/ && cp -r analyzer capture recipes $(KV_COPY)/kvtrace/
+	export PYTHONPATH=$(KV_COPY)$${PYTHONPATH:+:$$PYTHONPATH}; \
+	$(PYTHON) bench/graph_loop.py --record bench/out/graph-loop --kernels $(SIZES) && \
+	for n in $(SIZES); do $(PYTHON) bench/export.py --repeat 1 bench/out/graph-loop/a-$$n.nsys-rep \
+		bench/out/graph-loop/b-$$n.nsys-rep || exit 1; done
 
 docs: install
 	$(PYTHON) -m kvtrace.docs > docs/cli.md

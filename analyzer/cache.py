@@ -205,8 +205,11 @@ def _discard(path: Path) -> None:
 
 # ---- .nsys-rep export ---------------------------------------------------------------------------------
 
-def export_report(report: Path, *, nsys: str | None = None) -> Path:
-    """Export an .nsys-rep to SQLite in kvtrace's cache (never beside the user's file).
+def export_report(report: Path, *, nsys: str | None = None, tables: tuple[str, ...] = (),
+                  step: Callable[[str], None] | None = None) -> Path:
+    """Export an .nsys-rep to SQLite in kvtrace's cache (never beside the user's file): only `tables` when
+    given, which is all kvtrace reads and a fraction of nsys' work; every table where this nsys cannot export
+    only those (one line on standard error says so). `step` hears what runs.
 
     A sibling `<report>.sqlite` newer than the report is used as is, as 2023.4.4's `nsys recipe` does
     (2025.3's exports Parquet instead).
@@ -220,6 +223,7 @@ def export_report(report: Path, *, nsys: str | None = None) -> Path:
         raise KvtraceError(f"an .nsys-rep needs nsys to export it: {error}; or pass the .sqlite from "
                            "`nsys export --type sqlite`") from None
     # The same identity as a trace-cache entry: a report rewritten with its size and mtime kept is another key.
+    # An export of every table (older kvtrace, or the fallback) holds what one of `tables` does: same key.
     status = report.stat()
     identity = (report.resolve(), status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns,
                 status.st_ctime_ns, nsys_path)
@@ -228,17 +232,44 @@ def export_report(report: Path, *, nsys: str | None = None) -> Path:
     target = folder / f"{report.stem[:64]}-{key}.sqlite"
     if target.exists():
         return target
+    if step is not None:
+        step(f"exporting {report.name} (nsys export{', the tables kvtrace reads' if tables else ''})")
     try:
-        kvtrace.nsys.export_sqlite(nsys_path, report, target)
+        try:
+            kvtrace.nsys.export_sqlite(nsys_path, report, target, tables=tables)
+        except kvtrace.nsys.ExportFailed as failed:
+            if not tables or failed.newer_report:
+                raise
+            kvtrace.nsys.export_sqlite(nsys_path, report, target)  # this nsys may not know --tables
+            sys.stderr.write(f"kvtrace: note: {_version(nsys_path)} could not export only the tables kvtrace "
+                             f"reads from {report} ({failed.last_line}); exported every table instead\n")
     except kvtrace.nsys.ExportFailed as failed:
         if failed.newer_report:
-            version = kvtrace.nsys.nsys_version(nsys_path).replace("NVIDIA ", "")
-            raise KvtraceError(f"{version} cannot read {report}: it was recorded by a newer "
+            raise KvtraceError(f"{_version(nsys_path)} cannot read {report}: it was recorded by a newer "
                                "Nsight Systems; export it there (nsys export --type sqlite) or point "
                                "NSYS at that version") from None
         raise KvtraceError(f"nsys export failed on {report} (exit {failed.returncode}: {failed.last_line}); "
                            "check the report opens in Nsight Systems, or export it yourself") from None
     return target
+
+
+def _version(nsys_path: str) -> str:
+    return kvtrace.nsys.nsys_version(nsys_path).replace("NVIDIA ", "")
+
+
+def export_reports(reports: list[Path], workers: int, *, nsys: str | None = None, tables: tuple[str, ...] = (),
+                   step: Callable[[str], None] | None = None) -> dict[Path, Path]:
+    """Each distinct report's export (export_report), several at once when there are cores for them: nsys
+    export runs on about one core. A report named twice is exported once; the first failure, in the
+    reports' order, is raised."""
+    distinct = list(dict.fromkeys(report.resolve() for report in reports))
+    at_once = max(1, min(len(distinct), workers))
+    if step is not None and at_once > 1:
+        names = " and ".join(report.name for report in distinct)
+        inner, step = step, lambda message: inner(f"exporting {names} ({at_once} at once)")
+    with ThreadPoolExecutor(max_workers=at_once) as pool:
+        futures = [pool.submit(export_report, report, nsys=nsys, tables=tables, step=step) for report in distinct]
+        return {report: future.result() for report, future in zip(distinct, futures)}
 
 
 # ---- cache folders ------------------------------------------------------------------------------------

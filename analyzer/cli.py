@@ -20,6 +20,7 @@ from kvtrace.analyzer import align, compare, headline, render, stats, verify
 from kvtrace.analyzer.classify import SEGMENTS, load_recipes
 from kvtrace.analyzer.kernels import list_kernels
 from kvtrace.analyzer.load import open_trace, open_traces
+from kvtrace.analyzer.render import escape
 from kvtrace.analyzer.render.escape import visible
 from kvtrace.errors import KvtraceError
 
@@ -96,13 +97,14 @@ def inputs() -> list[Path]:
 @contextmanager
 def progress(message: str, delay_s: float = 1.0):
     """A transient spinner on standard error for a step still running after `delay_s` (loading or exporting
-    a large trace); nothing when standard error is not a terminal or with --quiet."""
+    a large trace); nothing when standard error is not a terminal or with --quiet. Yields a function that
+    names the step now running (which report, which step) beside the message."""
     context = click.get_current_context(silent=True)
     console = Console(stderr=True)
     if (context and context.meta.get("kvtrace.quiet")) or not console.is_terminal:
-        yield
+        yield lambda step: None
         return
-    status = console.status(message)
+    status = console.status(escape.rich(message))
     lock, done = threading.Lock(), threading.Event()
 
     def start():
@@ -110,11 +112,15 @@ def progress(message: str, delay_s: float = 1.0):
             if not done.is_set():
                 status.start()
 
+    def step(now: str) -> None:
+        with lock:
+            status.update(escape.rich(f"{message}: {now}"))
+
     timer = threading.Timer(delay_s, start)
     timer.daemon = True
     timer.start()
     try:
-        yield
+        yield step
     finally:
         with lock:
             done.set()
@@ -127,15 +133,15 @@ def use_cache() -> bool:
 
 
 def load_trace(path: Path, nsys_path: str | None):
-    with progress(f"loading {path}"):
-        trace = open_trace(path, nsys=nsys_path, cache=use_cache())
+    with progress(f"loading {path}") as step:
+        trace = open_trace(path, nsys=nsys_path, cache=use_cache(), step=step)
     inputs().append(Path(trace.info.sqlite))
     return trace
 
 
 def load_traces(paths: list[Path], nsys_path: str | None):
-    with progress(f"loading {' and '.join(map(str, paths))}"):
-        traces = open_traces(paths, nsys=nsys_path, cache=use_cache())
+    with progress(f"loading {' and '.join(map(str, paths))}") as step:
+        traces = open_traces(paths, nsys=nsys_path, cache=use_cache(), step=step)
     inputs().extend(Path(t.info.sqlite) for t in traces)
     return traces
 

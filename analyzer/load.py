@@ -18,6 +18,7 @@ import stat
 import struct
 import tempfile
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing, contextmanager, suppress
 from dataclasses import asdict, dataclass, field
@@ -37,6 +38,9 @@ from kvtrace.nsys import is_sqlite
 KERNEL_TABLE = "CUPTI_ACTIVITY_KIND_KERNEL"
 RUNTIME_TABLE = "CUPTI_ACTIVITY_KIND_RUNTIME"
 NVTX_TABLE = "NVTX_EVENTS"
+# Every table kvtrace reads: an .nsys-rep is exported with only these (nsys export --tables).
+EXPORT_TABLES = (KERNEL_TABLE, RUNTIME_TABLE, NVTX_TABLE, "StringIds", "META_DATA_EXPORT", "META_DATA_CAPTURE",
+                 "TARGET_INFO_SYSTEM_ENV", "TARGET_INFO_GPU")
 # Columns kvtrace needs from the kernel table; present in every schema since 2023.4 (schema 3.7.2).
 KERNEL_COLUMNS = ("start", "end", "deviceId", "correlationId", "globalPid", "demangledName",
                   "shortName", "gridX", "gridY", "gridZ", "blockX", "blockY", "blockZ")
@@ -128,8 +132,10 @@ def range_names(ranges: pl.DataFrame) -> tuple[tuple[str, ...], np.ndarray]:
     return names, np.array([index.get(n, len(names)) for n in ranges["name"].to_list()], dtype=np.int64)
 
 
-def open_trace(path: str | os.PathLike, *, nsys: str | None = None, cache: bool = True) -> Trace:
-    """Validate and load one export (.sqlite), or export an .nsys-rep first.
+def open_trace(path: str | os.PathLike, *, nsys: str | None = None, cache: bool = True,
+               step: Callable[[str], None] | None = None, exported: Path | None = None) -> Trace:
+    """Validate and load one export (.sqlite), or export an .nsys-rep first (only the tables kvtrace reads),
+    unless `exported` is that export already. `step` hears which step runs, for the progress display.
 
     The tables are read over one connection per core this process may use. The calls are laid out in a new
     entry of kvtrace's cache (keyed by the export's path, inode, size, modification and change time), and a
@@ -138,14 +144,9 @@ def open_trace(path: str | os.PathLike, *, nsys: str | None = None, cache: bool 
     written.
     """
     source = Path(path)
-    _check_file(source)
-    sqlite_path = source
-    if not is_sqlite(source):
-        if source.suffix in (".nsys-rep", ".qdrep"):
-            sqlite_path = cache_.export_report(source, nsys=nsys)
-        else:
-            raise KvtraceError(f"{source} is not an SQLite file: pass an Nsight Systems export (.sqlite from "
-                               "`nsys export --type sqlite`) or an .nsys-rep report")
+    sqlite_path = exported or _export_of(source, nsys, step)
+    if step is not None:
+        step(f"reading {source.name}")
     _check_sqlite_size(sqlite_path)
     with _reading(source):
         with closing(_connect(sqlite_path)) as conn:
@@ -185,9 +186,31 @@ def _cached_trace(source: Path):
     return build
 
 
-def open_traces(paths: list, *, nsys: str | None = None, cache: bool = True) -> list[Trace]:
-    """Load several exports one after the other: each load keeps every core busy on its own."""
-    return [open_trace(p, nsys=nsys, cache=cache) for p in paths]
+def _is_report(source: Path) -> bool:
+    """Whether `source` is an .nsys-rep to export (False: an SQLite export); anything else is refused."""
+    _check_file(source)
+    if is_sqlite(source):
+        return False
+    if source.suffix in (".nsys-rep", ".qdrep"):
+        return True
+    raise KvtraceError(f"{source} is not an SQLite file: pass an Nsight Systems export (.sqlite from "
+                       "`nsys export --type sqlite`) or an .nsys-rep report")
+
+
+def _export_of(source: Path, nsys: str | None, step: Callable[[str], None] | None) -> Path:
+    """The SQLite file to read for `source`: itself, or the export of an .nsys-rep."""
+    return cache_.export_report(source, nsys=nsys, tables=EXPORT_TABLES, step=step) if _is_report(source) else source
+
+
+def open_traces(paths: list, *, nsys: str | None = None, cache: bool = True,
+                step: Callable[[str], None] | None = None) -> list[Trace]:
+    """Load several exports one after the other (each load keeps every core busy on its own), once every input
+    is checked and their .nsys-rep reports are exported side by side."""
+    sources = [Path(p) for p in paths]
+    reports = [s for s in sources if _is_report(s)]
+    exported = cache_.export_reports(reports, _workers(), nsys=nsys, tables=EXPORT_TABLES, step=step)
+    return [open_trace(s, nsys=nsys, cache=cache, step=step, exported=exported.get(s.resolve()))
+            for s in sources]
 
 
 def _workers() -> int:

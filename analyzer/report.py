@@ -310,8 +310,9 @@ def _capacity(base: ArmInput, cand: ArmInput, b: RunArm, c: RunArm, notes: list[
 
 def build(paths: list[Path], recipes: RecipeSet, *, arms: tuple[str, ...] = (), labels: tuple[str, ...] = (),
           threshold: float = 0.02, confidence: float = 0.95, seed: int = 0, window: align.Window = align.Window(),
-          nsys: str | None = None, cache: bool = True, verify_with: str | None = None) -> Report:
-    """`verify_with`: an nsys binary to check every trace's per-kernel totals with (analyzer.verify)."""
+          nsys: str | None = None, cache: bool = True, verify_with: str | None = None, step=None) -> Report:
+    """`verify_with`: an nsys binary to check every trace's per-kernel totals with (analyzer.verify); `step`
+    hears which report and step runs (analyzer.load.open_traces)."""
     base, cand = resolve_inputs(paths, arms)
     if labels and len(labels) != 2:
         raise KvtraceError("--label takes two names, baseline first: --label fp8 --label nvfp4")
@@ -322,7 +323,7 @@ def build(paths: list[Path], recipes: RecipeSet, *, arms: tuple[str, ...] = (), 
             if labels[0] == labels[1]:
                 raise KvtraceError(f"baseline and candidate are the same arm ({base.run}/{base.arm}): pick another")
     b_arm, c_arm = run_arm(base, labels[0]), run_arm(cand, labels[1])
-    traces = open_traces([*b_arm.runs, *c_arm.runs], nsys=nsys, cache=cache)
+    traces = open_traces([*b_arm.runs, *c_arm.runs], nsys=nsys, cache=cache, step=step)
     b_traces, c_traces = traces[:len(b_arm.runs)], traces[len(b_arm.runs):]
     sides = compare.Sides.of(b_traces, c_traces, recipes, window)
     diff = compare.diff_sides(sides, labels=tuple(labels), threshold=threshold, confidence=confidence, seed=seed)

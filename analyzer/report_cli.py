@@ -55,10 +55,10 @@ def report(runs, arms, labels, threshold, confidence, seed, plots_dir, plot_form
 
     verify_with = find_nsys(nsys_path) if verify_totals else None
     with progress(f"loading and comparing {' '.join(map(str, runs))}"
-                  + (", checking kernel totals with nsys stats" if verify_with else "")):
+                  + (", checking kernel totals with nsys stats" if verify_with else "")) as step:
         result = report_lib.build(list(runs), load_recipes(recipe_files), arms=tuple(arms), labels=tuple(labels),
                                   threshold=threshold, confidence=confidence, seed=seed, window=window,
-                                  nsys=nsys_path, cache=use_cache(), verify_with=verify_with)
+                                  nsys=nsys_path, cache=use_cache(), verify_with=verify_with, step=step)
     manifest = headline.find_manifest(Path(result.baseline.sqlite))
     result.diff.headline = headline.Headline.of(result.diff, manifest,
                                                 as_run(manifest.path.parent if manifest else None))

@@ -1,5 +1,5 @@
 """The Nsight Systems command line as both sides use it: finding nsys, asking its version, exporting a report
-to SQLite.
+to SQLite (every table, or only those named).
 
 Standard library only: capture runs it on a bare GPU box, the analyzer when it is given an .nsys-rep.
 """
@@ -112,16 +112,20 @@ class ExportFailed(RuntimeError):
         return next((line.strip() for line in reversed(self.output.splitlines()) if line.strip()), "no output")
 
 
-def export_command(nsys: str, report: Path, output: Path) -> list[str]:
-    return [nsys, "export", "--type=sqlite", "--force-overwrite=true", f"--output={output}", str(report)]
+def export_command(nsys: str, report: Path, output: Path, tables: tuple[str, ...] = ()) -> list[str]:
+    """`nsys export --type=sqlite`, of only `tables` when given (every table otherwise). --tables takes
+    whole-name POSIX regular expressions (2023.4.4: `KERNEL` alone matches no table), so names pass as they are."""
+    only = [f"--tables={','.join(tables)}"] if tables else []
+    return [nsys, "export", "--type=sqlite", *only, "--force-overwrite=true", f"--output={output}", str(report)]
 
 
-def export_sqlite(nsys: str, report: Path, target: Path, *, log: TextIO | None = None) -> None:
-    """Export `report` to `target`. nsys writes a temporary file beside the target, renamed into place only
-    once it is a complete SQLite file, so `target` never holds half an export. The command and nsys' output
-    go to `log` when one is given. Raises ExportFailed."""
+def export_sqlite(nsys: str, report: Path, target: Path, *, log: TextIO | None = None,
+                  tables: tuple[str, ...] = ()) -> None:
+    """Export `report` to `target` (only `tables` when given). nsys writes a temporary file beside the target,
+    renamed into place only once it is a complete SQLite file, so `target` never holds half an export. The
+    command and nsys' output go to `log` when one is given. Raises ExportFailed."""
     with files.beside(target, suffix=".sqlite") as partial:
-        command = export_command(nsys, report, partial)
+        command = export_command(nsys, report, partial, tables)
         if log is not None:
             log.write(f"$ {' '.join(command)}\n")
             log.flush()
