@@ -208,3 +208,24 @@ def test_an_export_without_gpu_table_says_unknown(tmp_path, run_kvtrace):
     code, out, err = run_kvtrace("summary", copy)
     assert code == 0 and "unknown GPU" in out.splitlines()[0]
     assert "NVIDIA H200" in run_kvtrace("summary", BLOCK_A)[1].splitlines()[0]
+
+
+def test_a_newer_schema_reads_the_same(tmp_path, run_kvtrace):
+    """Synthetic, from the real block-a export: the columns that Nsight Systems' 2026.4 schema reference (3.28.1,
+    /work/shared/reference/nsys-sqlite.md §1.3) appends to the kernel table, and its version strings. kvtrace
+    reads tables and columns by name, so the summary is the same but for the version it reports."""
+    copy = tmp_path / "newer.sqlite"
+    shutil.copyfile(BLOCK_A, copy)
+    with sqlite3.connect(copy) as conn:
+        for column in ("qmdBulkReleaseDone INT", "graphId INT", "clusterX INT", "clusterY INT", "clusterZ INT",
+                       "sharedMemoryRequestedPercentage INT", "tensorSizeMinusOneElements TEXT NOT NULL DEFAULT ''"):
+            conn.execute(f"ALTER TABLE CUPTI_ACTIVITY_KIND_KERNEL ADD COLUMN {column}")
+        conn.execute("UPDATE META_DATA_EXPORT SET value = '3.28.1' WHERE name = 'EXPORT_SCHEMA_VERSION'")
+        conn.execute("UPDATE META_DATA_EXPORT SET value = '2026.4.1.0' WHERE name = 'EXPORT_PRODUCT_VERSION'")
+    summaries = []
+    for path in (BLOCK_A, copy):
+        code, out, err = run_kvtrace("summary", path, "--format", "json")
+        assert code == 0, err
+        summaries.append(json.loads(out))
+    assert summaries[1]["arm"]["info"]["schema_version"] == "3.28.1"
+    assert summaries[0]["segments"] == summaries[1]["segments"] and summaries[0]["families"] == summaries[1]["families"]
