@@ -148,7 +148,7 @@ def test_a_changed_kernel_is_found_and_only_it(runs, recipes):
 
 
 def test_diff_head_fits_the_screen(run_kvtrace):
-    code, out, err = run_kvtrace("diff", BLOCK_A, BLOCK_B)
+    code, out, err = run_kvtrace("diff", BLOCK_A, BLOCK_B, env={"COLUMNS": "100"})
     assert code == 0, err
     head = out.split("everything else")[0].splitlines()
     assert 3 <= len(head) <= 60 and "gemm" in out.split("everything else")[0]
