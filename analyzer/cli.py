@@ -251,7 +251,7 @@ def as_run(run_dir: Path | None) -> list[str]:
     for param in context.command.params:
         value = context.params.get(param.name)
         if isinstance(param, click.Argument):
-            args += [text(v) for v in (value if isinstance(value, tuple) else [value])]
+            args += [text(v) for v in (value if isinstance(value, tuple) else [value]) if v is not None]
             continue
         if param.name == "nsys_path" or value in (None, (), False) or value == param.default:
             continue

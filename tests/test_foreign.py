@@ -181,6 +181,8 @@ def test_one_trace_holds_both_arms(run_kvtrace):
     assert {r["phase"] for r in result["phases"]} == {"append", "decode"}
     assert any(f["check"] == "gpu" and f["level"] == "ok" for f in result["findings"])
     # Windows that nest: the calls of `bench nvfp4` are in both arms, and the output says so.
+    code, out, err = run_kvtrace("diff", BOTH, "--arms", "bench fp8", "bench nvfp4", "--format", "markdown")
+    assert code == 0 and "kvtrace diff both-formats.sqlite --arms 'bench fp8' 'bench nvfp4' --format markdown" in out
     code, out, err = run_kvtrace("diff", BOTH, "--arms", "bench", "bench nvfp4", "--format", "json")
     both = kernels_in(BOTH, "bench nvfp4")
     assert code == 0 and any(f"{both:,} calls fall in both arms' windows" in f["message"]
