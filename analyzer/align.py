@@ -17,6 +17,7 @@ import polars as pl
 
 from kvtrace.analyzer import ranges
 from kvtrace.analyzer.load import Trace
+from kvtrace.analyzer.names import NameKey
 from kvtrace.errors import KvtraceError
 
 # vLLM's per-step range with the CUDA profiler on (vllm.v1.worker.gpu_worker.annotate_profile):
@@ -35,11 +36,15 @@ class Window:
     phase: str | None = None  # vLLM step kind
     skip_warmup: int = 0  # first calls dropped per family and launch shape
     last: int | None = None  # last calls kept per family and launch shape
+    names: NameKey = NameKey()  # which part of a range name pairs calls (analyzer.names)
+    arm: str | None = None  # regex over enclosing range names: this arm's part of its trace (diff --arms)
 
     def describe(self) -> list[str]:
         parts = []
         if self.nvtx:
             parts.append(f"kernels launched inside NVTX ranges matching /{self.nvtx}/")
+        if self.arm:
+            parts.append(f"arm /{self.arm}/: kernels launched inside NVTX ranges matching it")
         if self.time_ns != (None, None):
             start, end = self.time_ns
             parts.append(f"kernels starting in [{_seconds(start)}, {_seconds(end)}) of each trace's timeline")
@@ -49,7 +54,7 @@ class Window:
             parts.append(f"first {self.skip_warmup} calls per family, launch shape and NVTX range dropped as warm-up")
         if self.last is not None:
             parts.append(f"last {self.last} calls per family, launch shape and NVTX range kept")
-        return parts
+        return parts + self.names.describe()
 
 
 def _seconds(ns: int | None) -> str:
@@ -132,12 +137,13 @@ def window_calls(trace: Trace, window: Window, group_of_cell: np.ndarray) -> np.
     def narrow(inside: np.ndarray) -> np.ndarray:
         return inside if keep is None else keep & inside
 
-    if window.nvtx:
-        try:
-            pattern = re.compile(window.nvtx)
-        except re.error as error:
-            raise KvtraceError(f"--window {window.nvtx!r} is not a valid regex ({error})") from None
-        keep = narrow(np.isin(calls.range, np.flatnonzero(range_matches(trace, pattern))))
+    for option, regex in (("--window", window.nvtx), ("--arms", window.arm)):
+        if regex:
+            try:
+                pattern = re.compile(regex)
+            except re.error as error:
+                raise KvtraceError(f"{option} {regex!r} is not a valid regex ({error})") from None
+            keep = narrow(np.isin(calls.range, np.flatnonzero(range_matches(trace, pattern))))
     start, end = window.time_ns
     if start is not None or end is not None:
         # Starts are kept in start order, so the window is a span of ranks.

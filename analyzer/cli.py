@@ -8,6 +8,7 @@ import os
 import sys
 import threading
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -21,6 +22,7 @@ from kvtrace.analyzer.classify import SEGMENTS, load_recipes
 from kvtrace.analyzer.kernels import list_kernels
 from kvtrace.analyzer.load import open_trace, open_traces
 from kvtrace.analyzer.render import escape
+from kvtrace.analyzer.names import NameKey
 from kvtrace.analyzer.render.escape import visible
 from kvtrace.errors import KvtraceError
 
@@ -197,10 +199,18 @@ def window_options(command):
                   help="Drop the first N calls per kernel family, launch shape and NVTX range.")
     @click.option("--last", type=click.IntRange(1),
                   help="Keep only the last N calls per kernel family, launch shape and NVTX range.")
+    @click.option("--nvtx-ignore", "nvtx_ignore", multiple=True, metavar="REGEX",
+                  help="Leave the parts of NVTX range names matching REGEX (its first group, if it has one) out of "
+                       "pairing, besides instance counters (op_id = N, seq = N, step N, ProfilerStep#N, …). "
+                       "Repeatable.")
+    @click.option("--nvtx-keep", "nvtx_keep", multiple=True, metavar="REGEX",
+                  help="Pair on the parts of NVTX range names matching REGEX as they are, counters included "
+                       "('step \\d+' keeps step numbers; '.*' pairs on full names). Repeatable.")
     @functools.wraps(command)
-    def wrapper(*args, nvtx, time_window, phase, skip_warmup, last, **kwargs):
+    def wrapper(*args, nvtx, time_window, phase, skip_warmup, last, nvtx_ignore, nvtx_keep, **kwargs):
         window = align.Window(nvtx=nvtx, time_ns=align.parse_time_window(time_window) if time_window else (None, None),
-                              phase=phase, skip_warmup=skip_warmup, last=last)
+                              phase=phase, skip_warmup=skip_warmup, last=last,
+                              names=NameKey(ignore=nvtx_ignore, keep=nvtx_keep))
         return command(*args, window=window, **kwargs)
 
     return wrapper
@@ -247,7 +257,7 @@ def as_run(run_dir: Path | None) -> list[str]:
     for param in context.command.params:
         value = context.params.get(param.name)
         if isinstance(param, click.Argument):
-            args += [text(v) for v in (value if isinstance(value, tuple) else [value])]
+            args += [text(v) for v in (value if isinstance(value, tuple) else [value]) if v is not None]
             continue
         if param.name == "nsys_path" or value in (None, (), False) or value == param.default:
             continue
@@ -314,7 +324,11 @@ def gate(result, watched: list[str | None]) -> int:
 
 @click.command()
 @_trace_argument("baseline")
-@_trace_argument("candidate")
+@click.argument("candidate", required=False, type=click.Path(path_type=Path, exists=False, readable=False))
+@click.option("--arms", nargs=2, metavar="BASELINE_REGEX CANDIDATE_REGEX",
+              help="Each arm is the kernels launched inside NVTX ranges matching its REGEX (e.g. 'bench fp8' "
+                   "'bench nvfp4'): two windows of one trace (give only BASELINE) or of two traces, paired, checked "
+                   "and resampled as two files are.")
 @click.option("--repeat", "repeats", multiple=True, nargs=2, metavar="BASELINE CANDIDATE",
               type=click.Path(path_type=Path, exists=False, readable=False),
               help="A further run of each arm, baseline first; repeat the option per run. Intervals then resample "
@@ -332,25 +346,36 @@ def gate(result, watched: list[str | None]) -> int:
 @verify_option
 @window_options
 @output_options
-def diff(baseline, candidate, repeats, labels, threshold, confidence, seed, fail_on, verify_totals, window, fmt,
+def diff(baseline, candidate, arms, repeats, labels, threshold, confidence, seed, fail_on, verify_totals, window, fmt,
          output, recipe_files, nsys_path):
     """Compare BASELINE (e.g. fp8) with CANDIDATE (e.g. nvfp4), segment by segment and per kernel family.
 
     Calls are paired per kernel family, launch shape and NVTX range; intervals resample the pairs inside
     each such cell. Rows whose arms did different work say "not comparable" or "different work". With
     --repeat, run k of the baseline pairs with run k of the candidate (record them interleaved: A B A B).
+    With --arms, one trace can hold both arms (kvtrace diff run.sqlite --arms 'bench fp8' 'bench nvfp4').
     Exit codes: 0 done, 1 a --fail-on gate saw a regression, 2 bad input, 3 a --fail-on segment could not
     be measured.
     """
+    if candidate is None and not arms:
+        raise KvtraceError("diff needs a CANDIDATE trace, or --arms BASELINE_REGEX CANDIDATE_REGEX to take both arms "
+                           "from one trace")
+    if candidate is None and repeats:
+        raise KvtraceError("--repeat needs two traces per run; with one trace, --arms takes both arms from it")
+    candidate = baseline if candidate is None else candidate
+    windows = (window, None) if not arms else (replace(window, arm=arms[0]), replace(window, arm=arms[1]))
     if len(labels) not in (0, 2):
         raise KvtraceError("--label takes two names, baseline first: --label fp8 --label nvfp4")
     watched = parse_gate(fail_on)
     recipes = load_recipes(recipe_files)
     runs = [(baseline, candidate), *repeats]
-    traces = load_traces([path for run in runs for path in run], nsys_path)
+    # A trace holding both arms is loaded once.
+    traces = load_traces([baseline], nsys_path) * 2 if candidate is baseline else \
+        load_traces([path for run in runs for path in run], nsys_path)
     with progress(f"comparing {baseline} and {candidate}" + (f" ({len(runs)} runs each)" if repeats else "")):
         result = compare.diff(traces[0::2], traces[1::2], recipes, labels=tuple(labels) or (None, None),
-                              threshold=threshold, confidence=confidence, seed=seed, window=window)
+                              threshold=threshold, confidence=confidence, seed=seed, window=windows[0],
+                              candidate_window=windows[1])
     if verify_totals:
         with progress("checking kernel totals with nsys stats"):
             verify.attach(result, traces, recipes, kvtrace.nsys.find_nsys(nsys_path))

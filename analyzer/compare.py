@@ -21,7 +21,8 @@ from kvtrace import __version__
 from kvtrace.analyzer import align, pairing, stats
 from kvtrace.analyzer.calls import sums
 from kvtrace.analyzer.classify import KV_SEGMENTS, RecipeSet
-from kvtrace.analyzer.findings import Finding, comparability, drift_findings, run_findings, window_findings
+from kvtrace.analyzer.findings import (Finding, arm_findings, comparability, drift_findings, run_findings,
+                                       window_findings)
 from kvtrace.analyzer.load import Trace, TraceInfo
 from kvtrace.analyzer.pairing import KERNEL, RANGE, Cells, Run, Vocabulary, segment_order
 from kvtrace.errors import KvtraceError
@@ -236,19 +237,26 @@ def _per_call_means(table: pl.DataFrame, calls: str = "calls", total: str = "tot
     return (table[total].to_numpy() / table[calls].to_numpy()) if table.height else np.zeros(0)
 
 
+def _per_key_means(table: pl.DataFrame) -> np.ndarray:
+    """Per-call means of one run's cells merged by signature and range key: a trace's cells of names that
+    differ only in an instance counter (analyzer.names) are one kind of work."""
+    return _per_call_means(table.group_by("sig", "nvtx").agg(pl.col("calls", "total_ns").sum()))
+
+
 def summarize(trace: Trace, recipes: RecipeSet, label: str | None = None,
               window: align.Window = align.Window()) -> Summary:
     classes = classify_signatures(trace, recipes)
-    vocabulary = Vocabulary.of([trace], [classes])
+    vocabulary = Vocabulary.of([trace], [classes], window.names)
     run = vocabulary.run(trace, classes, window)
     arm = _arm([run], label or default_label([trace]))
 
     def row(group: Cells, **extra) -> SummaryRow:
         kv, names = run.kv_dtypes_and_names(group)
-        numbers = ArmStats.of(group.values(), arm.total_ns) if stats.same_work([_per_call_means(group.table)]) else \
+        numbers = ArmStats.of(group.values(), arm.total_ns) if stats.same_work([_per_key_means(group.table)]) else \
             ArmStats.total(group.calls, group.total_ns, arm.total_ns)
         _release([run])
-        return SummaryRow(segment=run.earliest(group, "segment"), cells=group.table.height, stats=numbers,
+        cells = group.table.select("sig", "nvtx").unique().height
+        return SummaryRow(segment=run.earliest(group, "segment"), cells=cells, stats=numbers,
                           kv_dtypes=kv, names=names, **extra)
 
     segments = [row(run.cells.where(pl.col("segment") == code)) for (code,) in _codes_in(run.cells, "segment")]
@@ -355,12 +363,14 @@ class Sides:
     candidate: list[Run]
     recipes: RecipeSet
     window: align.Window
+    candidate_window: align.Window
 
     @classmethod
     def of(cls, baseline: Trace | list[Trace], candidate: Trace | list[Trace], recipes: RecipeSet,
-           window: align.Window = align.Window()) -> Sides:
+           window: align.Window = align.Window(), candidate_window: align.Window | None = None) -> Sides:
         """Each arm is one trace or its repeated runs in repeat order; run k of the baseline pairs with run k
-        of the candidate."""
+        of the candidate. The candidate's window is the baseline's unless given (two windows of one trace as
+        the two arms, diff --arms); both share the pairing key (window.names)."""
         base_traces = [baseline] if isinstance(baseline, Trace) else list(baseline)
         cand_traces = [candidate] if isinstance(candidate, Trace) else list(candidate)
         if not base_traces or len(base_traces) != len(cand_traces):
@@ -368,17 +378,19 @@ class Sides:
                                "each arm the same number of runs, in repeat order")
         traces = base_traces + cand_traces
         classes = [classify_signatures(t, recipes) for t in traces]
-        vocabulary = Vocabulary.of(traces, classes)
-        built = [vocabulary.run(t, c, window) for t, c in zip(traces, classes)]
-        return cls(vocabulary, built[:len(base_traces)], built[len(base_traces):], recipes, window)
+        candidate_window = candidate_window or window
+        vocabulary = Vocabulary.of(traces, classes, window.names)
+        windows = [window] * len(base_traces) + [candidate_window] * len(cand_traces)
+        built = [vocabulary.run(t, c, w) for t, c, w in zip(traces, classes, windows)]
+        return cls(vocabulary, built[:len(base_traces)], built[len(base_traces):], recipes, window, candidate_window)
 
 
 def diff(baseline: Trace | list[Trace], candidate: Trace | list[Trace], recipes: RecipeSet, *,
          labels: tuple[str | None, str | None] = (None, None), threshold: float = 0.02, confidence: float = 0.95,
-         seed: int = 0, window: align.Window = align.Window()) -> Diff:
+         seed: int = 0, window: align.Window = align.Window(), candidate_window: align.Window | None = None) -> Diff:
     """Compare the baseline arm with the candidate arm (see Sides.of)."""
-    return diff_sides(Sides.of(baseline, candidate, recipes, window), labels=labels, threshold=threshold,
-                      confidence=confidence, seed=seed)
+    return diff_sides(Sides.of(baseline, candidate, recipes, window, candidate_window), labels=labels,
+                      threshold=threshold, confidence=confidence, seed=seed)
 
 
 def diff_sides(sides: Sides, *, labels: tuple[str | None, str | None] = (None, None), threshold: float = 0.02,
@@ -386,8 +398,10 @@ def diff_sides(sides: Sides, *, labels: tuple[str | None, str | None] = (None, N
     vocabulary, base_runs, cand_runs, recipes, window = (sides.vocabulary, sides.baseline, sides.candidate,
                                                          sides.recipes, sides.window)
     built = base_runs + cand_runs
-    base_arm = _arm(base_runs, labels[0] or default_label([run.trace for run in base_runs]))
-    cand_arm = _arm(cand_runs, labels[1] or default_label([run.trace for run in cand_runs]))
+    # Arms cut from their traces by --arms are named by their ranges: one trace may hold both.
+    base_arm = _arm(base_runs, labels[0] or window.arm or default_label([run.trace for run in base_runs]))
+    cand_arm = _arm(cand_runs, labels[1] or sides.candidate_window.arm or
+                    default_label([run.trace for run in cand_runs]))
     # Before the pairs exist: the step check holds a few hundred bytes per step, the pairs 8 per call pair.
     findings_of_runs = run_findings(list(zip(base_runs, cand_runs)), base_arm, cand_arm)
     comparison = _Comparison.of(vocabulary, list(zip(base_runs, cand_runs)))
@@ -408,7 +422,9 @@ def diff_sides(sides: Sides, *, labels: tuple[str | None, str | None] = (None, N
         specs.append(_Row("family", pl.col("family") == code,
                           strata.filter((pl.col("level") == KERNEL) & (pl.col("family") == code))["stratum"].to_numpy(),
                           code))
-    controls = strata.filter(pl.col("kv_independent"))
+    # Calls paired by range ran different kernels in the two arms: a change of code, never a drift control (a
+    # changed activation kernel would otherwise widen the band that hides its own change).
+    controls = strata.filter(pl.col("kv_independent") & (pl.col("level") == KERNEL))
     # One control per KV-independent kernel cell (family, launch shape, NVTX range), all run pairs together.
     cells = controls.group_by("family", "shape", "nvtx", maintain_order=True).agg("stratum").sort("family", "nvtx",
                                                                                                    "shape")
@@ -446,14 +462,15 @@ def diff_sides(sides: Sides, *, labels: tuple[str | None, str | None] = (None, N
     phase_totals = _phase_totals(comparison, base_arm, cand_arm, threshold=threshold, bands=bands,
                                  confidence=confidence, seed=seed)
     findings = comparability(base_arm, cand_arm) + window_findings(window, families, builder.realigned)
-    findings += findings_of_runs
+    findings += arm_findings(list(zip(base_runs, cand_runs)), sides.candidate_window) + findings_of_runs
     if drift is not None:
         findings += drift_findings(drift, threshold)
     return Diff(baseline=base_arm, candidate=cand_arm, recipes=tuple(recipes.files), threshold=threshold,
                 confidence=confidence, findings=findings, segments=segments, families=families, phases=phases,
                 phase_totals=phase_totals, drift=drift, runs=len(base_runs),
                 method=stats.HIERARCHICAL if len(base_runs) > 1 else stats.BOOTSTRAP,
-                window=window.describe())
+                window=window.describe() + [part for part in sides.candidate_window.describe()
+                                            if part not in window.describe()])
 
 
 class _RowBuilder:
@@ -494,15 +511,18 @@ class _RowBuilder:
                          if per_call else ArmStats.total(int(sizes.sum()), int(totals[side][members].sum()),
                                                          self.arm_totals[side], intervals[side]) for side in (0, 1)]
         else:  # nothing paired: each arm's calls in the window
-            tables = [pl.concat([t for _, _, t in groups]) for groups in sides]
-            per_call = stats.same_work([_per_call_means(t) for t in tables if t.height])
+            per_call = stats.same_work([np.concatenate([_per_key_means(t) for _, _, t in groups])
+                                        for groups in sides if any(t.height for _, _, t in groups)])
             arm_stats = [None if not window_calls[side] else
                          ArmStats.of(np.concatenate([g.values() for _, g, _ in groups]), self.arm_totals[side])
                          if per_call else ArmStats.total(window_calls[side], window_ns[side], self.arm_totals[side])
                          for side, groups in enumerate(sides)]
             self.comparison.release()
-        kv_independent = all(bool(g.table["kv_independent"].all()) for groups in sides for _, g, _ in groups
-                             if g.table.height)
+        # Calls paired by range ran different kernels in the two arms: a change of code, which no drift control
+        # may absorb (a changed activation kernel would otherwise widen the band that hides its own change).
+        by_range = self.comparison.strata["level"].to_numpy()[members] == RANGE if members.size else np.zeros(0, bool)
+        kv_independent = not by_range.any() and all(bool(g.table["kv_independent"].all()) for groups in sides
+                                                    for _, g, _ in groups if g.table.height)
         row = DiffRow(segment=run.earliest(group, "segment"), baseline=arm_stats[0], candidate=arm_stats[1],
                       baseline_calls=window_calls[0], candidate_calls=window_calls[1], baseline_total_ns=window_ns[0],
                       candidate_total_ns=window_ns[1], compared_calls=self.comparison.pair_count(members),

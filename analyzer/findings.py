@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import polars as pl
 
 from kvtrace.analyzer import align, stats
@@ -80,6 +81,27 @@ def window_findings(window: align.Window, families: list[DiffRow], realigned: li
     return findings
 
 
+def arm_findings(runs: list[tuple[Run, Run]], candidate_window: align.Window) -> list[Finding]:
+    """With --arms: the candidate's window, and per trace that holds both arms, the calls that fall in both
+    windows (they count in both arms) and in neither (compared by no one)."""
+    if not candidate_window.arm:
+        return []
+    findings = [Finding("ok", "window", "compared " + part) for part in candidate_window.describe()
+                if part.startswith("arm /")]
+    for base, cand in runs:
+        if base.trace.info.sqlite != cand.trace.info.sqlite:
+            continue
+        both = int(np.count_nonzero(base.keep & cand.keep))
+        neither = int(np.count_nonzero(~(base.keep | cand.keep)))
+        source = base.trace.info.source
+        if both:
+            findings.append(Finding("warning", "arms", f"{source}: {both:,} calls fall in both arms' windows and "
+                                    "count in both arms; give --arms patterns whose ranges do not nest in each other"))
+        findings.append(Finding("ok", "arms", f"{source}: both arms from one trace; {neither:,} of its "
+                                f"{base.trace.calls.count:,} calls fall in neither arm's window"))
+    return findings
+
+
 def run_findings(runs: list[tuple[Run, Run]], base_arm: Arm, cand_arm: Arm) -> list[Finding]:
     findings = []
     count = len(runs)
@@ -124,8 +146,14 @@ def _step_findings(base: Run, cand: Run, base_arm: Arm, cand_arm: Arm) -> list[F
 def comparability(baseline: Arm, candidate: Arm) -> list[Finding]:
     findings = []
     b_gpu, c_gpu = baseline.info.gpu_label, candidate.info.gpu_label
-    findings.append(Finding("ok" if b_gpu == c_gpu else "error", "gpu",
-                            f"same GPU: {b_gpu}" if b_gpu == c_gpu else f"different GPUs: {b_gpu} vs {c_gpu}"))
+    unknown = [arm.label for arm in (baseline, candidate) if not arm.info.gpus]
+    if unknown:  # an export without TARGET_INFO_GPU (or without its row for the kernels' device)
+        findings.append(Finding("warning", "gpu", f"GPU unknown for {' and '.join(dict.fromkeys(unknown))}: the "
+                                "export names no GPU (no TARGET_INFO_GPU row), so whether both arms ran on the same "
+                                "GPU cannot be checked"))
+    else:
+        findings.append(Finding("ok" if b_gpu == c_gpu else "error", "gpu",
+                                f"same GPU: {b_gpu}" if b_gpu == c_gpu else f"different GPUs: {b_gpu} vs {c_gpu}"))
     b_ver, c_ver = baseline.info.product_version or "?", candidate.info.product_version or "?"
     same_family = b_ver.split(".")[:2] == c_ver.split(".")[:2]
     findings.append(Finding("ok" if same_family else "warning", "nsys",

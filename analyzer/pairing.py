@@ -1,7 +1,8 @@
 """Which calls are compared with which: cells of each run, codes shared by every run, and call pairs.
 
 A run (one trace, inside the window) groups its calls into cells of one signature and one innermost NVTX
-range. Two runs, one per arm, pair their calls in two passes:
+range name, taken as its pairing key (analyzer.names: instance counters such as PyTorch's `op_id = N` or a
+loop's `step 17` taken out). Two runs, one per arm, pair their calls in two passes:
 
 1. **Kernel cells**: calls of the same kernel family, launch shape and NVTX range (and segment) pair call
    for call in launch order. When the arms made different numbers of such calls, the last N of each pair
@@ -25,6 +26,7 @@ from kvtrace.analyzer import align
 from kvtrace.analyzer.calls import BLOCK_ROWS, Calls, sums
 from kvtrace.analyzer.classify import DIMS, SEGMENTS
 from kvtrace.analyzer.load import Trace
+from kvtrace.analyzer.names import NameKey
 from kvtrace.errors import KvtraceError
 from kvtrace.manifest import parse_phase_name
 
@@ -42,8 +44,8 @@ def segment_order(segment: str) -> int:
 
 @dataclass(frozen=True)
 class Vocabulary:
-    """Codes shared by every run of a comparison: launch shapes, innermost range names, kernel families,
-    segments and phases. Shape, name and family codes follow the sorted values, so sorting by code sorts
+    """Codes shared by every run of a comparison: launch shapes, innermost range names (their pairing keys,
+    `key_of` maps a trace's own names to them), kernel families, segments and phases. Shape, name and family codes follow the sorted values, so sorting by code sorts
     by value; the code after the last name (`outside`) and after the last phase stand for calls outside
     every range."""
 
@@ -53,17 +55,20 @@ class Vocabulary:
     segments: tuple[str, ...]  # in SEGMENTS order
     phases: tuple[str, ...]
     phase_of_nvtx: np.ndarray  # per name code (and `outside`), its phase code
+    key_of: dict[str, str]  # range name -> its pairing key (names.NameKey)
 
     @classmethod
-    def of(cls, traces: list[Trace], classes: list[pl.DataFrame]) -> Vocabulary:
+    def of(cls, traces: list[Trace], classes: list[pl.DataFrame], key: NameKey = NameKey()) -> Vocabulary:
         shapes = sorted(set().union(*(set(c.select(DIMS).iter_rows()) for c in classes)))
-        names = sorted(set().union(*(set(t.ranges["name"].drop_nulls().unique()) for t in traces)))
+        raw = sorted(set().union(*(set(t.range_names) for t in traces)))
+        key_of = dict(zip(raw, key.of(raw)))
+        names = sorted(set(key_of.values()))
         families = sorted(set().union(*(set(c["family"]) for c in classes)))
         segments = sorted(set().union(*(set(c["segment"]) for c in classes)), key=segment_order)
         phase_names = _phase_names(names)
         phases = tuple(sorted(set(phase_names)))
         phase_of_nvtx = np.array([phases.index(p) for p in phase_names] + [len(phases)], dtype=np.uint32)
-        return cls(tuple(shapes), tuple(names), tuple(families), tuple(segments), phases, phase_of_nvtx)
+        return cls(tuple(shapes), tuple(names), tuple(families), tuple(segments), phases, phase_of_nvtx, key_of)
 
     @property
     def outside(self) -> int:
@@ -99,7 +104,8 @@ class Vocabulary:
         name_index = {name: code for code, name in enumerate(self.names)}
         # The trace's cells number their range names among its own; a range without a name (nvtxRangePushEx
         # with only a colour) cannot be matched, and its calls count as outside, like calls outside every range.
-        nvtx_of_name = np.array([name_index[n] for n in trace.range_names] + [self.outside], dtype=np.uint32)
+        nvtx_of_name = np.array([name_index[self.key_of[n]] for n in trace.range_names] + [self.outside],
+                                dtype=np.uint32)
         of_trace = trace.calls.cells
         cell_sig, cell_nvtx = of_trace["sig"].to_numpy(), nvtx_of_name[of_trace["name"].to_numpy()]
         group_of_cell = np.unique(np.stack([family[cell_sig], shape[cell_sig], cell_nvtx]), axis=1,

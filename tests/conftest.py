@@ -56,6 +56,8 @@ def sha256(path: Path) -> str:
 
 # The serve-mode run directories (fixtures/README.md), by pack name: prefix-reuse-auto, ..., sweep-fp8.
 SERVE_RUNS = {pack.name.removesuffix(".tar.xz"): _unpack(pack) for pack in sorted(SERVE_PACKS.glob("*.tar.xz"))}
+# PyTorch programs recorded with PyTorch's own operator ranges (fixtures/torch-h200/record.sh), not by kvtrace.
+TORCH_H200 = _unpack(FIXTURES / "torch-h200" / "torch-h200.tar.xz")
 
 
 def _discover_real_exports(suffix: str) -> dict[str, Path]:
