@@ -116,7 +116,8 @@ def vllm(model, scenario, out, arms, mode, input_len, output_len, num_prompts, c
     """Matched vLLM runs that differ only in --kv-cache-dtype, each traced by Nsight Systems.
 
     Extra vLLM engine flags go after `--`, e.g. `-- --max-model-len 8192 --kv-cache-memory-bytes 20G`;
-    both arms get them. nvfp4 needs a Blackwell GPU (SM100); on Hopper use --arms auto,fp8. Writes, per
+    both arms get them. nvfp4 needs vLLM 0.33 or newer on SM80, SM90 or SM120 (FlashInfer FA2 kernels), or
+    older vLLM on Blackwell (SM100); the preflight asks vLLM before recording. Writes, per
     arm (per arm and repeat, named ARM.rK, with --repeats), ARM.nsys-rep, ARM.sqlite, ARM.log,
     ARM.manifest.json and (serve) bench results and /metrics scrapes or (offline) ARM.workload.json, plus
     manifest.json for the run.
