@@ -42,7 +42,8 @@ def _kernels(s: st.KernelStatement, name: Name = _plain) -> str:
         times = f"{duration(s.baseline_ns)} ({b}) → {duration(s.candidate_ns)} ({c}) {unit}"
     else:
         times = f"{duration(s.baseline_ns)} ({b}) → {duration(s.candidate_ns)} ({c}) in total over {s.cells:,} cells"
-    return f"{what}: {times}, {s.ratio:.3f}×{interval}, {s.verdict} over {s.compared_calls:,} paired calls{_compared(s, name)}"
+    paired = f"{s.verdict} over {s.compared_calls:,} paired calls"
+    return f"{what}: {times}, {s.ratio:.3f}×{interval}, {paired}{_compared(s, name)}"
 
 
 def _compared(s: st.KernelStatement, name: Name) -> str:
@@ -57,7 +58,7 @@ def _compared(s: st.KernelStatement, name: Name) -> str:
 @text.register
 def _query_quantize(s: st.QueryQuantizeStatement, name: Name = _plain) -> str:
     a, o, phase = name(s.arm), name(s.other), name(s.phase.removeprefix("vLLM "))
-    words = (f"prefill ({phase}): only {a} quantizes its prefill queries ({name(s.query)}, per vLLM's log), "
+    words = (f"query quantization ({phase}): only {a} quantizes its prefill queries ({name(s.query)}, per vLLM's log), "
              f"{s.calls:,} quantize calls, {duration(s.quantize_ns)} in total: part of {a}'s prefill cost, which "
              f"the prefill attention row leaves out. With it, {a} spends {duration(s.attention_ns + s.quantize_ns)} "
              f"on prefill attention and query quantization there against {duration(s.other_attention_ns)} for {o}")
