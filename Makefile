@@ -5,6 +5,9 @@ PIP := $(PYTHON) -m pip install -q --disable-pip-version-check
 NSYS_INSTALLER := $(wildcard ../shared/ci/install-nsys-cli.sh)
 DEMO := fixtures/fi-h200-sm90
 OUT ?= out
+# The real vLLM 0.33 pair (H200, FP8 vs NVFP4 KV cache, offline decode-heavy), shipped packed.
+VLLM_DEMO_PACK := fixtures/vllm033-h200/offline-decode-heavy.tar.xz
+VLLM_DEMO := $(OUT)/vllm033-offline-decode-heavy
 
 .PHONY: install install-dev demo test docs capture bench bench-export bench-export-h200
 
@@ -17,11 +20,14 @@ install-dev:
 	$(PIP) -e '.[test]'
 
 demo: install
-	kvtrace diff $(DEMO)/fp8.sqlite $(DEMO)/nvfp4.sqlite
 	mkdir -p $(OUT)
+	rm -rf $(VLLM_DEMO) && tar -xJf $(VLLM_DEMO_PACK) -C $(OUT)
+	cd $(VLLM_DEMO) && kvtrace diff fp8.sqlite nvfp4.sqlite
+	kvtrace diff $(DEMO)/fp8.sqlite $(DEMO)/nvfp4.sqlite
 	kvtrace diff $(DEMO)/fp8.sqlite $(DEMO)/nvfp4.sqlite --format markdown -o $(OUT)/demo-diff.md
 	kvtrace diff $(DEMO)/fp8.sqlite $(DEMO)/nvfp4.sqlite --format json -o $(OUT)/demo-diff.json
 	kvtrace report $(DEMO) --format markdown -o $(OUT)/demo-report.md --plots $(OUT)/plots
+	@echo "vLLM 0.33 FP8 vs NVFP4 run directory: $(VLLM_DEMO)"
 	@echo "markdown report: $(OUT)/demo-diff.md, JSON: $(OUT)/demo-diff.json"
 	@echo "serving report with plots: $(OUT)/demo-report.md ($(OUT)/plots/; drag $(OUT)/plots/summary.png into the issue)"
 

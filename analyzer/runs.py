@@ -3,6 +3,7 @@ their runs) that a report compares, checked before any trace is opened."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +29,8 @@ class RunArm:
     kv_cache_tokens: int | None  # vLLM's "GPU KV cache size: N tokens"
     kv_cache_line: str | None
     versions: dict = field(default_factory=dict)  # torch, CUDA runtime, FlashInfer, vLLM, as the workload recorded
+    # The query dtype per phase (prefill, decode) that vLLM's FlashInfer backend resolved, from the run's log.
+    query_dtypes: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -144,4 +147,19 @@ def run_arm(item: ArmInput, label: str) -> RunArm:
                   kv_format=fmt, scenario=manifest.scenario, mode=manifest.mode, sqlite=str(item.run / arm.sqlite),
                   runs=tuple(str(item.run / manifest.runs[name].sqlite) for name in item.runs),
                   kv_cache_tokens=arm.kv_cache_tokens, kv_cache_line=arm.kv_cache.get("line"),
-                  versions=dict(arm.workload.get("versions") or {}))
+                  versions=dict(arm.workload.get("versions") or {}),
+                  query_dtypes=_query_dtypes(item.run / arm.log) if arm.log else {})
+
+
+# vLLM >= 0.33, vllm/v1/attention/backends/flashinfer.py: "FlashInfer resolved query dtypes: prefill=torch.X,
+# decode=torch.Y, ..." once per engine start.
+_QUERY_DTYPES = re.compile(r"FlashInfer resolved query dtypes: prefill=torch\.(\w+), decode=torch\.(\w+)")
+
+
+def _query_dtypes(log: Path) -> dict:
+    """{"prefill": dtype, "decode": dtype} from the last such line of the run's log; {} without one."""
+    try:
+        found = _QUERY_DTYPES.findall(log.read_text(errors="replace"))
+    except OSError:
+        return {}
+    return {"prefill": found[-1][0], "decode": found[-1][1]} if found else {}

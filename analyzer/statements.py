@@ -16,6 +16,7 @@ from kvtrace.manifest import Point, parse_phase_name
 # How a TTFT change reads beside the prefill kernels and the prefix cache (TtftStatement.reading).
 PREFIX_HIT = "prefix-hit effect"  # more cached prompt tokens, prefill kernels not faster
 PREFIX_HIT_AND_FASTER = "prefix-hit effect and faster kernels"  # both: TTFT credits neither alone
+PREFIX_HIT_SLOWER = "prefix-hit effect against slower kernels"  # more hits, slower prefill kernels, no TTFT gain
 CAPACITY_EFFECT = "capacity effect"  # the baseline was capacity-bound there, the candidate not
 OUTSIDE_KERNELS = "outside the prefill kernels"  # same cached tokens, prefill kernels not faster
 PREFILLED_DIFFERENT = "different prefill amounts"  # cached tokens differ: TTFT mixes kernel speed and hits
@@ -55,9 +56,32 @@ class KernelStatement(Statement):
     candidate_ns: float | None
     cells: int
     reason: str | None  # why there is no ratio
+    kernels: str = ""  # the kernel families compared, baseline's first ('→' where the arms run different ones)
+    # The query dtype each arm's attention kernels ran with (vLLM's log), or None: unknown or not attention.
+    baseline_query: str | None = None
+    candidate_query: str | None = None
 
 
 APPEND_PHASE = "append_phase"
+
+
+@dataclass(frozen=True)
+class QueryQuantizeStatement(Statement):
+    """The quantize kernels that only one arm runs in a phase where, by vLLM's log, that arm's prefill queries
+    are FP8 (vLLM >= 0.33 quantizes them for FA3's FP8 prefill): part of that arm's prefill cost, which the
+    prefill attention row leaves out. Totals over the phase; the ratio only where both arms ran as many prefill
+    attention calls there."""
+
+    kind: ClassVar[str] = "query_quantize"
+    arm: str  # the arm that quantizes
+    other: str
+    query: str  # its prefill query dtype
+    phase: str
+    calls: int
+    quantize_ns: int
+    attention_ns: int  # its prefill attention in the phase
+    other_attention_ns: int
+    ratio: float | None  # baseline-to-candidate, prefill attention with the quantization against without
 
 
 @dataclass(frozen=True)
@@ -146,10 +170,15 @@ _KERNEL_CHECKS = {headline.PREFILL: "prefill", headline.DECODE: "decode", headli
                   headline.APPEND_PHASE: "append"}
 
 
-def _kernel_statement(diff: Diff, head: headline.HeadRow) -> KernelStatement:
+# The attention phase whose query dtype a segment's kernels ran with (RunArm.query_dtypes).
+_QUERY_PHASE = {"prefill_attention": "prefill", "decode_attention": "decode"}
+
+
+def _kernel_statement(diff: Diff, head: headline.HeadRow, base: RunArm | None, cand: RunArm | None) -> KernelStatement:
     row = head.row
     subject = APPEND_PHASE if head.question == headline.APPEND_PHASE else row.segment
     parsed = parse_phase_name(row.phase) if row.phase else None
+    phase = _QUERY_PHASE.get(subject)
     compared = row.ratio is not None
     times = [None, None]
     if compared:  # cells of different cost per call: the totals, since a pooled mean describes no call that ran
@@ -161,20 +190,23 @@ def _kernel_statement(diff: Diff, head: headline.HeadRow) -> KernelStatement:
         baseline=diff.baseline.label, candidate=diff.candidate.label, verdict=row.verdict, ratio=row.ratio,
         ci_low=row.ci_low, ci_high=row.ci_high, compared_calls=row.compared_calls, per_call=row.same_work,
         baseline_ns=times[0], candidate_ns=times[1], cells=row.cells,
-        reason=None if compared else row.reason or row.note)
+        reason=None if compared else row.reason or row.note, kernels=head.family,
+        baseline_query=base.query_dtypes.get(phase) if base and phase else None,
+        candidate_query=cand.query_dtypes.get(phase) if cand and phase else None)
 
 
-def _kernel_statements(diff: Diff) -> list[KernelStatement]:
+def _kernel_statements(diff: Diff, base: RunArm | None = None, cand: RunArm | None = None) -> list[KernelStatement]:
     """Prefill, decode and KV append kernels, then the append phase (FlashInfer's append ranges hold the whole
     append path: FP8's cast in separate kernels, NVFP4's one fused quantize-append), one statement per workload
     point: the rows of the diff's head, so that report and diff say the same and no ratio pooled across
     contexts poses as one answer."""
-    return [_kernel_statement(diff, head) for head in headline.head_rows(diff) if head.question in _KERNEL_CHECKS]
+    return [_kernel_statement(diff, head, base, cand) for head in headline.head_rows(diff)
+            if head.question in _KERNEL_CHECKS]
 
 
 def statements(diff: Diff, serving: list[ServingRow], cap: capacity.Capacity | None, base: RunArm,
                cand: RunArm) -> list[Statement]:
-    out: list[Statement] = list(_kernel_statements(diff))
+    out: list[Statement] = list(_kernel_statements(diff, base, cand))
     if cap is not None and cap.measured:
         reference = cap.measured[0]
         out += [MeasuredCapacityStatement("ok", "capacity", row.arm, row.tokens, reference.arm, reference.tokens,
@@ -182,6 +214,7 @@ def statements(diff: Diff, serving: list[ServingRow], cap: capacity.Capacity | N
     elif cap is not None and cap.ideal_multiplier is not None and cap.formats[0].format != cap.formats[-1].format:
         out.append(IdealCapacityStatement("ok", "capacity", cap.formats[-1].label, cap.formats[0].label,
                                           cap.ideal_multiplier, cap.ideal_ratio))
+    out += query_quantize_statements(diff, base, cand)
     sweep = sweep_capacity_statement(serving, base, cand)
     if sweep is not None:
         out.append(sweep)
@@ -235,6 +268,8 @@ def ttft_guard_rail(diff: Diff, serving: list[ServingRow], base: RunArm, cand: R
             reading = CAPACITY_EFFECT
         elif improved and not_faster and not cached_differ:
             reading = OUTSIDE_KERNELS
+        elif more_hits and verdict == stats.REGRESSION and not improved:
+            reading = PREFIX_HIT_SLOWER
         elif cached_differ:
             reading = PREFILLED_DIFFERENT
         else:
@@ -266,3 +301,26 @@ def sweep_capacity_statement(serving: list[ServingRow], base: RunArm, cand: RunA
             FirstCapacity(row.point, getattr(row, side).capacity) for row in ran
             if getattr(row, f"{side}_first_capacity"))))
     return SweepCapacityStatement("ok", "capacity", tuple(arms))
+
+
+def query_quantize_statements(diff: Diff, base: RunArm, cand: RunArm) -> list[QueryQuantizeStatement]:
+    out = []
+    for row in diff.phases:
+        if row.segment != "quantize" or (row.baseline_calls == 0) == (row.candidate_calls == 0):
+            continue
+        side, arm, other = ("baseline", base, cand) if row.baseline_calls else ("candidate", cand, base)
+        query = arm.query_dtypes.get("prefill", "")
+        attention = next((r for r in diff.phases if r.segment == "prefill_attention" and r.phase == row.phase), None)
+        if not query.startswith("float8") or attention is None:
+            continue
+        own, theirs = ((attention.baseline_total_ns, attention.candidate_total_ns) if side == "baseline"
+                       else (attention.candidate_total_ns, attention.baseline_total_ns))
+        quantize = getattr(row, f"{side}_total_ns")
+        with_quantize = own + quantize
+        ratio = None
+        if attention.baseline_calls == attention.candidate_calls and with_quantize and theirs:
+            ratio = theirs / with_quantize if side == "baseline" else with_quantize / theirs
+        out.append(QueryQuantizeStatement(
+            "ok", "prefill", arm.label, other.label, query, row.phase, getattr(row, f"{side}_calls"), quantize,
+            own, theirs, ratio))
+    return out

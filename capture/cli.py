@@ -116,7 +116,8 @@ def vllm(model, scenario, out, arms, mode, input_len, output_len, num_prompts, c
     """Matched vLLM runs that differ only in --kv-cache-dtype, each traced by Nsight Systems.
 
     Extra vLLM engine flags go after `--`, e.g. `-- --max-model-len 8192 --kv-cache-memory-bytes 20G`;
-    both arms get them. nvfp4 needs a Blackwell GPU (SM100); on Hopper use --arms auto,fp8. Writes, per
+    both arms get them. nvfp4 needs vLLM 0.33 or newer on SM80, SM90 or SM120 (FlashInfer FA2 kernels), or
+    older vLLM on Blackwell (SM100); the preflight asks vLLM before recording. Writes, per
     arm (per arm and repeat, named ARM.rK, with --repeats), ARM.nsys-rep, ARM.sqlite, ARM.log,
     ARM.manifest.json and (serve) bench results and /metrics scrapes or (offline) ARM.workload.json, plus
     manifest.json for the run.
@@ -142,4 +143,27 @@ def vllm(model, scenario, out, arms, mode, input_len, output_len, num_prompts, c
         kv = f", GPU KV cache {arm['kv_cache']['tokens']:,} tokens" if arm["kv_cache"] else ""
         click.echo(f"{name}: ok -> {out / arm['sqlite']}{kv}")
     if manifest["status"] != "ok":
+        raise SystemExit(1)
+
+
+@capture.command("import")
+@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.option("--nsys", "nsys_path", default=None, help="nsys binary (default: $NSYS, PATH, known installs).")
+def import_(run_dir, nsys_path) -> None:
+    """Take up the runs of RUN_DIR whose workload finished but whose report import or export failed.
+
+    Per such run: adopts ARM.sqlite when it was exported by hand (after checking that it is a complete nsys
+    export), else exports ARM.nsys-rep, else imports ARM.qdstrm with the QdstrmImporter of the nsys install and
+    exports the report. The manifests then mark the run ok and keep its original status and error, what was
+    done and the export's SHA-256 under "import". Runs that failed otherwise are left as they are.
+    """
+    from kvtrace.capture import import_run
+
+    outcome = import_run.import_run(run_dir, nsys=nsys_path)
+    if not outcome:
+        click.echo(f"{run_dir}: no run failed on its report import or export; nothing to do")
+        return
+    for name, problem in outcome.items():
+        click.echo(f"{name}: " + (f"not imported ({problem})" if problem else f"ok -> {run_dir / (name + '.sqlite')}"))
+    if any(outcome.values()):
         raise SystemExit(1)

@@ -32,6 +32,11 @@ def profile_command(nsys: str, report: Path, workload: list[str], *, extra: tupl
             *extra, "--force-overwrite=true", f"--output={report}", *workload]
 
 
+# How export_run's failures begin: the workload finished and only its report did not become an export, so
+# `kvtrace capture import` can take the run up again (ExportFailed's message is kvtrace.nsys').
+REPORT_FAILURES = ("nsys left ", "nsys export failed")
+
+
 def export_run(out: Path, name: str, nsys: str, log: TextIO, *, no_report: str) -> list[str]:
     """Export the run's report (out/NAME.nsys-rep) to out/NAME.sqlite; returns the command to record.
     `no_report` says what to check when nsys wrote no report at all. When nsys left only the raw capture

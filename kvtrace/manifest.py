@@ -171,6 +171,7 @@ class RunRecord:
     status: str | None  # ok, failed, not run
     error: str | None
     sqlite: str | None  # file name in the run directory
+    log: str | None  # the run's log (file name in the run directory): what nsys and the engine printed
     kv_cache_dtype: str | None  # vLLM's --kv-cache-dtype
     kv_cache: dict  # vLLM's startup capacity line: tokens, line, ...
     workload: dict  # the workload's own result (FlashInfer: kv_format, phases; vLLM offline: engine, ...)
@@ -180,7 +181,7 @@ class RunRecord:
     @classmethod
     def of(cls, name: str, entry: dict) -> "RunRecord":
         return cls(name=name, arm=entry.get("arm") or name, repeat=entry.get("repeat") or 1, status=entry.get("status"),
-                   error=entry.get("error"), sqlite=entry.get("sqlite"), kv_cache_dtype=entry.get("kv_cache_dtype"),
+                   error=entry.get("error"), sqlite=entry.get("sqlite"), log=entry.get("log"), kv_cache_dtype=entry.get("kv_cache_dtype"),
                    kv_cache=_dict(entry.get("kv_cache")), workload=_dict(entry.get("workload")),
                    points=[p for p in entry.get("points") or [] if isinstance(p, dict)],
                    request_order_sha256=entry.get("request_order_sha256"))
@@ -272,7 +273,7 @@ _MANIFEST_SHAPE = {"engine": str, "status": str, "request_order_matched": bool, 
                    "settings": {"model": {"kv_config": dict}, "spec": dict, "scenario": str, "mode": str,
                                 "engine_flags": dict, "extra_vllm_args": list}}
 _RUN_SHAPE = {
-    "arm": str, "repeat": int, "status": str, "error": str, "sqlite": str, "kv_cache_dtype": str,
+    "arm": str, "repeat": int, "status": str, "error": str, "sqlite": str, "log": str, "kv_cache_dtype": str,
     "request_order_sha256": str,
     "workload": {"kv_format": str, "engine": dict,
                  "phases": [{"nvtx": str, "calls": (int, float), "bytes_per_call": (int, float)}]},

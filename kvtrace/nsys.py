@@ -9,6 +9,7 @@ from __future__ import annotations
 import glob
 import os
 import shutil
+import sqlite3
 import subprocess
 from pathlib import Path
 from typing import TextIO
@@ -93,6 +94,30 @@ def nsys_version(nsys: str) -> str:
 def is_sqlite(path: Path) -> bool:
     with open(path, "rb") as handle:
         return handle.read(len(SQLITE_MAGIC)) == SQLITE_MAGIC
+
+
+# What every complete `nsys export --type sqlite` of a CUDA trace holds; nsys writes StringIds first and
+# META_DATA_EXPORT last, so an export that died half-way lacks the metadata.
+EXPORT_TABLES = ("StringIds", "CUPTI_ACTIVITY_KIND_KERNEL", "META_DATA_EXPORT")
+
+
+def export_problem(path: Path) -> str | None:
+    """Why `path` is not a complete Nsight Systems SQLite export of a CUDA trace, or None when it is one."""
+    if not is_sqlite(path):
+        return "is not an SQLite file"
+    try:
+        with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as conn:
+            if conn.execute("PRAGMA quick_check").fetchone()[0] != "ok":
+                return "fails SQLite's integrity check (truncated or damaged)"
+            tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            missing = [name for name in EXPORT_TABLES if name not in tables]
+            if missing:
+                return f"lacks {', '.join(missing)} (not a complete nsys export)"
+            if conn.execute("SELECT 1 FROM CUPTI_ACTIVITY_KIND_KERNEL LIMIT 1").fetchone() is None:
+                return "has no CUDA kernel records"
+    except sqlite3.DatabaseError as error:
+        return f"is not a readable SQLite database ({error})"
+    return None
 
 
 class ExportFailed(RuntimeError):

@@ -25,6 +25,7 @@ NSYS2025_DIR = FIXTURES / "fi-h200-sm90"  # Nsight Systems 2025.3.2, export sche
 NSYS2023_DIR = FIXTURES / "fi-h200-sm90-nsys2023"  # Nsight Systems 2023.4.4, export schema 3.7.2
 BAD_DIR = FIXTURES / "bad"
 SERVE_PACKS = FIXTURES / "vllm-h200-serve"  # serve-mode vLLM runs packed by its pack_run.py (RUN.tar.xz)
+VLLM033_PACKS = FIXTURES / "vllm033-h200"  # vLLM 0.33 FP8 vs NVFP4 runs, packed the same way
 
 
 def _unpack(pack: Path) -> Path:
@@ -58,6 +59,8 @@ def sha256(path: Path) -> str:
 SERVE_RUNS = {pack.name.removesuffix(".tar.xz"): _unpack(pack) for pack in sorted(SERVE_PACKS.glob("*.tar.xz"))}
 # PyTorch programs recorded with PyTorch's own operator ranges (fixtures/torch-h200/record.sh), not by kvtrace.
 TORCH_H200 = _unpack(FIXTURES / "torch-h200" / "torch-h200.tar.xz")
+# The vLLM 0.33 run directories (fixtures/README.md): offline-cold-prefill, ..., serve-sweep.
+VLLM033_RUNS = {pack.name.removesuffix(".tar.xz"): _unpack(pack) for pack in sorted(VLLM033_PACKS.glob("*.tar.xz"))}
 
 
 def _discover_real_exports(suffix: str) -> dict[str, Path]:

@@ -34,7 +34,7 @@ def _kernels(s: st.KernelStatement, name: Name = _plain) -> str:
     else:
         what = f"{_SUBJECTS[s.subject]} ({name(s.point)})"
     if s.ratio is None:
-        return f"{what}: {s.verdict} ({name(s.reason or 'no paired calls')})"
+        return f"{what}: {s.verdict} ({name(s.reason or 'no paired calls')}){_compared(s, name)}"
     b, c = name(s.baseline), name(s.candidate)
     interval = f" [{s.ci_low:.3f}, {s.ci_high:.3f}]" if s.ci_low is not None else ""
     if s.per_call:
@@ -42,7 +42,27 @@ def _kernels(s: st.KernelStatement, name: Name = _plain) -> str:
         times = f"{duration(s.baseline_ns)} ({b}) → {duration(s.candidate_ns)} ({c}) {unit}"
     else:
         times = f"{duration(s.baseline_ns)} ({b}) → {duration(s.candidate_ns)} ({c}) in total over {s.cells:,} cells"
-    return f"{what}: {times}, {s.ratio:.3f}×{interval}, {s.verdict} over {s.compared_calls:,} paired calls"
+    paired = f"{s.verdict} over {s.compared_calls:,} paired calls"
+    return f"{what}: {times}, {s.ratio:.3f}×{interval}, {paired}{_compared(s, name)}"
+
+
+def _compared(s: st.KernelStatement, name: Name) -> str:
+    """Which kernels the statement compares and, from vLLM's log, with which query dtype."""
+    kernels = f"; kernels {name(s.kernels)}" if s.kernels else ""
+    if s.baseline_query is None and s.candidate_query is None:
+        return kernels
+    return (f"{kernels}, queries {name(s.baseline_query or 'unknown')} ({name(s.baseline)}) → "
+            f"{name(s.candidate_query or 'unknown')} ({name(s.candidate)}) per vLLM's log")
+
+
+@text.register
+def _query_quantize(s: st.QueryQuantizeStatement, name: Name = _plain) -> str:
+    a, o, phase = name(s.arm), name(s.other), name(s.phase.removeprefix("vLLM "))
+    words = (f"query quantization ({phase}): only {a} quantizes its prefill queries ({name(s.query)}, per vLLM's log), "
+             f"{s.calls:,} quantize calls, {duration(s.quantize_ns)} in total: part of {a}'s prefill cost, which "
+             f"the prefill attention row leaves out. With it, {a} spends {duration(s.attention_ns + s.quantize_ns)} "
+             f"on prefill attention and query quantization there against {duration(s.other_attention_ns)} for {o}")
+    return words + (f" ({s.ratio:.3f}×)" if s.ratio is not None else "")
 
 
 @text.register
@@ -102,7 +122,8 @@ def _ttft(s: st.TtftStatement, name: Name = _plain) -> str:
     where = f" at {name(s.point)}" if s.point else ""
     kernels = _prefill_kernels(s, name)
     cached = (f"{s.candidate_cached_tokens:,} cached prompt tokens ({c}) against {s.baseline_cached_tokens:,} ({b})"
-              if s.reading in (st.PREFIX_HIT, st.PREFIX_HIT_AND_FASTER, st.PREFILLED_DIFFERENT) else "")
+              if s.reading in (st.PREFIX_HIT, st.PREFIX_HIT_AND_FASTER, st.PREFIX_HIT_SLOWER, st.PREFILLED_DIFFERENT)
+              else "")
     if s.reading == st.PREFIX_HIT:
         return (f"{ttft}{where} while {kernels}, with {cached}{_prefix_evidence(s, name)}. The TTFT gain is a "
                 "capacity / prefix-hit effect (more of the prompt came from the prefix cache, so less prefill ran), "
@@ -110,6 +131,10 @@ def _ttft(s: st.TtftStatement, name: Name = _plain) -> str:
     if s.reading == st.PREFIX_HIT_AND_FASTER:
         return (f"{ttft}{where}, with {cached}{_prefix_evidence(s, name)}. Part of the TTFT gain is this capacity / "
                 f"prefix-hit effect, not kernel speed; {kernels}, so TTFT credits neither alone")
+    if s.reading == st.PREFIX_HIT_SLOWER:
+        return (f"{ttft}{where}, with {cached}{_prefix_evidence(s, name)}. That is a capacity / prefix-hit win for "
+                f"{c}, not a faster kernel: its {kernels} over {s.prefill_compared_calls:,} paired calls, and the "
+                "prefix hits did not make up for them")
     if s.reading == st.CAPACITY_EFFECT:
         return (f"{ttft}{where} although {kernels}: {b} was capacity-bound there ({name(s.baseline_capacity)}) and "
                 f"{c} was not, so the TTFT gain is a capacity effect (less queueing and recomputation after "

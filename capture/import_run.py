@@ -1,0 +1,144 @@
+"""`kvtrace capture import RUNDIR`: take up the runs whose workload finished but whose report never became an
+SQLite export (nsys profile's import step failed, or the export did).
+
+Per such run, in this order: adopt an ARM.sqlite already exported by hand, once it is checked to be a complete
+nsys export; else export ARM.nsys-rep; else import ARM.qdstrm with the QdstrmImporter of the nsys install and
+export the report. The manifests (manifest.json and ARM.manifest.json) then say so: the run's status becomes
+"ok", and its entry keeps what the capture recorded, the original status and error, under "import" beside what
+was done, when, and the export's SHA-256. Nothing is rewritten for a run that stays failed.
+
+Standard library only (plus the kvtrace floor), so that it runs where the capture ran.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+
+import kvtrace.nsys
+from kvtrace import __version__
+from kvtrace.capture import runner
+from kvtrace.errors import KvtraceError
+from kvtrace.manifest import MANIFEST, is_kvtrace_manifest
+
+
+def importable(entry: dict) -> bool:
+    """A run that failed only on its report: what this command may take up."""
+    return entry.get("status") == "failed" and str(entry.get("error") or "").startswith(runner.REPORT_FAILURES)
+
+
+def _read(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise KvtraceError(f"{path} is not readable JSON ({error}): pass a run directory written by "
+                           "`kvtrace capture`") from None
+    if not is_kvtrace_manifest(data) or not isinstance(data.get("arms"), dict):
+        raise KvtraceError(f"{path} was not written by kvtrace (no kvtrace_manifest field or no arms): pass a run "
+                           "directory written by `kvtrace capture`")
+    return data
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+class _Nsys:
+    """nsys, found on first need: adopting a hand export needs none."""
+
+    def __init__(self, explicit: str | None):
+        self.explicit, self._path = explicit, None
+
+    @property
+    def path(self) -> str:
+        if self._path is None:
+            self._path = kvtrace.nsys.find_nsys(self.explicit)
+        return self._path
+
+
+def _take_up(out: Path, name: str, nsys: _Nsys) -> dict:
+    """Makes out/NAME.sqlite a complete export; returns what was done. Raises RuntimeError saying why not."""
+    sqlite, report, raw = (out / f"{name}{suffix}" for suffix in (".sqlite", ".nsys-rep", ".qdstrm"))
+    if sqlite.exists():
+        problem = kvtrace.nsys.export_problem(sqlite)
+        if problem:
+            raise RuntimeError(f"{sqlite.name} {problem}: export {report.name} again with `nsys export --type sqlite`")
+        return {"how": f"adopted {sqlite.name}, exported outside kvtrace", "commands": []}
+    commands, how = [], f"exported {report.name}"
+    with open(out / f"{name}.log", "a") as log:
+        log.write(f"# kvtrace capture import, {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n")
+        if not report.exists():
+            if not raw.exists():
+                raise RuntimeError(f"none of {sqlite.name}, {report.name} or {raw.name} is in {out}")
+            importer = kvtrace.nsys.find_importer(nsys.path)
+            if importer is None:
+                raise RuntimeError(f"no QdstrmImporter beside {nsys.path}: pass --nsys of a full Nsight Systems "
+                                   f"install, or import {raw.name} by hand and export it to {sqlite.name}")
+            result = kvtrace.nsys.import_qdstrm(importer, raw, log=log)
+            commands.append([importer, "-i", raw.name])
+            if result.returncode != 0 or not report.exists():
+                said = kvtrace.nsys.importer_error(result.stdout) or next(
+                    (line.strip() for line in reversed(result.stdout.splitlines()) if line.strip()), "no output")
+                raise RuntimeError(f"QdstrmImporter -i {raw.name} failed (exit code {result.returncode}: \"{said}\"); "
+                                   f"see {name}.log")
+            how = f"imported {raw.name} with QdstrmImporter, exported {report.name}"
+        try:
+            kvtrace.nsys.export_sqlite(nsys.path, report, sqlite, log=log)
+        except kvtrace.nsys.ExportFailed as failed:
+            raise RuntimeError(f"{failed} (\"{failed.last_line}\"); see {name}.log") from None
+    commands.append(kvtrace.nsys.export_command(nsys.path, Path(report.name), Path(sqlite.name)))
+    return {"how": how, "commands": commands}
+
+
+def _run_status(arms: dict) -> str:
+    statuses = {entry.get("status") for entry in arms.values()}
+    return "ok" if statuses == {"ok"} else "partial" if "ok" in statuses else "failed"
+
+
+def import_run(out: Path, *, nsys: str | None = None) -> dict[str, str | None]:
+    """Takes up every importable run in `out`; returns, per run taken up, None when it is now ok, else why not.
+    The manifests are written once, after every run, and only when one was taken up."""
+    if not out.is_dir():
+        raise KvtraceError(f"{out}: no such run directory: pass a directory written by `kvtrace capture`")
+    if not (out / MANIFEST).is_file():
+        raise KvtraceError(f"{out} has no {MANIFEST}: pass a run directory written by `kvtrace capture`")
+    data = _read(out / MANIFEST)
+    finder, outcome, done = _Nsys(nsys), {}, {}
+    for name, entry in data["arms"].items():
+        if not importable(entry):
+            continue
+        try:
+            done[name] = _take_up(out, name, finder)
+            outcome[name] = None
+        except (OSError, RuntimeError) as failure:
+            outcome[name] = str(failure)
+    if not done:
+        return outcome
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    for name, how in done.items():
+        entry = data["arms"][name]
+        sqlite = out / f"{name}.sqlite"
+        entry["import"] = {"utc": stamp, "kvtrace": __version__, **how,
+                           "sqlite": {"bytes": sqlite.stat().st_size, "sha256": _sha256(sqlite)},
+                           "original": {"status": entry["status"], "error": entry["error"]}}
+        entry.update(status="ok", error=None, sqlite=sqlite.name)
+        if (out / f"{name}.nsys-rep").exists():
+            entry["report"] = f"{name}.nsys-rep"
+    if "status" in data:
+        data.setdefault("imports", []).append({"utc": stamp, "runs": sorted(done), "status_before": data["status"]})
+        data["status"] = _run_status(data["arms"])
+    for name in done:  # the per-run manifests (vLLM) carry the same entry
+        arm_file = out / f"{name}.manifest.json"
+        if arm_file.is_file():
+            arm_data = _read(arm_file)
+            arm_data["arms"][name] = data["arms"][name]
+            arm_data["status"] = "ok"
+            runner.write_json_atomic(arm_file, arm_data)
+    runner.write_json_atomic(out / MANIFEST, data)
+    return outcome

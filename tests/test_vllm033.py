@@ -1,0 +1,188 @@
+"""kvtrace on the real vLLM 0.33 FP8 vs NVFP4 runs from the H200 (fixtures/vllm033-h200, fixtures/README.md).
+
+Every number is checked against an independent source: plain SQL over the exports (cut.json's totals, taken
+from the uncut originals), the runs' own bench JSON, /metrics scrapes and vLLM's log lines.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sqlite3
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from conftest import VLLM033_RUNS
+from kvtrace.analyzer import report, statements
+from kvtrace.analyzer.classify import load_recipes
+from kvtrace.analyzer.load import open_trace
+from kvtrace.analyzer.render.statements import text as statement_text
+
+ARMS = ("fp8", "nvfp4")
+# The kernels each phase runs, by SQL name pattern, per arm (fixtures/README.md: FP8 prefills on FA3, NVFP4
+# on FA2; both decode on FA2 with the split-KV merge; two different append kernels).
+EXPECTED = {
+    "prefill_attention": {"fp8": ["%FP8PrefillWithKVCacheKernel%"],
+                          "nvfp4": ["%BatchPrefillWithPagedKVCacheKernel<(bool)1, flashinfer::KernelTraits<(flashinfer::MaskMode)1%"]},
+    "decode_attention": {arm: ["%BatchPrefillWithPagedKVCacheKernel<(bool)1, flashinfer::KernelTraits<(flashinfer::MaskMode)0%",
+                               "%PersistentVariableLengthMergeStatesKernel%"] for arm in ARMS},
+    "kv_append": {"fp8": ["%reshape_and_cache_flash_kernel%"],
+                  "nvfp4": ["%NVFP4QuantizeAppendPagedKVCacheWithSlotMappingKernel%"]},
+    "quantize": {"fp8": ["%scaled_fp8_quant%"], "nvfp4": []},
+}
+
+
+@pytest.fixture(scope="module")
+def recipes():
+    return load_recipes()
+
+
+def sql_totals(path: Path, likes: list[str]) -> tuple[int, int]:
+    """(calls, GPU ns) of the kernels whose demangled name matches any of `likes`."""
+    if not likes:
+        return 0, 0
+    where = " OR ".join("s.value LIKE ?" for _ in likes)
+    with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as conn:
+        calls, total = conn.execute(f"""SELECT count(*), coalesce(sum(k."end" - k.start), 0)
+            FROM CUPTI_ACTIVITY_KIND_KERNEL k JOIN StringIds s ON s.id = k.demangledName WHERE {where}""",
+                                    likes).fetchone()
+    return calls, total
+
+
+def log_line(run: Path, arm: str, pattern: str) -> re.Match:
+    found = re.findall(pattern, (run / f"{arm}.log").read_text())
+    assert found, (arm, pattern)
+    return found[-1]
+
+
+@pytest.mark.parametrize("name", sorted(VLLM033_RUNS))
+def test_cut_exports_keep_the_originals_kernel_totals(name):
+    """cut.json holds, per export, the uncut original's calls and GPU time per kernel and innermost NVTX range
+    (plain SQL before the cut); kvtrace reads the same from the cut export."""
+    run = VLLM033_RUNS[name]
+    cut = json.loads((run / "cut.json").read_text())
+    assert sorted(cut["exports"]) == ["fp8.sqlite", "nvfp4.sqlite"]
+    for export, record in cut["exports"].items():
+        assert "CUDA_GRAPH_NODE_EVENTS" in record["rows_dropped"] and record["cut"]["bytes"] < record["original"]["bytes"]
+        trace = open_trace(run / export)
+        names = trace.signatures.select("sig", "demangled")
+        ranges = trace.ranges.select("range", pl.col("name").alias("range_name"))
+        got = (trace.kernels.join(names, on="sig").join(ranges, on="range", how="left")
+               .with_columns(pl.col("range_name").fill_null(""))
+               .group_by("demangled", "range_name").agg(pl.len().alias("calls"), pl.col("duration").sum())
+               .sort("demangled", "range_name"))
+        assert [[r["kernel"], r["range"], r["calls"], r["total_ns"]] for r in record["kernel_totals"]] == [
+            list(row) for row in got.iter_rows()]
+
+
+@pytest.mark.parametrize("name", sorted(VLLM033_RUNS))
+def test_every_phase_kernel_lands_in_its_segment(name, run_kvtrace):
+    """`kvtrace kernels` files each arm's attention, append and quantize kernels in their segments, with the
+    calls and time plain SQL counts for them, and nothing else in those segments."""
+    run = VLLM033_RUNS[name]
+    for arm in ARMS:
+        code, out, err = run_kvtrace("kernels", run / f"{arm}.sqlite", "--format", "json")
+        assert code == 0, err
+        rows = json.loads(out)["rows"]
+        for segment, likes in EXPECTED.items():
+            mine = [r for r in rows if r["segment"] == segment]
+            calls, total = sql_totals(run / f"{arm}.sqlite", likes[arm])
+            assert (sum(r["calls"] for r in mine), sum(r["total_ns"] for r in mine)) == (calls, total), (arm, segment)
+        # Query quantization only where vLLM's log says the prefill queries are FP8.
+        prefill_query = log_line(run, arm, r"FlashInfer resolved query dtypes: prefill=torch\.(\w+)")
+        assert (sql_totals(run / f"{arm}.sqlite", ["%scaled_fp8_quant%"])[0] > 0) == (prefill_query == "float8_e4m3fn")
+
+
+def test_decode_heavy_statements_match_sql_and_name_kernels_and_queries(recipes):
+    run = VLLM033_RUNS["offline-decode-heavy"]
+    result = report.build([run], recipes)
+    said = {s.subject: s for s in result.statements if s.kind == "kernels"}
+    sql = {segment: {arm: sql_totals(run / f"{arm}.sqlite", likes[arm]) for arm in ARMS}
+           for segment, likes in EXPECTED.items()}
+    queries = {arm: log_line(run, arm, r"FlashInfer resolved query dtypes: prefill=torch\.(\w+), decode=torch\.(\w+)")
+               for arm in ARMS}
+    assert queries == {"fp8": ("float8_e4m3fn", "bfloat16"), "nvfp4": ("bfloat16", "bfloat16")}
+
+    prefill = said["prefill_attention"]  # every prefill call pairs: one per prefill step
+    (fp8_calls, fp8_ns), (nv_calls, nv_ns) = sql["prefill_attention"]["fp8"], sql["prefill_attention"]["nvfp4"]
+    assert prefill.compared_calls == fp8_calls == nv_calls == 16
+    assert prefill.ratio == pytest.approx(nv_ns / fp8_ns) and prefill.ratio > 1.5
+    assert (prefill.baseline_ns, prefill.candidate_ns) == (pytest.approx(fp8_ns / 16), pytest.approx(nv_ns / 16))
+    words = statement_text(prefill)
+    assert "kernels FP8PrefillWithKVCacheKernel → BatchPrefillWithPagedKVCacheKernel[MaskMode=1]" in words
+    assert "queries float8_e4m3fn (fp8) → bfloat16 (nvfp4) per vLLM's log" in words
+
+    decode = said["decode_attention"]
+    (fp8_calls, fp8_ns), (nv_calls, nv_ns) = sql["decode_attention"]["fp8"], sql["decode_attention"]["nvfp4"]
+    assert decode.compared_calls == fp8_calls == nv_calls and decode.ratio == pytest.approx(nv_ns / fp8_ns)
+    assert decode.verdict == "regression" and "queries bfloat16 (fp8) → bfloat16 (nvfp4)" in statement_text(decode)
+
+    append = [s for s in result.statements if s.kind == "kernels" and s.subject == "kv_append"]
+    (fp8_calls, fp8_ns), (nv_calls, nv_ns) = sql["kv_append"]["fp8"], sql["kv_append"]["nvfp4"]
+    assert sum(s.compared_calls for s in append) == fp8_calls == nv_calls
+    for s in append:
+        assert "kernels reshape_and_cache_flash_kernel → NVFP4QuantizeAppendPagedKVCacheWithSlotMappingKernel" in \
+            statement_text(s) and "queries" not in statement_text(s)
+
+    # FP8's query quantization is part of its prefill: said so, with the phase's totals from SQL.
+    (quantize,) = [s for s in result.statements if s.kind == "query_quantize"]
+    q_calls, q_ns = sql["quantize"]["fp8"]
+    assert (quantize.arm, quantize.query, quantize.calls, quantize.quantize_ns) == ("fp8", "float8_e4m3fn", q_calls, q_ns)
+    assert quantize.attention_ns == sql["prefill_attention"]["fp8"][1]
+    assert quantize.ratio == pytest.approx(sql["prefill_attention"]["nvfp4"][1] / (sql["prefill_attention"]["fp8"][1] + q_ns))
+    assert "part of fp8's prefill cost" in statement_text(quantize)
+
+
+def _metric(path: Path, name: str) -> float:
+    return float(re.search(rf"^{re.escape(name)}{{[^}}]*}} (\S+)$", path.read_text(), re.M).group(1))
+
+
+def test_prefix_reuse_keeps_the_capacity_win_apart_from_the_slower_kernel(recipes):
+    """NVFP4's pool (36,400 tokens in 640 MiB) holds the 12 shared 2,048-token prefixes, FP8's (20,480) does not:
+    NVFP4 serves more prompt tokens from its prefix cache. Its prefill kernel is slower, and its TTFT longer.
+    The report says both, and never calls the capacity win a faster kernel."""
+    run = VLLM033_RUNS["serve-prefix-reuse"]
+    result = report.build([run], recipes)
+    pool = {arm: int(log_line(run, arm, r"GPU KV cache size: ([\d,]+) tokens").replace(",", "")) for arm in ARMS}
+    assert pool == {"fp8": 20480, "nvfp4": 36400}
+    cached = {arm: _metric(run / f"{arm}.metrics.after.prom", "vllm:prompt_tokens_cached_total")
+              - _metric(run / f"{arm}.metrics.before.prom", "vllm:prompt_tokens_cached_total") for arm in ARMS}
+    bench = {arm: json.loads((run / f"{arm}.bench.json").read_text()) for arm in ARMS}
+    assert cached["nvfp4"] > cached["fp8"] and bench["nvfp4"]["p50_ttft_ms"] > bench["fp8"]["p50_ttft_ms"]
+
+    row = result.serving[0]
+    assert (row.baseline.cached_prompt_tokens, row.candidate.cached_prompt_tokens) == (cached["fp8"], cached["nvfp4"])
+    assert (row.baseline.ttft_ms.p50, row.candidate.ttft_ms.p50) == (bench["fp8"]["p50_ttft_ms"], bench["nvfp4"]["p50_ttft_ms"])
+    (capacity,) = [s for s in result.statements if isinstance(s, statements.MeasuredCapacityStatement)]
+    assert (capacity.tokens, capacity.reference_tokens) == (pool["nvfp4"], pool["fp8"])
+    assert "no kernel got faster" in statement_text(capacity)
+
+    (ttft,) = [s for s in result.statements if s.check == "ttft"]
+    assert ttft.reading == statements.PREFIX_HIT_SLOWER and ttft.prefill_verdict == "regression"
+    words = statement_text(ttft)
+    assert f"{cached['nvfp4']:,.0f} cached prompt tokens (nvfp4) against {cached['fp8']:,.0f} (fp8)" in words
+    assert f"fit nvfp4's {pool['nvfp4']:,}-token KV cache and not fp8's {pool['fp8']:,}" in words
+    assert "capacity / prefix-hit win for nvfp4, not a faster kernel" in words
+    assert f"regressed {ttft.prefill_ratio:.3f}× per call" in words
+    prefill = [s for s in result.statements if s.kind == "kernels" and s.subject == "prefill_attention"]
+    assert all("faster" not in statement_text(s) for s in prefill)
+
+
+def test_sweep_shows_fp8_capacity_bound_at_2048_by_16(recipes):
+    """FP8's 20,480-token pool cannot hold 16 requests of 2,048 + 16 tokens (33,024); NVFP4's 36,400 can."""
+    run = VLLM033_RUNS["serve-sweep"]
+    result = report.build([run], recipes)
+    manifest = json.loads((run / "manifest.json").read_text())
+    points = {arm: [p["point"] for p in manifest["arms"][arm]["points"]] for arm in ARMS}
+    assert points["fp8"] == points["nvfp4"] and len(points["fp8"]) == 4
+    (sweep,) = [s for s in result.statements if isinstance(s, statements.SweepCapacityStatement)]
+    first = {arm.label: [f.point for f in arm.first] for arm in sweep.arms}
+    pool = {arm: int(log_line(run, arm, r"GPU KV cache size: ([\d,]+) tokens").replace(",", "")) for arm in ARMS}
+    bound = {arm: [p for p in points[arm] if (lambda d: int(d["concurrency"]) * (int(d["input"]) + int(d["output"]))
+                                             > pool[arm])(dict(kv.split("=") for kv in p.split(",")))]
+             for arm in ARMS}
+    assert bound == {"fp8": ["input=2048,output=16,prompts=32,concurrency=16"], "nvfp4": []}
+    assert first == bound
+    assert "33,024 KV tokens needed of 20,480" in statement_text(sweep)
