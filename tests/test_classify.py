@@ -6,7 +6,8 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from kvtrace.analyzer.classify import SEGMENTS, load_recipes, parse_kernel_name
+from kvtrace.analyzer.classify import SEGMENTS, load_recipes
+from kvtrace.analyzer.kernel_names import parse_kernel_name
 from kvtrace.errors import KvtraceError
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"

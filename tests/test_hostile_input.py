@@ -30,7 +30,8 @@ from rich.console import Console
 from conftest import GOOD_SQLITE, NSYS2023_DIR, NSYS2025_DIR, REPO, fingerprint
 import kvtrace.nsys
 from kvtrace.analyzer import kernels, load, render
-from kvtrace.analyzer.classify import load_recipes, parse_kernel_name
+from kvtrace.analyzer.classify import load_recipes
+from kvtrace.analyzer.kernel_names import parse_kernel_name
 from kvtrace.capture import runner
 from kvtrace.errors import KvtraceError
 from test_bad_input import _drop_dac_capabilities, _kvtrace_runs, assert_one_line_error
