@@ -6,7 +6,10 @@ NSYS_INSTALLER := $(wildcard ../shared/ci/install-nsys-cli.sh)
 DEMO := fixtures/fi-h200-sm90
 OUT ?= out
 
-.PHONY: install install-dev demo test docs capture bench
+# Test processes (pytest-xdist): auto is one per core.
+TEST_WORKERS ?= auto
+
+.PHONY: install install-dev demo test test-fast docs capture bench
 
 install:
 	$(PIP) -e .
@@ -27,7 +30,12 @@ demo: install
 
 test: install-dev
 	@if [ -n "$(NSYS_INSTALLER)" ]; then export NSYS=$$(bash $(NSYS_INSTALLER)); fi; \
-	$(PYTHON) -m pytest
+	$(PYTHON) -m pytest -n $(TEST_WORKERS)
+
+# The suite less the tests marked slow (end-to-end runs); `make test` and CI run everything.
+test-fast: install-dev
+	@if [ -n "$(NSYS_INSTALLER)" ]; then export NSYS=$$(bash $(NSYS_INSTALLER)); fi; \
+	$(PYTHON) -m pytest -n $(TEST_WORKERS) -m "not slow"
 
 # Grows the vLLM fixtures to 10M, 30M and 100M kernels per file under bench/out/ (a pair is skipped, and says so,
 # when the disk cannot hold it; 100M pairs need 20 to 40 GB and are removed once measured) and times kvtrace

@@ -199,8 +199,8 @@ SEGMENT_CASES = [
 
 
 @pytest.fixture(scope="module")
-def recipes():
-    return load_recipes()
+def recipes(shipped_recipes):
+    return shipped_recipes
 
 
 DIMS = ("grid_x", "grid_y", "grid_z", "block_x", "block_y", "block_z")
