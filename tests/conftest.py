@@ -44,7 +44,7 @@ def _unpack(pack: Path) -> Path:
         (unpacked,) = scratch.iterdir()  # the archive holds one run directory
         try:
             unpacked.rename(done)
-        except OSError:  # another session unpacked it meanwhile
+        except OSError:  # another session, or another xdist worker, unpacked it meanwhile
             pass
         shutil.rmtree(scratch, ignore_errors=True)
     return done
@@ -97,7 +97,8 @@ def good_sqlite() -> Path:
 
 @pytest.fixture(autouse=True, scope="session")
 def _session_cache(tmp_path_factory):
-    """In-process loads keep their trace cache here for the session, never in ~/.cache."""
+    """In-process loads keep their trace cache here for the session, never in ~/.cache (a folder per xdist worker:
+    tmp_path_factory gives each its own)."""
     os.environ["KVTRACE_CACHE_DIR"] = str(tmp_path_factory.mktemp("kvtrace-cache"))
 
 
