@@ -9,7 +9,10 @@ OUT ?= out
 VLLM_DEMO_PACK := fixtures/vllm033-h200/offline-decode-heavy.tar.xz
 VLLM_DEMO := $(OUT)/vllm033-offline-decode-heavy
 
-.PHONY: install install-dev demo test docs capture bench bench-export bench-export-h200
+# Test processes (pytest-xdist): auto is one per core.
+TEST_WORKERS ?= auto
+
+.PHONY: install install-dev demo test test-fast docs capture bench bench-export bench-export-h200
 
 install:
 	$(PIP) -e .
@@ -33,7 +36,12 @@ demo: install
 
 test: install-dev
 	@if [ -n "$(NSYS_INSTALLER)" ]; then export NSYS=$$(bash $(NSYS_INSTALLER)); fi; \
-	$(PYTHON) -m pytest
+	$(PYTHON) -m pytest -n $(TEST_WORKERS)
+
+# The suite less the tests marked slow (end-to-end runs); `make test` and CI run everything.
+test-fast: install-dev
+	@if [ -n "$(NSYS_INSTALLER)" ]; then export NSYS=$$(bash $(NSYS_INSTALLER)); fi; \
+	$(PYTHON) -m pytest -n $(TEST_WORKERS) -m "not slow"
 
 # Grows the vLLM fixtures to 10M, 30M and 100M kernels per file under bench/out/ (a pair is skipped, and says so,
 # when the disk cannot hold it; 100M pairs need 20 to 40 GB and are removed once measured) and times kvtrace

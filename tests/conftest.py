@@ -45,7 +45,7 @@ def _unpack(pack: Path) -> Path:
         (unpacked,) = scratch.iterdir()  # the archive holds one run directory
         try:
             unpacked.rename(done)
-        except OSError:  # another session unpacked it meanwhile
+        except OSError:  # another session, or another xdist worker, unpacked it meanwhile
             pass
         shutil.rmtree(scratch, ignore_errors=True)
     return done
@@ -102,7 +102,8 @@ def good_sqlite() -> Path:
 
 @pytest.fixture(autouse=True, scope="session")
 def _session_cache(tmp_path_factory):
-    """In-process loads keep their trace cache here for the session, never in ~/.cache."""
+    """In-process loads keep their trace cache here for the session, never in ~/.cache (a folder per xdist worker:
+    tmp_path_factory gives each its own)."""
     os.environ["KVTRACE_CACHE_DIR"] = str(tmp_path_factory.mktemp("kvtrace-cache"))
 
 
@@ -201,3 +202,40 @@ def sql_calls(path, *likes: str, nvtx: str | None = None) -> list[tuple[int, int
 def sql_durations(path, *likes: str, nvtx: str | None = None) -> list[int]:
     """Durations of sql_calls, in launch order."""
     return [end - start for start, end in sql_calls(path, *likes, nvtx=nvtx)]
+
+
+# ---- results shared by the whole session -------------------------------------------------------------------
+# Built once per test process (pytest-xdist runs one per core) and only read by the tests that take them: tests
+# that change a trace or a run directory build their own. A test that mutated one would show in the others,
+# e.g. test_plots' check that writing plots leaves the report as it was.
+RECORDED_REPORT = FIXTURES / "vllm-recorded-report"  # run directories of recorded serve runs (their README)
+
+
+@pytest.fixture(scope="session")
+def shipped_recipes():
+    """The shipped recipes, parsed once (a RecipeSet's caches per kernel name only ever grow)."""
+    from kvtrace.analyzer.classify import load_recipes
+    return load_recipes()
+
+
+@pytest.fixture(scope="session")
+def fi_h200_diff(shipped_recipes):
+    """`diff` of the FlashInfer H200 pair (Nsight Systems 2025.3), fp8 → nvfp4."""
+    from kvtrace.analyzer import compare
+    from kvtrace.analyzer.load import open_trace
+    return compare.diff(open_trace(NSYS2025_DIR / "fp8.sqlite"), open_trace(NSYS2025_DIR / "nvfp4.sqlite"),
+                        shipped_recipes)
+
+
+@pytest.fixture(scope="session")
+def fi_h200_report(shipped_recipes):
+    """`report` of the FlashInfer H200 run directory."""
+    from kvtrace.analyzer import report
+    return report.build([NSYS2025_DIR], shipped_recipes)
+
+
+@pytest.fixture(scope="session")
+def sweep_report(shipped_recipes):
+    """`report` of the recorded vLLM sweep run directory."""
+    from kvtrace.analyzer import report
+    return report.build([RECORDED_REPORT / "sweep"], shipped_recipes)

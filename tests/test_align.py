@@ -28,8 +28,8 @@ PREFILL_FAMILY = "BatchPrefillWithPagedKVCacheKernel[MaskMode=1]"
 
 
 @pytest.fixture(scope="module")
-def recipes():
-    return load_recipes()
+def recipes(shipped_recipes):
+    return shipped_recipes
 
 
 def family(result, label):
@@ -211,6 +211,7 @@ def test_gate_cannot_pass_a_segment_it_cannot_measure(run_kvtrace):
                                                  "comparable), other (different work)"), err
 
 
+@pytest.mark.slow
 def test_windows_select_calls(run_kvtrace):
     code, out, err = run_kvtrace("diff", str(FP8), str(NVFP4), "--window", "decode ctx=8192", "--format", "json")
     assert code == 0, err

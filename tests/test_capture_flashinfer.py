@@ -433,6 +433,7 @@ def test_run_order():
         run_order(("fp8",), 0)
 
 
+@pytest.mark.slow
 def test_cli_real_workload_fails_on_cpu_and_both_arms_are_recorded(tmp_path, stand_in, no_preflight, capsys):
     """Under the stand-in nsys the real workload process runs and fails here (no GPU / FlashInfer): each arm
     is recorded as failed with its log, the command exits 1, and nothing half-made is left."""

@@ -735,6 +735,7 @@ def offline_config(standin, **kwargs) -> vllm_config.VllmCapture:
                   model=str(TINY), **{**workload, **kwargs})
 
 
+@pytest.mark.slow
 def test_offline_runs_the_worker_under_nsys(standin):
     manifest = run_capture(standin, offline_config(standin))
     run = standin.tmp / "run"
@@ -760,6 +761,7 @@ def test_offline_runs_the_worker_under_nsys(standin):
     assert calls[1:] == [("generate", 8), ("start_profile", None), ("generate", 8), ("stop_profile", None)]
 
 
+@pytest.mark.slow
 def test_offline_prefix_reuse_counts_cached_tokens(standin):
     cfg = offline_config(standin, scenario="prefix-reuse", input_len=16, prefix_len=32, num_prefixes=2)
     manifest = run_capture(standin, cfg)
@@ -771,6 +773,7 @@ def test_offline_prefix_reuse_counts_cached_tokens(standin):
     assert calls == ["init", "generate", "reset_prefix_cache", "start_profile", "generate", "stop_profile"]
 
 
+@pytest.mark.slow
 def test_offline_sweep_stops_at_capacity_and_matches_the_grid(standin, monkeypatch):
     monkeypatch.setenv("STANDIN_KV_TOKENS", "1000")  # fp8 holds 1,000 tokens, auto 500
     cfg = offline_config(standin, scenario="sweep", input_len=None, num_prompts=None, concurrency=None,
@@ -789,6 +792,7 @@ def test_offline_sweep_stops_at_capacity_and_matches_the_grid(standin, monkeypat
     assert manifest["request_order_matched"] is True
 
 
+@pytest.mark.slow
 def test_offline_worker_failure_is_recorded(standin, monkeypatch):
     monkeypatch.setenv("STANDIN_FAIL", "worker@fp8")
     manifest = run_capture(standin, offline_config(standin))
@@ -799,6 +803,7 @@ def test_offline_worker_failure_is_recorded(standin, monkeypatch):
     assert manifest["status"] == "partial"
 
 
+@pytest.mark.slow
 def test_offline_repeats_interleave_and_a_failed_run_keeps_the_others(standin, monkeypatch):
     monkeypatch.setenv("STANDIN_FAIL", "export@auto.r1")
     manifest = run_capture(standin, offline_config(standin, repeats=2))
@@ -825,6 +830,7 @@ def test_offline_repeats_interleave_and_a_failed_run_keeps_the_others(standin, m
             assert entry["status"] == "ok" and (run / entry["sqlite"]).exists() and entry["sqlite"] == f"{name}.sqlite"
 
 
+@pytest.mark.slow
 def test_serve_repeats_name_every_file_by_run(standin):
     manifest = run_capture(standin, serve_config(standin, repeats=2))
     run = standin.tmp / "run"
@@ -840,6 +846,7 @@ def test_serve_repeats_name_every_file_by_run(standin):
     assert not [pid for pid in standin.pids() if alive(pid)]
 
 
+@pytest.mark.slow
 def test_force_rules_follow_the_runner(standin):
     run_capture(standin, offline_config(standin, arms=("fp8",)))
     with pytest.raises(KvtraceError, match="already holds a run: pass --force"):

@@ -6,7 +6,8 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from kvtrace.analyzer.classify import SEGMENTS, load_recipes, parse_kernel_name
+from kvtrace.analyzer.classify import SEGMENTS, load_recipes
+from kvtrace.analyzer.kernel_names import parse_kernel_name
 from kvtrace.errors import KvtraceError
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
@@ -198,8 +199,8 @@ SEGMENT_CASES = [
 
 
 @pytest.fixture(scope="module")
-def recipes():
-    return load_recipes()
+def recipes(shipped_recipes):
+    return shipped_recipes
 
 
 DIMS = ("grid_x", "grid_y", "grid_z", "block_x", "block_y", "block_z")

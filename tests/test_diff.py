@@ -12,7 +12,6 @@ import pytest
 
 from conftest import FIXTURES, NSYS2023_DIR, NSYS2025_DIR, REPO
 from kvtrace.analyzer import compare, kernels, stats
-from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.load import open_trace
 
 FP8 = NSYS2025_DIR / "fp8.sqlite"
@@ -33,13 +32,13 @@ def sql_durations(path, like: str) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def recipes():
-    return load_recipes()
+def recipes(shipped_recipes):
+    return shipped_recipes
 
 
 @pytest.fixture(scope="module")
-def fp8_nvfp4(recipes):
-    return compare.diff(open_trace(FP8), open_trace(NVFP4), recipes)
+def fp8_nvfp4(fi_h200_diff):
+    return fi_h200_diff
 
 
 def family_row(result, segment: str, label_part: str):
@@ -146,6 +145,7 @@ def test_summary_on_the_2023_export(recipes):
     assert summary.arm.info.product_version.startswith("2023.4")
 
 
+@pytest.mark.slow
 def test_cli_formats(run_kvtrace, tmp_path):
     code, out, err = run_kvtrace("diff", str(FP8), str(NVFP4), "--format", "json")
     assert code == 0, err

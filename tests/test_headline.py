@@ -20,9 +20,8 @@ CONTEXTS = (2048, 8192, 32768)
 
 
 @pytest.fixture(scope="module")
-def fi_diff():
-    traces = [open_trace(NSYS2025_DIR / f"{arm}.sqlite") for arm in ("fp8", "nvfp4")]
-    return compare.diff(traces[0], traces[1], load_recipes(()))
+def fi_diff(fi_h200_diff):
+    return fi_h200_diff
 
 
 def test_head_has_one_row_per_context_and_question(fi_diff):
@@ -240,6 +239,7 @@ def test_capacity_groups_repeated_runs_by_arm(run_kvtrace):
     assert [r["label"] for r in json.loads(out)["formats"]] == ["fp8", "nvfp4"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario", ["prefix-reuse", "cold-prefill", "sweep"])
 def test_serve_reports_are_paste_ready(run_kvtrace, scenario):
     """The real serve-mode runs: two run directories, one arm each; their report and diff carry no private text."""

@@ -30,7 +30,8 @@ from rich.console import Console
 from conftest import GOOD_SQLITE, NSYS2023_DIR, NSYS2025_DIR, REPO, fingerprint
 import kvtrace.nsys
 from kvtrace.analyzer import kernels, load, render
-from kvtrace.analyzer.classify import load_recipes, parse_kernel_name
+from kvtrace.analyzer.classify import load_recipes
+from kvtrace.analyzer.kernel_names import parse_kernel_name
 from kvtrace.capture import runner
 from kvtrace.errors import KvtraceError
 from test_bad_input import _drop_dac_capabilities, _kvtrace_runs, assert_one_line_error
@@ -270,6 +271,7 @@ def test_findings_reach_standard_error_when_writing_a_file(tmp_path, kv):
     assert all(line.split("kvtrace: warning: ", 1)[1] in target.read_text() for line in warnings)
 
 
+@pytest.mark.slow
 def test_output_errors_are_one_line(tmp_path, kv, without_dac):
     folder = tmp_path / "read-only"
     folder.mkdir()
@@ -292,6 +294,7 @@ def _double_durations(path: Path) -> None:
     conn.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["in-place", "renamed-over"])
 def test_an_export_edited_with_size_and_mtime_kept_is_read_again(how, tmp_path, kv):
     export = tmp_path / "fp8.sqlite"
@@ -345,6 +348,7 @@ def _flip(path: Path, at: int, length: int = 16) -> None:
     path.write_bytes(bytes(data))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["cells.arrow", "signatures.arrow", "ranges.arrow", "duration.npy", "rank.npy",
                                   "range.npy", "start.npy"])
 def test_flipped_bytes_in_a_cache_entry_are_detected_and_the_entry_repaired(name, tmp_path, cache_dir, kv):
@@ -370,6 +374,7 @@ def test_a_structurally_bad_entry_is_replaced(tmp_path, cache_dir, kv):
     assert (_entry(cache_dir, "fp8") / "duration.npy").read_bytes() == sound
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["symlink", "copy"])
 def test_an_entry_planted_for_another_export_is_not_served(how, tmp_path, cache_dir, kv):
     fp8, nvfp4 = tmp_path / "fp8.sqlite", tmp_path / "nvfp4.sqlite"
@@ -590,6 +595,7 @@ def test_deeply_nested_names_parse_in_linear_memory():
     assert kernel.base == "k"
 
 
+@pytest.mark.slow
 def test_a_100_kb_name_goes_through_every_command(tmp_path, kv):
     trace = named(tmp_path, "void k<" + "a<" * 33_000 + "int" + ">" * 33_000 + ">(int)")
     for args in (["summary", trace], ["kernels", trace, "--format", "markdown"], ["diff", trace, trace]):
@@ -661,6 +667,7 @@ def test_sigterm_while_writing_a_manifest_leaves_no_temporary_file(tmp_path):
 
 # ==== CLI conventions (issue 13, item 5) ==========================================================================
 
+@pytest.mark.slow
 def test_a_broken_pipe_exits_0(tmp_path):
     for fmt in ("table", "csv"):
         read, write = os.pipe()

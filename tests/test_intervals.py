@@ -20,7 +20,6 @@ import pytest
 
 from conftest import FIXTURES, NSYS2025_DIR
 from kvtrace.analyzer import align, compare, pairing, stats
-from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.load import open_trace
 
 REPEAT = FIXTURES / "fi-h200-sm90-repeat"
@@ -29,8 +28,8 @@ CHANGES = (stats.REGRESSION, stats.IMPROVEMENT)
 
 
 @pytest.fixture(scope="module")
-def recipes():
-    return load_recipes()
+def recipes(shipped_recipes):
+    return shipped_recipes
 
 
 def repeat_pairs(recipes, fmt: str):
@@ -68,6 +67,7 @@ def draw(rng: np.random.Generator, offsets: np.ndarray) -> np.ndarray:
     return np.repeat(offsets[:-1], sizes) + (rng.random(offsets[-1]) * np.repeat(sizes, sizes)).astype(np.int64)
 
 
+@pytest.mark.slow
 def test_intervals_cover_a_known_ratio(recipes):
     """500 draws with r = 1.7: the 95% interval covers r in 93-97% of them, pooled over rows of one cell and
     pooled over rows of several cells, and in at least 90% for every row alone. 1000 resamples per interval
@@ -91,6 +91,7 @@ def test_intervals_cover_a_known_ratio(recipes):
     assert coverage.min() >= 0.90, dict(zip([*one, *several], coverage))
 
 
+@pytest.mark.slow
 def test_synthetic_null_pairs_raise_few_false_alarms(recipes):
     """r = 1 on the NVFP4 repeat's noise: at the default threshold, at most 5% of verdicts over every cell and
     segment row are a regression or an improvement."""
@@ -201,6 +202,7 @@ def _between_run_checks(rows: list[dict], singles: list[compare.Diff], level: st
     return checked, disagree
 
 
+@pytest.mark.slow
 def test_repeated_runs_put_between_run_variance_in_the_interval(recipes, run_kvtrace):
     """Runs recorded on two machines (fi-h200-sm90 and fi-h200-sm90-repeat, not interleaved): their run pairs
     differ more than consecutive runs on one machine (up to 25% in 1-µs rows), and the intervals still cover
@@ -218,6 +220,7 @@ def test_repeated_runs_put_between_run_variance_in_the_interval(recipes, run_kvt
     assert code == 2 and "--repeat" in err
 
 
+@pytest.mark.slow
 def test_repeats_capture_diff_covers_every_run_pairs_ratio(recipes, run_kvtrace):
     """The real --repeats 2 capture (one machine, arms interleaved): `kvtrace diff A1 B1 --repeat A2 B2`
     resamples run pairs, then call pairs within cells, so every row's interval holds both run pairs' own
@@ -241,6 +244,7 @@ def test_repeats_capture_diff_covers_every_run_pairs_ratio(recipes, run_kvtrace)
     assert prefill["verdict"] == stats.REGRESSION and prefill["ci_low"] > 1 + both["threshold"]
 
 
+@pytest.mark.slow
 def test_report_on_the_repeats_capture_compares_run_by_run(recipes, run_kvtrace):
     """`kvtrace report fixtures/fi-h200-sm90-repeats2` finds both runs of each arm in the manifest (arm and
     repeat per run), diffs r1 with r1 and r2 with r2, and says so; the intervals carry the between-run

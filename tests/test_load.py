@@ -192,6 +192,7 @@ def test_interleaved_processes_each_keep_their_own_ranges(tmp_path):
     assert got["range_start"].null_count() < got.height
 
 
+@pytest.mark.slow
 def test_unnamed_ranges_and_missing_launch_calls_still_compare(tmp_path, run_kvtrace):
     """A range without a name (nvtxRangePushEx with only a colour) is matched like no range; a trace
     whose launch calls were not traced has no kernel inside a range. Neither stops a diff."""

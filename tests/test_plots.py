@@ -25,13 +25,13 @@ PREFILL = "%BatchPrefillWithPagedKVCacheKernel%MaskMode)1%"
 
 
 @pytest.fixture(scope="module")
-def fi():
-    return report.build([NSYS2025_DIR], load_recipes())
+def fi(fi_h200_report):
+    return fi_h200_report
 
 
 @pytest.fixture(scope="module")
-def sweep():
-    return report.build([SWEEP], load_recipes())
+def sweep(sweep_report):
+    return sweep_report
 
 
 def by_gid(figure, prefix: str) -> dict:
@@ -156,6 +156,7 @@ def test_sweep_curves_per_arm_and_context_with_capacity_marks(sweep, fi):
     assert "fp8, context 1,024" in labels and "nvfp4, context 1,024" in labels
 
 
+@pytest.mark.slow
 def test_write_plots_returns_its_files_png_and_svg(fi, sweep, tmp_path):
     folder = tmp_path / "out" / "plots"
     written = plots.write_plots(fi, folder, "png", link_base=tmp_path / "out")
@@ -177,6 +178,7 @@ def test_write_plots_returns_its_files_png_and_svg(fi, sweep, tmp_path):
     assert not [p for p in (tmp_path / "svg").iterdir() if p.name.startswith(".")]  # no temporary files left
 
 
+@pytest.mark.slow
 def test_cli_markdown_names_the_summary_to_drag_instead_of_relative_image_links(tmp_path):
     out = tmp_path / "report.md"
     result = CliRunner().invoke(cli, ["report", str(SWEEP), "--format", "markdown", "-o", str(out), "--plots",

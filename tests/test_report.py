@@ -26,7 +26,6 @@ from rich.console import Console
 
 from conftest import FIXTURES, NSYS2023_DIR, NSYS2025_DIR, SERVE_RUNS, sql_durations
 from kvtrace.analyzer import align, headline, report, runs, serving, statements, stats
-from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.render import json_out, render_table, render_text
 from kvtrace.analyzer.render.statements import text as statement_text
 from kvtrace.analyzer.render.units import duration
@@ -60,13 +59,13 @@ def run_main(args: list) -> object:
 
 
 @pytest.fixture(scope="module")
-def recipes():
-    return load_recipes()
+def recipes(shipped_recipes):
+    return shipped_recipes
 
 
 @pytest.fixture(scope="module")
-def fi(recipes):
-    return report.build([NSYS2025_DIR], recipes)
+def fi(fi_h200_report):
+    return fi_h200_report
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +74,8 @@ def win(recipes):
 
 
 @pytest.fixture(scope="module")
-def sweep(recipes):
-    return report.build([SWEEP], recipes)
+def sweep(sweep_report):
+    return sweep_report
 
 
 # ---- the FlashInfer run directory (the demo input) ------------------------------------------------------
@@ -530,6 +529,7 @@ def test_resolve_errors_name_the_fix():
         runs.resolve_inputs([NSYS2025_DIR], ("fp8",))
 
 
+@pytest.mark.slow
 def test_subprocess_smoke(tmp_path):
     """The installed entry point end to end, as `make demo` runs it."""
     out = tmp_path / "demo-report.md"

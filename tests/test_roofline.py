@@ -20,8 +20,8 @@ H200_DENSE_BF16 = 989.4e12  # NVIDIA H200 SXM datasheet: 1,979 TFLOPS BF16 with 
 
 
 @pytest.fixture(scope="module")
-def fi():
-    return report.build([NSYS2025_DIR], load_recipes())
+def fi(fi_h200_report):
+    return fi_h200_report
 
 
 def test_prefill_tflops_of_fi_h200_match_the_hand_calculation(fi):

@@ -18,6 +18,8 @@ import stat
 import sqlite3
 from pathlib import Path
 
+import pytest
+
 from conftest import FIXTURES, NSYS2023_DIR, NSYS2025_DIR, fingerprint
 from kvtrace.analyzer import verify
 
@@ -48,6 +50,7 @@ def test_fixtures_agree_with_nsys_stats(nsys, run_kvtrace):
     assert [fingerprint(p) for p in PAIR] == before  # nsys read copies
 
 
+@pytest.mark.slow
 def test_agreement_stated_in_markdown_and_terminal(nsys, run_kvtrace):
     inputs = [NSYS2023_DIR / "fp8.sqlite", NSYS2023_DIR / "nvfp4.sqlite"]
     code, out, err = run_kvtrace("diff", *inputs, "--verify", "--nsys", nsys, "--format", "markdown")
@@ -101,6 +104,7 @@ else:
     return script
 
 
+@pytest.mark.slow
 def test_other_totals_are_reported_kernel_by_kernel(tmp_path, run_kvtrace):
     nsys = _stand_in(tmp_path, shift_ns=7)
     code, out, err = run_kvtrace("diff", *PAIR, "--verify", "--nsys", nsys, "--format", "json")
@@ -155,6 +159,7 @@ def test_report_agrees_with_nsys_stats_on_every_repeat(nsys, run_kvtrace):
         assert (c["kernels"], c["calls"], c["mismatches"]) == (len(totals), sum(n for n, _ in totals.values()), [])
 
 
+@pytest.mark.slow
 def test_report_states_agreement_once_in_every_format(nsys, run_kvtrace):
     line = "nsys stats -r cuda_gpu_kern_sum (Nsight Systems version 2023.4.4"
     code, out, err = run_kvtrace("report", NSYS2025_DIR, "--verify", "--nsys", nsys, "--format", "markdown")
@@ -173,6 +178,7 @@ def test_report_states_agreement_once_in_every_format(nsys, run_kvtrace):
         ("", "agrees"): "True", ("fp8.sqlite", "agrees"): "True", ("nvfp4.sqlite", "agrees"): "True"}
 
 
+@pytest.mark.slow
 def test_report_disagreement_is_reported_in_every_format(tmp_path, run_kvtrace):
     nsys = _stand_in(tmp_path, shift_ns=7)
     out_file = tmp_path / "report.md"
@@ -236,6 +242,7 @@ def test_recipe_agrees_per_short_name_and_runs_away_from_the_input(tmp_path, run
                for m in findings)
 
 
+@pytest.mark.slow
 def test_recipe_agreement_stated_in_the_head_of_every_format(tmp_path, run_kvtrace):
     nsys = _stand_in(tmp_path, shift_ns=0, recipe_outputs=RECORDED_RECIPE)
     short = _sql_totals(PAIR[0], "shortName")
@@ -272,6 +279,7 @@ def _altered_recipe_outputs(tmp_path):
     return folder, altered
 
 
+@pytest.mark.slow
 def test_recipe_disagreement_is_reported_in_every_format(tmp_path, run_kvtrace):
     outputs, altered = _altered_recipe_outputs(tmp_path)
     nsys = _stand_in(tmp_path, shift_ns=0, recipe_outputs=outputs)
