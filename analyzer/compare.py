@@ -10,201 +10,24 @@ list's shares and means) and words what it found.
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import polars as pl
 
-from kvtrace import __version__
 from kvtrace.analyzer import align, pairing, stats
 from kvtrace.analyzer.calls import sums
 from kvtrace.analyzer.classify import KV_SEGMENTS, RecipeSet
-from kvtrace.analyzer.findings import (Finding, arm_findings, comparability, drift_findings, run_findings,
-                                       window_findings)
-from kvtrace.analyzer.load import Trace, TraceInfo
+from kvtrace.analyzer.findings import arm_findings, comparability, drift_findings, run_findings, window_findings
+from kvtrace.analyzer.load import Trace
 from kvtrace.analyzer.pairing import KERNEL, RANGE, Cells, Run, Vocabulary, segment_order
+from kvtrace.analyzer.results import (UNIT_NOTE, WHOLE_PHASE, Arm, ArmStats, Diff, DiffRow, Drift, SizeBand, Summary,
+                                      SummaryRow)
 from kvtrace.errors import KvtraceError
 
-SUMMARY_SCHEMA = "kvtrace.summary/2"
 # Cells with fewer call pairs than this are named in the row's note: their spread is poorly known.
 FEW_CALLS = 5
-DIFF_SCHEMA = "kvtrace.diff/4"
-# The segment field of a whole-phase row: every kernel of a phase's NVTX range instances together.
-WHOLE_PHASE = "whole phase"
-UNIT_NOTE = ("a call here is one unit of the phase's work: one append, prefill or decode call with the kernels "
-             "launched since the previous one, or one NVTX range (a vLLM step)")
-
-
-@dataclass(frozen=True)
-class ArmStats:
-    """One arm's calls in a row. The per-call statistics (mean … cv) are None when the row spans cells of
-    different work (stats.same_work): a pooled mean would describe no call that ran."""
-
-    calls: int
-    total_ns: int
-    total_low_ns: float | None  # interval of the summed paired time (diff rows with pairs only)
-    total_high_ns: float | None
-    mean_ns: float | None
-    median_ns: float | None
-    p90_ns: float | None
-    p99_ns: float | None
-    min_ns: float | None
-    max_ns: float | None
-    cv: float | None
-    share: float | None  # of the arm's GPU kernel time
-
-    @classmethod
-    def of(cls, durations: np.ndarray, arm_total_ns: int,
-           interval: tuple[float | None, float | None] = (None, None)) -> ArmStats:
-        """Calls of one kind of work: every statistic."""
-        d = stats.describe(durations)
-        return cls(calls=d.count, total_ns=int(d.total), total_low_ns=interval[0], total_high_ns=interval[1],
-                   mean_ns=d.mean, median_ns=d.median, p90_ns=d.p90, p99_ns=d.p99, min_ns=d.min, max_ns=d.max,
-                   cv=d.cv, share=stats.share(d.total, arm_total_ns))
-
-    @classmethod
-    def total(cls, calls: int, total_ns: int, arm_total_ns: int,
-              interval: tuple[float | None, float | None] = (None, None)) -> ArmStats:
-        """Calls of different work: counts and time only."""
-        return cls(calls=calls, total_ns=total_ns, total_low_ns=interval[0], total_high_ns=interval[1], mean_ns=None,
-                   median_ns=None, p90_ns=None, p99_ns=None, min_ns=None, max_ns=None, cv=None,
-                   share=stats.share(total_ns, arm_total_ns))
-
-
-@dataclass(frozen=True)
-class Arm:
-    label: str
-    info: TraceInfo  # of the first run
-    total_ns: int  # GPU kernel time in the window, all runs
-    kv_dtypes: tuple[str, ...]  # seen in attention / append kernels
-    runs: int = 1
-    sources: tuple[str, ...] = ()  # every run's trace, in repeat order
-
-
-@dataclass
-class SummaryRow:
-    segment: str
-    stats: ArmStats
-    cells: int = 1  # cells (signature × NVTX range) the row spans
-    family: str | None = None
-    family_label: str | None = None
-    kv_dtypes: tuple[str, ...] = ()
-    names: tuple[str, ...] = ()
-
-
-@dataclass
-class Summary:
-    arm: Arm
-    recipes: tuple[str, ...]
-    segments: list[SummaryRow]
-    families: list[SummaryRow]
-    schema: str = SUMMARY_SCHEMA
-    kvtrace_version: str = __version__
-
-    def to_dict(self) -> dict:
-        return schema_first(asdict(self))
-
-
-@dataclass
-class DiffRow:
-    segment: str
-    baseline: ArmStats | None  # of the paired calls; of all calls in the window when none paired
-    candidate: ArmStats | None
-    baseline_calls: int  # in the window (all runs), paired or not
-    candidate_calls: int
-    baseline_total_ns: int  # all calls in the window
-    candidate_total_ns: int
-    compared_calls: int  # call pairs (0 when not comparable)
-    cells: int  # cells the pairs come from (a cell: one kernel, launch shape and NVTX range in one run)
-    single_call_cells: int
-    same_work: bool  # the cells cost the same per call, so per-call statistics describe calls
-    ratio: float | None  # Σ candidate / Σ baseline over the pairs
-    ci_low: float | None
-    ci_high: float | None
-    verdict: str
-    paired_verdict: str | None  # the pairs' own verdict when the row is "different work"
-    note: str | None  # how calls were paired when not one-to-one
-    reason: str | None  # why the row is not comparable
-    total_delta_ns: int  # candidate total - baseline total, all calls in the window
-    paired_delta_ns: int  # the same over the paired calls only
-    unpaired_share: float | None  # of the row's absolute change, the part carried by calls without a partner
-    abs_delta_share: float | None  # |Δ| of this row / Σ|Δ| of its table
-    run_ratios: tuple[float | None, ...] = ()  # per run pair, with repeated runs
-    kv_independent: bool = False  # every kernel of the row is one the KV format cannot affect
-    family: str | None = None
-    family_label: str | None = None
-    phase: str | None = None
-    baseline_kv_dtypes: tuple[str, ...] = ()
-    candidate_kv_dtypes: tuple[str, ...] = ()
-    baseline_names: tuple[str, ...] = ()
-    candidate_names: tuple[str, ...] = ()
-
-
-@dataclass
-class Drift:
-    """How far the kernels the KV format cannot affect moved between the arms' runs."""
-
-    ratio: float | None  # all their call pairs together
-    ci_low: float | None
-    ci_high: float | None
-    compared_calls: int
-    segments: tuple[str, ...]
-    band: float  # the widest measured band of any size class
-    widest: str | None  # the kernel cell whose sure move set it
-    bands: tuple[SizeBand, ...] = ()  # per size class: changes within 1 ± band are not attributed to the KV format
-    outlier: str | None = None  # a KV-independent family that moved far more than its peers, left out of the bands
-    outlier_move: float = 0.0  # its sure move
-
-
-@dataclass(frozen=True)
-class SizeBand:
-    size: str  # the class of per-call time, "< 4 µs"
-    band: float
-    basis: str  # stats.MEASURED, AS_SMALLER, ASSUMED or REPEATS
-    widest: str | None  # the kernel cell whose sure move set it
-
-
-@dataclass
-class Diff:
-    baseline: Arm
-    candidate: Arm
-    recipes: tuple[str, ...]
-    threshold: float
-    confidence: float
-    findings: list[Finding]
-    segments: list[DiffRow]
-    families: list[DiffRow]
-    phases: list[DiffRow] = field(default_factory=list)  # per segment and NVTX phase, when ranges exist
-    # Per phase, every kernel together, paired range instance by range instance (_phase_totals).
-    phase_totals: list[DiffRow] = field(default_factory=list)
-    drift: Drift | None = None
-    runs: int = 1  # run pairs (repeated runs per arm)
-    method: str = stats.BOOTSTRAP
-    window: list[str] = field(default_factory=list)
-    headline: Any = None  # analyzer.headline.Headline: the rows that answer first, environment, commands
-    verification: Any = None  # analyzer.verify.Verification, with --verify
-    schema: str = DIFF_SCHEMA
-    kvtrace_version: str = __version__
-
-    @property
-    def total_ratio(self) -> float | None:
-        return stats.ratio(self.baseline.total_ns, self.candidate.total_ns)
-
-    @property
-    def band(self) -> float:
-        """Half-width of the no-change band: the threshold, widened to the measured drift."""
-        return max(self.threshold, self.drift.band if self.drift else 0.0)
-
-    def to_dict(self) -> dict:
-        data = schema_first(asdict(self))
-        data["total_ratio"] = self.total_ratio
-        return data
-
-
-def schema_first(data: dict) -> dict:
-    return {"schema": data.pop("schema"), "kvtrace_version": data.pop("kvtrace_version"), **data}
 
 
 def classify_signatures(trace: Trace, recipes: RecipeSet) -> pl.DataFrame:

@@ -3,25 +3,17 @@ window, drift), as opposed to what the numbers say (analyzer.statements)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 import polars as pl
 
 from kvtrace.analyzer import align, stats
+from kvtrace.analyzer.results import Arm, DiffRow, Drift, Finding
 from kvtrace.kv_formats import bytes_per_value, claimed_dtypes
 
 if TYPE_CHECKING:
-    from kvtrace.analyzer.compare import Arm, DiffRow, Drift
     from kvtrace.analyzer.pairing import Run
-
-
-@dataclass
-class Finding:
-    level: str  # "ok", "warning", "error"
-    check: str
-    message: str
 
 
 def drift_findings(drift: Drift, threshold: float) -> list[Finding]:

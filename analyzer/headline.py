@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from kvtrace import __version__
-from kvtrace.analyzer.compare import Diff, DiffRow
+from kvtrace.analyzer.results import Diff, DiffRow
 from kvtrace.analyzer.pairing import PHASE_SEGMENTS
 from kvtrace.errors import KvtraceError
 from kvtrace.manifest import MANIFEST, Manifest, parse_phase_name, read_manifest

@@ -9,7 +9,8 @@ import polars as pl
 
 from kvtrace import __version__
 from kvtrace.analyzer.classify import KV_SEGMENTS, RecipeSet
-from kvtrace.analyzer.compare import Arm, classify_signatures, default_label, schema_first
+from kvtrace.analyzer.compare import classify_signatures, default_label
+from kvtrace.analyzer.results import Arm, schema_first
 from kvtrace.analyzer.load import Trace
 
 

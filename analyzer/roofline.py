@@ -21,7 +21,8 @@ import polars as pl
 
 from kvtrace import model_config
 from kvtrace.analyzer import align
-from kvtrace.analyzer.compare import Diff, Sides
+from kvtrace.analyzer.compare import Sides
+from kvtrace.analyzer.results import Diff
 from kvtrace.analyzer.pairing import Run
 from kvtrace.errors import KvtraceError
 from kvtrace.manifest import Manifest, Point, parse_phase_name

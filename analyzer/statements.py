@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from kvtrace.analyzer import capacity, headline, stats
-from kvtrace.analyzer.compare import Diff
+from kvtrace.analyzer.results import Diff
 from kvtrace.analyzer.runs import RunArm
 from kvtrace.analyzer.serving import ServingRow
 from kvtrace.manifest import Point, parse_phase_name

@@ -29,8 +29,8 @@ from pathlib import Path
 import polars as pl
 
 from kvtrace.analyzer.classify import RecipeSet
-from kvtrace.analyzer.compare import Diff
-from kvtrace.analyzer.findings import Finding
+from kvtrace.analyzer.results import Diff
+from kvtrace.analyzer.results import Finding
 from kvtrace.analyzer.kernels import list_kernels
 from kvtrace.analyzer.load import Trace
 from kvtrace.nsys import nsys_version

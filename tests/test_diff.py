@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import FIXTURES, NSYS2023_DIR, NSYS2025_DIR, REPO
-from kvtrace.analyzer import compare, kernels, stats
+from kvtrace.analyzer import compare, kernels, results, stats
 from kvtrace.analyzer.load import open_trace
 
 FP8 = NSYS2025_DIR / "fp8.sqlite"
@@ -150,7 +150,7 @@ def test_cli_formats(run_kvtrace, tmp_path):
     code, out, err = run_kvtrace("diff", str(FP8), str(NVFP4), "--format", "json")
     assert code == 0, err
     data = json.loads(out)
-    assert data["schema"] == compare.DIFF_SCHEMA
+    assert data["schema"] == results.DIFF_SCHEMA
     assert {r["segment"] for r in data["segments"]} >= {"prefill_attention", "decode_attention", "kv_append", "gemm"}
 
     code, out, err = run_kvtrace("diff", str(FP8), str(NVFP4), "--format", "csv")

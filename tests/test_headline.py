@@ -10,7 +10,7 @@ from html.parser import HTMLParser
 import pytest
 
 from conftest import FIXTURES, NSYS2025_DIR, sql_durations
-from kvtrace.analyzer import compare, headline
+from kvtrace.analyzer import compare, headline, results
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.load import open_trace
 
@@ -200,7 +200,7 @@ def test_json_carries_the_head(run_kvtrace):
                                  "json")
     assert code == 0, err
     data = json.loads(out)
-    assert data["schema"] == compare.DIFF_SCHEMA
+    assert data["schema"] == results.DIFF_SCHEMA
     rows = data["headline"]["rows"]
     phases = {(r["segment"], r["phase"]): r for r in data["phases"]}
     prefill = [r for r in rows if r["question"] == headline.PREFILL]

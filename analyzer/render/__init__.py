@@ -10,7 +10,7 @@ from __future__ import annotations
 from rich.console import Console
 
 from kvtrace.analyzer.capacity import Capacity
-from kvtrace.analyzer.compare import Diff, Summary
+from kvtrace.analyzer.results import Diff, Summary
 from kvtrace.analyzer.kernels import KernelList
 from kvtrace.analyzer.matrix import Matrix
 from kvtrace.analyzer.render import csv_out, json_out, markdown, matrix, report_tables, terminal

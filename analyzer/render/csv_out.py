@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 
-from kvtrace.analyzer.compare import Diff, Summary
+from kvtrace.analyzer.results import Diff, Summary
 from kvtrace.analyzer.kernels import KernelList
 from kvtrace.analyzer.render.escape import csv_writer
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from kvtrace.analyzer.compare import Arm, Diff, DiffRow, Summary
+from kvtrace.analyzer.results import Arm, Diff, DiffRow, Summary
 from kvtrace.analyzer.kernels import KernelList
 from kvtrace.analyzer.headline import APPEND_PHASE, Headline
 from kvtrace.analyzer.render.escape import md_code, md_text, visible

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from kvtrace.analyzer.compare import Diff, Summary
+from kvtrace.analyzer.results import Diff, Summary
 from kvtrace.analyzer.kernels import KernelList
 from kvtrace.analyzer.headline import APPEND_PHASE, Headline
 from kvtrace.analyzer.render.escape import rich, visible
