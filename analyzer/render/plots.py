@@ -393,9 +393,11 @@ def figures(report: Report) -> dict[str, Figure]:
     return out
 
 
-def write_plots(report: Report, folder: Path, fmt: str = "png", link_base: Path | None = None) -> list[PlotFile]:
-    """Save every plot into folder (created when missing); its files, with paths relative to link_base (the
-    report file's folder; the working directory when None), the figure's title and its panels' titles."""
+def write_plots(report: Report, folder: Path, fmt: str = "png", link_base: Path | None = None,
+                inputs=()) -> list[PlotFile]:
+    """Save every plot into folder (created when missing), never onto one of `inputs` (a plot's name may be a
+    link to one); its files, with paths relative to link_base (the report file's folder; the working directory
+    when None), the figure's title and its panels' titles."""
     if fmt not in FORMATS:
         raise KvtraceError(f"--plot-format {fmt}: choose png or svg")
     folder = Path(folder)
@@ -410,17 +412,17 @@ def write_plots(report: Report, folder: Path, fmt: str = "png", link_base: Path 
     base = Path(link_base) if link_base is not None else Path.cwd()
     for kind, figure in figures(report).items():
         path = folder / f"{kind}.{fmt}"
-        _save(figure, path, fmt)
+        _save(figure, path, fmt, inputs)
         link = Path(os.path.relpath(path.resolve(), base.resolve())).as_posix()
         written.append(PlotFile(kind=kind, title=titles[kind], path=str(path), link=link, heading=figure.get_suptitle(),
                                 panels=tuple(ax.get_title() for ax in figure.axes if ax.get_visible())))
     return written
 
 
-def _save(figure: Figure, path: Path, fmt: str) -> None:
+def _save(figure: Figure, path: Path, fmt: str, inputs) -> None:
     """Atomic, and reproducible: no creation date in the file; SVG text stays text (searchable)."""
     metadata = {"Date": None} if fmt == "svg" else {"Software": None}
     image = io.BytesIO()
     with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": "kvtrace"}):
         figure.savefig(image, format=fmt, dpi=_DPI, metadata=metadata, bbox_inches="tight")
-    files.write(path, image.getvalue())
+    files.write(path, image.getvalue(), inputs)
