@@ -49,7 +49,7 @@ whole = Whole
 class FiniteRange(click.FloatRange):
     """A number option that is finite: click's FloatRange lets nan through every bound, and inf past an open one."""
 
-    name = "finite float range"
+    name = "float range"
 
     def convert(self, value, param, ctx):
         number = super().convert(value, param, ctx)

@@ -32,13 +32,16 @@ from kvtrace.nsys import find_nsys
               help="Bootstrap seed (same inputs and seed, same output).")
 @click.option("--plots", "plots_dir", type=click.Path(path_type=Path),
               help="Write plots into this folder (created if missing); the markdown report links them.")
+@click.option("--exports-from", "exports_from", multiple=True, metavar="DIR", type=click.Path(path_type=Path),
+              help="A folder outside the run directories whose exports their manifests may list (by default a "
+                   "manifest's exports must lie inside its run directory). Repeatable.")
 @click.option("--plot-format", type=click.Choice(["png", "svg"]), default="png", show_default=True,
               help="Image format of --plots.")
 @verify_option
 @window_options
 @output_options
-def report(runs, arms, labels, threshold, confidence, seed, plots_dir, plot_format, verify_totals, window, fmt, output,
-           recipe_files, nsys_path):
+def report(runs, arms, labels, threshold, confidence, seed, plots_dir, exports_from, plot_format, verify_totals, window,
+           fmt, output, recipe_files, nsys_path):
     """Kernel diff and serving metrics of two arms, side by side, from run directories.
 
     RUNS is one run directory written by `kvtrace capture` (its two arms are compared, e.g. FlashInfer's fp8
@@ -57,7 +60,8 @@ def report(runs, arms, labels, threshold, confidence, seed, plots_dir, plot_form
                   + (", checking kernel totals with nsys stats" if verify_with else "")):
         result = report_lib.build(list(runs), load_recipes(recipe_files), arms=tuple(arms), labels=tuple(labels),
                                   threshold=threshold, confidence=confidence, seed=seed, window=window,
-                                  nsys=nsys_path, cache=use_cache(), verify_with=verify_with)
+                                  nsys=nsys_path, cache=use_cache(), verify_with=verify_with,
+                                  exports_from=tuple(exports_from))
     manifest = headline.find_manifest(Path(result.baseline.sqlite))
     result.diff.headline = headline.Headline.of(result.diff, manifest,
                                                 as_run(manifest.path.parent if manifest else None))

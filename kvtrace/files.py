@@ -139,7 +139,10 @@ def beside(target: Path, suffix: str = ".tmp") -> Iterator[Path]:
     """A new empty file in `target`'s folder, for the block to fill (kvtrace, or a program such as nsys export):
     renamed over `target` when the block ends, removed when it raises. A reader of `target` sees the old file
     or the whole new one, never half of it."""
-    fd, name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=suffix)
+    # The target's name is cut to 128 bytes in the temporary one, so that a name near the file system's limit
+    # (255 bytes) can still be written.
+    stem = os.fsdecode(os.fsencode(target.name)[:128])
+    fd, name = tempfile.mkstemp(dir=target.parent, prefix=f".{stem}.", suffix=suffix)
     os.close(fd)
     temporary = Path(name)
     try:

@@ -18,9 +18,11 @@ _BACKTICKS = re.compile("`+")
 _FORMULA_START = ("=", "+", "-", "@")
 # Not `|`: a table cell escapes it (units.markdown_table), and elsewhere it is plain text.
 _MARKDOWN_SPECIAL = re.compile(r"([\\`*\[\]<>~])")
+_PROSE_SPECIAL = re.compile(r"([\\`*<>~])")
 # An emoji shortcode (`:cat:`) that GitHub would render as a picture: an empty HTML comment after its first colon
 # splits the text, and GitHub matches shortcodes within one piece of text only (code spans are never matched).
-_SHORTCODE = re.compile(r":(?=[\w+-]+:)")
+# Names with a letter: the digits between a time's colons (02:20:00) stay as they are.
+_SHORTCODE = re.compile(r":(?=[\w+-]*[^\W\d_][\w+-]*:)")
 
 
 def rich(text) -> str:
@@ -40,6 +42,14 @@ def md_text(text) -> str:
     """Plain markdown text (a label in a heading or table): emphasis, links, HTML and emoji shortcodes made literal.
     (An underscore inside a word emphasises nothing in GitHub markdown, so `fp8_e4m3` stays as it is.)"""
     return _SHORTCODE.sub(":<!-- -->", _MARKDOWN_SPECIAL.sub(r"\\\1", visible(text)))
+
+
+def md_prose(text) -> str:
+    """A sentence kvtrace wrote with trace or manifest text inside (a finding, a note): emphasis, HTML, links and
+    emoji shortcodes made literal, as md_text does, but square brackets that hold kvtrace's own intervals
+    (`[0.98, 1.01]`) stay as they are: only `](`, which would make them a link, is broken."""
+    escaped = _PROSE_SPECIAL.sub(r"\\\1", visible(text)).replace("](", "]\\(")
+    return _SHORTCODE.sub(":<!-- -->", escaped)
 
 
 def csv_writer(buffer):
