@@ -346,8 +346,9 @@ def _packed(*fields: tuple[str, int]) -> str:
     """Columns packed into one integer, (column, bits) from the lowest bits up."""
     terms, shift = [], 0
     for column, bits in fields:
-        terms.append(f"CASE WHEN typeof({column}) = 'integer' AND {column} BETWEEN 0 AND {(1 << bits) - 1} "
-                     f"THEN {column} END" + (f" * {1 << shift}" if shift else ""))
+        # Text and BLOBs sort above every number in SQLite, so BETWEEN alone turns them into NULL.
+        terms.append(f"CASE WHEN {column} BETWEEN 0 AND {(1 << bits) - 1} THEN {column} END"
+                     + (f" * {1 << shift}" if shift else ""))
         shift += bits
     return " + ".join(terms)
 

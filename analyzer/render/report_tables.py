@@ -289,7 +289,9 @@ def capacity_markdown(cap: Capacity, level: str = "##") -> str:
     lines = [f"{level} kvtrace capacity" + (f": {md_text(shown_path(cap.run))}" if cap.run else ""), "",
              md_prose(_capacity_lead(cap)), ""]
     for title, header, rows in _capacity_tables(cap):
-        lines += [f"{level}# {title}", ""] + markdown_table(header, rows) + [""]
+        # Labels and the model's source name sit among the numbers: every cell as plain text.
+        lines += [f"{level}# {title}", ""] + markdown_table([md_text(h) for h in header],
+                                                            [[md_text(c) for c in row] for row in rows]) + [""]
     lines += [f"- {md_prose(note)}" for note in cap.notes]
     return "\n".join(lines).rstrip() + "\n"
 
