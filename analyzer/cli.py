@@ -39,11 +39,9 @@ class Whole(click.IntRange):
     def convert(self, value, param, ctx):
         number = super().convert(value, param, ctx)
         if number > INT64_MAX:
-            self.fail(f"{str(value)[:30]}… is past int64 ({INT64_MAX}).", param, ctx)
+            shown = str(value) if len(str(value)) <= 30 else f"{str(value)[:30]}…"
+            self.fail(f"{shown} is past int64 ({INT64_MAX}).", param, ctx)
         return number
-
-
-whole = Whole
 
 
 class FiniteRange(click.FloatRange):
@@ -221,9 +219,9 @@ def window_options(command):
                   help="Only kernels starting in this part of each trace's timeline, in seconds (or ms/us/ns).")
     @click.option("--phase", type=click.Choice([align.PREFILL, align.DECODE, align.MIXED]),
                   help="Only kernels of vLLM steps of this kind (from its execute_context_… NVTX ranges).")
-    @click.option("--skip-warmup", default=0, show_default=True, type=whole(0),
+    @click.option("--skip-warmup", default=0, show_default=True, type=Whole(0),
                   help="Drop the first N calls per kernel family, launch shape and NVTX range.")
-    @click.option("--last", type=whole(1),
+    @click.option("--last", type=Whole(1),
                   help="Keep only the last N calls per kernel family, launch shape and NVTX range.")
     @functools.wraps(command)
     def wrapper(*args, nvtx, time_window, phase, skip_warmup, last, **kwargs):
@@ -352,7 +350,7 @@ def gate(result, watched: list[str | None]) -> int:
               help="No-change band around a ratio of 1 (0.02 = ±2%).")
 @click.option("--confidence", default=0.95, show_default=True, type=FiniteRange(0, 1, min_open=True, max_open=True),
               help="Confidence level of the bootstrap intervals.")
-@click.option("--seed", default=0, show_default=True, type=whole(0),
+@click.option("--seed", default=0, show_default=True, type=Whole(0),
               help="Bootstrap seed (same inputs and seed, same output).")
 @click.option("--fail-on", "fail_on", multiple=True, metavar="regression[:SEGMENT]",
               help="Exit 1 when a compared segment (or this SEGMENT) regresses beyond the threshold; exit 3 when "

@@ -455,8 +455,8 @@ def _check_rows(rows, sqlite_path: Path, table: str, types: tuple, what: tuple[s
     for row in rows:
         for value, allowed, column in zip(row, types, what):
             if allowed is not None and type(value) not in allowed:
-                problem = "NULL" if value is None else \
-                    f"{_TYPE_NAMES.get(type(value), type(value).__name__)} (not {'text' if str in allowed else 'integer'})"
+                found = _TYPE_NAMES.get(type(value), type(value).__name__)
+                problem = "NULL" if value is None else f"{found} (not {'text' if str in allowed else 'integer'})"
                 raise _damaged_values(sqlite_path, table, problem, column)
 
 
@@ -638,7 +638,8 @@ def _trace_info(conn: sqlite3.Connection, tables: set[str], source: Path, sqlite
         product_version=text(meta, "EXPORT_PRODUCT_VERSION", "META_DATA_EXPORT"),
         schema_version=text(meta, "EXPORT_SCHEMA_VERSION", "META_DATA_EXPORT"),
         driver_version=text(system, "NvDriverVersion", "TARGET_INFO_SYSTEM_ENV"),
-        gpus=_gpus(conn, tables, signatures, sqlite_path), kernel_count=count, first_kernel_ns=first, last_kernel_ns=last, graph_trace_mode=graph_mode,
+        gpus=_gpus(conn, tables, signatures, sqlite_path), kernel_count=count, first_kernel_ns=first,
+        last_kernel_ns=last, graph_trace_mode=graph_mode,
         capture_trigger=text(capture, "START_TRIGGER", "META_DATA_CAPTURE"))
 
 

@@ -10,8 +10,8 @@ import click
 from kvtrace import files, model_config
 from kvtrace.analyzer import capacity as capacity_lib
 from kvtrace.analyzer import headline
-from kvtrace.analyzer.cli import (FiniteRange, as_run, emit, inputs, output_options, progress, target_options, use_cache,
-                                  verify_option, whole, window_options)
+from kvtrace.analyzer.cli import (FiniteRange, as_run, emit, inputs, output_options, progress, target_options,
+                                  use_cache, verify_option, Whole, window_options)
 from kvtrace.errors import KvtraceError
 from kvtrace.manifest import MANIFEST, read_manifest
 from kvtrace.nsys import find_nsys
@@ -28,7 +28,7 @@ from kvtrace.nsys import find_nsys
               help="No-change band around a ratio of 1 (0.02 = ±2%), for kernels and TTFT.")
 @click.option("--confidence", default=0.95, show_default=True,
               type=FiniteRange(0, 1, min_open=True, max_open=True), help="Confidence level of the intervals.")
-@click.option("--seed", default=0, show_default=True, type=whole(0),
+@click.option("--seed", default=0, show_default=True, type=Whole(0),
               help="Bootstrap seed (same inputs and seed, same output).")
 @click.option("--plots", "plots_dir", type=click.Path(path_type=Path),
               help="Write plots into this folder (created if missing); the markdown report links them.")
@@ -82,15 +82,15 @@ def report(runs, arms, labels, threshold, confidence, seed, plots_dir, exports_f
 @click.option("--config", "config_path", type=click.Path(path_type=Path),
               help="Hugging Face config.json (or its model folder): full, sliding-window and MLA attention layers; "
                    "recurrent layers are left out, layouts it cannot size are refused.")
-@click.option("--layers", type=whole(1), help="num_hidden_layers (instead of, or over, --config).")
-@click.option("--kv-heads", type=whole(1), help="num_key_value_heads (instead of, or over, --config).")
-@click.option("--head-dim", type=whole(1), help="head_dim (instead of, or over, --config).")
-@click.option("--tokens", type=whole(1), help="Tokens per sequence to size the cache for.")
-@click.option("--sequences", default=1, show_default=True, type=whole(1),
+@click.option("--layers", type=Whole(1), help="num_hidden_layers (instead of, or over, --config).")
+@click.option("--kv-heads", type=Whole(1), help="num_key_value_heads (instead of, or over, --config).")
+@click.option("--head-dim", type=Whole(1), help="head_dim (instead of, or over, --config).")
+@click.option("--tokens", type=Whole(1), help="Tokens per sequence to size the cache for.")
+@click.option("--sequences", default=1, show_default=True, type=Whole(1),
               help="Sequences of --tokens each (each is padded to whole pages).")
-@click.option("--tp", type=whole(1), help="Tensor-parallel size: KV heads are split across GPUs.  [default: 1, "
+@click.option("--tp", type=Whole(1), help="Tensor-parallel size: KV heads are split across GPUs.  [default: 1, "
                                                    "or the run's --tensor-parallel-size]")
-@click.option("--page-size", type=whole(1), help="Tokens per KV page.  [default: 16, or the run's block size]")
+@click.option("--page-size", type=Whole(1), help="Tokens per KV page.  [default: 16, or the run's block size]")
 @click.option("--memory", "memory_gib", type=FiniteRange(0, capacity_lib.MAX_MEMORY_GIB, min_open=True),
               help="KV-cache memory per GPU in GiB: how many tokens fit (one sequence's, when layers are windowed).")
 @click.option("--kv-format", "kv_formats", multiple=True, metavar="FORMAT",

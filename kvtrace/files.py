@@ -49,7 +49,7 @@ def read_small(path: str | os.PathLike, what: str, fix: str) -> bytes:
     try:
         with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as handle:
             if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
-                raise KvtraceError(f"{what} is not a regular file (a pipe, FIFO or device): {fix}")
+                raise KvtraceError(f"{what} is not a regular file (a folder, pipe, FIFO or device): {fix}")
             data = handle.read(SMALL_INPUT_BYTES + 1)
     except OSError as error:
         raise KvtraceError(f"{what} cannot be read ({(error.strerror or str(error)).lower()}): {fix}") from None

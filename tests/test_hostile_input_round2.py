@@ -48,7 +48,7 @@ def outside_code_spans(markdown: str) -> str:
     return re.sub(r"(`+)(?:(?!\1).)+?\1", "", unfenced)
 
 
-# ==== 1. values of the wrong type in a trace: one line, exit 2 ===================================================
+# ==== 1. values of the wrong type in a trace: one line, exit 2 ====================================================
 
 TRACE_VALUES = {
     "blob-kernel-name": ([f"UPDATE StringIds SET value = X'41ff42' WHERE id = (SELECT demangledName FROM {KERNEL} "
@@ -203,7 +203,7 @@ def test_an_error_line_shows_escape_and_bell_as_text(tmp_path, kv):
     assert_one_line_error(code, out, err, "\\x1b[2J", r"not a valid regex")
 
 
-# ==== 2. nothing runs unbounded ================================================================================
+# ==== 2. nothing runs unbounded ===================================================================================
 
 def _nvtx_named(tmp_path: Path, text: str) -> Path:
     """The 2025.3 export (which has NVTX ranges) with every range named `text`."""
@@ -253,7 +253,7 @@ def test_a_recipe_that_is_a_fifo_is_refused_at_once(tmp_path, kv):
     assert_one_line_error(code, out, err, str(fifo), r"not a regular file")
 
 
-# ==== 3. no silently wrong number ================================================================================
+# ==== 3. no silently wrong number =================================================================================
 
 def test_kernels_that_overflow_an_int64_sum_are_refused(tmp_path, kv):
     bad = edited(tmp_path, "long.sqlite", f'UPDATE {KERNEL} SET "end" = start + 3000000000000000000 WHERE rowid IN '
@@ -319,7 +319,7 @@ def test_repeat_with_a_file_used_twice_is_refused(repeat, kv):
     assert_one_line_error(code, out, err, str(repeat[0]), r"are the same file", r"pass every run once")
 
 
-# ==== 4. outputs never land on what is read =========================================================================
+# ==== 4. outputs never land on what is read =======================================================================
 
 @pytest.mark.parametrize("command", ["diff", "capacity", "report"])
 def test_output_onto_the_manifest_read_is_refused(command, tmp_path, kv):
@@ -344,7 +344,7 @@ def test_plots_never_write_through_a_link_onto_an_input(tmp_path, kv):
     assert fingerprint(run / "fp8.sqlite") == before
 
 
-# ==== 5. text from files and flags is inert ===========================================================================
+# ==== 5. text from files and flags is inert =======================================================================
 
 def test_active_text_from_traces_manifests_and_flags_is_inert_in_markdown(tmp_path, kv):
     run = run_copy(tmp_path)
@@ -378,7 +378,7 @@ def test_bidirectional_and_zero_width_marks_in_kernel_names_are_visible(fmt, tmp
     assert "\\u200e\\u200f\\u061c" in out
 
 
-# ==== 6. a run directory is read inside itself =========================================================================
+# ==== 6. a run directory is read inside itself ====================================================================
 
 @pytest.mark.parametrize("where", ["dot-dot", "absolute", "link-out"])
 def test_manifest_exports_outside_the_run_directory_are_refused(where, tmp_path, kv):

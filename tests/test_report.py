@@ -431,7 +431,8 @@ def test_cli_writes_markdown_json_and_csv(tmp_path):
     data = json.loads(runner.invoke(cli, ["report", str(CAPACITY_WIN), *beside, "--format", "json"]).stdout)
     points = {arm: manifest(CAPACITY_WIN)["arms"][arm]["points"][0] for arm in ("fp8", "nvfp4")}
     assert data["serving"][0]["baseline"]["ttft_ms"]["p50"] == points["fp8"]["bench"]["p50_ttft_ms"]
-    rows = list(csv.DictReader(io.StringIO(runner.invoke(cli, ["report", str(CAPACITY_WIN), *beside, "--format", "csv"]).stdout)))
+    rows = list(csv.DictReader(io.StringIO(
+        runner.invoke(cli, ["report", str(CAPACITY_WIN), *beside, "--format", "csv"]).stdout)))
     cached = [r for r in rows if r["section"] == "serving" and r["metric"] == "cached_prompt_tokens"]
     assert {r["arm"]: float(r["value"]) for r in cached} == {
         arm: point["metrics"]["deltas"]["counters"]["vllm:prefix_cache_hits_total"] for arm, point in points.items()}
