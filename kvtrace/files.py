@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import errno
 import json
-import math
 import os
 import re
 import signal
@@ -49,29 +48,21 @@ def read_small(path: str | os.PathLike, what: str, fix: str) -> bytes:
     try:
         with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as handle:
             if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
-                raise KvtraceError(f"{what} is not a regular file (a folder, pipe, FIFO or device): {fix}")
+                raise KvtraceError(f"{what}: not a regular file (a folder, pipe, FIFO or device); {fix}")
             data = handle.read(SMALL_INPUT_BYTES + 1)
     except OSError as error:
-        raise KvtraceError(f"{what} cannot be read ({(error.strerror or str(error)).lower()}): {fix}") from None
+        raise KvtraceError(f"{what}: cannot be read ({(error.strerror or str(error)).lower()}); {fix}") from None
     if len(data) > SMALL_INPUT_BYTES:
-        raise KvtraceError(f"{what} is over {SMALL_INPUT_BYTES >> 20} MiB, too large for its kind: {fix}")
+        raise KvtraceError(f"{what}: over {SMALL_INPUT_BYTES >> 20} MiB, too large for its kind; {fix}")
     return data
 
 
 def read_json(path: str | os.PathLike, what: str, fix: str):
-    """A small JSON file parsed strictly: NaN, Infinity and numbers past a float's range (which Python's json
-    reads as nan or inf), and nesting deeper than the parser's recursion limit, are refused like any other text
-    that is not JSON."""
-    def no_constant(name: str):
-        raise ValueError(f"{name} is not a JSON number")
-
-    def finite(text: str) -> float:
-        if not math.isfinite(value := float(text)):
-            raise ValueError(f"{text[:20]} is past a float's range")
-        return value
-
+    """A small JSON file; nesting deeper than the parser's recursion limit is refused like any other text that is
+    not JSON. NaN and Infinity parse as Python's json reads them (capture writes a serving client's NaN as is):
+    the readers of manifests and configs check each number they use for its range, which NaN never passes."""
     try:
-        return json.loads(read_small(path, what, fix), parse_constant=no_constant, parse_float=finite)
+        return json.loads(read_small(path, what, fix))
     except RecursionError:
         raise KvtraceError(f"{what} is not readable JSON (nested too deeply): {fix}") from None
     except ValueError as error:

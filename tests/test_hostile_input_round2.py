@@ -114,9 +114,10 @@ def test_numbers_past_their_range_are_one_line(args, names, problem, kv):
 
 MANIFEST_VALUES = [
     (lambda m: m["environment"].update(packages=["torch"]), "environment.packages", "an object"),
-    (lambda m: m["arms"]["fp8"].setdefault("kv_cache", {}).update(tokens=float("nan")), None, r"NaN is not a JSON"),
-    (lambda m: m["arms"]["fp8"].setdefault("kv_cache", {}).update(tokens=float("inf")), None,
-     r"Infinity is not a JSON"),
+    (lambda m: m["arms"]["fp8"].setdefault("kv_cache", {}).update(tokens=float("nan")), "arms.fp8.kv_cache.tokens",
+     "a number of 0 or more"),
+    (lambda m: m["arms"]["fp8"].setdefault("kv_cache", {}).update(tokens=float("inf")), "arms.fp8.kv_cache.tokens",
+     "a number of 0 or more"),
     (lambda m: m["arms"]["fp8"]["workload"].update(engine={"block_size": "abc"}), "arms.fp8.workload.engine.block_size",
      "a whole number"),
     (lambda m: m["settings"].update(engine_flags={"fp8": "--enforce-eager"}), "settings.engine_flags.fp8", "a list"),
@@ -131,8 +132,8 @@ def test_manifest_values_of_the_wrong_type_are_one_line(edit, where, wanted, com
     run = run_copy(tmp_path)
     edit_manifest(run, edit)
     code, out, err = kv(command, run)
-    problem = rf"{re.escape(where)} is not {wanted}" if where else wanted
-    assert_one_line_error(code, out, err, str(run / "manifest.json"), problem, r"capture the run")
+    assert_one_line_error(code, out, err, str(run / "manifest.json"), rf"{re.escape(where)} is not {wanted}",
+                          r"capture the run")
 
 
 @pytest.mark.parametrize("what", ["manifest", "config"])
@@ -177,8 +178,9 @@ def test_a_billion_sliding_window_layers_are_counted_in_closed_form(tmp_path, kv
     assert groups == {"full": layers // 6, "sliding": layers - layers // 6}
 
 
-def test_a_huge_layer_count_in_a_config_is_one_line(tmp_path, kv):
-    (tmp_path / "config.json").write_text('{"num_hidden_layers": 1' + "0" * 400 + ', "num_key_value_heads": 1}')
+@pytest.mark.parametrize("layers", ["1" + "0" * 400, "NaN", "Infinity", "1e999"])
+def test_a_layer_count_past_int64_in_a_config_is_one_line(layers, tmp_path, kv):
+    (tmp_path / "config.json").write_text(f'{{"num_hidden_layers": {layers}, "num_key_value_heads": 1}}')
     code, out, err = kv("capacity", "--config", tmp_path / "config.json")
     assert_one_line_error(code, out, err, "num_hidden_layers", r"not a positive whole number below 2\^63")
 
