@@ -338,12 +338,10 @@ def _launch_batches(sqlite_path: Path, query: str, span: tuple[int, int], index:
 
 # The signature travels packed, three integers per kernel instead of eight columns, within CUDA's launch
 # limits (grid 2^31-1 × 65535 × 65535, block 1024 × 1024 × 64) and 32-bit StringIds, so no sum overflows.
-# Each field is NULL unless it is an integer inside its bits: SQLite's `+` reads text as 0 and a value past its
-# bits would spill into the next field, so either would pass as another kernel; a NULL is refused below.
-
-
 def _packed(*fields: tuple[str, int]) -> str:
-    """Columns packed into one integer, (column, bits) from the lowest bits up."""
+    """Columns packed into one integer, (column, bits) from the lowest bits up. Each field is NULL unless it is a
+    number inside its bits: SQLite's `+` reads text as 0 and a value past its bits would spill into the next
+    field, so either would pass as another kernel; _check_integers refuses the NULL (and a real's type)."""
     terms, shift = [], 0
     for column, bits in fields:
         # Text and BLOBs sort above every number in SQLite, so BETWEEN alone turns them into NULL.
