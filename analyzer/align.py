@@ -14,8 +14,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import polars as pl
+import regex
 
 from kvtrace.analyzer import ranges
+from kvtrace.analyzer.classify import MATCH_TIMEOUT_S
 from kvtrace.analyzer.load import Trace
 from kvtrace.analyzer.names import NameKey
 from kvtrace.errors import KvtraceError
@@ -71,7 +73,11 @@ def parse_time_window(text: str) -> tuple[int | None, int | None]:
         if not match:
             raise KvtraceError(f"--time {text!r}: write START:END in seconds, e.g. 1.5:3 or 200ms:2s")
         scale = {"s": 1e9, None: 1e9, "ms": 1e6, "us": 1e3, "µs": 1e3, "ns": 1}[match.group(2)]
-        return int(float(match.group(1)) * scale)
+        ns = float(match.group(1)) * scale
+        if ns >= 2 ** 63:  # past int64 nanoseconds (292 years), where timestamps end; inf for 400 digits
+            raise KvtraceError(f"--time: {part[:20]}{'…' if len(part) > 20 else ''} is past any trace's timeline "
+                              "(int64 nanoseconds); give a time in its span")
+        return int(ns)
 
     if ":" not in text:
         raise KvtraceError(f"--time {text!r}: write START:END in seconds, e.g. 1.5:3 (either side may be empty)")
@@ -81,11 +87,21 @@ def parse_time_window(text: str) -> tuple[int | None, int | None]:
     return start, end
 
 
-def range_matches(trace: Trace, pattern: re.Pattern) -> np.ndarray:
-    """Per range of the trace: it, or a range around it, has a name matching `pattern`. Matched by the engine
-    that validated the pattern (Python's re), once per distinct name."""
+def range_matches(trace: Trace, pattern: regex.Pattern) -> np.ndarray:
+    """Per range of the trace: it, or a range around it, has a name matching `pattern`. Matched once per
+    distinct name by the `regex` package with recipe patterns' time limit per match: a user's (.+)+Z backtracks
+    without end on a long step name."""
     table = trace.ranges
-    named = np.array([pattern.search(name) is not None for name in trace.range_names] + [False])
+
+    def matches(name: str) -> bool:
+        try:
+            return pattern.search(name, timeout=MATCH_TIMEOUT_S) is not None
+        except TimeoutError:
+            raise KvtraceError(f"--window {pattern.pattern!r} took over {MATCH_TIMEOUT_S:g} s on an NVTX name of "
+                               f"{len(name):,} characters (nested quantifiers such as (a+)+ backtrack without end): "
+                               "simplify the pattern") from None
+
+    named = np.array([matches(name) for name in trace.range_names] + [False])
     own = np.where(named[trace.range_name_codes], 0, ranges.NO_RANGE)
     return ranges.propagate(table["parent"].to_numpy(), table["depth"].to_numpy(), own) == 0
 
@@ -137,12 +153,12 @@ def window_calls(trace: Trace, window: Window, group_of_cell: np.ndarray) -> np.
     def narrow(inside: np.ndarray) -> np.ndarray:
         return inside if keep is None else keep & inside
 
-    for option, regex in (("--window", window.nvtx), ("--arms", window.arm)):
-        if regex:
+    for option, expression in (("--window", window.nvtx), ("--arms", window.arm)):
+        if expression:
             try:
-                pattern = re.compile(regex)
-            except re.error as error:
-                raise KvtraceError(f"{option} {regex!r} is not a valid regex ({error})") from None
+                pattern = regex.compile(expression)
+            except regex.error as error:
+                raise KvtraceError(f"{option} {expression!r} is not a valid regex ({error})") from None
             keep = narrow(np.isin(calls.range, np.flatnonzero(range_matches(trace, pattern))))
     start, end = window.time_ns
     if start is not None or end is not None:

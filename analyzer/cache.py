@@ -68,9 +68,12 @@ def entry_of(sqlite_path: Path) -> Entry | None:
     export = {"path": str(resolved), "device": status.st_dev, "inode": status.st_ino, "size": status.st_size,
               "mtime_ns": status.st_mtime_ns, "ctime_ns": status.st_ctime_ns, "cache_format": CACHE_FORMAT,
               "kvtrace": __version__}
-    place = hashlib.sha256(str(resolved).encode()).hexdigest()[:12]
+    place = hashlib.sha256(os.fsencode(resolved)).hexdigest()[:12]
     version = hashlib.sha256(json.dumps(export, sort_keys=True).encode()).hexdigest()[:12]
-    return Entry(folder / f"{resolved.stem[:64]}-{place}-{version}", export)
+    # The stem only labels the entry (the hashes identify it): bytes that are not UTF-8 become U+FFFD, which Arrow's
+    # file API can pass on.
+    stem = os.fsencode(resolved.stem[:64]).decode(errors="replace")
+    return Entry(folder / f"{stem}-{place}-{version}", export)
 
 
 class _Unsound(Exception):
@@ -227,7 +230,7 @@ def export_report(report: Path, *, nsys: str | None = None, tables: tuple[str, .
     status = report.stat()
     identity = (report.resolve(), status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns,
                 status.st_ctime_ns, nsys_path)
-    key = hashlib.sha256("|".join(map(str, identity)).encode()).hexdigest()[:20]
+    key = hashlib.sha256("|".join(map(str, identity)).encode(errors="surrogateescape")).hexdigest()[:20]
     folder = cache_dir("exports") or Path(tempfile.mkdtemp(prefix="kvtrace-export-"))
     target = folder / f"{report.stem[:64]}-{key}.sqlite"
     if target.exists():

@@ -18,12 +18,12 @@ for a prefill chunk); with --disable-hybrid-kv-cache-manager windowed layers kee
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from kvtrace import __version__, model_config
+from kvtrace.files import read_json
 from kvtrace.errors import KvtraceError
 from kvtrace.kv_formats import NVFP4_BLOCK, canonical_format
 from kvtrace.manifest import Manifest, RunRecord, read_manifest
@@ -31,6 +31,8 @@ from kvtrace.model_config import MLA, SLIDING, KVLayout, LayerGroup
 
 CAPACITY_SCHEMA = "kvtrace.capacity/2"
 GIB = 1 << 30
+# --memory as bytes stays within int64, like every size kvtrace counts (8 EiB: no GPU comes near).
+MAX_MEMORY_GIB = 1 << 33
 
 
 def default_formats(layout: KVLayout) -> tuple[list[str], list[str]]:
@@ -46,11 +48,7 @@ def load_config(path: Path) -> KVLayout:
         path = path / "config.json"
     if not path.is_file():
         raise KvtraceError(f"{path}: no such file: pass a Hugging Face config.json or the model directory")
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError) as error:
-        raise KvtraceError(f"{path} is not readable JSON ({error}): pass the model's config.json") from None
-    return model_config.read(config, str(path))
+    return model_config.read(read_json(path, str(path), "pass the model's config.json"), str(path))
 
 
 def with_overrides(layout: KVLayout, source: str, **overrides: int) -> KVLayout:

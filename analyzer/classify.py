@@ -18,6 +18,7 @@ from typing import Callable, Sequence
 import polars as pl
 import regex
 
+from kvtrace import files
 from kvtrace.analyzer.kernel_names import KernelName, SlotRef, display_span, parse_kernel_name
 from kvtrace.errors import KvtraceError
 from kvtrace.kv_formats import STORAGE_LABELS, kernel_dtype_label
@@ -142,6 +143,8 @@ def _parse_recipe_file(name: str, location: str, data: bytes, *, order_required:
         raise fail("not UTF-8 text", "save the recipe as UTF-8") from None
     except tomllib.TOMLDecodeError as err:
         raise fail(f"not valid TOML ({err})", "fix the syntax (format: docs/recipes.md)") from None
+    except RecursionError:
+        raise fail("not valid TOML (nested too deeply)", "fix the syntax (format: docs/recipes.md)") from None
     unknown = sorted(set(document) - set(_FILE_KEYS))
     if unknown:
         raise fail(f"unknown top-level key {unknown[0]!r}", f"allowed keys are {', '.join(_FILE_KEYS)}")
@@ -398,12 +401,7 @@ def load_recipes(extra_files: Sequence[str | Path] = ()) -> RecipeSet:
     """Shipped recipes plus user files (`--recipe FILE`), which match before every shipped rule."""
     user_files = []
     for path in map(Path, extra_files):
-        try:
-            data = path.read_bytes()
-        except OSError as err:
-            raise KvtraceError(
-                f"recipe {path}: cannot be read ({err.strerror or err}); check the path given to --recipe"
-            ) from None
+        data = files.read_small(path, f"recipe {path}", "check the path given to --recipe")
         user_files.append(_parse_recipe_file(path.name, str(path), data, order_required=False))
     shipped_files = [
         _parse_recipe_file(entry.name, f"kvtrace.recipes/{entry.name}", entry.read_bytes(), order_required=True)

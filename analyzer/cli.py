@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import io
+import math
 import os
 import sys
 import threading
@@ -25,6 +26,37 @@ from kvtrace.analyzer.render import escape
 from kvtrace.analyzer.names import NameKey
 from kvtrace.analyzer.render.escape import visible
 from kvtrace.errors import KvtraceError
+
+
+# Whole numbers on the command line end at int64, where the numpy and polars columns they meet end; past it a
+# count or size means nothing.
+INT64_MAX = (1 << 63) - 1
+
+
+class Whole(click.IntRange):
+    """A whole-number option from `low` up to int64 (the help shows only the lower bound, as before)."""
+
+    def __init__(self, low: int):
+        super().__init__(low)
+
+    def convert(self, value, param, ctx):
+        number = super().convert(value, param, ctx)
+        if number > INT64_MAX:
+            shown = str(value) if len(str(value)) <= 30 else f"{str(value)[:30]}…"
+            self.fail(f"{shown} is past int64 ({INT64_MAX}).", param, ctx)
+        return number
+
+
+class FiniteRange(click.FloatRange):
+    """A number option that is finite: click's FloatRange lets nan through every bound, and inf past an open one."""
+
+    name = "float range"
+
+    def convert(self, value, param, ctx):
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return number
 
 
 # A suffix of -o FILE that picks the format when --format is not given.
@@ -195,9 +227,9 @@ def window_options(command):
                   help="Only kernels starting in this part of each trace's timeline, in seconds (or ms/us/ns).")
     @click.option("--phase", type=click.Choice([align.PREFILL, align.DECODE, align.MIXED]),
                   help="Only kernels of vLLM steps of this kind (from its execute_context_… NVTX ranges).")
-    @click.option("--skip-warmup", default=0, show_default=True, type=click.IntRange(0),
+    @click.option("--skip-warmup", default=0, show_default=True, type=Whole(0),
                   help="Drop the first N calls per kernel family, launch shape and NVTX range.")
-    @click.option("--last", type=click.IntRange(1),
+    @click.option("--last", type=Whole(1),
                   help="Keep only the last N calls per kernel family, launch shape and NVTX range.")
     @click.option("--nvtx-ignore", "nvtx_ignore", multiple=True, metavar="REGEX",
                   help="Leave the parts of NVTX range names matching REGEX (its first group, if it has one) out of "
@@ -334,11 +366,11 @@ def gate(result, watched: list[str | None]) -> int:
               help="A further run of each arm, baseline first; repeat the option per run. Intervals then resample "
                    "runs, then calls within runs.")
 @click.option("--label", "labels", multiple=True, help="Names for the two arms, baseline first (repeat twice).")
-@click.option("--threshold", default=0.02, show_default=True, type=click.FloatRange(0, 1, max_open=True),
+@click.option("--threshold", default=0.02, show_default=True, type=FiniteRange(0, 1, max_open=True),
               help="No-change band around a ratio of 1 (0.02 = ±2%).")
-@click.option("--confidence", default=0.95, show_default=True, type=click.FloatRange(0, 1, min_open=True, max_open=True),
+@click.option("--confidence", default=0.95, show_default=True, type=FiniteRange(0, 1, min_open=True, max_open=True),
               help="Confidence level of the bootstrap intervals.")
-@click.option("--seed", default=0, show_default=True, type=click.IntRange(0),
+@click.option("--seed", default=0, show_default=True, type=Whole(0),
               help="Bootstrap seed (same inputs and seed, same output).")
 @click.option("--fail-on", "fail_on", multiple=True, metavar="regression[:SEGMENT]",
               help="Exit 1 when a compared segment (or this SEGMENT) regresses beyond the threshold; exit 3 when "
@@ -369,6 +401,12 @@ def diff(baseline, candidate, arms, repeats, labels, threshold, confidence, seed
     watched = parse_gate(fail_on)
     recipes = load_recipes(recipe_files)
     runs = [(baseline, candidate), *repeats]
+    if repeats:
+        _check_distinct_runs(runs)
+    manifest = headline.find_manifest(baseline)
+    if manifest is not None and output is not None:
+        inputs().append(manifest.path)  # read for the headline: -o must not replace it
+        files.check_target(output, inputs())
     # A trace holding both arms is loaded once.
     traces = load_traces([baseline], nsys_path) * 2 if candidate is baseline else \
         load_traces([path for run in runs for path in run], nsys_path)
@@ -379,12 +417,27 @@ def diff(baseline, candidate, arms, repeats, labels, threshold, confidence, seed
     if verify_totals:
         with progress("checking kernel totals with nsys stats"):
             verify.attach(result, traces, recipes, kvtrace.nsys.find_nsys(nsys_path))
-    manifest = headline.find_manifest(baseline)
     result.headline = headline.Headline.of(result, manifest, as_run(manifest.path.parent if manifest else None))
     emit(result, fmt, output)
     code = gate(result, watched)
     if code:
         sys.exit(code)
+
+
+def _check_distinct_runs(runs: list[tuple[Path, Path]]) -> None:
+    """With --repeat every file is a run of its own: the same file in both arms, or twice in one, would pair a
+    run with itself and pass its zero difference, or its own spread, off as the between-run variance."""
+    seen: list[tuple[os.stat_result, Path]] = []
+    for path in (p for run in runs for p in run):
+        try:
+            status = path.stat()
+        except OSError:
+            continue  # the loader says what is wrong with it
+        for earlier_status, earlier in seen:
+            if os.path.samestat(status, earlier_status):
+                raise KvtraceError(f"{path} and {earlier} are the same file: with --repeat each run of each arm is a "
+                                   "recording of its own; pass every run once")
+        seen.append((status, path))
 
 
 @click.command()

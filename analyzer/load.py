@@ -51,6 +51,9 @@ BATCH_BYTES = 64 << 20
 # Rows of a table read over one connection: a table is cut into at most 4 such ranges per core, so that cores
 # that finish early take more.
 CHUNK_ROWS = 1 << 20
+# Kernel durations are summed in int64 nanoseconds (per cell, per segment, across both arms of a diff): a trace
+# whose kernels add up to more than a quarter of int64 (73 years) would overflow those sums, so it is refused.
+MAX_TOTAL_NS = 1 << 61
 NSYS_HINT = "profile with `nsys profile -t cuda` (add --cuda-graph-trace=node for vLLM)"
 
 
@@ -148,6 +151,7 @@ def open_trace(path: str | os.PathLike, *, nsys: str | None = None, cache: bool 
     if step is not None:
         step(f"reading {source.name}")
     _check_sqlite_size(sqlite_path)
+    _check_settled(sqlite_path)
     with _reading(source):
         with closing(_connect(sqlite_path)) as conn:
             _check_export(conn, source if sqlite_path == source else Path(f"{source} (exported as {sqlite_path})"))
@@ -163,7 +167,7 @@ def open_trace(path: str | os.PathLike, *, nsys: str | None = None, cache: bool 
         try:
             laid, signatures, in_partial = _laid_out(sqlite_path, launches, ranges, spans[KERNEL_TABLE], partial)
             with closing(_connect(sqlite_path)) as conn:
-                signatures = _with_names(conn, signatures)
+                signatures = _with_names(conn, signatures, sqlite_path)
                 _check_names(signatures, sqlite_path)
                 info = _trace_info(conn, tables, source, sqlite_path, laid, signatures)
             trace = Trace(info=info, calls=laid.calls, signatures=signatures,
@@ -281,8 +285,8 @@ def read_ranges(conn: sqlite3.Connection, tables: set[str],
                  AND (d.globalTid & 0x0000FFFFFF000000) = (e.globalTid & 0x0000FFFFFF000000)
             WHERE e.eventType IN ({types}) AND e."end" IS NOT NULL AND e.endGlobalTid IS NULL
             ORDER BY e.rowid""").fetchall()
-        if any(type(value) is not int for row in rows for value in row[2:]):
-            raise _damaged_values(sqlite_path, NVTX_TABLE, "NULL or non-integer", "start, end or globalTid")
+        _check_rows(rows, sqlite_path, NVTX_TABLE, (_ANY, _TEXT, _INT, _INT, _INT),
+                    ("rowid", "text or its StringIds value", "start", "end", "globalTid"))
     frame = pl.DataFrame([r[1:] for r in rows], schema=list(schema)[1:], orient="row") \
         .with_columns(pl.int_range(pl.len(), dtype=pl.Int32).alias("range")).select(list(schema)) \
         .cast(schema)
@@ -357,13 +361,27 @@ def _launch_batches(sqlite_path: Path, query: str, span: tuple[int, int], index:
 
 # The signature travels packed, three integers per kernel instead of eight columns, within CUDA's launch
 # limits (grid 2^31-1 × 65535 × 65535, block 1024 × 1024 × 64) and 32-bit StringIds, so no sum overflows.
-_NAMES = "demangledName + shortName * 4294967296"
-_GRID = "gridX + gridY * 2147483648 + gridZ * 140737488355328"
-_BLOCK = "blockX + blockY * 2048 + blockZ * 4194304 + deviceId * 4294967296"
+def _packed(*fields: tuple[str, int]) -> str:
+    """Columns packed into one integer, (column, bits) from the lowest bits up. Each field is NULL unless it is a
+    number inside its bits: SQLite's `+` reads text as 0 and a value past its bits would spill into the next
+    field, so either would pass as another kernel; _check_integers refuses the NULL (and a real's type)."""
+    terms, shift = [], 0
+    for column, bits in fields:
+        # Text and BLOBs sort above every number in SQLite, so BETWEEN alone turns them into NULL.
+        terms.append(f"CASE WHEN {column} BETWEEN 0 AND {(1 << bits) - 1} THEN {column} END"
+                     + (f" * {1 << shift}" if shift else ""))
+        shift += bits
+    return " + ".join(terms)
+
+
+_NAMES = _packed(("demangledName", 32), ("shortName", 31))
+_GRID = _packed(("gridX", 31), ("gridY", 16), ("gridZ", 16))
+_BLOCK = _packed(("blockX", 11), ("blockY", 11), ("blockZ", 10), ("deviceId", 31))
 SIGNATURE = ["names", "grid", "block"]
 # What each column read from the kernel table is made of, for messages about its values.
-_KERNEL_VALUES = ("start", "end", "demangledName or shortName", "gridX, gridY or gridZ",
-                  "blockX, blockY, blockZ or deviceId", "correlationId", "globalPid")
+_PACKED_TOO = " (or text, or values past a string id's or CUDA's launch limits)"
+_KERNEL_VALUES = ("start", "end", "demangledName or shortName" + _PACKED_TOO, "gridX, gridY or gridZ" + _PACKED_TOO,
+                  "blockX, blockY, blockZ or deviceId" + _PACKED_TOO, "correlationId", "globalPid")
 _LAUNCH_VALUES = ("correlationId", "globalTid", "start")
 
 
@@ -397,24 +415,32 @@ def read_kernels(sqlite_path: Path, launches: ranges_.Launches | None, ranges: p
     numbers = _SignatureNumbers()
     query = _kernel_query(launch_keys=launches is not None)
 
-    def read(position: int) -> int:
-        """Reads one span into its chunk of the layout; the number of kernels that do not end after they start."""
+    def read(position: int) -> tuple[int, float]:
+        """Reads one span into its chunk of the layout; the number of kernels that do not end after they start,
+        and their total duration (as a float, which cannot overflow)."""
         low, high = spans[position]
         chunk = layout.chunk(position, high - low + 1)
-        not_after = 0
+        not_after, total = 0, 0.0
         for batch in _read_batches(sqlite_path, _within(query, spans[position])):
             _check_integers(batch, sqlite_path, KERNEL_TABLE, _KERNEL_VALUES)
             start = batch.column(0).to_numpy()
             duration = batch.column(1).to_numpy() - start
             not_after += int(np.count_nonzero(duration <= 0))
+            total += float(duration.sum(dtype=np.float64))
             packed = pl.from_arrow(batch.select([2, 3, 4])).rename(dict(zip(batch.schema.names[2:5], SIGNATURE)))
             in_range = launches.innermost_of(batch.column(5).to_numpy(), batch.column(6).to_numpy()) \
                 if launches is not None else np.full(start.size, ranges_.NO_RANGE, dtype=np.int32)
             chunk.add(start, duration, numbers.of(packed), in_range)
-        return not_after
+        return not_after, total
 
     with ThreadPoolExecutor(max_workers=_workers()) as pool:
-        not_after = sum(pool.map(read, range(len(spans))))
+        counts, totals = zip(*pool.map(read, range(len(spans)))) if spans else ((), ())
+    not_after = sum(counts)
+    if sum(totals) >= MAX_TOTAL_NS and not not_after:
+        layout.discard()
+        raise KvtraceError(f"{sqlite_path}: its kernels last {sum(totals) / 1e9 / 86400 / 365:,.0f} years in all, past "
+                           "what kvtrace can sum exactly (int64 nanoseconds): its timestamps are damaged; export the "
+                           "report again")
     if not_after:
         # A kernel takes at least a few hundred nanoseconds; end <= start is a damaged or edited timestamp, and a
         # zero or negative duration would poison every mean and ratio it enters.
@@ -436,6 +462,23 @@ def _check_integers(batch, sqlite_path: Path, table: str, values: tuple[str, ...
         if column.null_count or not pa.types.is_integer(column.type):
             problem = "NULL" if column.null_count else f"{column.type} (not integer)"
             raise _damaged_values(sqlite_path, table, problem, what)
+
+
+# What a value read row by row may be: the Python types sqlite3 returns for it (None where nsys may leave it out).
+_INT, _TEXT, _ANY = (int,), (str, type(None)), None
+_OPTIONAL_INT = (int, type(None))
+_TYPE_NAMES = {type(None): "NULL", str: "text", bytes: "BLOB", float: "real", int: "integer"}
+
+
+def _check_rows(rows, sqlite_path: Path, table: str, types: tuple, what: tuple[str, ...]) -> None:
+    """Every value of rows read as Python values has a type nsys writes there: text or NULL for names, integers
+    for numbers. SQLite stores any value in any column, so a BLOB name or text in a count is an edited export."""
+    for row in rows:
+        for value, allowed, column in zip(row, types, what):
+            if allowed is not None and type(value) not in allowed:
+                found = _TYPE_NAMES.get(type(value), type(value).__name__)
+                problem = "NULL" if value is None else f"{found} (not {'text' if str in allowed else 'integer'})"
+                raise _damaged_values(sqlite_path, table, problem, column)
 
 
 def _damaged_values(sqlite_path: Path, table: str, problem: str, what: str) -> KvtraceError:
@@ -475,7 +518,7 @@ def _read_batches(path: Path, query: str):
     """Stream a query's rows as Arrow record batches through ADBC, read-only: memory stays at one batch."""
     import adbc_driver_sqlite.dbapi as adbc
 
-    with adbc.connect(f"file:{quote(str(path.resolve()))}?mode=ro&immutable=1") as conn:
+    with adbc.connect(read_only_uri(path)) as conn:
         with conn.cursor() as cursor:
             rows = min(1 << 18, max(1 << 14, BATCH_BYTES // 60 // _workers()))
             cursor.adbc_statement.set_options(**{"adbc.sqlite.query.batch_rows": str(rows)})
@@ -530,9 +573,39 @@ def _check_sqlite_size(path: Path) -> None:
                            "it again")
 
 
+# The first bytes of a rollback journal that still holds a transaction; SQLite zeroes them once it is done.
+_JOURNAL_MAGIC = bytes.fromhex("d9d505f920a163d7")
+
+
+def _check_settled(path: Path) -> None:
+    """Refuse an export that SQLite would show differently from its main file: committed rows still in its
+    `-wal` (WAL mode, not checkpointed, or a writer still at work) or a hot `-journal` (a writer that died or is
+    mid-transaction). kvtrace reads exports as immutable, which looks at the main file alone, and it never opens
+    them for writing, which is what replaying a journal or checkpointing a WAL would take."""
+    wal, journal = Path(f"{path}-wal"), Path(f"{path}-journal")
+    copy = f"make a consistent copy with `sqlite3 {path} \".backup copy.sqlite\"` once no writer is left, and pass that"
+    with suppress(OSError):
+        if wal.stat().st_size > 0:
+            raise KvtraceError(f"{path} has rows in {wal.name} beside it that its main file lacks (a WAL-mode "
+                               f"database not checkpointed, or a writer still at work): {copy}")
+    with suppress(OSError):
+        if not stat.S_ISREG(journal.stat().st_mode):  # never open a FIFO planted there
+            return
+        with open(journal, "rb") as handle:
+            if handle.read(8) == _JOURNAL_MAGIC:
+                raise KvtraceError(f"{path} has an unfinished transaction in {journal.name} beside it (a writer "
+                                   f"died or is still writing): {copy}")
+
+
+def read_only_uri(path: Path) -> str:
+    """The export as an SQLite URI opened read-only; the path's bytes are quoted, so that a file name that is not
+    UTF-8 (kept by Python as surrogates) reaches SQLite as it is on disk."""
+    return f"file:{quote(os.fsencode(path.resolve()))}?mode=ro&immutable=1"
+
+
 def _connect(path: Path) -> sqlite3.Connection:
     try:
-        conn = sqlite3.connect(f"file:{quote(str(path.resolve()))}?mode=ro&immutable=1", uri=True)
+        conn = sqlite3.connect(read_only_uri(path), uri=True)
         conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
         return conn
     except sqlite3.DatabaseError as error:
@@ -564,22 +637,35 @@ def _check_export(conn: sqlite3.Connection, path: Path) -> None:
 
 def _trace_info(conn: sqlite3.Connection, tables: set[str], source: Path, sqlite_path: Path, laid: calls_.Laid,
                 signatures: pl.DataFrame) -> TraceInfo:
-    meta = dict(conn.execute("SELECT name, value FROM META_DATA_EXPORT").fetchall())
-    capture = dict(conn.execute("SELECT name, value FROM META_DATA_CAPTURE").fetchall()) \
-        if "META_DATA_CAPTURE" in tables else {}
-    graph_mode = next((v for k, v in capture.items() if k.endswith("CUDA_GRAPH_TRACE_OPTIONS:MODE")), None)
-    system = dict(conn.execute("SELECT name, value FROM TARGET_INFO_SYSTEM_ENV").fetchall()) \
-        if "TARGET_INFO_SYSTEM_ENV" in tables else {}
+    def values(table: str) -> dict:
+        if table not in tables:
+            return {}
+        rows = conn.execute(f"SELECT name, value FROM {table}").fetchall()
+        _check_rows(rows, sqlite_path, table, (_TEXT, _ANY), ("name", "value"))
+        return {name: value for name, value in rows if name is not None}
+
+    def text(found: dict, name: str | None, table: str) -> str | None:
+        value = found.get(name)
+        if value is not None and not isinstance(value, str):
+            raise _damaged_values(sqlite_path, table, f"{_TYPE_NAMES.get(type(value))} (not text)", f"{name}'s value")
+        return value
+
+    meta, capture, system = (values(t) for t in ("META_DATA_EXPORT", "META_DATA_CAPTURE", "TARGET_INFO_SYSTEM_ENV"))
+    graph_mode = text(capture, next((k for k in capture if k.endswith("CUDA_GRAPH_TRACE_OPTIONS:MODE")), None),
+                      "META_DATA_CAPTURE")
     count, first, last = laid.calls.count, int(laid.calls.start[0]), laid.last_end
     return TraceInfo(
         source=str(source), sqlite=str(sqlite_path),
-        product_version=meta.get("EXPORT_PRODUCT_VERSION"), schema_version=meta.get("EXPORT_SCHEMA_VERSION"),
-        driver_version=system.get("NvDriverVersion"), gpus=_gpus(conn, tables, signatures), kernel_count=count,
-        first_kernel_ns=first, last_kernel_ns=last, graph_trace_mode=graph_mode,
-        capture_trigger=capture.get("START_TRIGGER"))
+        product_version=text(meta, "EXPORT_PRODUCT_VERSION", "META_DATA_EXPORT"),
+        schema_version=text(meta, "EXPORT_SCHEMA_VERSION", "META_DATA_EXPORT"),
+        driver_version=text(system, "NvDriverVersion", "TARGET_INFO_SYSTEM_ENV"),
+        gpus=_gpus(conn, tables, signatures, sqlite_path), kernel_count=count, first_kernel_ns=first,
+        last_kernel_ns=last, graph_trace_mode=graph_mode,
+        capture_trigger=text(capture, "START_TRIGGER", "META_DATA_CAPTURE"))
 
 
-def _gpus(conn: sqlite3.Connection, tables: set[str], signatures: pl.DataFrame) -> tuple[GpuInfo, ...]:
+def _gpus(conn: sqlite3.Connection, tables: set[str], signatures: pl.DataFrame,
+          sqlite_path: Path) -> tuple[GpuInfo, ...]:
     if "TARGET_INFO_GPU" not in tables:
         return ()
     columns = sqlite_utils.Database(conn)["TARGET_INFO_GPU"].columns_dict
@@ -588,6 +674,8 @@ def _gpus(conn: sqlite3.Connection, tables: set[str], signatures: pl.DataFrame) 
     # Only GPUs that ran kernels: a multi-GPU host lists all of its devices.
     rows = conn.execute(f"SELECT {select} FROM TARGET_INFO_GPU WHERE id IN (SELECT value FROM json_each(?)) "
                         "ORDER BY id", (_json_ids(signatures["device_id"]),)).fetchall()
+    _check_rows(rows, sqlite_path, "TARGET_INFO_GPU", (_INT, _TEXT, _OPTIONAL_INT, _OPTIONAL_INT, _OPTIONAL_INT,
+                                                       _TEXT, _OPTIONAL_INT, _OPTIONAL_INT), wanted)
     return tuple(GpuInfo(device_id=r[0], name=r[1] or f"GPU {r[0]} (unnamed)", sm_count=r[2],
                          compute_capability=None if r[3] is None else f"{r[3]}.{r[4]}", chip=r[5],
                          memory_bytes=r[6], memory_bandwidth=r[7]) for r in rows)
@@ -607,11 +695,13 @@ def _check_names(signatures: pl.DataFrame, sqlite_path: Path) -> None:
                            "export the report again")
 
 
-def _with_names(conn: sqlite3.Connection, signatures: pl.DataFrame) -> pl.DataFrame:
+def _with_names(conn: sqlite3.Connection, signatures: pl.DataFrame, sqlite_path: Path) -> pl.DataFrame:
     """Attach the demangled and short kernel names (StringIds) to the signatures."""
     rows = conn.execute("SELECT id, value FROM StringIds WHERE id IN (SELECT value FROM json_each(?))",
                         (_json_ids(signatures["name_id"], signatures["short_id"]),))
-    strings = pl.DataFrame(rows.fetchall(), schema={"id": pl.Int64, "value": pl.Utf8}, orient="row")
+    rows = rows.fetchall()
+    _check_rows(rows, sqlite_path, "StringIds", (_INT, _TEXT), ("id", "value (a kernel name)"))
+    strings = pl.DataFrame(rows, schema={"id": pl.Int64, "value": pl.Utf8}, orient="row")
     return (signatures.join(strings.rename({"id": "name_id", "value": "demangled"}), on="name_id", how="left")
             .join(strings.rename({"id": "short_id", "value": "short"}), on="short_id", how="left").sort("sig"))
 

@@ -310,10 +310,11 @@ def _capacity(base: ArmInput, cand: ArmInput, b: RunArm, c: RunArm, notes: list[
 
 def build(paths: list[Path], recipes: RecipeSet, *, arms: tuple[str, ...] = (), labels: tuple[str, ...] = (),
           threshold: float = 0.02, confidence: float = 0.95, seed: int = 0, window: align.Window = align.Window(),
-          nsys: str | None = None, cache: bool = True, verify_with: str | None = None, step=None) -> Report:
+          nsys: str | None = None, cache: bool = True, verify_with: str | None = None, step=None,
+          exports_from: tuple[Path, ...] | None = None) -> Report:
     """`verify_with`: an nsys binary to check every trace's per-kernel totals with (analyzer.verify); `step`
-    hears which report and step runs (analyzer.load.open_traces)."""
-    base, cand = resolve_inputs(paths, arms)
+    hears which report and step runs (analyzer.load.open_traces); `exports_from`: analyzer.runs.resolve_inputs'."""
+    base, cand = resolve_inputs(paths, arms, exports_from)
     if labels and len(labels) != 2:
         raise KvtraceError("--label takes two names, baseline first: --label fp8 --label nvfp4")
     if not labels:

@@ -11,10 +11,10 @@ import click
 from kvtrace import files, model_config
 from kvtrace.analyzer import capacity as capacity_lib
 from kvtrace.analyzer import headline
-from kvtrace.analyzer.cli import (as_run, emit, inputs, output_options, progress, target_options, use_cache,
-                                  verify_option, window_options)
+from kvtrace.analyzer.cli import (FiniteRange, as_run, emit, inputs, output_options, progress, target_options,
+                                  use_cache, verify_option, Whole, window_options)
 from kvtrace.errors import KvtraceError
-from kvtrace.manifest import read_manifest
+from kvtrace.manifest import MANIFEST, read_manifest
 from kvtrace.nsys import find_nsys
 
 
@@ -25,21 +25,24 @@ from kvtrace.nsys import find_nsys
                    "give it twice (baseline first). Two run directories: once for both, or twice for one each. "
                    "Default: a run's two arms, wider KV format first.")
 @click.option("--label", "labels", multiple=True, help="Names for the two arms, baseline first (repeat twice).")
-@click.option("--threshold", default=0.02, show_default=True, type=click.FloatRange(0, 1, max_open=True),
+@click.option("--threshold", default=0.02, show_default=True, type=FiniteRange(0, 1, max_open=True),
               help="No-change band around a ratio of 1 (0.02 = ±2%), for kernels and TTFT.")
 @click.option("--confidence", default=0.95, show_default=True,
-              type=click.FloatRange(0, 1, min_open=True, max_open=True), help="Confidence level of the intervals.")
-@click.option("--seed", default=0, show_default=True, type=click.IntRange(0),
+              type=FiniteRange(0, 1, min_open=True, max_open=True), help="Confidence level of the intervals.")
+@click.option("--seed", default=0, show_default=True, type=Whole(0),
               help="Bootstrap seed (same inputs and seed, same output).")
 @click.option("--plots", "plots_dir", type=click.Path(path_type=Path),
               help="Write plots into this folder (created if missing); the markdown report links them.")
+@click.option("--exports-from", "exports_from", multiple=True, metavar="DIR", type=click.Path(path_type=Path),
+              help="A folder outside the run directories whose exports their manifests may list (by default a "
+                   "manifest's exports must lie inside its run directory). Repeatable.")
 @click.option("--plot-format", type=click.Choice(["png", "svg"]), default="png", show_default=True,
               help="Image format of --plots.")
 @verify_option
 @window_options
 @output_options
-def report(runs, arms, labels, threshold, confidence, seed, plots_dir, plot_format, verify_totals, window, fmt, output,
-           recipe_files, nsys_path):
+def report(runs, arms, labels, threshold, confidence, seed, plots_dir, exports_from, plot_format, verify_totals, window,
+           fmt, output, recipe_files, nsys_path):
     """Kernel diff and serving metrics of two arms, side by side, from run directories.
 
     RUNS is one run directory written by `kvtrace capture` (its two arms are compared, e.g. FlashInfer's fp8
@@ -58,7 +61,8 @@ def report(runs, arms, labels, threshold, confidence, seed, plots_dir, plot_form
                   + (", checking kernel totals with nsys stats" if verify_with else "")) as step:
         result = report_lib.build(list(runs), load_recipes(recipe_files), arms=tuple(arms), labels=tuple(labels),
                                   threshold=threshold, confidence=confidence, seed=seed, window=window,
-                                  nsys=nsys_path, cache=use_cache(), verify_with=verify_with, step=step)
+                                  nsys=nsys_path, cache=use_cache(), verify_with=verify_with, step=step,
+                                  exports_from=tuple(exports_from))
     manifest = headline.find_manifest(Path(result.baseline.sqlite))
     result.diff.headline = headline.Headline.of(result.diff, manifest,
                                                 as_run(manifest.path.parent if manifest else None))
@@ -68,7 +72,8 @@ def report(runs, arms, labels, threshold, confidence, seed, plots_dir, plot_form
         from kvtrace.analyzer.render import plots  # matplotlib only on this path
 
         to_file = output is not None and not files.is_stdout(output)
-        written = plots.write_plots(result, plots_dir, plot_format, link_base=output.parent if to_file else None)
+        written = plots.write_plots(result, plots_dir, plot_format, link_base=output.parent if to_file else None,
+                                    inputs=inputs())
         result = dataclasses.replace(result, plots=written)
     emit(result, fmt, output)
 
@@ -78,16 +83,16 @@ def report(runs, arms, labels, threshold, confidence, seed, plots_dir, plot_form
 @click.option("--config", "config_path", type=click.Path(path_type=Path),
               help="Hugging Face config.json (or its model folder): full, sliding-window and MLA attention layers; "
                    "recurrent layers are left out, layouts it cannot size are refused.")
-@click.option("--layers", type=click.IntRange(1), help="num_hidden_layers (instead of, or over, --config).")
-@click.option("--kv-heads", type=click.IntRange(1), help="num_key_value_heads (instead of, or over, --config).")
-@click.option("--head-dim", type=click.IntRange(1), help="head_dim (instead of, or over, --config).")
-@click.option("--tokens", type=click.IntRange(1), help="Tokens per sequence to size the cache for.")
-@click.option("--sequences", default=1, show_default=True, type=click.IntRange(1),
+@click.option("--layers", type=Whole(1), help="num_hidden_layers (instead of, or over, --config).")
+@click.option("--kv-heads", type=Whole(1), help="num_key_value_heads (instead of, or over, --config).")
+@click.option("--head-dim", type=Whole(1), help="head_dim (instead of, or over, --config).")
+@click.option("--tokens", type=Whole(1), help="Tokens per sequence to size the cache for.")
+@click.option("--sequences", default=1, show_default=True, type=Whole(1),
               help="Sequences of --tokens each (each is padded to whole pages).")
-@click.option("--tp", type=click.IntRange(1), help="Tensor-parallel size: KV heads are split across GPUs.  [default: 1, "
+@click.option("--tp", type=Whole(1), help="Tensor-parallel size: KV heads are split across GPUs.  [default: 1, "
                                                    "or the run's --tensor-parallel-size]")
-@click.option("--page-size", type=click.IntRange(1), help="Tokens per KV page.  [default: 16, or the run's block size]")
-@click.option("--memory", "memory_gib", type=click.FloatRange(0, min_open=True),
+@click.option("--page-size", type=Whole(1), help="Tokens per KV page.  [default: 16, or the run's block size]")
+@click.option("--memory", "memory_gib", type=FiniteRange(0, capacity_lib.MAX_MEMORY_GIB, min_open=True),
               help="KV-cache memory per GPU in GiB: how many tokens fit (one sequence's, when layers are windowed).")
 @click.option("--kv-format", "kv_formats", multiple=True, metavar="FORMAT",
               help="Format to size (fp8, nvfp4, bf16, fp16 or a vLLM --kv-cache-dtype), the first the reference. "
@@ -104,6 +109,13 @@ def capacity(run, config_path, layers, kv_heads, head_dim, tokens, sequences, tp
     not counted; configs kvtrace cannot size are refused (exit 2). With a vLLM RUN directory, vLLM's own
     "GPU KV cache size: N tokens" per arm is set against the ideal.
     """
+    # What capacity reads beside its arguments: the run's manifest and the model folder's config.json.
+    if run is not None:
+        inputs().append(run / MANIFEST if run.is_dir() else run)
+    if config_path is not None:
+        inputs().append(config_path / "config.json" if config_path.is_dir() else config_path)
+    if output is not None:
+        files.check_target(output, inputs())
     overrides = {k: v for k, v in {"layers": layers, "kv_heads": kv_heads, "head_dim": head_dim}.items() if v is not None}
     layout = None
     if config_path is not None:
@@ -179,5 +191,5 @@ def matrix(runs, objective, threshold, confidence, seed, plots_dir, plot_format,
 
         to_file = output is not None and not files.is_stdout(output)
         result.plots = plots.write_matrix_plots(result, plots_dir, plot_format,
-                                                link_base=output.parent if to_file else None)
+                                                link_base=output.parent if to_file else None, inputs=inputs())
     emit(result, fmt, output)

@@ -74,8 +74,11 @@ def _locate(path: Path) -> tuple[Path, Manifest, str | None]:
     return path, read_manifest(path), None
 
 
-def resolve_inputs(paths: list[Path], arms: tuple[str, ...] = ()) -> list[ArmInput]:
-    """Baseline and candidate from one run directory (its two arms) or two (one arm each), each with its runs."""
+def resolve_inputs(paths: list[Path], arms: tuple[str, ...] = (),
+                   exports_from: tuple[Path, ...] | None = None) -> list[ArmInput]:
+    """Baseline and candidate from one run directory (its two arms) or two (one arm each), each with its runs.
+    `exports_from`: where else a manifest's exports may lie (the CLI's --exports-from); None, for callers that
+    vouch for their manifests, reads them wherever they point."""
     if not 1 <= len(paths) <= 2:
         raise KvtraceError(f"report takes one run directory (compares its two arms) or two (one arm each), "
                            f"got {len(paths)}")
@@ -113,7 +116,7 @@ def resolve_inputs(paths: list[Path], arms: tuple[str, ...] = ()) -> list[ArmInp
                 name = arms_here[0]
             inputs.append(ArmInput.of(run, manifest, name))
     for item in inputs:
-        _check_arm(item)
+        _check_arm(item, exports_from)
     base, cand = inputs
     if len(base.runs) != len(cand.runs):
         raise KvtraceError(f"arm {base.arm} has {len(base.runs)} run(s) and arm {cand.arm} {len(cand.runs)}: "
@@ -121,7 +124,7 @@ def resolve_inputs(paths: list[Path], arms: tuple[str, ...] = ()) -> list[ArmInp
     return inputs
 
 
-def _check_arm(item: ArmInput) -> None:
+def _check_arm(item: ArmInput, exports_from: tuple[Path, ...] | None) -> None:
     for name in item.runs:
         record = item.manifest.runs[name]
         if record.status != "ok":
@@ -132,6 +135,13 @@ def _check_arm(item: ArmInput) -> None:
             raise KvtraceError(f"arm {name} in {item.run} lists no SQLite export: export its report with "
                                "`nsys export --type sqlite` and capture again")
         path = item.run / record.sqlite
+        # A run directory is read inside itself: an edited or planted manifest must not send kvtrace to read
+        # (or probe the existence of) files elsewhere, through `..`, an absolute path or a link out.
+        places = (item.run, *exports_from) if exports_from is not None else None
+        if places is not None and not any(path.resolve().is_relative_to(place.resolve()) for place in places):
+            raise KvtraceError(f"arm {name} in {item.run} lists its export as {record.sqlite!r}, which leads "
+                               "outside the run directory (through .., an absolute path or a link): keep a run's "
+                               "exports inside its directory, or name their folder with --exports-from")
         if not path.is_file():
             raise KvtraceError(f"{path}, the export that arm {name} lists, is missing: copy the run directory whole "
                                f"or re-export {name}.nsys-rep with `nsys export --type sqlite`")

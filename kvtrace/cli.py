@@ -14,6 +14,7 @@ import click
 
 from kvtrace import __version__, files
 from kvtrace.errors import KvtraceError
+from kvtrace.text import visible
 
 # command name -> ("module:attribute", one-line help shown by `kvtrace --help` without importing it)
 _COMMANDS = {
@@ -63,17 +64,17 @@ def main(argv: list[str] | None = None) -> None:
         cli.main(args=args, prog_name="kvtrace", standalone_mode=False)
         sys.stdout.flush()  # inside the try: a reader that has gone away is not an error
     except KvtraceError as error:
-        click.echo(f"kvtrace: error: {error}", err=True)
+        click.echo(f"kvtrace: error: {visible(error)}", err=True)
         sys.exit(error.exit_code)
     except click.exceptions.Abort:
         click.echo("kvtrace: aborted", err=True)
         sys.exit(130)
     except click.UsageError as error:
         command = error.ctx.command_path if error.ctx else "kvtrace"
-        click.echo(f"kvtrace: error: {error.format_message()} (see `{command} --help`)", err=True)
+        click.echo(f"kvtrace: error: {visible(error.format_message())} (see `{command} --help`)", err=True)
         sys.exit(2)
     except click.ClickException as error:
-        click.echo(f"kvtrace: error: {error.format_message()}", err=True)
+        click.echo(f"kvtrace: error: {visible(error.format_message())}", err=True)
         sys.exit(error.exit_code)
     except click.exceptions.Exit as done:
         sys.exit(done.exit_code)

@@ -1,5 +1,5 @@
-"""Writing output files: the one atomic write (also for files another program writes), and what an output path
-may name.
+"""Reading small input files (manifests, configs, recipes) and writing output files: the one atomic write (also
+for files another program writes), and what an output path may name.
 
 Standard library only: the analyzer (reports, plots) and capture (manifests, on a bare GPU box) both use it.
 
@@ -18,6 +18,7 @@ Every failure is a KvtraceError naming the target and what to do.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
 import signal
@@ -35,6 +36,37 @@ STDOUT = "-"
 # behind (SIGKILL cannot be held back; a killed write leaves at most a hidden `.NAME.*.tmp`, never a torn target).
 _DEFERRED_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
 _DESCRIPTOR_FOLDER = re.compile(r"/proc/\d+(?:/task/\d+)?/fd")
+
+
+# Manifests, model configs and recipes are kilobytes; anything past this is not one (or is /dev/zero's like).
+SMALL_INPUT_BYTES = 64 << 20
+
+
+def read_small(path: str | os.PathLike, what: str, fix: str) -> bytes:
+    """The bytes of a small input file (`what`, e.g. "recipe x.toml"), read only from a regular file and only up
+    to SMALL_INPUT_BYTES: a FIFO would wait for a writer and a device such as /dev/zero never ends."""
+    try:
+        with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as handle:
+            if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
+                raise KvtraceError(f"{what}: not a regular file (a folder, pipe, FIFO or device); {fix}")
+            data = handle.read(SMALL_INPUT_BYTES + 1)
+    except OSError as error:
+        raise KvtraceError(f"{what}: cannot be read ({(error.strerror or str(error)).lower()}); {fix}") from None
+    if len(data) > SMALL_INPUT_BYTES:
+        raise KvtraceError(f"{what}: over {SMALL_INPUT_BYTES >> 20} MiB, too large for its kind; {fix}")
+    return data
+
+
+def read_json(path: str | os.PathLike, what: str, fix: str):
+    """A small JSON file; nesting deeper than the parser's recursion limit is refused like any other text that is
+    not JSON. NaN and Infinity parse as Python's json reads them (capture writes a serving client's NaN as is):
+    the readers of manifests and configs check each number they use for its range, which NaN never passes."""
+    try:
+        return json.loads(read_small(path, what, fix))
+    except RecursionError:
+        raise KvtraceError(f"{what} is not readable JSON (nested too deeply): {fix}") from None
+    except ValueError as error:
+        raise KvtraceError(f"{what} is not readable JSON ({error}): {fix}") from None
 
 
 def is_stdout(path: str | os.PathLike | None) -> bool:
@@ -98,7 +130,10 @@ def beside(target: Path, suffix: str = ".tmp") -> Iterator[Path]:
     """A new empty file in `target`'s folder, for the block to fill (kvtrace, or a program such as nsys export):
     renamed over `target` when the block ends, removed when it raises. A reader of `target` sees the old file
     or the whole new one, never half of it."""
-    fd, name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=suffix)
+    # The target's name is cut to 128 bytes in the temporary one, so that a name near the file system's limit
+    # (255 bytes) can still be written.
+    stem = os.fsdecode(os.fsencode(target.name)[:128])
+    fd, name = tempfile.mkstemp(dir=target.parent, prefix=f".{stem}.", suffix=suffix)
     os.close(fd)
     temporary = Path(name)
     try:

@@ -18,12 +18,12 @@ ARM.rK.sqlite, ...). Manifests written before --repeats have no `arm` and `repea
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvtrace.errors import KvtraceError
+from kvtrace.files import read_json
 from kvtrace.kv_formats import bytes_per_value
 
 MANIFEST = "manifest.json"
@@ -266,20 +266,46 @@ class Manifest:
                       key=lambda name: -bytes_per_value(self.runs[name].kv_dtype, dtype))
 
 
-# What the values kvtrace reads must be, where present and not null: a type, a dict of an object's fields, or
-# [shape] for a list. A hand-edited or damaged manifest fails in one line naming the field, rather than
-# reading as absent or failing later in the analysis.
-_MANIFEST_SHAPE = {"engine": str, "status": str, "request_order_matched": bool, "environment": dict,
-                   "settings": {"model": {"kv_config": dict}, "spec": dict, "scenario": str, "mode": str,
-                                "engine_flags": dict, "extra_vllm_args": list}}
+@dataclass(frozen=True)
+class _Number:
+    """A number with a lower bound, within int64 (past it a count or size means nothing); `whole`: no fraction.
+    Prometheus labels (`digits`) carry numbers as text."""
+
+    low: float
+    whole: bool = False
+    digits: bool = False
+
+    def holds(self, value) -> bool:
+        if self.digits and isinstance(value, str):
+            return value.isdecimal() and self.low <= int(value) < 2 ** 63
+        if isinstance(value, bool) or not isinstance(value, int if self.whole else (int, float)):
+            return False
+        return self.low <= value < 2 ** 63
+
+    @property
+    def wanted(self) -> str:
+        return ("a whole number" if self.whole else "a number") + (" of at least 1" if self.low == 1 else
+                                                                    " of 0 or more" if self.low == 0 else "")
+
+
+_COUNT, _AMOUNT, _SIZE = _Number(1, whole=True), _Number(0), _Number(1, whole=True, digits=True)
+# What the values kvtrace reads must be, where present and not null: a type, a _Number, a dict of an object's
+# fields ("*": every field), or [shape] for a list. A hand-edited or damaged manifest fails in one line naming the
+# field, rather than reading as absent or failing later in the analysis.
+_MANIFEST_SHAPE = {"engine": str, "status": str, "request_order_matched": bool, "created_utc": str,
+                   "environment": {"packages": dict, "cuda_runtime": str, "gpus": [dict]},
+                   "settings": {"model": {"kv_config": dict}, "scenario": str, "mode": str,
+                                "spec": {"kv_heads": _COUNT, "head_dim": _COUNT, "q_heads": _COUNT,
+                                         "page_size": _COUNT},
+                                "engine_flags": {"*": [str]}, "extra_vllm_args": [str]}}
 _RUN_SHAPE = {
-    "arm": str, "repeat": int, "status": str, "error": str, "sqlite": str, "log": str, "kv_cache_dtype": str,
+    "arm": str, "repeat": _COUNT, "status": str, "error": str, "sqlite": str, "log": str, "kv_cache_dtype": str,
     "request_order_sha256": str,
-    "workload": {"kv_format": str, "engine": dict,
-                 "phases": [{"nvtx": str, "calls": (int, float), "bytes_per_call": (int, float)}]},
-    "kv_cache": {"tokens": (int, float), "line": str},
+    "workload": {"kv_format": str, "engine": {"block_size": _COUNT}, "settings": dict, "versions": dict,
+                 "phases": [{"nvtx": str, "calls": _AMOUNT, "bytes_per_call": _AMOUNT}]},
+    "kv_cache": {"tokens": _AMOUNT, "available_gib": _AMOUNT, "line": str},
     "points": [{"point": str, "bench": dict, "metrics": {"deltas": {"counters": dict, "histograms": dict},
-                                                         "peaks": dict}}],
+                                                         "peaks": dict, "cache_config": [{"block_size": _SIZE}]}}],
 }
 
 
@@ -290,17 +316,21 @@ def _check_shape(value, shape, where: str, file: Path) -> None:
         if not isinstance(value, dict):
             raise _bad_shape(file, where, "an object")
         for key, inner in shape.items():
-            _check_shape(value.get(key), inner, f"{where}.{key}" if where else key, file)
+            for name in (value if key == "*" else [key]):
+                _check_shape(value.get(name), inner, f"{where}.{name}" if where else name, file)
     elif isinstance(shape, list):
         if not isinstance(value, list):
             raise _bad_shape(file, where, "a list")
         for index, item in enumerate(value):
             _check_shape(item, shape[0], f"{where}[{index}]", file)
+    elif isinstance(shape, _Number):
+        if not shape.holds(value):
+            raise _bad_shape(file, where, shape.wanted)
     elif shape is bool:
         if not isinstance(value, bool):
             raise _bad_shape(file, where, "true or false")
     elif not isinstance(value, shape) or isinstance(value, bool):
-        raise _bad_shape(file, where, {str: "a string", int: "a whole number"}.get(shape, "a number"))
+        raise _bad_shape(file, where, {str: "a string", dict: "an object", list: "a list"}.get(shape, "a number"))
 
 
 def _bad_shape(file: Path, where: str, wanted: str) -> KvtraceError:
@@ -320,10 +350,7 @@ def read_manifest(path: Path) -> Manifest:
         raise KvtraceError(f"{path}: no such run directory: pass a directory written by `kvtrace capture`")
     if not file.is_file():
         raise KvtraceError(f"{path} has no manifest.json: pass a run directory written by `kvtrace capture`")
-    try:
-        data = json.loads(file.read_text())
-    except (OSError, ValueError) as error:
-        raise KvtraceError(f"{file} is not readable JSON ({error}): capture the run again") from None
+    data = read_json(file, str(file), "capture the run again")
     if not is_kvtrace_manifest(data):
         raise KvtraceError(f"{file} was not written by kvtrace (no kvtrace_manifest field): pass a run directory "
                            "written by `kvtrace capture`")

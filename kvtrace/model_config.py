@@ -14,12 +14,15 @@ Standard library only: capture reads configs here too.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from kvtrace.errors import KvtraceError
 from kvtrace.kv_formats import kv_bytes_per_token, kv_bytes_per_token_head
 
 FULL, SLIDING, MLA = "full", "sliding", "mla"
+# Counts and sizes end at int64, where the columns and sums they meet end.
+_LARGEST = 1 << 63
 
 # How many KV layers the layer-type spellings of transformers' configs stand for.
 _KV_LAYER_TYPES = {"full_attention": FULL, "attention": FULL, "sliding_attention": SLIDING}
@@ -173,17 +176,17 @@ def read(config: dict, source: str) -> KVLayout:
     else:
         kv_heads, head_dim = _attention_shape(text, heads, source, notes)
         kinds = _layer_kinds(text, text.get("model_type") or config.get("model_type"), layers, source, notes)
-        state_layers = sum(kind in _STATE_LAYER_TYPES for kind in kinds)
+        state_layers = sum(count for kind, count in kinds.items() if kind in _STATE_LAYER_TYPES)
         window = _window(text, kinds, source)
         groups = tuple(LayerGroup(kind, count, kv_heads, head_dim, window if kind == SLIDING else None)
-                       for kind in (FULL, SLIDING) if (count := kinds.count(kind)))
+                       for kind in (FULL, SLIDING) if (count := kinds.get(kind, 0)))
         if not groups:
             raise KvtraceError(f"{source}: none of its {layers} layers is an attention layer: no KV cache to size")
         if state_layers:
             notes.append(f"{state_layers} recurrent layers (Mamba / linear attention) keep a fixed state per "
                          "sequence that is not counted here")
-        if len(kinds) - state_layers - sum(g.layers for g in groups):
-            notes.append(f"{len(kinds) - state_layers - sum(g.layers for g in groups)} layers have no attention "
+        if layers - state_layers - sum(g.layers for g in groups):
+            notes.append(f"{layers - state_layers - sum(g.layers for g in groups)} layers have no attention "
                          "(MLP or MoE only) and hold no KV")
     return KVLayout(groups, layers, state_layers, heads, dtype, source, tuple(notes))
 
@@ -192,11 +195,12 @@ def _positive(text: dict, key: str, source: str, *, required: bool = True) -> in
     value = text.get(key)
     if value is None and not required:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < _LARGEST:
         if value is None:
             raise KvtraceError(f"{source} lacks {key}: pass a Hugging Face config.json, or give --layers, "
                                "--kv-heads and --head-dim")
-        raise KvtraceError(f"{source}: {key} is {value!r}, not a positive whole number: fix the config")
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:40] + "…"
+        raise KvtraceError(f"{source}: {key} is {shown}, not a positive whole number below 2^63: fix the config")
     return value
 
 
@@ -251,8 +255,14 @@ def _attention_shape(text: dict, heads: int | None, source: str, notes: list[str
     return kv_heads, head_dim
 
 
-def _layer_kinds(text: dict, model_type, layers: int, source: str, notes: list[str]) -> list[str | None]:
-    """Per layer: FULL, SLIDING, a recurrent type ('mamba', 'linear_attention') or None (no attention)."""
+def _every(period: int, offset: int, layers: int) -> int:
+    """How many of layers 0 … layers-1 are offset modulo period: counted, not listed, so that a config's layer
+    count (which may say 10^12) costs nothing."""
+    return layers // period + (layers % period > offset)
+
+
+def _layer_kinds(text: dict, model_type, layers: int, source: str, notes: list[str]) -> dict[str | None, int]:
+    """Layers per kind: FULL, SLIDING, a recurrent type ('mamba', 'linear_attention') or None (no attention)."""
     if (types := text.get("layer_types") or text.get("layers_block_type")) is not None:
         key = "layer_types" if text.get("layer_types") else "layers_block_type"
         if not isinstance(types, list) or len(types) != layers:
@@ -262,27 +272,29 @@ def _layer_kinds(text: dict, model_type, layers: int, source: str, notes: list[s
         if unknown:
             raise KvtraceError(f"{source}: layer type {', '.join(unknown)} in {key} is not modelled by kvtrace "
                                "capacity")
-        return [_KV_LAYER_TYPES.get(t, t) for t in types]
+        return Counter(_KV_LAYER_TYPES.get(t, t) for t in types)
     if (pattern := text.get("hybrid_override_pattern")) is not None:
         if not isinstance(pattern, str) or len(pattern) != layers or set(pattern) - set(_PATTERN_LAYERS):
             raise KvtraceError(f"{source}: hybrid_override_pattern should have one of {''.join(_PATTERN_LAYERS)} "
                                f"per layer ({layers}): fix the config")
-        return [_PATTERN_LAYERS[c] for c in pattern]
+        return Counter(_PATTERN_LAYERS[c] for c in pattern)
     if text.get("attn_layer_period") is not None:  # Jamba: transformers' JambaConfig.layers_block_type
         period, offset = text["attn_layer_period"], text.get("attn_layer_offset")
         if not isinstance(period, int) or not isinstance(offset, int) or not 0 <= offset < period:
             raise KvtraceError(f"{source}: attn_layer_period {period!r} / attn_layer_offset {offset!r} do not "
                                "place attention layers: fix the config")
-        return [FULL if i % period == offset else "mamba" for i in range(layers)]
+        full = _every(period, offset, layers)
+        return {FULL: full, "mamba": layers - full}
     if (indices := text.get("attn_layer_indices")) is not None:  # Bamba
         if not isinstance(indices, list) or not all(isinstance(i, int) and 0 <= i < layers for i in indices):
             raise KvtraceError(f"{source}: attn_layer_indices should list layer numbers below {layers}: fix the "
                                "config")
-        return [FULL if i in indices else "mamba" for i in range(layers)]
+        return {FULL: len(set(indices)), "mamba": layers - len(set(indices))}
     if (interval := text.get("full_attention_interval")) is not None:  # Qwen3-Next: transformers' default
         if not isinstance(interval, int) or interval < 1:
             raise KvtraceError(f"{source}: full_attention_interval {interval!r} is not a positive whole number")
-        return ["linear_attention" if (i + 1) % interval else FULL for i in range(layers)]
+        full = _every(interval, interval - 1, layers)
+        return {FULL: full, "linear_attention": layers - full}
     state = sorted(k for k in text if k.startswith(_STATE_PREFIXES))
     if state:
         raise KvtraceError(f"{source}: recurrent-layer fields ({state[0]}) without a per-layer pattern kvtrace reads "
@@ -290,26 +302,27 @@ def _layer_kinds(text: dict, model_type, layers: int, source: str, notes: list[s
                            "layers hold KV is unknown")
     window = text.get("sliding_window")
     if window is None:
-        return [FULL] * layers
+        return {FULL: layers}
     if text.get("use_sliding_window") is False:  # Qwen2-family configs carry a window they do not use
         notes.append("sliding_window not used (use_sliding_window is false)")
-        return [FULL] * layers
+        return {FULL: layers}
     if isinstance(model_type, str) and model_type in _SLIDING_PATTERN_DEFAULTS:
         period = text.get("sliding_window_pattern", _SLIDING_PATTERN_DEFAULTS[model_type])
         if not isinstance(period, int) or period < 1:
             raise KvtraceError(f"{source}: sliding_window_pattern {period!r} is not a positive whole number")
         if "sliding_window_pattern" not in text:
             notes.append(f"no layer_types: {model_type}'s default pattern, every {period}th layer full attention")
-        return [SLIDING if (i + 1) % period else FULL for i in range(layers)]
+        full = _every(period, period - 1, layers)
+        return {FULL: full, SLIDING: layers - full}
     raise KvtraceError(f"{source}: sliding_window {window!r} without layer_types: which layers keep a window "
                        f"depends on the model's code (model_type {model_type!r}); add layer_types to a copy of the "
                        "config")
 
 
-def _window(text: dict, kinds: list, source: str) -> int | None:
-    if SLIDING not in kinds:
+def _window(text: dict, kinds: dict, source: str) -> int | None:
+    if not kinds.get(SLIDING):
         return None
     window = text.get("sliding_window")
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+    if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window < _LARGEST:
         raise KvtraceError(f"{source}: sliding-window layers but sliding_window is {window!r}: fix the config")
     return window

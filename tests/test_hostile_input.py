@@ -426,7 +426,7 @@ DAMAGED = {
     "dangling-name-id": ([f"UPDATE {KERNEL} SET demangledName = 987654 WHERE rowid = {FIRST_KERNEL}"], None,
                          r"string ids that StringIds lacks \(987654\)"),
     "null-nvtx-start": (["UPDATE NVTX_EVENTS SET start = NULL WHERE rowid = 2"], "NVTX_EVENTS",
-                        r"NVTX_EVENTS has NULL or non-integer"),
+                        r"NVTX_EVENTS has NULL values in start"),
     "null-launch-correlationId": (["UPDATE CUPTI_ACTIVITY_KIND_RUNTIME SET correlationId = NULL WHERE rowid = (SELECT "
                                    "r.rowid FROM CUPTI_ACTIVITY_KIND_RUNTIME r JOIN StringIds s ON s.id = r.nameId "
                                    "WHERE s.value GLOB '*Launch*' LIMIT 1)"], "CUPTI_ACTIVITY_KIND_RUNTIME",

@@ -181,8 +181,8 @@ def test_write_plots_returns_its_files_png_and_svg(fi, sweep, tmp_path):
 @pytest.mark.slow
 def test_cli_markdown_names_the_summary_to_drag_instead_of_relative_image_links(tmp_path):
     out = tmp_path / "report.md"
-    result = CliRunner().invoke(cli, ["report", str(SWEEP), "--format", "markdown", "-o", str(out), "--plots",
-                                      str(tmp_path / "figs"), "--plot-format", "svg"])
+    result = CliRunner().invoke(cli, ["report", str(SWEEP), "--exports-from", str(NSYS2025_DIR), "--format", "markdown",
+                                      "-o", str(out), "--plots", str(tmp_path / "figs"), "--plot-format", "svg"])
     assert result.exit_code == 0, result.output
     text = out.read_text()
     assert "![" not in text  # GitHub does not render images linked by a relative path
@@ -190,7 +190,8 @@ def test_cli_markdown_names_the_summary_to_drag_instead_of_relative_image_links(
     for kind in ("summary", "forest", "segment-times", "segment-ratios", "ecdf", "sweep"):
         assert f"`figs/{kind}.svg`" in text and (tmp_path / "figs" / f"{kind}.svg").is_file()
     (tmp_path / "file").write_text("x")
-    bad = CliRunner().invoke(cli, ["report", str(SWEEP), "--plots", str(tmp_path / "file")])
+    bad = CliRunner().invoke(cli, ["report", str(SWEEP), "--exports-from", str(NSYS2025_DIR), "--plots",
+                                   str(tmp_path / "file")])
     assert bad.exit_code != 0 and "is a file" in str(bad.exception)
 
 

@@ -300,7 +300,8 @@ def test_guard_rail_names_a_capacity_win_as_a_prefix_hit_effect(win):
 
 
 def _variant(tmp_path: Path, source: Path, edit) -> Path:
-    """A synthetic copy of a recorded manifest (sqlite paths made absolute), changed by `edit`."""
+    """A synthetic copy of a recorded manifest changed by `edit` (which may point an arm at any export by its
+    absolute path); the exports are copied in, since a run directory is read inside itself."""
     data = copy.deepcopy(manifest(source))
     for arm in data["arms"].values():
         if arm.get("sqlite"):
@@ -308,6 +309,10 @@ def _variant(tmp_path: Path, source: Path, edit) -> Path:
     edit(data)
     run = tmp_path / f"synthetic-{source.name}"
     run.mkdir()
+    for name, arm in data["arms"].items():
+        if arm.get("sqlite"):
+            shutil.copy2(arm["sqlite"], run / f"{name}.sqlite")
+            arm["sqlite"] = f"{name}.sqlite"
     (run / "manifest.json").write_text(json.dumps(data))
     return run
 
@@ -421,17 +426,20 @@ def test_real_vllm_run_directories(run, recipes):
 def test_cli_writes_markdown_json_and_csv(tmp_path):
     runner = CliRunner()
     out = tmp_path / "report.md"
-    result = runner.invoke(cli, ["report", str(CAPACITY_WIN), "--format", "markdown", "-o", str(out)])
+    # The example's manifest lists the FlashInfer exports by relative path, outside its run directory.
+    beside = ["--exports-from", str(NSYS2025_DIR)]
+    result = runner.invoke(cli, ["report", str(CAPACITY_WIN), *beside, "--format", "markdown", "-o", str(out)])
     assert result.exit_code == 0, result.output
     assert out.read_text().startswith("## kvtrace report: fp8 → nvfp4")
-    data = json.loads(runner.invoke(cli, ["report", str(CAPACITY_WIN), "--format", "json"]).stdout)
+    data = json.loads(runner.invoke(cli, ["report", str(CAPACITY_WIN), *beside, "--format", "json"]).stdout)
     points = {arm: manifest(CAPACITY_WIN)["arms"][arm]["points"][0] for arm in ("fp8", "nvfp4")}
     assert data["serving"][0]["baseline"]["ttft_ms"]["p50"] == points["fp8"]["bench"]["p50_ttft_ms"]
-    rows = list(csv.DictReader(io.StringIO(runner.invoke(cli, ["report", str(CAPACITY_WIN), "--format", "csv"]).stdout)))
+    rows = list(csv.DictReader(io.StringIO(
+        runner.invoke(cli, ["report", str(CAPACITY_WIN), *beside, "--format", "csv"]).stdout)))
     cached = [r for r in rows if r["section"] == "serving" and r["metric"] == "cached_prompt_tokens"]
     assert {r["arm"]: float(r["value"]) for r in cached} == {
         arm: point["metrics"]["deltas"]["counters"]["vllm:prefix_cache_hits_total"] for arm, point in points.items()}
-    table = runner.invoke(cli, ["report", str(CAPACITY_WIN), "--label", "A", "--label", "B"])
+    table = runner.invoke(cli, ["report", str(CAPACITY_WIN), *beside, "--label", "A", "--label", "B"])
     assert table.exit_code == 0 and "A" in table.stdout and "prefix-hit effect" in table.stdout
 
 

@@ -11,23 +11,18 @@ import re
 
 from rich.markup import escape as _rich_escape
 
-# C0 and C1 control characters and DEL (cursor movement, screen clearing, OSC titles and hyperlinks, BEL, CR and
-# LF that end a markdown row), plus Unicode line separators and bidirectional overrides, which reorder what a
-# reader sees.
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
-_SHORT = {"\t": "\\t", "\n": "\\n", "\r": "\\r"}
+from kvtrace.text import visible
+
 _BACKTICKS = re.compile("`+")
 # A spreadsheet evaluates a cell that starts with one of these as a formula.
 _FORMULA_START = ("=", "+", "-", "@")
 # Not `|`: a table cell escapes it (units.markdown_table), and elsewhere it is plain text.
 _MARKDOWN_SPECIAL = re.compile(r"([\\`*\[\]<>~])")
-
-
-def visible(text) -> str:
-    """Control characters as visible escapes: `\\x1b`, `\\n`, `\\u202e`."""
-    return _CONTROL.sub(lambda m: _SHORT.get(m.group()) or
-                        (f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100 else f"\\u{ord(m.group()):04x}"),
-                        str(text))
+_PROSE_SPECIAL = re.compile(r"([\\`*<>~])")
+# An emoji shortcode (`:cat:`) that GitHub would render as a picture: an empty HTML comment after its first colon
+# splits the text, and GitHub matches shortcodes within one piece of text only (code spans are never matched).
+# Names with a letter: the digits between a time's colons (02:20:00) stay as they are.
+_SHORTCODE = re.compile(r":(?=[\w+-]*[^\W\d_][\w+-]*:)")
 
 
 def rich(text) -> str:
@@ -44,9 +39,17 @@ def md_code(text) -> str:
 
 
 def md_text(text) -> str:
-    """Plain markdown text (a label in a heading or table): emphasis, links and HTML made literal.
+    """Plain markdown text (a label in a heading or table): emphasis, links, HTML and emoji shortcodes made literal.
     (An underscore inside a word emphasises nothing in GitHub markdown, so `fp8_e4m3` stays as it is.)"""
-    return _MARKDOWN_SPECIAL.sub(r"\\\1", visible(text))
+    return _SHORTCODE.sub(":<!-- -->", _MARKDOWN_SPECIAL.sub(r"\\\1", visible(text)))
+
+
+def md_prose(text) -> str:
+    """A sentence kvtrace wrote with trace or manifest text inside (a finding, a note): emphasis, HTML, links and
+    emoji shortcodes made literal, as md_text does, but square brackets that hold kvtrace's own intervals
+    (`[0.98, 1.01]`) stay as they are: only `](`, which would make them a link, is broken."""
+    escaped = _PROSE_SPECIAL.sub(r"\\\1", visible(text)).replace("](", "]\\(")
+    return _SHORTCODE.sub(":<!-- -->", escaped)
 
 
 def csv_writer(buffer):

@@ -8,7 +8,7 @@ from pathlib import Path
 from kvtrace.analyzer.results import Arm, Diff, DiffRow, Summary
 from kvtrace.analyzer.kernels import KernelList
 from kvtrace.analyzer.headline import APPEND_PHASE, Headline
-from kvtrace.analyzer.render.escape import md_code, md_text, visible
+from kvtrace.analyzer.render.escape import md_code, md_prose, md_text, visible
 from kvtrace.analyzer.render.units import (MARK, arm_time, calls, duration, head_time, interval, markdown_table,
                                           numbered_notes, per_call, percent, ratio, run_ratios, signed_duration)
 from kvtrace.analyzer.verify import MISMATCHES_SHOWN
@@ -86,7 +86,7 @@ def _diff_table(first: list[str], rows: list[DiffRow], lead, diff: Diff) -> list
             for r, verdict in zip(rows, verdicts)]
     lines = markdown_table(header, body)
     if notes:
-        lines += [""] + [f"{i}. {visible(text)}" for i, text in enumerate(notes, 1)]
+        lines += [""] + [f"{i}. {md_prose(text)}" for i, text in enumerate(notes, 1)]
     return lines
 
 
@@ -119,7 +119,7 @@ def body(diff: Diff, level: int) -> list[str]:
              "\"different work\" instead of a verdict.", "",
              f"Total GPU kernel time: {duration(b.total_ns)} → {duration(c.total_ns)} ({ratio(diff.total_ratio)}).",
              "", f"{section} Comparability", ""]
-    lines += [f"- {MARK[f.level]} {visible(f.message)}" for f in diff.findings]
+    lines += [f"- {MARK[f.level]} {md_prose(f.message)}" for f in diff.findings]
     lines += ["", f"{section} Segments", ""]
     lines += _diff_table(["segment"], diff.segments, lambda r: [r.segment], diff)
     if diff.phases:

@@ -454,7 +454,8 @@ def _objective_value(metrics, name: str) -> float | None:
     return _stat(value) if name.endswith("_ms") else value
 
 
-def write_matrix_plots(matrix: Matrix, folder: Path, fmt: str = "png", link_base: Path | None = None) -> list[PlotFile]:
+def write_matrix_plots(matrix: Matrix, folder: Path, fmt: str = "png", link_base: Path | None = None,
+                       inputs=()) -> list[PlotFile]:
     """Each sweep's crossover plot in folder, as write_plots writes a report's."""
     folder = _plot_folder(folder, fmt)
     written = []
@@ -464,7 +465,7 @@ def write_matrix_plots(matrix: Matrix, folder: Path, fmt: str = "png", link_base
         if figure is None:
             continue
         path = folder / f"crossover-{number}.{fmt}"
-        _save(figure, path, fmt)
+        _save(figure, path, fmt, inputs)
         link = Path(os.path.relpath(path.resolve(), base.resolve())).as_posix()
         written.append(PlotFile(kind="crossover", title=f"{scenario.name}: {matrix.objective} of both arms against "
                                 f"context and concurrency, with the crossover", path=str(path), link=link,
@@ -486,26 +487,28 @@ def _plot_folder(folder: Path, fmt: str) -> Path:
     return folder
 
 
-def write_plots(report: Report, folder: Path, fmt: str = "png", link_base: Path | None = None) -> list[PlotFile]:
-    """Save every plot into folder (created when missing); its files, with paths relative to link_base (the
-    report file's folder; the working directory when None), the figure's title and its panels' titles."""
+def write_plots(report: Report, folder: Path, fmt: str = "png", link_base: Path | None = None,
+                inputs=()) -> list[PlotFile]:
+    """Save every plot into folder (created when missing), never onto one of `inputs` (a plot's name may be a
+    link to one); its files, with paths relative to link_base (the report file's folder; the working directory
+    when None), the figure's title and its panels' titles."""
     folder = _plot_folder(folder, fmt)
     titles = {kind: title for kind, title, _ in PLOTS}
     written = []
     base = Path(link_base) if link_base is not None else Path.cwd()
     for kind, figure in figures(report).items():
         path = folder / f"{kind}.{fmt}"
-        _save(figure, path, fmt)
+        _save(figure, path, fmt, inputs)
         link = Path(os.path.relpath(path.resolve(), base.resolve())).as_posix()
         written.append(PlotFile(kind=kind, title=titles[kind], path=str(path), link=link, heading=figure.get_suptitle(),
                                 panels=tuple(ax.get_title() for ax in figure.axes if ax.get_visible())))
     return written
 
 
-def _save(figure: Figure, path: Path, fmt: str) -> None:
+def _save(figure: Figure, path: Path, fmt: str, inputs) -> None:
     """Atomic, and reproducible: no creation date in the file; SVG text stays text (searchable)."""
     metadata = {"Date": None} if fmt == "svg" else {"Software": None}
     image = io.BytesIO()
     with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": "kvtrace"}):
         figure.savefig(image, format=fmt, dpi=_DPI, metadata=metadata, bbox_inches="tight")
-    files.write(path, image.getvalue())
+    files.write(path, image.getvalue(), inputs)

@@ -15,7 +15,7 @@ from rich.table import Table
 from kvtrace.analyzer.capacity import Capacity
 from kvtrace.analyzer.render import markdown as diff_markdown
 from kvtrace.analyzer.render import terminal as diff_terminal
-from kvtrace.analyzer.render.escape import csv_writer, md_code, md_text, rich, visible
+from kvtrace.analyzer.render.escape import csv_writer, md_code, md_prose, md_text, rich, visible
 from kvtrace.analyzer.render.statements import text as statement_text
 from kvtrace.analyzer.render.units import LEVEL, MARK, duration, markdown_table, percent, ratio, shown_path
 from kvtrace.analyzer.report import Report
@@ -286,12 +286,19 @@ def _capacity_lead(cap: Capacity) -> str:
 # ---- markdown -----------------------------------------------------------------------------------------
 
 def capacity_markdown(cap: Capacity, level: str = "##") -> str:
-    lines = [f"{level} kvtrace capacity" + (f": {visible(shown_path(cap.run))}" if cap.run else ""), "",
-             visible(_capacity_lead(cap)), ""]
+    lines = [f"{level} kvtrace capacity" + (f": {md_text(shown_path(cap.run))}" if cap.run else ""), "",
+             md_prose(_capacity_lead(cap)), ""]
     for title, header, rows in _capacity_tables(cap):
-        lines += [f"{level}# {title}", ""] + markdown_table(header, rows) + [""]
-    lines += [f"- {visible(note)}" for note in cap.notes]
+        # Labels and the model's source name sit among the numbers: every cell as plain text.
+        lines += [f"{level}# {title}", ""] + markdown_table([md_text(h) for h in header],
+                                                            [[md_text(c) for c in row] for row in rows]) + [""]
+    lines += [f"- {md_prose(note)}" for note in cap.notes]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _phase_cells(header: list[str], rows: list[list[str]]) -> tuple[list[str], list[list[str]]]:
+    """A phase table for markdown: the header (which holds the labels) and the phase names as plain text."""
+    return [md_text(h) for h in header], [[md_text(row[0]), *row[1:]] for row in rows]
 
 
 def report_markdown(report: Report) -> str:
@@ -307,8 +314,8 @@ def report_markdown(report: Report) -> str:
              "answer different questions and are kept apart.", "",
              "### What the numbers say", ""]
     lines += [f"- {MARK[s.level]} **{s.check}**: {statement_text(s, md_text)}" for s in report.statements]
-    lines += ["", "### Runs", ""] + [f"- {MARK[f.level]} {visible(f.message)}" for f in report.findings]
-    lines += [f"- {visible(note)}" for note in report.notes]
+    lines += ["", "### Runs", ""] + [f"- {MARK[f.level]} {md_prose(f.message)}" for f in report.findings]
+    lines += [f"- {md_prose(note)}" for note in report.notes]
     if report.serving:
         lines += ["", "### Serving" + (" (sweep)" if report.sweep and len(report.serving) > 1 else ""), ""]
         if len(report.serving) == 1:
@@ -323,18 +330,18 @@ def report_markdown(report: Report) -> str:
             lines += ["", f"Sources that measure the same quantity, checked against each other; peaks are maxima of "
                       f"/metrics polled during the traffic, observations only with at least {MIN_PEAK_POLLS} polls "
                       "inside it.", ""]
-            lines += [f"- {MARK[level]} {text}" for level, text in notes]
+            lines += [f"- {MARK[level]} {md_prose(text)}" for level, text in notes]
     if report.bandwidth:
         ceiling = report.hbm_ceiling
         lines += ["", "### Achieved bandwidth", "",
                   "KV bytes one workload call reads (append: writes), from the engine's manifest, divided by the GPU "
                   "time of the phase's attention (append) kernels per call in its NVTX range."
-                  + (f" Ceiling: {_rate(ceiling.bytes_per_s)}, the {ceiling.source}." if ceiling else
+                  + (f" Ceiling: {_rate(ceiling.bytes_per_s)}, the {md_prose(ceiling.source)}." if ceiling else
                      " The traces give no HBM bandwidth for the GPU, so no ceiling is stated."), ""]
-        lines += markdown_table(*_bandwidth_table(report))
+        lines += markdown_table(*_phase_cells(*_bandwidth_table(report)))
     if report.prefill_compute:
         lines += ["", "### Achieved compute (prefill)", "", md_text(_compute_lead(report)), ""]
-        lines += markdown_table(*_compute_table(report))
+        lines += markdown_table(*_phase_cells(*_compute_table(report)))
     if report.capacity is not None:
         lines += ["", capacity_markdown(report.capacity, level="###").rstrip()]
     if report.plots:
