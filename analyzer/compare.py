@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from kvtrace.analyzer import align, pairing, stats
+from kvtrace.analyzer import align, drift_band, pairing, stats
 from kvtrace.analyzer.calls import sums
 from kvtrace.analyzer.classify import KV_SEGMENTS, RecipeSet
 from kvtrace.analyzer.findings import arm_findings, comparability, drift_findings, run_findings, window_findings
@@ -448,7 +448,7 @@ class _RowBuilder:
 
 
 def _phase_totals(comparison: _Comparison, base_arm: Arm, cand_arm: Arm, *, threshold: float,
-                  bands: stats.Bands | None, confidence: float, seed: int) -> list[DiffRow]:
+                  bands: drift_band.Bands | None, confidence: float, seed: int) -> list[DiffRow]:
     """Per phase, every kernel together: the units of its work (pairing._units) pair unit for unit per range
     name (the last N, as kernel cells pair). The unit, not the kernel, is compared, since the arms may do
     the same work with different kernels (FP8's append is a cast plus a copy, NVFP4's one fused kernel)."""
@@ -513,7 +513,7 @@ def _phase_totals(comparison: _Comparison, base_arm: Arm, cand_arm: Arm, *, thre
 
 def _drift(rows: list[DiffRow], pooled: stats.Estimate | None, controls: pl.DataFrame, cells: pl.DataFrame,
            estimates: list[stats.Estimate | None], comparison: _Comparison, threshold: float
-           ) -> tuple[Drift | None, stats.Bands | None]:
+           ) -> tuple[Drift | None, drift_band.Bands | None]:
     """Drift from the kernels the KV format cannot affect, and the band of each size class from their cells;
     (None, None) when the traces have no such kernels paired."""
     if pooled is None:
@@ -526,14 +526,14 @@ def _drift(rows: list[DiffRow], pooled: stats.Estimate | None, controls: pl.Data
         members = members.to_numpy()
         family = vocabulary.families[family]
         per_call = totals[members].sum() / sizes[members].sum()
-        found.append(stats.Control(family, int(stats.size_class(per_call)), estimate.low if estimate else None,
+        found.append(drift_band.Control(family, int(drift_band.size_class(per_call)), estimate.low if estimate else None,
                                    estimate.high if estimate else None))
         where = vocabulary.name(nvtx)
         names.append(labels.get(family, family) + (f" in {where}" if where else ""))
-    bands = stats.drift_bands(found, threshold=threshold, runs=comparison.paired.runs)
-    size_bands = tuple(SizeBand(stats.size_class_label(index), band, basis, None if widest is None else names[widest])
+    bands = drift_band.drift_bands(found, threshold=threshold, runs=comparison.paired.runs)
+    size_bands = tuple(SizeBand(drift_band.size_class_label(index), band, basis, None if widest is None else names[widest])
                        for index, (band, basis, widest) in enumerate(zip(bands.band, bands.basis, bands.widest)))
-    measured = [b for b in size_bands if b.basis == stats.MEASURED]
+    measured = [b for b in size_bands if b.basis == drift_band.MEASURED]
     widest = max(measured, key=lambda b: b.band, default=None)
     segments = tuple(sorted({vocabulary.segments[s] for s in controls["segment"].unique().to_list()},
                             key=segment_order))

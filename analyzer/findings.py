@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import polars as pl
 
-from kvtrace.analyzer import align, stats
+from kvtrace.analyzer import align, drift_band
 from kvtrace.analyzer.results import Arm, DiffRow, Drift, Finding
 from kvtrace.kv_formats import bytes_per_value, claimed_dtypes
 
@@ -41,8 +41,8 @@ def drift_findings(drift: Drift, threshold: float) -> list[Finding]:
         parts = []
         for first, last, (band, basis, widest) in spans:
             why = ("assumed: no KV-independent kernel this small was paired; --repeat measures it"
-                   if basis == stats.ASSUMED else widest)
-            parts.append(f"{stats.size_class_label(first, last)} ±{100 * band:.1f}% ({why})")
+                   if basis == drift_band.ASSUMED else widest)
+            parts.append(f"{drift_band.size_class_label(first, last)} ±{100 * band:.1f}% ({why})")
         elsewhere = f"; elsewhere ±{100 * threshold:g}%" if sum(last - first + 1 for first, last, _ in spans) < \
             len(drift.bands) else ""
         found = [Finding("warning", "drift", f"{text}; changes within the band of their call size are not attributed "

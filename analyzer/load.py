@@ -14,8 +14,6 @@ import json
 import os
 import shutil
 import sqlite3
-import stat
-import struct
 import tempfile
 import threading
 from collections.abc import Callable
@@ -23,7 +21,6 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing, contextmanager, suppress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from urllib.parse import quote
 
 import numpy as np
 import polars as pl
@@ -32,6 +29,7 @@ import sqlite_utils
 from kvtrace.analyzer import calls as calls_
 from kvtrace.analyzer import ranges as ranges_
 from kvtrace.analyzer import cache as cache_
+from kvtrace.analyzer import sqlite_file
 from kvtrace.errors import KvtraceError
 from kvtrace.nsys import is_sqlite
 
@@ -150,10 +148,10 @@ def open_trace(path: str | os.PathLike, *, nsys: str | None = None, cache: bool 
     sqlite_path = exported or _export_of(source, nsys, step)
     if step is not None:
         step(f"reading {source.name}")
-    _check_sqlite_size(sqlite_path)
-    _check_settled(sqlite_path)
+    sqlite_file.check_size(sqlite_path)
+    sqlite_file.check_settled(sqlite_path)
     with _reading(source):
-        with closing(_connect(sqlite_path)) as conn:
+        with closing(sqlite_file.connect(sqlite_path)) as conn:
             _check_export(conn, source if sqlite_path == source else Path(f"{source} (exported as {sqlite_path})"))
             entry = cache_.entry_of(sqlite_path) if cache else None
             if entry is not None and (cached := cache_.read(entry, _workers(), _cached_trace(source))) is not None:
@@ -166,7 +164,7 @@ def open_trace(path: str | os.PathLike, *, nsys: str | None = None, cache: bool 
         partial = cache_.partial(entry) if entry is not None else None
         try:
             laid, signatures, in_partial = _laid_out(sqlite_path, launches, ranges, spans[KERNEL_TABLE], partial)
-            with closing(_connect(sqlite_path)) as conn:
+            with closing(sqlite_file.connect(sqlite_path)) as conn:
                 signatures = _with_names(conn, signatures, sqlite_path)
                 _check_names(signatures, sqlite_path)
                 info = _trace_info(conn, tables, source, sqlite_path, laid, signatures)
@@ -192,7 +190,7 @@ def _cached_trace(source: Path):
 
 def _is_report(source: Path) -> bool:
     """Whether `source` is an .nsys-rep to export (False: an SQLite export); anything else is refused."""
-    _check_file(source)
+    sqlite_file.check_file(source)
     if is_sqlite(source):
         return False
     if source.suffix in (".nsys-rep", ".qdrep"):
@@ -518,7 +516,7 @@ def _read_batches(path: Path, query: str):
     """Stream a query's rows as Arrow record batches through ADBC, read-only: memory stays at one batch."""
     import adbc_driver_sqlite.dbapi as adbc
 
-    with adbc.connect(read_only_uri(path)) as conn:
+    with adbc.connect(sqlite_file.read_only_uri(path)) as conn:
         with conn.cursor() as cursor:
             rows = min(1 << 18, max(1 << 14, BATCH_BYTES // 60 // _workers()))
             cursor.adbc_statement.set_options(**{"adbc.sqlite.query.batch_rows": str(rows)})
@@ -527,90 +525,6 @@ def _read_batches(path: Path, query: str):
 
 
 # ---- validation ---------------------------------------------------------------------------------------
-
-def _check_file(path: Path) -> None:
-    try:
-        status = path.stat()
-    except (FileNotFoundError, NotADirectoryError):
-        raise KvtraceError(f"{path}: no such file: check the path") from None
-    except OSError as error:
-        # Typically a folder on the way that this user may not search (no x permission).
-        raise KvtraceError(f"cannot reach {path}: {error.strerror.lower()}; check the permissions of the folders "
-                           "on its path") from None
-    if stat.S_ISDIR(status.st_mode):
-        try:
-            found = sorted(p.name for p in path.iterdir() if p.suffix in (".sqlite", ".nsys-rep"))
-        except OSError:
-            found = []
-        hint = f" (it holds {', '.join(found[:4])})" if found else ""
-        raise KvtraceError(f"{path} is a directory{hint}: pass one .sqlite or .nsys-rep file")
-    if not stat.S_ISREG(status.st_mode):
-        # Opening a FIFO would wait for a writer, and SQLite needs to seek: streams are not read.
-        raise KvtraceError(f"{path} is not a regular file (a pipe, FIFO or device): kvtrace reads exports from "
-                           "files; save the stream to a .sqlite file first")
-    try:
-        with open(path, "rb") as handle:
-            handle.read(1)
-    except OSError as error:
-        raise KvtraceError(f"cannot read {path}: {error.strerror.lower()}; check its permissions") from None
-    if status.st_size == 0:
-        raise KvtraceError(f"{path} is empty (0 bytes): re-run `nsys export --type sqlite` on the report")
-
-
-def _check_sqlite_size(path: Path) -> None:
-    """Compare the file with the size its header promises, which catches truncated copies."""
-    with open(path, "rb") as handle:
-        header = handle.read(100)
-    if len(header) < 100:
-        raise KvtraceError(f"{path} is truncated (only {len(header)} bytes): copy or export it again")
-    page_size = struct.unpack(">H", header[16:18])[0]
-    page_size = 65536 if page_size == 1 else page_size
-    change_counter, page_count = struct.unpack(">II", header[24:32])
-    version_valid_for = struct.unpack(">I", header[92:96])[0]
-    actual = path.stat().st_size
-    if change_counter == version_valid_for and page_count and actual < page_size * page_count:
-        raise KvtraceError(f"{path} is truncated ({actual} of {page_size * page_count} bytes): copy or export "
-                           "it again")
-
-
-# The first bytes of a rollback journal that still holds a transaction; SQLite zeroes them once it is done.
-_JOURNAL_MAGIC = bytes.fromhex("d9d505f920a163d7")
-
-
-def _check_settled(path: Path) -> None:
-    """Refuse an export that SQLite would show differently from its main file: committed rows still in its
-    `-wal` (WAL mode, not checkpointed, or a writer still at work) or a hot `-journal` (a writer that died or is
-    mid-transaction). kvtrace reads exports as immutable, which looks at the main file alone, and it never opens
-    them for writing, which is what replaying a journal or checkpointing a WAL would take."""
-    wal, journal = Path(f"{path}-wal"), Path(f"{path}-journal")
-    copy = f"make a consistent copy with `sqlite3 {path} \".backup copy.sqlite\"` once no writer is left, and pass that"
-    with suppress(OSError):
-        if wal.stat().st_size > 0:
-            raise KvtraceError(f"{path} has rows in {wal.name} beside it that its main file lacks (a WAL-mode "
-                               f"database not checkpointed, or a writer still at work): {copy}")
-    with suppress(OSError):
-        if not stat.S_ISREG(journal.stat().st_mode):  # never open a FIFO planted there
-            return
-        with open(journal, "rb") as handle:
-            if handle.read(8) == _JOURNAL_MAGIC:
-                raise KvtraceError(f"{path} has an unfinished transaction in {journal.name} beside it (a writer "
-                                   f"died or is still writing): {copy}")
-
-
-def read_only_uri(path: Path) -> str:
-    """The export as an SQLite URI opened read-only; the path's bytes are quoted, so that a file name that is not
-    UTF-8 (kept by Python as surrogates) reaches SQLite as it is on disk."""
-    return f"file:{quote(os.fsencode(path.resolve()))}?mode=ro&immutable=1"
-
-
-def _connect(path: Path) -> sqlite3.Connection:
-    try:
-        conn = sqlite3.connect(read_only_uri(path), uri=True)
-        conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
-        return conn
-    except sqlite3.DatabaseError as error:
-        raise KvtraceError(f"{path} is not a readable SQLite database ({error}): export it again") from None
-
 
 def _check_export(conn: sqlite3.Connection, path: Path) -> None:
     db = sqlite_utils.Database(conn)
@@ -710,7 +624,7 @@ def _with_names(conn: sqlite3.Connection, signatures: pl.DataFrame, sqlite_path:
 
 def stage_queries(sqlite_path: Path) -> dict[str, str]:
     """The two table reads open_trace makes, as SQL: "kernels" (with the launch keys) and "launches"."""
-    with closing(_connect(sqlite_path)) as conn:
+    with closing(sqlite_file.connect(sqlite_path)) as conn:
         api_ids = _launch_api_ids(conn)
     return {"kernels": _kernel_query(launch_keys=True), "launches": _launch_query(api_ids)}
 

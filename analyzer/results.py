@@ -155,7 +155,7 @@ class Drift:
 class SizeBand:
     size: str  # the class of per-call time, "< 4 µs"
     band: float
-    basis: str  # stats.MEASURED, AS_SMALLER, ASSUMED or REPEATS
+    basis: str  # drift_band.MEASURED, AS_SMALLER, ASSUMED or REPEATS
     widest: str | None  # the kernel cell whose sure move set it
 
 

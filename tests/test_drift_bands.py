@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import FIXTURES, NSYS2025_DIR
-from kvtrace.analyzer import compare, pairing, stats
+from kvtrace.analyzer import compare, drift_band, pairing, stats
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.load import open_trace
 from test_intervals import draw, repeat_pairs
@@ -49,8 +49,8 @@ def test_no_same_format_pair_of_real_runs_gets_a_verdict(recipes, baseline, cand
     called = [(r.segment, r.phase, r.family_label, r.ratio) for r in every_row(result) if r.verdict in CHANGES]
     assert not called
     small, *_, large = result.drift.bands
-    assert (small.size, small.basis, small.band) == ("< 4 µs", stats.ASSUMED, stats.ASSUMED_BAND)
-    assert large.basis == stats.AS_SMALLER and large.band < result.threshold  # prefill: the GEMM control's band
+    assert (small.size, small.basis, small.band) == ("< 4 µs", drift_band.ASSUMED, drift_band.ASSUMED_BAND)
+    assert large.basis == drift_band.AS_SMALLER and large.band < result.threshold  # prefill: the GEMM control's band
     finding = next(f for f in result.findings if f.check == "drift")
     assert "< 40 µs ±20.0% (assumed: no KV-independent kernel this small was paired" in finding.message
 
@@ -62,7 +62,7 @@ def test_repeats_cover_small_kernel_drift_by_themselves(recipes, fmt):
     called a change; every small row's interval holds both run pairs' own ratios."""
     runs = [open_trace(path) for pair in SAME_FORMAT if pair[0].name.startswith(fmt) for path in pair]
     result = compare.diff(runs[0::2], runs[1::2], recipes)
-    assert result.runs == 2 and [b.basis for b in result.drift.bands[:2]] == [stats.REPEATS] * 2
+    assert result.runs == 2 and [b.basis for b in result.drift.bands[:2]] == [drift_band.REPEATS] * 2
     assert not [r for r in every_row(result) if r.verdict in CHANGES]
     small = [r for r in result.phases if r.compared_calls and r.baseline.total_ns / r.compared_calls < 4_000]
     assert len(small) >= 3  # NVFP4: the elementwise kernels of the three decode ranges; FP8 adds its cast

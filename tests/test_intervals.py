@@ -19,7 +19,7 @@ import polars as pl
 import pytest
 
 from conftest import FIXTURES, NSYS2025_DIR
-from kvtrace.analyzer import align, compare, pairing, stats
+from kvtrace.analyzer import align, compare, drift_band, pairing, stats
 from kvtrace.analyzer.load import open_trace
 
 REPEAT = FIXTURES / "fi-h200-sm90-repeat"
@@ -157,7 +157,7 @@ def test_kernels_the_kv_format_cannot_touch_get_no_verdict_beyond_drift(decode_h
     assert drift.segments == ("gemm", "norm", "activation") and drift.band > decode_heavy.threshold
     finding = next(f for f in decode_heavy.findings if f.check == "drift")
     small = drift.bands[0]
-    assert (small.size, small.basis, small.band) == ("< 4 µs", stats.MEASURED, drift.band)
+    assert (small.size, small.basis, small.band) == ("< 4 µs", drift_band.MEASURED, drift.band)
     assert f"< 4 µs ±{100 * drift.band:.1f}% (splitKreduce_kernel in " in finding.message
     rows = [r for r in decode_heavy.segments + decode_heavy.phases + decode_heavy.families
             if r.segment in ("activation", "norm", "memory", "gemm")]

@@ -22,7 +22,7 @@ import polars as pl
 import pytest
 
 from conftest import BAD_DIR, FIXTURES, NSYS2023_DIR, NSYS2025_DIR, REAL_SQLITE, fingerprint
-from kvtrace.analyzer import load
+from kvtrace.analyzer import load, sqlite_file
 from kvtrace.analyzer.load import KERNEL_TABLE, open_trace
 from kvtrace.analyzer.ranges import NO_RANGE
 
@@ -271,7 +271,7 @@ def test_a_trace_read_in_many_rowid_ranges_and_spilled_loads_the_same(workers, t
     monkeypatch.setattr(load.calls_, "HELD_BYTES", 3 * 700 * 20)  # three chunks in memory, the rest on disk
     monkeypatch.setattr(load.calls_, "BLOCK_ROWS", 256)
     [(rowids,)] = own_sql(gaps, f"SELECT max(rowid) - min(rowid) + 1 FROM {KERNEL_TABLE}")
-    with closing(load._connect(gaps)) as conn:
+    with closing(sqlite_file.connect(gaps)) as conn:
         assert len(load._rowid_spans(conn, KERNEL_TABLE)) == min(4 * workers, -(-rowids // 700)) > 1
     _same_calls(open_trace(gaps, cache=False), whole)
 

@@ -13,7 +13,7 @@ import statistics
 import numpy as np
 import pytest
 
-from kvtrace.analyzer import stats
+from kvtrace.analyzer import drift_band, stats
 
 
 def lognormal_ns(seed: int, n: int, *, scale: float = 1.0, sigma: float = 0.3) -> np.ndarray:
@@ -341,19 +341,19 @@ def test_unpaired_share_stays_within_zero_and_one():
 
 
 def test_sure_move_is_the_interval_end_nearest_one():
-    assert stats.sure_move(0.964, 0.968) == pytest.approx(0.032)
-    assert stats.sure_move(1.004, 1.02) == pytest.approx(0.004)
-    assert stats.sure_move(0.98, 1.01) == 0.0 and stats.sure_move(None, None) == 0.0
+    assert drift_band.sure_move(0.964, 0.968) == pytest.approx(0.032)
+    assert drift_band.sure_move(1.004, 1.02) == pytest.approx(0.004)
+    assert drift_band.sure_move(0.98, 1.01) == 0.0 and drift_band.sure_move(None, None) == 0.0
 
 
 def test_size_classes():
-    assert stats.size_class([900, 3_999, 4_000, 19_000, 171_000, 468e6]).tolist() == [0, 0, 1, 1, 2, 3]
-    assert [stats.size_class_label(c) for c in range(4)] == ["< 4 µs", "4–40 µs", "40–400 µs", "≥ 400 µs"]
-    assert stats.size_class_label(0, 1) == "< 40 µs" and stats.size_class_label(2, 3) == "≥ 40 µs"
+    assert drift_band.size_class([900, 3_999, 4_000, 19_000, 171_000, 468e6]).tolist() == [0, 0, 1, 1, 2, 3]
+    assert [drift_band.size_class_label(c) for c in range(4)] == ["< 4 µs", "4–40 µs", "40–400 µs", "≥ 400 µs"]
+    assert drift_band.size_class_label(0, 1) == "< 40 µs" and drift_band.size_class_label(2, 3) == "≥ 40 µs"
 
 
-def control(family: str, per_call_ns: float, low: float | None, high: float | None) -> stats.Control:
-    return stats.Control(family, int(stats.size_class(per_call_ns)), low, high)
+def control(family: str, per_call_ns: float, low: float | None, high: float | None) -> drift_band.Control:
+    return drift_band.Control(family, int(drift_band.size_class(per_call_ns)), low, high)
 
 
 def test_drift_band_of_each_size_is_its_largest_sure_move():
@@ -362,16 +362,16 @@ def test_drift_band_of_each_size_is_its_largest_sure_move():
     controls = [control("norm", 2_000, 0.964, 0.968), control("act", 1_400, 0.97, 0.99),
                 control("gemm", 9_000, 1.004, 1.02), control("gemm", 19_000, 0.98, 1.01),
                 control("x", 30_000, None, None)]
-    bands = stats.drift_bands(controls, threshold=0.02, runs=1)
+    bands = drift_band.drift_bands(controls, threshold=0.02, runs=1)
     assert bands.band[:2] == pytest.approx((0.032, 0.004)) and bands.widest[:2] == (0, 2)
-    assert bands.basis == (stats.MEASURED, stats.MEASURED, stats.AS_SMALLER, stats.AS_SMALLER)
+    assert bands.basis == (drift_band.MEASURED, drift_band.MEASURED, drift_band.AS_SMALLER, drift_band.AS_SMALLER)
     assert bands.band[2:] == pytest.approx((0.004, 0.004)) and bands.outlier is None
-    gemm_only = stats.drift_bands([control("gemm", 171_000, 0.997, 0.999)], threshold=0.02, runs=1)
-    assert gemm_only.band[:2] == (stats.ASSUMED_BAND,) * 2 and gemm_only.basis[:2] == (stats.ASSUMED,) * 2
+    gemm_only = drift_band.drift_bands([control("gemm", 171_000, 0.997, 0.999)], threshold=0.02, runs=1)
+    assert gemm_only.band[:2] == (drift_band.ASSUMED_BAND,) * 2 and gemm_only.basis[:2] == (drift_band.ASSUMED,) * 2
     assert gemm_only.band[2:] == pytest.approx((0.001, 0.001))
-    repeated = stats.drift_bands([control("gemm", 171_000, 0.99, 1.01)], threshold=0.02, runs=2)
-    assert repeated.band[:2] == (0.0, 0.0) and repeated.basis[:2] == (stats.REPEATS,) * 2
-    assert stats.drift_bands([], threshold=0.02, runs=1).band == (stats.ASSUMED_BAND,) * 4
+    repeated = drift_band.drift_bands([control("gemm", 171_000, 0.99, 1.01)], threshold=0.02, runs=2)
+    assert repeated.band[:2] == (0.0, 0.0) and repeated.basis[:2] == (drift_band.REPEATS,) * 2
+    assert drift_band.drift_bands([], threshold=0.02, runs=1).band == (drift_band.ASSUMED_BAND,) * 4
 
 
 def test_one_family_that_moves_far_more_than_its_peers_is_left_out():
@@ -379,17 +379,17 @@ def test_one_family_that_moves_far_more_than_its_peers_is_left_out():
     so the 4-40 µs band is its peers' 2%; with a single peer, or a move within twice the threshold, nothing is."""
     peers = [control("splitK", 9_200, 1.020, 1.026), control("norm", 2_000, 0.995, 0.999),
              control("nvjet_128x16", 19_000, 1.070, 1.076), control("nvjet_128x16", 25_000, 1.0, 1.01)]
-    bands = stats.drift_bands(peers, threshold=0.02, runs=1)
+    bands = drift_band.drift_bands(peers, threshold=0.02, runs=1)
     assert (bands.outlier, bands.outlier_move) == ("nvjet_128x16", pytest.approx(0.070))
     assert bands.band[1] == pytest.approx(0.020) and bands.widest[1] == 0
-    assert stats.drift_bands(peers[1:3], threshold=0.02, runs=1).outlier is None  # one peer: no telling
-    assert stats.drift_bands(peers, threshold=0.04, runs=1).outlier is None  # within twice the threshold
+    assert drift_band.drift_bands(peers[1:3], threshold=0.02, runs=1).outlier is None  # one peer: no telling
+    assert drift_band.drift_bands(peers, threshold=0.04, runs=1).outlier is None  # within twice the threshold
     close = peers[:2] + [control("nvjet_128x16", 19_000, 1.035, 1.04)]
-    assert stats.drift_bands(close, threshold=0.02, runs=1).outlier is None  # not twice the next
+    assert drift_band.drift_bands(close, threshold=0.02, runs=1).outlier is None  # not twice the next
 
 
 def test_row_band_weighs_its_cells_bands_by_baseline_time():
-    bands = stats.Bands((0.15, 0.02, 0.004, 0.004), (stats.ASSUMED,) + (stats.MEASURED,) * 3, (None, 1, 2, 2))
+    bands = drift_band.Bands((0.15, 0.02, 0.004, 0.004), (drift_band.ASSUMED,) + (drift_band.MEASURED,) * 3, (None, 1, 2, 2))
     assert bands.of([1_000], [5.0]) == pytest.approx(0.15)
     assert bands.of([1_000, 171_000], [1.0, 99.0]) == pytest.approx(0.01 * 0.15 + 0.99 * 0.004)
     assert bands.of([], []) == 0.0
