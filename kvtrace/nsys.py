@@ -68,7 +68,11 @@ def find_importer(nsys: str) -> str | None:
 
 def import_qdstrm(importer: str, raw: Path, *, log: TextIO | None = None) -> subprocess.CompletedProcess:
     """Turn the raw capture `raw` (.qdstrm) into a report beside it, as nsys profile's own import step does."""
-    command = [importer, "-i", str(raw)]
+    return _run_logged([importer, "-i", str(raw)], log)
+
+
+def _run_logged(command: list[str], log: TextIO | None) -> subprocess.CompletedProcess:
+    """Run an nsys tool, its command line and output (stdout and stderr together) written to `log` if given."""
     if log is not None:
         log.write(f"$ {' '.join(command)}\n")
         log.flush()
@@ -150,13 +154,6 @@ def export_sqlite(nsys: str, report: Path, target: Path, *, log: TextIO | None =
     renamed into place only once it is a complete SQLite file, so `target` never holds half an export. The
     command and nsys' output go to `log` when one is given. Raises ExportFailed."""
     with files.beside(target, suffix=".sqlite") as partial:
-        command = export_command(nsys, report, partial, tables)
-        if log is not None:
-            log.write(f"$ {' '.join(command)}\n")
-            log.flush()
-        result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                errors="replace", check=False)
-        if log is not None:
-            log.write(result.stdout)
+        result = _run_logged(export_command(nsys, report, partial, tables), log)
         if result.returncode != 0 or not is_sqlite(partial):
             raise ExportFailed(result.returncode, result.stdout)

@@ -24,7 +24,7 @@ import pytest
 from click.testing import CliRunner
 from rich.console import Console
 
-from conftest import FIXTURES, NSYS2023_DIR, NSYS2025_DIR, SERVE_RUNS, sql_durations
+from conftest import FIXTURES, NSYS2023_DIR, NSYS2025_DIR, SERVE_RUNS, VLLM033_RUNS, sql_durations
 from kvtrace.analyzer import align, headline, report, runs, serving, statements, stats
 from kvtrace.analyzer.render import json_out, render_table, render_text
 from kvtrace.analyzer.render.statements import text as statement_text
@@ -776,13 +776,12 @@ def test_polled_peaks_count_as_peaks_only_with_enough_polls_in_the_traffic():
     assert estimated.peak_running is None and "about every 0.53 s (about 1 poll inside it)" in estimated.peaks_note
 
 
-@pytest.mark.parametrize("name", sorted(SERVE_RUNS))
-def test_cut_exports_keep_the_originals_kernel_totals(name):
+@pytest.mark.parametrize("run", [*SERVE_RUNS.values(), *VLLM033_RUNS.values()], ids=lambda run: run.name)
+def test_cut_exports_keep_the_originals_kernel_totals(run):
     """pack_run.py recorded, by plain SQL on the original export, calls and GPU time per kernel and innermost
-    NVTX range; kvtrace reads the same from the cut export."""
+    NVTX range (vLLM 0.26 serve runs and the vLLM 0.33 matrix); kvtrace reads the same from the cut export."""
     from kvtrace.analyzer.load import open_trace
 
-    run = SERVE_RUNS[name]
     cut = json.loads((run / "cut.json").read_text())
     for export, record in cut["exports"].items():
         assert "CUDA_GRAPH_NODE_EVENTS" in record["rows_dropped"] and record["cut"]["bytes"] < record["original"]["bytes"]
