@@ -87,7 +87,7 @@ def parse_time_window(text: str) -> tuple[int | None, int | None]:
     return start, end
 
 
-def range_matches(trace: Trace, pattern: regex.Pattern) -> np.ndarray:
+def range_matches(trace: Trace, pattern: regex.Pattern, option: str = "--window") -> np.ndarray:
     """Per range of the trace: it, or a range around it, has a name matching `pattern`. Matched once per
     distinct name by the `regex` package with recipe patterns' time limit per match: a user's (.+)+Z backtracks
     without end on a long step name."""
@@ -97,7 +97,7 @@ def range_matches(trace: Trace, pattern: regex.Pattern) -> np.ndarray:
         try:
             return pattern.search(name, timeout=MATCH_TIMEOUT_S) is not None
         except TimeoutError:
-            raise KvtraceError(f"--window {pattern.pattern!r} took over {MATCH_TIMEOUT_S:g} s on an NVTX name of "
+            raise KvtraceError(f"{option} {pattern.pattern!r} took over {MATCH_TIMEOUT_S:g} s on an NVTX name of "
                                f"{len(name):,} characters (nested quantifiers such as (a+)+ backtrack without end): "
                                "simplify the pattern") from None
 
@@ -159,7 +159,7 @@ def window_calls(trace: Trace, window: Window, group_of_cell: np.ndarray) -> np.
                 pattern = regex.compile(expression)
             except regex.error as error:
                 raise KvtraceError(f"{option} {expression!r} is not a valid regex ({error})") from None
-            keep = narrow(np.isin(calls.range, np.flatnonzero(range_matches(trace, pattern))))
+            keep = narrow(np.isin(calls.range, np.flatnonzero(range_matches(trace, pattern, option))))
     start, end = window.time_ns
     if start is not None or end is not None:
         # Starts are kept in start order, so the window is a span of ranks.

@@ -218,7 +218,8 @@ def export_report(report: Path, *, nsys: str | None = None, tables: tuple[str, .
     (2025.3's exports Parquet instead).
     """
     sibling = report.with_suffix(".sqlite")
-    if sibling.exists() and sibling.stat().st_mtime >= report.stat().st_mtime and is_sqlite(sibling):
+    # Only a regular file: a folder of that name, or a FIFO planted there, is no export.
+    if sibling.is_file() and sibling.stat().st_mtime >= report.stat().st_mtime and is_sqlite(sibling):
         return sibling
     try:
         nsys_path = kvtrace.nsys.find_nsys(nsys)

@@ -263,6 +263,12 @@ def diff_sides(sides: Sides, *, labels: tuple[str | None, str | None] = (None, N
     for row, spec, estimate in zip(rows, specs, estimates):
         unpaired_delta = row.total_delta_ns - row.paired_delta_ns
         band = bands.of(per_call[spec.members], comparison.strata_totals[0][spec.members]) if bands else 0.0
+        # A control row pools cells whose sure moves set the bands; pooled, its interval is narrower than theirs,
+        # yet it is the drift itself, never a KV effect. Not so for the outlier family's rows, nor for rows that
+        # pool families (family None) while an outlier exists: they may hold it, and it has a finding of its own.
+        holds_outlier = bands is not None and bands.outlier is not None and row.family in (bands.outlier, None)
+        if bands and estimate is not None and row.kv_independent and not holds_outlier:
+            band = max(band, drift_band.sure_move(estimate.low, estimate.high))
         row.verdict, row.paired_verdict = stats.row_verdict(estimate, threshold=threshold, drift=band,
                                                             paired_delta=row.paired_delta_ns,
                                                             unpaired_delta=unpaired_delta)

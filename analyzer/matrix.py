@@ -390,8 +390,9 @@ def build(paths: list[Path], recipes: RecipeSet, *, objective: str = "ttft", thr
     scenarios = []
     start = 1
     for name, runs in group_runs(paths):
+        # exports_from=(): a scenario's exports are read inside its run directories, as `kvtrace report` does.
         result = report_lib.build(runs, recipes, threshold=threshold, confidence=confidence, seed=seed, nsys=nsys,
-                                  cache=cache)
+                                  cache=cache, exports_from=())
         points = _points(name, result, objective, threshold, start)
         start += len(points)
         scenarios.append(Scenario(

@@ -10,9 +10,11 @@ vLLM's token counts (`execute_context_8(16384)_generation_0(0)`), kvtrace's `ctx
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
+import regex
+
+from kvtrace.analyzer.classify import MATCH_TIMEOUT_S
 from kvtrace.errors import KvtraceError
 
 INSTANCE = "*"
@@ -39,8 +41,8 @@ class NameKey:
         for option, patterns in (("--nvtx-ignore", self.ignore), ("--nvtx-keep", self.keep)):
             for pattern in patterns:
                 try:
-                    re.compile(pattern)
-                except re.error as error:
+                    regex.compile(pattern)
+                except regex.error as error:
                     raise KvtraceError(f"{option} {pattern!r} is not a valid regex ({error})") from None
 
     def describe(self) -> list[str]:
@@ -49,16 +51,23 @@ class NameKey:
 
     def of(self, names: tuple[str, ...] | list[str]) -> list[str]:
         """Each name's key (a trace has thousands of distinct names at most: each is read once)."""
-        counters = [re.compile(p) for p in (*COUNTERS, *self.ignore)]
-        keeps = [re.compile(p) for p in self.keep]
-        return [_key(name, counters, keeps) for name in names]
+        # The user's patterns run on the `regex` engine with the recipes' time limit per match, as --window does:
+        # a nested quantifier such as (a+)+$ would otherwise backtrack without end on a long name.
+        counters = [regex.compile(p) for p in (*COUNTERS, *self.ignore)]
+        keeps = [regex.compile(p) for p in self.keep]
+        try:
+            return [_key(name, counters, keeps) for name in names]
+        except TimeoutError:
+            raise KvtraceError(f"an --nvtx-ignore or --nvtx-keep pattern took over {MATCH_TIMEOUT_S:g} s on one NVTX "
+                               "name (nested quantifiers such as (a+)+ backtrack without end): simplify the "
+                               "pattern") from None
 
 
-def _key(name: str, counters: list[re.Pattern], keeps: list[re.Pattern]) -> str:
-    kept = [match.span() for pattern in keeps for match in pattern.finditer(name)]
+def _key(name: str, counters: list[regex.Pattern], keeps: list[regex.Pattern]) -> str:
+    kept = [match.span() for pattern in keeps for match in pattern.finditer(name, timeout=MATCH_TIMEOUT_S)]
     spans = set()
     for pattern in counters:
-        for match in pattern.finditer(name):
+        for match in pattern.finditer(name, timeout=MATCH_TIMEOUT_S):
             span = match.span(1) if pattern.groups else match.span()
             if span[0] < span[1] and not any(low <= span[0] and span[1] <= high for low, high in kept):
                 spans.add(span)

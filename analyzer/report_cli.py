@@ -68,6 +68,7 @@ def report(runs, arms, labels, threshold, confidence, seed, plots_dir, exports_f
                                                 as_run(manifest.path.parent if manifest else None))
     inputs().extend(Path(export) for arm in (result.baseline, result.candidate) for export in arm.runs)
     inputs().extend(Path(arm.run) / "manifest.json" for arm in (result.baseline, result.candidate))
+    inputs().extend(Path(arm.log) for arm in (result.baseline, result.candidate) if arm.log)
     if plots_dir is not None:
         from kvtrace.analyzer.render import plots  # matplotlib only on this path
 
@@ -154,11 +155,11 @@ def _flags(overrides: dict) -> str:
 @click.argument("runs", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("--objective", type=click.Choice(["ttft", "itl", "throughput"]), default="ttft", show_default=True,
               help="What decides a traffic point: TTFT, ITL (inter-token latency) or throughput (output tokens/s).")
-@click.option("--threshold", default=0.02, show_default=True, type=click.FloatRange(0, 1, max_open=True),
+@click.option("--threshold", default=0.02, show_default=True, type=FiniteRange(0, 1, max_open=True),
               help="No-change band around a ratio of 1 (0.02 = ±2%), for kernels and the objective.")
 @click.option("--confidence", default=0.95, show_default=True,
-              type=click.FloatRange(0, 1, min_open=True, max_open=True), help="Confidence level of the intervals.")
-@click.option("--seed", default=0, show_default=True, type=click.IntRange(0),
+              type=FiniteRange(0, 1, min_open=True, max_open=True), help="Confidence level of the intervals.")
+@click.option("--seed", default=0, show_default=True, type=Whole(0),
               help="Bootstrap seed (same inputs and seed, same output).")
 @click.option("--plots", "plots_dir", type=click.Path(path_type=Path),
               help="Write each sweep's crossover plot into this folder (created if missing); the markdown links it.")
@@ -186,6 +187,7 @@ def matrix(runs, objective, threshold, confidence, seed, plots_dir, plot_format,
         arms = (scenario.report.baseline, scenario.report.candidate)
         inputs().extend(Path(export) for arm in arms for export in arm.runs)
         inputs().extend(Path(arm.run) / "manifest.json" for arm in arms)
+        inputs().extend(Path(arm.log) for arm in arms if arm.log)
     if plots_dir is not None:
         from kvtrace.analyzer.render import plots  # matplotlib only on this path
 

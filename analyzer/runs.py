@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvtrace import kv_formats
+from kvtrace import files, kv_formats
 from kvtrace.errors import KvtraceError
 from kvtrace.manifest import Manifest, RunRecord, read_manifest
 
@@ -31,6 +31,7 @@ class RunArm:
     versions: dict = field(default_factory=dict)  # torch, CUDA runtime, FlashInfer, vLLM, as the workload recorded
     # The query dtype per phase (prefill, decode) that vLLM's FlashInfer backend resolved, from the run's log.
     query_dtypes: dict = field(default_factory=dict)
+    log: str | None = None  # the first run's log, read for query_dtypes (an input: outputs never land on it)
 
 
 @dataclass
@@ -157,8 +158,7 @@ def run_arm(item: ArmInput, label: str) -> RunArm:
                   kv_format=fmt, scenario=manifest.scenario, mode=manifest.mode, sqlite=str(item.run / arm.sqlite),
                   runs=tuple(str(item.run / manifest.runs[name].sqlite) for name in item.runs),
                   kv_cache_tokens=arm.kv_cache_tokens, kv_cache_line=arm.kv_cache.get("line"),
-                  versions=dict(arm.workload.get("versions") or {}),
-                  query_dtypes=_query_dtypes(item.run / arm.log) if arm.log else {})
+                  versions=dict(arm.workload.get("versions") or {}), **_log_fields(item, arm.log))
 
 
 # vLLM >= 0.33, vllm/v1/attention/backends/flashinfer.py: "FlashInfer resolved query dtypes: prefill=torch.X,
@@ -166,10 +166,17 @@ def run_arm(item: ArmInput, label: str) -> RunArm:
 _QUERY_DTYPES = re.compile(r"FlashInfer resolved query dtypes: prefill=torch\.(\w+), decode=torch\.(\w+)")
 
 
-def _query_dtypes(log: Path) -> dict:
-    """{"prefill": dtype, "decode": dtype} from the last such line of the run's log; {} without one."""
-    try:
-        found = _QUERY_DTYPES.findall(log.read_text(errors="replace"))
-    except OSError:
+def _log_fields(item: ArmInput, name: str | None) -> dict:
+    """The run's log (inside its run directory, as its exports are) and the query dtypes it names; none without
+    a log. A planted manifest cannot send kvtrace to read elsewhere, nor to wait on a FIFO or read /dev/zero."""
+    if not name:
         return {}
-    return {"prefill": found[-1][0], "decode": found[-1][1]} if found else {}
+    log = item.run / name
+    if not log.resolve().is_relative_to(item.run.resolve()):
+        raise KvtraceError(f"arm {item.arm} in {item.run} lists its log as {name!r}, which leads outside the run "
+                           "directory (through .., an absolute path or a link): keep a run's logs inside it")
+    if not log.exists():
+        return {"log": None, "query_dtypes": {}}
+    text = files.read_small(log, f"log {log}", "keep the capture's own log there, or remove it").decode(errors="replace")
+    found = _QUERY_DTYPES.findall(text)
+    return {"log": str(log), "query_dtypes": {"prefill": found[-1][0], "decode": found[-1][1]} if found else {}}

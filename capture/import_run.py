@@ -13,12 +13,11 @@ Standard library only (plus the kvtrace floor), so that it runs where the captur
 from __future__ import annotations
 
 import hashlib
-import json
 import time
 from pathlib import Path
 
 import kvtrace.nsys
-from kvtrace import __version__
+from kvtrace import __version__, files
 from kvtrace.capture import runner
 from kvtrace.errors import KvtraceError
 from kvtrace.manifest import MANIFEST, is_kvtrace_manifest
@@ -30,14 +29,18 @@ def importable(entry: dict) -> bool:
 
 
 def _read(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as error:
-        raise KvtraceError(f"{path} is not readable JSON ({error}): pass a run directory written by "
-                           "`kvtrace capture`") from None
+    data = files.read_json(path, f"manifest {path}", "pass a run directory written by `kvtrace capture`")
     if not is_kvtrace_manifest(data) or not isinstance(data.get("arms"), dict):
         raise KvtraceError(f"{path} was not written by kvtrace (no kvtrace_manifest field or no arms): pass a run "
                            "directory written by `kvtrace capture`")
+    for name, entry in data["arms"].items():
+        # An arm's name becomes file names in the run directory: a planted "../x" must not reach outside it.
+        if not isinstance(entry, dict) or Path(name).name != name or name in (".", ".."):
+            raise KvtraceError(f"{path}: arm {name!r} is not an arm entry kvtrace wrote (an object named by a file "
+                               "stem): pass a run directory written by `kvtrace capture`")
+        if not all(isinstance(entry.get(key), (str, type(None))) for key in ("status", "error")):
+            raise KvtraceError(f"{path}: arm {name!r} has a status or error that is not text: pass a run directory "
+                               "written by `kvtrace capture`")
     return data
 
 

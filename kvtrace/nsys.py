@@ -11,8 +11,10 @@ import os
 import shutil
 import sqlite3
 import subprocess
+from contextlib import closing
 from pathlib import Path
 from typing import TextIO
+from urllib.parse import quote
 
 from kvtrace import files
 from kvtrace.errors import KvtraceError
@@ -110,7 +112,8 @@ def export_problem(path: Path) -> str | None:
     if not is_sqlite(path):
         return "is not an SQLite file"
     try:
-        with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as conn:
+        # The path's bytes quoted: `#`, `?` or `%` in a folder name would otherwise cut the URI short.
+        with closing(sqlite3.connect(f"file:{quote(os.fsencode(Path(path).resolve()))}?mode=ro", uri=True)) as conn:
             if conn.execute("PRAGMA quick_check").fetchone()[0] != "ok":
                 return "fails SQLite's integrity check (truncated or damaged)"
             tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}

@@ -9,7 +9,7 @@ from kvtrace.analyzer.render.units import shown_path
 
 
 # Fields that hold a file or run directory: shown by name (units.shown_path), as in every other report.
-PATH_FIELDS = frozenset({"source", "sqlite", "sources", "runs", "run", "path"})
+PATH_FIELDS = frozenset({"source", "sqlite", "sources", "runs", "run", "path", "log"})
 
 
 def _clean(value):
