@@ -95,6 +95,25 @@ def _paths(value) -> list[Path]:
     return [value] if isinstance(value, Path) else []
 
 
+def interval_options(band_for: str = ""):
+    """--threshold, --confidence and --seed, shared by the commands that give verdicts; `band_for` says what the
+    threshold's band applies to beyond kernels (", for kernels and TTFT")."""
+
+    def decorate(command):
+        for option in reversed((
+                click.option("--threshold", default=0.02, show_default=True, type=FiniteRange(0, 1, max_open=True),
+                             help=f"No-change band around a ratio of 1 (0.02 = ±2%){band_for}."),
+                click.option("--confidence", default=0.95, show_default=True,
+                             type=FiniteRange(0, 1, min_open=True, max_open=True),
+                             help="Confidence level of the bootstrap intervals."),
+                click.option("--seed", default=0, show_default=True, type=Whole(0),
+                             help="Bootstrap seed (same inputs and seed, same output)."))):
+            command = option(command)
+        return command
+
+    return decorate
+
+
 def output_options(command):
     """--format, -o, --recipe, --nsys, --quiet and --no-cache, shared by every analyzer command."""
 
@@ -366,12 +385,7 @@ def gate(result, watched: list[str | None]) -> int:
               help="A further run of each arm, baseline first; repeat the option per run. Intervals then resample "
                    "runs, then calls within runs.")
 @click.option("--label", "labels", multiple=True, help="Names for the two arms, baseline first (repeat twice).")
-@click.option("--threshold", default=0.02, show_default=True, type=FiniteRange(0, 1, max_open=True),
-              help="No-change band around a ratio of 1 (0.02 = ±2%).")
-@click.option("--confidence", default=0.95, show_default=True, type=FiniteRange(0, 1, min_open=True, max_open=True),
-              help="Confidence level of the bootstrap intervals.")
-@click.option("--seed", default=0, show_default=True, type=Whole(0),
-              help="Bootstrap seed (same inputs and seed, same output).")
+@interval_options()
 @click.option("--fail-on", "fail_on", multiple=True, metavar="regression[:SEGMENT]",
               help="Exit 1 when a compared segment (or this SEGMENT) regresses beyond the threshold; exit 3 when "
                    "SEGMENT cannot be measured. Repeatable.")

@@ -11,8 +11,8 @@ import click
 from kvtrace import files, model_config
 from kvtrace.analyzer import capacity as capacity_lib
 from kvtrace.analyzer import headline
-from kvtrace.analyzer.cli import (FiniteRange, as_run, emit, inputs, output_options, progress, target_options,
-                                  use_cache, verify_option, Whole, window_options)
+from kvtrace.analyzer.cli import (FiniteRange, Whole, as_run, emit, inputs, interval_options, output_options, progress,
+                                  target_options, use_cache, verify_option, window_options)
 from kvtrace.errors import KvtraceError
 from kvtrace.manifest import MANIFEST, read_manifest
 from kvtrace.nsys import find_nsys
@@ -25,12 +25,7 @@ from kvtrace.nsys import find_nsys
                    "give it twice (baseline first). Two run directories: once for both, or twice for one each. "
                    "Default: a run's two arms, wider KV format first.")
 @click.option("--label", "labels", multiple=True, help="Names for the two arms, baseline first (repeat twice).")
-@click.option("--threshold", default=0.02, show_default=True, type=FiniteRange(0, 1, max_open=True),
-              help="No-change band around a ratio of 1 (0.02 = ±2%), for kernels and TTFT.")
-@click.option("--confidence", default=0.95, show_default=True,
-              type=FiniteRange(0, 1, min_open=True, max_open=True), help="Confidence level of the intervals.")
-@click.option("--seed", default=0, show_default=True, type=Whole(0),
-              help="Bootstrap seed (same inputs and seed, same output).")
+@interval_options(", for kernels and TTFT")
 @click.option("--plots", "plots_dir", type=click.Path(path_type=Path),
               help="Write plots into this folder (created if missing); the markdown report links them.")
 @click.option("--exports-from", "exports_from", multiple=True, metavar="DIR", type=click.Path(path_type=Path),
@@ -155,12 +150,7 @@ def _flags(overrides: dict) -> str:
 @click.argument("runs", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("--objective", type=click.Choice(["ttft", "itl", "throughput"]), default="ttft", show_default=True,
               help="What decides a traffic point: TTFT, ITL (inter-token latency) or throughput (output tokens/s).")
-@click.option("--threshold", default=0.02, show_default=True, type=FiniteRange(0, 1, max_open=True),
-              help="No-change band around a ratio of 1 (0.02 = ±2%), for kernels and the objective.")
-@click.option("--confidence", default=0.95, show_default=True,
-              type=FiniteRange(0, 1, min_open=True, max_open=True), help="Confidence level of the intervals.")
-@click.option("--seed", default=0, show_default=True, type=Whole(0),
-              help="Bootstrap seed (same inputs and seed, same output).")
+@interval_options(", for kernels and the objective")
 @click.option("--plots", "plots_dir", type=click.Path(path_type=Path),
               help="Write each sweep's crossover plot into this folder (created if missing); the markdown links it.")
 @click.option("--plot-format", type=click.Choice(["png", "svg"]), default="png", show_default=True,
