@@ -19,8 +19,7 @@ from pathlib import Path
 from kvtrace import __version__
 from kvtrace.analyzer import align, capacity, compare, pairing, roofline, verify
 from kvtrace.analyzer.classify import RecipeSet
-from kvtrace.analyzer.results import Diff
-from kvtrace.analyzer.results import Finding
+from kvtrace.analyzer.results import Diff, Finding
 from kvtrace.analyzer.load import open_traces
 from kvtrace.analyzer.runs import ArmInput, RunArm, resolve_inputs, run_arm
 from kvtrace.analyzer.serving import ServingRow, serving_rows

@@ -29,11 +29,10 @@ from pathlib import Path
 import polars as pl
 
 from kvtrace.analyzer.classify import RecipeSet
-from kvtrace.analyzer.results import Diff
-from kvtrace.analyzer.results import Finding
+from kvtrace.analyzer.results import Diff, Finding
 from kvtrace.analyzer.kernels import list_kernels
 from kvtrace.analyzer.load import Trace
-from kvtrace.nsys import nsys_version
+from kvtrace.nsys import last_line, nsys_version
 
 REPORT = "cuda_gpu_kern_sum"
 STATS = f"nsys stats -r {REPORT}"
@@ -235,8 +234,7 @@ def _recipe_totals(nsys: str, report: Path) -> tuple[dict[str, tuple[int, int]],
             return {}, f"did not run: {error}"
         stats = output / "all_stats.csv"
         if result.returncode or not stats.is_file():
-            said = next((line.strip() for line in reversed((result.stdout + result.stderr).splitlines())
-                         if line.strip()), "no output")
+            said = last_line(result.stdout + result.stderr)
             return {}, f"exit {result.returncode}, no all_stats.csv: {said[:200]}"
         rows = [row for row in csv.reader(io.StringIO(stats.read_text(errors="replace"))) if row]
     if not rows or rows[0] != RECIPE_HEADER:

@@ -86,8 +86,7 @@ def _take_up(out: Path, name: str, nsys: _Nsys) -> dict:
             result = kvtrace.nsys.import_qdstrm(importer, raw, log=log)
             commands.append([importer, "-i", raw.name])
             if result.returncode != 0 or not report.exists():
-                said = kvtrace.nsys.importer_error(result.stdout) or next(
-                    (line.strip() for line in reversed(result.stdout.splitlines()) if line.strip()), "no output")
+                said = kvtrace.nsys.importer_error(result.stdout) or kvtrace.nsys.last_line(result.stdout)
                 raise RuntimeError(f"QdstrmImporter -i {raw.name} failed (exit code {result.returncode}: \"{said}\"); "
                                    f"see {name}.log")
             how = f"imported {raw.name} with QdstrmImporter, exported {report.name}"

@@ -68,8 +68,7 @@ def _import_again(nsys: str, raw: Path, report: Path, log: TextIO) -> None:
     result = kvtrace.nsys.import_qdstrm(importer, raw, log=log)
     if result.returncode == 0 and report.exists():
         return
-    again = kvtrace.nsys.importer_error(result.stdout) or next(
-        (line.strip() for line in reversed(result.stdout.splitlines()) if line.strip()), "no output")
+    again = kvtrace.nsys.importer_error(result.stdout) or kvtrace.nsys.last_line(result.stdout)
     first = f"nsys profile's import said \"{said}\"; " if said else ""
     raise RuntimeError(f"nsys left {raw.name} but no report: {first}QdstrmImporter -i {raw.name} failed too "
                        f"(exit code {result.returncode}: \"{again}\"); see the log")

@@ -141,7 +141,12 @@ class ExportFailed(RuntimeError):
 
     @property
     def last_line(self) -> str:
-        return next((line.strip() for line in reversed(self.output.splitlines()) if line.strip()), "no output")
+        return last_line(self.output)
+
+
+def last_line(output: str) -> str:
+    """A tool's last words: its last non-blank line of output."""
+    return next((line.strip() for line in reversed(output.splitlines()) if line.strip()), "no output")
 
 
 def export_command(nsys: str, report: Path, output: Path, tables: tuple[str, ...] = ()) -> list[str]:
