@@ -61,7 +61,7 @@ bench-export: install
 	@if [ -z "$$NSYS" ] && [ -n "$(NSYS_INSTALLER)" ]; then export NSYS=$$(bash $(NSYS_INSTALLER)); fi; \
 	$(PYTHON) bench/export.py $(REPORTS)
 
-# On the GPU machine (torch with CUDA, NSYS set by .gpu/nsys-env.sh, kvtrace's analyzer dependencies importable):
+# On the GPU machine (torch with CUDA, NSYS set by .gpu/nsys-env.sh, the analyzer's packages from bench/h200-deps.sh):
 # records a pair of CUDA-graph-loop reports per size into bench/out/graph-loop and runs bench/export.py on each.
 # kvtrace is not installed there: the package is laid out in KV_COPY, as fixtures/record-flashinfer-h200.sh does.
 SIZES ?= 1000000 10000000
