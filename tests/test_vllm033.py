@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import VLLM033_RUNS
-from kvtrace.analyzer import report, statements
+from conftest import VLLM033_RUNS, sql_durations
+from kvtrace.analyzer import report, statements, stats
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.render.statements import text as statement_text
 
@@ -55,11 +55,19 @@ def log_line(run: Path, arm: str, pattern: str) -> re.Match:
     return found[-1]
 
 
+def recorded_arms(run: Path) -> dict[str, str]:
+    """Each arm run the capture recorded (fp8, or fp8.r1 ... with --repeats) and its KV format, by manifest.json."""
+    return {name: entry["arm"] for name, entry in json.loads((run / "manifest.json").read_text())["arms"].items()}
+
+
 @pytest.mark.parametrize("name", sorted(VLLM033_RUNS))
 def test_every_arm_export_is_cut(name):
-    """Both arms' exports are in cut.json (test_report checks each one's totals against its original)."""
-    cut = json.loads((VLLM033_RUNS[name] / "cut.json").read_text())
-    assert sorted(cut["exports"]) == ["fp8.sqlite", "nvfp4.sqlite"]
+    """Every recorded arm run's export is in cut.json (test_report checks each one's totals against its original)."""
+    run = VLLM033_RUNS[name]
+    cut = json.loads((run / "cut.json").read_text())
+    arms = recorded_arms(run)
+    assert sorted(arms.values()) == sorted(ARMS * (len(arms) // 2))
+    assert sorted(cut["exports"]) == sorted(f"{arm}.sqlite" for arm in arms)
 
 
 @pytest.mark.parametrize("name", sorted(VLLM033_RUNS))
@@ -67,13 +75,13 @@ def test_every_phase_kernel_lands_in_its_segment(name, run_kvtrace):
     """`kvtrace kernels` files each arm's attention, append and quantize kernels in their segments, with the
     calls and time plain SQL counts for them, and nothing else in those segments."""
     run = VLLM033_RUNS[name]
-    for arm in ARMS:
+    for arm, fmt in recorded_arms(run).items():
         code, out, err = run_kvtrace("kernels", run / f"{arm}.sqlite", "--format", "json")
         assert code == 0, err
         rows = json.loads(out)["rows"]
         for segment, likes in EXPECTED.items():
             mine = [r for r in rows if r["segment"] == segment]
-            calls, total = sql_totals(run / f"{arm}.sqlite", likes[arm])
+            calls, total = sql_totals(run / f"{arm}.sqlite", likes[fmt])
             assert (sum(r["calls"] for r in mine), sum(r["total_ns"] for r in mine)) == (calls, total), (arm, segment)
         # Query quantization only where vLLM's log says the prefill queries are FP8.
         prefill_query = log_line(run, arm, r"FlashInfer resolved query dtypes: prefill=torch\.(\w+)")
@@ -118,6 +126,107 @@ def test_decode_heavy_statements_match_sql_and_name_kernels_and_queries(recipes)
     assert quantize.attention_ns == sql["prefill_attention"]["fp8"][1]
     assert quantize.ratio == pytest.approx(sql["prefill_attention"]["nvfp4"][1] / (sql["prefill_attention"]["fp8"][1] + q_ns))
     assert "part of fp8's prefill cost" in statement_text(quantize)
+
+
+# The vLLM steps of the decode-heavy workload by NVTX range (16 prompts of 512 tokens prefilled in one step, then
+# 31 decode steps), as the report's points name them.
+STEPS = {"prefill steps": "execute_context_16(8192)_generation_0(0)",
+         "decode steps": "execute_context_0(0)_generation_16(16)"}
+QUERIES = r"FlashInfer resolved query dtypes: prefill=torch\.(\w+), decode=torch\.(\w+)"
+KV_TOKENS = r"GPU KV cache size: ([\d,]+) tokens"
+
+
+def test_repeats_report_pairs_run_by_run_and_matches_sql(recipes):
+    """`--repeats 2` (fp8.r1, nvfp4.r1, fp8.r2, nvfp4.r2): `kvtrace report RUNDIR` pairs r1 with r1 and r2 with r2;
+    each head row's ratio is both runs' summed time, its interval holds each run pair's own ratio (plain SQL),
+    and the row keeps those ratios apart. Each run pair alone says its own ratios, its own vLLM KV-token counts
+    and its own logs' query dtypes; the pooled report's capacity is the first run's, and it says so."""
+    run = VLLM033_RUNS["offline-decode-heavy-repeats"]
+    settings = json.loads((run / "manifest.json").read_text())["settings"]
+    assert settings["repeats"] == 2 and settings["order"] == ["fp8.r1", "nvfp4.r1", "fp8.r2", "nvfp4.r2"]
+    for k in (1, 2):
+        assert {arm: log_line(run, f"{arm}.r{k}", QUERIES) for arm in ARMS} == {
+            "fp8": ("float8_e4m3fn", "bfloat16"), "nvfp4": ("bfloat16", "bfloat16")}
+    pool = {(arm, k): int(log_line(run, f"{arm}.r{k}", KV_TOKENS).replace(",", "")) for arm in ARMS for k in (1, 2)}
+    assert pool == {("fp8", 1): 4_094_528, ("nvfp4", 1): 7_279_184, ("fp8", 2): 4_096_448, ("nvfp4", 2): 7_282_592}
+
+    def sql(segment: str, point: str | None, arm: str, k: int) -> tuple[int, int]:
+        likes = EXPECTED[segment][arm]
+        if point is None:
+            return sql_totals(run / f"{arm}.r{k}.sqlite", likes)
+        durations = sql_durations(run / f"{arm}.r{k}.sqlite", *likes, nvtx=STEPS[point])
+        return len(durations), sum(durations)
+
+    heads = [("prefill_attention", None), ("decode_attention", None),
+             ("kv_append", "prefill steps"), ("kv_append", "decode steps")]
+    both = report.build([run], recipes)
+    assert both.diff.runs == 2 and both.diff.method == stats.HIERARCHICAL
+    assert both.baseline.runs == (str(run / "fp8.r1.sqlite"), str(run / "fp8.r2.sqlite"))
+    assert both.candidate.runs == (str(run / "nvfp4.r1.sqlite"), str(run / "nvfp4.r2.sqlite"))
+    singles = {k: report.build([run], recipes, arms=(f"fp8.r{k}", f"nvfp4.r{k}")) for k in (1, 2)}
+    assert [singles[k].diff.runs for k in (1, 2)] == [1, 1]
+
+    def head(result, segment, point):
+        found = [s for s in result.statements if s.kind == "kernels" and s.subject == segment
+                 and (point is None or s.point == point)]
+        assert len(found) == 1, (segment, point)
+        return found[0]
+
+    for segment, point in heads:
+        totals = {(arm, k): sql(segment, point, arm, k) for arm in ARMS for k in (1, 2)}
+        assert all(totals["fp8", k][0] == totals["nvfp4", k][0] > 0 for k in (1, 2))  # every call pairs
+        per_run = [totals["nvfp4", k][1] / totals["fp8", k][1] for k in (1, 2)]
+        fp8_ns, nv_ns = (sum(totals[arm, k][1] for k in (1, 2)) for arm in ARMS)
+        pooled = head(both, segment, point)
+        assert pooled.compared_calls == totals["fp8", 1][0] + totals["fp8", 2][0]
+        assert pooled.ratio == pytest.approx(nv_ns / fp8_ns) and pooled.verdict == stats.REGRESSION
+        assert pooled.ci_low <= min(per_run) and max(per_run) <= pooled.ci_high, (segment, point, per_run)
+        if pooled.per_call:
+            assert pooled.baseline_ns == pytest.approx(fp8_ns / pooled.compared_calls)
+        else:
+            assert (pooled.baseline_ns, pooled.candidate_ns) == (pytest.approx(fp8_ns), pytest.approx(nv_ns))
+        for k in (1, 2):
+            alone = head(singles[k], segment, point)
+            assert alone.compared_calls == totals["fp8", k][0] and alone.ratio == pytest.approx(per_run[k - 1])
+            assert alone.verdict == stats.REGRESSION
+        if point is None:
+            row = next(r for r in both.diff.segments if r.segment == segment)
+            assert row.run_ratios == pytest.approx(per_run)
+
+    for result, labels in [(both, ("fp8", "nvfp4")), *((singles[k], (f"fp8.r{k}", f"nvfp4.r{k}")) for k in (1, 2))]:
+        fp8, nvfp4 = labels
+        words = statement_text(head(result, "prefill_attention", None))
+        assert "kernels FP8PrefillWithKVCacheKernel → BatchPrefillWithPagedKVCacheKernel[MaskMode=1]" in words
+        assert f"queries float8_e4m3fn ({fp8}) → bfloat16 ({nvfp4}) per vLLM's log" in words
+        assert f"queries bfloat16 ({fp8}) → bfloat16 ({nvfp4})" in statement_text(head(result, "decode_attention", None))
+        (quantize,) = [s for s in result.statements if s.kind == "query_quantize"]
+        assert (quantize.arm, quantize.query) == (fp8, "float8_e4m3fn")
+
+    first = 1  # the pooled report's capacity and serving numbers are the first run pair's
+    assert any("capacity are the first run's" in note for note in both.notes)
+    for result, k in [(both, first), (singles[1], 1), (singles[2], 2)]:
+        (capacity,) = [s for s in result.statements if isinstance(s, statements.MeasuredCapacityStatement)]
+        assert (capacity.tokens, capacity.reference_tokens) == (pool["nvfp4", k], pool["fp8", k])
+        assert capacity.multiplier == pytest.approx(pool["nvfp4", k] / pool["fp8", k])
+        assert "no kernel got faster" in statement_text(capacity)
+
+
+def test_repeats_diff_keeps_run_pairs_apart(run_kvtrace):
+    """`kvtrace diff fp8.r1 nvfp4.r1 --repeat fp8.r2 nvfp4.r2` on the vLLM run: per segment, each run pair's
+    ratio (plain SQL) and an interval holding both."""
+    run = VLLM033_RUNS["offline-decode-heavy-repeats"]
+    pairs = [(run / f"fp8.r{k}.sqlite", run / f"nvfp4.r{k}.sqlite") for k in (1, 2)]
+    code, out, err = run_kvtrace("diff", *pairs[0], "--repeat", *pairs[1], "--format", "json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["runs"] == 2 and result["method"] == stats.HIERARCHICAL
+    for segment in ("prefill_attention", "decode_attention", "kv_append"):
+        per_run = [sql_totals(nvfp4, EXPECTED[segment]["nvfp4"])[1] / sql_totals(fp8, EXPECTED[segment]["fp8"])[1]
+                   for fp8, nvfp4 in pairs]
+        row = next(r for r in result["segments"] if r["segment"] == segment)
+        assert row["run_ratios"] == pytest.approx(per_run)
+        assert row["ci_low"] <= min(per_run) and max(per_run) <= row["ci_high"]
+        assert row["verdict"] == stats.REGRESSION and row["ci_low"] > 1 + result["threshold"]
 
 
 def _metric(path: Path, name: str) -> float:
