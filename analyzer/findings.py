@@ -49,7 +49,8 @@ def drift_findings(drift: Drift, threshold: float) -> list[Finding]:
             parts.append(f"{drift_band.size_class_label(first, last)} ±{100 * band:.1f}% ({why})")
         elsewhere = f"; elsewhere ±{100 * threshold:g}%" if sum(last - first + 1 for first, last, _ in spans) < \
             len(drift.bands) else ""
-        sizes = f"{'; '.join(parts)}{elsewhere}" if parts else f"every size of call ±{100 * threshold:g}% (the threshold)"
+        sizes = (f"{'; '.join(parts)}{elsewhere}" if parts else
+                 f"every size of call ±{100 * threshold:g}% (the threshold)")
         found = [Finding("warning", "drift", f"{text}; changes within the band of their call size are not attributed "
                          f"to the KV format: {sizes}{uncontrolled}")]
     if drift.outlier:

@@ -1,5 +1,6 @@
 """No false verdicts on small kernels (issue 21): the size-aware drift band on every same-format pair of real
-runs, changes planted in a ~1 µs kernel of a real run, the repeats path, and the interval's coverage there.
+runs (FlashInfer and vLLM 0.33, whose `other` kernels are held to the assumed band), changes planted in a ~1 µs
+kernel of a real run and in the vLLM pair, the repeats path, and the interval's coverage there.
 
 A 1 µs elementwise kernel moves by tens of nanoseconds between runs (3-12% of its time); the interval, which
 resamples calls inside one run, cannot see that. The FlashInfer traces pair no KV-independent kernel under
