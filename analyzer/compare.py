@@ -257,12 +257,15 @@ def diff_sides(sides: Sides, *, labels: tuple[str | None, str | None] = (None, N
     builder = _RowBuilder(comparison, base_arm, cand_arm)
     rows = [builder.row(spec, estimate) for spec, estimate in zip(specs, estimates)]
 
+    uncontrolled = strata["segment"].to_numpy() == (vocabulary.segments.index(drift_band.UNCONTROLLED_SEGMENT)
+                                                    if drift_band.UNCONTROLLED_SEGMENT in vocabulary.segments else -1)
     drift, bands = _drift(rows, estimates[len(specs)], controls, cells, estimates[len(specs) + 1:], comparison,
-                          threshold)
+                          threshold, uncontrolled.any())
     per_call = comparison.strata_totals[0] / np.diff(comparison.paired.offsets)
     for row, spec, estimate in zip(rows, specs, estimates):
         unpaired_delta = row.total_delta_ns - row.paired_delta_ns
-        band = bands.of(per_call[spec.members], comparison.strata_totals[0][spec.members]) if bands else 0.0
+        band = bands.of(per_call[spec.members], comparison.strata_totals[0][spec.members],
+                        uncontrolled[spec.members]) if bands else 0.0
         # A control row pools cells whose sure moves set the bands; pooled, its interval is narrower than theirs,
         # yet it is the drift itself, never a KV effect. Not so for the outlier family's rows, nor for rows that
         # pool families (family None) while an outlier exists: they may hold it, and it has a finding of its own.
@@ -290,7 +293,8 @@ def diff_sides(sides: Sides, *, labels: tuple[str | None, str | None] = (None, N
 
     phase_totals = _phase_totals(comparison, base_arm, cand_arm, threshold=threshold, bands=bands,
                                  confidence=confidence, seed=seed)
-    findings = comparability(base_arm, cand_arm) + window_findings(window, families, builder.realigned)
+    findings = comparability(base_arm, cand_arm) + window_findings(window, families, builder.realigned,
+                                                                  builder.relaunched)
     findings += arm_findings(list(zip(base_runs, cand_runs)), sides.candidate_window) + findings_of_runs
     if drift is not None:
         findings += drift_findings(drift, threshold)
@@ -309,6 +313,7 @@ class _RowBuilder:
         self.comparison = comparison
         self.arm_totals = (base_arm.total_ns, cand_arm.total_ns)
         self.realigned: list[str] = []  # families paired on their last calls, for the alignment finding
+        self.relaunched: list[tuple[str, str, str]] = []  # (family, baseline shapes, candidate shapes): see _relaunched
 
     def groups(self, spec: _Row, side: int) -> list[tuple[Run, Cells, pl.DataFrame]]:
         """Per run of one arm: the run, the row's cells, and those cells with what each gave to pairs."""
@@ -371,6 +376,8 @@ class _RowBuilder:
             row.ratio, row.ci_low, row.ci_high = estimate.ratio, estimate.low, estimate.high
             row.run_ratios = estimate.run_ratios
         row.reason = None if estimate is not None else self._reason(spec, sides, window_calls)
+        if spec.level == "family" and estimate is None and all(window_calls):
+            self._relaunched(row.family_label, sides)
         row.note = self._note(spec, row, sides) if estimate is not None else None
         return row
 
@@ -394,6 +401,18 @@ class _RowBuilder:
                     f"{lists[1]})")
         return (f"no calls pair across arms ({window_calls[0]:,} vs {window_calls[1]:,} calls in different NVTX "
                 "ranges or launch shapes)")
+
+    def _relaunched(self, label: str, sides) -> None:
+        """A family that ran in the same ranges in both arms, but with other launch shapes (grid, block), and whose
+        calls paired by range: the same name compiled or launched differently (Triton recompiles a kernel with
+        another grid and block between runs of the same work), so its range rows pair two kernels."""
+        ranges = [{nvtx for _, group, _ in groups for nvtx in group.table["nvtx"].to_list()} for groups in sides]
+        shapes = [sorted({shape for _, group, _ in groups for shape in group.table["shape"].to_list()})
+                  for groups in sides]
+        by_range = all(any(table["paired_level"].eq(RANGE).any() for _, _, table in groups) for groups in sides)
+        if ranges[0] == ranges[1] and shapes[0] != shapes[1] and by_range:
+            vocabulary = self.comparison.vocabulary
+            self.relaunched.append((label, *(", ".join(map(vocabulary.shape_label, s)) for s in shapes)))
 
     def _note(self, spec: _Row, row: DiffRow, sides) -> str | None:
         vocabulary = self.comparison.vocabulary
@@ -518,10 +537,10 @@ def _phase_totals(comparison: _Comparison, base_arm: Arm, cand_arm: Arm, *, thre
 
 
 def _drift(rows: list[DiffRow], pooled: stats.Estimate | None, controls: pl.DataFrame, cells: pl.DataFrame,
-           estimates: list[stats.Estimate | None], comparison: _Comparison, threshold: float
-           ) -> tuple[Drift | None, drift_band.Bands | None]:
-    """Drift from the kernels the KV format cannot affect, and the band of each size class from their cells;
-    (None, None) when the traces have no such kernels paired."""
+           estimates: list[stats.Estimate | None], comparison: _Comparison, threshold: float,
+           uncontrolled_paired: bool) -> tuple[Drift | None, drift_band.Bands | None]:
+    """Drift from the kernels the KV format cannot affect, and the band of each size class from their cells (and
+    of `other` cells, when some paired); (None, None) when the traces have no such kernels paired."""
     if pooled is None:
         return None, None
     vocabulary = comparison.vocabulary
@@ -546,7 +565,8 @@ def _drift(rows: list[DiffRow], pooled: stats.Estimate | None, controls: pl.Data
     drift = Drift(ratio=pooled.ratio, ci_low=pooled.low, ci_high=pooled.high,
                   compared_calls=int(controls["pairs"].sum()), segments=segments,
                   band=widest.band if widest else 0.0, widest=widest.widest if widest and widest.band else None,
-                  bands=size_bands, outlier=labels.get(bands.outlier, bands.outlier), outlier_move=bands.outlier_move)
+                  bands=size_bands, outlier=labels.get(bands.outlier, bands.outlier), outlier_move=bands.outlier_move,
+                  uncontrolled_band=bands.uncontrolled if uncontrolled_paired else 0.0)
     return drift, bands
 
 

@@ -35,7 +35,11 @@ def drift_findings(drift: Drift, threshold: float) -> list[Finding]:
             spans[-1][1] = index
         else:
             spans.append([index, index, (size.band, size.basis, size.widest)])
-    if not spans:
+    # No control is of the kind of `other` kernels (vLLM's sampler moved 5-19% between runs of the same work).
+    uncontrolled = (f"; segment '{drift_band.UNCONTROLLED_SEGMENT}' ±{100 * drift.uncontrolled_band:.1f}% at least "
+                    "(assumed: no KV-independent kernel is of its kind; --repeat measures it)"
+                    if drift.uncontrolled_band > threshold else "")
+    if not spans and not uncontrolled:
         found = [Finding("ok", "drift", f"{text}; every size of call within the ±{100 * threshold:g}% threshold")]
     else:
         parts = []
@@ -45,8 +49,10 @@ def drift_findings(drift: Drift, threshold: float) -> list[Finding]:
             parts.append(f"{drift_band.size_class_label(first, last)} ±{100 * band:.1f}% ({why})")
         elsewhere = f"; elsewhere ±{100 * threshold:g}%" if sum(last - first + 1 for first, last, _ in spans) < \
             len(drift.bands) else ""
+        sizes = (f"{'; '.join(parts)}{elsewhere}" if parts else
+                 f"every size of call ±{100 * threshold:g}% (the threshold)")
         found = [Finding("warning", "drift", f"{text}; changes within the band of their call size are not attributed "
-                         f"to the KV format: {'; '.join(parts)}{elsewhere}")]
+                         f"to the KV format: {sizes}{uncontrolled}")]
     if drift.outlier:
         found.append(Finding("warning", "drift", f"{drift.outlier} (KV-independent) moved "
                              f"{100 * drift.outlier_move:.1f}% for sure, more than twice any other KV-independent "
@@ -55,7 +61,11 @@ def drift_findings(drift: Drift, threshold: float) -> list[Finding]:
     return found
 
 
-def window_findings(window: align.Window, families: list[DiffRow], realigned: list[str]) -> list[Finding]:
+def window_findings(window: align.Window, families: list[DiffRow], realigned: list[str],
+                    relaunched: list[tuple[str, str, str]]) -> list[Finding]:
+    """The window compared, and how calls aligned: families paired on their last calls, families whose one name
+    ran with other launch shapes in the same ranges (`relaunched`: family, baseline and candidate shapes), and
+    families that ran in both arms and paired nowhere."""
     findings = [Finding("ok", "window", "compared " + part) for part in window.describe()]
     if not window.describe():
         findings.append(Finding("ok", "window", "compared whole traces (no --window, --time, --phase or trimming)"))
@@ -63,7 +73,14 @@ def window_findings(window: align.Window, families: list[DiffRow], realigned: li
         if r.family_label in realigned:
             findings.append(Finding("warning", "alignment", f"{r.family_label}: {r.note}; extra calls at the start "
                                     "are usually warm-up (--skip-warmup), missing calls at the end a truncated arm"))
-    unmatched = [r.family_label for r in families if r.reason and r.baseline_calls and r.candidate_calls]
+    for label, base_shapes, cand_shapes in relaunched:
+        findings.append(Finding("warning", "alignment", f"{label} ran in the same NVTX ranges with other launch "
+                                f"shapes ({base_shapes} vs {cand_shapes}): compiled or launched differently; its "
+                                "calls are paired by range, not matched work, so the rows of those ranges move with "
+                                "its launch as well as with the KV format"))
+    shown = {label for label, _, _ in relaunched}
+    unmatched = [r.family_label for r in families if r.reason and r.baseline_calls and r.candidate_calls
+                 and r.family_label not in shown]
     if unmatched:
         examples = ", ".join(unmatched[:3]) + (", …" if len(unmatched) > 3 else "")
         findings.append(Finding("warning", "alignment", f"{len(unmatched)} kernel famil"

@@ -91,9 +91,13 @@ class Vocabulary:
     def name(self, code: int) -> str | None:
         return self.names[code] if code < len(self.names) else None
 
+    def shape_label(self, shape: int) -> str:
+        gx, gy, gz, bx, by, bz = self.shapes[shape]
+        return f"grid {gx}×{gy}×{gz} block {bx}×{by}×{bz}"
+
     def label(self, shape: int, nvtx: int) -> str:
-        (gx, gy, gz, bx, by, bz), name = self.shapes[shape], self.name(nvtx)
-        return f"grid {gx}×{gy}×{gz} block {bx}×{by}×{bz}" + (f" in '{name}'" if name else "")
+        name = self.name(nvtx)
+        return self.shape_label(shape) + (f" in '{name}'" if name else "")
 
     def run(self, trace: Trace, classes: pl.DataFrame, window: align.Window) -> Run:
         """One trace's calls inside the window, grouped into cells that carry this vocabulary's codes."""

@@ -149,6 +149,7 @@ class Drift:
     bands: tuple[SizeBand, ...] = ()  # per size class: changes within 1 ± band are not attributed to the KV format
     outlier: str | None = None  # a KV-independent family that moved far more than its peers, left out of the bands
     outlier_move: float = 0.0  # its sure move
+    uncontrolled_band: float = 0.0  # the least band of `other` cells (no control of their kind), when any paired
 
 
 @dataclass(frozen=True)

@@ -395,6 +395,22 @@ def test_row_band_weighs_its_cells_bands_by_baseline_time():
     assert bands.of([], []) == 0.0
 
 
+def test_uncontrolled_cells_are_held_to_the_assumed_band_with_one_run_per_arm():
+    """No control is of the kind of `other` kernels: with one run per arm their cells' band is at least the
+    assumed one, whatever their size class measured (a wider class band stays); a row weighs it by time. With
+    repeats the intervals carry the spread, and nothing changes."""
+    controls = [control("norm", 2_000, 0.995, 0.999), control("gemm", 19_000, 1.001, 1.003)]
+    one, two = (drift_band.drift_bands(controls, threshold=0.02, runs=runs) for runs in (1, 2))
+    assert one.band[:2] == pytest.approx((0.001, 0.001)) and two.band[:2] == pytest.approx((0.001, 0.001))
+    assert (one.uncontrolled, two.uncontrolled) == (drift_band.ASSUMED_BAND, 0.0)
+    assert one.of([2_000], [1.0], [True]) == drift_band.ASSUMED_BAND
+    assert one.of([2_000], [1.0], [False]) == one.of([2_000], [1.0]) == pytest.approx(0.001)
+    assert one.of([2_000, 19_000], [1.0, 3.0], [True, False]) == pytest.approx(0.25 * 0.20 + 0.75 * 0.001)
+    assert two.of([2_000], [1.0], [True]) == pytest.approx(0.001)
+    wide = drift_band.Bands((0.3,) * 4, (drift_band.MEASURED,) * 4, (0,) * 4, uncontrolled=drift_band.ASSUMED_BAND)
+    assert wide.of([2_000], [1.0], [True]) == 0.3
+
+
 def test_same_work():
     assert stats.same_work([np.array([170.7, 172.1, 171.7]), np.array([171.1, 171.3])])
     assert not stats.same_work([np.array([2.08e6, 30.1e6, 468e6])])
