@@ -315,7 +315,8 @@ def _phase_cells(header: list[str], rows: list[list[str]]) -> tuple[list[str], l
 def report_markdown(report: Report) -> str:
     b, c = report.baseline, report.candidate
     labels = md_text(b.label), md_text(c.label)
-    lines = [f"## kvtrace report: {labels[0]} → {labels[1]}", ""] + diff_markdown.head(report.diff, statements=False) + [
+    head = diff_markdown.head(report.diff, statements=False)  # its statements are among the report's own
+    lines = [f"## kvtrace report: {labels[0]} → {labels[1]}", ""] + head + [
              "", "<details><summary>Everything else: serving, bandwidth, capacity, the whole kernel diff</summary>", "",
              f"Baseline **{labels[0]}** (arm {md_code(b.arm)} of {md_code(shown_path(b.run))}, {md_text(b.engine)} engine"
              + (f", {md_text(b.scenario)}" if b.scenario else "") + f"), candidate **{labels[1]}** (arm "
