@@ -230,7 +230,7 @@ def serving_metrics(record: dict, kv_cache_tokens: int | None) -> ServingMetrics
         output_rate = output / duration
     peaks_note = _peaks_note(record, duration)
     observed = {} if peaks_note else peaks
-    reason, capacity_note = _observed_capacity(record.get("capacity"), point, counters, observed, peaks_note,
+    reason, capacity_note = _observed_capacity(record.get("capacity"), point, counters, peaks, peaks_note,
                                                kv_cache_tokens)
     requests = bench.get("completed", record.get("requests"))
     if requests is None:
@@ -253,20 +253,22 @@ def serving_metrics(record: dict, kv_cache_tokens: int | None) -> ServingMetrics
         capacity_note=capacity_note)
 
 
-def _observed_capacity(recorded: str | None, point: Point | None, counters: dict, observed_peaks: dict,
+def _observed_capacity(recorded: str | None, point: Point | None, counters: dict, peaks: dict,
                        peaks_note: str | None, kv_cache_tokens: int | None) -> tuple[str | None, str | None]:
     """Why the point is capacity-bound, from observed evidence only (counter deltas, polled peaks when enough
-    polls fell inside the traffic, the KV demand against the startup log's pool), and a note when the capture's
-    recorded reason is not counted: it decided on every poll's maxima, which a sub-second point's one or two
-    polls do not make peaks. A point that does not parse gets no reason where its peaks were not observed:
-    kvtrace cannot tell what the recorded one rests on."""
-    if recorded is not None and not peaks_note:
-        return recorded, None
-    reason = capacity_reason(point, {"counters": counters}, observed_peaks or None, kv_cache_tokens) \
-        if point is not None else None
-    if recorded is not None and reason is None:
+    polls fell inside the traffic, the KV demand against the startup log's pool), and a note when the reason the
+    polls alone would give (the capture's recorded one, or manifest.capacity_reason over every poll's maxima) is
+    not counted: a sub-second point's one or two polls make no peak. A point that does not parse gets no reason
+    where its peaks were not observed: kvtrace cannot tell what the recorded one rests on."""
+    if point is None:
+        if recorded is None or not peaks_note:
+            return recorded, None
         return None, f"{recorded}: not counted ({peaks_note})"
-    return reason, None
+    claimed = recorded or capacity_reason(point, {"counters": counters}, peaks or None, kv_cache_tokens)
+    if not peaks_note:
+        return claimed, None
+    reason = capacity_reason(point, {"counters": counters}, None, kv_cache_tokens)
+    return reason, f"{claimed}: not counted ({peaks_note})" if claimed and not reason else None
 
 
 def serving_rows(base: ArmInput, cand: ArmInput) -> list[ServingRow]:
