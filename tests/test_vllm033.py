@@ -237,3 +237,12 @@ def test_repeated_runs_state_the_query_quantization_per_run(run_kvtrace, tmp_pat
     assert code == 0, err
     line = next(line for line in out.splitlines() if "query quantization" in line)
     assert f"{calls} quantize calls, {ns / 1e3:.2f} µs per run (mean of 2 runs)" in line and "in total" not in line
+
+
+def test_diff_never_writes_onto_the_log_it_read_the_query_dtypes_from(run_kvtrace, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(VLLM033_RUNS["offline-decode-heavy"], run)
+    before = (run / "nvfp4.log").read_bytes()
+    code, out, err = run_kvtrace("diff", "fp8.sqlite", "nvfp4.sqlite", "-o", "nvfp4.log", cwd=run)
+    assert code == 2 and "never overwrites its inputs" in err and len(err.strip().splitlines()) == 1
+    assert (run / "nvfp4.log").read_bytes() == before
