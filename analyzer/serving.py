@@ -74,7 +74,8 @@ class ServingMetrics:
     # Why this point is capacity-bound (preemptions, KV usage, KV demand), on observed evidence only, or None.
     capacity: str | None
     checks: list[SourceCheck] = field(default_factory=list)
-    # A capacity reason the capture recorded on polled peaks that were not observed (peaks_note), not counted.
+    # A capacity reason resting on polled peaks that were not observed (peaks_note): not counted, so whether the
+    # point is capacity-bound cannot be told.
     capacity_note: str | None = None
 
 

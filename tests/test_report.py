@@ -797,7 +797,7 @@ def test_a_capacity_reason_on_unobserved_peaks_is_not_counted(tmp_path, recipes)
     ttft = next(s for s in result.statements if s.kind == "ttft" and s.point == point)
     assert ttft.baseline_capacity is None and ttft.reading != statements.CAPACITY_EFFECT
     text = render_text(result, "markdown")
-    assert "fp8: cannot tell" in text and "capacity-bound: cannot tell; the capture's reason KV cache usage" in text
+    assert "fp8: cannot tell" in text and "capacity-bound: cannot tell (KV cache usage peaked at 97%: not" in text
     assert "first reaches capacity at input=1024" not in statement_text(sweep)
     decided = matrix.build([run], recipes)
     (judged,) = [p for p in decided.scenarios[0].points if p.point == point]

@@ -81,8 +81,8 @@ def _peak(m: ServingMetrics | None, name: str, fmt) -> str:
 
 
 def _capacity_bound(m: ServingMetrics | None) -> str:
-    """The capacity cell: the observed reason, "cannot tell" where the capture's reason rested on peaks that
-    were not observed (capacity_note), else "no"."""
+    """The capacity cell: the observed reason, "cannot tell" where a reason rested on peaks that were not
+    observed (capacity_note), else "no"."""
     if m is None:
         return "no"
     return m.capacity or ("cannot tell" if m.capacity_note else "no")
@@ -113,8 +113,7 @@ def _serving_notes(report: Report) -> list[tuple[str, str]]:
             if metrics.peaks_note:
                 warnings.append(("warning", f"{label}{where}: {metrics.peaks_note}"))
             if metrics.capacity_note:
-                warnings.append(("warning", f"{label}{where}: capacity-bound: cannot tell; the capture's reason "
-                                 f"{metrics.capacity_note}"))
+                warnings.append(("warning", f"{label}{where}: capacity-bound: cannot tell ({metrics.capacity_note})"))
         if agreed:
             everywhere = all(n == len(rows) for n in agreed.values())
             lines.append(("ok", f"{label}: two sources agree on " + ", ".join(
