@@ -46,17 +46,22 @@ class Headline:
     # the engine's packages and flags; no hostnames, UUIDs, user names or absolute paths.
     environment: list[tuple[str, str]] = field(default_factory=list)
     commands: list[str] = field(default_factory=list)  # to reproduce: capture (per arm), then this diff
+    # analyzer.statements.QueryQuantizeStatement: the query quantization that counts in one arm's prefill (a
+    # quantize row the diff's tables call "only in" that arm), as the report states it.
+    query_quantize: list = field(default_factory=list)
 
     @classmethod
-    def of(cls, diff: Diff, manifest: Manifest | None = None, command: list[str] | None = None) -> Headline:
+    def of(cls, diff: Diff, manifest: Manifest | None = None, command: list[str] | None = None,
+           query_quantize: list | None = None) -> Headline:
         """The head of `diff`; `manifest` is the run directory's beside the traces, `command` the diff's
-        arguments as run (paths relative to the run directory)."""
+        arguments as run (paths relative to the run directory), `query_quantize` the statements of
+        statements.query_quantize_statements."""
         drift = next((f.message for f in diff.findings if f.check == "drift"), None)
         commands = [_command(c) for c in _capture_commands(manifest)]
         if command:
             commands.append(shlex.join(["kvtrace", *command]))
         return cls(diff.baseline.label, diff.candidate.label, diff.confidence, head_rows(diff), drift,
-                   _environment(diff, manifest), commands)
+                   _environment(diff, manifest), commands, list(query_quantize or ()))
 
 
 def head_rows(diff: Diff) -> list[HeadRow]:

@@ -19,7 +19,7 @@ from kvtrace.analyzer.report import PlotFile, Report
 from kvtrace.analyzer.serving import ServingMetrics, ServingRow
 from kvtrace.analyzer.statements import KernelStatement, segment_verdict
 from kvtrace.errors import KvtraceError
-from kvtrace.manifest import KV_USAGE, MANIFEST, PREEMPTIONS, Point, capacity_reason, read_manifest
+from kvtrace.manifest import MANIFEST, Point, read_manifest
 
 MATRIX_SCHEMA = "kvtrace.matrix/1"
 # objective -> (ServingMetrics field, lower is better, the segments whose kernels serve it)
@@ -194,23 +194,6 @@ def _environment(result: Report) -> Environment:
 
 # ---- points ----------------------------------------------------------------------------------------------
 
-def _observed_capacity(metrics: ServingMetrics | None, point: str,
-                       kv_tokens: int | None) -> tuple[str | None, str | None]:
-    """Why the arm is capacity-bound at the point, on evidence that was observed, and a note when the report's
-    reason rests on polled peaks that were not (too few polls inside the traffic)."""
-    if metrics is None or metrics.capacity is None:
-        return None, None
-    if not metrics.peaks_note:
-        return metrics.capacity, None
-    try:
-        parsed = Point.parse(point)
-    except (ValueError, TypeError):
-        return metrics.capacity, None
-    peaks = {KV_USAGE: metrics.peak_kv_usage} if metrics.peak_kv_usage is not None else None
-    reason = capacity_reason(parsed, {"counters": {PREEMPTIONS: metrics.preemptions or 0}}, peaks, kv_tokens)
-    return reason, None if reason else f"{metrics.capacity}: not counted ({metrics.peaks_note})"
-
-
 def _different_work(row: ServingRow, result: Report) -> str | None:
     b, c = row.baseline, row.candidate
     if b is None or c is None:
@@ -299,10 +282,10 @@ def _points(name: str, result: Report, objective: str, threshold: float, start: 
         notes = []
         caps = []
         for side in ("baseline", "candidate"):
-            reason, note = _observed_capacity(getattr(row, side), row.point, getattr(result, side).kv_cache_tokens)
-            caps.append(reason)
-            if note:
-                notes.append(f"{getattr(result, side).label}: {note}")
+            metrics = getattr(row, side)  # its capacity rests on observed evidence only (analyzer.serving)
+            caps.append(metrics.capacity if metrics else None)
+            if metrics and metrics.capacity_note:
+                notes.append(f"{getattr(result, side).label}: {metrics.capacity_note}")
         try:
             single = Point.parse(row.point).output_len <= 1
         except (ValueError, TypeError):

@@ -11,6 +11,7 @@ import click
 from kvtrace import files, model_config
 from kvtrace.analyzer import capacity as capacity_lib
 from kvtrace.analyzer import headline
+from kvtrace.analyzer.statements import QueryQuantizeStatement
 from kvtrace.analyzer.cli import (FiniteRange, Whole, as_run, emit, inputs, interval_options, output_options, progress,
                                   target_options, use_cache, verify_option, window_options)
 from kvtrace.errors import KvtraceError
@@ -59,8 +60,9 @@ def report(runs, arms, labels, threshold, confidence, seed, plots_dir, exports_f
                                   nsys=nsys_path, cache=use_cache(), verify_with=verify_with, step=step,
                                   exports_from=tuple(exports_from))
     manifest = headline.find_manifest(Path(result.baseline.sqlite))
-    result.diff.headline = headline.Headline.of(result.diff, manifest,
-                                                as_run(manifest.path.parent if manifest else None))
+    result.diff.headline = headline.Headline.of(
+        result.diff, manifest, as_run(manifest.path.parent if manifest else None),
+        [s for s in result.statements if isinstance(s, QueryQuantizeStatement)])
     inputs().extend(Path(export) for arm in (result.baseline, result.candidate) for export in arm.runs)
     inputs().extend(Path(arm.run) / "manifest.json" for arm in (result.baseline, result.candidate))
     inputs().extend(Path(arm.log) for arm in (result.baseline, result.candidate) if arm.log)

@@ -180,3 +180,20 @@ def _log_fields(item: ArmInput, name: str | None) -> dict:
     text = files.read_small(log, f"log {log}", "keep the capture's own log there, or remove it").decode(errors="replace")
     found = _QUERY_DTYPES.findall(text)
     return {"log": str(log), "query_dtypes": {"prefill": found[-1][0], "decode": found[-1][1]} if found else {}}
+
+
+def trace_query_dtypes(manifest: Manifest | None, trace: Path) -> tuple[dict, str | None]:
+    """For `kvtrace diff`: the query dtypes of the run whose export `trace` is, from the log its run directory's
+    manifest lists (as run_arm reads them), and that log's path. ({}, None) when no run of the manifest exported
+    the trace, or its log is missing or unreadable: the diff stands without them, as without the manifest."""
+    if manifest is None:
+        return {}, None
+    run = manifest.path.parent
+    for name, record in manifest.runs.items():
+        if record.sqlite and (run / record.sqlite).resolve() == trace.resolve():
+            try:
+                found = _log_fields(ArmInput(run, manifest, record.arm, (name,)), record.log)
+            except KvtraceError:
+                return {}, None
+            return found.get("query_dtypes", {}), found.get("log")
+    return {}, None

@@ -71,8 +71,12 @@ class ServingMetrics:
     peak_waiting: float | None
     peak_kv_usage: float | None  # fraction of the KV cache
     peaks_note: str | None  # why the polled maxima are not peaks, when they are not
-    capacity: str | None  # why this point is capacity-bound (preemptions, KV usage, KV demand), or None
+    # Why this point is capacity-bound (preemptions, KV usage, KV demand), on observed evidence only, or None.
+    capacity: str | None
     checks: list[SourceCheck] = field(default_factory=list)
+    # A capacity reason resting on polled peaks that were not observed (peaks_note): not counted, so whether the
+    # point is capacity-bound cannot be told.
+    capacity_note: str | None = None
 
 
 @dataclass
@@ -225,17 +229,16 @@ def serving_metrics(record: dict, kv_cache_tokens: int | None) -> ServingMetrics
     output_rate = bench.get("output_throughput")
     if output_rate is None and output is not None and duration:
         output_rate = output / duration
-    reason = record.get("capacity")
-    if reason is None and point is not None:
-        reason = capacity_reason(point, {"counters": counters}, peaks or None, kv_cache_tokens)
+    peaks_note = _peaks_note(record, duration)
+    observed = {} if peaks_note else peaks
+    reason, capacity_note = _observed_capacity(record.get("capacity"), point, counters, peaks, peaks_note,
+                                               kv_cache_tokens)
     requests = bench.get("completed", record.get("requests"))
     if requests is None:
         requests = counter("vllm:request_success_total")
     # One output token per request leaves no inter-token gaps; the client then reports 0 ms, which is no latency.
     single = point is not None and point.output_len <= 1
     queue = histograms.get("vllm:request_queue_time_seconds") or {}
-    peaks_note = _peaks_note(record, duration)
-    observed = {} if peaks_note else peaks
     return ServingMetrics(
         source="vllm bench serve" if bench else "vLLM metrics (offline)",
         requests=_number(requests), failed=_number(bench.get("failed")), duration_s=duration,
@@ -247,7 +250,26 @@ def serving_metrics(record: dict, kv_cache_tokens: int | None) -> ServingMetrics
         queue_ms=1000.0 * queue["sum"] / queue["count"] if queue.get("count") else None,
         preemptions=counter("vllm:num_preemptions_total"), peak_running=observed.get("vllm:num_requests_running"),
         peak_waiting=observed.get("vllm:num_requests_waiting"), peak_kv_usage=observed.get("vllm:kv_cache_usage_perc"),
-        peaks_note=peaks_note, capacity=reason, checks=source_checks(record, counters, histograms, kv_cache_tokens))
+        peaks_note=peaks_note, capacity=reason, checks=source_checks(record, counters, histograms, kv_cache_tokens),
+        capacity_note=capacity_note)
+
+
+def _observed_capacity(recorded: str | None, point: Point | None, counters: dict, peaks: dict,
+                       peaks_note: str | None, kv_cache_tokens: int | None) -> tuple[str | None, str | None]:
+    """Why the point is capacity-bound, from observed evidence only (counter deltas, polled peaks when enough
+    polls fell inside the traffic, the KV demand against the startup log's pool), and a note when the reason the
+    polls alone would give (the capture's recorded one, or manifest.capacity_reason over every poll's maxima) is
+    not counted: a sub-second point's one or two polls make no peak. A point that does not parse gets no reason
+    where its peaks were not observed: kvtrace cannot tell what the recorded one rests on."""
+    if point is None:
+        if recorded is None or not peaks_note:
+            return recorded, None
+        return None, f"{recorded}: not counted ({peaks_note})"
+    claimed = recorded or capacity_reason(point, {"counters": counters}, peaks or None, kv_cache_tokens)
+    if not peaks_note:
+        return claimed, None
+    reason = capacity_reason(point, {"counters": counters}, None, kv_cache_tokens)
+    return reason, f"{claimed}: not counted ({peaks_note})" if claimed and not reason else None
 
 
 def serving_rows(base: ArmInput, cand: ArmInput) -> list[ServingRow]:

@@ -69,19 +69,21 @@ APPEND_PHASE = "append_phase"
 class QueryQuantizeStatement(Statement):
     """The quantize kernels that only one arm runs in a phase where, by vLLM's log, that arm's prefill queries
     are FP8 (vLLM >= 0.33 quantizes them for FA3's FP8 prefill): part of that arm's prefill cost, which the
-    prefill attention row leaves out. Totals over the phase; the ratio only where both arms ran as many prefill
-    attention calls there."""
+    prefill attention row leaves out. Calls and times are one run's, the mean per run when `runs` > 1 (the
+    diff sums its runs); the ratio only where both arms ran as many prefill attention calls there. `kvtrace
+    diff` states it too, in its head (headline.Headline.query_quantize)."""
 
     kind: ClassVar[str] = "query_quantize"
     arm: str  # the arm that quantizes
     other: str
     query: str  # its prefill query dtype
     phase: str
-    calls: int
-    quantize_ns: int
-    attention_ns: int  # its prefill attention in the phase
-    other_attention_ns: int
+    calls: float  # per run
+    quantize_ns: float  # per run
+    attention_ns: float  # its prefill attention in the phase, per run
+    other_attention_ns: float
     ratio: float | None  # baseline-to-candidate, prefill attention with the quantization against without
+    runs: int = 1  # the run pairs the means are over
 
 
 @dataclass(frozen=True)
@@ -214,7 +216,7 @@ def statements(diff: Diff, serving: list[ServingRow], cap: capacity.Capacity | N
     elif cap is not None and cap.ideal_multiplier is not None and cap.formats[0].format != cap.formats[-1].format:
         out.append(IdealCapacityStatement("ok", "capacity", cap.formats[-1].label, cap.formats[0].label,
                                           cap.ideal_multiplier, cap.ideal_ratio))
-    out += query_quantize_statements(diff, base, cand)
+    out += query_quantize_statements(diff, (base.query_dtypes.get("prefill"), cand.query_dtypes.get("prefill")))
     sweep = sweep_capacity_statement(serving, base, cand)
     if sweep is not None:
         out.append(sweep)
@@ -303,13 +305,21 @@ def sweep_capacity_statement(serving: list[ServingRow], base: RunArm, cand: RunA
     return SweepCapacityStatement("ok", "capacity", tuple(arms))
 
 
-def query_quantize_statements(diff: Diff, base: RunArm, cand: RunArm) -> list[QueryQuantizeStatement]:
+def query_quantize_statements(diff: Diff, queries: tuple[str | None, str | None]) -> list[QueryQuantizeStatement]:
+    """`queries`: each arm's prefill query dtype from vLLM's log (runs.query_dtypes), baseline first; None when
+    unknown. One home for `kvtrace report` and `kvtrace diff`."""
     out = []
+    labels = (diff.baseline.label, diff.candidate.label)
+
+    def per_run(total: int) -> float:
+        return total if diff.runs == 1 else total / diff.runs
+
     for row in diff.phases:
         if row.segment != "quantize" or (row.baseline_calls == 0) == (row.candidate_calls == 0):
             continue
-        side, arm, other = ("baseline", base, cand) if row.baseline_calls else ("candidate", cand, base)
-        query = arm.query_dtypes.get("prefill", "")
+        index = 0 if row.baseline_calls else 1
+        side = ("baseline", "candidate")[index]
+        query = queries[index] or ""
         attention = next((r for r in diff.phases if r.segment == "prefill_attention" and r.phase == row.phase), None)
         if not query.startswith("float8") or attention is None:
             continue
@@ -321,6 +331,6 @@ def query_quantize_statements(diff: Diff, base: RunArm, cand: RunArm) -> list[Qu
         if attention.baseline_calls == attention.candidate_calls and with_quantize and theirs:
             ratio = theirs / with_quantize if side == "baseline" else with_quantize / theirs
         out.append(QueryQuantizeStatement(
-            "ok", "prefill", arm.label, other.label, query, row.phase, getattr(row, f"{side}_calls"), quantize,
-            own, theirs, ratio))
+            "ok", "prefill", labels[index], labels[1 - index], query, row.phase, per_run(getattr(row, f"{side}_calls")),
+            per_run(quantize), per_run(own), per_run(theirs), ratio, diff.runs))
     return out

@@ -66,35 +66,24 @@ class _Nsys:
 
 
 def _take_up(out: Path, name: str, nsys: _Nsys) -> dict:
-    """Makes out/NAME.sqlite a complete export; returns what was done. Raises RuntimeError saying why not."""
+    """Makes out/NAME.sqlite a complete export; returns what was done. Raises RuntimeError saying why not.
+    A hand export is adopted once checked; otherwise the capture's own export step runs again
+    (runner.export_run: the .nsys-rep, else the .qdstrm through QdstrmImporter)."""
     sqlite, report, raw = (out / f"{name}{suffix}" for suffix in (".sqlite", ".nsys-rep", ".qdstrm"))
     if sqlite.exists():
         problem = kvtrace.nsys.export_problem(sqlite)
         if problem:
             raise RuntimeError(f"{sqlite.name} {problem}: export {report.name} again with `nsys export --type sqlite`")
         return {"how": f"adopted {sqlite.name}, exported outside kvtrace", "commands": []}
-    commands, how = [], f"exported {report.name}"
+    how = f"exported {report.name}" if report.exists() else \
+        f"imported {raw.name} with QdstrmImporter, exported {report.name}"
     with open(out / f"{name}.log", "a") as log:
         log.write(f"# kvtrace capture import, {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n")
-        if not report.exists():
-            if not raw.exists():
-                raise RuntimeError(f"none of {sqlite.name}, {report.name} or {raw.name} is in {out}")
-            importer = kvtrace.nsys.find_importer(nsys.path)
-            if importer is None:
-                raise RuntimeError(f"no QdstrmImporter beside {nsys.path}: pass --nsys of a full Nsight Systems "
-                                   f"install, or import {raw.name} by hand and export it to {sqlite.name}")
-            result = kvtrace.nsys.import_qdstrm(importer, raw, log=log)
-            commands.append([importer, "-i", raw.name])
-            if result.returncode != 0 or not report.exists():
-                said = kvtrace.nsys.importer_error(result.stdout) or kvtrace.nsys.last_line(result.stdout)
-                raise RuntimeError(f"QdstrmImporter -i {raw.name} failed (exit code {result.returncode}: \"{said}\"); "
-                                   f"see {name}.log")
-            how = f"imported {raw.name} with QdstrmImporter, exported {report.name}"
         try:
-            kvtrace.nsys.export_sqlite(nsys.path, report, sqlite, log=log)
+            commands = runner.export_run(out, name, nsys.path, log,
+                                         no_report=f"none of {sqlite.name}, {report.name} or {raw.name} is in {out}")
         except kvtrace.nsys.ExportFailed as failed:
             raise RuntimeError(f"{failed} (\"{failed.last_line}\"); see {name}.log") from None
-    commands.append(kvtrace.nsys.export_command(nsys.path, Path(report.name), Path(sqlite.name)))
     return {"how": how, "commands": commands}
 
 

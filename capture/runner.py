@@ -37,22 +37,25 @@ def profile_command(nsys: str, report: Path, workload: list[str], *, extra: tupl
 REPORT_FAILURES = ("nsys left ", "nsys export failed")
 
 
-def export_run(out: Path, name: str, nsys: str, log: TextIO, *, no_report: str) -> list[str]:
-    """Export the run's report (out/NAME.nsys-rep) to out/NAME.sqlite; returns the command to record.
+def export_run(out: Path, name: str, nsys: str, log: TextIO, *, no_report: str) -> list[list[str]]:
+    """Export the run's report (out/NAME.nsys-rep) to out/NAME.sqlite; returns the commands run, to record.
     `no_report` says what to check when nsys wrote no report at all. When nsys left only the raw capture
-    (.qdstrm), its import step failed or is missing: the import is tried once more with QdstrmImporter."""
+    (.qdstrm), its import step failed or is missing: the import is tried once more with QdstrmImporter (the
+    first command returned). `kvtrace capture import` takes up failed runs through here too."""
     report = out / f"{name}.nsys-rep"
+    commands = []
     if not report.exists():
         raw = report.with_suffix(".qdstrm")
         if not raw.exists():
             raise RuntimeError(f"nsys wrote no report: {no_report}")
-        _import_again(nsys, raw, report, log)
+        commands.append(_import_again(nsys, raw, report, log))
     kvtrace.nsys.export_sqlite(nsys, report, out / f"{name}.sqlite", log=log)
-    return kvtrace.nsys.export_command(nsys, Path(report.name), Path(f"{name}.sqlite"))
+    return commands + [kvtrace.nsys.export_command(nsys, Path(report.name), Path(f"{name}.sqlite"))]
 
 
-def _import_again(nsys: str, raw: Path, report: Path, log: TextIO) -> None:
-    """Import `raw` with the QdstrmImporter of `nsys`' install; raises with nsys' own words if that fails."""
+def _import_again(nsys: str, raw: Path, report: Path, log: TextIO) -> list[str]:
+    """Import `raw` with the QdstrmImporter of `nsys`' install, returning its command; raises with nsys' own
+    words if that fails."""
     log.flush()
     try:  # what nsys profile printed, for its own error line
         profiled = Path(log.name).read_text(errors="replace")
@@ -67,11 +70,11 @@ def _import_again(nsys: str, raw: Path, report: Path, log: TextIO) -> None:
                            "nsys export --type sqlite")
     result = kvtrace.nsys.import_qdstrm(importer, raw, log=log)
     if result.returncode == 0 and report.exists():
-        return
+        return [importer, "-i", raw.name]
     again = kvtrace.nsys.importer_error(result.stdout) or kvtrace.nsys.last_line(result.stdout)
     first = f"nsys profile's import said \"{said}\"; " if said else ""
-    raise RuntimeError(f"nsys left {raw.name} but no report: {first}QdstrmImporter -i {raw.name} failed too "
-                       f"(exit code {result.returncode}: \"{again}\"); see the log")
+    raise RuntimeError(f"nsys left {raw.name} but no report: {first}QdstrmImporter -i {raw.name} failed"
+                       f"{' too' if said else ''} (exit code {result.returncode}: \"{again}\"); see the log")
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
@@ -168,7 +171,7 @@ def run_arm(name: str, out: Path, nsys: str, workload: list[str], *, env: dict |
             result = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env, check=False)
             if result.returncode != 0:
                 raise RuntimeError(f"workload under nsys exited with code {result.returncode}")
-            arm.commands.append(export_run(out, name, nsys, log, no_report="did the workload call cudaProfilerStart?"))
+            arm.commands += export_run(out, name, nsys, log, no_report="did the workload call cudaProfilerStart?")
             arm.sqlite = f"{name}.sqlite"
             arm.status = "ok"
         except (OSError, RuntimeError) as failure:

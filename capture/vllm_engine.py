@@ -209,8 +209,8 @@ def _export(session: _Session, arm: VllmArm) -> None:
     if (session.out / f"{arm.name}.nsys-rep").exists():
         arm.report = f"{arm.name}.nsys-rep"  # kept even when the export fails: it may still open in the GUI
     with open(session.out / arm.log, "a") as log:
-        arm.commands.append(runner.export_run(session.out, arm.name, session.nsys, log,
-                                              no_report="vLLM's CUDA profiler range never opened"))
+        arm.commands += runner.export_run(session.out, arm.name, session.nsys, log,
+                                          no_report="vLLM's CUDA profiler range never opened")
     arm.sqlite = f"{arm.name}.sqlite"
 
 

@@ -261,14 +261,16 @@ def edited_cold_prefill(tmp_path: Path, edit) -> list[Path]:
 
 def test_synthetic_capacity_resting_on_unobserved_peaks_does_not_count(recipes, tmp_path):
     # The real cold-prefill pair, with auto's polled KV usage raised to 99%: its point is sub-second against
-    # 0.5 s polling, so that maximum is no observation, and the matrix does not call auto capacity-bound on it.
+    # 0.5 s polling, so that maximum is no observation, and neither the report nor the matrix (which takes the
+    # report's decision) calls auto capacity-bound on it; both say what was not counted.
     def edit(arm, data):
         if arm == "auto":
             data["arms"]["auto"]["points"][0]["metrics"]["peaks"]["vllm:kv_cache_usage_perc"] = 0.99
 
     runs = edited_cold_prefill(tmp_path, edit)
     alone = report.build(runs, recipes)
-    assert alone.serving[0].baseline.capacity == "KV cache usage peaked at 99%" and alone.serving[0].baseline.peaks_note
+    assert alone.serving[0].baseline.capacity is None and alone.serving[0].baseline.peaks_note
+    assert alone.serving[0].baseline.capacity_note.startswith("KV cache usage peaked at 99%: not counted")
     (point,) = matrix.build(runs, recipes).points
     assert point.baseline_capacity is None and point.candidate_capacity is None
     note = alone.serving[0].baseline.peaks_note

@@ -734,6 +734,77 @@ def test_real_sweep_marks_where_each_arm_first_reaches_capacity(recipes):
     assert text.count("◆ auto") == len(expected["baseline"]) and text.count("◆ fp8") == len(expected["candidate"])
 
 
+# The real sweeps: vLLM 0.33 (both arms in one run directory) and vLLM 0.26 (one arm each), every point under a
+# second of traffic against /metrics polled every 0.5 s (shared/gpu/README.md, "Sweeps in serve mode").
+SWEEPS = {"vllm033": ([VLLM033_RUNS["serve-sweep"]], ("fp8", "nvfp4")),
+          "vllm026": ([SERVE_RUNS["sweep-auto"], SERVE_RUNS["sweep-fp8"]], ("auto", "fp8"))}
+
+
+@pytest.mark.parametrize("sweep_name", sorted(SWEEPS))
+def test_real_sweep_capacity_rests_only_on_observed_evidence(sweep_name, recipes):
+    """An independent pass over each point's bench JSON, /metrics snapshots and log: a point is capacity-bound
+    where vLLM preempted (counter delta) or the KV demand of the point's concurrency fills the log's pool. The
+    polled peaks of these sub-second points are not observations; no capacity statement rests on them, and no
+    cell the report calls "not observed" stands beside a reason drawn from it."""
+    paths, arms = SWEEPS[sweep_name]
+    result = report.build(paths, recipes)
+    text = render_text(result, "markdown")
+    for side, arm in zip(("baseline", "candidate"), arms):
+        run = next(path for path in paths if arm in manifest(path)["arms"])
+        for index, entry in enumerate(manifest(run)["arms"][arm]["points"]):
+            own = recorded_point(run, arm, index)
+            bench = own["bench"]
+            assert bench["duration"] < serving.MIN_PEAK_POLLS * 0.5  # too short for its polls to see peaks
+            per_request = (bench["total_input_tokens"] + bench["total_output_tokens"]) / bench["completed"]
+            demand = bench["max_concurrency"] * per_request
+            preempted = own["delta"]["vllm:num_preemptions_total"]
+            metrics = getattr(next(r for r in result.serving if r.point == own["point"]), side)
+            assert metrics.peaks_note and metrics.peak_kv_usage is None and metrics.peak_running is None
+            if preempted > 0:
+                assert metrics.capacity == f"{preempted:g} preemptions"
+            elif demand >= 0.95 * own["log_tokens"]:
+                assert metrics.capacity == f"{demand:,.0f} KV tokens needed of {own['log_tokens']:,} available"
+            else:
+                assert metrics.capacity is None, (arm, own["point"])
+            assert metrics.capacity_note is None  # the capture's own reasons rest on the same evidence
+    assert "peaked" not in text and "cannot tell" not in text
+
+
+def test_a_capacity_reason_on_unobserved_peaks_is_not_counted(tmp_path, recipes):
+    """The serve engine decides capacity on the maxima of every poll; a sub-second point's one poll that read
+    97% KV usage is no peak. The report then calls the point neither bound nor free ("cannot tell"), the sweep
+    statement and the TTFT reading do not count it, and the matrix takes the same decision from the report."""
+    from kvtrace.analyzer import matrix
+
+    point = "input=1024,output=16,prompts=32,concurrency=16"  # 16,640 KV tokens: FP8's 20,480 hold it
+
+    def one_high_poll(data):
+        entry = next(p for p in data["arms"]["fp8"]["points"] if p["point"] == point)
+        assert entry["metrics"]["busy_polls"] < serving.MIN_PEAK_POLLS and entry["capacity"] is None
+        entry["metrics"]["peaks"]["vllm:kv_cache_usage_perc"] = 0.97
+        entry["capacity"] = "KV cache usage peaked at 97%"
+        for when in ("before", "after"):
+            entry["metrics"][when] = str(VLLM033_RUNS["serve-sweep"] / entry["metrics"][when])
+        entry["bench_result"] = str(VLLM033_RUNS["serve-sweep"] / entry["bench_result"])
+
+    run = _variant(tmp_path, VLLM033_RUNS["serve-sweep"], one_high_poll)
+    result = report.build([run], recipes)
+    row = next(r for r in result.serving if r.point == point)
+    assert row.baseline.capacity is None and not row.baseline_first_capacity
+    assert row.baseline.capacity_note.startswith("KV cache usage peaked at 97%: not counted (peaks not observed")
+    sweep = next(s for s in result.statements if s.kind == "sweep-capacity")
+    assert [f.point for f in sweep.arms[0].first] == ["input=2048,output=16,prompts=32,concurrency=16"]
+    ttft = next(s for s in result.statements if s.kind == "ttft" and s.point == point)
+    assert ttft.baseline_capacity is None and ttft.reading != statements.CAPACITY_EFFECT
+    text = render_text(result, "markdown")
+    assert "fp8: cannot tell" in text and "capacity-bound: cannot tell (KV cache usage peaked at 97%: not" in text
+    assert "first reaches capacity at input=1024" not in statement_text(sweep)
+    decided = matrix.build([run], recipes)
+    (judged,) = [p for p in decided.scenarios[0].points if p.point == point]
+    assert judged.baseline_capacity is None
+    assert judged.capacity_notes == [f"fp8: {row.baseline.capacity_note}"]
+
+
 def test_real_cold_prefill_arms_ran_the_same_steps_and_pair(run_kvtrace, recipes):
     """One 1,024-token prompt at a time: every engine step is the same in both arms, so `kvtrace diff` pairs
     prefill attention and KV append call for call (not "not comparable")."""

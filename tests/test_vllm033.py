@@ -6,8 +6,10 @@ from the uncut originals), the runs' own bench JSON, /metrics scrapes and vLLM's
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
+import shutil
 import sqlite3
 from pathlib import Path
 
@@ -16,6 +18,7 @@ import pytest
 from conftest import VLLM033_RUNS, sql_durations
 from kvtrace.analyzer import report, statements, stats
 from kvtrace.analyzer.classify import load_recipes
+from kvtrace.analyzer.render.escape import md_text, visible
 from kvtrace.analyzer.render.statements import text as statement_text
 
 ARMS = ("fp8", "nvfp4")
@@ -280,3 +283,75 @@ def test_sweep_shows_fp8_capacity_bound_at_2048_by_16(recipes):
     assert bound == {"fp8": ["input=2048,output=16,prompts=32,concurrency=16"], "nvfp4": []}
     assert first == bound
     assert "33,024 KV tokens needed of 20,480" in statement_text(sweep)
+
+
+# vLLM's prefill step ranges: context requests, no generation requests (analyzer.align.step_kind).
+_PREFILL_STEP = re.compile(r"execute_context_([1-9]\d*)\(\d+\)_generation_0\(0\)")
+
+
+def _sql_prefill_ns(path: Path, likes: list[str]) -> tuple[int, int]:
+    """(calls, ns) of the kernels launched inside vLLM's prefill step ranges, in plain SQL."""
+    with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as conn:
+        names = [name for (name,) in conn.execute("SELECT DISTINCT text FROM NVTX_EVENTS WHERE text IS NOT NULL")
+                 if _PREFILL_STEP.fullmatch(name)]
+    durations = [d for name in names for d in sql_durations(path, *likes, nvtx=name)]
+    return len(durations), sum(durations)
+
+
+def test_diff_states_the_query_quantization_the_report_states(recipes, run_kvtrace):
+    """`kvtrace diff fp8.sqlite nvfp4.sqlite` (make demo's first command) says what `kvtrace report` says of
+    FP8's query quantization, from the same statement, in every renderer; its numbers are plain SQL sums over
+    the prefill steps."""
+    run = VLLM033_RUNS["offline-decode-heavy"]
+    (said,) = [s for s in report.build([run], recipes).statements if s.kind == "query_quantize"]
+    quantize = {arm: _sql_prefill_ns(run / f"{arm}.sqlite", EXPECTED["quantize"]["fp8"]) for arm in ARMS}
+    attention = {arm: _sql_prefill_ns(run / f"{arm}.sqlite", EXPECTED["prefill_attention"][arm]) for arm in ARMS}
+    assert quantize["nvfp4"] == (0, 0) and quantize["fp8"][0] == 16
+    # Every quantize call of the trace lies in a prefill step: the phase holds them all.
+    assert quantize["fp8"] == sql_totals(run / "fp8.sqlite", EXPECTED["quantize"]["fp8"])
+    assert (said.calls, said.quantize_ns) == quantize["fp8"]
+    assert (said.attention_ns, said.other_attention_ns) == (attention["fp8"][1], attention["nvfp4"][1])
+    assert said.runs == 1 and "in total" in statement_text(said)
+
+    code, out, err = run_kvtrace("diff", "fp8.sqlite", "nvfp4.sqlite", "--format", "json", cwd=run)
+    assert code == 0, err
+    assert json.loads(out)["headline"]["query_quantize"] == [dataclasses.asdict(said)]
+    code, out, err = run_kvtrace("diff", "fp8.sqlite", "nvfp4.sqlite", "--format", "markdown", cwd=run)
+    assert code == 0, err
+    assert statement_text(said, md_text) in out.split("### Environment")[0]
+    code, out, err = run_kvtrace("diff", "fp8.sqlite", "nvfp4.sqlite", cwd=run)
+    assert code == 0, err
+    assert " ".join(statement_text(said, visible).split()) in " ".join(out.split("everything else")[0].split())
+    assert "only in the baseline" in out  # the quantize rows' own footnote stays: the head says what they are
+
+
+def test_repeated_runs_state_the_query_quantization_per_run(run_kvtrace, tmp_path):
+    """With --repeat the diff sums its runs; the statement gives one run's calls and time (their mean), never
+    the pooled sum. A second run that is a copy of the first has the first run's numbers."""
+    run = VLLM033_RUNS["offline-decode-heavy"]
+    for arm in ARMS:
+        shutil.copyfile(run / f"{arm}.sqlite", tmp_path / f"{arm}.sqlite")
+    code, out, err = run_kvtrace("diff", run / "fp8.sqlite", run / "nvfp4.sqlite", "--repeat", tmp_path / "fp8.sqlite",
+                                 tmp_path / "nvfp4.sqlite", "--format", "json")
+    assert code == 0, err
+    data = json.loads(out)
+    (said,) = data["headline"]["query_quantize"]
+    calls, ns = sql_totals(run / "fp8.sqlite", EXPECTED["quantize"]["fp8"])
+    (quantize_row,) = [r for r in data["phases"] if r["segment"] == "quantize"]
+    assert data["runs"] == said["runs"] == 2 and quantize_row["baseline_total_ns"] == 2 * ns  # the rows sum runs
+    assert (said["calls"], said["quantize_ns"]) == (calls, ns)
+    assert said["attention_ns"] == _sql_prefill_ns(run / "fp8.sqlite", EXPECTED["prefill_attention"]["fp8"])[1]
+    code, out, err = run_kvtrace("diff", run / "fp8.sqlite", run / "nvfp4.sqlite", "--repeat", tmp_path / "fp8.sqlite",
+                                 tmp_path / "nvfp4.sqlite", "--format", "markdown")
+    assert code == 0, err
+    line = next(line for line in out.splitlines() if "query quantization" in line)
+    assert f"{calls} quantize calls, {ns / 1e3:.2f} µs per run (mean of 2 runs)" in line and "in total" not in line
+
+
+def test_diff_never_writes_onto_the_log_it_read_the_query_dtypes_from(run_kvtrace, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(VLLM033_RUNS["offline-decode-heavy"], run)
+    before = (run / "nvfp4.log").read_bytes()
+    code, out, err = run_kvtrace("diff", "fp8.sqlite", "nvfp4.sqlite", "-o", "nvfp4.log", cwd=run)
+    assert code == 2 and "never overwrites its inputs" in err and len(err.strip().splitlines()) == 1
+    assert (run / "nvfp4.log").read_bytes() == before

@@ -9,6 +9,7 @@ from kvtrace.analyzer.results import Arm, Diff, DiffRow, Summary
 from kvtrace.analyzer.kernels import KernelList
 from kvtrace.analyzer.headline import APPEND_PHASE, Headline
 from kvtrace.analyzer.render.escape import md_code, md_prose, md_text, visible
+from kvtrace.analyzer.render.statements import text as statement_text
 from kvtrace.analyzer.render.units import (MARK, arm_time, calls, duration, head_time, interval, markdown_table,
                                           numbered_notes, per_call, percent, ratio, run_ratios, signed_duration)
 from kvtrace.analyzer.verify import MISMATCHES_SHOWN
@@ -136,9 +137,10 @@ def body(diff: Diff, level: int) -> list[str]:
     return lines + ["</details>"]
 
 
-def head(diff: Diff, level: int = 3) -> list[str]:
+def head(diff: Diff, level: int = 3, *, statements: bool = True) -> list[str]:
     """The answer first (analyzer.headline): the deciding rows, the environment, how to reproduce; `level` is
-    the heading level of its sections."""
+    the heading level of its sections; `statements`: the head's own statements (the report lists them among
+    its statements)."""
     head = diff.headline or Headline.of(diff)
     b, c = md_text(diff.baseline.label), md_text(diff.candidate.label)
     section = "#" * level
@@ -154,6 +156,7 @@ def head(diff: Diff, level: int = 3) -> list[str]:
     if any(r.question == APPEND_PHASE for r in head.rows):
         notes.append("KV append phase: one call is one append with the kernels launched since the previous one "
                      "(FP8 pays a separate cast and copy, NVFP4 one fused quantize-append).")
+    notes += [f"{statement_text(s, md_text)}." for s in (head.query_quantize if statements else ())]
     if head.drift:
         notes.append(f"Control: {md_text(head.drift)}.")
     for outcome in diff.verification.outcomes() if diff.verification is not None else []:

@@ -80,6 +80,14 @@ def _peak(m: ServingMetrics | None, name: str, fmt) -> str:
     return fmt(getattr(m, name) if m is not None else None)
 
 
+def _capacity_bound(m: ServingMetrics | None) -> str:
+    """The capacity cell: the observed reason, "cannot tell" where a reason rested on peaks that were not
+    observed (capacity_note), else "no"."""
+    if m is None:
+        return "no"
+    return m.capacity or ("cannot tell" if m.capacity_note else "no")
+
+
 def _check_value(check: SourceCheck, value) -> str:
     return percent(value) if check.unit == "fraction" else _count(value)
 
@@ -104,6 +112,8 @@ def _serving_notes(report: Report) -> list[tuple[str, str]]:
                                      + (f"; {check.note}" if check.note else "")))
             if metrics.peaks_note:
                 warnings.append(("warning", f"{label}{where}: {metrics.peaks_note}"))
+            if metrics.capacity_note:
+                warnings.append(("warning", f"{label}{where}: capacity-bound: cannot tell ({metrics.capacity_note})"))
         if agreed:
             everywhere = all(n == len(rows) for n in agreed.values())
             lines.append(("ok", f"{label}: two sources agree on " + ", ".join(
@@ -154,7 +164,7 @@ def _serving_point_table(report: Report) -> tuple[list[str], list[list[str]]]:
              ["preemptions", _count(get(b, "preemptions")), _count(get(c, "preemptions")), ""],
              ["peak running requests", _peak(b, "peak_running", _count), _peak(c, "peak_running", _count), ""],
              ["peak KV-cache usage", _peak(b, "peak_kv_usage", percent), _peak(c, "peak_kv_usage", percent), ""],
-             ["capacity-bound", get(b, "capacity") or "no", get(c, "capacity") or "no", ""]]
+             ["capacity-bound", _capacity_bound(b), _capacity_bound(c), ""]]
     return header, rows
 
 
@@ -169,8 +179,8 @@ def _serving_sweep_table(report: Report) -> tuple[list[str], list[list[str]]]:
         b, c = row.baseline, row.candidate
         marks = []
         for label, metrics, first in ((bl, b, row.baseline_first_capacity), (cl, c, row.candidate_first_capacity)):
-            if metrics and metrics.capacity:
-                marks.append(f"{'◆ ' if first else ''}{label}: {metrics.capacity}")
+            if metrics and (metrics.capacity or metrics.capacity_note):
+                marks.append(f"{'◆ ' if first else ''}{label}: {_capacity_bound(metrics)}")
         rows.append([row.point, _latency(b.ttft_ms if b else None), _latency(c.ttft_ms if c else None),
                      _cached(b), _cached(c), _latency(b.itl_ms if b else None), _latency(c.itl_ms if c else None),
                      _per_s(b.output_tokens_per_s if b else None), _per_s(c.output_tokens_per_s if c else None),
@@ -304,7 +314,8 @@ def _phase_cells(header: list[str], rows: list[list[str]]) -> tuple[list[str], l
 def report_markdown(report: Report) -> str:
     b, c = report.baseline, report.candidate
     labels = md_text(b.label), md_text(c.label)
-    lines = [f"## kvtrace report: {labels[0]} → {labels[1]}", ""] + diff_markdown.head(report.diff) + [
+    head = diff_markdown.head(report.diff, statements=False)  # its statements are among the report's own
+    lines = [f"## kvtrace report: {labels[0]} → {labels[1]}", ""] + head + [
              "", "<details><summary>Everything else: serving, bandwidth, capacity, the whole kernel diff</summary>", "",
              f"Baseline **{labels[0]}** (arm {md_code(b.arm)} of {md_code(shown_path(b.run))}, {md_text(b.engine)} engine"
              + (f", {md_text(b.scenario)}" if b.scenario else "") + f"), candidate **{labels[1]}** (arm "
@@ -377,7 +388,7 @@ def capacity_terminal(cap: Capacity, console: Console) -> None:
 
 
 def report_terminal(report: Report, console: Console) -> None:
-    diff_terminal.head(report.diff, console)
+    diff_terminal.head(report.diff, console, statements=False)
     b, c = report.baseline, report.candidate
     console.print(f"[bold]{rich(b.label)}[/] ({rich(shown_path(b.run))}) → [bold]{rich(c.label)}[/] ({rich(shown_path(c.run))})")
     for s in report.statements:

@@ -58,10 +58,14 @@ def _compared(s: st.KernelStatement, name: Name) -> str:
 @text.register
 def _query_quantize(s: st.QueryQuantizeStatement, name: Name = _plain) -> str:
     a, o, phase = name(s.arm), name(s.other), name(s.phase.removeprefix("vLLM "))
+    # One run's numbers, or their mean per run: a sum over repeated runs is no run's time.
+    calls, each = (f"{s.calls:,} quantize calls", "in total") if s.runs == 1 else \
+        (f"{s.calls:,.4g} quantize calls", f"per run (mean of {s.runs} runs)")
+    there = "there" if s.runs == 1 else "there per run"
     words = (f"query quantization ({phase}): only {a} quantizes its prefill queries ({name(s.query)}, per vLLM's log), "
-             f"{s.calls:,} quantize calls, {duration(s.quantize_ns)} in total: part of {a}'s prefill cost, which "
+             f"{calls}, {duration(s.quantize_ns)} {each}: part of {a}'s prefill cost, which "
              f"the prefill attention row leaves out. With it, {a} spends {duration(s.attention_ns + s.quantize_ns)} "
-             f"on prefill attention and query quantization there against {duration(s.other_attention_ns)} for {o}")
+             f"on prefill attention and query quantization {there} against {duration(s.other_attention_ns)} for {o}")
     return words + (f" ({s.ratio:.3f}×)" if s.ratio is not None else "")
 
 

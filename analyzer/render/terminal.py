@@ -9,6 +9,7 @@ from kvtrace.analyzer.results import Diff, Summary
 from kvtrace.analyzer.kernels import KernelList
 from kvtrace.analyzer.headline import APPEND_PHASE, Headline
 from kvtrace.analyzer.render.escape import rich, visible
+from kvtrace.analyzer.render.statements import text as statement_text
 from kvtrace.analyzer.render.units import (LEVEL, arm_time, calls, duration, head_time, interval, numbered_notes,
                                           per_call, percent, ratio, run_ratios, signed_duration)
 from kvtrace.analyzer.stats import IMPROVEMENT, REGRESSION
@@ -48,8 +49,9 @@ def summary(summary: Summary, console: Console) -> None:
         console.print(table)
 
 
-def head(diff: Diff, console: Console) -> None:
-    """The answer first, in 100 columns: one table per question, its families in the title."""
+def head(diff: Diff, console: Console, *, statements: bool = True) -> None:
+    """The answer first, in 100 columns: one table per question, its families in the title; `statements`: the
+    head's own statements (the report lists them among its statements)."""
     head = diff.headline or Headline.of(diff)
     b, c = diff.baseline, diff.candidate
     console.print(f"[bold]{rich(b.label)}[/] → [bold]{rich(c.label)}[/] on {rich(b.info.gpu_label)}: time per "
@@ -73,6 +75,8 @@ def head(diff: Diff, console: Console) -> None:
     if any(r.question == APPEND_PHASE for r in head.rows):
         console.print("  KV append phase: one call is one append with the kernels launched since the previous one "
                       "(FP8's cast and copy, NVFP4's fused quantize-append)", highlight=False)
+    for statement in head.query_quantize if statements else ():
+        console.print(f"  {statement_text(statement, visible)}", markup=False, highlight=False)
     if head.drift:
         console.print(f"  drift: {visible(head.drift)}", markup=False, highlight=False)
     for outcome in diff.verification.outcomes() if diff.verification is not None else []:
