@@ -348,6 +348,20 @@ def test_repeated_runs_state_the_query_quantization_per_run(run_kvtrace, tmp_pat
     assert f"{calls} quantize calls, {ns / 1e3:.2f} µs per run (mean of 2 runs)" in line and "in total" not in line
 
 
+def test_the_real_repeats_state_the_query_quantization_per_run(recipes):
+    """On the real `--repeats 2` run the statement is the mean of the two runs' own prefill-step sums (plain SQL
+    over fp8.r1 and fp8.r2, which differ), not their pooled sum."""
+    run = VLLM033_RUNS["offline-decode-heavy-repeats"]
+    (said,) = [s for s in report.build([run], recipes).statements if s.kind == "query_quantize"]
+    per_run = [_sql_prefill_ns(run / f"fp8.r{k}.sqlite", EXPECTED["quantize"]["fp8"]) for k in (1, 2)]
+    attention = [_sql_prefill_ns(run / f"fp8.r{k}.sqlite", EXPECTED["prefill_attention"]["fp8"])[1] for k in (1, 2)]
+    assert per_run[0][1] != per_run[1][1] and all(calls == 16 for calls, _ in per_run)
+    assert said.runs == 2 and said.calls == 16
+    assert said.quantize_ns == pytest.approx(sum(ns for _, ns in per_run) / 2, abs=1)
+    assert said.attention_ns == pytest.approx(sum(attention) / 2, abs=1)
+    assert "per run (mean of 2 runs)" in statement_text(said) and "in total" not in statement_text(said)
+
+
 def test_diff_never_writes_onto_the_log_it_read_the_query_dtypes_from(run_kvtrace, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(VLLM033_RUNS["offline-decode-heavy"], run)
