@@ -27,7 +27,7 @@ from typing import Callable
 
 import pytest
 
-from conftest import BAD_DIR, GOOD_SQLITE, NSYS2023_DIR, NSYS2025_DIR, fingerprint
+from conftest import BAD_DIR, GOOD_SQLITE, NSYS2023_DIR, NSYS2023_REPORTS, NSYS2025_DIR, fingerprint
 
 HALF_SOURCE = NSYS2025_DIR / "fp8.sqlite"
 
@@ -124,7 +124,7 @@ def _copied_report(source: Path, name: str) -> Callable[[Path], Path]:
 
 
 def _truncated_report(tmp: Path) -> Path:
-    data = (NSYS2023_DIR / "fp8.nsys-rep").read_bytes()
+    data = (NSYS2023_REPORTS / "fp8.nsys-rep").read_bytes()
     path = tmp / "truncated.nsys-rep"
     path.write_bytes(data[: len(data) // 2])
     return path
@@ -233,7 +233,7 @@ def test_failed_report_export_leaves_no_partial_in_cache(kind, nsys, tmp_path, c
 def test_nsys_rep_without_nsys(tmp_path, run_kvtrace):
     """An .nsys-rep (no sibling export) when neither $NSYS nor PATH has nsys."""
     report = tmp_path / "fp8.nsys-rep"
-    shutil.copy2(NSYS2023_DIR / "fp8.nsys-rep", report)
+    shutil.copy2(NSYS2023_REPORTS / "fp8.nsys-rep", report)
     path = os.pathsep.join([str(Path(sys.executable).parent), "/usr/bin", "/bin"])
     if shutil.which("nsys", path=path):
         pytest.skip(f"nsys is on {path}")

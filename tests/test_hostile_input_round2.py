@@ -17,11 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import NSYS2025_DIR, fingerprint
+from conftest import NSYS2025_DIR, REPEAT, fingerprint
 from test_bad_input import assert_one_line_error
 from test_hostile_input import FP8, KERNEL, NVFP4, SMALL, edited, kv, named  # noqa: F401 (kv is a fixture)
 
-REPEAT = NSYS2025_DIR.parent / "fi-h200-sm90-repeat"
 FIRST_KERNEL = f"(SELECT rowid FROM {KERNEL} ORDER BY start LIMIT 1)"
 # Text that GitHub markdown would render: HTML, emphasis, a link, an emoji shortcode, and invisible marks.
 ACTIVE = "<b>bold</b> *em* [link](https://evil.example) :cat: \u200e\u200f\u061c\u202a\u2066\u200b"
