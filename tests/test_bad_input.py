@@ -91,7 +91,7 @@ def _not_nsys(tmp: Path) -> Path:
 
 def _edit_copy(tmp: Path, name: str, *statements: str) -> Path:
     path = tmp / name
-    shutil.copy2(GOOD_SQLITE, path)
+    shutil.copyfile(GOOD_SQLITE, path)  # bytes only: the unpacked fixtures are read-only
     conn = sqlite3.connect(path)
     for statement in statements:
         conn.execute(statement)

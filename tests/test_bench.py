@@ -14,7 +14,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from conftest import VLLM_COLD_PREFILL, sha256
+from conftest import VLLM_COLD_PREFILL, VLLM_DECODE_HEAVY, sha256
 from kvtrace.analyzer.load import open_trace
 from kvtrace.analyzer.ranges import NO_RANGE
 
@@ -87,7 +87,7 @@ def test_job_floor_reads_what_kvtrace_reads(tmp_path, monkeypatch):
     if shutil.which(os.environ.get("CC", "cc")) is None:
         pytest.skip("no C compiler")
     monkeypatch.setattr(run, "JOB_FLOOR", tmp_path / "kvtrace-floor")
-    path = make_large_trace.FIXTURES["vllm-decode"]
+    path = VLLM_DECODE_HEAVY / "auto.sqlite"
     out = subprocess.run([str(run.job_floor()), str(path)], capture_output=True, text=True, check=True).stdout
     kernels, launches, ranges = (int(n) for n in re.findall(r"(\d+) (?:kernels|launch calls|NVTX ranges) in", out))
     trace = open_trace(path, cache=False)

@@ -63,7 +63,7 @@ def kv(run_kvtrace):
 def edited(tmp: Path, name: str, *statements: str, source: Path = SMALL, unconstrained: str | None = None) -> Path:
     """A copy of a real export with SQL applied; `unconstrained` rebuilds that table without its NOT NULLs."""
     path = tmp / name
-    shutil.copy2(source, path)
+    shutil.copyfile(source, path)  # bytes only: the unpacked fixtures are read-only
     with sqlite3.connect(path) as conn:
         if unconstrained:
             conn.execute(f"CREATE TABLE rebuilt AS SELECT * FROM {unconstrained}")

@@ -396,7 +396,7 @@ def test_second_load_comes_from_the_cache_and_equals_a_fresh_load(tmp_path, cach
 def test_a_changed_export_is_read_again_and_replaces_its_entry(tmp_path, cache_dir, monkeypatch):
     monkeypatch.setenv("KVTRACE_CACHE_DIR", str(cache_dir))
     export = tmp_path / "auto.sqlite"
-    shutil.copy2(VLLM_DECODE_HEAVY / "auto.sqlite", export)
+    shutil.copyfile(VLLM_DECODE_HEAVY / "auto.sqlite", export)  # bytes only: the unpacked fixtures are read-only
     open_trace(export)
     before = _entries(cache_dir)
     # Re-exported in place: other contents under the same name.
