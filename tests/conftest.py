@@ -32,8 +32,8 @@ VLLM033_PACKS = FIXTURES / "vllm033-h200"  # vLLM 0.33 FP8 vs NVFP4 runs, packed
 def _unpack(pack: Path, *, named: bool = False) -> Path:
     """A packed run directory, unpacked once per content into a folder outside the source tree (under
     $KVTRACE_FIXTURE_CACHE, else the system's temporary folder), its files read-only like fixtures/.
-    named: the pack is fixtures/RUN/RUN.tar.xz holding RUN/, and the run directory keeps that name inside the
-    digest's folder (reports label a run by its directory's name)."""
+    named: a pack in fixtures/DIR/ holds DIR/, and the unpacked folder keeps that name inside the digest's folder
+    (reports label a run by its directory's name)."""
     digest = sha256(pack)[:16]
     root = Path(os.environ.get("KVTRACE_FIXTURE_CACHE") or tempfile.gettempdir()) / f"kvtrace-fixtures-{os.getuid()}"
     done = root / f"{pack.parent.name}-{pack.name.removesuffix('.tar.xz')}-{digest}"
@@ -73,6 +73,8 @@ REPEAT = PACKED_RUNS["fi-h200-sm90-repeat"]  # fi-h200-sm90 recorded again, on a
 REPEATS2 = PACKED_RUNS["fi-h200-sm90-repeats2"]  # `--repeats 2`: fp8.r1 nvfp4.r1 fp8.r2 nvfp4.r2
 VLLM_COLD_PREFILL = PACKED_RUNS["vllm-h200-cold-prefill"]  # vLLM 0.26, BF16 (auto) vs FP8
 VLLM_DECODE_HEAVY = PACKED_RUNS["vllm-h200-decode-heavy"]
+# fixtures/bad/'s real capture without kernels, its export and report (fixtures/bad/README.md), packed.
+NO_KERNELS_DIR = _unpack(BAD_DIR / "no-kernels-nsys2023.tar.xz", named=True)
 
 
 def _discover_real_exports(suffix: str) -> dict[str, Path]:
