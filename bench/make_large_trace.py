@@ -3,7 +3,8 @@
 The fixture is copied, then its kernel, runtime and NVTX range rows are replicated inside SQLite
 (INSERT … SELECT, no Python rows): copy k shifts every timestamp by k periods of the trace and every
 correlationId by k strides, so launches, graph replays and per-step NVTX ranges keep their real
-relations. The schema, StringIds and all other tables stay as exported. The fixture is never written.
+relations. The schema, StringIds and all other tables stay as exported. The fixture is never written; a packed
+one (fixtures/RUN/RUN.tar.xz) is unpacked once into bench/out/fixtures/.
 
     python bench/make_large_trace.py --kernels 1000000 -o bench/out/auto-1M.sqlite
 """
@@ -15,22 +16,41 @@ import os
 import shutil
 import sqlite3
 import sys
+import tarfile
+import tempfile
 from contextlib import closing
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# Fixture exports by name: (run folder under fixtures/, export).
 FIXTURES = {
-    "vllm": ROOT / "fixtures/vllm-h200-cold-prefill/auto.sqlite",
-    "vllm-fp8": ROOT / "fixtures/vllm-h200-cold-prefill/fp8.sqlite",
-    "vllm-decode": ROOT / "fixtures/vllm-h200-decode-heavy/auto.sqlite",
-    "vllm-decode-fp8": ROOT / "fixtures/vllm-h200-decode-heavy/fp8.sqlite",
-    "flashinfer": ROOT / "fixtures/fi-h200-sm90/fp8.sqlite",
-    "flashinfer-nvfp4": ROOT / "fixtures/fi-h200-sm90/nvfp4.sqlite",
+    "vllm": ("vllm-h200-cold-prefill", "auto.sqlite"),
+    "vllm-fp8": ("vllm-h200-cold-prefill", "fp8.sqlite"),
+    "vllm-decode": ("vllm-h200-decode-heavy", "auto.sqlite"),
+    "vllm-decode-fp8": ("vllm-h200-decode-heavy", "fp8.sqlite"),
+    "flashinfer": ("fi-h200-sm90", "fp8.sqlite"),
+    "flashinfer-nvfp4": ("fi-h200-sm90", "nvfp4.sqlite"),
 }
+UNPACKED = ROOT / "bench" / "out" / "fixtures"  # where packed runs are unpacked, once
 KERNEL, RUNTIME, NVTX = "CUPTI_ACTIVITY_KIND_KERNEL", "CUPTI_ACTIVITY_KIND_RUNTIME", "NVTX_EVENTS"
 # Closed ranges and marks are replicated; domain and string registrations (eventType 75 and others without
 # an end) are one-off events, and duplicating them would duplicate every range's domain prefix.
 NVTX_REPLICATED = 'eventType IN (59, 60, 70, 71) AND "end" IS NOT NULL'
+
+
+def fixture(name: str) -> Path:
+    """A fixture export by name; a run packed as fixtures/RUN/RUN.tar.xz is unpacked into UNPACKED first."""
+    run, export = FIXTURES[name]
+    pack = ROOT / "fixtures" / run / f"{run}.tar.xz"
+    if not pack.is_file():
+        return ROOT / "fixtures" / run / export
+    if not (UNPACKED / run).is_dir():
+        UNPACKED.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=UNPACKED, prefix=".unpacking-") as scratch:
+            with tarfile.open(pack, "r:xz") as tar:
+                tar.extractall(scratch, filter="data")
+            Path(scratch, run).rename(UNPACKED / run)  # the pack holds RUN/, as fixtures/README.md says
+    return UNPACKED / run / export
 
 
 def grow(source: Path, target: Path, kernels: int) -> int:
@@ -107,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"fixture ({', '.join(FIXTURES)}) or path to an export (default: vllm)")
     parser.add_argument("-o", "--output", type=Path, required=True)
     args = parser.parse_args(argv)
-    source = FIXTURES.get(args.source, Path(args.source))
+    source = fixture(args.source) if args.source in FIXTURES else Path(args.source)
     if source.resolve() == args.output.resolve():
         parser.error("the output must be a new file, not the source")
     args.output.parent.mkdir(parents=True, exist_ok=True)

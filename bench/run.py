@@ -136,7 +136,7 @@ def grown_pair(workload: str, size: int) -> tuple[list[Path], str | None]:
     """The pair's grown files, built when missing; or the reason they cannot be built."""
     files = [OUT / f"{arm}-{size}.sqlite" for arm in WORKLOADS[workload]]
     missing = [(arm, f) for arm, f in zip(WORKLOADS[workload], files) if not f.exists()]
-    needed = sum(make_large_trace.estimate_bytes(make_large_trace.FIXTURES[arm], size) for arm, _ in missing) \
+    needed = sum(make_large_trace.estimate_bytes(make_large_trace.fixture(arm), size) for arm, _ in missing) \
         + len(files) * size * CACHE_BYTES_PER_KERNEL
     free = shutil.disk_usage(OUT).free
     if needed + SPARE_DISK > free:
@@ -144,7 +144,7 @@ def grown_pair(workload: str, size: int) -> tuple[list[Path], str | None]:
                        f"free and {SPARE_DISK / 2**30:.0f} GiB stay spare")
     for arm, path in missing:
         print(f"building {path.name} …", file=sys.stderr, flush=True)
-        make_large_trace.grow(make_large_trace.FIXTURES[arm], path, size)
+        make_large_trace.grow(make_large_trace.fixture(arm), path, size)
     return files, None
 
 

@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         path = OUT / f"{arm}-{args.kernels}.sqlite"
         if not path.exists():
             OUT.mkdir(parents=True, exist_ok=True)
-            make_large_trace.grow(make_large_trace.FIXTURES[arm], path, args.kernels)
+            make_large_trace.grow(make_large_trace.fixture(arm), path, args.kernels)
         files.append(path)
     warm(files)
     cache = tempfile.mkdtemp(prefix="kvtrace-stages-", dir=OUT)

@@ -22,15 +22,18 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "fixtures"
 NSYS2025_DIR = FIXTURES / "fi-h200-sm90"  # Nsight Systems 2025.3.2, export schema 3.20.3
-NSYS2023_DIR = FIXTURES / "fi-h200-sm90-nsys2023"  # Nsight Systems 2023.4.4, export schema 3.7.2
+# Its two .nsys-rep reports, kept unpacked beside the pack of the rest (make bench-export's default REPORTS).
+NSYS2023_REPORTS = FIXTURES / "fi-h200-sm90-nsys2023"
 BAD_DIR = FIXTURES / "bad"
 SERVE_PACKS = FIXTURES / "vllm-h200-serve"  # serve-mode vLLM runs packed by its pack_run.py (RUN.tar.xz)
 VLLM033_PACKS = FIXTURES / "vllm033-h200"  # vLLM 0.33 FP8 vs NVFP4 runs, packed the same way
 
 
-def _unpack(pack: Path) -> Path:
+def _unpack(pack: Path, *, named: bool = False) -> Path:
     """A packed run directory, unpacked once per content into a folder outside the source tree (under
-    $KVTRACE_FIXTURE_CACHE, else the system's temporary folder), its files read-only like fixtures/."""
+    $KVTRACE_FIXTURE_CACHE, else the system's temporary folder), its files read-only like fixtures/.
+    named: a pack in fixtures/DIR/ holds DIR/, and the unpacked folder keeps that name inside the digest's folder
+    (reports label a run by its directory's name)."""
     digest = sha256(pack)[:16]
     root = Path(os.environ.get("KVTRACE_FIXTURE_CACHE") or tempfile.gettempdir()) / f"kvtrace-fixtures-{os.getuid()}"
     done = root / f"{pack.parent.name}-{pack.name.removesuffix('.tar.xz')}-{digest}"
@@ -44,11 +47,11 @@ def _unpack(pack: Path) -> Path:
                 path.chmod(0o444)
         (unpacked,) = scratch.iterdir()  # the archive holds one run directory
         try:
-            unpacked.rename(done)
+            (scratch if named else unpacked).rename(done)
         except OSError:  # another session, or another xdist worker, unpacked it meanwhile
             pass
         shutil.rmtree(scratch, ignore_errors=True)
-    return done
+    return done / pack.parent.name if named else done
 
 
 def sha256(path: Path) -> str:
@@ -61,12 +64,24 @@ SERVE_RUNS = {pack.name.removesuffix(".tar.xz"): _unpack(pack) for pack in sorte
 TORCH_H200 = _unpack(FIXTURES / "torch-h200" / "torch-h200.tar.xz")
 # The vLLM 0.33 run directories (fixtures/README.md): offline-cold-prefill, ..., serve-sweep.
 VLLM033_RUNS = {pack.name.removesuffix(".tar.xz"): _unpack(pack) for pack in sorted(VLLM033_PACKS.glob("*.tar.xz"))}
+# The older runs, each packed whole as fixtures/RUN/RUN.tar.xz (fixtures/README.md), by run name.
+PACKED_RUNS = {run: _unpack(FIXTURES / run / f"{run}.tar.xz", named=True) for run in (
+    "fi-h200-sm90-nsys2023", "fi-h200-sm90-repeat", "fi-h200-sm90-repeats2", "vllm-h200-cold-prefill",
+    "vllm-h200-decode-heavy")}
+NSYS2023_DIR = PACKED_RUNS["fi-h200-sm90-nsys2023"]  # Nsight Systems 2023.4.4, export schema 3.7.2
+REPEAT = PACKED_RUNS["fi-h200-sm90-repeat"]  # fi-h200-sm90 recorded again, on another machine
+REPEATS2 = PACKED_RUNS["fi-h200-sm90-repeats2"]  # `--repeats 2`: fp8.r1 nvfp4.r1 fp8.r2 nvfp4.r2
+VLLM_COLD_PREFILL = PACKED_RUNS["vllm-h200-cold-prefill"]  # vLLM 0.26, BF16 (auto) vs FP8
+VLLM_DECODE_HEAVY = PACKED_RUNS["vllm-h200-decode-heavy"]
+# fixtures/bad/'s real capture without kernels, its export and report (fixtures/bad/README.md), packed.
+NO_KERNELS_DIR = _unpack(BAD_DIR / "no-kernels-nsys2023.tar.xz", named=True)
 
 
 def _discover_real_exports(suffix: str) -> dict[str, Path]:
-    """Every real recording under fixtures/<run>/ (fixtures/bad/ holds rejects) and in the packed serve runs,
+    """Every real recording under fixtures/<run>/ (fixtures/bad/ holds rejects) and in the packed runs,
     keyed "<run>/<name>"."""
     found = {f"{p.parent.name}/{p.name}": p for p in sorted(FIXTURES.glob(f"*/*{suffix}")) if p.parent != BAD_DIR}
+    found.update({f"{name}/{p.name}": p for name, run in PACKED_RUNS.items() for p in sorted(run.glob(f"*{suffix}"))})
     found.update({f"vllm-h200-serve/{name}/{p.name}": p for name, run in SERVE_RUNS.items()
                   for p in sorted(run.glob(f"*{suffix}"))})
     return found

@@ -13,7 +13,7 @@ import sqlite3
 import polars as pl
 import pytest
 
-from conftest import FIXTURES, NSYS2023_DIR, NSYS2025_DIR, sql_calls, sql_durations
+from conftest import NSYS2023_DIR, NSYS2025_DIR, REPEAT, VLLM_COLD_PREFILL, VLLM_DECODE_HEAVY, sql_calls, sql_durations
 from kvtrace.analyzer import align, compare, pairing, stats
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.load import open_trace
@@ -175,7 +175,7 @@ def test_truncated_arm_is_flagged(tmp_path, recipes):
 
 
 def test_same_format_repeat_passes_the_gate(run_kvtrace):
-    repeat = FIXTURES / "fi-h200-sm90-repeat" / "fp8.sqlite"
+    repeat = REPEAT / "fp8.sqlite"
     code, out, err = run_kvtrace("diff", str(FP8), str(repeat), "--fail-on", "regression", "--format", "json")
     assert code == 0, err
     assert all(r["verdict"] == stats.NO_CHANGE for r in json.loads(out)["segments"])
@@ -258,21 +258,20 @@ def test_vllm_step_names_parse():
     assert kinds == [align.PREFILL, align.DECODE, align.MIXED, align.PREFILL]
 
 
-VLLM = FIXTURES / "vllm-h200-cold-prefill"
-
 
 def test_real_vllm_steps_are_projected_and_unmatched_batches_refused(recipes):
     """The real H200 vLLM run: both arms prefilled the same 32 × 1024 tokens, but batched them into
     different engine steps, so kvtrace must not pair their attention kernels."""
-    manifest = json.loads((VLLM / "manifest.json").read_text())
+    manifest = json.loads((VLLM_COLD_PREFILL / "manifest.json").read_text())
     for arm in ("auto", "fp8"):
-        trace = open_trace(VLLM / f"{arm}.sqlite")
+        trace = open_trace(VLLM_COLD_PREFILL / f"{arm}.sqlite")
         launched = align.steps(trace).filter(pl.col("range").is_in(trace.kernels["range"].unique().implode()))
         steps = launched.unique("step_range")
         assert set(steps["phase"]) == {align.PREFILL}
         point = manifest["arms"][arm]["points"][0]
         assert steps["context_tokens"].sum() == point["tokens_in"] == 32 * 1024
-    result = compare.diff(open_trace(VLLM / "auto.sqlite"), open_trace(VLLM / "fp8.sqlite"), recipes)
+    result = compare.diff(open_trace(VLLM_COLD_PREFILL / "auto.sqlite"), open_trace(VLLM_COLD_PREFILL / "fp8.sqlite"),
+                          recipes)
     assert result.baseline.kv_dtypes == ("bf16",) and result.candidate.kv_dtypes == ("fp8_e4m3",)
     segments = {r.segment: r for r in result.segments}
     assert {"prefill_attention", "kv_append", "gemm"} <= set(segments)
@@ -285,20 +284,19 @@ def test_real_vllm_steps_are_projected_and_unmatched_batches_refused(recipes):
 def test_same_inputs_give_the_same_bytes(run_kvtrace):
     """Bootstrap seeded, every listing sorted: two runs of the same diff write identical reports, also where
     polars groups in parallel (the vLLM traces have many families and ranges)."""
-    outputs = [run_kvtrace("diff", str(VLLM / "auto.sqlite"), str(VLLM / "fp8.sqlite"), "--format", "json")
+    outputs = [run_kvtrace("diff", VLLM_COLD_PREFILL / "auto.sqlite", VLLM_COLD_PREFILL / "fp8.sqlite", "--format", "json")
                for _ in range(2)]
     assert all(code == 0 for code, _, _ in outputs)
     assert outputs[0][1] == outputs[1][1]
 
 
-VLLM_DECODE = FIXTURES / "vllm-h200-decode-heavy"
 DECODE_ATTENTION = "%BatchPrefillWithPagedKVCacheKernel%MaskMode)0%"
 
 
 def test_real_vllm_decode_pairs_cuda_graph_kernels(recipes):
     """The real H200 decode-heavy run (engine core in-process): both arms ran the same steps, and decode
     attention, replayed from CUDA graphs, pairs call for call."""
-    auto, fp8 = VLLM_DECODE / "auto.sqlite", VLLM_DECODE / "fp8.sqlite"
+    auto, fp8 = VLLM_DECODE_HEAVY / "auto.sqlite", VLLM_DECODE_HEAVY / "fp8.sqlite"
     with sqlite3.connect(f"file:{auto}?mode=ro", uri=True) as conn:
         graph_launched = conn.execute(
             "SELECT count(*) FROM CUPTI_ACTIVITY_KIND_KERNEL k JOIN StringIds s ON s.id = k.demangledName "

@@ -27,7 +27,7 @@ from typing import Callable
 
 import pytest
 
-from conftest import BAD_DIR, GOOD_SQLITE, NSYS2023_DIR, NSYS2025_DIR, fingerprint
+from conftest import BAD_DIR, GOOD_SQLITE, NO_KERNELS_DIR, NSYS2023_DIR, NSYS2023_REPORTS, NSYS2025_DIR, fingerprint
 
 HALF_SOURCE = NSYS2025_DIR / "fp8.sqlite"
 
@@ -91,7 +91,7 @@ def _not_nsys(tmp: Path) -> Path:
 
 def _edit_copy(tmp: Path, name: str, *statements: str) -> Path:
     path = tmp / name
-    shutil.copy2(GOOD_SQLITE, path)
+    shutil.copyfile(GOOD_SQLITE, path)  # bytes only: the unpacked fixtures are read-only
     conn = sqlite3.connect(path)
     for statement in statements:
         conn.execute(statement)
@@ -111,8 +111,8 @@ def _synthetic_empty_kernel_table(tmp: Path) -> Path:
     return _edit_copy(tmp, "synthetic-empty-kernel-table.sqlite", "DELETE FROM CUPTI_ACTIVITY_KIND_KERNEL")
 
 
-def _real(name: str) -> Callable[[Path], Path]:
-    return lambda tmp: BAD_DIR / name
+def _real(path: Path) -> Callable[[Path], Path]:
+    return lambda tmp: path
 
 
 def _copied_report(source: Path, name: str) -> Callable[[Path], Path]:
@@ -124,7 +124,7 @@ def _copied_report(source: Path, name: str) -> Callable[[Path], Path]:
 
 
 def _truncated_report(tmp: Path) -> Path:
-    data = (NSYS2023_DIR / "fp8.nsys-rep").read_bytes()
+    data = (NSYS2023_REPORTS / "fp8.nsys-rep").read_bytes()
     path = tmp / "truncated.nsys-rep"
     path.write_bytes(data[: len(data) // 2])
     return path
@@ -144,13 +144,13 @@ KINDS = {
     "truncated-half": Kind(_truncated, r"truncated", r"copy or export it again"),
     "truncated-header": Kind(_truncated_header, r"truncated", r"copy or export it again"),
     "sqlite-not-nsys": Kind(_not_nsys, r"not an Nsight Systems export", r"nsys export --type sqlite"),
-    "no-kernels-real": Kind(_real("no-kernels-nsys2023.sqlite"), r"no CUDA kernel records",
+    "no-kernels-real": Kind(_real(NO_KERNELS_DIR / "no-kernels-nsys2023.sqlite"), r"no CUDA kernel records",
                             r"nsys profile -t cuda"),
     "synthetic-no-kernel-table": Kind(_synthetic_no_kernel_table, r"no CUDA kernel records",
                                       r"nsys profile -t cuda"),
     "synthetic-empty-kernel-table": Kind(_synthetic_empty_kernel_table, r"no CUDA kernel records",
                                          r"nsys profile -t cuda"),
-    "partial-export-real": Kind(_real("partial-export-nsys2023-of-2025.3.sqlite"), r"partial .*export",
+    "partial-export-real": Kind(_real(BAD_DIR / "partial-export-nsys2023-of-2025.3.sqlite"), r"partial .*export",
                                 r"export the report again"),
     # .nsys-rep inputs go through nsys export first.
     "empty-report": Kind(_empty_report, r"empty \(0 bytes\)", r"nsys export"),
@@ -158,7 +158,7 @@ KINDS = {
                                 r"check the report opens|export it yourself", needs_nsys=True),
     "truncated-report": Kind(_truncated_report, r"nsys export failed", r"check the report opens|export it yourself",
                              needs_nsys=True),
-    "no-kernels-report-real": Kind(_copied_report(BAD_DIR / "no-kernels-nsys2023.nsys-rep",
+    "no-kernels-report-real": Kind(_copied_report(NO_KERNELS_DIR / "no-kernels-nsys2023.nsys-rep",
                                                   "no-kernels-nsys2023.nsys-rep"),
                                    r"no CUDA kernel records", r"nsys profile -t cuda", needs_nsys=True),
 }
@@ -233,7 +233,7 @@ def test_failed_report_export_leaves_no_partial_in_cache(kind, nsys, tmp_path, c
 def test_nsys_rep_without_nsys(tmp_path, run_kvtrace):
     """An .nsys-rep (no sibling export) when neither $NSYS nor PATH has nsys."""
     report = tmp_path / "fp8.nsys-rep"
-    shutil.copy2(NSYS2023_DIR / "fp8.nsys-rep", report)
+    shutil.copy2(NSYS2023_REPORTS / "fp8.nsys-rep", report)
     path = os.pathsep.join([str(Path(sys.executable).parent), "/usr/bin", "/bin"])
     if shutil.which("nsys", path=path):
         pytest.skip(f"nsys is on {path}")

@@ -14,6 +14,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
+from conftest import VLLM_COLD_PREFILL, VLLM_DECODE_HEAVY, sha256
 from kvtrace.analyzer.load import open_trace
 from kvtrace.analyzer.ranges import NO_RANGE
 
@@ -39,8 +40,10 @@ def _facts(path: Path) -> dict:
         }
 
 
-def test_grown_trace_keeps_the_schema_and_multiplies_rows_exactly(tmp_path):
-    source = make_large_trace.FIXTURES["vllm"]
+def test_grown_trace_keeps_the_schema_and_multiplies_rows_exactly(tmp_path, monkeypatch):
+    monkeypatch.setattr(make_large_trace, "UNPACKED", tmp_path / "fixtures")
+    source = make_large_trace.fixture("vllm")  # unpacked from its pack: the recorded bytes
+    assert sha256(source) == sha256(VLLM_COLD_PREFILL / "auto.sqlite")
     digest = hashlib.sha256(source.read_bytes()).hexdigest()
     before = _facts(source)
     target = tmp_path / "grown.sqlite"
@@ -66,9 +69,10 @@ def test_grown_trace_keeps_the_schema_and_multiplies_rows_exactly(tmp_path):
     assert grown["len"].to_list() == [3 * n for n in per_range["len"]]
 
 
-def test_disk_estimate_covers_a_grown_file(tmp_path):
+def test_disk_estimate_covers_a_grown_file(tmp_path, monkeypatch):
     """bench/run.py checks the free disk against this estimate before growing a pair."""
-    source = make_large_trace.FIXTURES["vllm-decode"]
+    monkeypatch.setattr(make_large_trace, "UNPACKED", tmp_path / "fixtures")
+    source = make_large_trace.fixture("vllm-decode")
     kernels = _facts(source)["kernels"] * 20
     target = tmp_path / "grown.sqlite"
     make_large_trace.grow(source, target, kernels)
@@ -83,7 +87,7 @@ def test_job_floor_reads_what_kvtrace_reads(tmp_path, monkeypatch):
     if shutil.which(os.environ.get("CC", "cc")) is None:
         pytest.skip("no C compiler")
     monkeypatch.setattr(run, "JOB_FLOOR", tmp_path / "kvtrace-floor")
-    path = make_large_trace.FIXTURES["vllm-decode"]
+    path = VLLM_DECODE_HEAVY / "auto.sqlite"
     out = subprocess.run([str(run.job_floor()), str(path)], capture_output=True, text=True, check=True).stdout
     kernels, launches, ranges = (int(n) for n in re.findall(r"(\d+) (?:kernels|launch calls|NVTX ranges) in", out))
     trace = open_trace(path, cache=False)

@@ -13,7 +13,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from conftest import FIXTURES, NSYS2025_DIR
+from conftest import FIXTURES, NSYS2025_DIR, VLLM_COLD_PREFILL, VLLM_DECODE_HEAVY
 from kvtrace import model_config
 from kvtrace.analyzer import capacity
 from kvtrace.capture.vllm_preflight import model_summary
@@ -24,7 +24,7 @@ from kvtrace.manifest import Manifest
 GIB = 1 << 30
 TINY = FIXTURES / "models" / "llama-tiny" / "config.json"
 CAPACITY_WIN = FIXTURES / "vllm-recorded-report" / "capacity-win"
-VLLM_H200 = sorted(p.parent for p in FIXTURES.glob("vllm-h200-*/manifest.json"))
+VLLM_H200 = [VLLM_COLD_PREFILL, VLLM_DECODE_HEAVY]  # the offline vLLM 0.26 runs
 PUBLISHED = FIXTURES / "models" / "published"
 DEEPSEEK_V3, GEMMA3_27B = PUBLISHED / "deepseek-v3.json", PUBLISHED / "gemma-3-27b-it.json"
 GPT_OSS_120B, JAMBA_MINI = PUBLISHED / "gpt-oss-120b.json", PUBLISHED / "jamba-1.5-mini.json"
@@ -168,7 +168,6 @@ def test_measured_capacity_against_the_ideal_from_a_vllm_manifest():
     assert sum(line.startswith("measured,") for line in csv_text.splitlines()) == 2
 
 
-@pytest.mark.skipif(not VLLM_H200, reason="no real vLLM H200 run directories under fixtures/ yet")
 @pytest.mark.parametrize("run", VLLM_H200, ids=[p.name for p in VLLM_H200])
 def test_measured_capacity_of_real_vllm_runs(run):
     manifest = json.loads((run / "manifest.json").read_text())

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 import kvtrace.nsys
-from conftest import NSYS2023_DIR, NSYS2025_DIR, fingerprint, sha256
+from conftest import NSYS2023_REPORTS, NSYS2025_DIR, fingerprint, sha256
 from kvtrace.capture import flashinfer_engine, runner
 from kvtrace.errors import KvtraceError
 from kvtrace.manifest import MANIFEST, SCHEMA, Run, run_order
@@ -718,7 +718,7 @@ def test_committed_fixture_manifest_has_the_runner_shape():
 
 def test_real_nsys_export_through_temporary_name(nsys, tmp_path):
     report = tmp_path / "fp8.nsys-rep"
-    shutil.copy2(NSYS2023_DIR / "fp8.nsys-rep", report)
+    shutil.copy2(NSYS2023_REPORTS / "fp8.nsys-rep", report)
     target = tmp_path / "fp8.sqlite"
     with open(tmp_path / "fp8.log", "w") as log:
         kvtrace.nsys.export_sqlite(nsys, report, target, log=log)

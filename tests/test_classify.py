@@ -6,11 +6,11 @@ from pathlib import Path
 import polars as pl
 import pytest
 
+from conftest import REAL_SQLITE, VLLM_COLD_PREFILL
 from kvtrace.analyzer.classify import SEGMENTS, load_recipes
 from kvtrace.analyzer.kernel_names import parse_kernel_name
 from kvtrace.errors import KvtraceError
 
-FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 
 
 PREFILL_TILES = (128, 2, 4, 8, 8, 4, 1)  # CTA_TILE_Q, NUM_MMA_Q, NUM_MMA_KV, NUM_MMA_D_QK, NUM_MMA_D_VO, warps Q, KV
@@ -494,10 +494,8 @@ def test_unreadable_user_recipe(tmp_path):
 
 def fixture_names() -> list[str]:
     names: set[str] = set()
-    # The real run directories only: fixtures/bad holds exports that have no kernel table on purpose.
-    for path in sorted(FIXTURES.glob("*/*.sqlite")):
-        if path.parent.name == "bad":
-            continue
+    # The real run directories only (REAL_SQLITE leaves out fixtures/bad, whose exports have no kernels on purpose).
+    for path in REAL_SQLITE.values():
         with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as db:
             names.update(
                 row[0]
@@ -509,7 +507,6 @@ def fixture_names() -> list[str]:
     return sorted(names)
 
 
-@pytest.mark.skipif(not any(FIXTURES.rglob("*.sqlite")), reason="no real fixtures recorded yet")
 def test_every_attention_and_append_kernel_in_the_real_fixtures_is_classified(recipes):
     results = {name: recipes.classify_one(name) for name in fixture_names()}
     kv_kernels = {n: r for n, r in results.items() if "KVCache" in n or "reshape_and_cache" in n or "kernel_mha" in n}
@@ -527,7 +524,7 @@ def test_attention_kernels_are_never_gemm_drift_controls(recipes):
     gemm = next(rule for rule in recipes.rules if rule.recipe == "common.toml:gemm")
     names = set()
     for arm in ("auto", "fp8"):
-        with sqlite3.connect(f"file:{FIXTURES / 'vllm-h200-cold-prefill' / f'{arm}.sqlite'}?mode=ro", uri=True) as db:
+        with sqlite3.connect(f"file:{VLLM_COLD_PREFILL / f'{arm}.sqlite'}?mode=ro", uri=True) as db:
             names |= {name for (name,) in db.execute(
                 "SELECT DISTINCT s.value FROM CUPTI_ACTIVITY_KIND_KERNEL k JOIN StringIds s ON s.id = k.demangledName")}
     cutlass_attention = {name for name in names if "cutlass" in name and "PrefillWithKVCacheKernel" in name}

@@ -10,13 +10,12 @@ import sqlite3
 import numpy as np
 import pytest
 
-from conftest import FIXTURES, NSYS2023_DIR, NSYS2025_DIR, REPO
+from conftest import NSYS2023_DIR, NSYS2025_DIR, REPEAT, REPO
 from kvtrace.analyzer import compare, kernels, results, stats
 from kvtrace.analyzer.load import open_trace
 
 FP8 = NSYS2025_DIR / "fp8.sqlite"
 NVFP4 = NSYS2025_DIR / "nvfp4.sqlite"
-REPEAT = FIXTURES / "fi-h200-sm90-repeat"
 
 # Kernel families by the substring that identifies them in the demangled name, for the independent SQL.
 PREFILL = "%BatchPrefillWithPagedKVCacheKernel%MaskMode)1%"

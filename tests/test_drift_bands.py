@@ -15,15 +15,13 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from conftest import FIXTURES, NSYS2025_DIR, VLLM033_RUNS
+from conftest import NSYS2025_DIR, REPEAT, REPEATS2, VLLM033_RUNS
 from kvtrace.analyzer import compare, drift_band, pairing, stats
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.load import open_trace
 from test_intervals import draw, repeat_pairs
 
 CHANGES = (stats.REGRESSION, stats.IMPROVEMENT)
-REPEATS2 = FIXTURES / "fi-h200-sm90-repeats2"
-REPEAT = FIXTURES / "fi-h200-sm90-repeat"
 # Every same-format pair of real runs in fixtures/ recorded as one: two consecutive runs on one machine
 # (-repeats2), and the same workload recorded again on a second machine the same day (fi-h200-sm90, -repeat).
 SAME_FORMAT = [(REPEATS2 / "fp8.r1.sqlite", REPEATS2 / "fp8.r2.sqlite"),

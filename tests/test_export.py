@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import NSYS2023_DIR, fingerprint
+from conftest import NSYS2023_REPORTS, fingerprint
 from kvtrace.analyzer import load
 from kvtrace.analyzer.load import EXPORT_TABLES, open_trace, open_traces
 
@@ -46,7 +46,7 @@ def _alone(tmp_path: Path, name: str) -> Path:
     folder = tmp_path / "in"
     folder.mkdir(exist_ok=True)
     report = folder / f"{name}.nsys-rep"
-    shutil.copy2(NSYS2023_DIR / report.name, report)
+    shutil.copy2(NSYS2023_REPORTS / report.name, report)
     return report
 
 

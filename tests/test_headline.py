@@ -9,13 +9,12 @@ from html.parser import HTMLParser
 
 import pytest
 
-from conftest import FIXTURES, NSYS2025_DIR, sql_durations
+from conftest import NSYS2025_DIR, REPEATS2, VLLM_COLD_PREFILL, VLLM_DECODE_HEAVY, sql_durations
 from kvtrace.analyzer import compare, headline, results
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.load import open_trace
 
-REPEATS = FIXTURES / "fi-h200-sm90-repeats2"
-VLLM = [FIXTURES / "vllm-h200-decode-heavy", FIXTURES / "vllm-h200-cold-prefill"]
+VLLM = [VLLM_DECODE_HEAVY, VLLM_COLD_PREFILL]
 CONTEXTS = (2048, 8192, 32768)
 
 
@@ -154,7 +153,7 @@ def _private(text: str, run_dir) -> list[str]:
     return found
 
 
-_DIFFS = [(NSYS2025_DIR, "fp8", "nvfp4"), *((d, "auto", "fp8") for d in VLLM), (REPEATS, "fp8.r1", "nvfp4.r1")]
+_DIFFS = [(NSYS2025_DIR, "fp8", "nvfp4"), *((d, "auto", "fp8") for d in VLLM), (REPEATS2, "fp8.r1", "nvfp4.r1")]
 
 
 @pytest.mark.parametrize("run_dir, base, cand", _DIFFS, ids=lambda v: getattr(v, "name", v))
@@ -222,19 +221,19 @@ def test_swapped_arms_warn(run_kvtrace):
 
 
 def test_repeat_columns_are_labelled_by_arm(run_kvtrace):
-    code, out, err = run_kvtrace("diff", REPEATS / "fp8.r1.sqlite", REPEATS / "nvfp4.r1.sqlite", "--repeat",
-                                 REPEATS / "fp8.r2.sqlite", REPEATS / "nvfp4.r2.sqlite", "--format", "markdown")
+    code, out, err = run_kvtrace("diff", REPEATS2 / "fp8.r1.sqlite", REPEATS2 / "nvfp4.r1.sqlite", "--repeat",
+                                 REPEATS2 / "fp8.r2.sqlite", REPEATS2 / "nvfp4.r2.sqlite", "--format", "markdown")
     assert code == 0, err
     assert "time fp8 |" in out and "time nvfp4 |" in out
     assert "fp8.r1" not in out.split("### Reproduce")[0]
-    code, out, err = run_kvtrace("diff", REPEATS / "fp8.r1.sqlite", REPEATS / "nvfp4.r1.sqlite", "--format", "json")
+    code, out, err = run_kvtrace("diff", REPEATS2 / "fp8.r1.sqlite", REPEATS2 / "nvfp4.r1.sqlite", "--format", "json")
     assert json.loads(out)["baseline"]["label"] == "fp8.r1"  # one run: the file's name
 
 
 def test_capacity_groups_repeated_runs_by_arm(run_kvtrace):
-    code, out, err = run_kvtrace("capacity", REPEATS, "--format", "json")
+    code, out, err = run_kvtrace("capacity", REPEATS2, "--format", "json")
     assert code == 0, err
-    manifest = json.loads((REPEATS / "manifest.json").read_text())
+    manifest = json.loads((REPEATS2 / "manifest.json").read_text())
     assert len(manifest["arms"]) == 4
     assert [r["label"] for r in json.loads(out)["formats"]] == ["fp8", "nvfp4"]
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from conftest import GOOD_SQLITE, NSYS2023_DIR, NSYS2025_DIR, REPO, fingerprint
+from conftest import GOOD_SQLITE, NSYS2023_REPORTS, NSYS2025_DIR, REPEATS2, REPO, VLLM_COLD_PREFILL, fingerprint
 import kvtrace.nsys
 from kvtrace.analyzer import kernels, load, render
 from kvtrace.analyzer.render import escape
@@ -63,7 +63,7 @@ def kv(run_kvtrace):
 def edited(tmp: Path, name: str, *statements: str, source: Path = SMALL, unconstrained: str | None = None) -> Path:
     """A copy of a real export with SQL applied; `unconstrained` rebuilds that table without its NOT NULLs."""
     path = tmp / name
-    shutil.copy2(source, path)
+    shutil.copyfile(source, path)  # bytes only: the unpacked fixtures are read-only
     with sqlite3.connect(path) as conn:
         if unconstrained:
             conn.execute(f"CREATE TABLE rebuilt AS SELECT * FROM {unconstrained}")
@@ -182,7 +182,7 @@ def test_output_onto_a_repeat_run_is_refused_before_loading(tmp_path, kv):
 
 def test_output_onto_a_later_run_of_a_repeats_capture_is_refused(tmp_path, kv):
     run = tmp_path / "run"
-    shutil.copytree(REPO / "fixtures" / "fi-h200-sm90-repeats2", run, ignore=shutil.ignore_patterns("*.nsys-rep"))
+    shutil.copytree(REPEATS2, run, ignore=shutil.ignore_patterns("*.nsys-rep"))
     later = run / "nvfp4.r2.sqlite"
     before = fingerprint(later)
     code, out, err = kv("report", run, "--format", "json", "-o", later)
@@ -262,7 +262,7 @@ def test_output_suffix_picks_the_format(suffix, starts, tmp_path, kv):
 
 
 def test_findings_reach_standard_error_when_writing_a_file(tmp_path, kv):
-    folder = REPO / "fixtures" / "vllm-h200-cold-prefill"
+    folder = VLLM_COLD_PREFILL
     target = tmp_path / "diff.md"
     code, out, err = kv("diff", folder / "auto.sqlite", folder / "fp8.sqlite", "-o", target)
     assert code == 0, err
@@ -325,7 +325,7 @@ def test_a_report_renamed_over_with_its_mtime_kept_is_exported_again(tmp_path, c
     """The .nsys-rep export cache keys on the same identity as the trace cache: a new file under the old name
     (`rsync -t`) is another export, even with the same size and mtime."""
     report = tmp_path / "fp8.nsys-rep"
-    shutil.copy2(NSYS2023_DIR / "fp8.nsys-rep", report)
+    shutil.copy2(NSYS2023_REPORTS / "fp8.nsys-rep", report)
     first = json_of(kv, "kernels", report, env={"NSYS": nsys})
     replacement = tmp_path / "replacement.nsys-rep"
     shutil.copy2(report, replacement)
@@ -480,7 +480,7 @@ def test_an_nsys_setting_that_names_a_directory_is_refused(tmp_path, monkeypatch
 
 def test_an_nsys_rep_with_nsys_a_directory_is_one_line(tmp_path, kv):
     report = tmp_path / "fp8.nsys-rep"
-    shutil.copy2(NSYS2023_DIR / "fp8.nsys-rep", report)
+    shutil.copy2(NSYS2023_REPORTS / "fp8.nsys-rep", report)
     code, out, err = kv("summary", report, env={"NSYS": "/usr"})
     assert_one_line_error(code, out, err, "NSYS=/usr is a directory", r"\.\.\./bin/nsys", r"pass the \.sqlite")
 

@@ -17,11 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import NSYS2025_DIR, fingerprint
+from conftest import NSYS2025_DIR, REPEAT, fingerprint
 from test_bad_input import assert_one_line_error
 from test_hostile_input import FP8, KERNEL, NVFP4, SMALL, edited, kv, named  # noqa: F401 (kv is a fixture)
 
-REPEAT = NSYS2025_DIR.parent / "fi-h200-sm90-repeat"
 FIRST_KERNEL = f"(SELECT rowid FROM {KERNEL} ORDER BY start LIMIT 1)"
 # Text that GitHub markdown would render: HTML, emphasis, a link, an emoji shortcode, and invisible marks.
 ACTIVE = "<b>bold</b> *em* [link](https://evil.example) :cat: \u200e\u200f\u061c\u202a\u2066\u200b"
@@ -267,7 +266,7 @@ def test_kernels_that_overflow_an_int64_sum_are_refused(tmp_path, kv):
 def _copy_while_open(tmp_path: Path, name: str, journal: str, setup) -> Path:
     """A real export changed by an open connection and copied, with its -wal or -journal, before it closes."""
     work = tmp_path / f"work-{name}"
-    shutil.copy2(SMALL, work)
+    shutil.copyfile(SMALL, work)  # bytes only: the unpacked fixtures are read-only
     conn = sqlite3.connect(work, isolation_level=None)
     try:
         setup(conn)
@@ -301,7 +300,7 @@ def test_an_export_with_a_hot_journal_is_refused(tmp_path, kv):
 
 def test_an_export_locked_by_a_live_writer_is_refused(tmp_path, kv):
     export = tmp_path / "live.sqlite"
-    shutil.copy2(SMALL, export)
+    shutil.copyfile(SMALL, export)  # bytes only: the unpacked fixtures are read-only
     conn = sqlite3.connect(export, isolation_level=None)
     try:
         conn.execute("PRAGMA cache_size=2")

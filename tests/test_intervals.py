@@ -18,12 +18,10 @@ import numpy as np
 import polars as pl
 import pytest
 
-from conftest import FIXTURES, NSYS2025_DIR
+from conftest import NSYS2025_DIR, REPEAT, REPEATS2, VLLM_DECODE_HEAVY
 from kvtrace.analyzer import align, compare, drift_band, pairing, stats
 from kvtrace.analyzer.load import open_trace
 
-REPEAT = FIXTURES / "fi-h200-sm90-repeat"
-DECODE_HEAVY = FIXTURES / "vllm-h200-decode-heavy"
 CHANGES = (stats.REGRESSION, stats.IMPROVEMENT)
 
 
@@ -126,7 +124,7 @@ def test_same_format_repeat_raises_few_false_alarms(recipes):
 
 @pytest.fixture(scope="module")
 def decode_heavy(recipes):
-    return compare.diff(open_trace(DECODE_HEAVY / "auto.sqlite"), open_trace(DECODE_HEAVY / "fp8.sqlite"), recipes)
+    return compare.diff(open_trace(VLLM_DECODE_HEAVY / "auto.sqlite"), open_trace(VLLM_DECODE_HEAVY / "fp8.sqlite"), recipes)
 
 
 def test_kv_append_segment_keeps_its_step_kinds_apart(decode_heavy):
@@ -177,7 +175,6 @@ def test_kernels_the_kv_format_cannot_touch_get_no_verdict_beyond_drift(decode_h
 
 # ---- repeated runs ---------------------------------------------------------------------------------------
 
-REPEATS2 = FIXTURES / "fi-h200-sm90-repeats2"  # `kvtrace capture flashinfer --repeats 2`: fp8.r1 nvfp4.r1 fp8.r2 nvfp4.r2
 
 
 def _row_key(row) -> tuple:

@@ -21,7 +21,8 @@ import numpy as np
 import polars as pl
 import pytest
 
-from conftest import BAD_DIR, FIXTURES, NSYS2023_DIR, NSYS2025_DIR, REAL_SQLITE, fingerprint
+from conftest import (BAD_DIR, FIXTURES, NSYS2023_DIR, NSYS2023_REPORTS, NSYS2025_DIR, REAL_SQLITE, VLLM_DECODE_HEAVY,
+                      fingerprint)
 from kvtrace.analyzer import load, sqlite_file
 from kvtrace.analyzer.load import KERNEL_TABLE, open_trace
 from kvtrace.analyzer.ranges import NO_RANGE
@@ -160,7 +161,7 @@ def _edited_copy(tmp_path: Path, source: Path, *statements: str) -> Path:
 
 def test_runtime_rows_out_of_launch_order_project_the_same(tmp_path):
     """Launches from several threads can interleave in the runtime table; the loader then sorts them."""
-    source = FIXTURES / "vllm-h200-decode-heavy" / "fp8.sqlite"
+    source = VLLM_DECODE_HEAVY / "fp8.sqlite"
     shuffled = _edited_copy(
         tmp_path, source,
         "CREATE TABLE shuffled AS SELECT * FROM CUPTI_ACTIVITY_KIND_RUNTIME ORDER BY correlationId % 7, start DESC",
@@ -177,7 +178,7 @@ def test_runtime_rows_out_of_launch_order_project_the_same(tmp_path):
 def test_interleaved_processes_each_keep_their_own_ranges(tmp_path):
     """Tensor-parallel workers are separate processes whose runtime rows interleave and whose correlation
     ids overlap: here every odd launch, its kernels and a copy of the NVTX ranges move to a second process."""
-    source = FIXTURES / "vllm-h200-decode-heavy" / "fp8.sqlite"
+    source = VLLM_DECODE_HEAVY / "fp8.sqlite"
     other = "+ (1 << 24)"
     split = _edited_copy(
         tmp_path, source,
@@ -196,7 +197,7 @@ def test_interleaved_processes_each_keep_their_own_ranges(tmp_path):
 def test_unnamed_ranges_and_missing_launch_calls_still_compare(tmp_path, run_kvtrace):
     """A range without a name (nvtxRangePushEx with only a colour) is matched like no range; a trace
     whose launch calls were not traced has no kernel inside a range. Neither stops a diff."""
-    source = FIXTURES / "vllm-h200-decode-heavy" / "fp8.sqlite"
+    source = VLLM_DECODE_HEAVY / "fp8.sqlite"
     unnamed = _edited_copy(tmp_path, source, """
         UPDATE NVTX_EVENTS SET text = NULL, textId = NULL
         WHERE rowid IN (SELECT rowid FROM NVTX_EVENTS WHERE eventType = 59 ORDER BY start LIMIT 1 OFFSET 2)""")
@@ -214,7 +215,7 @@ def test_unnamed_ranges_and_missing_launch_calls_still_compare(tmp_path, run_kvt
 def test_kernels_of_a_process_without_launch_calls_are_outside_every_range(tmp_path):
     """Correlation ids are per process: kernels whose process made no traced launch call (here: the last
     100 kernels moved to another pid) must not borrow another process's ranges."""
-    source = FIXTURES / "vllm-h200-decode-heavy" / "fp8.sqlite"
+    source = VLLM_DECODE_HEAVY / "fp8.sqlite"
     moved = _edited_copy(tmp_path, source, f"""
         UPDATE {KERNEL_TABLE} SET globalPid = globalPid + (1 << 24)
         WHERE rowid IN (SELECT rowid FROM {KERNEL_TABLE} ORDER BY start DESC LIMIT 100)""")
@@ -260,7 +261,7 @@ def _same_calls(a, b) -> None:
 def test_a_trace_read_in_many_rowid_ranges_and_spilled_loads_the_same(workers, tmp_path, monkeypatch):
     """Small rowid ranges over several connections (threads), chunks spilled to files and laid out a few rows
     at a time give the same trace as one range read in memory; rowids with gaps included."""
-    source = FIXTURES / "vllm-h200-decode-heavy" / "fp8.sqlite"
+    source = VLLM_DECODE_HEAVY / "fp8.sqlite"
     gaps = _edited_copy(tmp_path, source, f"DELETE FROM {KERNEL_TABLE} WHERE rowid % 97 = 0",
                         "DELETE FROM CUPTI_ACTIVITY_KIND_RUNTIME WHERE rowid % 89 = 0 AND correlationId NOT IN "
                         f"(SELECT correlationId FROM {KERNEL_TABLE})")
@@ -278,7 +279,7 @@ def test_a_trace_read_in_many_rowid_ranges_and_spilled_loads_the_same(workers, t
 
 def test_kernel_rows_out_of_start_order_load_in_start_order(tmp_path, monkeypatch):
     """Traces of several GPUs can list kernels out of start order: they are sorted while laid out."""
-    source = FIXTURES / "vllm-h200-decode-heavy" / "fp8.sqlite"
+    source = VLLM_DECODE_HEAVY / "fp8.sqlite"
     shuffled = _edited_copy(
         tmp_path, source,
         f"CREATE TABLE shuffled AS SELECT * FROM {KERNEL_TABLE} ORDER BY (rowid * 7919) % 1009, rowid",
@@ -320,7 +321,7 @@ def test_no_cache_lays_the_calls_out_in_a_folder_removed_at_once(tmp_path, monke
     temporary = tmp_path / "tmp"
     temporary.mkdir()
     monkeypatch.setattr(load.tempfile, "tempdir", str(temporary))
-    trace = open_trace(FIXTURES / "vllm-h200-decode-heavy" / "auto.sqlite", cache=False)
+    trace = open_trace(VLLM_DECODE_HEAVY / "auto.sqlite", cache=False)
     assert list(temporary.iterdir()) == []
     assert trace.calls.maps and int(trace.calls.duration.sum()) == trace.kernels["duration"].sum()
 
@@ -377,7 +378,7 @@ def _entries(cache_dir: Path) -> list[str]:
 def test_second_load_comes_from_the_cache_and_equals_a_fresh_load(tmp_path, cache_dir, monkeypatch):
     monkeypatch.setenv("KVTRACE_CACHE_DIR", str(cache_dir))
     export = tmp_path / "fp8.sqlite"
-    shutil.copy2(FIXTURES / "vllm-h200-decode-heavy" / "fp8.sqlite", export)
+    shutil.copy2(VLLM_DECODE_HEAVY / "fp8.sqlite", export)
     first = open_trace(export)
     assert len(_entries(cache_dir)) == 1
 
@@ -395,13 +396,13 @@ def test_second_load_comes_from_the_cache_and_equals_a_fresh_load(tmp_path, cach
 def test_a_changed_export_is_read_again_and_replaces_its_entry(tmp_path, cache_dir, monkeypatch):
     monkeypatch.setenv("KVTRACE_CACHE_DIR", str(cache_dir))
     export = tmp_path / "auto.sqlite"
-    shutil.copy2(FIXTURES / "vllm-h200-decode-heavy" / "auto.sqlite", export)
+    shutil.copyfile(VLLM_DECODE_HEAVY / "auto.sqlite", export)  # bytes only: the unpacked fixtures are read-only
     open_trace(export)
     before = _entries(cache_dir)
     # Re-exported in place: other contents under the same name.
-    shutil.copyfile(FIXTURES / "vllm-h200-decode-heavy" / "fp8.sqlite", export)
+    shutil.copyfile(VLLM_DECODE_HEAVY / "fp8.sqlite", export)
     again = open_trace(export)
-    assert again.info.kernel_count == open_trace(FIXTURES / "vllm-h200-decode-heavy" / "fp8.sqlite",
+    assert again.info.kernel_count == open_trace(VLLM_DECODE_HEAVY / "fp8.sqlite",
                                                  cache=False).info.kernel_count
     after = _entries(cache_dir)
     assert len(after) == 1 and after != before
@@ -469,7 +470,7 @@ def _kernel_totals(kernels_json: str) -> dict[str, tuple[int, int]]:
 @pytest.mark.parametrize("name", ["fp8", "nvfp4"])
 def test_nsys_rep_2023_exports_through_nsys_into_cache(name, nsys, tmp_path, cache_dir, run_kvtrace, monkeypatch):
     """A 2023.4 report alone in its folder (no sibling .sqlite): exported by the real nsys into the cache."""
-    report_src = NSYS2023_DIR / f"{name}.nsys-rep"
+    report_src = NSYS2023_REPORTS / f"{name}.nsys-rep"
     folder = tmp_path / "in"
     folder.mkdir()
     report = folder / report_src.name

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from conftest import FIXTURES, SERVE_RUNS
+from conftest import FIXTURES, SERVE_RUNS, VLLM_COLD_PREFILL, VLLM_DECODE_HEAVY
 from kvtrace.analyzer import matrix, report, stats
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.render import render_table, render_text
@@ -22,7 +22,7 @@ from kvtrace.analyzer.render import matrix as matrix_render
 from kvtrace.manifest import Point
 from test_report import manifest, recorded_point, run_main
 
-OFFLINE = [FIXTURES / "vllm-h200-cold-prefill", FIXTURES / "vllm-h200-decode-heavy"]
+OFFLINE = [VLLM_COLD_PREFILL, VLLM_DECODE_HEAVY]
 FLASHINFER = FIXTURES / "fi-h200-sm90"
 SERVE = [SERVE_RUNS[f"{scenario}-{arm}"] for scenario in ("cold-prefill", "prefix-reuse", "sweep")
          for arm in ("auto", "fp8")]

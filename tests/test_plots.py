@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 from matplotlib.container import BarContainer
 
-from conftest import FIXTURES, NSYS2025_DIR, sql_durations
+from conftest import FIXTURES, NSYS2025_DIR, VLLM_COLD_PREFILL, sql_durations
 from kvtrace.analyzer import report
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.render import plots
@@ -115,7 +115,7 @@ def test_ratio_against_context_per_phase(fi):
                     if r.segment == segment.removeprefix("context-")}
         assert list(line.get_xdata()) == contexts
         assert list(line.get_ydata()) == pytest.approx([expected[c] for c in contexts])
-    vllm = report.build([FIXTURES / "vllm-h200-cold-prefill"], load_recipes())
+    vllm = report.build([VLLM_COLD_PREFILL], load_recipes())
     assert plots.context_figure(vllm) is None  # vLLM step kinds have no context axis
 
 

@@ -24,7 +24,8 @@ import pytest
 from click.testing import CliRunner
 from rich.console import Console
 
-from conftest import FIXTURES, NSYS2023_DIR, NSYS2025_DIR, SERVE_RUNS, VLLM033_RUNS, sql_durations
+from conftest import (FIXTURES, NSYS2023_DIR, NSYS2025_DIR, REPEAT, SERVE_RUNS, VLLM033_RUNS, VLLM_COLD_PREFILL,
+                      VLLM_DECODE_HEAVY, sql_durations)
 from kvtrace.analyzer import align, headline, report, runs, serving, statements, stats
 from kvtrace.analyzer.render import json_out, render_table, render_text
 from kvtrace.analyzer.render.statements import text as statement_text
@@ -32,11 +33,10 @@ from kvtrace.analyzer.render.units import duration
 from kvtrace.cli import cli, main
 from kvtrace.errors import KvtraceError
 
-REPEAT = FIXTURES / "fi-h200-sm90-repeat"
 RECORDED = FIXTURES / "vllm-recorded-report"
 CAPACITY_WIN = RECORDED / "capacity-win"
 SWEEP = RECORDED / "sweep"
-VLLM_H200 = sorted(p.parent for p in FIXTURES.glob("vllm-h200-*/manifest.json"))
+VLLM_H200 = [VLLM_COLD_PREFILL, VLLM_DECODE_HEAVY]  # the offline vLLM 0.26 runs
 
 PREFILL = "%BatchPrefillWithPagedKVCacheKernel%MaskMode)1%"
 DECODE = "%BatchPrefillWithPagedKVCacheKernel%MaskMode)0%"
@@ -123,7 +123,7 @@ def test_prefill_statements_are_per_context_and_match_plain_sql(fi):
         assert statement.level == "warning" and f"regression over {len(base):,} paired calls" in words
 
 
-@pytest.mark.parametrize("run", [NSYS2025_DIR, FIXTURES / "vllm-h200-decode-heavy"], ids=lambda p: p.name)
+@pytest.mark.parametrize("run", [NSYS2025_DIR, VLLM_DECODE_HEAVY], ids=lambda p: p.name)
 def test_kernel_statements_are_the_heads_rows(run, recipes):
     """Prefill, decode, append kernel and append phase: one statement per row of the diff's head, with its
     point, numbers and verdict, so that head and statements cannot disagree; a row over cells of different
@@ -395,7 +395,6 @@ def test_sweep_has_one_row_per_grid_point_and_marks_first_capacity(sweep):
     assert any(s.check == "ttft" and "capacity-bound" in statement_text(s) for s in sweep.statements)
 
 
-@pytest.mark.skipif(not VLLM_H200, reason="no real vLLM H200 run directories under fixtures/ yet")
 @pytest.mark.parametrize("run", VLLM_H200, ids=[p.name for p in VLLM_H200])
 def test_real_vllm_run_directories(run, recipes):
     data = manifest(run)

@@ -9,13 +9,12 @@ import sqlite3
 
 import pytest
 
-from conftest import FIXTURES, NSYS2025_DIR, sql_durations
+from conftest import FIXTURES, NSYS2025_DIR, VLLM_COLD_PREFILL, sql_durations
 from kvtrace.analyzer import align, report, roofline
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.render import json_out, render_text
 
 PREFILL = "%BatchPrefillWithPagedKVCacheKernel%MaskMode)1%"
-COLD = FIXTURES / "vllm-h200-cold-prefill"
 H200_DENSE_BF16 = 989.4e12  # NVIDIA H200 SXM datasheet: 1,979 TFLOPS BF16 with sparsity, half of it dense
 
 
@@ -56,11 +55,11 @@ def test_the_convention_is_stated_in_the_report(fi):
 
 
 def test_vllm_prefill_flops_from_the_model_config_and_step_names():
-    result = report.build([COLD], load_recipes())
-    model = json.loads((COLD / "manifest.json").read_text())["settings"]["model"]
+    result = report.build([VLLM_COLD_PREFILL], load_recipes())
+    model = json.loads((VLLM_COLD_PREFILL / "manifest.json").read_text())["settings"]["model"]
     layers, heads, head_dim = model["num_hidden_layers"], model["num_attention_heads"], model["head_dim"]
     (row,) = result.prefill_compute
-    with sqlite3.connect(f"file:{COLD / 'auto.sqlite'}?mode=ro", uri=True) as conn:
+    with sqlite3.connect(f"file:{VLLM_COLD_PREFILL / 'auto.sqlite'}?mode=ro", uri=True) as conn:
         names = [r[0] for r in conn.execute(
             "SELECT coalesce(n.text, s.value) AS v FROM NVTX_EVENTS n LEFT JOIN StringIds s ON s.id = n.textId "
             "WHERE v LIKE 'execute_context_%_generation_0(0)' AND v NOT LIKE 'execute_context_0(%'")]
@@ -83,10 +82,10 @@ def test_not_derivable_and_unknown_peak_are_said():
 
 
 def test_vllm_prefill_flops_under_trimming_are_not_derivable_and_a_time_window_keeps_whole_steps():
-    trimmed = report.build([COLD], load_recipes(), window=align.Window(last=2))
+    trimmed = report.build([VLLM_COLD_PREFILL], load_recipes(), window=align.Window(last=2))
     (row,) = trimmed.prefill_compute
     assert row.flops_per_call is None and "--last" in row.derivation
-    whole = report.build([COLD], load_recipes())
+    whole = report.build([VLLM_COLD_PREFILL], load_recipes())
     (full,) = whole.prefill_compute
-    timed = report.build([COLD], load_recipes(), window=align.Window(time_ns=(0, None)))
+    timed = report.build([VLLM_COLD_PREFILL], load_recipes(), window=align.Window(time_ns=(0, None)))
     assert timed.prefill_compute[0].baseline_calls == full.baseline_calls

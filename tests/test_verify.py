@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FIXTURES, NSYS2023_DIR, NSYS2025_DIR, fingerprint
+from conftest import FIXTURES, NSYS2023_DIR, NSYS2025_DIR, REPEATS2, fingerprint
 from kvtrace.analyzer import verify
 
 PAIR = [NSYS2025_DIR / "fp8.sqlite", NSYS2025_DIR / "nvfp4.sqlite"]
@@ -145,14 +145,13 @@ def test_nsys_that_prints_no_table_is_not_a_pass(tmp_path, run_kvtrace):
 
 # ---- kvtrace report --verify: the same check on every trace the report diffs --------------------------------
 
-REPEATS = NSYS2025_DIR.parent / "fi-h200-sm90-repeats2"
 
 
 def test_report_agrees_with_nsys_stats_on_every_repeat(nsys, run_kvtrace):
-    code, out, err = run_kvtrace("report", REPEATS, "--verify", "--nsys", nsys, "--format", "json")
+    code, out, err = run_kvtrace("report", REPEATS2, "--verify", "--nsys", nsys, "--format", "json")
     assert code == 0, err
     checked = json.loads(out)["diff"]["verification"]
-    runs = [REPEATS / f"{arm}.r{k}.sqlite" for arm in ("fp8", "nvfp4") for k in (1, 2)]
+    runs = [REPEATS2 / f"{arm}.r{k}.sqlite" for arm in ("fp8", "nvfp4") for k in (1, 2)]
     assert checked["agrees"] is True and [c["source"] for c in checked["inputs"]] == [p.name for p in runs]
     for c, path in zip(checked["inputs"], runs):
         totals = _sql_totals(path)
