@@ -15,6 +15,8 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import traceback
+import warnings
 from pathlib import Path
 
 import pytest
@@ -131,28 +133,73 @@ def cache_dir(tmp_path) -> Path:
 
 
 @pytest.fixture
-def run_kvtrace(cache_dir, tmp_path):
-    """run_kvtrace(*args, env=None, cwd=None, preexec_fn=None) -> (exit code, stdout, stderr).
+def run_kvtrace(request, tmp_path):
+    """run_kvtrace(*args, env=None, cwd=None, preexec_fn=None, child=False) -> (exit code, stdout, stderr).
 
-    Runs the real CLI in a subprocess (`python -m kvtrace`), from tmp_path, with KVTRACE_CACHE_DIR pointing
-    at this test's cache folder unless env overrides it.
+    Runs the CLI's entry point (kvtrace.cli:main, which the console script and `python -m kvtrace` call) from
+    tmp_path (or `cwd`), with COLUMNS unset and `env` over the environment (None removes a variable). In this
+    process by default: a child costs about 2 s of CPU in imports alone. `child=True`, or a `preexec_fn`,
+    runs `python -m kvtrace` in a real process, for tests about the process itself.
+
+    The trace cache is this worker's, warm from earlier tests (entries are keyed by each file's path and
+    identity, so a test's own files never meet another's); a test that takes `cache_dir` looks at the cache
+    and gets that empty folder instead.
     """
+    cache = {"KVTRACE_CACHE_DIR": str(request.getfixturevalue("cache_dir"))} if "cache_dir" in request.fixturenames \
+        else {}
 
-    def run(*args, env: dict | None = None, cwd: Path | None = None, preexec_fn=None, timeout: float = 600):
-        full_env = dict(os.environ)
-        full_env["KVTRACE_CACHE_DIR"] = str(cache_dir)
-        full_env.pop("COLUMNS", None)
-        for key, value in (env or {}).items():
-            if value is None:
-                full_env.pop(key, None)
-            else:
-                full_env[key] = value
-        result = subprocess.run([sys.executable, "-m", "kvtrace", *map(str, args)], capture_output=True,
-                                text=True, env=full_env, cwd=cwd or tmp_path, preexec_fn=preexec_fn,
-                                timeout=timeout, check=False)
-        return result.returncode, result.stdout, result.stderr
+    def run(*args, env: dict | None = None, cwd: Path | None = None, preexec_fn=None, child: bool = False,
+            timeout: float = 600):
+        changes = {"COLUMNS": None, **cache, **(env or {})}
+        argv = [str(arg) for arg in args]
+        if child or preexec_fn is not None:
+            return _run_child(argv, changes, cwd or tmp_path, preexec_fn, timeout)
+        return _run_in_process(argv, changes, cwd or tmp_path)
 
     return run
+
+
+def _run_child(argv: list[str], changes: dict, cwd: Path, preexec_fn, timeout: float) -> tuple[int, str, str]:
+    env = {key: value for key, value in {**os.environ, **changes}.items() if value is not None}
+    result = subprocess.run([sys.executable, "-m", "kvtrace", *argv], capture_output=True, text=True, env=env,
+                            cwd=cwd, preexec_fn=preexec_fn, timeout=timeout, check=False)
+    return result.returncode, result.stdout, result.stderr
+
+
+# Warnings the interpreter hides by default outside __main__.
+_HIDDEN_WARNINGS = (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning)
+
+
+def _run_in_process(argv: list[str], changes: dict, cwd: Path) -> tuple[int, str, str]:
+    """What the process would give: exit code, stdout, and stderr with any warning the interpreter would show
+    and the traceback (exit 1) of an exception main() let through, so that "no traceback" still fails."""
+    from click.testing import CliRunner
+
+    from kvtrace.cli import main
+
+    here = os.getcwd()
+    with CliRunner().isolation(env=changes) as (stdout, stderr, _), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        os.chdir(cwd)
+        try:
+            main(argv)
+            code = 0
+        except SystemExit as done:
+            code = done.code if isinstance(done.code, int) else 0 if done.code is None else 1
+            if not isinstance(done.code, int | None):
+                print(done.code, file=sys.stderr)
+        except BaseException:  # noqa: BLE001 - the interpreter would print it and exit 1
+            traceback.print_exc(file=sys.stderr)
+            code = 1
+        finally:
+            os.chdir(here)
+        for warning in caught:
+            if not issubclass(warning.category, _HIDDEN_WARNINGS):
+                sys.stderr.write(warnings.formatwarning(warning.message, warning.category, warning.filename,
+                                                        warning.lineno, warning.line))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        return code, stdout.getvalue().decode(), stderr.getvalue().decode()
 
 
 def _nsys_version(candidate: str) -> str | None:

@@ -208,18 +208,18 @@ def test_points_from_follows_the_points_an_earlier_sweep_ran(monkeypatch):
     (["--scenario", "cold-prefill"], "--points-from applies only to --scenario sweep"),
     (["--scenario", "sweep", "--mode", "offline"], "follows an earlier --scenario sweep --mode offline run"),
 ])
-def test_points_from_refuses_what_contradicts_it(args, message):
+def test_points_from_refuses_what_contradicts_it(args, message, run_kvtrace):
     earlier = SERVE_RUNS["sweep-auto"]
-    bad = subprocess.run([sys.executable, "-m", "kvtrace", "capture", "vllm", "--model", "m", *args,
-                          "--points-from", str(earlier), "--dry-run"], capture_output=True, text=True, cwd=TESTS)
-    assert bad.returncode == 2 and bad.stderr.startswith("kvtrace: error: ") and message in bad.stderr, bad.stderr
-    assert len(bad.stderr.strip().splitlines()) == 1
+    code, out, err = run_kvtrace("capture", "vllm", "--model", "m", *args, "--points-from", earlier, "--dry-run",
+                                 cwd=TESTS)
+    assert code == 2 and err.startswith("kvtrace: error: ") and message in err, err
+    assert len(err.strip().splitlines()) == 1
     prefix = SERVE_RUNS["prefix-reuse-fp8"]
     with pytest.raises(KvtraceError, match="holds a serve prefix-reuse run"):
         vllm_config.followed_points(str(prefix), "serve")
 
 
-def test_cli_dry_run_and_errors(monkeypatch):
+def test_cli_dry_run_and_errors(monkeypatch, run_kvtrace):
     monkeypatch.setattr(kvtrace.nsys, "find_nsys", lambda explicit=None: "nsys")
     runner_ = CliRunner()
     result = runner_.invoke(capture_cli.capture, ["vllm", "--model", "/models/m", "--scenario", "decode-heavy",
@@ -228,12 +228,10 @@ def test_cli_dry_run_and_errors(monkeypatch):
     assert result.exit_code == 0, result.output
     assert result.output.count("nsys profile") == 2 and "--max-model-len 4096" in result.output
     assert "--output=runs/vllm-decode-heavy/auto" in result.output
-    bad = subprocess.run([sys.executable, "-m", "kvtrace", "capture", "vllm", "--model", "m", "--arms", "fp8,bogus",
-                          "--dry-run"], capture_output=True, text=True, cwd=TESTS)
-    assert bad.returncode == 2 and bad.stderr.startswith("kvtrace: error: unknown arm(s) bogus")
-    bad = subprocess.run([sys.executable, "-m", "kvtrace", "capture", "vllm", "--model", "m", "--repeats", "0",
-                          "--dry-run"], capture_output=True, text=True, cwd=TESTS)
-    assert (bad.returncode, bad.stderr) == (2, "kvtrace: error: --repeats must be at least 1, got 0\n")
+    code, out, err = run_kvtrace("capture", "vllm", "--model", "m", "--arms", "fp8,bogus", "--dry-run", cwd=TESTS)
+    assert code == 2 and err.startswith("kvtrace: error: unknown arm(s) bogus")
+    code, out, err = run_kvtrace("capture", "vllm", "--model", "m", "--repeats", "0", "--dry-run", cwd=TESTS)
+    assert (code, err) == (2, "kvtrace: error: --repeats must be at least 1, got 0\n")
     repeated = runner_.invoke(capture_cli.capture, ["vllm", "--model", "/models/m", "--mode", "offline",
                                                     "--arms", "auto,fp8", "--repeats", "2", "--dry-run"])
     assert repeated.exit_code == 0, repeated.output

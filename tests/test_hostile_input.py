@@ -400,7 +400,8 @@ def test_a_cache_folder_others_can_write_to_is_not_used(tmp_path, cache_dir, kv)
     (cache_dir / "traces").chmod(0o777)
     temporary = tmp_path / "tmp"
     temporary.mkdir()
-    code, out, err = kv("summary", SMALL, "--format", "json", env={"TMPDIR": str(temporary)})
+    # A child process: the interpreter reads TMPDIR once (tempfile.gettempdir), so this one would not see it.
+    code, out, err = kv("summary", SMALL, "--format", "json", env={"TMPDIR": str(temporary)}, child=True)
     assert code == 0, err
     assert list((cache_dir / "traces").iterdir()) == []
     assert err.startswith("kvtrace: warning: cache folder") and len(err.splitlines()) == 1
