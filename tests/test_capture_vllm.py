@@ -8,6 +8,7 @@ Metric parsing is checked on the example pages in fixtures/vllm-recorded/ (see i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -698,12 +699,20 @@ def test_interrupt_shuts_server_and_client_down(standin, monkeypatch, sig, to):
         if not done.wait(120):  # a hang guard: unblock the main thread so that the test fails, not hangs
             rescued.append(True)
             signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+            # Where that did not reach Python either, end every stand-in the capture waits on (each arm's bench
+            # hangs) until the capture returns.
+            while not done.wait(5):
+                for pid in standin.pids():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
 
     handler = signal.getsignal(signal.SIGTERM)
     threading.Thread(target=interrupt, daemon=True).start()
-    with pytest.raises(KeyboardInterrupt):
-        run_capture(standin, serve_config(standin))
-    done.set()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_capture(standin, serve_config(standin))
+    finally:
+        done.set()
     assert marker.exists() and not rescued
     manifest = json.loads((standin.tmp / "run" / "manifest.json").read_text())
     assert manifest["status"] == "interrupted"
