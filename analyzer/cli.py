@@ -449,7 +449,10 @@ def _query_dtypes(baseline: Path, candidate: Path, manifest) -> tuple[tuple[str 
     if candidate is baseline:
         return (None, None), []
     found, read = [], []
-    for trace, found_manifest in ((baseline, manifest), (candidate, headline.find_manifest(candidate))):
+    # Both arms of one run directory share its manifest: read it once, list it once.
+    same_run = manifest is not None and candidate.parent.resolve() == manifest.path.parent.resolve()
+    for trace, found_manifest in ((baseline, manifest),
+                                  (candidate, manifest if same_run else headline.find_manifest(candidate))):
         dtypes, log = trace_query_dtypes(found_manifest, trace)
         found.append(dtypes.get("prefill"))
         if found_manifest is not None and found_manifest is not manifest:

@@ -87,7 +87,7 @@ class ManagedProcess:
 
 @contextlib.contextmanager
 def sigterm_as_interrupt():
-    """SIGTERM (a scheduler, `timeout`) gets the same orderly shutdown as Ctrl-C, and Ctrl-C reaches Python."""
+    """SIGTERM (a scheduler, `timeout`) gets the same orderly shutdown as Ctrl-C."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -96,12 +96,6 @@ def sigterm_as_interrupt():
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, interrupt)
-    # A native library's SIGINT handler can stay installed while Python still reports its own (ADBC's driver
-    # manager installs one around each blocking call, apache/arrow-adbc#1522); seen in the test suite's workers,
-    # where Ctrl-C then never raised KeyboardInterrupt and the children ran on. Setting Python's handler again
-    # puts Python's C handler back.
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         yield
     finally:
