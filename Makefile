@@ -64,13 +64,16 @@ bench-export: install
 # On the GPU machine (torch with CUDA, NSYS set by .gpu/nsys-env.sh, the analyzer's packages from bench/h200-deps.sh):
 # records a pair of CUDA-graph-loop reports per size into bench/out/graph-loop and runs bench/export.py on each.
 # kvtrace is not installed there: the package is laid out in KV_COPY, as fixtures/record-flashinfer-h200.sh does.
+# RECORD_FLAGS go to bench/graph_loop.py (10M: --per-step 2500 --at-once), EXPORT_FLAGS to bench/export.py.
 SIZES ?= 1000000 10000000
 KV_COPY ?= /tmp/kv
+RECORD_FLAGS ?=
+EXPORT_FLAGS ?= --repeat 1
 bench-export-h200:
 	rm -rf $(KV_COPY) && mkdir -p $(KV_COPY) && cp -r kvtrace $(KV_COPY)/ && cp -r analyzer capture recipes $(KV_COPY)/kvtrace/
 	export PYTHONPATH=$(KV_COPY)$${PYTHONPATH:+:$$PYTHONPATH}; \
-	$(PYTHON) bench/graph_loop.py --record bench/out/graph-loop --kernels $(SIZES) && \
-	for n in $(SIZES); do $(PYTHON) bench/export.py --repeat 1 bench/out/graph-loop/a-$$n.nsys-rep \
+	$(PYTHON) bench/graph_loop.py --record bench/out/graph-loop --kernels $(SIZES) $(RECORD_FLAGS) && \
+	for n in $(SIZES); do $(PYTHON) bench/export.py $(EXPORT_FLAGS) bench/out/graph-loop/a-$$n.nsys-rep \
 		bench/out/graph-loop/b-$$n.nsys-rep || exit 1; done
 
 docs: install
