@@ -275,3 +275,12 @@ def test_parquet_output_without_capture_metadata_falls_back_to_sqlite(nsys, tmp_
     assert [p.suffix for p in (cache_dir / "exports").iterdir()] == [".sqlite"]
     code, expected, err = run_kvtrace("kernels", NSYS2023_DIR / "fp8.sqlite", "--format", "csv")
     assert out == expected
+
+
+def test_an_output_cannot_replace_a_file_of_the_parquet_folder_read(tmp_path, run_kvtrace):
+    folder = _copy(tmp_path, PARQUET_2025 / "fp8")
+    target = folder / "StringIds.parquet"
+    before = fingerprint(target)
+    code, out, err = run_kvtrace("summary", folder, "-o", target)
+    assert_one_line_error(code, out, err, str(target), r"it is the input", r"choose another output file")
+    assert fingerprint(target) == before
