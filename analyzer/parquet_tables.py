@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import stat
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -21,8 +20,6 @@ from kvtrace.analyzer import export_tables as et
 from kvtrace.errors import KvtraceError
 
 SUFFIX = ".parquet"
-# Rows of a table read as one span: the columns are decoded once, then cut into spans of this many rows.
-CHUNK_ROWS = 1 << 20
 _KERNEL_KEYS = ("correlationId", "globalPid")
 
 
@@ -50,13 +47,19 @@ class ParquetTables:
         self.names = set()
         for entry in os.scandir(path):
             if entry.name.endswith(SUFFIX):
-                # A FIFO or device would block the read, a folder cannot be one: refused by name.
-                if not stat.S_ISREG(entry.stat().st_mode):
-                    raise KvtraceError(f"{path}: {entry.name} is not a regular file: copy or export the folder "
-                                       "again")
+                try:
+                    # A FIFO or device would block the read, a folder cannot be one: refused by name.
+                    if not stat.S_ISREG(entry.stat().st_mode):
+                        raise KvtraceError(f"{path}: {entry.name} is not a regular file: copy or export the "
+                                           "folder again")
+                    with open(entry.path, "rb"):
+                        pass
+                except OSError as error:
+                    raise KvtraceError(f"cannot read {entry.path}: {(error.strerror or str(error)).lower()}; check "
+                                       "it and its permissions, or export the folder again") from None
                 self.names.add(entry.name.removesuffix(SUFFIX))
-        self._read: dict[str, object] = {}
-        self._lock = threading.Lock()
+        self._read: dict[str, object] = {}  # the small tables, read whole once
+        self._groups: dict[str, dict[tuple[int, int], int]] = {}  # per table, each span's row group
 
     def close(self) -> None:
         self._read.clear()
@@ -70,24 +73,21 @@ class ParquetTables:
         return set(pq.read_schema(self._file(table)).names)
 
     def table(self, table: str, columns: tuple[str, ...], optional: tuple[str, ...] = ()):
-        """The named columns of a table as Arrow (read once, then shared by the threads), NULL for an `optional`
-        column the schema lacks; a missing column is a damaged export."""
+        """The named columns of a small table (NVTX, strings, metadata, GPUs) as Arrow, read once; NULL for an
+        `optional` column the schema lacks; a missing column is a damaged export."""
         import pyarrow as pa
         import pyarrow.parquet as pq
 
         key = f"{table}:{','.join(columns)}"
-        with self._lock:
-            if key not in self._read:
-                present = self.columns(table)
-                missing = [c for c in columns if c not in present and c not in optional]
-                if missing:
-                    raise KvtraceError(f"{self.path}: {table}{SUFFIX} lacks column {', '.join(missing)}: the export "
-                                       "is damaged or was edited; export the report again")
-                read = pq.read_table(self._file(table), columns=[c for c in columns if c in present],
-                                     memory_map=True)
-                self._read[key] = pa.table({c: read.column(c) if c in present else pa.nulls(read.num_rows)
-                                            for c in columns})
-            return self._read[key]
+        if key not in self._read:
+            present = self.columns(table)
+            missing = [c for c in columns if c not in present and c not in optional]
+            if missing:
+                raise _lacks(self.path, table, missing)
+            read = pq.read_table(self._file(table), columns=[c for c in columns if c in present], memory_map=True)
+            self._read[key] = pa.table({c: read.column(c) if c in present else pa.nulls(read.num_rows)
+                                        for c in columns})
+        return self._read[key]
 
     def check(self, shown: Path) -> None:
         import pyarrow.parquet as pq
@@ -134,17 +134,28 @@ class ParquetTables:
         return strings.filter(pl.col("value").str.contains(et.LAUNCH_WORD, literal=True))["id"].to_list()
 
     def spans(self, table: str) -> list[tuple[int, int]]:
+        """The table's row groups as (first row, last row): nsys' writer cuts tables into groups of about a
+        million rows, and each group is read on its own thread, so that memory stays at a group per core."""
         import pyarrow.parquet as pq
 
-        rows = pq.read_metadata(self._file(table)).num_rows
-        return [(low, min(rows, low + CHUNK_ROWS) - 1) for low in range(0, rows, CHUNK_ROWS)]
+        self._groups[table] = _row_groups(pq.read_metadata(self._file(table)))
+        return list(self._groups[table])
+
+    def _group(self, table: str, span: tuple[int, int], columns: tuple[str, ...]):
+        """The row group of `span` (from `spans`), with only `columns`; a missing column is a damaged export."""
+        import pyarrow.parquet as pq
+
+        handle = pq.ParquetFile(self._file(table), memory_map=True)
+        missing = [c for c in columns if c not in handle.schema_arrow.names]
+        if missing:
+            raise _lacks(self.path, table, missing)
+        return handle.read_row_group(self._groups[table][span], columns=list(columns))
 
     def kernel_batches(self, span: tuple[int, int], *, launch_keys: bool):
         import pyarrow as pa
 
         packed_columns = tuple(column for fields in et.PACKED.values() for column, _ in fields)
-        read = self.table(et.KERNEL_TABLE, ("start", "end", *packed_columns, *_KERNEL_KEYS))
-        piece = read.slice(span[0], span[1] - span[0] + 1)
+        piece = self._group(et.KERNEL_TABLE, span, ("start", "end", *packed_columns, *_KERNEL_KEYS))
         integers = _as_int64(piece, ("start", "end", *_KERNEL_KEYS), None, et.KERNEL_TABLE)
         columns = {"start": integers.column("start"), "end": integers.column("end")}
         columns.update({name: _packed(piece, fields) for name, fields in et.PACKED.items()})
@@ -156,8 +167,8 @@ class ParquetTables:
         import pyarrow as pa
         import pyarrow.compute as pc
 
-        read = self.table(et.RUNTIME_TABLE, ("correlationId", "globalTid", "start", "nameId"))
-        piece = _as_int64(read.slice(span[0], span[1] - span[0] + 1), ("nameId",), self.path, et.RUNTIME_TABLE)
+        piece = self._group(et.RUNTIME_TABLE, span, ("correlationId", "globalTid", "start", "nameId"))
+        piece = _as_int64(piece, ("nameId",), self.path, et.RUNTIME_TABLE)
         launches = piece.filter(pc.is_in(piece.column("nameId"), value_set=pa.array(api_ids, pa.int64())))
         yield from _as_int64(launches.select(list(et.LAUNCH_VALUES)), et.LAUNCH_VALUES, None,
                              et.RUNTIME_TABLE).to_batches()
@@ -172,6 +183,22 @@ class ParquetTables:
 
     def strings(self, ids: list[int]) -> list[tuple]:
         return pl.from_arrow(self.table("StringIds", ("id", "value"))).filter(pl.col("id").is_in(ids)).rows()
+
+
+def _row_groups(metadata) -> dict[tuple[int, int], int]:
+    """Each non-empty row group's (first row, last row), in table order, and its index."""
+    found, low = {}, 0
+    for group in range(metadata.num_row_groups):
+        rows = metadata.row_group(group).num_rows
+        if rows:
+            found[(low, low + rows - 1)] = group
+        low += rows
+    return found
+
+
+def _lacks(path: Path, table: str, missing: list[str]) -> KvtraceError:
+    return KvtraceError(f"{path}: {table}{SUFFIX} lacks column {', '.join(missing)}: the export is damaged or was "
+                        "edited; export the report again")
 
 
 def _as_int64(table, columns: tuple[str, ...], path: Path | None, name: str):

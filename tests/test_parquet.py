@@ -6,6 +6,7 @@ gives an exact one and to SQLite, with one note, where it does not (the CI's 202
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import sqlite3
@@ -117,6 +118,20 @@ def test_cached_parquet_trace_is_the_same_and_a_rewritten_file_is_another_entry(
     assert entry not in (cache_dir / "traces").iterdir()
 
 
+def test_tables_in_many_row_groups_load_the_same(tmp_path, monkeypatch):
+    """Each row group is a span read on its own thread (nsys writes groups of about a million rows): small groups
+    on several threads give the same trace as the one group nsys wrote for this small report."""
+    folder = _copy(tmp_path, PARQUET_2025 / "fp8")
+    for table in ("CUPTI_ACTIVITY_KIND_KERNEL", "CUPTI_ACTIVITY_KIND_RUNTIME"):
+        path = folder / f"{table}.parquet"
+        pq.write_table(pq.read_table(path), path, row_group_size=300)
+    assert pq.read_metadata(folder / KERNEL).num_row_groups == 7
+    monkeypatch.setattr(load.export_tables, "workers", lambda: 3)
+    got, expected = open_trace(folder, cache=False), open_trace(NSYS2025_DIR / "fp8.sqlite", cache=False)
+    assert got.kernels.equals(expected.kernels) and got.signatures.equals(expected.signatures)
+    assert got.ranges.equals(expected.ranges)
+
+
 # ---- hostile folders ------------------------------------------------------------------------------------
 
 def _copy(tmp_path: Path, source: Path) -> Path:
@@ -200,13 +215,16 @@ def test_a_folder_that_is_no_parquet_export_is_refused(tmp_path, run_kvtrace):
                           r"nsys export --type parquetdir")
 
 
-def test_a_fifo_in_the_folder_is_refused(tmp_path, run_kvtrace):
+def test_a_fifo_or_a_dangling_link_in_the_folder_is_refused(tmp_path, run_kvtrace):
     folder = _copy(tmp_path, PARQUET_2025 / "fp8")
     (folder / "NVTX_EVENTS.parquet").unlink()
-    import os
     os.mkfifo(folder / "NVTX_EVENTS.parquet")
     code, out, err = run_kvtrace("summary", folder)
     assert_one_line_error(code, out, err, "NVTX_EVENTS.parquet is not a regular file", None, r"export the folder again")
+    (folder / "NVTX_EVENTS.parquet").unlink()
+    (folder / "NVTX_EVENTS.parquet").symlink_to(tmp_path / "gone.parquet")
+    code, out, err = run_kvtrace("summary", folder)
+    assert_one_line_error(code, out, err, "cannot read", r"no such file", r"export the folder again")
 
 
 # ---- the .nsys-rep path ---------------------------------------------------------------------------------
