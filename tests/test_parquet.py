@@ -6,10 +6,12 @@ gives an exact one and to SQLite, with one note, where it does not (the CI's 202
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import sqlite3
+import subprocess
 from contextlib import closing
 from pathlib import Path
 
@@ -302,3 +304,43 @@ def test_an_output_cannot_replace_a_file_of_the_parquet_folder_read(tmp_path, ru
     code, out, err = run_kvtrace("summary", folder, "-o", target)
     assert_one_line_error(code, out, err, str(target), r"it is the input", r"choose another output file")
     assert fingerprint(target) == before
+
+
+def _parquet_2023(nsys: str, tmp_path: Path, arm: str) -> Path:
+    """A real 2023.4.4 Parquet export of a committed 2023.4 report, the report beside it (as `X/` beside
+    `X.nsys-rep`)."""
+    report = tmp_path / f"{arm}.nsys-rep"
+    shutil.copyfile(NSYS2023_REPORTS / report.name, report)
+    subprocess.run([nsys, "export", "--type=parquetdir", f"--tables={','.join(load.EXPORT_TABLES)}",
+                    f"--output={tmp_path / arm}", str(report)], check=True, capture_output=True, timeout=600)
+    return tmp_path / arm
+
+
+def test_a_2023_parquet_export_loads_the_same_but_for_its_missing_capture_table(nsys, tmp_path):
+    """2023.4.4's Parquet (schema 3.7.2) has every table but META_DATA_CAPTURE: it loads to the SQLite export's
+    trace, with the graph trace mode and trigger unknown, which is why kvtrace does not export it."""
+    folder = _parquet_2023(nsys, tmp_path, "fp8")
+    assert not (folder / "META_DATA_CAPTURE.parquet").exists()
+    got, expected = open_trace(folder, cache=False), open_trace(NSYS2023_DIR / "fp8.sqlite", cache=False)
+    assert got.kernels.equals(expected.kernels) and got.signatures.equals(expected.signatures)
+    assert got.ranges.equals(expected.ranges)
+    assert (got.info.graph_trace_mode, got.info.capture_trigger) == (None, None)
+    assert (expected.info.graph_trace_mode, expected.info.capture_trigger) == ("Node", "Immediate")
+    unchanged = {"source", "sqlite", "graph_trace_mode", "capture_trigger"}
+    assert {k: v for k, v in vars(got.info).items() if k not in unchanged} == \
+        {k: v for k, v in vars(expected.info).items() if k not in unchanged}
+
+
+def test_verify_checks_a_parquet_folder_through_the_report_beside_it(nsys, tmp_path, run_kvtrace):
+    """nsys stats reads SQLite or a report, not Parquet: a Parquet folder is checked through `X.nsys-rep`."""
+    fp8, nvfp4 = _parquet_2023(nsys, tmp_path, "fp8"), _parquet_2023(nsys, tmp_path, "nvfp4")
+    code, out, err = run_kvtrace("diff", fp8, nvfp4, "--verify", "--nsys", nsys, "--format", "json")
+    assert code == 0, err
+    checked = json.loads(out)["verification"]
+    assert checked["agrees"] is True
+    assert [(c["source"], c["problem"]) for c in checked["inputs"]] == [("fp8", None), ("nvfp4", None)]
+    assert all(c["calls"] > 0 for c in checked["inputs"])
+    (fp8.parent / "nvfp4.nsys-rep").unlink()
+    code, out, err = run_kvtrace("diff", fp8, nvfp4, "--verify", "--nsys", nsys, "--format", "json")
+    problems = [c["problem"] for c in json.loads(out)["verification"]["inputs"]]
+    assert problems[0] is None and "no .nsys-rep of the same name is beside this Parquet export" in problems[1]
