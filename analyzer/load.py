@@ -52,7 +52,7 @@ class GpuInfo:
 @dataclass(frozen=True)
 class TraceInfo:
     source: str  # what the user passed
-    sqlite: str  # the export read (the source, or the cached export of an .nsys-rep)
+    sqlite: str  # the export read, an SQLite file or a Parquet folder (the source, or an .nsys-rep's cached export)
     product_version: str | None
     schema_version: str | None
     driver_version: str | None
