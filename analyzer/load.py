@@ -135,7 +135,8 @@ def open_trace(path: str | os.PathLike, *, nsys: str | None = None, cache: bool 
     with _reading(source, export) as tables:
         tables.check(source if export == source else Path(f"{source} (exported as {export})"))
         entry = cache_.entry_of(export) if cache else None
-        if entry is not None and (cached := cache_.read(entry, export_tables.workers(), _cached_trace(source))) is not None:
+        cached = cache_.read(entry, export_tables.workers(), _cached_trace(source)) if entry is not None else None
+        if cached is not None:
             return cached
         ranges, index = read_ranges(tables)
         launch_names = tables.launch_api_ids() if ranges.height and RUNTIME_TABLE in tables.names else None
