@@ -46,7 +46,7 @@ EXPORTS = {
     "parquetdir": ("parquetdir, --tables (kvtrace, where exact)", "parquetdir", True, [], "{}_pqtdir"),
 }
 FULL = "sqlite-all"  # always run: the exactness check and the kernel counts read it
-# What kvtrace reads of each table (analyzer/load.py), for the polars read of Arrow and Parquet exports.
+# What kvtrace reads of each table (analyzer/parquet_tables.py), for the polars read of Arrow and Parquet exports.
 COLUMNS = {
     "CUPTI_ACTIVITY_KIND_KERNEL": ["start", "end", "deviceId", "correlationId", "globalPid", "demangledName",
                                    "shortName", "gridX", "gridY", "gridZ", "blockX", "blockY", "blockZ"],
