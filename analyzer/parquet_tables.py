@@ -92,6 +92,13 @@ class ParquetTables:
     def check(self, shown: Path) -> None:
         import pyarrow.parquet as pq
 
+        if "StringIds" in self.names and "META_DATA_EXPORT" not in self.names:
+            # Each table is its own file: a folder without the export's metadata is a partial export, or one of
+            # a few tables such as `nsys recipe` writes for itself.
+            raise KvtraceError(f"{shown} is a partial Nsight Systems Parquet export (no META_DATA_EXPORT.parquet): "
+                               "an export that did not finish, or of only some tables; export the report with "
+                               f"`nsys export --type parquetdir --tables={','.join(et.EXPORT_TABLES)}`")
+
         has_kernels = et.KERNEL_TABLE in self.names and pq.read_metadata(self._file(et.KERNEL_TABLE)).num_rows > 0
         columns = self.columns(et.KERNEL_TABLE) if et.KERNEL_TABLE in self.names else set()
         et.check_tables(self, shown, columns, has_kernels, "nsys export --type parquetdir")

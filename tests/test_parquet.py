@@ -165,8 +165,8 @@ def _truncate(folder: Path, name: str) -> None:
 
 HOSTILE = {
     "no-kernel-table": (lambda f: (f / KERNEL).unlink(), r"no CUDA kernel records", r"nsys profile -t cuda"),
-    "no-export-metadata": (lambda f: (f / "META_DATA_EXPORT.parquet").unlink(), r"partial .*export",
-                           r"export the report again"),
+    "no-export-metadata": (lambda f: (f / "META_DATA_EXPORT.parquet").unlink(), r"partial .*Parquet export",
+                           r"nsys export --type parquetdir --tables=CUPTI_ACTIVITY_KIND_KERNEL,"),
     "kernel-column-missing": (lambda f: _rewrite(f, "CUPTI_ACTIVITY_KIND_KERNEL", lambda t: t.drop(["shortName"])),
                               r"kernel table lacks shortName", r"re-export"),
     "start-as-text": (lambda f: _rewrite(f, "CUPTI_ACTIVITY_KIND_KERNEL", lambda t: _set(
