@@ -137,6 +137,7 @@ def open_trace(path: str | os.PathLike, *, nsys: str | None = None, cache: bool 
         entry = cache_.entry_of(export) if cache else None
         cached = cache_.read(entry, export_tables.workers(), _cached_trace(source)) if entry is not None else None
         if cached is not None:
+            sys.stderr.write(cache_.notes_text(notes))
             return cached
         ranges, index = read_ranges(tables)
         launch_names = tables.launch_api_ids() if ranges.height and RUNTIME_TABLE in tables.names else None
