@@ -45,6 +45,7 @@ _ENTRY_FILES = (*(f"{name}.arrow" for name in _FRAMES), *(f"{name}.npy" for name
 _MARKER = "kvtrace-cache-entry.json"
 # <export stem>-<hash of its path>-<hash of its identity>, and .<that>-<random> while it is being written.
 _ENTRY_NAME = re.compile(r"\.?.+-[0-9a-f]{12}-[0-9a-f]{12}(?:-\w+)?", re.DOTALL)
+_IDENTITY = ("dev", "ino", "size", "mtime_ns", "ctime_ns")
 _warned: set[str] = set()
 
 Loaded = TypeVar("Loaded")
@@ -56,18 +57,23 @@ class Entry:
     export: dict  # the export's identity when the load began
 
 
-def entry_of(sqlite_path: Path) -> Entry | None:
-    """The cache entry of this export as it is now, or None when there is no private cache folder. Another
+def entry_of(export_path: Path) -> Entry | None:
+    """The cache entry of this export (an SQLite file, or a Parquet folder and its files) as it is now, or None when there is no private cache folder. Another
     path, device, inode, size, modification or change time (which `touch` and `cp -p` cannot set back), or
     kvtrace version is another entry."""
     folder = cache_dir("traces")
     if folder is None:
         return None
-    resolved = sqlite_path.resolve()
+    resolved = export_path.resolve()
     status = resolved.stat()
     export = {"path": str(resolved), "device": status.st_dev, "inode": status.st_ino, "size": status.st_size,
               "mtime_ns": status.st_mtime_ns, "ctime_ns": status.st_ctime_ns, "cache_format": CACHE_FORMAT,
               "kvtrace": __version__}
+    if stat.S_ISDIR(status.st_mode):
+        # A Parquet export: a file rewritten in place leaves the folder's own times as they were, so each
+        # file's identity is part of the folder's.
+        export["files"] = sorted([entry.name, *(getattr(entry.stat(), f"st_{key}") for key in _IDENTITY)]
+                                 for entry in os.scandir(resolved))
     place = hashlib.sha256(os.fsencode(resolved)).hexdigest()[:12]
     version = hashlib.sha256(json.dumps(export, sort_keys=True).encode()).hexdigest()[:12]
     # The stem only labels the entry (the hashes identify it): bytes that are not UTF-8 become U+FFFD, which Arrow's
@@ -209,10 +215,13 @@ def _discard(path: Path) -> None:
 # ---- .nsys-rep export ---------------------------------------------------------------------------------
 
 def export_report(report: Path, *, nsys: str | None = None, tables: tuple[str, ...] = (),
-                  step: Callable[[str], None] | None = None) -> Path:
-    """Export an .nsys-rep to SQLite in kvtrace's cache (never beside the user's file): only `tables` when
-    given, which is all kvtrace reads and a fraction of nsys' work; every table where this nsys cannot export
-    only those (one line on standard error says so). `step` hears what runs.
+                  step: Callable[[str], None] | None = None,
+                  note: Callable[[Path, str], None] | None = None) -> Path:
+    """Export an .nsys-rep in kvtrace's cache (never beside the user's file): with `tables` (all kvtrace reads),
+    to a Parquet folder of only those, the fastest exact export (docs/performance.md); to SQLite where this
+    nsys cannot give that (one line on standard error says why), of only `tables`, or of every table where it
+    cannot export only those. `step` hears what runs, `note` the report and that line (standard error without
+    it).
 
     A sibling `<report>.sqlite` newer than the report is used as is, as 2023.4.4's `nsys recipe` does
     (2025.3's exports Parquet instead).
@@ -233,20 +242,28 @@ def export_report(report: Path, *, nsys: str | None = None, tables: tuple[str, .
                 status.st_ctime_ns, nsys_path)
     key = hashlib.sha256("|".join(map(str, identity)).encode(errors="surrogateescape")).hexdigest()[:20]
     folder = cache_dir("exports") or Path(tempfile.mkdtemp(prefix="kvtrace-export-"))
-    target = folder / f"{report.stem[:64]}-{key}.sqlite"
-    if target.exists():
+    parquet, target = (folder / f"{report.stem[:64]}-{key}{suffix}" for suffix in (".parquetdir", ".sqlite"))
+    # Only what kvtrace wrote there: a folder for the Parquet export, a regular file for SQLite.
+    if parquet.is_dir() and not parquet.is_symlink():
+        return parquet
+    if target.is_file() and not target.is_symlink():
         return target
-    if step is not None:
-        step(f"exporting {report.name} (nsys export{', the tables kvtrace reads' if tables else ''})")
     try:
+        why = _export_parquet(nsys_path, report, parquet, tables, step) if tables else None
+        if why is None and tables:
+            return parquet
+        if step is not None:
+            step(f"exporting {report.name} (nsys export{', the tables kvtrace reads' if tables else ''})")
         try:
             kvtrace.nsys.export_sqlite(nsys_path, report, target, tables=tables)
         except kvtrace.nsys.ExportFailed as failed:
             if not tables or failed.newer_report:
                 raise
             kvtrace.nsys.export_sqlite(nsys_path, report, target)  # this nsys may not know --tables
-            sys.stderr.write(f"kvtrace: note: {_version(nsys_path)} could not export only the tables kvtrace "
-                             f"reads from {report} ({failed.last_line}); exported every table instead\n")
+            why = (f"{why}; " if why else "") + (f"it could not export only the tables kvtrace reads "
+                                                   f"({failed.last_line}); exported every table instead")
+        if why:
+            (note or _note)(report, f"{_version(nsys_path)}: {why}")
     except kvtrace.nsys.ExportFailed as failed:
         if failed.newer_report:
             raise KvtraceError(f"{_version(nsys_path)} cannot read {report}: it was recorded by a newer "
@@ -257,23 +274,61 @@ def export_report(report: Path, *, nsys: str | None = None, tables: tuple[str, .
     return target
 
 
+def _export_parquet(nsys_path: str, report: Path, parquet: Path, tables: tuple[str, ...],
+                    step: Callable[[str], None] | None) -> str | None:
+    """Export `tables` to the Parquet folder `parquet`: None once it is there, else why not (for the note that
+    the SQLite export replaces it). A report this nsys cannot read at all raises (ExportFailed), as SQLite would
+    fail on it too."""
+    if kvtrace.nsys.parquet_known_inexact(kvtrace.nsys.nsys_version(nsys_path)):
+        return "its Parquet output lacks META_DATA_CAPTURE (the CUDA graph trace mode): exported to SQLite instead"
+    if step is not None:
+        step(f"exporting {report.name} (nsys export --type parquetdir, the tables kvtrace reads)")
+    try:
+        kvtrace.nsys.export_parquet(nsys_path, report, parquet, tables)
+    except kvtrace.nsys.ExportFailed as failed:
+        if failed.newer_report:
+            raise
+        return f"it could not export Parquet ({failed.last_line}): exported to SQLite instead"
+    return None
+
+
+def _note(report: Path, line: str) -> None:
+    sys.stderr.write(f"kvtrace: note: {report}: {line}\n")
+
+
+def notes_text(notes: dict[Path, str]) -> str:
+    """The notes of several reports' exports, one line per note, naming every report it is about."""
+    reports: dict[str, list[str]] = {}
+    for report, line in notes.items():
+        reports.setdefault(line, []).append(str(report))
+    return "".join(f"kvtrace: note: {' and '.join(names)}: {line}\n" for line, names in reports.items())
+
+
 def _version(nsys_path: str) -> str:
     return kvtrace.nsys.nsys_version(nsys_path).replace("NVIDIA ", "")
 
 
 def export_reports(reports: list[Path], workers: int, *, nsys: str | None = None, tables: tuple[str, ...] = (),
-                   step: Callable[[str], None] | None = None) -> dict[Path, Path]:
+                   step: Callable[[str], None] | None = None,
+                   notes: dict[Path, str] | None = None) -> dict[Path, Path]:
     """Each distinct report's export (export_report), several at once when there are cores for them: nsys
     export runs on about one core. A report named twice is exported once; the first failure, in the
-    reports' order, is raised."""
+    reports' order, is raised. `notes` receives each export's note (export_report), by report."""
     distinct = list(dict.fromkeys(report.resolve() for report in reports))
     at_once = max(1, min(len(distinct), workers))
     if step is not None and at_once > 1:
         names = " and ".join(report.name for report in distinct)
         inner, step = step, lambda message: inner(f"exporting {names} ({at_once} at once)")
     with ThreadPoolExecutor(max_workers=at_once) as pool:
-        futures = [pool.submit(export_report, report, nsys=nsys, tables=tables, step=step) for report in distinct]
-        return {report: future.result() for report, future in zip(distinct, futures)}
+        told: dict[Path, str] = {}
+        futures = [pool.submit(export_report, report, nsys=nsys, tables=tables, step=step, note=told.__setitem__)
+                   for report in distinct]
+        exported = {report: future.result() for report, future in zip(distinct, futures)}
+    if notes is not None:
+        notes.update((report, told[report]) for report in distinct if report in told)  # in the reports' order
+    else:
+        sys.stderr.write(notes_text({report: told[report] for report in distinct if report in told}))
+    return exported
 
 
 # ---- cache folders ------------------------------------------------------------------------------------

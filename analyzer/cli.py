@@ -189,15 +189,20 @@ def use_cache() -> bool:
 def load_trace(path: Path, nsys_path: str | None):
     with progress(f"loading {path}") as step:
         trace = open_trace(path, nsys=nsys_path, cache=use_cache(), step=step)
-    inputs().append(Path(trace.info.sqlite))
+    inputs().extend(_export_files(Path(trace.info.sqlite)))
     return trace
 
 
 def load_traces(paths: list[Path], nsys_path: str | None):
     with progress(f"loading {' and '.join(map(str, paths))}") as step:
         traces = open_traces(paths, nsys=nsys_path, cache=use_cache(), step=step)
-    inputs().extend(Path(t.info.sqlite) for t in traces)
+    inputs().extend(file for t in traces for file in _export_files(Path(t.info.sqlite)))
     return traces
+
+
+def _export_files(export: Path) -> list[Path]:
+    """What an output must not replace of an export read: the file, or a Parquet folder and each file in it."""
+    return [export, *sorted(export.iterdir())] if export.is_dir() else [export]
 
 
 def emit(result, fmt: str, output: Path | None) -> None:
@@ -334,7 +339,7 @@ def _trace_argument(name: str):
 @window_options
 @output_options
 def summary(trace, label, window, fmt, output, recipe_files, nsys_path):
-    """Time per segment and kernel family of one trace (.sqlite or .nsys-rep)."""
+    """Time per segment and kernel family of one trace (.sqlite, .nsys-rep or an nsys Parquet folder)."""
     recipes = load_recipes(recipe_files)
     loaded = load_trace(trace, nsys_path)
     with progress(f"summarizing {trace}"):

@@ -30,7 +30,9 @@ def check_file(path: Path) -> None:
         except OSError:
             found = []
         hint = f" (it holds {', '.join(found[:4])})" if found else ""
-        raise KvtraceError(f"{path} is a directory{hint}: pass one .sqlite or .nsys-rep file")
+        raise KvtraceError(f"{path} is a directory{hint} but not an Nsight Systems Parquet export (no "
+                           "StringIds.parquet): pass one .sqlite or .nsys-rep file, or the folder that "
+                           "`nsys export --type parquetdir` writes")
     if not stat.S_ISREG(status.st_mode):
         # Opening a FIFO would wait for a writer, and SQLite needs to seek: streams are not read.
         raise KvtraceError(f"{path} is not a regular file (a pipe, FIFO or device): kvtrace reads exports from "

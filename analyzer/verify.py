@@ -6,7 +6,7 @@ prints Total Time as integer nanoseconds (`:noconv`), in CSV, which keeps long n
 kernel list (kernels.list_kernels) groups by the same string, so instances and totals must be equal.
 `nsys stats` exits 0 even when it skips a report, so its output is checked rather than its exit code.
 nsys reads a copy of each export: it may add tables to the file it is given, and a user's trace is never
-modified.
+modified. It reads SQLite or a report, not Parquet: a Parquet export is checked through the report it came from.
 
 `nsys recipe cuda_gpu_kern_sum --csv`, where the installed nsys runs it, is a second check: it reads only
 an .nsys-rep and writes `all_stats.csv` (Name: the short kernel name, Count, Sum in ns; the columns of
@@ -137,17 +137,25 @@ def _compare(source: str, ours: dict[str, tuple[int, int]], theirs: dict[str, tu
 def _check(trace: Trace, recipes: RecipeSet, nsys: str) -> Checked:
     source = Path(trace.info.source).name
     ours = {row["demangled"]: (row["calls"], row["total_ns"]) for row in list_kernels(trace, recipes).rows}
-    theirs, problem = _nsys_totals(nsys, Path(trace.info.sqlite))
+    export = Path(trace.info.sqlite)
+    # nsys stats reads SQLite or a report, not Parquet: a Parquet export is checked through its report.
+    stats_input = _report_of(Path(trace.info.source)) if export.is_dir() else export
+    if stats_input is None:
+        return Checked(source, len(ours), sum(c for c, _ in ours.values()),
+                       problem=f"{STATS} reads an .sqlite or .nsys-rep, and no .nsys-rep of the same name is beside "
+                               "this Parquet export")
+    theirs, problem = _nsys_totals(nsys, stats_input)
     if problem:
         return Checked(source, len(ours), sum(c for c, _ in ours.values()), problem=problem)
     return _compare(source, ours, theirs)
 
 
-def _nsys_totals(nsys: str, sqlite: Path) -> tuple[dict[str, tuple[int, int]], str | None]:
-    """Name -> (instances, total ns) from `nsys stats`, or a problem that kept it from answering."""
+def _nsys_totals(nsys: str, export: Path) -> tuple[dict[str, tuple[int, int]], str | None]:
+    """Name -> (instances, total ns) from `nsys stats` on an SQLite export or a report (which it exports to
+    SQLite beside the copy), or a problem that kept it from answering."""
     with tempfile.TemporaryDirectory(prefix="kvtrace-verify-") as folder:
-        copy = Path(folder) / sqlite.name
-        shutil.copyfile(sqlite, copy)
+        copy = Path(folder) / export.name
+        shutil.copyfile(export, copy)
         try:
             result = subprocess.run([nsys, "stats", "-q", "-r", REPORT, "-f", "csv:noconv", "-o", "-", str(copy)],
                                     capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
@@ -215,10 +223,11 @@ def _recipe_broken(nsys: str) -> str | None:
 
 def _report_of(source: Path) -> Path | None:
     """The .nsys-rep the recipe reads (it refuses an .sqlite): the input, or the report of the same name
-    beside an .sqlite."""
+    beside an .sqlite or a Parquet folder (`X/`, or `X_pqtdir/` as 2025.3's recipe names it)."""
     if source.suffix == ".nsys-rep":
         return source
-    beside = source.with_suffix(".nsys-rep")
+    beside = source.with_name(source.name.removesuffix("_pqtdir")).with_suffix(".nsys-rep") if source.is_dir() \
+        else source.with_suffix(".nsys-rep")
     return beside if beside.is_file() else None
 
 

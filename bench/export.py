@@ -3,12 +3,14 @@
     python bench/export.py A.nsys-rep B.nsys-rep [--nsys PATH] [--repeat 3]
 
 Per report and for the pair, with the same nsys: `nsys export --type=sqlite` of every table (kvtrace before
-issue 24); the same of only the tables kvtrace reads (`--tables`, as kvtrace runs it now), with and without
-`--lazy=false`; `--type=arrowdir` and `--type=parquetdir` of those tables; `nsys stats -r cuda_gpu_kern_sum`
-on the .nsys-rep; the read of each result, timed inside its process (kvtrace's load without the cache of a
-SQLite file; for Arrow and Parquet, which kvtrace does not read, a polars read of the columns kvtrace reads,
-labelled so), and Python's start with kvtrace's imports; and a whole first `kvtrace diff A B` (empty
-cache) and a repeat. The pair's exports run both at once, as kvtrace runs them
+issue 24); the same of only the tables kvtrace reads (`--tables`, kvtrace's export where nsys gives no exact
+Parquet, such as 2023.4.4), with and without `--lazy=false`; `--type=arrowdir` and `--type=parquetdir` of those
+tables (Parquet is kvtrace's export where nsys gives an exact one); `nsys stats -r cuda_gpu_kern_sum` on the
+.nsys-rep; the read of each result, timed inside its process (kvtrace's load without the cache of an SQLite
+file or a Parquet folder; for Arrow, which kvtrace does not read, and for Parquet beside kvtrace's load, a
+polars read of the columns kvtrace reads, labelled so), and Python's start with kvtrace's imports; and a whole
+first `kvtrace diff A B` (empty cache: kvtrace's own export, Parquet or SQLite as this nsys allows) and a
+repeat. The pair's exports run both at once, as kvtrace runs them
 where there are cores for both. Each command runs on a fresh copy of the report in its own folder (nsys stats
 writes an export beside its input); the best of `--repeat` runs is kept. Every path's per-kernel totals are
 checked against the full SQLite export's, to the nanosecond, and whether it holds META_DATA_CAPTURE (2023.4.4's
@@ -38,13 +40,13 @@ from kvtrace.analyzer.load import EXPORT_TABLES  # noqa: E402
 # key -> (label, export type, only the tables kvtrace reads, further options, output name for report stem S)
 EXPORTS = {
     "sqlite-all": ("sqlite, every table (before issue 24)", "sqlite", False, [], "{}.sqlite"),
-    "sqlite-tables": ("sqlite, --tables (kvtrace now)", "sqlite", True, [], "{}.sqlite"),
+    "sqlite-tables": ("sqlite, --tables (kvtrace's fallback)", "sqlite", True, [], "{}.sqlite"),
     "sqlite-tables-eager": ("sqlite, --tables --lazy=false", "sqlite", True, ["--lazy=false"], "{}.sqlite"),
     "arrowdir": ("arrowdir, --tables", "arrowdir", True, [], "{}_arwdir"),
-    "parquetdir": ("parquetdir, --tables", "parquetdir", True, [], "{}_pqtdir"),
+    "parquetdir": ("parquetdir, --tables (kvtrace, where exact)", "parquetdir", True, [], "{}_pqtdir"),
 }
 FULL = "sqlite-all"  # always run: the exactness check and the kernel counts read it
-# What kvtrace reads of each table (analyzer/load.py), for the polars read of Arrow and Parquet exports.
+# What kvtrace reads of each table (analyzer/parquet_tables.py), for the polars read of Arrow and Parquet exports.
 COLUMNS = {
     "CUPTI_ACTIVITY_KIND_KERNEL": ["start", "end", "deviceId", "correlationId", "globalPid", "demangledName",
                                    "shortName", "gridX", "gridY", "gridZ", "blockX", "blockY", "blockZ"],
@@ -219,7 +221,13 @@ def main(argv: list[str] | None = None) -> int:
                 capture[label] = all("META_DATA_CAPTURE" in sql_tables(o) for o in outputs)
             else:
                 suffix = "parquet" if label.startswith("parquet") else "arrow"
-                timed(f"read: polars, the columns kvtrace reads ({label}; kvtrace does not read it)",
+                if suffix == "parquet":
+                    timed(f"read: kvtrace's load, no cache ({label})",
+                          lambda report, copy, outputs=outputs: ([sys.executable, "-c", LOAD,
+                                                                  str(outputs[reports.index(report)]), "no-cache"],
+                                                                 None), False, run=inner)
+                timed(f"read: polars, the columns kvtrace reads ({label}"
+                      f"{'' if suffix == 'parquet' else '; kvtrace does not read it'})",
                       lambda report, copy, outputs=outputs, suffix=suffix: (
                           [sys.executable, "-c", POLARS_READ, str(outputs[reports.index(report)]), suffix], None),
                       False, run=inner)
@@ -246,11 +254,17 @@ def main(argv: list[str] | None = None) -> int:
         kernels = [sum(c for c, _ in sql_totals(f).values()) for f in full]
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print_tables(reports, nsys, kernels, rows, diffs, exact, capture, args.repeat)
+    print_tables(reports, nsys, kernels, rows, diffs, exact, capture, args.repeat, kvtrace_export(nsys))
     return 0
 
 
-def print_tables(reports, nsys, kernels, rows, diffs, exact, capture, repeat) -> None:
+def kvtrace_export(nsys: str) -> str:
+    """Which EXPORTS path kvtrace's own export of an .nsys-rep takes with this nsys (analyzer.cache.export_report):
+    Parquet unless this version is known to lack a table there (one that fails the output check falls back too)."""
+    return "sqlite-tables" if kvtrace.nsys.parquet_known_inexact(kvtrace.nsys.nsys_version(nsys)) else "parquetdir"
+
+
+def print_tables(reports, nsys, kernels, rows, diffs, exact, capture, repeat, path) -> None:
     print("\n".join(f"- {line}" for line in machine()))
     print(f"- {kvtrace.nsys.nsys_version(nsys)}; reports: "
           + ", ".join(f"{r.name} ({k:,} kernels, {r.stat().st_size / 2**20:.1f} MiB)" for r, k in zip(reports, kernels))
@@ -266,8 +280,8 @@ def print_tables(reports, nsys, kernels, rows, diffs, exact, capture, repeat) ->
         print(f"| {label} | {singles[0].cell()} | {singles[1].cell()} | {after.cell()} "
               f"| {'n/a' if pair is None else pair.cell()} | {note} |")
     for run, measured in diffs.items():
-        print(f"| whole `kvtrace diff {names[0]} {names[1]}`, {run} run{' (empty cache)' * (run == 'first')} "
-              f"| | | {measured.cell()} | | |")
+        print(f"| whole `kvtrace diff {names[0]} {names[1]}`, {run} run"
+              f"{f' (empty cache; export: {EXPORTS[path][0]})' * (run == 'first')} | | | {measured.cell()} | | |")
     print("\nPer-kernel calls and totals equal to the full SQLite export's, to the nanosecond: "
           + "; ".join(f"{label}: {'yes' if same else 'NO'}" for label, same in exact.items()))
     print("\nMETA_DATA_CAPTURE (the CUDA graph trace mode kvtrace checks) in the output: "
@@ -275,15 +289,15 @@ def print_tables(reports, nsys, kernels, rows, diffs, exact, capture, repeat) ->
     by_label = {label: (singles, pair) for label, singles, pair, _ in rows}
     try:
         stats = by_label["nsys stats -r cuda_gpu_kern_sum (on the .nsys-rep)"][0]
-        narrow_pair = by_label[f"export: {EXPORTS['sqlite-tables'][0]}"][1]
-        read = by_label[f"read: kvtrace's load, no cache ({EXPORTS['sqlite-tables'][0]})"][0]
+        narrow_pair = by_label[f"export: {EXPORTS[path][0]}"][1]
+        read = by_label[f"read: kvtrace's load, no cache ({EXPORTS[path][0]})"][0]
         start = by_label["Python start and kvtrace's imports"][0][0]
         first = diffs["first"].wall
     except KeyError:
         return  # a partial run (--exports, --no-diff): no summary line
     floor = narrow_pair.wall + read[0].wall + read[1].wall + start.wall
     print(f"\nFirst diff: {first:.2f} s; nsys stats on both reports / first diff: "
-          f"{(stats[0].wall + stats[1].wall) / first:.2f}×; first diff / (narrow export of both at once, "
+          f"{(stats[0].wall + stats[1].wall) / first:.2f}×; first diff / (kvtrace's export ({path}) of both at once, "
           f"{narrow_pair.wall:.2f} s, + kvtrace's load of both, {read[0].wall + read[1].wall:.2f} s, + one Python "
           f"start, {start.wall:.2f} s): {first / floor:.2f}×")
 

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import make_large_trace  # noqa: E402
 from run import FLOOR, OUT, WORKLOADS, job_floor, warm  # noqa: E402
 
-from kvtrace.analyzer import compare, load  # noqa: E402
+from kvtrace.analyzer import compare, load, sqlite_tables  # noqa: E402
 from kvtrace.analyzer.classify import load_recipes  # noqa: E402
 
 # Run in a child: the load's own seconds, without Python's start-up.
@@ -85,11 +85,11 @@ def main(argv: list[str] | None = None) -> int:
         record("kvtrace-job floor (bench/floor.c, one C pass)", seconds)
         for table, part in zip(("kernel columns", "launch calls", "NVTX ranges"), re.findall(r"in ([0-9.]+) s", job)):
             record(f"kvtrace-job floor: {table}", float(part))
-        queries = load.stage_queries(path)
+        queries = sqlite_tables.stage_queries(path)
         record("ADBC read, one connection: kernel columns kvtrace needs",
-               timed(lambda: load.drain(path, queries["kernels"]))[0])
+               timed(lambda: sqlite_tables.drain(path, queries["kernels"]))[0])
         record("ADBC read, one connection: launch calls (runtime rows named *Launch*)",
-               timed(lambda: load.drain(path, queries["launches"]))[0])
+               timed(lambda: sqlite_tables.drain(path, queries["launches"]))[0])
         record("whole load, no cache, 1 core", child_load(path, 1, cache=False))
         record(f"whole load, no cache, {cores} cores", child_load(path, None, cache=False))
         record(f"whole load writing the trace cache, {cores} cores", child_load(path, None, cache=True))

@@ -1,5 +1,5 @@
 """The Nsight Systems command line as both sides use it: finding nsys, asking its version, exporting a report
-to SQLite (every table, or only those named).
+to SQLite (every table, or only those named) or to a Parquet folder (`--type parquetdir`, the tables named).
 
 Standard library only: capture runs it on a bare GPU box, the analyzer when it is given an .nsys-rep.
 """
@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import shutil
 import sqlite3
 import subprocess
+import tempfile
 from contextlib import closing
 from pathlib import Path
 from typing import TextIO
@@ -165,3 +167,50 @@ def export_sqlite(nsys: str, report: Path, target: Path, *, log: TextIO | None =
         result = _run_logged(export_command(nsys, report, partial, tables), log)
         if result.returncode != 0 or not is_sqlite(partial):
             raise ExportFailed(result.returncode, result.stdout)
+
+
+# Versions whose Parquet output is known to lack a table kvtrace reads: Nsight Systems 2023.4.4 never writes
+# META_DATA_CAPTURE (the CUDA graph trace mode, the capture trigger) into Arrow or Parquet output, named in
+# --tables or not (docs/performance.md, observed on every export tried). A Parquet export there is a whole
+# export's time wasted, so it is not tried; 2025.3.1 writes the table. Any other version is tried, and its
+# output checked for every table it must hold (parquet_problem).
+PARQUET_LACKS_CAPTURE = ("2023.4.4",)
+# What a Parquet export must hold to answer as the SQLite export does: nsys writes StringIds first and
+# META_DATA_EXPORT last; META_DATA_CAPTURE is the table 2023.4.4 leaves out.
+PARQUET_REQUIRED = ("StringIds", "META_DATA_EXPORT", "META_DATA_CAPTURE")
+
+
+def parquet_known_inexact(version: str) -> bool:
+    """Whether this `nsys --version` line names a version whose Parquet output is known to lack a table."""
+    found = re.search(r"(\d+\.\d+\.\d+)", version)
+    return bool(found) and found.group(1) in PARQUET_LACKS_CAPTURE
+
+
+def parquet_command(nsys: str, report: Path, output: Path, tables: tuple[str, ...]) -> list[str]:
+    """`nsys export --type=parquetdir` of `tables`: one TABLE.parquet per table in the folder `output`."""
+    return [nsys, "export", "--type=parquetdir", f"--tables={','.join(tables)}", "--force-overwrite=true",
+            f"--output={output}", str(report)]
+
+
+def export_parquet(nsys: str, report: Path, target: Path, tables: tuple[str, ...], *,
+                   log: TextIO | None = None) -> None:
+    """Export `report`'s `tables` to the Parquet folder `target`. nsys writes into a temporary folder beside the
+    target, renamed into place only once it holds PARQUET_REQUIRED, so `target` never holds half an export.
+    Raises ExportFailed, its output ending with what the folder lacks when nsys itself said nothing wrong."""
+    stem = os.fsdecode(os.fsencode(target.name)[:128])
+    scratch = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{stem}."))
+    try:
+        output = scratch / "export"
+        result = _run_logged(parquet_command(nsys, report, output, tables), log)
+        if result.returncode != 0:
+            raise ExportFailed(result.returncode, result.stdout)
+        missing = [name for name in PARQUET_REQUIRED if not (output / f"{name}.parquet").is_file()]
+        if missing:
+            raise ExportFailed(0, f"{result.stdout}\nthe Parquet output lacks {', '.join(missing)}")
+        try:
+            os.replace(output, target)
+        except OSError:
+            if not target.is_dir():  # else another kvtrace exported the same report meanwhile: theirs is kept
+                raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)

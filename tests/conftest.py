@@ -75,6 +75,12 @@ REPEAT = PACKED_RUNS["fi-h200-sm90-repeat"]  # fi-h200-sm90 recorded again, on a
 REPEATS2 = PACKED_RUNS["fi-h200-sm90-repeats2"]  # `--repeats 2`: fp8.r1 nvfp4.r1 fp8.r2 nvfp4.r2
 VLLM_COLD_PREFILL = PACKED_RUNS["vllm-h200-cold-prefill"]  # vLLM 0.26, BF16 (auto) vs FP8
 VLLM_DECODE_HEAVY = PACKED_RUNS["vllm-h200-decode-heavy"]
+# The Parquet exports (nsys export --type parquetdir, the tables kvtrace reads) of fi-h200-sm90's two reports by
+# Nsight Systems 2025.3: fp8/ and nvfp4/, one TABLE.parquet each (fixtures/README.md).
+PARQUET_2025 = _unpack(FIXTURES / "fi-h200-sm90-parquet" / "fi-h200-sm90-parquet.tar.xz", named=True)
+# bench/graph_loop.py's CUDA graph of small kernels, traced per node, recorded on the H200 with 2025.3: a-2000 and
+# b-2000, each as .nsys-rep, its SQLite export and its Parquet folder (fixtures/README.md).
+GRAPH_LOOP = _unpack(FIXTURES / "graph-loop-h200" / "graph-loop-h200.tar.xz", named=True)
 # fixtures/bad/'s real capture without kernels, its export and report (fixtures/bad/README.md), packed.
 NO_KERNELS_DIR = _unpack(BAD_DIR / "no-kernels-nsys2023.tar.xz", named=True)
 

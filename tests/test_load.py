@@ -23,7 +23,7 @@ import pytest
 
 from conftest import (BAD_DIR, FIXTURES, NSYS2023_DIR, NSYS2023_REPORTS, NSYS2025_DIR, REAL_SQLITE, VLLM_DECODE_HEAVY,
                       fingerprint)
-from kvtrace.analyzer import load, sqlite_file
+from kvtrace.analyzer import load, sqlite_file, sqlite_tables
 from kvtrace.analyzer.load import KERNEL_TABLE, open_trace
 from kvtrace.analyzer.ranges import NO_RANGE
 
@@ -267,13 +267,14 @@ def test_a_trace_read_in_many_rowid_ranges_and_spilled_loads_the_same(workers, t
                         f"(SELECT correlationId FROM {KERNEL_TABLE})")
     whole = open_trace(gaps, cache=False)
     assert whole.info.kernel_count == own_sql(gaps, f"SELECT count(*) FROM {KERNEL_TABLE}")[0][0]
-    monkeypatch.setattr(load, "CHUNK_ROWS", 700)
-    monkeypatch.setattr(load, "_workers", lambda: workers)
+    monkeypatch.setattr(sqlite_tables, "CHUNK_ROWS", 700)
+    monkeypatch.setattr(load.export_tables, "workers", lambda: workers)
     monkeypatch.setattr(load.calls_, "HELD_BYTES", 3 * 700 * 20)  # three chunks in memory, the rest on disk
     monkeypatch.setattr(load.calls_, "BLOCK_ROWS", 256)
     [(rowids,)] = own_sql(gaps, f"SELECT max(rowid) - min(rowid) + 1 FROM {KERNEL_TABLE}")
-    with closing(sqlite_file.connect(gaps)) as conn:
-        assert len(load._rowid_spans(conn, KERNEL_TABLE)) == min(4 * workers, -(-rowids // 700)) > 1
+    tables = sqlite_tables.SqliteTables(gaps)
+    assert len(tables.spans(KERNEL_TABLE)) == min(4 * workers, -(-rowids // 700)) > 1
+    tables.close()
     _same_calls(open_trace(gaps, cache=False), whole)
 
 
@@ -287,7 +288,7 @@ def test_kernel_rows_out_of_start_order_load_in_start_order(tmp_path, monkeypatc
     [(descending,)] = own_sql(shuffled, f"SELECT count(*) FROM (SELECT start - lag(start) OVER (ORDER BY rowid) "
                                         f"AS step FROM {KERNEL_TABLE}) WHERE step < 0")
     assert descending > 0
-    monkeypatch.setattr(load, "CHUNK_ROWS", 1000)
+    monkeypatch.setattr(sqlite_tables, "CHUNK_ROWS", 1000)
     monkeypatch.setattr(load.calls_, "HELD_BYTES", 0)
     got, expected = open_trace(shuffled, cache=False), open_trace(source, cache=False)
     assert got.kernels["start"].is_sorted()
