@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 import warnings
+from importlib import metadata
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -753,6 +754,7 @@ def offline_config(standin, **kwargs) -> vllm_config.VllmCapture:
 
 @pytest.mark.slow
 def test_offline_runs_the_worker_under_nsys(standin):
+    shutil.rmtree(standin.tmp / "site" / "torch")  # this run's worker imports the real torch, as on the GPU host
     manifest = run_capture(standin, offline_config(standin))
     run = standin.tmp / "run"
     assert manifest["status"] == "ok" and manifest["request_order_matched"] is True
@@ -761,6 +763,8 @@ def test_offline_runs_the_worker_under_nsys(standin):
         assert arm["status"] == "ok" and arm["exit_code"] == 0 and arm["kv_cache"]["tokens"] == tokens
         assert arm["workload"]["engine"]["kv_cache_tokens"] == tokens and arm["workload"]["kv_cache_dtype"] == name
         assert arm["workload"]["versions"]["vllm"] == "0.0.0+standin"
+        # The real torch's (a wheel's local tag, e.g. +cu130, may be in __version__ only).
+        assert arm["workload"]["versions"]["torch"].split("+")[0] == metadata.version("torch").split("+")[0]
         point = arm["points"][0]
         assert (point["requests"], point["tokens_in"], point["tokens_out"]) == (8, 8 * 64, 8 * 8)
         counters = point["metrics"]["deltas"]["counters"]
