@@ -20,7 +20,6 @@ import subprocess
 import sys
 import threading
 import time
-import warnings
 from importlib import metadata
 from pathlib import Path
 from types import SimpleNamespace
@@ -709,11 +708,11 @@ def test_interrupt_shuts_server_and_client_down(standin, monkeypatch, sig, to):
                         os.kill(pid, signal.SIGKILL)
 
     handler = signal.getsignal(signal.SIGTERM)
-    # Ctrl-C reaches a user's `kvtrace capture` through Python's own handler. In a test worker an earlier test's
-    # library can leave another one (under the full suite on two workers SIGINT then raised nothing); name it.
+    # Ctrl-C reaches a user's `kvtrace capture` in a terminal through Python's own handler. A suite started as a
+    # background job of a script (`pytest … &`: no job control) inherits SIGINT ignored, and Python keeps SIG_IGN
+    # in every worker; the test then hung. It installs Python's handler for its run and puts the inherited back.
     foreign = signal.getsignal(signal.SIGINT)
     if foreign is not signal.default_int_handler:
-        warnings.warn(f"SIGINT handler left by an earlier test: {foreign!r}")
         signal.signal(signal.SIGINT, signal.default_int_handler)
     threading.Thread(target=interrupt, daemon=True).start()
     try:
