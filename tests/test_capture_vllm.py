@@ -674,7 +674,7 @@ def test_a_failed_arm_is_recorded_and_the_other_still_runs(standin, monkeypatch,
 
 def test_a_server_that_ignores_sigint_is_killed(standin, monkeypatch):
     monkeypatch.setenv("STANDIN_FAIL", "ignore-sigint@fp8")
-    manifest = run_capture(standin, serve_config(standin, arms=("fp8",)), shutdown_grace_s=1.0)
+    manifest = run_capture(standin, serve_config(standin, arms=("fp8",)), shutdown_grace_s=0.5)
     assert manifest["arms"]["fp8"]["exit_code"] != 0  # stopped by SIGTERM, so nsys wrote nothing
     assert manifest["status"] == "failed"
     assert standin.pids("server") and not [pid for pid in standin.pids() if alive(pid)]
