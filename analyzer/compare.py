@@ -458,9 +458,13 @@ class _RowBuilder:
             unpaired = {}
             for run, group, table in self.groups(spec, side):
                 left = table.filter(pl.col("calls") > pl.col("paired_calls"))
+                labels: dict = {}  # one look-up per group, not one per unpaired signature (thousands in a sweep)
+                for sig, label in run.classes.filter(pl.col("sig").is_in(left["sig"].implode())).select(
+                        "sig", "family_label").iter_rows():
+                    labels.setdefault(sig, label)
                 for sig, calls, paired_calls, total, paired_ns in left.select(
                         "sig", "calls", "paired_calls", "total_ns", "paired_ns").iter_rows():
-                    label = run.classes.filter(pl.col("sig") == sig)["family_label"][0]
+                    label = labels[sig]
                     count, ns = unpaired.get(label, (0, 0))
                     unpaired[label] = (count + calls - paired_calls, ns + total - paired_ns)
             top = sorted(unpaired.items(), key=lambda item: (-item[1][1], item[0]))[:3]
