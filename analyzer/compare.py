@@ -262,7 +262,7 @@ def diff_sides(sides: Sides, *, labels: tuple[str | None, str | None] = (None, N
     drift, bands = _drift(rows, estimates[len(specs)], controls, cells, estimates[len(specs) + 1:], comparison,
                           threshold, uncontrolled.any())
     per_call = comparison.strata_totals[0] / np.diff(comparison.paired.offsets)
-    for row, spec, estimate in zip(rows, specs, estimates):
+    for row, spec, estimate, row_groups in zip(rows, specs, estimates, builder.row_groups):
         unpaired_delta = row.total_delta_ns - row.paired_delta_ns
         band = bands.of(per_call[spec.members], comparison.strata_totals[0][spec.members],
                         uncontrolled[spec.members]) if bands else 0.0
@@ -277,7 +277,7 @@ def diff_sides(sides: Sides, *, labels: tuple[str | None, str | None] = (None, N
                                                             unpaired_delta=unpaired_delta)
         left = (row.baseline_calls - row.compared_calls, row.candidate_calls - row.compared_calls)
         if row.verdict == stats.DIFFERENT_WORK:
-            row.note = "; ".join(filter(None, [builder.different_work(spec, row), row.note]))
+            row.note = "; ".join(filter(None, [builder.different_work(row_groups, row), row.note]))
         elif estimate is not None and any(left):
             row.note = "; ".join(filter(None, [row.note, f"{left[0]:,} baseline and {left[1]:,} candidate calls "
                                                          "without a partner"]))
@@ -314,6 +314,7 @@ class _RowBuilder:
         self.arm_totals = (base_arm.total_ns, cand_arm.total_ns)
         self.realigned: list[str] = []  # families paired on their last calls, for the alignment finding
         self.relaunched: list[tuple[str, str, str]] = []  # (family, baseline shapes, candidate shapes): see _relaunched
+        self.row_groups: list[list] = []  # per row built, its groups per arm (the verdict's note may need them again)
 
     def groups(self, spec: _Row, side: int) -> list[tuple[Run, Cells, pl.DataFrame]]:
         """Per run of one arm: the run, the row's cells, and those cells with what each gave to pairs."""
@@ -329,6 +330,7 @@ class _RowBuilder:
     def row(self, spec: _Row, estimate: stats.Estimate | None) -> DiffRow:
         vocabulary = self.comparison.vocabulary
         sides = [self.groups(spec, side) for side in (0, 1)]
+        self.row_groups.append(sides)
         window_calls = [sum(g.calls for _, g, _ in groups) for groups in sides]
         window_ns = [sum(g.total_ns for _, g, _ in groups) for groups in sides]
         paired_ns = [sum(int(t["paired_ns"].sum()) for _, _, t in groups) for groups in sides]
@@ -451,16 +453,21 @@ class _RowBuilder:
                            .iter_rows()}
         return sorted(labels)
 
-    def different_work(self, spec: _Row, row: DiffRow) -> str:
+    @staticmethod
+    def different_work(sides, row: DiffRow) -> str:
         """What the unpaired calls are: the families with the most unpaired time, per arm."""
         parts = []
-        for side, word in ((0, "baseline"), (1, "candidate")):
+        for groups, word in zip(sides, ("baseline", "candidate")):
             unpaired = {}
-            for run, group, table in self.groups(spec, side):
+            for run, group, table in groups:
                 left = table.filter(pl.col("calls") > pl.col("paired_calls"))
+                labels: dict = {}  # one look-up per group, not one per unpaired signature (thousands in a sweep)
+                for sig, label in run.classes.filter(pl.col("sig").is_in(left["sig"].implode())).select(
+                        "sig", "family_label").iter_rows():
+                    labels.setdefault(sig, label)
                 for sig, calls, paired_calls, total, paired_ns in left.select(
                         "sig", "calls", "paired_calls", "total_ns", "paired_ns").iter_rows():
-                    label = run.classes.filter(pl.col("sig") == sig)["family_label"][0]
+                    label = labels[sig]
                     count, ns = unpaired.get(label, (0, 0))
                     unpaired[label] = (count + calls - paired_calls, ns + total - paired_ns)
             top = sorted(unpaired.items(), key=lambda item: (-item[1][1], item[0]))[:3]

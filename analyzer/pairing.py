@@ -18,6 +18,7 @@ Each pair of cells is a stratum for the statistics (analyzer.stats); nothing her
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 import numpy as np
 import polars as pl
@@ -287,17 +288,28 @@ class Run:
         """The classified signatures that a group of cells uses."""
         return self.classes.filter(pl.col("sig").is_in(group.table["sig"].unique().implode()))
 
+    @cached_property
+    def _class_of(self) -> dict[int, dict[str, str | None]]:
+        """Per signature, the classification columns that rows ask for: a diff asks for each of its thousands of
+        rows, and a polars filter per question was a good part of a row's cost."""
+        found: dict[int, dict[str, str | None]] = {}
+        for entry in self.classes.select("sig", "segment", "family_label", "kv_dtype", "demangled").iter_rows(
+                named=True):
+            found.setdefault(entry["sig"], entry)
+        return found
+
     def earliest(self, group: Cells, column: str) -> str:
         """A classification column (segment, family_label) of the group's earliest call."""
-        sig = group.table.sort("first")["sig"][0]
-        return self.classes.filter(pl.col("sig") == sig)[column][0]
+        sig = group.table["sig"][group.table["first"].arg_min()]
+        return self._class_of[sig][column]
 
     def kv_dtypes_and_names(self, group: Cells) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """The KV dtypes and demangled names of a group of cells."""
         if group.table.height == 0:
             return (), ()
-        sigs = self.signatures(group)
-        return tuple(sigs["kv_dtype"].drop_nulls().unique().sort()), tuple(sigs["demangled"].unique().sort())
+        found = [self._class_of[sig] for sig in set(group.table["sig"].to_list()) if sig in self._class_of]
+        return (tuple(sorted({entry["kv_dtype"] for entry in found} - {None})),
+                tuple(sorted({entry["demangled"] for entry in found})))
 
 
 @dataclass(frozen=True)

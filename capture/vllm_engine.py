@@ -82,6 +82,8 @@ class _Session:
 
 def _wait_ready(server: ManagedProcess, base: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
+    # Polls soon at first (a small model is up in a fraction of a second), then once a second.
+    pause_s = 0.05
     while True:
         if not server.running():
             raise RuntimeError(f"server exited with code {server.process.returncode} before it was ready")
@@ -90,7 +92,8 @@ def _wait_ready(server: ManagedProcess, base: str, timeout_s: float) -> None:
                 return
         if time.monotonic() > deadline:
             raise RuntimeError(f"server not ready after {timeout_s:g} s (raise --startup-timeout for slow starts)")
-        time.sleep(1.0)
+        time.sleep(pause_s)
+        pause_s = min(2 * pause_s, 1.0)
 
 
 def _run_bench(session: _Session, command: list[str], log: Path) -> int:

@@ -9,6 +9,7 @@ Metric parsing is checked on the example pages in fixtures/vllm-recorded/ (see i
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import shutil
@@ -19,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-import warnings
+from importlib import metadata
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -390,8 +391,7 @@ def test_missing_nsys_and_busy_port(tmp_path, monkeypatch):
 
 
 def test_missing_vllm_stops_before_the_run_directory(tmp_path):
-    probe = preflight.probe_environment(sys.executable, nvfp4=False)
-    if probe["vllm"] is not None:
+    if importlib.util.find_spec("vllm") is not None:  # the capture's own probe runs in this interpreter
         pytest.skip("vLLM is installed here")
     with pytest.raises(KvtraceError, match="vLLM is not installed"):
         engine.capture(config(model=str(TINY), mode="offline", arms=("auto", "fp8")), tmp_path / "out",
@@ -674,7 +674,7 @@ def test_a_failed_arm_is_recorded_and_the_other_still_runs(standin, monkeypatch,
 
 def test_a_server_that_ignores_sigint_is_killed(standin, monkeypatch):
     monkeypatch.setenv("STANDIN_FAIL", "ignore-sigint@fp8")
-    manifest = run_capture(standin, serve_config(standin, arms=("fp8",)), shutdown_grace_s=1.0)
+    manifest = run_capture(standin, serve_config(standin, arms=("fp8",)), shutdown_grace_s=0.5)
     assert manifest["arms"]["fp8"]["exit_code"] != 0  # stopped by SIGTERM, so nsys wrote nothing
     assert manifest["status"] == "failed"
     assert standin.pids("server") and not [pid for pid in standin.pids() if alive(pid)]
@@ -708,11 +708,11 @@ def test_interrupt_shuts_server_and_client_down(standin, monkeypatch, sig, to):
                         os.kill(pid, signal.SIGKILL)
 
     handler = signal.getsignal(signal.SIGTERM)
-    # Ctrl-C reaches a user's `kvtrace capture` through Python's own handler. In a test worker an earlier test's
-    # library can leave another one (under the full suite on two workers SIGINT then raised nothing); name it.
+    # Ctrl-C reaches a user's `kvtrace capture` in a terminal through Python's own handler. A suite started as a
+    # background job of a script (`pytest … &`: no job control) inherits SIGINT ignored, and Python keeps SIG_IGN
+    # in every worker; the test then hung. It installs Python's handler for its run and puts the inherited back.
     foreign = signal.getsignal(signal.SIGINT)
     if foreign is not signal.default_int_handler:
-        warnings.warn(f"SIGINT handler left by an earlier test: {foreign!r}")
         signal.signal(signal.SIGINT, signal.default_int_handler)
     threading.Thread(target=interrupt, daemon=True).start()
     try:
@@ -753,6 +753,7 @@ def offline_config(standin, **kwargs) -> vllm_config.VllmCapture:
 
 @pytest.mark.slow
 def test_offline_runs_the_worker_under_nsys(standin):
+    shutil.rmtree(standin.tmp / "site" / "torch")  # this run's worker imports the real torch, as on the GPU host
     manifest = run_capture(standin, offline_config(standin))
     run = standin.tmp / "run"
     assert manifest["status"] == "ok" and manifest["request_order_matched"] is True
@@ -761,6 +762,8 @@ def test_offline_runs_the_worker_under_nsys(standin):
         assert arm["status"] == "ok" and arm["exit_code"] == 0 and arm["kv_cache"]["tokens"] == tokens
         assert arm["workload"]["engine"]["kv_cache_tokens"] == tokens and arm["workload"]["kv_cache_dtype"] == name
         assert arm["workload"]["versions"]["vllm"] == "0.0.0+standin"
+        # The real torch's (a wheel's local tag, e.g. +cu130, may be in __version__ only).
+        assert arm["workload"]["versions"]["torch"].split("+")[0] == metadata.version("torch").split("+")[0]
         point = arm["points"][0]
         assert (point["requests"], point["tokens_in"], point["tokens_out"]) == (8, 8 * 64, 8 * 8)
         counters = point["metrics"]["deltas"]["counters"]

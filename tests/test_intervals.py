@@ -67,13 +67,16 @@ def draw(rng: np.random.Generator, offsets: np.ndarray) -> np.ndarray:
 
 @pytest.mark.slow
 def test_intervals_cover_a_known_ratio(recipes):
-    """500 draws with r = 1.7: the 95% interval covers r in 93-97% of them, pooled over rows of one cell and
+    """400 draws with r = 1.7: the 95% interval covers r in 93-97% of them, pooled over rows of one cell and
     pooled over rows of several cells, and in at least 90% for every row alone. 1000 resamples per interval
-    are enough: the Monte Carlo error of a 95% endpoint is small against the spread of 500 draws."""
+    are enough: the Monte Carlo error of a 95% endpoint is small against the spread of 400 draws."""
+    # 400 draws: a correct interval (coverage 94.5%, as measured) leaves 93-97% over 4 rows × 400 in one of the
+    # two pools with probability 0.9%, and one covering 90% passes with 2e-5; a correct row (94%) falls under
+    # the 90% floor in one of 8 with 0.5%, and a row covering 85% passes it with 0.2% (300 draws: 1.2-2%).
     pairs, vocabulary, base, repeat = repeat_pairs(recipes, "fp8")
     one, several = rows_of(pairs, vocabulary)
     rows = list(one.values()) + list(several.values())
-    truth, draws = 1.7, 500
+    truth, draws = 1.7, 400
     rng = np.random.default_rng(2013)
     covered = np.zeros(len(rows))
     runs = np.zeros(pairs.strata.height, dtype=np.int64)
@@ -93,6 +96,9 @@ def test_intervals_cover_a_known_ratio(recipes):
 def test_synthetic_null_pairs_raise_few_false_alarms(recipes):
     """r = 1 on the NVFP4 repeat's noise: at the default threshold, at most 5% of verdicts over every cell and
     segment row are a regression or an improvement."""
+    # 100 draws × 30 rows: the intervals raise 0.7% here; a false-alarm rate of 10% passes with under 1e-20 and
+    # one of 6% with 1% (rows taken as independent; segment rows share their cells' draws, so somewhat more).
+    # 200 draws made the 6% case 0.02%: the margin given up to halve the time.
     pairs, vocabulary, base, repeat = repeat_pairs(recipes, "nvfp4")
     segments = pairs.strata["segment"].to_numpy()
     rows = [np.array([s]) for s in range(pairs.strata.height)] + [np.flatnonzero(segments == code)
@@ -100,7 +106,7 @@ def test_synthetic_null_pairs_raise_few_false_alarms(recipes):
     rng = np.random.default_rng(1988)
     alarms = verdicts = 0
     runs = np.zeros(pairs.strata.height, dtype=np.int64)
-    for index in range(200):
+    for index in range(100):
         picked = draw(rng, pairs.offsets)
         estimates = stats.estimate_rows(stats.PairedStrata(base[picked], repeat[picked], pairs.offsets, runs, 1),
                                         rows, resamples=1000, seed=index)

@@ -16,6 +16,7 @@ import os
 import shutil
 import stat
 import sqlite3
+import sys
 from pathlib import Path
 
 import pytest
@@ -90,7 +91,7 @@ log = open({str(tmp_path / "recipe-calls")!r}, "a")
     os.mkdir(os.path.join(os.path.dirname(given), stem + "_pqtdir"))
     shutil.copytree(os.path.join({str(recipe_outputs)!r}, stem), sys.argv[sys.argv.index("--output") + 1])
     print("Generated:")"""
-    script.write_text(f"""#!/usr/bin/env python3
+    script.write_text(f"""#!{sys.executable}
 import sys, os, shutil
 TABLES = {table!r}
 if sys.argv[1] == "--version":

@@ -6,7 +6,7 @@
   `python -m vllm.entrypoints.cli.main serve` is a tiny HTTP server with /health, /metrics (prometheus_client
   text, vLLM's metric names), /start_profile, /stop_profile, /reset_prefix_cache and /v1/completions, and
   whose `bench serve` posts completions to it and writes a result JSON. Its `LLM` class serves the offline
-  worker.
+  worker, beside a fake `torch` (version and NVTX only, as a CPU-only torch has none).
 
 Failures are switched on per arm through STANDIN_FAIL, e.g. "never-ready@fp8,bench@nvfp4":
 server-exit, never-ready, ignore-sigint, profile-404 (server); bench (client); worker (offline LLM);
@@ -348,8 +348,19 @@ FAKE_VLLM = {
 }
 
 
+# What the offline worker asks of torch (its version, and NVTX, which a CPU-only torch lacks). Importing the real
+# torch costs each worker run about 1.6 s of CPU; the tests that need the real one remove this.
+FAKE_TORCH = {
+    "torch/__init__.py": "from torch import cuda, version\n__version__ = '0.0.0+standin'\n",
+    "torch/version.py": "cuda = None\n",
+    "torch/cuda/__init__.py": "from torch.cuda import nvtx\n",
+    "torch/cuda/nvtx.py": ("def range_push(name):\n    raise RuntimeError('stand-in torch: built without CUDA')\n\n\n"
+                           "def range_pop():\n    raise RuntimeError('stand-in torch: built without CUDA')\n"),
+}
+
+
 def write_fake_vllm(site: Path) -> None:
-    for relative, text in FAKE_VLLM.items():
+    for relative, text in {**FAKE_VLLM, **FAKE_TORCH}.items():
         path = site / relative
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
