@@ -25,7 +25,7 @@ PER_STEP = 250
 STEP_NAMES = 8  # distinct range names, as a serving loop repeats a few step kinds
 
 
-def workload(kernels: int, variant: str, per_step: int) -> None:
+def workload(kernels: int, variant: str, per_step: int, eager: bool) -> None:
     import torch
 
     small = torch.zeros(4096, device="cuda")
@@ -36,21 +36,26 @@ def workload(kernels: int, variant: str, per_step: int) -> None:
             small.add_(1.0)
             other.mul_(1.0)
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+
+    def step_kernels():
         for i in range(per_step):
             (small.add_ if i % 2 else other.mul_)(1.0)
-    torch.cuda.synchronize()
+
+    if not eager:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step_kernels()
+        torch.cuda.synchronize()
     torch.cuda.profiler.start()
     for step in range(max(1, kernels // per_step)):
         torch.cuda.nvtx.range_push(f"step_{step % STEP_NAMES}")
-        graph.replay()
+        step_kernels() if eager else graph.replay()
         torch.cuda.nvtx.range_pop()
     torch.cuda.synchronize()
     torch.cuda.profiler.stop()
 
 
-def record(out: Path, sizes: list[int], per_step: int, at_once: bool) -> None:
+def record(out: Path, sizes: list[int], per_step: int, at_once: bool, eager: bool) -> None:
     """Both variants of each size, one after the other or both at once: nsys' import of a 10M-kernel capture
     takes minutes on one core, and two imports side by side halve the wait."""
     from kvtrace.capture.runner import profile_command
@@ -63,7 +68,8 @@ def record(out: Path, sizes: list[int], per_step: int, at_once: bool) -> None:
         for variant in ("a", "b"):
             report = out / f"{variant}-{size}"
             command = profile_command(nsys, report, [sys.executable, os.path.abspath(__file__), "--kernels", str(size),
-                                                     "--variant", variant, "--per-step", str(per_step)])
+                                                     "--variant", variant, "--per-step", str(per_step),
+                                                     *(["--eager"] if eager else [])])
             print(f"recording {report}.nsys-rep …", file=sys.stderr, flush=True)
             running.append(subprocess.Popen(command))
             if not at_once:
@@ -80,11 +86,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--per-step", type=int, default=PER_STEP, help="kernels per graph replay (NVTX range)")
     parser.add_argument("--record", type=Path, metavar="OUT_DIR", help="record reports under nsys into OUT_DIR")
     parser.add_argument("--at-once", action="store_true", help="record a size's two reports side by side")
+    parser.add_argument("--eager", action="store_true",
+                        help="launch each kernel from Python instead of replaying a CUDA graph (at 10M kernels "
+                             "graph replays under --cuda-graph-trace=node failed on the H200: Xid 69, Xid 13)")
     args = parser.parse_args(argv)
     if args.record:
-        record(args.record, args.kernels, args.per_step, args.at_once)
+        record(args.record, args.kernels, args.per_step, args.at_once, args.eager)
     else:
-        workload(args.kernels[0], args.variant, args.per_step)
+        workload(args.kernels[0], args.variant, args.per_step, args.eager)
     return 0
 
 
