@@ -64,8 +64,9 @@ bench-export: install
 # On the GPU machine (torch with CUDA, NSYS set by .gpu/nsys-env.sh, the analyzer's packages from bench/h200-deps.sh):
 # records a pair of CUDA-graph-loop reports per size into bench/out/graph-loop and runs bench/export.py on each.
 # kvtrace is not installed there: the package is laid out in KV_COPY, as fixtures/record-flashinfer-h200.sh does.
-# RECORD_FLAGS go to bench/graph_loop.py (10M: --per-step 2500 --at-once), EXPORT_FLAGS to bench/export.py.
-SIZES ?= 1000000 10000000
+# RECORD_FLAGS go to bench/graph_loop.py (e.g. --eager --at-once), EXPORT_FLAGS to bench/export.py; the 10M rows
+# come from bench/export-10m-h200.sh (docs/performance.md).
+SIZES ?= 1000000
 KV_COPY ?= /tmp/kv
 RECORD_FLAGS ?=
 EXPORT_FLAGS ?= --repeat 1
