@@ -332,6 +332,7 @@ def test_the_graph_loop_diff_says_drift_was_not_measured(run_kvtrace):
     for fmt in ("table", "markdown"):
         code, out, err = run_kvtrace("diff", *pair, "--format", fmt)
         assert code == 0 and message in " ".join(out.split())
+    assert "or whose interval reaches the assumed drift band (no kernel the KV format cannot affect was paired" in out
 
 
 def test_repeats_without_controls_keep_the_bands_of_the_repeats(run_kvtrace):
