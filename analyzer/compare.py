@@ -264,13 +264,12 @@ def diff_sides(sides: Sides, *, labels: tuple[str | None, str | None] = (None, N
     per_call = comparison.strata_totals[0] / np.diff(comparison.paired.offsets)
     for row, spec, estimate, row_groups in zip(rows, specs, estimates, builder.row_groups):
         unpaired_delta = row.total_delta_ns - row.paired_delta_ns
-        band = bands.of(per_call[spec.members], comparison.strata_totals[0][spec.members],
-                        uncontrolled[spec.members]) if bands else 0.0
+        band = bands.of(per_call[spec.members], comparison.strata_totals[0][spec.members], uncontrolled[spec.members])
         # A control row pools cells whose sure moves set the bands; pooled, its interval is narrower than theirs,
         # yet it is the drift itself, never a KV effect. Not so for the outlier family's rows, nor for rows that
         # pool families (family None) while an outlier exists: they may hold it, and it has a finding of its own.
-        holds_outlier = bands is not None and bands.outlier is not None and row.family in (bands.outlier, None)
-        if bands and estimate is not None and row.kv_independent and not holds_outlier:
+        holds_outlier = bands.outlier is not None and row.family in (bands.outlier, None)
+        if estimate is not None and row.kv_independent and not holds_outlier:
             band = max(band, drift_band.sure_move(estimate.low, estimate.high))
         row.verdict, row.paired_verdict = stats.row_verdict(estimate, threshold=threshold, drift=band,
                                                             paired_delta=row.paired_delta_ns,
@@ -296,8 +295,7 @@ def diff_sides(sides: Sides, *, labels: tuple[str | None, str | None] = (None, N
     findings = comparability(base_arm, cand_arm) + window_findings(window, families, builder.realigned,
                                                                   builder.relaunched)
     findings += arm_findings(list(zip(base_runs, cand_runs)), sides.candidate_window) + findings_of_runs
-    if drift is not None:
-        findings += drift_findings(drift, threshold)
+    findings += drift_findings(drift, threshold)
     return Diff(baseline=base_arm, candidate=cand_arm, recipes=tuple(recipes.files), threshold=threshold,
                 confidence=confidence, findings=findings, segments=segments, families=families, phases=phases,
                 phase_totals=phase_totals, drift=drift, runs=len(base_runs),
@@ -480,7 +478,7 @@ class _RowBuilder:
 
 
 def _phase_totals(comparison: _Comparison, base_arm: Arm, cand_arm: Arm, *, threshold: float,
-                  bands: drift_band.Bands | None, confidence: float, seed: int) -> list[DiffRow]:
+                  bands: drift_band.Bands, confidence: float, seed: int) -> list[DiffRow]:
     """Per phase, every kernel together: the units of its work (pairing._units) pair unit for unit per range
     name (the last N, as kernel cells pair). The unit, not the kernel, is compared, since the arms may do
     the same work with different kernels (FP8's append is a cast plus a copy, NVFP4's one fused kernel)."""
@@ -522,7 +520,7 @@ def _phase_totals(comparison: _Comparison, base_arm: Arm, cand_arm: Arm, *, thre
                           ["total_ns"].sum()) for r in comparison.runs) for side in (0, 1)]
         paired_delta = int(values[1].sum()) - int(values[0].sum())
         base_ns = np.array([paired.baseline[offsets[i]:offsets[i + 1]].sum() for i in chosen.tolist()])
-        band = bands.of(means[0], base_ns) if bands else 0.0
+        band = bands.of(means[0], base_ns)
         verdict, paired_verdict = stats.row_verdict(estimate, threshold=threshold, drift=band,
                                                     paired_delta=paired_delta,
                                                     unpaired_delta=totals[1] - totals[0] - paired_delta)
@@ -545,11 +543,11 @@ def _phase_totals(comparison: _Comparison, base_arm: Arm, cand_arm: Arm, *, thre
 
 def _drift(rows: list[DiffRow], pooled: stats.Estimate | None, controls: pl.DataFrame, cells: pl.DataFrame,
            estimates: list[stats.Estimate | None], comparison: _Comparison, threshold: float,
-           uncontrolled_paired: bool) -> tuple[Drift | None, drift_band.Bands | None]:
+           uncontrolled_paired: bool) -> tuple[Drift, drift_band.Bands]:
     """Drift from the kernels the KV format cannot affect, and the band of each size class from their cells (and
-    of `other` cells, when some paired); (None, None) when the traces have no such kernels paired."""
-    if pooled is None:
-        return None, None
+    of `other` cells, when some paired). With none of them paired no class is measured: every class gets what
+    drift_bands gives a class below every measured one (ASSUMED with one run per arm, REPEATS with several), and
+    the drift's ratio is None."""
     vocabulary = comparison.vocabulary
     labels = {r.family: r.family_label for r in rows if r.family is not None}
     totals, sizes = comparison.strata_totals[0], np.diff(comparison.paired.offsets)
@@ -569,7 +567,8 @@ def _drift(rows: list[DiffRow], pooled: stats.Estimate | None, controls: pl.Data
     widest = max(measured, key=lambda b: b.band, default=None)
     segments = tuple(sorted({vocabulary.segments[s] for s in controls["segment"].unique().to_list()},
                             key=segment_order))
-    drift = Drift(ratio=pooled.ratio, ci_low=pooled.low, ci_high=pooled.high,
+    ratio, low, high = (pooled.ratio, pooled.low, pooled.high) if pooled else (None, None, None)
+    drift = Drift(ratio=ratio, ci_low=low, ci_high=high,
                   compared_calls=int(controls["pairs"].sum()), segments=segments,
                   band=widest.band if widest else 0.0, widest=widest.widest if widest and widest.band else None,
                   bands=size_bands, outlier=labels.get(bands.outlier, bands.outlier), outlier_move=bands.outlier_move,

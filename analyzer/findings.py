@@ -18,10 +18,21 @@ if TYPE_CHECKING:
 
 def drift_findings(drift: Drift, threshold: float) -> list[Finding]:
     """The drift line (how far the controls moved, and the band that applies to each size of call), and a
-    finding of its own for a KV-independent family left out of the bands."""
+    finding of its own for a KV-independent family left out of the bands. Without controls it says that drift
+    was not measured: with one run per arm every size of call has the assumed band."""
     def signed(value: float) -> str:
         return f"{100 * (value - 1):+.1f}%".replace("-", "−")
 
+    if drift.ratio is None:
+        if any(size.basis == drift_band.ASSUMED for size in drift.bands):
+            band = max(threshold, *(size.band for size in drift.bands))
+            return [Finding("warning", "drift", "no KV-independent kernel (GEMM, norm, activation) was paired, so "
+                            "run-to-run drift cannot be measured from one run per arm: changes within "
+                            f"±{100 * band:.1f}% are not attributed to the KV format, whatever their call size "
+                            "(assumed; --repeat measures it)")]
+        return [Finding("ok", "drift", "no KV-independent kernel (GEMM, norm, activation) was paired: the intervals "
+                        "carry the spread between the run pairs (--repeat), so no size of call gets a band beyond "
+                        f"the ±{100 * threshold:g}% threshold")]
     moved = signed(drift.ratio)
     if drift.ci_low is not None:
         moved += f" [{signed(drift.ci_low)}, {signed(drift.ci_high)}]"

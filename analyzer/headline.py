@@ -41,7 +41,7 @@ class Headline:
     candidate: str
     confidence: float
     rows: list[HeadRow]
-    drift: str | None  # the drift finding's words, when KV-independent kernels were paired
+    drift: str | None  # the drift finding's words (what the controls measured, or that none was paired)
     # (name, value) of the GPU, driver, CUDA, Nsight Systems, kvtrace and, from a run directory's manifest,
     # the engine's packages and flags; no hostnames, UUIDs, user names or absolute paths.
     environment: list[tuple[str, str]] = field(default_factory=list)

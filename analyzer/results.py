@@ -139,7 +139,7 @@ class DiffRow:
 class Drift:
     """How far the kernels the KV format cannot affect moved between the arms' runs."""
 
-    ratio: float | None  # all their call pairs together
+    ratio: float | None  # all their call pairs together; None when none paired (every band then assumed or 0)
     ci_low: float | None
     ci_high: float | None
     compared_calls: int

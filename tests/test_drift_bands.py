@@ -1,6 +1,7 @@
 """No false verdicts on small kernels (issue 21): the size-aware drift band on every same-format pair of real
 runs (FlashInfer and vLLM 0.33, whose `other` kernels are held to the assumed band), changes planted in a ~1 µs
-kernel of a real run and in the vLLM pair, the repeats path, and the interval's coverage there.
+kernel of a real run and in the vLLM pair, the repeats path, and the interval's coverage there; traces that pair
+no KV-independent kernel at all (the graph loop, FlashInfer's decode ranges), held to the assumed band.
 
 A 1 µs elementwise kernel moves by tens of nanoseconds between runs (3-12% of its time); the interval, which
 resamples calls inside one run, cannot see that. The FlashInfer traces pair no KV-independent kernel under
@@ -9,14 +10,15 @@ resamples calls inside one run, cannot see that. The FlashInfer traces pair no K
 
 from __future__ import annotations
 
+import json
 import sqlite3
 from dataclasses import replace
 
 import numpy as np
 import pytest
 
-from conftest import NSYS2025_DIR, REPEAT, REPEATS2, VLLM033_RUNS
-from kvtrace.analyzer import compare, drift_band, pairing, stats
+from conftest import GRAPH_LOOP, NSYS2025_DIR, REPEAT, REPEATS2, VLLM033_RUNS
+from kvtrace.analyzer import align, compare, drift_band, pairing, stats
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.load import open_trace
 from test_intervals import draw, repeat_pairs
@@ -237,3 +239,117 @@ def test_a_change_planted_in_a_vllm_same_format_pair_is_found(recipes, monkeypat
         return {key: r.verdict for r in every_row(diff) if (key := (r.segment, r.phase, r.family)) not in holding}
 
     assert verdicts(result) == verdicts(alone)
+
+
+# ---- traces without controls -------------------------------------------------------------------------------
+# A trace kvtrace did not record often pairs no KV-independent kernel: bench/graph_loop.py's CUDA graph of
+# elementwise kernels (GRAPH_LOOP), or a FlashInfer run windowed to its decode ranges (its one control, the
+# GEMM, runs in ranges of its own). With one run per arm nothing then measures run-to-run drift.
+DECODE = align.Window(nvtx="kvtrace:decode")
+# The same work recorded twice, windowed to decode: NVFP4 on two days (its 32k decode attention moved 13.7%),
+# and FP8's consecutive runs r1 and r2 of one capture.
+# With each pair, the levels at which some row's interval lies beyond the threshold: the threshold alone calls them.
+ROW_LEVELS = ("segments", "phases", "families", "phase_totals")
+UNCONTROLLED_SAME_FORMAT = [(NSYS2025_DIR / "nvfp4.sqlite", REPEATS2 / "nvfp4.r1.sqlite", set(ROW_LEVELS)),
+                            (REPEATS2 / "fp8.r1.sqlite", REPEATS2 / "fp8.r2.sqlite", {"phases"})]
+NO_DRIFT_MEASURED = "run-to-run drift cannot be measured from one run per arm"
+
+
+def assert_every_band_assumed(result: compare.Diff):
+    assert result.drift.ratio is None and result.drift.compared_calls == 0
+    assert [(b.basis, b.band) for b in result.drift.bands] == \
+        [(drift_band.ASSUMED, drift_band.ASSUMED_BAND)] * (len(drift_band.SIZE_CLASSES_NS) + 1)
+    (finding,) = [f for f in result.findings if f.check == "drift"]
+    assert finding.level == "warning" and NO_DRIFT_MEASURED in finding.message
+    assert f"changes within ±{100 * drift_band.ASSUMED_BAND:.1f}% are not attributed to the KV format" \
+        in finding.message
+
+
+@pytest.mark.parametrize("baseline,candidate,beyond_threshold", UNCONTROLLED_SAME_FORMAT,
+                         ids=[f"{b.parent.name}/{b.stem}-{c.parent.name}/{c.stem}"
+                              for b, c, _ in UNCONTROLLED_SAME_FORMAT])
+def test_a_same_format_pair_without_controls_gets_no_verdict(recipes, baseline, candidate, beyond_threshold):
+    """The same work recorded twice, with no control in the window: every row, at every level, is held to the
+    assumed band, and none is a change. The threshold alone called rows whose intervals lie beyond it (NVFP4's
+    decode attention across days at every level, FP8's 1 µs `other` kernels of the 8k decode range)."""
+    result = compare.diff(open_trace(baseline), open_trace(candidate), recipes, window=DECODE)
+    assert_every_band_assumed(result)
+    assert not [(r.segment, r.phase, r.family_label, r.ratio) for r in every_row(result) if r.verdict in CHANGES]
+    beyond = {level for level in ROW_LEVELS for r in getattr(result, level) if r.ci_low is not None and
+              (r.ci_low > 1 + result.threshold or r.ci_high < 1 - result.threshold)}
+    assert beyond_threshold <= beyond
+
+
+def test_a_window_with_its_control_keeps_the_measured_band(recipes):
+    """The NVFP4 pair of two days over whole traces pairs the GEMM control: its measured band (under the threshold)
+    still applies to large calls, so the 32k decode attention's move is a regression there, as docs/statistics.md's
+    limits say (compare runs recorded together); windowed away from the control it is held to the assumed band."""
+    traces = [open_trace(path) for path in UNCONTROLLED_SAME_FORMAT[0][:2]]
+    results = [compare.diff(*traces, recipes), compare.diff(*traces, recipes, window=DECODE)]
+    rows = [next(r for r in result.phases if r.phase == "kvtrace:decode ctx=32768 batch=8"
+                 and r.segment == "decode_attention") for result in results]
+    assert rows[0].ratio == pytest.approx(rows[1].ratio)
+    assert 1 + results[0].threshold < rows[0].ci_low and rows[0].ci_high < 1 + drift_band.ASSUMED_BAND
+    assert results[0].drift.ratio is not None and results[0].drift.segments == ("gemm",)
+    assert rows[0].verdict == stats.REGRESSION and rows[1].verdict == stats.NO_CHANGE
+    assert not any(NO_DRIFT_MEASURED in f.message for f in results[0].findings)
+
+
+GRAPH_ADD = "CUDAFunctorOnSelf_add"  # half the loop's 2,000 calls, ~1 µs each, 1.004x between a and b
+
+
+@pytest.mark.parametrize("factor,expected", [(1 + drift_band.ASSUMED_BAND / 2, stats.NO_CHANGE),
+                                             (1 + 2 * drift_band.ASSUMED_BAND, stats.REGRESSION),
+                                             (1 - 1.5 * drift_band.ASSUMED_BAND, stats.IMPROVEMENT)])
+def test_a_change_planted_in_the_graph_loop_is_judged_in_the_assumed_band(recipes, monkeypatch, factor, expected):
+    """The graph-loop pair (no KV-independent kernel at all) with the add kernel of b scaled: a change within the
+    assumed band is not called, though its interval lies far beyond the threshold; one beyond the band is."""
+    base, cand = open_trace(GRAPH_LOOP / "a-2000.sqlite"), open_trace(GRAPH_LOOP / "b-2000.sqlite")
+    alone = compare.diff(base, cand, recipes)
+    assert_every_band_assumed(alone)
+    family = next(r.family for r in alone.families if r.family_label == GRAPH_ADD)
+    ranges = {r.phase for r in alone.phases}
+    assert len(ranges) == 1
+    planted(monkeypatch, factor, (drift_band.UNCONTROLLED_SEGMENT, ranges.pop()), family)
+    result = compare.diff(base, cand, recipes)
+    row = next(r for r in result.families if r.family == family)
+    assert row.ratio == pytest.approx(factor * next(r for r in alone.families if r.family == family).ratio)
+    assert row.ci_low > 1 + result.threshold or row.ci_high < 1 - result.threshold
+    assert row.verdict == expected
+
+
+def test_the_graph_loop_diff_says_drift_was_not_measured(run_kvtrace):
+    """kvtrace diff on the graph-loop pair: one line says that drift was not measured, in the terminal, markdown and
+    JSON, whose drift block gives every size class the assumed band."""
+    pair = GRAPH_LOOP / "a-2000.sqlite", GRAPH_LOOP / "b-2000.sqlite"
+    code, out, err = run_kvtrace("diff", *pair, "--format", "json")
+    assert code == 0 and err == ""
+    data = json.loads(out)
+    (message,) = [f["message"] for f in data["findings"] if f["check"] == "drift"]
+    assert NO_DRIFT_MEASURED in message and data["headline"]["drift"] == message
+    assert data["drift"]["ratio"] is None and data["drift"]["compared_calls"] == 0
+    assert {(b["basis"], b["band"]) for b in data["drift"]["bands"]} == {(drift_band.ASSUMED, drift_band.ASSUMED_BAND)}
+    for fmt in ("table", "markdown"):
+        code, out, err = run_kvtrace("diff", *pair, "--format", fmt)
+        assert code == 0 and message in " ".join(out.split())
+    assert "or whose interval reaches the assumed drift band (no kernel the KV format cannot affect was paired" in out
+
+
+def test_repeats_without_controls_keep_the_bands_of_the_repeats(run_kvtrace):
+    """Two real run pairs windowed to decode (no control): the intervals carry the between-run spread, so every
+    class is "from the repeats" (band 0), the drift finding is no warning, and every row's interval holds both run
+    pairs' own ratios. The CLI refuses one pair given twice (each run must be a recording of its own)."""
+    runs = [REPEATS2 / f"{arm}.r{k}.sqlite" for k in (1, 2) for arm in ("fp8", "nvfp4")]
+    code, out, err = run_kvtrace("diff", *runs[:2], "--repeat", *runs[2:], "--window", DECODE.nvtx, "--format", "json")
+    assert code == 0 and err == ""
+    data = json.loads(out)
+    assert data["runs"] == 2 and data["drift"]["ratio"] is None
+    assert {(b["basis"], b["band"]) for b in data["drift"]["bands"]} == {(drift_band.REPEATS, 0.0)}
+    assert data["drift"]["uncontrolled_band"] == 0.0
+    (finding,) = [f for f in data["findings"] if f["check"] == "drift"]
+    assert finding["level"] == "ok" and NO_DRIFT_MEASURED not in finding["message"]
+    rows = [r for level in ROW_LEVELS for r in data[level]
+            if r["ci_low"] is not None]
+    assert rows and all(r["ci_low"] <= min(r["run_ratios"]) and max(r["run_ratios"]) <= r["ci_high"] for r in rows)
+    code, _, err = run_kvtrace("diff", *runs[:2], "--repeat", *runs[:2])
+    assert code == 2 and "same file" in err

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from kvtrace.analyzer import drift_band
 from kvtrace.analyzer.results import Arm, Diff, DiffRow, Summary
 from kvtrace.analyzer.kernels import KernelList
 from kvtrace.analyzer.headline import APPEND_PHASE, Headline
@@ -100,6 +101,17 @@ def diff(diff: Diff) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _reaches(diff: Diff) -> str:
+    """What an interval must not reach for a verdict: the drift band, measured or assumed, or 1."""
+    if diff.drift and diff.drift.ratio is not None:
+        return ("reaches the drift band of its calls' size (how far kernels the KV format cannot affect surely moved "
+                "between the runs; the drift finding gives each band)")
+    if diff.drift and any(size.basis == drift_band.ASSUMED for size in diff.drift.bands):
+        return ("reaches the assumed drift band (no kernel the KV format cannot affect was paired to measure it; the "
+                "drift finding gives it)")
+    return "includes 1"
+
+
 def body(diff: Diff, level: int) -> list[str]:
     """Everything after the head: how rows are compared, comparability, every table, each trace, kernel names;
     `level` is the heading level of its sections."""
@@ -112,9 +124,7 @@ def body(diff: Diff, level: int) -> list[str]:
     lines = [f"Baseline **{labels[0]}**, candidate **{labels[1]}**. Ratio = candidate / baseline GPU time summed over "
              f"the calls both arms ran, paired call for call per kernel family, launch shape and NVTX range{runs}; "
              f"{confidence} bootstrap interval that resamples the pairs inside each such cell (docs/statistics.md). "
-             f"A ratio within ±{100 * diff.threshold:g}% of 1, or whose interval "
-             + ("reaches the drift band of its calls' size (how far kernels the KV format cannot affect surely moved "
-                "between the runs; the drift finding gives each band)" if diff.drift else "includes 1")
+             f"A ratio within ±{100 * diff.threshold:g}% of 1, or whose interval " + _reaches(diff)
              + ", is \"no significant change\". \"time\" is per call where a row's cells cost the same per "
              "call, else the row's total. Rows whose arms did different work say \"not comparable\" or "
              "\"different work\" instead of a verdict.", "",
