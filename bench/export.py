@@ -20,6 +20,7 @@ Arrow and Parquet output does not). Prints markdown for docs/performance.md.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import shutil
 import sqlite3
@@ -87,20 +88,24 @@ def fresh(report: Path, work: Path, label: str) -> Path:
     return copy
 
 
-def together(commands: list[list[str]]) -> Measured:
-    """Commands started at once; wall time until the last ends, CPU time of all, the largest peak RSS."""
+def together(commands: list[list[str]]) -> tuple[Measured, list[Measured]]:
+    """Commands started at once: wall time until the last ends, CPU time of all and the largest peak RSS; and
+    each command's own wall time, CPU time and peak RSS within that run, in the order given."""
     load, start = os.getloadavg()[0], time.perf_counter()
-    children = {subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=OUT).pid: c
-                for c in commands}
-    cpu = rss = 0.0
+    children = {subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=OUT).pid: i
+                for i, c in enumerate(commands)}
+    each: dict[int, Measured] = {}
     while children:
         pid, status, usage = os.wait4(-1, 0)
-        command = children.pop(pid, None)
-        if command is not None and os.waitstatus_to_exitcode(status) != 0:
-            raise SystemExit(f"{' '.join(command)} failed ({os.waitstatus_to_exitcode(status)})")
-        cpu += usage.ru_utime + usage.ru_stime
-        rss = max(rss, usage.ru_maxrss / 1024)
-    return Measured(time.perf_counter() - start, cpu, rss, load)
+        index = children.pop(pid, None)
+        if index is None:
+            continue
+        if os.waitstatus_to_exitcode(status) != 0:
+            raise SystemExit(f"{' '.join(commands[index])} failed ({os.waitstatus_to_exitcode(status)})")
+        each[index] = Measured(time.perf_counter() - start, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024,
+                               load)
+    alone = [each[i] for i in range(len(commands))]
+    return Measured(max(m.wall for m in alone), sum(m.cpu for m in alone), max(m.rss for m in alone), load), alone
 
 
 def inner(command: list[str]) -> Measured:
@@ -118,6 +123,7 @@ def best(runs: list[Measured]) -> Measured:
     return min(runs, key=lambda m: m.wall)
 
 
+@functools.cache
 def sql_totals(path: Path) -> dict[str, tuple[int, int]]:
     with closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as conn:
         return {name: (calls, total) for name, calls, total in conn.execute(TOTALS_SQL)}
@@ -155,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--exports", nargs="+", choices=sorted(EXPORTS), default=sorted(EXPORTS),
                         help=f"export paths to time ({FULL} always runs), to split a large pair over several calls")
     parser.add_argument("--no-diff", action="store_true", help="skip nsys stats and the whole kvtrace diff")
+    parser.add_argument("--pair-only", action="store_true",
+                        help="export the pair at once only, not each report alone (halves a 10M pair's time)")
     args = parser.parse_args(argv)
     nsys = args.nsys or find_nsys()
     if not nsys:
@@ -168,10 +176,11 @@ def main(argv: list[str] | None = None) -> int:
         rows: list[tuple[str, list[Measured], Measured | None, str]] = []
 
         def timed(label: str, per_report, at_once: bool, note=lambda outputs: "", run=measure):
-            """per_report(report, copy) -> (command, output); each report alone, then the pair. Only the last
-            output of each report is kept (for the reads), so that a 10M-kernel pair fits the disk."""
+            """per_report(report, copy) -> (command, output); each report alone, then the pair (with --pair-only,
+            the pair alone: each report's cell is its own time within the pair's run). Only the last output of
+            each report is kept (for the reads), so that a 10M-kernel pair fits the disk."""
             singles, outputs = [], []
-            for report in reports:
+            for report in [] if at_once and args.pair_only else reports:
                 runs, kept = [], None
                 for _ in range(args.repeat):
                     if kept is not None:
@@ -187,13 +196,21 @@ def main(argv: list[str] | None = None) -> int:
                 outputs.append(output)
             pair = None
             if at_once:
-                runs = []
+                runs, kept = [], []
                 for _ in range(args.repeat):
+                    for folder in kept:
+                        shutil.rmtree(folder)
                     copies = [fresh(r, work, "pair") for r in reports]
-                    runs.append(together([per_report(r, c)[0] for r, c in zip(reports, copies)]))
-                    for copy in copies:
-                        shutil.rmtree(copy.parent)
-                pair = best(runs)
+                    commands, pair_outputs = zip(*(per_report(r, c) for r, c in zip(reports, copies)))
+                    runs.append(together(list(commands)))
+                    kept = [c.parent for c in copies]
+                    if not args.pair_only:
+                        for folder in kept:
+                            shutil.rmtree(folder)
+                        kept = []
+                pair, each = min(runs, key=lambda measured: measured[0].wall)
+                if args.pair_only:  # the last run's outputs are read; the fastest run's times are reported
+                    singles, outputs = each, list(pair_outputs)
             rows.append((label, singles, pair, note(outputs)))
             print(f"  {label}: {', '.join(m.cell() for m in singles)}", file=sys.stderr, flush=True)
             return outputs
@@ -254,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         kernels = [sum(c for c, _ in sql_totals(f).values()) for f in full]
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print_tables(reports, nsys, kernels, rows, diffs, exact, capture, args.repeat, kvtrace_export(nsys))
+    print_tables(reports, nsys, kernels, rows, diffs, exact, capture, args.repeat, kvtrace_export(nsys), args.pair_only)
     return 0
 
 
@@ -264,7 +281,7 @@ def kvtrace_export(nsys: str) -> str:
     return "sqlite-tables" if kvtrace.nsys.parquet_known_inexact(kvtrace.nsys.nsys_version(nsys)) else "parquetdir"
 
 
-def print_tables(reports, nsys, kernels, rows, diffs, exact, capture, repeat, path) -> None:
+def print_tables(reports, nsys, kernels, rows, diffs, exact, capture, repeat, path, pair_only) -> None:
     print("\n".join(f"- {line}" for line in machine()))
     print(f"- {kvtrace.nsys.nsys_version(nsys)}; reports: "
           + ", ".join(f"{r.name} ({k:,} kernels, {r.stat().st_size / 2**20:.1f} MiB)" for r, k in zip(reports, kernels))
@@ -272,12 +289,15 @@ def print_tables(reports, nsys, kernels, rows, diffs, exact, capture, repeat, pa
     loads = [m.load for _, singles, pair, _ in rows for m in (*singles, *([pair] if pair else []))]
     loads += [m.load for m in diffs.values()]
     print(f"- 1-minute load average at the start of the kept runs: {min(loads):.1f} to {max(loads):.1f}\n")
+    if pair_only:
+        print("Exports ran with the pair at once only (--pair-only): each report's cell of an export row is its "
+              "own time within that run, and the pair one after the other was not run.\n")
     names = [r.name for r in reports]
     print(f"| step | {names[0]} | {names[1]} | pair, one after the other | pair, both at once | output |")
     print("|---|---|---|---|---|---|")
     for label, singles, pair, note in rows:
-        after = singles[0] + singles[1]
-        print(f"| {label} | {singles[0].cell()} | {singles[1].cell()} | {after.cell()} "
+        after = "n/a" if pair_only and pair is not None else (singles[0] + singles[1]).cell()
+        print(f"| {label} | {singles[0].cell()} | {singles[1].cell()} | {after} "
               f"| {'n/a' if pair is None else pair.cell()} | {note} |")
     for run, measured in diffs.items():
         print(f"| whole `kvtrace diff {names[0]} {names[1]}`, {run} run"
