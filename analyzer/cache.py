@@ -218,9 +218,10 @@ def export_report(report: Path, *, nsys: str | None = None, tables: tuple[str, .
                   step: Callable[[str], None] | None = None,
                   note: Callable[[Path, str], None] | None = None) -> Path:
     """Export an .nsys-rep in kvtrace's cache (never beside the user's file): with `tables` (all kvtrace reads),
-    to a Parquet folder of only those, the fastest exact export (docs/performance.md); to SQLite where this
-    nsys cannot give that (one line on standard error says why), of only `tables`, or of every table where it
-    cannot export only those. `step` hears what runs, `note` the report and that line (standard error without
+    to a Parquet folder of only those, the fastest exact export below PARQUET_MAX_REPORT_BYTES
+    (docs/performance.md); to SQLite for a larger report, or where this nsys cannot give an exact Parquet
+    export (one line on standard error says why), of only `tables`, or of every table where it cannot export
+    only those. `step` hears what runs, `note` the report and that line (standard error without
     it).
 
     A sibling `<report>.sqlite` newer than the report is used as is, as 2023.4.4's `nsys recipe` does
@@ -248,12 +249,15 @@ def export_report(report: Path, *, nsys: str | None = None, tables: tuple[str, .
         return parquet
     if target.is_file() and not target.is_symlink():
         return target
+    # A large report goes to SQLite by choice, not for want of Parquet: no note.
+    large = status.st_size >= kvtrace.nsys.PARQUET_MAX_REPORT_BYTES
     try:
-        why = _export_parquet(nsys_path, report, parquet, tables, step) if tables else None
-        if why is None and tables:
+        why = _export_parquet(nsys_path, report, parquet, tables, step) if tables and not large else None
+        if why is None and tables and not large:
             return parquet
         if step is not None:
-            step(f"exporting {report.name} (nsys export{', the tables kvtrace reads' if tables else ''})")
+            step(f"exporting {report.name} (nsys export{', the tables kvtrace reads' if tables else ''}"
+                 f"{'; SQLite, faster than Parquet for a report this large' if large else ''})")
         try:
             kvtrace.nsys.export_sqlite(nsys_path, report, target, tables=tables)
         except kvtrace.nsys.ExportFailed as failed:

@@ -10,7 +10,8 @@
 # Steps: record (the eager 10M pair, both reports at once, about 6 minutes); measure (the first, repeat and
 # no-cache diffs, nsys stats and the Parquet export, about 6 minutes); paths (bench/export.py's five export paths
 # with the pair at once, their reads and the exactness check, about 10 minutes); verify (a first `kvtrace diff
-# --verify` of the pair). Carry .gpu/nsys-env.sh, .gpu/nsys-libs and .gpu/analyzer-deps (bench/h200-deps.sh
+# --verify` of the pair, about 7 minutes); eager_sizes (eager pairs of 1M and 2M kernels, SQLite --tables against
+# Parquet with the pair at once, about 4 minutes). Carry .gpu/nsys-env.sh, .gpu/nsys-libs and .gpu/analyzer-deps (bench/h200-deps.sh
 # download). `start` lays kvtrace out in /tmp/kv from the call's tree, as `make bench-export-h200` does; each
 # wait copies the step logs into $OUT.
 set -uo pipefail
@@ -59,6 +60,14 @@ measure() {
 paths() {
   python3 bench/export.py --repeat 1 --pair-only --no-diff $reports/a-10000000.nsys-rep $reports/b-10000000.nsys-rep
 }
+eager_sizes() {  # where Parquet stops being the faster export: eager pairs of 1M and 2M kernels
+  local n
+  for n in 1000000 2000000; do
+    python3 bench/graph_loop.py --record /tmp/eager --kernels $n --eager --at-once || return
+    python3 bench/export.py --repeat 1 --pair-only --no-diff --exports sqlite-tables parquetdir \
+      /tmp/eager/a-$n.nsys-rep /tmp/eager/b-$n.nsys-rep || return
+  done
+}
 verify() {
   local work=/tmp/export-10m-verify
   rm -rf $work && mkdir -p $work/diff && cd $work
@@ -94,5 +103,5 @@ wait)
   for log in $logs/*.log; do echo "== $log"; tail -n 40 "$log"; done
   [ -n "${OUT:-}" ] && tar -C $logs -czf "$OUT/export-10m-logs.tar.gz" .
   ;;
-*) echo "usage: $0 start STEP... | wait   (steps: record measure paths verify)" >&2; exit 2 ;;
+*) echo "usage: $0 start STEP... | wait   (steps: record measure paths verify eager_sizes)" >&2; exit 2 ;;
 esac

@@ -41,10 +41,12 @@ from kvtrace.analyzer.load import EXPORT_TABLES  # noqa: E402
 # key -> (label, export type, only the tables kvtrace reads, further options, output name for report stem S)
 EXPORTS = {
     "sqlite-all": ("sqlite, every table (before issue 24)", "sqlite", False, [], "{}.sqlite"),
-    "sqlite-tables": ("sqlite, --tables (kvtrace's fallback)", "sqlite", True, [], "{}.sqlite"),
+    "sqlite-tables": ("sqlite, --tables (kvtrace: a large report, or no exact Parquet)", "sqlite", True, [],
+                      "{}.sqlite"),
     "sqlite-tables-eager": ("sqlite, --tables --lazy=false", "sqlite", True, ["--lazy=false"], "{}.sqlite"),
     "arrowdir": ("arrowdir, --tables", "arrowdir", True, [], "{}_arwdir"),
-    "parquetdir": ("parquetdir, --tables (kvtrace, where exact)", "parquetdir", True, [], "{}_pqtdir"),
+    "parquetdir": (f"parquetdir, --tables (kvtrace: under {kvtrace.nsys.PARQUET_MAX_REPORT_BYTES >> 20} MiB, "
+                   "where exact)", "parquetdir", True, [], "{}_pqtdir"),
 }
 FULL = "sqlite-all"  # always run: the exactness check and the kernel counts read it
 # What kvtrace reads of each table (analyzer/parquet_tables.py), for the polars read of Arrow and Parquet exports.
@@ -148,6 +150,15 @@ def polars_totals(folder: Path, suffix: str) -> dict[str, tuple[int, int]]:
     return {row["value"]: (row["len"], row["d"]) for row in grouped.to_dicts()}
 
 
+def totals(output: Path, suffix: str) -> dict[str, tuple[int, int]]:
+    return sql_totals(output) if suffix == "sqlite" else polars_totals(output, suffix)
+
+
+def holds_capture(output: Path, suffix: str) -> bool:
+    return "META_DATA_CAPTURE" in sql_tables(output) if suffix == "sqlite" else \
+        (output / f"META_DATA_CAPTURE.{suffix}").exists()
+
+
 def size_mib(path: Path) -> float:
     files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
     return sum(p.stat().st_size for p in files) / 2**20
@@ -226,7 +237,9 @@ def main(argv: list[str] | None = None) -> int:
             timed("nsys stats -r cuda_gpu_kern_sum (on the .nsys-rep)",
                   lambda report, copy: ([nsys, "stats", "-q", "-r", "cuda_gpu_kern_sum", "-f", "csv:noconv", "-o",
                                          "-", str(copy)], None), False)
-        exact, capture = {}, {}  # per path: totals equal to the full export's; META_DATA_CAPTURE exported
+        # Per path: totals equal to the full export's, META_DATA_CAPTURE exported. Checked once every command is
+        # timed: a child's peak RSS starts at this process's RSS when it forks, which polars' reads would raise.
+        checks = {}
         full = exported[EXPORTS[FULL][0]]
         for label, outputs in exported.items():
             if outputs[0].suffix == ".sqlite":
@@ -234,8 +247,7 @@ def main(argv: list[str] | None = None) -> int:
                       lambda report, copy, outputs=outputs: ([sys.executable, "-c", LOAD,
                                                               str(outputs[reports.index(report)]), "no-cache"], None),
                       False, run=inner)
-                exact[label] = all(sql_totals(o) == sql_totals(f) for o, f in zip(outputs, full))
-                capture[label] = all("META_DATA_CAPTURE" in sql_tables(o) for o in outputs)
+                checks[label] = outputs, "sqlite"
             else:
                 suffix = "parquet" if label.startswith("parquet") else "arrow"
                 if suffix == "parquet":
@@ -248,8 +260,7 @@ def main(argv: list[str] | None = None) -> int:
                       lambda report, copy, outputs=outputs, suffix=suffix: (
                           [sys.executable, "-c", POLARS_READ, str(outputs[reports.index(report)]), suffix], None),
                       False, run=inner)
-                exact[label] = all(polars_totals(o, suffix) == sql_totals(f) for o, f in zip(outputs, full))
-                capture[label] = all((o / f"META_DATA_CAPTURE.{suffix}").exists() for o in outputs)
+                checks[label] = outputs, suffix
         timed("Python start and kvtrace's imports", lambda report, copy: (
             [sys.executable, "-c", "import kvtrace.analyzer.cli, kvtrace.analyzer.load"], None), False)
         diffs = {}
@@ -268,17 +279,24 @@ def main(argv: list[str] | None = None) -> int:
                     measure([*python, "diff", "-q", *map(str, copies)], env)
                 measured.append(measure([*python, "diff", "-q", *map(str, copies)], env))
             diffs[run] = best(measured)
+        exact = {label: all(totals(o, suffix) == sql_totals(f) for o, f in zip(outputs, full))
+                 for label, (outputs, suffix) in checks.items()}
+        capture = {label: all(holds_capture(o, suffix) for o in outputs) for label, (outputs, suffix) in checks.items()}
         kernels = [sum(c for c, _ in sql_totals(f).values()) for f in full]
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print_tables(reports, nsys, kernels, rows, diffs, exact, capture, args.repeat, kvtrace_export(nsys), args.pair_only)
+    print_tables(reports, nsys, kernels, rows, diffs, exact, capture, args.repeat, kvtrace_export(nsys, reports),
+                 args.pair_only)
     return 0
 
 
-def kvtrace_export(nsys: str) -> str:
-    """Which EXPORTS path kvtrace's own export of an .nsys-rep takes with this nsys (analyzer.cache.export_report):
-    Parquet unless this version is known to lack a table there (one that fails the output check falls back too)."""
-    return "sqlite-tables" if kvtrace.nsys.parquet_known_inexact(kvtrace.nsys.nsys_version(nsys)) else "parquetdir"
+def kvtrace_export(nsys: str, reports: list[Path]) -> str:
+    """Which EXPORTS path kvtrace's own export of these .nsys-rep takes with this nsys (analyzer.cache.export_report):
+    Parquet unless this version is known to lack a table there or a report is at least PARQUET_MAX_REPORT_BYTES (one
+    that fails the output check falls back too)."""
+    large = any(r.stat().st_size >= kvtrace.nsys.PARQUET_MAX_REPORT_BYTES for r in reports)
+    return "sqlite-tables" if large or kvtrace.nsys.parquet_known_inexact(kvtrace.nsys.nsys_version(nsys)) \
+        else "parquetdir"
 
 
 def print_tables(reports, nsys, kernels, rows, diffs, exact, capture, repeat, path, pair_only) -> None:

@@ -180,6 +180,14 @@ PARQUET_LACKS_CAPTURE = ("2023.4.4",)
 PARQUET_REQUIRED = ("StringIds", "META_DATA_EXPORT", "META_DATA_CAPTURE")
 
 
+# Reports at least this large go to SQLite (--tables) even where Parquet is exact. Measured on the H200 with
+# 2025.3.1, pairs of eager-launch reports exported both at once (docs/performance.md): Parquet was faster at
+# 119 MiB (16.6 s against 22.3 s) and slower at 552 MiB (99.1 s against 81.0 s), where its exporter also peaked
+# at 2.9 GiB per report (5.4x the report) while SQLite's streams in 148 MiB. The bound is the geometric middle
+# of the two sizes; between them nothing was measured.
+PARQUET_MAX_REPORT_BYTES = 256 << 20
+
+
 def parquet_known_inexact(version: str) -> bool:
     """Whether this `nsys --version` line names a version whose Parquet output is known to lack a table."""
     found = re.search(r"(\d+\.\d+\.\d+)", version)

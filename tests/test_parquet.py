@@ -22,7 +22,9 @@ import pytest
 
 from conftest import GRAPH_LOOP, NSYS2023_DIR, NSYS2023_REPORTS, NSYS2025_DIR, PARQUET_2025, fingerprint
 from test_bad_input import assert_one_line_error
+import kvtrace.nsys
 from kvtrace.analyzer import load
+from kvtrace.analyzer.export_tables import EXPORT_TABLES
 from kvtrace.analyzer.load import open_trace
 
 # (Parquet folder, SQLite export of the same report), both by Nsight Systems 2025.3.
@@ -278,6 +280,27 @@ def test_a_report_goes_to_parquet_in_the_cache_where_nsys_gives_an_exact_one(nsy
     assert exported.suffix == ".parquetdir" and exported.is_dir()
     assert sorted(p.name for p in exported.iterdir()) == sorted(p.name for p in (PARQUET_2025 / "fp8").iterdir())
     code, expected, err = run_kvtrace("kernels", PARQUET_2025 / "fp8", "--format", "csv")
+    assert out == expected
+
+
+@pytest.mark.parametrize("over_the_bound", [False, True])
+def test_a_report_at_the_size_bound_goes_to_sqlite_without_a_note(over_the_bound, nsys, tmp_path, cache_dir,
+                                                                    run_kvtrace, monkeypatch):
+    """Even where Parquet is exact, a report of at least PARQUET_MAX_REPORT_BYTES is exported to SQLite (--tables):
+    kvtrace's choice, so no note; the answer is the SQLite export's. The bound is set to this report's size (or just
+    under it): the rule is the same at 256 MiB."""
+    report = tmp_path / "fp8.nsys-rep"
+    shutil.copyfile(NSYS2023_REPORTS / "fp8.nsys-rep", report)
+    monkeypatch.setattr(kvtrace.nsys, "PARQUET_MAX_REPORT_BYTES", report.stat().st_size - over_the_bound)
+    front = _stand_in(tmp_path, nsys, "2025.3.1.90-253135822126v0", PARQUET_2025 / "fp8")
+    code, out, err = run_kvtrace("kernels", report, "--format", "csv", env={"NSYS": str(front)})
+    assert code == 0 and err == "", err
+    (exported,) = (cache_dir / "exports").iterdir()
+    assert exported.suffix == ".sqlite" and exported.is_file()
+    with closing(sqlite3.connect(exported)) as conn:
+        exported_tables = {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    assert exported_tables <= {*EXPORT_TABLES, "StringIds"} and "CUPTI_ACTIVITY_KIND_KERNEL" in exported_tables
+    code, expected, err = run_kvtrace("kernels", NSYS2023_DIR / "fp8.sqlite", "--format", "csv")
     assert out == expected
 
 
