@@ -23,11 +23,13 @@ import io
 import shutil
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import polars as pl
 
+from kvtrace.analyzer import export_tables
 from kvtrace.analyzer.classify import RecipeSet
 from kvtrace.analyzer.results import Diff, Finding
 from kvtrace.analyzer.kernels import list_kernels
@@ -121,8 +123,17 @@ def attach(diff: Diff, traces: list[Trace], recipes: RecipeSet, nsys: str) -> No
 
 
 def verify(traces: list[Trace], recipes: RecipeSet, nsys: str) -> Verification:
-    inputs = [_check(trace, recipes, nsys) for trace in traces]
-    recipe, recipe_inputs = _recipe_checks(traces, nsys)
+    # Each nsys run is a whole export of its report (about 100 s at 10M kernels, docs/performance.md): all of
+    # them side by side, as many at once as this process has cores, as the exports themselves run.
+    broken = _recipe_broken(nsys)
+    reports = [None if broken else _report_of(Path(trace.info.source)) for trace in traces]
+    runs = len(traces) + sum(report is not None for report in reports)
+    with ThreadPoolExecutor(max_workers=max(1, min(runs, export_tables.workers()))) as pool:
+        checks = [pool.submit(_check, trace, recipes, nsys) for trace in traces]
+        recipe_runs = [None if report is None else pool.submit(_recipe_totals, nsys, report) for report in reports]
+        inputs = [check.result() for check in checks]
+        recipe_totals = [None if run is None else run.result() for run in recipe_runs]
+    recipe, recipe_inputs = _recipe_checks(traces, broken, reports, recipe_totals)
     return Verification(tool=nsys_version(nsys).removeprefix("NVIDIA ") or Path(nsys).name, recipe=recipe,
                         inputs=inputs, agrees=all(c.agrees for c in inputs + recipe_inputs),
                         recipe_inputs=recipe_inputs)
@@ -181,18 +192,19 @@ def _totals(rows: list[list[str]], header: list[str], name: str, count: str, tot
     return totals, None
 
 
-def _recipe_checks(traces: list[Trace], nsys: str) -> tuple[str, list[Checked]]:
-    """What became of `nsys recipe` in one line, and its check of each input's .nsys-rep that it read."""
-    broken = _recipe_broken(nsys)
+def _recipe_checks(traces: list[Trace], broken: str | None, reports: list[Path | None],
+                   recipe_totals: list[tuple[dict[str, tuple[int, int]], str | None] | None]
+                   ) -> tuple[str, list[Checked]]:
+    """What became of `nsys recipe` in one line, and its check of each input's .nsys-rep that it read (`reports`
+    and the recipe's totals on each, None where an input has no report beside it)."""
     if broken:
         return f"{RECIPE} {broken}; checked with nsys stats", []
     checked, no_report, failed = [], [], []
-    for trace in traces:
-        report = _report_of(Path(trace.info.source))
+    for trace, report, totals in zip(traces, reports, recipe_totals):
         if report is None:
             no_report.append(Path(trace.info.source).name)
             continue
-        theirs, problem = _recipe_totals(nsys, report)
+        theirs, problem = totals
         if problem:
             failed.append(f"{report.name} ({problem})")
         else:

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from conftest import FIXTURES, NSYS2023_DIR, NSYS2025_DIR, REPEATS2, fingerprint
-from kvtrace.analyzer import verify
+from kvtrace.analyzer import export_tables, verify
 
 PAIR = [NSYS2025_DIR / "fp8.sqlite", NSYS2025_DIR / "nvfp4.sqlite"]
 RECORDED_RECIPE = FIXTURES / "nsys-recipe-2025.3"  # nsys recipe's real output on PAIR's .nsys-rep files
@@ -64,9 +64,10 @@ def test_agreement_stated_in_markdown_and_terminal(nsys, run_kvtrace):
     assert "ok  nsys stats -r cuda_gpu_kern_sum" in out.split("everything else")[0]
 
 
-def _stand_in(tmp_path, shift_ns: int, drop: bool = False, recipe_outputs=None):
+def _stand_in(tmp_path, shift_ns: int, drop: bool = False, recipe_outputs=None, meet: int = 0):
     """An nsys whose `stats` prints the real kernels' table with the first kernel's total moved by shift_ns
-    (and the last kernel left out when `drop`). Its `recipe` fails as Debian's does; with `recipe_outputs`
+    (and the last kernel left out when `drop`); with `meet`, only once that many `stats` runs have started
+    (it prints nothing if they do not within 20 s, as when they run one after the other). Its `recipe` fails as Debian's does; with `recipe_outputs`
     (a folder of recorded outputs per report stem) it behaves as 2025.3.1 did: exports `<stem>_pqtdir` beside
     its --input, then writes the recorded files into --output. Each recipe call's arguments are logged."""
     script = tmp_path / "nsys"
@@ -94,6 +95,16 @@ log = open({str(tmp_path / "recipe-calls")!r}, "a")
     script.write_text(f"""#!{sys.executable}
 import sys, os, shutil
 TABLES = {table!r}
+MEET, MET = {meet}, {str(tmp_path / "stats-started")!r}
+if sys.argv[1] == "stats" and MEET:
+    import time
+    os.makedirs(MET, exist_ok=True)
+    open(os.path.join(MET, os.path.basename(sys.argv[-1])), "w").close()
+    deadline = time.monotonic() + 20
+    while len(os.listdir(MET)) < MEET and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if len(os.listdir(MET)) < MEET:
+        sys.exit(0)
 if sys.argv[1] == "--version":
     print("NVIDIA Nsight Systems version 0.0-stand-in")
 elif sys.argv[1] == "recipe":
@@ -103,6 +114,18 @@ else:
 """)
     script.chmod(script.stat().st_mode | stat.S_IXUSR)
     return script
+
+
+def test_nsys_runs_side_by_side(tmp_path, run_kvtrace, monkeypatch):
+    """Each input's nsys stats is a whole export of its report: the two run at once (the stand-in answers only
+    once both have started), as many at once as the process has cores (two here)."""
+    monkeypatch.setattr(export_tables, "workers", lambda: 2)
+    nsys = _stand_in(tmp_path, shift_ns=0, meet=2)
+    code, out, err = run_kvtrace("diff", *PAIR, "--verify", "--nsys", nsys, "--format", "json")
+    assert code == 0, err
+    checked = json.loads(out)["verification"]
+    assert checked["agrees"] is True, checked
+    assert sorted(p.name for p in (tmp_path / "stats-started").iterdir()) == sorted(p.name for p in PAIR)
 
 
 @pytest.mark.slow
@@ -234,7 +257,7 @@ def test_recipe_agrees_per_short_name_and_runs_away_from_the_input(tmp_path, run
     assert _listing(NSYS2025_DIR) == before
     runs = [ast.literal_eval(line) for line in (tmp_path / "recipe-calls").read_text().splitlines() if "--input" in line]
     given = [Path(args[args.index("--input") + 1]) for args in runs]
-    assert [p.name for p in given] == ["fp8.nsys-rep", "nvfp4.nsys-rep"]
+    assert sorted(p.name for p in given) == ["fp8.nsys-rep", "nvfp4.nsys-rep"]  # run side by side, in any order
     assert all(p.parent != NSYS2025_DIR and not p.parent.exists() for p in given)
     findings = [f["message"] for f in json.loads(out)["findings"] if f["check"] == "verify" and f["level"] == "ok"]
     assert any(m.startswith("nsys recipe cuda_gpu_kern_sum (Nsight Systems version 0.0-stand-in) agrees with "
