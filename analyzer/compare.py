@@ -271,6 +271,7 @@ def diff_sides(sides: Sides, *, labels: tuple[str | None, str | None] = (None, N
         holds_outlier = bands.outlier is not None and row.family in (bands.outlier, None)
         if estimate is not None and row.kv_independent and not holds_outlier:
             band = max(band, drift_band.sure_move(estimate.low, estimate.high))
+        row.band = band if estimate is not None else None
         row.verdict, row.paired_verdict = stats.row_verdict(estimate, threshold=threshold, drift=band,
                                                             paired_delta=row.paired_delta_ns,
                                                             unpaired_delta=unpaired_delta)
@@ -361,8 +362,9 @@ class _RowBuilder:
                       baseline_calls=window_calls[0], candidate_calls=window_calls[1], baseline_total_ns=window_ns[0],
                       candidate_total_ns=window_ns[1], compared_calls=self.comparison.pair_count(members),
                       cells=int(members.size), single_call_cells=estimate.single_call_strata if estimate else 0,
-                      same_work=per_call, ratio=None, ci_low=None, ci_high=None, verdict=stats.NOT_COMPARABLE,
-                      paired_verdict=None, note=None, reason=None, total_delta_ns=window_ns[1] - window_ns[0],
+                      same_work=per_call, ratio=None, ci_low=None, ci_high=None, band=None,
+                      verdict=stats.NOT_COMPARABLE, paired_verdict=None, note=None, reason=None,
+                      total_delta_ns=window_ns[1] - window_ns[0],
                       paired_delta_ns=paired_ns[1] - paired_ns[0], unpaired_share=None, abs_delta_share=None,
                       kv_independent=kv_independent, baseline_kv_dtypes=kv[0][0], candidate_kv_dtypes=kv[1][0],
                       baseline_names=kv[0][1], candidate_names=kv[1][1])
@@ -529,8 +531,8 @@ def _phase_totals(comparison: _Comparison, base_arm: Arm, cand_arm: Arm, *, thre
             segment=WHOLE_PHASE, baseline=arm_stats[0], candidate=arm_stats[1], baseline_calls=units[0],
             candidate_calls=units[1], baseline_total_ns=totals[0], candidate_total_ns=totals[1],
             compared_calls=int(values[0].size), cells=int(chosen.size), single_call_cells=estimate.single_call_strata,
-            same_work=per_call, ratio=estimate.ratio, ci_low=estimate.low, ci_high=estimate.high, verdict=verdict,
-            paired_verdict=paired_verdict,
+            same_work=per_call, ratio=estimate.ratio, ci_low=estimate.low, ci_high=estimate.high, band=band,
+            verdict=verdict, paired_verdict=paired_verdict,
             note="; ".join([UNIT_NOTE] + ([f"{left[0]:,} baseline and {left[1]:,} candidate units without a partner"]
                                           if any(left) else [])),
             reason=None, total_delta_ns=totals[1] - totals[0], paired_delta_ns=paired_delta,

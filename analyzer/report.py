@@ -56,6 +56,7 @@ class SegmentTime:
     ratio: float | None
     ci_low: float | None
     ci_high: float | None
+    band: float | None  # the row's no-change band (DiffRow.band)
     verdict: str
 
 
@@ -152,7 +153,7 @@ def segment_times(diff: Diff) -> list[SegmentTime]:
             baseline_ci_high=base and base.total_high_ns, baseline_mean_ns=base and base.mean_ns,
             candidate_total_ns=cand and cand.total_ns, candidate_ci_low=cand and cand.total_low_ns,
             candidate_ci_high=cand and cand.total_high_ns, candidate_mean_ns=cand and cand.mean_ns,
-            ratio=row.ratio, ci_low=row.ci_low, ci_high=row.ci_high, verdict=row.verdict))
+            ratio=row.ratio, ci_low=row.ci_low, ci_high=row.ci_high, band=row.band, verdict=row.verdict))
     return rows
 
 

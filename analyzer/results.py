@@ -116,6 +116,9 @@ class DiffRow:
     ratio: float | None  # Σ candidate / Σ baseline over the pairs
     ci_low: float | None
     ci_high: float | None
+    # The row's no-change band, the drift its verdict was given (None when not compared): a regression needs the
+    # interval above 1 + band and the ratio above 1 + threshold (stats.verdict); improvement mirrored.
+    band: float | None
     verdict: str
     paired_verdict: str | None  # the pairs' own verdict when the row is "different work"
     note: str | None  # how calls were paired when not one-to-one
@@ -185,11 +188,6 @@ class Diff:
     @property
     def total_ratio(self) -> float | None:
         return stats.ratio(self.baseline.total_ns, self.candidate.total_ns)
-
-    @property
-    def band(self) -> float:
-        """Half-width of the no-change band: the threshold, widened to the measured drift."""
-        return max(self.threshold, self.drift.band if self.drift else 0.0)
 
     def to_dict(self) -> dict:
         data = schema_first(asdict(self))

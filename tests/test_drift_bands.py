@@ -329,6 +329,11 @@ def test_the_graph_loop_diff_says_drift_was_not_measured(run_kvtrace):
     assert NO_DRIFT_MEASURED in message and data["headline"]["drift"] == message
     assert data["drift"]["ratio"] is None and data["drift"]["compared_calls"] == 0
     assert {(b["basis"], b["band"]) for b in data["drift"]["bands"]} == {(drift_band.ASSUMED, drift_band.ASSUMED_BAND)}
+    # Each row keeps the band its verdict used: every compared row the assumed band, none where nothing paired.
+    rows = [r for level in ROW_LEVELS for r in data[level]]
+    assert [r["band"] for r in rows if r["compared_calls"]] == \
+        pytest.approx([drift_band.ASSUMED_BAND] * sum(1 for r in rows if r["compared_calls"]))
+    assert [r for r in rows if r["compared_calls"]] and all(r["band"] is None for r in rows if not r["compared_calls"])
     for fmt in ("table", "markdown"):
         code, out, err = run_kvtrace("diff", *pair, "--format", fmt)
         assert code == 0 and message in " ".join(out.split())

@@ -3,10 +3,12 @@ Figure objects and in the SVG text, not in pixels); matplotlib stays out of `kvt
 
 from __future__ import annotations
 
+import io
 import json
 import sqlite3
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import matplotlib.image
 import numpy as np
@@ -15,7 +17,7 @@ from click.testing import CliRunner
 from matplotlib.container import BarContainer
 
 from conftest import FIXTURES, NSYS2025_DIR, VLLM_COLD_PREFILL, sql_durations
-from kvtrace.analyzer import report
+from kvtrace.analyzer import report, stats
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.render import plots
 from kvtrace.cli import cli
@@ -54,18 +56,64 @@ def test_segment_times_show_both_arms_with_intervals(fi):
     assert len(bar_containers) == 2 and all(c.errorbar is not None for c in bar_containers)  # whiskers: intervals
 
 
-def test_ratio_plot_has_the_no_change_band_and_every_compared_segment(fi):
+def shades(figure, gid: str) -> dict[int, tuple[float, float]]:
+    """The grey band behind each row of a ratio plot, by the row's position (gid `{gid}-{position}`)."""
+    return {int(name.rsplit("-", 1)[1]): (bar.get_x(), bar.get_x() + bar.get_width())
+            for name, bar in by_gid(figure, f"{gid}-").items()}
+
+
+def assert_each_row_has_its_own_band(shaded: dict, rows: dict, threshold: float) -> None:
+    """Every compared row is shaded 1 ± the larger of its own band and the threshold, and its verdict reads off that
+    picture as the table says: stats.verdict given the row's band gives the row's verdict (for `different work`, the
+    pairs' own), a `no significant change` row's interval touches its shade, a change has its ratio beyond the shade
+    and its whole interval beyond 1 ± band. The rows' shades differ, so one band for all could not pass."""
+    assert sorted(shaded) == sorted(rows)
+    for position, row in rows.items():
+        half = max(threshold, row.band)
+        assert shaded[position] == pytest.approx((1 - half, 1 + half)), row
+        verdict = row.paired_verdict or row.verdict
+        assert stats.verdict(SimpleNamespace(ratio=row.ratio, low=row.ci_low, high=row.ci_high), threshold=threshold,
+                             drift=row.band) == verdict, row
+        if verdict == stats.NO_CHANGE:
+            assert (row.ci_low or row.ratio) <= 1 + half and (row.ci_high or row.ratio) >= 1 - half, row
+        elif verdict == stats.REGRESSION:
+            assert row.ratio > 1 + half and row.ci_low > 1 + row.band, row
+        elif verdict == stats.IMPROVEMENT:
+            assert row.ratio < 1 - half and row.ci_high < 1 - row.band, row
+    assert len({max(threshold, r.band) for r in rows.values()}) > 1
+
+
+def test_ratio_plot_shades_each_segment_with_its_own_band(fi):
     figure = plots.segment_ratios_figure(fi)
     ax = figure.axes[0]
-    band = by_gid(figure, "no-change-band")["no-change-band"]
-    low, high = band.get_x(), band.get_x() + band.get_width()
-    assert (low, high) == pytest.approx((1 - fi.diff.band, 1 + fi.diff.band))
     compared = [r for r in fi.segment_times if r.ratio is not None]
+    segments = {r.segment: r for r in fi.diff.segments}
+    assert [r.band for r in compared] == [segments[r.segment].band for r in compared]  # the diff row's band
+    assert_each_row_has_its_own_band(shades(figure, "no-change-band"),
+                                     {p: segments[r.segment] for p, r in enumerate(compared)}, fi.diff.threshold)
     points = []
     for line in figure.findobj(lambda a: (a.get_gid() or "").startswith("ratios-")):
         points += list(zip(line.get_xdata(), line.get_ydata()))
     assert sorted(x for x, _ in points) == pytest.approx(sorted(r.ratio for r in compared))
-    assert "no-change band (±2%)" in ax.get_legend_handles_labels()[1]
+    assert ax.get_legend_handles_labels()[1].count(plots._BAND_LABEL) == 1
+    svg = io.StringIO()
+    figure.savefig(svg, format="svg")
+    assert all(f'id="no-change-band-{p}"' in svg.getvalue() for p in range(len(compared)))
+
+
+def test_forest_and_context_shade_each_workload_point_with_its_own_band(fi):
+    rows = [r for r in fi.diff.phases if r.segment in ("prefill_attention", "decode_attention", "kv_append")]
+    figure = plots.forest_figure(fi)
+    assert_each_row_has_its_own_band(shades(figure, "forest-band"), dict(enumerate(rows)), fi.diff.threshold)
+    assert plots._BAND_LABEL in figure.axes[0].get_legend_handles_labels()[1]
+    figure = plots.context_figure(fi)
+    for segment in ("prefill_attention", "decode_attention", "kv_append"):
+        points = sorted((int(r.phase.split("ctx=")[1].split()[0]), r) for r in rows if r.segment == segment)
+        drawn = by_gid(figure, f"context-band-{segment}")[f"context-band-{segment}"].get_segments()
+        halves = [max(fi.diff.threshold, r.band) for _, r in points]
+        assert [tuple(s[:, 0]) for s in drawn] == [(c, c) for c, _ in points]
+        assert np.allclose([s[:, 1] for s in drawn], [(1 - h, 1 + h) for h in halves])
+    assert any(label.startswith(plots._BAND_LABEL) for label in figure.axes[0].get_legend_handles_labels()[1])
 
 
 def test_ecdf_has_one_panel_per_cell_never_pooled(fi):
@@ -108,7 +156,7 @@ def test_forest_has_every_workload_point_with_its_interval_and_the_drift_control
 def test_ratio_against_context_per_phase(fi):
     figure = plots.context_figure(fi)
     contexts = json.loads((NSYS2025_DIR / "manifest.json").read_text())["settings"]["spec"]["contexts"]
-    lines = by_gid(figure, "context-")
+    lines = {gid: line for gid, line in by_gid(figure, "context-").items() if not gid.startswith("context-band-")}
     assert set(lines) == {"context-prefill_attention", "context-decode_attention", "context-kv_append"}
     for segment, line in lines.items():
         expected = {int(r.phase.split("ctx=")[1].split()[0]): r.ratio for r in fi.diff.phases

@@ -2,12 +2,13 @@
 
 - summary: the one to drag into an upstream issue: the forest plot beside the ratio against context length;
 - forest: candidate / baseline per workload point (context, or vLLM step kind) of prefill attention, decode
-  attention and KV append, with intervals, the drift control and the no-change band;
-- context: the same ratios against context length, one line per phase (FlashInfer's context sweep);
+  attention and KV append, with intervals, the drift control and each row's no-change band;
+- context: the same ratios against context length, one line per phase, each point with its no-change band
+  (FlashInfer's context sweep);
 - ecdf: cumulative distribution of per-call durations per cell (one context or step kind, one kernel family:
   never pooled, so decode's ~3 µs merge-states kernel has its own panel), both arms;
 - segment-times: GPU time of each segment's paired calls for both arms, with the bootstrap interval of each;
-- segment-ratios: candidate / baseline per segment with its bootstrap interval and the no-change band;
+- segment-ratios: candidate / baseline per segment with its bootstrap interval and its no-change band;
 - bandwidth: achieved KV bandwidth per workload phase against the GPU's HBM ceiling (FlashInfer runs);
 - sweep: TTFT, ITL and preemptions against concurrency, one line per arm and context length (sweeps);
 - crossover (kvtrace matrix): a sweep's objective for both arms against context and concurrency, capacity-bound
@@ -47,6 +48,8 @@ _DEFAULT_COLOR = "#7f7f7f"
 _TITLES = {"prefill_attention": "prefill attention", "decode_attention": "decode attention", "kv_append": "KV append"}
 _VERSION_NAMES = {"torch": "torch", "cuda_runtime": "CUDA", "flashinfer": "FlashInfer", "vllm": "vLLM"}
 _DPI = 110
+_BAND_COLOR = "#bbbbbb"
+_BAND_LABEL = "no-change band of each row (its drift band or the threshold)"
 
 
 def _figure(width: float, height: float) -> Figure:
@@ -84,6 +87,22 @@ def _answer_rows(report: Report) -> list:
     return [r for r in report.diff.phases if r.segment in _TITLES]
 
 
+def _half_width(report: Report, row) -> float:
+    """Half-width of a compared row's grey band: its own no-change band (the one its verdict used), at least the
+    threshold, since a ratio within 1 ± threshold is never a change (stats.verdict)."""
+    return max(report.diff.threshold, row.band)
+
+
+def _row_bands(ax, report: Report, chosen: list, gid: str) -> None:
+    """Each (position, row)'s own grey band, one bar at its position, gid `{gid}-{position}`."""
+    halves = [_half_width(report, r) for _, r in chosen]
+    bars = ax.barh([p for p, _ in chosen], [2 * h for h in halves], left=[1 - h for h in halves], height=0.8,
+                   color=_BAND_COLOR, alpha=0.5, label=_BAND_LABEL, zorder=0)
+    for patch, (p, _) in zip(bars.patches, chosen):
+        patch.set_gid(f"{gid}-{p}")
+        patch.sticky_edges.x.clear()  # the band's edge is no data limit: keep the axis margins
+
+
 def _forest(ax, report: Report) -> None:
     rows = _answer_rows(report)
     drift = report.diff.drift
@@ -91,10 +110,7 @@ def _forest(ax, report: Report) -> None:
     if drift is not None and drift.ratio is not None:
         labels.append("drift: KV-independent kernels")
     positions = list(range(len(labels)))
-    threshold = report.diff.band
-    band = ax.axvspan(1 - threshold, 1 + threshold, color="#bbbbbb", alpha=0.5,
-                      label=f"no-change band (±{100 * threshold:g}%)")
-    band.set_gid("forest-band")
+    _row_bands(ax, report, [(p, r) for p, r in zip(positions, rows) if r.ratio is not None], "forest-band")
     ax.axvline(1.0, color="black", linewidth=0.8)
     for verdict in dict.fromkeys(r.verdict for r in rows if r.ratio is not None):
         chosen = [(p, r) for p, r in zip(positions, rows) if r.ratio is not None and r.verdict == verdict]
@@ -143,15 +159,19 @@ def _context_rows(report: Report) -> dict[str, list]:
 
 
 def _by_context(ax, report: Report, series: dict[str, list]) -> None:
-    threshold = report.diff.band
-    ax.axhspan(1 - threshold, 1 + threshold, color="#bbbbbb", alpha=0.5, label=f"no-change band (±{100 * threshold:g}%)")
     ax.axhline(1.0, color="black", linewidth=0.8)
-    for segment, points in series.items():
+    for index, (segment, points) in enumerate(series.items()):
         container = ax.errorbar([c for c, _ in points], [r.ratio for _, r in points],
                                 yerr=[[r.ratio - (r.ci_low if r.ci_low is not None else r.ratio) for _, r in points],
                                       [(r.ci_high if r.ci_high is not None else r.ratio) - r.ratio for _, r in points]],
                                 marker="o", capsize=4, label=_TITLES[segment])
         container.lines[0].set_gid(f"context-{segment}")
+        # Each point's own band behind it, in its line's colour: the lines' bands differ at one context.
+        halves = [_half_width(report, r) for _, r in points]
+        bands = ax.vlines([c for c, _ in points], [1 - h for h in halves], [1 + h for h in halves], linewidth=10,
+                          colors=container.lines[0].get_color(), alpha=0.25, zorder=0,
+                          label=f"{_BAND_LABEL}, in its line's colour" if index == 0 else "_nolegend_")
+        bands.set_gid(f"context-band-{segment}")
     contexts = sorted({c for points in series.values() for c, _ in points})
     ax.set_xscale("log", base=2)
     ax.set_xticks(contexts, [f"{c:,}" for c in contexts])
@@ -235,13 +255,10 @@ def segment_ratios_figure(report: Report) -> Figure | None:
     rows = [r for r in report.segment_times if r.ratio is not None]
     if not rows:
         return None
-    threshold = report.diff.band  # the threshold, widened to the measured drift
     figure = _figure(8, 0.5 * len(rows) + 1.8)
     ax = figure.add_subplot()
     positions = list(range(len(rows)))
-    band = ax.axvspan(1 - threshold, 1 + threshold, color="#bbbbbb", alpha=0.5,
-                      label=f"no-change band (±{100 * threshold:g}%)")
-    band.set_gid("no-change-band")
+    _row_bands(ax, report, list(zip(positions, rows)), "no-change-band")
     ax.axvline(1.0, color="black", linewidth=0.8)
     for verdict in dict.fromkeys(r.verdict for r in rows):
         chosen = [(p, r) for p, r in zip(positions, rows) if r.verdict == verdict]
@@ -380,7 +397,7 @@ PLOTS = (("summary", "Summary to drag into the issue: ratio per workload point a
          ("forest", "Ratio per workload point with intervals and the drift control", forest_figure),
          ("context", "Ratio against context length per phase", context_figure),
          ("segment-times", "Paired GPU time per segment, both arms, with intervals", segment_times_figure),
-         ("segment-ratios", "Ratio per segment with the no-change band", segment_ratios_figure),
+         ("segment-ratios", "Ratio per segment with each row's no-change band", segment_ratios_figure),
          ("ecdf", "Per-call duration distributions (ECDF), one panel per context and kernel family", ecdf_figure),
          ("bandwidth", "Achieved KV bandwidth per phase against the HBM ceiling", bandwidth_figure),
          ("sweep", "TTFT, ITL and preemptions against concurrency per KV format", sweep_figure))
