@@ -4,6 +4,7 @@ Figure objects and in the SVG text, not in pixels); matplotlib stays out of `kvt
 from __future__ import annotations
 
 import io
+import re
 import json
 import sqlite3
 import subprocess
@@ -99,6 +100,12 @@ def test_ratio_plot_shades_each_segment_with_its_own_band(fi):
     svg = io.StringIO()
     figure.savefig(svg, format="svg")
     assert all(f'id="no-change-band-{p}"' in svg.getvalue() for p in range(len(compared)))
+    # Ticks read as ratios (1×, 2×, 5×), as on the forest, never 2×10⁰.
+    labels = [t.get_text() for t in ax.get_xticklabels() if t.get_text()]
+    assert labels and all(re.fullmatch(r"[0-9.]+×", label) for label in labels), labels
+    # Each verdict drawn has its own colour: "different work" is not "no significant change".
+    colours = {gid: line.get_color() for gid, line in by_gid(figure, "ratios-").items()}
+    assert len(set(colours.values())) == len(colours) > 1, colours
 
 
 def test_forest_and_context_shade_each_workload_point_with_its_own_band(fi):

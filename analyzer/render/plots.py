@@ -43,7 +43,8 @@ from kvtrace.manifest import parse_phase_name  # noqa: E402
 
 FORMATS = ("png", "svg")
 _COLORS = ("#1f77b4", "#d62728")  # baseline, candidate
-_VERDICT_COLORS = {stats.REGRESSION: "#d62728", stats.IMPROVEMENT: "#2ca02c"}
+# "different work" apart from "no significant change": its pairs are not matched work, whatever their ratio.
+_VERDICT_COLORS = {stats.REGRESSION: "#d62728", stats.IMPROVEMENT: "#2ca02c", stats.DIFFERENT_WORK: "#9467bd"}
 _DEFAULT_COLOR = "#7f7f7f"
 _TITLES = {"prefill_attention": "prefill attention", "decode_attention": "decode attention", "kv_append": "KV append"}
 _VERSION_NAMES = {"torch": "torch", "cuda_runtime": "CUDA", "flashinfer": "FlashInfer", "vllm": "vLLM"}
@@ -262,17 +263,15 @@ def segment_ratios_figure(report: Report) -> Figure | None:
     ax.axvline(1.0, color="black", linewidth=0.8)
     for verdict in dict.fromkeys(r.verdict for r in rows):
         chosen = [(p, r) for p, r in zip(positions, rows) if r.verdict == verdict]
-        xs = [r.ratio for _, r in chosen]
-        lows = [r.ratio - r.ci_low if r.ci_low is not None else 0.0 for _, r in chosen]
-        highs = [r.ci_high - r.ratio if r.ci_high is not None else 0.0 for _, r in chosen]
-        container = ax.errorbar(xs, [p for p, _ in chosen], xerr=[lows, highs], fmt="o", capsize=4,
-                                color=_VERDICT_COLORS.get(verdict, _DEFAULT_COLOR), label=verdict)
+        container = ax.errorbar([r.ratio for _, r in chosen], [p for p, _ in chosen], xerr=_whiskers(chosen),
+                                fmt="o", capsize=4, color=_VERDICT_COLORS.get(verdict, _DEFAULT_COLOR), label=verdict)
         container.lines[0].set_gid(f"ratios-{verdict.replace(' ', '-')}")
     for p, r in zip(positions, rows):
         ax.annotate(f"{r.ratio:.3f}×", (r.ratio, p), textcoords="offset points", xytext=(6, 6), fontsize=8)
     ax.set_yticks(positions, [r.segment for r in rows])
     ax.invert_yaxis()
     ax.set_xscale("log")
+    _ratio_ticks(ax.xaxis)
     ax.set_xlabel(f"{_labels(report)[1]} / {_labels(report)[0]} paired GPU time (log scale; >1 = slower); "
                   f"whiskers: {100 * report.diff.confidence:.0f}% bootstrap interval")
     ax.set_title("Ratio per segment", fontsize=10)
