@@ -3,6 +3,7 @@ conventions on swapped arms, --repeat labels and capacity of repeated runs."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from html.parser import HTMLParser
@@ -13,6 +14,7 @@ from conftest import NSYS2025_DIR, REPEATS2, VLLM_COLD_PREFILL, VLLM_DECODE_HEAV
 from kvtrace.analyzer import compare, headline, results
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.load import open_trace
+from kvtrace.analyzer.render import markdown
 
 VLLM = [VLLM_DECODE_HEAVY, VLLM_COLD_PREFILL]
 CONTEXTS = (2048, 8192, 32768)
@@ -35,6 +37,29 @@ def test_head_has_one_row_per_context_and_question(fi_diff):
     assert prefill == [r for r in fi_diff.phases if r.segment == "prefill_attention"]
     assert {r.family for r in head.rows if r.question == headline.APPEND_KERNEL} == \
         {"AppendPagedKVCacheKernel → NVFP4QuantizeAppendPagedKVCacheKernel"}
+
+
+def test_head_shows_the_band_each_verdict_used(fi_diff):
+    """Each row of the answer gives the no-change band its verdict used (± the larger of its band and the
+    threshold, as the plots shade it): here the assumed ±20% of small calls beside the ±2% threshold."""
+    head = headline.Headline.of(fi_diff)
+    lines = markdown.head(fi_diff)
+    start = next(i for i, line in enumerate(lines) if line.startswith("| question |"))
+    split = [[cell.strip() for cell in re.split(r"(?<!\\)\|", line)[1:-1]]
+             for line in itertools.takewhile(lambda line: line.startswith("|"), lines[start:])]
+    column = split[0].index("band")
+    cells = [row[column] for row in split[2:]]
+    assert len(cells) == len(head.rows)
+    for cell, r in zip(cells, head.rows):
+        half = max(r.row.band, fi_diff.threshold)
+        assert cell == f"±{100 * half:.2g}%", (r.question, r.point)
+        if r.row.verdict == "regression":
+            assert r.row.ci_low > 1 + r.row.band
+        elif r.row.verdict == "improvement":
+            assert r.row.ci_high < 1 - r.row.band
+        else:
+            assert r.row.ci_low <= 1 + half and r.row.ci_high >= 1 - half
+    assert {"±2%", "±20%"} <= set(cells)
 
 
 @pytest.mark.parametrize("context", CONTEXTS)

@@ -12,7 +12,8 @@ from kvtrace.analyzer.headline import APPEND_PHASE, Headline
 from kvtrace.analyzer.render.escape import md_code, md_prose, md_text, visible
 from kvtrace.analyzer.render.statements import text as statement_text
 from kvtrace.analyzer.render.units import (MARK, arm_time, calls, duration, head_time, interval, markdown_table,
-                                          numbered_notes, per_call, percent, ratio, run_ratios, signed_duration)
+                                          no_change_band, numbered_notes, per_call, percent, ratio, run_ratios,
+                                          signed_duration)
 from kvtrace.analyzer.verify import MISMATCHES_SHOWN
 
 
@@ -156,11 +157,14 @@ def head(diff: Diff, level: int = 3, *, statements: bool = True) -> list[str]:
     section = "#" * level
     lines = [f"{section} The answer: {c} against {b}", "",
              f"Time per call of each arm (Σn: the total of n cells that cost differently per call), ratio {c} / {b} "
-             f"with its {100 * diff.confidence:.0f}% interval, verdict and the call pairs compared.", ""]
-    lines += markdown_table(["question", "point", "kernel family", b, c, "ratio", "interval", "verdict", "pairs"],
+             f"with its {100 * diff.confidence:.0f}% interval, the no-change band its verdict used (the drift band of "
+             "its calls' size, at least the threshold), verdict and the call pairs compared.", ""]
+    lines += markdown_table(["question", "point", "kernel family", b, c, "ratio", "interval", "band", "verdict",
+                             "pairs"],
                             [[r.question, md_text(r.point), md_code(r.family), head_time(r.row.baseline, r.row.cells),
                               head_time(r.row.candidate, r.row.cells), ratio(r.row.ratio),
-                              interval(r.row.ci_low, r.row.ci_high), r.row.verdict, f"{r.row.compared_calls:,}"]
+                              interval(r.row.ci_low, r.row.ci_high), no_change_band(r.row, diff.threshold),
+                              r.row.verdict, f"{r.row.compared_calls:,}"]
                              for r in head.rows])
     notes = []
     if any(r.question == APPEND_PHASE for r in head.rows):

@@ -10,8 +10,8 @@ from kvtrace.analyzer.kernels import KernelList
 from kvtrace.analyzer.headline import APPEND_PHASE, Headline
 from kvtrace.analyzer.render.escape import rich, visible
 from kvtrace.analyzer.render.statements import text as statement_text
-from kvtrace.analyzer.render.units import (LEVEL, arm_time, calls, duration, head_time, interval, numbered_notes,
-                                          per_call, percent, ratio, run_ratios, signed_duration)
+from kvtrace.analyzer.render.units import (LEVEL, arm_time, calls, duration, head_time, interval, no_change_band,
+                                          numbered_notes, per_call, percent, ratio, run_ratios, signed_duration)
 from kvtrace.analyzer.stats import IMPROVEMENT, REGRESSION
 from kvtrace.analyzer.verify import MISMATCHES_SHOWN
 
@@ -56,20 +56,20 @@ def head(diff: Diff, console: Console, *, statements: bool = True) -> None:
     b, c = diff.baseline, diff.candidate
     console.print(f"[bold]{rich(b.label)}[/] → [bold]{rich(c.label)}[/] on {rich(b.info.gpu_label)}: time per "
                   f"call, ratio {rich(c.label)}/{rich(b.label)} with its {100 * diff.confidence:.0f}% interval "
-                  "(Σn: total of n cells that cost differently per call)")
+                  "and the no-change band its verdict used (Σn: total of n cells that cost differently per call)")
     questions = list(dict.fromkeys(r.question for r in head.rows))
     for question in questions:
         rows = [r for r in head.rows if r.question == question]
         families = " | ".join(dict.fromkeys(r.family for r in rows))
         table = Table(title=f"{question} · {rich(families)}", title_justify="left", box=None, padding=(0, 1),
                       title_style="bold")
-        for column in ("point", rich(b.label), rich(c.label), "ratio", "interval", "verdict", "pairs"):
+        for column in ("point", rich(b.label), rich(c.label), "ratio", "interval", "band", "verdict", "pairs"):
             table.add_column(column, justify="left" if column in ("point", "verdict") else "right", overflow="fold")
         for r in rows:
             row = r.row
             style = _STYLE.get(row.verdict)
             table.add_row(rich(r.point), head_time(row.baseline, row.cells), head_time(row.candidate, row.cells),
-                          ratio(row.ratio), interval(row.ci_low, row.ci_high),
+                          ratio(row.ratio), interval(row.ci_low, row.ci_high), no_change_band(row, diff.threshold),
                           f"[{style}]{row.verdict}[/]" if style else row.verdict, f"{row.compared_calls:,}")
         console.print(table)
     if any(r.question == APPEND_PHASE for r in head.rows):

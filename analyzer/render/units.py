@@ -35,6 +35,12 @@ def interval(low: float | None, high: float | None) -> str:
     return "–" if low is None or high is None else f"[{low:.3f}, {high:.3f}]"
 
 
+def no_change_band(row, threshold: float) -> str:
+    """What a row's ratio must leave for a verdict: ±(the larger of its band and the threshold), as the plots
+    shade it; "–" for a row not compared."""
+    return "–" if row.band is None else f"±{100 * max(row.band, threshold):.2g}%"
+
+
 def percent(fraction: float | None) -> str:
     if fraction is None:
         return "–"
