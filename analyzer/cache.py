@@ -45,6 +45,8 @@ _ENTRY_FILES = (*(f"{name}.arrow" for name in _FRAMES), *(f"{name}.npy" for name
 _MARKER = "kvtrace-cache-entry.json"
 # <export stem>-<hash of its path>-<hash of its identity>, and .<that>-<random> while it is being written.
 _ENTRY_NAME = re.compile(r"\.?.+-[0-9a-f]{12}-[0-9a-f]{12}(?:-\w+)?", re.DOTALL)
+# An export kvtrace made of a report: <report stem, at most 64 characters>-<20 hex digits of its identity>.
+_EXPORT_NAME = re.compile(r".{1,64}-[0-9a-f]{20}\.(?:sqlite|parquetdir)", re.DOTALL)
 _IDENTITY = ("dev", "ino", "size", "mtime_ns", "ctime_ns")
 _warned: set[str] = set()
 
@@ -251,6 +253,7 @@ def export_report(report: Path, *, nsys: str | None = None, tables: tuple[str, .
         return target
     # A large report goes to SQLite by choice, not for want of Parquet: no note.
     large = status.st_size >= kvtrace.nsys.PARQUET_MAX_REPORT_BYTES
+    _prune_exports(folder)
     try:
         why = _export_parquet(nsys_path, report, parquet, tables, step) if tables and not large else None
         if why is None and tables and not large:
@@ -276,6 +279,23 @@ def export_report(report: Path, *, nsys: str | None = None, tables: tuple[str, .
         raise KvtraceError(f"nsys export failed on {report} (exit {failed.returncode}: {failed.last_line}); "
                            "check the report opens in Nsight Systems, or export it yourself") from None
     return target
+
+
+def _prune_exports(folder: Path) -> None:
+    """Before a new export: remove kvtrace's exports made more than CACHE_DAYS ago (a report used since is exported
+    again once; its trace-cache entry does not need the export). Only this user's SQLite files and Parquet folders
+    of an export's name, never a link or anything else in the folder."""
+    made_before = time.time() - CACHE_DAYS * 86400
+    for other in folder.iterdir():
+        with suppress(OSError):
+            status = os.lstat(other)
+            if not _EXPORT_NAME.fullmatch(other.name) or status.st_uid != os.getuid() or \
+                    status.st_mtime >= made_before:
+                continue
+            if other.suffix == ".sqlite" and stat.S_ISREG(status.st_mode):
+                os.unlink(other)
+            elif other.suffix == ".parquetdir" and stat.S_ISDIR(status.st_mode):
+                shutil.rmtree(other)
 
 
 def _export_parquet(nsys_path: str, report: Path, parquet: Path, tables: tuple[str, ...],

@@ -9,17 +9,19 @@ export where nsys refuses `--tables`, and the side-by-side export of a diff's tw
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import sqlite3
 import subprocess
+import time
 from contextlib import closing
 from pathlib import Path
 
 import pytest
 
-from conftest import NSYS2023_REPORTS, fingerprint
-from kvtrace.analyzer import load
+from conftest import NSYS2023_DIR, NSYS2023_REPORTS, fingerprint
+from kvtrace.analyzer import cache, load
 from kvtrace.analyzer.load import EXPORT_TABLES, open_trace, open_traces
 
 REPORTS = ("fp8", "nvfp4")
@@ -154,3 +156,31 @@ def test_one_core_exports_one_report_at_a_time(nsys, tmp_path, cache_dir, monkey
     assert steps == ["exporting fp8.nsys-rep (nsys export, the tables kvtrace reads)",
                      "exporting nvfp4.nsys-rep (nsys export, the tables kvtrace reads)",
                      "reading fp8.nsys-rep", "reading nvfp4.nsys-rep"]
+
+
+def test_exports_made_before_the_cache_days_go_when_another_is_made(nsys, tmp_path, cache_dir, run_kvtrace):
+    """The exports folder does not grow without end (a 10M-kernel report's export is 1.6 GB): a new export removes
+    kvtrace's exports made more than CACHE_DAYS ago, and nothing else: not a fresh export, not a file or a link of
+    another name, not a link of an export's name."""
+    folder = cache_dir / "exports"
+    folder.mkdir(parents=True)
+    old = time.time() - (cache.CACHE_DAYS + 1) * 86400
+    stale_sqlite, stale_parquet = folder / f"fp8-{'a' * 20}.sqlite", folder / f"nvfp4-{'b' * 20}.parquetdir"
+    fresh = folder / f"fp8-{'c' * 20}.sqlite"
+    foreign, linked = folder / "notes.sqlite", folder / f"fp8-{'d' * 20}.sqlite"
+    target = tmp_path / "user.sqlite"
+    for path in (stale_sqlite, fresh, foreign, target):
+        shutil.copyfile(NSYS2023_DIR / "fp8.sqlite", path)
+    stale_parquet.mkdir()
+    (stale_parquet / "StringIds.parquet").write_bytes(b"")
+    linked.symlink_to(target)
+    for path in (stale_sqlite, stale_parquet, foreign, target):
+        os.utime(path, (old, old))
+    os.utime(linked, (old, old), follow_symlinks=False)
+    report = _alone(tmp_path, "fp8")
+    code, out, err = run_kvtrace("kernels", report, "--format", "csv", env={"NSYS": nsys})
+    assert code == 0, err
+    left = {path.name for path in folder.iterdir()}
+    assert stale_sqlite.name not in left and stale_parquet.name not in left
+    assert {fresh.name, foreign.name, linked.name} <= left and target.is_file()
+    assert len(left) == 4  # and the new export
