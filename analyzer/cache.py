@@ -283,8 +283,8 @@ def export_report(report: Path, *, nsys: str | None = None, tables: tuple[str, .
 
 def _prune_exports(folder: Path) -> None:
     """Before a new export: remove kvtrace's exports made more than CACHE_DAYS ago (a report used since is exported
-    again once; its trace-cache entry does not need the export). Only this user's SQLite files and Parquet folders
-    of an export's name, never a link or anything else in the folder."""
+    and read again once: its trace-cache entry is keyed on the export). Only this user's SQLite files and Parquet
+    folders of an export's name, never a link or anything else in the folder."""
     made_before = time.time() - CACHE_DAYS * 86400
     for other in folder.iterdir():
         with suppress(OSError):
