@@ -47,6 +47,9 @@ _MARKER = "kvtrace-cache-entry.json"
 _ENTRY_NAME = re.compile(r"\.?.+-[0-9a-f]{12}-[0-9a-f]{12}(?:-\w+)?", re.DOTALL)
 # An export kvtrace made of a report: <report stem, at most 64 characters>-<20 hex digits of its identity>.
 _EXPORT_NAME = re.compile(r".{1,64}-[0-9a-f]{20}\.(?:sqlite|parquetdir)", re.DOTALL)
+# What an export killed on its way leaves (files.beside, nsys.export_parquet): .<export name>.<random>[.sqlite].
+_EXPORT_LEFTOVER = re.compile(r"\..{1,64}-[0-9a-f]{20}\.(?:sqlite|parquetdir)\.\w+(?:\.sqlite)?", re.DOTALL)
+LEFTOVER_DAYS = 1  # far longer than any export runs
 _IDENTITY = ("dev", "ino", "size", "mtime_ns", "ctime_ns")
 _warned: set[str] = set()
 
@@ -283,18 +286,20 @@ def export_report(report: Path, *, nsys: str | None = None, tables: tuple[str, .
 
 def _prune_exports(folder: Path) -> None:
     """Before a new export: remove kvtrace's exports made more than CACHE_DAYS ago (a report used since is exported
-    and read again once: its trace-cache entry is keyed on the export). Only this user's SQLite files and Parquet
-    folders of an export's name, never a link or anything else in the folder."""
-    made_before = time.time() - CACHE_DAYS * 86400
+    and read again once: its trace-cache entry is keyed on the export), and what exports killed on their way left
+    more than LEFTOVER_DAYS ago. Only this user's files and folders of those names, never a link or anything else
+    in the folder."""
+    now = time.time()
     for other in folder.iterdir():
         with suppress(OSError):
             status = os.lstat(other)
-            if not _EXPORT_NAME.fullmatch(other.name) or status.st_uid != os.getuid() or \
-                    status.st_mtime >= made_before:
+            days = CACHE_DAYS if _EXPORT_NAME.fullmatch(other.name) else \
+                LEFTOVER_DAYS if _EXPORT_LEFTOVER.fullmatch(other.name) else None
+            if days is None or status.st_uid != os.getuid() or status.st_mtime >= now - days * 86400:
                 continue
-            if other.suffix == ".sqlite" and stat.S_ISREG(status.st_mode):
+            if stat.S_ISREG(status.st_mode):
                 os.unlink(other)
-            elif other.suffix == ".parquetdir" and stat.S_ISDIR(status.st_mode):
+            elif stat.S_ISDIR(status.st_mode):
                 shutil.rmtree(other)
 
 

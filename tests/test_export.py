@@ -160,8 +160,9 @@ def test_one_core_exports_one_report_at_a_time(nsys, tmp_path, cache_dir, monkey
 
 def test_exports_made_before_the_cache_days_go_when_another_is_made(nsys, tmp_path, cache_dir, run_kvtrace):
     """The exports folder does not grow without end (a 10M-kernel report's export is 1.6 GB): a new export removes
-    kvtrace's exports made more than CACHE_DAYS ago, and nothing else: not a fresh export, not a file or a link of
-    another name, not a link of an export's name."""
+    kvtrace's exports made more than CACHE_DAYS ago and what killed exports left more than LEFTOVER_DAYS ago, and
+    nothing else: not a fresh export or leftover (an export may be under way), not a file or a link of another
+    name, not a link of an export's name."""
     folder = cache_dir / "exports"
     folder.mkdir(parents=True)
     old = time.time() - (cache.CACHE_DAYS + 1) * 86400
@@ -174,6 +175,17 @@ def test_exports_made_before_the_cache_days_go_when_another_is_made(nsys, tmp_pa
     stale_parquet.mkdir()
     (stale_parquet / "StringIds.parquet").write_bytes(b"")
     linked.symlink_to(target)
+    # As files.beside and nsys.export_parquet name them while an export runs.
+    left_file = folder / f".fp8-{'e' * 20}.sqlite.k2j4h1.sqlite"
+    left_folder = folder / f".fp8-{'e' * 20}.parquetdir.x8z"
+    running = folder / f".nvfp4-{'f' * 20}.sqlite.q9w8e7.sqlite"
+    left_file.write_bytes(b"half an export")
+    running.write_bytes(b"an export under way")
+    left_folder.mkdir()
+    (left_folder / "StringIds.parquet").write_bytes(b"")
+    leftover_age = time.time() - (cache.LEFTOVER_DAYS + 1) * 86400
+    os.utime(left_file, (leftover_age, leftover_age))
+    os.utime(left_folder, (leftover_age, leftover_age))
     for path in (stale_sqlite, stale_parquet, foreign, target):
         os.utime(path, (old, old))
     os.utime(linked, (old, old), follow_symlinks=False)
@@ -181,6 +193,6 @@ def test_exports_made_before_the_cache_days_go_when_another_is_made(nsys, tmp_pa
     code, out, err = run_kvtrace("kernels", report, "--format", "csv", env={"NSYS": nsys})
     assert code == 0, err
     left = {path.name for path in folder.iterdir()}
-    assert stale_sqlite.name not in left and stale_parquet.name not in left
-    assert {fresh.name, foreign.name, linked.name} <= left and target.is_file()
-    assert len(left) == 4  # and the new export
+    assert not {stale_sqlite.name, stale_parquet.name, left_file.name, left_folder.name} & left
+    assert {fresh.name, foreign.name, linked.name, running.name} <= left and target.is_file()
+    assert len(left) == 5  # and the new export
