@@ -38,6 +38,7 @@ from kvtrace import files  # noqa: E402
 from kvtrace.analyzer import stats  # noqa: E402
 from kvtrace.analyzer.matrix import OBJECTIVES, Matrix, Scenario  # noqa: E402
 from kvtrace.analyzer.report import PlotFile, Report  # noqa: E402
+from kvtrace.analyzer.render.units import no_change_half_width  # noqa: E402
 from kvtrace.errors import KvtraceError  # noqa: E402
 from kvtrace.manifest import parse_phase_name  # noqa: E402
 
@@ -88,15 +89,9 @@ def _answer_rows(report: Report) -> list:
     return [r for r in report.diff.phases if r.segment in _TITLES]
 
 
-def _half_width(report: Report, row) -> float:
-    """Half-width of a compared row's grey band: its own no-change band (the one its verdict used), at least the
-    threshold, since a ratio within 1 ± threshold is never a change (stats.verdict)."""
-    return max(report.diff.threshold, row.band)
-
-
 def _row_bands(ax, report: Report, chosen: list, gid: str) -> None:
     """Each (position, row)'s own grey band, one bar at its position, gid `{gid}-{position}`."""
-    halves = [_half_width(report, r) for _, r in chosen]
+    halves = [no_change_half_width(r, report.diff.threshold) for _, r in chosen]
     bars = ax.barh([p for p, _ in chosen], [2 * h for h in halves], left=[1 - h for h in halves], height=0.8,
                    color=_BAND_COLOR, alpha=0.5, label=_BAND_LABEL, zorder=0)
     for patch, (p, _) in zip(bars.patches, chosen):
@@ -168,7 +163,7 @@ def _by_context(ax, report: Report, series: dict[str, list]) -> None:
                                 marker="o", capsize=4, label=_TITLES[segment])
         container.lines[0].set_gid(f"context-{segment}")
         # Each point's own band behind it, in its line's colour: the lines' bands differ at one context.
-        halves = [_half_width(report, r) for _, r in points]
+        halves = [no_change_half_width(r, report.diff.threshold) for _, r in points]
         bands = ax.vlines([c for c, _ in points], [1 - h for h in halves], [1 + h for h in halves], linewidth=10,
                           colors=container.lines[0].get_color(), alpha=0.25, zorder=0,
                           label=f"{_BAND_LABEL}, in its line's colour" if index == 0 else "_nolegend_")

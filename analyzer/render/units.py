@@ -35,10 +35,15 @@ def interval(low: float | None, high: float | None) -> str:
     return "–" if low is None or high is None else f"[{low:.3f}, {high:.3f}]"
 
 
+def no_change_half_width(row, threshold: float) -> float:
+    """Half-width of what a compared row's ratio must leave for a verdict: its own band (the one its verdict used),
+    at least the threshold, since a ratio within 1 ± threshold is never a change (stats.verdict)."""
+    return max(row.band, threshold)
+
+
 def no_change_band(row, threshold: float) -> str:
-    """What a row's ratio must leave for a verdict: ±(the larger of its band and the threshold), as the plots
-    shade it; "–" for a row not compared."""
-    return "–" if row.band is None else f"±{100 * max(row.band, threshold):.2g}%"
+    """The row's no-change half-width as the tables print it and the plots shade it; "–" for a row not compared."""
+    return "–" if row.band is None else f"±{100 * no_change_half_width(row, threshold):.2g}%"
 
 
 def percent(fraction: float | None) -> str:
