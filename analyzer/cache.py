@@ -256,10 +256,11 @@ def export_report(report: Path, *, nsys: str | None = None, tables: tuple[str, .
         return target
     # A large report goes to SQLite by choice, not for want of Parquet: no note.
     large = status.st_size >= kvtrace.nsys.PARQUET_MAX_REPORT_BYTES
+    wants_parquet = bool(tables) and not large
     _prune_exports(folder)
     try:
-        why = _export_parquet(nsys_path, report, parquet, tables, step) if tables and not large else None
-        if why is None and tables and not large:
+        why = _export_parquet(nsys_path, report, parquet, tables, step) if wants_parquet else None
+        if wants_parquet and why is None:
             return parquet
         if step is not None:
             step(f"exporting {report.name} (nsys export{', the tables kvtrace reads' if tables else ''}"
