@@ -11,9 +11,9 @@
 # no-cache diffs, nsys stats and the Parquet export, about 6 minutes); paths (bench/export.py's five export paths
 # with the pair at once, their reads and the exactness check, about 10 minutes); verify (a first `kvtrace diff
 # --verify` of the pair, about 7 minutes); eager_sizes (eager pairs of 1M and 2M kernels, SQLite --tables against
-# Parquet with the pair at once, about 4 minutes). Carry .gpu/nsys-env.sh, .gpu/nsys-libs and .gpu/analyzer-deps (bench/h200-deps.sh
-# download). `start` lays kvtrace out in /tmp/kv from the call's tree, as `make bench-export-h200` does; each
-# wait copies the step logs into $OUT.
+# Parquet with the pair at once, about 4 minutes). Carry .gpu/nsys-env.sh, .gpu/nsys-libs and .gpu/analyzer-deps
+# (bench/h200-deps.sh download). `start` lays kvtrace out in /tmp/kv from the call's tree, as `make
+# bench-export-h200` does; each wait copies the step logs into $OUT.
 set -uo pipefail
 source .gpu/nsys-env.sh
 export PYTHONPATH=/tmp/kv:/tmp/site PYTHONUNBUFFERED=1
