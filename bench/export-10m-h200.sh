@@ -8,12 +8,12 @@
 #   bash bench/export-10m-h200.sh start verify          # once the steps before it are done
 #
 # Steps: record (the eager 10M pair, both reports at once, about 6 minutes); measure (the first, repeat and
-# no-cache diffs, nsys stats and the Parquet export, about 6 minutes); paths (bench/export.py's five export paths
-# with the pair at once, their reads and the exactness check, about 10 minutes); verify (a first `kvtrace diff
-# --verify` of the pair, about 7 minutes); eager_sizes (eager pairs of 1M and 2M kernels, SQLite --tables against
-# Parquet with the pair at once, about 4 minutes). Carry .gpu/nsys-env.sh, .gpu/nsys-libs and .gpu/analyzer-deps
-# (bench/h200-deps.sh download). `start` lays kvtrace out in /tmp/kv from the call's tree, as `make
-# bench-export-h200` does; each wait copies the step logs into $OUT.
+# no-cache diffs, nsys stats, and the SQLite export kvtrace makes with kvtrace's read of it, about 6 minutes);
+# paths (bench/export.py's five export paths with the pair at once, their reads and the exactness check, about
+# 10 minutes); verify (a first `kvtrace diff --verify` of the pair, about 7 minutes); eager_sizes (eager pairs of
+# SIZES kernels, default 1M and 2M, SQLite --tables against Parquet with the pair at once, about 4 minutes). Carry
+# .gpu/nsys-env.sh, .gpu/nsys-libs and .gpu/analyzer-deps (bench/h200-deps.sh download). `start` lays kvtrace out
+# in /tmp/kv from the call's tree, as `make bench-export-h200` does; each wait copies the step logs into $OUT.
 set -uo pipefail
 source .gpu/nsys-env.sh
 export PYTHONPATH=/tmp/kv:/tmp/site PYTHONUNBUFFERED=1
@@ -46,26 +46,26 @@ measure() {
   timed no-cache.txt "${diff[@]}" --no-cache
   timed imports.txt python3 -c "import kvtrace.analyzer.cli, kvtrace.analyzer.load"
   cmp -s first.txt no-cache.txt && cmp -s first.txt repeat.txt && echo "the three diffs print the same"
-  python3 -c "import glob, polars as pl; [print(f, pl.scan_parquet(f).select(pl.len()).collect().item())
-    for f in sorted(glob.glob('cache/exports/*/CUPTI_ACTIVITY_KIND_*.parquet'))]"
   local start=$(date +%s%N)
   for v in a b; do timed stats-$v.csv $NSYS stats -q -r cuda_gpu_kern_sum -f csv:noconv -o - stats/$v.nsys-rep & done
   wait; echo "$(( ($(date +%s%N) - start) / 1000000 )) ms: nsys stats on both at once"
+  # The export kvtrace makes at this size, by hand, and kvtrace's read of it: the first diff's floor, in this run.
   local tables=$(python3 -c "from kvtrace.analyzer.export_tables import EXPORT_TABLES as t; print(','.join(t))")
-  mkdir parquet && start=$(date +%s%N)
-  for v in a b; do timed parquet-$v.log $NSYS export --type=parquetdir --tables=$tables --force-overwrite=true \
-    -o parquet/$v $reports/$v-10000000.nsys-rep & done
-  wait; echo "$(( ($(date +%s%N) - start) / 1000000 )) ms: nsys export --type=parquetdir of both at once"
+  mkdir sqlite && start=$(date +%s%N)
+  for v in a b; do timed sqlite-$v.log $NSYS export --type=sqlite --tables=$tables --force-overwrite=true \
+    -o sqlite/$v.sqlite $reports/$v-10000000.nsys-rep & done
+  wait; echo "$(( ($(date +%s%N) - start) / 1000000 )) ms: nsys export --type=sqlite --tables of both at once"
+  timed read.txt python3 -m kvtrace diff sqlite/a.sqlite sqlite/b.sqlite --no-cache
 }
 paths() {
   python3 bench/export.py --repeat 1 --pair-only --no-diff $reports/a-10000000.nsys-rep $reports/b-10000000.nsys-rep
 }
-eager_sizes() {  # where Parquet stops being the faster export: eager pairs of 1M and 2M kernels
+eager_sizes() {  # where Parquet stops being the faster export: eager pairs of SIZES kernels (default 1M and 2M)
   local n
-  for n in 1000000 2000000; do
+  for n in ${SIZES:-1000000 2000000}; do
     python3 bench/graph_loop.py --record /tmp/eager --kernels $n --eager --at-once || return
-    python3 bench/export.py --repeat 1 --pair-only --no-diff --exports sqlite-tables parquetdir \
-      /tmp/eager/a-$n.nsys-rep /tmp/eager/b-$n.nsys-rep || return
+    python3 bench/export.py /tmp/eager/a-$n.nsys-rep /tmp/eager/b-$n.nsys-rep --repeat 1 --pair-only --no-diff \
+      --exports sqlite-tables parquetdir || return
   done
 }
 verify() {
@@ -81,7 +81,7 @@ start)
   shift
   [ -d /tmp/site/polars ] || { bash bench/h200-deps.sh install > /tmp/deps.log 2>&1 || { tail /tmp/deps.log; exit 1; }; }
   rm -rf /tmp/kv && mkdir -p /tmp/kv $logs && cp -r kvtrace /tmp/kv/ && cp -r analyzer capture recipes /tmp/kv/kvtrace/
-  rm -f $logs/done
+  rm -f $logs/done && : > $logs/steps
   setsid nohup bash "$0" run "$@" < /dev/null > /dev/null 2>&1 &
   exec bash "$0" wait
   ;;
@@ -97,6 +97,8 @@ run)  # the steps in order, each logged; stops at the first that fails
   touch $logs/done
   ;;
 wait)
+  # A machine given back between calls comes back bare: nothing to wait for.
+  [ -f $logs/steps ] || { echo "no steps on this machine: it was given back since \`start\`; start them again" >&2; exit 2; }
   start=$(date +%s)
   while [ ! -f $logs/done ] && (( $(date +%s) - start < ${WAIT_S:-540} )); do sleep 5; done
   cat $logs/steps; [ -f $logs/done ] && echo "all steps ended" || echo "still running after $(( $(date +%s) - start )) s"
