@@ -49,11 +49,16 @@ measure() {
   local start=$(date +%s%N)
   for v in a b; do timed stats-$v.csv $NSYS stats -q -r cuda_gpu_kern_sum -f csv:noconv -o - stats/$v.nsys-rep & done
   wait; echo "$(( ($(date +%s%N) - start) / 1000000 )) ms: nsys stats on both at once"
-  # The export kvtrace makes at this size, by hand, and kvtrace's read of it: the first diff's floor, in this run.
-  local tables=$(python3 -c "from kvtrace.analyzer.export_tables import EXPORT_TABLES as t; print(','.join(t))")
+  # The export kvtrace makes at this size, by hand (its own command, kvtrace.nsys.export_command), and kvtrace's
+  # read of it: the first diff's floor, in this run.
+  local export_a=() export_b=() v
+  for v in a b; do  # built before the clock starts: Python's start is not the export's
+    mapfile -t export_$v < <(python3 -c "import sys; from kvtrace.nsys import export_command
+from kvtrace.analyzer.export_tables import EXPORT_TABLES
+print(*export_command(*sys.argv[1:], tables=EXPORT_TABLES), sep='\n')" $NSYS $reports/$v-10000000.nsys-rep sqlite/$v.sqlite)
+  done
   mkdir sqlite && start=$(date +%s%N)
-  for v in a b; do timed sqlite-$v.log $NSYS export --type=sqlite --tables=$tables --force-overwrite=true \
-    -o sqlite/$v.sqlite $reports/$v-10000000.nsys-rep & done
+  timed sqlite-a.log "${export_a[@]}" & timed sqlite-b.log "${export_b[@]}" &
   wait; echo "$(( ($(date +%s%N) - start) / 1000000 )) ms: nsys export --type=sqlite --tables of both at once"
   timed read.txt python3 -m kvtrace diff sqlite/a.sqlite sqlite/b.sqlite --no-cache
 }
