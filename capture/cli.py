@@ -106,13 +106,16 @@ def _optional_int_list(ctx, param, value: str | None) -> tuple[int, ...] | None:
 @click.option("--port", default=8000, show_default=True, help="serve: port the server binds.")
 @click.option("--startup-timeout", default=1800.0, show_default=True, help="serve: seconds to wait for /health.")
 @click.option("--repeats", default=1, show_default=True, help=REPEATS_HELP)
+@click.option("--profile-steps", default=0, show_default=True,
+              help="Trace only the first N engine steps of the measured traffic (0: all of it); the serving metrics "
+                   "still cover every request. Keeps long serve runs' traces small.")
 @click.option("--nsys", "nsys_path", default=None, help="nsys binary (default: $NSYS, PATH, known installs).")
 @click.option("--dry-run", is_flag=True, help="Print every arm's commands and exit; needs no GPU, vLLM or nsys.")
 @click.option("--force", is_flag=True, help="Replace an existing run directory.")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
 def vllm(model, scenario, out, arms, mode, input_len, output_len, num_prompts, concurrency, prefix_len, num_prefixes,
          trace_file, contexts, concurrencies, points_from, seed, load_format, host, port, startup_timeout, repeats,
-         nsys_path, dry_run, force, vllm_args) -> None:
+         profile_steps, nsys_path, dry_run, force, vllm_args) -> None:
     """Matched vLLM runs that differ only in --kv-cache-dtype, each traced by Nsight Systems.
 
     Extra vLLM engine flags go after `--`, e.g. `-- --max-model-len 8192 --kv-cache-memory-bytes 20G`;
@@ -130,7 +133,8 @@ def vllm(model, scenario, out, arms, mode, input_len, output_len, num_prompts, c
         prefix_len=prefix_len, num_prefixes=num_prefixes, trace_file=trace_file, contexts=contexts,
         concurrencies=concurrencies, followed=followed, followed_from=followed_from, seed=seed)
     cfg = vllm_config.VllmCapture(model=model, workload=workload, arms=arms, mode=mode, load_format=load_format,
-                                  host=host, port=port, extra_args=tuple(vllm_args), repeats=repeats)
+                                  host=host, port=port, extra_args=tuple(vllm_args), repeats=repeats,
+                                  profile_steps=profile_steps)
     out = out or Path("runs") / f"vllm-{scenario}"
     if dry_run:
         click.echo(vllm_commands.dry_run(cfg, out, nsys=nsys_path), nl=False)

@@ -55,10 +55,12 @@ def request_identity(workload: Workload, point: Point) -> list[str]:
     return identity
 
 
-def bench_command(cfg: VllmCapture, python: str, point: Point, *, seed: int, result: Path | None) -> list[str]:
+def bench_command(cfg: VllmCapture, python: str, point: Point, *, seed: int, result: Path | None,
+                  relay_port: int | str) -> list[str]:
+    """The client, sent through kvtrace's usage relay on the loopback (kvtrace.capture.vllm_relay)."""
     # No client warm-ups or ready check: both send the first prompt, which would pre-warm the prefix cache.
     command = [python, *VLLM_CLI, "bench", "serve", "--backend", "vllm", "--model", cfg.model,
-               "--host", cfg.host, "--port", str(cfg.port), *request_args(cfg.workload, point, seed),
+               "--host", "127.0.0.1", "--port", str(relay_port), *request_args(cfg.workload, point, seed),
                "--request-rate", "inf", "--num-warmups", "0", "--ready-check-timeout-sec", "0",
                "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99", "--disable-tqdm"]
     if result is not None:
@@ -118,10 +120,16 @@ def dry_run(cfg: VllmCapture, out: Path, *, nsys: str | None = None, python: str
             command = worker_command(cfg, arm, out, nsys, python, points, stop, run=run.name)
             lines.append(f"{env} {shlex.join(command)}")
         else:
+            if PREFIX_CACHING[workload.scenario]:
+                lines.append(f"# record the server's KV-cache events on tcp://127.0.0.1:{cfg.kv_events_port} "
+                             f"into {run.name}.kv-events.jsonl")
             lines.append(f"{env} {shlex.join(server_command(cfg, arm, out, nsys, python, run=run.name))}")
             points = workload.points(cfg.mode)
-            lines.append(f"# wait for GET {base}/health 200, then warm up (outside the capture range):")
-            warm = bench_command(cfg, python, warmup_point(points[0]), seed=workload.seed + 1, result=None)
+            lines.append(f"# wait for GET {base}/health 200, start kvtrace's usage relay to it on 127.0.0.1:RELAY_PORT "
+                         "(it records each response's cached prompt tokens), then warm up (outside the capture "
+                         "range):")
+            warm = bench_command(cfg, python, warmup_point(points[0]), seed=workload.seed + 1, result=None,
+                                 relay_port="RELAY_PORT")
             lines.append(f"{env} {shlex.join(warm)}")
             if PREFIX_CACHING[workload.scenario]:
                 lines.append(f"# POST {base}/reset_prefix_cache")
@@ -129,7 +137,7 @@ def dry_run(cfg: VllmCapture, out: Path, *, nsys: str | None = None, python: str
             for index, point in enumerate(points):
                 result = out / f"{run.name}{point_tag(workload, index)}.bench.json"
                 lines.append(f"# GET {base}/metrics before, every {POLL_INTERVAL_S:g} s during, and after:")
-                bench = bench_command(cfg, python, point, seed=workload.seed, result=result)
+                bench = bench_command(cfg, python, point, seed=workload.seed, result=result, relay_port="RELAY_PORT")
                 lines.append(f"{env} {shlex.join(bench)}")
             lines.append(f"# POST {base}/stop_profile, then SIGINT the server so that nsys writes its report")
         lines.append(shlex.join(kvtrace.nsys.export_command(nsys, out / f"{run.name}.nsys-rep",

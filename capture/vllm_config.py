@@ -6,18 +6,20 @@ Standard library only.
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvtrace.capture.vllm_kv_events import events_config
 from kvtrace.errors import KvtraceError
-from kvtrace.kv_formats import VLLM_KV_CACHE_DTYPES
+from kvtrace.kv_formats import VLLM_KV_CACHE_DTYPES, bytes_per_value
 from kvtrace.manifest import Point, Run, check_repeats, read_manifest, run_order
 
 SCENARIOS = ("cold-prefill", "decode-heavy", "prefix-reuse", "sweep")
 MODES = ("serve", "offline")
 LOAD_FORMATS = ("auto", "dummy")
 ATTENTION_BACKEND = "FLASHINFER"
-PROFILER_CONFIG = '{"profiler": "cuda"}'
 DEFAULTS = {
     "cold-prefill": {"input_len": 2048, "output_len": 1, "num_prompts": 64, "concurrency": 16},
     "decode-heavy": {"input_len": 512, "output_len": 256, "num_prompts": 64, "concurrency": 32},
@@ -46,6 +48,8 @@ _OWNED_FLAGS = {
     "--host": "use kvtrace's --host",
     "--port": "use kvtrace's --port",
     "--skip-tokenizer-init": "--mode offline sets it",
+    "--enable-prompt-tokens-details": "--mode serve sets it: the report reads each request's cached tokens",
+    "--kv-events-config": "kvtrace records the KV-cache events of prefix-caching scenarios itself",
 }
 _OWNED_OFFLINE = {"--max-num-seqs": "--mode offline sets it from --concurrency"}
 # What a followed sweep's points fix, so that these options would contradict them.
@@ -161,6 +165,7 @@ class VllmCapture:
     port: int = 8000
     extra_args: tuple[str, ...] = ()
     repeats: int = 1
+    profile_steps: int = 0  # vLLM's profiler stops after this many engine steps (0: at /stop_profile)
 
     def validate(self) -> None:
         if self.mode not in MODES:
@@ -176,8 +181,11 @@ class VllmCapture:
         if len(set(self.arms)) != len(self.arms):
             raise KvtraceError(f"--arms {','.join(self.arms)} names an arm twice: list each KV dtype once")
         check_repeats(self.repeats)
-        if not 0 < self.port < 65536:
-            raise KvtraceError(f"--port {self.port} is not a TCP port: choose one in 1-65535")
+        if self.profile_steps < 0:
+            raise KvtraceError(f"--profile-steps {self.profile_steps} is negative: give 0 (trace everything) or more")
+        if not 0 < self.port < 65535:
+            raise KvtraceError(f"--port {self.port} is not a TCP port kvtrace can use (it also takes the next one, "
+                               "for KV-cache events): choose one in 1-65534")
         owned = {**_OWNED_FLAGS, **(_OWNED_OFFLINE if self.mode == "offline" else {})}
         for arg in self.extra_args:
             for flag, reason in owned.items():
@@ -185,31 +193,49 @@ class VllmCapture:
                     raise KvtraceError(f"extra vLLM argument {arg} is set by kvtrace ({reason}): drop it")
         self.workload.validate(self.mode)
 
+    @property
+    def kv_events_port(self) -> int:
+        """Where the server publishes its KV-cache events (serve mode, prefix caching on)."""
+        return self.port + 1
+
     def is_local_model(self) -> bool:
         return Path(self.model).expanduser().exists() or self.model.startswith(("/", "./", "../", "~"))
 
     def arm_order(self) -> tuple[str, ...]:
-        """Arms in the order they run. The sweep's first run decides its grid, so an fp8 arm goes first."""
+        """Arms in the order they run. The sweep's first run decides its grid and stops a context at its first
+        capacity-bound point, so the narrowest format (the largest pool) goes first: the grid then reaches past
+        every wider format's capacity, with points on both sides of each."""
         if self.workload.scenario != "sweep":
             return self.arms
-        return tuple(sorted(self.arms, key=lambda arm: not arm.startswith("fp8")))
+        return tuple(sorted(self.arms, key=lambda arm: bytes_per_value(arm) or math.inf))
 
     def runs(self) -> list[Run]:
         """Every run in the order it is recorded (with --repeats the arms interleave)."""
         return run_order(self.arm_order(), self.repeats)
 
 
+def profiler_config(cfg: VllmCapture) -> str:
+    """vLLM's CUDA profiler opens and closes the nsys capture range; max_iterations closes it after that many
+    engine steps (vLLM 0.33's ProfilerConfig)."""
+    config = {"profiler": "cuda", **({"max_iterations": cfg.profile_steps} if cfg.profile_steps else {})}
+    return json.dumps(config)
+
+
 def engine_flags(cfg: VllmCapture, kv_dtype: str) -> list[str]:
     """vLLM engine flags of one arm; arms differ only in the first pair."""
     workload = cfg.workload
     flags = ["--kv-cache-dtype", kv_dtype, "--attention-backend", ATTENTION_BACKEND,
-             "--profiler-config", PROFILER_CONFIG, "--seed", str(workload.seed),
+             "--profiler-config", profiler_config(cfg), "--seed", str(workload.seed),
              "--enable-prefix-caching" if PREFIX_CACHING[workload.scenario] else "--no-enable-prefix-caching"]
     if cfg.load_format == "dummy":
         flags += ["--load-format", "dummy"]
     if cfg.mode == "offline":
         max_seqs = max(point.concurrency for point in workload.points(cfg.mode))
         flags += ["--skip-tokenizer-init", "--max-num-seqs", str(max_seqs)]
+    else:
+        flags.append("--enable-prompt-tokens-details")
+        if PREFIX_CACHING[workload.scenario]:
+            flags += ["--kv-events-config", events_config(cfg.kv_events_port)]
     return flags + list(cfg.extra_args)
 
 

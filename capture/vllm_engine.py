@@ -35,6 +35,11 @@ from kvtrace.capture.vllm_commands import (POLL_INTERVAL_S, base_url, bench_comm
                                            server_command, warmup_point, worker_command)
 from kvtrace.capture.vllm_common import metric_deltas, parse_kv_cache_log, request_order_sha256, update_peaks
 from kvtrace.capture.vllm_config import ATTENTION_BACKEND, PREFIX_CACHING, VllmCapture, child_env, engine_flags
+from kvtrace.capture.vllm_kv_events import KvEventRecorder
+from kvtrace.capture.vllm_kv_events import check_available as check_kv_events_available
+from kvtrace.capture.vllm_kv_events import deltas as kv_event_deltas
+from kvtrace.capture.vllm_relay import UsageRelay
+from kvtrace.capture.vllm_relay import summarize as summarize_requests
 from kvtrace.capture.vllm_http import NET_ERRORS, MetricsPoller, http_request, parse_metrics, post_ok, scrape
 from kvtrace.capture.vllm_preflight import (check_model, check_port, check_probe, port_free, probe_environment,
                                             relevant_env)
@@ -66,6 +71,7 @@ class VllmArm(runner.ArmResult):
     kv_cache: dict | None = None  # vLLM's startup capacity line
     request_order_sha256: str | None = None
     points: list[dict] = field(default_factory=list)
+    kv_events: dict | None = None  # the KV-cache event recorder's file and the arm's totals (serve, prefix caching)
 
 
 @dataclass
@@ -115,41 +121,58 @@ def _serve_arm(session: _Session, arm: VllmArm, points: list[Point], stop_at_cap
     server = ManagedProcess(server_command(cfg, arm.kv_cache_dtype, out, session.nsys, session.python, run=arm.name),
                             session.env, out / arm.log)
     arm.commands.append(server.command)
+    # Bound before the server starts, so that its publisher connects to a listener from the first event on.
+    events = KvEventRecorder(cfg.kv_events_port, out / f"{arm.name}.kv-events.jsonl") \
+        if PREFIX_CACHING[workload.scenario] else None
     try:
+        if events is not None:
+            events.start()
         server.start()
         _wait_ready(server, base, session.startup_timeout_s)
         arm.kv_cache = parse_kv_cache_log(server.log_path.read_text(errors="replace"))
-        warm = bench_command(cfg, session.python, warmup_point(points[0]), seed=workload.seed + 1, result=None)
-        arm.commands.append(warm)
-        if _run_bench(session, warm, bench_log) != 0:
-            raise RuntimeError("the warm-up `vllm bench serve` failed")
-        if PREFIX_CACHING[workload.scenario]:
-            post_ok(base, "/reset_prefix_cache", " (needs VLLM_SERVER_DEV_MODE=1 on the server)")
-        post_ok(base, "/start_profile", " (does this vLLM take --profiler-config?)")
-        capped: set[tuple[int, int]] = set()
-        for index, point in enumerate(points):
-            if (point.prefix_len, point.input_len) in capped:
-                continue
-            record = _serve_point(session, arm, index, point, bench_log)
-            if stop_at_capacity:
-                tokens = (arm.kv_cache or {}).get("tokens")
-                record["capacity"] = capacity_reason(point, record["metrics"]["deltas"], record["metrics"]["peaks"],
-                                                     tokens)
-                if record["capacity"]:
-                    capped.add((point.prefix_len, point.input_len))
-        post_ok(base, "/stop_profile")
+        with UsageRelay(cfg.host, cfg.port) as relay:
+            _serve_points(session, arm, points, stop_at_capacity, relay, events, bench_log)
     finally:
         arm.exit_code = server.stop(session.shutdown_grace_s)
         arm.kv_cache = parse_kv_cache_log(server.log_path.read_text(errors="replace")) or arm.kv_cache
+        if events is not None:
+            arm.kv_events = {"file": f"{arm.name}.kv-events.jsonl", "totals": events.finish()}
     arm.request_order_sha256 = request_order_sha256([p["request_order_sha256"] for p in arm.points])
     _export(session, arm)
 
 
-def _serve_point(session: _Session, arm: VllmArm, index: int, point: Point, bench_log: Path) -> dict:
+def _serve_points(session: _Session, arm: VllmArm, points: list[Point], stop_at_capacity: bool, relay: UsageRelay,
+                  events: KvEventRecorder | None, bench_log: Path) -> None:
+    cfg, workload, base = session.cfg, session.cfg.workload, base_url(session.cfg)
+    warm = bench_command(cfg, session.python, warmup_point(points[0]), seed=workload.seed + 1, result=None,
+                         relay_port=relay.port)
+    arm.commands.append(warm)
+    if _run_bench(session, warm, bench_log) != 0:
+        raise RuntimeError("the warm-up `vllm bench serve` failed")
+    if PREFIX_CACHING[workload.scenario]:
+        post_ok(base, "/reset_prefix_cache", " (needs VLLM_SERVER_DEV_MODE=1 on the server)")
+    relay.take()  # the warm-up's requests are not the measured traffic's
+    post_ok(base, "/start_profile", " (does this vLLM take --profiler-config?)")
+    capped: set[tuple[int, int]] = set()
+    for index, point in enumerate(points):
+        if (point.prefix_len, point.input_len) in capped:
+            continue
+        record = _serve_point(session, arm, index, point, bench_log, relay, events)
+        if stop_at_capacity:
+            tokens = (arm.kv_cache or {}).get("tokens")
+            record["capacity"] = capacity_reason(point, record["metrics"]["deltas"], record["metrics"]["peaks"],
+                                                 tokens)
+            if record["capacity"]:
+                capped.add((point.prefix_len, point.input_len))
+    post_ok(base, "/stop_profile")
+
+
+def _serve_point(session: _Session, arm: VllmArm, index: int, point: Point, bench_log: Path, relay: UsageRelay,
+                 events: KvEventRecorder | None) -> dict:
     cfg, out, base = session.cfg, session.out, base_url(session.cfg)
     stem = f"{arm.name}{point_tag(cfg.workload, index)}"
     result = out / f"{stem}.bench.json"
-    command = bench_command(cfg, session.python, point, seed=cfg.workload.seed, result=result)
+    command = bench_command(cfg, session.python, point, seed=cfg.workload.seed, result=result, relay_port=relay.port)
     arm.commands.append(command)
     record = {"index": index, "point": point.spec(),
               "request_order_sha256": request_order_sha256(request_identity(cfg.workload, point)),
@@ -157,6 +180,7 @@ def _serve_point(session: _Session, arm: VllmArm, index: int, point: Point, benc
     arm.points.append(record)
     started = time.monotonic()
     before_text = scrape(base)
+    events_before = events.snapshot() if events is not None else None
     poller = MetricsPoller(base, session.poll_interval_s)
     poller.start()
     try:
@@ -165,6 +189,12 @@ def _serve_point(session: _Session, arm: VllmArm, index: int, point: Point, benc
         peaks = poller.finish()
     after_text = scrape(base)
     record["seconds"] = round(time.monotonic() - started, 2)
+    requests = relay.take()
+    runner.write_json_atomic(out / f"{stem}.requests.json", requests)
+    record["requests"] = {"file": f"{stem}.requests.json", **summarize_requests(requests)}
+    if events is not None:
+        events.settle()
+        record["kv_events"] = kv_event_deltas(events_before, events.snapshot())
     files.write(out / f"{stem}.metrics.before.prom", before_text)
     files.write(out / f"{stem}.metrics.after.prom", after_text)
     before, after = parse_metrics(before_text), parse_metrics(after_text)
@@ -244,6 +274,9 @@ def capture(cfg: VllmCapture, out: Path, *, force: bool = False, nsys: str | Non
     nsys_path = kvtrace.nsys.find_nsys(nsys)
     if cfg.mode == "serve":
         check_port(cfg.host, cfg.port)
+        if PREFIX_CACHING[cfg.workload.scenario]:
+            check_port("127.0.0.1", cfg.kv_events_port)
+            check_kv_events_available()
     probe = probe_environment(python, any(arm.startswith("nvfp4") for arm in cfg.arms))
     check_probe(probe, cfg.arms)
     runner.prepare_run_dir(out, force)
@@ -262,7 +295,7 @@ def capture(cfg: VllmCapture, out: Path, *, force: bool = False, nsys: str | Non
     workload = cfg.workload
     settings = {
         "scenario": workload.scenario, "mode": cfg.mode, "model": model, "arms": list(order),
-        "repeats": cfg.repeats, "order": [run.name for run in runs],
+        "repeats": cfg.repeats, "order": [run.name for run in runs], "profile_steps": cfg.profile_steps,
         "attention_backend": ATTENTION_BACKEND, "load_format": cfg.load_format, "seed": workload.seed,
         "prefix_caching": PREFIX_CACHING[workload.scenario],
         "points": [point.spec() for point in workload.points(cfg.mode)],

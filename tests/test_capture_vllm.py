@@ -105,7 +105,7 @@ def test_scenarios_set_what_they_measure():
     reuse = config("prefix-reuse")
     assert "--enable-prefix-caching" in vllm_config.engine_flags(reuse, "fp8")
     assert vllm_config.child_env(reuse)["VLLM_SERVER_DEV_MODE"] == "1"
-    bench = commands.bench_command(reuse, "python3", reuse.workload.points("serve")[0], seed=0, result=None)
+    bench = commands.bench_command(reuse, "python3", reuse.workload.points("serve")[0], seed=0, result=None, relay_port=9)
     assert bench[bench.index("--dataset-name") + 1] == "prefix_repetition"
     assert bench[bench.index("--num-warmups") + 1] == "0" and bench[bench.index("--ready-check-timeout-sec") + 1] == "0"
     decode = config("decode-heavy", mode="offline")
@@ -115,10 +115,12 @@ def test_scenarios_set_what_they_measure():
     assert "VLLM_SERVER_DEV_MODE" not in env
 
 
-def test_sweep_steps_up_and_runs_fp8_first():
-    cfg = config("sweep", arms=("nvfp4", "fp8"), contexts=(4096, 1024), concurrencies=(32, 8))
-    assert cfg.arm_order() == ("fp8", "nvfp4")
-    assert [run.name for run in cfg.runs()] == ["fp8", "nvfp4"]
+def test_sweep_steps_up_and_runs_the_narrowest_format_first():
+    """The first run's grid stops at its own capacity: the largest pool (narrowest format) must set it."""
+    cfg = config("sweep", arms=("fp8", "nvfp4"), contexts=(4096, 1024), concurrencies=(32, 8))
+    assert cfg.arm_order() == ("nvfp4", "fp8")
+    assert [run.name for run in cfg.runs()] == ["nvfp4", "fp8"]
+    assert config("sweep", arms=("auto", "fp8"), contexts=(1024,), concurrencies=(8,)).arm_order() == ("fp8", "auto")
     assert [p.spec() for p in cfg.workload.points("serve")] == [
         "input=1024,output=64,prompts=16,concurrency=8", "input=1024,output=64,prompts=64,concurrency=32",
         "input=4096,output=64,prompts=16,concurrency=8", "input=4096,output=64,prompts=64,concurrency=32"]
@@ -615,6 +617,53 @@ def test_prefix_reuse_resets_the_cache_after_warmup(standin):
     counters = manifest["arms"]["fp8"]["points"][0]["metrics"]["deltas"]["counters"]
     assert counters["vllm:prefix_cache_hits_total"] == 30 * 32  # the stand-in client reuses 2 prefixes
     assert manifest["settings"]["env"]["VLLM_SERVER_DEV_MODE"] == "1"
+
+
+def test_serve_records_each_requests_cached_tokens_through_the_relay(standin):
+    """The bench client's result has no cached tokens; the relay reads them from each streamed response's usage
+    chunk (--enable-prompt-tokens-details). Their sum is the server's prefix-cache hit counter's change, and the
+    warm-up's requests are not among them."""
+    cfg = serve_config(standin, scenario="prefix-reuse", prefix_len=32, num_prefixes=2, input_len=16,
+                       num_prompts=32, arms=("fp8",))
+    manifest = run_capture(standin, cfg)
+    arm = manifest["arms"]["fp8"]
+    assert arm["status"] == "ok", arm["error"]
+    assert "--enable-prompt-tokens-details" in arm["commands"][0]
+    point = arm["points"][0]
+    requests = json.loads((standin.tmp / "run" / point["requests"]["file"]).read_text())
+    assert [entry["arrival"] for entry in requests] == list(range(32))
+    assert [entry["cached_tokens"] for entry in requests] == [0, 0] + [32] * 30
+    assert {entry["prompt_tokens"] for entry in requests} == {48} and {entry["status"] for entry in requests} == {200}
+    assert all(entry["first_token_ms"] <= entry["end_ms"] for entry in requests)
+    hits = point["metrics"]["deltas"]["counters"]["vllm:prefix_cache_hits_total"]
+    assert point["requests"]["cached_tokens"] == hits == 30 * 32
+    assert point["requests"]["cached_share"] == pytest.approx(hits / (32 * 48))
+
+
+def test_serve_counts_kv_cache_evictions_from_the_servers_events(standin, monkeypatch):
+    """Evictions are the server's BlockRemoved events, counted per point and checked afresh against the raw event
+    file the run directory keeps."""
+    monkeypatch.setenv("STANDIN_EVICT_EVERY", "4")
+    cfg = serve_config(standin, scenario="prefix-reuse", prefix_len=32, num_prefixes=2, input_len=16,
+                       num_prompts=32, arms=("fp8",))
+    manifest = run_capture(standin, cfg)
+    arm = manifest["arms"]["fp8"]
+    assert arm["status"] == "ok", arm["error"]
+    flags = arm["commands"][0]
+    assert json.loads(flags[flags.index("--kv-events-config") + 1])["endpoint"] == f"tcp://127.0.0.1:{cfg.port + 1}"
+    events = arm["points"][0]["kv_events"]
+    assert events["BlockRemoved"] == 32 // 4 and events["exact"] is True
+    assert events["BlockStored"] == (2 * 48 + 30 * 16) // 16  # the blocks each request computed
+    lines = [json.loads(line) for line in (standin.tmp / "run" / arm["kv_events"]["file"]).read_text().splitlines()]
+    assert sum(line["BlockRemoved"] for line in lines) == arm["kv_events"]["totals"]["BlockRemoved"]
+    assert [line["seq"] for line in lines] == list(range(len(lines)))
+
+
+def test_serve_without_prefix_caching_records_no_events(standin):
+    manifest = run_capture(standin, serve_config(standin, arms=("fp8",)))
+    arm = manifest["arms"]["fp8"]
+    assert arm["status"] == "ok" and arm["kv_events"] is None and "kv_events" not in arm["points"][0]
+    assert "--kv-events-config" not in arm["commands"][0]
 
 
 def test_prefix_reuse_warmup_sends_a_prompt_per_prefix(standin):

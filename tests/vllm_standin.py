@@ -98,14 +98,41 @@ class Stats:
         return generate_latest(registry).decode()
 
 
+class KvEventPublisher:
+    """vLLM's ZeroMQ KV-event publisher (vllm/distributed/kv_events.py, 0.33): multipart (topic, 8-byte sequence
+    number, msgpack [ts, events]), each event a map tagged by its "type"."""
+
+    def __init__(self, config: dict):
+        import zmq
+
+        self.topic = config.get("topic", "").encode()
+        self.socket = zmq.Context.instance().socket(zmq.PUB)
+        self.socket.connect(config["endpoint"])
+        self.seq = 0
+        time.sleep(0.2)  # a PUB socket drops what it sends before the connection is up
+
+    def publish(self, stored: int, evicted: int) -> None:
+        import msgspec
+
+        events = [{"type": "BlockStored", "block_hashes": list(range(stored)), "parent_block_hash": None,
+                   "token_ids": [], "block_size": BLOCK, "lora_id": None, "medium": "GPU", "lora_name": None}]
+        events += [{"type": "BlockRemoved", "block_hashes": [index], "medium": "GPU"} for index in range(evicted)]
+        payload = msgspec.msgpack.encode([time.time(), events])
+        self.socket.send_multipart((self.topic, self.seq.to_bytes(8, "big"), payload))
+        self.seq += 1
+
+
 def serve(argv: list[str]) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("model")
     parser.add_argument("--host")
     parser.add_argument("--port", type=int)
     parser.add_argument("--kv-cache-dtype")
+    parser.add_argument("--enable-prompt-tokens-details", action="store_true")
+    parser.add_argument("--kv-events-config")
     args, _ = parser.parse_known_args(argv)
     arm = args.kv_cache_dtype
+    events = KvEventPublisher(json.loads(args.kv_events_config)) if args.kv_events_config else None
     write_pid("server")
     if failing("server-exit", arm):
         print("stand-in: CUDA out of memory while loading the model", file=sys.stderr)
@@ -123,6 +150,18 @@ def serve(argv: list[str]) -> None:
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)
+
+        def stream(self, request: dict, details: bool) -> None:
+            """A streamed completion as vLLM sends it: one event per token, then the usage chunk."""
+            usage = {"prompt_tokens": request["prompt_len"], "completion_tokens": request["output_len"],
+                     "total_tokens": request["prompt_len"] + request["output_len"]}
+            if details:
+                usage["prompt_tokens_details"] = {"cached_tokens": request["cached"]}
+            events = [{"choices": [{"index": 0, "text": f" w{3 + token}"}], "usage": None}
+                      for token in range(request["output_len"])]
+            events.append({"choices": [], "usage": usage})
+            data = "".join(f"data: {json.dumps(event)}\n\n" for event in events) + "data: [DONE]\n\n"
+            self.reply(200, data)
 
         def do_GET(self):
             if self.path == "/health":
@@ -142,7 +181,9 @@ def serve(argv: list[str]) -> None:
                 request = json.loads(body)
                 stats.request(request["prompt_len"], request["output_len"], request["concurrency"],
                               request["cached"])
-                self.reply(200, "{}")
+                if events is not None:
+                    events.publish(request["stored_blocks"], request["evicted_blocks"])
+                self.stream(request, args.enable_prompt_tokens_details)
             else:
                 self.reply(404)
 
@@ -186,12 +227,15 @@ def bench(argv: list[str]) -> None:
               f"({prefixes})", file=sys.stderr)
         sys.exit(1)
     prompt_len = prefix + (args.prefix_repetition_suffix_len if prefix else args.random_input_len)
+    evict_every = int(os.environ.get("STANDIN_EVICT_EVERY", "0"))  # a prefix block evicted every N requests
     output_len = args.prefix_repetition_output_len if prefix else args.random_output_len
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     for index in range(args.num_prompts):
         cached = prefix if prefix and index >= prefixes else 0  # each prefix misses once, then hits
+        evicted = 1 if evict_every and index % evict_every == evict_every - 1 else 0
         body = json.dumps({"prompt_len": prompt_len, "output_len": output_len, "concurrency": args.max_concurrency,
-                           "cached": cached}).encode()
+                           "cached": cached, "stored_blocks": (prompt_len - cached) // BLOCK,
+                           "evicted_blocks": evicted}).encode()
         request = urllib.request.Request(f"http://{args.host}:{args.port}/v1/completions", data=body, method="POST")
         opener.open(request, timeout=30).read()
     if args.save_result:
