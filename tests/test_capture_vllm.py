@@ -262,9 +262,30 @@ def test_makefile_fragment_runs_the_cli(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "scenario sweep, mode offline, arms fp8, auto" in done.stdout
     assert "--max-model-len 20000" in done.stdout and "--output=runs/vllm-sweep/fp8" in done.stdout
-    assert "--output=runs/x/fp8" in make("MODEL=/models/m", "OUT=runs/x", "DRY_RUN=1").stdout
-    repeated = make("MODEL=/models/m", "REPEATS=2", "DRY_RUN=1").stdout
+    assert "--output=runs/x/fp8" in make("MODEL=/models/m", "SCENARIO=cold-prefill", "OUT=runs/x", "DRY_RUN=1").stdout
+    repeated = make("MODEL=/models/m", "SCENARIO=cold-prefill", "REPEATS=2", "DRY_RUN=1").stdout
     assert "2 repeats interleaved" in repeated and "--output=runs/vllm-cold-prefill/nvfp4.r2" in repeated
+    whole = make("MODEL=/models/m", "OUT=runs/x", "DRY_RUN=1").stdout  # no SCENARIO: the seed's whole matrix
+    assert [line for line in whole.splitlines() if line.startswith("== ")] == [
+        f"== {scenario} -> runs/x/{scenario}" for scenario in ("cold-prefill", "decode-heavy", "prefix-reuse", "sweep")]
+    assert "--output=runs/x/sweep/nvfp4" in whole and "--output=runs/x/prefix-reuse/fp8" in whole
+
+
+def test_make_capture_records_the_whole_matrix_and_ends_with_kvtrace_matrix(tmp_path):
+    if not shutil.which("make"):
+        pytest.skip("make is not installed")
+    calls = tmp_path / "calls.jsonl"
+    stub = tmp_path / "kvtrace-stub"  # records its arguments; fails the decode-heavy capture
+    stub.write_text(f"#!{sys.executable}\nimport json, sys\nopen({str(calls)!r}, 'a').write(json.dumps(sys.argv[1:]) "
+                    "+ '\\n')\nsys.exit('decode-heavy' in sys.argv)\n")
+    stub.chmod(0o755)
+    result = subprocess.run(["make", "-s", "-f", str(ROOT / "capture" / "capture.mk"), "capture", f"KVTRACE={stub}",
+                             "MODEL=/models/m"], capture_output=True, text=True, cwd=tmp_path)
+    argvs = [json.loads(line) for line in calls.read_text().splitlines()]
+    assert [argv[argv.index("--out") + 1] for argv in argvs[:4]] == [
+        f"runs/vllm-matrix/{scenario}" for scenario in ("cold-prefill", "decode-heavy", "prefix-reuse", "sweep")]
+    assert argvs[4] == ["matrix", "runs/vllm-matrix"]
+    assert result.returncode != 0 and "failed: decode-heavy" in result.stderr
 
 
 # Preflight --------------------------------------------------------------------------------------------------

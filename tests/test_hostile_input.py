@@ -627,8 +627,8 @@ def test_make_capture_runs_no_shell_code_from_its_variables(tmp_path):
     stub.chmod(0o755)
     model = "x'; touch pwned; echo '\"$(touch pwned2)`touch pwned3`/$HOME"
     result = subprocess.run(["make", "-s", "-f", str(REPO / "capture" / "capture.mk"), "capture", f"KVTRACE={stub}",
-                             f"MODEL={model}", "OUT=runs/a b", "DRY_RUN=1"], capture_output=True, text=True,
-                            cwd=tmp_path)
+                             f"MODEL={model}", "SCENARIO=sweep", "OUT=runs/a b", "DRY_RUN=1"],
+                            capture_output=True, text=True, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     argv = json.loads(result.stdout.splitlines()[-1])
     assert argv[argv.index("--model") + 1] == model
