@@ -25,9 +25,9 @@ _SERVER_TIMEOUT_S = 3600.0  # a request may wait that long in a saturated server
 
 
 class UsageRelay:
-    """Relays http://127.0.0.1:PORT to the server at host:port and records one entry per completion request:
-    its arrival order within the point, the server's prompt, cached and completion token counts, and the relay's own times to
-    the first token and to the end (ms). `take()` returns the entries recorded since the last call."""
+    """Relays http://127.0.0.1:PORT to the server at host:port and records one entry per completion request: its
+    arrival order within the point, the server's prompt, cached and completion token counts, and the relay's own
+    times to the first token and to the end (ms). `take()` returns the entries recorded since the last call."""
 
     def __init__(self, server_host: str, server_port: int):
         self.server_host, self.server_port = server_host, server_port
