@@ -5,8 +5,10 @@ that measure the same thing, and the rows that set the two arms' points side by 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from kvtrace.analyzer import stats
+from kvtrace.analyzer.reuse import Evictions, PrefixReuse, evictions, prefix_reuse
 from kvtrace.analyzer.runs import ArmInput
 from kvtrace.manifest import Point, capacity_reason
 
@@ -77,6 +79,8 @@ class ServingMetrics:
     # A capacity reason resting on polled peaks that were not observed (peaks_note): not counted, so whether the
     # point is capacity-bound cannot be told.
     capacity_note: str | None = None
+    reuse: PrefixReuse | None = None  # the server's cached tokens per request (serve runs with the usage relay)
+    evictions: Evictions | None = None  # cached blocks evicted, from vLLM's KV-cache events
 
 
 @dataclass
@@ -196,7 +200,7 @@ def _peaks_note(record: dict, duration: float | None) -> str | None:
     return f"peaks not observed: {duration:.2f} s of traffic, /metrics polled {every} ({how})"
 
 
-def serving_metrics(record: dict, kv_cache_tokens: int | None) -> ServingMetrics:
+def serving_metrics(record: dict, kv_cache_tokens: int | None, run: Path | None = None) -> ServingMetrics:
     """One point of a vLLM arm: the bench client's summary (serve) or the worker's counts (offline), with
     vLLM's own counter deltas and polled peaks, and the checks of sources that measure the same thing."""
     bench = record.get("bench") or {}
@@ -239,6 +243,12 @@ def serving_metrics(record: dict, kv_cache_tokens: int | None) -> ServingMetrics
     # One output token per request leaves no inter-token gaps; the client then reports 0 ms, which is no latency.
     single = point is not None and point.output_len <= 1
     queue = histograms.get("vllm:request_queue_time_seconds") or {}
+    reuse = prefix_reuse(run, record) if run is not None else None
+    checks = source_checks(record, counters, histograms, kv_cache_tokens)
+    if reuse is not None:
+        checks.append(_check("cached prompt tokens", ("the server, per request (usage.prompt_tokens_details)",
+                                                      reuse.cached_tokens),
+                             ("/metrics prompt_tokens_cached", counter("vllm:prompt_tokens_cached_total"))))
     return ServingMetrics(
         source="vllm bench serve" if bench else "vLLM metrics (offline)",
         requests=_number(requests), failed=_number(bench.get("failed")), duration_s=duration,
@@ -250,8 +260,8 @@ def serving_metrics(record: dict, kv_cache_tokens: int | None) -> ServingMetrics
         queue_ms=1000.0 * queue["sum"] / queue["count"] if queue.get("count") else None,
         preemptions=counter("vllm:num_preemptions_total"), peak_running=observed.get("vllm:num_requests_running"),
         peak_waiting=observed.get("vllm:num_requests_waiting"), peak_kv_usage=observed.get("vllm:kv_cache_usage_perc"),
-        peaks_note=peaks_note, capacity=reason, checks=source_checks(record, counters, histograms, kv_cache_tokens),
-        capacity_note=capacity_note)
+        peaks_note=peaks_note, capacity=reason, checks=[check for check in checks if check is not None],
+        capacity_note=capacity_note, reuse=reuse, evictions=evictions(record))
 
 
 def _observed_capacity(recorded: str | None, point: Point | None, counters: dict, peaks: dict,
@@ -277,7 +287,7 @@ def serving_rows(base: ArmInput, cand: ArmInput) -> list[ServingRow]:
     records = []
     for item in (base, cand):
         kv = item.record.kv_cache_tokens
-        records.append({p["point"]: serving_metrics(p, kv) for p in item.record.points if p.get("point")})
+        records.append({p["point"]: serving_metrics(p, kv, item.run) for p in item.record.points if p.get("point")})
     order = list(records[0]) + [p for p in records[1] if p not in records[0]]
     rows = []
     for spec in order:
