@@ -8,6 +8,7 @@ from typing import ClassVar
 
 from kvtrace.analyzer import capacity, headline, stats
 from kvtrace.analyzer.results import Diff
+from kvtrace.analyzer.reuse import Evictions, PrefixReuse
 from kvtrace.analyzer.runs import RunArm
 from kvtrace.analyzer.serving import ServingRow
 from kvtrace.manifest import Point, parse_phase_name
@@ -165,6 +166,11 @@ class TtftStatement(Statement):
     candidate_queue_ms: float | None
     prefix_fit: PrefixFit | None
     baseline_capacity: str | None  # why the baseline was capacity-bound at the point
+    # The server's own per-request counts and KV-cache events, where the capture recorded them.
+    baseline_reuse: PrefixReuse | None = None
+    candidate_reuse: PrefixReuse | None = None
+    baseline_evictions: Evictions | None = None
+    candidate_evictions: Evictions | None = None
 
 
 # The head's questions that kernel statements answer, with their topic.
@@ -288,7 +294,8 @@ def ttft_guard_rail(diff: Diff, serving: list[ServingRow], base: RunArm, cand: R
             baseline_cached_tokens=b.cached_prompt_tokens, candidate_cached_tokens=c.cached_prompt_tokens,
             baseline_prefilled_tokens=prefilled[0], candidate_prefilled_tokens=prefilled[1],
             baseline_queue_ms=queued[0], candidate_queue_ms=queued[1], prefix_fit=_prefix_fit(row, base, cand),
-            baseline_capacity=b.capacity))
+            baseline_capacity=b.capacity, baseline_reuse=b.reuse, candidate_reuse=c.reuse,
+            baseline_evictions=b.evictions, candidate_evictions=c.evictions))
     return out
 
 

@@ -113,10 +113,21 @@ def _prefix_evidence(s: st.TtftStatement, name: Name) -> str:
     if s.candidate_prefilled_tokens is not None:
         effects.append(f"{c} prefilled {s.candidate_prefilled_tokens:,} prompt tokens against "
                        f"{s.baseline_prefilled_tokens:,}")
+    if s.candidate_reuse is not None and s.baseline_reuse is not None:
+        effects.append(f"by the server's own per-request counts, {_reused(s.candidate_reuse, c)} had at least half "
+                       f"their prompt served from the cache, against {_reused(s.baseline_reuse, b)}")
+    if s.candidate_evictions is not None and s.baseline_evictions is not None:
+        exact = "" if s.candidate_evictions.exact and s.baseline_evictions.exact else " (events were missed: at least)"
+        effects.append(f"{c} evicted {s.candidate_evictions.blocks_removed:,} cached KV blocks against "
+                       f"{s.baseline_evictions.blocks_removed:,}{exact}")
     if s.candidate_queue_ms is not None:
         effects.append(f"{c}'s requests waited {s.candidate_queue_ms:.1f} ms in vLLM's queue on average against "
                        f"{s.baseline_queue_ms:.1f} ms")
     return f": {cause}{' and '.join(effects)}" if effects else ""
+
+
+def _reused(reuse, arm: str) -> str:
+    return f"{reuse.reused:,} of {arm}'s {reuse.requests:,} requests"
 
 
 @text.register
