@@ -140,6 +140,17 @@ class ParquetTables:
         strings = self._strings_frame()
         return strings.filter(pl.col("value").str.contains(et.LAUNCH_WORD, literal=True))["id"].to_list()
 
+    def graph_launched(self) -> bool:
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        strings = self._strings_frame()
+        ids = strings.filter(pl.col("value").str.contains(et.GRAPH_LAUNCH_WORD, literal=True))["id"].to_list()
+        if not ids:
+            return False
+        names = _as_int64(self.table(et.RUNTIME_TABLE, ("nameId",)), ("nameId",), self.path, et.RUNTIME_TABLE)
+        return bool(pc.any(pc.is_in(names.column("nameId"), value_set=pa.array(ids, pa.int64()))).as_py())
+
     def spans(self, table: str) -> list[tuple[int, int]]:
         """The table's row groups as (first row, last row): nsys' writer cuts tables into groups of about a
         million rows, and each group is read on its own thread, so that memory stays at a group per core."""

@@ -77,6 +77,13 @@ class SqliteTables:
     def launch_api_ids(self) -> list[int]:
         return [r[0] for r in self.conn.execute(f"SELECT id FROM StringIds WHERE value GLOB '*{et.LAUNCH_WORD}*'")]
 
+    def graph_launched(self) -> bool:
+        ids = [r[0] for r in self.conn.execute(f"SELECT id FROM StringIds WHERE value GLOB '*{et.GRAPH_LAUNCH_WORD}*'")]
+        # No such name: no scan. Otherwise the first graph launch ends it; only a trace that names one and never
+        # launched it reads the whole table.
+        return bool(ids) and self.conn.execute(f"SELECT 1 FROM {et.RUNTIME_TABLE} WHERE nameId IN "
+                                               f"({','.join(map(str, ids))}) LIMIT 1").fetchone() is not None
+
     def spans(self, table: str) -> list[tuple[int, int]]:
         """The table's rowids cut into ranges of about CHUNK_ROWS, at most 4 per core; rowid bounds are b-tree
         lookups. Each range is read over its own connection."""
