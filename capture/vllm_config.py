@@ -11,7 +11,7 @@ from pathlib import Path
 
 from kvtrace.errors import KvtraceError
 from kvtrace.kv_formats import VLLM_KV_CACHE_DTYPES
-from kvtrace.manifest import Point, Run, check_repeats, read_manifest, run_order
+from kvtrace.manifest import Point, Run, check_repeats, read_manifest, run_order, tensor_parallel_size
 
 SCENARIOS = ("cold-prefill", "decode-heavy", "prefix-reuse", "sweep")
 MODES = ("serve", "offline")
@@ -184,6 +184,12 @@ class VllmCapture:
                 if arg == flag or arg.startswith((flag + "=", flag + ".")):
                     raise KvtraceError(f"extra vLLM argument {arg} is set by kvtrace ({reason}): drop it")
         self.workload.validate(self.mode)
+        tensor_parallel_size(self.extra_args)  # refuses a --tensor-parallel-size that is no whole number
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """GPUs (ranks) each arm's engine runs on: vLLM's --tensor-parallel-size among the extra arguments."""
+        return tensor_parallel_size(self.extra_args)
 
     def is_local_model(self) -> bool:
         return Path(self.model).expanduser().exists() or self.model.startswith(("/", "./", "../", "~"))
