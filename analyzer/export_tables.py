@@ -78,8 +78,8 @@ class Tables(Protocol):
     def spans(self, table: str) -> list:
         """`table` cut into pieces read side by side, in table order."""
 
-    def kernel_batches(self, span, *, launch_keys: bool) -> Iterator:
-        """start, end, the packed names, grid and block, and with `launch_keys` correlationId and globalPid."""
+    def kernel_batches(self, span) -> Iterator:
+        """start, end, the packed names, grid and block, correlationId and globalPid."""
 
     def graph_launched(self) -> bool:
         """Whether the runtime table holds a CUDA graph launch (GRAPH_LAUNCH_WORD in its name)."""

@@ -361,7 +361,7 @@ def read_kernels(tables: export_tables.Tables, launches: ranges_.Launches | None
         low, high = spans[position]  # rows low..high of the table (rowids in SQLite), both included
         chunk = layout.chunk(position, high - low + 1)
         not_after, total = 0, 0.0
-        for batch in tables.kernel_batches(spans[position], launch_keys=True):
+        for batch in tables.kernel_batches(spans[position]):
             check_integers(batch, path, KERNEL_TABLE, export_tables.KERNEL_VALUES)
             start = batch.column(0).to_numpy()
             duration = batch.column(1).to_numpy() - start

@@ -124,7 +124,8 @@ class Vocabulary:
                                 dtype=np.uint32)
         of_trace = trace.calls.cells
         cell_sig, cell_nvtx = of_trace["sig"].to_numpy(), nvtx_of_name[of_trace["name"].to_numpy()]
-        group_of_cell = np.unique(np.stack([family[cell_sig], shape[cell_sig], cell_nvtx]), axis=1,
+        # Trimming (--skip-warmup, --last) counts the calls of each rank's kernel cells, as they pair.
+        group_of_cell = np.unique(np.stack([family[cell_sig], rank[cell_sig], shape[cell_sig], cell_nvtx]), axis=1,
                                   return_inverse=True)[1].reshape(-1) if of_trace.height else np.zeros(0, np.int64)
         keep = align.window_calls(trace, window, group_of_cell)
         cells = Cells.of(trace.calls, cell_nvtx, keep)

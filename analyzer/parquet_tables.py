@@ -169,7 +169,7 @@ class ParquetTables:
             raise _lacks(self.path, table, missing)
         return handle.read_row_group(self._groups[table][span], columns=list(columns))
 
-    def kernel_batches(self, span: tuple[int, int], *, launch_keys: bool):
+    def kernel_batches(self, span: tuple[int, int]):
         import pyarrow as pa
 
         packed_columns = tuple(column for fields in et.PACKED.values() for column, _ in fields)
@@ -177,8 +177,7 @@ class ParquetTables:
         integers = _as_int64(piece, ("start", "end", *_KERNEL_KEYS), None, et.KERNEL_TABLE)
         columns = {"start": integers.column("start"), "end": integers.column("end")}
         columns.update({name: _packed(piece, fields) for name, fields in et.PACKED.items()})
-        if launch_keys:
-            columns.update({key: integers.column(key) for key in _KERNEL_KEYS})
+        columns.update({key: integers.column(key) for key in _KERNEL_KEYS})
         yield from pa.table(columns).to_batches()
 
     def launch_batches(self, span: tuple[int, int], api_ids: list[int]):
