@@ -146,7 +146,7 @@ def _steps(trace: Trace) -> pl.DataFrame:
 def window_calls(trace: Trace, window: Window, group_of_cell: np.ndarray) -> np.ndarray | None:
     """Which of a trace's calls (in the order of its cells, analyzer.calls) are inside the window; None when
     the window keeps every call. Trimming (--skip-warmup, --last) comes last and counts calls per group of
-    cells (`group_of_cell`: the family and match key of each of the trace's cells) in start order."""
+    cells (`group_of_cell`: the family, rank and match key of each of the trace's cells) in start order."""
     calls = trace.calls
     keep = None
 

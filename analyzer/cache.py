@@ -36,7 +36,7 @@ from kvtrace.analyzer import calls as calls_
 from kvtrace.errors import KvtraceError
 from kvtrace.nsys import is_sqlite
 
-CACHE_FORMAT = 3  # bump whenever the cached frames, TraceInfo or the entry's files change shape
+CACHE_FORMAT = 4  # bump whenever the cached frames, TraceInfo or the entry's files change shape
 CACHE_DAYS = 14  # entries not read for this long are removed when another entry is written
 _FRAMES = ("cells", "signatures", "ranges")
 _ENTRY_FILES = (*(f"{name}.arrow" for name in _FRAMES), *(f"{name}.npy" for name in calls_.ARRAYS), "info.json")

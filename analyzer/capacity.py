@@ -18,7 +18,6 @@ for a prefill chunk); with --disable-hybrid-kv-cache-manager windowed layers kee
 
 from __future__ import annotations
 
-import re
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from kvtrace import __version__, model_config
 from kvtrace.files import read_json
 from kvtrace.errors import KvtraceError
 from kvtrace.kv_formats import NVFP4_BLOCK, canonical_format
-from kvtrace.manifest import Manifest, RunRecord, read_manifest
+from kvtrace.manifest import Manifest, RunRecord, read_manifest, tensor_parallel_size
 from kvtrace.model_config import MLA, SLIDING, KVLayout, LayerGroup
 
 CAPACITY_SCHEMA = "kvtrace.capacity/2"
@@ -303,19 +302,6 @@ def _last_fitting(fits, high: int) -> int:
 
 # ---- run directories -----------------------------------------------------------------------------------
 
-_TP_FLAG = re.compile(r"^(?:--tensor-parallel-size|-tp)(?:=(\d+))?$")
-
-
-def tensor_parallel(flags: list[str]) -> int:
-    """--tensor-parallel-size / -tp from a vLLM flag list (1 when absent)."""
-    for index, flag in enumerate(flags):
-        match = _TP_FLAG.match(flag)
-        if match:
-            value = match.group(1) or (flags[index + 1] if index + 1 < len(flags) else "1")
-            return int(value)
-    return 1
-
-
 def measured_arm(name: str, arm: RunRecord, layout: KVLayout, tp: int, page_size: int) -> MeasuredRow | None:
     """vLLM's startup capacity of one arm against the ideal for its format; None without that line."""
     kv = arm.kv_cache
@@ -379,7 +365,7 @@ def run_shape(manifest: Manifest, source: str) -> tuple[KVLayout, int, int]:
                                "locally): pass --config")
         # Reports show the run directory by name (render/units.shown_path); errors above keep the path.
         layout = model_config.read(config, f"{Path(source).name} (settings.model)")
-        flags = next(iter((settings.get("engine_flags") or {}).values()), []) + list(settings.get("extra_vllm_args") or [])
+        flags = _engine_flags(manifest)
         page = 16
         for arm in manifest.runs.values():
             engine = arm.workload.get("engine") or {}
@@ -391,7 +377,7 @@ def run_shape(manifest: Manifest, source: str) -> tuple[KVLayout, int, int]:
                 if config.get("block_size"):
                     page = int(config["block_size"])
                     break
-        return layout, tensor_parallel(flags), page
+        return layout, tensor_parallel_size(flags), page
     spec = settings.get("spec") or {}
     if {"kv_heads", "head_dim"} <= set(spec):
         # The FlashInfer engine's cache is one attention layer.
@@ -399,6 +385,13 @@ def run_shape(manifest: Manifest, source: str) -> tuple[KVLayout, int, int]:
                                     attention_heads=spec.get("q_heads"), source=f"{Path(source).name} (settings.spec: one layer)")
         return layout, 1, int(spec.get("page_size", 16))
     raise KvtraceError(f"{source}: the manifest records no model shape: pass --config")
+
+
+def _engine_flags(manifest: Manifest) -> list[str]:
+    """The vLLM flags every arm of a run shared (its first arm's, which differ from the others' only in the KV
+    dtype), extra arguments included."""
+    settings = manifest.settings
+    return next(iter((settings.get("engine_flags") or {}).values()), []) + list(settings.get("extra_vllm_args") or [])
 
 
 def from_run(run: Path, *, layout: KVLayout | None = None, tp: int | None = None, page_size: int | None = None,
@@ -414,6 +407,13 @@ def from_run(run: Path, *, layout: KVLayout | None = None, tp: int | None = None
             raise
         run_model, run_tp, run_page = None, 1, 16
     layout = layout or run_model
+    if manifest.engine == "vllm":
+        # The measured pool is one GPU's of the engine as it ran: an ideal for another --tp would not be its match.
+        run_tp = tensor_parallel_size(_engine_flags(manifest))
+        if tp and tp != run_tp:
+            raise KvtraceError(f"--tp {tp}, but {Path(run).name} ran on {run_tp} GPU(s) (--tensor-parallel-size "
+                               f"{run_tp}), whose per-GPU KV pool is what it measured: drop --tp, or use "
+                               "--config without the run directory for another size")
     tp = tp or run_tp
     page_size = page_size or run_page
     names = manifest.widest_first(model_dtype=layout.dtype)

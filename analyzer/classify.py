@@ -37,6 +37,10 @@ SEGMENTS = (
     "other",
 )
 
+# Segments that are never drift controls, whatever a recipe says: a collective (NCCL, custom all-reduce) on one
+# rank waits for the slowest rank, so its duration carries every other rank's work and skew.
+NEVER_CONTROLS = frozenset({"communication"})
+
 # Segments whose kernels read or write the KV cache: only these (and unmatched names) get the
 # FP8/FP4 token fallback, so an FP8 GEMM is not reported as running an "fp8" KV cache.
 KV_SEGMENTS = frozenset({"prefill_attention", "decode_attention", "kv_append"})
@@ -190,6 +194,9 @@ def _parse_rule(file_name: str, location: str, position: int, table: dict) -> Ru
     kv_slots, kv_enum, kv_dtype = _parse_kv(table, pattern, fail)
     if not isinstance(table.get("kv_independent", False), bool):
         raise fail("`kv_independent` is not a boolean", "write `kv_independent = true` or leave it out")
+    if table.get("kv_independent") and table["segment"] in NEVER_CONTROLS:
+        raise fail(f"segment {table['segment']!r} cannot be `kv_independent`: a collective lasts until the slowest "
+                   "rank arrives, so its time measures the other ranks, not drift", "leave `kv_independent` out")
     for key in ("note", "source"):
         if not isinstance(table.get(key, ""), str):
             raise fail(f"`{key}` is not a string", f'write `{key} = "..."`')

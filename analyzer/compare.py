@@ -19,7 +19,8 @@ import polars as pl
 from kvtrace.analyzer import align, drift_band, pairing, stats
 from kvtrace.analyzer.calls import sums
 from kvtrace.analyzer.classify import KV_SEGMENTS, RecipeSet
-from kvtrace.analyzer.findings import arm_findings, comparability, drift_findings, run_findings, window_findings
+from kvtrace.analyzer.findings import (arm_findings, comparability, drift_findings, rank_findings, run_findings,
+                                       window_findings)
 from kvtrace.analyzer.load import Trace
 from kvtrace.analyzer.pairing import KERNEL, RANGE, Cells, Run, Vocabulary, segment_order
 from kvtrace.analyzer.results import (UNIT_NOTE, WHOLE_PHASE, Arm, ArmStats, Diff, DiffRow, Drift, SizeBand, Summary,
@@ -174,6 +175,7 @@ class _Row:
     members: np.ndarray  # global strata
     code: int  # segment, or family code
     phase: int | None = None
+    rank: int | None = None  # a row of one rank's cells (traces of several GPUs); None: every rank
 
 
 @dataclass
@@ -245,6 +247,12 @@ def diff_sides(sides: Sides, *, labels: tuple[str | None, str | None] = (None, N
         specs.append(_Row("family", pl.col("family") == code,
                           strata.filter((pl.col("level") == KERNEL) & (pl.col("family") == code))["stratum"].to_numpy(),
                           code))
+    # With several ranks, each segment and phase row again per rank: the head shows them where ranks disagree.
+    for spec in [spec for spec in specs if spec.level != "family"] if vocabulary.ranks > 1 else ():
+        for rank in range(vocabulary.ranks):
+            in_rank = strata.filter(pl.col("rank") == rank)["stratum"].to_numpy()
+            specs.append(replace(spec, cells=spec.cells & (pl.col("rank") == rank), rank=rank,
+                                 members=np.intersect1d(spec.members, in_rank)))
     # Calls paired by range ran different kernels in the two arms: a change of code, never a drift control (a
     # changed activation kernel would otherwise widen the band that hides its own change).
     controls = strata.filter(pl.col("kv_independent") & (pl.col("level") == KERNEL))
@@ -281,9 +289,11 @@ def diff_sides(sides: Sides, *, labels: tuple[str | None, str | None] = (None, N
         elif estimate is not None and any(left):
             row.note = "; ".join(filter(None, [row.note, f"{left[0]:,} baseline and {left[1]:,} candidate calls "
                                                          "without a partner"]))
-    segments = [r for r, s in zip(rows, specs) if s.level == "segment"]
-    phases = [r for r, s in zip(rows, specs) if s.level == "phase"]
+    segments = [r for r, s in zip(rows, specs) if s.level == "segment" and s.rank is None]
+    phases = [r for r, s in zip(rows, specs) if s.level == "phase" and s.rank is None]
     families = [r for r, s in zip(rows, specs) if s.level == "family"]
+    rank_rows = [r for r, s in zip(rows, specs) if s.rank is not None]
+    _rank_agreement(segments + phases, rank_rows)
     for table in (segments, families, phases):
         for row, share in zip(table, stats.abs_shares([r.total_delta_ns for r in table])):
             row.abs_delta_share = share
@@ -297,9 +307,10 @@ def diff_sides(sides: Sides, *, labels: tuple[str | None, str | None] = (None, N
                                                                   builder.relaunched)
     findings += arm_findings(list(zip(base_runs, cand_runs)), sides.candidate_window) + findings_of_runs
     findings += drift_findings(drift, threshold)
+    findings += rank_findings(vocabulary, comparison.runs, base_arm, cand_arm)
     return Diff(baseline=base_arm, candidate=cand_arm, recipes=tuple(recipes.files), threshold=threshold,
                 confidence=confidence, findings=findings, segments=segments, families=families, phases=phases,
-                phase_totals=phase_totals, drift=drift, runs=len(base_runs),
+                phase_totals=phase_totals, drift=drift, runs=len(base_runs), rank_rows=rank_rows,
                 method=stats.HIERARCHICAL if len(base_runs) > 1 else stats.BOOTSTRAP,
                 window=window.describe() + [part for part in sides.candidate_window.describe()
                                             if part not in window.describe()])
@@ -374,6 +385,7 @@ class _RowBuilder:
             row.family, row.family_label = vocabulary.families[spec.code], run.earliest(group, "family_label")
         if spec.level == "phase":
             row.phase = vocabulary.phases[spec.phase]
+        row.rank = spec.rank
         if estimate is not None:
             row.ratio, row.ci_low, row.ci_high = estimate.ratio, estimate.low, estimate.high
             row.run_ratios = estimate.run_ratios
@@ -423,9 +435,9 @@ class _RowBuilder:
         notes = []
         truncated = strata.filter((pl.col("level") == KERNEL) &
                                   (pl.col("baseline_calls") != pl.col("candidate_calls"))).sort("run", "stratum")
-        for run, shape, nvtx, pairs, nb, nc in truncated.select("run", "shape", "nvtx", "pairs", "baseline_calls",
-                                                                 "candidate_calls").iter_rows():
-            where = f"r{run + 1} " if runs > 1 else ""
+        for run, rank, shape, nvtx, pairs, nb, nc in truncated.select(
+                "run", "rank", "shape", "nvtx", "pairs", "baseline_calls", "candidate_calls").iter_rows():
+            where = (f"r{run + 1} " if runs > 1 else "") + (f"rank {rank} " if vocabulary.ranks > 1 else "")
             notes.append(f"{where}{vocabulary.label(shape, nvtx)}: last {pairs} of {nb} vs {nc} calls")
         if notes and spec.level == "family":
             self.realigned.append(row.family_label)
@@ -477,6 +489,22 @@ class _RowBuilder:
         share = f"{100 * row.unpaired_share:.0f}%" if row.unpaired_share is not None else "most"
         return (f"calls without a partner carry {share} of the change ({'; '.join(parts)}); the ratio is of the "
                 f"{row.compared_calls:,} paired calls alone ({row.paired_verdict})")
+
+
+def _rank_agreement(rows: list[DiffRow], rank_rows: list[DiffRow]) -> None:
+    """Per row of every rank, whether its ranks agree: each rank's row compared, with the row's verdict, and the
+    ranks' paired calls the same work per call in each arm (stats.same_work). Rows of one rank keep None."""
+    by_key: dict[tuple, list[DiffRow]] = {}
+    for row in rank_rows:
+        by_key.setdefault((row.segment, row.phase), []).append(row)
+    for row in rows:
+        ranks = by_key.get((row.segment, row.phase))
+        if not ranks:
+            continue
+        compared = all(r.ratio is not None and r.verdict == row.verdict for r in ranks)
+        row.ranks_agree = compared and stats.same_work(
+            [np.array([getattr(r, side).total_ns / getattr(r, side).calls for r in ranks])
+             for side in ("baseline", "candidate")])
 
 
 def _phase_totals(comparison: _Comparison, base_arm: Arm, cand_arm: Arm, *, threshold: float,

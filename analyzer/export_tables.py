@@ -31,6 +31,7 @@ PROCESS_BITS = 0x0000FFFFFF000000  # the process id inside a globalTid: domains 
 # The runtime and driver calls that can launch kernels (cudaLaunchKernel*, cuLaunchKernel*, cudaGraphLaunch*,
 # cudaLaunchCooperativeKernel*, …) hold this in their names: reading only their rows halves the runtime scan.
 LAUNCH_WORD = "Launch"
+GRAPH_LAUNCH_WORD = "GraphLaunch"  # cudaGraphLaunch*, cuGraphLaunch*: a trace without them has no graph to miss
 GPU_COLUMNS = ("id", "name", "smCount", "computeMajor", "computeMinor", "chipName", "totalMemory", "memoryBandwidth")
 NSYS_HINT = "profile with `nsys profile -t cuda` (add --cuda-graph-trace=node for vLLM)"
 
@@ -77,8 +78,11 @@ class Tables(Protocol):
     def spans(self, table: str) -> list:
         """`table` cut into pieces read side by side, in table order."""
 
-    def kernel_batches(self, span, *, launch_keys: bool) -> Iterator:
-        """start, end, the packed names, grid and block, and with `launch_keys` correlationId and globalPid."""
+    def kernel_batches(self, span) -> Iterator:
+        """start, end, the packed names, grid and block, correlationId and globalPid."""
+
+    def graph_launched(self) -> bool:
+        """Whether the runtime table holds a CUDA graph launch (GRAPH_LAUNCH_WORD in its name)."""
 
     def launch_batches(self, span, api_ids: list[int]) -> Iterator:
         """correlationId, globalTid and start of the runtime rows whose nameId is in `api_ids`."""

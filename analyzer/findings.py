@@ -8,12 +8,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 import polars as pl
 
-from kvtrace.analyzer import align, drift_band
+from kvtrace.analyzer import align, drift_band, stats
 from kvtrace.analyzer.results import Arm, DiffRow, Drift, Finding
 from kvtrace.kv_formats import bytes_per_value, claimed_dtypes
 
 if TYPE_CHECKING:
-    from kvtrace.analyzer.pairing import Run
+    from kvtrace.analyzer.pairing import Run, Vocabulary
 
 
 def drift_findings(drift: Drift, threshold: float) -> list[Finding]:
@@ -122,6 +122,50 @@ def arm_findings(runs: list[tuple[Run, Run]], candidate_window: align.Window) ->
     return findings
 
 
+def rank_findings(vocabulary: Vocabulary, runs: list[tuple[Run, Run]], base_arm: Arm, cand_arm: Arm) -> list[Finding]:
+    """Traces of several GPUs: which device and processes each rank is, whether both arms have as many ranks
+    (rank k pairs with rank k), and rank skew. A collective ends on every rank when the slowest arrives, so the
+    rank that waits least in its communication kernels is the straggler the others wait for."""
+    if vocabulary.ranks == 1:
+        return []
+    findings = []
+    counts = [len(runs[0][side].trace.info.ranks) for side in (0, 1)]
+    if counts[0] != counts[1]:
+        findings.append(Finding("error", "ranks", f"{base_arm.label} ran on {counts[0]} GPU(s) and {cand_arm.label} "
+                                f"on {counts[1]}: ranks pair by device order, so the ranks beyond {min(counts)} have "
+                                "no partner; compare runs of the same tensor-parallel size"))
+    communication = vocabulary.segments.index("communication") if "communication" in vocabulary.segments else -1
+    for index, pair in enumerate(runs):
+        for run, arm in zip(pair, (base_arm, cand_arm)):
+            where = f"r{index + 1} " if len(runs) > 1 else ""
+            findings.append(_rank_skew(run, f"{where}{arm.label}", communication))
+    return findings
+
+
+def _rank_skew(run: Run, label: str, communication: int) -> Finding:
+    ranks = run.trace.info.ranks
+    table = run.cells.table.with_columns((pl.col("segment") == communication).alias("collective")).group_by(
+        "rank", "collective").agg(pl.col("calls", "total_ns").sum())
+    found = {(rank, collective): (calls, total) for rank, collective, calls, total in table.iter_rows()}
+    mapping = ", ".join(f"rank {k} = device {r.device_id}" + (f" (pid {', '.join(map(str, r.processes))})"
+                                                                if r.processes else "") for k, r in enumerate(ranks))
+    compute = ", ".join(f"{found.get((k, False), (0, 0))[1] / 1e6:,.2f} ms" for k in range(len(ranks)))
+    text = f"{label}: {len(ranks)} ranks ({mapping}); compute kernels (all but communication) per rank {compute}"
+    waits = [found.get((k, True)) for k in range(len(ranks))]
+    if not all(waits):
+        return Finding("ok", "ranks", f"{text}; no communication kernels on every rank, so skew is not measured")
+    per_call = np.array([total / calls for calls, total in waits])
+    shown = ", ".join(f"{value / 1e3:,.1f} µs" for value in per_call)
+    if stats.same_work([per_call]):
+        return Finding("ok", "ranks", f"{text}; communication kernels cost the same per call on every rank "
+                       f"({shown}): no straggler")
+    straggler = int(per_call.argmin())
+    return Finding("warning", "ranks", f"{text}; rank skew: communication kernels per call {shown} by rank, so "
+                   f"rank {straggler} (device {ranks[straggler].device_id}) is the straggler: it waits least, and "
+                   "the other ranks' collectives wait for it. Communication is never a drift control; compare "
+                   "the compute rows rank by rank")
+
+
 def run_findings(runs: list[tuple[Run, Run]], base_arm: Arm, cand_arm: Arm) -> list[Finding]:
     findings = []
     count = len(runs)
@@ -180,7 +224,9 @@ def comparability(baseline: Arm, candidate: Arm) -> list[Finding]:
                             f"Nsight Systems {b_ver} and {c_ver}" + ("" if same_family else
                             ": different versions can report kernels differently")))
     for arm in (baseline, candidate):
-        if arm.info.graph_trace_mode is not None and arm.info.graph_trace_mode.lower() != "node":
+        # Graph mode leaves out only the kernels of graphs launched: without a graph launch nothing is missing.
+        if arm.info.graph_trace_mode is not None and arm.info.graph_trace_mode.lower() != "node" \
+                and arm.info.graph_launches is not False:
             findings.append(Finding("warning", "graph-trace", f"{arm.label}: CUDA graphs traced as "
                                     f"'{arm.info.graph_trace_mode}', so kernels inside graphs are missing; "
                                     "re-profile with --cuda-graph-trace=node"))

@@ -7,7 +7,7 @@ picked and named for the head of every rendering (docs/statistics.md explains th
 from __future__ import annotations
 
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
 
 from kvtrace import __version__
@@ -71,12 +71,23 @@ def head_rows(diff: Diff) -> list[HeadRow]:
     for question, segment in _SEGMENT_QUESTIONS:
         chosen = [r for r in diff.phases if r.segment == segment] or \
                  [r for r in diff.segments if r.segment == segment]
-        rows += [HeadRow(question, _point(r.phase), _families(diff, r), r) for r in chosen]
+        rows += [head for r in chosen for head in _by_rank(diff, HeadRow(question, _point(r.phase),
+                                                                        _families(diff, r), r))]
     rows += [HeadRow(APPEND_PHASE, _point(r.phase), EVERY_KERNEL, r) for r in diff.phase_totals
              if (parse_phase_name(r.phase) or ("",))[0] == "append"]
-    rows += [HeadRow(CONTROL, r.segment, r.segment, r) for r in diff.segments
-             if r.kv_independent and r.ratio is not None]
+    rows += [head for r in diff.segments if r.kv_independent and r.ratio is not None
+             for head in _by_rank(diff, HeadRow(CONTROL, r.segment, r.segment, r))]
     return rows
+
+
+def _by_rank(diff: Diff, head: HeadRow) -> list[HeadRow]:
+    """A row of traces of several GPUs: itself where its ranks agree (said in its point), else one row per rank."""
+    if head.row.ranks_agree is None:
+        return [head]
+    ranks = [r for r in diff.rank_rows if (r.segment, r.phase) == (head.row.segment, head.row.phase)]
+    if head.row.ranks_agree:
+        return [replace(head, point=f"{head.point} · {len(ranks)} ranks agree")]
+    return [replace(head, point=f"{head.point} · rank {r.rank}", row=r) for r in ranks]
 
 
 def _environment(diff: Diff, manifest: Manifest | None) -> list[tuple[str, str]]:

@@ -50,6 +50,16 @@ class GpuInfo:
 
 
 @dataclass(frozen=True)
+class RankInfo:
+    """One device that ran kernels. A trace's ranks are its devices in deviceId order: rank k of one trace pairs
+    with rank k of another (vLLM's tensor-parallel worker k drives the k-th visible device)."""
+
+    device_id: int
+    processes: tuple[int, ...]  # the pids whose kernels ran on it
+    kernels: int
+
+
+@dataclass(frozen=True)
 class TraceInfo:
     source: str  # what the user passed
     sqlite: str  # the export read, an SQLite file or a Parquet folder (the source, or an .nsys-rep's cached export)
@@ -62,6 +72,8 @@ class TraceInfo:
     last_kernel_ns: int
     graph_trace_mode: str | None  # "Node", "Graph", or None when the export does not say
     capture_trigger: str | None
+    ranks: tuple[RankInfo, ...] = ()  # per device that ran kernels, in deviceId order
+    graph_launches: bool | None = None  # whether any CUDA graph was launched; None without a runtime table
 
     @property
     def kernel_span_ns(self) -> int:
@@ -145,10 +157,11 @@ def open_trace(path: str | os.PathLike, *, nsys: str | None = None, cache: bool 
         launches = read_launches(tables, index, launch_names, spans[RUNTIME_TABLE]) if launch_names else None
         partial = cache_.partial(entry) if entry is not None else None
         try:
-            laid, signatures, in_partial = _laid_out(tables, launches, ranges, spans[KERNEL_TABLE], partial)
+            laid, signatures, processes, in_partial = _laid_out(tables, launches, ranges, spans[KERNEL_TABLE],
+                                                                partial)
             signatures = _with_names(tables, signatures)
             _check_names(signatures, export)
-            info = _trace_info(tables, source, laid, signatures)
+            info = _trace_info(tables, source, laid, signatures, processes)
             trace = Trace(info=info, calls=laid.calls, signatures=signatures,
                           ranges=ranges.with_columns(pl.Series("calls", laid.launched, dtype=pl.Int64)))
             if in_partial:
@@ -166,6 +179,8 @@ def _cached_trace(source: Path):
     """Builds the Trace of a cache entry (analyzer.cache.read), named by the path the user passed."""
     def build(info: dict, frames: dict[str, pl.DataFrame], calls: calls_.Calls) -> Trace:
         info["gpus"] = tuple(GpuInfo(**gpu) for gpu in info["gpus"])
+        info["ranks"] = tuple(RankInfo(rank["device_id"], tuple(rank["processes"]), rank["kernels"])
+                              for rank in info["ranks"])
         return Trace(info=TraceInfo(**{**info, "source": str(source)}), calls=calls, **frames)
     return build
 
@@ -206,7 +221,7 @@ def open_traces(paths: list, *, nsys: str | None = None, cache: bool = True,
 
 
 def _laid_out(tables: export_tables.Tables, launches: ranges_.Launches | None, ranges: pl.DataFrame, spans: list,
-              partial: Path | None) -> tuple[calls_.Laid, pl.DataFrame, bool]:
+              partial: Path | None) -> tuple[calls_.Laid, pl.DataFrame, dict[int, set[int]], bool]:
     """read_kernels into the cache entry being written (`partial`), else into a temporary folder removed once
     the layout is mapped (its files live on while mapped), else in memory; whether it went into `partial`. A
     disk without room for the layout (OSError) means memory."""
@@ -329,14 +344,16 @@ class _SignatureNumbers:
 
 
 def read_kernels(tables: export_tables.Tables, launches: ranges_.Launches | None, ranges: pl.DataFrame,
-                 spans: list, folder: Path | None) -> tuple[calls_.Laid, pl.DataFrame]:
-    """The kernel calls laid out by cell in `folder` (None: in memory), and the distinct signatures they use.
+                 spans: list, folder: Path | None) -> tuple[calls_.Laid, pl.DataFrame, dict[int, set[int]]]:
+    """The kernel calls laid out by cell in `folder` (None: in memory), the distinct signatures they use, and per
+    signature the processes (pids) that launched it.
     The spans are read side by side, each batch looked up in the launch calls' runs and handed to the layout, so
     that memory stays at a batch per core (SQLite) or the columns read (Parquet)."""
     names, name_of_range = range_names(ranges)
     layout = calls_.Layout(folder, name_of_range, outside=len(names))
     numbers = _SignatureNumbers()
     path = tables.path
+    launched_by: list[tuple[int, np.ndarray]] = []  # (pid, provisional signatures it launched), per batch
 
     def read(position: int) -> tuple[int, float]:
         """Reads one span into its chunk of the layout; the number of kernels that do not end after they start,
@@ -344,7 +361,7 @@ def read_kernels(tables: export_tables.Tables, launches: ranges_.Launches | None
         low, high = spans[position]  # rows low..high of the table (rowids in SQLite), both included
         chunk = layout.chunk(position, high - low + 1)
         not_after, total = 0, 0.0
-        for batch in tables.kernel_batches(spans[position], launch_keys=launches is not None):
+        for batch in tables.kernel_batches(spans[position]):
             check_integers(batch, path, KERNEL_TABLE, export_tables.KERNEL_VALUES)
             start = batch.column(0).to_numpy()
             duration = batch.column(1).to_numpy() - start
@@ -353,7 +370,9 @@ def read_kernels(tables: export_tables.Tables, launches: ranges_.Launches | None
             packed = pl.from_arrow(batch.select([2, 3, 4])).rename(dict(zip(batch.schema.names[2:5], SIGNATURE)))
             in_range = launches.innermost_of(batch.column(5).to_numpy(), batch.column(6).to_numpy()) \
                 if launches is not None else np.full(start.size, ranges_.NO_RANGE, dtype=np.int32)
-            chunk.add(start, duration, numbers.of(packed), in_range)
+            sig = numbers.of(packed)
+            chunk.add(start, duration, sig, in_range)
+            launched_by.extend(_processes(batch.column(6).to_numpy(), sig))
         return not_after, total
 
     with ThreadPoolExecutor(max_workers=export_tables.workers()) as pool:
@@ -374,7 +393,21 @@ def read_kernels(tables: export_tables.Tables, launches: ranges_.Launches | None
     laid = layout.finish(export_tables.workers())
     provisional = numbers.table["sig"].to_numpy()
     signatures = numbers.table.with_columns(pl.Series("sig", laid.sig_order[provisional], dtype=pl.UInt32))
-    return laid, _unpack(signatures)
+    processes: dict[int, set[int]] = {}
+    for pid, sigs in launched_by:
+        for sig in laid.sig_order[provisional[sigs]].tolist():
+            processes.setdefault(sig, set()).add(pid)
+    return laid, _unpack(signatures), processes
+
+
+def _processes(global_pid: np.ndarray, sig: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    """(pid, the signatures it launched) of one batch of kernels; one process per batch is the usual case."""
+    pid = (global_pid >> 24) & 0xFFFFFF
+    if not pid.size:
+        return []
+    if pid.min() == pid.max():
+        return [(int(pid[0]), np.flatnonzero(np.bincount(sig)))]
+    return [(p, np.unique(sig[pid == p])) for p in np.unique(pid).tolist()]
 
 
 def _unpack(signatures: pl.DataFrame) -> pl.DataFrame:
@@ -389,8 +422,8 @@ def _unpack(signatures: pl.DataFrame) -> pl.DataFrame:
         field("block", 32, 31).alias("device_id")).sort("sig")
 
 
-def _trace_info(tables: export_tables.Tables, source: Path, laid: calls_.Laid,
-                signatures: pl.DataFrame) -> TraceInfo:
+def _trace_info(tables: export_tables.Tables, source: Path, laid: calls_.Laid, signatures: pl.DataFrame,
+                processes: dict[int, set[int]]) -> TraceInfo:
     path = tables.path
 
     def values(table: str) -> dict:
@@ -417,7 +450,21 @@ def _trace_info(tables: export_tables.Tables, source: Path, laid: calls_.Laid,
         driver_version=text(system, "NvDriverVersion", "TARGET_INFO_SYSTEM_ENV"),
         gpus=_gpus(tables, signatures), kernel_count=count, first_kernel_ns=first,
         last_kernel_ns=last, graph_trace_mode=graph_mode,
-        capture_trigger=text(capture, "START_TRIGGER", "META_DATA_CAPTURE"))
+        capture_trigger=text(capture, "START_TRIGGER", "META_DATA_CAPTURE"),
+        ranks=_ranks(laid.calls.cells, signatures, processes),
+        graph_launches=tables.graph_launched() if RUNTIME_TABLE in tables.names else None)
+
+
+def _ranks(cells: pl.DataFrame, signatures: pl.DataFrame, processes: dict[int, set[int]]) -> tuple[RankInfo, ...]:
+    """The devices that ran kernels, in deviceId order, with their processes and kernel counts."""
+    per_sig = cells.group_by("sig").agg(pl.col("calls").sum()).join(
+        signatures.select(pl.col("sig").cast(pl.UInt32), "device_id"), on="sig")
+    ranks = []
+    for device, sigs, calls in per_sig.group_by("device_id").agg("sig", pl.col("calls").sum()).sort(
+            "device_id").iter_rows():
+        pids = sorted(set().union(*(processes.get(sig, set()) for sig in sigs)))
+        ranks.append(RankInfo(int(device), tuple(pids), int(calls)))
+    return tuple(ranks)
 
 
 def _gpus(tables: export_tables.Tables, signatures: pl.DataFrame) -> tuple[GpuInfo, ...]:

@@ -12,6 +12,10 @@ loop's `step 17` taken out). Two runs, one per arm, pair their calls in two pass
    differ by name and grid; so do vLLM's BF16 and FP8 prefill kernels) pair per segment and range, in
    launch order, when both arms made as many there.
 
+Both passes pair within a rank: a trace of several GPUs (tensor parallel, all ranks under one `nsys profile`)
+has a rank per device in deviceId order (load.RankInfo), and rank k of the baseline pairs with rank k of the
+candidate only.
+
 Each pair of cells is a stratum for the statistics (analyzer.stats); nothing here computes numbers.
 """
 
@@ -32,8 +36,9 @@ from kvtrace.errors import KvtraceError
 from kvtrace.manifest import parse_phase_name
 
 # The key of a kernel cell; range cells keep segment and nvtx.
-KERNEL_KEY = ["segment", "family", *align.MATCH_KEY]
-RANGE_KEY = ["segment", "nvtx"]
+# Both keep the rank (load.RankInfo): rank k of one arm pairs with rank k of the other, never across ranks.
+KERNEL_KEY = ["segment", "family", "rank", *align.MATCH_KEY]
+RANGE_KEY = ["segment", "rank", "nvtx"]
 KERNEL, RANGE = "kernel", "range"
 # FlashInfer workload phases (kvtrace.manifest.phase_name) and the segment whose kernels do their KV work.
 PHASE_SEGMENTS = {"prefill": "prefill_attention", "decode": "decode_attention", "append": "kv_append"}
@@ -57,6 +62,7 @@ class Vocabulary:
     phases: tuple[str, ...]
     phase_of_nvtx: np.ndarray  # per name code (and `outside`), its phase code
     key_of: dict[str, str]  # range name -> its pairing key (names.NameKey)
+    ranks: int = 1  # the most ranks (devices that ran kernels) of any trace
 
     @classmethod
     def of(cls, traces: list[Trace], classes: list[pl.DataFrame], key: NameKey = NameKey()) -> Vocabulary:
@@ -70,7 +76,9 @@ class Vocabulary:
         phases = tuple(sorted(set(phase_names)))
         code_of_phase = {phase: code for code, phase in enumerate(phases)}  # not phases.index: 10^5 names
         phase_of_nvtx = np.array([code_of_phase[p] for p in phase_names] + [len(phases)], dtype=np.uint32)
-        return cls(tuple(shapes), tuple(names), tuple(families), tuple(segments), phases, phase_of_nvtx, key_of)
+        ranks = max((len(t.info.ranks) for t in traces), default=1)
+        return cls(tuple(shapes), tuple(names), tuple(families), tuple(segments), phases, phase_of_nvtx, key_of,
+                   max(ranks, 1))
 
     @property
     def outside(self) -> int:
@@ -107,6 +115,8 @@ class Vocabulary:
         segment = np.array([self.segments.index(s) for s in by_sig["segment"]], dtype=np.uint32)
         index = {shape: code for code, shape in enumerate(self.shapes)}
         shape = np.array([index[s] for s in by_sig.select(DIMS).iter_rows()], dtype=np.uint32)
+        rank_of_device = {rank.device_id: code for code, rank in enumerate(trace.info.ranks)}
+        rank = np.array([rank_of_device.get(d, 0) for d in by_sig["device_id"].to_list()], dtype=np.uint32)
         name_index = {name: code for code, name in enumerate(self.names)}
         # The trace's cells number their range names among its own; a range without a name (nvtxRangePushEx
         # with only a colour) cannot be matched, and its calls count as outside, like calls outside every range.
@@ -114,7 +124,8 @@ class Vocabulary:
                                 dtype=np.uint32)
         of_trace = trace.calls.cells
         cell_sig, cell_nvtx = of_trace["sig"].to_numpy(), nvtx_of_name[of_trace["name"].to_numpy()]
-        group_of_cell = np.unique(np.stack([family[cell_sig], shape[cell_sig], cell_nvtx]), axis=1,
+        # Trimming (--skip-warmup, --last) counts the calls of each rank's kernel cells, as they pair.
+        group_of_cell = np.unique(np.stack([family[cell_sig], rank[cell_sig], shape[cell_sig], cell_nvtx]), axis=1,
                                   return_inverse=True)[1].reshape(-1) if of_trace.height else np.zeros(0, np.int64)
         keep = align.window_calls(trace, window, group_of_cell)
         cells = Cells.of(trace.calls, cell_nvtx, keep)
@@ -129,7 +140,8 @@ class Vocabulary:
                        nvtx_of_name[trace.range_name_codes], self.outside)
         sig, nvtx = cells.table["sig"].to_numpy(), cells.table["nvtx"].to_numpy()
         cells = replace(cells, table=cells.table.with_columns(
-            pl.Series("family", family[sig]), pl.Series("segment", segment[sig]), pl.Series("shape", shape[sig]),
+            pl.Series("family", family[sig]), pl.Series("segment", segment[sig]), pl.Series("rank", rank[sig]),
+            pl.Series("shape", shape[sig]),
             pl.Series("phase", self.phase_of_nvtx[nvtx]),
             pl.Series("kv_independent", by_sig["kv_independent"].to_numpy()[sig])))
         return Run(trace, classes, cells, launched, units, keep)
@@ -206,7 +218,7 @@ class Cells:
     """A run's calls grouped into cells of one signature and one innermost range (`nvtx` code).
 
     `table` has a row per cell: cell, sig, nvtx, calls, total_ns, first (the rank of its earliest call in the
-    trace's start order), plus the codes Vocabulary.run adds (family, segment, shape, phase, kv_independent).
+    trace's start order), plus the codes Vocabulary.run adds (family, segment, rank, shape, phase, kv_independent).
     `durations` holds the calls' durations cell after cell, in start order within a cell, and `order` their
     ranks in the trace's start order: cell i is [offsets[i], offsets[i + 1]) of both. Without a window both
     are the trace's own memory-mapped columns (analyzer.calls). Groups of cells (`where`) share the arrays,
@@ -317,7 +329,7 @@ class Pairs:
     """The call pairs of one run pair (baseline run, candidate run), cell by cell.
 
     `strata` has a row per pair of cells: stratum, level (KERNEL or RANGE), segment, family (null at range
-    level), shape (null at range level), nvtx, phase, kv_independent, pairs, and the calls each arm made
+    level), rank (the device's place in each trace, load.RankInfo), shape (null at range level), nvtx, phase, kv_independent, pairs, and the calls each arm made
     under that key (`baseline_calls`, `candidate_calls`, more than `pairs` when the counts differ).
     `baseline[i]` pairs with `candidate[i]`; stratum s is [offsets[s], offsets[s + 1]). `paired` has, per
     arm, each cell's paired calls, their time and the level they paired at (cell, paired_calls, paired_ns,
@@ -332,7 +344,8 @@ class Pairs:
 
 
 _STRATA_SCHEMA = {"stratum": pl.UInt32, "level": pl.Utf8, "segment": pl.UInt32, "family": pl.UInt32,
-                  "shape": pl.UInt32, "nvtx": pl.UInt32, "kv_independent": pl.Boolean, "pairs": pl.Int64,
+                  "rank": pl.UInt32, "shape": pl.UInt32, "nvtx": pl.UInt32, "kv_independent": pl.Boolean,
+                  "pairs": pl.Int64,
                   "baseline_calls": pl.Int64, "candidate_calls": pl.Int64}
 
 
@@ -351,8 +364,8 @@ def pair(base: Run, cand: Run, vocabulary: Vocabulary) -> Pairs:
         for side, cell_list in enumerate((row["cells"], row["cells_candidate"])):
             pieces[side].append(paging.read(_last(arms[side], np.array(cell_list), count, paired[side], KERNEL)))
         kv_independent = row["kv_independent"] and row["kv_independent_candidate"]
-        rows.append((KERNEL, row["segment"], row["family"], row["shape"], row["nvtx"], kv_independent, count,
-                     row["calls"], row["calls_candidate"]))
+        rows.append((KERNEL, row["segment"], row["family"], row["rank"], row["shape"], row["nvtx"], kv_independent,
+                     count, row["calls"], row["calls_candidate"]))
     # Range cells: the calls of kernel keys that only one arm ran, per segment and range.
     alone = both.filter((pl.col("calls") == 0) | (pl.col("calls_candidate") == 0))
     ranges_of = []
@@ -367,10 +380,11 @@ def pair(base: Run, cand: Run, vocabulary: Vocabulary) -> Pairs:
             continue
         for side in (0, 1):
             pieces[side].append(paging.read(_last(arms[side], chosen[side], counts[side], paired[side], RANGE)))
-        rows.append((RANGE, row["segment"], None, None, row["nvtx"], False, counts[0], counts[0], counts[1]))
+        rows.append((RANGE, row["segment"], None, row["rank"], None, row["nvtx"], False, counts[0], counts[0],
+                     counts[1]))
     strata = pl.DataFrame(
         [(index, *row) for index, row in enumerate(rows)], schema=_STRATA_SCHEMA, orient="row").with_columns(
-        pl.Series("phase", vocabulary.phase_of_nvtx[np.array([r[4] for r in rows], dtype=np.int64)]
+        pl.Series("phase", vocabulary.phase_of_nvtx[np.array([r[5] for r in rows], dtype=np.int64)]
                   if rows else np.zeros(0, dtype=np.uint32), dtype=pl.UInt32))
     sizes = strata["pairs"].to_numpy()
     offsets = np.zeros(sizes.size + 1, dtype=np.int64)

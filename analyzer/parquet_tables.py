@@ -140,6 +140,17 @@ class ParquetTables:
         strings = self._strings_frame()
         return strings.filter(pl.col("value").str.contains(et.LAUNCH_WORD, literal=True))["id"].to_list()
 
+    def graph_launched(self) -> bool:
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        strings = self._strings_frame()
+        ids = strings.filter(pl.col("value").str.contains(et.GRAPH_LAUNCH_WORD, literal=True))["id"].to_list()
+        if not ids:
+            return False
+        names = _as_int64(self.table(et.RUNTIME_TABLE, ("nameId",)), ("nameId",), self.path, et.RUNTIME_TABLE)
+        return bool(pc.any(pc.is_in(names.column("nameId"), value_set=pa.array(ids, pa.int64()))).as_py())
+
     def spans(self, table: str) -> list[tuple[int, int]]:
         """The table's row groups as (first row, last row): nsys' writer cuts tables into groups of about a
         million rows, and each group is read on its own thread, so that memory stays at a group per core."""
@@ -158,7 +169,7 @@ class ParquetTables:
             raise _lacks(self.path, table, missing)
         return handle.read_row_group(self._groups[table][span], columns=list(columns))
 
-    def kernel_batches(self, span: tuple[int, int], *, launch_keys: bool):
+    def kernel_batches(self, span: tuple[int, int]):
         import pyarrow as pa
 
         packed_columns = tuple(column for fields in et.PACKED.values() for column, _ in fields)
@@ -166,8 +177,7 @@ class ParquetTables:
         integers = _as_int64(piece, ("start", "end", *_KERNEL_KEYS), None, et.KERNEL_TABLE)
         columns = {"start": integers.column("start"), "end": integers.column("end")}
         columns.update({name: _packed(piece, fields) for name, fields in et.PACKED.items()})
-        if launch_keys:
-            columns.update({key: integers.column(key) for key in _KERNEL_KEYS})
+        columns.update({key: integers.column(key) for key in _KERNEL_KEYS})
         yield from pa.table(columns).to_batches()
 
     def launch_batches(self, span: tuple[int, int], api_ids: list[int]):

@@ -136,6 +136,10 @@ class DiffRow:
     candidate_kv_dtypes: tuple[str, ...] = ()
     baseline_names: tuple[str, ...] = ()
     candidate_names: tuple[str, ...] = ()
+    rank: int | None = None  # a row of one rank (Diff.rank_rows); None: every rank
+    # Of a segment or phase row of traces with several ranks: whether every rank's row has its verdict and the
+    # ranks cost the same per call (then the row speaks for each rank); None with one rank.
+    ranks_agree: bool | None = None
 
 
 @dataclass
@@ -176,6 +180,8 @@ class Diff:
     phases: list[DiffRow] = field(default_factory=list)  # per segment and NVTX phase, when ranges exist
     # Per phase, every kernel together, paired range instance by range instance (_phase_totals).
     phase_totals: list[DiffRow] = field(default_factory=list)
+    # With several ranks (GPUs) per trace: each segment and phase row again per rank (DiffRow.rank).
+    rank_rows: list[DiffRow] = field(default_factory=list)
     drift: Drift | None = None
     runs: int = 1  # run pairs (repeated runs per arm)
     method: str = stats.BOOTSTRAP

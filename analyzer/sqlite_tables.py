@@ -77,6 +77,13 @@ class SqliteTables:
     def launch_api_ids(self) -> list[int]:
         return [r[0] for r in self.conn.execute(f"SELECT id FROM StringIds WHERE value GLOB '*{et.LAUNCH_WORD}*'")]
 
+    def graph_launched(self) -> bool:
+        ids = [r[0] for r in self.conn.execute(f"SELECT id FROM StringIds WHERE value GLOB '*{et.GRAPH_LAUNCH_WORD}*'")]
+        # No such name: no scan. Otherwise the first graph launch ends it; only a trace that names one and never
+        # launched it reads the whole table.
+        return bool(ids) and self.conn.execute(f"SELECT 1 FROM {et.RUNTIME_TABLE} WHERE nameId IN "
+                                               f"({','.join(map(str, ids))}) LIMIT 1").fetchone() is not None
+
     def spans(self, table: str) -> list[tuple[int, int]]:
         """The table's rowids cut into ranges of about CHUNK_ROWS, at most 4 per core; rowid bounds are b-tree
         lookups. Each range is read over its own connection."""
@@ -90,8 +97,8 @@ class SqliteTables:
         edges = [low + rows * i // pieces for i in range(pieces + 1)]
         return [(edges[i], edges[i + 1] - 1) for i in range(pieces)]
 
-    def kernel_batches(self, span: tuple[int, int], *, launch_keys: bool):
-        return read_batches(self.path, _within(kernel_query(launch_keys=launch_keys), span))
+    def kernel_batches(self, span: tuple[int, int]):
+        return read_batches(self.path, _within(kernel_query(), span))
 
     def launch_batches(self, span: tuple[int, int], api_ids: list[int]):
         return read_batches(self.path, _within(launch_query(api_ids), span))
@@ -127,11 +134,10 @@ def launch_query(api_ids: list[int]) -> str:
             f"WHERE nameId IN ({','.join(map(str, api_ids))})")
 
 
-def kernel_query(*, launch_keys: bool) -> str:
-    """The kernel table's columns kvtrace reads; `launch_keys` adds what ties a kernel to its launch call."""
+def kernel_query() -> str:
+    """The kernel table's columns kvtrace reads, with what ties a kernel to its launch call and its process."""
     packed = ", ".join(_packed(fields) for fields in et.PACKED.values())
-    columns = f"start, \"end\", {packed}" + (", correlationId, globalPid" if launch_keys else "")
-    return f"SELECT {columns} FROM {et.KERNEL_TABLE}"
+    return f"SELECT start, \"end\", {packed}, correlationId, globalPid FROM {et.KERNEL_TABLE}"
 
 
 def _within(query: str, span: tuple[int, int]) -> str:
@@ -160,7 +166,7 @@ def stage_queries(path: Path) -> dict[str, str]:
         api_ids = tables.launch_api_ids()
     finally:
         tables.close()
-    return {"kernels": kernel_query(launch_keys=True), "launches": launch_query(api_ids)}
+    return {"kernels": kernel_query(), "launches": launch_query(api_ids)}
 
 
 def drain(path: Path, query: str) -> int:

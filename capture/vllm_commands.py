@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import kvtrace.nsys
-from kvtrace.capture import runner
+from kvtrace.capture import runner, vllm_ranks
 from kvtrace.capture.vllm_config import PREFIX_CACHING, VllmCapture, Workload, child_env, engine_flags
 from kvtrace.errors import KvtraceError
 from kvtrace.manifest import Point
@@ -104,6 +104,9 @@ def dry_run(cfg: VllmCapture, out: Path, *, nsys: str | None = None, python: str
     lines = [f"# kvtrace capture vllm: scenario {workload.scenario}, mode {cfg.mode}, arms "
              f"{', '.join(cfg.arm_order())}{repeats} (dry run: nothing is started)"]
     word = "arm" if cfg.repeats == 1 else "run"
+    if cfg.tensor_parallel_size > 1:
+        lines.append(f"# tensor parallel: {cfg.tensor_parallel_size} ranks, {vllm_ranks.RECORDED}; after each "
+                     f"export, ranks 0-{cfg.tensor_parallel_size - 1} must each have kernels")
     if workload.followed:
         lines.append(f"# sweep: every {word} runs the {len(workload.followed)} points that {workload.followed_from} "
                      "ran (--points-from)")

@@ -96,7 +96,23 @@ def parse_kv_cache_log(text: str) -> dict | None:
         result["max_concurrency"] = float(concurrency.group(2))
         if "\n" in text[tokens.end():concurrency.start()]:  # the two-line form
             result["line"] += "\n" + line_from(concurrency)
-    memory = _KV_MEMORY.search(text)
-    if memory is not None:
-        result["available_gib"] = float(memory.group(1))
+    # Each worker logs its own; with tensor parallelism vLLM gives every rank the pages of the smallest, so that
+    # one is the pool the token count comes from.
+    memory = {_worker_rank(found, text, index): float(found.group(1))
+              for index, found in enumerate(_KV_MEMORY.finditer(text))}
+    if memory:
+        result["available_gib"] = min(memory.values())
+    if len(memory) > 1:
+        result["available_gib_per_rank"] = {str(rank): gib for rank, gib in sorted(memory.items())}
     return result
+
+
+_WORKER = re.compile(r"\((?:[^()\n]*?)\bTP(\d+)\b[^()\n]*\)|\brank=(\d+)")
+
+
+def _worker_rank(found: re.Match, text: str, index: int) -> int:
+    """The tensor-parallel rank a log line's process prefix names ("(Worker_TP1 pid=…)", "(VllmWorker rank=1 …)"),
+    else the line's place among the lines of its kind."""
+    start = text.rfind("\n", 0, found.start()) + 1
+    rank = _WORKER.search(text, start, found.start())
+    return int(rank.group(1) or rank.group(2)) if rank else index

@@ -14,7 +14,7 @@ from pathlib import Path
 from kvtrace.capture.vllm_kv_events import events_config
 from kvtrace.errors import KvtraceError
 from kvtrace.kv_formats import VLLM_KV_CACHE_DTYPES, bytes_per_value
-from kvtrace.manifest import Point, Run, check_repeats, read_manifest, run_order
+from kvtrace.manifest import Point, Run, check_repeats, read_manifest, run_order, tensor_parallel_size
 
 SCENARIOS = ("cold-prefill", "decode-heavy", "prefix-reuse", "sweep")
 MODES = ("serve", "offline")
@@ -192,6 +192,12 @@ class VllmCapture:
                 if arg == flag or arg.startswith((flag + "=", flag + ".")):
                     raise KvtraceError(f"extra vLLM argument {arg} is set by kvtrace ({reason}): drop it")
         self.workload.validate(self.mode)
+        tensor_parallel_size(self.extra_args)  # refuses a --tensor-parallel-size that is no whole number
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """GPUs (ranks) each arm's engine runs on: vLLM's --tensor-parallel-size among the extra arguments."""
+        return tensor_parallel_size(self.extra_args)
 
     @property
     def kv_events_port(self) -> int:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import kvtrace.nsys
 from kvtrace import files
-from kvtrace.capture import runner
+from kvtrace.capture import runner, vllm_ranks
 from kvtrace.capture.processes import ManagedProcess, sigterm_as_interrupt
 from kvtrace.capture.vllm_commands import (POLL_INTERVAL_S, base_url, bench_command, point_tag, request_identity,
                                            server_command, warmup_point, worker_command)
@@ -72,6 +72,7 @@ class VllmArm(runner.ArmResult):
     request_order_sha256: str | None = None
     points: list[dict] = field(default_factory=list)
     kv_events: dict | None = None  # the KV-cache event recorder's file and the arm's totals (serve, prefix caching)
+    ranks: list[dict] = field(default_factory=list)  # with --tensor-parallel-size > 1: vllm_ranks.recorded_ranks
 
 
 @dataclass
@@ -245,6 +246,8 @@ def _export(session: _Session, arm: VllmArm) -> None:
         arm.commands += runner.export_run(session.out, arm.name, session.nsys, log,
                                           no_report="vLLM's CUDA profiler range never opened")
     arm.sqlite = f"{arm.name}.sqlite"
+    if session.cfg.tensor_parallel_size > 1:
+        arm.ranks = vllm_ranks.recorded_ranks(session.out / arm.sqlite, session.cfg.tensor_parallel_size)
 
 
 def _write_manifests(out: Path, environment: dict, settings: dict, arms: list[VllmArm], interrupted: bool) -> dict:
@@ -278,7 +281,7 @@ def capture(cfg: VllmCapture, out: Path, *, force: bool = False, nsys: str | Non
             check_port("127.0.0.1", cfg.kv_events_port)
             check_kv_events_available()
     probe = probe_environment(python, any(arm.startswith("nvfp4") for arm in cfg.arms))
-    check_probe(probe, cfg.arms)
+    check_probe(probe, cfg.arms, cfg.tensor_parallel_size)
     runner.prepare_run_dir(out, force)
 
     environment = runner.host_environment(nsys_path)
@@ -306,6 +309,8 @@ def capture(cfg: VllmCapture, out: Path, *, force: bool = False, nsys: str | Non
     }
     if workload.followed:
         settings["points_from"] = workload.followed_from
+    if cfg.tensor_parallel_size > 1:
+        settings["ranks"] = vllm_ranks.settings(cfg.tensor_parallel_size)
     if cfg.mode == "serve":
         settings["server"] = {"host": cfg.host, "port": cfg.port, "trace_file": workload.trace_file}
     session = _Session(cfg, out, nsys_path, python, {**os.environ, **env}, startup_timeout_s, shutdown_grace_s,

@@ -46,7 +46,7 @@ def probe_environment(python: str, nvfp4: bool) -> dict:
                        "imports torch and vLLM")
 
 
-def check_probe(probe: dict, arms: tuple[str, ...]) -> None:
+def check_probe(probe: dict, arms: tuple[str, ...], tensor_parallel_size: int = 1) -> None:
     if not probe.get("vllm"):
         raise KvtraceError("vLLM is not installed for this Python: pip install 'kvtrace[vllm]' (vLLM 0.26 or "
                            "newer) where kvtrace runs, or use --dry-run to print the commands")
@@ -54,6 +54,10 @@ def check_probe(probe: dict, arms: tuple[str, ...]) -> None:
         detail = f" ({probe['torch_error']})" if probe.get("torch_error") else ""
         raise KvtraceError(f"no CUDA GPU visible to torch{detail}: run the vLLM capture on a GPU machine, "
                            "or use --dry-run to print the commands")
+    if probe["gpu_count"] < tensor_parallel_size:
+        raise KvtraceError(f"--tensor-parallel-size {tensor_parallel_size} needs {tensor_parallel_size} GPUs, and "
+                           f"torch sees {probe['gpu_count']}: run on a machine with as many (CUDA_VISIBLE_DEVICES "
+                           "may hide some), or lower --tensor-parallel-size")
     if any(arm.startswith("nvfp4") for arm in arms):
         check_nvfp4(probe)
 

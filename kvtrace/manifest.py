@@ -115,6 +115,25 @@ class Point:
         return self.concurrency * (self.prefix_len + self.input_len + self.output_len)
 
 
+_TP_FLAG = re.compile(r"^(?:--tensor-parallel-size|-tp)(?:=(.*))?$")
+
+
+def tensor_parallel_size(flags: list[str] | tuple[str, ...]) -> int:
+    """vLLM's --tensor-parallel-size (or -tp) in a flag list, 1 when absent: how many GPUs, one worker process
+    each, an engine's ranks run on."""
+    for index, flag in enumerate(flags):
+        match = _TP_FLAG.match(flag)
+        if match:
+            value = match.group(1) if match.group(1) is not None else \
+                (flags[index + 1] if index + 1 < len(flags) else "")
+            if not value.isdecimal() or int(value) < 1:
+                shown = flag if match.group(1) is not None else f"{flag} {value}".rstrip()
+                raise KvtraceError(f"{shown} is not a tensor-parallel size: give a whole number of GPUs, e.g. "
+                                   "--tensor-parallel-size 2")
+            return int(value)
+    return 1
+
+
 def point_range_name(scenario: str, point: Point) -> str:
     """NVTX name of one traffic point in the vLLM offline worker."""
     return f"kvtrace:{scenario}:{point.spec()}"
@@ -303,7 +322,8 @@ _RUN_SHAPE = {
     "request_order_sha256": str,
     "workload": {"kv_format": str, "engine": {"block_size": _COUNT}, "settings": dict, "versions": dict,
                  "phases": [{"nvtx": str, "calls": _AMOUNT, "bytes_per_call": _AMOUNT}]},
-    "kv_cache": {"tokens": _AMOUNT, "available_gib": _AMOUNT, "line": str},
+    "kv_cache": {"tokens": _AMOUNT, "available_gib": _AMOUNT, "line": str, "available_gib_per_rank": {"*": _AMOUNT}},
+    "ranks": [{"rank": _Number(0, whole=True), "device": _Number(0, whole=True), "kernels": _COUNT}],
     "points": [{"point": str, "bench": dict, "metrics": {"deltas": {"counters": dict, "histograms": dict},
                                                          "peaks": dict, "cache_config": [{"block_size": _SIZE}]}}],
 }

@@ -64,6 +64,8 @@ def sha256(path: Path) -> str:
 SERVE_RUNS = {pack.name.removesuffix(".tar.xz"): _unpack(pack) for pack in sorted(SERVE_PACKS.glob("*.tar.xz"))}
 # PyTorch programs recorded with PyTorch's own operator ranges (fixtures/torch-h200/record.sh), not by kvtrace.
 TORCH_H200 = _unpack(FIXTURES / "torch-h200" / "torch-h200.tar.xz")
+# nsys-ai's two-H100 PyTorch pair (before.sqlite, after.sqlite), cut to what kvtrace reads (fixtures/README.md).
+TORCH_H100X2 = _unpack(FIXTURES / "torch-h100x2" / "torch-h100x2.tar.xz", named=True)
 # The vLLM 0.33 run directories (fixtures/README.md): offline-cold-prefill, ..., serve-sweep.
 VLLM033_RUNS = {pack.name.removesuffix(".tar.xz"): _unpack(pack) for pack in sorted(VLLM033_PACKS.glob("*.tar.xz"))}
 # The older runs, each packed whole as fixtures/RUN/RUN.tar.xz (fixtures/README.md), by run name.

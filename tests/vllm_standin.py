@@ -10,7 +10,8 @@
 
 Failures are switched on per arm through STANDIN_FAIL, e.g. "never-ready@fp8,bench@nvfp4":
 server-exit, never-ready, ignore-sigint, profile-404 (server); bench (client); worker (offline LLM);
-no-report, export (nsys; these two also per run, e.g. "export@fp8.r2"). STANDIN_PIDDIR collects pid files so
+no-report, export (nsys; these two also per run, e.g. "export@fp8.r2"). STANDIN_DEVICES lists the devices whose
+kernels an export holds, STANDIN_RANK_GIB each tensor-parallel rank's KV memory. STANDIN_PIDDIR collects pid files so
 tests can check that nothing survives; STANDIN_BENCH_HANG names a file the measured bench creates before
 hanging (for Ctrl-C tests); STANDIN_CALLS names a file the offline LLM appends its calls to.
 """
@@ -49,6 +50,10 @@ def kv_tokens(kv_dtype: str) -> int:
 
 
 def print_kv_lines(tokens: int) -> None:
+    # Tensor-parallel workers each log their KV memory (STANDIN_RANK_GIB: one value per rank).
+    for rank, gib in enumerate(filter(None, os.environ.get("STANDIN_RANK_GIB", "").split(","))):
+        print(f"(Worker_TP{rank} pid={os.getpid() + 1 + rank}) INFO [gpu_worker.py:398] Available KV cache memory: "
+              f"{gib} GiB", file=sys.stderr)
     # vLLM 0.26's two startup lines, engine-core prefix included.
     print(f"(EngineCore_DP0 pid={os.getpid()}) INFO [kv_cache_utils.py:2177] GPU KV cache size: {tokens:,} tokens",
           file=sys.stderr)
@@ -430,6 +435,14 @@ def nsys(argv: list[str]) -> int:
         with sqlite3.connect(output) as db:
             db.execute("CREATE TABLE StringIds (id INTEGER PRIMARY KEY, value TEXT)")
             db.execute("INSERT INTO StringIds VALUES (1, 'stand-in')")
+            # STANDIN_DEVICES: the devices (one process each) whose kernels the export holds, e.g. "0,1".
+            devices = [int(d) for d in os.environ.get("STANDIN_DEVICES", "").split(",") if d]
+            if devices:
+                db.execute("CREATE TABLE CUPTI_ACTIVITY_KIND_KERNEL (start INTEGER, \"end\" INTEGER, "
+                           "deviceId INTEGER, globalPid INTEGER, shortName INTEGER)")
+                db.executemany("INSERT INTO CUPTI_ACTIVITY_KIND_KERNEL VALUES (?, ?, ?, ?, 1)",
+                               [(10 * i, 10 * i + 5, device, (100 + device) << 24)
+                                for device in devices for i in range(3)])
         return 0
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # nsys outlives its target to write the report
     child = subprocess.Popen(workload, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
