@@ -298,14 +298,25 @@ _MANIFEST_SHAPE = {"engine": str, "status": str, "request_order_matched": bool, 
                                 "spec": {"kv_heads": _COUNT, "head_dim": _COUNT, "q_heads": _COUNT,
                                          "page_size": _COUNT},
                                 "engine_flags": {"*": [str]}, "extra_vllm_args": [str]}}
+# A traffic point's serving numbers decide `matrix`: every one is a finite number of 0 or more (the bench client's
+# summary, the offline worker's counts, /metrics counter deltas, histogram sums and polled peaks). NaN would lose
+# every comparison, so make the other arm win; a negative counter delta is a counter that reset mid-point.
+_POINT_SHAPE = {
+    "point": str, "capacity": str, "bench": {"*": _AMOUNT}, "seconds": _AMOUNT, "elapsed_s": _AMOUNT,
+    "requests": _AMOUNT, "tokens_in": _AMOUNT, "tokens_out": _AMOUNT, "cached_tokens": _AMOUNT,
+    "cached_tokens_per_request": [_AMOUNT],
+    "metrics": {"deltas": {"counters": {"*": _AMOUNT},
+                           "histograms": {"*": {"count": _AMOUNT, "sum": _AMOUNT, "mean": _AMOUNT}}},
+                "peaks": {"*": _AMOUNT}, "polls": _AMOUNT, "poll_errors": _AMOUNT, "busy_polls": _AMOUNT,
+                "poll_interval_s": _AMOUNT, "cache_config": [{"block_size": _SIZE}]},
+}
 _RUN_SHAPE = {
     "arm": str, "repeat": _COUNT, "status": str, "error": str, "sqlite": str, "log": str, "kv_cache_dtype": str,
     "request_order_sha256": str,
     "workload": {"kv_format": str, "engine": {"block_size": _COUNT}, "settings": dict, "versions": dict,
                  "phases": [{"nvtx": str, "calls": _AMOUNT, "bytes_per_call": _AMOUNT}]},
     "kv_cache": {"tokens": _AMOUNT, "available_gib": _AMOUNT, "line": str},
-    "points": [{"point": str, "bench": dict, "metrics": {"deltas": {"counters": dict, "histograms": dict},
-                                                         "peaks": dict, "cache_config": [{"block_size": _SIZE}]}}],
+    "points": [_POINT_SHAPE],
 }
 
 
