@@ -11,13 +11,16 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import sqlite3
 from pathlib import Path
+from xml.etree import ElementTree
 
 import pytest
 
 from conftest import SERVE_RUNS
 from test_bad_input import assert_one_line_error
 from test_hostile_input import kv  # noqa: F401 (a fixture)
+from test_hostile_input_round2 import run_copy
 
 
 def serve_pair(tmp_path: Path, scenario: str = "cold-prefill", edit=None) -> list[Path]:
@@ -83,3 +86,54 @@ def test_offline_worker_counts_are_checked_too(tmp_path, kv):
     path.write_text(json.dumps(data))
     code, out, err = kv("report", run, "--format", "json")
     assert_one_line_error(code, out, err, str(path), r"arms.fp8.points\[0\].tokens_in is not a number of 0 or more")
+
+
+# ==== 2. plots draw any text as written, and never into an input run directory ====================================
+
+MATH = "$\\undefinedcommand{x}^$ $x_"  # matplotlib's mathtext fails to parse this
+
+
+def _svg_texts(folder: Path) -> list[str]:
+    texts = []
+    for svg in sorted(folder.glob("*.svg")):
+        root = ElementTree.parse(svg).getroot()  # raises on text that is not well-formed XML
+        texts += ["".join(node.itertext()) for node in root.iter("{http://www.w3.org/2000/svg}text")]
+    return texts
+
+
+def test_report_plots_draw_mathtext_and_control_characters_as_written(tmp_path, kv):
+    run = run_copy(tmp_path)
+    for arm in ("fp8", "nvfp4"):
+        with sqlite3.connect(run / f"{arm}.sqlite") as conn:
+            conn.execute("UPDATE TARGET_INFO_GPU SET name = ?", (f"NVIDIA {MATH} \x1b[2J\x07\x00",))
+        conn.close()
+    plots = tmp_path / "plots"
+    code, out, err = kv("report", run, "--label", f"fp8 {MATH}", "--label", "nvfp4 $\\", "--plots", plots,
+                        "--plot-format", "svg", "-o", tmp_path / "report.md")
+    assert code == 0, err
+    drawn = "\n".join(_svg_texts(plots))
+    assert f"NVIDIA {MATH} \\x1b[2J\\x07\\x00" in drawn and f"fp8 {MATH}" in drawn
+    code, out, err = kv("report", run, "--label", MATH, "--label", "b", "--plots", tmp_path / "png")
+    assert code == 0, err
+    assert (tmp_path / "png" / "summary.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_matrix_plots_draw_a_mathtext_scenario_name_as_written(tmp_path, kv):
+    def edit(arm, data):
+        data["settings"]["scenario"] = f"sweep {MATH}\x1b"
+
+    runs = serve_pair(tmp_path, "sweep", edit)
+    code, out, err = kv("matrix", *runs, "--plots", tmp_path / "plots", "--plot-format", "svg", "-q")
+    assert code == 0, err
+    assert any(f"sweep {MATH}\\x1b (serve)" in text for text in _svg_texts(tmp_path / "plots"))
+
+
+@pytest.mark.parametrize("where", ["run-directory", "inside-it"])
+@pytest.mark.parametrize("command", ["matrix", "report"])
+def test_plots_never_go_into_an_input_run_directory(where, command, tmp_path, kv):
+    runs = serve_pair(tmp_path, "sweep")
+    target = runs[0] if where == "run-directory" else runs[0] / "plots"
+    before = sorted(p.name for p in runs[0].iterdir())
+    code, out, err = kv(command, *runs, "--plots", target, "-q")
+    assert_one_line_error(code, out, err, f"--plots {target}", r"never writes among its inputs")
+    assert sorted(p.name for p in runs[0].iterdir()) == before

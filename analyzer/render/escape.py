@@ -52,6 +52,12 @@ def md_prose(text) -> str:
     return _SHORTCODE.sub(":<!-- -->", escaped)
 
 
+def plot_text(text) -> str:
+    """Text in a plot, line by line (kvtrace's titles break lines on purpose): control characters visible. Plots
+    also turn off mathtext (render/plots.py), so `$` is drawn as written."""
+    return "\n".join(visible(line) for line in str(text).split("\n"))
+
+
 def csv_writer(buffer):
     """A csv writer whose text cells have control characters made visible and cannot start a formula."""
     return _SafeWriter(csv.writer(buffer, lineterminator="\n"))
