@@ -10,16 +10,19 @@ from __future__ import annotations
 
 import json
 import re
+import resource
 import shutil
 import sqlite3
 from pathlib import Path
 from xml.etree import ElementTree
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
-from conftest import SERVE_RUNS
+from conftest import PARQUET_2025, SERVE_RUNS
 from test_bad_input import assert_one_line_error
-from test_hostile_input import kv  # noqa: F401 (a fixture)
+from test_hostile_input import KERNEL, kv  # noqa: F401 (kv is a fixture)
 from test_hostile_input_round2 import run_copy
 
 
@@ -137,3 +140,93 @@ def test_plots_never_go_into_an_input_run_directory(where, command, tmp_path, kv
     code, out, err = kv(command, *runs, "--plots", target, "-q")
     assert_one_line_error(code, out, err, f"--plots {target}", r"never writes among its inputs")
     assert sorted(p.name for p in runs[0].iterdir()) == before
+
+
+# ==== 3. Parquet folders ==========================================================================================
+
+def parquet_copy(tmp_path: Path, name: str = "pq") -> Path:
+    folder = tmp_path / name
+    shutil.copytree(PARQUET_2025 / "fp8", folder)
+    for path in folder.iterdir():
+        path.chmod(0o644)
+    return folder
+
+
+def _first_kernel_name_id(folder: Path) -> int:
+    return pq.read_table(folder / f"{KERNEL}.parquet", columns=["demangledName"]).column(0)[0].as_py()
+
+
+def _rewrite(path: Path, table, **options) -> None:
+    pq.write_table(table, path, **options)
+
+
+def _invalid_utf8(folder: Path) -> None:
+    strings = pq.read_table(folder / "StringIds.parquet")
+    values = [v.encode() for v in strings.column("value").to_pylist()]
+    values[strings.column("id").to_pylist().index(_first_kernel_name_id(folder))] = b"void k\xff<int>()"
+    _rewrite(folder / "StringIds.parquet",
+             strings.set_column(1, "value", pa.array(values, pa.large_binary()).view(pa.large_string())))
+
+
+def _column_twice(folder: Path) -> None:
+    kernels = pq.read_table(folder / f"{KERNEL}.parquet")
+    _rewrite(folder / f"{KERNEL}.parquet", kernels.append_column("start", kernels.column("start")))
+
+
+def _id_twice(folder: Path) -> None:
+    strings = pq.read_table(folder / "StringIds.parquet")
+    again = pa.table({"id": pa.array([_first_kernel_name_id(folder)], pa.int32()),
+                      "value": pa.array(["void renamed()"], pa.large_string())}, schema=strings.schema)
+    _rewrite(folder / "StringIds.parquet", pa.concat_tables([again, strings]))
+
+
+PARQUET_DAMAGE = {
+    # Arrow reads UTF-8 unchecked; polars panicked on it (PanicException, exit 1).
+    "invalid-utf8": (_invalid_utf8, r"StringIds has invalid UTF-8 \(not text\) values in value"),
+    "column-twice": (_column_twice, rf"{KERNEL}\.parquet has column start more than once"),
+    # SQLite's primary key makes ids unique; here the first row's name silently replaced the kernel's.
+    "id-twice": (_id_twice, r"StringIds\.parquet holds id \d+ more than once"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(PARQUET_DAMAGE))
+def test_damaged_parquet_folders_are_one_line(kind, tmp_path, kv):
+    damage, problem = PARQUET_DAMAGE[kind]
+    folder = parquet_copy(tmp_path)
+    damage(folder)
+    code, out, err = kv("summary", folder, "--no-cache")
+    assert_one_line_error(code, out, err, str(folder), problem, r"export the report again")
+
+
+def test_a_parquet_file_of_one_row_groups_reads_as_its_rows(tmp_path, kv):
+    folder = parquet_copy(tmp_path)
+    for table in (KERNEL, "CUPTI_ACTIVITY_KIND_RUNTIME"):
+        # 2,056 kernels and 3,612 runtime calls, a row group each: read one group at a time, this took 500 s.
+        _rewrite(folder / f"{table}.parquet", pq.read_table(folder / f"{table}.parquet"), row_group_size=1)
+    assert pq.read_metadata(folder / f"{KERNEL}.parquet").num_row_groups > 2000
+    reference = json.loads(kv("summary", PARQUET_2025 / "fp8", "--format", "json", "--no-cache")[1])
+    code, out, err = kv("summary", folder, "--format", "json", "--no-cache", child=True, timeout=300)
+    assert code == 0, err
+    assert json.loads(out)["segments"] == reference["segments"]
+
+
+@pytest.mark.slow
+def test_a_parquet_decompression_bomb_is_said_to_exceed_memory(tmp_path, kv):
+    folder = parquet_copy(tmp_path)
+    strings = pq.read_table(folder / "StringIds.parquet")
+    zeros = pa.array([b"\0" * (256 << 20)], pa.large_binary()).view(pa.large_string())
+    # 5 GiB of text in 170 kB: past the 4 GiB this kvtrace may allocate (ulimit -v below).
+    with pq.ParquetWriter(folder / "StringIds.parquet", strings.schema, compression="zstd", write_statistics=False,
+                          use_dictionary=False) as writer:
+        writer.write_table(strings)
+        for number in range(20):
+            writer.write_table(pa.table({"id": pa.array([10 ** 6 + number], pa.int32()), "value": zeros},
+                                        schema=strings.schema))
+
+    def four_gib():
+        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+
+    code, out, err = kv("summary", folder, "--no-cache", preexec_fn=four_gib, timeout=300)
+    assert_one_line_error(code, out, err, str(folder / "StringIds.parquet"), r"not enough memory to read it \(its "
+                          r"pages decompress to 5\.0 GiB\)", r"decompression bomb")
+    assert "damaged" not in err
