@@ -15,7 +15,7 @@ import subprocess
 import tempfile
 from contextlib import closing
 from pathlib import Path
-from typing import TextIO
+from typing import Callable, TextIO
 from urllib.parse import quote
 
 from kvtrace import files
@@ -159,14 +159,17 @@ def export_command(nsys: str, report: Path, output: Path, tables: tuple[str, ...
 
 
 def export_sqlite(nsys: str, report: Path, target: Path, *, log: TextIO | None = None,
-                  tables: tuple[str, ...] = ()) -> None:
+                  tables: tuple[str, ...] = (), seal: Callable[[Path], None] | None = None) -> None:
     """Export `report` to `target` (only `tables` when given). nsys writes a temporary file beside the target,
-    renamed into place only once it is a complete SQLite file, so `target` never holds half an export. The
-    command and nsys' output go to `log` when one is given. Raises ExportFailed."""
+    renamed into place only once it is a complete SQLite file, so `target` never holds half an export; `seal`
+    is called with that file first (the cache records what it holds). The command and nsys' output go to `log`
+    when one is given. Raises ExportFailed."""
     with files.beside(target, suffix=".sqlite") as partial:
         result = _run_logged(export_command(nsys, report, partial, tables), log)
         if result.returncode != 0 or not is_sqlite(partial):
             raise ExportFailed(result.returncode, result.stdout)
+        if seal is not None:
+            seal(partial)
 
 
 # Versions whose Parquet output is known to lack a table kvtrace reads: Nsight Systems 2023.4.4 never writes
@@ -201,10 +204,11 @@ def parquet_command(nsys: str, report: Path, output: Path, tables: tuple[str, ..
 
 
 def export_parquet(nsys: str, report: Path, target: Path, tables: tuple[str, ...], *,
-                   log: TextIO | None = None) -> None:
+                   log: TextIO | None = None, seal: Callable[[Path], None] | None = None) -> None:
     """Export `report`'s `tables` to the Parquet folder `target`. nsys writes into a temporary folder beside the
-    target, renamed into place only once it holds PARQUET_REQUIRED, so `target` never holds half an export.
-    Raises ExportFailed, its output ending with what the folder lacks when nsys itself said nothing wrong."""
+    target, renamed into place only once it holds PARQUET_REQUIRED, so `target` never holds half an export;
+    `seal` is called with that folder first. Raises ExportFailed, its output ending with what the folder lacks
+    when nsys itself said nothing wrong."""
     stem = os.fsdecode(os.fsencode(target.name)[:128])
     scratch = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{stem}."))
     try:
@@ -215,6 +219,8 @@ def export_parquet(nsys: str, report: Path, target: Path, tables: tuple[str, ...
         missing = [name for name in PARQUET_REQUIRED if not (output / f"{name}.parquet").is_file()]
         if missing:
             raise ExportFailed(0, f"{result.stdout}\nthe Parquet output lacks {', '.join(missing)}")
+        if seal is not None:
+            seal(output)
         try:
             os.replace(output, target)
         except OSError:

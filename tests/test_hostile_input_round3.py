@@ -9,6 +9,7 @@ a copy of a real fixture edited in tmp_path. docs/reliability.md has a row per k
 from __future__ import annotations
 
 import json
+import os
 import re
 import resource
 import shutil
@@ -20,9 +21,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import PARQUET_2025, SERVE_RUNS
+from conftest import NSYS2023_DIR, NSYS2023_REPORTS, PARQUET_2025, SERVE_RUNS
 from test_bad_input import assert_one_line_error
-from test_hostile_input import KERNEL, kv  # noqa: F401 (kv is a fixture)
+from test_hostile_input import KERNEL, json_of, kv, without_dac  # noqa: F401 (kv, without_dac are fixtures)
 from test_hostile_input_round2 import run_copy
 
 
@@ -230,3 +231,72 @@ def test_a_parquet_decompression_bomb_is_said_to_exceed_memory(tmp_path, kv):
     assert_one_line_error(code, out, err, str(folder / "StringIds.parquet"), r"not enough memory to read it \(its "
                           r"pages decompress to 5\.0 GiB\)", r"decompression bomb")
     assert "damaged" not in err
+
+
+# ==== 4. the export cache of .nsys-rep reports ====================================================================
+
+def standin_nsys(tmp_path: Path, *, hang: bool = False) -> Path:
+    """An nsys whose `export --type=sqlite` copies the real 2023.4 export of the report it is given (fixtures
+    hold both) and counts its exports in exports.log; `hang`: it never returns."""
+    script = tmp_path / "nsys"
+    script.write_text(f"""#!/bin/bash
+[ "$1" = --version ] && {{ echo "NVIDIA Nsight Systems version 2023.4.4.54-234433681190v0"; exit 0; }}
+{'sleep 100000' if hang else ''}
+for a in "$@"; do case "$a" in --output=*) out="${{a#--output=}}";; esac; report="$a"; done
+echo "$report" >> {tmp_path}/exports.log
+cp {NSYS2023_DIR}/"$(basename "$report" .nsys-rep)".sqlite "$out"
+""")
+    script.chmod(0o755)
+    return script
+
+
+def _report(tmp_path: Path, name: str = "fp8") -> Path:
+    folder = tmp_path / "in"
+    folder.mkdir(exist_ok=True)
+    shutil.copy2(NSYS2023_REPORTS / f"{name}.nsys-rep", folder / f"{name}.nsys-rep")
+    return folder / f"{name}.nsys-rep"
+
+
+def _exports(tmp_path: Path) -> int:
+    return len((tmp_path / "exports.log").read_text().splitlines())
+
+
+def _cached_export(cache_dir: Path) -> Path:
+    [export] = [p for p in (cache_dir / "exports").iterdir() if p.name.endswith(".sqlite")]
+    return export
+
+
+CACHE_DAMAGE = {
+    "truncated": lambda export: os.truncate(export, 4096),
+    "flipped-byte": lambda export: export.write_bytes(export.read_bytes()[:-100] + b"\x01" + export.read_bytes()[-99:]),
+    # Another report's export at this one's name (its bytes, or a link to it).
+    "another-reports": lambda export: shutil.copyfile(NSYS2023_DIR / "nvfp4.sqlite", export),
+    "link": lambda export: (export.unlink(), export.symlink_to(NSYS2023_DIR / "nvfp4.sqlite")),
+    "folder": lambda export: (export.unlink(), export.mkdir(), (export / "x").write_text("x")),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(CACHE_DAMAGE))
+def test_a_cached_export_that_is_not_its_reports_is_exported_again(damage, tmp_path, cache_dir, kv):
+    report, nsys = _report(tmp_path), standin_nsys(tmp_path)
+    reference = json_of(kv, "kernels", NSYS2023_DIR / "fp8.sqlite", "--no-cache")["rows"]
+    assert json_of(kv, "kernels", report, "--no-cache", env={"NSYS": str(nsys)})["rows"] == reference
+    export = _cached_export(cache_dir)
+    CACHE_DAMAGE[damage](export)
+    code, out, err = kv("kernels", report, "--no-cache", "--format", "json", env={"NSYS": str(nsys)})
+    assert code == 0, err
+    assert json.loads(out)["rows"] == reference and _exports(tmp_path) == 2
+    assert _cached_export(cache_dir).is_file() and not _cached_export(cache_dir).is_symlink()
+    assert json_of(kv, "kernels", report, "--no-cache", env={"NSYS": str(nsys)})["rows"] == reference
+    assert _exports(tmp_path) == 2  # sealed again: used as is
+
+
+def test_a_read_only_exports_folder_is_passed_over(tmp_path, cache_dir, kv, without_dac):
+    report, nsys = _report(tmp_path), standin_nsys(tmp_path)
+    (cache_dir / "exports").mkdir(mode=0o500)
+    code, out, err = kv("kernels", report, "--format", "json", env={"NSYS": str(nsys), "TMPDIR": str(tmp_path)},
+                        preexec_fn=without_dac or (lambda: None))
+    assert code == 0, err
+    assert re.fullmatch(r"kvtrace: warning: cache folder \S+/exports cannot be written; not using it: make it "
+                        r"writable, or set KVTRACE_CACHE_DIR\n(kvtrace: note: .*\n)?", err), err
+    assert list((cache_dir / "exports").iterdir()) == []
