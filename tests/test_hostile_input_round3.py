@@ -14,6 +14,7 @@ import re
 import resource
 import shutil
 import sqlite3
+import stat
 from pathlib import Path
 from xml.etree import ElementTree
 
@@ -21,7 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import NSYS2023_DIR, NSYS2023_REPORTS, PARQUET_2025, SERVE_RUNS
+from conftest import NSYS2023_DIR, NSYS2023_REPORTS, PARQUET_2025, SERVE_RUNS, VLLM033_RUNS
 from test_bad_input import assert_one_line_error
 from test_hostile_input import KERNEL, json_of, kv, without_dac  # noqa: F401 (kv, without_dac are fixtures)
 from test_hostile_input_round2 import run_copy
@@ -78,8 +79,6 @@ def test_serving_numbers_that_are_not_finite_and_positive_are_one_line(kind, com
 
 
 def test_offline_worker_counts_are_checked_too(tmp_path, kv):
-    from conftest import VLLM033_RUNS
-
     run = tmp_path / "offline"
     shutil.copytree(VLLM033_RUNS["offline-cold-prefill"], run)
     run.chmod(0o755)
@@ -300,3 +299,51 @@ def test_a_read_only_exports_folder_is_passed_over(tmp_path, cache_dir, kv, with
     assert re.fullmatch(r"kvtrace: warning: cache folder \S+/exports cannot be written; not using it: make it "
                         r"writable, or set KVTRACE_CACHE_DIR\n(kvtrace: note: .*\n)?", err), err
     assert list((cache_dir / "exports").iterdir()) == []
+
+
+# ==== 5. capture import stays inside the run directory and never waits on a FIFO ==================================
+
+def _importable_run(tmp_path: Path) -> Path:
+    from test_capture_import import as_recorded
+
+    return as_recorded(VLLM033_RUNS["offline-decode-heavy"], tmp_path / "run")  # fp8 and nvfp4 to take up
+
+
+@pytest.mark.parametrize("where", ["sqlite", "log"])
+def test_capture_import_refuses_a_fifo_at_once(where, tmp_path, run_kvtrace):
+    run = _importable_run(tmp_path)
+    fifo = run / f"nvfp4.{where}"
+    fifo.unlink(missing_ok=True)
+    if where == "log":
+        (run / "nvfp4.sqlite").unlink()  # so that the run is exported, which logs
+        (run / "nvfp4.nsys-rep").write_bytes(b"stand-in report\n")
+    os.mkfifo(fifo)
+    code, out, err = run_kvtrace("capture", "import", run, "--nsys", standin_nsys(tmp_path), child=True, timeout=120)
+    assert code == 1 and "Traceback" not in err, err
+    assert f"nvfp4: not imported (nvfp4.{where} is not a regular file (a FIFO" in out, out
+    assert "fp8: ok" in out
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+
+
+@pytest.mark.parametrize("where", ["log", "manifest", "arm-manifest"])
+def test_capture_import_never_writes_through_a_link_out_of_the_run(where, tmp_path, run_kvtrace):
+    run = _importable_run(tmp_path)
+    outside = tmp_path / "outside.txt"
+    outside.write_text("keep\n")
+    name = {"log": "nvfp4.log", "manifest": "manifest.json", "arm-manifest": "nvfp4.manifest.json"}[where]
+    if where == "log":
+        (run / "nvfp4.sqlite").unlink()
+        (run / "nvfp4.nsys-rep").write_bytes(b"stand-in report\n")
+        (run / name).unlink(missing_ok=True)
+        (run / name).symlink_to(outside)
+    else:
+        shutil.move(run / name, outside)
+        (run / name).symlink_to(outside)
+    before = outside.read_bytes()
+    code, out, err = run_kvtrace("capture", "import", run, "--nsys", standin_nsys(tmp_path), child=True, timeout=120)
+    assert "Traceback" not in err, err
+    if where == "log":
+        assert code == 1 and "nvfp4: not imported (nvfp4.log is a link" in out, out
+    else:
+        assert code == 2 and err.startswith(f"kvtrace: error: {run / name} is a link") and err.count("\n") == 1, err
+    assert outside.read_bytes() == before
