@@ -347,3 +347,24 @@ def test_capture_import_never_writes_through_a_link_out_of_the_run(where, tmp_pa
     else:
         assert code == 2 and err.startswith(f"kvtrace: error: {run / name} is a link") and err.count("\n") == 1, err
     assert outside.read_bytes() == before
+
+
+# ==== 6. the process's own environment ============================================================================
+
+@pytest.mark.parametrize("step", ["version", "export"])
+def test_an_nsys_that_never_returns_is_stopped_naming_the_step(step, tmp_path, cache_dir, run_kvtrace):
+    report, nsys = _report(tmp_path), standin_nsys(tmp_path, hang=True)
+    if step == "version":
+        nsys.write_text(nsys.read_text().replace("#!/bin/bash\n", "#!/bin/bash\nsleep 100000\n", 1))
+    code, out, err = run_kvtrace("kernels", report, "--nsys", nsys, env={"KVTRACE_STEP_LIMIT_S": "2"}, child=True,
+                                 timeout=120)
+    named = f"`{nsys} --version`" if step == "version" else f"nsys export of {report}"
+    assert_one_line_error(code, out, err, named, r"did not finish within 2 s and was stopped")
+    assert not list(cache_dir.rglob("*.sqlite"))  # nothing half-exported left
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "soon"])
+def test_a_step_limit_that_is_no_time_is_one_line(value, tmp_path, cache_dir, run_kvtrace):
+    code, out, err = run_kvtrace("kernels", _report(tmp_path), "--nsys", standin_nsys(tmp_path),
+                                 env={"KVTRACE_STEP_LIMIT_S": value}, child=True)
+    assert_one_line_error(code, out, err, f"KVTRACE_STEP_LIMIT_S={value}", r"not a number of seconds above 0")
