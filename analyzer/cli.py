@@ -218,6 +218,10 @@ def emit(result, fmt: str, output: Path | None) -> None:
             sys.stdout.flush()
         except BrokenPipeError:
             files.discard_stdout()  # the reader has what it wanted; a --fail-on gate still decides the exit code
+        except OSError as error:  # no room (/dev/full, a full disk or quota): one line, and nothing more written
+            files.discard_stdout()
+            raise KvtraceError(f"cannot write standard output: {(error.strerror or str(error)).lower()}; free some "
+                               "space, or write the result elsewhere with -o FILE") from None
         return
     if fmt == "table":
         buffer = io.StringIO()

@@ -15,6 +15,8 @@ import resource
 import shutil
 import sqlite3
 import stat
+import subprocess
+import sys
 from pathlib import Path
 from xml.etree import ElementTree
 
@@ -24,7 +26,7 @@ import pytest
 
 from conftest import NSYS2023_DIR, NSYS2023_REPORTS, PARQUET_2025, SERVE_RUNS, VLLM033_RUNS
 from test_bad_input import assert_one_line_error
-from test_hostile_input import KERNEL, json_of, kv, without_dac  # noqa: F401 (kv, without_dac are fixtures)
+from test_hostile_input import KERNEL, NVFP4, SMALL, json_of, kv, without_dac  # noqa: F401 (kv, without_dac: fixtures)
 from test_hostile_input_round2 import run_copy
 
 
@@ -368,3 +370,70 @@ def test_a_step_limit_that_is_no_time_is_one_line(value, tmp_path, cache_dir, ru
     code, out, err = run_kvtrace("kernels", _report(tmp_path), "--nsys", standin_nsys(tmp_path),
                                  env={"KVTRACE_STEP_LIMIT_S": value}, child=True)
     assert_one_line_error(code, out, err, f"KVTRACE_STEP_LIMIT_S={value}", r"not a number of seconds above 0")
+
+
+HOSTILE_LABEL = "é→µ–"  # none of these is ASCII; → is not Latin-1 either
+
+
+@pytest.mark.parametrize("encoding", ["C-locale", "ascii", "latin-1"])
+@pytest.mark.parametrize("fmt", ["table", "markdown"])
+def test_an_output_encoding_that_cannot_hold_the_text_shows_escapes(encoding, fmt, tmp_path):
+    changes = {"LC_ALL": "C", "PYTHONUTF8": "0"} if encoding == "C-locale" else {"PYTHONIOENCODING": encoding}
+    env = {key: value for key, value in {**os.environ, **changes}.items()
+           if key not in ("LANG", "PYTHONIOENCODING") or key in changes}
+    done = subprocess.run([sys.executable, "-m", "kvtrace", "summary", str(SMALL), "--label", HOSTILE_LABEL,
+                           "--format", fmt], capture_output=True, env=env, cwd=tmp_path, timeout=300)
+    assert (done.returncode, done.stderr) == (0, b""), done.stderr
+    out = done.stdout.decode("latin-1" if encoding == "latin-1" else "ascii")
+    # Under the C locale the label arrives as undecodable bytes, shown as such; else what the encoding lacks is an
+    # escape (Latin-1 holds é, µ).
+    arrow = "\\u2192" if encoding != "C-locale" else "\\\\xe2\\\\x86\\\\x92" if fmt == "markdown" else "\\xe2\\x86\\x92"
+    assert arrow in out, out[:300]
+
+
+def test_a_closed_standard_output_or_error_is_no_traceback(tmp_path):
+    def closed(descriptor):
+        return lambda: os.close(descriptor)
+
+    def kvtrace(*args, descriptor):
+        return subprocess.run([sys.executable, "-m", "kvtrace", *map(str, args)], capture_output=True, text=True,
+                              preexec_fn=closed(descriptor), cwd=tmp_path, timeout=300)
+
+    assert kvtrace("summary", SMALL, descriptor=1).returncode == 0
+    written = kvtrace("summary", SMALL, "-o", tmp_path / "out.md", descriptor=1)
+    assert written.returncode == 0 and (tmp_path / "out.md").read_text().startswith("## kvtrace summary")
+    refused = kvtrace("summary", tmp_path / "missing.sqlite", descriptor=2)
+    assert refused.returncode == 2 and "Traceback" not in refused.stdout
+
+
+@pytest.mark.parametrize("fmt", ["table", "markdown", "json"])
+def test_a_full_disk_on_standard_output_is_one_line(fmt, tmp_path):
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "-m", "kvtrace", "summary", str(SMALL), "--format", fmt], stdout=full,
+                              stderr=subprocess.PIPE, text=True, cwd=tmp_path, timeout=300)
+    assert_one_line_error(done.returncode, "", done.stderr, "standard output", r"no space left on device", r"-o FILE")
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "many", ""])
+def test_polars_max_threads_that_is_no_count_is_one_line(value, run_kvtrace):
+    code, out, err = run_kvtrace("summary", SMALL, "--no-cache", env={"POLARS_MAX_THREADS": value}, child=True)
+    if value == "":  # unset in effect
+        assert code == 0, err
+    else:
+        assert_one_line_error(code, out, err, f"POLARS_MAX_THREADS={value}", r"not a number of threads of 1 or more")
+
+
+def test_a_relative_xdg_cache_home_is_ignored(tmp_path, kv):
+    work, home = tmp_path / "work", tmp_path / "home"
+    work.mkdir()
+    home.mkdir(mode=0o700)
+    code, out, err = kv("summary", SMALL, "--format", "json", cwd=work,
+                        env={"KVTRACE_CACHE_DIR": None, "XDG_CACHE_HOME": "relative-cache", "HOME": str(home)})
+    assert code == 0, err
+    assert list(work.iterdir()) == []  # not ./relative-cache/kvtrace
+    assert (home / ".cache" / "kvtrace" / "traces").is_dir()  # the spec's default, ~/.cache
+
+
+def test_100000_labels_are_one_line(kv):
+    code, out, err = kv("diff", SMALL, NVFP4, *[word for n in range(100_000) for word in ("--label", f"x{n}")])
+    assert_one_line_error(code, out, err, "200,003 command-line words", r"past the 10,000 kvtrace reads")
