@@ -154,7 +154,7 @@ def progress(message: str, delay_s: float = 1.0):
     a large trace); nothing when standard error is not a terminal or with --quiet. Yields a function that
     names the step now running (which report, which step) beside the message."""
     context = click.get_current_context(silent=True)
-    console = Console(stderr=True)
+    console = Console(stderr=True, emoji=False)
     if (context and context.meta.get("kvtrace.quiet")) or not console.is_terminal:
         yield lambda step: None
         return
@@ -225,7 +225,7 @@ def emit(result, fmt: str, output: Path | None) -> None:
         return
     if fmt == "table":
         buffer = io.StringIO()
-        render.render_table(result, Console(file=buffer, width=200, no_color=True, force_terminal=False))
+        render.render_table(result, Console(file=buffer, width=200, no_color=True, force_terminal=False, emoji=False))
         text = buffer.getvalue()
     else:
         text = render.render_text(result, fmt)
@@ -236,6 +236,9 @@ def emit(result, fmt: str, output: Path | None) -> None:
 
 
 class _Stdout(Console):
+    def __init__(self, **options):
+        super().__init__(emoji=False, **options)  # `:cat:` in a name or label stays text, never a picture
+
     def on_broken_pipe(self) -> None:
         raise BrokenPipeError  # rich would exit 1 at once; emit() carries on
 

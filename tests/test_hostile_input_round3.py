@@ -24,10 +24,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import NSYS2023_DIR, NSYS2023_REPORTS, PARQUET_2025, SERVE_RUNS, VLLM033_RUNS
+from conftest import NSYS2025_DIR, NSYS2023_DIR, NSYS2023_REPORTS, PARQUET_2025, SERVE_RUNS, VLLM033_RUNS
 from test_bad_input import assert_one_line_error
 from test_hostile_input import KERNEL, NVFP4, SMALL, json_of, kv, without_dac  # noqa: F401 (kv, without_dac: fixtures)
-from test_hostile_input_round2 import run_copy
+from test_hostile_input_round2 import outside_code_spans, run_copy
 
 
 def serve_pair(tmp_path: Path, scenario: str = "cold-prefill", edit=None) -> list[Path]:
@@ -437,3 +437,54 @@ def test_a_relative_xdg_cache_home_is_ignored(tmp_path, kv):
 def test_100000_labels_are_one_line(kv):
     code, out, err = kv("diff", SMALL, NVFP4, *[word for n in range(100_000) for word in ("--label", f"x{n}")])
     assert_one_line_error(code, out, err, "200,003 command-line words", r"past the 10,000 kvtrace reads")
+
+
+# ==== 7. text that stays inert ====================================================================================
+
+FP8_2025 = NSYS2025_DIR / "fp8.sqlite"
+PING = "@octocat @org/team https://evil.example/x www.evil.example"
+
+
+def _prose(markdown: str) -> str:
+    """What GitHub renders as text or markup: outside code spans, with kvtrace's own inert comments removed
+    (`@<!-- -->octocat` renders as "@octocat" text, no ping)."""
+    return outside_code_spans(markdown)
+
+
+def test_recipe_rule_ids_and_file_names_are_inert_in_markdown(tmp_path, kv):
+    recipe = tmp_path / "<img src=x>@octocat.toml"
+    recipe.write_text('order = 1\ndescription = "<img src=x> </details> [d](javascript:alert(1)) <!--"\n'
+                      '[[rule]]\nid = "<img src=y></details>[a](javascript:alert(1))<!--@octocat"\n'
+                      'segment = "other"\nmatch = "Functor"\n'
+                      'note = "<b>n</b> </details> [n](javascript:x) <!-- https://evil.example"\n')
+    code, out, err = kv("kernels", FP8_2025, "--recipe", recipe, "--format", "markdown")
+    assert code == 0, err
+    prose = _prose(out)
+    for active in ("<img", "</details>", "<b>", r"\]\(javascript", "@octocat", "https://evil", "<!--(?! -->)"):
+        assert not re.search(rf"(?<!\\){active}", prose), active
+    assert "`<img src=x>@octocat.toml:<img src=y></details>[a](javascript:alert(1))<!--@octocat`" in out
+
+
+def test_mentions_and_bare_urls_in_labels_gpu_names_and_capture_metadata_are_inert(tmp_path, kv):
+    run = run_copy(tmp_path)
+    for arm in ("fp8", "nvfp4"):
+        with sqlite3.connect(run / f"{arm}.sqlite") as conn:
+            conn.execute("UPDATE TARGET_INFO_GPU SET name = ?", (f"NVIDIA {PING}",))
+            conn.execute("UPDATE META_DATA_CAPTURE SET value = ? WHERE name LIKE '%CUDA_GRAPH_TRACE_OPTIONS:MODE'",
+                         ("<img src=x> **Node** [x](https://evil.example) @octocat :cat:",))
+        conn.close()
+    for args in (["report", run, "--label", f"a {PING}", "--label", "b :cat:"], ["summary", run / "fp8.sqlite",
+                 "--label", PING], ["diff", run / "fp8.sqlite", run / "nvfp4.sqlite", "--label", PING, "--label", "b"]):
+        code, out, err = kv(*args, "--format", "markdown")
+        assert code == 0, err
+        prose = _prose(out)
+        for active in ("@octocat", "@org", "https://", r"www\.evil", "<img", r"\*\*Node", ":cat:"):
+            assert not re.search(rf"(?<!\\){active}", prose), (active, args[0])
+        assert not re.search(r"(?<!\\)\]\(", prose), args[0]
+        assert "@<!-- -->octocat" in prose and "https:<!-- -->//evil.example" in prose
+
+
+def test_shortcodes_stay_text_in_the_terminal_table(tmp_path, kv):
+    code, out, err = kv("summary", SMALL, "--label", ":cat: :smile:")
+    assert code == 0, err
+    assert ":cat: :smile:" in out and "\N{CAT FACE}" not in out and "\N{SMILING FACE WITH OPEN MOUTH}" not in out
