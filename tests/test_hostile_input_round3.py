@@ -23,8 +23,9 @@ from xml.etree import ElementTree
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import regex
 
-from conftest import NSYS2025_DIR, NSYS2023_DIR, NSYS2023_REPORTS, PARQUET_2025, SERVE_RUNS, VLLM033_RUNS
+from conftest import NSYS2025_DIR, NSYS2023_DIR, NSYS2023_REPORTS, PARQUET_2025, SERVE_RUNS, TORCH_H200, VLLM033_RUNS
 from test_bad_input import assert_one_line_error
 from test_hostile_input import KERNEL, NVFP4, SMALL, json_of, kv, without_dac  # noqa: F401 (kv, without_dac: fixtures)
 from test_hostile_input_round2 import outside_code_spans, run_copy
@@ -488,3 +489,30 @@ def test_shortcodes_stay_text_in_the_terminal_table(tmp_path, kv):
     code, out, err = kv("summary", SMALL, "--label", ":cat: :smile:")
     assert code == 0, err
     assert ":cat: :smile:" in out and "\N{CAT FACE}" not in out and "\N{SMILING FACE WITH OPEN MOUTH}" not in out
+
+
+# ==== 8. a million distinct NVTX names, engine flags after -- =====================================================
+
+def test_names_without_a_counter_word_keep_their_name_and_the_rest_are_keyed_in_full():
+    from kvtrace.analyzer import names
+
+    with sqlite3.connect(f"file:{TORCH_H200 / 'block-a.sqlite'}?mode=ro", uri=True) as conn:
+        real = [text for (text,) in conn.execute("SELECT DISTINCT text FROM NVTX_EVENTS WHERE text IS NOT NULL")]
+    conn.close()
+    assert any("op_id = " in name for name in real)  # PyTorch's numbered operator ranges
+    counters = [regex.compile(p) for p in names.COUNTERS]
+    every = [*real, "kvtrace:decode ctx=2048 batch=8", "r123", "Step 5", "epoch7", "ProfilerStep#3"]
+    assert names.NameKey().of(every) == [names._key(name, counters, []) for name in every]
+
+
+@pytest.mark.slow
+def test_a_million_distinct_nvtx_names_load(tmp_path, kv):
+    trace = tmp_path / "million.sqlite"
+    shutil.copy2(FP8_2025, trace)
+    with sqlite3.connect(trace) as conn:
+        tid, end = conn.execute('SELECT globalTid, max("end") FROM NVTX_EVENTS').fetchone()
+        conn.executemany('INSERT INTO NVTX_EVENTS (start, "end", eventType, text, globalTid) VALUES (?, ?, 59, ?, ?)',
+                         ((end + 10 * i, end + 10 * i + 5, f"range {i}", tid) for i in range(1_000_000)))
+    conn.close()
+    reference = json_of(kv, "summary", FP8_2025)
+    assert json_of(kv, "summary", trace, "--no-cache")["segments"] == reference["segments"]
