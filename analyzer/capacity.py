@@ -18,7 +18,6 @@ for a prefill chunk); with --disable-hybrid-kv-cache-manager windowed layers kee
 
 from __future__ import annotations
 
-import re
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from kvtrace import __version__, model_config
 from kvtrace.files import read_json
 from kvtrace.errors import KvtraceError
 from kvtrace.kv_formats import NVFP4_BLOCK, canonical_format
-from kvtrace.manifest import Manifest, RunRecord, read_manifest
+from kvtrace.manifest import Manifest, RunRecord, read_manifest, tensor_parallel
 from kvtrace.model_config import MLA, SLIDING, KVLayout, LayerGroup
 
 CAPACITY_SCHEMA = "kvtrace.capacity/2"
@@ -303,19 +302,6 @@ def _last_fitting(fits, high: int) -> int:
 
 # ---- run directories -----------------------------------------------------------------------------------
 
-_TP_FLAG = re.compile(r"^(?:--tensor-parallel-size|-tp)(?:=(\d+))?$")
-
-
-def tensor_parallel(flags: list[str]) -> int:
-    """--tensor-parallel-size / -tp from a vLLM flag list (1 when absent)."""
-    for index, flag in enumerate(flags):
-        match = _TP_FLAG.match(flag)
-        if match:
-            value = match.group(1) or (flags[index + 1] if index + 1 < len(flags) else "1")
-            return int(value)
-    return 1
-
-
 def measured_arm(name: str, arm: RunRecord, layout: KVLayout, tp: int, page_size: int) -> MeasuredRow | None:
     """vLLM's startup capacity of one arm against the ideal for its format; None without that line."""
     kv = arm.kv_cache
@@ -391,7 +377,7 @@ def run_shape(manifest: Manifest, source: str) -> tuple[KVLayout, int, int]:
                 if config.get("block_size"):
                     page = int(config["block_size"])
                     break
-        return layout, tensor_parallel(flags), page
+        return layout, tensor_parallel(flags, f"{source}: its engine flags", "capture the run again"), page
     spec = settings.get("spec") or {}
     if {"kv_heads", "head_dim"} <= set(spec):
         # The FlashInfer engine's cache is one attention layer.

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from kvtrace.errors import KvtraceError
 from kvtrace.kv_formats import VLLM_KV_CACHE_DTYPES
-from kvtrace.manifest import Point, Run, check_repeats, read_manifest, run_order
+from kvtrace.manifest import Point, Run, check_repeats, read_manifest, run_order, tensor_parallel
 
 SCENARIOS = ("cold-prefill", "decode-heavy", "prefix-reuse", "sweep")
 MODES = ("serve", "offline")
@@ -183,6 +183,7 @@ class VllmCapture:
             for flag, reason in owned.items():
                 if arg == flag or arg.startswith((flag + "=", flag + ".")):
                     raise KvtraceError(f"extra vLLM argument {arg} is set by kvtrace ({reason}): drop it")
+        tensor_parallel(list(self.extra_args), "extra vLLM arguments", "pass --tensor-parallel-size N with N >= 1")
         self.workload.validate(self.mode)
 
     def is_local_model(self) -> bool:

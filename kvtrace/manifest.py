@@ -134,6 +134,26 @@ def capacity_reason(point: Point, deltas: dict, peaks: dict | None, kv_cache_tok
     return None
 
 
+# ---- engine flags ----------------------------------------------------------------------------------------
+
+_TP_FLAG = re.compile(r"(?:--tensor-parallel-size|-tp)(?:=(.*))?", re.DOTALL)
+
+
+def tensor_parallel(flags: list[str], where: str, fix: str) -> int:
+    """vLLM's --tensor-parallel-size (or -tp, `=N` or `N` after it) in an engine flag list, 1 when absent; a value
+    that is not a whole number of 1 or more is one line naming `where` and `fix`."""
+    for index, flag in enumerate(flags):
+        match = _TP_FLAG.fullmatch(flag)
+        if match:
+            value = match.group(1) if match.group(1) is not None else \
+                flags[index + 1] if index + 1 < len(flags) else ""
+            if not (value.isdecimal() and 0 < int(value) < 1 << 31):
+                raise KvtraceError(f"{where}: {flag}{'' if match.group(1) is not None else ' ' + repr(value)} is not "
+                                   f"a tensor-parallel size (a whole number of 1 or more); {fix}")
+            return int(value)
+    return 1
+
+
 # ---- reading ---------------------------------------------------------------------------------------------
 
 def _dict(value) -> dict:

@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 import pytest
 import regex
 
-from conftest import NSYS2025_DIR, NSYS2023_DIR, NSYS2023_REPORTS, PARQUET_2025, SERVE_RUNS, TORCH_H200, VLLM033_RUNS
+from conftest import NSYS2025_DIR, NSYS2023_DIR, REPO, NSYS2023_REPORTS, PARQUET_2025, SERVE_RUNS, TORCH_H200, VLLM033_RUNS
 from test_bad_input import assert_one_line_error
 from test_hostile_input import KERNEL, NVFP4, SMALL, json_of, kv, without_dac  # noqa: F401 (kv, without_dac: fixtures)
 from test_hostile_input_round2 import outside_code_spans, run_copy
@@ -516,3 +516,17 @@ def test_a_million_distinct_nvtx_names_load(tmp_path, kv):
     conn.close()
     reference = json_of(kv, "summary", FP8_2025)
     assert json_of(kv, "summary", trace, "--no-cache")["segments"] == reference["segments"]
+
+
+@pytest.mark.parametrize("flags", [["--tensor-parallel-size=x"], ["--tensor-parallel-size", "x"], ["-tp=0"],
+                                   ["--tensor-parallel-size"]])
+def test_a_tensor_parallel_flag_that_is_no_size_is_one_line(flags, tmp_path, kv):
+    code, out, err = kv("capture", "vllm", "--model", REPO / "fixtures" / "models" / "llama-tiny", "--out",
+                        tmp_path / "run", "--", *flags)
+    assert_one_line_error(code, out, err, "extra vLLM arguments", r"is not a tensor-parallel size")
+    assert not (tmp_path / "run").exists()
+    # A run directory whose manifest records one: `capacity` and `report` read the size from it.
+    [run] = serve_pair(tmp_path, "sweep", lambda arm, data: data["settings"].update(extra_vllm_args=flags))[1:]
+    code, out, err = kv("capacity", run)
+    assert_one_line_error(code, out, err, f"{run}: its engine flags", r"is not a tensor-parallel size",
+                          r"capture the run again")
