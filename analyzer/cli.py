@@ -225,7 +225,8 @@ def emit(result, fmt: str, output: Path | None) -> None:
         return
     if fmt == "table":
         buffer = io.StringIO()
-        render.render_table(result, Console(file=buffer, width=200, no_color=True, force_terminal=False, emoji=False))
+        render.render_table(result, Console(file=buffer, width=200, no_color=True, force_terminal=False,
+                                            emoji=False))
         text = buffer.getvalue()
     else:
         text = render.render_text(result, fmt)

@@ -62,9 +62,9 @@ def cli() -> None:
 
 def _sane_streams() -> None:
     """What the environment hands the process, made safe to write to: a closed standard descriptor (Python then
-    has no stream), or one that cannot be written, reads and writes /dev/null, as for a reader that has gone away; an encoding that cannot hold
-    kvtrace's text (LC_ALL=C with PYTHONUTF8=0, PYTHONIOENCODING=ascii or latin-1) shows what it cannot hold as
-    `\u2013` instead of failing."""
+    has no stream), or one that cannot be written, reads and writes /dev/null, as for a reader that has gone
+    away; an encoding that cannot hold kvtrace's text (LC_ALL=C with PYTHONUTF8=0, PYTHONIOENCODING=ascii or
+    latin-1) shows what it cannot hold as `\u2013` instead of failing."""
     for descriptor in (0, 1, 2):
         try:
             mode = fcntl.fcntl(descriptor, fcntl.F_GETFL) & os.O_ACCMODE
@@ -128,4 +128,3 @@ def main(argv: list[str] | None = None) -> None:
     except BrokenPipeError:
         files.discard_stdout()
         sys.exit(0)
-
