@@ -11,6 +11,7 @@ renamed into place once whole (`seal`).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -30,6 +31,7 @@ from typing import TypeVar
 
 import polars as pl
 
+import kvtrace.files
 import kvtrace.nsys
 from kvtrace import __version__
 from kvtrace.analyzer import calls as calls_
@@ -46,7 +48,10 @@ _MARKER = "kvtrace-cache-entry.json"
 # <export stem>-<hash of its path>-<hash of its identity>, and .<that>-<random> while it is being written.
 _ENTRY_NAME = re.compile(r"\.?.+-[0-9a-f]{12}-[0-9a-f]{12}(?:-\w+)?", re.DOTALL)
 # An export kvtrace made of a report: <report stem, at most 64 characters>-<20 hex digits of its identity>.
-_EXPORT_NAME = re.compile(r".{1,64}-[0-9a-f]{20}\.(?:sqlite|parquetdir)", re.DOTALL)
+_EXPORT_NAME = re.compile(r".{1,64}-[0-9a-f]{20}\.(?:sqlite|parquetdir|sqlite\.json)", re.DOTALL)
+# An export's seal: the report it is of (its key) and each of its files' inode, mtime, size and CRC-32 as they were
+# before it was published (a rename keeps them). Inside a Parquet export; beside an SQLite one, as NAME.json.
+_SEAL = "kvtrace-export.json"
 # What an export killed on its way leaves (files.beside, nsys.export_parquet): .<export name>.<random>[.sqlite].
 _EXPORT_LEFTOVER = re.compile(r"\..{1,64}-[0-9a-f]{20}\.(?:sqlite|parquetdir)\.\w+(?:\.sqlite)?", re.DOTALL)
 LEFTOVER_DAYS = 1  # far longer than any export runs
@@ -249,28 +254,31 @@ def export_report(report: Path, *, nsys: str | None = None, tables: tuple[str, .
     key = hashlib.sha256("|".join(map(str, identity)).encode(errors="surrogateescape")).hexdigest()[:20]
     folder = cache_dir("exports") or Path(tempfile.mkdtemp(prefix="kvtrace-export-"))
     parquet, target = (folder / f"{report.stem[:64]}-{key}{suffix}" for suffix in (".parquetdir", ".sqlite"))
-    # Only what kvtrace wrote there: a folder for the Parquet export, a regular file for SQLite.
-    if parquet.is_dir() and not parquet.is_symlink():
-        return parquet
-    if target.is_file() and not target.is_symlink():
-        return target
+    # Only what kvtrace sealed there for this report, unchanged; anything else at the name (damaged, another
+    # report's, a folder or link planted) is cleared and the report exported again.
+    for export in (parquet, target):
+        if os.path.lexists(export):
+            if _sealed(export, key):
+                return export
+            _clear(export)
     # A large report goes to SQLite by choice, not for want of Parquet: no note.
     large = status.st_size >= kvtrace.nsys.PARQUET_MAX_REPORT_BYTES
     wants_parquet = bool(tables) and not large
-    _prune_exports(folder)
+    seal = functools.partial(_write_seal, key=key, seal=target.with_name(f"{target.name}.json"))
     try:
-        why = _export_parquet(nsys_path, report, parquet, tables, step) if wants_parquet else None
+        _prune_exports(folder)
+        why = _export_parquet(nsys_path, report, parquet, tables, step, key) if wants_parquet else None
         if wants_parquet and why is None:
             return parquet
         if step is not None:
             step(f"exporting {report.name} (nsys export{', the tables kvtrace reads' if tables else ''}"
                  f"{'; SQLite, faster than Parquet for a report this large' if large else ''})")
         try:
-            kvtrace.nsys.export_sqlite(nsys_path, report, target, tables=tables)
+            kvtrace.nsys.export_sqlite(nsys_path, report, target, tables=tables, seal=seal)
         except kvtrace.nsys.ExportFailed as failed:
             if not tables or failed.newer_report:
                 raise
-            kvtrace.nsys.export_sqlite(nsys_path, report, target)  # this nsys may not know --tables
+            kvtrace.nsys.export_sqlite(nsys_path, report, target, seal=seal)  # this nsys may not know --tables
             why = (f"{why}; " if why else "") + (f"it could not export only the tables kvtrace reads "
                                                    f"({failed.last_line}); exported every table instead")
         if why:
@@ -282,7 +290,61 @@ def export_report(report: Path, *, nsys: str | None = None, tables: tuple[str, .
                                "NSYS at that version") from None
         raise KvtraceError(f"nsys export failed on {report} (exit {failed.returncode}: {failed.last_line}); "
                            "check the report opens in Nsight Systems, or export it yourself") from None
+    except OSError as error:
+        raise KvtraceError(f"cannot write the export of {report} into {folder}: "
+                           f"{(error.strerror or str(error)).lower()}; make that folder writable, or set "
+                           "KVTRACE_CACHE_DIR to one that is") from None
     return target
+
+
+def _files_of(export: Path) -> list[tuple[str, Path]]:
+    """An export's files by name: a Parquet folder's (its seal aside), or the SQLite file itself ("")."""
+    if not stat.S_ISDIR(os.lstat(export).st_mode):
+        return [("", export)]
+    return sorted((entry.name, Path(entry.path)) for entry in os.scandir(export) if entry.name != _SEAL)
+
+
+def _seal_of(export: Path, key: str) -> dict:
+    found = []
+    for name, path in _files_of(export):
+        status = os.lstat(path)
+        if not stat.S_ISREG(status.st_mode):
+            raise OSError(f"{path} is not a regular file")
+        found.append([name, status.st_ino, status.st_mtime_ns, *_size_and_crc(path)])
+    return {"kvtrace_export": key, "files": found}
+
+
+def _write_seal(export: Path, *, key: str, seal: Path) -> None:
+    """Seal a new export before it is published: a Parquet folder holds its seal, an SQLite file's is `seal`."""
+    kvtrace.files.write(export / _SEAL if export.is_dir() else seal, json.dumps(_seal_of(export, key)))
+
+
+def _sealed(export: Path, key: str) -> bool:
+    """Whether the export at this name is a real file or folder of this user's whose seal names this report and
+    whose files are the ones sealed, byte for byte (CRC-32, as trace-cache entries are checked)."""
+    try:
+        status = os.lstat(export)
+        if status.st_uid != os.getuid() or not (stat.S_ISDIR(status.st_mode) or stat.S_ISREG(status.st_mode)):
+            return False
+        seal = export / _SEAL if stat.S_ISDIR(status.st_mode) else export.with_name(f"{export.name}.json")
+        return json.loads(_entry_bytes(seal)) == _seal_of(export, key)
+    except (OSError, ValueError):
+        return False
+
+
+def _clear(export: Path) -> None:
+    """Remove what stands at an export's name in kvtrace's private exports folder: a link is unlinked (never
+    followed), a folder removed, a file unlinked."""
+    try:
+        if stat.S_ISDIR(os.lstat(export).st_mode):
+            shutil.rmtree(export)
+        else:
+            os.unlink(export)
+    except FileNotFoundError:
+        pass  # another kvtrace cleared it meanwhile
+    except OSError as error:
+        raise KvtraceError(f"cannot replace {export}, which is no sound export of its report: "
+                           f"{(error.strerror or str(error)).lower()}; remove it, or set KVTRACE_CACHE_DIR") from None
 
 
 def _prune_exports(folder: Path) -> None:
@@ -305,7 +367,7 @@ def _prune_exports(folder: Path) -> None:
 
 
 def _export_parquet(nsys_path: str, report: Path, parquet: Path, tables: tuple[str, ...],
-                    step: Callable[[str], None] | None) -> str | None:
+                    step: Callable[[str], None] | None, key: str) -> str | None:
     """Export `tables` to the Parquet folder `parquet`: None once it is there, else why not (for the note that
     the SQLite export replaces it). A report this nsys cannot read at all raises (ExportFailed), as SQLite would
     fail on it too."""
@@ -314,7 +376,8 @@ def _export_parquet(nsys_path: str, report: Path, parquet: Path, tables: tuple[s
     if step is not None:
         step(f"exporting {report.name} (nsys export --type parquetdir, the tables kvtrace reads)")
     try:
-        kvtrace.nsys.export_parquet(nsys_path, report, parquet, tables)
+        kvtrace.nsys.export_parquet(nsys_path, report, parquet, tables,
+                                    seal=functools.partial(_write_seal, key=key, seal=parquet / _SEAL))
     except kvtrace.nsys.ExportFailed as failed:
         if failed.newer_report:
             raise
@@ -367,8 +430,10 @@ def cache_dir(kind: str) -> Path | None:
     """kvtrace's cache folder for `kind` (exports, traces): $KVTRACE_CACHE_DIR, else $XDG_CACHE_HOME/kvtrace
     or ~/.cache/kvtrace. When that cannot be created, or is not this user's alone (another user could plant
     entries in it), a folder of this user's own under the temporary directory; None if even that is not."""
+    xdg = os.environ.get("XDG_CACHE_HOME") or ""
+    # The XDG spec: a relative XDG_CACHE_HOME is invalid and ignored (it would put the cache in the working folder).
     base = Path(os.environ.get("KVTRACE_CACHE_DIR") or
-                Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvtrace")
+                Path(xdg if os.path.isabs(xdg) else Path.home() / ".cache") / "kvtrace")
     fallback = Path(tempfile.gettempdir()) / f"kvtrace-{os.getuid()}"
     for folder in (base / kind, fallback / kind):
         try:
@@ -376,12 +441,16 @@ def cache_dir(kind: str) -> Path | None:
             folder.mkdir(mode=0o700, exist_ok=True)
         except OSError:
             continue
-        if _private(folder.parent if folder.parent == fallback else folder):
+        if not _private(folder.parent if folder.parent == fallback else folder):
+            problem = "is not this user's alone (owner or mode)", "make it yours with mode 0700"
+        elif not os.access(folder, os.W_OK | os.X_OK):
+            problem = "cannot be written", "make it writable"
+        else:
             return folder
         if str(folder) not in _warned:
             _warned.add(str(folder))
-            sys.stderr.write(f"kvtrace: warning: cache folder {folder} is not this user's alone (owner or mode); "
-                             "not using it: make it yours with mode 0700, or set KVTRACE_CACHE_DIR\n")
+            sys.stderr.write(f"kvtrace: warning: cache folder {folder} {problem[0]}; not using it: {problem[1]}, "
+                             "or set KVTRACE_CACHE_DIR\n")
     return None
 
 

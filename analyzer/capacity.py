@@ -377,7 +377,7 @@ def run_shape(manifest: Manifest, source: str) -> tuple[KVLayout, int, int]:
                 if config.get("block_size"):
                     page = int(config["block_size"])
                     break
-        return layout, tensor_parallel_size(flags), page
+        return layout, tensor_parallel_size(flags, f"{source}: its engine flags", "capture the run again"), page
     spec = settings.get("spec") or {}
     if {"kv_heads", "head_dim"} <= set(spec):
         # The FlashInfer engine's cache is one attention layer.

@@ -154,7 +154,7 @@ def progress(message: str, delay_s: float = 1.0):
     a large trace); nothing when standard error is not a terminal or with --quiet. Yields a function that
     names the step now running (which report, which step) beside the message."""
     context = click.get_current_context(silent=True)
-    console = Console(stderr=True)
+    console = Console(stderr=True, emoji=False)
     if (context and context.meta.get("kvtrace.quiet")) or not console.is_terminal:
         yield lambda step: None
         return
@@ -218,10 +218,15 @@ def emit(result, fmt: str, output: Path | None) -> None:
             sys.stdout.flush()
         except BrokenPipeError:
             files.discard_stdout()  # the reader has what it wanted; a --fail-on gate still decides the exit code
+        except OSError as error:  # no room (/dev/full, a full disk or quota): one line, and nothing more written
+            files.discard_stdout()
+            raise KvtraceError(f"cannot write standard output: {(error.strerror or str(error)).lower()}; free some "
+                               "space, or write the result elsewhere with -o FILE") from None
         return
     if fmt == "table":
         buffer = io.StringIO()
-        render.render_table(result, Console(file=buffer, width=200, no_color=True, force_terminal=False))
+        render.render_table(result, Console(file=buffer, width=200, no_color=True, force_terminal=False,
+                                            emoji=False))
         text = buffer.getvalue()
     else:
         text = render.render_text(result, fmt)
@@ -232,6 +237,9 @@ def emit(result, fmt: str, output: Path | None) -> None:
 
 
 class _Stdout(Console):
+    def __init__(self, **options):
+        super().__init__(emoji=False, **options)  # `:cat:` in a name or label stays text, never a picture
+
     def on_broken_pipe(self) -> None:
         raise BrokenPipeError  # rich would exit 1 at once; emit() carries on
 

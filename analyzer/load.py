@@ -250,6 +250,8 @@ def _reading(source: Path, export: Path):
             yield tables
         finally:
             tables.close()
+    except MemoryError:  # Arrow's own (ArrowMemoryError) too: a decompression bomb is not damage
+        raise parquet_tables.out_of_memory(source) from None
     except errors as error:
         detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise KvtraceError(f"{source} is damaged ({detail}): copy or export it again") from None

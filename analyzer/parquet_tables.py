@@ -21,6 +21,11 @@ from kvtrace.errors import KvtraceError
 
 SUFFIX = ".parquet"
 _KERNEL_KEYS = ("correlationId", "globalPid")
+# nsys writes row groups of about a million rows; a file of tiny groups (one row each) is read as spans of at least
+# this many rows, so that the loader's work per span is not paid per row, and refused past _MAX_ROW_GROUPS groups,
+# whose metadata alone would cost more than the rows.
+_SPAN_ROWS = 1 << 16
+_MAX_ROW_GROUPS = 1 << 16
 
 
 def is_parquet_export(path: Path) -> bool:
@@ -37,6 +42,30 @@ def damage_errors() -> tuple[type[Exception], ...]:
     import pyarrow as pa
 
     return (pa.ArrowException, pl.exceptions.PolarsError)
+
+
+def _memory_limit() -> int:
+    """Bytes this process can still allocate: the memory available (Linux' MemAvailable, else free pages), within
+    its address-space limit (ulimit -v)."""
+    import resource
+
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:
+        with open("/proc/meminfo") as meminfo:
+            available = next(int(line.split()[1]) << 10 for line in meminfo if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        pass
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    return available if limit == resource.RLIM_INFINITY else min(available, limit)
+
+
+def out_of_memory(source: Path, needed: int | None = None) -> KvtraceError:
+    """A read that does not fit in memory (a decompression bomb, or an export too large for this machine): said as
+    such, not as damage."""
+    size = f" (its pages decompress to {needed / 2 ** 30:.1f} GiB)" if needed else ""
+    return KvtraceError(f"{source}: not enough memory to read it{size}; a Parquet file that decompresses to more "
+                        "than the memory free is a decompression bomb or an export too large for this machine: "
+                        "export the report again, as SQLite for a large report, on a machine with more memory")
 
 
 class ParquetTables:
@@ -59,7 +88,8 @@ class ParquetTables:
                                        "it and its permissions, or export the folder again") from None
                 self.names.add(entry.name.removesuffix(SUFFIX))
         self._read: dict[str, object] = {}  # the small tables, read whole once
-        self._groups: dict[str, dict[tuple[int, int], int]] = {}  # per table, each span's row group
+        self._groups: dict[str, dict[tuple[int, int], list[int]]] = {}  # per table, each span's row groups
+        self._metadata: dict[str, object] = {}  # per table, its file's metadata, parsed once
 
     def close(self) -> None:
         self._read.clear()
@@ -67,10 +97,31 @@ class ParquetTables:
     def _file(self, table: str) -> str:
         return str(self.path / f"{table}{SUFFIX}")
 
-    def columns(self, table: str) -> set[str]:
+    def _meta(self, table: str):
         import pyarrow.parquet as pq
 
-        return set(pq.read_schema(self._file(table)).names)
+        if table not in self._metadata:
+            metadata = pq.read_metadata(self._file(table))
+            names = metadata.schema.to_arrow_schema().names
+            twice = sorted({name for name in names if names.count(name) > 1})
+            if twice:  # Arrow would refuse to pick one by name (KeyError)
+                raise KvtraceError(f"{self.path}: {table}{SUFFIX} has column {', '.join(twice)} more than once: the "
+                                   "export is damaged or was edited; export the report again")
+            self._metadata[table] = metadata
+        return self._metadata[table]
+
+    def columns(self, table: str) -> set[str]:
+        return set(self._meta(table).schema.to_arrow_schema().names)
+
+    def _fits(self, table: str, groups, columns) -> None:
+        """Refuse, before reading, row groups whose `columns` decompress past the memory this process can have."""
+        metadata = self._meta(table)
+        wanted = set(columns)
+        needed = sum(chunk.total_uncompressed_size for group in groups
+                     for chunk in (metadata.row_group(group).column(i) for i in range(metadata.num_columns))
+                     if chunk.path_in_schema in wanted)
+        if needed > _memory_limit():
+            raise out_of_memory(Path(self._file(table)), needed)
 
     def table(self, table: str, columns: tuple[str, ...], optional: tuple[str, ...] = ()):
         """The named columns of a small table (NVTX, strings, metadata, GPUs) as Arrow, read once; NULL for an
@@ -84,7 +135,14 @@ class ParquetTables:
             missing = [c for c in columns if c not in present and c not in optional]
             if missing:
                 raise _lacks(self.path, table, missing)
+            self._fits(table, range(self._meta(table).num_row_groups), columns)
             read = pq.read_table(self._file(table), columns=[c for c in columns if c in present], memory_map=True)
+            for column in read.column_names:
+                if pa.types.is_string(read.column(column).type) or pa.types.is_large_string(read.column(column).type):
+                    try:  # Arrow does not check UTF-8 as it reads; polars would panic on it
+                        read.column(column).validate(full=True)
+                    except pa.ArrowInvalid:
+                        raise et.damaged_values(self.path, table, "invalid UTF-8 (not text)", column) from None
             self._read[key] = pa.table({c: read.column(c) if c in present else pa.nulls(read.num_rows)
                                         for c in columns})
         return self._read[key]
@@ -99,7 +157,7 @@ class ParquetTables:
                                "an export that did not finish, or of only some tables; export the report with "
                                f"`nsys export --type parquetdir --tables={','.join(et.EXPORT_TABLES)}`")
 
-        has_kernels = et.KERNEL_TABLE in self.names and pq.read_metadata(self._file(et.KERNEL_TABLE)).num_rows > 0
+        has_kernels = et.KERNEL_TABLE in self.names and self._meta(et.KERNEL_TABLE).num_rows > 0
         columns = self.columns(et.KERNEL_TABLE) if et.KERNEL_TABLE in self.names else set()
         et.check_tables(self, shown, columns, has_kernels, "nsys export --type parquetdir")
 
@@ -132,9 +190,23 @@ class ParquetTables:
         return rows
 
     def _strings_frame(self) -> pl.DataFrame:
-        frame = pl.from_arrow(_as_int64(self.table("StringIds", ("id", "value")), ("id",), self.path, "StringIds"))
+        frame = pl.from_arrow(_as_int64(self._string_ids(), ("id",), self.path, "StringIds"))
         _texts(frame, ("value",), self.path, "StringIds")
         return frame
+
+    def _string_ids(self):
+        """StringIds, its ids checked to be unique (SQLite's primary key makes them so; a Parquet file holding one
+        twice would give a kernel the name of whichever row came first)."""
+        import pyarrow.compute as pc
+
+        strings = self.table("StringIds", ("id", "value"))
+        if pc.count_distinct(strings.column("id")).as_py() != strings.num_rows - strings.column("id").null_count:
+            ids = strings.column("id").to_pylist()
+            seen = set()
+            twice = next(i for i in ids if i is not None and (i in seen or seen.add(i)))
+            raise KvtraceError(f"{self.path}: StringIds{SUFFIX} holds id {twice} more than once, so a kernel's name "
+                               "is ambiguous: the export is damaged or was edited; export the report again")
+        return strings
 
     def launch_api_ids(self) -> list[int]:
         strings = self._strings_frame()
@@ -154,20 +226,20 @@ class ParquetTables:
     def spans(self, table: str) -> list[tuple[int, int]]:
         """The table's row groups as (first row, last row): nsys' writer cuts tables into groups of about a
         million rows, and each group is read on its own thread, so that memory stays at a group per core."""
-        import pyarrow.parquet as pq
-
-        self._groups[table] = _row_groups(pq.read_metadata(self._file(table)))
+        self._groups[table] = _row_groups(self._meta(table), Path(self._file(table)))
         return list(self._groups[table])
 
     def _group(self, table: str, span: tuple[int, int], columns: tuple[str, ...]):
-        """The row group of `span` (from `spans`), with only `columns`; a missing column is a damaged export."""
+        """The row groups of `span` (from `spans`), with only `columns`; a missing column is a damaged export."""
         import pyarrow.parquet as pq
 
-        handle = pq.ParquetFile(self._file(table), memory_map=True)
-        missing = [c for c in columns if c not in handle.schema_arrow.names]
+        missing = [c for c in columns if c not in self.columns(table)]
         if missing:
             raise _lacks(self.path, table, missing)
-        return handle.read_row_group(self._groups[table][span], columns=list(columns))
+        groups = self._groups[table][span]
+        self._fits(table, groups, columns)
+        handle = pq.ParquetFile(self._file(table), memory_map=True, metadata=self._meta(table))
+        return handle.read_row_groups(groups, columns=list(columns))
 
     def kernel_batches(self, span: tuple[int, int]):
         import pyarrow as pa
@@ -199,17 +271,25 @@ class ParquetTables:
         return frame.filter(pl.col("id").is_in(device_ids)).sort("id", maintain_order=True).rows()
 
     def strings(self, ids: list[int]) -> list[tuple]:
-        return pl.from_arrow(self.table("StringIds", ("id", "value"))).filter(pl.col("id").is_in(ids)).rows()
+        return pl.from_arrow(self._string_ids()).filter(pl.col("id").is_in(ids)).rows()
 
 
-def _row_groups(metadata) -> dict[tuple[int, int], int]:
-    """Each non-empty row group's (first row, last row), in table order, and its index."""
-    found, low = {}, 0
+def _row_groups(metadata, file: Path) -> dict[tuple[int, int], list[int]]:
+    """Spans of consecutive row groups, each of at least _SPAN_ROWS rows but the last, as (first row, last row) in
+    table order, with their groups' indexes. nsys' own groups are a span each."""
+    if metadata.num_row_groups > _MAX_ROW_GROUPS:
+        raise KvtraceError(f"{file}: {metadata.num_row_groups:,} row groups for {metadata.num_rows:,} rows, not as "
+                           f"nsys writes them (about a million rows a group), and past the {_MAX_ROW_GROUPS:,} "
+                           "kvtrace reads: export the report again")
+    found, low, groups, rows = {}, 0, [], 0
     for group in range(metadata.num_row_groups):
-        rows = metadata.row_group(group).num_rows
-        if rows:
-            found[(low, low + rows - 1)] = group
-        low += rows
+        count = metadata.row_group(group).num_rows
+        if count:
+            groups.append(group)
+            rows += count
+        if rows >= _SPAN_ROWS or (group == metadata.num_row_groups - 1 and rows):
+            found[(low, low + rows - 1)] = groups
+            low, groups, rows = low + rows, [], 0
     return found
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import csv
 import io
 import shutil
-import subprocess
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -34,7 +33,7 @@ from kvtrace.analyzer.classify import RecipeSet
 from kvtrace.analyzer.results import Diff, Finding
 from kvtrace.analyzer.kernels import list_kernels
 from kvtrace.analyzer.load import Trace
-from kvtrace.nsys import last_line, nsys_version
+from kvtrace.nsys import TimedOut, last_line, nsys_version, run_step
 
 REPORT = "cuda_gpu_kern_sum"
 STATS = f"nsys stats -r {REPORT}"
@@ -168,9 +167,9 @@ def _nsys_totals(nsys: str, export: Path) -> tuple[dict[str, tuple[int, int]], s
         copy = Path(folder) / export.name
         shutil.copyfile(export, copy)
         try:
-            result = subprocess.run([nsys, "stats", "-q", "-r", REPORT, "-f", "csv:noconv", "-o", "-", str(copy)],
-                                    capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
-        except (OSError, subprocess.TimeoutExpired) as error:
+            result = run_step([nsys, "stats", "-q", "-r", REPORT, "-f", "csv:noconv", "-o", "-", str(copy)],
+                              f"nsys stats on {export.name}", TIMEOUT_S)
+        except (OSError, TimedOut) as error:
             return {}, f"nsys stats did not run: {error}"
     rows = [row for row in csv.reader(io.StringIO(result.stdout)) if row]
     if result.returncode or not rows or rows[0] != HEADER:
@@ -222,9 +221,8 @@ def _recipe_broken(nsys: str) -> str | None:
     """Why `nsys recipe` does not run here, or None; Debian's 2023.4.4 lacks the Python packages its recipes
     import."""
     try:
-        probe = subprocess.run([nsys, "recipe", REPORT, "--help"], capture_output=True, text=True,
-                               timeout=TIMEOUT_S, check=False)
-    except (OSError, subprocess.TimeoutExpired) as error:
+        probe = run_step([nsys, "recipe", REPORT, "--help"], "nsys recipe --help", TIMEOUT_S)
+    except (OSError, TimedOut) as error:
         return f"did not run ({error})"
     output = probe.stdout + probe.stderr
     error = next((line.strip() for line in output.splitlines() if line.strip().startswith("ERROR")), None)
@@ -249,9 +247,9 @@ def _recipe_totals(nsys: str, report: Path) -> tuple[dict[str, tuple[int, int]],
         copy, output = Path(folder) / report.name, Path(folder) / "recipe"
         shutil.copyfile(report, copy)
         try:
-            result = subprocess.run([nsys, "recipe", REPORT, "--input", str(copy), "--output", str(output), "--csv"],
-                                    capture_output=True, text=True, timeout=TIMEOUT_S, check=False, cwd=folder)
-        except (OSError, subprocess.TimeoutExpired) as error:
+            result = run_step([nsys, "recipe", REPORT, "--input", str(copy), "--output", str(output), "--csv"],
+                              f"nsys recipe on {report.name}", TIMEOUT_S, cwd=folder)
+        except (OSError, TimedOut) as error:
             return {}, f"did not run: {error}"
         stats = output / "all_stats.csv"
         if result.returncode or not stats.is_file():

@@ -13,6 +13,8 @@ Standard library only (plus the kvtrace floor), so that it runs where the captur
 from __future__ import annotations
 
 import hashlib
+import os
+import stat
 import time
 from pathlib import Path
 
@@ -44,6 +46,36 @@ def _read(path: Path) -> dict:
     return data
 
 
+def _present(path: Path) -> bool:
+    """Whether a run's file is there, as a regular file in the run directory. A FIFO would block (nsys or the
+    check would wait for a writer for ever), a link may lead outside the run directory, which this command writes
+    into: both are refused, as is a folder or device."""
+    try:
+        status = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISREG(status.st_mode):
+        kind = "a link" if stat.S_ISLNK(status.st_mode) else "not a regular file (a FIFO, device or folder)"
+        raise RuntimeError(f"{path.name} is {kind}: put the file itself in the run directory")
+    return True
+
+
+def _open_log(path: Path):
+    """The run's log, opened to append without following a link or waiting on a FIFO (checked first, then opened
+    so that one put there meanwhile is refused too)."""
+    _present(path)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    except OSError as error:
+        raise RuntimeError(f"cannot write {path.name} ({(error.strerror or str(error)).lower()}): put a regular file "
+                           "there, or none") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise RuntimeError(f"{path.name} is not a regular file (a FIFO or device): put a regular file there, or none")
+    os.set_blocking(fd, True)
+    return open(fd, "a")
+
+
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
@@ -70,14 +102,17 @@ def _take_up(out: Path, name: str, nsys: _Nsys) -> dict:
     A hand export is adopted once checked; otherwise the capture's own export step runs again
     (runner.export_run: the .nsys-rep, else the .qdstrm through QdstrmImporter)."""
     sqlite, report, raw = (out / f"{name}{suffix}" for suffix in (".sqlite", ".nsys-rep", ".qdstrm"))
-    if sqlite.exists():
+    if _present(sqlite):
         problem = kvtrace.nsys.export_problem(sqlite)
         if problem:
             raise RuntimeError(f"{sqlite.name} {problem}: export {report.name} again with `nsys export --type sqlite`")
         return {"how": f"adopted {sqlite.name}, exported outside kvtrace", "commands": []}
-    how = f"exported {report.name}" if report.exists() else \
-        f"imported {raw.name} with QdstrmImporter, exported {report.name}"
-    with open(out / f"{name}.log", "a") as log:
+    if _present(report):
+        how = f"exported {report.name}"
+    else:
+        _present(raw)  # refused here when it is no regular file, before the importer would wait on it
+        how = f"imported {raw.name} with QdstrmImporter, exported {report.name}"
+    with _open_log(out / f"{name}.log") as log:
         log.write(f"# kvtrace capture import, {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n")
         try:
             commands = runner.export_run(out, name, nsys.path, log,
@@ -99,6 +134,11 @@ def import_run(out: Path, *, nsys: str | None = None) -> dict[str, str | None]:
         raise KvtraceError(f"{out}: no such run directory: pass a directory written by `kvtrace capture`")
     if not (out / MANIFEST).is_file():
         raise KvtraceError(f"{out} has no {MANIFEST}: pass a run directory written by `kvtrace capture`")
+    # The manifests are rewritten: one that is a link would be written through, outside the run directory.
+    for manifest in (out / MANIFEST, *out.glob("*.manifest.json")):
+        if manifest.is_symlink():
+            raise KvtraceError(f"{manifest} is a link, and `capture import` writes only inside the run directory: "
+                               "put the manifest itself there")
     data = _read(out / MANIFEST)
     finder, outcome, done = _Nsys(nsys), {}, {}
     for name, entry in data["arms"].items():

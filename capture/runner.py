@@ -111,13 +111,17 @@ def prepare_run_dir(out: Path, force: bool) -> None:
                            "write to") from None
 
 
+# The FlashInfer workload under nsys runs for minutes; one still running after this has hung.
+PROFILE_LIMIT_S = 3 * 3600.0
+
+
 def gpu_inventory() -> list[dict]:
     """What nvidia-smi says about the GPUs (empty when there is none or no driver)."""
     fields = "name,compute_cap,driver_version,memory.total,uuid"
     try:
-        result = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
-                                capture_output=True, text=True, timeout=30, check=False)
-    except (FileNotFoundError, subprocess.TimeoutExpired):
+        result = kvtrace.nsys.run_step(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
+                                       "nvidia-smi", 30)
+    except (OSError, kvtrace.nsys.TimedOut):
         return []
     if result.returncode != 0:
         return []
@@ -168,7 +172,8 @@ def run_arm(name: str, out: Path, nsys: str, workload: list[str], *, env: dict |
         log.write(f"$ {' '.join(command)}\n")
         log.flush()
         try:
-            result = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env, check=False)
+            result = kvtrace.nsys.run_step(command, f"the {name} workload under nsys profile", PROFILE_LIMIT_S,
+                                           stdout=log, stderr=subprocess.STDOUT, env=env, own_session=False)
             if result.returncode != 0:
                 raise RuntimeError(f"workload under nsys exited with code {result.returncode}")
             arm.commands += export_run(out, name, nsys, log, no_report="did the workload call cudaProfilerStart?")

@@ -191,8 +191,8 @@ class VllmCapture:
             for flag, reason in owned.items():
                 if arg == flag or arg.startswith((flag + "=", flag + ".")):
                     raise KvtraceError(f"extra vLLM argument {arg} is set by kvtrace ({reason}): drop it")
-        self.workload.validate(self.mode)
         tensor_parallel_size(self.extra_args)  # refuses a --tensor-parallel-size that is no whole number
+        self.workload.validate(self.mode)
 
     @property
     def tensor_parallel_size(self) -> int:

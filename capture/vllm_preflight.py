@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
+import kvtrace.nsys
 from pathlib import Path
 
 from kvtrace import model_config
@@ -33,9 +33,8 @@ def probe_environment(python: str, nvfp4: bool) -> dict:
     Python so that kvtrace itself never imports torch or vLLM."""
     command = [python, str(Path(vllm_probe.__file__)), *(["nvfp4"] if nvfp4 else [])]
     try:
-        result = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False,
-                                env={**os.environ, "PYTHONSAFEPATH": "1"})
-    except (OSError, subprocess.TimeoutExpired) as error:
+        result = kvtrace.nsys.run_step(command, "the environment probe", 600, env={**os.environ, "PYTHONSAFEPATH": "1"})
+    except (OSError, kvtrace.nsys.TimedOut) as error:
         raise KvtraceError(f"{python} could not run the environment probe ({error}): check the Python "
                            "that has vLLM installed") from None
     for line in result.stdout.splitlines():

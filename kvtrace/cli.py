@@ -7,7 +7,10 @@ analyzer's dependencies (polars, matplotlib), and `kvtrace diff ...` never impor
 from __future__ import annotations
 
 import difflib
+import fcntl
 import importlib
+import io
+import os
 import sys
 
 import click
@@ -57,10 +60,54 @@ def cli() -> None:
     """Compare FP8 and NVFP4 KV-cache runs from Nsight Systems traces."""
 
 
+def _sane_streams() -> None:
+    """What the environment hands the process, made safe to write to: a closed standard descriptor (Python then
+    has no stream), or one that cannot be written, reads and writes /dev/null, as for a reader that has gone
+    away; an encoding that cannot hold kvtrace's text (LC_ALL=C with PYTHONUTF8=0, PYTHONIOENCODING=ascii or
+    latin-1) shows what it cannot hold as `\u2013` instead of failing."""
+    for descriptor in (0, 1, 2):
+        try:
+            mode = fcntl.fcntl(descriptor, fcntl.F_GETFL) & os.O_ACCMODE
+        except OSError:  # closed
+            mode = None
+        # Closed, or (standard output or error) open for reading only: a shell script that execs kvtrace with 2>&-
+        # leaves the script itself there.
+        if mode is None or (descriptor and mode == os.O_RDONLY):
+            opened = os.open(os.devnull, os.O_RDWR)
+            if opened != descriptor:
+                os.dup2(opened, descriptor)
+                os.close(opened)
+    for name, descriptor in (("stdout", 1), ("stderr", 2)):
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(descriptor, "w", closefd=False))
+        stream = getattr(sys, name)
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(errors="backslashreplace")
+
+
+# Command-line words kvtrace reads (1,000 run directories, or labels and recipes for them, are far below): click's
+# parser takes the words off the front of a list one at a time, in time quadratic in their count (100,000 --label
+# values took minutes).
+MAX_WORDS = 10_000
+
+
+def _check_environment() -> None:
+    """Variables that would make a library panic later, refused in one line first."""
+    threads = os.environ.get("POLARS_MAX_THREADS")
+    if threads and not (threads.isdecimal() and 0 < int(threads) < 1 << 16):
+        raise KvtraceError(f"POLARS_MAX_THREADS={threads} is not a number of threads of 1 or more: set it to one, or "
+                           "unset it to use every core")
+
+
 def main(argv: list[str] | None = None) -> None:
     # A bare `kvtrace` asks what there is: the help on standard output, not a usage error.
     args = (sys.argv[1:] if argv is None else argv) or ["--help"]
+    _sane_streams()
     try:
+        _check_environment()
+        if len(args) > MAX_WORDS:
+            raise KvtraceError(f"{len(args):,} command-line words, past the {MAX_WORDS:,} kvtrace reads: pass fewer "
+                               "(a folder holding the run directories instead of each one, for `kvtrace matrix`)")
         cli.main(args=args, prog_name="kvtrace", standalone_mode=False)
         sys.stdout.flush()  # inside the try: a reader that has gone away is not an error
     except KvtraceError as error:

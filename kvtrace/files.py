@@ -107,6 +107,17 @@ def check_target(path: str | os.PathLike, inputs=()) -> None:
         raise KvtraceError(f"cannot write {path}: folder {folder} does not exist; create it first")
 
 
+def check_folder(folder: str | os.PathLike, inputs=(), option: str = "--plots") -> None:
+    """Refuse an output folder that is the folder of an input, or lies inside a run directory (the folder of an
+    input manifest.json): outputs are never written among what kvtrace reads."""
+    place = Path(os.path.realpath(folder))
+    for source in inputs:
+        home = Path(os.path.realpath(source)).parent
+        if place == home or (Path(source).name == "manifest.json" and home in place.parents):
+            raise KvtraceError(f"{option} {folder}: it is or lies inside {home}, which holds the input {source}, and "
+                               "kvtrace never writes among its inputs; name a folder of its own for the output")
+
+
 def write(path: str | os.PathLike, data: str | bytes, inputs=()) -> None:
     """Write `data` (text is UTF-8) to a file by the rules above (standard output is the caller's)."""
     payload = data.encode() if isinstance(data, str) else data

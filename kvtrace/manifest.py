@@ -115,25 +115,6 @@ class Point:
         return self.concurrency * (self.prefix_len + self.input_len + self.output_len)
 
 
-_TP_FLAG = re.compile(r"^(?:--tensor-parallel-size|-tp)(?:=(.*))?$")
-
-
-def tensor_parallel_size(flags: list[str] | tuple[str, ...]) -> int:
-    """vLLM's --tensor-parallel-size (or -tp) in a flag list, 1 when absent: how many GPUs, one worker process
-    each, an engine's ranks run on."""
-    for index, flag in enumerate(flags):
-        match = _TP_FLAG.match(flag)
-        if match:
-            value = match.group(1) if match.group(1) is not None else \
-                (flags[index + 1] if index + 1 < len(flags) else "")
-            if not value.isdecimal() or int(value) < 1:
-                shown = flag if match.group(1) is not None else f"{flag} {value}".rstrip()
-                raise KvtraceError(f"{shown} is not a tensor-parallel size: give a whole number of GPUs, e.g. "
-                                   "--tensor-parallel-size 2")
-            return int(value)
-    return 1
-
-
 def point_range_name(scenario: str, point: Point) -> str:
     """NVTX name of one traffic point in the vLLM offline worker."""
     return f"kvtrace:{scenario}:{point.spec()}"
@@ -151,6 +132,28 @@ def capacity_reason(point: Point, deltas: dict, peaks: dict | None, kv_cache_tok
     if kv_cache_tokens and point.kv_tokens() >= CAPACITY_FRACTION * kv_cache_tokens:
         return f"{point.kv_tokens():,} KV tokens needed of {kv_cache_tokens:,} available"
     return None
+
+
+# ---- engine flags ----------------------------------------------------------------------------------------
+
+_TP_FLAG = re.compile(r"(?:--tensor-parallel-size|-tp)(?:=(.*))?", re.DOTALL)
+
+
+def tensor_parallel_size(flags: list[str] | tuple[str, ...], where: str = "extra vLLM arguments",
+                         fix: str = "pass --tensor-parallel-size N with N >= 1") -> int:
+    """vLLM's --tensor-parallel-size (or -tp, `=N` or `N` after it) in an engine flag list, 1 when absent: how many
+    GPUs, one worker process each, an engine's ranks run on. A value that is not a whole number of 1 or more is one
+    line naming `where` and `fix`."""
+    for index, flag in enumerate(flags):
+        match = _TP_FLAG.fullmatch(flag)
+        if match:
+            value = match.group(1) if match.group(1) is not None else \
+                flags[index + 1] if index + 1 < len(flags) else ""
+            if not (value.isdecimal() and 0 < int(value) < 1 << 31):
+                raise KvtraceError(f"{where}: {flag}{'' if match.group(1) is not None else ' ' + repr(value)} is not "
+                                   f"a tensor-parallel size (a whole number of 1 or more); {fix}")
+            return int(value)
+    return 1
 
 
 # ---- reading ---------------------------------------------------------------------------------------------
@@ -317,6 +320,18 @@ _MANIFEST_SHAPE = {"engine": str, "status": str, "request_order_matched": bool, 
                                 "spec": {"kv_heads": _COUNT, "head_dim": _COUNT, "q_heads": _COUNT,
                                          "page_size": _COUNT},
                                 "engine_flags": {"*": [str]}, "extra_vllm_args": [str]}}
+# A traffic point's serving numbers decide `matrix`: every one is a finite number of 0 or more (the bench client's
+# summary, the offline worker's counts, /metrics counter deltas, histogram sums and polled peaks). NaN would lose
+# every comparison, so make the other arm win; a negative counter delta is a counter that reset mid-point.
+_POINT_SHAPE = {
+    "point": str, "capacity": str, "bench": {"*": _AMOUNT}, "seconds": _AMOUNT, "elapsed_s": _AMOUNT,
+    "requests": _AMOUNT, "tokens_in": _AMOUNT, "tokens_out": _AMOUNT, "cached_tokens": _AMOUNT,
+    "cached_tokens_per_request": [_AMOUNT],
+    "metrics": {"deltas": {"counters": {"*": _AMOUNT},
+                           "histograms": {"*": {"count": _AMOUNT, "sum": _AMOUNT, "mean": _AMOUNT}}},
+                "peaks": {"*": _AMOUNT}, "polls": _AMOUNT, "poll_errors": _AMOUNT, "busy_polls": _AMOUNT,
+                "poll_interval_s": _AMOUNT, "cache_config": [{"block_size": _SIZE}]},
+}
 _RUN_SHAPE = {
     "arm": str, "repeat": _COUNT, "status": str, "error": str, "sqlite": str, "log": str, "kv_cache_dtype": str,
     "request_order_sha256": str,
@@ -324,8 +339,7 @@ _RUN_SHAPE = {
                  "phases": [{"nvtx": str, "calls": _AMOUNT, "bytes_per_call": _AMOUNT}]},
     "kv_cache": {"tokens": _AMOUNT, "available_gib": _AMOUNT, "line": str, "available_gib_per_rank": {"*": _AMOUNT}},
     "ranks": [{"rank": _Number(0, whole=True), "device": _Number(0, whole=True), "kernels": _COUNT}],
-    "points": [{"point": str, "bench": dict, "metrics": {"deltas": {"counters": dict, "histograms": dict},
-                                                         "peaks": dict, "cache_config": [{"block_size": _SIZE}]}}],
+    "points": [_POINT_SHAPE],
 }
 
 

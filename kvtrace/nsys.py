@@ -6,16 +6,18 @@ Standard library only: capture runs it on a bare GPU box, the analyzer when it i
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import re
 import shutil
+import signal
 import sqlite3
 import subprocess
 import tempfile
 from contextlib import closing
 from pathlib import Path
-from typing import TextIO
+from typing import Callable, TextIO
 from urllib.parse import quote
 
 from kvtrace import files
@@ -29,6 +31,65 @@ INSTALL_GLOBS = (
     "/opt/nvidia/nsight-compute/*/host/target-linux-x64/nsys",
     "/usr/local/cuda/bin/nsys",
 )
+
+
+# Time limits of the child processes kvtrace starts, so that none can hang it: nsys --version answers at once; an
+# export or import takes about 0.2 s per MiB of report on the H200 (552 MiB: 99 s, docs/performance.md), so ten
+# times that, and ten minutes more, is a tool that has stopped working. $KVTRACE_STEP_LIMIT_S replaces them all.
+VERSION_LIMIT_S = 60.0
+EXPORT_LIMIT_S, EXPORT_LIMIT_S_PER_MIB = 600.0, 2.0
+
+
+class TimedOut(KvtraceError, RuntimeError):
+    """A child process ran past its time limit (a RuntimeError too: capture records it as the run's failure)."""
+
+
+def run_step(command: list[str], step: str, limit_s: float, *, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+             cwd: str | os.PathLike | None = None, env: dict | None = None,
+             own_session: bool = True) -> subprocess.CompletedProcess:
+    """The one way kvtrace runs a child process: with a time limit, in its own session. Past the limit, or on any
+    exception (Ctrl-C), the whole group is killed (a grandchild holding the output pipe would otherwise keep
+    kvtrace waiting), and TimedOut names `step` and the limit. `own_session=False` leaves the child in the
+    terminal's group, so that Ctrl-C reaches it too (nsys profile then finalizes its report); then only the
+    child is killed."""
+    limit_s = _limit_s(limit_s)
+    with subprocess.Popen(command, stdout=stdout, stderr=stderr, text=True, errors="replace", cwd=cwd, env=env,
+                          start_new_session=own_session) as process:
+        try:
+            out, err = process.communicate(timeout=limit_s)
+        except BaseException as error:
+            with contextlib.suppress(OSError):
+                os.killpg(process.pid, signal.SIGKILL) if own_session else process.kill()
+            process.communicate()
+            if isinstance(error, subprocess.TimeoutExpired):
+                raise TimedOut(f"{step} did not finish within {limit_s:.0f} s and was stopped: check that "
+                               f"{Path(command[0]).name} works on its own") from None
+            raise
+    return subprocess.CompletedProcess(command, process.returncode, out, err)
+
+
+def _limit_s(default: float) -> float:
+    """$KVTRACE_STEP_LIMIT_S, when set, in place of every step's own limit (for a machine far slower than the H200)."""
+    text = os.environ.get("KVTRACE_STEP_LIMIT_S")
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < 1e9:  # NaN too
+        raise KvtraceError(f"KVTRACE_STEP_LIMIT_S={text} is not a number of seconds above 0: set a time limit "
+                           "for each child process, or unset it")
+    return value
+
+
+def export_limit_s(report: Path) -> float:
+    """The time an export or import of `report` may take (its size decides)."""
+    try:
+        size = os.stat(report).st_size
+    except OSError:
+        size = 0
+    return EXPORT_LIMIT_S + EXPORT_LIMIT_S_PER_MIB * size / (1 << 20)
 
 
 def find_nsys(explicit: str | None = None) -> str:
@@ -72,16 +133,16 @@ def find_importer(nsys: str) -> str | None:
 
 def import_qdstrm(importer: str, raw: Path, *, log: TextIO | None = None) -> subprocess.CompletedProcess:
     """Turn the raw capture `raw` (.qdstrm) into a report beside it, as nsys profile's own import step does."""
-    return _run_logged([importer, "-i", str(raw)], log)
+    return _run_logged([importer, "-i", str(raw)], log, f"QdstrmImporter on {raw}", export_limit_s(raw))
 
 
-def _run_logged(command: list[str], log: TextIO | None) -> subprocess.CompletedProcess:
-    """Run an nsys tool, its command line and output (stdout and stderr together) written to `log` if given."""
+def _run_logged(command: list[str], log: TextIO | None, step: str, limit_s: float) -> subprocess.CompletedProcess:
+    """Run an nsys tool (run_step), its command line and output (stdout and stderr together) written to `log` if
+    given."""
     if log is not None:
         log.write(f"$ {' '.join(command)}\n")
         log.flush()
-    result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            errors="replace", check=False)
+    result = run_step(command, step, limit_s, stderr=subprocess.STDOUT)
     if log is not None:
         log.write(result.stdout)
         log.flush()
@@ -95,7 +156,7 @@ def importer_error(output: str) -> str | None:
 
 
 def nsys_version(nsys: str) -> str:
-    result = subprocess.run([nsys, "--version"], capture_output=True, text=True, check=False)
+    result = run_step([nsys, "--version"], f"`{nsys} --version`", VERSION_LIMIT_S)
     return result.stdout.strip() or result.stderr.strip()
 
 
@@ -159,14 +220,18 @@ def export_command(nsys: str, report: Path, output: Path, tables: tuple[str, ...
 
 
 def export_sqlite(nsys: str, report: Path, target: Path, *, log: TextIO | None = None,
-                  tables: tuple[str, ...] = ()) -> None:
+                  tables: tuple[str, ...] = (), seal: Callable[[Path], None] | None = None) -> None:
     """Export `report` to `target` (only `tables` when given). nsys writes a temporary file beside the target,
-    renamed into place only once it is a complete SQLite file, so `target` never holds half an export. The
-    command and nsys' output go to `log` when one is given. Raises ExportFailed."""
+    renamed into place only once it is a complete SQLite file, so `target` never holds half an export; `seal`
+    is called with that file first (the cache records what it holds). The command and nsys' output go to `log`
+    when one is given. Raises ExportFailed."""
     with files.beside(target, suffix=".sqlite") as partial:
-        result = _run_logged(export_command(nsys, report, partial, tables), log)
+        result = _run_logged(export_command(nsys, report, partial, tables), log, f"nsys export of {report}",
+                             export_limit_s(report))
         if result.returncode != 0 or not is_sqlite(partial):
             raise ExportFailed(result.returncode, result.stdout)
+        if seal is not None:
+            seal(partial)
 
 
 # Versions whose Parquet output is known to lack a table kvtrace reads: Nsight Systems 2023.4.4 never writes
@@ -201,20 +266,24 @@ def parquet_command(nsys: str, report: Path, output: Path, tables: tuple[str, ..
 
 
 def export_parquet(nsys: str, report: Path, target: Path, tables: tuple[str, ...], *,
-                   log: TextIO | None = None) -> None:
+                   log: TextIO | None = None, seal: Callable[[Path], None] | None = None) -> None:
     """Export `report`'s `tables` to the Parquet folder `target`. nsys writes into a temporary folder beside the
-    target, renamed into place only once it holds PARQUET_REQUIRED, so `target` never holds half an export.
-    Raises ExportFailed, its output ending with what the folder lacks when nsys itself said nothing wrong."""
+    target, renamed into place only once it holds PARQUET_REQUIRED, so `target` never holds half an export;
+    `seal` is called with that folder first. Raises ExportFailed, its output ending with what the folder lacks
+    when nsys itself said nothing wrong."""
     stem = os.fsdecode(os.fsencode(target.name)[:128])
     scratch = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{stem}."))
     try:
         output = scratch / "export"
-        result = _run_logged(parquet_command(nsys, report, output, tables), log)
+        result = _run_logged(parquet_command(nsys, report, output, tables), log,
+                             f"nsys export --type parquetdir of {report}", export_limit_s(report))
         if result.returncode != 0:
             raise ExportFailed(result.returncode, result.stdout)
         missing = [name for name in PARQUET_REQUIRED if not (output / f"{name}.parquet").is_file()]
         if missing:
             raise ExportFailed(0, f"{result.stdout}\nthe Parquet output lacks {', '.join(missing)}")
+        if seal is not None:
+            seal(output)
         try:
             os.replace(output, target)
         except OSError:

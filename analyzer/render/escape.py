@@ -19,10 +19,16 @@ _FORMULA_START = ("=", "+", "-", "@")
 # Not `|`: a table cell escapes it (units.markdown_table), and elsewhere it is plain text.
 _MARKDOWN_SPECIAL = re.compile(r"([\\`*\[\]<>~])")
 _PROSE_SPECIAL = re.compile(r"([\\`*<>~])")
-# An emoji shortcode (`:cat:`) that GitHub would render as a picture: an empty HTML comment after its first colon
-# splits the text, and GitHub matches shortcodes within one piece of text only (code spans are never matched).
-# Names with a letter: the digits between a time's colons (02:20:00) stay as they are.
-_SHORTCODE = re.compile(r":(?=[\w+-]*[^\W\d_][\w+-]*:)")
+# Where GitHub would make plain text active, split by an empty HTML comment (GitHub matches each within one piece
+# of text only; code spans are never matched): after the first colon of an emoji shortcode (`:cat:`, a picture;
+# names with a letter, so a time's 02:20:00 stays as it is), after the @ of a mention (@user, @org/team: a ping;
+# an e-mail address too), and inside a bare URL (scheme://…, www.…: a link).
+_ACTIVE = re.compile(r"(?<=:)(?=[\w+-]*[^\W\d_][\w+-]*:)|(?<=@)(?=[\w-])|(?<=:)(?=//)|(?<=\bwww)(?=\.\w)",
+                     re.IGNORECASE)
+
+
+def _inert(text: str) -> str:
+    return _ACTIVE.sub("<!-- -->", text)
 
 
 def rich(text) -> str:
@@ -41,15 +47,20 @@ def md_code(text) -> str:
 def md_text(text) -> str:
     """Plain markdown text (a label in a heading or table): emphasis, links, HTML and emoji shortcodes made literal.
     (An underscore inside a word emphasises nothing in GitHub markdown, so `fp8_e4m3` stays as it is.)"""
-    return _SHORTCODE.sub(":<!-- -->", _MARKDOWN_SPECIAL.sub(r"\\\1", visible(text)))
+    return _inert(_MARKDOWN_SPECIAL.sub(r"\\\1", visible(text)))
 
 
 def md_prose(text) -> str:
     """A sentence kvtrace wrote with trace or manifest text inside (a finding, a note): emphasis, HTML, links and
     emoji shortcodes made literal, as md_text does, but square brackets that hold kvtrace's own intervals
     (`[0.98, 1.01]`) stay as they are: only `](`, which would make them a link, is broken."""
-    escaped = _PROSE_SPECIAL.sub(r"\\\1", visible(text)).replace("](", "]\\(")
-    return _SHORTCODE.sub(":<!-- -->", escaped)
+    return _inert(_PROSE_SPECIAL.sub(r"\\\1", visible(text)).replace("](", "]\\("))
+
+
+def plot_text(text) -> str:
+    """Text in a plot, line by line (kvtrace's titles break lines on purpose): control characters visible. Plots
+    also turn off mathtext (render/plots.py), so `$` is drawn as written."""
+    return "\n".join(visible(line) for line in str(text).split("\n"))
 
 
 def csv_writer(buffer):

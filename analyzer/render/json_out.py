@@ -13,8 +13,9 @@ PATH_FIELDS = frozenset({"source", "sqlite", "sources", "runs", "run", "path", "
 
 
 def _clean(value):
-    # JSON has no NaN; a coefficient of variation over a zero mean is reported as null.
-    if isinstance(value, float) and math.isnan(value):
+    # JSON has no NaN or Infinity (json.dumps would write them, and strict readers refuse the file); a coefficient
+    # of variation over a zero mean is reported as null.
+    if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
         return {k: _shown(v) if k in PATH_FIELDS else _clean(v) for k, v in value.items()}
@@ -32,4 +33,4 @@ def _shown(value):
 
 
 def render(result) -> str:
-    return json.dumps(_clean(result.to_dict()), indent=2) + "\n"
+    return json.dumps(_clean(result.to_dict()), indent=2, allow_nan=False) + "\n"

@@ -22,7 +22,8 @@ def kernels(kernels: KernelList) -> str:
     lines = [f"## {what}: {md_text(kernels.arm.label)}", ""]
     lines += markdown_table(["segment", "calls", "total", "share", "mean", "recipe", "kernel"],
                     [[r["segment"], f"{r['calls']:,}", duration(r["total_ns"]), percent(r["share"]),
-                      duration(r["mean_ns"]), r["recipe"] or "–", md_code(r["demangled"])] for r in kernels.rows])
+                      duration(r["mean_ns"]), md_code(r["recipe"]) if r["recipe"] else "–", md_code(r["demangled"])]
+                     for r in kernels.rows])
     return "\n".join(lines + ["", footer(kernels.kvtrace_version, kernels.recipes)]) + "\n"
 
 
@@ -41,7 +42,7 @@ def _environment(arms: list[Arm]) -> list[str]:
         ("driver", lambda a: md_text(a.info.driver_version or "–")),
         ("Nsight Systems",
          lambda a: md_text(f"{a.info.product_version or '?'} (schema {a.info.schema_version or '?'})")),
-        ("CUDA graph trace", lambda a: a.info.graph_trace_mode or "not recorded"),
+        ("CUDA graph trace", lambda a: md_text(a.info.graph_trace_mode or "not recorded")),
         ("kernels", lambda a: f"{a.info.kernel_count:,}"),
         ("kernel span", lambda a: duration(a.info.kernel_span_ns)),
         ("GPU kernel time", lambda a: duration(a.total_ns)),
@@ -188,4 +189,4 @@ def head(diff: Diff, level: int = 3, *, statements: bool = True) -> list[str]:
 
 
 def footer(version: str, recipes: tuple[str, ...]) -> str:
-    return f"<sub>kvtrace {version} · recipes: {', '.join(recipes)}</sub>"
+    return f"<sub>kvtrace {version} · recipes: {', '.join(md_text(recipe) for recipe in recipes)}</sub>"

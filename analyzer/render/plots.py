@@ -32,11 +32,13 @@ import matplotlib
 matplotlib.use("Agg", force=False)  # no display; harmless when a backend is already chosen
 from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
-from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: E402
+from matplotlib.text import Text  # noqa: E402
+from matplotlib.ticker import FixedFormatter, FuncFormatter, LogLocator, NullFormatter  # noqa: E402
 
 from kvtrace import files  # noqa: E402
 from kvtrace.analyzer import stats  # noqa: E402
 from kvtrace.analyzer.matrix import OBJECTIVES, Matrix, Scenario  # noqa: E402
+from kvtrace.analyzer.render import escape  # noqa: E402
 from kvtrace.analyzer.report import PlotFile, Report  # noqa: E402
 from kvtrace.analyzer.render.units import no_change_half_width  # noqa: E402
 from kvtrace.errors import KvtraceError  # noqa: E402
@@ -468,7 +470,7 @@ def _objective_value(metrics, name: str) -> float | None:
 def write_matrix_plots(matrix: Matrix, folder: Path, fmt: str = "png", link_base: Path | None = None,
                        inputs=()) -> list[PlotFile]:
     """Each sweep's crossover plot in folder, as write_plots writes a report's."""
-    folder = _plot_folder(folder, fmt)
+    folder = _plot_folder(folder, fmt, inputs)
     written = []
     base = Path(link_base) if link_base is not None else Path.cwd()
     for number, scenario in enumerate(matrix.scenarios, 1):
@@ -485,10 +487,11 @@ def write_matrix_plots(matrix: Matrix, folder: Path, fmt: str = "png", link_base
     return written
 
 
-def _plot_folder(folder: Path, fmt: str) -> Path:
+def _plot_folder(folder: Path, fmt: str, inputs) -> Path:
     if fmt not in FORMATS:
         raise KvtraceError(f"--plot-format {fmt}: choose png or svg")
     folder = Path(folder)
+    files.check_folder(folder, inputs)
     if folder.exists() and not folder.is_dir():
         raise KvtraceError(f"--plots {folder} is a file: name a folder for the plots")
     try:
@@ -503,7 +506,7 @@ def write_plots(report: Report, folder: Path, fmt: str = "png", link_base: Path 
     """Save every plot into folder (created when missing), never onto one of `inputs` (a plot's name may be a
     link to one); its files, with paths relative to link_base (the report file's folder; the working directory
     when None), the figure's title and its panels' titles."""
-    folder = _plot_folder(folder, fmt)
+    folder = _plot_folder(folder, fmt, inputs)
     titles = {kind: title for kind, title, _ in PLOTS}
     written = []
     base = Path(link_base) if link_base is not None else Path.cwd()
@@ -516,10 +519,25 @@ def write_plots(report: Report, folder: Path, fmt: str = "png", link_base: Path 
     return written
 
 
+def _inert(figure: Figure) -> None:
+    """Every text drawn as written: never read as mathtext (`$…$` in a GPU or scenario name, a label or a kernel
+    family would end the plot with a parse error), control characters as visible escapes (SVG is XML, which has
+    no place for them). Tick labels are set again from their formatter at each draw, so its strings are escaped."""
+    for text in figure.findobj(Text):
+        text.set_parse_math(False)
+        text.set_text(escape.plot_text(text.get_text()))
+    for axis in (axis for ax in figure.axes for axis in (ax.xaxis, ax.yaxis)):
+        formatter = axis.get_major_formatter()
+        if isinstance(formatter, FixedFormatter):
+            formatter.seq = [escape.plot_text(label) for label in formatter.seq]
+
+
 def _save(figure: Figure, path: Path, fmt: str, inputs) -> None:
     """Atomic, and reproducible: no creation date in the file; SVG text stays text (searchable)."""
     metadata = {"Date": None} if fmt == "svg" else {"Software": None}
     image = io.BytesIO()
-    with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": "kvtrace"}):
+    _inert(figure)
+    # Ticks made while drawing take parse_math from here.
+    with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": "kvtrace", "text.parse_math": False}):
         figure.savefig(image, format=fmt, dpi=_DPI, metadata=metadata, bbox_inches="tight")
     files.write(path, image.getvalue(), inputs)
