@@ -45,12 +45,17 @@ def capture() -> None:
 @click.option("--append-calls", default=64, show_default=True, help="Measured append calls per context.")
 @click.option("--gemm-calls", default=16, show_default=True, help="Control GEMM calls per context.")
 @click.option("--seed", default=0, show_default=True, help="Seed of the BF16 source tensors (same in both arms).")
+@click.option("--inputs", default="gaussian", show_default=True, metavar="gaussian|outliers|FILE.safetensors",
+              help="Q/K/V of the workload: the seeded Gaussian generator; `outliers`: the same with 4 channels per KV "
+                   "head scaled 16x in K and V, as real models' keys carry them; or a .safetensors file with tensors "
+                   "q [tokens, q_heads, head_dim], k and v [tokens, kv_heads, head_dim] dumped from a model (keys "
+                   "after RoPE). Each format's attention error against a float64 reference is recorded per context.")
 @click.option("--arms", default="fp8,nvfp4", show_default=True, callback=_name_list, help="Formats to record, comma-separated.")
 @click.option("--repeats", default=1, show_default=True, help=REPEATS_HELP)
 @click.option("--nsys", "nsys_path", default=None, help="nsys binary (default: $NSYS, PATH, known installs).")
 @click.option("--force", is_flag=True, help="Replace an existing run directory.")
 def flashinfer(out, context, batch, q_heads, kv_heads, head_dim, page_size, prefill_calls, decode_calls,
-               append_calls, gemm_calls, seed, arms, repeats, nsys_path, force) -> None:
+               append_calls, gemm_calls, seed, inputs, arms, repeats, nsys_path, force) -> None:
     """Kernel-level A/B: the same cached tokens stored as FP8 and as NVFP4, one trace per format.
 
     Needs an SM80+ GPU, torch, FlashInfer and nsys. Writes ARM.nsys-rep, ARM.sqlite, ARM.log and
@@ -61,7 +66,7 @@ def flashinfer(out, context, batch, q_heads, kv_heads, head_dim, page_size, pref
     spec = flashinfer_engine.FlashInferSpec(
         contexts=context, batch=batch, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, page_size=page_size,
         prefill_calls=prefill_calls, decode_calls=decode_calls, append_calls=append_calls, gemm_calls=gemm_calls,
-        seed=seed)
+        seed=seed, inputs=inputs)
     manifest = flashinfer_engine.capture(out, spec, arms=arms, repeats=repeats, force=force, nsys=nsys_path)
     failed = [name for name, arm in manifest["arms"].items() if arm["status"] != "ok"]
     for name, arm in manifest["arms"].items():
