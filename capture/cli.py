@@ -107,6 +107,11 @@ def _optional_int_list(ctx, param, value: str | None) -> tuple[int, ...] | None:
 @click.option("--seed", default=0, show_default=True, help="Seed of the prompts and of vLLM's sampling.")
 @click.option("--load-format", type=click.Choice(["auto", "dummy"]), default="auto", show_default=True,
               help="dummy: random weights from config.json alone (no download).")
+@click.option("--quality-prompts", type=click.Path(), default=None,
+              help="serve: after each arm's measured traffic, send these prompts (JSONL, one {\"prompt\", "
+                   "\"answer\"} per line, e.g. GSM8K's test split) greedily with logprobs and record each answer and "
+                   "whether it matches; `kvtrace report` pairs the arms prompt by prompt.")
+@click.option("--quality-max-tokens", default=256, show_default=True, help="serve: tokens generated per quality prompt.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="serve: address the server binds.")
 @click.option("--port", default=8000, show_default=True, help="serve: port the server binds.")
 @click.option("--startup-timeout", default=1800.0, show_default=True, help="serve: seconds to wait for /health.")
@@ -116,8 +121,8 @@ def _optional_int_list(ctx, param, value: str | None) -> tuple[int, ...] | None:
 @click.option("--force", is_flag=True, help="Replace an existing run directory.")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
 def vllm(model, scenario, out, arms, mode, input_len, output_len, num_prompts, concurrency, prefix_len, num_prefixes,
-         trace_file, contexts, concurrencies, points_from, seed, load_format, host, port, startup_timeout, repeats,
-         nsys_path, dry_run, force, vllm_args) -> None:
+         trace_file, contexts, concurrencies, points_from, seed, load_format, quality_prompts, quality_max_tokens, host,
+         port, startup_timeout, repeats, nsys_path, dry_run, force, vllm_args) -> None:
     """Matched vLLM runs that differ only in --kv-cache-dtype, each traced by Nsight Systems.
 
     Extra vLLM engine flags go after `--`, e.g. `-- --max-model-len 8192 --kv-cache-memory-bytes 20G`;
@@ -135,7 +140,8 @@ def vllm(model, scenario, out, arms, mode, input_len, output_len, num_prompts, c
         prefix_len=prefix_len, num_prefixes=num_prefixes, trace_file=trace_file, contexts=contexts,
         concurrencies=concurrencies, followed=followed, followed_from=followed_from, seed=seed)
     cfg = vllm_config.VllmCapture(model=model, workload=workload, arms=arms, mode=mode, load_format=load_format,
-                                  host=host, port=port, extra_args=tuple(vllm_args), repeats=repeats)
+                                  host=host, port=port, extra_args=tuple(vllm_args), repeats=repeats,
+                                  quality_prompts=quality_prompts, quality_max_tokens=quality_max_tokens)
     out = out or Path("runs") / f"vllm-{scenario}"
     if dry_run:
         click.echo(vllm_commands.dry_run(cfg, out, nsys=nsys_path), nl=False)

@@ -161,6 +161,8 @@ class VllmCapture:
     port: int = 8000
     extra_args: tuple[str, ...] = ()
     repeats: int = 1
+    quality_prompts: str | None = None  # a JSONL of prompts and answers (capture/vllm_quality)
+    quality_max_tokens: int = 256
 
     def validate(self) -> None:
         if self.mode not in MODES:
@@ -184,6 +186,10 @@ class VllmCapture:
                 if arg == flag or arg.startswith((flag + "=", flag + ".")):
                     raise KvtraceError(f"extra vLLM argument {arg} is set by kvtrace ({reason}): drop it")
         self.workload.validate(self.mode)
+        if self.quality_prompts is not None:
+            from kvtrace.capture.vllm_quality import check
+
+            check(self)
 
     def is_local_model(self) -> bool:
         return Path(self.model).expanduser().exists() or self.model.startswith(("/", "./", "../", "~"))

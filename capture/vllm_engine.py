@@ -29,7 +29,7 @@ from pathlib import Path
 
 import kvtrace.nsys
 from kvtrace import files
-from kvtrace.capture import runner
+from kvtrace.capture import runner, vllm_quality
 from kvtrace.capture.processes import ManagedProcess, sigterm_as_interrupt
 from kvtrace.capture.vllm_commands import (POLL_INTERVAL_S, base_url, bench_command, point_tag, request_identity,
                                            server_command, warmup_point, worker_command)
@@ -66,6 +66,7 @@ class VllmArm(runner.ArmResult):
     kv_cache: dict | None = None  # vLLM's startup capacity line
     request_order_sha256: str | None = None
     points: list[dict] = field(default_factory=list)
+    quality: dict | None = None  # the quality prompts' summary (capture/vllm_quality)
 
 
 @dataclass
@@ -138,6 +139,8 @@ def _serve_arm(session: _Session, arm: VllmArm, points: list[Point], stop_at_cap
                 if record["capacity"]:
                     capped.add((point.prefix_len, point.input_len))
         post_ok(base, "/stop_profile")
+        if cfg.quality_prompts:  # after the trace's range: the model's answers, not its timing
+            arm.quality = vllm_quality.run(base, cfg.quality_prompts, cfg.quality_max_tokens, out, arm.name)
     finally:
         arm.exit_code = server.stop(session.shutdown_grace_s)
         arm.kv_cache = parse_kv_cache_log(server.log_path.read_text(errors="replace")) or arm.kv_cache
