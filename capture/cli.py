@@ -45,9 +45,9 @@ def capture() -> None:
 @click.option("--append-calls", default=64, show_default=True, help="Measured append calls per context.")
 @click.option("--gemm-calls", default=16, show_default=True, help="Control GEMM calls per context.")
 @click.option("--seed", default=0, show_default=True, help="Seed of the BF16 source tensors (same in both arms).")
-@click.option("--inputs", default="gaussian", show_default=True, metavar="gaussian|outliers|FILE.safetensors",
-              help="Q/K/V of the workload: the seeded Gaussian generator; `outliers`: the same with 4 channels per KV "
-                   "head scaled 16x in K and V, as real models' keys carry them; or a .safetensors file with tensors "
+@click.option("--inputs", default="gaussian", show_default=True, metavar="SOURCE",
+              help="Q/K/V of the workload: gaussian (the seeded generator); outliers (the same with 4 channels per KV "
+                   "head scaled 16x in K and V, as real models' keys carry them); or a .safetensors file with tensors "
                    "q [tokens, q_heads, head_dim], k and v [tokens, kv_heads, head_dim] dumped from a model (keys "
                    "after RoPE). Each format's attention error against a float64 reference is recorded per context.")
 @click.option("--arms", default="fp8,nvfp4", show_default=True, callback=_name_list, help="Formats to record, comma-separated.")
