@@ -210,7 +210,7 @@ def test_the_decision_names_what_it_holds_for_and_states_quality_as_measured(ttf
             f"vLLM {env['packages']['vllm']}, attention backend FLASHINFER") in decision
     assert "nvfp4 against fp8 (R9) holds for NVIDIA H200, FlashInfer 0.6.16.post3, no vLLM" in decision
     # The recorded runs used dummy weights and sent no quality prompts: the decision says so per scenario.
-    assert ("Quality, as measured beside speed: " in decision and "not measured (auto and fp8 ran without "
+    assert ("Quality, as measured beside speed: " in decision and "not measured: auto and fp8 ran without "
             "--quality-prompts" in decision and "fp8's accuracy is not established: check it before choosing it"
             in decision)
     # Every claim about a point cites it; every decided point is in the choice.
