@@ -60,6 +60,8 @@ def flashinfer(out, context, batch, q_heads, kv_heads, head_dim, page_size, pref
 
     Needs an SM80+ GPU, torch, FlashInfer and nsys. Writes ARM.nsys-rep, ARM.sqlite, ARM.log and
     ARM.workload.json per arm (ARM.rK.* per arm and repeat with --repeats) and manifest.json for the run.
+    Per context, ARM.workload.json also records the format's error: its attention output (prefill and decode)
+    and its cache round trip against a float64 reference over the BF16 cache (relative L2, cosine, max abs).
     """
     from kvtrace.capture import flashinfer_engine
 
