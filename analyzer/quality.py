@@ -84,9 +84,11 @@ class Quality:
     agreement: Agreement | None = None  # candidate against baseline
     auto: list[Agreement] = field(default_factory=list)  # each arm against an `auto` arm, when one was recorded
     notes: list[str] = field(default_factory=list)
+    read: list[Path] = field(default_factory=list, repr=False)  # the answer files read (inputs: -o never lands on one)
 
     def to_dict(self) -> dict:
         data = asdict(self)
+        del data["read"]  # paths stay out of reports
         if self.accuracy is not None:
             data["accuracy"].update(baseline_accuracy=self.accuracy.baseline_accuracy,
                                     candidate_accuracy=self.accuracy.candidate_accuracy)
@@ -167,13 +169,14 @@ def _summary(item: ArmInput) -> dict | None:
     return value if isinstance(value, dict) else None
 
 
-def _results(run: Path, summary: dict, label: str) -> list[dict]:
+def _results(run: Path, summary: dict, label: str, read: list[Path]) -> list[dict]:
     """A run's per-prompt answers (RUN.quality.json inside its run directory), checked field by field."""
     name = summary.get("file")
     if not isinstance(name, str) or Path(name).name != name or not name.endswith(".quality.json"):
         raise KvtraceError(f"{label}: the manifest names no quality file inside its run directory ({name!r}): "
                            "capture again with --quality-prompts")
     fix = "capture again with --quality-prompts"
+    read.append(run / name)
     data = files.read_json(run / name, f"{label}'s answers {name}", fix)
     results = data.get("results") if isinstance(data, dict) else None
     if not isinstance(results, list):
@@ -237,7 +240,8 @@ def _answers(base: ArmInput, cand: ArmInput, labels: tuple[str, str]) -> Quality
                        f"{', '.join(dict.fromkeys(dummy))}: its answers"
                        + (f" to {count} prompts" if isinstance(count, int) else "")
                        + " say nothing about quality (the quality step itself ran)", ANSWERS, prompts_file=prompts_file)
-    results = [_results(item.run, s, label) for item, s, label in zip((base, cand), summaries, labels)]
+    read: list[Path] = []
+    results = [_results(item.run, s, label, read) for item, s, label in zip((base, cand), summaries, labels)]
     if len(results[0]) != len(results[1]):
         return _not_measured(f"the arms answered {len(results[0])} and {len(results[1])} prompts: not paired", ANSWERS)
     rows = [PromptRow(index, str(b.get("id", index + 1)), b["correct"], c["correct"],
@@ -246,13 +250,13 @@ def _answers(base: ArmInput, cand: ArmInput, labels: tuple[str, str]) -> Quality
     result = Quality(MEASURED, None, ANSWERS, prompts_file=prompts_file, prompts=rows,
                      accuracy=stats.paired_accuracy([r.baseline_correct for r in rows],
                                                     [r.candidate_correct for r in rows]),
-                     agreement=agreement(labels[1], labels[0], results[1], results[0]))
+                     agreement=agreement(labels[1], labels[0], results[1], results[0]), read=read)
     for name, auto in _auto_arms(base, cand):
         summary = _summary(auto)
         if summary is None or summary.get("prompts_sha256") != summaries[0].get("prompts_sha256"):
             result.notes.append(f"{name} recorded no answers to the same prompts: no agreement with BF16")
             continue
-        reference = _results(auto.run, summary, name)
+        reference = _results(auto.run, summary, name, read)
         result.auto += [agreement(label, name, mine, reference) for label, mine in zip(labels, results)]
     if len(base.runs) > 1 or len(cand.runs) > 1:
         result.notes.append("answers are the first run's of each arm")

@@ -215,3 +215,12 @@ def test_first_divergence():
     assert quality.first_divergence([], []) is None
     assert math.isclose(quality.agreement("x", "y", [{"tokens": ["a", "b"]}], [{"tokens": ["a", "c", "d"]}])
                         .token_agreement, 1 / 3)
+
+
+def test_an_output_never_lands_on_an_answer_file(answered, run_kvtrace):
+    real_weights(answered)
+    target = answered / "nvfp4.quality.json"
+    before = target.read_bytes()
+    code, _, err = run_kvtrace("report", str(answered), "--arm", "fp8", "--arm", "nvfp4", "-o", str(target),
+                               "--format", "json")
+    assert code == 2 and "nvfp4.quality.json" in err and target.read_bytes() == before
