@@ -120,10 +120,12 @@ class Inputs:
     new_v: torch.Tensor
 
     @classmethod
-    def draw(cls, args: argparse.Namespace, context: int, generator: torch.Generator, source=None) -> "Inputs":
+    def draw(cls, args: argparse.Namespace, context: int, generator: torch.Generator, source=None,
+             device=None) -> "Inputs":
         """source: None (Gaussian), outlier channels ([kv_heads, n], quality.outlier_channels) or a dumped file's
         q, k, v (quality.read_tensor_file). The Gaussian draws are made in every case, so that the generator stays
-        in step across modes."""
+        in step across modes. Drawn where the generator lives (the workload's is a CPU one, so that a GPU run's
+        tensors can be drawn again anywhere: tests check its recorded errors on them), then moved to `device`."""
         def randn(*shape):
             return torch.randn(shape, generator=generator, device=generator.device, dtype=torch.bfloat16)
 
@@ -134,21 +136,22 @@ class Inputs:
         new_k = randn(args.append_calls, args.batch, args.kv_heads, args.head_dim)
         new_v = randn(args.append_calls, args.batch, args.kv_heads, args.head_dim)
         if isinstance(source, dict):
-            return cls.of_file(args, context, source, keys.device)
-        if source is not None:
-            keys, values, new_k, new_v = (quality.add_outliers(x, source) for x in (keys, values, new_k, new_v))
-        return cls(keys, values, q_prefill, q_decode, new_k, new_v)
+            inputs = cls.of_file(args, context, source)
+        else:
+            if source is not None:
+                keys, values, new_k, new_v = (quality.add_outliers(x, source) for x in (keys, values, new_k, new_v))
+            inputs = cls(keys, values, q_prefill, q_decode, new_k, new_v)
+        return inputs if device is None else cls(*(tensor.to(device) for tensor in vars(inputs).values()))
 
     @classmethod
-    def of_file(cls, args: argparse.Namespace, context: int, tensors: dict, device) -> "Inputs":
+    def of_file(cls, args: argparse.Namespace, context: int, tensors: dict) -> "Inputs":
         """Each sequence a contiguous window of the dumped tokens; its decode query the window's last token (which
         attends to every cached token, itself included, as in decode); appends write the tokens that follow."""
-        q, k, v = (tensors[name].to(device=device, dtype=torch.bfloat16) for name in ("q", "k", "v"))
+        q, k, v = (tensors[name].to(torch.bfloat16) for name in ("q", "k", "v"))
         starts = quality.windows(k.shape[0], context, args.batch)
-        rows = torch.cat([torch.arange(s, s + context) for s in starts]).to(device)
-        last = torch.tensor([s + context - 1 for s in starts], device=device)
-        follow = torch.tensor([[(s + context + step) % k.shape[0] for s in starts] for step in range(args.append_calls)],
-                              device=device)
+        rows = torch.cat([torch.arange(s, s + context) for s in starts])
+        last = torch.tensor([s + context - 1 for s in starts])
+        follow = torch.tensor([[(s + context + step) % k.shape[0] for s in starts] for step in range(args.append_calls)])
         return cls(k[rows], v[rows], q[rows], q[last], k[follow], v[follow])
 
 
@@ -204,7 +207,7 @@ def prepare_context(flashinfer, args: argparse.Namespace, context: int, generato
     """One context length: its cache, planned kernels and phases, warmed up (JIT compiles every FlashInfer
     variant here, outside the measured region). Returns the phases and the context's result entry, with the
     error of this format's attention against a float64 reference (flashinfer_quality). source: Inputs.draw's."""
-    inputs = Inputs.draw(args, context, generator, source)
+    inputs = Inputs.draw(args, context, generator, source, device=workspace.device)
     cache = PagedCache(args.kv_format, inputs.keys, inputs.values, args.batch, context, args.append_calls,
                        args.page_size)
     prefill, decode = plan_attention(flashinfer, args, cache, workspace)
@@ -256,7 +259,7 @@ def main(argv=None) -> None:
     import flashinfer
 
     device = torch.device("cuda")
-    generator = torch.Generator(device=device).manual_seed(args.seed)
+    generator = torch.Generator().manual_seed(args.seed)  # on the CPU: Inputs.draw says why
     workspace = torch.zeros(512 * 1024 * 1024, dtype=torch.uint8, device=device)
     result = {"kv_format": args.kv_format, "versions": {
         "torch": torch.__version__, "cuda_runtime": torch.version.cuda, "flashinfer": flashinfer.__version__},
@@ -264,8 +267,8 @@ def main(argv=None) -> None:
                 "sm_count": torch.cuda.get_device_properties(device).multi_processor_count},
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "contexts": []}
-    gemm_a = torch.randn(args.gemm_size, args.gemm_size, generator=generator, device=device, dtype=torch.bfloat16)
-    gemm_b = torch.randn(args.gemm_size, args.gemm_size, generator=generator, device=device, dtype=torch.bfloat16)
+    gemm_a, gemm_b = (torch.randn(args.gemm_size, args.gemm_size, generator=generator, dtype=torch.bfloat16).to(device)
+                      for _ in range(2))
     gemm = functools.partial(torch.matmul, gemm_a, gemm_b)  # the control that must not move between arms
     result["quality_inputs"] = quality.describe_inputs(args.inputs)
     source = (None if args.inputs == "gaussian" else

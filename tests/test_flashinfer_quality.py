@@ -11,6 +11,7 @@ import argparse
 import json
 import math
 import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -277,3 +278,103 @@ def test_workload_passes_the_inputs_to_the_arm_process(tmp_path):
     assert args.inputs == str(path.resolve())
     assert workload.parse_args([*FlashInferSpec().workload_args(), "--kv-format", "fp8",
                                 "--result", "r.json"]).inputs == "gaussian"
+
+
+# ---- a recorded run's numbers, drawn again on the CPU ------------------------------------------------------
+
+def drawn_again(spec: dict, inputs: dict, context: int) -> dict:
+    """The BF16 tensors the workload drew for `context`, drawn again: its generator is a CPU one seeded with the
+    spec's seed, drawing the two GEMM operands, then per context keys, values, prefill and decode queries and the
+    appended rows, in that order (flashinfer_workload.main and Inputs.draw)."""
+    generator = torch.Generator().manual_seed(spec["seed"])
+
+    def randn(*shape):
+        return torch.randn(shape, generator=generator, dtype=torch.bfloat16)
+
+    for _ in range(2):
+        randn(spec["gemm_size"], spec["gemm_size"])
+    batch, kv_heads, q_heads, head_dim, appends = (spec[k] for k in ("batch", "kv_heads", "q_heads", "head_dim",
+                                                                     "append_calls"))
+    for each in spec["contexts"]:
+        tensors = {"keys": randn(batch * each, kv_heads, head_dim), "values": randn(batch * each, kv_heads, head_dim),
+                   "q_prefill": randn(batch * each, q_heads, head_dim), "q_decode": randn(batch, q_heads, head_dim)}
+        randn(appends, batch, kv_heads, head_dim), randn(appends, batch, kv_heads, head_dim)
+        if each == context:
+            break
+    if inputs.get("kind") == "outliers":
+        channels = quality.outlier_channels(kv_heads, head_dim, spec["seed"])
+        for name in ("keys", "values"):
+            tensors[name] = quality.add_outliers(tensors[name], channels)
+    return tensors
+
+
+def numpy_phase(tensors, k, v, batch, context, rows):
+    """float64 numpy attention of every sequence: prefill at `rows`, decode (rows None) at its one query."""
+    out = []
+    for b in range(batch):
+        window = slice(b * context, (b + 1) * context)
+        if rows is None:
+            out.append(numpy_attention(tensors["q_decode"][b:b + 1], k[window], v[window]))
+        else:
+            out.append(numpy_attention(tensors["q_prefill"][window][rows], k[window], v[window], rows))
+    return np.concatenate(out)
+
+
+def check_recorded_point(spec: dict, workload: dict, entry: dict) -> None:
+    """One recorded context's `cache` and `format` errors against numpy on the same tensors, with the recorded
+    scales and the project's quantizers."""
+    context, batch, kv_format = entry["context"], spec["batch"], workload["kv_format"]
+    tensors = drawn_again(spec, workload.get("quality_inputs") or {"kind": "gaussian"}, context)
+    k_deq = quality.round_trip(kv_format, tensors["keys"], entry["k_scale"])
+    v_deq = quality.round_trip(kv_format, tensors["values"], entry["v_scale"])
+    recorded = entry["quality"]
+    for name, deq, source in (("k", k_deq, tensors["keys"]), ("v", v_deq, tensors["values"])):
+        want = numpy_errors(deq.double().numpy(), source.double().numpy())
+        for metric, value in want.items():
+            assert recorded["cache"][name][metric] == pytest.approx(value, rel=1e-4), (name, metric)
+    rows = quality.prefill_rows(context)
+    assert recorded["prefill_rows_per_sequence"] == len(rows)
+    for phase, phase_rows in (("prefill", rows), ("decode", None)):
+        ref = numpy_phase(tensors, tensors["keys"], tensors["values"], batch, context, phase_rows)
+        want = numpy_errors(numpy_phase(tensors, k_deq, v_deq, batch, context, phase_rows), ref)
+        for metric, value in want.items():
+            assert recorded["format"][phase][metric] == pytest.approx(value, rel=1e-4), (phase, metric)
+
+
+def test_workload_records_what_numpy_computes_on_the_same_tensors():
+    """The CPU workload path (a stand-in FlashInfer) at a small spec: every recorded point checks out."""
+    from test_flashinfer_workload import stand_in_flashinfer
+
+    spec = dict(contexts=[32, 48], batch=2, q_heads=4, kv_heads=2, head_dim=32, page_size=16, prefill_calls=1,
+                decode_calls=1, append_calls=3, gemm_calls=1, gemm_size=8, seed=5)
+    for kv_format in ("fp8", "nvfp4"):
+        args = argparse.Namespace(kv_format=kv_format, inputs="gaussian", **spec)
+        generator = torch.Generator().manual_seed(spec["seed"])
+        for _ in range(2):
+            torch.randn(spec["gemm_size"], spec["gemm_size"], generator=generator, dtype=torch.bfloat16)
+        for context in spec["contexts"]:
+            _, entry = workload.prepare_context(stand_in_flashinfer(), args, context, generator,
+                                                torch.zeros(16, dtype=torch.uint8), lambda: None)
+            check_recorded_point(spec, {"kv_format": kv_format, "quality_inputs": {"kind": "gaussian"}}, entry)
+
+
+FLASHINFER_RUNS = [Path(__file__).resolve().parents[1] / "fixtures" / name for name in ("fi-h200-sm90",)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", FLASHINFER_RUNS, ids=lambda p: p.name)
+def test_recorded_gpu_errors_match_numpy_on_the_same_tensors(run):
+    """The H200 run's recorded errors: the smallest context's format and cache errors drawn again here and computed
+    by numpy, and NVFP4's error above FP8's at every point, kernel and format alike."""
+    manifest = json.loads((run / "manifest.json").read_text())
+    workloads = {arm: manifest["arms"][arm]["workload"] for arm in ("fp8", "nvfp4")}
+    if "quality" not in workloads["fp8"]["contexts"][0]:
+        pytest.skip(f"{run.name} was recorded before the quality numbers: re-record it with "
+                    "fixtures/record-flashinfer-h200.sh")
+    spec = manifest["settings"]["spec"]
+    for arm, recorded in workloads.items():
+        check_recorded_point(spec, recorded, recorded["contexts"][0])
+    for fp8, nvfp4 in zip(workloads["fp8"]["contexts"], workloads["nvfp4"]["contexts"]):
+        for group in ("kernel", "format"):
+            for phase in ("prefill", "decode"):
+                assert nvfp4["quality"][group][phase]["rel_l2"] > fp8["quality"][group][phase]["rel_l2"]
