@@ -224,3 +224,18 @@ def test_an_output_never_lands_on_an_answer_file(answered, run_kvtrace):
     code, _, err = run_kvtrace("report", str(answered), "--arm", "fp8", "--arm", "nvfp4", "-o", str(target),
                                "--format", "json")
     assert code == 2 and "nvfp4.quality.json" in err and target.read_bytes() == before
+
+
+def test_the_decision_states_quality_as_measured(answered, fi_quality):
+    from kvtrace.analyzer.render import quality as quality_render
+
+    real_weights(answered)
+    answers = build(answered, arms=("fp8", "nvfp4")).quality
+    kernel = build(fi_quality).quality
+    text = quality_render.decision({"prefix-reuse": answers, "fi": kernel}, "nvfp4")
+    assert text.startswith("Quality, as measured beside speed: prefix-reuse: no significant accuracy difference over "
+                           "8 prompts (McNemar exact p = 0.25); fi: the kernel's attention error above")
+    assert "does not show the formats equal" in text and "not established" not in text
+    alone = quality_render.decision({"fi": kernel}, "nvfp4")
+    assert alone.endswith("No run here measured the model's answers, so nvfp4's accuracy is not established: check "
+                          "it before choosing it.")
