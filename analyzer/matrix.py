@@ -312,7 +312,8 @@ def _points(name: str, result: Report, objective: str, threshold: float, start: 
 
 def _claims(scenarios: list[Scenario], objective: str) -> list[Claim]:
     """Per pair of KV formats: what the decision holds for, then capacity, cold prefill, prefix hits and the
-    other points, the kernel costs of runs without serving, the choice per point, and model quality."""
+    other points, the kernel costs of runs without serving, the choice per point, and quality as each scenario measured
+    it (analyzer/quality)."""
     claims = []
     pairs: dict[tuple, list[Scenario]] = {}
     for s in scenarios:
@@ -362,7 +363,8 @@ def _claims(scenarios: list[Scenario], objective: str) -> list[Claim]:
                                                    "baseline_wins": choice["baseline"],
                                                    "no_clear_winner": choice[NO_CLEAR_WINNER],
                                                    "undecided": choice[None]}))
-    claims.append(Claim("quality", ()))
+        claims.append(Claim("quality", rows, None, {"baseline": base, "candidate": cand, "scenarios": {
+            s.name: (s.report.quality.state, s.report.quality.level) for s in group if s.report.quality}}))
     return claims
 
 

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from kvtrace import __version__
-from kvtrace.analyzer import align, capacity, compare, pairing, roofline, verify
+from kvtrace.analyzer import align, capacity, compare, pairing, quality as quality_lib, roofline, verify
 from kvtrace.analyzer.classify import RecipeSet
 from kvtrace.analyzer.results import Diff, Finding
 from kvtrace.analyzer.load import open_traces
@@ -117,6 +117,7 @@ class Report:
     # Per-call durations (ns, sorted) per cell (segment, phase, family label) and arm, for the ECDF plots; not in
     # the JSON.
     durations: dict = field(default_factory=dict, repr=False)
+    quality: quality_lib.Quality | None = None  # quality beside speed (analyzer/quality)
     schema: str = REPORT_SCHEMA
     kvtrace_version: str = __version__
 
@@ -137,6 +138,7 @@ class Report:
         data["capacity"] = self.capacity.to_dict() if self.capacity else None
         data["notes"] = list(self.notes)
         data["plots"] = [asdict(p) for p in self.plots]
+        data["quality"] = self.quality.to_dict() if self.quality else None
         return data
 
 
@@ -370,4 +372,4 @@ def build(paths: list[Path], recipes: RecipeSet, *, arms: tuple[str, ...] = (), 
                   findings=_run_findings(base, cand, b_arm, c_arm, serving), segment_times=segment_times(diff),
                   serving=serving, sweep=sweep, bandwidth=bandwidth, hbm_ceiling=ceiling,
                   prefill_compute=prefill_compute, compute_ceiling=compute_ceiling, capacity=cap, notes=notes,
-                  durations=durations)
+                  durations=durations, quality=quality_lib.build(base, cand, tuple(labels)))

@@ -66,6 +66,7 @@ def report(runs, arms, labels, threshold, confidence, seed, plots_dir, exports_f
     inputs().extend(Path(export) for arm in (result.baseline, result.candidate) for export in arm.runs)
     inputs().extend(Path(arm.run) / "manifest.json" for arm in (result.baseline, result.candidate))
     inputs().extend(Path(arm.log) for arm in (result.baseline, result.candidate) if arm.log)
+    inputs().extend(result.quality.read if result.quality else ())
     if plots_dir is not None:
         from kvtrace.analyzer.render import plots  # matplotlib only on this path
 
@@ -180,6 +181,7 @@ def matrix(runs, objective, threshold, confidence, seed, plots_dir, plot_format,
         inputs().extend(Path(export) for arm in arms for export in arm.runs)
         inputs().extend(Path(arm.run) / "manifest.json" for arm in arms)
         inputs().extend(Path(arm.log) for arm in arms if arm.log)
+        inputs().extend(scenario.report.quality.read if scenario.report.quality else ())
     if plots_dir is not None:
         from kvtrace.analyzer.render import plots  # matplotlib only on this path
 

@@ -45,23 +45,30 @@ def capture() -> None:
 @click.option("--append-calls", default=64, show_default=True, help="Measured append calls per context.")
 @click.option("--gemm-calls", default=16, show_default=True, help="Control GEMM calls per context.")
 @click.option("--seed", default=0, show_default=True, help="Seed of the BF16 source tensors (same in both arms).")
+@click.option("--inputs", default="gaussian", show_default=True, metavar="SOURCE",
+              help="Q/K/V of the workload: gaussian (the seeded generator); outliers (the same with 4 channels per KV "
+                   "head scaled 16x in K and V, as real models' keys carry them); or a .safetensors file with tensors "
+                   "q [tokens, q_heads, head_dim], k and v [tokens, kv_heads, head_dim] dumped from a model (keys "
+                   "after RoPE). Each format's attention error against a float64 reference is recorded per context.")
 @click.option("--arms", default="fp8,nvfp4", show_default=True, callback=_name_list, help="Formats to record, comma-separated.")
 @click.option("--repeats", default=1, show_default=True, help=REPEATS_HELP)
 @click.option("--nsys", "nsys_path", default=None, help="nsys binary (default: $NSYS, PATH, known installs).")
 @click.option("--force", is_flag=True, help="Replace an existing run directory.")
 def flashinfer(out, context, batch, q_heads, kv_heads, head_dim, page_size, prefill_calls, decode_calls,
-               append_calls, gemm_calls, seed, arms, repeats, nsys_path, force) -> None:
+               append_calls, gemm_calls, seed, inputs, arms, repeats, nsys_path, force) -> None:
     """Kernel-level A/B: the same cached tokens stored as FP8 and as NVFP4, one trace per format.
 
     Needs an SM80+ GPU, torch, FlashInfer and nsys. Writes ARM.nsys-rep, ARM.sqlite, ARM.log and
     ARM.workload.json per arm (ARM.rK.* per arm and repeat with --repeats) and manifest.json for the run.
+    Per context, ARM.workload.json also records the format's error: its attention output (prefill and decode)
+    and its cache round trip against a float64 reference over the BF16 cache (relative L2, cosine, max abs).
     """
     from kvtrace.capture import flashinfer_engine
 
     spec = flashinfer_engine.FlashInferSpec(
         contexts=context, batch=batch, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, page_size=page_size,
         prefill_calls=prefill_calls, decode_calls=decode_calls, append_calls=append_calls, gemm_calls=gemm_calls,
-        seed=seed)
+        seed=seed, inputs=inputs)
     manifest = flashinfer_engine.capture(out, spec, arms=arms, repeats=repeats, force=force, nsys=nsys_path)
     failed = [name for name, arm in manifest["arms"].items() if arm["status"] != "ok"]
     for name, arm in manifest["arms"].items():
@@ -102,6 +109,11 @@ def _optional_int_list(ctx, param, value: str | None) -> tuple[int, ...] | None:
 @click.option("--seed", default=0, show_default=True, help="Seed of the prompts and of vLLM's sampling.")
 @click.option("--load-format", type=click.Choice(["auto", "dummy"]), default="auto", show_default=True,
               help="dummy: random weights from config.json alone (no download).")
+@click.option("--quality-prompts", type=click.Path(), default=None,
+              help="serve: after each arm's measured traffic, send these prompts (JSONL, one {\"prompt\", "
+                   "\"answer\"} per line, e.g. GSM8K's test split) greedily with logprobs and record each answer and "
+                   "whether it matches; `kvtrace report` pairs the arms prompt by prompt.")
+@click.option("--quality-max-tokens", default=256, show_default=True, help="serve: tokens generated per quality prompt.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="serve: address the server binds.")
 @click.option("--port", default=8000, show_default=True, help="serve: port the server binds.")
 @click.option("--startup-timeout", default=1800.0, show_default=True, help="serve: seconds to wait for /health.")
@@ -114,8 +126,8 @@ def _optional_int_list(ctx, param, value: str | None) -> tuple[int, ...] | None:
 @click.option("--force", is_flag=True, help="Replace an existing run directory.")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
 def vllm(model, scenario, out, arms, mode, input_len, output_len, num_prompts, concurrency, prefix_len, num_prefixes,
-         trace_file, contexts, concurrencies, points_from, seed, load_format, host, port, startup_timeout, repeats,
-         profile_steps, nsys_path, dry_run, force, vllm_args) -> None:
+         trace_file, contexts, concurrencies, points_from, seed, load_format, quality_prompts, quality_max_tokens, host,
+         port, startup_timeout, repeats, profile_steps, nsys_path, dry_run, force, vllm_args) -> None:
     """Matched vLLM runs that differ only in --kv-cache-dtype, each traced by Nsight Systems.
 
     Extra vLLM engine flags go after `--`, e.g. `-- --max-model-len 8192 --kv-cache-memory-bytes 20G`;
@@ -134,7 +146,8 @@ def vllm(model, scenario, out, arms, mode, input_len, output_len, num_prompts, c
         concurrencies=concurrencies, followed=followed, followed_from=followed_from, seed=seed)
     cfg = vllm_config.VllmCapture(model=model, workload=workload, arms=arms, mode=mode, load_format=load_format,
                                   host=host, port=port, extra_args=tuple(vllm_args), repeats=repeats,
-                                  profile_steps=profile_steps)
+                                  profile_steps=profile_steps, quality_prompts=quality_prompts,
+                                  quality_max_tokens=quality_max_tokens)
     out = out or Path("runs") / f"vllm-{scenario}"
     if dry_run:
         click.echo(vllm_commands.dry_run(cfg, out, nsys=nsys_path), nl=False)

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import kvtrace.nsys
-from kvtrace.capture import runner
+from kvtrace.capture import flashinfer_quality, runner
 from kvtrace.errors import KvtraceError
 from kvtrace.manifest import MANIFEST, run_order
 
@@ -32,6 +32,7 @@ class FlashInferSpec:
     gemm_calls: int = 16
     gemm_size: int = 4096
     seed: int = 0
+    inputs: str = "gaussian"  # or "outliers", or a .safetensors file of q, k, v (flashinfer_quality)
 
     def validate(self) -> None:
         if not self.contexts or min(self.contexts) < 1:
@@ -45,13 +46,17 @@ class FlashInferSpec:
             raise KvtraceError(f"--head-dim {self.head_dim} is not a multiple of 16, which NVFP4 blocks need")
         if self.q_heads % self.kv_heads:
             raise KvtraceError(f"--q-heads {self.q_heads} is not a multiple of --kv-heads {self.kv_heads}")
+        if self.inputs not in flashinfer_quality.GENERATED:
+            flashinfer_quality.check_tensor_file(Path(self.inputs), self.q_heads, self.kv_heads, self.head_dim,
+                                                 max(self.contexts))
 
     def workload_args(self) -> list[str]:
         return ["--contexts", ",".join(map(str, self.contexts)), "--batch", str(self.batch),
                 "--q-heads", str(self.q_heads), "--kv-heads", str(self.kv_heads), "--head-dim", str(self.head_dim),
                 "--page-size", str(self.page_size), "--prefill-calls", str(self.prefill_calls),
                 "--decode-calls", str(self.decode_calls), "--append-calls", str(self.append_calls),
-                "--gemm-calls", str(self.gemm_calls), "--gemm-size", str(self.gemm_size), "--seed", str(self.seed)]
+                "--gemm-calls", str(self.gemm_calls), "--gemm-size", str(self.gemm_size), "--seed", str(self.seed),
+                "--inputs", self.inputs if self.inputs in flashinfer_quality.GENERATED else str(Path(self.inputs).resolve())]
 
 
 def preflight(arms: tuple[str, ...]) -> None:

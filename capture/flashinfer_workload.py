@@ -1,6 +1,7 @@
 """One arm of the FlashInfer A/B, run as its own process under nsys (`python -m ...`).
 
-Both arms build the same BF16 K/V/Q from the same seed and differ only in how the cache is stored.
+Both arms build the same BF16 K/V/Q from the same seed (or load them from a user's tensor file) and differ only in
+how the cache is stored.
 Everything that compiles or allocates happens before cudaProfilerStart; the measured region holds
 NVTX-named phases per context length: causal paged prefill, tensor-core decode, KV append, and a bf16
 GEMM control that must not move between arms.
@@ -17,6 +18,7 @@ from typing import Callable
 
 import torch
 
+from kvtrace.capture import flashinfer_quality as quality
 from kvtrace.capture import formats, runner
 from kvtrace.kv_formats import kv_bytes_per_token_head
 from kvtrace.manifest import phase_name
@@ -39,6 +41,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--gemm-calls", type=int, required=True)
     parser.add_argument("--gemm-size", type=int, required=True)
     parser.add_argument("--seed", type=int, required=True)
+    parser.add_argument("--inputs", default="gaussian", help="gaussian, outliers, or a .safetensors file of q, k, v")
     parser.add_argument("--result", type=Path, required=True)
     return parser.parse_args(argv)
 
@@ -94,25 +97,6 @@ class PagedCache:
         return kwargs
 
 
-def reference_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, batch: int, context: int,
-                        causal: bool) -> torch.Tensor:
-    """float32 attention per sequence; q: [batch*q_len, Hq, D], keys/values: [batch*context, Hkv, D]."""
-    q_len = q.shape[0] // batch
-    out = []
-    for b in range(batch):
-        qb = q[b * q_len:(b + 1) * q_len].float().transpose(0, 1)[None]
-        kb = keys[b * context:(b + 1) * context].float().transpose(0, 1)[None]
-        vb = values[b * context:(b + 1) * context].float().transpose(0, 1)[None]
-        # Causal with q_len == context; decode (q_len 1) attends to everything.
-        ob = torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=causal, enable_gqa=True)
-        out.append(ob[0].transpose(0, 1))
-    return torch.cat(out)
-
-
-def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((out.float() - ref).norm() / ref.norm())
-
-
 @dataclass(frozen=True)
 class MeasuredPhase:
     """One NVTX range of the measured region: `calls` calls of `run`, each moving `bytes_per_call` KV bytes
@@ -136,7 +120,12 @@ class Inputs:
     new_v: torch.Tensor
 
     @classmethod
-    def draw(cls, args: argparse.Namespace, context: int, generator: torch.Generator) -> "Inputs":
+    def draw(cls, args: argparse.Namespace, context: int, generator: torch.Generator, source=None,
+             device=None) -> "Inputs":
+        """source: None (Gaussian), outlier channels ([kv_heads, n], quality.outlier_channels) or a dumped file's
+        q, k, v (quality.read_tensor_file). The Gaussian draws are made in every case, so that the generator stays
+        in step across modes. Drawn where the generator lives (the workload's is a CPU one, so that a GPU run's
+        tensors can be drawn again anywhere: tests check its recorded errors on them), then moved to `device`."""
         def randn(*shape):
             return torch.randn(shape, generator=generator, device=generator.device, dtype=torch.bfloat16)
 
@@ -146,7 +135,24 @@ class Inputs:
         q_decode = randn(args.batch, args.q_heads, args.head_dim)
         new_k = randn(args.append_calls, args.batch, args.kv_heads, args.head_dim)
         new_v = randn(args.append_calls, args.batch, args.kv_heads, args.head_dim)
-        return cls(keys, values, q_prefill, q_decode, new_k, new_v)
+        if isinstance(source, dict):
+            inputs = cls.of_file(args, context, source)
+        else:
+            if source is not None:
+                keys, values, new_k, new_v = (quality.add_outliers(x, source) for x in (keys, values, new_k, new_v))
+            inputs = cls(keys, values, q_prefill, q_decode, new_k, new_v)
+        return inputs if device is None else cls(*(tensor.to(device) for tensor in vars(inputs).values()))
+
+    @classmethod
+    def of_file(cls, args: argparse.Namespace, context: int, tensors: dict) -> "Inputs":
+        """Each sequence a contiguous window of the dumped tokens; its decode query the window's last token (which
+        attends to every cached token, itself included, as in decode); appends write the tokens that follow."""
+        q, k, v = (tensors[name].to(torch.bfloat16) for name in ("q", "k", "v"))
+        starts = quality.windows(k.shape[0], context, args.batch)
+        rows = torch.cat([torch.arange(s, s + context) for s in starts])
+        last = torch.tensor([s + context - 1 for s in starts])
+        follow = torch.tensor([[(s + context + step) % k.shape[0] for s in starts] for step in range(args.append_calls)])
+        return cls(k[rows], v[rows], q[rows], q[last], k[follow], v[follow])
 
 
 class Appender:
@@ -197,10 +203,11 @@ def plan_attention(flashinfer, args: argparse.Namespace, cache: PagedCache, work
 
 
 def prepare_context(flashinfer, args: argparse.Namespace, context: int, generator: torch.Generator,
-                    workspace: torch.Tensor, gemm: Callable[[], object]) -> tuple[list[MeasuredPhase], dict]:
+                    workspace: torch.Tensor, gemm: Callable[[], object], source=None) -> tuple[list[MeasuredPhase], dict]:
     """One context length: its cache, planned kernels and phases, warmed up (JIT compiles every FlashInfer
-    variant here, outside the measured region). Returns the phases and the context's result entry."""
-    inputs = Inputs.draw(args, context, generator)
+    variant here, outside the measured region). Returns the phases and the context's result entry, with the
+    error of this format's attention against a float64 reference (flashinfer_quality). source: Inputs.draw's."""
+    inputs = Inputs.draw(args, context, generator, source, device=workspace.device)
     cache = PagedCache(args.kv_format, inputs.keys, inputs.values, args.batch, context, args.append_calls,
                        args.page_size)
     prefill, decode = plan_attention(flashinfer, args, cache, workspace)
@@ -218,10 +225,13 @@ def prepare_context(flashinfer, args: argparse.Namespace, context: int, generato
               MeasuredPhase(phase_name("gemm", context, args.batch), gemm, args.gemm_calls,
                             3 * 2 * args.gemm_size ** 2)]
 
-    # Accuracy checks run on the smallest context only, where a float32 reference is cheap.
     out_prefill, out_decode = run_prefill(), run_decode()
     entry = {"context": context, "kv_bytes_read_per_attention_call": kv_read,
-             "k_scale": cache.k_scale, "v_scale": cache.v_scale}
+             "k_scale": cache.k_scale, "v_scale": cache.v_scale,
+             "quality": quality.point_quality(args.kv_format, inputs.keys, inputs.values, inputs.q_prefill,
+                                              inputs.q_decode, cache.k_scale, cache.v_scale, args.batch, context,
+                                              kernel=(out_prefill, out_decode))}
+    # The layout checks (does the kernel read the cache as written?) run on the smallest context only.
     if context == min(args.contexts):
         entry["accuracy"] = accuracy_checks(args, cache, inputs.keys, inputs.values, inputs.q_prefill,
                                             inputs.q_decode, out_prefill, out_decode, prefill)
@@ -249,7 +259,7 @@ def main(argv=None) -> None:
     import flashinfer
 
     device = torch.device("cuda")
-    generator = torch.Generator(device=device).manual_seed(args.seed)
+    generator = torch.Generator().manual_seed(args.seed)  # on the CPU: Inputs.draw says why
     workspace = torch.zeros(512 * 1024 * 1024, dtype=torch.uint8, device=device)
     result = {"kv_format": args.kv_format, "versions": {
         "torch": torch.__version__, "cuda_runtime": torch.version.cuda, "flashinfer": flashinfer.__version__},
@@ -257,12 +267,16 @@ def main(argv=None) -> None:
                 "sm_count": torch.cuda.get_device_properties(device).multi_processor_count},
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "contexts": []}
-    gemm_a = torch.randn(args.gemm_size, args.gemm_size, generator=generator, device=device, dtype=torch.bfloat16)
-    gemm_b = torch.randn(args.gemm_size, args.gemm_size, generator=generator, device=device, dtype=torch.bfloat16)
+    gemm_a, gemm_b = (torch.randn(args.gemm_size, args.gemm_size, generator=generator, dtype=torch.bfloat16).to(device)
+                      for _ in range(2))
     gemm = functools.partial(torch.matmul, gemm_a, gemm_b)  # the control that must not move between arms
+    result["quality_inputs"] = quality.describe_inputs(args.inputs)
+    source = (None if args.inputs == "gaussian" else
+              quality.outlier_channels(args.kv_heads, args.head_dim, args.seed) if args.inputs == "outliers" else
+              quality.read_tensor_file(Path(args.inputs)))
     phases = []
     for context in args.contexts:
-        context_phases, entry = prepare_context(flashinfer, args, context, generator, workspace, gemm)
+        context_phases, entry = prepare_context(flashinfer, args, context, generator, workspace, gemm, source)
         phases += context_phases
         result["contexts"].append(entry)
     measure(phases)
@@ -272,22 +286,22 @@ def main(argv=None) -> None:
 
 
 def accuracy_checks(args, cache, keys, values, q_prefill, q_decode, out_prefill, out_decode, prefill):
-    """Kernel output against float32 attention over (a) the dequantized cache the kernel read and (b) the
-    BF16 source. For NVFP4 also the other nibble order, to confirm which one FlashInfer reads."""
+    """Kernel output against float64 attention over the dequantized cache the kernel read (at
+    flashinfer_quality's prefill rows): a kernel that reads the cache as written is near it. For NVFP4 also the
+    other nibble order, to confirm which one FlashInfer reads."""
     context, batch = cache.context, args.batch
-    if cache.kv_format == "fp8":
-        k_deq = formats.fp8_quantize(keys, cache.k_scale)[0].float() * cache.k_scale
-        v_deq = formats.fp8_quantize(values, cache.v_scale)[0].float() * cache.v_scale
-    else:
-        k_deq = formats.nvfp4_dequantize(formats.nvfp4_quantize(keys, cache.k_scale))
-        v_deq = formats.nvfp4_dequantize(formats.nvfp4_quantize(values, cache.v_scale))
+    rows = quality.prefill_rows(context)
+    k_deq = quality.round_trip(cache.kv_format, keys, cache.k_scale)
+    v_deq = quality.round_trip(cache.kv_format, values, cache.v_scale)
+    prefill_ref = quality.attention64(q_prefill, k_deq, v_deq, batch, context, rows)
+
+    def prefill_error(out):
+        return quality.errors(quality.select_rows(out, batch, context, rows), prefill_ref)["rel_l2"]
+
     checks = {
-        "prefill_vs_dequantized_cache": relative_error(
-            out_prefill, reference_attention(q_prefill, k_deq, v_deq, batch, context, True)),
-        "prefill_vs_bf16_source": relative_error(
-            out_prefill, reference_attention(q_prefill, keys, values, batch, context, True)),
-        "decode_vs_dequantized_cache": relative_error(
-            out_decode, reference_attention(q_decode, k_deq, v_deq, batch, context, False)),
+        "prefill_vs_dequantized_cache": prefill_error(out_prefill),
+        "decode_vs_dequantized_cache": quality.errors(
+            out_decode, quality.attention64(q_decode, k_deq, v_deq, batch, context, None))["rel_l2"],
     }
     if cache.kv_format == "nvfp4":
         kq = formats.nvfp4_quantize(keys, cache.k_scale, low_nibble_first=False)
@@ -298,9 +312,8 @@ def accuracy_checks(args, cache, keys, values, q_prefill, q_decode, out_prefill,
         for target, packed in ((pages_k, kq.data), (pages_v, vq.data)):
             view = target.view(batch, slots, *target.shape[2:])
             view[:, :context] = packed.reshape(batch, context, *packed.shape[1:])
-        out_swapped = prefill.run(q_prefill, (pages_k, pages_v), **cache.run_kwargs())
-        checks["prefill_high_nibble_first_vs_dequantized_cache"] = relative_error(
-            out_swapped, reference_attention(q_prefill, k_deq, v_deq, batch, context, True))
+        checks["prefill_high_nibble_first_vs_dequantized_cache"] = prefill_error(
+            prefill.run(q_prefill, (pages_k, pages_v), **cache.run_kwargs()))
     return checks
 
 

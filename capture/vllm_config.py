@@ -166,6 +166,8 @@ class VllmCapture:
     extra_args: tuple[str, ...] = ()
     repeats: int = 1
     profile_steps: int = 0  # vLLM's profiler stops after this many engine steps (0: at /stop_profile)
+    quality_prompts: str | None = None  # a JSONL of prompts and answers (capture/vllm_quality)
+    quality_max_tokens: int = 256
 
     def validate(self) -> None:
         if self.mode not in MODES:
@@ -193,6 +195,10 @@ class VllmCapture:
                     raise KvtraceError(f"extra vLLM argument {arg} is set by kvtrace ({reason}): drop it")
         tensor_parallel_size(self.extra_args)  # refuses a --tensor-parallel-size that is no whole number
         self.workload.validate(self.mode)
+        if self.quality_prompts is not None:
+            from kvtrace.capture.vllm_quality import check
+
+            check(self)
 
     @property
     def tensor_parallel_size(self) -> int:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import kvtrace.nsys
 from kvtrace import files
-from kvtrace.capture import runner, vllm_ranks
+from kvtrace.capture import runner, vllm_quality, vllm_ranks
 from kvtrace.capture.processes import ManagedProcess, sigterm_as_interrupt
 from kvtrace.capture.vllm_commands import (POLL_INTERVAL_S, base_url, bench_command, point_tag, request_identity,
                                            server_command, warmup_point, worker_command)
@@ -73,6 +73,7 @@ class VllmArm(runner.ArmResult):
     points: list[dict] = field(default_factory=list)
     kv_events: dict | None = None  # the KV-cache event recorder's file and the arm's totals (serve, prefix caching)
     ranks: list[dict] = field(default_factory=list)  # with --tensor-parallel-size > 1: vllm_ranks.recorded_ranks
+    quality: dict | None = None  # the quality prompts' summary (capture/vllm_quality)
 
 
 @dataclass
@@ -166,6 +167,8 @@ def _serve_points(session: _Session, arm: VllmArm, points: list[Point], stop_at_
             if record["capacity"]:
                 capped.add((point.prefix_len, point.input_len))
     post_ok(base, "/stop_profile")
+    if cfg.quality_prompts:  # after the trace's range: the model's answers, not its timing
+        arm.quality = vllm_quality.run(base, cfg.quality_prompts, cfg.quality_max_tokens, session.out, arm.name)
 
 
 def _serve_point(session: _Session, arm: VllmArm, index: int, point: Point, bench_log: Path, relay: UsageRelay,

@@ -7,6 +7,7 @@ Standard library, plus prometheus_client when metrics are parsed.
 from __future__ import annotations
 
 import http.client
+import json
 import threading
 import urllib.error
 import urllib.request
@@ -88,3 +89,14 @@ class MetricsPoller(threading.Thread):
         self._done.set()
         self.join()
         return self.peaks
+
+
+def post_json(url: str, payload: dict, timeout: float) -> tuple[int, str]:
+    """POST a JSON body (an OpenAI-style request); returns the status and the answer's text."""
+    request = urllib.request.Request(url, method="POST", data=json.dumps(payload).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with _OPENER.open(request, timeout=timeout) as response:
+            return response.status, response.read().decode("utf-8", "replace")
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode("utf-8", "replace")

@@ -378,7 +378,8 @@ def test_cli_end_to_end_with_stand_in_nsys(tmp_path, stand_in, no_preflight, mon
         assert flags == {"--kv-format": arm, "--contexts": "2048,8192", "--batch": "2", "--q-heads": "32",
                          "--kv-heads": "4", "--head-dim": "64", "--page-size": "32", "--prefill-calls": "8",
                          "--decode-calls": "64", "--append-calls": "64", "--gemm-calls": "16",
-                         "--gemm-size": "4096", "--seed": "7", "--result": str(out / f"{arm}.workload.json")}
+                         "--gemm-size": "4096", "--seed": "7", "--inputs": "gaussian",
+                         "--result": str(out / f"{arm}.workload.json")}
     # No temporary files anywhere in the run directory.
     assert not [p.name for p in out.iterdir() if p.name.startswith(".") or p.name.endswith((".tmp", ".partial"))]
 

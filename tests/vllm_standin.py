@@ -4,14 +4,16 @@
   file when it exits (ignoring SIGINT itself, as nsys does while it finalizes); export writes a small SQLite.
 - A fake `vllm` package (written by the tests into a temporary folder, see `write_fake_vllm`) whose
   `python -m vllm.entrypoints.cli.main serve` is a tiny HTTP server with /health, /metrics (prometheus_client
-  text, vLLM's metric names), /start_profile, /stop_profile, /reset_prefix_cache and /v1/completions, and
+  text, vLLM's metric names), /start_profile, /stop_profile, /reset_prefix_cache, /v1/models and
+  /v1/completions (the bench client's requests, and quality prompts answered by `complete`), and
   whose `bench serve` posts completions to it and writes a result JSON. Its `LLM` class serves the offline
   worker, beside a fake `torch` (version and NVTX only, as a CPU-only torch has none).
 
 Failures are switched on per arm through STANDIN_FAIL, e.g. "never-ready@fp8,bench@nvfp4":
-server-exit, never-ready, ignore-sigint, profile-404 (server); bench (client); worker (offline LLM);
-no-report, export (nsys; these two also per run, e.g. "export@fp8.r2"). STANDIN_DEVICES lists the devices whose
-kernels an export holds, STANDIN_RANK_GIB each tensor-parallel rank's KV memory. STANDIN_PIDDIR collects pid files so
+server-exit, never-ready, ignore-sigint, profile-404, quality (server; quality: prompts answered 500); bench
+(client); worker (offline LLM); no-report, export (nsys; these two also per run, e.g. "export@fp8.r2"). STANDIN_DEVICES
+lists the devices whose kernels an export holds, STANDIN_RANK_GIB each tensor-parallel rank's KV memory. STANDIN_PIDDIR
+collects pid files so
 tests can check that nothing survives; STANDIN_BENCH_HANG names a file the measured bench creates before
 hanging (for Ctrl-C tests); STANDIN_CALLS names a file the offline LLM appends its calls to.
 """
@@ -127,6 +129,19 @@ class KvEventPublisher:
         self.seq += 1
 
 
+def complete(request: dict, arm: str) -> dict:
+    """A greedy completion of a quality prompt: the sum of the prompt's numbers, which an nvfp4 arm gets wrong (one
+    too many) when the sum is odd, and a sentence of up to max_tokens word tokens."""
+    import re
+
+    total = sum(int(n) for n in re.findall(r"\d+", request["prompt"]))
+    if arm.startswith("nvfp4") and total % 2:
+        total += 1
+    tokens = [f" {total}", " is", " the", " sum", "."][:request["max_tokens"]]
+    return {"choices": [{"text": "".join(tokens), "finish_reason": "stop" if len(tokens) == 5 else "length",
+                         "logprobs": {"tokens": tokens, "token_logprobs": [-0.25] * len(tokens)}}]}
+
+
 def serve(argv: list[str]) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("model")
@@ -173,6 +188,8 @@ def serve(argv: list[str]) -> None:
                 self.reply(503 if failing("never-ready", arm) else 200)
             elif self.path == "/metrics":
                 self.reply(200, stats.prometheus_text(args.model, arm))
+            elif self.path == "/v1/models":
+                self.reply(200, json.dumps({"data": [{"id": args.model}]}))
             else:
                 self.reply(404)
 
@@ -182,6 +199,11 @@ def serve(argv: list[str]) -> None:
                 self.reply(404 if failing("profile-404", arm) else 200)
             elif self.path == "/reset_prefix_cache":
                 self.reply(200 if dev_mode else 404)
+            elif self.path == "/v1/completions" and "prompt" in json.loads(body):
+                if failing("quality", arm):
+                    self.reply(500, "stand-in: internal error")
+                else:
+                    self.reply(200, json.dumps(complete(json.loads(body), arm)))
             elif self.path == "/v1/completions":
                 request = json.loads(body)
                 stats.request(request["prompt_len"], request["output_len"], request["concurrency"],

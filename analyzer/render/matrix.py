@@ -9,6 +9,7 @@ from typing import Callable
 from rich.console import Console
 
 from kvtrace.analyzer import matrix as mx
+from kvtrace.analyzer.render import quality as quality_render
 from kvtrace.analyzer.render.escape import md_code, md_text, visible
 from kvtrace.analyzer.render.report_tables import _cached, _count, _peak, _rich_table
 from kvtrace.analyzer.render.units import interval, markdown_table, percent, ratio
@@ -234,8 +235,8 @@ def claim_text(claim: mx.Claim, result: mx.Matrix, name: Name = _plain) -> str:
                 + "; ".join(p for p in parts if p) + "."
                 + (" Serving numbers are one run per arm, without an interval." if measured else ""))
     if claim.kind == "quality":
-        return ("kvtrace does not measure model quality: check the narrower format's accuracy separately before "
-                "choosing it.")
+        return quality_render.decision({s.name: s.report.quality for s in result.scenarios
+                                        if s.name in v["scenarios"] and s.report.quality}, v["candidate"], name)
     raise ValueError(f"no words for a {claim.kind} claim")
 
 
@@ -252,6 +253,8 @@ def _lead(result: mx.Matrix) -> str:
 def markdown(result: mx.Matrix) -> str:
     lines = [f"## kvtrace matrix: the decision on {_OBJECTIVE_WORDS[result.objective]}", "", md_text(_lead(result)), ""]
     lines += markdown_table(*table(result, md_text))
+    lines += [""] + [f"- {md_text(s.name)}: {md_text(quality_render.line(s.report.quality, s.baseline, s.candidate))}"
+                     for s in result.scenarios if s.report.quality]
     lines += ["", "### The decision", "", RULE]
     for claim in result.claims:  # one paragraph per pair of formats, opened by what it holds for
         lines += ["", claim_text(claim, result, md_text)] if claim.kind in ("environment", "quality") else \
@@ -271,6 +274,10 @@ def terminal(result: mx.Matrix, console: Console) -> None:
                               "(candidate / baseline per call)", header[:split], [row[:split] for row in body]))
     console.print(_rich_table("serving (baseline → candidate) and who wins each point", header[:1] + header[split:],
                               [row[:1] + row[split:] for row in body]))
+    for s in result.scenarios:
+        if s.report.quality:
+            console.print(f"{visible(s.name)}: {visible(quality_render.line(s.report.quality, s.baseline, s.candidate))}",
+                          markup=False, highlight=False)
     console.print(visible(_lead(result)), markup=False, highlight=False)
     console.print("The decision", style="bold")
     console.print(f"  {RULE}", markup=False, highlight=False)

@@ -14,6 +14,7 @@ from rich.table import Table
 
 from kvtrace.analyzer.capacity import Capacity
 from kvtrace.analyzer.render import markdown as diff_markdown
+from kvtrace.analyzer.render import quality as quality_render
 from kvtrace.analyzer.render import terminal as diff_terminal
 from kvtrace.analyzer.render.escape import csv_writer, md_code, md_prose, md_text, rich, visible
 from kvtrace.analyzer.render.statements import text as statement_text
@@ -315,6 +316,9 @@ def report_markdown(report: Report) -> str:
     b, c = report.baseline, report.candidate
     labels = md_text(b.label), md_text(c.label)
     head = diff_markdown.head(report.diff, statements=False)  # its statements are among the report's own
+    if report.quality is not None:  # quality beside the phase rows: after them, before the environment
+        at = next((i for i, text in enumerate(head) if i and text.startswith("### ")), len(head))
+        head[at:at] = [md_text(quality_render.line(report.quality, b.label, c.label)), ""]
     lines = [f"## kvtrace report: {labels[0]} → {labels[1]}", ""] + head + [
              "", "<details><summary>Everything else: serving, bandwidth, capacity, the whole kernel diff</summary>", "",
              f"Baseline **{labels[0]}** (arm {md_code(b.arm)} of {md_code(shown_path(b.run))}, {md_text(b.engine)} engine"
@@ -363,6 +367,8 @@ def report_markdown(report: Report) -> str:
                       "images linked by a relative path. It holds the ratio per workload point with intervals and "
                       "the ratio against context length.", ""]
         lines += [f"- {md_code(p.link)}: {p.title}" for p in report.plots if p is not summary]
+    if report.quality is not None:
+        lines += [""] + quality_render.markdown(report.quality, b.label, c.label)
     lines += ["", "### Kernel diff", ""] + diff_markdown.body(report.diff, 4)
     lines += ["", "</details>", "", diff_markdown.footer(report.diff.kvtrace_version, report.diff.recipes)]
     return "\n".join(lines).rstrip() + "\n"
@@ -390,6 +396,8 @@ def capacity_terminal(cap: Capacity, console: Console) -> None:
 def report_terminal(report: Report, console: Console) -> None:
     diff_terminal.head(report.diff, console, statements=False)
     b, c = report.baseline, report.candidate
+    if report.quality is not None:
+        quality_render.terminal(report.quality, b.label, c.label, console)
     console.print(f"[bold]{rich(b.label)}[/] ({rich(shown_path(b.run))}) → [bold]{rich(c.label)}[/] ({rich(shown_path(c.run))})")
     for s in report.statements:
         console.print(f"  {LEVEL[s.level]}  {s.check}: ", end="")
@@ -419,6 +427,8 @@ def report_terminal(report: Report, console: Console) -> None:
         capacity_terminal(report.capacity, console)
     for plot in report.plots:
         console.print(f"  plot: {plot.path}", markup=False, highlight=False)
+    if report.quality is not None:
+        quality_render.terminal_table(report.quality, b.label, c.label, console)
     console.print("[bold]Kernel diff[/]")
     diff_terminal.body(report.diff, console)
 
@@ -507,6 +517,8 @@ def report_csv(report: Report) -> str:
             for name, value in asdict(row).items():
                 if name != "arm":
                     writer.writerow(["capacity_measured", row.arm, "", name, "" if value is None else value])
+    if report.quality is not None:
+        writer.writerows(quality_render.csv_rows(report.quality, report.baseline.label, report.candidate.label))
     for plot in report.plots:
         writer.writerow(["plot", plot.kind, "", "path", plot.path])
     return buffer.getvalue()

@@ -1,0 +1,275 @@
+"""Quality beside speed: what a run directory recorded about the error each KV format adds, for a report's two arms.
+
+Two levels, by engine:
+- kernel (FlashInfer): per workload point, each format's attention output against a float64 reference over the BF16
+  cache (capture/flashinfer_quality.py wrote it): the kernel's output, the format alone (exact attention over the
+  dequantized cache), the BF16 output floor and the cache's round trip. Rows stay per context and phase.
+- answers (vLLM serve with --quality-prompts): each arm's greedy answers to the same prompts, paired prompt by prompt:
+  accuracy with McNemar's exact test (analyzer.stats), the first token where the arms' outputs diverge, and the
+  share of tokens generated alike, also against a BF16 (`auto`) arm when a run directory recorded one. With
+  --load-format dummy the answers come from random weights: the result says so and carries no accuracy.
+
+Reads the manifests and the RUN.quality.json files they name; returns one Quality that every renderer reads.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from kvtrace import files
+from kvtrace.analyzer import stats
+from kvtrace.analyzer.runs import ArmInput
+from kvtrace.errors import KvtraceError
+
+MEASURED = "measured"
+NOT_MEASURED = "not measured"
+MEANINGLESS = "not a measurement"  # dummy weights: the plumbing ran, the numbers mean nothing
+KERNEL, ANSWERS = "kernel", "answers"
+METRICS = ("rel_l2", "cosine", "max_abs")
+AUTO = "auto"
+
+
+@dataclass
+class ErrorRow:
+    """One workload point's error against the float64 reference over the BF16 cache, per arm: for `prefill` and
+    `decode` the kernel's attention output (and `*_format`: exact attention over the dequantized cache, the format's
+    share); for `cache k` / `cache v` the round trip dequantize(quantize(x)) against x."""
+
+    context: int
+    what: str  # prefill, decode, cache k, cache v
+    baseline: dict | None  # rel_l2, cosine, max_abs
+    candidate: dict | None
+    baseline_format: dict | None = None
+    candidate_format: dict | None = None
+    floor: dict | None = None  # the reference rounded to BF16: what any kernel with a BF16 output pays
+
+
+@dataclass
+class PromptRow:
+    index: int
+    id: str
+    baseline_correct: bool
+    candidate_correct: bool
+    first_divergence: int | None  # the first token where the arms' outputs differ; None: identical
+    baseline_tokens: int
+    candidate_tokens: int
+
+
+@dataclass
+class Agreement:
+    """An arm's greedy tokens against a reference arm's, prompt by prompt, up to their first divergence."""
+
+    arm: str
+    reference: str
+    prompts: int
+    identical: int  # prompts answered token for token alike
+    token_agreement: float | None  # tokens alike before the first divergence / the reference's tokens
+
+
+@dataclass
+class Quality:
+    state: str  # MEASURED, NOT_MEASURED, MEANINGLESS
+    reason: str | None  # why not measured, or why the numbers mean nothing
+    level: str | None  # KERNEL, ANSWERS
+    inputs: dict | None = None  # kernel: what the Q/K/V were (gaussian, outliers, a file)
+    errors: list[ErrorRow] = field(default_factory=list)
+    # kernel: per phase (prefill, decode) and side, the lowest and highest rel_l2 over the contexts (each context's
+    # own row is in `errors`: this only bounds them for the one-line summary).
+    spans: dict = field(default_factory=dict)
+    prompts_file: str | None = None
+    prompts: list[PromptRow] = field(default_factory=list)
+    accuracy: stats.PairedAccuracy | None = None
+    agreement: Agreement | None = None  # candidate against baseline
+    auto: list[Agreement] = field(default_factory=list)  # each arm against an `auto` arm, when one was recorded
+    notes: list[str] = field(default_factory=list)
+    read: list[Path] = field(default_factory=list, repr=False)  # the answer files read (inputs: -o never lands on one)
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        del data["read"]  # paths stay out of reports
+        if self.accuracy is not None:
+            data["accuracy"].update(baseline_accuracy=self.accuracy.baseline_accuracy,
+                                    candidate_accuracy=self.accuracy.candidate_accuracy)
+        return data
+
+
+def _not_measured(reason: str, level: str | None = None) -> Quality:
+    return Quality(NOT_MEASURED, reason, level)
+
+
+# ---- kernel level (FlashInfer) --------------------------------------------------------------------------
+
+def _metrics(value) -> dict | None:
+    """A recorded {rel_l2, cosine, max_abs}, each a finite number (cosine may be None), else None."""
+    if not isinstance(value, dict):
+        return None
+    out = {}
+    for name in METRICS:
+        number = value.get(name)
+        if number is None and name == "cosine":
+            out[name] = None
+        elif isinstance(number, (int, float)) and not isinstance(number, bool) and math.isfinite(number):
+            out[name] = float(number)
+        else:
+            return None
+    return out
+
+
+def _by_context(item: ArmInput) -> dict[int, dict]:
+    contexts = item.record.workload.get("contexts")
+    found = {}
+    for entry in contexts if isinstance(contexts, list) else []:
+        if isinstance(entry, dict) and isinstance(entry.get("context"), int) and isinstance(entry.get("quality"), dict):
+            found[entry["context"]] = entry["quality"]
+    return found
+
+
+def _kernel(base: ArmInput, cand: ArmInput) -> Quality:
+    b, c = _by_context(base), _by_context(cand)
+    if not b or not c:
+        return _not_measured("the FlashInfer runs recorded no attention error (captured before kvtrace measured it: "
+                             "capture again)", KERNEL)
+    rows = []
+    for context in sorted(set(b) & set(c)):
+        qb, qc = b[context], c[context]
+        for what in ("prefill", "decode"):
+            rows.append(ErrorRow(context, what, _entry(qb, "kernel", what), _entry(qc, "kernel", what),
+                                 _entry(qb, "format", what), _entry(qc, "format", what),
+                                 _entry(qb, "output_rounding", what)))
+        for tensor in ("k", "v"):
+            rows.append(ErrorRow(context, f"cache {tensor}", _entry(qb, "cache", tensor), _entry(qc, "cache", tensor)))
+    if not rows:
+        return _not_measured("the two FlashInfer runs share no context length with an attention error", KERNEL)
+    inputs = [item.record.workload.get("quality_inputs") for item in (base, cand)]
+    spans = {}
+    for what in ("prefill", "decode"):
+        for side in ("baseline", "candidate"):
+            values = [getattr(row, side)["rel_l2"] for row in rows if row.what == what and getattr(row, side)]
+            spans.setdefault(what, {})[side] = [min(values), max(values)] if values else None
+    result = Quality(MEASURED, None, KERNEL, inputs=inputs[0] if isinstance(inputs[0], dict) else None, errors=rows,
+                     spans=spans)
+    if inputs[0] != inputs[1]:
+        result.notes.append("the arms' Q/K/V came from different inputs: their errors do not compare")
+    return result
+
+
+def _entry(quality: dict, group: str, name: str) -> dict | None:
+    """quality[group][name] of one context's record (e.g. kernel/prefill, cache/k), checked."""
+    found = quality.get(group)
+    return _metrics(found.get(name)) if isinstance(found, dict) else None
+
+
+# ---- answers level (vLLM) -------------------------------------------------------------------------------
+
+def _summary(item: ArmInput) -> dict | None:
+    entry = ((item.manifest.raw.get("arms") or {}).get(item.runs[0]) or {})
+    value = entry.get("quality") if isinstance(entry, dict) else None
+    return value if isinstance(value, dict) else None
+
+
+def _results(run: Path, summary: dict, label: str, read: list[Path]) -> list[dict]:
+    """A run's per-prompt answers (RUN.quality.json inside its run directory), checked field by field."""
+    name = summary.get("file")
+    if not isinstance(name, str) or Path(name).name != name or not name.endswith(".quality.json"):
+        raise KvtraceError(f"{label}: the manifest names no quality file inside its run directory ({name!r}): "
+                           "capture again with --quality-prompts")
+    fix = "capture again with --quality-prompts"
+    read.append(run / name)
+    data = files.read_json(run / name, f"{label}'s answers {name}", fix)
+    results = data.get("results") if isinstance(data, dict) else None
+    if not isinstance(results, list):
+        raise KvtraceError(f"{label}'s answers {name} hold no results list: {fix}")
+    for index, result in enumerate(results):
+        if not (isinstance(result, dict) and isinstance(result.get("correct"), bool)
+                and isinstance(result.get("tokens"), list) and all(isinstance(t, str) for t in result["tokens"])):
+            raise KvtraceError(f"{label}'s answers {name}: result {index} needs a boolean `correct` and a list of "
+                               f"token strings: {fix}")
+    return results
+
+
+def first_divergence(first: list[str], second: list[str]) -> int | None:
+    """The first token index where two greedy outputs differ (one ending early counts); None when identical."""
+    for index, (a, b) in enumerate(zip(first, second)):
+        if a != b:
+            return index
+    return None if len(first) == len(second) else min(len(first), len(second))
+
+
+def agreement(arm: str, reference: str, arm_results: list[dict], reference_results: list[dict]) -> Agreement:
+    alike = total = identical = 0
+    for mine, theirs in zip(arm_results, reference_results):
+        split = first_divergence(mine["tokens"], theirs["tokens"])
+        identical += split is None
+        alike += len(theirs["tokens"]) if split is None else split
+        total += len(theirs["tokens"])
+    return Agreement(arm, reference, min(len(arm_results), len(reference_results)), identical,
+                     stats.share(alike, total))
+
+
+def _auto_arms(base: ArmInput, cand: ArmInput) -> list[tuple[str, ArmInput]]:
+    """`auto` arms recorded beside either side (not either side itself), once per run directory."""
+    found, seen = [], set()
+    for item in (base, cand):
+        if item.run in seen or AUTO not in item.manifest.runs_by_arm or item.arm == AUTO:
+            continue
+        seen.add(item.run)
+        found.append((f"{item.run.name}/{AUTO}", ArmInput.of(item.run, item.manifest, AUTO)))
+    if AUTO in (base.arm, cand.arm):
+        return []  # the pair's own agreement is already against BF16
+    return found
+
+
+def _answers(base: ArmInput, cand: ArmInput, labels: tuple[str, str]) -> Quality:
+    summaries = [_summary(base), _summary(cand)]
+    missing = [label for label, s in zip(labels, summaries) if s is None]
+    if missing:
+        return _not_measured(f"{' and '.join(missing)} ran without --quality-prompts (`kvtrace capture vllm "
+                             "--quality-prompts FILE.jsonl` records the model's answers)", ANSWERS)
+    failed = [f"{label}: {s['error']}" for label, s in zip(labels, summaries) if isinstance(s.get("error"), str)]
+    if failed:
+        return _not_measured("; ".join(failed), ANSWERS)
+    if summaries[0].get("prompts_sha256") != summaries[1].get("prompts_sha256"):
+        return _not_measured("the arms answered different prompt files (their SHA-256 differ)", ANSWERS)
+    prompts_file = summaries[0].get("prompts_file") if isinstance(summaries[0].get("prompts_file"), str) else None
+    dummy = [item.run.name for item in (base, cand) if item.manifest.settings.get("load_format") == "dummy"]
+    if dummy:
+        count = summaries[0].get("prompts")
+        return Quality(MEANINGLESS, f"the model ran with --load-format dummy (random weights) in "
+                       f"{', '.join(dict.fromkeys(dummy))}: its answers"
+                       + (f" to {count} prompts" if isinstance(count, int) else "")
+                       + " say nothing about quality (the quality step itself ran)", ANSWERS, prompts_file=prompts_file)
+    read: list[Path] = []
+    results = [_results(item.run, s, label, read) for item, s, label in zip((base, cand), summaries, labels)]
+    if len(results[0]) != len(results[1]):
+        return _not_measured(f"the arms answered {len(results[0])} and {len(results[1])} prompts: not paired", ANSWERS)
+    rows = [PromptRow(index, str(b.get("id", index + 1)), b["correct"], c["correct"],
+                      first_divergence(b["tokens"], c["tokens"]), len(b["tokens"]), len(c["tokens"]))
+            for index, (b, c) in enumerate(zip(*results))]
+    result = Quality(MEASURED, None, ANSWERS, prompts_file=prompts_file, prompts=rows,
+                     accuracy=stats.paired_accuracy([r.baseline_correct for r in rows],
+                                                    [r.candidate_correct for r in rows]),
+                     agreement=agreement(labels[1], labels[0], results[1], results[0]), read=read)
+    for name, auto in _auto_arms(base, cand):
+        summary = _summary(auto)
+        if summary is None or summary.get("prompts_sha256") != summaries[0].get("prompts_sha256"):
+            result.notes.append(f"{name} recorded no answers to the same prompts: no agreement with BF16")
+            continue
+        reference = _results(auto.run, summary, name, read)
+        result.auto += [agreement(label, name, mine, reference) for label, mine in zip(labels, results)]
+    if len(base.runs) > 1 or len(cand.runs) > 1:
+        result.notes.append("answers are the first run's of each arm")
+    return result
+
+
+def build(base: ArmInput, cand: ArmInput, labels: tuple[str, str]) -> Quality:
+    engine = base.manifest.engine
+    if engine == "flashinfer" and cand.manifest.engine == "flashinfer":
+        return _kernel(base, cand)
+    if engine == "vllm" and cand.manifest.engine == "vllm":
+        if base.manifest.mode != "serve" or cand.manifest.mode != "serve":
+            return _not_measured("offline vLLM runs send no quality prompts (capture with --mode serve "
+                                 "--quality-prompts FILE.jsonl)", ANSWERS)
+        return _answers(base, cand, labels)
+    return _not_measured("the two runs come from different engines or one kvtrace does not measure quality for")

@@ -1,0 +1,191 @@
+"""Quality beside speed (analyzer.quality.Quality), as `report` and `matrix` show it: one line for the head and the
+decision, and the per-point tables for the details. Formats fields only; analyzer/quality.py and analyzer/stats.py
+computed them."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from rich.console import Console
+
+from kvtrace.analyzer import quality as q
+from kvtrace.analyzer.render.escape import md_text, rich, visible
+from kvtrace.analyzer.render.units import markdown_table, percent
+
+Name = Callable[[str], str]
+
+
+def _plain(text: str) -> str:
+    return text
+
+
+def error(value: float | None) -> str:
+    return "–" if value is None else f"{100 * value:.3g}%"
+
+
+def _metric(metrics: dict | None, name: str) -> str:
+    if metrics is None:
+        return "–"
+    value = metrics[name]
+    if name == "rel_l2":
+        return error(value)
+    return "–" if value is None else (f"{value:.5f}" if name == "cosine" else f"{value:.3g}")
+
+
+def _span(bounds: list[float] | None) -> str:
+    if not bounds:
+        return "–"
+    low, high = error(bounds[0]), error(bounds[1])
+    return low if low == high else f"{low}–{high}"
+
+
+def _inputs(inputs: dict | None, name: Name) -> str:
+    if not inputs:
+        return "inputs not recorded"
+    if inputs.get("kind") == "file":
+        return f"Q/K/V from {name(str(inputs.get('file')))}"
+    return f"{name(str(inputs.get('kind')))} Q/K/V"
+
+
+def line(result: q.Quality, baseline: str, candidate: str, name: Name = _plain) -> str:
+    """The quality line: what was measured and what it says, or why there is nothing to show."""
+    if result.state == q.NOT_MEASURED:
+        return f"Quality not measured: {name(result.reason or '')}."
+    if result.state == q.MEANINGLESS:
+        return f"Quality not a measurement: {name(result.reason or '')}."
+    if result.level == q.KERNEL:
+        contexts = sorted({row.context for row in result.errors})
+        parts = []
+        for what in ("prefill", "decode"):
+            spans = [_span(result.spans[what][side]) for side in ("baseline", "candidate")]
+            parts.append(f"{what} {name(baseline)} {spans[0]} vs {name(candidate)} {spans[1]}")
+        where = f"context {contexts[0]}" if len(contexts) == 1 else f"contexts {contexts[0]}–{contexts[-1]}"
+        return (f"Quality (kernel error, {_inputs(result.inputs, name)}): attention output relative L2 error against a "
+                f"float64 reference over the BF16 cache, {'; '.join(parts)} ({where}, each context apart below).")
+    acc = result.accuracy
+    text = (f"Quality ({acc.prompts} prompts of {name(result.prompts_file or 'the prompt file')}, greedy): accuracy "
+            f"{name(baseline)} {percent(acc.baseline_accuracy)} → {name(candidate)} {percent(acc.candidate_accuracy)}, "
+            f"{acc.verdict} (McNemar exact p = {acc.p_value:.3g}: {acc.baseline_only} prompts only {name(baseline)} "
+            f"got right, {acc.candidate_only} only {name(candidate)})")
+    agree = result.agreement
+    text += (f"; outputs identical on {agree.identical} of {agree.prompts} prompts, {percent(agree.token_agreement)} "
+             f"of {name(baseline)}'s tokens alike before the first divergence")
+    if result.auto:
+        text += "; against BF16 (" + name(result.auto[0].reference) + "): " + ", ".join(
+            f"{name(a.arm)} {percent(a.token_agreement)} of tokens alike, {a.identical} identical" for a in result.auto)
+    return text + "."
+
+
+def decision(results: dict[str, q.Quality], candidate: str, name: Name = _plain) -> str:
+    """The decision's quality sentence over a pair's scenarios: what each measured, and whether the narrower format's
+    accuracy is established by them."""
+    parts = []
+    for scenario, result in results.items():
+        if result.state == q.MEASURED and result.level == q.ANSWERS:
+            acc = result.accuracy
+            what = f"{acc.verdict} over {acc.prompts} prompts (McNemar exact p = {acc.p_value:.3g})"
+        elif result.state == q.MEASURED:
+            what = "the kernel's attention error above (an error against a reference, not the model's accuracy)"
+        else:
+            what = f"{result.state}: {result.reason}"
+        parts.append(f"{name(scenario)}: {name(what)}")
+    answered = [r for r in results.values() if r.state == q.MEASURED and r.level == q.ANSWERS]
+    close = (f" No run here measured the model's answers, so {name(candidate)}'s accuracy is not established: check it "
+             "before choosing it." if not answered else
+             " A paired test that finds no difference does not show the formats equal: its power grows with the "
+             "prompts.")
+    return "Quality, as measured beside speed: " + ("; ".join(parts) or "no scenario") + "." + close
+
+
+def _error_table(result: q.Quality, baseline: str, candidate: str) -> tuple[list[str], list[list[str]]]:
+    header = ["context", "what", f"{baseline} rel L2", f"{candidate} rel L2", f"{baseline} cosine",
+              f"{candidate} cosine", f"{baseline} max abs", f"{candidate} max abs", f"format alone rel L2 "
+              f"({baseline} / {candidate})", "BF16 output floor"]
+    rows = []
+    for row in result.errors:
+        rows.append([str(row.context), row.what, _metric(row.baseline, "rel_l2"), _metric(row.candidate, "rel_l2"),
+                     _metric(row.baseline, "cosine"), _metric(row.candidate, "cosine"),
+                     _metric(row.baseline, "max_abs"), _metric(row.candidate, "max_abs"),
+                     "–" if row.baseline_format is None and row.candidate_format is None else
+                     f"{_metric(row.baseline_format, 'rel_l2')} / {_metric(row.candidate_format, 'rel_l2')}",
+                     _metric(row.floor, "rel_l2")])
+    return header, rows
+
+
+def _prompt_table(result: q.Quality, baseline: str, candidate: str) -> tuple[list[str], list[list[str]]]:
+    header = ["prompt", f"{baseline} right", f"{candidate} right", "first divergence (token)",
+              f"{baseline} tokens", f"{candidate} tokens"]
+    shown = [r for r in result.prompts if r.baseline_correct != r.candidate_correct or r.first_divergence is not None]
+    rows = [[r.id, "yes" if r.baseline_correct else "no", "yes" if r.candidate_correct else "no",
+             "identical" if r.first_divergence is None else str(r.first_divergence), str(r.baseline_tokens),
+             str(r.candidate_tokens)] for r in shown[:MAX_PROMPT_ROWS]]
+    return header, rows
+
+
+MAX_PROMPT_ROWS = 50  # the markdown must fit an issue; the JSON has every prompt
+
+
+def markdown(result: q.Quality, baseline: str, candidate: str) -> list[str]:
+    """The details section: the per-point error table, or the prompts the arms answered differently."""
+    lines = ["### Quality", "", md_text(line(result, baseline, candidate))]
+    lines += [f"- {md_text(note)}" for note in result.notes]
+    if result.state != q.MEASURED:
+        return lines
+    b, c = md_text(baseline), md_text(candidate)
+    if result.level == q.KERNEL:
+        lines += ["", "rel L2 = ‖out − ref‖ / ‖ref‖ over every checked output value; prefill and decode rows are the "
+                  "kernel's output, `cache` rows the round trip of the cache itself; the format-alone column is exact "
+                  "attention over the dequantized cache (docs/statistics.md).", ""]
+        header, rows = _error_table(result, b, c)
+        return lines + markdown_table(header, rows)
+    header, rows = _prompt_table(result, b, c)
+    if not rows:
+        return lines + ["", "Every prompt got the same tokens from both arms."]
+    more = sum(1 for r in result.prompts if r.baseline_correct != r.candidate_correct or r.first_divergence is not None)
+    lines += ["", "Prompts whose answers differ between the arms" + (f" (the first {MAX_PROMPT_ROWS} of {more}; the "
+                                                                     "JSON has every prompt)" if more > len(rows)
+                                                                     else "") + ":", ""]
+    return lines + markdown_table(header, [[md_text(r[0]), *r[1:]] for r in rows])
+
+
+def terminal(result: q.Quality, baseline: str, candidate: str, console: Console) -> None:
+    console.print(f"  {visible(line(result, baseline, candidate))}", markup=False, highlight=False)
+    for note in result.notes:
+        console.print(f"  {visible(note)}", markup=False, highlight=False)
+
+
+def terminal_table(result: q.Quality, baseline: str, candidate: str, console: Console) -> None:
+    """The per-point errors (kernel level) as a table, for the terminal's details."""
+    if result.state != q.MEASURED or result.level != q.KERNEL:
+        return
+    from rich.table import Table
+
+    header, rows = _error_table(result, baseline, candidate)
+    table = Table(title="Quality: attention error against the float64 reference", title_justify="left")
+    for index, column in enumerate(header):
+        table.add_column(rich(column), justify="left" if index < 2 else "right", overflow="fold")
+    for row in rows:
+        table.add_row(*[rich(cell) for cell in row])
+    console.print(table)
+
+
+def csv_rows(result: q.Quality, baseline: str, candidate: str) -> list[list]:
+    """Long-format rows (section, key, arm, metric, value) as report_csv writes them."""
+    rows = [["quality", result.level or "", "", "state", result.state],
+            ["quality", result.level or "", "", "reason", result.reason or ""]]
+    for row in result.errors:
+        for side, label in (("baseline", baseline), ("candidate", candidate)):
+            for group, metrics in (("", getattr(row, side)), ("format_", getattr(row, f"{side}_format"))):
+                for name in q.METRICS:
+                    if metrics is not None and metrics[name] is not None:
+                        rows.append(["quality", f"{row.context} {row.what}", label, group + name, metrics[name]])
+    if result.accuracy is not None:
+        acc = result.accuracy
+        rows += [["quality", "answers", baseline, "accuracy", acc.baseline_accuracy],
+                 ["quality", "answers", candidate, "accuracy", acc.candidate_accuracy],
+                 ["quality", "answers", "", "mcnemar_p", acc.p_value],
+                 ["quality", "answers", "", "verdict", acc.verdict]]
+    for agree in ([result.agreement] if result.agreement else []) + result.auto:
+        rows.append(["quality", f"agreement with {agree.reference}", agree.arm, "token_agreement",
+                     "" if agree.token_agreement is None else agree.token_agreement])
+    return rows
