@@ -22,7 +22,7 @@ from kvtrace.analyzer import align, compare, headline, render, statements, stats
 from kvtrace.analyzer.classify import SEGMENTS, load_recipes
 from kvtrace.analyzer.kernels import list_kernels
 from kvtrace.analyzer.load import open_trace, open_traces
-from kvtrace.analyzer.render import escape
+from kvtrace.analyzer.render import escape, markdown
 from kvtrace.analyzer.names import NameKey
 from kvtrace.analyzer.runs import trace_query_dtypes
 from kvtrace.analyzer.render.escape import visible
@@ -213,22 +213,40 @@ def emit(result, fmt: str, output: Path | None) -> None:
                 if not console.is_terminal and "COLUMNS" not in os.environ:
                     console = _Stdout(width=200)  # piped: no terminal width to fit, keep rows on one line
                 render.render_table(result, console)
-            else:
-                sys.stdout.write(render.render_text(result, fmt))
+            else:  # markdown as an issue holds it: no file beside standard output for the rest
+                sys.stdout.write(render.render_markdown(result, None)[0] if fmt == "markdown" else
+                                 render.render_text(result, fmt))
             sys.stdout.flush()
         except BrokenPipeError:
             files.discard_stdout()  # the reader has what it wanted; a --fail-on gate still decides the exit code
         return
+    rest = whole = None
     if fmt == "table":
         buffer = io.StringIO()
         render.render_table(result, Console(file=buffer, width=200, no_color=True, force_terminal=False))
         text = buffer.getvalue()
+    elif fmt == "markdown":
+        rest = whole_path(output)
+        text, whole = render.render_markdown(result, rest and rest.name)
     else:
         text = render.render_text(result, fmt)
+    if whole is not None:  # written first: the file the issue-sized markdown names exists once that does
+        files.write(rest, whole, inputs())
     files.write(output, text, inputs())
+    if whole is not None:
+        click.echo(f"kvtrace: {visible(str(output))} fits a GitHub issue body; the whole report is in "
+                   f"{visible(str(rest))}", err=True)
     # Standard output stays empty, so what a reader of the file would be warned about goes to standard error.
     for finding in _warnings(result):
         click.echo(f"kvtrace: {finding.level}: {visible(finding.message)}", err=True)
+
+
+def whole_path(output: Path) -> Path | None:
+    """Where the whole markdown goes when the -o file holds what fits an issue: beside it, FILE.full.md; None for
+    a target that is no regular file (a device, a FIFO), which has nothing beside it."""
+    if output.exists() and not output.is_file():
+        return None
+    return output.with_name(f"{output.stem}{markdown.WHOLE_SUFFIX}{output.suffix or '.md'}")
 
 
 class _Stdout(Console):
