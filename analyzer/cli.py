@@ -20,10 +20,12 @@ import kvtrace.nsys
 from kvtrace import files
 from kvtrace.analyzer import align, compare, headline, render, statements, stats, verify
 from kvtrace.analyzer.classify import SEGMENTS, load_recipes
+from kvtrace.analyzer.findings import read_first
 from kvtrace.analyzer.kernels import list_kernels
 from kvtrace.analyzer.load import open_trace, open_traces
 from kvtrace.analyzer.render import escape, markdown
 from kvtrace.analyzer.names import NameKey
+from kvtrace.analyzer.results import Diff
 from kvtrace.analyzer.runs import trace_query_dtypes
 from kvtrace.analyzer.render.escape import visible
 from kvtrace.errors import KvtraceError
@@ -206,6 +208,9 @@ def _export_files(export: Path) -> list[Path]:
 
 
 def emit(result, fmt: str, output: Path | None) -> None:
+    # Which arm is which (the narrower format as the baseline, swapped arms), before any number.
+    for finding in read_first(_diff_findings(result)):
+        click.echo(f"kvtrace: {finding.level}: {visible(finding.message)}", err=True)
     if output is None or files.is_stdout(output):
         try:
             if fmt == "table":
@@ -254,11 +259,17 @@ class _Stdout(Console):
         raise BrokenPipeError  # rich would exit 1 at once; emit() carries on
 
 
+def _diff_findings(result) -> list:
+    """The kernel diff's findings: a diff's own, a serving report's diff's."""
+    diff = result if isinstance(result, Diff) else getattr(result, "diff", None)
+    return list(diff.findings) if isinstance(diff, Diff) else []
+
+
 def _warnings(result) -> list:
-    found = list(getattr(result, "findings", ()))
-    if getattr(result, "diff", None) is not None:  # a serving report carries its kernel diff
-        found += result.diff.findings
-    return [f for f in found if f.level != "ok"]
+    """What emit says on standard error after writing a file (what read_first picks came before)."""
+    found = list(getattr(result, "findings", ())) if not isinstance(result, Diff) else []
+    first = read_first(_diff_findings(result))
+    return [f for f in found + _diff_findings(result) if f.level != "ok" and f not in first]
 
 
 def window_options(command):

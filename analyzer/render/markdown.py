@@ -8,13 +8,14 @@ from pathlib import Path
 
 from kvtrace.analyzer import drift_band
 from kvtrace.analyzer.results import Arm, Diff, DiffRow, Summary
+from kvtrace.analyzer.findings import read_first
 from kvtrace.analyzer.kernels import KernelList
 from kvtrace.analyzer.headline import APPEND_PHASE, Headline
 from kvtrace.analyzer.render.escape import md_code, md_prose, md_text, visible
 from kvtrace.analyzer.render.statements import text as statement_text
-from kvtrace.analyzer.render.units import (MARK, arm_time, calls, duration, head_time, interval, markdown_table,
-                                          no_change_band, numbered_notes, per_call, percent, ratio, run_ratios,
-                                          signed_duration)
+from kvtrace.analyzer.render.units import (HEAD_TIMES, MARK, arm_time, calls, duration, head_time,
+                                          interval, markdown_table, no_change_band, numbered_notes, per_call, percent,
+                                          ratio, run_ratios, signed_duration)
 from kvtrace.analyzer.verify import MISMATCHES_SHOWN
 
 # Characters a GitHub issue or comment body holds: markdown past it is cut to fit (sized).
@@ -202,14 +203,17 @@ def head(diff: Diff, level: int = 3, *, statements: bool = True, serving: list[s
     head = diff.headline or Headline.of(diff)
     b, c = md_text(diff.baseline.label), md_text(diff.candidate.label)
     section = "#" * level
-    lines = [f"{section} The answer: {c} against {b}", "",
-             f"Time per call of each arm (Σn: the total of n cells that cost differently per call), ratio {c} / {b} "
-             f"with its {100 * diff.confidence:.0f}% interval, the no-change band its verdict used (the drift band of "
-             "its calls' size, at least the threshold), verdict and the call pairs compared.", ""]
+    lines = [f"{section} The answer: {c} against {b}", ""]
+    first = read_first(diff.findings)
+    lines += [f"{MARK[f.level]} {md_prose(f.message)}" for f in first] + [""] * bool(first)
+    lines += [f"Baseline **{b}**, candidate **{c}**: ratio {c} / {b}, above 1 where {c} is slower. Per kernel and "
+              f"workload point, each arm's {HEAD_TIMES}, the ratio with its {100 * diff.confidence:.0f}% interval, the "
+              "no-change band its verdict used (the drift band of its calls' size, at least the threshold), verdict "
+              "and the call pairs compared.", ""]
     lines += markdown_table(["question", "point", "kernel family", b, c, "ratio", "interval", "band", "verdict",
                              "pairs"],
-                            [[r.question, md_text(r.point), md_code(r.family), head_time(r.row.baseline, r.row.cells),
-                              head_time(r.row.candidate, r.row.cells), ratio(r.row.ratio),
+                            [[r.question, md_text(r.point), md_code(r.family), head_time(r.baseline_ns, r.mixed),
+                              head_time(r.candidate_ns, r.mixed), ratio(r.row.ratio),
                               interval(r.row.ci_low, r.row.ci_high), no_change_band(r.row, diff.threshold),
                               r.row.verdict, f"{r.row.compared_calls:,}"]
                              for r in head.rows])
