@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import textwrap
 from pathlib import Path
 
@@ -189,7 +190,7 @@ def _by_context(ax, report: Report, series: dict[str, list]) -> None:
                                 yerr=[[r.ratio - (r.ci_low if r.ci_low is not None else r.ratio) for _, r in points],
                                       [(r.ci_high if r.ci_high is not None else r.ratio) - r.ratio for _, r in points]],
                                 marker="o", capsize=4, label=name)
-        segment = "-".join(name.split())
+        segment = re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-")  # an SVG id of the series' name
         container.lines[0].set_gid(f"context-{segment}")
         # Each point's own band behind it, in its line's colour: the lines' bands differ at one context.
         halves = [no_change_half_width(r, report.diff.threshold) for _, r in points]
