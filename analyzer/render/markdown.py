@@ -119,8 +119,9 @@ def diff(diff: Diff, rest: str | None = WHOLE) -> str:
 def sized(top: list[str], summary: str, sections: list[Section], bottom: list[str], rest: str | None,
           what: str) -> str:
     """`top` (the visible part), then `sections` inside one <details> named `summary`, then `bottom`. With `rest`
-    other than WHOLE, a text past ISSUE_LIMIT keeps the sections that fit, in their order, and says under `top`
-    which ones are in the whole document instead: the file linked by `rest`, or with None, none yet."""
+    other than WHOLE, a text past ISSUE_LIMIT keeps the sections that fit (lowest rank first, shown in their order)
+    and says under `top` which ones are in the whole document instead: the file linked by `rest`, or with None,
+    none yet."""
     def text(chosen: list[Section], pointer: list[str]) -> str:
         lines = top + pointer + ["", f"<details><summary>{summary}</summary>", ""]
         for section in chosen:
