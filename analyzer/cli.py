@@ -20,10 +20,12 @@ import kvtrace.nsys
 from kvtrace import files
 from kvtrace.analyzer import align, compare, headline, render, statements, stats, verify
 from kvtrace.analyzer.classify import SEGMENTS, load_recipes
+from kvtrace.analyzer.findings import read_first
 from kvtrace.analyzer.kernels import list_kernels
 from kvtrace.analyzer.load import open_trace, open_traces
-from kvtrace.analyzer.render import escape
+from kvtrace.analyzer.render import escape, markdown
 from kvtrace.analyzer.names import NameKey
+from kvtrace.analyzer.results import Diff
 from kvtrace.analyzer.runs import trace_query_dtypes
 from kvtrace.analyzer.render.escape import visible
 from kvtrace.errors import KvtraceError
@@ -206,6 +208,9 @@ def _export_files(export: Path) -> list[Path]:
 
 
 def emit(result, fmt: str, output: Path | None) -> None:
+    # Which arm is which (the narrower format as the baseline, swapped arms), before any number.
+    for finding in read_first(_diff_findings(result)):
+        click.echo(f"kvtrace: {finding.level}: {visible(finding.message)}", err=True)
     if output is None or files.is_stdout(output):
         try:
             if fmt == "table":
@@ -213,8 +218,9 @@ def emit(result, fmt: str, output: Path | None) -> None:
                 if not console.is_terminal and "COLUMNS" not in os.environ:
                     console = _Stdout(width=200)  # piped: no terminal width to fit, keep rows on one line
                 render.render_table(result, console)
-            else:
-                sys.stdout.write(render.render_text(result, fmt))
+            else:  # markdown as an issue holds it: no file beside standard output for the rest
+                sys.stdout.write(render.render_markdown(result, None)[0] if fmt == "markdown" else
+                                 render.render_text(result, fmt))
             sys.stdout.flush()
         except BrokenPipeError:
             files.discard_stdout()  # the reader has what it wanted; a --fail-on gate still decides the exit code
@@ -223,17 +229,34 @@ def emit(result, fmt: str, output: Path | None) -> None:
             raise KvtraceError(f"cannot write standard output: {(error.strerror or str(error)).lower()}; free some "
                                "space, or write the result elsewhere with -o FILE") from None
         return
+    rest = whole = None
     if fmt == "table":
         buffer = io.StringIO()
         render.render_table(result, Console(file=buffer, width=200, no_color=True, force_terminal=False,
                                             emoji=False))
         text = buffer.getvalue()
+    elif fmt == "markdown":
+        rest = whole_path(output)
+        text, whole = render.render_markdown(result, rest and rest.name)
     else:
         text = render.render_text(result, fmt)
+    if whole is not None:  # written first: the file the issue-sized markdown names exists once that does
+        files.write(rest, whole, inputs())
     files.write(output, text, inputs())
+    if whole is not None:
+        click.echo(f"kvtrace: {visible(str(output))} fits a GitHub issue body; the whole report is in "
+                   f"{visible(str(rest))}", err=True)
     # Standard output stays empty, so what a reader of the file would be warned about goes to standard error.
     for finding in _warnings(result):
         click.echo(f"kvtrace: {finding.level}: {visible(finding.message)}", err=True)
+
+
+def whole_path(output: Path) -> Path | None:
+    """Where the whole markdown goes when the -o file holds what fits an issue: beside it, FILE.full.md; None for
+    a target that is no regular file (a device, a FIFO), which has nothing beside it."""
+    if output.exists() and not output.is_file():
+        return None
+    return output.with_name(f"{output.stem}{markdown.WHOLE_SUFFIX}{output.suffix or '.md'}")
 
 
 class _Stdout(Console):
@@ -244,11 +267,17 @@ class _Stdout(Console):
         raise BrokenPipeError  # rich would exit 1 at once; emit() carries on
 
 
+def _diff_findings(result) -> list:
+    """The kernel diff's findings: a diff's own, a serving report's diff's."""
+    diff = result if isinstance(result, Diff) else getattr(result, "diff", None)
+    return list(diff.findings) if isinstance(diff, Diff) else []
+
+
 def _warnings(result) -> list:
-    found = list(getattr(result, "findings", ()))
-    if getattr(result, "diff", None) is not None:  # a serving report carries its kernel diff
-        found += result.diff.findings
-    return [f for f in found if f.level != "ok"]
+    """What emit says on standard error after writing a file (what read_first picks came before)."""
+    found = list(getattr(result, "findings", ())) if not isinstance(result, Diff) else []
+    first = read_first(_diff_findings(result))
+    return [f for f in found + _diff_findings(result) if f.level != "ok" and f not in first]
 
 
 def window_options(command):

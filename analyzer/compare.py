@@ -170,7 +170,7 @@ class _Comparison:
 class _Row:
     """What one row covers: its cells in every run and its strata, before any number is computed."""
 
-    level: str  # "segment", "phase", "family"
+    level: str  # "segment", "phase", "family", "family_phase"
     cells: pl.Expr
     members: np.ndarray  # global strata
     code: int  # segment, or family code
@@ -253,6 +253,14 @@ def diff_sides(sides: Sides, *, labels: tuple[str | None, str | None] = (None, N
             in_rank = strata.filter(pl.col("rank") == rank)["stratum"].to_numpy()
             specs.append(replace(spec, cells=spec.cells & (pl.col("rank") == rank), rank=rank,
                                  members=np.intersect1d(spec.members, in_rank)))
+    # The head's attention and append segments kernel by kernel per phase: an attention kernel's own time, apart
+    # from the split-KV merge kernel beside it.
+    head = {vocabulary.segments.index(s) for s in pairing.PHASE_SEGMENTS.values() if s in vocabulary.segments}
+    for code, phase in sorted({(family, phase) for family, segment, phase in present("family", "segment", "phase")
+                               if segment in head and phase != vocabulary.outside_phase}):
+        kernel = (pl.col("family") == code) & (pl.col("phase") == phase)
+        specs.append(_Row("family_phase", kernel,
+                          strata.filter((pl.col("level") == KERNEL) & kernel)["stratum"].to_numpy(), code, phase))
     # Calls paired by range ran different kernels in the two arms: a change of code, never a drift control (a
     # changed activation kernel would otherwise widen the band that hides its own change).
     controls = strata.filter(pl.col("kv_independent") & (pl.col("level") == KERNEL))
@@ -294,12 +302,15 @@ def diff_sides(sides: Sides, *, labels: tuple[str | None, str | None] = (None, N
     families = [r for r, s in zip(rows, specs) if s.level == "family"]
     rank_rows = [r for r, s in zip(rows, specs) if s.rank is not None]
     _rank_agreement(segments + phases, rank_rows)
-    for table in (segments, families, phases):
+    family_phases = [r for r, s in zip(rows, specs) if s.level == "family_phase"]
+    for table in (segments, families, phases, family_phases):
         for row, share in zip(table, stats.abs_shares([r.total_delta_ns for r in table])):
             row.abs_delta_share = share
     segments.sort(key=lambda r: (-abs(r.total_delta_ns), segment_order(r.segment)))
     families.sort(key=lambda r: (-abs(r.total_delta_ns), segment_order(r.segment), r.family))
     phases.sort(key=lambda r: (segment_order(r.segment), _natural(r.phase)))
+    family_phases.sort(key=lambda r: (segment_order(r.segment), _natural(r.phase), -r.baseline_total_ns,
+                                      r.family_label))
 
     phase_totals = _phase_totals(comparison, base_arm, cand_arm, threshold=threshold, bands=bands,
                                  confidence=confidence, seed=seed)
@@ -310,7 +321,8 @@ def diff_sides(sides: Sides, *, labels: tuple[str | None, str | None] = (None, N
     findings += rank_findings(vocabulary, comparison.runs, base_arm, cand_arm)
     return Diff(baseline=base_arm, candidate=cand_arm, recipes=tuple(recipes.files), threshold=threshold,
                 confidence=confidence, findings=findings, segments=segments, families=families, phases=phases,
-                phase_totals=phase_totals, drift=drift, runs=len(base_runs), rank_rows=rank_rows,
+                family_phases=family_phases, phase_totals=phase_totals, drift=drift, runs=len(base_runs),
+                rank_rows=rank_rows,
                 method=stats.HIERARCHICAL if len(base_runs) > 1 else stats.BOOTSTRAP,
                 window=window.describe() + [part for part in sides.candidate_window.describe()
                                             if part not in window.describe()])
@@ -381,9 +393,9 @@ class _RowBuilder:
                       baseline_names=kv[0][1], candidate_names=kv[1][1])
         row.unpaired_share = stats.unpaired_share(row.paired_delta_ns, row.total_delta_ns - row.paired_delta_ns) \
             if estimate is not None else None
-        if spec.level == "family":
+        if spec.level in ("family", "family_phase"):
             row.family, row.family_label = vocabulary.families[spec.code], run.earliest(group, "family_label")
-        if spec.level == "phase":
+        if spec.level in ("phase", "family_phase"):
             row.phase = vocabulary.phases[spec.phase]
         row.rank = spec.rank
         if estimate is not None:
@@ -407,7 +419,7 @@ class _RowBuilder:
     def _reason(self, spec: _Row, sides, window_calls: list[int]) -> str:
         if not window_calls[0] or not window_calls[1]:
             return f"only in the {'candidate' if not window_calls[0] else 'baseline'}"
-        if spec.level == "family":
+        if spec.level in ("family", "family_phase"):
             vocabulary = self.comparison.vocabulary
             lists = [pairing.shape_list(next(g for _, g, _ in groups if g.table.height), vocabulary)
                      for groups in sides]

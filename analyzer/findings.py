@@ -234,6 +234,12 @@ def comparability(baseline: Arm, candidate: Arm) -> list[Finding]:
     return findings
 
 
+def read_first(findings: list[Finding]) -> list[Finding]:
+    """What to read before any number: which arm is which (the KV dtypes' warnings and errors: the narrower format
+    as the baseline, arms that look swapped, one dtype in both arms)."""
+    return [f for f in findings if f.check == "kv-dtype" and f.level != "ok"]
+
+
 def _dtype_findings(baseline: Arm, candidate: Arm) -> list[Finding]:
     findings = []
     for arm in (baseline, candidate):

@@ -33,6 +33,19 @@ class HeadRow:
     point: str  # the workload point: a context (ctx=2048), a vLLM step kind, "all calls"; a control's segment
     family: str  # short family name(s) of the row's kernels
     row: DiffRow
+    # Each arm's time per paired call; None where no call paired. Over cells of different cost per call (`mixed`)
+    # it is their mean, as nsys stats' Avg is, not one call's time.
+    baseline_ns: float | None = None
+    candidate_ns: float | None = None
+    mixed: bool = False
+
+    @classmethod
+    def of(cls, question: str, point: str, family: str, row: DiffRow) -> HeadRow:
+        if row.ratio is None:
+            return cls(question, point, family, row)
+        means = [arm.mean_ns if arm.mean_ns is not None else arm.total_ns / arm.calls
+                 for arm in (row.baseline, row.candidate)]
+        return cls(question, point, family, row, means[0], means[1], not row.same_work)
 
 
 @dataclass(frozen=True)
@@ -66,17 +79,24 @@ class Headline:
 
 def head_rows(diff: Diff) -> list[HeadRow]:
     """The questions in the head's order, each answered per workload point (a segment's phase rows, else its
-    row over all calls), then the KV-independent control; a report's kernel statements read these too."""
+    row over all calls) and per kernel where every kernel of the point paired with itself (decode attention
+    apart from its split-KV merge kernel), then the KV-independent control; a report's kernel statements read
+    these too."""
     rows = []
     for question, segment in _SEGMENT_QUESTIONS:
         chosen = [r for r in diff.phases if r.segment == segment] or \
                  [r for r in diff.segments if r.segment == segment]
-        rows += [head for r in chosen for head in _by_rank(diff, HeadRow(question, _point(r.phase),
-                                                                        _families(diff, r), r))]
-    rows += [HeadRow(APPEND_PHASE, _point(r.phase), EVERY_KERNEL, r) for r in diff.phase_totals
+        for r in chosen:
+            kernels = [k for k in (diff.family_phases if r.phase is not None else diff.families)
+                       if k.segment == segment and k.phase == r.phase]
+            if len(kernels) > 1 and all(k.ratio is not None for k in kernels):
+                rows += [HeadRow.of(question, _point(r.phase), k.family_label, k) for k in kernels]
+            else:
+                rows += _by_rank(diff, HeadRow.of(question, _point(r.phase), _families(diff, r), r))
+    rows += [HeadRow.of(APPEND_PHASE, _point(r.phase), EVERY_KERNEL, r) for r in diff.phase_totals
              if (parse_phase_name(r.phase) or ("",))[0] == "append"]
     rows += [head for r in diff.segments if r.kv_independent and r.ratio is not None
-             for head in _by_rank(diff, HeadRow(CONTROL, r.segment, r.segment, r))]
+             for head in _by_rank(diff, HeadRow.of(CONTROL, r.segment, r.segment, r))]
     return rows
 
 
@@ -87,7 +107,7 @@ def _by_rank(diff: Diff, head: HeadRow) -> list[HeadRow]:
     ranks = [r for r in diff.rank_rows if (r.segment, r.phase) == (head.row.segment, head.row.phase)]
     if head.row.ranks_agree:
         return [replace(head, point=f"{head.point} · {len(ranks)} ranks agree")]
-    return [replace(head, point=f"{head.point} · rank {r.rank}", row=r) for r in ranks]
+    return [HeadRow.of(head.question, f"{head.point} · rank {r.rank}", head.family, r) for r in ranks]
 
 
 def _environment(diff: Diff, manifest: Manifest | None) -> list[tuple[str, str]]:

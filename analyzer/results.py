@@ -178,6 +178,8 @@ class Diff:
     segments: list[DiffRow]
     families: list[DiffRow]
     phases: list[DiffRow] = field(default_factory=list)  # per segment and NVTX phase, when ranges exist
+    # Per kernel family and NVTX phase, for the segments of the head's attention and append rows.
+    family_phases: list[DiffRow] = field(default_factory=list)
     # Per phase, every kernel together, paired range instance by range instance (_phase_totals).
     phase_totals: list[DiffRow] = field(default_factory=list)
     # With several ranks (GPUs) per trace: each segment and phase row again per rank (DiffRow.rank).

@@ -285,9 +285,11 @@ def ttft_guard_rail(diff: Diff, serving: list[ServingRow], base: RunArm, cand: R
         prefilled = (b.prompt_tokens - b.cached_prompt_tokens, c.prompt_tokens - c.cached_prompt_tokens) if None not in (
             b.prompt_tokens, c.prompt_tokens, b.cached_prompt_tokens, c.cached_prompt_tokens) else (None, None)
         queued = (b.queue_ms, c.queue_ms) if b.queue_ms is not None and c.queue_ms is not None else (None, None)
+        # A slower TTFT is never marked "ok", whatever reading it has.
+        worse = row.ttft_ratio > 1 + diff.threshold
         out.append(TtftStatement(
-            level="ok" if reading == PLAIN else "warning", check="ttft", reading=reading, baseline=base.label,
-            candidate=cand.label, point=row.point if len(serving) > 1 else None, stat=row.ttft_stat,
+            level="ok" if reading == PLAIN and not worse else "warning", check="ttft", reading=reading,
+            baseline=base.label, candidate=cand.label, point=row.point if len(serving) > 1 else None, stat=row.ttft_stat,
             baseline_ms=getattr(b.ttft_ms, row.ttft_stat), candidate_ms=getattr(c.ttft_ms, row.ttft_stat),
             ratio=row.ttft_ratio, prefill_verdict=verdict, prefill_ratio=prefill.ratio if verdict else None,
             prefill_compared_calls=prefill.compared_calls if verdict else None,

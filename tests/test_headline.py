@@ -27,8 +27,12 @@ def fi_diff(fi_h200_diff):
 
 def test_head_has_one_row_per_context_and_question(fi_diff):
     head = headline.Headline.of(fi_diff)
-    for question in (headline.PREFILL, headline.DECODE, headline.APPEND_KERNEL, headline.APPEND_PHASE):
+    for question in (headline.PREFILL, headline.APPEND_KERNEL, headline.APPEND_PHASE):
         assert [r.point for r in head.rows if r.question == question] == [f"ctx={c}" for c in CONTEXTS]
+    # Decode per kernel: the attention kernel, then the split-KV merge kernel, at each context.
+    assert [(r.point, r.family) for r in head.rows if r.question == headline.DECODE] == [
+        (f"ctx={c}", family) for c in CONTEXTS for family in ("BatchPrefillWithPagedKVCacheKernel[MaskMode=0]",
+                                                              "PersistentVariableLengthMergeStatesKernel")]
     control = [r for r in head.rows if r.question == headline.CONTROL]
     assert [r.row.segment for r in control] == ["gemm"]
     assert head.drift and "KV-independent" in head.drift
@@ -110,8 +114,8 @@ def test_terminal_head_fits_100_columns(run_kvtrace):
     assert "…" not in "\n".join(head)
     for verdict in ("regression", "improvement", "no significant change"):
         assert any(verdict in line for line in head), verdict
-    for context in CONTEXTS:
-        assert sum(f"ctx={context}" in line for line in head) == 4
+    for context in CONTEXTS:  # prefill, decode's attention and merge kernels, append kernel, append phase
+        assert sum(f"ctx={context}" in line for line in head) == 5
     # The full tables below fold long cells instead of cutting them.
     rest = out.split("everything else")[1]
     assert "prefill_attention" in rest and "prefill_att…" not in rest and "regr…" not in rest

@@ -579,7 +579,7 @@ def test_hostile_names_make_no_hyperlinks_or_markup_on_a_terminal(tmp_path):
 def test_a_label_with_markup_is_shown_as_text(kv):
     code, out, err = kv("diff", SMALL, NVFP4, "--label", "[/]", "--label", "[bold]x")
     assert code == 0, err
-    assert out.startswith("[/] → [bold]x on ")  # the head
+    assert out.startswith("baseline [/] → candidate [bold]x on ")  # the head
     assert "\n[/] → [bold]x: total GPU kernel time" in out
 
 

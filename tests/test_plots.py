@@ -18,7 +18,7 @@ from click.testing import CliRunner
 from matplotlib.container import BarContainer
 
 from conftest import FIXTURES, NSYS2025_DIR, VLLM_COLD_PREFILL, sql_durations
-from kvtrace.analyzer import report, stats
+from kvtrace.analyzer import headline, report, stats
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.render import plots
 from kvtrace.cli import cli
@@ -108,15 +108,28 @@ def test_ratio_plot_shades_each_segment_with_its_own_band(fi):
     assert len(set(colours.values())) == len(colours) > 1, colours
 
 
+def context_series(fi) -> dict[str, list]:
+    """The head's rows by the context plot's series (SVG id): a question, and a kernel where the head splits its
+    points by kernel (decode attention and the merge kernel), each with its rows by context."""
+    heads = headline.head_rows(fi.diff)
+    out: dict[str, list] = {}
+    for r in heads:
+        if r.question != headline.CONTROL:
+            split = sum((o.question, o.point) == (r.question, r.point) for o in heads) > 1
+            name = r.question + (f" {r.family.split('[')[0][:22]} {r.family.partition('[')[2]}" if split else "")
+            out.setdefault(re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-"), []).append(
+                (int(r.row.phase.split("ctx=")[1].split()[0]), r.row))
+    return out
+
+
 def test_forest_and_context_shade_each_workload_point_with_its_own_band(fi):
-    rows = [r for r in fi.diff.phases if r.segment in ("prefill_attention", "decode_attention", "kv_append")]
+    rows = [r.row for r in headline.head_rows(fi.diff)]
     figure = plots.forest_figure(fi)
     assert_each_row_has_its_own_band(shades(figure, "forest-band"), dict(enumerate(rows)), fi.diff.threshold)
     assert plots._BAND_LABEL in figure.axes[0].get_legend_handles_labels()[1]
     figure = plots.context_figure(fi)
-    for segment in ("prefill_attention", "decode_attention", "kv_append"):
-        points = sorted((int(r.phase.split("ctx=")[1].split()[0]), r) for r in rows if r.segment == segment)
-        drawn = by_gid(figure, f"context-band-{segment}")[f"context-band-{segment}"].get_segments()
+    for series, points in context_series(fi).items():
+        drawn = by_gid(figure, f"context-band-{series}")[f"context-band-{series}"].get_segments()
         halves = [max(fi.diff.threshold, r.band) for _, r in points]
         assert [tuple(s[:, 0]) for s in drawn] == [(c, c) for c, _ in points]
         assert np.allclose([s[:, 1] for s in drawn], [(1 - h, 1 + h) for h in halves])
@@ -147,7 +160,7 @@ def test_ecdf_has_one_panel_per_cell_never_pooled(fi):
 
 def test_forest_has_every_workload_point_with_its_interval_and_the_drift_control(fi):
     figure = plots.forest_figure(fi)
-    rows = [r for r in fi.diff.phases if r.segment in ("prefill_attention", "decode_attention", "kv_append")]
+    rows = [r.row for r in headline.head_rows(fi.diff)]
     points = []
     for line in figure.findobj(lambda a: (a.get_gid() or "").startswith("forest-") and hasattr(a, "get_xdata")):
         if line.get_gid() != "forest-drift":
@@ -164,12 +177,14 @@ def test_ratio_against_context_per_phase(fi):
     figure = plots.context_figure(fi)
     contexts = json.loads((NSYS2025_DIR / "manifest.json").read_text())["settings"]["spec"]["contexts"]
     lines = {gid: line for gid, line in by_gid(figure, "context-").items() if not gid.startswith("context-band-")}
-    assert set(lines) == {"context-prefill_attention", "context-decode_attention", "context-kv_append"}
-    for segment, line in lines.items():
-        expected = {int(r.phase.split("ctx=")[1].split()[0]): r.ratio for r in fi.diff.phases
-                    if r.segment == segment.removeprefix("context-")}
-        assert list(line.get_xdata()) == contexts
-        assert list(line.get_ydata()) == pytest.approx([expected[c] for c in contexts])
+    series = context_series(fi)
+    assert set(lines) == {f"context-{name}" for name in series} == {
+        "context-prefill-attention", "context-decode-attention-BatchPrefillWithPagedK-MaskMode-0",
+        "context-decode-attention-PersistentVariableLeng", "context-KV-append-kernel", "context-KV-append-phase"}
+    for name, points in series.items():
+        line = lines[f"context-{name}"]
+        assert list(line.get_xdata()) == contexts == [c for c, _ in points]
+        assert list(line.get_ydata()) == pytest.approx([r.ratio for _, r in points])
     vllm = report.build([VLLM_COLD_PREFILL], load_recipes())
     assert plots.context_figure(vllm) is None  # vLLM step kinds have no context axis
 

@@ -131,7 +131,8 @@ def test_kernel_statements_are_the_heads_rows(run, recipes):
     result = report.build([run], recipes)
     heads = [r for r in headline.head_rows(result.diff) if r.question != headline.CONTROL]
     said = [s for s in result.statements if s.kind == "kernels"]
-    assert len(said) == len(heads) and len({(s.check, s.point) for s in said if s.subject != "append_phase"}) == \
+    assert len(said) == len(heads) and len({(s.check, s.point, s.kernels) for s in said
+                                            if s.subject != "append_phase"}) == \
         len([s for s in said if s.subject != "append_phase"])
     for statement, head in zip(said, heads):
         row = head.row
@@ -452,7 +453,7 @@ def test_the_head_is_printed_once_and_the_whole_diff_follows(fi):
     buffer = io.StringIO()
     render_table(fi, Console(file=buffer, width=200))
     table = buffer.getvalue()
-    assert table.count("time per call, ratio nvfp4/fp8") == 1 and "Segments by phase (NVTX range)" in table
+    assert table.count("ratio nvfp4/fp8 with its") == 1 and "Segments by phase (NVTX range)" in table
     # As in markdown, the rest of the diff comes under its own label, after the report's own sections.
     lines = table.splitlines()
     assert lines.count("Kernel diff") == 1

@@ -47,6 +47,20 @@ def render_table(result, console: Console) -> None:
     _renderer(result, "table")(result, console)
 
 
+# Markdown sized for an issue body (markdown.sized): the renderers take the link of the whole document's file.
+SIZED = (Diff, Report)
+
+
+def render_markdown(result, rest: str | None) -> tuple[str, str | None]:
+    """Markdown of `result` that fits an issue body, and the whole document when that leaves sections out (for the
+    file linked by `rest`; None: no file, and the text says how to get one)."""
+    if not isinstance(result, SIZED):
+        return render_text(result, "markdown"), None
+    text = _renderer(result, "markdown")(result, rest)
+    whole = _renderer(result, "markdown")(result)
+    return text, (whole if whole != text else None)
+
+
 def render_text(result, fmt: str) -> str:
     """Text of `result` in one of FORMATS except 'table' (which needs a console)."""
     return _renderer(result, fmt)(result)

@@ -3,18 +3,33 @@
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvtrace.analyzer import drift_band
 from kvtrace.analyzer.results import Arm, Diff, DiffRow, Summary
+from kvtrace.analyzer.findings import read_first
 from kvtrace.analyzer.kernels import KernelList
 from kvtrace.analyzer.headline import APPEND_PHASE, Headline
 from kvtrace.analyzer.render.escape import md_code, md_prose, md_text, visible
 from kvtrace.analyzer.render.statements import text as statement_text
-from kvtrace.analyzer.render.units import (MARK, arm_time, calls, duration, head_time, interval, markdown_table,
-                                          no_change_band, numbered_notes, per_call, percent, ratio, run_ratios,
-                                          signed_duration)
+from kvtrace.analyzer.render.units import (HEAD_TIMES, MARK, arm_time, calls, duration, head_time,
+                                          interval, markdown_table, no_change_band, numbered_notes, per_call, percent,
+                                          ratio, run_ratios, signed_duration)
 from kvtrace.analyzer.verify import MISMATCHES_SHOWN
+
+# Characters a GitHub issue or comment body holds: markdown past it is cut to fit (sized).
+ISSUE_LIMIT = 65_536
+WHOLE = "whole"  # a markdown renderer's `rest` that asks for every section inline
+WHOLE_SUFFIX = ".full"  # the whole document's file: the -o file's name with this before its suffix
+_POINTER_ROOM = 600  # characters kept for the line that names what was left out
+
+
+@dataclass(frozen=True)
+class Section:
+    name: str  # how the line naming what was left out names it
+    lines: list[str]
+    rank: int = 0  # which sections an issue-sized text keeps first: the lowest ranks, then the next
 
 
 def kernels(kernels: KernelList) -> str:
@@ -94,13 +109,43 @@ def _diff_table(first: list[str], rows: list[DiffRow], lead, diff: Diff) -> list
     return lines
 
 
-def diff(diff: Diff) -> str:
+def diff(diff: Diff, rest: str | None = WHOLE) -> str:
     labels = md_text(diff.baseline.label), md_text(diff.candidate.label)
-    lines = [f"## kvtrace diff: {labels[0]} → {labels[1]}", ""] + head(diff, 3) + [
-             "", "<details><summary>Everything else: how rows are compared, comparability, every segment, phase and "
-             "kernel family, each trace, kernel names</summary>", ""] + body(diff, 3)
-    lines += ["", "</details>", "", footer(diff.kvtrace_version, diff.recipes)]
-    return "\n".join(lines) + "\n"
+    top = [f"## kvtrace diff: {labels[0]} → {labels[1]}", ""] + head(diff, 3)
+    summary = ("Everything else: how rows are compared, comparability, every segment, phase and kernel family, each "
+               "trace, kernel names")
+    return sized(top, summary, body(diff, 3), [footer(diff.kvtrace_version, diff.recipes)], rest, "diff")
+
+
+def sized(top: list[str], summary: str, sections: list[Section], bottom: list[str], rest: str | None,
+          what: str) -> str:
+    """`top` (the visible part), then `sections` inside one <details> named `summary`, then `bottom`. With `rest`
+    other than WHOLE, a text past ISSUE_LIMIT keeps the sections that fit (lowest rank first, shown in their order)
+    and says under `top` which ones are in the whole document instead: the file linked by `rest`, or with None,
+    none yet."""
+    def text(chosen: list[Section], pointer: list[str]) -> str:
+        lines = top + pointer + ["", f"<details><summary>{summary}</summary>", ""]
+        for section in chosen:
+            lines += section.lines + [""]
+        return "\n".join(lines + ["</details>", ""] + bottom).rstrip() + "\n"
+
+    whole = text(sections, [])
+    if rest == WHOLE or len(whole) < ISSUE_LIMIT:
+        return whole
+    budget = ISSUE_LIMIT - len(text([], [])) - _POINTER_ROOM
+    kept = set()
+    for index in sorted(range(len(sections)), key=lambda i: sections[i].rank):
+        size = len("\n".join(sections[index].lines)) + 2
+        if size <= budget:
+            kept.add(index)
+            budget -= size
+    chosen = [s for i, s in enumerate(sections) if i in kept]
+    left = ", ".join(s.name for i, s in enumerate(sections) if i not in kept)
+    where = (f"is in {md_code(rest)}, written beside this file: attach it to the issue" if rest is not None else
+             f"is written beside the output by `-o FILE.md`, as FILE{WHOLE_SUFFIX}.md")
+    pointer = ["", f"This {what} leaves out {left}, to fit a GitHub issue body; the whole {what} ({len(whole):,} "
+                   f"characters) {where}."]
+    return text(chosen, pointer)
 
 
 def _reaches(diff: Diff) -> str:
@@ -114,56 +159,63 @@ def _reaches(diff: Diff) -> str:
     return "includes 1"
 
 
-def body(diff: Diff, level: int) -> list[str]:
-    """Everything after the head: how rows are compared, comparability, every table, each trace, kernel names;
-    `level` is the heading level of its sections."""
+def body(diff: Diff, level: int) -> list[Section]:
+    """Everything after the head, in sections: how rows are compared, comparability, every table, each trace,
+    kernel names; `level` is the heading level of the sections."""
     b, c = diff.baseline, diff.candidate
     confidence = f"{100 * diff.confidence:.0f}%"
     labels = md_text(b.label), md_text(c.label)
     runs = (f" over {diff.runs} runs per arm (r1 with r1, …); the interval resamples run pairs, then call pairs "
             "within each run" if diff.runs > 1 else "")
     section = "#" * level
-    lines = [f"Baseline **{labels[0]}**, candidate **{labels[1]}**. Ratio = candidate / baseline GPU time summed over "
-             f"the calls both arms ran, paired call for call per kernel family, launch shape and NVTX range{runs}; "
-             f"{confidence} bootstrap interval that resamples the pairs inside each such cell (docs/statistics.md). "
-             f"A ratio within ±{100 * diff.threshold:g}% of 1, or whose interval " + _reaches(diff)
-             + ", is \"no significant change\". \"time\" is per call where a row's cells cost the same per "
-             "call, else the row's total. Rows whose arms did different work say \"not comparable\" or "
-             "\"different work\" instead of a verdict.", "",
-             f"Total GPU kernel time: {duration(b.total_ns)} → {duration(c.total_ns)} ({ratio(diff.total_ratio)}).",
-             "", f"{section} Comparability", ""]
-    lines += [f"- {MARK[f.level]} {md_prose(f.message)}" for f in diff.findings]
-    lines += ["", f"{section} Segments", ""]
-    lines += _diff_table(["segment"], diff.segments, lambda r: [r.segment], diff)
+    how = [f"Baseline **{labels[0]}**, candidate **{labels[1]}**. Ratio = candidate / baseline GPU time summed over "
+           f"the calls both arms ran, paired call for call per kernel family, launch shape and NVTX range{runs}; "
+           f"{confidence} bootstrap interval that resamples the pairs inside each such cell (docs/statistics.md). "
+           f"A ratio within ±{100 * diff.threshold:g}% of 1, or whose interval " + _reaches(diff)
+           + ", is \"no significant change\". \"time\" is per call where a row's cells cost the same per "
+           "call, else the row's total. Rows whose arms did different work say \"not comparable\" or "
+           "\"different work\" instead of a verdict.", "",
+           f"Total GPU kernel time: {duration(b.total_ns)} → {duration(c.total_ns)} ({ratio(diff.total_ratio)})."]
+    # Ranked for an issue-sized text: the tables of segments and phases before the long lists.
+    sections = [Section("how rows are compared", how),
+                Section("the comparability checks", [f"{section} Comparability", ""]
+                        + [f"- {MARK[f.level]} {md_prose(f.message)}" for f in diff.findings], 3),
+                Section("the segment table", [f"{section} Segments", ""]
+                        + _diff_table(["segment"], diff.segments, lambda r: [r.segment], diff), 1)]
     if diff.phases:
-        lines += ["", f"{section} Segments by phase (NVTX range)", ""]
-        lines += _diff_table(["segment", "phase"], diff.phases, lambda r: [r.segment, md_code(r.phase)], diff)
-    lines += ["", f"{section} Kernel families", ""]
-    lines += _diff_table(["segment", "family"], diff.families, lambda r: [r.segment, md_code(r.family_label)], diff)
-    lines += ["", f"{section} Each trace", ""] + _environment([b, c])
-    lines += ["", "<details><summary>Kernel names per segment</summary>", ""]
+        sections.append(Section("the segments by phase", [f"{section} Segments by phase (NVTX range)", ""]
+                                + _diff_table(["segment", "phase"], diff.phases,
+                                              lambda r: [r.segment, md_code(r.phase)], diff), 2))
+    sections.append(Section("the kernel families", [f"{section} Kernel families", ""] + _diff_table(
+        ["segment", "family"], diff.families, lambda r: [r.segment, md_code(r.family_label)], diff), 4))
+    sections.append(Section("each trace", [f"{section} Each trace", ""] + _environment([b, c]), 1))
+    names = ["<details><summary>Kernel names per segment</summary>", ""]
     for r in diff.segments:
-        lines += [f"**{r.segment}**", ""]
-        lines += [f"- {labels[0]}: {md_code(name)}" for name in r.baseline_names]
-        lines += [f"- {labels[1]}: {md_code(name)}" for name in r.candidate_names] + [""]
-    return lines + ["</details>"]
+        names += [f"**{r.segment}**", ""]
+        names += [f"- {labels[0]}: {md_code(name)}" for name in r.baseline_names]
+        names += [f"- {labels[1]}: {md_code(name)}" for name in r.candidate_names] + [""]
+    sections.append(Section("the kernel names", names + ["</details>"], 5))
+    return sections
 
 
-def head(diff: Diff, level: int = 3, *, statements: bool = True) -> list[str]:
+def head(diff: Diff, level: int = 3, *, statements: bool = True, serving: list[str] = ()) -> list[str]:
     """The answer first (analyzer.headline): the deciding rows, the environment, how to reproduce; `level` is
     the heading level of its sections; `statements`: the head's own statements (the report lists them among
-    its statements)."""
+    its statements); `serving`: a report's serving lines, after the answer."""
     head = diff.headline or Headline.of(diff)
     b, c = md_text(diff.baseline.label), md_text(diff.candidate.label)
     section = "#" * level
-    lines = [f"{section} The answer: {c} against {b}", "",
-             f"Time per call of each arm (Σn: the total of n cells that cost differently per call), ratio {c} / {b} "
-             f"with its {100 * diff.confidence:.0f}% interval, the no-change band its verdict used (the drift band of "
-             "its calls' size, at least the threshold), verdict and the call pairs compared.", ""]
+    lines = [f"{section} The answer: {c} against {b}", ""]
+    first = read_first(diff.findings)
+    lines += [f"{MARK[f.level]} {md_prose(f.message)}" for f in first] + [""] * bool(first)
+    lines += [f"Baseline **{b}**, candidate **{c}**: ratio {c} / {b}, above 1 where {c} is slower. Per kernel and "
+              f"workload point, each arm's {HEAD_TIMES}, the ratio with its {100 * diff.confidence:.0f}% interval, the "
+              "no-change band its verdict used (the drift band of its calls' size, at least the threshold), verdict "
+              "and the call pairs compared.", ""]
     lines += markdown_table(["question", "point", "kernel family", b, c, "ratio", "interval", "band", "verdict",
                              "pairs"],
-                            [[r.question, md_text(r.point), md_code(r.family), head_time(r.row.baseline, r.row.cells),
-                              head_time(r.row.candidate, r.row.cells), ratio(r.row.ratio),
+                            [[r.question, md_text(r.point), md_code(r.family), head_time(r.baseline_ns, r.mixed),
+                              head_time(r.candidate_ns, r.mixed), ratio(r.row.ratio),
                               interval(r.row.ci_low, r.row.ci_high), no_change_band(r.row, diff.threshold),
                               r.row.verdict, f"{r.row.compared_calls:,}"]
                              for r in head.rows])
@@ -178,7 +230,7 @@ def head(diff: Diff, level: int = 3, *, statements: bool = True) -> list[str]:
         notes.append(f"{MARK['ok' if outcome.agrees else 'error']} {md_text(outcome.summary)}.")
         notes += [f"  - {md_text(line)}" for line in outcome.mismatches[:MISMATCHES_SHOWN]]
     lines += [""] + [f"- {n}" if not n.startswith("  ") else n for n in notes] if notes else []
-    lines += ["", f"{section} Environment", ""]
+    lines += list(serving) + ["", f"{section} Environment", ""]
     lines += markdown_table(["", ""], [[name, md_text(value)] for name, value in head.environment])
     if head.commands:
         commands = [visible(command) for command in head.commands]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import textwrap
 from pathlib import Path
 
@@ -37,6 +38,7 @@ from matplotlib.ticker import FixedFormatter, FuncFormatter, LogLocator, NullFor
 
 from kvtrace import files  # noqa: E402
 from kvtrace.analyzer import stats  # noqa: E402
+from kvtrace.analyzer.headline import CONTROL, head_rows  # noqa: E402
 from kvtrace.analyzer.matrix import OBJECTIVES, Matrix, Scenario  # noqa: E402
 from kvtrace.analyzer.render import escape  # noqa: E402
 from kvtrace.analyzer.report import PlotFile, Report  # noqa: E402
@@ -79,16 +81,41 @@ def heading(report: Report, what: str) -> str:
     return "\n".join(lines)
 
 
-def _point(row) -> str:
+def _where(phase: str | None) -> str:
     """A workload point's short name: the context of a FlashInfer phase, or the phase (vLLM step kind) itself."""
-    parsed = parse_phase_name(row.phase or "")
-    where = f"ctx {parsed[1]:,}" if parsed else (row.phase or "outside every range")
-    return f"{_TITLES.get(row.segment, row.segment)} · {where}"
+    parsed = parse_phase_name(phase or "")
+    return f"ctx {parsed[1]:,}" if parsed else (phase or "all calls").removeprefix("vLLM ")
 
 
-def _answer_rows(report: Report) -> list:
-    """The diff's rows per segment and workload point for the segments the KV format decides."""
-    return [r for r in report.diff.phases if r.segment in _TITLES]
+def _answer_rows(report: Report) -> list[tuple[str, str, object]]:
+    """Every row of the diff's head (headline.head_rows), in its order, as (series, point, DiffRow): the series
+    names the question, and the kernel where the head answers a point kernel by kernel."""
+    rows = head_rows(report.diff)
+    split = {(r.question, r.point) for r in rows if sum((o.question, o.point) == (r.question, r.point) for o in rows) > 1}
+    out = []
+    for r in rows:
+        if r.question == CONTROL:
+            out.append((f"control · {r.point}", "", r.row))
+            continue
+        series = r.question + (f" · {_short(r.family)}" if (r.question, r.point) in split else "")
+        out.append((series, _where(r.row.phase), r.row))
+    return out
+
+
+def _short(family: str) -> str:
+    """A kernel family's name short enough for a tick label, its template arguments kept (they tell kernels apart)."""
+    base, bracket, rest = family.partition("[")
+    return (base if len(base) <= 24 else base[:22] + "…") + bracket + rest
+
+
+def _legend_below(ax, columns: int = 1) -> None:
+    """The legend under the axes, outside them: it never covers a band or a point."""
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), fontsize=7, ncols=columns, frameon=False)
+
+
+def _legend_beside(ax) -> None:
+    """The legend right of the axes, outside them."""
+    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=7, frameon=False)
 
 
 def _row_bands(ax, report: Report, chosen: list, gid: str) -> None:
@@ -102,9 +129,11 @@ def _row_bands(ax, report: Report, chosen: list, gid: str) -> None:
 
 
 def _forest(ax, report: Report) -> None:
-    rows = _answer_rows(report)
+    answer = _answer_rows(report)
+    rows = [row for _, _, row in answer]
     drift = report.diff.drift
-    labels = [_point(r) + ("" if r.ratio is not None else f" ({r.verdict})") for r in rows]
+    labels = [" · ".join(filter(None, (series, point))) + ("" if r.ratio is not None else f" ({r.verdict})")
+              for series, point, r in answer]
     if drift is not None and drift.ratio is not None:
         labels.append("drift: KV-independent kernels")
     positions = list(range(len(labels)))
@@ -129,7 +158,7 @@ def _forest(ax, report: Report) -> None:
     ax.set_xlabel(f"{_labels(report)[1]} / {_labels(report)[0]} GPU time of the paired calls (log; >1 = slower); "
                   f"whiskers: {100 * report.diff.confidence:.0f}% interval", fontsize=8)
     ax.set_title("Ratio per workload point", fontsize=10)
-    ax.legend(loc="best", fontsize=7)
+    _legend_below(ax)
     ax.grid(axis="x", which="both", alpha=0.3)
 
 
@@ -146,23 +175,24 @@ def _whiskers(chosen) -> list[list[float]]:
 
 
 def _context_rows(report: Report) -> dict[str, list]:
-    """Per segment, its rows with a ratio at each context length (FlashInfer phases), by context."""
+    """Per series of the head (_answer_rows), its rows with a ratio at each context length (FlashInfer phases)."""
     out: dict[str, list] = {}
-    for row in _answer_rows(report):
+    for series, _, row in _answer_rows(report):
         parsed = parse_phase_name(row.phase or "")
         if parsed and row.ratio is not None:
-            out.setdefault(row.segment, []).append((parsed[1], row))
-    return {segment: sorted(points, key=lambda p: p[0]) for segment, points in out.items()
+            out.setdefault(series, []).append((parsed[1], row))
+    return {series: sorted(points, key=lambda p: p[0]) for series, points in out.items()
             if len({c for c, _ in points}) >= 2}
 
 
 def _by_context(ax, report: Report, series: dict[str, list]) -> None:
     ax.axhline(1.0, color="black", linewidth=0.8)
-    for index, (segment, points) in enumerate(series.items()):
+    for index, (name, points) in enumerate(series.items()):
         container = ax.errorbar([c for c, _ in points], [r.ratio for _, r in points],
                                 yerr=[[r.ratio - (r.ci_low if r.ci_low is not None else r.ratio) for _, r in points],
                                       [(r.ci_high if r.ci_high is not None else r.ratio) - r.ratio for _, r in points]],
-                                marker="o", capsize=4, label=_TITLES[segment])
+                                marker="o", capsize=4, label=name)
+        segment = re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-")  # an SVG id of the series' name
         container.lines[0].set_gid(f"context-{segment}")
         # Each point's own band behind it, in its line's colour: the lines' bands differ at one context.
         halves = [no_change_half_width(r, report.diff.threshold) for _, r in points]
@@ -179,14 +209,14 @@ def _by_context(ax, report: Report, series: dict[str, list]) -> None:
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel(f"{_labels(report)[1]} / {_labels(report)[0]} (log)")
     ax.set_title("Ratio against context length per phase", fontsize=10)
-    ax.legend(loc="best", fontsize=7)
+    _legend_beside(ax)
     ax.grid(alpha=0.3, which="both")
 
 
 def forest_figure(report: Report) -> Figure | None:
     if not _answer_rows(report):
         return None
-    figure = _figure(9, 0.38 * len(_answer_rows(report)) + 2.4)
+    figure = _figure(9, 0.38 * len(_answer_rows(report)) + 3.2)
     _forest(figure.add_subplot(), report)
     figure.suptitle(heading(report, "Ratio per workload point"), fontsize=10)
     return figure
@@ -207,7 +237,7 @@ def summary_figure(report: Report) -> Figure | None:
     if not _answer_rows(report):
         return None
     series = _context_rows(report)
-    figure = _figure(15 if series else 9, 0.38 * len(_answer_rows(report)) + 2.6)
+    figure = _figure(15 if series else 9, 0.38 * len(_answer_rows(report)) + 3.4)
     axes = figure.subplots(1, 2 if series else 1, squeeze=False)[0]
     _forest(axes[0], report)
     if series:
@@ -273,7 +303,7 @@ def segment_ratios_figure(report: Report) -> Figure | None:
                   f"whiskers: {100 * report.diff.confidence:.0f}% bootstrap interval")
     ax.set_title("Ratio per segment", fontsize=10)
     figure.suptitle(heading(report, "Ratio per segment"), fontsize=10)
-    ax.legend(loc="best", fontsize=8)
+    _legend_below(ax, 2)
     ax.grid(axis="x", which="both", alpha=0.3)
     return figure
 
@@ -327,7 +357,7 @@ def bandwidth_figure(report: Report) -> Figure | None:
         for patch, row in zip(bars.patches, rows):
             fraction = getattr(row, f"{side}_fraction_of_ceiling")
             if fraction is not None:
-                ax.annotate(f"{100 * fraction:.1f}%", (patch.get_width(), patch.get_y() + patch.get_height() / 2),
+                ax.annotate(f"{100 * fraction:.2g}%", (patch.get_width(), patch.get_y() + patch.get_height() / 2),
                             textcoords="offset points", xytext=(3, 0), va="center", fontsize=7)
     if report.hbm_ceiling:
         line = ax.axvline(report.hbm_ceiling.bytes_per_s / 1e12, color="black", linestyle="--",
@@ -336,11 +366,14 @@ def bandwidth_figure(report: Report) -> Figure | None:
         line.set_gid("hbm-ceiling")
     ax.set_yticks(positions, [r.phase.removeprefix("kvtrace:") for r in rows])
     ax.invert_yaxis()
-    ax.set_xlabel("achieved KV bandwidth (TB/s; labels: % of the ceiling): KV bytes per call / kernel time per call")
+    # Log: an append phase at a fraction of a percent of the ceiling is a bar as visible as decode's.
+    ax.set_xscale("log")
+    ax.set_xlabel("achieved KV bandwidth (TB/s, log scale; labels: % of the ceiling): KV bytes per call / kernel "
+                  "time per call")
     ax.set_title("Achieved bandwidth per workload phase (decode, append)", fontsize=10)
     figure.suptitle(heading(report, "Achieved KV bandwidth"), fontsize=10)
-    ax.legend(loc="lower right", fontsize=8)
-    ax.grid(axis="x", alpha=0.3)
+    _legend_below(ax, 2)
+    ax.grid(axis="x", which="both", alpha=0.3)
     return figure
 
 

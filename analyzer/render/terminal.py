@@ -6,11 +6,12 @@ from rich.console import Console
 from rich.table import Table
 
 from kvtrace.analyzer.results import Diff, Summary
+from kvtrace.analyzer.findings import read_first
 from kvtrace.analyzer.kernels import KernelList
-from kvtrace.analyzer.headline import APPEND_PHASE, Headline
+from kvtrace.analyzer.headline import APPEND_PHASE, CONTROL, Headline
 from kvtrace.analyzer.render.escape import rich, visible
 from kvtrace.analyzer.render.statements import text as statement_text
-from kvtrace.analyzer.render.units import (LEVEL, arm_time, calls, duration, head_time, interval, no_change_band,
+from kvtrace.analyzer.render.units import (HEAD_TIMES, LEVEL, arm_time, calls, duration, head_time, interval, no_change_band,
                                           numbered_notes, per_call, percent, ratio, run_ratios, signed_duration)
 from kvtrace.analyzer.stats import IMPROVEMENT, REGRESSION
 from kvtrace.analyzer.verify import MISMATCHES_SHOWN
@@ -54,12 +55,15 @@ def head(diff: Diff, console: Console, *, statements: bool = True) -> None:
     head's own statements (the report lists them among its statements)."""
     head = diff.headline or Headline.of(diff)
     b, c = diff.baseline, diff.candidate
-    console.print(f"[bold]{rich(b.label)}[/] → [bold]{rich(c.label)}[/] on {rich(b.info.gpu_label)}: time per "
-                  f"call, ratio {rich(c.label)}/{rich(b.label)} with its {100 * diff.confidence:.0f}% interval "
-                  "and the no-change band its verdict used (Σn: total of n cells that cost differently per call)")
-    questions = list(dict.fromkeys(r.question for r in head.rows))
-    for question in questions:
-        rows = [r for r in head.rows if r.question == question]
+    for finding in read_first(diff.findings):
+        console.print(f"{LEVEL[finding.level]}  {rich(finding.message)}", highlight=False)
+    console.print(f"baseline [bold]{rich(b.label)}[/] → candidate [bold]{rich(c.label)}[/] on {rich(b.info.gpu_label)}: "
+                  f"{HEAD_TIMES}, ratio {rich(c.label)}/{rich(b.label)} with its {100 * diff.confidence:.0f}% interval "
+                  "and the no-change band its verdict used", highlight=False)
+    # One table per question and kernel (decode attention apart from its merge kernel); the controls in one.
+    tables = list(dict.fromkeys((r.question, None if r.question == CONTROL else r.family) for r in head.rows))
+    for question, family in tables:
+        rows = [r for r in head.rows if r.question == question and family in (None, r.family)]
         families = " | ".join(dict.fromkeys(r.family for r in rows))
         table = Table(title=f"{question} · {rich(families)}", title_justify="left", box=None, padding=(0, 1),
                       title_style="bold")
@@ -68,7 +72,7 @@ def head(diff: Diff, console: Console, *, statements: bool = True) -> None:
         for r in rows:
             row = r.row
             style = _STYLE.get(row.verdict)
-            table.add_row(rich(r.point), head_time(row.baseline, row.cells), head_time(row.candidate, row.cells),
+            table.add_row(rich(r.point), head_time(r.baseline_ns, r.mixed), head_time(r.candidate_ns, r.mixed),
                           ratio(row.ratio), interval(row.ci_low, row.ci_high), no_change_band(row, diff.threshold),
                           f"[{style}]{row.verdict}[/]" if style else row.verdict, f"{row.compared_calls:,}")
         console.print(table)

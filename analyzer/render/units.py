@@ -63,11 +63,15 @@ def arm_time(arm, cells: int) -> str:
     return f"{duration(arm.total_ns)} total" + (f", {cells:,} cells" if cells > 1 else "")
 
 
-def head_time(arm, cells: int) -> str:
-    """One arm's time in a head row, short: per call, or the total (Σ) over cells of different cost."""
-    if arm is None:
-        return "–"
-    return duration(arm.mean_ns) if arm.mean_ns is not None else f"{duration(arm.total_ns)} Σ{cells}"
+# How the head marks a time per call that is the mean over calls of different cost (headline.HeadRow.mixed).
+AVG = "avg"
+HEAD_TIMES = (f"time per call ({AVG}: the mean over calls of different launch shapes or ranges, as nsys stats' Avg "
+              "is, not one call's time; none where no call paired)")
+
+
+def head_time(ns: float | None, mixed: bool) -> str:
+    """One arm's time per call in a head row (headline.HeadRow), marked where it is a mean over different work."""
+    return "–" if ns is None else duration(ns) + (f" {AVG}" if mixed else "")
 
 
 def per_call(stats, cells: int) -> str:
