@@ -15,6 +15,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 __all__ = [
+    "ASSUMED_SERVING_BAND",
     "BOOTSTRAP",
     "DIFFERENT_WORK",
     "HIERARCHICAL",
@@ -29,12 +30,15 @@ __all__ = [
     "Describe",
     "Estimate",
     "PairedStrata",
+    "ArmSamples",
+    "ServingEstimate",
     "abs_shares",
     "describe",
     "estimate_rows",
     "ratio",
     "row_verdict",
     "same_work",
+    "serving_estimate",
     "share",
     "unpaired_share",
     "verdict",
@@ -431,8 +435,9 @@ def _widening(units: list[_Unit], point_b: np.ndarray, point_c: np.ndarray, rati
         values = vcc - 2 * r * vbc + r * r * vbb
     else:
         values = vbb if arm == 0 else vcc
-    variance = np.bincount(row_index, values, minlength=rows)
-    weighted = np.bincount(row_index, values ** 2 / df, minlength=rows)
+    # float even without spread units (bincount of no weights is integer): run means alone, one per run pair
+    variance = np.bincount(row_index, values, minlength=rows).astype(np.float64)
+    weighted = np.bincount(row_index, values ** 2 / df, minlength=rows).astype(np.float64)
     if runs > 1:
         totals = point_c - ratios[:, None] * point_b if arm is None else (point_b if arm == 0 else point_c)
         between = runs / (runs - 1) * ((totals - totals.mean(axis=1, keepdims=True)) ** 2).sum(axis=1)
@@ -557,3 +562,152 @@ def abs_shares(deltas: Sequence[float]) -> list[float | None]:
     nothing changed. Summed exactly (math.fsum), so the order of the rows does not matter."""
     total = math.fsum(abs(d) for d in deltas)
     return [share(abs(d), total) for d in deltas]
+
+
+# ---- serving intervals ---------------------------------------------------------------------------------
+# TTFT, ITL and throughput of the two arms at one traffic point (docs/statistics.md, "Serving intervals").
+
+# With one run per arm nothing measures how far a serving mean moves between two recordings of the same work, and
+# an interval over one run's requests cannot see it: a change within this band is not attributed to the KV format.
+# Above the largest move of one arm's serving mean between recordings of the same point in fixtures/ (23.8%: NVFP4's
+# mean TTFT, vllm033-h200 offline-decode-heavy against its --repeats run's r1, 46.5 against 57.5 ms).
+ASSUMED_SERVING_BAND = 0.25
+
+PAIRED_REQUESTS = "paired requests, stratified bootstrap"
+PAIRED_REQUESTS_RUNS = "paired requests, hierarchical bootstrap over run pairs"
+RUN_MEANS = "run means, hierarchical bootstrap over run pairs"
+MOMENTS = "each arm's per-request mean and std (unpaired), log-ratio t interval"
+NO_INTERVAL = "one value per arm: no interval"
+
+
+@dataclass(frozen=True)
+class ArmSamples:
+    """One arm's samples of a serving metric at one traffic point in one run: per request in request order (so
+    that request i of one arm is the same prompt as request i of the other), or the mean, std and count of
+    requests the client summarised, or a mean alone (a whole-run value such as throughput, a histogram mean)."""
+
+    mean: float | None
+    std: float | None = None
+    count: int | None = None
+    values: np.ndarray | None = None
+    strata: np.ndarray | None = None  # per request, the stratum it was generated in (e.g. its prefix), if known
+
+    @classmethod
+    def of_values(cls, values: Sequence[float], strata: Sequence | None = None) -> "ArmSamples":
+        array = np.asarray(values, dtype=np.float64)
+        return cls(mean=float(array.mean()) if array.size else None,
+                   std=float(array.std(ddof=1)) if array.size > 1 else None, count=int(array.size), values=array,
+                   strata=None if strata is None else np.asarray(strata))
+
+
+@dataclass(frozen=True)
+class ServingEstimate:
+    """candidate / baseline of a serving mean at one point over every run pair, its interval, and its verdict
+    against the no-change band (`band`: ASSUMED_SERVING_BAND with one run per arm, 0 with repeats, whose interval
+    carries the run-to-run spread). `baseline`/`candidate` are the means over runs; `improvement` always means
+    better for the candidate (lower latency, higher throughput)."""
+
+    ratio: float
+    low: float | None
+    high: float | None
+    baseline: float
+    candidate: float
+    method: str
+    runs: int
+    requests: int | None  # request pairs per run, where the interval pairs requests
+    strata: int
+    band: float
+    band_basis: str  # drift_band.ASSUMED or drift_band.REPEATS
+    verdict: str
+    run_ratios: tuple[float | None, ...] = ()
+    higher_is_better: bool = False
+
+
+def serving_estimate(runs: Sequence[tuple[ArmSamples, ArmSamples]], *, higher_is_better: bool = False,
+                     threshold: float = 0.02, confidence: float = 0.95, resamples: int = 2000,
+                     seed: int = 0) -> ServingEstimate | None:
+    """The two arms' serving metric over their run pairs (baseline, candidate), in repeat order. None when a run
+    lacks either arm's mean.
+
+    The interval, by what the runs recorded: per-request values of the same requests in both arms pair request
+    with request, resampled inside each stratum (the requests' generation strata where known, else the point)
+    and, with several run pairs, hierarchically over them (estimate_rows); without per-request values, several
+    run pairs resample the run means the same way; one run pair with each arm's mean, std and count gets a t
+    interval of the log ratio (Welch-Satterthwaite degrees of freedom; unpaired, since which request is which is
+    not known); anything else gets none. Requests in one run share its batches and its machine, so an interval
+    over one run's requests describes that run only: with one run per arm the verdict's band is
+    ASSUMED_SERVING_BAND."""
+    from kvtrace.analyzer.drift_band import ASSUMED, REPEATS
+
+    if not runs or any(b.mean is None or c.mean is None for b, c in runs):
+        return None
+    count = len(runs)
+    run_ratios = tuple(ratio(b.mean, c.mean) for b, c in runs) if count > 1 else ()
+    band, basis = (ASSUMED_SERVING_BAND, ASSUMED) if count == 1 else (0.0, REPEATS)
+    paired = all(b.values is not None and c.values is not None and b.values.size == c.values.size >= 2
+                 for b, c in runs)
+    low = high = None
+    requests = strata_count = None
+    if paired:
+        offsets, run_of, base, cand = [0], [], [], []
+        for index, (b, c) in enumerate(runs):
+            labels = b.strata if b.strata is not None and b.strata.size == b.values.size else \
+                np.zeros(b.values.size, dtype=np.int64)
+            _, codes = np.unique(labels, return_inverse=True)
+            order = np.argsort(codes, kind="stable")
+            for stratum in np.split(order, np.flatnonzero(np.diff(codes[order])) + 1):
+                base.append(b.values[stratum])
+                cand.append(c.values[stratum])
+                offsets.append(offsets[-1] + stratum.size)
+                run_of.append(index)
+        strata = PairedStrata(np.concatenate(base), np.concatenate(cand), np.array(offsets), np.array(run_of), count)
+        (estimate,) = estimate_rows(strata, [np.arange(len(run_of))], confidence=confidence, resamples=resamples,
+                                    seed=seed)
+        method = PAIRED_REQUESTS if count == 1 else PAIRED_REQUESTS_RUNS
+        point, low, high = estimate.ratio, estimate.low, estimate.high
+        base_value, cand_value = estimate.baseline_ns / strata.baseline.size, estimate.candidate_ns / strata.baseline.size
+        requests, strata_count = runs[0][0].values.size, len(run_of) // count
+    else:
+        base_value = float(np.mean([b.mean for b, _ in runs]))
+        cand_value = float(np.mean([c.mean for _, c in runs]))
+        point = cand_value / base_value if base_value else None
+        if point is None:
+            return None
+        method, strata_count = NO_INTERVAL, 1
+        if count > 1:
+            strata = PairedStrata(np.array([b.mean for b, _ in runs]), np.array([c.mean for _, c in runs]),
+                                  np.arange(count + 1), np.arange(count), count)
+            (estimate,) = estimate_rows(strata, [np.arange(count)], confidence=confidence, resamples=resamples,
+                                        seed=seed)
+            method, low, high = RUN_MEANS, estimate.low, estimate.high
+        else:
+            (b, c), = runs
+            bounds = _moments_interval(b, c, confidence)
+            if bounds is not None:
+                method, (low, high) = MOMENTS, bounds
+    judged = Estimate(point, low, high, confidence, resamples, method, base_value, None, None, cand_value, None,
+                      None, run_ratios, strata_count, 0)
+    if higher_is_better:  # verdict() reads a ratio above 1 as worse for the candidate
+        judged = Estimate(1 / point, None if high is None else 1 / high, None if low is None else 1 / low,
+                          confidence, resamples, method, cand_value, None, None, base_value, None, None, (), 1, 0)
+    return ServingEstimate(ratio=point, low=low, high=high, baseline=base_value, candidate=cand_value, method=method,
+                           runs=count, requests=requests, strata=strata_count, band=band, band_basis=basis,
+                           verdict=verdict(judged, threshold=threshold, drift=band), run_ratios=run_ratios,
+                           higher_is_better=higher_is_better)
+
+
+def _moments_interval(base: ArmSamples, cand: ArmSamples, confidence: float) -> tuple[float, float] | None:
+    """mean_c / mean_b · exp(± t · se), se² = s_b² / (n_b m_b²) + s_c² / (n_c m_c²): the delta method on the log
+    ratio, with Welch-Satterthwaite degrees of freedom. None without a std and two requests in each arm."""
+    parts = []
+    for arm in (base, cand):
+        if arm.std is None or not arm.count or arm.count < 2 or not arm.mean or arm.mean <= 0:
+            return None
+        parts.append((arm.std ** 2 / (arm.count * arm.mean ** 2), arm.count - 1))
+    variance = sum(v for v, _ in parts)
+    point = cand.mean / base.mean
+    if variance == 0:
+        return point, point
+    df = variance ** 2 / sum(v ** 2 / d for v, d in parts)
+    spread = _t_quantile(0.5 + confidence / 2, round(df, 2)) * math.sqrt(variance)
+    return point * math.exp(-spread), point * math.exp(spread)
