@@ -25,8 +25,8 @@ KERNEL_COLUMNS = (("prefill attention", "prefill_attention"), ("decode attention
 _SUBJECT_WORDS = dict((subject, words) for words, subject in KERNEL_COLUMNS)
 _SEGMENT_WORDS = {"prefill_attention": "prefill attention", "decode_attention": "decode attention"}
 _OBJECTIVE_WORDS = {"ttft": "TTFT", "itl": "ITL", "throughput": "output tokens/s"}
-_METHOD_WORDS = {mx.stats.PAIRED_REQUESTS: "paired requests", mx.stats.PAIRED_REQUESTS_RUNS: "paired requests, runs",
-                 mx.stats.RUN_MEANS: "run means", mx.stats.MOMENTS: "per-request mean and std",
+_METHOD_WORDS = {mx.stats.PAIRED_REQUESTS: "paired requests", mx.stats.RUN_MEANS: "run pairs' means",
+                 mx.stats.MOMENTS: "per-request mean and std",
                  mx.stats.NO_INTERVAL: "none"}
 # The serving columns of the table: (header, ServingRow.estimates' key, unit).
 SERVING_COLUMNS = (("TTFT ms", "ttft_ms", "ms"), ("ITL ms (per request: TPOT)", "tpot_ms", "ms"),
