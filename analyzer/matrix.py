@@ -118,6 +118,8 @@ class Matrix:
     scenarios: list[Scenario]
     claims: list[Claim]
     plots: list[PlotFile] = field(default_factory=list)
+    # The file beside the markdown that took its <details> part (set by the caller that wrote it); not in the JSON.
+    rest_file: str | None = None
     schema: str = MATRIX_SCHEMA
     kvtrace_version: str = __version__
 

@@ -186,4 +186,12 @@ def matrix(runs, objective, threshold, confidence, seed, plots_dir, plot_format,
         to_file = output is not None and not files.is_stdout(output)
         result.plots = plots.write_matrix_plots(result, plots_dir, plot_format,
                                                 link_base=output.parent if to_file else None, inputs=inputs())
+    if fmt == "markdown" and output is not None and not files.is_stdout(output):
+        from kvtrace.analyzer.render import matrix as matrix_render
+
+        head, rest = matrix_render.markdown_parts(result)
+        if len(head) + len(rest) > matrix_render.ISSUE_CHARS:  # the rest beside it, so that the file fits an issue
+            rest_path = output.with_name(f"{output.stem}.details.md")
+            files.write(rest_path, rest, inputs())
+            result.rest_file = rest_path.name
     emit(result, fmt, output)

@@ -684,9 +684,9 @@ def _run_means_interval(runs: Sequence[tuple[ArmSamples, ArmSamples]], confidenc
     and covers less than it says (92% for 95% in tests/test_serving_intervals.py); the t interval does not."""
     base = np.array([b.mean for b, _ in runs], dtype=np.float64)
     cand = np.array([c.mean for _, c in runs], dtype=np.float64)
-    count, point = base.size, cand.sum() / base.sum()
+    count, point = base.size, float(cand.sum() / base.sum())
     residual = cand - point * base
-    se = math.sqrt(count / (count - 1) * float(residual @ residual)) / base.sum()
+    se = math.sqrt(count / (count - 1) * float(residual @ residual)) / float(base.sum())
     spread = _t_quantile(0.5 + confidence / 2, count - 1) * se / point
     return point * math.exp(-spread), point * math.exp(spread)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from conftest import FIXTURES, SERVE_RUNS, VLLM_COLD_PREFILL, VLLM_DECODE_HEAVY
+from conftest import FIXTURES, SERVE_RUNS, VLLM033_RUNS, VLLM_COLD_PREFILL, VLLM_DECODE_HEAVY
 from kvtrace.analyzer import matrix, report, stats
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.render import render_table, render_text
@@ -381,3 +381,172 @@ def test_crossover_plot_draws_the_runs_own_numbers(ttft):
                for ax in figure.axes for line in ax.get_lines())
     assert "NVIDIA H200 · FlashInfer 0.6.14 · vLLM 0.26.0 · attention backend FLASHINFER" in figure.get_suptitle()
     assert plots.crossover_figure(ttft, scenario(ttft, "prefix-reuse (serve)")) is None
+
+
+# ---- vLLM 0.33, FP8 against NVFP4 on the H200: the decision holds up (issue 34) ----------------------------
+
+VLLM033 = list(VLLM033_RUNS.values())
+SAME_POINT = "input=512,output=32,prompts=16,concurrency=16"  # offline decode-heavy, and its --repeats run
+
+
+@pytest.fixture(scope="module")
+def v033(recipes):
+    return {objective: matrix.build(VLLM033, recipes, objective=objective) for objective in matrix.OBJECTIVES}
+
+
+@pytest.mark.parametrize("objective", list(matrix.OBJECTIVES))
+def test_one_point_never_gets_two_answers(v033, objective):
+    """The decode-heavy point ran twice (one run per arm, and a --repeats 2 run): where the two measurements
+    disagree (one ratio outside the other's interval, or on opposite sides of the threshold), neither row is
+    decided and the decision says so; no point is ever won by both arms."""
+    result = v033[objective]
+    by_point: dict = {}
+    for s in result.scenarios:
+        for p in s.points:
+            by_point.setdefault(p.point, []).append(p)
+    for points in by_point.values():
+        assert len({p.winner for p in points if p.winner in ("baseline", "candidate")}) <= 1
+    twice = sorted(by_point[SAME_POINT], key=lambda p: p.estimate.runs)
+    assert [p.estimate.runs for p in twice] == [1, 2]
+    single, repeats = twice
+    disagree = (repeats.estimate.low is not None and not repeats.estimate.low <= single.ratio <= repeats.estimate.high) \
+        or ((single.ratio - 1) * (repeats.ratio - 1) < 0 and min(abs(single.ratio - 1), abs(repeats.ratio - 1)) > 0.02)
+    if disagree:
+        assert all(p.winner is None and p.disagrees_with for p in twice)
+        text = render_text(result, "markdown")
+        assert f"the measurements disagree on {matrix_render._OBJECTIVE_WORDS[objective]}" in text
+        low, high = sorted((single.row, repeats.row))
+        assert f"measurements disagree at R{low}–R{high}" in text
+    if objective == "throughput":  # 1.129× against 0.935×: on opposite sides of the threshold
+        assert disagree
+
+
+@pytest.mark.parametrize("objective", list(matrix.OBJECTIVES))
+def test_no_winner_inside_its_band_and_serve_cells_carry_intervals(v033, objective):
+    result = v033[objective]
+    name = matrix.OBJECTIVES[objective][0]
+    for s in result.scenarios:
+        for p in s.points:
+            if p.winner in ("baseline", "candidate", matrix.NOT_EXPLAINED):
+                band = max(p.estimate.band, result.threshold)
+                assert p.estimate.low > 1 + band or p.estimate.high < 1 - band
+            if p.winner == matrix.NO_CLEAR_WINNER:
+                band = max(p.estimate.band, result.threshold)
+                assert p.estimate.low is not None and not (p.estimate.low > 1 + band or p.estimate.high < 1 - band)
+            if p.estimate is not None and p.estimate.runs == 1:
+                assert p.estimate.band == stats.ASSUMED_SERVING_BAND
+            if s.report.baseline.mode == "serve" and name != "output_tokens_per_s":
+                estimate = p.serving.estimates[name]
+                assert estimate.low < estimate.ratio < estimate.high
+    rows = table_rows(result)
+    for p in result.points:
+        if p.serving is not None and p.serving.estimates.get("ttft_ms") is not None:
+            e = p.serving.estimates["ttft_ms"]
+            assert rows[f"R{p.row}"]["TTFT ms"].endswith(f"{e.ratio:.3f}× " + (
+                f"[{e.low:.3f}, {e.high:.3f}]" if e.low is not None else "no interval")
+                + (f", {e.runs} runs" if e.runs > 1 else ""))
+    choice = next(c for c in result.claims if c.kind == "choice")
+    assert "rest on one run per arm: run-to-run drift is not measured there" in matrix_render.claim_text(choice, result)
+
+
+def test_the_rule_is_what_the_rows_measured(v033):
+    """The decision states this GPU's, engine's and route's rows: each phase's range is its rows' range, the
+    kernels and query dtypes come from the rows and the run's log, a kernel-against-kernel ratio is not called a
+    conversion cost, and the general expectation for decode is said not to hold where every decode row regressed."""
+    result = v033["ttft"]
+    (measured,) = [c for c in result.claims if c.kind == "measured"]
+    text = matrix_render.claim_text(measured, result)
+    for phase in measured.values["phases"]:
+        rows = [k for s in result.scenarios for k in s.kernels if k.subject == phase["subject"] and k.ratio]
+        assert (phase["low"], phase["high"]) == (min(k.ratio for k in rows), max(k.ratio for k in rows))
+        assert f"{phase['low']:.3f}×–{phase['high']:.3f}×" in text
+    decode = [k for s in result.scenarios for k in s.kernels if k.subject == "decode_attention" and k.ratio]
+    assert decode and all(k.verdict == stats.REGRESSION for k in decode)
+    assert "saves time in decode, since it moves fewer bytes, did not hold here" in text
+    logs = {arm: (VLLM033_RUNS["serve-sweep"] / f"{arm}.log").read_text() for arm in ("fp8", "nvfp4")}
+    assert "prefill=torch.float8_e4m3fn" in logs["fp8"] and "prefill=torch.bfloat16" in logs["nvfp4"]
+    assert "fp8 on float8_e4m3fn queries, nvfp4 on bfloat16" in text
+    assert "FP8PrefillWithKVCacheKernel → BatchPrefillWithPagedKVCacheKernel[MaskMode=1]" in text
+    assert "not the cost of converting the cache" in text
+    markdown = render_text(result, "markdown")
+    assert "pays for conversion" not in markdown and "so choose it where" not in markdown
+
+
+def test_a_win_nothing_measured_explains_is_no_choice(recipes, tmp_path):
+    """The real serve sweep with nvfp4's mean TPOT at 1024 × 16 halved: nvfp4 would win ITL far beyond the band
+    while its decode kernels are 1.48× slower and neither arm is capacity-bound there: "not explained", no choice."""
+    def faster_decode(run, arm):
+        data = manifest(run)
+        bench = data["arms"]["nvfp4"]["points"][1]["bench"]
+        bench["mean_tpot_ms"] /= 2
+        bench["std_tpot_ms"] /= 2
+        return data
+
+    (run,) = copied_runs(tmp_path, [VLLM033_RUNS["serve-sweep"]], faster_decode)
+    result = matrix.build([run], recipes, objective="itl")
+    point = result.points[1]
+    assert point.point == "input=1024,output=16,prompts=32,concurrency=16"
+    assert point.estimate.high < 1 - stats.ASSUMED_SERVING_BAND and not point.baseline_capacity
+    assert point.winner == matrix.NOT_EXPLAINED and point.apparent == "candidate" and point.causes == ()
+    assert [k["verdict"] for k in point.kernel_verdicts] == [stats.REGRESSION]
+    text = render_text(result, "markdown")
+    assert f"not explained (no choice) at R{point.row}" in text and f"choose nvfp4 at R{point.row}" not in text
+    assert "nvfp4 looks better beyond the band, but its decode attention kernels are not faster" in text
+
+
+def _table_lines(text: str) -> list[list[str]]:
+    """The markdown's tables as blocks of source lines."""
+    blocks, block = [], []
+    for line in text.splitlines():
+        if line.startswith("|"):
+            block.append(line)
+        elif block:
+            blocks.append(block)
+            block = []
+    return blocks + ([block] if block else [])
+
+
+def _cells(line: str) -> int:
+    return len(re.findall(r"(?<!\\)\|", line)) - 1
+
+
+@pytest.mark.parametrize("objective", list(matrix.OBJECTIVES))
+def test_markdown_renders_as_github_flavoured_markdown_and_fits_an_issue(v033, ttft, objective):
+    """Rendered by a GitHub-flavoured markdown parser (markdown-it-py's gfm-like preset): the serving table with
+    TTFT beside the cached prompt tokens comes before <details>, every table row has its header's cells, no
+    table is wider than ten columns, the whole fits an issue body, and nothing carries a tick or an "ok"."""
+    from markdown_it import MarkdownIt
+
+    parser = MarkdownIt("gfm-like", {"linkify": False})
+    for result in (v033[objective], ttft):
+        text = render_text(result, "markdown")
+        assert len(text) < matrix_render.ISSUE_CHARS
+        tokens = parser.parse(text)
+        details = next(i for i, t in enumerate(tokens) if t.type == "html_block" and "<details>" in t.content)
+        first = next(i for i, t in enumerate(tokens) if t.type == "table_open")
+        assert first < details
+        headers = []
+        for token in tokens[first:]:
+            if token.type == "thead_close":
+                break
+            if token.type == "inline":
+                headers.append(token.content)
+        assert headers.index("cached prompt tokens") == headers.index("TTFT ms") + 1
+        assert sum(t.type == "table_open" for t in tokens) == len(_table_lines(text)) == 3
+        for block in _table_lines(text):
+            width = _cells(block[0])
+            assert width <= 10 and all(_cells(line) == width for line in block), block[0]
+        html = parser.render(text)
+        assert html.count("<table>") == 3 and "✅" not in text and not re.search(r"\bok\b", text)
+        assert {t.content.split(">")[0] for t in tokens if t.type == "html_block"} <= {"<details", "<sub", "</details"}
+
+
+def test_a_matrix_too_long_for_an_issue_leaves_its_details_in_a_named_file(v033, tmp_path, monkeypatch):
+    monkeypatch.setattr(matrix_render, "ISSUE_CHARS", 8_000)
+    out = tmp_path / "matrix.md"
+    result = run_main(["matrix", *VLLM033, "-q", "-o", out])
+    assert result.exit_code == 0, result.output
+    text, rest = out.read_text(), (tmp_path / "matrix.details.md").read_text()
+    head, details = matrix_render.markdown_parts(v033["ttft"])
+    assert text.startswith(head) and "are in `matrix.details.md` beside this file" in text and "<details>" not in text
+    assert rest == details and len(text) < 8_000

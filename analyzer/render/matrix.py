@@ -342,14 +342,17 @@ def _lead(result: mx.Matrix) -> str:
             "not decided.")
 
 
-def markdown(result: mx.Matrix, rest_name: str | None = None) -> str:
-    """The answer (serving table, decision) ahead of <details> with the kernel rows and the rest. `rest_name`:
-    the file that takes the <details> part when the whole would not fit an issue body (ISSUE_CHARS)."""
+def markdown(result: mx.Matrix) -> str:
+    """The answer (serving table, decision) ahead of <details> with the kernel rows and the rest; where the whole
+    would not fit an issue body (ISSUE_CHARS), the <details> part is left to the file `result.rest_file` names
+    (`kvtrace matrix -o FILE.md` writes it), or, on standard output, to a run with -o."""
     head, rest = markdown_parts(result)
-    if rest_name is None or len(head) + len(rest) <= ISSUE_CHARS:
+    if len(head) + len(rest) <= ISSUE_CHARS:
         return head + rest
-    return head + f"\nThe kernel rows and the rest of the serving numbers are in {md_code(rest_name)} beside this " \
-        "file (they would not fit an issue body).\n"
+    where = (f"are in {md_code(result.rest_file)} beside this file" if result.rest_file else
+             "are left out: write the markdown with -o FILE.md to get them in a file beside it")
+    return head + f"\nThe kernel rows and the rest of the serving numbers {where} (with them it would not fit an " \
+        "issue body).\n"
 
 
 def markdown_parts(result: mx.Matrix) -> tuple[str, str]:
