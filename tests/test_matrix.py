@@ -510,35 +510,56 @@ def _cells(line: str) -> int:
     return len(re.findall(r"(?<!\\)\|", line)) - 1
 
 
-@pytest.mark.parametrize("objective", list(matrix.OBJECTIVES))
-def test_markdown_renders_as_github_flavoured_markdown_and_fits_an_issue(v033, ttft, objective):
+def check_github_markdown(text: str) -> None:
     """Rendered by a GitHub-flavoured markdown parser (markdown-it-py's gfm-like preset): the serving table with
     TTFT beside the cached prompt tokens comes before <details>, every table row has its header's cells, no
     table is wider than ten columns, the whole fits an issue body, and nothing carries a tick or an "ok"."""
     from markdown_it import MarkdownIt
 
     parser = MarkdownIt("gfm-like", {"linkify": False})
+    assert len(text) < matrix_render.ISSUE_CHARS
+    tokens = parser.parse(text)
+    details = next(i for i, t in enumerate(tokens) if t.type == "html_block" and "<details>" in t.content)
+    first = next(i for i, t in enumerate(tokens) if t.type == "table_open")
+    assert first < details
+    headers = []
+    for token in tokens[first:]:
+        if token.type == "thead_close":
+            break
+        if token.type == "inline":
+            headers.append(token.content)
+    assert headers.index("cached prompt tokens") == headers.index("TTFT ms") + 1
+    assert sum(t.type == "table_open" for t in tokens) == len(_table_lines(text)) == 3
+    for block in _table_lines(text):
+        width = _cells(block[0])
+        assert width <= 10 and all(_cells(line) == width for line in block), block[0]
+    html = parser.render(text)
+    assert html.count("<table>") == 3 and "✅" not in text and not re.search(r"\bok\b", text)
+    assert {t.content.split(">")[0] for t in tokens if t.type == "html_block"} <= {"<details", "<sub", "</details"}
+
+
+@pytest.mark.parametrize("objective", list(matrix.OBJECTIVES))
+def test_markdown_renders_as_github_flavoured_markdown_and_fits_an_issue(v033, ttft, objective):
     for result in (v033[objective], ttft):
-        text = render_text(result, "markdown")
-        assert len(text) < matrix_render.ISSUE_CHARS
-        tokens = parser.parse(text)
-        details = next(i for i, t in enumerate(tokens) if t.type == "html_block" and "<details>" in t.content)
-        first = next(i for i, t in enumerate(tokens) if t.type == "table_open")
-        assert first < details
-        headers = []
-        for token in tokens[first:]:
-            if token.type == "thead_close":
-                break
-            if token.type == "inline":
-                headers.append(token.content)
-        assert headers.index("cached prompt tokens") == headers.index("TTFT ms") + 1
-        assert sum(t.type == "table_open" for t in tokens) == len(_table_lines(text)) == 3
-        for block in _table_lines(text):
-            width = _cells(block[0])
-            assert width <= 10 and all(_cells(line) == width for line in block), block[0]
-        html = parser.render(text)
-        assert html.count("<table>") == 3 and "✅" not in text and not re.search(r"\bok\b", text)
-        assert {t.content.split(">")[0] for t in tokens if t.type == "html_block"} <= {"<details", "<sub", "</details"}
+        check_github_markdown(render_text(result, "markdown"))
+
+
+@pytest.mark.slow
+def test_one_matrix_over_every_shipped_run_fits_an_issue(tmp_path):
+    """Every shipped run directory whose arms both ran (fi-h200-sm90-nsys2023's did not), in one matrix."""
+    from conftest import PACKED_RUNS
+
+    runs = [FIXTURES / "fi-h200-sm90", *SERVE_RUNS.values(), *VLLM033_RUNS.values(),
+            *(run for name, run in PACKED_RUNS.items() if name != "fi-h200-sm90-nsys2023")]
+    out = tmp_path / "matrix.md"
+    result = run_main(["matrix", *runs, "-q", "-o", out])
+    assert result.exit_code == 0, result.output
+    assert not (tmp_path / "matrix.details.md").exists()
+    text = out.read_text()
+    first = _table_lines(text)[0][2:]
+    assert [line.split(" | ")[0] for line in first] == [f"| R{n}" for n in range(1, len(first) + 1)]
+    assert len(first) >= len(runs) - 3  # the one-arm serve directories pair three into one scenario each
+    check_github_markdown(text)
 
 
 def test_a_matrix_too_long_for_an_issue_leaves_its_details_in_a_named_file(v033, tmp_path, monkeypatch):
