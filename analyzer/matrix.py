@@ -500,4 +500,5 @@ def build(paths: list[Path], recipes: RecipeSet, *, objective: str = "ttft", thr
             kernels=[s for s in result.statements if isinstance(s, KernelStatement)], points=points,
             sweep=result.sweep, report=result))
     _mark_disagreements(scenarios, threshold)
-    return Matrix(objective=objective, threshold=threshold, scenarios=scenarios, claims=_claims(scenarios, objective, threshold))
+    return Matrix(objective=objective, threshold=threshold, scenarios=scenarios,
+                  claims=_claims(scenarios, objective, threshold))

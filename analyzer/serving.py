@@ -53,10 +53,10 @@ class RequestSamples:
     @property
     def cached_share(self) -> np.ndarray | None:
         """Per request, the share of its prompt served from the prefix cache (beside its TTFT)."""
-        if self.cached_tokens is None or self.prompt_tokens is None or self.cached_tokens.size != self.prompt_tokens.size:
+        cached, prompt = self.cached_tokens, self.prompt_tokens
+        if cached is None or prompt is None or cached.size != prompt.size:
             return None
-        return np.divide(self.cached_tokens, self.prompt_tokens, out=np.zeros(self.cached_tokens.size),
-                         where=self.prompt_tokens > 0)
+        return np.divide(cached, prompt, out=np.zeros(cached.size), where=prompt > 0)
 
 
 @dataclass
@@ -132,7 +132,7 @@ class ServingRow:
     # (stats.serving_estimate); None where either arm lacks it. `runs`: the run pairs they cover.
     estimates: dict = field(default_factory=dict)
     runs: int = 1
-    paired_requests: bool = False  # the intervals pair request with request (same prompts, same order, per-request data)
+    paired_requests: bool = False  # both arms sent the same prompts in the same order: per-request values pair
 
 
 def _number(value):

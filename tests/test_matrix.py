@@ -409,8 +409,10 @@ def test_one_point_never_gets_two_answers(v033, objective):
     twice = sorted(by_point[SAME_POINT], key=lambda p: p.estimate.runs)
     assert [p.estimate.runs for p in twice] == [1, 2]
     single, repeats = twice
-    disagree = (repeats.estimate.low is not None and not repeats.estimate.low <= single.ratio <= repeats.estimate.high) \
-        or ((single.ratio - 1) * (repeats.ratio - 1) < 0 and min(abs(single.ratio - 1), abs(repeats.ratio - 1)) > 0.02)
+    outside = repeats.estimate.low is not None and not repeats.estimate.low <= single.ratio <= repeats.estimate.high
+    opposite = (single.ratio - 1) * (repeats.ratio - 1) < 0 and \
+        min(abs(single.ratio - 1), abs(repeats.ratio - 1)) > 0.02
+    disagree = outside or opposite
     if disagree:
         assert all(p.winner is None and p.disagrees_with for p in twice)
         text = render_text(result, "markdown")

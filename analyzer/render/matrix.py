@@ -135,8 +135,7 @@ def table(result: mx.Matrix, name: Name, br: str = "<br>") -> tuple[list[str], l
         for point in scenario.points:
             where = _where(scenario, point, name, br)
             if point.serving is None:
-                body.append([f"R{point.row}", where, arms, "–", "–", "–", "–", "–", name(winner_cell(point, scenario)),
-                             "–"])
+                body.append([f"R{point.row}", where, arms, *["–"] * 5, name(winner_cell(point, scenario)), "–"])
                 continue
             estimates = point.serving.estimates
             cells = [estimate_cell(estimates.get(key), unit).replace("<br>", br) for _, key, unit in SERVING_COLUMNS]
@@ -228,7 +227,8 @@ def _outcome(v: dict, name: Name) -> str:
     if v["winner"] == mx.NO_CLEAR_WINNER:
         band = (f"±{100 * v['band']:g}%, assumed with one run per arm" if v["band_basis"] == "assumed" else
                 f"±{100 * v['threshold']:g}%, the run-to-run spread inside the interval")
-        return f"{_objective(v, name)}: no significant difference (the interval reaches into the no-change band, {band})"
+        return (f"{_objective(v, name)}: no significant difference (the interval reaches into the no-change band, "
+                f"{band})")
     if v["winner"] == mx.NOT_EXPLAINED:
         apparent = name(v["candidate"] if v["apparent"] == "candidate" else v["baseline"])
         kernels = " and ".join(_SEGMENT_WORDS[k["segment"]] for k in v["kernels"]) or "objective's"
@@ -278,8 +278,8 @@ def claim_text(claim: mx.Claim, result: mx.Matrix, name: Name = _plain) -> str:
             text += f" The narrower format ({narrower}) is faster in decode attention here, as it moves fewer bytes."
         return text
     if claim.kind == "capacity":
-        paid = {"candidate": "paid for its kernel costs", "baseline": "did not pay for its kernel costs"}.get(
-            v["winner"], "neither paid nor lost")
+        paid = {"candidate": "paid for its kernel costs", "baseline": "did not pay for its kernel costs",
+                mx.NOT_EXPLAINED: "is credited with nothing"}.get(v["winner"], "neither paid nor lost")
         where = (" (the sweep's crossover: the first point where only the narrower format fits)"
                  if v["crossover"] else "")
         return (f"Where capacity binds, at {name(v['point'])} {cite}{where}: {name(v['baseline'])} is capacity-bound "
