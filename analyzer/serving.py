@@ -253,7 +253,11 @@ def _bench_result(record: dict, run: Path | None) -> dict:
     if run is None or not isinstance(name, str) or not name:
         return {}
     path = run / name
-    if not path.resolve().is_relative_to(run.resolve()):
+    try:
+        inside = path.resolve().is_relative_to(run.resolve())
+    except (OSError, ValueError):  # a name no file can have (a NUL byte, a loop of links): no bench result
+        return {}
+    if not inside:
         raise KvtraceError(f"a point in {run} lists its bench result as {name!r}, which leads outside the run "
                            "directory (through .., an absolute path or a link): keep a run's files inside it")
     try:  # supplementary: the manifest's summary stands without it (the intervals then say what they rest on)

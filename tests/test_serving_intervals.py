@@ -163,6 +163,8 @@ def test_detailed_bench_results_give_per_request_ttft_tpot_and_cached_share(tmp_
     bench["ttfts"] = ["x"] * n
     (run / "p.bench.json").write_text(json.dumps(bench))
     assert serving.request_samples(record, run).ttft_ms is None
+    for unreadable in ("p\x00.json", ".", "missing.json"):  # no file by that name, or not a file: the summary stands
+        assert serving.request_samples({**record, "bench_result": unreadable}, run).ttft_ms is None
     shutil.copy2(run / "p.bench.json", tmp_path / "outside.bench.json")
     with pytest.raises(KvtraceError, match="leads outside the run directory"):
         serving.request_samples({**record, "bench_result": "../outside.bench.json"}, run)
