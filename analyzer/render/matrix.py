@@ -360,9 +360,8 @@ def markdown_parts(result: mx.Matrix) -> tuple[str, str]:
     lines = [f"## kvtrace matrix: the decision on {_OBJECTIVE_WORDS[result.objective]}", "", md_text(_lead(result)), ""]
     lines += markdown_table(*table(result, md_text))
     lines += ["", "### The decision"]
-    for claim in result.claims:  # one paragraph per pair of formats, opened by what it holds for
-        lines += ["", claim_text(claim, result, md_text)] if claim.kind in ("environment", "quality") else \
-            [claim_text(claim, result, md_text)]
+    for claim in result.claims:  # a paragraph each, a pair of formats opened by what it holds for
+        lines += ["", claim_text(claim, result, md_text)]
     if result.plots:
         lines += ["", "### Plots", ""]
         lines += [f"- {md_code(p.link)}: {md_text(p.title)}" for p in result.plots]
