@@ -10,28 +10,35 @@ count, who wins them and why. analyzer/render/matrix.py words the claims.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from itertools import combinations
 from pathlib import Path
 
 from kvtrace import __version__, kv_formats
 from kvtrace.analyzer import headline, report as report_lib, stats
 from kvtrace.analyzer.classify import RecipeSet
 from kvtrace.analyzer.report import PlotFile, Report
-from kvtrace.analyzer.serving import ServingMetrics, ServingRow
-from kvtrace.analyzer.statements import KernelStatement, segment_verdict
+from kvtrace.analyzer.serving import ServingRow
+from kvtrace.analyzer.stats import ServingEstimate
+from kvtrace.analyzer.statements import APPEND_PHASE, KernelStatement, segment_verdict
 from kvtrace.errors import KvtraceError
 from kvtrace.manifest import MANIFEST, Point, read_manifest
 
-MATRIX_SCHEMA = "kvtrace.matrix/1"
-# objective -> (ServingMetrics field, lower is better, the segments whose kernels serve it)
+MATRIX_SCHEMA = "kvtrace.matrix/2"
+# objective -> (the serving estimate that decides it: ServingRow.estimates' key and ServingMetrics' field, lower is
+# better, the segments whose kernels serve it). ITL is each request's mean inter-token gap (TPOT): one sample per
+# request, since a request's gaps share its batches.
 OBJECTIVES = {"ttft": ("ttft_ms", True, ("prefill_attention",)),
-              "itl": ("itl_ms", True, ("decode_attention",)),
+              "itl": ("tpot_ms", True, ("decode_attention",)),
               "throughput": ("output_tokens_per_s", False, ("prefill_attention", "decode_attention"))}
 # What wins a point (MatrixPoint.causes): one of these, or several, which then share the credit.
 FASTER_KERNEL = "faster kernel"
 PREFIX_HITS = "more prefix hits"
 CAPACITY = "avoided capacity limits"  # the loser was capacity-bound there (preemption, queueing), the winner not
-# MatrixPoint.winner besides an arm's side
-NO_CLEAR_WINNER = "no clear winner"
+# MatrixPoint.winner besides an arm's side: the interval reaches into the no-change band; or a win beyond it that
+# nothing kvtrace measured accounts for (no kernel of the objective faster for the winner, no prefix hits, no
+# capacity reason), which is no choice.
+NO_CLEAR_WINNER = "no significant difference"
+NOT_EXPLAINED = "not explained"
 
 
 @dataclass
@@ -59,12 +66,17 @@ class MatrixPoint:
     baseline_capacity: str | None  # why the arm is capacity-bound there, counted on observed evidence only
     candidate_capacity: str | None
     capacity_notes: list[str] = field(default_factory=list)  # a capacity reason resting on unobserved peaks
-    stat: str | None = None  # p50 or mean for latencies; None for throughput
-    baseline_value: float | None = None
+    stat: str | None = None  # "mean": what the objective's estimate compares
+    baseline_value: float | None = None  # the objective's mean over every run of the arm
     candidate_value: float | None = None
     ratio: float | None = None  # candidate / baseline of the objective
-    winner: str | None = None  # baseline, candidate, NO_CLEAR_WINNER; None: not decided (`undecided` says why)
+    estimate: ServingEstimate | None = None  # the objective's ratio with its interval, band and verdict
+    # baseline, candidate, NO_CLEAR_WINNER, NOT_EXPLAINED (`apparent`: the side it favours); None: not decided
+    # (`undecided` says why)
+    winner: str | None = None
     undecided: str | None = None
+    apparent: str | None = None
+    disagrees_with: tuple[int, ...] = ()  # other rows that measured the same point and disagree with this one
     causes: tuple[str, ...] = ()
     # The objective's kernels over all calls of the run, as the TTFT guard rail reads them: segment, ratio, interval,
     # verdict of the matched calls (what FASTER_KERNEL rests on).
@@ -106,6 +118,8 @@ class Matrix:
     scenarios: list[Scenario]
     claims: list[Claim]
     plots: list[PlotFile] = field(default_factory=list)
+    # The file beside the markdown that took its <details> part (set by the caller that wrote it); not in the JSON.
+    rest_file: str | None = None
     schema: str = MATRIX_SCHEMA
     kvtrace_version: str = __version__
 
@@ -213,47 +227,44 @@ def _different_work(row: ServingRow, result: Report) -> str | None:
     return None
 
 
-def _objective(metrics: ServingMetrics, objective: str, stat: str | None) -> float | None:
-    name = OBJECTIVES[objective][0]
-    value = getattr(metrics, name)
-    return getattr(value, stat) if stat else value
+def _no_interval(objective: str) -> str:
+    """Why a change beyond the threshold has no verdict: nothing gave it an interval."""
+    if objective == "throughput":
+        return "no interval: throughput is one number per run, and there is one run per arm"
+    return "no interval: one run per arm and no per-request samples"
 
 
-def _judge(point: MatrixPoint, result: Report, objective: str, threshold: float) -> None:
-    """Who wins the point on the objective (beyond the ±threshold band) and what wins it."""
+def _judge(point: MatrixPoint, result: Report, objective: str) -> None:
+    """Who wins the point on the objective: only an estimate whose interval clears the no-change band names a
+    winner, and only what kvtrace measured (a faster kernel, prefix hits, a capacity effect) makes it a choice."""
     row = point.serving
-    b, c = row.baseline, row.candidate
-    name, lower_better, segments = OBJECTIVES[objective]
-    if name.endswith("_ms"):
-        point.stat = next((s for s in ("p50", "mean") if getattr(getattr(b, name), s) is not None
-                           and getattr(getattr(c, name), s) is not None), None)
-        if point.stat is None:
-            point.undecided = (f"no {objective.upper()}: one output token per request leaves no inter-token gaps"
-                               if objective == "itl" and (b.output_tokens or 0) <= (b.requests or 0) else
-                               f"no {objective.upper()} recorded for both arms")
-            return
-    point.baseline_value = _objective(b, objective, point.stat)
-    point.candidate_value = _objective(c, objective, point.stat)
-    if point.baseline_value is None or point.candidate_value is None:
-        point.undecided = f"no {objective} recorded for both arms"
+    name, _, segments = OBJECTIVES[objective]
+    estimate = row.estimates.get(name)
+    if estimate is None:
+        point.undecided = ("no ITL: one output token per request leaves no inter-token gaps"
+                           if objective == "itl" and (row.baseline.output_tokens or 0) <= (row.baseline.requests or 0)
+                           else f"no {objective.upper() if objective != 'throughput' else objective} recorded for "
+                           "both arms")
         return
-    point.ratio = stats.ratio(point.baseline_value, point.candidate_value)
-    if point.ratio is None or abs(point.ratio - 1) <= threshold:
-        point.winner = NO_CLEAR_WINNER
-        return
-    candidate_better = (point.ratio < 1) == lower_better
-    point.winner = "candidate" if candidate_better else "baseline"
-    winner, loser = (c, b) if candidate_better else (b, c)
-    causes = []
+    point.estimate, point.stat, point.ratio = estimate, "mean", estimate.ratio
+    point.baseline_value, point.candidate_value = estimate.baseline, estimate.candidate
     for segment in segments:
         diff_row, verdict = segment_verdict(result.diff, segment)
-        if verdict is None:
-            continue
-        point.kernel_verdicts.append({"segment": segment, "ratio": diff_row.ratio, "ci_low": diff_row.ci_low,
-                                      "ci_high": diff_row.ci_high, "verdict": verdict,
-                                      "compared_calls": diff_row.compared_calls})
-        if verdict == (stats.IMPROVEMENT if candidate_better else stats.REGRESSION):
-            causes.append(FASTER_KERNEL)
+        if verdict is not None:
+            point.kernel_verdicts.append({"segment": segment, "ratio": diff_row.ratio, "ci_low": diff_row.ci_low,
+                                          "ci_high": diff_row.ci_high, "verdict": verdict,
+                                          "compared_calls": diff_row.compared_calls})
+    if estimate.verdict == stats.NO_CHANGE:
+        point.winner = NO_CLEAR_WINNER
+        return
+    if estimate.verdict not in (stats.IMPROVEMENT, stats.REGRESSION):
+        point.undecided = _no_interval(objective)
+        return
+    candidate_better = estimate.verdict == stats.IMPROVEMENT
+    b, c = row.baseline, row.candidate
+    winner, loser = (c, b) if candidate_better else (b, c)
+    causes = [FASTER_KERNEL for k in point.kernel_verdicts
+              if k["verdict"] == (stats.IMPROVEMENT if candidate_better else stats.REGRESSION)]
     if objective != "itl" and None not in (winner.cached_prompt_tokens, loser.cached_prompt_tokens) \
             and winner.cached_prompt_tokens > loser.cached_prompt_tokens:
         causes.append(PREFIX_HITS)
@@ -262,6 +273,11 @@ def _judge(point: MatrixPoint, result: Report, objective: str, threshold: float)
     if loser_bound and not winner_bound:
         causes.append(CAPACITY)
     point.causes = tuple(dict.fromkeys(causes))
+    side = "candidate" if candidate_better else "baseline"
+    if point.causes:
+        point.winner = side
+    else:
+        point.winner, point.apparent = NOT_EXPLAINED, side
 
 
 def point_kernels(result: Report, segment: str) -> list[KernelStatement]:
@@ -269,7 +285,7 @@ def point_kernels(result: Report, segment: str) -> list[KernelStatement]:
     return [s for s in result.statements if isinstance(s, KernelStatement) and s.subject == segment]
 
 
-def _points(name: str, result: Report, objective: str, threshold: float, start: int) -> list[MatrixPoint]:
+def _points(name: str, result: Report, objective: str, start: int) -> list[MatrixPoint]:
     if not result.serving:
         return [MatrixPoint(row=start, scenario=name, point=None, context=None, concurrency=None, serving=None,
                             excluded=None, baseline_capacity=None, candidate_capacity=None,
@@ -296,7 +312,7 @@ def _points(name: str, result: Report, objective: str, threshold: float, start: 
                             cold_prefill=single or scenario == "cold-prefill",
                             decode_heavy=not single and scenario == "decode-heavy")
         if point.excluded is None:
-            _judge(point, result, objective, threshold)
+            _judge(point, result, objective)
         else:
             point.undecided = point.excluded
         points.append(point)
@@ -308,12 +324,87 @@ def _points(name: str, result: Report, objective: str, threshold: float, start: 
     return points
 
 
+# ---- points measured more than once ------------------------------------------------------------------------
+
+def _same_point_key(s: Scenario) -> tuple:
+    """What makes two scenarios' points the same point: formats, engine, mode, scenario and environment."""
+    arm = s.report.baseline
+    return (s.baseline_format, s.candidate_format, arm.engine, arm.mode, arm.scenario,
+            tuple(asdict(s.environment).items()))
+
+
+def _disagree(a: MatrixPoint, b: MatrixPoint, threshold: float) -> bool:
+    """Two measurements of one point disagree when either ratio lies outside the other's interval, or, where
+    neither has one, when they lie beyond the threshold on opposite sides of 1."""
+    for x, y in ((a, b), (b, a)):
+        if y.estimate.low is not None and not y.estimate.low <= x.ratio <= y.estimate.high:
+            return True
+    return (a.ratio - 1) * (b.ratio - 1) < 0 and min(abs(a.ratio - 1), abs(b.ratio - 1)) > threshold
+
+
+def _mark_disagreements(scenarios: list[Scenario], threshold: float) -> None:
+    """Points measured in more than one scenario (a single run and a --repeats run of the same traffic) that
+    disagree are not decided: which measurement holds is what nobody can tell from them."""
+    groups: dict[tuple, list[MatrixPoint]] = {}
+    for s in scenarios:
+        for p in s.points:
+            if p.estimate is not None and p.point:
+                groups.setdefault((*_same_point_key(s), p.point), []).append(p)
+    for points in groups.values():
+        if len(points) > 1 and any(_disagree(a, b, threshold) for a, b in combinations(points, 2)):
+            for p in points:
+                p.disagrees_with = tuple(q.row for q in points if q is not p)
+                p.winner, p.apparent, p.causes = None, None, ()
+                p.undecided = (f"measured again at {', '.join(f'R{r}' for r in p.disagrees_with)} with another "
+                               "result: the measurements disagree, so this point is not decided")
+
+
 # ---- the decision ----------------------------------------------------------------------------------------
 
-def _claims(scenarios: list[Scenario], objective: str) -> list[Claim]:
-    """Per pair of KV formats: what the decision holds for, then capacity, cold prefill, prefix hits and the
-    other points, the kernel costs of runs without serving, the choice per point, and quality as each scenario measured
-    it (analyzer/quality)."""
+# The head's rows the measured summary walks through, in the head's order.
+MEASURED_SUBJECTS = ("prefill_attention", "decode_attention", "kv_append", APPEND_PHASE)
+
+
+def _measured(group: list[Scenario]) -> dict:
+    """What this GPU, engine and kernel route measured, per row of the head over every scenario of a pair of
+    formats: the range of ratios, the verdicts, the kernels compared and their query dtypes; and whether the
+    general expectation that the narrower format saves time in decode (it moves fewer bytes) held here."""
+    formats = [group[0].baseline_format, group[0].candidate_format]
+    try:
+        widths = [kv_formats.bytes_per_value(f or "") for f in formats]
+        narrower = None if widths[0] == widths[1] else "candidate" if widths[1] < widths[0] else "baseline"
+    except KvtraceError:
+        narrower = None
+    phases = []
+    for subject in MEASURED_SUBJECTS:
+        found = [(s, k) for s in group for k in s.kernels if k.subject == subject and k.ratio is not None]
+        if not found:
+            continue
+        kernels = list(dict.fromkeys(k.kernels for _, k in found if k.kernels))
+        queries = list(dict.fromkeys((k.baseline_query, k.candidate_query) for _, k in found
+                                     if k.baseline_query or k.candidate_query))
+        verdicts: dict[str, int] = {}
+        for _, k in found:
+            verdicts[k.verdict] = verdicts.get(k.verdict, 0) + 1
+        phases.append({"subject": subject, "low": min(k.ratio for _, k in found),
+                       "high": max(k.ratio for _, k in found), "verdicts": verdicts, "kernels": kernels,
+                       "queries": [list(q) for q in queries], "different_kernels": any("→" in k for k in kernels),
+                       "rows": sorted({s.points[0].row for s, _ in found})})
+    expectation = None
+    decode = next((p for p in phases if p["subject"] == "decode_attention"), None)
+    if narrower and decode:
+        faster = stats.IMPROVEMENT if narrower == "candidate" else stats.REGRESSION
+        slower = stats.REGRESSION if narrower == "candidate" else stats.IMPROVEMENT
+        favour, against = decode["verdicts"].get(faster, 0), decode["verdicts"].get(slower, 0)
+        expectation = ("held" if favour and not against else "did not hold" if against and not favour else
+                       "held at some rows only" if favour else None)
+    return {"narrower": narrower, "phases": phases, "decode_expectation": expectation}
+
+
+def _claims(scenarios: list[Scenario], objective: str, threshold: float) -> list[Claim]:
+    """Per pair of KV formats: what the decision holds for and what its rows measured, then capacity, cold
+    prefill, prefix hits and the other points, points measured twice that disagree, the kernel costs of runs
+    without serving, the choice per point, and quality as each scenario measured it (analyzer/quality)."""
     claims = []
     pairs: dict[tuple, list[Scenario]] = {}
     for s in scenarios:
@@ -324,10 +415,17 @@ def _claims(scenarios: list[Scenario], objective: str) -> list[Claim]:
         claims.append(Claim("environment", rows, None, {"baseline": base, "candidate": cand,
                                                         "environments": [dict(t) for t in dict.fromkeys(
                                                             tuple(e.items()) for e in environments)]}))
-        decided = [p for s in group for p in s.points if p.winner is not None]
+        measured = _measured(group)
+        if measured["phases"]:
+            claims.append(Claim("measured", tuple(sorted({r for p in measured["phases"] for r in p["rows"]})), None,
+                                {"baseline": base, "candidate": cand, **measured}))
+        decided = [p for s in group for p in s.points if p.winner is not None and p.serving is not None]
         for p in decided:
             values = {"baseline": base, "candidate": cand, "point": p.point, "objective": objective, "stat": p.stat,
-                      "ratio": p.ratio, "winner": p.winner, "causes": list(p.causes),
+                      "ratio": p.ratio, "ci_low": p.estimate.low, "ci_high": p.estimate.high,
+                      "band": p.estimate.band, "band_basis": p.estimate.band_basis, "runs": p.estimate.runs,
+                      "threshold": threshold,
+                      "winner": p.winner, "apparent": p.apparent, "causes": list(p.causes),
                       "baseline_capacity": p.baseline_capacity, "candidate_capacity": p.candidate_capacity,
                       "crossover": p.crossover, "baseline_value": p.baseline_value,
                       "candidate_value": p.candidate_value, "kernels": p.kernel_verdicts,
@@ -354,15 +452,31 @@ def _claims(scenarios: list[Scenario], objective: str) -> list[Claim]:
                               "ci_high": k.ci_high, "verdict": k.verdict} for k in s.kernels if k.ratio is not None]
                     claims.append(Claim("kernels", (p.row,), s.name, {"baseline": base, "candidate": cand,
                                                                      "costs": costs}))
-        choice = {"candidate": [], "baseline": [], NO_CLEAR_WINNER: [], None: []}
+        seen: set = set()
+        for s in group:
+            for p in s.points:
+                if p.disagrees_with and p.row not in seen:
+                    same = (p.row, *p.disagrees_with)
+                    seen.update(same)
+                    measured_at = [q for q in (x for t in group for x in t.points) if q.row in same]
+                    claims.append(Claim("disagree", tuple(sorted(same)), p.scenario, {
+                        "baseline": base, "candidate": cand, "point": p.point, "objective": objective,
+                        "measurements": [{"row": q.row, "ratio": q.ratio, "ci_low": q.estimate.low,
+                                          "ci_high": q.estimate.high, "runs": q.estimate.runs}
+                                         for q in sorted(measured_at, key=lambda q: q.row)]}))
+        choice = {"candidate": [], "baseline": [], NO_CLEAR_WINNER: [], NOT_EXPLAINED: [], None: []}
         for s in group:
             for p in s.points:
                 choice[p.winner].append(p.row)
+        one_run = [p.row for s in group for p in s.points if p.estimate is not None and p.estimate.runs == 1]
         claims.append(Claim("choice", rows, None, {"baseline": base, "candidate": cand, "objective": objective,
                                                    "candidate_wins": choice["candidate"],
                                                    "baseline_wins": choice["baseline"],
                                                    "no_clear_winner": choice[NO_CLEAR_WINNER],
-                                                   "undecided": choice[None]}))
+                                                   "not_explained": choice[NOT_EXPLAINED],
+                                                   "disagree": sorted(seen),
+                                                   "undecided": [r for r in choice[None] if r not in seen],
+                                                   "one_run": one_run}))
         claims.append(Claim("quality", rows, None, {"baseline": base, "candidate": cand, "scenarios": {
             s.name: (s.report.quality.state, s.report.quality.level) for s in group if s.report.quality}}))
     return claims
@@ -378,7 +492,7 @@ def build(paths: list[Path], recipes: RecipeSet, *, objective: str = "ttft", thr
         # exports_from=(): a scenario's exports are read inside its run directories, as `kvtrace report` does.
         result = report_lib.build(runs, recipes, threshold=threshold, confidence=confidence, seed=seed, nsys=nsys,
                                   cache=cache, exports_from=())
-        points = _points(name, result, objective, threshold, start)
+        points = _points(name, result, objective, start)
         start += len(points)
         scenarios.append(Scenario(
             name=name, runs=tuple(str(r) for r in runs), baseline=result.baseline.label,
@@ -386,4 +500,6 @@ def build(paths: list[Path], recipes: RecipeSet, *, objective: str = "ttft", thr
             candidate_format=result.candidate.kv_format, environment=_environment(result),
             kernels=[s for s in result.statements if isinstance(s, KernelStatement)], points=points,
             sweep=result.sweep, report=result))
-    return Matrix(objective=objective, threshold=threshold, scenarios=scenarios, claims=_claims(scenarios, objective))
+    _mark_disagreements(scenarios, threshold)
+    return Matrix(objective=objective, threshold=threshold, scenarios=scenarios,
+                  claims=_claims(scenarios, objective, threshold))

@@ -338,9 +338,9 @@ def build(paths: list[Path], recipes: RecipeSet, *, arms: tuple[str, ...] = (), 
             durations.setdefault(cell, {})[side] = values
     notes: list[str] = []
     if len(b_traces) > 1:
-        notes.append(f"{len(b_traces)} runs per arm: kernel numbers cover every run; serving metrics and capacity are "
-                     "the first run's")
-    serving = serving_rows(base, cand)
+        notes.append(f"{len(b_traces)} runs per arm: kernel numbers and serving intervals cover every run; the other "
+                     "serving metrics and capacity are the first run's")
+    serving = serving_rows(base, cand, threshold=threshold, confidence=confidence, seed=seed)
     if not serving:
         engines = {b_arm.engine, c_arm.engine}
         notes.append("no serving metrics: " + ("the FlashInfer engine calls kernels directly (no requests, TTFT or "

@@ -165,10 +165,14 @@ def matrix(runs, objective, threshold, confidence, seed, plots_dir, plot_format,
     RUNS are the run directories of several scenarios (`kvtrace capture` for each: cold prefill, decode-heavy,
     prefix reuse, a sweep), or folders holding them. A run directory with two arms is one scenario; run
     directories of one arm each pair by engine, mode and scenario. Each scenario is reported as `kvtrace
-    report` would; the matrix sets their kernel ratios (prefill, decode, KV append) beside TTFT, cached prompt
-    tokens, ITL/TPOT, throughput, preemptions and peaks per traffic point, says which arm wins each point on
-    --objective and what wins it (a faster kernel, more prefix hits, a capacity effect), where a sweep's
-    crossover lies, and states the decision with the rows it rests on. Exit codes: 0 done, 2 bad input.
+    report` would; per traffic point the matrix sets TTFT beside the cached prompt tokens, ITL and throughput,
+    each with candidate / baseline and its interval over every run, says which arm wins the point on --objective
+    (only where the interval clears the no-change band: the threshold with --repeats, ±25% with one run per arm)
+    and what wins it (a faster kernel, more prefix hits, a capacity effect; "not explained" otherwise), where a
+    sweep's crossover lies, and states what the kernel rows measured and the decision with the rows it rests on.
+    A point measured twice with disagreeing results is not decided. The markdown fits a GitHub issue: if it
+    would not, -o FILE.md writes the kernel rows and the rest into FILE.details.md. Exit codes: 0 done, 2 bad
+    input.
     """
     from kvtrace.analyzer import matrix as matrix_lib
     from kvtrace.analyzer.classify import load_recipes
@@ -188,4 +192,12 @@ def matrix(runs, objective, threshold, confidence, seed, plots_dir, plot_format,
         to_file = output is not None and not files.is_stdout(output)
         result.plots = plots.write_matrix_plots(result, plots_dir, plot_format,
                                                 link_base=output.parent if to_file else None, inputs=inputs())
+    if fmt == "markdown" and output is not None and not files.is_stdout(output):
+        from kvtrace.analyzer.render import matrix as matrix_render
+
+        head, rest = matrix_render.markdown_parts(result)
+        if len(head) + len(rest) > matrix_render.ISSUE_CHARS:  # the rest beside it, so that the file fits an issue
+            rest_path = output.with_name(f"{output.stem}.details.md")
+            files.write(rest_path, rest, inputs())
+            result.rest_file = rest_path.name
     emit(result, fmt, output)

@@ -4,12 +4,17 @@ that measure the same thing, and the rows that set the two arms' points side by 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
+from kvtrace import files
 from kvtrace.analyzer import stats
 from kvtrace.analyzer.reuse import Evictions, PrefixReuse, evictions, prefix_reuse
 from kvtrace.analyzer.runs import ArmInput
+from kvtrace.errors import KvtraceError
 from kvtrace.manifest import Point, capacity_reason
 
 # Polls of /metrics inside a point's traffic before their maxima count as its peaks. A point shorter than a few
@@ -23,6 +28,36 @@ _HISTOGRAMS = {"ttft": ("vllm:time_to_first_token_seconds",),
                "itl": ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
                "tpot": ("vllm:request_time_per_output_token_seconds",),
                "e2el": ("vllm:e2e_request_latency_seconds",)}
+
+
+# The serving means that get an interval (ServingRow.estimates), each with whether higher is better. `tpot_ms` is
+# each request's mean inter-token gap: the ITL a request saw, one sample per request (its gaps share its batches).
+ESTIMATED = {"ttft_ms": False, "tpot_ms": False, "e2el_ms": False, "output_tokens_per_s": True}
+# The bench client's summary name of each latency (mean_X_ms, std_X_ms).
+_SUMMARY = {"ttft_ms": "ttft", "tpot_ms": "tpot", "e2el_ms": "e2el"}
+
+
+@dataclass
+class RequestSamples:
+    """One arm's requests at one traffic point, in request order (request i of one arm is the same prompt as request
+    i of the other when their request orders match): what `vllm bench serve --save-result --save-detailed` keeps
+    per request (`ttfts`, `itls`, `latencies`, `input_lens`, `output_lens`, in seconds), or the same keys in a point
+    record, and the prefix-cache tokens each request was served (`cached_tokens_per_request`). Any may be None."""
+
+    ttft_ms: np.ndarray | None = None
+    tpot_ms: np.ndarray | None = None  # (latency - TTFT) / (output tokens - 1), per request with two tokens or more
+    e2el_ms: np.ndarray | None = None
+    prompt_tokens: np.ndarray | None = None
+    output_tokens: np.ndarray | None = None
+    cached_tokens: np.ndarray | None = None
+
+    @property
+    def cached_share(self) -> np.ndarray | None:
+        """Per request, the share of its prompt served from the prefix cache (beside its TTFT)."""
+        cached, prompt = self.cached_tokens, self.prompt_tokens
+        if cached is None or prompt is None or cached.size != prompt.size:
+            return None
+        return np.divide(cached, prompt, out=np.zeros(cached.size), where=prompt > 0)
 
 
 @dataclass
@@ -81,6 +116,7 @@ class ServingMetrics:
     capacity_note: str | None = None
     reuse: PrefixReuse | None = None  # the server's cached tokens per request (serve runs with the usage relay)
     evictions: Evictions | None = None  # cached blocks evicted, from vLLM's KV-cache events
+    requests_detail: RequestSamples | None = field(default=None, repr=False)  # per request, where recorded
 
 
 @dataclass
@@ -95,6 +131,11 @@ class ServingRow:
     ttft_stat: str | None = None  # p50, else mean: the statistic both arms have
     ttft_ratio: float | None = None  # candidate / baseline
     ratios: dict = field(default_factory=dict)  # candidate / baseline per metric (`ttft_ms.p50`, `output_tokens_per_s`)
+    # Per ESTIMATED metric, candidate / baseline of its mean over every run pair with its interval and verdict
+    # (stats.serving_estimate); None where either arm lacks it. `runs`: the run pairs they cover.
+    estimates: dict = field(default_factory=dict)
+    runs: int = 1
+    paired_requests: bool = False  # both arms sent the same prompts in the same order: per-request values pair
 
 
 def _number(value):
@@ -200,9 +241,63 @@ def _peaks_note(record: dict, duration: float | None) -> str | None:
     return f"peaks not observed: {duration:.2f} s of traffic, /metrics polled {every} ({how})"
 
 
+def _finite(values, scale: float = 1.0) -> np.ndarray | None:
+    """A per-request list as an array of finite, non-negative numbers (times scaled), or None for anything else."""
+    if not isinstance(values, list) or not values or not all(isinstance(v, (int, float)) for v in values):
+        return None
+    array = np.asarray(values, dtype=np.float64)
+    return array * scale if np.isfinite(array).all() and (array >= 0).all() else None
+
+
+def _bench_result(record: dict, run: Path | None) -> dict:
+    """The point's own `vllm bench serve` result file (`bench_result`, inside the run directory), which keeps the
+    per-request lists the manifest's summary leaves out; {} where there is none."""
+    name = record.get("bench_result")
+    if run is None or not isinstance(name, str) or not name:
+        return {}
+    path = run / name
+    try:
+        inside = path.resolve().is_relative_to(run.resolve())
+    except (OSError, ValueError):  # a name no file can have (a NUL byte, a loop of links): no bench result
+        return {}
+    if not inside:
+        raise KvtraceError(f"a point in {run} lists its bench result as {name!r}, which leads outside the run "
+                           "directory (through .., an absolute path or a link): keep a run's files inside it")
+    try:  # supplementary: the manifest's summary stands without it (the intervals then say what they rest on)
+        data = files.read_json(path, f"bench result {path}", "keep the capture's own bench JSON there")
+    except KvtraceError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def request_samples(record: dict, run: Path | None = None) -> RequestSamples | None:
+    """The per-request samples of one point (RequestSamples), from its bench result file or the record itself;
+    None when neither holds any. Lists of different lengths are not per-request data of one set of requests, and
+    are left out."""
+    source = {**record, **_bench_result(record, run)}
+    lists = {"ttft_ms": _finite(source.get("ttfts"), 1000.0), "e2el_ms": _finite(source.get("latencies"), 1000.0),
+             "output_tokens": _finite(source.get("output_lens")), "prompt_tokens": _finite(source.get("input_lens"))}
+    if len({a.size for a in lists.values() if a is not None}) > 1:
+        lists = dict.fromkeys(lists)
+    samples = RequestSamples(**lists, cached_tokens=_finite(record.get("cached_tokens_per_request")))
+    if samples.prompt_tokens is None and samples.cached_tokens is not None:
+        try:
+            point = Point.parse(record.get("point"))
+            samples.prompt_tokens = np.full(samples.cached_tokens.size, float(point.prefix_len + point.input_len))
+        except (ValueError, TypeError):
+            pass
+    ttft, e2el, out = samples.ttft_ms, samples.e2el_ms, samples.output_tokens
+    if ttft is not None and e2el is not None and out is not None and (out >= 2).all():
+        samples.tpot_ms = (e2el - ttft) / (out - 1)  # as the client computes TPOT
+    if all(getattr(samples, name) is None for name in ("ttft_ms", "e2el_ms", "cached_tokens")):
+        return None
+    return samples
+
+
 def serving_metrics(record: dict, kv_cache_tokens: int | None, run: Path | None = None) -> ServingMetrics:
     """One point of a vLLM arm: the bench client's summary (serve) or the worker's counts (offline), with
-    vLLM's own counter deltas and polled peaks, and the checks of sources that measure the same thing."""
+    vLLM's own counter deltas and polled peaks, and the checks of sources that measure the same thing; with
+    `run` (its run directory), the per-request samples its bench result file keeps."""
     bench = record.get("bench") or {}
     metrics = record.get("metrics") or {}
     deltas = metrics.get("deltas") or {}
@@ -261,7 +356,8 @@ def serving_metrics(record: dict, kv_cache_tokens: int | None, run: Path | None 
         preemptions=counter("vllm:num_preemptions_total"), peak_running=observed.get("vllm:num_requests_running"),
         peak_waiting=observed.get("vllm:num_requests_waiting"), peak_kv_usage=observed.get("vllm:kv_cache_usage_perc"),
         peaks_note=peaks_note, capacity=reason, checks=[check for check in checks if check is not None],
-        capacity_note=capacity_note, reuse=reuse, evictions=evictions(record))
+        capacity_note=capacity_note, requests_detail=request_samples(record, run), reuse=reuse,
+        evictions=evictions(record))
 
 
 def _observed_capacity(recorded: str | None, point: Point | None, counters: dict, peaks: dict,
@@ -282,12 +378,15 @@ def _observed_capacity(recorded: str | None, point: Point | None, counters: dict
     return reason, f"{claimed}: not counted ({peaks_note})" if claimed and not reason else None
 
 
-def serving_rows(base: ArmInput, cand: ArmInput) -> list[ServingRow]:
-    """One row per traffic point either arm ran, in the baseline's order, matched by the point's spec."""
-    records = []
+def serving_rows(base: ArmInput, cand: ArmInput, *, threshold: float = 0.02, confidence: float = 0.95,
+                 seed: int = 0) -> list[ServingRow]:
+    """One row per traffic point either arm ran, in the baseline's order, matched by the point's spec. The row's
+    metrics are the first run's; its estimates cover every run pair of a --repeats capture."""
+    runs = []  # per side, per run: {spec: (ServingMetrics, record)}
     for item in (base, cand):
-        kv = item.record.kv_cache_tokens
-        records.append({p["point"]: serving_metrics(p, kv, item.run) for p in item.record.points if p.get("point")})
+        runs.append([{p["point"]: (serving_metrics(p, item.manifest.runs[name].kv_cache_tokens, item.run), p)
+                      for p in item.manifest.runs[name].points if p.get("point")} for name in item.runs])
+    records = [{spec: metrics for spec, (metrics, _) in side[0].items()} for side in runs]
     order = list(records[0]) + [p for p in records[1] if p not in records[0]]
     rows = []
     for spec in order:
@@ -305,6 +404,13 @@ def serving_rows(base: ArmInput, cand: ArmInput) -> list[ServingRow]:
                     row.ttft_stat, row.ttft_ratio = stat, stats.ratio(b, c)
                     break
             row.ratios = serving_ratios(row.baseline, row.candidate)
+            pairs = [(b[spec], c[spec]) for b, c in zip(*runs) if spec in b and spec in c]
+            row.runs = len(pairs)
+            row.paired_requests = all(_same_requests(b[1], c[1]) for b, c in pairs)
+            row.estimates = {name: stats.serving_estimate(
+                [(_samples(b, name, row.paired_requests), _samples(c, name, row.paired_requests)) for b, c in pairs],
+                higher_is_better=higher, threshold=threshold, confidence=confidence, seed=seed)
+                for name, higher in ESTIMATED.items()}
         rows.append(row)
     for side in ("baseline", "candidate"):
         seen: set = set()
@@ -314,6 +420,30 @@ def serving_rows(base: ArmInput, cand: ArmInput) -> list[ServingRow]:
                 seen.add(row.context)
                 setattr(row, f"{side}_first_capacity", True)
     return rows
+
+
+def _same_requests(base: dict, cand: dict) -> bool:
+    """Whether both arms sent the same prompts in the same order at this point (the capture's request-order hash)."""
+    digest = base.get("request_order_sha256")
+    return isinstance(digest, str) and bool(digest) and digest == cand.get("request_order_sha256")
+
+
+def _samples(arm: tuple[ServingMetrics, dict], name: str, paired: bool) -> stats.ArmSamples:
+    """One arm's samples of an ESTIMATED metric in one run: per request where recorded and the requests pair, else
+    the client's mean, std and count, else the mean alone (vLLM's histogram, a throughput)."""
+    metrics, record = arm
+    if name == "output_tokens_per_s":
+        return stats.ArmSamples(mean=metrics.output_tokens_per_s)
+    detail = metrics.requests_detail
+    values = getattr(detail, name) if detail is not None else None
+    if paired and values is not None and values.size >= 2:
+        return stats.ArmSamples.of_values(values)
+    mean = getattr(metrics, name).mean
+    bench = record.get("bench") or {}
+    std, count = bench.get(f"std_{_SUMMARY[name]}_ms"), metrics.requests
+    if all(isinstance(v, (int, float)) and math.isfinite(v) for v in (mean, std, count)) and count >= 2:
+        return stats.ArmSamples(mean=mean, std=std * math.sqrt(count / (count - 1)), count=int(count))  # client: ddof 0
+    return stats.ArmSamples(mean=mean)
 
 
 def serving_ratios(base: ServingMetrics, cand: ServingMetrics) -> dict[str, float | None]:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from conftest import FIXTURES, SERVE_RUNS, VLLM_COLD_PREFILL, VLLM_DECODE_HEAVY
+from conftest import FIXTURES, SERVE_RUNS, VLLM033_RUNS, VLLM_COLD_PREFILL, VLLM_DECODE_HEAVY
 from kvtrace.analyzer import matrix, report, stats
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.render import render_table, render_text
@@ -53,8 +53,14 @@ def table_rows(result: matrix.Matrix) -> dict[str, dict[str, str]]:
     return {row[0]: dict(zip(header, row)) for row in body}
 
 
+def detail_rows(result: matrix.Matrix) -> dict[str, dict[str, str]]:
+    header, body = matrix_render.detail_table(result, str)
+    return {row[0]: dict(zip(header, row)) for row in body}
+
+
 def claim(result: matrix.Matrix, row: int) -> str:
-    found = [c for c in result.claims if c.rows == (row,)]
+    found = [c for c in result.claims if c.rows == (row,) and c.kind in ("capacity", "cold-prefill", "decode",
+                                                                        "prefix", "point")]
     assert len(found) == 1
     return matrix_render.claim_text(found[0], result)
 
@@ -81,25 +87,26 @@ def test_reversed_and_folder_inputs_give_the_same_matrix(recipes, ttft, tmp_path
 
 def test_each_cell_matches_the_per_scenario_report(recipes, ttft):
     rows = table_rows(ttft)
+    header, kernel_rows = matrix_render.kernel_table(ttft, str)
     for s in ttft.scenarios:
         alone = report.build([Path(r) for r in s.runs], recipes)
         kernels = [k for k in alone.statements if k.kind == "kernels"]
         assert [(k.subject, k.point, k.ratio, k.ci_low, k.ci_high, k.verdict) for k in s.kernels] == \
             [(k.subject, k.point, k.ratio, k.ci_low, k.ci_high, k.verdict) for k in kernels]
-        first = rows[f"R{s.points[0].row}"]
-        for header, subject in matrix_render.KERNEL_COLUMNS:
-            for k in (k for k in kernels if k.subject == subject):
-                expected = f"{k.point}: {k.ratio:.3f}× [{k.ci_low:.3f}, {k.ci_high:.3f}] {k.verdict}" \
-                    if k.ratio is not None else f"{k.point}: {k.verdict}"
-                assert expected in first[header]
+        mine = [dict(zip(header, row)) for row in kernel_rows if row[1] == s.name]
+        assert len(mine) == len(kernels)
+        for k, row in zip(kernels, mine):
+            assert row["phase"] == dict((b, a) for a, b in matrix_render.KERNEL_COLUMNS)[k.subject]
+            assert row["candidate / baseline per call"] == (f"{k.ratio:.3f}× [{k.ci_low:.3f}, {k.ci_high:.3f}]"
+                                                            if k.ratio is not None else "–")
+            assert row["verdict"].startswith(k.verdict) and row["kernels (query dtype)"].startswith(k.kernels or "–")
         for point, row in zip(s.points, alone.serving):
             b, c = row.baseline, row.candidate
-            cells = rows[f"R{point.row}"]
             assert point.point == row.point
             if b is not None and c is not None:
                 assert (point.serving.baseline.ttft_ms, point.serving.candidate.ttft_ms) == (b.ttft_ms, c.ttft_ms)
-                assert cells["completed"] == f"{b.requests:,} → {c.requests:,}"
-                assert cells["preemptions"] == f"{b.preemptions:,} → {c.preemptions:,}"
+                assert point.serving.estimates == row.estimates
+                assert rows[f"R{point.row}"]["cached prompt tokens"].count("→") == 1
 
 
 def test_serving_cells_match_the_runs_own_bench_json_and_metrics(ttft):
@@ -115,29 +122,55 @@ def test_serving_cells_match_the_runs_own_bench_json_and_metrics(ttft):
                 if point.point in specs:
                     own[arm] = recorded_point(run, arm, specs.index(point.point))
             cells = rows[f"R{point.row}"]
+            details = detail_rows(ttft)
             if len(own) < 2:  # the sweep's 2048 × 16: auto stopped that context at its capacity
                 assert point.excluded == f"different work: only {next(iter(own))} ran this point"
                 assert point.winner is None and point.excluded in cells["wins on TTFT"]
                 continue
             bench = {arm: own[arm]["bench"] for arm in own}
             delta = {arm: own[arm]["delta"] for arm in own}
-            assert cells["TTFT ms"] == " → ".join(f"p50 {bench[a]['p50_ttft_ms']:,.1f}" for a in ("auto", "fp8"))
-            assert cells["completed"] == (f"{bench['auto']['completed']:,} → {bench['fp8']['completed']:,}")
+            means = [bench[a]["mean_ttft_ms"] for a in ("auto", "fp8")]
+            low, high = moments_interval(*(bench[a] for a in ("auto", "fp8")), "ttft")
+            assert cells["TTFT ms"] == (f"{means[0]:,.1f} → {means[1]:,.1f}<br>{means[1] / means[0]:.3f}× "
+                                        f"[{low:.3f}, {high:.3f}]")
             assert bench["auto"]["completed"] == delta["auto"]["vllm:request_success_total"]
-            assert cells["preemptions"] == (f"{delta['auto']['vllm:num_preemptions_total']:,.0f} → "
-                                            f"{delta['fp8']['vllm:num_preemptions_total']:,.0f}")
             cached = [delta[arm]["vllm:prompt_tokens_cached_total"] for arm in ("auto", "fp8")]
             prompt = [delta[arm]["vllm:prompt_tokens_total"] for arm in ("auto", "fp8")]
             assert cells["cached prompt tokens"] == " → ".join(
                 f"{c:,.0f} of {p:,.0f} ({100 * c / p:.1f}%)" for c, p in zip(cached, prompt))
-            assert cells["output tok/s"] == " → ".join(f"{round(bench[a]['output_throughput']):,}"
-                                                       for a in ("auto", "fp8"))
+            assert cells["output tok/s"].startswith(" → ".join(f"{round(bench[a]['output_throughput']):,}"
+                                                               for a in ("auto", "fp8")))
+            assert cells["output tok/s"].endswith("no interval")  # one run per arm: one throughput each
+            detail = details[f"R{point.row}"]
+            assert detail["completed"] == f"{bench['auto']['completed']:,} → {bench['fp8']['completed']:,}"
+            assert detail["preemptions"] == (f"{delta['auto']['vllm:num_preemptions_total']:,.0f} → "
+                                             f"{delta['fp8']['vllm:num_preemptions_total']:,.0f}")
             # Sub-second points against 0.5 s polling: the peaks are not observations, and the cells say so.
-            assert cells["peak KV usage"] == "not observed → not observed"
-            # The winner, recomputed from the bench JSON alone.
-            ratio = bench["fp8"]["p50_ttft_ms"] / bench["auto"]["p50_ttft_ms"]
-            expected = "no clear winner" if abs(ratio - 1) <= 0.02 else "fp8" if ratio < 1 else "auto"
-            assert cells["wins on TTFT"] == f"{expected} ({ratio:.3f}×)"
+            assert detail["peak KV usage"] == "not observed → not observed"
+            # The winner, recomputed from the bench JSON alone: one run per arm, so the assumed band.
+            band = stats.ASSUMED_SERVING_BAND
+            if low > 1 + band or high < 1 - band:
+                assert point.winner in ("auto", "fp8", matrix.NOT_EXPLAINED, "baseline", "candidate")
+            else:
+                assert cells["wins on TTFT"].startswith("no significant difference (band: ±25%")
+
+
+def moments_interval(base: dict, cand: dict, name: str) -> tuple[float, float]:
+    """The log-ratio t interval of two arms' mean latencies from the bench client's mean, std (ddof 0) and count,
+    computed here with scipy."""
+    from scipy import stats as sp
+
+    parts = []
+    for bench in (base, cand):
+        n = bench["completed"]
+        sd = bench[f"std_{name}_ms"] * (n / (n - 1)) ** 0.5
+        parts.append((sd ** 2 / (n * bench[f"mean_{name}_ms"] ** 2), n - 1))
+    var = sum(v for v, _ in parts)
+    df = var ** 2 / sum(v ** 2 / d for v, d in parts)
+    r = cand[f"mean_{name}_ms"] / base[f"mean_{name}_ms"]
+    half = sp.t.ppf(0.975, df) * var ** 0.5
+    import math
+    return r * math.exp(-half), r * math.exp(half)
 
 
 def test_offline_cells_match_the_manifests_histograms(ttft):
@@ -149,10 +182,13 @@ def test_offline_cells_match_the_manifests_histograms(ttft):
             record = manifest(run)["arms"][arm]["points"][0]
             histogram = record["metrics"]["deltas"]["histograms"]["vllm:time_to_first_token_seconds"]
             means.append(1000 * histogram["sum"] / histogram["count"])
-        assert rows[f"R{point.row}"]["TTFT ms"] == f"mean {means[0]:,.1f} → mean {means[1]:,.1f}"
+        # One run per arm, means only: no interval, and no winner beyond the threshold.
+        assert rows[f"R{point.row}"]["TTFT ms"] == (f"{means[0]:,.1f} → {means[1]:,.1f}<br>"
+                                                   f"{means[1] / means[0]:.3f}× no interval")
         assert point.ratio == pytest.approx(means[1] / means[0])
+        assert point.winner is None if abs(point.ratio - 1) > 0.02 else point.winner == matrix.NO_CLEAR_WINNER
         # Offline runs poll no peaks: nothing is claimed about them.
-        assert rows[f"R{point.row}"]["peak running"] == "– → –"
+        assert detail_rows(ttft)[f"R{point.row}"]["peak running"] == "– → –"
 
 
 def test_the_sweep_crossover_is_the_first_point_only_the_narrower_format_fits(ttft):
@@ -171,20 +207,52 @@ def test_the_sweep_crossover_is_the_first_point_only_the_narrower_format_fits(tt
     assert "◆ crossover" in table_rows(ttft)[f"R{next(p.row for p in s.points if p.crossover)}"]["capacity-bound"]
 
 
-def test_prefix_reuse_credits_neither_the_faster_kernel_nor_the_prefix_hits_alone(ttft):
+def test_prefix_reuse_credits_neither_the_faster_kernel_nor_the_prefix_hits_alone(recipes, ttft, tmp_path):
+    # The recorded point: fp8's TTFT is lower, but one run per arm leaves its interval inside the assumed band.
     (point,) = scenario(ttft, "prefix-reuse (serve)").points
+    assert point.winner == matrix.NO_CLEAR_WINNER and point.estimate.band == stats.ASSUMED_SERVING_BAND
+    assert point.ratio < 1 and point.estimate.high > 1 - stats.ASSUMED_SERVING_BAND
     own = {arm: recorded_point(SERVE_RUNS[f"prefix-reuse-{arm}"], arm)["delta"] for arm in ("auto", "fp8")}
     assert own["fp8"]["vllm:prompt_tokens_cached_total"] > own["auto"]["vllm:prompt_tokens_cached_total"]
     prefill = next(r for r in scenario(ttft, "prefix-reuse (serve)").report.diff.segments
                    if r.segment == "prefill_attention")
     assert (prefill.paired_verdict if prefill.verdict == stats.DIFFERENT_WORK else prefill.verdict) == stats.IMPROVEMENT
-    assert point.winner == "candidate"
+
+    # The same runs with fp8's mean TTFT halved: now beyond the band, and both a faster prefill kernel and more
+    # prefix hits favour fp8, so the decision credits neither alone.
+    def halve(run, arm):
+        data = manifest(run)
+        if arm == "fp8":
+            bench = data["arms"]["fp8"]["points"][0]["bench"]
+            bench["mean_ttft_ms"] /= 2
+            bench["std_ttft_ms"] /= 2
+        return data
+
+    runs = copied_runs(tmp_path, [SERVE_RUNS[f"prefix-reuse-{arm}"] for arm in ("auto", "fp8")], halve)
+    result = matrix.build(runs, recipes)
+    (point,) = result.points
+    assert point.winner == "candidate" and point.estimate.high < 1 - stats.ASSUMED_SERVING_BAND
     assert {matrix.FASTER_KERNEL, matrix.PREFIX_HITS} <= set(point.causes)
-    text = claim(ttft, point.row)
+    text = claim(result, point.row)
     assert "a faster prefill attention kernel" in text and "more prefix hits (73,728 cached prompt tokens against " \
         "42,064)" in text
     assert re.search(r"credits (neither|none of them) alone", text)
     assert f"(R{point.row})" in text
+
+
+def copied_runs(tmp_path: Path, runs: list[Path], edit) -> list[Path]:
+    """Copies of real run directories whose manifests `edit(run, arm)` returns changed."""
+    out = []
+    for run in runs:
+        arm = next(iter(manifest(run)["arms"]))
+        copy = tmp_path / run.name
+        shutil.copytree(run, copy)
+        copy.chmod(0o755)
+        path = copy / "manifest.json"
+        path.chmod(0o644)
+        path.write_text(json.dumps(edit(run, arm)))
+        out.append(copy)
+    return out
 
 
 def test_a_capacity_win_is_never_called_a_faster_kernel(itl):
@@ -217,7 +285,7 @@ def test_the_decision_names_what_it_holds_for_and_states_quality_as_measured(ttf
     for c in ttft.claims:
         if c.kind in ("capacity", "cold-prefill", "decode", "prefix", "point"):
             assert f"(R{c.rows[0]})" in matrix_render.claim_text(c, ttft)
-    assert "choose fp8 at R1–R4; keep auto at R5, R7–R8; not decided at R6" in decision
+    assert "On TTFT, fp8 against auto: no significant difference at R1–R5; not decided at R6–R8" in decision
 
 
 def test_json_schema_and_cli(tmp_path):
@@ -225,7 +293,7 @@ def test_json_schema_and_cli(tmp_path):
     result = run_main(["matrix", *ALL[:6], "-q", "-o", out, "--plots", tmp_path / "plots"])
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
-    assert data["schema"] == "kvtrace.matrix/1" and data["objective"] == "ttft"
+    assert data["schema"] == "kvtrace.matrix/2" and data["objective"] == "ttft"
     sweep = next(s for s in data["scenarios"] if s["name"] == "sweep (serve)")
     assert [p["crossover"] for p in sweep["points"]] == [False, True, False, False]
     assert sweep["points"][0]["serving"]["baseline"]["ttft_ms"]["p50"] == \
@@ -316,3 +384,195 @@ def test_crossover_plot_draws_the_runs_own_numbers(ttft):
                for ax in figure.axes for line in ax.get_lines())
     assert "NVIDIA H200 · FlashInfer 0.6.14 · vLLM 0.26.0 · attention backend FLASHINFER" in figure.get_suptitle()
     assert plots.crossover_figure(ttft, scenario(ttft, "prefix-reuse (serve)")) is None
+
+
+# ---- vLLM 0.33, FP8 against NVFP4 on the H200: the decision holds up (issue 34) ----------------------------
+
+VLLM033 = list(VLLM033_RUNS.values())
+SAME_POINT = "input=512,output=32,prompts=16,concurrency=16"  # offline decode-heavy, and its --repeats run
+
+
+@pytest.fixture(scope="module")
+def v033(recipes):
+    return {objective: matrix.build(VLLM033, recipes, objective=objective) for objective in matrix.OBJECTIVES}
+
+
+@pytest.mark.parametrize("objective", list(matrix.OBJECTIVES))
+def test_one_point_never_gets_two_answers(v033, objective):
+    """The decode-heavy point ran twice (one run per arm, and a --repeats 2 run): where the two measurements
+    disagree (one ratio outside the other's interval, or on opposite sides of the threshold), neither row is
+    decided and the decision says so; no point is ever won by both arms."""
+    result = v033[objective]
+    by_point: dict = {}
+    for s in result.scenarios:
+        for p in s.points:
+            by_point.setdefault(p.point, []).append(p)
+    for points in by_point.values():
+        assert len({p.winner for p in points if p.winner in ("baseline", "candidate")}) <= 1
+    twice = sorted(by_point[SAME_POINT], key=lambda p: p.estimate.runs)
+    assert [p.estimate.runs for p in twice] == [1, 2]
+    single, repeats = twice
+    outside = repeats.estimate.low is not None and not repeats.estimate.low <= single.ratio <= repeats.estimate.high
+    opposite = (single.ratio - 1) * (repeats.ratio - 1) < 0 and \
+        min(abs(single.ratio - 1), abs(repeats.ratio - 1)) > 0.02
+    disagree = outside or opposite
+    if disagree:
+        assert all(p.winner is None and p.disagrees_with for p in twice)
+        text = render_text(result, "markdown")
+        assert f"the measurements disagree on {matrix_render._OBJECTIVE_WORDS[objective]}" in text
+        low, high = sorted((single.row, repeats.row))
+        assert f"measurements disagree at R{low}–R{high}" in text
+    if objective == "throughput":  # 1.129× against 0.935×: on opposite sides of the threshold
+        assert disagree
+
+
+@pytest.mark.parametrize("objective", list(matrix.OBJECTIVES))
+def test_no_winner_inside_its_band_and_serve_cells_carry_intervals(v033, objective):
+    result = v033[objective]
+    name = matrix.OBJECTIVES[objective][0]
+    for s in result.scenarios:
+        for p in s.points:
+            if p.winner in ("baseline", "candidate", matrix.NOT_EXPLAINED):
+                band = max(p.estimate.band, result.threshold)
+                assert p.estimate.low > 1 + band or p.estimate.high < 1 - band
+            if p.winner == matrix.NO_CLEAR_WINNER:
+                band = max(p.estimate.band, result.threshold)
+                assert p.estimate.low is not None and not (p.estimate.low > 1 + band or p.estimate.high < 1 - band)
+            if p.estimate is not None and p.estimate.runs == 1:
+                assert p.estimate.band == stats.ASSUMED_SERVING_BAND
+            if s.report.baseline.mode == "serve" and name != "output_tokens_per_s":
+                estimate = p.serving.estimates[name]
+                assert estimate.low < estimate.ratio < estimate.high
+    rows = table_rows(result)
+    for p in result.points:
+        if p.serving is not None and p.serving.estimates.get("ttft_ms") is not None:
+            e = p.serving.estimates["ttft_ms"]
+            assert rows[f"R{p.row}"]["TTFT ms"].endswith(f"{e.ratio:.3f}× " + (
+                f"[{e.low:.3f}, {e.high:.3f}]" if e.low is not None else "no interval")
+                + (f", {e.runs} runs" if e.runs > 1 else ""))
+    choice = next(c for c in result.claims if c.kind == "choice")
+    assert "rest on one run per arm: run-to-run drift is not measured there" in matrix_render.claim_text(choice, result)
+
+
+def test_the_rule_is_what_the_rows_measured(v033):
+    """The decision states this GPU's, engine's and route's rows: each phase's range is its rows' range, the
+    kernels and query dtypes come from the rows and the run's log, a kernel-against-kernel ratio is not called a
+    conversion cost, and the general expectation for decode is said not to hold where every decode row regressed."""
+    result = v033["ttft"]
+    (measured,) = [c for c in result.claims if c.kind == "measured"]
+    text = matrix_render.claim_text(measured, result)
+    for phase in measured.values["phases"]:
+        rows = [k for s in result.scenarios for k in s.kernels if k.subject == phase["subject"] and k.ratio]
+        assert (phase["low"], phase["high"]) == (min(k.ratio for k in rows), max(k.ratio for k in rows))
+        assert f"{phase['low']:.3f}×–{phase['high']:.3f}×" in text
+    decode = [k for s in result.scenarios for k in s.kernels if k.subject == "decode_attention" and k.ratio]
+    assert decode and all(k.verdict == stats.REGRESSION for k in decode)
+    assert "saves time in decode, since it moves fewer bytes, did not hold here" in text
+    logs = {arm: (VLLM033_RUNS["serve-sweep"] / f"{arm}.log").read_text() for arm in ("fp8", "nvfp4")}
+    assert "prefill=torch.float8_e4m3fn" in logs["fp8"] and "prefill=torch.bfloat16" in logs["nvfp4"]
+    assert "fp8 on float8_e4m3fn queries, nvfp4 on bfloat16" in text
+    assert "FP8PrefillWithKVCacheKernel → BatchPrefillWithPagedKVCacheKernel[MaskMode=1]" in text
+    assert "not the cost of converting the cache" in text
+    markdown = render_text(result, "markdown")
+    assert "pays for conversion" not in markdown and "so choose it where" not in markdown
+
+
+def test_a_win_nothing_measured_explains_is_no_choice(recipes, tmp_path):
+    """The real serve sweep with nvfp4's mean TPOT at 1024 × 16 halved: nvfp4 would win ITL far beyond the band
+    while its decode kernels are 1.48× slower and neither arm is capacity-bound there: "not explained", no choice."""
+    def faster_decode(run, arm):
+        data = manifest(run)
+        bench = data["arms"]["nvfp4"]["points"][1]["bench"]
+        bench["mean_tpot_ms"] /= 2
+        bench["std_tpot_ms"] /= 2
+        return data
+
+    (run,) = copied_runs(tmp_path, [VLLM033_RUNS["serve-sweep"]], faster_decode)
+    result = matrix.build([run], recipes, objective="itl")
+    point = result.points[1]
+    assert point.point == "input=1024,output=16,prompts=32,concurrency=16"
+    assert point.estimate.high < 1 - stats.ASSUMED_SERVING_BAND and not point.baseline_capacity
+    assert point.winner == matrix.NOT_EXPLAINED and point.apparent == "candidate" and point.causes == ()
+    assert [k["verdict"] for k in point.kernel_verdicts] == [stats.REGRESSION]
+    text = render_text(result, "markdown")
+    assert f"not explained (no choice) at R{point.row}" in text and f"choose nvfp4 at R{point.row}" not in text
+    assert "nvfp4 looks better beyond the band, but its decode attention kernels are not faster" in text
+
+
+def _table_lines(text: str) -> list[list[str]]:
+    """The markdown's tables as blocks of source lines."""
+    blocks, block = [], []
+    for line in text.splitlines():
+        if line.startswith("|"):
+            block.append(line)
+        elif block:
+            blocks.append(block)
+            block = []
+    return blocks + ([block] if block else [])
+
+
+def _cells(line: str) -> int:
+    return len(re.findall(r"(?<!\\)\|", line)) - 1
+
+
+def check_github_markdown(text: str) -> None:
+    """Rendered by a GitHub-flavoured markdown parser (markdown-it-py's gfm-like preset): the serving table with
+    TTFT beside the cached prompt tokens comes before <details>, every table row has its header's cells, no
+    table is wider than ten columns, the whole fits an issue body, and nothing carries a tick or an "ok"."""
+    from markdown_it import MarkdownIt
+
+    parser = MarkdownIt("gfm-like", {"linkify": False})
+    assert len(text) < matrix_render.ISSUE_CHARS
+    tokens = parser.parse(text)
+    details = next(i for i, t in enumerate(tokens) if t.type == "html_block" and "<details>" in t.content)
+    first = next(i for i, t in enumerate(tokens) if t.type == "table_open")
+    assert first < details
+    headers = []
+    for token in tokens[first:]:
+        if token.type == "thead_close":
+            break
+        if token.type == "inline":
+            headers.append(token.content)
+    assert headers.index("cached prompt tokens") == headers.index("TTFT ms") + 1
+    assert sum(t.type == "table_open" for t in tokens) == len(_table_lines(text)) == 3
+    for block in _table_lines(text):
+        width = _cells(block[0])
+        assert width <= 10 and all(_cells(line) == width for line in block), block[0]
+    html = parser.render(text)
+    assert html.count("<table>") == 3 and "✅" not in text and not re.search(r"\bok\b", text)
+    assert {t.content.split(">")[0] for t in tokens if t.type == "html_block"} <= {"<details", "<sub", "</details"}
+
+
+@pytest.mark.parametrize("objective", list(matrix.OBJECTIVES))
+def test_markdown_renders_as_github_flavoured_markdown_and_fits_an_issue(v033, ttft, objective):
+    for result in (v033[objective], ttft):
+        check_github_markdown(render_text(result, "markdown"))
+
+
+@pytest.mark.slow
+def test_one_matrix_over_every_shipped_run_fits_an_issue(tmp_path):
+    """Every shipped run directory whose arms both ran (fi-h200-sm90-nsys2023's did not), in one matrix."""
+    from conftest import PACKED_RUNS
+
+    runs = [FIXTURES / "fi-h200-sm90", *SERVE_RUNS.values(), *VLLM033_RUNS.values(),
+            *(run for name, run in PACKED_RUNS.items() if name != "fi-h200-sm90-nsys2023")]
+    out = tmp_path / "matrix.md"
+    result = run_main(["matrix", *runs, "-q", "-o", out])
+    assert result.exit_code == 0, result.output
+    assert not (tmp_path / "matrix.details.md").exists()
+    text = out.read_text()
+    first = _table_lines(text)[0][2:]
+    assert [line.split(" | ")[0] for line in first] == [f"| R{n}" for n in range(1, len(first) + 1)]
+    assert len(first) >= len(runs) - 3  # the one-arm serve directories pair three into one scenario each
+    check_github_markdown(text)
+
+
+def test_a_matrix_too_long_for_an_issue_leaves_its_details_in_a_named_file(v033, tmp_path, monkeypatch):
+    monkeypatch.setattr(matrix_render, "ISSUE_CHARS", 8_000)
+    out = tmp_path / "matrix.md"
+    result = run_main(["matrix", *VLLM033, "-q", "-o", out])
+    assert result.exit_code == 0, result.output
+    text, rest = out.read_text(), (tmp_path / "matrix.details.md").read_text()
+    head, details = matrix_render.markdown_parts(v033["ttft"])
+    assert text.startswith(head) and "are in `matrix.details.md` beside this file" in text and "<details>" not in text
+    assert rest == details and len(text) < 8_000

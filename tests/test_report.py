@@ -314,6 +314,9 @@ def _variant(tmp_path: Path, source: Path, edit) -> Path:
         if arm.get("sqlite"):
             shutil.copy2(arm["sqlite"], run / f"{name}.sqlite")
             arm["sqlite"] = f"{name}.sqlite"
+        for point in arm.get("points") or []:  # the bench result files, which keep the per-request samples
+            if (source / point.get("bench_result", "")).is_file() and point.get("bench_result"):
+                shutil.copy2(source / point["bench_result"], run / point["bench_result"])
     (run / "manifest.json").write_text(json.dumps(data))
     return run
 
@@ -785,7 +788,6 @@ def test_a_capacity_reason_on_unobserved_peaks_is_not_counted(tmp_path, recipes)
         entry["capacity"] = "KV cache usage peaked at 97%"
         for when in ("before", "after"):
             entry["metrics"][when] = str(VLLM033_RUNS["serve-sweep"] / entry["metrics"][when])
-        entry["bench_result"] = str(VLLM033_RUNS["serve-sweep"] / entry["bench_result"])
 
     run = _variant(tmp_path, VLLM033_RUNS["serve-sweep"], one_high_poll)
     result = report.build([run], recipes)

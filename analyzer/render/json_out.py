@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
+
 from kvtrace.analyzer.render.units import shown_path
 
 
@@ -21,6 +23,8 @@ def _clean(value):
         return {k: _shown(v) if k in PATH_FIELDS else _clean(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_clean(v) for v in value]
+    if isinstance(value, np.ndarray):  # per-request samples (serving.RequestSamples)
+        return value.tolist()
     return value
 
 

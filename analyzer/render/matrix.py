@@ -1,5 +1,6 @@
-"""Markdown and terminal for the matrix decision (analyzer.matrix.Matrix; JSON is json_out's): the table of
-scenarios and traffic points, the decision paragraph worded from its claims, the crossover plots. Nothing
+"""Markdown and terminal for the matrix decision (analyzer.matrix.Matrix; JSON is json_out's): the serving table
+of scenarios and traffic points with their intervals, the decision worded from its claims (what the rows measured
+first), then, inside <details>, the kernel rows per scenario and the rest of each point's serving numbers. Nothing
 here decides anything: the cells and sentences pick and format the Matrix's fields."""
 
 from __future__ import annotations
@@ -17,18 +18,20 @@ from kvtrace.analyzer.statements import APPEND_PHASE, KernelStatement
 
 Name = Callable[[str], str]
 
-# The kernel columns: (header, statement subject), in the head's order.
+# A GitHub issue or comment body holds this many characters: the markdown keeps under it (its head always).
+ISSUE_CHARS = 65_536
+# The kernel rows of the head, in its order: (words, statement subject).
 KERNEL_COLUMNS = (("prefill attention", "prefill_attention"), ("decode attention", "decode_attention"),
                   ("KV append kernel", "kv_append"), ("KV append phase", APPEND_PHASE))
+_SUBJECT_WORDS = dict((subject, words) for words, subject in KERNEL_COLUMNS)
 _SEGMENT_WORDS = {"prefill_attention": "prefill attention", "decode_attention": "decode attention"}
 _OBJECTIVE_WORDS = {"ttft": "TTFT", "itl": "ITL", "throughput": "output tokens/s"}
-
-
-# The rule the decision applies to the measured rows.
-RULE = ("The rule: the narrower format pays for conversion in cold prefill and for packing in append, saves bytes in "
-        "decode, and wins TTFT only by fitting more of the working set; so choose it where capacity or decode "
-        "bandwidth binds, and keep the wider format where cold prefill dominates and its cache still holds the working "
-        "set.")
+_METHOD_WORDS = {mx.stats.PAIRED_REQUESTS: "paired requests", mx.stats.RUN_MEANS: "run pairs' means",
+                 mx.stats.MOMENTS: "per-request mean and std",
+                 mx.stats.NO_INTERVAL: "none"}
+# The serving columns of the table: (header, ServingRow.estimates' key, unit).
+SERVING_COLUMNS = (("TTFT ms", "ttft_ms", "ms"), ("ITL ms (per request: TPOT)", "tpot_ms", "ms"),
+                   ("output tok/s", "output_tokens_per_s", "tok/s"))
 
 
 def _plain(text: str) -> str:
@@ -48,7 +51,30 @@ def rows_text(rows) -> str:
     return ", ".join(spans)
 
 
+def _band(estimate) -> str:
+    """The no-change band an estimate's verdict used, and what it rests on."""
+    if estimate.band_basis == "assumed":
+        return f"±{100 * estimate.band:g}%, assumed with one run per arm"
+    return f"the threshold; {estimate.runs} run pairs put the drift inside the interval"
+
+
 # ---- cells -----------------------------------------------------------------------------------------------
+
+def _number(value: float | None, unit: str) -> str:
+    if value is None:
+        return "–"
+    return f"{value:,.1f}" if unit == "ms" else f"{value:,.0f}"
+
+
+def estimate_cell(estimate, unit: str) -> str:
+    """baseline → candidate (means over every run), then candidate / baseline with its interval."""
+    if estimate is None:
+        return "–"
+    spread = interval(estimate.low, estimate.high) if estimate.low is not None else "no interval"
+    runs = f", {estimate.runs} runs" if estimate.runs > 1 else ""
+    return (f"{_number(estimate.baseline, unit)} → {_number(estimate.candidate, unit)}<br>"
+            f"{ratio(estimate.ratio)} {spread}{runs}")
+
 
 def _kernel(statement: KernelStatement) -> str:
     if statement.ratio is None:
@@ -60,23 +86,6 @@ def _kernel(statement: KernelStatement) -> str:
 def kernel_cell(scenario: mx.Scenario, subject: str) -> str:
     found = [_kernel(s) for s in scenario.kernels if s.subject == subject]
     return "; ".join(found) or "–"
-
-
-def _pair(b, c, fmt) -> str:
-    return f"{fmt(b)} → {fmt(c)}"
-
-
-def _ms(value) -> str:
-    return "–" if value is None else f"{value:,.1f}"
-
-
-def _latency(m, name: str) -> str:
-    lat = getattr(m, name) if m is not None else None
-    if lat is None:
-        return "–"
-    if lat.p50 is not None:
-        return f"p50 {_ms(lat.p50)}"
-    return f"mean {_ms(lat.mean)}" if lat.mean is not None else "–"
 
 
 def _arms(point: mx.MatrixPoint, fmt) -> str:
@@ -96,48 +105,83 @@ def winner_cell(point: mx.MatrixPoint, scenario: mx.Scenario) -> str:
     if point.winner is None:
         return point.undecided or "not decided"
     if point.winner == mx.NO_CLEAR_WINNER:
-        return f"{mx.NO_CLEAR_WINNER} ({ratio(point.ratio)})"
+        return f"{mx.NO_CLEAR_WINNER} (band: {_band(point.estimate)})"
+    if point.winner == mx.NOT_EXPLAINED:
+        label = scenario.candidate if point.apparent == "candidate" else scenario.baseline
+        return f"{mx.NOT_EXPLAINED}: {label} looks better, and nothing kvtrace measured says why"
     label = scenario.candidate if point.winner == "candidate" else scenario.baseline
-    return f"{label} ({ratio(point.ratio)})"
+    return f"{label} ({ratio(point.ratio)} {interval(point.estimate.low, point.estimate.high)})"
 
 
 def causes_cell(point: mx.MatrixPoint) -> str:
-    if point.winner in (None, mx.NO_CLEAR_WINNER):
+    if point.winner in (None, mx.NO_CLEAR_WINNER, mx.NOT_EXPLAINED):
         return "–"
-    if not point.causes:
-        return "none measured"
     return " + ".join(point.causes) + (" (neither alone)" if len(point.causes) == 2 else
                                        " (none alone)" if len(point.causes) > 2 else "")
 
 
-def table(result: mx.Matrix, name: Name) -> tuple[list[str], list[list[str]]]:
-    """One row per scenario and traffic point; kernel cells on a scenario's first row (one run, one diff)."""
+def _where(scenario: mx.Scenario, point: mx.MatrixPoint, name: Name, br: str) -> str:
+    return name(scenario.name) + (f"{br}{name(point.point)}" if point.point else "")
+
+
+def table(result: mx.Matrix, name: Name, br: str = "<br>") -> tuple[list[str], list[list[str]]]:
+    """The visible table: one row per scenario and traffic point, serving means with their intervals (TTFT beside
+    the cached prompt tokens), whether an arm is capacity-bound, and who wins. `br` stacks a cell's lines."""
     objective = _OBJECTIVE_WORDS[result.objective]
-    header = ["row", "scenario", "traffic point", "arms", *(h for h, _ in KERNEL_COLUMNS), "TTFT ms",
-              "cached prompt tokens", "ITL ms", "TPOT ms", "input tok/s", "output tok/s", "completed", "preemptions",
-              "peak running", "peak KV usage", "capacity-bound", f"wins on {objective}", "what wins it"]
+    header = ["row", "scenario · traffic point", "arms", SERVING_COLUMNS[0][0], "cached prompt tokens",
+              *(h for h, _, _ in SERVING_COLUMNS[1:]), "capacity-bound", f"wins on {objective}", "what wins it"]
     body = []
     for scenario in result.scenarios:
-        first = scenario.points[0].row
+        arms = f"{name(scenario.baseline)} → {name(scenario.candidate)}"
         for point in scenario.points:
-            kernels = [name(kernel_cell(scenario, subject)) if point.row == first else f"as R{first}"
-                       for _, subject in KERNEL_COLUMNS]
-            arms = f"{name(scenario.baseline)} → {name(scenario.candidate)}"
+            where = _where(scenario, point, name, br)
             if point.serving is None:
-                body.append([f"R{point.row}", name(scenario.name), "–", arms, *kernels]
-                            + ["–"] * 11 + [name(winner_cell(point, scenario)), "–"])
+                body.append([f"R{point.row}", where, arms, *["–"] * 5, name(winner_cell(point, scenario)), "–"])
                 continue
-            serving = [
-                _arms(point, lambda m: _latency(m, "ttft_ms")), _arms(point, _cached),
-                _arms(point, lambda m: _latency(m, "itl_ms")), _arms(point, lambda m: _latency(m, "tpot_ms")),
-                _arms(point, lambda m: _count(m and m.input_tokens_per_s and round(m.input_tokens_per_s))),
-                _arms(point, lambda m: _count(m and m.output_tokens_per_s and round(m.output_tokens_per_s))),
-                _arms(point, lambda m: _count(m and m.requests)), _arms(point, lambda m: _count(m and m.preemptions)),
-                _arms(point, lambda m: _peak(m, "peak_running", _count)),
-                _arms(point, lambda m: _peak(m, "peak_kv_usage", percent))]
-            body.append([f"R{point.row}", name(scenario.name), name(point.point or "–"), arms, *kernels, *serving,
-                         name(_capacity(point, scenario)), name(winner_cell(point, scenario)),
-                         causes_cell(point)])
+            estimates = point.serving.estimates
+            cells = [estimate_cell(estimates.get(key), unit).replace("<br>", br) for _, key, unit in SERVING_COLUMNS]
+            body.append([f"R{point.row}", where, arms, cells[0], _arms(point, _cached), *cells[1:],
+                         name(_capacity(point, scenario)), name(winner_cell(point, scenario)), causes_cell(point)])
+    return header, body
+
+
+def kernel_table(result: mx.Matrix, name: Name) -> tuple[list[str], list[list[str]]]:
+    """The rows of each scenario's head (candidate / baseline per call), one per phase and workload point, with the
+    kernels compared and their query dtypes."""
+    header = ["rows", "scenario", "phase", "where", "candidate / baseline per call", "verdict", "kernels (query dtype)"]
+    body = []
+    for scenario in result.scenarios:
+        rows = rows_text([p.row for p in scenario.points])
+        for k in scenario.kernels:
+            queries = (f" ({k.baseline_query} → {k.candidate_query} queries)"
+                       if k.baseline_query or k.candidate_query else "")
+            body.append([rows, name(scenario.name), _SUBJECT_WORDS.get(k.subject, k.subject), name(k.point),
+                         f"{ratio(k.ratio)} {interval(k.ci_low, k.ci_high)}" if k.ratio is not None else "–",
+                         name(k.verdict if k.ratio is not None else f"{k.verdict} ({k.reason or ''})"),
+                         name((k.kernels or "–") + queries)])
+    return header, body
+
+
+def detail_table(result: mx.Matrix, name: Name) -> tuple[list[str], list[list[str]]]:
+    """The rest of each point's serving numbers (baseline → candidate, the first run's) and how its intervals
+    were made."""
+    header = ["row", "E2E latency ms", "input tok/s", "completed", "preemptions", "peak running", "peak KV usage",
+              "interval from"]
+    body = []
+    for scenario in result.scenarios:
+        for point in scenario.points:
+            if point.serving is None:
+                continue
+            estimates = point.serving.estimates
+            made = next((e for e in (estimates.get(k) for _, k, _ in SERVING_COLUMNS) if e is not None), None)
+            how = "–" if made is None else "; ".join(dict.fromkeys(
+                _METHOD_WORDS[e.method] for e in estimates.values() if e is not None))
+            body.append([f"R{point.row}", estimate_cell(estimates.get("e2el_ms"), "ms").replace("<br>", " · "),
+                         _arms(point, lambda m: _count(m and m.input_tokens_per_s and round(m.input_tokens_per_s))),
+                         _arms(point, lambda m: _count(m and m.requests)),
+                         _arms(point, lambda m: _count(m and m.preemptions)),
+                         _arms(point, lambda m: _peak(m, "peak_running", _count)),
+                         _arms(point, lambda m: _peak(m, "peak_kv_usage", percent)), name(how)])
     return header, body
 
 
@@ -145,8 +189,7 @@ def table(result: mx.Matrix, name: Name) -> tuple[list[str], list[list[str]]]:
 
 def _kernel_words(k: dict, winner: str, b: str, c: str) -> str:
     return (f"a faster {_SEGMENT_WORDS[k['segment']]} kernel ({winner}'s; {c} / {b} per matched call "
-            f"{k['ratio']:.3f}× "
-            f"{interval(k['ci_low'], k['ci_high'])} over {k['compared_calls']:,} pairs)")
+            f"{k['ratio']:.3f}× {interval(k['ci_low'], k['ci_high'])} over {k['compared_calls']:,} pairs)")
 
 
 def _why(v: dict, name: Name) -> str:
@@ -168,9 +211,6 @@ def _why(v: dict, name: Name) -> str:
         queued = (f", requests queued {queue[w]:.1f} ms on average against {queue[l_]:.1f} ms"
                   if None not in queue else "")
         parts.append(f"a capacity effect ({loser} was capacity-bound: {name(reason)}; {winner} was not{queued})")
-    if not parts:
-        return (f"{winner} wins, by nothing kvtrace measured here (neither its kernels, nor prefix hits, nor "
-                "capacity favour it)")
     if len(parts) == 1:
         tail = "" if mx.FASTER_KERNEL in v["causes"] else ", not kernel speed"
         return f"{winner} wins, by {parts[0]}{tail}"
@@ -179,14 +219,40 @@ def _why(v: dict, name: Name) -> str:
 
 
 def _objective(v: dict, name: Name) -> str:
-    what = _OBJECTIVE_WORDS[v["objective"]] + (f" {v['stat']}" if v["stat"] else "")
-    return f"{what} {ratio(v['ratio'])} ({name(v['candidate'])} / {name(v['baseline'])})"
+    runs = f", {v['runs']} run pairs" if v["runs"] > 1 else ""
+    return (f"{_OBJECTIVE_WORDS[v['objective']]} mean {ratio(v['ratio'])} {interval(v['ci_low'], v['ci_high'])} "
+            f"({name(v['candidate'])} / {name(v['baseline'])}{runs})")
 
 
 def _outcome(v: dict, name: Name) -> str:
     if v["winner"] == mx.NO_CLEAR_WINNER:
-        return f"{_objective(v, name)}: no clear winner"
+        band = (f"±{100 * v['band']:g}%, assumed with one run per arm" if v["band_basis"] == "assumed" else
+                f"±{100 * v['threshold']:g}%, the run-to-run spread inside the interval")
+        return (f"{_objective(v, name)}: no significant difference (the interval reaches into the no-change band, "
+                f"{band})")
+    if v["winner"] == mx.NOT_EXPLAINED:
+        apparent = name(v["candidate"] if v["apparent"] == "candidate" else v["baseline"])
+        kernels = " and ".join(_SEGMENT_WORDS[k["segment"]] for k in v["kernels"]) or "objective's"
+        return (f"{_objective(v, name)}: {apparent} looks better beyond the band, but its {kernels} kernels are not "
+                "faster and neither prefix hits nor capacity favour it: not explained, so no choice")
     return f"{_objective(v, name)}: {_why(v, name)}"
+
+
+def _phase_words(phase: dict, v: dict, name: Name) -> str:
+    """One row of the head over every scenario: range, verdicts, the kernels compared and their query dtypes."""
+    span = (ratio(phase["low"]) if abs(phase["high"] - phase["low"]) < 5e-4 else
+            f"{ratio(phase['low'])}–{ratio(phase['high'])}")
+    verdicts = ", ".join(f"{count} {verdict}" for verdict, count in phase["verdicts"].items())
+    queries = "; ".join(f"{name(v['baseline'])} on {q[0] or '?'} queries, {name(v['candidate'])} on {q[1] or '?'}"
+                        for q in phase["queries"])
+    kernels = "; ".join(name(k) for k in phase["kernels"][:3])
+    words = f"{_SUBJECT_WORDS[phase['subject']]} {span} ({verdicts}; {rows_text(phase['rows'])}): {kernels}"
+    if queries:
+        words += f" ({queries})"
+    if phase["different_kernels"]:
+        words += (" — the arms ran different kernels here, so the ratio is one kernel against the other, not the "
+                  "cost of converting the cache")
+    return words
 
 
 def claim_text(claim: mx.Claim, result: mx.Matrix, name: Name = _plain) -> str:
@@ -198,9 +264,23 @@ def claim_text(claim: mx.Claim, result: mx.Matrix, name: Name = _plain) -> str:
             + (f"vLLM {name(e['vllm'])}" if e["vllm"] else "no vLLM") + ", attention backend "
             + name(e["attention_backend"] or "not recorded") for e in v["environments"])
         return f"{name(v['candidate'])} against {name(v['baseline'])} {cite} holds for {held}."
+    if claim.kind == "measured":
+        b, c = name(v["baseline"]), name(v["candidate"])
+        text = (f"What this GPU, engine and kernel route measured, {c} / {b} per call on the rows of each "
+                f"scenario's head: " + "; ".join(_phase_words(p, v, name) for p in v["phases"]) + ".")
+        narrower = {"candidate": c, "baseline": b}.get(v["narrower"])
+        if narrower and v["decode_expectation"] == "did not hold":
+            text += (f" The general expectation that the narrower format ({narrower}) saves time in decode, since it "
+                     "moves fewer bytes, did not hold here: no decode attention row is faster with it.")
+        elif narrower and v["decode_expectation"] == "held at some rows only":
+            text += (f" The general expectation that the narrower format ({narrower}) saves time in decode held at "
+                     "some decode attention rows only.")
+        elif narrower and v["decode_expectation"] == "held":
+            text += f" The narrower format ({narrower}) is faster in decode attention here, as it moves fewer bytes."
+        return text
     if claim.kind == "capacity":
-        paid = {"candidate": "paid for its kernel costs", "baseline": "did not pay for its kernel costs"}.get(
-            v["winner"], "neither paid nor lost")
+        paid = {"candidate": "paid for its kernel costs", "baseline": "did not pay for its kernel costs",
+                mx.NOT_EXPLAINED: "is credited with nothing"}.get(v["winner"], "neither paid nor lost")
         where = (" (the sweep's crossover: the first point where only the narrower format fits)"
                  if v["crossover"] else "")
         return (f"Where capacity binds, at {name(v['point'])} {cite}{where}: {name(v['baseline'])} is capacity-bound "
@@ -212,12 +292,19 @@ def claim_text(claim: mx.Claim, result: mx.Matrix, name: Name = _plain) -> str:
             if k["ratio"] is not None else f"{name(k['point'])} {k['verdict']} ({name(k['reason'] or '')})"
             for k in v["phase_kernels"]) or "not compared"
         where, what = (("cold prefill", "prefill") if claim.kind == "cold-prefill" else ("decode", "decode"))
-        return (f"Where {where} dominates, at {name(v['point'])} {cite}, this is what {name(v['candidate'])} costs or "
-                f"saves: {what} attention kernels {kernels} ({name(v['candidate'])} / {name(v['baseline'])}); "
-                f"{_outcome(v, name)}.")
+        return (f"Where {where} dominates, at {name(v['point'])} {cite}: {what} attention kernels {kernels} "
+                f"({name(v['candidate'])} / {name(v['baseline'])}); {_outcome(v, name)}.")
     if claim.kind in ("prefix", "point"):
         what = "With prefix reuse" if claim.kind == "prefix" else "At"
         return f"{what} {'at ' if claim.kind == 'prefix' else ''}{name(v['point'])} {cite}: {_outcome(v, name)}."
+    if claim.kind == "disagree":
+        each = "; ".join(f"R{m['row']} {ratio(m['ratio'])} "
+                         + (interval(m["ci_low"], m["ci_high"]) if m["ci_low"] is not None else "(no interval)")
+                         + (f" over {m['runs']} run pairs" if m["runs"] > 1 else " from one run per arm")
+                         for m in v["measurements"])
+        return (f"{name(v['point'])} was measured more than once {cite}, and the measurements disagree on "
+                f"{_OBJECTIVE_WORDS[v['objective']]} ({name(v['candidate'])} / {name(v['baseline'])}: {each}): "
+                "kvtrace does not decide this point; record it again with --repeats.")
     if claim.kind == "kernels":
         costs = "; ".join(f"{k['subject'].replace('_', ' ')} {name(k['point'])} {ratio(k['ratio'])} "
                           f"{interval(k['ci_low'], k['ci_high'])} {k['verdict']}" for k in v["costs"])
@@ -227,13 +314,18 @@ def claim_text(claim: mx.Claim, result: mx.Matrix, name: Name = _plain) -> str:
         objective = _OBJECTIVE_WORDS[v["objective"]]
         parts = [f"choose {name(v['candidate'])} at {rows_text(v['candidate_wins'])}" if v["candidate_wins"] else None,
                  f"keep {name(v['baseline'])} at {rows_text(v['baseline_wins'])}" if v["baseline_wins"] else None,
-                 f"no clear winner (within ±{100 * result.threshold:g}%) at {rows_text(v['no_clear_winner'])}"
-                 if v["no_clear_winner"] else None,
+                 f"no significant difference at {rows_text(v['no_clear_winner'])}" if v["no_clear_winner"] else None,
+                 f"not explained (no choice) at {rows_text(v['not_explained'])}" if v["not_explained"] else None,
+                 f"measurements disagree at {rows_text(v['disagree'])}" if v["disagree"] else None,
                  f"not decided at {rows_text(v['undecided'])} (their cells say why)" if v["undecided"] else None]
-        measured = v["candidate_wins"] or v["baseline_wins"] or v["no_clear_winner"]
-        return (f"On {objective}, {name(v['candidate'])} against {name(v['baseline'])}: "
-                + "; ".join(p for p in parts if p) + "."
-                + (" Serving numbers are one run per arm, without an interval." if measured else ""))
+        text = f"On {objective}, {name(v['candidate'])} against {name(v['baseline'])}: " + \
+            "; ".join(p for p in parts if p) + "."
+        if v["one_run"]:
+            text += (f" {rows_text(v['one_run'])} rest on one run per arm: run-to-run drift is not measured there, so "
+                     f"a change within ±{100 * mx.stats.ASSUMED_SERVING_BAND:g}% is not attributed to the KV format "
+                     "(`kvtrace capture --repeats` measures it; per-request times, which `vllm bench serve "
+                     "--save-detailed` keeps, give TTFT and ITL an interval within a run).")
+        return text
     if claim.kind == "quality":
         return quality_render.decision({s.name: s.report.quality for s in result.scenarios
                                         if s.name in v["scenarios"] and s.report.quality}, v["candidate"], name)
@@ -241,47 +333,66 @@ def claim_text(claim: mx.Claim, result: mx.Matrix, name: Name = _plain) -> str:
 
 
 def _lead(result: mx.Matrix) -> str:
-    return (f"One row per scenario and traffic point (R1, R2, …: what the decision cites). Kernel columns are "
-            f"candidate / baseline per call from each scenario's report (the rows of `kvtrace diff`'s head, with "
-            f"their intervals and verdicts); serving cells are baseline → candidate as each run recorded them "
-            "(latencies p50, or the mean where only vLLM's histograms exist). vLLM reports no eviction counter in "
-            "/metrics: preemptions stand for it. The winner beats the other arm by more than "
-            f"±{100 * result.threshold:g}% on {_OBJECTIVE_WORDS[result.objective]}; points whose arms did different "
-            "work, and capacity reasons that rest on peaks not observed, say so in their cells and do not count.")
+    return (f"One row per scenario and traffic point (R1, R2, …: what the decision cites). Serving cells are "
+            "baseline → candidate, each arm's mean over every run, then candidate / baseline with its 95% interval "
+            "(docs/statistics.md, serving intervals). A point is won on "
+            f"{_OBJECTIVE_WORDS[result.objective]} only where the whole interval clears the no-change band (±"
+            f"{100 * result.threshold:g}% with --repeats; ±{100 * mx.stats.ASSUMED_SERVING_BAND:g}% with one run per "
+            "arm, whose drift is not measured), and is a choice only where a faster kernel, prefix hits or a capacity "
+            "effect explains it. Points whose arms did different work, or that two measurements disagree on, are "
+            "not decided.")
 
 
 def markdown(result: mx.Matrix) -> str:
+    """The answer (serving table, decision) ahead of <details> with the kernel rows and the rest; where the whole
+    would not fit an issue body (ISSUE_CHARS), the <details> part is left to the file `result.rest_file` names
+    (`kvtrace matrix -o FILE.md` writes it), or, on standard output, to a run with -o."""
+    head, rest = markdown_parts(result)
+    if len(head) + len(rest) <= ISSUE_CHARS:
+        return head + rest
+    where = (f"are in {md_code(result.rest_file)} beside this file" if result.rest_file else
+             "are left out: write the markdown with -o FILE.md to get them in a file beside it")
+    return head + f"\nThe kernel rows and the rest of the serving numbers {where} (with them it would not fit an " \
+        "issue body).\n"
+
+
+def markdown_parts(result: mx.Matrix) -> tuple[str, str]:
+    """(the visible part, the <details> part) of the markdown."""
     lines = [f"## kvtrace matrix: the decision on {_OBJECTIVE_WORDS[result.objective]}", "", md_text(_lead(result)), ""]
     lines += markdown_table(*table(result, md_text))
     lines += [""] + [f"- {md_text(s.name)}: {md_text(quality_render.line(s.report.quality, s.baseline, s.candidate))}"
                      for s in result.scenarios if s.report.quality]
-    lines += ["", "### The decision", "", RULE]
-    for claim in result.claims:  # one paragraph per pair of formats, opened by what it holds for
-        lines += ["", claim_text(claim, result, md_text)] if claim.kind in ("environment", "quality") else \
-            [claim_text(claim, result, md_text)]
+    lines += ["", "### The decision"]
+    for claim in result.claims:  # a paragraph each, a pair of formats opened by what it holds for
+        lines += ["", claim_text(claim, result, md_text)]
     if result.plots:
         lines += ["", "### Plots", ""]
         lines += [f"- {md_code(p.link)}: {md_text(p.title)}" for p in result.plots]
-    lines += ["", f"<sub>kvtrace {result.kvtrace_version} · {result.schema}</sub>"]
-    return "\n".join(lines) + "\n"
+    lines += ["", f"<sub>kvtrace {result.kvtrace_version} · {result.schema}</sub>", ""]
+    rest = ["<details><summary>Kernel rows of each scenario, and the rest of each point's serving numbers</summary>",
+            "", "Kernel rows are candidate / baseline per call, the rows of each scenario's `kvtrace diff` head with "
+            "their intervals and verdicts.", ""]
+    rest += markdown_table(*kernel_table(result, md_text))
+    rest += ["", "Serving numbers not in the table above: baseline → candidate, the first run's (E2E latency: means "
+             "over every run, with its interval). vLLM reports no eviction counter in /metrics: preemptions stand "
+             "for it.", ""]
+    rest += markdown_table(*detail_table(result, md_text))
+    rest += ["", "</details>", ""]
+    return "\n".join(lines), "\n".join(rest)
 
 
 def terminal(result: mx.Matrix, console: Console) -> None:
-    # The markdown's one table, split in two for a terminal's width: the phase evidence, then serving and who wins.
-    header, body = table(result, _plain)
-    split = 4 + len(KERNEL_COLUMNS)
-    console.print(_rich_table(f"kvtrace matrix: the decision on {_OBJECTIVE_WORDS[result.objective]} · kernels "
-                              "(candidate / baseline per call)", header[:split], [row[:split] for row in body]))
-    console.print(_rich_table("serving (baseline → candidate) and who wins each point", header[:1] + header[split:],
-                              [row[:1] + row[split:] for row in body]))
+    header, body = table(result, _plain, br=" · ")
+    console.print(_rich_table(f"kvtrace matrix: the decision on {_OBJECTIVE_WORDS[result.objective]} (serving: "
+                              "baseline → candidate, candidate / baseline [interval])", header, body))
     for s in result.scenarios:
         if s.report.quality:
             console.print(f"{visible(s.name)}: {visible(quality_render.line(s.report.quality, s.baseline, s.candidate))}",
                           markup=False, highlight=False)
     console.print(visible(_lead(result)), markup=False, highlight=False)
     console.print("The decision", style="bold")
-    console.print(f"  {RULE}", markup=False, highlight=False)
     for claim in result.claims:
         console.print(f"  {visible(claim_text(claim, result))}", markup=False, highlight=False)
+    console.print(_rich_table("kernels (candidate / baseline per call)", *kernel_table(result, _plain)))
     for plot in result.plots:
         console.print(f"  plot: {visible(plot.path)}", markup=False, highlight=False)

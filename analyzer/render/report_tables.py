@@ -531,6 +531,7 @@ def report_csv(report: Report) -> str:
                 continue
             values = asdict(metrics)
             checks = values.pop("checks")
+            values.pop("requests_detail")  # per-request lists: the JSON's
             for name, value in _flatten(values):
                 writer.writerow(["serving", row.point, labels[side], name, "" if value is None else value])
             for check in checks:  # one line per source and one for the verdict

@@ -1,0 +1,190 @@
+"""Do the serving intervals keep their promise? Coverage by simulation on real per-request latencies, as
+tests/test_intervals.py checks the kernel intervals on real call pairs; and what the serving rows read.
+
+The population: the 32 requests of one real `vllm bench serve` point recorded in both arms
+(fixtures/vllm033-h200 serve-sweep, input=1024 at concurrency 16: each request's end-to-end latency, which the
+bench JSON keeps per request in request order). The candidate's latencies are rescaled so that, over the
+population, both arms sum the same; a draw resamples the requests and scales the candidate by a known ratio r,
+which is then the truth of every draw.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from conftest import VLLM033_RUNS
+from kvtrace.analyzer import serving, stats
+from kvtrace.analyzer.report import build as build_report
+from kvtrace.analyzer.runs import ArmInput
+from kvtrace.errors import KvtraceError
+from kvtrace.manifest import read_manifest
+
+SWEEP = VLLM033_RUNS["serve-sweep"]
+REPEATS = VLLM033_RUNS["offline-decode-heavy-repeats"]
+DRAWS = 400
+
+
+@pytest.fixture(scope="module")
+def population() -> tuple[np.ndarray, np.ndarray]:
+    base = np.array(json.loads((SWEEP / "fp8.p1.bench.json").read_text())["latencies"]) * 1000
+    cand = np.array(json.loads((SWEEP / "nvfp4.p1.bench.json").read_text())["latencies"]) * 1000
+    assert base.size == cand.size == 32
+    return base, cand * base.sum() / cand.sum()
+
+
+def test_paired_request_intervals_cover_a_known_ratio(population):
+    """400 draws of 32 request pairs, r = 1.3: the 95% interval covers r in 93-97% of them (a correct interval
+    leaves that range with probability about 4%; one covering 90% enters it with 0.1%)."""
+    base, cand = population
+    rng = np.random.default_rng(34)
+    covered = 0
+    for index in range(DRAWS):
+        picked = rng.integers(0, base.size, base.size)
+        estimate = stats.serving_estimate([(stats.ArmSamples.of_values(base[picked]),
+                                            stats.ArmSamples.of_values(1.3 * cand[picked]))], resamples=1000,
+                                          seed=index)
+        assert estimate.method == stats.PAIRED_REQUESTS and estimate.requests == base.size
+        covered += estimate.low <= 1.3 <= estimate.high
+    assert 0.93 <= covered / DRAWS <= 0.97
+
+
+def test_moment_intervals_cover_a_known_ratio(population):
+    """Each arm's mean, std and count alone (what the bench client's summary keeps): the same coverage, with the
+    two arms' requests drawn independently since nothing pairs them."""
+    base, cand = population
+    rng = np.random.default_rng(35)
+    covered = 0
+    for _ in range(DRAWS):
+        b, c = base[rng.integers(0, base.size, base.size)], 0.8 * cand[rng.integers(0, base.size, base.size)]
+        estimate = stats.serving_estimate([(stats.ArmSamples(b.mean(), b.std(ddof=1), b.size),
+                                            stats.ArmSamples(c.mean(), c.std(ddof=1), c.size))])
+        assert estimate.method == stats.MOMENTS
+        covered += estimate.low <= 0.8 <= estimate.high
+    assert 0.93 <= covered / DRAWS <= 0.97
+
+
+@pytest.mark.parametrize("runs", [2, 3, 5])
+def test_run_pair_intervals_cover_a_known_ratio_with_run_to_run_drift(population, runs):
+    """--repeats: each run's mean of 32 resampled requests, each arm of each run moved by its own drift (10%
+    log-normal, about what the vLLM 0.33 decode-heavy recordings of one point moved). The interval over run pairs
+    covers r = 1.3 in 93-97% of draws, whether 2, 3 or 5 run pairs (a bootstrap over two run pairs covered 92%)."""
+    base, cand = population
+    rng = np.random.default_rng(runs)
+    covered = 0
+    for _ in range(DRAWS):
+        pairs = []
+        for _ in range(runs):
+            drift = np.exp(rng.normal(0.0, 0.1, 2))
+            picked = rng.integers(0, base.size, base.size)
+            pairs.append((stats.ArmSamples(float(drift[0] * base[picked].mean())),
+                          stats.ArmSamples(float(1.3 * drift[1] * cand[picked].mean()))))
+        estimate = stats.serving_estimate(pairs)
+        assert estimate.method == stats.RUN_MEANS and estimate.band == 0.0 and len(estimate.run_ratios) == runs
+        covered += estimate.low <= 1.3 <= estimate.high
+    assert 0.93 <= covered / DRAWS <= 0.97
+
+
+def test_same_work_is_no_significant_difference_and_throughput_reads_higher_as_better(population):
+    base, cand = population
+    same = stats.serving_estimate([(stats.ArmSamples.of_values(base), stats.ArmSamples.of_values(cand))])
+    assert same.verdict == stats.NO_CHANGE and same.low <= 1 <= same.high
+    # One run per arm: a 20% change with a tight interval is still within the assumed band.
+    inside = stats.serving_estimate([(stats.ArmSamples.of_values(base), stats.ArmSamples.of_values(1.2 * cand))])
+    assert inside.low > 1 + 0.02 and inside.verdict == stats.NO_CHANGE and inside.band == stats.ASSUMED_SERVING_BAND
+    slower = stats.serving_estimate([(stats.ArmSamples.of_values(base), stats.ArmSamples.of_values(2 * cand))])
+    assert slower.verdict == stats.REGRESSION
+    # Throughput: higher is better, so the same ratio is an improvement; without a spread, no verdict beyond the
+    # threshold.
+    faster = stats.serving_estimate([(stats.ArmSamples(100.0), stats.ArmSamples(200.0)),
+                                     (stats.ArmSamples(110.0), stats.ArmSamples(215.0))], higher_is_better=True)
+    assert faster.ratio > 1 and faster.verdict == stats.IMPROVEMENT
+    single = stats.serving_estimate([(stats.ArmSamples(100.0), stats.ArmSamples(200.0))], higher_is_better=True)
+    assert single.low is None and single.verdict == stats.INSUFFICIENT_DATA
+
+
+def test_a_repeats_capture_is_estimated_over_every_run(recipes):
+    """The --repeats run of the decode-heavy point: its TTFT estimate is the mean over both runs of each arm
+    (vLLM's histograms, read here from the manifest), not the first run's, and its run ratios are each run
+    pair's."""
+    result = build_report([REPEATS], recipes)
+    (row,) = result.serving
+    manifest = json.loads((REPEATS / "manifest.json").read_text())
+    means = {}
+    for name, arm in manifest["arms"].items():
+        histogram = arm["points"][0]["metrics"]["deltas"]["histograms"]["vllm:time_to_first_token_seconds"]
+        means[name] = 1000 * histogram["sum"] / histogram["count"]
+    estimate = row.estimates["ttft_ms"]
+    assert row.runs == 2 and estimate.runs == 2 and estimate.method == stats.RUN_MEANS
+    assert estimate.baseline == pytest.approx((means["fp8.r1"] + means["fp8.r2"]) / 2)
+    assert estimate.candidate == pytest.approx((means["nvfp4.r1"] + means["nvfp4.r2"]) / 2)
+    assert estimate.run_ratios == pytest.approx((means["nvfp4.r1"] / means["fp8.r1"],
+                                                 means["nvfp4.r2"] / means["fp8.r2"]))
+    assert estimate.low < min(estimate.run_ratios) and max(estimate.run_ratios) < estimate.high
+
+
+def test_serve_points_pair_their_requests_end_to_end(recipes):
+    """The vLLM 0.33 serve sweep's bench files keep each request's end-to-end latency: E2E intervals pair request
+    with request (same prompts, same order by the capture's hash); TTFT, of which only the summary is kept, gets
+    the moments' interval."""
+    result = build_report([SWEEP], recipes)
+    for row in result.serving:
+        assert row.paired_requests
+        e2e, ttft = row.estimates["e2el_ms"], row.estimates["ttft_ms"]
+        assert e2e.method == stats.PAIRED_REQUESTS and e2e.requests == row.baseline.requests
+        assert ttft.method == stats.MOMENTS and ttft.low < ttft.ratio < ttft.high
+        detail = row.baseline.requests_detail
+        assert detail.e2el_ms.size == row.baseline.requests and detail.ttft_ms is None
+
+
+def test_detailed_bench_results_give_per_request_ttft_tpot_and_cached_share(tmp_path):
+    """What `--save-detailed` adds (ttfts, output_lens, input_lens) is read per request, TPOT as the client
+    computes it; lists of different lengths are no per-request data; a bench result outside the run directory is
+    refused."""
+    run = tmp_path / "run"
+    run.mkdir()
+    bench = json.loads((SWEEP / "fp8.p1.bench.json").read_text())
+    n = len(bench["latencies"])
+    bench.update(ttfts=[0.05 + 0.001 * i for i in range(n)], output_lens=[16] * n, input_lens=[1024] * n)
+    (run / "p.bench.json").write_text(json.dumps(bench))
+    record = {"point": "input=1024,output=16,prompts=32,concurrency=16", "bench_result": "p.bench.json",
+              "cached_tokens_per_request": [512] * n}
+    samples = serving.request_samples(record, run)
+    assert samples.ttft_ms == pytest.approx([50 + i for i in range(n)])
+    assert samples.tpot_ms == pytest.approx((np.array(bench["latencies"]) * 1000 - samples.ttft_ms) / 15)
+    assert samples.cached_share == pytest.approx([0.5] * n)
+    bench["ttfts"] = bench["ttfts"][:-1]
+    (run / "p.bench.json").write_text(json.dumps(bench))
+    broken = serving.request_samples(record, run)
+    assert broken.ttft_ms is None and broken.e2el_ms is None and broken.cached_tokens is not None
+    bench["ttfts"] = ["x"] * n
+    (run / "p.bench.json").write_text(json.dumps(bench))
+    assert serving.request_samples(record, run).ttft_ms is None
+    for unreadable in ("p\x00.json", ".", "missing.json"):  # no file by that name, or not a file: the summary stands
+        assert serving.request_samples({**record, "bench_result": unreadable}, run).ttft_ms is None
+    shutil.copy2(run / "p.bench.json", tmp_path / "outside.bench.json")
+    with pytest.raises(KvtraceError, match="leads outside the run directory"):
+        serving.request_samples({**record, "bench_result": "../outside.bench.json"}, run)
+
+
+def test_samples_pair_only_where_the_request_orders_match(tmp_path):
+    """Per-request values pair only where both arms' request-order hashes for the point are equal: a copy of the
+    serve sweep whose nvfp4 hash of the first point differs falls back to each arm's moments there."""
+    data = json.loads((SWEEP / "manifest.json").read_text())
+    data["arms"]["nvfp4"]["points"][0]["request_order_sha256"] = "0" * 64
+    (tmp_path / "manifest.json").write_text(json.dumps(data))
+    for bench in SWEEP.glob("*.bench.json"):
+        shutil.copy2(bench, tmp_path / bench.name)
+    manifest = read_manifest(tmp_path)
+    rows = serving.serving_rows(*(ArmInput.of(tmp_path, manifest, arm) for arm in ("fp8", "nvfp4")))
+    assert [row.paired_requests for row in rows] == [False, True, True, True]
+    assert rows[0].estimates["e2el_ms"].method == stats.MOMENTS
+    assert rows[1].estimates["e2el_ms"].method == stats.PAIRED_REQUESTS
+
+
+@pytest.fixture(scope="module")
+def recipes(shipped_recipes):
+    return shipped_recipes
