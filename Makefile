@@ -8,6 +8,10 @@ OUT ?= out
 # The real vLLM 0.33 pair (H200, FP8 vs NVFP4 KV cache, offline decode-heavy), shipped packed.
 VLLM_DEMO_PACK := fixtures/vllm033-h200/offline-decode-heavy.tar.xz
 VLLM_DEMO := $(OUT)/vllm033-offline-decode-heavy
+# The capacity-bound region on the Llama-3.1-8B-shaped model (issue 33): the matched cold prefill and prefix reuse
+# past FP8's pool, both halves of the prefill statement.
+CAPACITY_PACKS := fixtures/vllm033-h200-8b/capacity-cold-prefill.tar.xz fixtures/vllm033-h200-8b/capacity-prefix-reuse.tar.xz
+CAPACITY_DEMO := $(OUT)/vllm033-capacity
 
 # Test processes (pytest-xdist): auto is one per core.
 TEST_WORKERS ?= auto
@@ -30,9 +34,13 @@ demo: install
 	kvtrace diff $(DEMO)/fp8.sqlite $(DEMO)/nvfp4.sqlite --format markdown -o $(OUT)/demo-diff.md
 	kvtrace diff $(DEMO)/fp8.sqlite $(DEMO)/nvfp4.sqlite --format json -o $(OUT)/demo-diff.json
 	kvtrace report $(DEMO) --format markdown -o $(OUT)/demo-report.md --plots $(OUT)/plots
+	rm -rf $(CAPACITY_DEMO) && mkdir -p $(CAPACITY_DEMO) && for pack in $(CAPACITY_PACKS); do tar -xJf $$pack -C $(CAPACITY_DEMO); done
+	kvtrace matrix $(CAPACITY_DEMO)/vllm033-capacity-cold-prefill $(CAPACITY_DEMO)/vllm033-capacity-prefix-reuse
+	kvtrace matrix $(CAPACITY_DEMO)/vllm033-capacity-cold-prefill $(CAPACITY_DEMO)/vllm033-capacity-prefix-reuse --format markdown -o $(OUT)/demo-capacity.md
 	@echo "vLLM 0.33 FP8 vs NVFP4 run directory: $(VLLM_DEMO)"
 	@echo "markdown report: $(OUT)/demo-diff.md, JSON: $(OUT)/demo-diff.json"
 	@echo "serving report with plots: $(OUT)/demo-report.md ($(OUT)/plots/; drag $(OUT)/plots/summary.png into the issue)"
+	@echo "the capacity-bound region (cold prefill beside prefix reuse, 8B shape): $(OUT)/demo-capacity.md"
 
 test: install-dev
 	@if [ -n "$(NSYS_INSTALLER)" ]; then export NSYS=$$(bash $(NSYS_INSTALLER)); fi; \

@@ -445,6 +445,7 @@ def _claims(scenarios: list[Scenario], objective: str, threshold: float) -> list
                 claims.append(Claim("prefix", (p.row,), p.scenario, values))
             else:
                 claims.append(Claim("point", (p.row,), p.scenario, values))
+        claims += _residency_claims(group, base, cand, objective)
         for s in group:
             for p in s.points:
                 if p.serving is None:
@@ -479,6 +480,36 @@ def _claims(scenarios: list[Scenario], objective: str, threshold: float) -> list
                                                    "one_run": one_run}))
         claims.append(Claim("quality", rows, None, {"baseline": base, "candidate": cand, "scenarios": {
             s.name: (s.report.quality.state, s.report.quality.level) for s in group if s.report.quality}}))
+    return claims
+
+
+def _residency_claims(group: list[Scenario], base: str, cand: str, objective: str) -> list[Claim]:
+    """Per point whose server counted each request's cached tokens: how much more of the prompts each arm's pool
+    served from its prefix cache and how many cached blocks it evicted (residency, a capacity effect), beside the
+    prefill attention kernel's cost on the group's matched cold prefill and the objective's outcome there; stated
+    whichever way the objective fell, so that a residency win never reads as a faster kernel, nor a slower kernel
+    hide one."""
+    cold = next(((s, p) for s in group for p in s.points if p.cold_prefill), None)
+    kernel = None
+    if cold is not None:
+        kernel = next(({"row": cold[1].row, "ratio": k.ratio, "ci_low": k.ci_low, "ci_high": k.ci_high,
+                        "verdict": k.verdict} for k in point_kernels(cold[0].report, "prefill_attention")
+                       if k.ratio is not None), None)
+    claims = []
+    for s in group:
+        for p in s.points:
+            arms = (p.serving.baseline, p.serving.candidate) if p.serving else (None, None)
+            if None in arms or None in (arms[0].reuse, arms[1].reuse):
+                continue
+            estimate = p.estimate
+            claims.append(Claim("residency", (p.row,) + ((kernel["row"],) if kernel else ()), p.scenario, {
+                "baseline": base, "candidate": cand, "point": p.point, "objective": objective,
+                "reuse": [asdict(m.reuse) for m in arms],
+                "cached_share": [m.reuse.cached_share for m in arms],
+                "evictions": [asdict(m.evictions) if m.evictions else None for m in arms],
+                "cold_prefill_kernel": kernel, "winner": p.winner, "ratio": p.ratio,
+                "ci_low": estimate.low if estimate else None, "ci_high": estimate.high if estimate else None,
+                "runs": estimate.runs if estimate else None}))
     return claims
 
 

@@ -64,7 +64,9 @@ def bench_command(cfg: VllmCapture, python: str, point: Point, *, seed: int, res
                "--request-rate", "inf", "--num-warmups", "0", "--ready-check-timeout-sec", "0",
                "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99", "--disable-tqdm"]
     if result is not None:
-        command += ["--save-result", "--result-dir", str(result.parent), "--result-filename", result.name]
+        # --save-detailed keeps each request's TTFT and latencies: the serving intervals resample them.
+        command += ["--save-result", "--save-detailed", "--result-dir", str(result.parent),
+                    "--result-filename", result.name]
     return command
 
 

@@ -325,7 +325,12 @@ _MANIFEST_SHAPE = {"engine": str, "status": str, "request_order_matched": bool, 
 # every comparison, so make the other arm win; a negative counter delta is a counter that reset mid-point.
 _POINT_SHAPE = {
     "point": str, "capacity": str, "bench": {"*": _AMOUNT}, "seconds": _AMOUNT, "elapsed_s": _AMOUNT,
-    "requests": _AMOUNT, "tokens_in": _AMOUNT, "tokens_out": _AMOUNT, "cached_tokens": _AMOUNT,
+    # The offline worker's count of requests, or (serve) the usage relay's summary of them beside its file.
+    "requests": (_AMOUNT, {"file": str, "requests": _AMOUNT, "with_cached_tokens": _AMOUNT, "prompt_tokens": _AMOUNT,
+                           "cached_tokens": _AMOUNT, "cached_share": _AMOUNT, "failed": _AMOUNT}),
+    "kv_events": {"BlockStored": _AMOUNT, "BlockRemoved": _AMOUNT, "AllBlocksCleared": _AMOUNT, "batches": _AMOUNT,
+                  "missed_batches": _AMOUNT, "undecoded": _AMOUNT, "exact": bool},
+    "tokens_in": _AMOUNT, "tokens_out": _AMOUNT, "cached_tokens": _AMOUNT,
     "cached_tokens_per_request": [_AMOUNT],
     "metrics": {"deltas": {"counters": {"*": _AMOUNT},
                            "histograms": {"*": {"count": _AMOUNT, "sum": _AMOUNT, "mean": _AMOUNT}}},
@@ -346,6 +351,13 @@ _RUN_SHAPE = {
 def _check_shape(value, shape, where: str, file: Path) -> None:
     if value is None:
         return
+    if isinstance(shape, tuple):  # any one of these shapes
+        for option in shape:
+            try:
+                return _check_shape(value, option, where, file)
+            except KvtraceError:
+                pass
+        raise _bad_shape(file, where, " or ".join(_wanted(option) for option in shape))
     if isinstance(shape, dict):
         if not isinstance(value, dict):
             raise _bad_shape(file, where, "an object")
@@ -365,6 +377,10 @@ def _check_shape(value, shape, where: str, file: Path) -> None:
             raise _bad_shape(file, where, "true or false")
     elif not isinstance(value, shape) or isinstance(value, bool):
         raise _bad_shape(file, where, {str: "a string", dict: "an object", list: "a list"}.get(shape, "a number"))
+
+
+def _wanted(shape) -> str:
+    return shape.wanted if isinstance(shape, _Number) else {dict: "an object", list: "a list"}.get(type(shape), "text")
 
 
 def _bad_shape(file: Path, where: str, wanted: str) -> KvtraceError:

@@ -29,6 +29,8 @@ NSYS2023_REPORTS = FIXTURES / "fi-h200-sm90-nsys2023"
 BAD_DIR = FIXTURES / "bad"
 SERVE_PACKS = FIXTURES / "vllm-h200-serve"  # serve-mode vLLM runs packed by its pack_run.py (RUN.tar.xz)
 VLLM033_PACKS = FIXTURES / "vllm033-h200"  # vLLM 0.33 FP8 vs NVFP4 runs, packed the same way
+# vLLM 0.33 FP8 vs NVFP4 on the Llama-3.1-8B-shaped dummy model: the capacity-bound region (issue 33)
+VLLM033_8B_PACKS = FIXTURES / "vllm033-h200-8b"
 
 
 def _unpack(pack: Path, *, named: bool = False) -> Path:
@@ -68,6 +70,8 @@ TORCH_H200 = _unpack(FIXTURES / "torch-h200" / "torch-h200.tar.xz")
 TORCH_H100X2 = _unpack(FIXTURES / "torch-h100x2" / "torch-h100x2.tar.xz", named=True)
 # The vLLM 0.33 run directories (fixtures/README.md): offline-cold-prefill, ..., serve-sweep.
 VLLM033_RUNS = {pack.name.removesuffix(".tar.xz"): _unpack(pack) for pack in sorted(VLLM033_PACKS.glob("*.tar.xz"))}
+VLLM033_8B_RUNS = {pack.name.removesuffix(".tar.xz"): _unpack(pack)
+                   for pack in sorted(VLLM033_8B_PACKS.glob("*.tar.xz"))}
 # The older runs, each packed whole as fixtures/RUN/RUN.tar.xz (fixtures/README.md), by run name.
 PACKED_RUNS = {run: _unpack(FIXTURES / run / f"{run}.tar.xz", named=True) for run in (
     "fi-h200-sm90-nsys2023", "fi-h200-sm90-repeat", "fi-h200-sm90-repeats2", "vllm-h200-cold-prefill",

@@ -238,6 +238,39 @@ def _outcome(v: dict, name: Name) -> str:
     return f"{_objective(v, name)}: {_why(v, name)}"
 
 
+def _residency(claim: mx.Claim, v: dict, cite: str, name: Name) -> str:
+    b, c = name(v["baseline"]), name(v["candidate"])
+    reuse, shares, evicted = v["reuse"], v["cached_share"], v["evictions"]
+    text = (f"Residency at {name(v['point'])} {cite}: by the server's own per-request counts {c} served "
+            f"{percent(shares[1])} of its prompt tokens from the prefix cache against {b}'s {percent(shares[0])} "
+            f"({reuse[1]['reused']:,} against {reuse[0]['reused']:,} of {reuse[1]['requests']:,} requests had at "
+            "least half their prompt cached)")
+    if None not in evicted:
+        missed = "" if evicted[0]["exact"] and evicted[1]["exact"] else ", at least: some events were missed"
+        text += (f" and evicted {evicted[1]['blocks_removed']:,} cached KV blocks against "
+                 f"{evicted[0]['blocks_removed']:,} (vLLM's KV-cache events{missed})")
+    more = shares[1] > shares[0]
+    text += (f": {c if more else b}'s larger share is residency, a capacity effect, not a faster kernel."
+             if shares[1] != shares[0] else ": the same share.")
+    kernel = v["cold_prefill_kernel"]
+    if kernel:
+        text += (f" {c}'s prefill attention kernel on the matched cold prefill (R{kernel['row']}) is "
+                 f"{ratio(kernel['ratio'])} {interval(kernel['ci_low'], kernel['ci_high'])} per call "
+                 f"({kernel['verdict']}).")
+    objective = _OBJECTIVE_WORDS[v["objective"]]
+    heading = objective[:1].upper() + objective[1:]
+    if v["ratio"] is None:
+        return text + f" {heading} there is not compared (its cell says why)."
+    spread = (f" {interval(v['ci_low'], v['ci_high'])} over {v['runs']} run pair{'s' if v['runs'] != 1 else ''}"
+              if v["ci_low"] is not None else " (no interval)")
+    outcome = {"candidate": f"{c} wins it", "baseline": f"{b} wins it",
+               mx.NO_CLEAR_WINNER: "no significant difference", mx.NOT_EXPLAINED: "not explained"}.get(
+        v["winner"], "not decided")
+    paid = (f": {c}'s residency did not buy a better {objective} here" if more and v["winner"] != "candidate" else
+            "")
+    return text + f" {heading} there: {ratio(v['ratio'])}{spread} ({c} / {b}), {outcome}{paid}."
+
+
 def _phase_words(phase: dict, v: dict, name: Name) -> str:
     """One row of the head over every scenario: range, verdicts, the kernels compared and their query dtypes."""
     span = (ratio(phase["low"]) if abs(phase["high"] - phase["low"]) < 5e-4 else
@@ -297,6 +330,8 @@ def claim_text(claim: mx.Claim, result: mx.Matrix, name: Name = _plain) -> str:
     if claim.kind in ("prefix", "point"):
         what = "With prefix reuse" if claim.kind == "prefix" else "At"
         return f"{what} {'at ' if claim.kind == 'prefix' else ''}{name(v['point'])} {cite}: {_outcome(v, name)}."
+    if claim.kind == "residency":
+        return _residency(claim, v, cite, name)
     if claim.kind == "disagree":
         each = "; ".join(f"R{m['row']} {ratio(m['ratio'])} "
                          + (interval(m["ci_low"], m["ci_high"]) if m["ci_low"] is not None else "(no interval)")

@@ -147,9 +147,9 @@ def _ttft(s: st.TtftStatement, name: Name = _plain) -> str:
         return (f"{ttft}{where}, with {cached}{_prefix_evidence(s, name)}. Part of the TTFT gain is this capacity / "
                 f"prefix-hit effect, not kernel speed; {kernels}, so TTFT credits neither alone")
     if s.reading == st.PREFIX_HIT_SLOWER:
-        return (f"{ttft}{where}, with {cached}{_prefix_evidence(s, name)}. That is a capacity / prefix-hit win for "
-                f"{c}, not a faster kernel: its {kernels} over {s.prefill_compared_calls:,} paired calls, and the "
-                "prefix hits did not make up for them")
+        return (f"{ttft}{where}, with {cached}{_prefix_evidence(s, name)}. The extra prefix hits are a capacity / "
+                f"prefix-hit win for {c}, not a faster kernel: its {kernels} over {s.prefill_compared_calls:,} paired "
+                "calls, and the prefix hits did not make up for them: its TTFT is not lower")
     if s.reading == st.CAPACITY_EFFECT:
         return (f"{ttft}{where} although {kernels}: {b} was capacity-bound there ({name(s.baseline_capacity)}) and "
                 f"{c} was not, so the TTFT gain is a capacity effect (less queueing and recomputation after "

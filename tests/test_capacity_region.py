@@ -1,0 +1,135 @@
+"""The capacity-bound region on the H200 (issue 33): vLLM 0.33, FP8 against NVFP4 on the Llama-3.1-8B-shaped dummy
+model (fixtures/vllm033-h200-8b, fixtures/README.md). Prefix reuse past FP8's pool with --repeats 2, and the
+matched cold prefill.
+
+Every number is checked against a source kvtrace did not compute: the server's per-request counts (the usage
+relay's files) against its /metrics counters and the bench client's own per-request lists, the evictions against
+the raw KV-event stream, and the kernel rows against plain SQL over the exports.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from conftest import VLLM033_8B_RUNS
+from kvtrace.analyzer import matrix, report, statements
+from kvtrace.analyzer.classify import load_recipes
+from kvtrace.analyzer.render.matrix import claim_text
+from kvtrace.analyzer.render.statements import text as statement_text
+from kvtrace.analyzer.reuse import REUSED_SHARE
+
+PREFIX = VLLM033_8B_RUNS["capacity-prefix-reuse"]
+COLD = VLLM033_8B_RUNS["capacity-cold-prefill"]
+RUNS = ("fp8.r1", "nvfp4.r1", "fp8.r2", "nvfp4.r2")
+
+
+@pytest.fixture(scope="module")
+def recipes():
+    return load_recipes()
+
+
+def _point(run: str) -> dict:
+    return json.loads((PREFIX / "manifest.json").read_text())["arms"][run]["points"][0]
+
+
+def _requests(run: str) -> list[dict]:
+    return json.loads((PREFIX / _point(run)["requests"]["file"]).read_text())
+
+
+def _reused(run: str) -> int:
+    return sum(1 for r in _requests(run) if r["cached_tokens"] >= REUSED_SHARE * r["prompt_tokens"])
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_each_requests_cached_tokens_add_up_to_the_servers_counter(run):
+    """The relay's per-request counts (usage.prompt_tokens_details) against /metrics' cached-token counter, and
+    their prompt tokens against the bench client's own total."""
+    point, requests = _point(run), _requests(run)
+    bench = json.loads((PREFIX / point["bench_result"]).read_text())
+    assert len(requests) == bench["completed"] == 96 and {r["status"] for r in requests} == {200}
+    assert sum(r["prompt_tokens"] for r in requests) == bench["total_input_tokens"]
+    counters = point["metrics"]["deltas"]["counters"]
+    assert sum(r["cached_tokens"] for r in requests) == counters["vllm:prompt_tokens_cached_total"]
+    assert all(0 <= r["cached_tokens"] <= r["prompt_tokens"] for r in requests)
+    assert all(0 < r["first_token_ms"] <= r["end_ms"] for r in requests)
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_evictions_are_the_raw_event_streams_own(run):
+    """The arm's totals are the event file's sums, its batches arrived without a gap, and the point's evictions are
+    within them."""
+    manifest = json.loads((PREFIX / "manifest.json").read_text())["arms"][run]
+    lines = [json.loads(line) for line in (PREFIX / manifest["kv_events"]["file"]).read_text().splitlines()]
+    totals = manifest["kv_events"]["totals"]
+    assert [line["seq"] for line in lines] == list(range(len(lines))) and totals["batches"] == len(lines)
+    for kind in ("BlockStored", "BlockRemoved", "AllBlocksCleared"):
+        assert sum(line[kind] for line in lines) == totals[kind]
+    events = _point(run)["kv_events"]
+    assert events["exact"] and 0 < events["BlockRemoved"] <= totals["BlockRemoved"]
+
+
+def test_nvfp4s_pool_holds_the_prefixes_and_evicts_less_in_both_repeats():
+    """12 prefixes of 2,048 tokens are 1.5x FP8's pool of 16,384 tokens and inside NVFP4's 29,120 (the startup log)."""
+    for repeat in ("r1", "r2"):
+        fp8, nvfp4 = _point(f"fp8.{repeat}"), _point(f"nvfp4.{repeat}")
+        assert nvfp4["requests"]["cached_share"] > fp8["requests"]["cached_share"] + 0.25
+        assert nvfp4["kv_events"]["BlockRemoved"] * 5 < fp8["kv_events"]["BlockRemoved"]
+        assert _reused(f"nvfp4.{repeat}") > _reused(f"fp8.{repeat}")
+    for run, tokens in (("fp8.r1", 16384), ("nvfp4.r1", 29120)):
+        assert f"GPU KV cache size: {tokens:,} tokens" in (PREFIX / f"{run}.log").read_text()
+
+
+def _sql_mean(path: Path, like: str) -> float:
+    with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as conn:
+        calls, total = conn.execute("""SELECT count(*), sum(k."end" - k.start) FROM CUPTI_ACTIVITY_KIND_KERNEL k
+            JOIN StringIds s ON s.id = k.demangledName WHERE s.value LIKE ?""", (like,)).fetchone()
+    return total / calls
+
+
+def test_the_cold_prefill_kernel_row_is_plain_sqls(recipes):
+    """On the 8B shape the NVFP4 FA2 prefill kernel is slower per call than FP8's FA3 one, and it is a small part
+    of the step: the GEMMs dominate."""
+    result = report.build([COLD], recipes)
+    row = next(r for r in result.diff.segments if r.segment == "prefill_attention")
+    nvfp4 = _sql_mean(COLD / "nvfp4.sqlite",
+                      "%BatchPrefillWithPagedKVCacheKernel<(bool)1, flashinfer::KernelTraits<(flashinfer::MaskMode)1%")
+    fp8 = _sql_mean(COLD / "fp8.sqlite", "%FP8PrefillWithKVCacheKernel%")
+    assert row.compared_calls == 128 and row.ratio == pytest.approx(nvfp4 / fp8, rel=1e-9)
+    assert row.verdict == "regression" and row.ratio > 2
+    gemm = next(r for r in result.diff.segments if r.segment == "gemm")
+    assert gemm.baseline_total_ns > 10 * row.baseline_total_ns
+
+
+def test_the_report_keeps_residency_apart_from_the_slower_kernel(recipes):
+    result = report.build([PREFIX], recipes)
+    (ttft,) = [s for s in result.statements if s.check == "ttft"]
+    assert ttft.reading == statements.PREFIX_HIT_SLOWER and ttft.prefill_verdict == "regression"
+    words = statement_text(ttft)
+    removed = [_point(f"{arm}.r1")["kv_events"]["BlockRemoved"] for arm in ("nvfp4", "fp8")]
+    assert f"{_reused('nvfp4.r1')} of nvfp4's 96 requests had at least half their prompt served" in words
+    assert f"against {_reused('fp8.r1')} of fp8's 96 requests" in words
+    assert f"nvfp4 evicted {removed[0]:,} cached KV blocks against {removed[1]:,}" in words
+    assert "not a faster kernel" in words and "its TTFT is not lower" in words
+    checks = [c for m in (result.serving[0].baseline, result.serving[0].candidate) for c in m.checks
+              if c.first.startswith("the server, per request")]
+    assert len(checks) == 2 and all(c.agree for c in checks)
+
+
+def test_the_matrix_states_the_residency_beside_the_cold_kernel(recipes):
+    """The decision over both runs: NVFP4's residency (its share of cached prompt tokens, its evictions) stated
+    beside its slower prefill kernel on the matched cold prefill, and no TTFT choice for it on the strength of
+    the residency."""
+    result = matrix.build([COLD, PREFIX], recipes)
+    (claim,) = [c for c in result.claims if c.kind == "residency"]
+    shares = claim.values["cached_share"]
+    assert shares == [_point("fp8.r1")["requests"]["cached_share"], _point("nvfp4.r1")["requests"]["cached_share"]]
+    cold_row = next(p.row for s in result.scenarios for p in s.points if p.cold_prefill)
+    assert claim.values["cold_prefill_kernel"]["row"] == cold_row and claim.values["cold_prefill_kernel"]["ratio"] > 2
+    assert claim.values["winner"] != "candidate"
+    words = claim_text(claim, result)
+    assert "residency, a capacity effect, not a faster kernel" in words and "did not buy a better TTFT" in words
+    assert f"{100 * shares[1]:.1f}% of its prompt tokens" in words
