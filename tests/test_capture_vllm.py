@@ -640,15 +640,19 @@ def test_prefix_reuse_resets_the_cache_after_warmup(standin):
     assert manifest["settings"]["env"]["VLLM_SERVER_DEV_MODE"] == "1"
 
 
+def one_prefix_reuse_arm(standin, **workload) -> tuple[vllm_config.VllmCapture, dict]:
+    """A prefix-reuse capture of the fp8 arm alone through the stand-ins: its configuration and manifest entry."""
+    cfg = serve_config(standin, scenario="prefix-reuse", prefix_len=32, input_len=16, arms=("fp8",), **workload)
+    arm = run_capture(standin, cfg)["arms"]["fp8"]
+    assert arm["status"] == "ok", arm["error"]
+    return cfg, arm
+
+
 def test_serve_records_each_requests_cached_tokens_through_the_relay(standin):
     """The bench client's result has no cached tokens; the relay reads them from each streamed response's usage
     chunk (--enable-prompt-tokens-details). Their sum is the server's prefix-cache hit counter's change, and the
     warm-up's requests are not among them."""
-    cfg = serve_config(standin, scenario="prefix-reuse", prefix_len=32, num_prefixes=2, input_len=16,
-                       num_prompts=32, arms=("fp8",))
-    manifest = run_capture(standin, cfg)
-    arm = manifest["arms"]["fp8"]
-    assert arm["status"] == "ok", arm["error"]
+    _, arm = one_prefix_reuse_arm(standin, num_prefixes=2, num_prompts=32)
     assert "--enable-prompt-tokens-details" in arm["commands"][0]
     point = arm["points"][0]
     requests = json.loads((standin.tmp / "run" / point["requests"]["file"]).read_text())
@@ -665,11 +669,7 @@ def test_serve_counts_kv_cache_evictions_from_the_servers_events(standin, monkey
     """Evictions are the server's BlockRemoved events, counted per point and checked afresh against the raw event
     file the run directory keeps."""
     monkeypatch.setenv("STANDIN_EVICT_EVERY", "4")
-    cfg = serve_config(standin, scenario="prefix-reuse", prefix_len=32, num_prefixes=2, input_len=16,
-                       num_prompts=32, arms=("fp8",))
-    manifest = run_capture(standin, cfg)
-    arm = manifest["arms"]["fp8"]
-    assert arm["status"] == "ok", arm["error"]
+    cfg, arm = one_prefix_reuse_arm(standin, num_prefixes=2, num_prompts=32)
     flags = arm["commands"][0]
     assert json.loads(flags[flags.index("--kv-events-config") + 1])["endpoint"] == f"tcp://127.0.0.1:{cfg.port + 1}"
     events = arm["points"][0]["kv_events"]
@@ -692,11 +692,7 @@ def test_prefix_reuse_warmup_sends_a_prompt_per_prefix(standin):
     of one round of concurrency (3) with 12 prefixes sends 12 prompts."""
     assert commands.warmup_point(Point(16, 4, 24, 3, prefix_len=32, num_prefixes=12)).num_prompts == 12
     assert commands.warmup_point(Point(16, 4, 24, 3)).num_prompts == 3
-    cfg = serve_config(standin, scenario="prefix-reuse", prefix_len=32, num_prefixes=12, input_len=16,
-                       num_prompts=24, arms=("fp8",))
-    manifest = run_capture(standin, cfg)
-    arm = manifest["arms"]["fp8"]
-    assert arm["status"] == "ok", arm["error"]
+    _, arm = one_prefix_reuse_arm(standin, num_prefixes=12, num_prompts=24)
     warmup = arm["commands"][1]
     assert warmup[warmup.index("--num-prompts") + 1] == "12" and warmup[warmup.index("--seed") + 1] == "1"
 
