@@ -89,8 +89,11 @@ def head_rows(diff: Diff) -> list[HeadRow]:
         for r in chosen:
             kernels = [k for k in (diff.family_phases if r.phase is not None else diff.families)
                        if k.segment == segment and k.phase == r.phase]
-            if len(kernels) > 1 and all(k.ratio is not None for k in kernels):
-                rows += [HeadRow.of(question, _point(r.phase), k.family_label, k) for k in kernels]
+            # Kernel by kernel where the point's kernels each paired; the kernel rows pool a trace's ranks, so
+            # where its ranks disagree the segment's row stands, once per rank.
+            if len(kernels) > 1 and all(k.ratio is not None for k in kernels) and r.ranks_agree is not False:
+                rows += [_agreeing(diff, r, HeadRow.of(question, _point(r.phase), k.family_label, k))
+                         for k in kernels]
             else:
                 rows += _by_rank(diff, HeadRow.of(question, _point(r.phase), _families(diff, r), r))
     rows += [HeadRow.of(APPEND_PHASE, _point(r.phase), EVERY_KERNEL, r) for r in diff.phase_totals
@@ -100,13 +103,22 @@ def head_rows(diff: Diff) -> list[HeadRow]:
     return rows
 
 
+def _ranks_of(diff: Diff, row: DiffRow) -> list[DiffRow]:
+    return [r for r in diff.rank_rows if (r.segment, r.phase) == (row.segment, row.phase)]
+
+
+def _agreeing(diff: Diff, row: DiffRow, head: HeadRow) -> HeadRow:
+    """`head`, its point saying so where `row` (its segment's) is of several ranks that agree."""
+    return replace(head, point=f"{head.point} · {len(_ranks_of(diff, row))} ranks agree") if row.ranks_agree else head
+
+
 def _by_rank(diff: Diff, head: HeadRow) -> list[HeadRow]:
     """A row of traces of several GPUs: itself where its ranks agree (said in its point), else one row per rank."""
     if head.row.ranks_agree is None:
         return [head]
-    ranks = [r for r in diff.rank_rows if (r.segment, r.phase) == (head.row.segment, head.row.phase)]
+    ranks = _ranks_of(diff, head.row)
     if head.row.ranks_agree:
-        return [replace(head, point=f"{head.point} · {len(ranks)} ranks agree")]
+        return [_agreeing(diff, head.row, head)]
     return [HeadRow.of(head.question, f"{head.point} · rank {r.rank}", head.family, r) for r in ranks]
 
 

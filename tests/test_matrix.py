@@ -465,7 +465,9 @@ def test_the_rule_is_what_the_rows_measured(v033):
         rows = [k for s in result.scenarios for k in s.kernels if k.subject == phase["subject"] and k.ratio]
         assert (phase["low"], phase["high"]) == (min(k.ratio for k in rows), max(k.ratio for k in rows))
         assert f"{phase['low']:.3f}×–{phase['high']:.3f}×" in text
-    decode = [k for s in result.scenarios for k in s.kernels if k.subject == "decode_attention" and k.ratio]
+    # The attention kernel's own rows; the split-KV merge kernel beside it is a row of its own (the head's).
+    decode = [k for s in result.scenarios for k in s.kernels if k.subject == "decode_attention" and k.ratio
+              and matrix.SPLIT_KV_MERGE not in (k.kernels or "")]
     assert decode and all(k.verdict == stats.REGRESSION for k in decode)
     assert "saves time in decode, since it moves fewer bytes, did not hold here" in text
     logs = {arm: (VLLM033_RUNS["serve-sweep"] / f"{arm}.log").read_text() for arm in ("fp8", "nvfp4")}
@@ -568,11 +570,11 @@ def test_one_matrix_over_every_shipped_run_fits_an_issue(tmp_path):
 
 
 def test_a_matrix_too_long_for_an_issue_leaves_its_details_in_a_named_file(v033, tmp_path, monkeypatch):
-    monkeypatch.setattr(matrix_render, "ISSUE_CHARS", 8_000)
+    monkeypatch.setattr(matrix_render, "ISSUE_CHARS", 10_000)
     out = tmp_path / "matrix.md"
     result = run_main(["matrix", *VLLM033, "-q", "-o", out])
     assert result.exit_code == 0, result.output
     text, rest = out.read_text(), (tmp_path / "matrix.details.md").read_text()
     head, details = matrix_render.markdown_parts(v033["ttft"])
     assert text.startswith(head) and "are in `matrix.details.md` beside this file" in text and "<details>" not in text
-    assert rest == details and len(text) < 8_000
+    assert rest == details and len(text) < 10_000

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from markdown_it import MarkdownIt
 
-from conftest import (NSYS2025_DIR, RECORDED_REPORT, REPEAT, REPEATS2, SERVE_RUNS, VLLM033_RUNS, VLLM_COLD_PREFILL,
-                      VLLM_DECODE_HEAVY, sql_durations)
+from conftest import (NSYS2025_DIR, RECORDED_REPORT, REPEAT, REPEATS2, SERVE_RUNS, VLLM033_8B_RUNS, VLLM033_RUNS,
+                      VLLM_COLD_PREFILL, VLLM_DECODE_HEAVY, sql_durations)
 from kvtrace.analyzer import headline, report
 from kvtrace.analyzer.render import markdown as diff_markdown
 from kvtrace.analyzer.render import plots
@@ -21,6 +21,7 @@ from kvtrace.analyzer.render.units import AVG
 # Every shipped run directory `kvtrace report` reads, as its arguments: the serve runs are one arm each; the recorded
 # manifests name fi-h200-sm90's exports (--exports-from).
 REPORTS = {**{f"vllm033/{name}": [run] for name, run in VLLM033_RUNS.items()},
+           **{f"vllm033-8b/{name}": [run] for name, run in VLLM033_8B_RUNS.items()},
            "fi-h200-sm90": [NSYS2025_DIR], "fi-h200-sm90-repeat": [REPEAT], "fi-h200-sm90-repeats2": [REPEATS2],
            "vllm-h200-cold-prefill": [VLLM_COLD_PREFILL], "vllm-h200-decode-heavy": [VLLM_DECODE_HEAVY],
            **{f"recorded/{name}": [RECORDED_REPORT / name, "--exports-from", NSYS2025_DIR]
