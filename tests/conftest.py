@@ -58,6 +58,12 @@ def _unpack(pack: Path, *, named: bool = False) -> Path:
     return done / pack.parent.name if named else done
 
 
+def exports_in(folder: Path) -> list[Path]:
+    """What is in a cache's exports folder, sorted, less the seals of SQLite exports (NAME.sqlite.json beside each,
+    analyzer/cache.py)."""
+    return sorted(p for p in folder.iterdir() if not p.name.endswith(".sqlite.json"))
+
+
 def sha256(path: Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 

@@ -225,7 +225,9 @@ def test_failed_report_export_leaves_no_partial_in_cache(kind, nsys, tmp_path, c
     leftovers = [p for p in cache_dir.rglob("*") if p.is_file()]
     if kind == "no-kernels-report-real":
         # The export itself succeeded (a complete SQLite, reused next time); only the content is bad.
-        assert [p.suffix for p in leftovers] == [".sqlite"] and not leftovers[0].name.startswith(".")
+        names = sorted(p.name for p in leftovers)  # the export and its seal (NAME.sqlite.json), tying it to the report
+        assert len(names) == 2 and names[0].endswith(".sqlite") and names[1] == names[0] + ".json"
+        assert not names[0].startswith(".")
     else:
         assert leftovers == []
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import NSYS2023_DIR, NSYS2023_REPORTS, fingerprint
+from conftest import NSYS2023_DIR, NSYS2023_REPORTS, exports_in, fingerprint
 from kvtrace.analyzer import cache, load
 from kvtrace.analyzer.load import EXPORT_TABLES, open_trace, open_traces
 
@@ -136,7 +136,7 @@ def test_a_diffs_reports_export_once_each_and_the_steps_name_them(nsys, tmp_path
     fp8, nvfp4 = _alone(tmp_path, "fp8"), _alone(tmp_path, "nvfp4")
     steps: list[str] = []
     traces = open_traces([fp8, nvfp4, fp8], nsys=nsys, step=steps.append)
-    assert sorted(p.name.split("-")[0] for p in (cache_dir / "exports").iterdir()) == ["fp8", "nvfp4"]
+    assert sorted(p.name.split("-")[0] for p in exports_in(cache_dir / "exports")) == ["fp8", "nvfp4"]
     assert traces[0].info.sqlite == traces[2].info.sqlite != traces[1].info.sqlite
     exporting = [s for s in steps if s.startswith("exporting")]
     assert exporting == ["exporting fp8.nsys-rep and nvfp4.nsys-rep (2 at once)"] * 2
@@ -192,7 +192,7 @@ def test_exports_made_before_the_cache_days_go_when_another_is_made(nsys, tmp_pa
     report = _alone(tmp_path, "fp8")
     code, out, err = run_kvtrace("kernels", report, "--format", "csv", env={"NSYS": nsys})
     assert code == 0, err
-    left = {path.name for path in folder.iterdir()}
+    left = {path.name for path in exports_in(folder)}
     assert not {stale_sqlite.name, stale_parquet.name, left_file.name, left_folder.name} & left
     assert {fresh.name, foreign.name, linked.name, running.name} <= left and target.is_file()
     assert len(left) == 5  # and the new export

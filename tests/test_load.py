@@ -486,7 +486,7 @@ def test_nsys_rep_2023_exports_through_nsys_into_cache(name, nsys, tmp_path, cac
     assert exported.is_file()
     assert info["product_version"].startswith("2023.4.4")
     # Only the complete export is left in the cache: no hidden temporary/partial files.
-    assert files_under(cache_dir / "exports") == [exported]
+    assert files_under(cache_dir / "exports") == [exported, exported.with_name(exported.name + ".json")]  # and its seal
     # Nothing written beside the report, and the report itself untouched.
     assert listing(folder) == [report.name]
     assert fingerprint(report) == before
@@ -501,7 +501,7 @@ def test_nsys_rep_2023_exports_through_nsys_into_cache(name, nsys, tmp_path, cac
     code, again, err = run_kvtrace("kernels", report, "--format", "json", env={"NSYS": nsys})
     assert code == 0, err
     assert json.loads(again)["arm"]["info"]["sqlite"] == exported.name
-    assert files_under(cache_dir / "exports") == [exported]
+    assert files_under(cache_dir / "exports") == [exported, exported.with_name(exported.name + ".json")]  # and its seal
 
     # In-process: identical per-launch rows to the committed export.
     monkeypatch.setenv("KVTRACE_CACHE_DIR", str(cache_dir))

@@ -20,7 +20,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import GRAPH_LOOP, NSYS2023_DIR, NSYS2023_REPORTS, NSYS2025_DIR, PARQUET_2025, fingerprint
+from conftest import (GRAPH_LOOP, NSYS2023_DIR, NSYS2023_REPORTS, NSYS2025_DIR, PARQUET_2025, exports_in,
+                      fingerprint)
 from test_bad_input import assert_one_line_error
 import kvtrace.nsys
 from kvtrace.analyzer import load
@@ -247,7 +248,7 @@ def test_ci_nsys_2023_falls_back_to_sqlite_in_one_line_with_the_same_answer(nsys
     assert re.fullmatch(rf"kvtrace: note: {re.escape(str(reports[0]))} and {re.escape(str(reports[1]))}: Nsight Systems "
                         r"version 2023\.4\.4\S*: its Parquet output lacks META_DATA_CAPTURE \(the CUDA graph trace "
                         r"mode\): exported to SQLite instead", line), line
-    assert sorted(p.suffix for p in (cache_dir / "exports").iterdir()) == [".sqlite", ".sqlite"]
+    assert sorted(p.suffix for p in exports_in(cache_dir / "exports")) == [".sqlite", ".sqlite"]
     code, expected, err = run_kvtrace("diff", NSYS2023_DIR / "fp8.sqlite", NSYS2023_DIR / "nvfp4.sqlite")
     assert code == 0, err
     assert out == expected
@@ -276,9 +277,11 @@ def test_a_report_goes_to_parquet_in_the_cache_where_nsys_gives_an_exact_one(nsy
     front = _stand_in(tmp_path, nsys, "2025.3.1.90-253135822126v0", PARQUET_2025 / "fp8")
     code, out, err = run_kvtrace("kernels", report, "--format", "csv", env={"NSYS": str(front)})
     assert code == 0 and err == "", err
-    (exported,) = (cache_dir / "exports").iterdir()
+    (exported,) = exports_in(cache_dir / "exports")
     assert exported.suffix == ".parquetdir" and exported.is_dir()
-    assert sorted(p.name for p in exported.iterdir()) == sorted(p.name for p in (PARQUET_2025 / "fp8").iterdir())
+    # nsys' files, and the seal kvtrace wrote inside before it published the folder
+    assert sorted(p.name for p in exported.iterdir()) == sorted([p.name for p in (PARQUET_2025 / "fp8").iterdir()]
+                                                                + ["kvtrace-export.json"])
     code, expected, err = run_kvtrace("kernels", PARQUET_2025 / "fp8", "--format", "csv")
     assert out == expected
 
@@ -295,7 +298,7 @@ def test_a_report_at_the_size_bound_goes_to_sqlite_without_a_note(over_the_bound
     front = _stand_in(tmp_path, nsys, "2025.3.1.90-253135822126v0", PARQUET_2025 / "fp8")
     code, out, err = run_kvtrace("kernels", report, "--format", "csv", env={"NSYS": str(front)})
     assert code == 0 and err == "", err
-    (exported,) = (cache_dir / "exports").iterdir()
+    (exported,) = exports_in(cache_dir / "exports")
     assert exported.suffix == ".sqlite" and exported.is_file()
     with closing(sqlite3.connect(exported)) as conn:
         exported_tables = {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
@@ -315,7 +318,7 @@ def test_parquet_output_without_capture_metadata_falls_back_to_sqlite(nsys, tmp_
     [line] = err.splitlines()
     assert "could not export Parquet" in line and "lacks StringIds, META_DATA_EXPORT, META_DATA_CAPTURE" in line, line
     assert "exported to SQLite instead" in line
-    assert [p.suffix for p in (cache_dir / "exports").iterdir()] == [".sqlite"]
+    assert [p.suffix for p in exports_in(cache_dir / "exports")] == [".sqlite"]
     code, expected, err = run_kvtrace("kernels", NSYS2023_DIR / "fp8.sqlite", "--format", "csv")
     assert out == expected
 
