@@ -148,8 +148,6 @@ class ParquetTables:
         return self._read[key]
 
     def check(self, shown: Path) -> None:
-        import pyarrow.parquet as pq
-
         if "StringIds" in self.names and "META_DATA_EXPORT" not in self.names:
             # Each table is its own file: a folder without the export's metadata is a partial export, or one of
             # a few tables such as `nsys recipe` writes for itself.

@@ -14,7 +14,7 @@ from kvtrace.analyzer.render import quality as quality_render
 from kvtrace.analyzer.render.escape import md_code, md_text, visible
 from kvtrace.analyzer.render.report_tables import _cached, _count, _peak, _rich_table
 from kvtrace.analyzer.render.units import interval, markdown_table, percent, ratio
-from kvtrace.analyzer.statements import APPEND_PHASE, KernelStatement
+from kvtrace.analyzer.statements import APPEND_PHASE
 
 Name = Callable[[str], str]
 
@@ -74,18 +74,6 @@ def estimate_cell(estimate, unit: str) -> str:
     runs = f", {estimate.runs} runs" if estimate.runs > 1 else ""
     return (f"{_number(estimate.baseline, unit)} → {_number(estimate.candidate, unit)}<br>"
             f"{ratio(estimate.ratio)} {spread}{runs}")
-
-
-def _kernel(statement: KernelStatement) -> str:
-    if statement.ratio is None:
-        return f"{statement.point}: {statement.verdict}"
-    return (f"{statement.point}: {ratio(statement.ratio)} {interval(statement.ci_low, statement.ci_high)} "
-            f"{statement.verdict}")
-
-
-def kernel_cell(scenario: mx.Scenario, subject: str) -> str:
-    found = [_kernel(s) for s in scenario.kernels if s.subject == subject]
-    return "; ".join(found) or "–"
 
 
 def _arms(point: mx.MatrixPoint, fmt) -> str:
