@@ -262,9 +262,11 @@ def estimate_rows(strata: PairedStrata, rows: Sequence[np.ndarray], *, confidenc
     with np.errstate(divide="ignore", invalid="ignore"):
         ratios = cand / base
         ratio_bounds = _bounds(draws_c / draws_b, ratios, _widening(units, point_b, point_c, ratios, confidence),
-                               confidence)
-    base_bounds = _bounds(draws_b, base, _widening(units, point_b, point_c, None, confidence, arm=0), confidence)
-    cand_bounds = _bounds(draws_c, cand, _widening(units, point_b, point_c, None, confidence, arm=1), confidence)
+                               confidence, runs=strata.runs)
+    base_bounds = _bounds(draws_b, base, _widening(units, point_b, point_c, None, confidence, arm=0), confidence,
+                          runs=strata.runs)
+    cand_bounds = _bounds(draws_c, cand, _widening(units, point_b, point_c, None, confidence, arm=1), confidence,
+                          runs=strata.runs)
 
     results: list[Estimate | None] = []
     for index, members in enumerate(rows):
@@ -409,9 +411,16 @@ def _add_normal(draws_b: np.ndarray, draws_c: np.ndarray, normal: np.ndarray, rn
     return draws_b + sb[:, None] * first, draws_c + slope[:, None] * first + rest[:, None] * second
 
 
-def _bounds(draws: np.ndarray, point: np.ndarray, widening: np.ndarray, confidence: float) -> np.ndarray:
-    """Percentile interval of each row's draws, its distances from the point estimate times `widening`."""
+def _bounds(draws: np.ndarray, point: np.ndarray, widening: np.ndarray, confidence: float, *,
+            runs: int = 1) -> np.ndarray:
+    """Percentile interval of each row's draws, its distances from the point estimate times `widening`.
+
+    With run pairs, z standard deviations of the draws instead: two or three run pairs give the draws two or
+    three values, whose percentiles lie about one standard error from the point, not z."""
     alpha = 1.0 - confidence
+    if runs > 1:
+        half = _normal_quantile(1 - alpha / 2) * draws.std(axis=1, ddof=1)
+        return np.stack([point - widening * half, point + widening * half])
     low, high = np.quantile(draws, [alpha / 2, 1 - alpha / 2], axis=1)
     return np.stack([point - widening * (point - low), point + widening * (high - point)])
 
@@ -424,9 +433,13 @@ def _widening(units: list[_Unit], point_b: np.ndarray, point_c: np.ndarray, rati
     The percentile bootstrap treats the estimated spread as known; with eight calls per cell that is the
     difference between z = 1.96 and t = 2.36 (Hesterberg 2015 expands the percentile interval for the
     same reason). Components: per unit of n pairs, the variance of its linearised total (C - R·B for the
-    ratio, B or C for one arm) with n - 1 df; with several run pairs, the spread of the run pairs'
-    totals with runs - 1 df."""
+    ratio, B or C for one arm) with n - 1 df. With several run pairs, runs - 1 df whatever the calls: each
+    run pair's total varies with its calls too, so the calls' df would count that spread twice (at 2 and 3
+    runs per arm the interval then covered 90% for 95%, tests/test_intervals.py)."""
     rows, runs = point_b.shape
+    z = _normal_quantile(0.5 + confidence / 2)
+    if runs > 1:  # the run pairs' totals spread with their calls' too: the run pair is the unit, runs - 1 df
+        return np.full(rows, _t_quantile(0.5 + confidence / 2, runs - 1) / z)
     spread_units = [u for u in units if u.size > 1]
     row_index = np.concatenate([u.targets // runs for u in spread_units] + [np.zeros(0, dtype=np.int64)])
     repeat = [u.targets.size for u in spread_units]
@@ -438,15 +451,9 @@ def _widening(units: list[_Unit], point_b: np.ndarray, point_c: np.ndarray, rati
         values = vcc - 2 * r * vbc + r * r * vbb
     else:
         values = vbb if arm == 0 else vcc
-    # float even without spread units (bincount of no weights is integer): run means alone, one per run pair
+    # float even without spread units (bincount of no weights is integer)
     variance = np.bincount(row_index, values, minlength=rows).astype(np.float64)
     weighted = np.bincount(row_index, values ** 2 / df, minlength=rows).astype(np.float64)
-    if runs > 1:
-        totals = point_c - ratios[:, None] * point_b if arm is None else (point_b if arm == 0 else point_c)
-        between = runs / (runs - 1) * ((totals - totals.mean(axis=1, keepdims=True)) ** 2).sum(axis=1)
-        variance += between
-        weighted += between ** 2 / (runs - 1)
-    z = _normal_quantile(0.5 + confidence / 2)
     widening = np.ones(rows)
     for row in np.flatnonzero(weighted > 0):
         widening[row] = _t_quantile(0.5 + confidence / 2, round(float(variance[row] ** 2 / weighted[row]), 2)) / z
