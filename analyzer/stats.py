@@ -212,8 +212,9 @@ def estimate_rows(strata: PairedStrata, rows: Sequence[np.ndarray], *, confidenc
 
     With several run pairs the bootstrap is hierarchical (Kalibera & Jones 2013): each resample draws
     runs − 1 run pairs, then, within each, the calls as above, so between-run variance is inside the
-    interval. Draws come from one ``Generator(PCG64(seed))`` in a fixed order. A row without strata, or
-    whose baseline sums to 0, gets None.
+    interval, which is then ± t(runs − 1) standard deviations of the draws (_bounds, _widening). Draws come
+    from one ``Generator(PCG64(seed))`` in a fixed order. A row without strata, or whose baseline sums to 0,
+    gets None.
     """
     if not 0.0 < confidence < 1.0:
         raise ValueError(f"confidence must be in (0, 1), got {confidence}")
