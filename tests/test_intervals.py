@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict
+from pathlib import Path
 
 import numpy as np
 import polars as pl
@@ -30,9 +31,11 @@ def recipes(shipped_recipes):
     return shipped_recipes
 
 
-def repeat_pairs(recipes, fmt: str):
-    """The recorded call pairs of a same-format repeat, cell by cell, the repeat rescaled per cell."""
-    traces = [open_trace(NSYS2025_DIR / f"{fmt}.sqlite"), open_trace(REPEAT / f"{fmt}.sqlite")]
+def repeat_pairs(recipes, fmt: str, paths: tuple[Path, Path] | None = None):
+    """The recorded call pairs of a same-format repeat (fi-h200-sm90 and its repeat, or `paths`), cell by cell,
+    the repeat rescaled per cell."""
+    paths = paths or (NSYS2025_DIR / f"{fmt}.sqlite", REPEAT / f"{fmt}.sqlite")
+    traces = [open_trace(path) for path in paths]
     classes = [compare.classify_signatures(t, recipes) for t in traces]
     vocabulary = pairing.Vocabulary.of(traces, classes)
     pairs = pairing.pair(*(vocabulary.run(t, c, align.Window()) for t, c in zip(traces, classes)), vocabulary)
@@ -296,13 +299,8 @@ def test_repeated_runs_cover_a_known_ratio_under_run_to_run_drift(recipes):
     of draws, and are narrower with 3 run pairs than with 2."""
     # Measured: 97-98% (conservative: a run total's spread holds its calls' too). Percentiles of two or three
     # run pairs' draws with the calls' Satterthwaite df covered 90% here, which passes 93% with ~2% per count.
-    traces = [open_trace(REPEATS2 / f"fp8.r{k}.sqlite") for k in (1, 2)]
-    classes = [compare.classify_signatures(t, recipes) for t in traces]
-    vocabulary = pairing.Vocabulary.of(traces, classes)
-    pairs = pairing.pair(*(vocabulary.run(t, c, align.Window()) for t, c in zip(traces, classes)), vocabulary)
-    base, repeat = pairs.baseline.astype(np.float64), pairs.candidate.astype(np.float64)
+    pairs, _, base, repeat = repeat_pairs(recipes, "fp8", (REPEATS2 / "fp8.r1.sqlite", REPEATS2 / "fp8.r2.sqlite"))
     sizes = np.diff(pairs.offsets)
-    repeat *= np.repeat(np.add.reduceat(base, pairs.offsets[:-1]) / np.add.reduceat(repeat, pairs.offsets[:-1]), sizes)
     segments = pairs.strata["segment"].to_numpy()
     rows = [np.flatnonzero(segments == code) for code in np.unique(segments)]
     truth, draws, cells = 1.7, 200, sizes.size
