@@ -504,7 +504,8 @@ def _residency_claims(group: list[Scenario], base: str, cand: str, objective: st
     for s in group:
         for p in s.points:
             arms = (p.serving.baseline, p.serving.candidate) if p.serving else (None, None)
-            if None in arms or None in (arms[0].reuse, arms[1].reuse):
+            if None in arms or None in (arms[0].reuse, arms[1].reuse) \
+                    or None in (arms[0].reuse.cached_share, arms[1].reuse.cached_share):  # no prompt tokens counted
                 continue
             estimate = p.estimate
             claims.append(Claim("residency", (p.row,) + ((kernel["row"],) if kernel else ()), p.scenario, {

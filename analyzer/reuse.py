@@ -10,11 +10,13 @@ reuse; the bench client's percentiles stay the headline latencies.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
+from kvtrace import files
 from kvtrace.errors import KvtraceError
 
 REUSED_SHARE = 0.5  # of a prompt's tokens served from the cache
@@ -44,11 +46,7 @@ class Evictions:
 
 
 def _median(values: list[float]) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+    return float(np.median(values)) if values else None
 
 
 def _count(value, what: str, path: Path) -> int:
@@ -65,14 +63,10 @@ def prefix_reuse(run: Path, record: dict) -> PrefixReuse | None:
     if not isinstance(summary, dict) or not isinstance(summary.get("file"), str):
         return None
     path = run / summary["file"]
-    if path.name != summary["file"] or not path.is_file():
+    if path.name != summary["file"]:
         raise KvtraceError(f"{run}: the manifest names per-request counts {summary['file']!r}, which is not a file "
                            "in the run directory: restore it from the capture or remove its entry")
-    try:
-        entries = json.loads(path.read_bytes())
-    except (ValueError, OSError) as failure:
-        raise KvtraceError(f"{path}: not readable JSON ({failure}): the file is damaged; record the run again or "
-                           "restore it") from None
+    entries = files.read_json(path, f"per-request counts {path}", "record the run again or restore the file")
     if not isinstance(entries, list) or not all(isinstance(entry, dict) for entry in entries):
         raise KvtraceError(f"{path}: not a list of requests: the file is damaged; record the run again or restore it")
     counted = [entry for entry in entries if entry.get("status") == 200 and entry.get("cached_tokens") is not None]

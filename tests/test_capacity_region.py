@@ -10,6 +10,7 @@ the raw KV-event stream, and the kernel rows against plain SQL over the exports.
 from __future__ import annotations
 
 import json
+import shutil
 import sqlite3
 from pathlib import Path
 
@@ -133,3 +134,22 @@ def test_the_matrix_states_the_residency_beside_the_cold_kernel(recipes):
     words = claim_text(claim, result)
     assert "residency, a capacity effect, not a faster kernel" in words and "did not buy a better TTFT" in words
     assert f"{100 * shares[1]:.1f}% of its prompt tokens" in words
+
+
+@pytest.mark.parametrize("damage", ["not json", "a negative count", "more cached than prompted"])
+def test_a_damaged_per_request_file_is_one_line(damage, tmp_path, run_kvtrace):
+    """A copy of the real run with one arm's per-request file damaged: one line naming the file, exit 2."""
+    from test_bad_input import assert_one_line_error
+
+    run = tmp_path / PREFIX.name
+    shutil.copytree(PREFIX, run)
+    target = run / _point("fp8.r1")["requests"]["file"]
+    target.chmod(0o644)
+    entries = _requests("fp8.r1")
+    if damage == "not json":
+        target.write_text("{")
+    else:
+        entries[0]["cached_tokens"] = -1 if damage == "a negative count" else entries[0]["prompt_tokens"] + 1
+        target.write_text(json.dumps(entries))
+    code, out, err = run_kvtrace("report", run)
+    assert_one_line_error(code, out, err, target.name)
