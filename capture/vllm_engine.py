@@ -35,14 +35,14 @@ from kvtrace.capture.vllm_commands import (POLL_INTERVAL_S, base_url, bench_comm
                                            server_command, warmup_point, worker_command)
 from kvtrace.capture.vllm_common import metric_deltas, parse_kv_cache_log, request_order_sha256, update_peaks
 from kvtrace.capture.vllm_config import ATTENTION_BACKEND, PREFIX_CACHING, VllmCapture, child_env, engine_flags
+from kvtrace.capture.vllm_http import NET_ERRORS, MetricsPoller, http_request, parse_metrics, post_ok, scrape
 from kvtrace.capture.vllm_kv_events import KvEventRecorder
 from kvtrace.capture.vllm_kv_events import check_available as check_kv_events_available
 from kvtrace.capture.vllm_kv_events import deltas as kv_event_deltas
-from kvtrace.capture.vllm_relay import UsageRelay
-from kvtrace.capture.vllm_relay import summarize as summarize_requests
-from kvtrace.capture.vllm_http import NET_ERRORS, MetricsPoller, http_request, parse_metrics, post_ok, scrape
 from kvtrace.capture.vllm_preflight import (check_model, check_port, check_probe, port_free, probe_environment,
                                             relevant_env)
+from kvtrace.capture.vllm_relay import UsageRelay
+from kvtrace.capture.vllm_relay import summarize as summarize_requests
 from kvtrace.manifest import MANIFEST, Point, capacity_reason
 
 ENGINE = "vllm"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from pathlib import Path
 
 from kvtrace.errors import KvtraceError
@@ -110,13 +111,17 @@ class KvEventRecorder(threading.Thread):
     def settle(self, quiet_s: float = 0.3, limit_s: float = 5.0) -> None:
         """Waits until no batch has come for quiet_s (at most limit_s): the engine publishes a step's events after
         the step, so the last responses of a point can arrive before its last events."""
-        waited = 0.0
-        while waited < limit_s:
-            seen = self._totals["batches"] + self._totals["undecoded"]
-            self._done.wait(quiet_s)
-            waited += quiet_s
-            if self._totals["batches"] + self._totals["undecoded"] == seen:
+        deadline, seen = time.monotonic() + limit_s, self._received()
+        while time.monotonic() < deadline:
+            time.sleep(quiet_s)
+            received = self._received()
+            if received == seen:
                 return
+            seen = received
+
+    def _received(self) -> int:
+        with self._lock:
+            return self._totals["batches"] + self._totals["undecoded"]
 
     def snapshot(self) -> dict:
         with self._lock:
