@@ -232,15 +232,20 @@ def test_a_catastrophic_window_pattern_on_the_real_fixture_ends(kv):
     assert_one_line_error(code, out, err, "(.+)+Z", r"took over 1 s|no kernels inside the window")
 
 
-def test_100000_distinct_nvtx_names_load(tmp_path, kv):
-    trace = tmp_path / "many.sqlite"
-    shutil.copy2(FP8, trace)
-    with sqlite3.connect(trace) as conn:
+def with_nvtx_ranges(source: Path, target: Path, names) -> Path:
+    """A copy of the export `source` with one more NVTX range per name, each after the last range (no kernel in it)."""
+    shutil.copy2(source, target)
+    with sqlite3.connect(target) as conn:
         tid, end = conn.execute('SELECT globalTid, max("end") FROM NVTX_EVENTS').fetchone()
         conn.executemany('INSERT INTO NVTX_EVENTS (start, "end", eventType, text, globalTid) VALUES (?, ?, 59, ?, ?)',
-                         ((end + 10 * i, end + 10 * i + 5, f"kvtrace:decode ctx={i} batch=1", tid)
-                          for i in range(100_000)))
+                         ((end + 10 * i, end + 10 * i + 5, name, tid) for i, name in enumerate(names)))
     conn.close()
+    return target
+
+
+def test_100000_distinct_nvtx_names_load(tmp_path, kv):
+    trace = with_nvtx_ranges(FP8, tmp_path / "many.sqlite",
+                             (f"kvtrace:decode ctx={i} batch=1" for i in range(100_000)))
     reference = json.loads(kv("summary", FP8, "--format", "json")[1])
     code, out, err = kv("summary", trace, "--format", "json", "--no-cache", timeout=300)
     assert code == 0, err

@@ -25,10 +25,11 @@ import pyarrow.parquet as pq
 import pytest
 import regex
 
-from conftest import NSYS2025_DIR, NSYS2023_DIR, REPO, NSYS2023_REPORTS, PARQUET_2025, SERVE_RUNS, TORCH_H200, VLLM033_RUNS
+from conftest import (NSYS2023_DIR, NSYS2023_REPORTS, NSYS2025_DIR, PARQUET_2025, REPO, SERVE_RUNS, TORCH_H200,
+                      VLLM033_RUNS)
 from test_bad_input import assert_one_line_error
 from test_hostile_input import KERNEL, NVFP4, SMALL, json_of, kv, without_dac  # noqa: F401 (kv, without_dac: fixtures)
-from test_hostile_input_round2 import outside_code_spans, run_copy
+from test_hostile_input_round2 import outside_code_spans, run_copy, with_nvtx_ranges
 
 
 def serve_pair(tmp_path: Path, scenario: str = "cold-prefill", edit=None) -> list[Path]:
@@ -507,13 +508,7 @@ def test_names_without_a_counter_word_keep_their_name_and_the_rest_are_keyed_in_
 
 @pytest.mark.slow
 def test_a_million_distinct_nvtx_names_load(tmp_path, kv):
-    trace = tmp_path / "million.sqlite"
-    shutil.copy2(FP8_2025, trace)
-    with sqlite3.connect(trace) as conn:
-        tid, end = conn.execute('SELECT globalTid, max("end") FROM NVTX_EVENTS').fetchone()
-        conn.executemany('INSERT INTO NVTX_EVENTS (start, "end", eventType, text, globalTid) VALUES (?, ?, 59, ?, ?)',
-                         ((end + 10 * i, end + 10 * i + 5, f"range {i}", tid) for i in range(1_000_000)))
-    conn.close()
+    trace = with_nvtx_ranges(FP8_2025, tmp_path / "million.sqlite", (f"range {i}" for i in range(1_000_000)))
     reference = json_of(kv, "summary", FP8_2025)
     assert json_of(kv, "summary", trace, "--no-cache")["segments"] == reference["segments"]
 
