@@ -19,6 +19,8 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from kvtrace.capture.vllm_http import NET_ERRORS
+
 # Per-hop headers that describe one connection, not the message (RFC 9110, 7.6.1).
 _HOP_BY_HOP = frozenset(("connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer",
                          "upgrade", "proxy-authenticate", "proxy-authorization"))
@@ -109,7 +111,7 @@ class UsageRelay:
                         relay._record({"arrival": arrival, "status": response.status, **watcher.result()})
                     elif completion:
                         relay._record({"arrival": arrival, "status": response.status})
-                except (OSError, http.client.HTTPException) as failure:
+                except NET_ERRORS as failure:
                     if completion:
                         relay._record({"arrival": arrival, "status": None, "error": type(failure).__name__})
                     self.close_connection = True
