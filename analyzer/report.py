@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from kvtrace import __version__
-from kvtrace.analyzer import align, capacity, compare, pairing, quality as quality_lib, roofline, verify
+from kvtrace.analyzer import align, capacity, compare, pairing, quality as quality_lib, roofline, steps, verify
 from kvtrace.analyzer.classify import RecipeSet
 from kvtrace.analyzer.results import Diff, Finding
 from kvtrace.analyzer.load import open_traces
@@ -112,6 +112,8 @@ class Report:
     prefill_compute: list[roofline.PrefillCompute]
     compute_ceiling: roofline.ComputeCeiling | None
     capacity: capacity.Capacity | None
+    # The arms' identical vLLM steps per phase on the GPU: kernel time, span, time with no kernel running (steps).
+    step_timeline: list[steps.StepPhase] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     plots: list[PlotFile] = field(default_factory=list)  # set by the caller that wrote them (render.plots)
     # Per-call durations (ns, sorted) per cell (segment, phase, family label) and arm, for the ECDF plots; not in
@@ -136,6 +138,7 @@ class Report:
         data["compute_ceiling"] = asdict(self.compute_ceiling) if self.compute_ceiling else None
         data["flops_convention"] = roofline.CAUSAL_CONVENTION
         data["capacity"] = self.capacity.to_dict() if self.capacity else None
+        data["step_timeline"] = [asdict(row) for row in self.step_timeline]
         data["notes"] = list(self.notes)
         data["plots"] = [asdict(p) for p in self.plots]
         data["quality"] = self.quality.to_dict() if self.quality else None
@@ -367,8 +370,11 @@ def build(paths: list[Path], recipes: RecipeSet, *, arms: tuple[str, ...] = (), 
         prefill_compute = roofline.flashinfer_rows(diff, (base.manifest, cand.manifest),
                                                    (base.record.phases, cand.record.phases), compute_ceiling)
     cap = _capacity(base, cand, b_arm, c_arm, notes)
+    # Whole steps only: a window can cut a step's kernels apart.
+    step_timeline = [] if window.describe() else steps.compare(sides.baseline, sides.candidate, threshold=threshold,
+                                                               confidence=confidence, seed=seed)
     return Report(baseline=b_arm, candidate=c_arm, diff=diff,
-                  statements=statements(diff, serving, cap, b_arm, c_arm),
+                  statements=statements(diff, serving, cap, b_arm, c_arm, step_timeline), step_timeline=step_timeline,
                   findings=_run_findings(base, cand, b_arm, c_arm, serving), segment_times=segment_times(diff),
                   serving=serving, sweep=sweep, bandwidth=bandwidth, hbm_ceiling=ceiling,
                   prefill_compute=prefill_compute, compute_ceiling=compute_ceiling, capacity=cap, notes=notes,

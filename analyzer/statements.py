@@ -11,6 +11,7 @@ from kvtrace.analyzer.results import Diff
 from kvtrace.analyzer.reuse import Evictions, PrefixReuse
 from kvtrace.analyzer.runs import RunArm
 from kvtrace.analyzer.serving import ServingRow
+from kvtrace.analyzer.steps import StepPhase, host_bound
 from kvtrace.manifest import Point, parse_phase_name
 
 
@@ -173,6 +174,17 @@ class TtftStatement(Statement):
     candidate_evictions: Evictions | None = None
 
 
+@dataclass(frozen=True)
+class StepTimelineStatement(Statement):
+    """A phase whose vLLM steps lasted longer on the GPU in the candidate mostly by time with no kernel running
+    (analyzer.steps.host_bound): host-side time, stated apart from the kernels."""
+
+    kind: ClassVar[str] = "step-timeline"
+    baseline: str
+    candidate: str
+    row: StepPhase
+
+
 # The head's questions that kernel statements answer, with their topic.
 _KERNEL_CHECKS = {headline.PREFILL: "prefill", headline.DECODE: "decode", headline.APPEND_KERNEL: "append",
                   headline.APPEND_PHASE: "append"}
@@ -213,7 +225,7 @@ def _kernel_statements(diff: Diff, base: RunArm | None = None, cand: RunArm | No
 
 
 def statements(diff: Diff, serving: list[ServingRow], cap: capacity.Capacity | None, base: RunArm,
-               cand: RunArm) -> list[Statement]:
+               cand: RunArm, step_rows: list[StepPhase] = ()) -> list[Statement]:
     out: list[Statement] = list(_kernel_statements(diff, base, cand))
     if cap is not None and cap.measured:
         reference = cap.measured[0]
@@ -226,6 +238,8 @@ def statements(diff: Diff, serving: list[ServingRow], cap: capacity.Capacity | N
     sweep = sweep_capacity_statement(serving, base, cand)
     if sweep is not None:
         out.append(sweep)
+    out += [StepTimelineStatement("warning", "steps", base.label, cand.label, row) for row in step_rows
+            if host_bound(row)]
     out += ttft_guard_rail(diff, serving, base, cand)
     return out
 

@@ -18,7 +18,7 @@ from kvtrace.analyzer.render import quality as quality_render
 from kvtrace.analyzer.render import terminal as diff_terminal
 from kvtrace.analyzer.render.escape import csv_writer, md_code, md_prose, md_text, rich, visible
 from kvtrace.analyzer.render.statements import text as statement_text
-from kvtrace.analyzer.render.units import LEVEL, MARK, duration, markdown_table, percent, ratio, shown_path
+from kvtrace.analyzer.render.units import LEVEL, MARK, duration, interval, markdown_table, percent, ratio, shown_path
 from kvtrace.analyzer.report import Report
 from kvtrace.analyzer.serving import MIN_PEAK_POLLS, Latency, ServingMetrics, SourceCheck
 from kvtrace.analyzer.roofline import CAUSAL_CONVENTION
@@ -216,6 +216,28 @@ def _compute_lead(report: Report) -> str:
             f"against the {peak}. {CAUSAL_CONVENTION}. Shapes: {how}.")
 
 
+STEP_LEAD = ("The vLLM steps both arms ran (same step name, paired in order), per step: the step's kernel time "
+             "(overlaps once), its span on the GPU from first kernel start to last kernel end, the time inside that "
+             "span with no kernel of the step running, the host's time in the step's NVTX range, and in how many "
+             "steps the host stayed in the range until the step's GPU work was nearly done (host held: it left less "
+             "than a tenth of the span before the last kernel ended). Ratios are of paired sums, "
+             "with 95% intervals over steps (strata by step name and run pair).")
+
+
+def _step_table(report: Report) -> tuple[list[str], list[list[str]]]:
+    b, c = report.baseline.label, report.candidate.label
+    header = ["phase", "steps", f"kernels {b}", f"kernels {c}", "ratio", f"span {b}", f"span {c}", "ratio",
+              "verdict", f"no kernel {b}", f"no kernel {c}", f"host {b}", f"host {c}", f"host held {b}",
+              f"host held {c}"]
+    rows = [[r.phase, f"{r.steps:,}", duration(r.baseline_kernel_ns), duration(r.candidate_kernel_ns),
+             f"{ratio(r.kernel_ratio)} {interval(r.kernel_low, r.kernel_high)}", duration(r.baseline_span_ns),
+             duration(r.candidate_span_ns), f"{ratio(r.span_ratio)} {interval(r.span_low, r.span_high)}",
+             r.span_verdict, duration(r.baseline_idle_ns), duration(r.candidate_idle_ns), duration(r.baseline_host_ns),
+             duration(r.candidate_host_ns), f"{r.baseline_waited_steps:,}", f"{r.candidate_waited_steps:,}"]
+            for r in report.step_timeline]
+    return header, rows
+
+
 def _bandwidth_table(report: Report) -> tuple[list[str], list[list[str]]]:
     bl, cl = report.baseline.label, report.candidate.label
     header = ["phase", f"KV bytes/call {bl}", f"KV bytes/call {cl}", f"time/call {bl}", f"time/call {cl}",
@@ -392,6 +414,9 @@ def report_markdown(report: Report, rest: str | None = diff_markdown.WHOLE) -> s
                     " The traces give no HBM bandwidth for the GPU, so no ceiling is stated."), ""]
         sections.append(diff_markdown.Section("the achieved bandwidth",
                                               lines + markdown_table(*_phase_cells(*_bandwidth_table(report)))))
+    if report.step_timeline:
+        lines = ["### vLLM steps on the GPU", "", STEP_LEAD, ""]
+        sections.append(diff_markdown.Section("the vLLM steps", lines + markdown_table(*_step_table(report))))
     if report.prefill_compute:
         lines = ["### Achieved compute (prefill)", "", md_text(_compute_lead(report)), ""]
         sections.append(diff_markdown.Section("the achieved compute",
@@ -463,6 +488,9 @@ def report_terminal(report: Report, console: Console) -> None:
         title = "Achieved bandwidth" + (f" (ceiling {_rate(ceiling.bytes_per_s)}: {ceiling.gpu} memoryBandwidth "
                                         "from the trace)" if ceiling else "")
         console.print(_rich_table(title, *_bandwidth_table(report)))
+    if report.step_timeline:
+        console.print(_rich_table("vLLM steps on the GPU (paired steps, per step)", *_step_table(report)))
+        console.print(f"  {STEP_LEAD}", markup=False, highlight=False)
     if report.prefill_compute:
         console.print(_rich_table("Achieved compute (prefill)", *_compute_table(report)))
         console.print(f"  {visible(_compute_lead(report))}", markup=False, highlight=False)
@@ -545,6 +573,7 @@ def report_csv(report: Report) -> str:
     if report.hbm_ceiling:
         writer.writerow(["bandwidth", "ceiling", "", "bytes_per_s", report.hbm_ceiling.bytes_per_s])
     _write_arm_fields(writer, "compute", "phase", report.prefill_compute, labels)
+    _write_arm_fields(writer, "steps", "phase", report.step_timeline, labels)
     if report.compute_ceiling and report.compute_ceiling.flops_per_s:
         writer.writerow(["compute", "ceiling", "", "flops_per_s", report.compute_ceiling.flops_per_s])
     if report.capacity:

@@ -162,3 +162,19 @@ def _ttft(s: st.TtftStatement, name: Name = _plain) -> str:
                 "with prefix-cache hits")
     same = s.baseline_cached_tokens is not None and s.candidate_cached_tokens is not None
     return f"{ttft}{where}" + (", same cached prompt tokens" if same else "")
+
+
+@text.register
+def _step_timeline(s: st.StepTimelineStatement, name: Name = _plain) -> str:
+    r, b, c = s.row, name(s.baseline), name(s.candidate)
+    kernels = f"{r.kernel_ratio:.3f}×" + (f" [{r.kernel_low:.3f}, {r.kernel_high:.3f}]" if r.kernel_low is not None
+                                          else "")
+    span = f"{r.span_ratio:.3f}× [{r.span_low:.3f}, {r.span_high:.3f}], {r.span_verdict}"
+    return (f"{r.phase} steps ({r.steps:,} paired): {c}'s kernels ran {duration(r.candidate_kernel_ns)} per step "
+            f"against {duration(r.baseline_kernel_ns)} ({b}), {kernels}, but its steps took "
+            f"{duration(r.candidate_span_ns)} on the GPU from first kernel to last against "
+            f"{duration(r.baseline_span_ns)} ({span}): {duration(r.candidate_idle_ns)} per step with no kernel of the "
+            f"step running against {duration(r.baseline_idle_ns)}, and its host stayed in {r.candidate_waited_steps:,} "
+            f"of {r.steps:,} steps until their GPU work was nearly done ({b}: {r.baseline_waited_steps:,}). The host no "
+            f"longer launched ahead of the GPU in {c}'s steps (something in them waits for the GPU, such as a "
+            "synchronizing copy): host-side time, not a slower kernel")

@@ -1,0 +1,113 @@
+"""The GPU timeline of vLLM's steps (analyzer/steps.py) on the real H200 runs of the 8B-shaped model: each step's
+kernel time, GPU span and host time against plain SQL over the exports, and the statement that names time the
+host added inside NVFP4's prefill steps apart from its kernels."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from conftest import NSYS2025_DIR, VLLM033_8B_RUNS
+from kvtrace.analyzer import align, report, stats, steps
+from kvtrace.analyzer.load import open_trace
+from kvtrace.analyzer.render.statements import text as statement_text
+
+SWEEP = VLLM033_8B_RUNS["capacity-sweep"]
+PREEMPTION = VLLM033_8B_RUNS["capacity-preemption"]
+COLD = VLLM033_8B_RUNS["capacity-cold-prefill"]
+STEP_LIKE = "execute_%context_%generation_%"
+
+
+def _sql_steps(export: Path) -> list[tuple[str, int, int, list[tuple[int, int]]]]:
+    """Per vLLM step range: name, start, host ns and its kernels' (start, end), from the kernels whose launch call
+    started inside the range on the range's own thread."""
+    with sqlite3.connect(f"file:{export}?mode=ro", uri=True) as conn:
+        rows = conn.execute("""
+            SELECT n.rowid, COALESCE(s.value, n.text), n.start, n."end" - n.start, k.start, k."end"
+            FROM NVTX_EVENTS n LEFT JOIN StringIds s ON s.id = n.textId
+            JOIN CUPTI_ACTIVITY_KIND_RUNTIME r ON r.globalTid = n.globalTid AND r.start >= n.start AND r.start < n."end"
+            JOIN CUPTI_ACTIVITY_KIND_KERNEL k ON k.correlationId = r.correlationId
+            WHERE COALESCE(s.value, n.text) LIKE ? ORDER BY n.start, k.start""", (STEP_LIKE,)).fetchall()
+    found: dict[int, tuple] = {}
+    for rowid, name, start, host, k_start, k_end in rows:
+        found.setdefault(rowid, (name, start, host, []))[3].append((k_start, k_end))
+    return list(found.values())
+
+
+def _union(intervals: list[tuple[int, int]]) -> int:
+    total, reached = 0, None
+    for start, end in sorted(intervals):
+        if reached is None or start >= reached:
+            total, reached = total + end - start, end
+        elif end > reached:
+            total, reached = total + end - reached, end
+    return total
+
+
+@pytest.mark.parametrize("arm", ["fp8", "nvfp4"])
+def test_each_steps_times_are_plain_sqls(arm):
+    export = SWEEP / f"{arm}.sqlite"
+    table = steps.step_table(open_trace(export))
+    expected = _sql_steps(export)
+    assert table.height == len(expected) == 24
+    for row, (name, start, host, kernels) in zip(table.iter_rows(named=True), expected):
+        first, last = min(k[0] for k in kernels), max(k[1] for k in kernels)
+        assert (row["step"], row["start"], row["host_ns"], row["kernels"]) == (name, start, host, len(kernels))
+        assert (row["kernel_ns"], row["span_ns"]) == (_union(kernels), last - first)
+        assert row["idle_ns"] == last - first - row["kernel_ns"] and row["host_tail_ns"] == start + host - last
+
+
+def test_overlapping_kernels_count_once():
+    """The union of a step's kernel intervals, checked on constructed intervals against a direct sweep."""
+    import numpy as np
+    import polars as pl
+
+    rng = np.random.default_rng(3)
+    start = np.sort(rng.integers(0, 1000, 40))
+    end = start + rng.integers(1, 80, 40)
+    frame = pl.DataFrame({"step_range": np.zeros(40, dtype=np.int64), "start": start, "end": end})
+    union = steps.kernel_union(frame)["kernel_ns"].item()
+    covered = np.zeros(1100, dtype=bool)
+    for a, b in zip(start, end):
+        covered[a:b] = True
+    assert union == covered.sum() < (end - start).sum()
+
+
+def test_nvfp4s_prefill_steps_wait_on_the_host(shipped_recipes):
+    """Preemption run, --repeats 2: NVFP4's prefill steps last longer on the GPU by time with no kernel running,
+    while their kernels are nearly as fast: the statement says host-side time, not a slower kernel."""
+    result = report.build([PREEMPTION], shipped_recipes)
+    prefill = next(r for r in result.step_timeline if r.phase == align.PREFILL)
+    assert prefill.span_verdict == stats.REGRESSION and prefill.span_low > prefill.kernel_high
+    assert prefill.candidate_idle_ns > 2 * prefill.baseline_idle_ns
+    assert prefill.candidate_waited_steps == prefill.steps > prefill.baseline_waited_steps
+    (said,) = [s for s in result.statements if s.kind == "step-timeline"]
+    words = statement_text(said)
+    assert said.row == prefill and "host-side time, not a slower kernel" in words
+    assert f"{prefill.candidate_waited_steps} of {prefill.steps} steps" in words
+    # The original exports held more copies in NVFP4's runs: the memcpy rows the cut dropped (cut.json).
+    copies = {entry["original"]["file"]: entry["rows_dropped"]["CUPTI_ACTIVITY_KIND_MEMCPY"]
+              for entry in json.loads((PREEMPTION / "cut.json").read_text())["exports"].values()}
+    for repeat in ("r1", "r2"):
+        assert copies[f"nvfp4.{repeat}.sqlite"] > copies[f"fp8.{repeat}.sqlite"]
+
+
+def test_the_cold_prefill_step_statement_and_the_json(shipped_recipes, run_kvtrace, tmp_path):
+    code, out, err = run_kvtrace("report", COLD, "--format", "json", "-o", tmp_path / "r.json")
+    assert code == 0, err
+    data = json.loads((tmp_path / "r.json").read_text())
+    (row,) = data["step_timeline"]
+    assert row["phase"] == align.PREFILL and row["steps"] == 4
+    assert any(s["kind"] == "step-timeline" for s in data["statements"])
+    code, _, err = run_kvtrace("report", COLD, "--format", "markdown", "-o", tmp_path / "r.md")
+    text = (tmp_path / "r.md").read_text()
+    assert "### vLLM steps on the GPU" in text and "**steps**" in text
+
+
+def test_no_step_timeline_without_vllm_steps_or_inside_a_window(shipped_recipes):
+    assert report.build([NSYS2025_DIR], shipped_recipes).step_timeline == []
+    windowed = report.build([SWEEP], shipped_recipes, window=align.Window(phase=align.DECODE))
+    assert windowed.step_timeline == [] and not any(s.kind == "step-timeline" for s in windowed.statements)
