@@ -1,6 +1,6 @@
 """The capacity-bound region on the H200 (issue 33): vLLM 0.33, FP8 against NVFP4 on the Llama-3.1-8B-shaped dummy
-model (fixtures/vllm033-h200-8b, fixtures/README.md). Prefix reuse past FP8's pool with --repeats 2, and the
-matched cold prefill.
+model (fixtures/vllm033-h200-8b, fixtures/README.md). Prefix reuse past FP8's pool and the preemption case, each
+with --repeats 2, the sweep across FP8's capacity, and the matched cold prefill.
 
 Every number is checked against a source kvtrace did not compute: the server's per-request counts (the usage
 relay's files) against its /metrics counters and the bench client's own per-request lists, the evictions against
@@ -25,6 +25,8 @@ from kvtrace.analyzer.reuse import REUSED_SHARE
 
 PREFIX = VLLM033_8B_RUNS["capacity-prefix-reuse"]
 COLD = VLLM033_8B_RUNS["capacity-cold-prefill"]
+PREEMPTION = VLLM033_8B_RUNS["capacity-preemption"]
+SWEEP = VLLM033_8B_RUNS["capacity-sweep"]
 RUNS = ("fp8.r1", "nvfp4.r1", "fp8.r2", "nvfp4.r2")
 
 
@@ -153,3 +155,97 @@ def test_a_damaged_per_request_file_is_one_line(damage, tmp_path, run_kvtrace):
         target.write_text(json.dumps(entries))
     code, out, err = run_kvtrace("report", run)
     assert_one_line_error(code, out, err, target.name)
+
+
+def _prom(path: Path, metric: str) -> float:
+    """One unlabelled-engine sample of a /metrics scrape, read as text."""
+    (value,) = [float(line.rsplit(" ", 1)[1]) for line in path.read_text().splitlines()
+                if line.startswith(metric + "{")]
+    return value
+
+
+def _arm(run: Path, name: str) -> dict:
+    return json.loads((run / "manifest.json").read_text())["arms"][name]
+
+
+@pytest.mark.parametrize("repeat", ["r1", "r2"])
+def test_fp8_preempts_and_nvfp4_does_not(repeat):
+    """32 requests of 1,024 + 512 tokens at concurrency 16 need 24,576 tokens at the end of a wave: past FP8's
+    16,384 and inside NVFP4's 29,120. The preemptions are the server's counter across the traffic (the scrapes
+    before and after it, read here as text), the completions the bench client's."""
+    for arm, preempted in (("fp8", True), ("nvfp4", False)):
+        name = f"{arm}.{repeat}"
+        (point,) = _arm(PREEMPTION, name)["points"]
+        counted = (_prom(PREEMPTION / f"{name}.metrics.after.prom", "vllm:num_preemptions_total")
+                   - _prom(PREEMPTION / f"{name}.metrics.before.prom", "vllm:num_preemptions_total"))
+        assert counted == point["metrics"]["deltas"]["counters"]["vllm:num_preemptions_total"]
+        assert (counted > 0) == preempted
+        bench = json.loads((PREEMPTION / point["bench_result"]).read_text())
+        assert bench["completed"] == 32 and bench["failed"] == 0
+        peaks = point["metrics"]["peaks"]
+        assert (peaks["vllm:kv_cache_usage_perc"] == 1.0) == preempted
+        assert peaks["vllm:num_requests_running"] <= 16
+
+
+def test_the_preemption_report_calls_the_ttft_change_capacity_not_kernel(recipes):
+    """The report's serving row names FP8's preemptions as its capacity bound, and its TTFT statement does not
+    credit NVFP4's (slower) prefill kernels with any gain."""
+    result = report.build([PREEMPTION], recipes)
+    (row,) = result.serving
+    assert row.baseline.capacity and not row.candidate.capacity and "preemption" in row.baseline.capacity
+    (ttft,) = [s for s in result.statements if s.check == "ttft"]
+    assert ttft.prefill_verdict == "regression"
+    assert ttft.reading in (statements.CAPACITY_EFFECT, statements.PLAIN)
+    if ttft.ratio < 1 - result.diff.threshold:
+        assert ttft.reading == statements.CAPACITY_EFFECT and "not a faster prefill kernel" in statement_text(ttft)
+
+
+def test_the_sweep_crosses_fp8s_capacity_on_nvfp4s_grid():
+    """NVFP4 (the narrower format) ran first and set the grid; FP8 followed it. From concurrency 8 on, 2,048 + 128
+    tokens per request pass FP8's 16,384: the server ran at most 7 requests at once, while NVFP4 ran them all."""
+    manifest = json.loads((SWEEP / "manifest.json").read_text())
+    assert manifest["settings"]["order"] == ["nvfp4", "fp8"] and list(manifest["arms"]) == ["nvfp4", "fp8"]
+    fp8, nvfp4 = (_arm(SWEEP, arm)["points"] for arm in ("fp8", "nvfp4"))
+    assert [p["point"] for p in fp8] == [p["point"] for p in nvfp4]
+    for a, b in zip(fp8, nvfp4):
+        concurrency = json.loads((SWEEP / a["bench_result"]).read_text())["max_concurrency"]
+        running = (a["metrics"]["peaks"]["vllm:num_requests_running"],
+                   b["metrics"]["peaks"]["vllm:num_requests_running"])
+        fits = concurrency * (2048 + 128) <= 16384
+        assert running[0] == (concurrency if fits else 7) and running[1] == concurrency
+        for point in (a, b):
+            assert len(json.loads((SWEEP / point["requests"]["file"]).read_text())) == \
+                json.loads((SWEEP / point["bench_result"]).read_text())["completed"]
+
+
+def _sql_prefill_step_calls(path: Path, like: str) -> tuple[int, int]:
+    """Calls and summed GPU ns of the kernels matching `like` launched inside vLLM's pure prefill steps (NVTX ranges
+    named execute_context_N(T)_generation_0(0)), joined by plain SQL from launch call to range on its thread."""
+    with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as conn:
+        return conn.execute("""SELECT count(*), sum(k."end" - k.start) FROM CUPTI_ACTIVITY_KIND_KERNEL k
+            JOIN StringIds d ON d.id = k.demangledName
+            JOIN CUPTI_ACTIVITY_KIND_RUNTIME r ON r.correlationId = k.correlationId
+            JOIN NVTX_EVENTS n ON n.globalTid = r.globalTid AND r.start >= n.start AND r.start < n."end"
+            LEFT JOIN StringIds s ON s.id = n.textId
+            WHERE d.value LIKE ? AND COALESCE(s.value, n.text) LIKE 'execute_context_%generation_0(0)'""",
+                            (like,)).fetchone()
+
+
+@pytest.mark.parametrize("run", ["capacity-preemption", "capacity-sweep"])
+def test_the_prefill_step_kernel_row_is_plain_sqls(run, recipes):
+    """The report's prefill-attention row in prefill steps, every repeat together, against plain SQL: each arm's
+    time per call, and their ratio."""
+    path = VLLM033_8B_RUNS[run]
+    result = report.build([path], recipes)
+    row = next(r for r in result.diff.phases if r.segment == "prefill_attention" and r.phase == "vLLM prefill steps")
+    exports = sorted(path.glob("*.sqlite"))
+    per_arm = {}
+    for arm, like in (("fp8", "%FP8PrefillWithKVCacheKernel%"),
+                      ("nvfp4", "%BatchPrefillWithPagedKVCacheKernel<(bool)1, flashinfer::KernelTraits<"
+                                "(flashinfer::MaskMode)1%")):
+        found = [_sql_prefill_step_calls(e, like) for e in exports if e.name.startswith(arm + ".")]
+        per_arm[arm] = (sum(c for c, _ in found), sum(t for _, t in found))
+    assert row.compared_calls == per_arm["fp8"][0] == per_arm["nvfp4"][0]
+    fp8, nvfp4 = (total / calls for calls, total in per_arm.values())
+    assert row.baseline.mean_ns == pytest.approx(fp8, rel=1e-9) and row.candidate.mean_ns == pytest.approx(nvfp4, rel=1e-9)
+    assert row.ratio == pytest.approx(nvfp4 / fp8, rel=1e-9) and row.verdict == "regression" and row.ratio > 2
