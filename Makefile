@@ -8,9 +8,9 @@ OUT ?= out
 # The real vLLM 0.33 pair (H200, FP8 vs NVFP4 KV cache, offline decode-heavy), shipped packed.
 VLLM_DEMO_PACK := fixtures/vllm033-h200/offline-decode-heavy.tar.xz
 VLLM_DEMO := $(OUT)/vllm033-offline-decode-heavy
-# The capacity-bound region on the Llama-3.1-8B-shaped model (issue 33): the matched cold prefill and prefix reuse
-# past FP8's pool, both halves of the prefill statement.
-CAPACITY_PACKS := fixtures/vllm033-h200-8b/capacity-cold-prefill.tar.xz fixtures/vllm033-h200-8b/capacity-prefix-reuse.tar.xz
+# The capacity-bound region on the Llama-3.1-8B-shaped model (issue 33): the matched cold prefill, prefix reuse past
+# FP8's pool (both halves of the prefill statement), the preemption case and the sweep across FP8's capacity.
+CAPACITY_RUNS := capacity-cold-prefill capacity-prefix-reuse capacity-preemption capacity-sweep
 CAPACITY_DEMO := $(OUT)/vllm033-capacity
 
 # Test processes (pytest-xdist): auto is one per core.
@@ -34,9 +34,10 @@ demo: install
 	kvtrace diff $(DEMO)/fp8.sqlite $(DEMO)/nvfp4.sqlite --format markdown -o $(OUT)/demo-diff.md
 	kvtrace diff $(DEMO)/fp8.sqlite $(DEMO)/nvfp4.sqlite --format json -o $(OUT)/demo-diff.json
 	kvtrace report $(DEMO) --format markdown -o $(OUT)/demo-report.md --plots $(OUT)/plots
-	rm -rf $(CAPACITY_DEMO) && mkdir -p $(CAPACITY_DEMO) && for pack in $(CAPACITY_PACKS); do tar -xJf $$pack -C $(CAPACITY_DEMO); done
-	kvtrace matrix $(CAPACITY_DEMO)/vllm033-capacity-cold-prefill $(CAPACITY_DEMO)/vllm033-capacity-prefix-reuse
-	kvtrace matrix $(CAPACITY_DEMO)/vllm033-capacity-cold-prefill $(CAPACITY_DEMO)/vllm033-capacity-prefix-reuse --format markdown -o $(OUT)/demo-capacity.md
+	rm -rf $(CAPACITY_DEMO) && mkdir -p $(CAPACITY_DEMO) && for run in $(CAPACITY_RUNS); do tar -xJf fixtures/vllm033-h200-8b/$$run.tar.xz -C $(CAPACITY_DEMO); done
+	kvtrace matrix $(addprefix $(CAPACITY_DEMO)/vllm033-,$(CAPACITY_RUNS))
+	kvtrace matrix $(addprefix $(CAPACITY_DEMO)/vllm033-,$(CAPACITY_RUNS)) --format markdown -o $(OUT)/demo-capacity.md
+	kvtrace report $(CAPACITY_DEMO)/vllm033-capacity-preemption --format markdown -o $(OUT)/demo-preemption.md
 	@echo "vLLM 0.33 FP8 vs NVFP4 run directory: $(VLLM_DEMO)"
 	@echo "markdown report: $(OUT)/demo-diff.md, JSON: $(OUT)/demo-diff.json"
 	@echo "serving report with plots: $(OUT)/demo-report.md ($(OUT)/plots/; drag $(OUT)/plots/summary.png into the issue)"
