@@ -212,11 +212,10 @@ def _results(run: Path, summary: dict, label: str, read: list[Path]) -> list[dic
     results = data.get("results") if isinstance(data, dict) else None
     if not isinstance(results, list):
         raise KvtraceError(f"{label}'s answers {name} hold no results list: {fix}")
-    if data.get("prompts_sha256") != summary.get("prompts_sha256") or summary.get("prompts") not in (None,
-                                                                                                   len(results)):
+    count = summary.get("prompts")
+    if data.get("prompts_sha256") != summary.get("prompts_sha256") or count not in (None, len(results)):
         raise KvtraceError(f"{label}'s answers {name} are not the ones its manifest records (another prompt file's "
-                           f"SHA-256 or another count than {summary.get('prompts')!r}): put the run's own file back "
-                           f"or {fix}")
+                           f"SHA-256 or another count than {count!r}): put the run's own file back or {fix}")
     for index, result in enumerate(results):
         if not (isinstance(result, dict) and isinstance(result.get("correct"), bool)
                 and isinstance(result.get("tokens"), list) and all(isinstance(t, str) for t in result["tokens"])):
