@@ -123,8 +123,8 @@ def dummy_line(run_dir: Path, runs: tuple[str, str]) -> str:
     answers = [recorded(run_dir, run)["results"] for run in runs]
     counts = [(sum(bool(r["tokens"]) for r in a), len(a)) for a in answers]
     cut = sum(r["finish_reason"] == "length" for a in answers for r in a)
-    return (f"Quality not a measurement: the model ran with --load-format dummy (random weights) in {run_dir.name}: its "
-            f"answers say nothing about quality (the quality step itself ran: {runs[0]} answered {counts[0][0]} of "
+    return (f"Quality not a measurement: the model ran with --load-format dummy (random weights) in {run_dir.name}: "
+            f"its answers say nothing about quality (the quality step itself ran: {runs[0]} answered {counts[0][0]} of "
             f"{counts[0][1]} prompts of {PROMPTS.name}, {runs[1]} {counts[1][0]} of {counts[1][1]}; {cut} of "
             f"{sum(len(a) for a in answers)} answers stopped at the 32-token limit).")
 
