@@ -6,8 +6,10 @@ Two levels, by engine:
   dequantized cache), the BF16 output floor and the cache's round trip. Rows stay per context and phase.
 - answers (vLLM serve with --quality-prompts): each arm's greedy answers to the same prompts, paired prompt by prompt:
   accuracy with McNemar's exact test (analyzer.stats), the first token where the arms' outputs diverge, and the
-  share of tokens generated alike, also against a BF16 (`auto`) arm when a run directory recorded one. With
-  --load-format dummy the answers come from random weights: the result says so and carries no accuracy.
+  share of tokens generated alike, also against a BF16 (`auto`) arm when a run directory recorded one. With repeats,
+  the test pairs the first runs (ARM.r1 with ARM.r1); run k pairs with run k and is compared with run 1, since a
+  repeat answers the same prompts again and adds none. With --load-format dummy the answers come from random weights:
+  the result says so, carries no accuracy, and shows only how many prompts each run answered.
 
 Reads the manifests and the RUN.quality.json files they name; returns one Quality that every renderer reads.
 """
@@ -69,6 +71,31 @@ class Agreement:
 
 
 @dataclass
+class ArmAnswers:
+    """What one run's quality step recorded, whatever the weights: the plumbing's evidence, not a quality number."""
+
+    run: str
+    prompts: int  # answers recorded (one per prompt of the file)
+    empty: int  # answers with no token
+    cut: int  # answers stopped at max_tokens (finish_reason "length")
+    max_tokens: int | None
+
+
+@dataclass
+class Repeat:
+    """Repeat k of the pair (baseline's run k with the candidate's run k) against repeat 1: greedy answers of the
+    same prompts, so a repeat is a second look at the numerics, not new prompts."""
+
+    baseline_run: str
+    candidate_run: str
+    baseline_alike: int  # prompts the baseline's run k answered token for token as its run 1
+    candidate_alike: int
+    prompts: int
+    baseline_only: int  # this repeat's paired table: prompts only the baseline got right
+    candidate_only: int
+
+
+@dataclass
 class Quality:
     state: str  # MEASURED, NOT_MEASURED, MEANINGLESS
     reason: str | None  # why not measured, or why the numbers mean nothing
@@ -83,6 +110,8 @@ class Quality:
     accuracy: stats.PairedAccuracy | None = None
     agreement: Agreement | None = None  # candidate against baseline
     auto: list[Agreement] = field(default_factory=list)  # each arm against an `auto` arm, when one was recorded
+    answered: list[ArmAnswers] = field(default_factory=list)  # the first repeat's two runs, baseline first
+    repeats: list[Repeat] = field(default_factory=list)  # repeats 2, 3, ... paired run k with run k
     notes: list[str] = field(default_factory=list)
     read: list[Path] = field(default_factory=list, repr=False)  # the answer files read (inputs: -o never lands on one)
 
@@ -163,14 +192,16 @@ def _entry(quality: dict, group: str, name: str) -> dict | None:
 
 # ---- answers level (vLLM) -------------------------------------------------------------------------------
 
-def _summary(item: ArmInput) -> dict | None:
-    entry = ((item.manifest.raw.get("arms") or {}).get(item.runs[0]) or {})
+def _summary(item: ArmInput, run: str | None = None) -> dict | None:
+    """The manifest's quality summary of one run of an arm (its first by default)."""
+    entry = ((item.manifest.raw.get("arms") or {}).get(run or item.runs[0]) or {})
     value = entry.get("quality") if isinstance(entry, dict) else None
     return value if isinstance(value, dict) else None
 
 
 def _results(run: Path, summary: dict, label: str, read: list[Path]) -> list[dict]:
-    """A run's per-prompt answers (RUN.quality.json inside its run directory), checked field by field."""
+    """A run's per-prompt answers (RUN.quality.json inside its run directory), checked field by field and against
+    the manifest's summary of them: a file that answers another prompt file is not this run's."""
     name = summary.get("file")
     if not isinstance(name, str) or Path(name).name != name or not name.endswith(".quality.json"):
         raise KvtraceError(f"{label}: the manifest names no quality file inside its run directory ({name!r}): "
@@ -181,12 +212,39 @@ def _results(run: Path, summary: dict, label: str, read: list[Path]) -> list[dic
     results = data.get("results") if isinstance(data, dict) else None
     if not isinstance(results, list):
         raise KvtraceError(f"{label}'s answers {name} hold no results list: {fix}")
+    count = summary.get("prompts")
+    if data.get("prompts_sha256") != summary.get("prompts_sha256") or count not in (None, len(results)):
+        raise KvtraceError(f"{label}'s answers {name} are not the ones its manifest records (another prompt file's "
+                           f"SHA-256 or another count than {count!r}): put the run's own file back or {fix}")
     for index, result in enumerate(results):
         if not (isinstance(result, dict) and isinstance(result.get("correct"), bool)
                 and isinstance(result.get("tokens"), list) and all(isinstance(t, str) for t in result["tokens"])):
             raise KvtraceError(f"{label}'s answers {name}: result {index} needs a boolean `correct` and a list of "
                                f"token strings: {fix}")
+        logprobs = result.get("token_logprobs")
+        if logprobs is not None and not (isinstance(logprobs, list) and len(logprobs) == len(result["tokens"])):
+            raise KvtraceError(f"{label}'s answers {name}: result {index} has {len(result['tokens'])} tokens but "
+                               f"{len(logprobs) if isinstance(logprobs, list) else 'no list of'} logprobs: {fix}")
     return results
+
+
+def _unpaired(results: list[list[dict]], labels: tuple[str, str]) -> str | None:
+    """Why two runs' answers do not pair prompt by prompt, or None: the same prompts, in the same order."""
+    if len(results[0]) != len(results[1]):
+        return f"{labels[0]} and {labels[1]} answered {len(results[0])} and {len(results[1])} prompts: not comparable"
+    for index, (b, c) in enumerate(zip(*results)):
+        ids = [str(r.get("id", index + 1)) for r in (b, c)]
+        if ids[0] != ids[1]:
+            return (f"{labels[0]} and {labels[1]} answered different prompts (prompt {index + 1} is {ids[0]!r} and "
+                    f"{ids[1]!r}): not comparable")
+    return None
+
+
+def _answered(run: str, summary: dict, results: list[dict]) -> ArmAnswers:
+    limit = summary.get("max_tokens")
+    return ArmAnswers(run, len(results), sum(not r["tokens"] for r in results),
+                      sum(r.get("finish_reason") == "length" for r in results),
+                      limit if isinstance(limit, int) and not isinstance(limit, bool) else None)
 
 
 def first_divergence(first: list[str], second: list[str]) -> int | None:
@@ -231,36 +289,69 @@ def _answers(base: ArmInput, cand: ArmInput, labels: tuple[str, str]) -> Quality
     if failed:
         return _not_measured("; ".join(failed), ANSWERS)
     if summaries[0].get("prompts_sha256") != summaries[1].get("prompts_sha256"):
-        return _not_measured("the arms answered different prompt files (their SHA-256 differ)", ANSWERS)
+        return _not_measured("the arms answered different prompt files (their SHA-256 differ): not comparable", ANSWERS)
     prompts_file = summaries[0].get("prompts_file") if isinstance(summaries[0].get("prompts_file"), str) else None
-    dummy = [item.run.name for item in (base, cand) if item.manifest.settings.get("load_format") == "dummy"]
-    if dummy:
-        count = summaries[0].get("prompts")
-        return Quality(MEANINGLESS, f"the model ran with --load-format dummy (random weights) in "
-                       f"{', '.join(dict.fromkeys(dummy))}: its answers"
-                       + (f" to {count} prompts" if isinstance(count, int) else "")
-                       + " say nothing about quality (the quality step itself ran)", ANSWERS, prompts_file=prompts_file)
+    # Read whatever the weights: the files are the evidence that the step ran, and must pair before anything shows.
     read: list[Path] = []
     results = [_results(item.run, s, label, read) for item, s, label in zip((base, cand), summaries, labels)]
-    if len(results[0]) != len(results[1]):
-        return _not_measured(f"the arms answered {len(results[0])} and {len(results[1])} prompts: not paired", ANSWERS)
+    unpaired = _unpaired(results, labels)
+    if unpaired:
+        return _not_measured(unpaired, ANSWERS)
+    answered = [_answered(item.runs[0], s, r) for item, s, r in zip((base, cand), summaries, results)]
+    repeats, notes = _repeats(base, cand, results, read)
+    notes += [f"{a.run}: {a.empty} of {a.prompts} answers are empty" for a in answered if a.empty]
+    dummy = [item.run.name for item in (base, cand) if item.manifest.settings.get("load_format") == "dummy"]
+    if dummy:
+        return Quality(MEANINGLESS, f"the model ran with --load-format dummy (random weights) in "
+                       f"{', '.join(dict.fromkeys(dummy))}: its answers say nothing about quality", ANSWERS,
+                       prompts_file=prompts_file, answered=answered, repeats=repeats, notes=notes, read=read)
+    notes += [f"{a.run}: {a.cut} of {a.prompts} answers stopped at the {a.max_tokens}-token limit (finish_reason "
+              "length): a cut answer can miss its number (raise --quality-max-tokens)" for a in answered if a.cut]
     rows = [PromptRow(index, str(b.get("id", index + 1)), b["correct"], c["correct"],
                       first_divergence(b["tokens"], c["tokens"]), len(b["tokens"]), len(c["tokens"]))
             for index, (b, c) in enumerate(zip(*results))]
     result = Quality(MEASURED, None, ANSWERS, prompts_file=prompts_file, prompts=rows,
                      accuracy=stats.paired_accuracy([r.baseline_correct for r in rows],
                                                     [r.candidate_correct for r in rows]),
-                     agreement=agreement(labels[1], labels[0], results[1], results[0]), read=read)
+                     agreement=agreement(labels[1], labels[0], results[1], results[0]), answered=answered,
+                     repeats=repeats, notes=notes, read=read)
     for name, auto in _auto_arms(base, cand):
         summary = _summary(auto)
         if summary is None or summary.get("prompts_sha256") != summaries[0].get("prompts_sha256"):
             result.notes.append(f"{name} recorded no answers to the same prompts: no agreement with BF16")
             continue
         reference = _results(auto.run, summary, name, read)
+        if _unpaired([results[0], reference], (labels[0], name)):
+            result.notes.append(f"{name} answered other prompts: no agreement with BF16")
+            continue
         result.auto += [agreement(label, name, mine, reference) for label, mine in zip(labels, results)]
-    if len(base.runs) > 1 or len(cand.runs) > 1:
-        result.notes.append("answers are the first run's of each arm")
     return result
+
+
+def _repeats(base: ArmInput, cand: ArmInput, first: list[list[dict]], read: list[Path]) -> tuple[list[Repeat],
+                                                                                                   list[str]]:
+    """Repeats 2, 3, ... of an arm pair: run k of the baseline with run k of the candidate, each against its own
+    run 1. The paired test stays repeat 1's: a repeat answers the same prompts again, it adds no prompt."""
+    repeats, notes = [], []
+    if len(base.runs) != len(cand.runs):
+        notes.append(f"the arms have {len(base.runs)} and {len(cand.runs)} runs: repeats past "
+                     f"{min(len(base.runs), len(cand.runs))} have no partner")
+    for b_run, c_run in list(zip(base.runs, cand.runs))[1:]:
+        summaries = [_summary(base, b_run), _summary(cand, c_run)]
+        usable = all(s is not None and not isinstance(s.get("error"), str) for s in summaries)
+        if not usable or summaries[0].get("prompts_sha256") != summaries[1].get("prompts_sha256"):
+            notes.append(f"{b_run} and {c_run} recorded no answers to the same prompts: repeat not compared")
+            continue
+        results = [_results(item.run, s, run, read) for item, s, run in zip((base, cand), summaries, (b_run, c_run))]
+        if (_unpaired(results, (b_run, c_run)) or _unpaired([results[0], first[0]], (b_run, base.runs[0]))
+                or _unpaired([results[1], first[1]], (c_run, cand.runs[0]))):
+            notes.append(f"{b_run} and {c_run} answered other prompts than repeat 1: repeat not compared")
+            continue
+        alike = [sum(mine["tokens"] == theirs["tokens"] for mine, theirs in zip(results[k], first[k])) for k in (0, 1)]
+        repeats.append(Repeat(b_run, c_run, alike[0], alike[1], len(results[0]),
+                              sum(b["correct"] and not c["correct"] for b, c in zip(*results)),
+                              sum(c["correct"] and not b["correct"] for b, c in zip(*results))))
+    return repeats, notes
 
 
 def build(base: ArmInput, cand: ArmInput, labels: tuple[str, str]) -> Quality:

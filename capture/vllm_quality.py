@@ -5,7 +5,8 @@ the analyzer pairs the arms prompt by prompt (analyzer/quality.py).
 
 The prompt file: one JSON object per line with "prompt" and "answer" (GSM8K's test split as it is: its answers end
 in "#### NUMBER"), and optionally "id". A numeric expected answer (after "####" if present) matches the last
-number of the completion; any other matches when the completion, stripped, starts with it.
+number of the completion that stands alone (not the digits inside a word such as "w2096" or "H2O", which dummy
+weights' completions are full of); any other matches when the completion, stripped, starts with it.
 
 Standard library only.
 """
@@ -22,7 +23,7 @@ from kvtrace.capture.vllm_http import NET_ERRORS, http_request, post_json
 from kvtrace.errors import KvtraceError
 
 MAX_PROMPTS = 100_000
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+_NUMBER = re.compile(r"(?<!\w)-?\d[\d,]*(?:\.\d+)?")  # no letter, digit or _ just before: not inside a word
 
 
 def load_prompts(path: str | Path) -> list[dict]:

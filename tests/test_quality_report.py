@@ -158,7 +158,8 @@ def test_dummy_weights_make_the_answers_no_measurement(answered):
     assert q.state == quality.MEANINGLESS and q.accuracy is None and not q.prompts
     markdown = render_text(result, "markdown")
     assert ("Quality not a measurement: the model ran with --load-format dummy (random weights) in synthetic-answers: "
-            "its answers to 8 prompts say nothing about quality") in markdown
+            "its answers say nothing about quality (the quality step itself ran: fp8 answered 8 of 8 prompts of "
+            f"{PROMPTS.name}, nvfp4 8 of 8)") in markdown
     assert "accuracy" not in markdown.split("Quality not a measurement", 1)[1].split("\n", 1)[0]
 
 

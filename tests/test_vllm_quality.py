@@ -73,6 +73,10 @@ def test_without_prompts_there_is_no_quality_step(standin):
     (" Paris, the capital.", "Paris", True),
     ("The capital is Paris", "Paris", False),
     ("-3.5 degrees", "#### -3.5", True),
+    ("w42 w42", "#### 42", False),  # a word's digits are no number (the H200's dummy-weight answers are such words)
+    ("42 then w7", "#### 42", True),
+    ("H2O is 18 g/mol", "#### 18", True),
+    ("...42", "#### 42", True),
 ])
 def test_answer_matching(completion, answer, correct):
     assert vllm_quality.matches(completion, answer) is correct

@@ -47,12 +47,42 @@ def _inputs(inputs: dict | None, name: Name) -> str:
     return f"{name(str(inputs.get('kind')))} Q/K/V"
 
 
+def _ran(result: q.Quality, name: Name) -> str:
+    """The plumbing's evidence beside "not a measurement": how many prompts each run answered, no correctness."""
+    if not result.answered:
+        return ""
+    first, *others = result.answered
+    runs = (f"{name(first.run)} answered {first.prompts - first.empty} of {first.prompts} prompts of "
+            f"{name(result.prompts_file or 'the prompt file')}"
+            + "".join(f", {name(a.run)} {a.prompts - a.empty} of {a.prompts}" for a in others))
+    cut = sum(a.cut for a in result.answered)
+    limits = {a.max_tokens for a in result.answered if a.cut}
+    if cut and len(limits) == 1:
+        runs += (f"; {cut} of {sum(a.prompts for a in result.answered)} answers stopped at the {limits.pop()}-token "
+                 "limit")
+    return f" (the quality step itself ran: {runs})"
+
+
+def repeats(result: q.Quality, name: Name = _plain) -> list[str]:
+    """One sentence per repeat past the first: whether each arm answered as its first run did, and its own paired
+    table when the answers are a measurement."""
+    lines = []
+    for r in result.repeats:
+        text = (f"{name(r.baseline_run)} answered {r.baseline_alike} of {r.prompts} prompts token for token as its "
+                f"arm's first run, {name(r.candidate_run)} {r.candidate_alike} of {r.prompts}")
+        if result.state == q.MEASURED:
+            text += (f"; their paired table: {r.baseline_only} prompts only {name(r.baseline_run)} got right, "
+                     f"{r.candidate_only} only {name(r.candidate_run)} (the test above is the first repeat's)")
+        lines.append(text)
+    return lines
+
+
 def line(result: q.Quality, baseline: str, candidate: str, name: Name = _plain) -> str:
     """The quality line: what was measured and what it says, or why there is nothing to show."""
     if result.state == q.NOT_MEASURED:
         return f"Quality not measured: {name(result.reason or '')}."
     if result.state == q.MEANINGLESS:
-        return f"Quality not a measurement: {name(result.reason or '')}."
+        return f"Quality not a measurement: {name(result.reason or '')}{_ran(result, name)}."
     if result.level == q.KERNEL:
         contexts = sorted({row.context for row in result.errors})
         parts = []
@@ -128,7 +158,7 @@ MAX_PROMPT_ROWS = 50  # the markdown must fit an issue; the JSON has every promp
 def markdown(result: q.Quality, baseline: str, candidate: str) -> list[str]:
     """The details section: the per-point error table, or the prompts the arms answered differently."""
     lines = ["### Quality", "", md_text(line(result, baseline, candidate))]
-    lines += [f"- {md_text(note)}" for note in result.notes]
+    lines += [f"- {md_text(note)}" for note in result.notes + repeats(result)]
     if result.state != q.MEASURED:
         return lines
     b, c = md_text(baseline), md_text(candidate)
@@ -150,7 +180,7 @@ def markdown(result: q.Quality, baseline: str, candidate: str) -> list[str]:
 
 def terminal(result: q.Quality, baseline: str, candidate: str, console: Console) -> None:
     console.print(f"  {visible(line(result, baseline, candidate))}", markup=False, highlight=False)
-    for note in result.notes:
+    for note in result.notes + repeats(result):
         console.print(f"  {visible(note)}", markup=False, highlight=False)
 
 
