@@ -252,8 +252,8 @@ def _judge(point: MatrixPoint, result: Report, objective: str) -> None:
         diff_row, verdict = segment_verdict(result.diff, segment)
         if verdict is not None:
             point.kernel_verdicts.append({"segment": segment, "ratio": diff_row.ratio, "ci_low": diff_row.ci_low,
-                                          "ci_high": diff_row.ci_high, "verdict": verdict,
-                                          "compared_calls": diff_row.compared_calls})
+                                          "ci_high": diff_row.ci_high, "no_interval": diff_row.no_interval,
+                                          "verdict": verdict, "compared_calls": diff_row.compared_calls})
     if estimate.verdict == stats.NO_CHANGE:
         point.winner = NO_CLEAR_WINNER
         return
@@ -443,7 +443,8 @@ def _claims(scenarios: list[Scenario], objective: str, threshold: float) -> list
                 segment = "prefill_attention" if p.cold_prefill else "decode_attention"
                 kernels = point_kernels(next(s.report for s in group if s.name == p.scenario), segment)
                 values["phase_kernels"] = [{"point": k.point, "ratio": k.ratio, "ci_low": k.ci_low,
-                                            "ci_high": k.ci_high, "verdict": k.verdict, "reason": k.reason}
+                                            "ci_high": k.ci_high, "no_interval": k.no_interval,
+                                            "verdict": k.verdict, "reason": k.reason}
                                            for k in kernels]
                 claims.append(Claim("cold-prefill" if p.cold_prefill else "decode", (p.row,), p.scenario, values))
             elif PREFIX_HITS in p.causes:
@@ -455,7 +456,8 @@ def _claims(scenarios: list[Scenario], objective: str, threshold: float) -> list
             for p in s.points:
                 if p.serving is None:
                     costs = [{"subject": k.subject, "point": k.point, "ratio": k.ratio, "ci_low": k.ci_low,
-                              "ci_high": k.ci_high, "verdict": k.verdict} for k in s.kernels if k.ratio is not None]
+                              "ci_high": k.ci_high, "no_interval": k.no_interval, "verdict": k.verdict}
+                             for k in s.kernels if k.ratio is not None]
                     claims.append(Claim("kernels", (p.row,), s.name, {"baseline": base, "candidate": cand,
                                                                      "costs": costs}))
         seen: set = set()
@@ -498,7 +500,7 @@ def _residency_claims(group: list[Scenario], base: str, cand: str, objective: st
     kernel = None
     if cold is not None:
         kernel = next(({"row": cold[1].row, "ratio": k.ratio, "ci_low": k.ci_low, "ci_high": k.ci_high,
-                        "verdict": k.verdict} for k in point_kernels(cold[0].report, "prefill_attention")
+                        "no_interval": k.no_interval, "verdict": k.verdict} for k in point_kernels(cold[0].report, "prefill_attention")
                        if k.ratio is not None), None)
     claims = []
     for s in group:

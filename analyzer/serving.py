@@ -364,14 +364,16 @@ def _observed_capacity(recorded: str | None, point: Point | None, counters: dict
                        peaks_note: str | None, kv_cache_tokens: int | None) -> tuple[str | None, str | None]:
     """Why the point is capacity-bound, from observed evidence only (counter deltas, polled peaks when enough
     polls fell inside the traffic, the KV demand against the startup log's pool), and a note when the reason the
-    polls alone would give (the capture's recorded one, or manifest.capacity_reason over every poll's maxima) is
+    polls alone would give (manifest.capacity_reason over every poll's maxima, or the capture's recorded one) is
     not counted: a sub-second point's one or two polls make no peak. A point that does not parse gets no reason
     where its peaks were not observed: kvtrace cannot tell what the recorded one rests on."""
     if point is None:
         if recorded is None or not peaks_note:
             return recorded, None
         return None, f"{recorded}: not counted ({peaks_note})"
-    claimed = recorded or capacity_reason(point, {"counters": counters}, peaks or None, kv_cache_tokens)
+    # kvtrace's own words for the evidence the capture recorded (its recorded reason, from the same rule, may carry
+    # an older wording); the recorded one where the rule finds none in what was kept.
+    claimed = capacity_reason(point, {"counters": counters}, peaks or None, kv_cache_tokens) or recorded
     if not peaks_note:
         return claimed, None
     reason = capacity_reason(point, {"counters": counters}, None, kv_cache_tokens)

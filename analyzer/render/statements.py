@@ -8,7 +8,7 @@ from functools import singledispatch
 from typing import Callable
 
 from kvtrace.analyzer import statements as st
-from kvtrace.analyzer.render.units import duration
+from kvtrace.analyzer.render.units import duration, interval
 from kvtrace.analyzer.stats import NO_CHANGE, REGRESSION
 
 Name = Callable[[str], str]
@@ -36,14 +36,13 @@ def _kernels(s: st.KernelStatement, name: Name = _plain) -> str:
     if s.ratio is None:
         return f"{what}: {s.verdict} ({name(s.reason or 'no paired calls')}){_compared(s, name)}"
     b, c = name(s.baseline), name(s.candidate)
-    interval = f" [{s.ci_low:.3f}, {s.ci_high:.3f}]" if s.ci_low is not None else ""
     if s.per_call:
         unit = "per append call" if s.subject == st.APPEND_PHASE else "per call"
         times = f"{duration(s.baseline_ns)} ({b}) → {duration(s.candidate_ns)} ({c}) {unit}"
     else:
         times = f"{duration(s.baseline_ns)} ({b}) → {duration(s.candidate_ns)} ({c}) in total over {s.cells:,} cells"
     paired = f"{s.verdict} over {s.compared_calls:,} paired calls"
-    return f"{what}: {times}, {s.ratio:.3f}×{interval}, {paired}{_compared(s, name)}"
+    return f"{what}: {times}, {s.ratio:.3f}× {interval(s.ci_low, s.ci_high, s.no_interval)}, {paired}{_compared(s, name)}"
 
 
 def _compared(s: st.KernelStatement, name: Name) -> str:
