@@ -233,7 +233,8 @@ def _residency(claim: mx.Claim, v: dict, cite: str, name: Name) -> str:
     reuse, shares, evicted = v["reuse"], v["cached_share"], v["evictions"]
     text = (f"Residency at {name(v['point'])} {cite}: by the server's own per-request counts {c} served "
             f"{percent(shares[1])} of its prompt tokens from the prefix cache against {b}'s {percent(shares[0])} "
-            f"({reuse[1]['reused']:,} against {reuse[0]['reused']:,} of {reuse[1]['requests']:,} requests had at "
+            f"({reuse[1]['reused']:,} against {reuse[0]['reused']:,} of {reuse[1]['requests']:,} "
+            f"{plural(reuse[1]['requests'], 'request')} had at "
             "least half their prompt cached)")
     if None not in evicted:
         missed = "" if evicted[0]["exact"] and evicted[1]["exact"] else ", at least: some events were missed"

@@ -103,10 +103,13 @@ def _serving_notes(report: Report) -> list[tuple[str, str]]:
         warnings = []
         for row, metrics in rows:
             where = f" at {row.point}" if len(report.serving) > 1 else ""
+            # A point counts once per quantity (two pairs of sources can check one, as cached prompt tokens), and
+            # only where every check of it agrees.
+            for quantity in dict.fromkeys(c.quantity for c in metrics.checks):
+                if all(c.agree for c in metrics.checks if c.quantity == quantity):
+                    agreed[quantity] = agreed.get(quantity, 0) + 1
             for check in metrics.checks:
-                if check.agree:
-                    agreed[check.quantity] = agreed.get(check.quantity, 0) + 1
-                else:
+                if not check.agree:
                     warnings.append(("warning", f"{label}{where}: {check.quantity} disagrees: "
                                      f"{_check_value(check, check.first_value)} ({check.first}) against "
                                      f"{_check_value(check, check.second_value)} ({check.second})"
