@@ -262,6 +262,40 @@ def _residency(claim: mx.Claim, v: dict, cite: str, name: Name) -> str:
     return text + f" {heading} there: {ratio(v['ratio'])}{spread} ({c} / {b}), {outcome}{paid}."
 
 
+def _server(v: dict, name: Name) -> str:
+    """What the server measured of the capacity mechanism, baseline against candidate, where recorded."""
+    b, c = name(v["baseline"]), name(v["candidate"])
+    measures = [("preemptions", lambda x: f"{x:,.0f}", "preemptions"),
+                ("peak_running", lambda x: f"{x:,.0f}", "peak running requests"),
+                ("peak_kv_usage", percent, "peak KV-cache usage"),
+                ("queue_ms", lambda x: f"{x:,.1f} ms", "mean time queued")]
+    parts = [f"{words} {fmt(v[key][0])} against {fmt(v[key][1])}" for key, fmt, words in measures
+             if None not in v[key]]
+    if not parts:
+        return ""
+    first = f" (the first of {v['runs']} runs)" if v["runs"] > 1 else ""
+    return f"; the server measured, {b} against {c}{first}: " + ", ".join(parts)
+
+
+def _capacity_claim(v: dict, cite: str, name: Name) -> str:
+    """A point where capacity binds for one arm or both: which, why, and what the server measured of it (the
+    mechanism that can lower TTFT without a faster kernel), then the objective's outcome."""
+    b, c = name(v["baseline"]), name(v["candidate"])
+    bound_b, bound_c = v["baseline_capacity"], v["candidate_capacity"]
+    where = (" (the sweep's crossover: the first point where only the narrower format fits)"
+             if v["crossover"] else "")
+    if bound_b and bound_c:
+        return (f"Where capacity binds for both arms, at {name(v['point'])} {cite}: {b} is capacity-bound "
+                f"({name(bound_b)}) and so is {c} ({name(bound_c)}){_server(v, name)}: {_outcome(v, name)}.")
+    if bound_c:
+        return (f"Where capacity binds, at {name(v['point'])} {cite}: {c} is capacity-bound ({name(bound_c)}) and {b} "
+                f"is not{_server(v, name)}: {_outcome(v, name)}.")
+    paid = {"candidate": "paid for its kernel costs", "baseline": "did not pay for its kernel costs",
+            mx.NOT_EXPLAINED: "is credited with nothing"}.get(v["winner"], "neither paid nor lost")
+    return (f"Where capacity binds, at {name(v['point'])} {cite}{where}: {b} is capacity-bound ({name(bound_b)}) and "
+            f"{c} is not{_server(v, name)}; {c}'s extra residency {paid} there: {_outcome(v, name)}.")
+
+
 def _phase_words(phase: dict, v: dict, name: Name) -> str:
     """One row of the head over every scenario: range, verdicts, the kernels compared and their query dtypes."""
     span = (ratio(phase["low"]) if abs(phase["high"] - phase["low"]) < 5e-4 else
@@ -303,13 +337,7 @@ def claim_text(claim: mx.Claim, result: mx.Matrix, name: Name = _plain) -> str:
             text += f" The narrower format ({narrower}) is faster in decode attention here, as it moves fewer bytes."
         return text
     if claim.kind == "capacity":
-        paid = {"candidate": "paid for its kernel costs", "baseline": "did not pay for its kernel costs",
-                mx.NOT_EXPLAINED: "is credited with nothing"}.get(v["winner"], "neither paid nor lost")
-        where = (" (the sweep's crossover: the first point where only the narrower format fits)"
-                 if v["crossover"] else "")
-        return (f"Where capacity binds, at {name(v['point'])} {cite}{where}: {name(v['baseline'])} is capacity-bound "
-                f"({name(v['baseline_capacity'])}) and {name(v['candidate'])} is not, and {name(v['candidate'])}'s "
-                f"extra residency {paid} there: {_outcome(v, name)}.")
+        return _capacity_claim(v, cite, name)
     if claim.kind in ("cold-prefill", "decode"):
         kernels = "; ".join(
             f"{name(k['point'])} {ratio(k['ratio'])} {interval(k['ci_low'], k['ci_high'], k['no_interval'])} {k['verdict']}"
