@@ -32,7 +32,10 @@ _HISTOGRAMS = {"ttft": ("vllm:time_to_first_token_seconds",),
 
 # The serving means that get an interval (ServingRow.estimates), each with whether higher is better. `tpot_ms` is
 # each request's mean inter-token gap: the ITL a request saw, one sample per request (its gaps share its batches).
-ESTIMATED = {"ttft_ms": False, "tpot_ms": False, "e2el_ms": False, "output_tokens_per_s": True}
+# `duration_s` is the point's wall time (the bench's `duration`: what a whole workload takes), one value per run.
+ESTIMATED = {"ttft_ms": False, "tpot_ms": False, "e2el_ms": False, "output_tokens_per_s": True, "duration_s": False}
+# The ESTIMATED values that are one number per run, not a mean over requests.
+_RUN_VALUES = ("output_tokens_per_s", "duration_s")
 # The bench client's summary name of each latency (mean_X_ms, std_X_ms).
 _SUMMARY = {"ttft_ms": "ttft", "tpot_ms": "tpot", "e2el_ms": "e2el"}
 
@@ -434,8 +437,8 @@ def _samples(arm: tuple[ServingMetrics, dict], name: str, paired: bool) -> stats
     """One arm's samples of an ESTIMATED metric in one run: per request where recorded and the requests pair, else
     the client's mean, std and count, else the mean alone (vLLM's histogram, a throughput)."""
     metrics, record = arm
-    if name == "output_tokens_per_s":
-        return stats.ArmSamples(mean=metrics.output_tokens_per_s)
+    if name in _RUN_VALUES:
+        return stats.ArmSamples(mean=getattr(metrics, name))
     detail = metrics.requests_detail
     values = getattr(detail, name) if detail is not None else None
     if paired and values is not None and values.size >= 2:
