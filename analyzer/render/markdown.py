@@ -14,8 +14,8 @@ from kvtrace.analyzer.headline import APPEND_PHASE, Headline
 from kvtrace.analyzer.render.escape import md_code, md_prose, md_text, visible
 from kvtrace.analyzer.render.statements import text as statement_text
 from kvtrace.analyzer.render.units import (HEAD_TIMES, MARK, arm_time, calls, duration, head_time,
-                                          markdown_table, no_change_band, numbered_notes, per_call, percent, row_interval,
-                                          ratio, run_ratios, signed_duration)
+                                          markdown_table, no_change_band, numbered_notes, per_call, percent,
+                                          ratio, row_interval, run_ratios, signed_duration)
 from kvtrace.analyzer.verify import MISMATCHES_SHOWN
 
 # Characters a GitHub issue or comment body holds: markdown past it is cut to fit (sized).

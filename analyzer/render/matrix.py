@@ -145,7 +145,8 @@ def kernel_table(result: mx.Matrix, name: Name) -> tuple[list[str], list[list[st
             queries = (f" ({k.baseline_query} → {k.candidate_query} queries)"
                        if k.baseline_query or k.candidate_query else "")
             body.append([rows, name(scenario.name), _SUBJECT_WORDS.get(k.subject, k.subject), name(k.point),
-                         f"{ratio(k.ratio)} {interval(k.ci_low, k.ci_high, k.no_interval)}" if k.ratio is not None else "–",
+                         f"{ratio(k.ratio)} {interval(k.ci_low, k.ci_high, k.no_interval)}"
+                         if k.ratio is not None else "–",
                          name(k.verdict if k.ratio is not None else f"{k.verdict} ({k.reason or ''})"),
                          name((k.kernels or "–") + queries)])
     return header, body
@@ -246,8 +247,8 @@ def _residency(claim: mx.Claim, v: dict, cite: str, name: Name) -> str:
     kernel = v["cold_prefill_kernel"]
     if kernel:
         text += (f" {c}'s prefill attention kernel on the matched cold prefill (R{kernel['row']}) is "
-                 f"{ratio(kernel['ratio'])} {interval(kernel['ci_low'], kernel['ci_high'], kernel['no_interval'])} per call "
-                 f"({kernel['verdict']}).")
+                 f"{ratio(kernel['ratio'])} {interval(kernel['ci_low'], kernel['ci_high'], kernel['no_interval'])} "
+                 f"per call ({kernel['verdict']}).")
     objective = _OBJECTIVE_WORDS[v["objective"]]
     heading = objective[:1].upper() + objective[1:]
     if v["ratio"] is None:
@@ -340,7 +341,8 @@ def claim_text(claim: mx.Claim, result: mx.Matrix, name: Name = _plain) -> str:
         return _capacity_claim(v, cite, name)
     if claim.kind in ("cold-prefill", "decode"):
         kernels = "; ".join(
-            f"{name(k['point'])} {ratio(k['ratio'])} {interval(k['ci_low'], k['ci_high'], k['no_interval'])} {k['verdict']}"
+            f"{name(k['point'])} {ratio(k['ratio'])} {interval(k['ci_low'], k['ci_high'], k['no_interval'])} "
+            f"{k['verdict']}"
             if k["ratio"] is not None else f"{name(k['point'])} {k['verdict']} ({name(k['reason'] or '')})"
             for k in v["phase_kernels"]) or "not compared"
         where, what = (("cold prefill", "prefill") if claim.kind == "cold-prefill" else ("decode", "decode"))

@@ -87,7 +87,8 @@ def decision(results: dict[str, q.Quality], candidate: str, name: Name = _plain)
     for scenario, result in results.items():
         if result.state == q.MEASURED and result.level == q.ANSWERS:
             acc = result.accuracy
-            what = f"{acc.verdict} over {acc.prompts} {plural(acc.prompts, 'prompt')} (McNemar exact p = {acc.p_value:.3g})"
+            what = (f"{acc.verdict} over {acc.prompts} {plural(acc.prompts, 'prompt')} (McNemar exact p = "
+                    f"{acc.p_value:.3g})")
         elif result.state == q.MEASURED:
             what = "the kernel's attention error above (an error against a reference, not the model's accuracy)"
         else:

@@ -43,7 +43,8 @@ def _kernels(s: st.KernelStatement, name: Name = _plain) -> str:
     else:
         times = f"{duration(s.baseline_ns)} ({b}) → {duration(s.candidate_ns)} ({c}) in total over {s.cells:,} cells"
     paired = f"{s.verdict} over {s.compared_calls:,} paired {plural(s.compared_calls, 'call')}"
-    return f"{what}: {times}, {s.ratio:.3f}× {interval(s.ci_low, s.ci_high, s.no_interval)}, {paired}{_compared(s, name)}"
+    spread = interval(s.ci_low, s.ci_high, s.no_interval)
+    return f"{what}: {times}, {s.ratio:.3f}× {spread}, {paired}{_compared(s, name)}"
 
 
 def _compared(s: st.KernelStatement, name: Name) -> str:
