@@ -281,15 +281,15 @@ def estimate_rows(strata: PairedStrata, rows: Sequence[np.ndarray], *, confidenc
         method = BOOTSTRAP
     run_counts = np.array([found.size for found in compared])
     base, cand = point_b.sum(axis=1), point_c.sum(axis=1)
-    with np.errstate(divide="ignore", invalid="ignore"):
+    with np.errstate(divide="ignore", invalid="ignore"):  # a row paired in one run pair of several: no interval
         ratios = cand / base
         ratio_bounds = _bounds(draws_c / draws_b, ratios,
-                               _widening(units, point_b, point_c, ratios, confidence, run_counts=run_counts),
-                               confidence, runs=strata.runs)
-        base_bounds = _bounds(draws_b, base, _widening(units, point_b, point_c, None, confidence, arm=0,
-                                                       run_counts=run_counts), confidence, runs=strata.runs)
-        cand_bounds = _bounds(draws_c, cand, _widening(units, point_b, point_c, None, confidence, arm=1,
-                                                       run_counts=run_counts), confidence, runs=strata.runs)
+                               _widening(units, point_b, point_c, ratios, confidence, run_counts), confidence,
+                               runs=strata.runs)
+        base_bounds = _bounds(draws_b, base, _widening(units, point_b, point_c, None, confidence, run_counts, arm=0),
+                              confidence, runs=strata.runs)
+        cand_bounds = _bounds(draws_c, cand, _widening(units, point_b, point_c, None, confidence, run_counts, arm=1),
+                              confidence, runs=strata.runs)
 
     results: list[Estimate | None] = []
     for index, members in enumerate(rows):
@@ -452,7 +452,7 @@ def _bounds(draws: np.ndarray, point: np.ndarray, widening: np.ndarray, confiden
 
 
 def _widening(units: list[_Unit], point_b: np.ndarray, point_c: np.ndarray, ratios: np.ndarray | None,
-              confidence: float, *, arm: int | None = None, run_counts: np.ndarray | None = None) -> np.ndarray:
+              confidence: float, run_counts: np.ndarray, *, arm: int | None = None) -> np.ndarray:
     """Per row, t(df) / z at the confidence level: the percentile bootstrap stretched as a t interval is
     over a z interval, with df the Welch-Satterthwaite degrees of freedom of the row's variance.
 
@@ -466,8 +466,7 @@ def _widening(units: list[_Unit], point_b: np.ndarray, point_c: np.ndarray, rati
     rows, runs = point_b.shape
     z = _normal_quantile(0.5 + confidence / 2)
     if runs > 1:  # the run pairs' totals spread with their calls' too: the run pair is the unit, runs - 1 df
-        counts = np.full(rows, runs) if run_counts is None else run_counts
-        return np.array([_t_quantile(0.5 + confidence / 2, max(int(k), 2) - 1) / z for k in counts])
+        return np.array([_t_quantile(0.5 + confidence / 2, max(int(k), 2) - 1) / z for k in run_counts])
     spread_units = [u for u in units if u.size > 1]
     row_index = np.concatenate([u.targets // runs for u in spread_units] + [np.zeros(0, dtype=np.int64)])
     repeat = [u.targets.size for u in spread_units]
