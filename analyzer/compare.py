@@ -400,7 +400,7 @@ class _RowBuilder:
         row.rank = spec.rank
         if estimate is not None:
             row.ratio, row.ci_low, row.ci_high = estimate.ratio, estimate.low, estimate.high
-            row.run_ratios = estimate.run_ratios
+            row.run_ratios, row.no_interval = estimate.run_ratios, estimate.no_interval
         row.reason = None if estimate is not None else self._reason(spec, sides, window_calls)
         if spec.level == "family" and estimate is None and all(window_calls):
             self._relaunched(row.family_label, sides)
@@ -456,6 +456,12 @@ class _RowBuilder:
         if strata.filter(pl.col("level") == RANGE).height:
             labels = [self._labels(groups) for groups in sides]
             notes.append(f"different kernels paired by NVTX range: {', '.join(labels[0])} vs {', '.join(labels[1])}")
+        found = sorted(set(strata["run"].to_list())) if runs > 1 else []
+        if 0 < len(found) < runs:  # the others scheduled different work (vLLM steps): their calls found no partner
+            which = " and ".join(f"r{run + 1}" for run in found)
+            notes.append(f"calls paired in {which} only, of {runs} run pairs: " + (
+                "one run pair cannot show how runs vary, so no interval" if len(found) == 1 else
+                "the interval resamples those"))
         single = row.single_call_cells
         if single > 1:
             notes.append(f"{single} single-call cells resampled together (one call has no spread of its own)")

@@ -252,8 +252,8 @@ def _judge(point: MatrixPoint, result: Report, objective: str) -> None:
         diff_row, verdict = segment_verdict(result.diff, segment)
         if verdict is not None:
             point.kernel_verdicts.append({"segment": segment, "ratio": diff_row.ratio, "ci_low": diff_row.ci_low,
-                                          "ci_high": diff_row.ci_high, "verdict": verdict,
-                                          "compared_calls": diff_row.compared_calls})
+                                          "ci_high": diff_row.ci_high, "no_interval": diff_row.no_interval,
+                                          "verdict": verdict, "compared_calls": diff_row.compared_calls})
     if estimate.verdict == stats.NO_CHANGE:
         point.winner = NO_CLEAR_WINNER
         return
@@ -436,14 +436,20 @@ def _claims(scenarios: list[Scenario], objective: str, threshold: float) -> list
                       "candidate_value": p.candidate_value, "kernels": p.kernel_verdicts,
                       "cached_prompt_tokens": [p.serving.baseline.cached_prompt_tokens,
                                                p.serving.candidate.cached_prompt_tokens],
-                      "queue_ms": [p.serving.baseline.queue_ms, p.serving.candidate.queue_ms]}
-            if p.baseline_capacity and not p.candidate_capacity:
+                      "queue_ms": [p.serving.baseline.queue_ms, p.serving.candidate.queue_ms],
+                      # What the server measured of the mechanism (the first run's; None where not recorded or the
+                      # peaks were not observed): how a capacity-bound arm's requests waited or were preempted.
+                      "preemptions": [p.serving.baseline.preemptions, p.serving.candidate.preemptions],
+                      "peak_running": [p.serving.baseline.peak_running, p.serving.candidate.peak_running],
+                      "peak_kv_usage": [p.serving.baseline.peak_kv_usage, p.serving.candidate.peak_kv_usage]}
+            if p.baseline_capacity or p.candidate_capacity:
                 claims.append(Claim("capacity", (p.row,), p.scenario, values))
             elif p.cold_prefill or p.decode_heavy:
                 segment = "prefill_attention" if p.cold_prefill else "decode_attention"
                 kernels = point_kernels(next(s.report for s in group if s.name == p.scenario), segment)
                 values["phase_kernels"] = [{"point": k.point, "ratio": k.ratio, "ci_low": k.ci_low,
-                                            "ci_high": k.ci_high, "verdict": k.verdict, "reason": k.reason}
+                                            "ci_high": k.ci_high, "no_interval": k.no_interval,
+                                            "verdict": k.verdict, "reason": k.reason}
                                            for k in kernels]
                 claims.append(Claim("cold-prefill" if p.cold_prefill else "decode", (p.row,), p.scenario, values))
             elif PREFIX_HITS in p.causes:
@@ -455,7 +461,8 @@ def _claims(scenarios: list[Scenario], objective: str, threshold: float) -> list
             for p in s.points:
                 if p.serving is None:
                     costs = [{"subject": k.subject, "point": k.point, "ratio": k.ratio, "ci_low": k.ci_low,
-                              "ci_high": k.ci_high, "verdict": k.verdict} for k in s.kernels if k.ratio is not None]
+                              "ci_high": k.ci_high, "no_interval": k.no_interval, "verdict": k.verdict}
+                             for k in s.kernels if k.ratio is not None]
                     claims.append(Claim("kernels", (p.row,), s.name, {"baseline": base, "candidate": cand,
                                                                      "costs": costs}))
         seen: set = set()
@@ -489,7 +496,8 @@ def _claims(scenarios: list[Scenario], objective: str, threshold: float) -> list
 
 
 def _residency_claims(group: list[Scenario], base: str, cand: str, objective: str) -> list[Claim]:
-    """Per point whose server counted each request's cached tokens: how much more of the prompts each arm's pool
+    """Per point whose server counted each request's cached tokens, and where either arm served prompt tokens from
+    its prefix cache or evicted cached blocks: how much more of the prompts each arm's pool
     served from its prefix cache and how many cached blocks it evicted (residency, a capacity effect), beside the
     prefill attention kernel's cost on the group's matched cold prefill and the objective's outcome there; stated
     whichever way the objective fell, so that a residency win never reads as a faster kernel, nor a slower kernel
@@ -498,7 +506,7 @@ def _residency_claims(group: list[Scenario], base: str, cand: str, objective: st
     kernel = None
     if cold is not None:
         kernel = next(({"row": cold[1].row, "ratio": k.ratio, "ci_low": k.ci_low, "ci_high": k.ci_high,
-                        "verdict": k.verdict} for k in point_kernels(cold[0].report, "prefill_attention")
+                        "no_interval": k.no_interval, "verdict": k.verdict} for k in point_kernels(cold[0].report, "prefill_attention")
                        if k.ratio is not None), None)
     claims = []
     for s in group:
@@ -507,6 +515,8 @@ def _residency_claims(group: list[Scenario], base: str, cand: str, objective: st
             if None in arms or None in (arms[0].reuse, arms[1].reuse) \
                     or None in (arms[0].reuse.cached_share, arms[1].reuse.cached_share):  # no prompt tokens counted
                 continue
+            if not any(m.reuse.cached_tokens or (m.evictions and m.evictions.blocks_removed) for m in arms):
+                continue  # no prefix caching happened at the point: residency has nothing to say there
             estimate = p.estimate
             claims.append(Claim("residency", (p.row,) + ((kernel["row"],) if kernel else ()), p.scenario, {
                 "baseline": base, "candidate": cand, "point": p.point, "objective": objective,

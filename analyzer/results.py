@@ -128,6 +128,7 @@ class DiffRow:
     unpaired_share: float | None  # of the row's absolute change, the part carried by calls without a partner
     abs_delta_share: float | None  # |Δ| of this row / Σ|Δ| of its table
     run_ratios: tuple[float | None, ...] = ()  # per run pair, with repeated runs
+    no_interval: str | None = None  # why a row with a ratio has no interval (stats.NO_INTERVAL_WHY)
     kv_independent: bool = False  # every kernel of the row is one the KV format cannot affect
     family: str | None = None
     family_label: str | None = None

@@ -32,7 +32,10 @@ _HISTOGRAMS = {"ttft": ("vllm:time_to_first_token_seconds",),
 
 # The serving means that get an interval (ServingRow.estimates), each with whether higher is better. `tpot_ms` is
 # each request's mean inter-token gap: the ITL a request saw, one sample per request (its gaps share its batches).
-ESTIMATED = {"ttft_ms": False, "tpot_ms": False, "e2el_ms": False, "output_tokens_per_s": True}
+# `duration_s` is the point's wall time (the bench's `duration`: what a whole workload takes), one value per run.
+ESTIMATED = {"ttft_ms": False, "tpot_ms": False, "e2el_ms": False, "output_tokens_per_s": True, "duration_s": False}
+# The ESTIMATED values that are one number per run, not a mean over requests.
+_RUN_VALUES = ("output_tokens_per_s", "duration_s")
 # The bench client's summary name of each latency (mean_X_ms, std_X_ms).
 _SUMMARY = {"ttft_ms": "ttft", "tpot_ms": "tpot", "e2el_ms": "e2el"}
 
@@ -364,14 +367,16 @@ def _observed_capacity(recorded: str | None, point: Point | None, counters: dict
                        peaks_note: str | None, kv_cache_tokens: int | None) -> tuple[str | None, str | None]:
     """Why the point is capacity-bound, from observed evidence only (counter deltas, polled peaks when enough
     polls fell inside the traffic, the KV demand against the startup log's pool), and a note when the reason the
-    polls alone would give (the capture's recorded one, or manifest.capacity_reason over every poll's maxima) is
+    polls alone would give (manifest.capacity_reason over every poll's maxima, or the capture's recorded one) is
     not counted: a sub-second point's one or two polls make no peak. A point that does not parse gets no reason
     where its peaks were not observed: kvtrace cannot tell what the recorded one rests on."""
     if point is None:
         if recorded is None or not peaks_note:
             return recorded, None
         return None, f"{recorded}: not counted ({peaks_note})"
-    claimed = recorded or capacity_reason(point, {"counters": counters}, peaks or None, kv_cache_tokens)
+    # kvtrace's own words for the evidence the capture recorded (its recorded reason, from the same rule, may carry
+    # an older wording); the recorded one where the rule finds none in what was kept.
+    claimed = capacity_reason(point, {"counters": counters}, peaks or None, kv_cache_tokens) or recorded
     if not peaks_note:
         return claimed, None
     reason = capacity_reason(point, {"counters": counters}, None, kv_cache_tokens)
@@ -432,8 +437,8 @@ def _samples(arm: tuple[ServingMetrics, dict], name: str, paired: bool) -> stats
     """One arm's samples of an ESTIMATED metric in one run: per request where recorded and the requests pair, else
     the client's mean, std and count, else the mean alone (vLLM's histogram, a throughput)."""
     metrics, record = arm
-    if name == "output_tokens_per_s":
-        return stats.ArmSamples(mean=metrics.output_tokens_per_s)
+    if name in _RUN_VALUES:
+        return stats.ArmSamples(mean=getattr(metrics, name))
     detail = metrics.requests_detail
     values = getattr(detail, name) if detail is not None else None
     if paired and values is not None and values.size >= 2:

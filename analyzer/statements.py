@@ -62,6 +62,7 @@ class KernelStatement(Statement):
     # The query dtype each arm's attention kernels ran with (vLLM's log), or None: unknown or not attention.
     baseline_query: str | None = None
     candidate_query: str | None = None
+    no_interval: str | None = None  # why a compared row has no interval (DiffRow.no_interval)
 
 
 APPEND_PHASE = "append_phase"
@@ -212,7 +213,7 @@ def _kernel_statement(diff: Diff, head: headline.HeadRow, base: RunArm | None, c
         baseline_ns=times[0], candidate_ns=times[1], cells=row.cells,
         reason=None if compared else row.reason or row.note, kernels=head.family,
         baseline_query=base.query_dtypes.get(phase) if base and phase else None,
-        candidate_query=cand.query_dtypes.get(phase) if cand and phase else None)
+        candidate_query=cand.query_dtypes.get(phase) if cand and phase else None, no_interval=row.no_interval)
 
 
 def _kernel_statements(diff: Diff, base: RunArm | None = None, cand: RunArm | None = None) -> list[KernelStatement]:

@@ -25,6 +25,8 @@ __all__ = [
     "NO_CHANGE",
     "REGRESSION",
     "SAME_WORK_SPREAD",
+    "NO_INTERVAL_WHY",
+    "ONE_RUN_PAIR",
     "SINGLE_CALL",
     "UNMEASURED",
     "Describe",
@@ -59,6 +61,10 @@ UNMEASURED = frozenset({INSUFFICIENT_DATA, NOT_COMPARABLE, DIFFERENT_WORK})
 BOOTSTRAP = "stratified paired bootstrap"
 HIERARCHICAL = "hierarchical bootstrap: run pairs, then call pairs within cells"
 SINGLE_CALL = "single call"
+ONE_RUN_PAIR = "one run pair of several"
+# Why a compared row has a ratio and no interval (Estimate.no_interval), by method.
+NO_INTERVAL_WHY = {SINGLE_CALL: "single calls, which have no spread of their own",
+                   ONE_RUN_PAIR: "its calls paired in one run pair only, which cannot show how runs vary"}
 
 # A row's per-call statistics describe calls only when its cells cost about the same per call: the
 # largest cell mean at most this much above the smallest, in each arm. Otherwise the row is a total.
@@ -176,8 +182,10 @@ class Estimate:
     """One row: candidate / baseline summed paired time, with its interval and each arm's paired time.
 
     ``ratio`` is Σ candidate / Σ baseline over the row's call pairs (all runs); low/high are None when no
-    stratum of the row has two pairs (``method`` SINGLE_CALL). ``baseline_ns``/``candidate_ns`` are the
-    summed paired times with their intervals. ``run_ratios`` holds the ratio of each run pair.
+    stratum of the row has two pairs (``method`` SINGLE_CALL), or when, of several run pairs, only one paired
+    the row's calls (``method`` ONE_RUN_PAIR); ``no_interval`` then says why. ``baseline_ns``/``candidate_ns``
+    are the summed paired times with their intervals. ``run_ratios`` holds the ratio of each run pair (None
+    where that run pair paired none of the row's calls).
     """
 
     ratio: float
@@ -195,6 +203,7 @@ class Estimate:
     run_ratios: tuple[float | None, ...]
     strata: int
     single_call_strata: int
+    no_interval: str | None = None  # why low/high are None (NO_INTERVAL_WHY), for a row with a ratio
 
 
 def estimate_rows(strata: PairedStrata, rows: Sequence[np.ndarray], *, confidence: float = 0.95,
@@ -212,9 +221,13 @@ def estimate_rows(strata: PairedStrata, rows: Sequence[np.ndarray], *, confidenc
 
     With several run pairs the bootstrap is hierarchical (Kalibera & Jones 2013): each resample draws
     runs − 1 run pairs, then, within each, the calls as above, so between-run variance is inside the
-    interval, which is then ± t(runs − 1) standard deviations of the draws (_bounds, _widening). Draws come
-    from one ``Generator(PCG64(seed))`` in a fixed order. A row without strata, or whose baseline sums to 0,
-    gets None.
+    interval, which is then ± t(runs − 1) standard deviations of the draws (_bounds, _widening). A row whose
+    calls paired in only some of the run pairs (vLLM steps that one run pair scheduled alike and another not) is
+    resampled over those run pairs alone, with their count's t: a run pair without its calls adds nothing to
+    either arm, and drawn alone it would make 0 / 0. Paired in one run pair of several, the row gets no
+    interval (ONE_RUN_PAIR): its calls' spread says nothing of how runs vary, which the repeats' band of 0
+    leaves to the interval. Draws come from one ``Generator(PCG64(seed))`` in a fixed order. A row without
+    strata, or whose baseline sums to 0, gets None.
     """
     if not 0.0 < confidence < 1.0:
         raise ValueError(f"confidence must be in (0, 1), got {confidence}")
@@ -253,21 +266,30 @@ def estimate_rows(strata: PairedStrata, rows: Sequence[np.ndarray], *, confidenc
     shape = (len(rows), strata.runs)
     point_b, point_c, varied = point_b.reshape(shape), point_c.reshape(shape), varied.reshape(shape)
     draws_b, draws_c = draws_b.reshape(*shape, resamples), draws_c.reshape(*shape, resamples)
+    compared = [np.unique(strata.run[np.asarray(members, dtype=np.int64)]) for members in rows]  # run pairs per row
     if strata.runs > 1:
-        draws_b, draws_c = _resample_runs(draws_b, draws_c, rng)
+        per_run_b, per_run_c = draws_b, draws_c
+        draws_b, draws_c = _resample_runs(per_run_b, per_run_c, rng)
+        for index, found in enumerate(compared):
+            if 1 < found.size < strata.runs:
+                some_b, some_c = _resample_runs(per_run_b[index:index + 1, found], per_run_c[index:index + 1, found],
+                                                rng)
+                draws_b[index], draws_c[index] = some_b[0], some_c[0]
         method = HIERARCHICAL
     else:
         draws_b, draws_c = draws_b[:, 0], draws_c[:, 0]
         method = BOOTSTRAP
+    run_counts = np.array([found.size for found in compared])
     base, cand = point_b.sum(axis=1), point_c.sum(axis=1)
-    with np.errstate(divide="ignore", invalid="ignore"):
+    with np.errstate(divide="ignore", invalid="ignore"):  # a row paired in one run pair of several: no interval
         ratios = cand / base
-        ratio_bounds = _bounds(draws_c / draws_b, ratios, _widening(units, point_b, point_c, ratios, confidence),
-                               confidence, runs=strata.runs)
-    base_bounds = _bounds(draws_b, base, _widening(units, point_b, point_c, None, confidence, arm=0), confidence,
-                          runs=strata.runs)
-    cand_bounds = _bounds(draws_c, cand, _widening(units, point_b, point_c, None, confidence, arm=1), confidence,
-                          runs=strata.runs)
+        ratio_bounds = _bounds(draws_c / draws_b, ratios,
+                               _widening(units, point_b, point_c, ratios, confidence, run_counts), confidence,
+                               runs=strata.runs)
+        base_bounds = _bounds(draws_b, base, _widening(units, point_b, point_c, None, confidence, run_counts, arm=0),
+                              confidence, runs=strata.runs)
+        cand_bounds = _bounds(draws_c, cand, _widening(units, point_b, point_c, None, confidence, run_counts, arm=1),
+                              confidence, runs=strata.runs)
 
     results: list[Estimate | None] = []
     for index, members in enumerate(rows):
@@ -279,14 +301,17 @@ def estimate_rows(strata: PairedStrata, rows: Sequence[np.ndarray], *, confidenc
             if strata.runs > 1 else ()
         single = int(np.count_nonzero(sizes[members] == 1))
         b, c = float(base[index]), float(cand[index])
-        if spread:
+        if strata.runs > 1 and compared[index].size == 1:
+            results.append(Estimate(c / b, None, None, confidence, 0, ONE_RUN_PAIR, b, None, None, c, None, None,
+                                    run_ratios, int(members.size), single, NO_INTERVAL_WHY[ONE_RUN_PAIR]))
+        elif spread:
             results.append(Estimate(c / b, float(ratio_bounds[0, index]), float(ratio_bounds[1, index]),
                                     confidence, resamples, method, b, float(base_bounds[0, index]),
                                     float(base_bounds[1, index]), c, float(cand_bounds[0, index]),
                                     float(cand_bounds[1, index]), run_ratios, int(members.size), single))
         else:
             results.append(Estimate(c / b, None, None, confidence, 0, SINGLE_CALL, b, None, None, c,
-                                    None, None, run_ratios, int(members.size), single))
+                                    None, None, run_ratios, int(members.size), single, NO_INTERVAL_WHY[SINGLE_CALL]))
     return results
 
 
@@ -427,7 +452,7 @@ def _bounds(draws: np.ndarray, point: np.ndarray, widening: np.ndarray, confiden
 
 
 def _widening(units: list[_Unit], point_b: np.ndarray, point_c: np.ndarray, ratios: np.ndarray | None,
-              confidence: float, *, arm: int | None = None) -> np.ndarray:
+              confidence: float, run_counts: np.ndarray, *, arm: int | None = None) -> np.ndarray:
     """Per row, t(df) / z at the confidence level: the percentile bootstrap stretched as a t interval is
     over a z interval, with df the Welch-Satterthwaite degrees of freedom of the row's variance.
 
@@ -436,11 +461,12 @@ def _widening(units: list[_Unit], point_b: np.ndarray, point_c: np.ndarray, rati
     same reason). Components: per unit of n pairs, the variance of its linearised total (C - R·B for the
     ratio, B or C for one arm) with n - 1 df. With several run pairs, runs - 1 df whatever the calls: each
     run pair's total varies with its calls too, so the calls' df would count that spread twice (at 2 and 3
-    runs per arm the interval then covered 90% for 95%, tests/test_intervals.py)."""
+    runs per arm the interval then covered 90% for 95%, tests/test_intervals.py). `run_counts`: per row, the run
+    pairs that paired its calls (a row resampled over fewer than all of them takes their count's df)."""
     rows, runs = point_b.shape
     z = _normal_quantile(0.5 + confidence / 2)
     if runs > 1:  # the run pairs' totals spread with their calls' too: the run pair is the unit, runs - 1 df
-        return np.full(rows, _t_quantile(0.5 + confidence / 2, runs - 1) / z)
+        return np.array([_t_quantile(0.5 + confidence / 2, max(int(k), 2) - 1) / z for k in run_counts])
     spread_units = [u for u in units if u.size > 1]
     row_index = np.concatenate([u.targets // runs for u in spread_units] + [np.zeros(0, dtype=np.int64)])
     repeat = [u.targets.size for u in spread_units]

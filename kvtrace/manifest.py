@@ -25,6 +25,7 @@ from pathlib import Path
 from kvtrace.errors import KvtraceError
 from kvtrace.files import read_json
 from kvtrace.kv_formats import bytes_per_value
+from kvtrace.text import plural
 
 MANIFEST = "manifest.json"
 SCHEMA = 1
@@ -125,7 +126,7 @@ def capacity_reason(point: Point, deltas: dict, peaks: dict | None, kv_cache_tok
     demand against the startup line's token count stands in for the usage gauge."""
     preempted = deltas["counters"].get(PREEMPTIONS, 0)
     if preempted > 0:
-        return f"{preempted:g} preemptions"
+        return f"{preempted:g} {plural(preempted, 'preemption')}"
     usage = (peaks or {}).get(KV_USAGE)
     if usage is not None and usage >= CAPACITY_FRACTION:
         return f"KV cache usage peaked at {usage:.0%}"

@@ -20,3 +20,9 @@ def visible(text) -> str:
                         (f"\\x{ord(m.group()) & 0xff:02x}" if ord(m.group()) < 0x100 or
                          0xdc80 <= ord(m.group()) <= 0xdcff else f"\\u{ord(m.group()):04x}"),
                         str(text))
+
+
+def plural(count, noun: str, many: str | None = None) -> str:
+    """The noun for a count: singular for exactly one, else `many` (the noun with an s): "1 preemption",
+    "9 preemptions", "0 pairs". Callers keep their own number format."""
+    return noun if count == 1 else many or noun + "s"

@@ -16,8 +16,8 @@ DIFF_STAT_FIELDS = ("calls", "total_ns", "total_low_ns", "total_high_ns", "mean_
 DIFF_COLUMNS = ("level", "segment", "phase", "family_label", "family", "kv_independent", "baseline_window_calls",
                 "candidate_window_calls", "baseline_window_total_ns", "candidate_window_total_ns", "compared_calls",
                 "cells", "single_call_cells", "same_work", *(f"baseline_stats_{f}" for f in DIFF_STAT_FIELDS),
-                *(f"candidate_stats_{f}" for f in DIFF_STAT_FIELDS), "ratio", "ci_low", "ci_high", "band", "verdict",
-                "paired_verdict", "note", "reason", "total_delta_ns", "paired_delta_ns", "unpaired_share",
+                *(f"candidate_stats_{f}" for f in DIFF_STAT_FIELDS), "ratio", "ci_low", "ci_high", "no_interval",
+                "band", "verdict", "paired_verdict", "note", "reason", "total_delta_ns", "paired_delta_ns", "unpaired_share",
                 "abs_delta_share", "run_ratios", "baseline_kv_dtypes", "candidate_kv_dtypes")
 
 
@@ -54,8 +54,8 @@ def diff(result: Diff) -> str:
                 row.compared_calls, row.cells, row.single_call_cells, row.same_work,
                 *(_blank(getattr(row.baseline, f)) if row.baseline else "" for f in DIFF_STAT_FIELDS),
                 *(_blank(getattr(row.candidate, f)) if row.candidate else "" for f in DIFF_STAT_FIELDS),
-                _blank(row.ratio), _blank(row.ci_low), _blank(row.ci_high), _blank(row.band), row.verdict,
-                row.paired_verdict or "", row.note or "", row.reason or "", row.total_delta_ns,
+                _blank(row.ratio), _blank(row.ci_low), _blank(row.ci_high), row.no_interval or "", _blank(row.band),
+                row.verdict, row.paired_verdict or "", row.note or "", row.reason or "", row.total_delta_ns,
                 row.paired_delta_ns, _blank(row.unpaired_share), _blank(row.abs_delta_share),
                 " ".join(f"{r:.6g}" if r is not None else "" for r in row.run_ratios),
                 " ".join(row.baseline_kv_dtypes), " ".join(row.candidate_kv_dtypes)])

@@ -14,8 +14,8 @@ from kvtrace.analyzer.headline import APPEND_PHASE, Headline
 from kvtrace.analyzer.render.escape import md_code, md_prose, md_text, visible
 from kvtrace.analyzer.render.statements import text as statement_text
 from kvtrace.analyzer.render.units import (HEAD_TIMES, MARK, arm_time, calls, duration, head_time,
-                                          interval, markdown_table, no_change_band, numbered_notes, per_call, percent,
-                                          ratio, run_ratios, signed_duration)
+                                          markdown_table, no_change_band, numbered_notes, per_call, percent,
+                                          ratio, row_interval, run_ratios, signed_duration)
 from kvtrace.analyzer.verify import MISMATCHES_SHOWN
 
 # Characters a GitHub issue or comment body holds: markdown past it is cut to fit (sized).
@@ -100,7 +100,7 @@ def _diff_table(first: list[str], rows: list[DiffRow], lead, diff: Diff) -> list
                                                                                   "share of |Δ|"]
     verdicts, notes = numbered_notes(rows)
     body = [lead(r) + [*calls(r), arm_time(r.baseline, r.cells), arm_time(r.candidate, r.cells), ratio(r.ratio),
-                       interval(r.ci_low, r.ci_high)] + ([run_ratios(r.run_ratios)] if diff.runs > 1 else [])
+                       row_interval(r)] + ([run_ratios(r.run_ratios)] if diff.runs > 1 else [])
             + [verdict, signed_duration(r.total_delta_ns), percent(r.abs_delta_share)]
             for r, verdict in zip(rows, verdicts)]
     lines = markdown_table(header, body)
@@ -216,7 +216,7 @@ def head(diff: Diff, level: int = 3, *, statements: bool = True, serving: list[s
                              "pairs"],
                             [[r.question, md_text(r.point), md_code(r.family), head_time(r.baseline_ns, r.mixed),
                               head_time(r.candidate_ns, r.mixed), ratio(r.row.ratio),
-                              interval(r.row.ci_low, r.row.ci_high), no_change_band(r.row, diff.threshold),
+                              row_interval(r.row), no_change_band(r.row, diff.threshold),
                               r.row.verdict, f"{r.row.compared_calls:,}"]
                              for r in head.rows])
     notes = []

@@ -15,6 +15,7 @@ from kvtrace.analyzer.render.escape import md_code, md_text, visible
 from kvtrace.analyzer.render.report_tables import _cached, _count, _peak, _rich_table
 from kvtrace.analyzer.render.units import interval, markdown_table, percent, ratio
 from kvtrace.analyzer.statements import APPEND_PHASE
+from kvtrace.text import plural
 
 Name = Callable[[str], str]
 
@@ -70,7 +71,7 @@ def estimate_cell(estimate, unit: str) -> str:
     """baseline → candidate (means over every run), then candidate / baseline with its interval."""
     if estimate is None:
         return "–"
-    spread = interval(estimate.low, estimate.high) if estimate.low is not None else "no interval"
+    spread = interval(estimate.low, estimate.high)
     runs = f", {estimate.runs} runs" if estimate.runs > 1 else ""
     return (f"{_number(estimate.baseline, unit)} → {_number(estimate.candidate, unit)}<br>"
             f"{ratio(estimate.ratio)} {spread}{runs}")
@@ -144,7 +145,8 @@ def kernel_table(result: mx.Matrix, name: Name) -> tuple[list[str], list[list[st
             queries = (f" ({k.baseline_query} → {k.candidate_query} queries)"
                        if k.baseline_query or k.candidate_query else "")
             body.append([rows, name(scenario.name), _SUBJECT_WORDS.get(k.subject, k.subject), name(k.point),
-                         f"{ratio(k.ratio)} {interval(k.ci_low, k.ci_high)}" if k.ratio is not None else "–",
+                         f"{ratio(k.ratio)} {interval(k.ci_low, k.ci_high, k.no_interval)}"
+                         if k.ratio is not None else "–",
                          name(k.verdict if k.ratio is not None else f"{k.verdict} ({k.reason or ''})"),
                          name((k.kernels or "–") + queries)])
     return header, body
@@ -177,7 +179,8 @@ def detail_table(result: mx.Matrix, name: Name) -> tuple[list[str], list[list[st
 
 def _kernel_words(k: dict, winner: str, b: str, c: str) -> str:
     return (f"a faster {_SEGMENT_WORDS[k['segment']]} kernel ({winner}'s; {c} / {b} per matched call "
-            f"{k['ratio']:.3f}× {interval(k['ci_low'], k['ci_high'])} over {k['compared_calls']:,} pairs)")
+            f"{k['ratio']:.3f}× {interval(k['ci_low'], k['ci_high'], k['no_interval'])} over "
+            f"{k['compared_calls']:,} {plural(k['compared_calls'], 'pair')})")
 
 
 def _why(v: dict, name: Name) -> str:
@@ -231,7 +234,8 @@ def _residency(claim: mx.Claim, v: dict, cite: str, name: Name) -> str:
     reuse, shares, evicted = v["reuse"], v["cached_share"], v["evictions"]
     text = (f"Residency at {name(v['point'])} {cite}: by the server's own per-request counts {c} served "
             f"{percent(shares[1])} of its prompt tokens from the prefix cache against {b}'s {percent(shares[0])} "
-            f"({reuse[1]['reused']:,} against {reuse[0]['reused']:,} of {reuse[1]['requests']:,} requests had at "
+            f"({reuse[1]['reused']:,} against {reuse[0]['reused']:,} of {reuse[1]['requests']:,} "
+            f"{plural(reuse[1]['requests'], 'request')} had at "
             "least half their prompt cached)")
     if None not in evicted:
         missed = "" if evicted[0]["exact"] and evicted[1]["exact"] else ", at least: some events were missed"
@@ -243,20 +247,54 @@ def _residency(claim: mx.Claim, v: dict, cite: str, name: Name) -> str:
     kernel = v["cold_prefill_kernel"]
     if kernel:
         text += (f" {c}'s prefill attention kernel on the matched cold prefill (R{kernel['row']}) is "
-                 f"{ratio(kernel['ratio'])} {interval(kernel['ci_low'], kernel['ci_high'])} per call "
-                 f"({kernel['verdict']}).")
+                 f"{ratio(kernel['ratio'])} {interval(kernel['ci_low'], kernel['ci_high'], kernel['no_interval'])} "
+                 f"per call ({kernel['verdict']}).")
     objective = _OBJECTIVE_WORDS[v["objective"]]
     heading = objective[:1].upper() + objective[1:]
     if v["ratio"] is None:
         return text + f" {heading} there is not compared (its cell says why)."
-    spread = (f" {interval(v['ci_low'], v['ci_high'])} over {v['runs']} run pair{'s' if v['runs'] != 1 else ''}"
-              if v["ci_low"] is not None else " (no interval)")
+    spread = (f" {interval(v['ci_low'], v['ci_high'])}"
+              + (f" over {v['runs']} run {plural(v['runs'], 'pair')}" if v["ci_low"] is not None else ""))
     outcome = {"candidate": f"{c} wins it", "baseline": f"{b} wins it",
                mx.NO_CLEAR_WINNER: "no significant difference", mx.NOT_EXPLAINED: "not explained"}.get(
         v["winner"], "not decided")
     paid = (f": {c}'s residency did not buy a better {objective} here" if more and v["winner"] != "candidate" else
             "")
     return text + f" {heading} there: {ratio(v['ratio'])}{spread} ({c} / {b}), {outcome}{paid}."
+
+
+def _server(v: dict, name: Name) -> str:
+    """What the server measured of the capacity mechanism, baseline against candidate, where recorded."""
+    b, c = name(v["baseline"]), name(v["candidate"])
+    measures = [("preemptions", lambda x: f"{x:,.0f}", "preemptions"),
+                ("peak_running", lambda x: f"{x:,.0f}", "peak running requests"),
+                ("peak_kv_usage", percent, "peak KV-cache usage"),
+                ("queue_ms", lambda x: f"{x:,.1f} ms", "mean time queued")]
+    parts = [f"{words} {fmt(v[key][0])} against {fmt(v[key][1])}" for key, fmt, words in measures
+             if None not in v[key]]
+    if not parts:
+        return ""
+    first = f" (the first of {v['runs']} runs)" if v["runs"] > 1 else ""
+    return f"; the server measured, {b} against {c}{first}: " + ", ".join(parts)
+
+
+def _capacity_claim(v: dict, cite: str, name: Name) -> str:
+    """A point where capacity binds for one arm or both: which, why, and what the server measured of it (the
+    mechanism that can lower TTFT without a faster kernel), then the objective's outcome."""
+    b, c = name(v["baseline"]), name(v["candidate"])
+    bound_b, bound_c = v["baseline_capacity"], v["candidate_capacity"]
+    where = (" (the sweep's crossover: the first point where only the narrower format fits)"
+             if v["crossover"] else "")
+    if bound_b and bound_c:
+        return (f"Where capacity binds for both arms, at {name(v['point'])} {cite}: {b} is capacity-bound "
+                f"({name(bound_b)}) and so is {c} ({name(bound_c)}){_server(v, name)}: {_outcome(v, name)}.")
+    if bound_c:
+        return (f"Where capacity binds, at {name(v['point'])} {cite}: {c} is capacity-bound ({name(bound_c)}) and {b} "
+                f"is not{_server(v, name)}: {_outcome(v, name)}.")
+    paid = {"candidate": "paid for its kernel costs", "baseline": "did not pay for its kernel costs",
+            mx.NOT_EXPLAINED: "is credited with nothing"}.get(v["winner"], "neither paid nor lost")
+    return (f"Where capacity binds, at {name(v['point'])} {cite}{where}: {b} is capacity-bound ({name(bound_b)}) and "
+            f"{c} is not{_server(v, name)}; {c}'s extra residency {paid} there: {_outcome(v, name)}.")
 
 
 def _phase_words(phase: dict, v: dict, name: Name) -> str:
@@ -300,16 +338,11 @@ def claim_text(claim: mx.Claim, result: mx.Matrix, name: Name = _plain) -> str:
             text += f" The narrower format ({narrower}) is faster in decode attention here, as it moves fewer bytes."
         return text
     if claim.kind == "capacity":
-        paid = {"candidate": "paid for its kernel costs", "baseline": "did not pay for its kernel costs",
-                mx.NOT_EXPLAINED: "is credited with nothing"}.get(v["winner"], "neither paid nor lost")
-        where = (" (the sweep's crossover: the first point where only the narrower format fits)"
-                 if v["crossover"] else "")
-        return (f"Where capacity binds, at {name(v['point'])} {cite}{where}: {name(v['baseline'])} is capacity-bound "
-                f"({name(v['baseline_capacity'])}) and {name(v['candidate'])} is not, and {name(v['candidate'])}'s "
-                f"extra residency {paid} there: {_outcome(v, name)}.")
+        return _capacity_claim(v, cite, name)
     if claim.kind in ("cold-prefill", "decode"):
         kernels = "; ".join(
-            f"{name(k['point'])} {ratio(k['ratio'])} {interval(k['ci_low'], k['ci_high'])} {k['verdict']}"
+            f"{name(k['point'])} {ratio(k['ratio'])} {interval(k['ci_low'], k['ci_high'], k['no_interval'])} "
+            f"{k['verdict']}"
             if k["ratio"] is not None else f"{name(k['point'])} {k['verdict']} ({name(k['reason'] or '')})"
             for k in v["phase_kernels"]) or "not compared"
         where, what = (("cold prefill", "prefill") if claim.kind == "cold-prefill" else ("decode", "decode"))
@@ -322,7 +355,7 @@ def claim_text(claim: mx.Claim, result: mx.Matrix, name: Name = _plain) -> str:
         return _residency(claim, v, cite, name)
     if claim.kind == "disagree":
         each = "; ".join(f"R{m['row']} {ratio(m['ratio'])} "
-                         + (interval(m["ci_low"], m["ci_high"]) if m["ci_low"] is not None else "(no interval)")
+                         + interval(m["ci_low"], m["ci_high"])
                          + (f" over {m['runs']} run pairs" if m["runs"] > 1 else " from one run per arm")
                          for m in v["measurements"])
         return (f"{name(v['point'])} was measured more than once {cite}, and the measurements disagree on "
@@ -330,7 +363,7 @@ def claim_text(claim: mx.Claim, result: mx.Matrix, name: Name = _plain) -> str:
                 "kvtrace does not decide this point; record it again with --repeats.")
     if claim.kind == "kernels":
         costs = "; ".join(f"{k['subject'].replace('_', ' ')} {name(k['point'])} {ratio(k['ratio'])} "
-                          f"{interval(k['ci_low'], k['ci_high'])} {k['verdict']}" for k in v["costs"])
+                          f"{interval(k['ci_low'], k['ci_high'], k['no_interval'])} {k['verdict']}" for k in v["costs"])
         return (f"{name(claim.scenario)} {cite} has no serving metrics, so no objective decides it; its kernels cost "
                 f"({name(v['candidate'])} / {name(v['baseline'])}): {costs}.")
     if claim.kind == "choice":

@@ -11,6 +11,7 @@ from rich.console import Console
 from kvtrace.analyzer import quality as q
 from kvtrace.analyzer.render.escape import md_text, rich, visible
 from kvtrace.analyzer.render.units import markdown_table, percent
+from kvtrace.text import plural
 
 Name = Callable[[str], str]
 
@@ -93,12 +94,15 @@ def line(result: q.Quality, baseline: str, candidate: str, name: Name = _plain) 
         return (f"Quality (kernel error, {_inputs(result.inputs, name)}): attention output relative L2 error against a "
                 f"float64 reference over the BF16 cache, {'; '.join(parts)} ({where}, each context apart below).")
     acc = result.accuracy
-    text = (f"Quality ({acc.prompts} prompts of {name(result.prompts_file or 'the prompt file')}, greedy): accuracy "
+    text = (f"Quality ({acc.prompts} {plural(acc.prompts, 'prompt')} of "
+            f"{name(result.prompts_file or 'the prompt file')}, greedy): accuracy "
             f"{name(baseline)} {percent(acc.baseline_accuracy)} → {name(candidate)} {percent(acc.candidate_accuracy)}, "
-            f"{acc.verdict} (McNemar exact p = {acc.p_value:.3g}: {acc.baseline_only} prompts only {name(baseline)} "
-            f"got right, {acc.candidate_only} only {name(candidate)})")
+            f"{acc.verdict} (McNemar exact p = {acc.p_value:.3g}: {acc.baseline_only} "
+            f"{plural(acc.baseline_only, 'prompt')} only {name(baseline)} got right, {acc.candidate_only} only "
+            f"{name(candidate)})")
     agree = result.agreement
-    text += (f"; outputs identical on {agree.identical} of {agree.prompts} prompts, {percent(agree.token_agreement)} "
+    text += (f"; outputs identical on {agree.identical} of {agree.prompts} {plural(agree.prompts, 'prompt')}, "
+             f"{percent(agree.token_agreement)} "
              f"of {name(baseline)}'s tokens alike before the first divergence")
     if result.auto:
         text += "; against BF16 (" + name(result.auto[0].reference) + "): " + ", ".join(
@@ -113,7 +117,8 @@ def decision(results: dict[str, q.Quality], candidate: str, name: Name = _plain)
     for scenario, result in results.items():
         if result.state == q.MEASURED and result.level == q.ANSWERS:
             acc = result.accuracy
-            what = f"{acc.verdict} over {acc.prompts} prompts (McNemar exact p = {acc.p_value:.3g})"
+            what = (f"{acc.verdict} over {acc.prompts} {plural(acc.prompts, 'prompt')} (McNemar exact p = "
+                    f"{acc.p_value:.3g})")
         elif result.state == q.MEASURED:
             what = "the kernel's attention error above (an error against a reference, not the model's accuracy)"
         else:

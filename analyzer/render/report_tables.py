@@ -103,10 +103,13 @@ def _serving_notes(report: Report) -> list[tuple[str, str]]:
         warnings = []
         for row, metrics in rows:
             where = f" at {row.point}" if len(report.serving) > 1 else ""
+            # A point counts once per quantity (two pairs of sources can check one, as cached prompt tokens), and
+            # only where every check of it agrees.
+            for quantity in dict.fromkeys(c.quantity for c in metrics.checks):
+                if all(c.agree for c in metrics.checks if c.quantity == quantity):
+                    agreed[quantity] = agreed.get(quantity, 0) + 1
             for check in metrics.checks:
-                if check.agree:
-                    agreed[check.quantity] = agreed.get(check.quantity, 0) + 1
-                else:
+                if not check.agree:
                     warnings.append(("warning", f"{label}{where}: {check.quantity} disagrees: "
                                      f"{_check_value(check, check.first_value)} ({check.first}) against "
                                      f"{_check_value(check, check.second_value)} ({check.second})"
@@ -126,6 +129,21 @@ def _serving_notes(report: Report) -> list[tuple[str, str]]:
 
 def _per_s(value) -> str:
     return "–" if value is None else f"{value:,.0f}/s"
+
+
+def _seconds(value) -> str:
+    return "–" if value is None else f"{value:,.1f} s"
+
+
+def _wall_time(row) -> list[str]:
+    """The point's wall time (the bench's `duration`) per arm, the mean over every run, with candidate / baseline and
+    the interval the serving estimate gives one-number-per-run values: over run pairs with --repeats, else none."""
+    estimate = row.estimates.get("duration_s")
+    if estimate is None:
+        return ["–", "–", ""]
+    runs = f", {estimate.runs} runs" if estimate.runs > 1 else ""
+    return [_seconds(estimate.baseline), _seconds(estimate.candidate),
+            f"{ratio(estimate.ratio)} {interval(estimate.low, estimate.high)}{runs}"]
 
 
 # ---- table models shared by markdown and terminal ----------------------------------------------------
@@ -162,6 +180,7 @@ def _serving_point_table(report: Report) -> tuple[list[str], list[list[str]]]:
               ratio(row.ratios.get("input_tokens_per_s"))],
              ["output tokens/s", _per_s(get(b, "output_tokens_per_s")), _per_s(get(c, "output_tokens_per_s")),
               ratio(row.ratios.get("output_tokens_per_s"))],
+             ["wall time", *_wall_time(row)],
              ["preemptions", _count(get(b, "preemptions")), _count(get(c, "preemptions")), ""],
              ["peak running requests", _peak(b, "peak_running", _count), _peak(c, "peak_running", _count), ""],
              ["peak KV-cache usage", _peak(b, "peak_kv_usage", percent), _peak(c, "peak_kv_usage", percent), ""],
@@ -173,7 +192,7 @@ def _serving_sweep_table(report: Report) -> tuple[list[str], list[list[str]]]:
     """A sweep: one row per grid point; ◆ marks where an arm first hits capacity at that context length."""
     bl, cl = report.baseline.label, report.candidate.label
     header = ["point", f"TTFT {bl}", f"TTFT {cl}", f"cached {bl}", f"cached {cl}", f"ITL {bl}", f"ITL {cl}",
-              f"out tok/s {bl}", f"out tok/s {cl}", f"queued {bl}", f"queued {cl}", f"preempt. {bl}",
+              f"out tok/s {bl}", f"out tok/s {cl}", f"wall {bl}", f"wall {cl}", f"queued {bl}", f"queued {cl}", f"preempt. {bl}",
               f"preempt. {cl}", f"peak KV {bl}", f"peak KV {cl}", "capacity"]
     rows = []
     for row in report.serving:
@@ -185,6 +204,7 @@ def _serving_sweep_table(report: Report) -> tuple[list[str], list[list[str]]]:
         rows.append([row.point, _latency(b.ttft_ms if b else None), _latency(c.ttft_ms if c else None),
                      _cached(b), _cached(c), _latency(b.itl_ms if b else None), _latency(c.itl_ms if c else None),
                      _per_s(b.output_tokens_per_s if b else None), _per_s(c.output_tokens_per_s if c else None),
+                     *_wall_time(row)[:2],
                      _ms(b.queue_ms if b else None), _ms(c.queue_ms if c else None),
                      _count(b.preemptions if b else None), _count(c.preemptions if c else None),
                      _peak(b, "peak_kv_usage", percent), _peak(c, "peak_kv_usage", percent),

@@ -8,8 +8,9 @@ from functools import singledispatch
 from typing import Callable
 
 from kvtrace.analyzer import statements as st
-from kvtrace.analyzer.render.units import duration
+from kvtrace.analyzer.render.units import duration, interval
 from kvtrace.analyzer.stats import NO_CHANGE, REGRESSION
+from kvtrace.text import plural
 
 Name = Callable[[str], str]
 
@@ -36,14 +37,14 @@ def _kernels(s: st.KernelStatement, name: Name = _plain) -> str:
     if s.ratio is None:
         return f"{what}: {s.verdict} ({name(s.reason or 'no paired calls')}){_compared(s, name)}"
     b, c = name(s.baseline), name(s.candidate)
-    interval = f" [{s.ci_low:.3f}, {s.ci_high:.3f}]" if s.ci_low is not None else ""
     if s.per_call:
         unit = "per append call" if s.subject == st.APPEND_PHASE else "per call"
         times = f"{duration(s.baseline_ns)} ({b}) → {duration(s.candidate_ns)} ({c}) {unit}"
     else:
         times = f"{duration(s.baseline_ns)} ({b}) → {duration(s.candidate_ns)} ({c}) in total over {s.cells:,} cells"
-    paired = f"{s.verdict} over {s.compared_calls:,} paired calls"
-    return f"{what}: {times}, {s.ratio:.3f}×{interval}, {paired}{_compared(s, name)}"
+    paired = f"{s.verdict} over {s.compared_calls:,} paired {plural(s.compared_calls, 'call')}"
+    spread = interval(s.ci_low, s.ci_high, s.no_interval)
+    return f"{what}: {times}, {s.ratio:.3f}× {spread}, {paired}{_compared(s, name)}"
 
 
 def _compared(s: st.KernelStatement, name: Name) -> str:
@@ -59,7 +60,7 @@ def _compared(s: st.KernelStatement, name: Name) -> str:
 def _query_quantize(s: st.QueryQuantizeStatement, name: Name = _plain) -> str:
     a, o, phase = name(s.arm), name(s.other), name(s.phase.removeprefix("vLLM "))
     # One run's numbers, or their mean per run: a sum over repeated runs is no run's time.
-    calls, each = (f"{s.calls:,} quantize calls", "in total") if s.runs == 1 else \
+    calls, each = (f"{s.calls:,} quantize {plural(s.calls, 'call')}", "in total") if s.runs == 1 else \
         (f"{s.calls:,.4g} quantize calls", f"per run (mean of {s.runs} runs)")
     there = "there" if s.runs == 1 else "there per run"
     words = (f"query quantization ({phase}): only {a} quantizes its prefill queries ({name(s.query)}, per vLLM's log), "
@@ -87,7 +88,8 @@ def _ideal(s: st.IdealCapacityStatement, name: Name = _plain) -> str:
 def _sweep(s: st.SweepCapacityStatement, name: Name = _plain) -> str:
     parts = [f"{name(arm.label)} first reaches capacity at "
              + "; ".join(f"{name(f.point)} ({name(f.reason)})" for f in arm.first) if arm.first else
-             f"{name(arm.label)} reaches capacity at none of its {arm.points} points" for arm in s.arms]
+             f"{name(arm.label)} reaches capacity at none of its {arm.points} {plural(arm.points, 'point')}"
+             for arm in s.arms]
     return "sweep: " + ". ".join(parts)
 
 
@@ -127,7 +129,7 @@ def _prefix_evidence(s: st.TtftStatement, name: Name) -> str:
 
 
 def _reused(reuse, arm: str) -> str:
-    return f"{reuse.reused:,} of {arm}'s {reuse.requests:,} requests"
+    return f"{reuse.reused:,} of {arm}'s {reuse.requests:,} {plural(reuse.requests, 'request')}"
 
 
 @text.register

@@ -11,8 +11,9 @@ from kvtrace.analyzer.kernels import KernelList
 from kvtrace.analyzer.headline import APPEND_PHASE, CONTROL, Headline
 from kvtrace.analyzer.render.escape import rich, visible
 from kvtrace.analyzer.render.statements import text as statement_text
-from kvtrace.analyzer.render.units import (HEAD_TIMES, LEVEL, arm_time, calls, duration, head_time, interval, no_change_band,
-                                          numbered_notes, per_call, percent, ratio, run_ratios, signed_duration)
+from kvtrace.analyzer.render.units import (HEAD_TIMES, LEVEL, arm_time, calls, duration, head_time, no_change_band,
+                                          numbered_notes, per_call, percent, ratio, row_interval, run_ratios,
+                                          signed_duration)
 from kvtrace.analyzer.stats import IMPROVEMENT, REGRESSION
 from kvtrace.analyzer.verify import MISMATCHES_SHOWN
 
@@ -73,7 +74,7 @@ def head(diff: Diff, console: Console, *, statements: bool = True) -> None:
             row = r.row
             style = _STYLE.get(row.verdict)
             table.add_row(rich(r.point), head_time(r.baseline_ns, r.mixed), head_time(r.candidate_ns, r.mixed),
-                          ratio(row.ratio), interval(row.ci_low, row.ci_high), no_change_band(row, diff.threshold),
+                          ratio(row.ratio), row_interval(row), no_change_band(row, diff.threshold),
                           f"[{style}]{row.verdict}[/]" if style else row.verdict, f"{row.compared_calls:,}")
         console.print(table)
     if any(r.question == APPEND_PHASE for r in head.rows):
@@ -121,7 +122,7 @@ def body(diff: Diff, console: Console) -> None:
         for r, verdict in zip(rows, verdicts):
             style = _STYLE.get(r.verdict)
             table.add_row(*lead(r), " / ".join(calls(r)), arm_time(r.baseline, r.cells),
-                          arm_time(r.candidate, r.cells), ratio(r.ratio), interval(r.ci_low, r.ci_high),
+                          arm_time(r.candidate, r.cells), ratio(r.ratio), row_interval(r),
                           *([run_ratios(r.run_ratios)] if diff.runs > 1 else []),
                           f"[{style}]{rich(verdict)}[/]" if style else rich(verdict), signed_duration(r.total_delta_ns),
                           percent(r.abs_delta_share))

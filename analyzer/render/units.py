@@ -31,8 +31,20 @@ def ratio(value: float | None) -> str:
     return "–" if value is None else f"{value:.3f}×"
 
 
-def interval(low: float | None, high: float | None) -> str:
-    return "–" if low is None or high is None else f"[{low:.3f}, {high:.3f}]"
+NO_INTERVAL = "no interval"
+
+
+def interval(low: float | None, high: float | None, why: str | None = None) -> str:
+    """An interval as every output prints it: [low, high], else "no interval" (with `why`, where the result says
+    why: stats.NO_INTERVAL_WHY). Never nan: an end that is not a finite number is no interval."""
+    if low is None or high is None or not (math.isfinite(low) and math.isfinite(high)):
+        return f"{NO_INTERVAL} ({why})" if why else NO_INTERVAL
+    return f"[{low:.3f}, {high:.3f}]"
+
+
+def row_interval(row) -> str:
+    """A table's interval cell of a diff row: "–" where the row has no ratio (not compared), else interval()."""
+    return "–" if row.ratio is None else interval(row.ci_low, row.ci_high)
 
 
 def no_change_half_width(row, threshold: float) -> float:
