@@ -14,7 +14,7 @@ from itertools import combinations
 from pathlib import Path
 
 from kvtrace import __version__, kv_formats
-from kvtrace.analyzer import headline, report as report_lib, stats
+from kvtrace.analyzer import headline, report as report_lib, stats, steps
 from kvtrace.analyzer.classify import RecipeSet
 from kvtrace.analyzer.report import PlotFile, Report
 from kvtrace.analyzer.serving import ServingRow
@@ -457,6 +457,7 @@ def _claims(scenarios: list[Scenario], objective: str, threshold: float) -> list
             else:
                 claims.append(Claim("point", (p.row,), p.scenario, values))
         claims += _residency_claims(group, base, cand, objective)
+        claims += _step_claims(group, base, cand)
         for s in group:
             for p in s.points:
                 if p.serving is None:
@@ -492,6 +493,19 @@ def _claims(scenarios: list[Scenario], objective: str, threshold: float) -> list
                                                    "one_run": one_run}))
         claims.append(Claim("quality", rows, None, {"baseline": base, "candidate": cand, "scenarios": {
             s.name: (s.report.quality.state, s.report.quality.level) for s in group if s.report.quality}}))
+    return claims
+
+
+def _step_claims(group: list[Scenario], base: str, cand: str) -> list[Claim]:
+    """Per scenario and vLLM step kind whose candidate steps lasted longer on the GPU mostly by time with no kernel
+    running, its host held in them (analyzer.steps.host_bound): time the kernel rows cannot show, named as the
+    host's so that it is neither blamed on nor hidden behind a kernel."""
+    claims = []
+    for s in group:
+        for row in s.report.step_timeline:
+            if steps.host_bound(row):
+                claims.append(Claim("steps", tuple(p.row for p in s.points), s.name, {
+                    "baseline": base, "candidate": cand, **asdict(row)}))
     return claims
 
 

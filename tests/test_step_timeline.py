@@ -111,3 +111,23 @@ def test_no_step_timeline_without_vllm_steps_or_inside_a_window(shipped_recipes)
     assert report.build([NSYS2025_DIR], shipped_recipes).step_timeline == []
     windowed = report.build([SWEEP], shipped_recipes, window=align.Window(phase=align.DECODE))
     assert windowed.step_timeline == [] and not any(s.kind == "step-timeline" for s in windowed.statements)
+
+
+def test_the_matrix_names_the_host_time_where_the_report_does(shipped_recipes):
+    """Over the four 8B runs: a `steps` claim exactly where a scenario's report states its steps waiting on the host
+    (the cold prefill and the preemption case, prefill steps), never where the span verdict is not a regression."""
+    from kvtrace.analyzer import matrix
+    from kvtrace.analyzer.render.matrix import claim_text
+
+    runs = [VLLM033_8B_RUNS[name] for name in ("capacity-cold-prefill", "capacity-prefix-reuse", "capacity-preemption",
+                                              "capacity-sweep")]
+    result = matrix.build(runs, shipped_recipes)
+    claims = [c for c in result.claims if c.kind == "steps"]
+    stated = {(s.name, row.phase) for s in result.scenarios for row in s.report.step_timeline if steps.host_bound(row)}
+    assert {(c.scenario, c.values["phase"]) for c in claims} == stated
+    assert {phase for _, phase in stated} == {align.PREFILL} and len(stated) == 2
+    for claim in claims:
+        scenario = next(s for s in result.scenarios if s.name == claim.scenario)
+        assert claim.rows == tuple(p.row for p in scenario.points)
+        assert claim.values["span_verdict"] == stats.REGRESSION
+        assert "not a slower kernel" in claim_text(claim, result)

@@ -169,9 +169,8 @@ def _ttft(s: st.TtftStatement, name: Name = _plain) -> str:
 @text.register
 def _step_timeline(s: st.StepTimelineStatement, name: Name = _plain) -> str:
     r, b, c = s.row, name(s.baseline), name(s.candidate)
-    kernels = f"{r.kernel_ratio:.3f}×" + (f" [{r.kernel_low:.3f}, {r.kernel_high:.3f}]" if r.kernel_low is not None
-                                          else "")
-    span = f"{r.span_ratio:.3f}× [{r.span_low:.3f}, {r.span_high:.3f}], {r.span_verdict}"
+    kernels = f"{r.kernel_ratio:.3f}× {interval(r.kernel_low, r.kernel_high)}"
+    span = f"{r.span_ratio:.3f}× {interval(r.span_low, r.span_high)}, {r.span_verdict}"
     return (f"{r.phase} steps ({r.steps:,} paired): {c}'s kernels ran {duration(r.candidate_kernel_ns)} per step "
             f"against {duration(r.baseline_kernel_ns)} ({b}), {kernels}, but its steps took "
             f"{duration(r.candidate_span_ns)} on the GPU from first kernel to last against "
