@@ -173,6 +173,9 @@ class TtftStatement(Statement):
     candidate_reuse: PrefixReuse | None = None
     baseline_evictions: Evictions | None = None
     candidate_evictions: Evictions | None = None
+    # TTFT's mean over every run pair with its interval and verdict (ServingRow.estimates), where the point has one:
+    # the reading names a mechanism, and only this estimate says whether the change is one.
+    estimate: stats.ServingEstimate | None = None
 
 
 @dataclass(frozen=True)
@@ -312,7 +315,8 @@ def ttft_guard_rail(diff: Diff, serving: list[ServingRow], base: RunArm, cand: R
             baseline_prefilled_tokens=prefilled[0], candidate_prefilled_tokens=prefilled[1],
             baseline_queue_ms=queued[0], candidate_queue_ms=queued[1], prefix_fit=_prefix_fit(row, base, cand),
             baseline_capacity=b.capacity, baseline_reuse=b.reuse, candidate_reuse=c.reuse,
-            baseline_evictions=b.evictions, candidate_evictions=c.evictions))
+            baseline_evictions=b.evictions, candidate_evictions=c.evictions,
+            estimate=row.estimates.get("ttft_ms")))
     return out
 
 

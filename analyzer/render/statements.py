@@ -9,7 +9,7 @@ from typing import Callable
 
 from kvtrace.analyzer import statements as st
 from kvtrace.analyzer.render.units import duration, interval
-from kvtrace.analyzer.stats import NO_CHANGE, REGRESSION
+from kvtrace.analyzer.stats import IMPROVEMENT, NO_CHANGE, REGRESSION
 from kvtrace.text import plural
 
 Name = Callable[[str], str]
@@ -138,6 +138,13 @@ def _ttft(s: st.TtftStatement, name: Name = _plain) -> str:
     ttft = f"TTFT {s.stat} {s.baseline_ms:.1f} ms ({b}) → {s.candidate_ms:.1f} ms ({c}), {s.ratio:.3f}×"
     where = f" at {name(s.point)}" if s.point else ""
     kernels = _prefill_kernels(s, name)
+    e = s.estimate
+    if e is not None:
+        runs = f"over {e.runs} run pairs" if e.runs > 1 else "with one run per arm"
+        ttft += (f" in the first run; the mean {runs} {e.ratio:.3f}× {interval(e.low, e.high)}, "
+                 f"{'no significant difference' if e.verdict == NO_CHANGE else e.verdict}")
+        if e.verdict != IMPROVEMENT and s.reading in _GAINS:
+            return f"{ttft}{where}: not a significant gain. What the arms differ in: {_mechanism(s, name, kernels)}"
     cached = (f"{s.candidate_cached_tokens:,} cached prompt tokens ({c}) against {s.baseline_cached_tokens:,} ({b})"
               if s.reading in (st.PREFIX_HIT, st.PREFIX_HIT_AND_FASTER, st.PREFIX_HIT_SLOWER, st.PREFILLED_DIFFERENT)
               else "")
@@ -164,6 +171,26 @@ def _ttft(s: st.TtftStatement, name: Name = _plain) -> str:
                 "with prefix-cache hits")
     same = s.baseline_cached_tokens is not None and s.candidate_cached_tokens is not None
     return f"{ttft}{where}" + (", same cached prompt tokens" if same else "")
+
+
+# The readings that explain a TTFT gain; where the estimate over every run finds none, only their mechanism is said.
+_GAINS = (st.PREFIX_HIT, st.PREFIX_HIT_AND_FASTER, st.CAPACITY_EFFECT, st.OUTSIDE_KERNELS)
+
+
+def _mechanism(s: st.TtftStatement, name: Name, kernels: str) -> str:
+    """What a TTFT gain would be credited to, without claiming one."""
+    b, c = name(s.baseline), name(s.candidate)
+    if s.reading == st.CAPACITY_EFFECT:
+        return (f"{b} was capacity-bound there ({name(s.baseline_capacity)}) and {c} was not, while {kernels}: a "
+                "capacity effect, not a faster prefill kernel")
+    if s.reading == st.OUTSIDE_KERNELS:
+        return f"{kernels}, with the same cached prompt tokens: whatever changed is outside the prefill kernels"
+    cached = (f"{s.candidate_cached_tokens:,} cached prompt tokens ({c}) against {s.baseline_cached_tokens:,} ({b})"
+              f"{_prefix_evidence(s, name)}")
+    if s.reading == st.PREFIX_HIT_AND_FASTER:
+        return (f"{cached}, and {kernels}: a capacity / prefix-hit effect, not kernel speed, beside faster kernels, "
+                "so TTFT credits neither alone")
+    return f"{cached}, while {kernels}: a capacity / prefix-hit effect, not a faster prefill kernel"
 
 
 @text.register
