@@ -41,7 +41,7 @@ demo: install
 	@echo "vLLM 0.33 FP8 vs NVFP4 run directory: $(VLLM_DEMO)"
 	@echo "markdown report: $(OUT)/demo-diff.md, JSON: $(OUT)/demo-diff.json"
 	@echo "serving report with plots: $(OUT)/demo-report.md ($(OUT)/plots/; drag $(OUT)/plots/summary.png into the issue)"
-	@echo "the capacity-bound region (cold prefill beside prefix reuse, 8B shape): $(OUT)/demo-capacity.md"
+	@echo "the capacity-bound region (8B shape: cold prefill, prefix reuse, preemption, sweep): $(OUT)/demo-capacity.md; the preemption case: $(OUT)/demo-preemption.md"
 
 test: install-dev
 	@if [ -n "$(NSYS_INSTALLER)" ]; then export NSYS=$$(bash $(NSYS_INSTALLER)); fi; \
