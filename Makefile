@@ -3,8 +3,10 @@ PYTHON ?= python3
 PIP := $(PYTHON) -m pip install -q --disable-pip-version-check
 # Debian's Nsight Systems 2023.4.4 CLI for the `nsys stats` cross-check (shared/ci beside the checkout).
 NSYS_INSTALLER := $(wildcard ../shared/ci/install-nsys-cli.sh)
-DEMO := fixtures/fi-h200-sm90
+# The FlashInfer FP8 vs NVFP4 pair on the H200 (fixtures/fi-h200-sm90, shipped packed), unpacked by `make demo`.
+DEMO_PACK := fixtures/fi-h200-sm90/fi-h200-sm90.tar.xz
 OUT ?= out
+DEMO := $(OUT)/fi-h200-sm90
 # The real vLLM 0.33 pair (H200, FP8 vs NVFP4 KV cache, offline decode-heavy), shipped packed.
 VLLM_DEMO_PACK := fixtures/vllm033-h200/offline-decode-heavy.tar.xz
 VLLM_DEMO := $(OUT)/vllm033-offline-decode-heavy
@@ -30,6 +32,7 @@ demo: install
 	mkdir -p $(OUT)
 	rm -rf $(VLLM_DEMO) && tar -xJf $(VLLM_DEMO_PACK) -C $(OUT)
 	cd $(VLLM_DEMO) && kvtrace diff fp8.sqlite nvfp4.sqlite
+	rm -rf $(DEMO) && tar -xJf $(DEMO_PACK) -C $(OUT)
 	kvtrace diff $(DEMO)/fp8.sqlite $(DEMO)/nvfp4.sqlite
 	kvtrace diff $(DEMO)/fp8.sqlite $(DEMO)/nvfp4.sqlite --format markdown -o $(OUT)/demo-diff.md
 	kvtrace diff $(DEMO)/fp8.sqlite $(DEMO)/nvfp4.sqlite --format json -o $(OUT)/demo-diff.json

@@ -23,7 +23,6 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "fixtures"
-NSYS2025_DIR = FIXTURES / "fi-h200-sm90"  # Nsight Systems 2025.3.2, export schema 3.20.3
 # Its two .nsys-rep reports, kept unpacked beside the pack of the rest (make bench-export's default REPORTS).
 NSYS2023_REPORTS = FIXTURES / "fi-h200-sm90-nsys2023"
 BAD_DIR = FIXTURES / "bad"
@@ -80,8 +79,9 @@ VLLM033_8B_RUNS = {pack.name.removesuffix(".tar.xz"): _unpack(pack)
                    for pack in sorted(VLLM033_8B_PACKS.glob("*.tar.xz"))}
 # The older runs, each packed whole as fixtures/RUN/RUN.tar.xz (fixtures/README.md), by run name.
 PACKED_RUNS = {run: _unpack(FIXTURES / run / f"{run}.tar.xz", named=True) for run in (
-    "fi-h200-sm90-nsys2023", "fi-h200-sm90-repeat", "fi-h200-sm90-repeats2", "vllm-h200-cold-prefill",
+    "fi-h200-sm90", "fi-h200-sm90-nsys2023", "fi-h200-sm90-repeat", "fi-h200-sm90-repeats2", "vllm-h200-cold-prefill",
     "vllm-h200-decode-heavy")}
+NSYS2025_DIR = PACKED_RUNS["fi-h200-sm90"]  # Nsight Systems 2025.3.2, export schema 3.20.3
 NSYS2023_DIR = PACKED_RUNS["fi-h200-sm90-nsys2023"]  # Nsight Systems 2023.4.4, export schema 3.7.2
 REPEAT = PACKED_RUNS["fi-h200-sm90-repeat"]  # fi-h200-sm90 recorded again, on another machine
 REPEATS2 = PACKED_RUNS["fi-h200-sm90-repeats2"]  # `--repeats 2`: fp8.r1 nvfp4.r1 fp8.r2 nvfp4.r2
@@ -288,7 +288,27 @@ def sql_durations(path, *likes: str, nvtx: str | None = None) -> list[int]:
 # Built once per test process (pytest-xdist runs one per core) and only read by the tests that take them: tests
 # that change a trace or a run directory build their own. A test that mutated one would show in the others,
 # e.g. test_plots' check that writing plots leaves the report as it was.
-RECORDED_REPORT = FIXTURES / "vllm-recorded-report"  # run directories of recorded serve runs (their README)
+
+
+def _beside_unpacked(folder: Path, unpacked: Path) -> Path:
+    """A copy of fixtures/FOLDER next to an unpacked run, once per process and content: the recorded manifests name
+    their exports by relative path (../../fi-h200-sm90/fp8.sqlite), which resolves there as it did in fixtures/."""
+    digest = hashlib.sha256(b"".join(sha256(p).encode() + str(p.relative_to(folder)).encode()
+                                     for p in sorted(folder.rglob("*")) if p.is_file())).hexdigest()[:16]
+    done = unpacked.parent / f"{folder.name}-{digest}"
+    if not done.is_dir():
+        scratch = Path(tempfile.mkdtemp(dir=unpacked.parent, prefix=".copying-"))
+        shutil.copytree(folder, scratch / folder.name)
+        try:
+            (scratch / folder.name).rename(done)
+        except OSError:  # another xdist worker copied it meanwhile
+            pass
+        shutil.rmtree(scratch, ignore_errors=True)
+    return done
+
+
+# Run directories of recorded serve runs (their README), beside the unpacked fi-h200-sm90 whose exports they name.
+RECORDED_REPORT = _beside_unpacked(FIXTURES / "vllm-recorded-report", NSYS2025_DIR)
 
 
 @pytest.fixture(scope="session")

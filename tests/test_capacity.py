@@ -13,7 +13,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from conftest import FIXTURES, NSYS2025_DIR, VLLM_COLD_PREFILL, VLLM_DECODE_HEAVY
+from conftest import FIXTURES, NSYS2025_DIR, RECORDED_REPORT, VLLM_COLD_PREFILL, VLLM_DECODE_HEAVY
 from kvtrace import model_config
 from kvtrace.analyzer import capacity
 from kvtrace.capture.vllm_preflight import model_summary
@@ -23,7 +23,7 @@ from kvtrace.manifest import Manifest
 
 GIB = 1 << 30
 TINY = FIXTURES / "models" / "llama-tiny" / "config.json"
-CAPACITY_WIN = FIXTURES / "vllm-recorded-report" / "capacity-win"
+CAPACITY_WIN = RECORDED_REPORT / "capacity-win"
 VLLM_H200 = [VLLM_COLD_PREFILL, VLLM_DECODE_HEAVY]  # the offline vLLM 0.26 runs
 PUBLISHED = FIXTURES / "models" / "published"
 DEEPSEEK_V3, GEMMA3_27B = PUBLISHED / "deepseek-v3.json", PUBLISHED / "gemma-3-27b-it.json"

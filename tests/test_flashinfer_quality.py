@@ -11,13 +11,13 @@ import argparse
 import json
 import math
 import struct
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
+from conftest import NSYS2025_DIR  # noqa: E402
 from kvtrace.capture import flashinfer_quality as quality  # noqa: E402
 from kvtrace.capture import formats  # noqa: E402
 from kvtrace.capture import flashinfer_workload as workload  # noqa: E402
@@ -358,7 +358,7 @@ def test_workload_records_what_numpy_computes_on_the_same_tensors():
             check_recorded_point(spec, {"kv_format": kv_format, "quality_inputs": {"kind": "gaussian"}}, entry)
 
 
-FLASHINFER_RUNS = [Path(__file__).resolve().parents[1] / "fixtures" / name for name in ("fi-h200-sm90",)]
+FLASHINFER_RUNS = [NSYS2025_DIR]
 
 
 @pytest.mark.slow

@@ -13,18 +13,17 @@ from __future__ import annotations
 import inspect
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
+from conftest import NSYS2025_DIR  # noqa: E402
 from kvtrace import kv_formats  # noqa: E402
 from kvtrace.capture import formats  # noqa: E402
 from kvtrace.capture.flashinfer_workload import PagedCache  # noqa: E402
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
 # Definitions, written out here rather than imported from the module under test.
 GRID = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # E2M1 magnitudes of codes 0..7
@@ -383,7 +382,7 @@ def test_even_element_goes_into_the_low_nibble_by_default():
 
 
 def test_recorded_gpu_run_confirms_the_low_nibble_first_order():
-    accuracy = json.loads((FIXTURES / "fi-h200-sm90" / "nvfp4.workload.json").read_text())["contexts"][0]["accuracy"]
+    accuracy = json.loads((NSYS2025_DIR / "nvfp4.workload.json").read_text())["contexts"][0]["accuracy"]
     assert accuracy["prefill_vs_dequantized_cache"] < 0.01
     assert accuracy["prefill_high_nibble_first_vs_dequantized_cache"] > 0.5
 

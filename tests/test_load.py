@@ -305,7 +305,7 @@ def test_kernel_rows_out_of_start_order_load_in_start_order(tmp_path, monkeypatc
 def test_kernels_of_4_3_s_and_more_keep_their_duration(tmp_path, monkeypatch, run_kvtrace):
     """Durations are kept as uint32 ns; a kernel of 2^32 ns or more makes them int64, exactly, whether the
     chunk was held in memory or spilled."""
-    source = FIXTURES / "fi-h200-sm90" / "fp8.sqlite"
+    source = NSYS2025_DIR / "fp8.sqlite"
     long = _edited_copy(tmp_path, source, f'UPDATE {KERNEL_TABLE} SET "end" = start + 5000000007 WHERE rowid = 7')
     [(start,)] = own_sql(long, f"SELECT start FROM {KERNEL_TABLE} WHERE rowid = 7")
     for held in (load.calls_.HELD_BYTES, 0):
@@ -412,7 +412,7 @@ def test_a_changed_export_is_read_again_and_replaces_its_entry(tmp_path, cache_d
 def test_an_unreadable_entry_is_written_again(tmp_path, cache_dir, monkeypatch):
     monkeypatch.setenv("KVTRACE_CACHE_DIR", str(cache_dir))
     export = tmp_path / "fp8.sqlite"
-    shutil.copy2(FIXTURES / "fi-h200-sm90" / "fp8.sqlite", export)
+    shutil.copy2(NSYS2025_DIR / "fp8.sqlite", export)
     fresh = open_trace(export)
     [entry] = (cache_dir / "traces").iterdir()
     # Replaced, not truncated in place: `fresh` maps the old file.

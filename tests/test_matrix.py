@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from conftest import FIXTURES, SERVE_RUNS, VLLM033_RUNS, VLLM_COLD_PREFILL, VLLM_DECODE_HEAVY
+from conftest import FIXTURES, NSYS2025_DIR, SERVE_RUNS, VLLM033_RUNS, VLLM_COLD_PREFILL, VLLM_DECODE_HEAVY
 from kvtrace.analyzer import matrix, report, stats
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.render import render_table, render_text
@@ -23,7 +23,7 @@ from kvtrace.manifest import Point
 from test_report import manifest, recorded_point, run_main
 
 OFFLINE = [VLLM_COLD_PREFILL, VLLM_DECODE_HEAVY]
-FLASHINFER = FIXTURES / "fi-h200-sm90"
+FLASHINFER = NSYS2025_DIR
 SERVE = [SERVE_RUNS[f"{scenario}-{arm}"] for scenario in ("cold-prefill", "prefix-reuse", "sweep")
          for arm in ("auto", "fp8")]
 ALL = [*SERVE, *OFFLINE, FLASHINFER]
@@ -556,7 +556,7 @@ def test_one_matrix_over_every_shipped_run_fits_an_issue(tmp_path):
     """Every shipped run directory whose arms both ran (fi-h200-sm90-nsys2023's did not), in one matrix."""
     from conftest import PACKED_RUNS
 
-    runs = [FIXTURES / "fi-h200-sm90", *SERVE_RUNS.values(), *VLLM033_RUNS.values(),
+    runs = [NSYS2025_DIR, *SERVE_RUNS.values(), *VLLM033_RUNS.values(),
             *(run for name, run in PACKED_RUNS.items() if name != "fi-h200-sm90-nsys2023")]
     out = tmp_path / "matrix.md"
     result = run_main(["matrix", *runs, "-q", "-o", out])

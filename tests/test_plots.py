@@ -17,13 +17,13 @@ import pytest
 from click.testing import CliRunner
 from matplotlib.container import BarContainer
 
-from conftest import FIXTURES, NSYS2025_DIR, VLLM_COLD_PREFILL, sql_durations
+from conftest import NSYS2025_DIR, RECORDED_REPORT, VLLM_COLD_PREFILL, sql_durations
 from kvtrace.analyzer import headline, report, stats
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.render import plots
 from kvtrace.cli import cli
 
-SWEEP = FIXTURES / "vllm-recorded-report" / "sweep"
+SWEEP = RECORDED_REPORT / "sweep"
 PREFILL = "%BatchPrefillWithPagedKVCacheKernel%MaskMode)1%"
 
 

@@ -24,7 +24,7 @@ import pytest
 from click.testing import CliRunner
 from rich.console import Console
 
-from conftest import (FIXTURES, NSYS2023_DIR, NSYS2025_DIR, REPEAT, SERVE_RUNS, VLLM033_RUNS, VLLM_COLD_PREFILL,
+from conftest import (NSYS2023_DIR, NSYS2025_DIR, RECORDED_REPORT, REPEAT, SERVE_RUNS, VLLM033_RUNS, VLLM_COLD_PREFILL,
                       VLLM_DECODE_HEAVY, sql_durations)
 from kvtrace.analyzer import align, headline, report, runs, serving, statements, stats
 from kvtrace.analyzer.render import json_out, render_table, render_text
@@ -33,7 +33,7 @@ from kvtrace.analyzer.render.units import duration
 from kvtrace.cli import cli, main
 from kvtrace.errors import KvtraceError
 
-RECORDED = FIXTURES / "vllm-recorded-report"
+RECORDED = RECORDED_REPORT
 CAPACITY_WIN = RECORDED / "capacity-win"
 SWEEP = RECORDED / "sweep"
 VLLM_H200 = [VLLM_COLD_PREFILL, VLLM_DECODE_HEAVY]  # the offline vLLM 0.26 runs

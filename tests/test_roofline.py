@@ -9,7 +9,7 @@ import sqlite3
 
 import pytest
 
-from conftest import FIXTURES, NSYS2025_DIR, VLLM_COLD_PREFILL, sql_durations
+from conftest import NSYS2025_DIR, RECORDED_REPORT, VLLM_COLD_PREFILL, sql_durations
 from kvtrace.analyzer import align, report, roofline
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.render import json_out, render_text
@@ -73,7 +73,7 @@ def test_vllm_prefill_flops_from_the_model_config_and_step_names():
 
 
 def test_not_derivable_and_unknown_peak_are_said():
-    sweep = report.build([FIXTURES / "vllm-recorded-report" / "sweep"], load_recipes())
+    sweep = report.build([RECORDED_REPORT / "sweep"], load_recipes())
     (row,) = sweep.prefill_compute
     assert row.flops_per_call is None and row.derivation.startswith("not derivable:")
     assert "not derivable" in render_text(sweep, "markdown")
