@@ -14,7 +14,7 @@ from itertools import combinations
 from pathlib import Path
 
 from kvtrace import __version__, kv_formats
-from kvtrace.analyzer import headline, report as report_lib, stats, steps
+from kvtrace.analyzer import headline, report as report_lib, stats
 from kvtrace.analyzer.classify import RecipeSet
 from kvtrace.analyzer.report import PlotFile, Report
 from kvtrace.analyzer.serving import ServingRow
@@ -497,16 +497,12 @@ def _claims(scenarios: list[Scenario], objective: str, threshold: float) -> list
 
 
 def _step_claims(group: list[Scenario], base: str, cand: str) -> list[Claim]:
-    """Per scenario and vLLM step kind whose candidate steps lasted longer on the GPU mostly by time with no kernel
-    running, its host held in them (analyzer.steps.host_bound): time the kernel rows cannot show, named as the
-    host's so that it is neither blamed on nor hidden behind a kernel."""
-    claims = []
-    for s in group:
-        for row in s.report.step_timeline:
-            if steps.host_bound(row):
-                claims.append(Claim("steps", tuple(p.row for p in s.points), s.name, {
-                    "baseline": base, "candidate": cand, **asdict(row)}))
-    return claims
+    """Per scenario and vLLM step kind whose report states its candidate steps waiting on the host (its step-timeline
+    statements): time the kernel rows cannot show, named as the host's so that it is neither blamed on nor hidden
+    behind a kernel."""
+    return [Claim("steps", tuple(p.row for p in s.points), s.name, {"baseline": base, "candidate": cand,
+                                                                   **asdict(statement.row)})
+            for s in group for statement in s.report.statements if statement.kind == "step-timeline"]
 
 
 def _residency_claims(group: list[Scenario], base: str, cand: str, objective: str) -> list[Claim]:

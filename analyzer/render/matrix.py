@@ -13,7 +13,7 @@ from kvtrace.analyzer import matrix as mx
 from kvtrace.analyzer.render import quality as quality_render
 from kvtrace.analyzer.render.escape import md_code, md_text, visible
 from kvtrace.analyzer.render.report_tables import _cached, _count, _peak, _rich_table
-from kvtrace.analyzer.render.units import duration, interval, markdown_table, percent, ratio
+from kvtrace.analyzer.render.units import duration, estimate_ratio, interval, markdown_table, percent, ratio
 from kvtrace.analyzer.statements import APPEND_PHASE
 from kvtrace.text import plural
 
@@ -71,10 +71,7 @@ def estimate_cell(estimate, unit: str) -> str:
     """baseline → candidate (means over every run), then candidate / baseline with its interval."""
     if estimate is None:
         return "–"
-    spread = interval(estimate.low, estimate.high)
-    runs = f", {estimate.runs} runs" if estimate.runs > 1 else ""
-    return (f"{_number(estimate.baseline, unit)} → {_number(estimate.candidate, unit)}<br>"
-            f"{ratio(estimate.ratio)} {spread}{runs}")
+    return f"{_number(estimate.baseline, unit)} → {_number(estimate.candidate, unit)}<br>{estimate_ratio(estimate)}"
 
 
 def _arms(point: mx.MatrixPoint, fmt) -> str:

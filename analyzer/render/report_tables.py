@@ -18,7 +18,8 @@ from kvtrace.analyzer.render import quality as quality_render
 from kvtrace.analyzer.render import terminal as diff_terminal
 from kvtrace.analyzer.render.escape import csv_writer, md_code, md_prose, md_text, rich, visible
 from kvtrace.analyzer.render.statements import text as statement_text
-from kvtrace.analyzer.render.units import LEVEL, MARK, duration, interval, markdown_table, percent, ratio, shown_path
+from kvtrace.analyzer.render.units import (LEVEL, MARK, duration, estimate_ratio, interval, markdown_table, percent, ratio,
+                                          shown_path)
 from kvtrace.analyzer.report import Report
 from kvtrace.analyzer.serving import MIN_PEAK_POLLS, Latency, ServingMetrics, SourceCheck
 from kvtrace.analyzer.roofline import CAUSAL_CONVENTION
@@ -141,9 +142,7 @@ def _wall_time(row) -> list[str]:
     estimate = row.estimates.get("duration_s")
     if estimate is None:
         return ["–", "–", ""]
-    runs = f", {estimate.runs} runs" if estimate.runs > 1 else ""
-    return [_seconds(estimate.baseline), _seconds(estimate.candidate),
-            f"{ratio(estimate.ratio)} {interval(estimate.low, estimate.high)}{runs}"]
+    return [_seconds(estimate.baseline), _seconds(estimate.candidate), estimate_ratio(estimate)]
 
 
 # ---- table models shared by markdown and terminal ----------------------------------------------------
@@ -371,8 +370,7 @@ def _serving_head_table(report: Report) -> tuple[list[str], list[list[str]]]:
         bound = [f"{label}: {_capacity_bound(m)}" for label, m in ((bl, b), (cl, c))
                  if m and (m.capacity or m.capacity_note)]
         e = row.estimates.get("ttft_ms")
-        mean = (f"{ratio(e.ratio)} {interval(e.low, e.high)} ({e.runs} run{'s' if e.runs > 1 else ''}), {e.verdict}"
-                if e else "–")
+        mean = f"{estimate_ratio(e)}, {e.verdict}" if e else "–"
         rows.append([row.point, *ttft, ratio(row.ttft_ratio), mean, _cached(b), _cached(c), "; ".join(bound) or "no"])
     return header, rows
 

@@ -42,6 +42,12 @@ def interval(low: float | None, high: float | None, why: str | None = None) -> s
     return f"[{low:.3f}, {high:.3f}]"
 
 
+def estimate_ratio(estimate) -> str:
+    """A serving estimate's candidate / baseline with its interval, and its run pairs where there are several."""
+    runs = f", {estimate.runs} runs" if estimate.runs > 1 else ""
+    return f"{ratio(estimate.ratio)} {interval(estimate.low, estimate.high)}{runs}"
+
+
 def row_interval(row) -> str:
     """A table's interval cell of a diff row: "–" where the row has no ratio (not compared), else interval()."""
     return "–" if row.ratio is None else interval(row.ci_low, row.ci_high)
