@@ -123,21 +123,21 @@ class Inputs:
     def draw(cls, args: argparse.Namespace, context: int, generator: torch.Generator, source=None,
              device=None) -> "Inputs":
         """source: None (Gaussian), outlier channels ([kv_heads, n], quality.outlier_channels) or a dumped file's
-        q, k, v (quality.read_tensor_file). The Gaussian draws are made in every case, so that the generator stays
-        in step across modes. Drawn where the generator lives (the workload's is a CPU one, so that a GPU run's
-        tensors can be drawn again anywhere: tests check its recorded errors on them), then moved to `device`."""
+        q, k, v (quality.read_tensor_file). Generated tensors are drawn where the generator lives (the workload's is a
+        CPU one, so that a GPU run's tensors can be drawn again anywhere: tests check its recorded errors on them),
+        then moved to `device`; a file's draw nothing (the generator is not used after the contexts)."""
         def randn(*shape):
             return torch.randn(shape, generator=generator, device=generator.device, dtype=torch.bfloat16)
 
-        keys = randn(args.batch * context, args.kv_heads, args.head_dim)
-        values = randn(args.batch * context, args.kv_heads, args.head_dim)
-        q_prefill = randn(args.batch * context, args.q_heads, args.head_dim)
-        q_decode = randn(args.batch, args.q_heads, args.head_dim)
-        new_k = randn(args.append_calls, args.batch, args.kv_heads, args.head_dim)
-        new_v = randn(args.append_calls, args.batch, args.kv_heads, args.head_dim)
         if isinstance(source, dict):
             inputs = cls.of_file(args, context, source)
         else:
+            keys = randn(args.batch * context, args.kv_heads, args.head_dim)
+            values = randn(args.batch * context, args.kv_heads, args.head_dim)
+            q_prefill = randn(args.batch * context, args.q_heads, args.head_dim)
+            q_decode = randn(args.batch, args.q_heads, args.head_dim)
+            new_k = randn(args.append_calls, args.batch, args.kv_heads, args.head_dim)
+            new_v = randn(args.append_calls, args.batch, args.kv_heads, args.head_dim)
             if source is not None:
                 keys, values, new_k, new_v = (quality.add_outliers(x, source) for x in (keys, values, new_k, new_v))
             inputs = cls(keys, values, q_prefill, q_decode, new_k, new_v)

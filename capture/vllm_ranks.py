@@ -5,13 +5,14 @@ run's one report: the workers are spawned (VLLM_WORKER_MULTIPROC_METHOD=spawn, v
 nsys follows under `--trace-fork-before-exec=true`; forked workers show no kernels (vllm#5132). Rank k is the
 k-th device in deviceId order that ran kernels, as the analyzer pairs them (analyzer/load.RankInfo).
 
-Standard library only.
+Standard library and kvtrace's floor (kvtrace/nsys.py).
 """
 
 from __future__ import annotations
 
-import sqlite3
 from pathlib import Path
+
+from kvtrace.nsys import read_only
 
 KERNEL_TABLE = "CUPTI_ACTIVITY_KIND_KERNEL"
 RECORDED = ("one report for every rank: the workers are spawned (VLLM_WORKER_MULTIPROC_METHOD=spawn) under one "
@@ -28,7 +29,7 @@ def settings(tensor_parallel_size: int) -> dict:
 def recorded_ranks(export: Path, tensor_parallel_size: int) -> list[dict]:
     """Per device that ran kernels in the export, in deviceId order: its rank, device, kernels and processes.
     Raises RuntimeError (the run fails) naming the ranks without kernels."""
-    with sqlite3.connect(f"file:{export}?mode=ro", uri=True) as db:
+    with read_only(export) as db:
         present = db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?",
                              (KERNEL_TABLE,)).fetchone()
         rows = db.execute(f"""SELECT deviceId, count(*), group_concat(DISTINCT (globalPid >> 24) & 16777215)

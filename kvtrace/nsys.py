@@ -170,13 +170,18 @@ def is_sqlite(path: Path) -> bool:
 EXPORT_TABLES = ("StringIds", "CUPTI_ACTIVITY_KIND_KERNEL", "META_DATA_EXPORT")
 
 
+def read_only(path: Path) -> closing:
+    """An SQLite file opened read-only, closed on leaving the `with`. The path's bytes are quoted: `#`, `?` or `%` in
+    a folder name would otherwise cut the URI short."""
+    return closing(sqlite3.connect(f"file:{quote(os.fsencode(Path(path).resolve()))}?mode=ro", uri=True))
+
+
 def export_problem(path: Path) -> str | None:
     """Why `path` is not a complete Nsight Systems SQLite export of a CUDA trace, or None when it is one."""
     if not is_sqlite(path):
         return "is not an SQLite file"
     try:
-        # The path's bytes quoted: `#`, `?` or `%` in a folder name would otherwise cut the URI short.
-        with closing(sqlite3.connect(f"file:{quote(os.fsencode(Path(path).resolve()))}?mode=ro", uri=True)) as conn:
+        with read_only(path) as conn:
             if conn.execute("PRAGMA quick_check").fetchone()[0] != "ok":
                 return "fails SQLite's integrity check (truncated or damaged)"
             tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
