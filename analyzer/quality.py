@@ -347,10 +347,10 @@ def _repeats(base: ArmInput, cand: ArmInput, first: list[list[dict]], read: list
                 or _unpaired([results[1], first[1]], (c_run, cand.runs[0]))):
             notes.append(f"{b_run} and {c_run} answered other prompts than repeat 1: repeat not compared")
             continue
-        alike = [sum(mine["tokens"] == theirs["tokens"] for mine, theirs in zip(results[k], first[k])) for k in (0, 1)]
-        repeats.append(Repeat(b_run, c_run, alike[0], alike[1], len(results[0]),
-                              sum(b["correct"] and not c["correct"] for b, c in zip(*results)),
-                              sum(c["correct"] and not b["correct"] for b, c in zip(*results))))
+        alike = [agreement(run, f"{run} r1", results[k], first[k]).identical for k, run in enumerate((b_run, c_run))]
+        paired = stats.paired_accuracy([b["correct"] for b in results[0]], [c["correct"] for c in results[1]])
+        repeats.append(Repeat(b_run, c_run, alike[0], alike[1], len(results[0]), paired.baseline_only,
+                              paired.candidate_only))
     return repeats, notes
 
 

@@ -12,7 +12,7 @@ from rich.console import Console
 from kvtrace.analyzer import matrix as mx
 from kvtrace.analyzer.render import quality as quality_render
 from kvtrace.analyzer.render.escape import md_code, md_text, visible
-from kvtrace.analyzer.render.report_tables import _cached, _count, _peak, _rich_table
+from kvtrace.analyzer.render.report_tables import _cached, _count, _ms, _peak, _rich_table
 from kvtrace.analyzer.render.units import duration, estimate_ratio, interval, markdown_table, percent, ratio
 from kvtrace.analyzer.statements import APPEND_PHASE
 from kvtrace.text import plural
@@ -263,10 +263,8 @@ def _residency(claim: mx.Claim, v: dict, cite: str, name: Name) -> str:
 def _server(v: dict, name: Name) -> str:
     """What the server measured of the capacity mechanism, baseline against candidate, where recorded."""
     b, c = name(v["baseline"]), name(v["candidate"])
-    measures = [("preemptions", lambda x: f"{x:,.0f}", "preemptions"),
-                ("peak_running", lambda x: f"{x:,.0f}", "peak running requests"),
-                ("peak_kv_usage", percent, "peak KV-cache usage"),
-                ("queue_ms", lambda x: f"{x:,.1f} ms", "mean time queued")]
+    measures = [("preemptions", _count, "preemptions"), ("peak_running", _count, "peak running requests"),
+                ("peak_kv_usage", percent, "peak KV-cache usage"), ("queue_ms", _ms, "mean time queued")]
     parts = [f"{words} {fmt(v[key][0])} against {fmt(v[key][1])}" for key, fmt, words in measures
              if None not in v[key]]
     if not parts:
