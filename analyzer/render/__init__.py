@@ -47,7 +47,8 @@ def render_table(result, console: Console) -> None:
     _renderer(result, "table")(result, console)
 
 
-# Markdown sized for an issue body (markdown.sized): the renderers take the link of the whole document's file.
+# Markdown sized for an issue body (markdown.sized): the renderers take the link of the whole document's file and
+# return the text with the whole document (None when nothing was left out).
 SIZED = (Diff, Report)
 
 
@@ -56,11 +57,11 @@ def render_markdown(result, rest: str | None) -> tuple[str, str | None]:
     file linked by `rest`; None: no file, and the text says how to get one)."""
     if not isinstance(result, SIZED):
         return render_text(result, "markdown"), None
-    text = _renderer(result, "markdown")(result, rest)
-    whole = _renderer(result, "markdown")(result)
-    return text, (whole if whole != text else None)
+    return _renderer(result, "markdown")(result, rest)
 
 
 def render_text(result, fmt: str) -> str:
-    """Text of `result` in one of FORMATS except 'table' (which needs a console)."""
+    """Text of `result` in one of FORMATS except 'table' (which needs a console); sized markdown whole."""
+    if fmt == "markdown" and isinstance(result, SIZED):
+        return render_markdown(result, markdown.WHOLE)[0]
     return _renderer(result, fmt)(result)

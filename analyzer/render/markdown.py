@@ -109,7 +109,7 @@ def _diff_table(first: list[str], rows: list[DiffRow], lead, diff: Diff) -> list
     return lines
 
 
-def diff(diff: Diff, rest: str | None = WHOLE) -> str:
+def diff(diff: Diff, rest: str | None = WHOLE) -> tuple[str, str | None]:
     labels = md_text(diff.baseline.label), md_text(diff.candidate.label)
     top = [f"## kvtrace diff: {labels[0]} → {labels[1]}", ""] + head(diff, 3)
     summary = ("Everything else: how rows are compared, comparability, every segment, phase and kernel family, each "
@@ -118,11 +118,11 @@ def diff(diff: Diff, rest: str | None = WHOLE) -> str:
 
 
 def sized(top: list[str], summary: str, sections: list[Section], bottom: list[str], rest: str | None,
-          what: str) -> str:
-    """`top` (the visible part), then `sections` inside one <details> named `summary`, then `bottom`. With `rest`
-    other than WHOLE, a text past ISSUE_LIMIT keeps the sections that fit (lowest rank first, shown in their order)
-    and says under `top` which ones are in the whole document instead: the file linked by `rest`, or with None,
-    none yet."""
+          what: str) -> tuple[str, str | None]:
+    """`top` (the visible part), then `sections` inside one <details> named `summary`, then `bottom`; and the whole
+    document where that text leaves sections out, else None. With `rest` other than WHOLE, a text past ISSUE_LIMIT
+    keeps the sections that fit (lowest rank first, shown in their order) and says under `top` which ones are in the
+    whole document instead: the file linked by `rest`, or with None, none yet."""
     def text(chosen: list[Section], pointer: list[str]) -> str:
         lines = top + pointer + ["", f"<details><summary>{summary}</summary>", ""]
         for section in chosen:
@@ -131,7 +131,7 @@ def sized(top: list[str], summary: str, sections: list[Section], bottom: list[st
 
     whole = text(sections, [])
     if rest == WHOLE or len(whole) < ISSUE_LIMIT:
-        return whole
+        return whole, None
     budget = ISSUE_LIMIT - len(text([], [])) - _POINTER_ROOM
     kept = set()
     for index in sorted(range(len(sections)), key=lambda i: sections[i].rank):
@@ -145,7 +145,7 @@ def sized(top: list[str], summary: str, sections: list[Section], bottom: list[st
              f"is written beside the output by `-o FILE.md`, as FILE{WHOLE_SUFFIX}.md")
     pointer = ["", f"This {what} leaves out {left}, to fit a GitHub issue body; the whole {what} ({len(whole):,} "
                    f"characters) {where}."]
-    return text(chosen, pointer)
+    return text(chosen, pointer), whole
 
 
 def _reaches(diff: Diff) -> str:

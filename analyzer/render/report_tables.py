@@ -389,7 +389,7 @@ def _serving_head(report: Report) -> list[str]:
     return lines
 
 
-def report_markdown(report: Report, rest: str | None = diff_markdown.WHOLE) -> str:
+def report_markdown(report: Report, rest: str | None = diff_markdown.WHOLE) -> tuple[str, str | None]:
     """The report for an issue: the head (the answer, the serving line and its guard rail, the environment)
     visible, the rest in <details>; `rest` as diff_markdown.sized takes it."""
     b, c = report.baseline, report.candidate
