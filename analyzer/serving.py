@@ -179,10 +179,12 @@ def _kv_pool_tokens(cache_config) -> tuple[str, float | None]:
         return "/metrics cache_config_info", None
 
 
-def source_checks(record: dict, counters: dict, histograms: dict, kv_cache_tokens: int | None) -> list[SourceCheck]:
+def source_checks(record: dict, counters: dict, histograms: dict, kv_cache_tokens: int | None,
+                  reuse: PrefixReuse | None) -> list[SourceCheck]:
     """Where two sources measure the same thing: the client (bench JSON, or the offline worker's counts)
-    against vLLM's /metrics counters, two /metrics counters of cached tokens, the hit rate against the
-    cached share, and the startup log's KV pool against /metrics' cache config."""
+    against vLLM's /metrics counters, two /metrics counters of cached tokens, the server's cached tokens per
+    request (`reuse`) against /metrics, the hit rate against the cached share, and the startup log's KV pool
+    against /metrics' cache config."""
     bench = record.get("bench") or {}
     client = "vllm bench serve" if bench else "offline worker"
 
@@ -205,6 +207,9 @@ def source_checks(record: dict, counters: dict, histograms: dict, kv_cache_token
     elif prompt is not None and computed is not None:
         checks.append(_check("cached prompt tokens", ("/metrics prompt_tokens_cached", cached),
                              ("/metrics prompt_tokens − request_prefill_kv_computed_tokens", prompt - computed)))
+    if reuse is not None:
+        checks.append(_check("cached prompt tokens", ("the server, per request (usage.prompt_tokens_details)",
+                                                      reuse.cached_tokens), ("/metrics prompt_tokens_cached", cached)))
     queries, hits = counters.get("vllm:prefix_cache_queries_total"), counters.get("vllm:prefix_cache_hits_total")
     if queries and prompt and cached is not None:
         # vLLM counts a lookup each time the scheduler tries a waiting request (KVCacheManager.get_computed_blocks)
@@ -342,11 +347,6 @@ def serving_metrics(record: dict, kv_cache_tokens: int | None, run: Path | None 
     single = point is not None and point.output_len <= 1
     queue = histograms.get("vllm:request_queue_time_seconds") or {}
     reuse = prefix_reuse(run, record) if run is not None else None
-    checks = source_checks(record, counters, histograms, kv_cache_tokens)
-    if reuse is not None:
-        checks.append(_check("cached prompt tokens", ("the server, per request (usage.prompt_tokens_details)",
-                                                      reuse.cached_tokens),
-                             ("/metrics prompt_tokens_cached", counter("vllm:prompt_tokens_cached_total"))))
     return ServingMetrics(
         source="vllm bench serve" if bench else "vLLM metrics (offline)",
         requests=_number(requests), failed=_number(bench.get("failed")), duration_s=duration,
@@ -358,9 +358,9 @@ def serving_metrics(record: dict, kv_cache_tokens: int | None, run: Path | None 
         queue_ms=1000.0 * queue["sum"] / queue["count"] if queue.get("count") else None,
         preemptions=counter("vllm:num_preemptions_total"), peak_running=observed.get("vllm:num_requests_running"),
         peak_waiting=observed.get("vllm:num_requests_waiting"), peak_kv_usage=observed.get("vllm:kv_cache_usage_perc"),
-        peaks_note=peaks_note, capacity=reason, checks=[check for check in checks if check is not None],
-        capacity_note=capacity_note, requests_detail=request_samples(record, run), reuse=reuse,
-        evictions=evictions(record))
+        peaks_note=peaks_note, capacity=reason, capacity_note=capacity_note,
+        checks=source_checks(record, counters, histograms, kv_cache_tokens, reuse),
+        requests_detail=request_samples(record, run), reuse=reuse, evictions=evictions(record))
 
 
 def _observed_capacity(recorded: str | None, point: Point | None, counters: dict, peaks: dict,

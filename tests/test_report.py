@@ -24,8 +24,8 @@ import pytest
 from click.testing import CliRunner
 from rich.console import Console
 
-from conftest import (NSYS2023_DIR, NSYS2025_DIR, RECORDED_REPORT, REPEAT, SERVE_RUNS, VLLM033_RUNS, VLLM_COLD_PREFILL,
-                      VLLM_DECODE_HEAVY, sql_durations)
+from conftest import (NSYS2023_DIR, NSYS2025_DIR, RECORDED_REPORT, REPEAT, SERVE_RUNS, VLLM033_8B_RUNS, VLLM033_RUNS,
+                      VLLM_COLD_PREFILL, VLLM_DECODE_HEAVY, sql_durations)
 from kvtrace.analyzer import align, headline, report, runs, serving, statements, stats
 from kvtrace.analyzer.render import json_out, render_table, render_text
 from kvtrace.analyzer.render.statements import text as statement_text
@@ -651,6 +651,22 @@ def test_real_prefix_reuse_serving_metrics_match_the_runs_own_files(prefix_reuse
                                                         - delta["vllm:request_prefill_kv_computed_tokens_sum"])
         pool = checks["KV cache size (tokens)"]
         assert pool.agree and pool.first_value == own["log_tokens"] and pool.second_value == own["metrics_tokens"]
+
+
+def test_per_request_cached_tokens_are_checked_beside_the_other_cached_token_sources():
+    """The server's cached tokens per request (the usage relay's file) are one more source of cached prompt tokens:
+    checked against /metrics next to the two /metrics counters' check, not after the unrelated ones."""
+    run = VLLM033_8B_RUNS["capacity-prefix-reuse"]
+    for arm in ("fp8.r1", "nvfp4.r1"):
+        record = json.loads((run / "manifest.json").read_text())["arms"][arm]["points"][0]
+        served = sum(r["cached_tokens"] for r in json.loads((run / record["requests"]["file"]).read_text())
+                     if r.get("status") == 200)
+        checks = serving.serving_metrics(record, None, run).checks
+        cached = [i for i, c in enumerate(checks) if c.quantity == "cached prompt tokens"]
+        assert len(cached) == 2 and cached[1] == cached[0] + 1
+        per_request = checks[cached[1]]
+        assert per_request.first == "the server, per request (usage.prompt_tokens_details)"
+        assert per_request.agree and per_request.first_value == served == per_request.second_value
 
 
 def test_real_prefix_reuse_hit_rate_disagreement_is_named(prefix_reuse):
