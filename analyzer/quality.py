@@ -256,14 +256,16 @@ def first_divergence(first: list[str], second: list[str]) -> int | None:
 
 
 def agreement(arm: str, reference: str, arm_results: list[dict], reference_results: list[dict]) -> Agreement:
-    alike = total = identical = 0
-    for mine, theirs in zip(arm_results, reference_results):
-        split = first_divergence(mine["tokens"], theirs["tokens"])
-        identical += split is None
-        alike += len(theirs["tokens"]) if split is None else split
-        total += len(theirs["tokens"])
-    return Agreement(arm, reference, min(len(arm_results), len(reference_results)), identical,
-                     stats.share(alike, total))
+    pairs = list(zip(arm_results, reference_results))
+    return _agreement(arm, reference, [first_divergence(mine["tokens"], theirs["tokens"]) for mine, theirs in pairs],
+                      [len(theirs["tokens"]) for _, theirs in pairs])
+
+
+def _agreement(arm: str, reference: str, splits: list[int | None], lengths: list[int]) -> Agreement:
+    """From each prompt's first divergence and the reference's token count."""
+    alike = sum(length if split is None else split for split, length in zip(splits, lengths))
+    return Agreement(arm, reference, len(splits), sum(split is None for split in splits),
+                     stats.share(alike, sum(lengths)))
 
 
 def _auto_arms(base: ArmInput, cand: ArmInput) -> list[tuple[str, ArmInput]]:
@@ -313,7 +315,8 @@ def _answers(base: ArmInput, cand: ArmInput, labels: tuple[str, str]) -> Quality
     result = Quality(MEASURED, None, ANSWERS, prompts_file=prompts_file, prompts=rows,
                      accuracy=stats.paired_accuracy([r.baseline_correct for r in rows],
                                                     [r.candidate_correct for r in rows]),
-                     agreement=agreement(labels[1], labels[0], results[1], results[0]), answered=answered,
+                     agreement=_agreement(labels[1], labels[0], [r.first_divergence for r in rows],
+                                          [r.baseline_tokens for r in rows]), answered=answered,
                      repeats=repeats, notes=notes, read=read)
     for name, auto in _auto_arms(base, cand):
         summary = _summary(auto)

@@ -4,21 +4,13 @@ computed them."""
 
 from __future__ import annotations
 
-from typing import Callable
-
 from rich.console import Console
 
 from kvtrace.analyzer import quality as q
 from kvtrace.analyzer.render.escape import md_text, rich, visible
+from kvtrace.analyzer.render.statements import Name, _plain
 from kvtrace.analyzer.render.units import markdown_table, percent
 from kvtrace.text import plural
-
-Name = Callable[[str], str]
-
-
-def _plain(text: str) -> str:
-    return text
-
 
 def error(value: float | None) -> str:
     return "–" if value is None else f"{100 * value:.3g}%"
@@ -40,22 +32,22 @@ def _span(bounds: list[float] | None) -> str:
     return low if low == high else f"{low}–{high}"
 
 
-def _inputs(inputs: dict | None, name: Name) -> str:
+def _inputs(inputs: dict | None) -> str:
     if not inputs:
         return "inputs not recorded"
     if inputs.get("kind") == "file":
-        return f"Q/K/V from {name(str(inputs.get('file')))}"
-    return f"{name(str(inputs.get('kind')))} Q/K/V"
+        return f"Q/K/V from {inputs.get('file')}"
+    return f"{inputs.get('kind')} Q/K/V"
 
 
-def _ran(result: q.Quality, name: Name) -> str:
+def _ran(result: q.Quality) -> str:
     """The plumbing's evidence beside "not a measurement": how many prompts each run answered, no correctness."""
     if not result.answered:
         return ""
     first, *others = result.answered
-    runs = (f"{name(first.run)} answered {first.prompts - first.empty} of {first.prompts} prompts of "
-            f"{name(result.prompts_file or 'the prompt file')}"
-            + "".join(f", {name(a.run)} {a.prompts - a.empty} of {a.prompts}" for a in others))
+    runs = (f"{first.run} answered {first.prompts - first.empty} of {first.prompts} prompts of "
+            f"{result.prompts_file or 'the prompt file'}"
+            + "".join(f", {a.run} {a.prompts - a.empty} of {a.prompts}" for a in others))
     cut = sum(a.cut for a in result.answered)
     limits = {a.max_tokens for a in result.answered if a.cut}
     if cut and len(limits) == 1:
@@ -64,49 +56,49 @@ def _ran(result: q.Quality, name: Name) -> str:
     return f" (the quality step itself ran: {runs})"
 
 
-def repeats(result: q.Quality, name: Name = _plain) -> list[str]:
+def repeats(result: q.Quality) -> list[str]:
     """One sentence per repeat past the first: whether each arm answered as its first run did, and its own paired
     table when the answers are a measurement."""
     lines = []
     for r in result.repeats:
-        text = (f"{name(r.baseline_run)} answered {r.baseline_alike} of {r.prompts} prompts token for token as its "
-                f"arm's first run, {name(r.candidate_run)} {r.candidate_alike} of {r.prompts}")
+        text = (f"{r.baseline_run} answered {r.baseline_alike} of {r.prompts} prompts token for token as its "
+                f"arm's first run, {r.candidate_run} {r.candidate_alike} of {r.prompts}")
         if result.state == q.MEASURED:
-            text += (f"; their paired table: {r.baseline_only} prompts only {name(r.baseline_run)} got right, "
-                     f"{r.candidate_only} only {name(r.candidate_run)} (the test above is the first repeat's)")
+            text += (f"; their paired table: {r.baseline_only} prompts only {r.baseline_run} got right, "
+                     f"{r.candidate_only} only {r.candidate_run} (the test above is the first repeat's)")
         lines.append(text)
     return lines
 
 
-def line(result: q.Quality, baseline: str, candidate: str, name: Name = _plain) -> str:
+def line(result: q.Quality, baseline: str, candidate: str) -> str:
     """The quality line: what was measured and what it says, or why there is nothing to show."""
     if result.state == q.NOT_MEASURED:
-        return f"Quality not measured: {name(result.reason or '')}."
+        return f"Quality not measured: {result.reason or ''}."
     if result.state == q.MEANINGLESS:
-        return f"Quality not a measurement: {name(result.reason or '')}{_ran(result, name)}."
+        return f"Quality not a measurement: {result.reason or ''}{_ran(result)}."
     if result.level == q.KERNEL:
         contexts = sorted({row.context for row in result.errors})
         parts = []
         for what in ("prefill", "decode"):
             spans = [_span(result.spans[what][side]) for side in ("baseline", "candidate")]
-            parts.append(f"{what} {name(baseline)} {spans[0]} vs {name(candidate)} {spans[1]}")
+            parts.append(f"{what} {baseline} {spans[0]} vs {candidate} {spans[1]}")
         where = f"context {contexts[0]}" if len(contexts) == 1 else f"contexts {contexts[0]}–{contexts[-1]}"
-        return (f"Quality (kernel error, {_inputs(result.inputs, name)}): attention output relative L2 error against a "
+        return (f"Quality (kernel error, {_inputs(result.inputs)}): attention output relative L2 error against a "
                 f"float64 reference over the BF16 cache, {'; '.join(parts)} ({where}, each context apart below).")
     acc = result.accuracy
     text = (f"Quality ({acc.prompts} {plural(acc.prompts, 'prompt')} of "
-            f"{name(result.prompts_file or 'the prompt file')}, greedy): accuracy "
-            f"{name(baseline)} {percent(acc.baseline_accuracy)} → {name(candidate)} {percent(acc.candidate_accuracy)}, "
+            f"{result.prompts_file or 'the prompt file'}, greedy): accuracy "
+            f"{baseline} {percent(acc.baseline_accuracy)} → {candidate} {percent(acc.candidate_accuracy)}, "
             f"{acc.verdict} (McNemar exact p = {acc.p_value:.3g}: {acc.baseline_only} "
-            f"{plural(acc.baseline_only, 'prompt')} only {name(baseline)} got right, {acc.candidate_only} only "
-            f"{name(candidate)})")
+            f"{plural(acc.baseline_only, 'prompt')} only {baseline} got right, {acc.candidate_only} only "
+            f"{candidate})")
     agree = result.agreement
     text += (f"; outputs identical on {agree.identical} of {agree.prompts} {plural(agree.prompts, 'prompt')}, "
              f"{percent(agree.token_agreement)} "
-             f"of {name(baseline)}'s tokens alike before the first divergence")
+             f"of {baseline}'s tokens alike before the first divergence")
     if result.auto:
-        text += "; against BF16 (" + name(result.auto[0].reference) + "): " + ", ".join(
-            f"{name(a.arm)} {percent(a.token_agreement)} of tokens alike, {a.identical} identical" for a in result.auto)
+        text += "; against BF16 (" + result.auto[0].reference + "): " + ", ".join(
+            f"{a.arm} {percent(a.token_agreement)} of tokens alike, {a.identical} identical" for a in result.auto)
     return text + "."
 
 
