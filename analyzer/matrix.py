@@ -251,9 +251,8 @@ def _judge(point: MatrixPoint, result: Report, objective: str) -> None:
     for segment in segments:
         diff_row, verdict = segment_verdict(result.diff, segment)
         if verdict is not None:
-            point.kernel_verdicts.append({"segment": segment, "ratio": diff_row.ratio, "ci_low": diff_row.ci_low,
-                                          "ci_high": diff_row.ci_high, "no_interval": diff_row.no_interval,
-                                          "verdict": verdict, "compared_calls": diff_row.compared_calls})
+            point.kernel_verdicts.append({**_kernel_verdict(diff_row, verdict=verdict, segment=segment),
+                                          "compared_calls": diff_row.compared_calls})
     if estimate.verdict == stats.NO_CHANGE:
         point.winner = NO_CLEAR_WINNER
         return
@@ -278,6 +277,13 @@ def _judge(point: MatrixPoint, result: Report, objective: str) -> None:
         point.winner = side
     else:
         point.winner, point.apparent = NOT_EXPLAINED, side
+
+
+def _kernel_verdict(kernel, *, verdict: str | None = None, **named) -> dict:
+    """A kernel row's or statement's ratio, interval and verdict as a claim holds them, after what names it (its
+    segment, subject, point or row); `verdict` where the claim's is not the kernel's own (a segment's paired one)."""
+    return {**named, "ratio": kernel.ratio, "ci_low": kernel.ci_low, "ci_high": kernel.ci_high,
+            "no_interval": kernel.no_interval, "verdict": kernel.verdict if verdict is None else verdict}
 
 
 def point_kernels(result: Report, segment: str) -> list[KernelStatement]:
@@ -447,10 +453,7 @@ def _claims(scenarios: list[Scenario], objective: str, threshold: float) -> list
             elif p.cold_prefill or p.decode_heavy:
                 segment = "prefill_attention" if p.cold_prefill else "decode_attention"
                 kernels = point_kernels(next(s.report for s in group if s.name == p.scenario), segment)
-                values["phase_kernels"] = [{"point": k.point, "ratio": k.ratio, "ci_low": k.ci_low,
-                                            "ci_high": k.ci_high, "no_interval": k.no_interval,
-                                            "verdict": k.verdict, "reason": k.reason}
-                                           for k in kernels]
+                values["phase_kernels"] = [{**_kernel_verdict(k, point=k.point), "reason": k.reason} for k in kernels]
                 claims.append(Claim("cold-prefill" if p.cold_prefill else "decode", (p.row,), p.scenario, values))
             elif PREFIX_HITS in p.causes:
                 claims.append(Claim("prefix", (p.row,), p.scenario, values))
@@ -461,8 +464,7 @@ def _claims(scenarios: list[Scenario], objective: str, threshold: float) -> list
         for s in group:
             for p in s.points:
                 if p.serving is None:
-                    costs = [{"subject": k.subject, "point": k.point, "ratio": k.ratio, "ci_low": k.ci_low,
-                              "ci_high": k.ci_high, "no_interval": k.no_interval, "verdict": k.verdict}
+                    costs = [_kernel_verdict(k, subject=k.subject, point=k.point)
                              for k in s.kernels if k.ratio is not None]
                     claims.append(Claim("kernels", (p.row,), s.name, {"baseline": base, "candidate": cand,
                                                                      "costs": costs}))
@@ -515,8 +517,7 @@ def _residency_claims(group: list[Scenario], base: str, cand: str, objective: st
     cold = next(((s, p) for s in group for p in s.points if p.cold_prefill), None)
     kernel = None
     if cold is not None:
-        kernel = next(({"row": cold[1].row, "ratio": k.ratio, "ci_low": k.ci_low, "ci_high": k.ci_high,
-                        "no_interval": k.no_interval, "verdict": k.verdict} for k in point_kernels(cold[0].report, "prefill_attention")
+        kernel = next((_kernel_verdict(k, row=cold[1].row) for k in point_kernels(cold[0].report, "prefill_attention")
                        if k.ratio is not None), None)
     claims = []
     for s in group:

@@ -221,7 +221,7 @@ def estimate_rows(strata: PairedStrata, rows: Sequence[np.ndarray], *, confidenc
 
     With several run pairs the bootstrap is hierarchical (Kalibera & Jones 2013): each resample draws
     runs − 1 run pairs, then, within each, the calls as above, so between-run variance is inside the
-    interval, which is then ± t(runs − 1) standard deviations of the draws (_bounds, _widening). A row whose
+    interval, which is then ± t(runs − 1) standard deviations of the draws (_bounds, _run_widening). A row whose
     calls paired in only some of the run pairs (vLLM steps that one run pair scheduled alike and another not) is
     resampled over those run pairs alone, with their count's t: a run pair without its calls adds nothing to
     either arm, and drawn alone it would make 0 / 0. Paired in one run pair of several, the row gets no
@@ -283,13 +283,14 @@ def estimate_rows(strata: PairedStrata, rows: Sequence[np.ndarray], *, confidenc
     base, cand = point_b.sum(axis=1), point_c.sum(axis=1)
     with np.errstate(divide="ignore", invalid="ignore"):  # a row paired in one run pair of several: no interval
         ratios = cand / base
-        ratio_bounds = _bounds(draws_c / draws_b, ratios,
-                               _widening(units, point_b, point_c, ratios, confidence, run_counts), confidence,
-                               runs=strata.runs)
-        base_bounds = _bounds(draws_b, base, _widening(units, point_b, point_c, None, confidence, run_counts, arm=0),
-                              confidence, runs=strata.runs)
-        cand_bounds = _bounds(draws_c, cand, _widening(units, point_b, point_c, None, confidence, run_counts, arm=1),
-                              confidence, runs=strata.runs)
+        if strata.runs > 1:  # the run pair is the unit: one widening for the ratio and each arm
+            widenings = (_run_widening(run_counts, confidence),) * 3
+        else:
+            widenings = (_widening(units, point_b, point_c, ratios, confidence),
+                         *(_widening(units, point_b, point_c, None, confidence, arm=arm) for arm in (0, 1)))
+        ratio_bounds = _bounds(draws_c / draws_b, ratios, widenings[0], confidence, runs=strata.runs)
+        base_bounds = _bounds(draws_b, base, widenings[1], confidence, runs=strata.runs)
+        cand_bounds = _bounds(draws_c, cand, widenings[2], confidence, runs=strata.runs)
 
     results: list[Estimate | None] = []
     for index, members in enumerate(rows):
@@ -451,22 +452,26 @@ def _bounds(draws: np.ndarray, point: np.ndarray, widening: np.ndarray, confiden
     return np.stack([point - widening * (point - low), point + widening * (high - point)])
 
 
+def _run_widening(run_counts: np.ndarray, confidence: float) -> np.ndarray:
+    """_widening with several run pairs: runs - 1 df whatever the calls, the ratio's and each arm's alike. Each run
+    pair's total varies with its calls too, so the calls' df would count that spread twice (at 2 and 3 runs per
+    arm the interval then covered 90% for 95%, tests/test_intervals.py). `run_counts`: per row, the run pairs that
+    paired its calls (a row resampled over fewer than all of them takes their count's df)."""
+    z = _normal_quantile(0.5 + confidence / 2)
+    return np.array([_t_quantile(0.5 + confidence / 2, max(int(k), 2) - 1) / z for k in run_counts])
+
+
 def _widening(units: list[_Unit], point_b: np.ndarray, point_c: np.ndarray, ratios: np.ndarray | None,
-              confidence: float, run_counts: np.ndarray, *, arm: int | None = None) -> np.ndarray:
-    """Per row, t(df) / z at the confidence level: the percentile bootstrap stretched as a t interval is
-    over a z interval, with df the Welch-Satterthwaite degrees of freedom of the row's variance.
+              confidence: float, *, arm: int | None = None) -> np.ndarray:
+    """Per row of one run pair, t(df) / z at the confidence level: the percentile bootstrap stretched as a t
+    interval is over a z interval, with df the Welch-Satterthwaite degrees of freedom of the row's variance.
 
     The percentile bootstrap treats the estimated spread as known; with eight calls per cell that is the
     difference between z = 1.96 and t = 2.36 (Hesterberg 2015 expands the percentile interval for the
     same reason). Components: per unit of n pairs, the variance of its linearised total (C - R·B for the
-    ratio, B or C for one arm) with n - 1 df. With several run pairs, runs - 1 df whatever the calls: each
-    run pair's total varies with its calls too, so the calls' df would count that spread twice (at 2 and 3
-    runs per arm the interval then covered 90% for 95%, tests/test_intervals.py). `run_counts`: per row, the run
-    pairs that paired its calls (a row resampled over fewer than all of them takes their count's df)."""
+    ratio, B or C for one arm) with n - 1 df. Several run pairs: _run_widening."""
     rows, runs = point_b.shape
     z = _normal_quantile(0.5 + confidence / 2)
-    if runs > 1:  # the run pairs' totals spread with their calls' too: the run pair is the unit, runs - 1 df
-        return np.array([_t_quantile(0.5 + confidence / 2, max(int(k), 2) - 1) / z for k in run_counts])
     spread_units = [u for u in units if u.size > 1]
     row_index = np.concatenate([u.targets // runs for u in spread_units] + [np.zeros(0, dtype=np.int64)])
     repeat = [u.targets.size for u in spread_units]
