@@ -90,9 +90,11 @@ class ParquetTables:
         self._read: dict[str, object] = {}  # the small tables, read whole once
         self._groups: dict[str, dict[tuple[int, int], list[int]]] = {}  # per table, each span's row groups
         self._metadata: dict[str, object] = {}  # per table, its file's metadata, parsed once
+        self._strings: pl.DataFrame | None = None  # StringIds, checked, built once
 
     def close(self) -> None:
         self._read.clear()
+        self._strings = None
 
     def _file(self, table: str) -> str:
         return str(self.path / f"{table}{SUFFIX}")
@@ -188,23 +190,22 @@ class ParquetTables:
         return rows
 
     def _strings_frame(self) -> pl.DataFrame:
-        frame = pl.from_arrow(_as_int64(self._string_ids(), ("id",), self.path, "StringIds"))
-        _texts(frame, ("value",), self.path, "StringIds")
-        return frame
-
-    def _string_ids(self):
         """StringIds, its ids checked to be unique (SQLite's primary key makes them so; a Parquet file holding one
-        twice would give a kernel the name of whichever row came first)."""
+        twice would give a kernel the name of whichever row came first), integers and text."""
         import pyarrow.compute as pc
 
-        strings = self.table("StringIds", ("id", "value"))
-        if pc.count_distinct(strings.column("id")).as_py() != strings.num_rows - strings.column("id").null_count:
-            ids = strings.column("id").to_pylist()
-            seen = set()
-            twice = next(i for i in ids if i is not None and (i in seen or seen.add(i)))
-            raise KvtraceError(f"{self.path}: StringIds{SUFFIX} holds id {twice} more than once, so a kernel's name "
-                               "is ambiguous: the export is damaged or was edited; export the report again")
-        return strings
+        if self._strings is None:
+            strings = self.table("StringIds", ("id", "value"))
+            if pc.count_distinct(strings.column("id")).as_py() != strings.num_rows - strings.column("id").null_count:
+                ids = strings.column("id").to_pylist()
+                seen = set()
+                twice = next(i for i in ids if i is not None and (i in seen or seen.add(i)))
+                raise KvtraceError(f"{self.path}: StringIds{SUFFIX} holds id {twice} more than once, so a kernel's "
+                                   "name is ambiguous: the export is damaged or was edited; export the report again")
+            frame = pl.from_arrow(_as_int64(strings, ("id",), self.path, "StringIds"))
+            _texts(frame, ("value",), self.path, "StringIds")
+            self._strings = frame
+        return self._strings
 
     def launch_api_ids(self) -> list[int]:
         strings = self._strings_frame()
@@ -218,8 +219,14 @@ class ParquetTables:
         ids = strings.filter(pl.col("value").str.contains(et.GRAPH_LAUNCH_WORD, literal=True))["id"].to_list()
         if not ids:
             return False
-        names = _as_int64(self.table(et.RUNTIME_TABLE, ("nameId",)), ("nameId",), self.path, et.RUNTIME_TABLE)
-        return bool(pc.any(pc.is_in(names.column("nameId"), value_set=pa.array(ids, pa.int64()))).as_py())
+        # As the SQLite reader's LIMIT 1: span by span, the first one holding a graph launch ends the scan.
+        wanted = pa.array(ids, pa.int64())
+        for span in self.spans(et.RUNTIME_TABLE):
+            names = _as_int64(self._group(et.RUNTIME_TABLE, span, ("nameId",)), ("nameId",), self.path,
+                              et.RUNTIME_TABLE)
+            if pc.any(pc.is_in(names.column("nameId"), value_set=wanted)).as_py():
+                return True
+        return False
 
     def spans(self, table: str) -> list[tuple[int, int]]:
         """The table's row groups as (first row, last row): nsys' writer cuts tables into groups of about a
@@ -269,7 +276,7 @@ class ParquetTables:
         return frame.filter(pl.col("id").is_in(device_ids)).sort("id", maintain_order=True).rows()
 
     def strings(self, ids: list[int]) -> list[tuple]:
-        return pl.from_arrow(self._string_ids()).filter(pl.col("id").is_in(ids)).rows()
+        return self._strings_frame().filter(pl.col("id").is_in(ids)).rows()
 
 
 def _row_groups(metadata, file: Path) -> dict[tuple[int, int], list[int]]:

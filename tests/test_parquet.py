@@ -24,7 +24,7 @@ from conftest import (GRAPH_LOOP, NSYS2023_DIR, NSYS2023_REPORTS, NSYS2025_DIR, 
                       fingerprint)
 from test_bad_input import assert_one_line_error
 import kvtrace.nsys
-from kvtrace.analyzer import load
+from kvtrace.analyzer import load, parquet_tables
 from kvtrace.analyzer.export_tables import EXPORT_TABLES
 from kvtrace.analyzer.load import open_trace
 
@@ -135,6 +135,27 @@ def test_tables_in_many_row_groups_load_the_same(tmp_path, monkeypatch):
     got, expected = open_trace(folder, cache=False), open_trace(NSYS2025_DIR / "fp8.sqlite", cache=False)
     assert got.kernels.equals(expected.kernels) and got.signatures.equals(expected.signatures)
     assert got.ranges.equals(expected.ranges)
+
+
+def test_graph_launches_are_found_without_reading_the_runtime_table_past_the_first(tmp_path, monkeypatch):
+    """As the SQLite reader's LIMIT 1: the runtime table is read span by span only until a span holds a graph
+    launch. The graph loop's runtime table in one-row groups, each its own span: its first cudaGraphLaunch is the
+    third call, so three spans are read of eighteen."""
+    folder = _copy(tmp_path, GRAPH_LOOP / "a-2000")
+    runtime = folder / "CUPTI_ACTIVITY_KIND_RUNTIME.parquet"
+    pq.write_table(pq.read_table(runtime), runtime, row_group_size=1)
+    strings = pq.read_table(folder / "StringIds.parquet").to_pylist()
+    graph_ids = {s["id"] for s in strings if "GraphLaunch" in s["value"]}
+    names = pq.read_table(runtime, columns=["nameId"]).column("nameId").to_pylist()
+    first = next(i for i, name in enumerate(names) if name in graph_ids)
+    assert (first, len(names)) == (2, 18)
+    monkeypatch.setattr(parquet_tables, "_SPAN_ROWS", 1)
+    read = []
+    tables = parquet_tables.ParquetTables(folder)
+    group = tables._group
+    monkeypatch.setattr(tables, "_group", lambda table, span, columns: read.append(span) or group(table, span, columns))
+    assert tables.graph_launched() is True
+    assert read == [(row, row) for row in range(first + 1)]
 
 
 # ---- hostile folders ------------------------------------------------------------------------------------
