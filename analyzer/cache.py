@@ -264,7 +264,7 @@ def export_report(report: Path, *, nsys: str | None = None, tables: tuple[str, .
     # A large report goes to SQLite by choice, not for want of Parquet: no note.
     large = status.st_size >= kvtrace.nsys.PARQUET_MAX_REPORT_BYTES
     wants_parquet = bool(tables) and not large
-    seal = functools.partial(_write_seal, key=key, seal=target.with_name(f"{target.name}.json"))
+    seal = functools.partial(_write_seal, key=key, export=target)
     try:
         _prune_exports(folder)
         why = _export_parquet(nsys_path, report, parquet, tables, step, key) if wants_parquet else None
@@ -314,9 +314,16 @@ def _seal_of(export: Path, key: str) -> dict:
     return {"kvtrace_export": key, "files": found}
 
 
-def _write_seal(export: Path, *, key: str, seal: Path) -> None:
-    """Seal a new export before it is published: a Parquet folder holds its seal, an SQLite file's is `seal`."""
-    kvtrace.files.write(export / _SEAL if export.is_dir() else seal, json.dumps(_seal_of(export, key)))
+def _seal_path(written: Path, export: Path) -> Path:
+    """Where the seal of the export published as `export` goes while the export is at `written` (the name it is
+    renamed from, or `export` itself): inside a Parquet folder, which it moves with; beside an SQLite file, as
+    `export`'s name with .json."""
+    return written / _SEAL if stat.S_ISDIR(os.lstat(written).st_mode) else export.with_name(f"{export.name}.json")
+
+
+def _write_seal(written: Path, *, key: str, export: Path) -> None:
+    """Seal a new export before it is published as `export`."""
+    kvtrace.files.write(_seal_path(written, export), json.dumps(_seal_of(written, key)))
 
 
 def _sealed(export: Path, key: str) -> bool:
@@ -326,8 +333,7 @@ def _sealed(export: Path, key: str) -> bool:
         status = os.lstat(export)
         if status.st_uid != os.getuid() or not (stat.S_ISDIR(status.st_mode) or stat.S_ISREG(status.st_mode)):
             return False
-        seal = export / _SEAL if stat.S_ISDIR(status.st_mode) else export.with_name(f"{export.name}.json")
-        return json.loads(_entry_bytes(seal)) == _seal_of(export, key)
+        return json.loads(_entry_bytes(_seal_path(export, export))) == _seal_of(export, key)
     except (OSError, ValueError):
         return False
 
@@ -377,7 +383,7 @@ def _export_parquet(nsys_path: str, report: Path, parquet: Path, tables: tuple[s
         step(f"exporting {report.name} (nsys export --type parquetdir, the tables kvtrace reads)")
     try:
         kvtrace.nsys.export_parquet(nsys_path, report, parquet, tables,
-                                    seal=functools.partial(_write_seal, key=key, seal=parquet / _SEAL))
+                                    seal=functools.partial(_write_seal, key=key, export=parquet))
     except kvtrace.nsys.ExportFailed as failed:
         if failed.newer_report:
             raise
