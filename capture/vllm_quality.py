@@ -19,7 +19,7 @@ import re
 from pathlib import Path
 
 from kvtrace import files
-from kvtrace.capture.vllm_http import NET_ERRORS, http_request, post_json
+from kvtrace.capture.vllm_http import NET_ERRORS, http_request
 from kvtrace.errors import KvtraceError
 
 MAX_PROMPTS = 100_000
@@ -110,7 +110,7 @@ def _run(base: str, prompts_file: Path, max_tokens: int, out: Path, run_name: st
     for index, item in enumerate(prompts):
         request = {"model": model, "prompt": item["prompt"], "max_tokens": max_tokens, "temperature": 0,
                    "logprobs": 1, "seed": 0}
-        status, body = post_json(base + "/v1/completions", request, timeout=600)
+        status, body = http_request("POST", base + "/v1/completions", timeout=600, payload=request)
         if status != 200:
             raise RuntimeError(f"quality prompt {item['id']}: POST /v1/completions answered {status} "
                                f"{body.strip()[:200]!r}")
