@@ -270,10 +270,12 @@ def main(argv=None) -> None:
     gemm_a, gemm_b = (torch.randn(args.gemm_size, args.gemm_size, generator=generator, dtype=torch.bfloat16).to(device)
                       for _ in range(2))
     gemm = functools.partial(torch.matmul, gemm_a, gemm_b)  # the control that must not move between arms
-    result["quality_inputs"] = quality.describe_inputs(args.inputs)
-    source = (None if args.inputs == "gaussian" else
-              quality.outlier_channels(args.kv_heads, args.head_dim, args.seed) if args.inputs == "outliers" else
-              quality.read_tensor_file(Path(args.inputs)))
+    source = sha256 = None
+    if args.inputs == "outliers":
+        source = quality.outlier_channels(args.kv_heads, args.head_dim, args.seed)
+    elif args.inputs != "gaussian":
+        source, sha256 = quality.read_tensor_file(Path(args.inputs))
+    result["quality_inputs"] = quality.describe_inputs(args.inputs, sha256)
     phases = []
     for context in args.contexts:
         context_phases, entry = prepare_context(flashinfer, args, context, generator, workspace, gemm, source)
