@@ -210,21 +210,32 @@ def round_trip(kv_format: str, x: "torch.Tensor", scale: float) -> "torch.Tensor
     return formats.nvfp4_dequantize(formats.nvfp4_quantize(x, scale))
 
 
-def point_quality(kv_format: str, keys, values, q_prefill, q_decode, k_scale: float, v_scale: float, batch: int,
-                  context: int, kernel: tuple | None = None) -> dict:
-    """One workload point's errors (module docstring). kernel: FlashInfer's (prefill, decode) outputs, on a GPU."""
+def read_back(kv_format: str, keys, values, q_prefill, q_decode, k_scale: float, v_scale: float, batch: int,
+              context: int) -> dict:
+    """The cache as the format stores it, read back ("k", "v": round_trip with the cache's scales), and float64
+    attention over it ("prefill" at prefill_rows(context), "decode"): the format's side of point_quality, and what
+    the workload's layout checks hold the kernel's output against."""
+    rows = prefill_rows(context)
+    k_deq, v_deq = round_trip(kv_format, keys, k_scale), round_trip(kv_format, values, v_scale)
+    return {"k": k_deq, "v": v_deq, "prefill": attention64(q_prefill, k_deq, v_deq, batch, context, rows),
+            "decode": attention64(q_decode, k_deq, v_deq, batch, context, None)}
+
+
+def point_quality(dequantized: dict, keys, values, q_prefill, q_decode, batch: int, context: int,
+                  kernel: tuple | None = None) -> dict:
+    """One workload point's errors (module docstring). dequantized: read_back's for these tensors; kernel:
+    FlashInfer's (prefill, decode) outputs, on a GPU."""
     import torch
 
     rows = prefill_rows(context)
-    k_deq, v_deq = round_trip(kv_format, keys, k_scale), round_trip(kv_format, values, v_scale)
     result = {"reference": "float64 attention over the BF16 cache", "prefill_rows_per_sequence": len(rows),
-              "cache": {"k": errors(k_deq, keys), "v": errors(v_deq, values)},
+              "cache": {"k": errors(dequantized["k"], keys), "v": errors(dequantized["v"], values)},
               "format": {}, "output_rounding": {}}
     if kernel is not None:
         result["kernel"] = {}
     for phase, q, phase_rows in (("prefill", q_prefill, rows), ("decode", q_decode, None)):
         ref = attention64(q, keys, values, batch, context, phase_rows)
-        result["format"][phase] = errors(attention64(q, k_deq, v_deq, batch, context, phase_rows), ref)
+        result["format"][phase] = errors(dequantized[phase], ref)
         result["output_rounding"][phase] = errors(ref.to(torch.bfloat16), ref)
         if kernel is not None:
             out = kernel[0 if phase == "prefill" else 1]

@@ -112,8 +112,9 @@ def point(kv_format, inputs, context):
         k_scale, v_scale = formats.fp8_quantize(inputs.keys)[1], formats.fp8_quantize(inputs.values)[1]
     else:
         k_scale, v_scale = (formats.nvfp4_quantize(x).global_scale for x in (inputs.keys, inputs.values))
-    return quality.point_quality(kv_format, inputs.keys, inputs.values, inputs.q_prefill, inputs.q_decode, k_scale,
-                                 v_scale, ARGS["batch"], context)
+    tensors = (inputs.keys, inputs.values, inputs.q_prefill, inputs.q_decode)
+    dequantized = quality.read_back(kv_format, *tensors, k_scale, v_scale, ARGS["batch"], context)
+    return quality.point_quality(dequantized, *tensors, ARGS["batch"], context)
 
 
 def test_format_error_matches_numpy_on_the_dequantized_cache():
