@@ -21,6 +21,7 @@ Standard library at import (the engine checks a tensor file before profiling); t
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import math
 import struct
@@ -42,10 +43,11 @@ _MAX_HEADER = 100 * 1024 * 1024
 
 # ---- inputs ----------------------------------------------------------------------------------------------
 
-def _header(path: Path) -> tuple[dict, int]:
-    """A .safetensors file's tensor table and where its data starts (8-byte little-endian header length, JSON)."""
+def _header(path: Path, data: bytes | None = None) -> tuple[dict, int]:
+    """A .safetensors file's tensor table and where its data starts (8-byte little-endian header length, JSON),
+    read from the file, or from its bytes `data` where they are in memory already."""
     try:
-        with open(path, "rb") as handle:
+        with open(path, "rb") if data is None else io.BytesIO(data) as handle:
             raw = handle.read(8)
             if len(raw) != 8:
                 raise ValueError("shorter than its 8-byte header length")
@@ -96,28 +98,28 @@ def check_tensor_file(path: Path, q_heads: int, kv_heads: int, head_dim: int, ma
                            f"up to {count}")
 
 
-def read_tensor_file(path: Path) -> dict:
-    """q, k, v of a .safetensors file as CPU tensors, in their stored dtype."""
+def read_tensor_file(path: Path) -> tuple[dict, str]:
+    """q, k, v of a .safetensors file as CPU tensors, in their stored dtype, and the SHA-256 of the bytes they were
+    read from (describe_inputs records it)."""
     import torch
 
-    table, start = _header(path)
     data = path.read_bytes()
+    table, start = _header(path, data)
     tensors = {}
     for name in TENSOR_NAMES:
         entry = table[name]
         begin, end = entry["data_offsets"]
         buffer = bytearray(data[start + begin:start + end])
         tensors[name] = torch.frombuffer(buffer, dtype=getattr(torch, _DTYPES[entry["dtype"]])).reshape(entry["shape"])
-    return tensors
+    return tensors, hashlib.sha256(data).hexdigest()
 
 
-def describe_inputs(kind: str) -> dict:
-    """What the manifest records about the inputs: the kind, and for a file its name and SHA-256."""
+def describe_inputs(kind: str, sha256: str | None = None) -> dict:
+    """What the manifest records about the inputs: the kind, and for a file its name and SHA-256 (read_tensor_file's)."""
     if kind in GENERATED:
         return {"kind": kind, **({"outlier_channels": OUTLIER_CHANNELS, "outlier_gain": OUTLIER_GAIN}
                                  if kind == "outliers" else {})}
-    path = Path(kind)
-    return {"kind": "file", "file": path.name, "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+    return {"kind": "file", "file": Path(kind).name, "sha256": sha256}
 
 
 def outlier_channels(kv_heads: int, head_dim: int, seed: int) -> "torch.Tensor":
@@ -208,21 +210,32 @@ def round_trip(kv_format: str, x: "torch.Tensor", scale: float) -> "torch.Tensor
     return formats.nvfp4_dequantize(formats.nvfp4_quantize(x, scale))
 
 
-def point_quality(kv_format: str, keys, values, q_prefill, q_decode, k_scale: float, v_scale: float, batch: int,
-                  context: int, kernel: tuple | None = None) -> dict:
-    """One workload point's errors (module docstring). kernel: FlashInfer's (prefill, decode) outputs, on a GPU."""
+def read_back(kv_format: str, keys, values, q_prefill, q_decode, k_scale: float, v_scale: float, batch: int,
+              context: int) -> dict:
+    """The cache as the format stores it, read back ("k", "v": round_trip with the cache's scales), and float64
+    attention over it ("prefill" at prefill_rows(context), "decode"): the format's side of point_quality, and what
+    the workload's layout checks hold the kernel's output against."""
+    rows = prefill_rows(context)
+    k_deq, v_deq = round_trip(kv_format, keys, k_scale), round_trip(kv_format, values, v_scale)
+    return {"k": k_deq, "v": v_deq, "prefill": attention64(q_prefill, k_deq, v_deq, batch, context, rows),
+            "decode": attention64(q_decode, k_deq, v_deq, batch, context, None)}
+
+
+def point_quality(dequantized: dict, keys, values, q_prefill, q_decode, batch: int, context: int,
+                  kernel: tuple | None = None) -> dict:
+    """One workload point's errors (module docstring). dequantized: read_back's for these tensors; kernel:
+    FlashInfer's (prefill, decode) outputs, on a GPU."""
     import torch
 
     rows = prefill_rows(context)
-    k_deq, v_deq = round_trip(kv_format, keys, k_scale), round_trip(kv_format, values, v_scale)
     result = {"reference": "float64 attention over the BF16 cache", "prefill_rows_per_sequence": len(rows),
-              "cache": {"k": errors(k_deq, keys), "v": errors(v_deq, values)},
+              "cache": {"k": errors(dequantized["k"], keys), "v": errors(dequantized["v"], values)},
               "format": {}, "output_rounding": {}}
     if kernel is not None:
         result["kernel"] = {}
     for phase, q, phase_rows in (("prefill", q_prefill, rows), ("decode", q_decode, None)):
         ref = attention64(q, keys, values, batch, context, phase_rows)
-        result["format"][phase] = errors(attention64(q, k_deq, v_deq, batch, context, phase_rows), ref)
+        result["format"][phase] = errors(dequantized[phase], ref)
         result["output_rounding"][phase] = errors(ref.to(torch.bfloat16), ref)
         if kernel is not None:
             out = kernel[0 if phase == "prefill" else 1]

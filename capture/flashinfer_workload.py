@@ -226,15 +226,16 @@ def prepare_context(flashinfer, args: argparse.Namespace, context: int, generato
                             3 * 2 * args.gemm_size ** 2)]
 
     out_prefill, out_decode = run_prefill(), run_decode()
+    dequantized = quality.read_back(args.kv_format, inputs.keys, inputs.values, inputs.q_prefill, inputs.q_decode,
+                                    cache.k_scale, cache.v_scale, args.batch, context)
     entry = {"context": context, "kv_bytes_read_per_attention_call": kv_read,
              "k_scale": cache.k_scale, "v_scale": cache.v_scale,
-             "quality": quality.point_quality(args.kv_format, inputs.keys, inputs.values, inputs.q_prefill,
-                                              inputs.q_decode, cache.k_scale, cache.v_scale, args.batch, context,
-                                              kernel=(out_prefill, out_decode))}
+             "quality": quality.point_quality(dequantized, inputs.keys, inputs.values, inputs.q_prefill,
+                                              inputs.q_decode, args.batch, context, kernel=(out_prefill, out_decode))}
     # The layout checks (does the kernel read the cache as written?) run on the smallest context only.
     if context == min(args.contexts):
-        entry["accuracy"] = accuracy_checks(args, cache, inputs.keys, inputs.values, inputs.q_prefill,
-                                            inputs.q_decode, out_prefill, out_decode, prefill)
+        entry["accuracy"] = accuracy_checks(args, cache, inputs.keys, inputs.values, inputs.q_prefill, dequantized,
+                                            out_prefill, out_decode, prefill)
     append()
     append.step = 0  # the measured appends start at the first prepared token again
     gemm()
@@ -270,10 +271,12 @@ def main(argv=None) -> None:
     gemm_a, gemm_b = (torch.randn(args.gemm_size, args.gemm_size, generator=generator, dtype=torch.bfloat16).to(device)
                       for _ in range(2))
     gemm = functools.partial(torch.matmul, gemm_a, gemm_b)  # the control that must not move between arms
-    result["quality_inputs"] = quality.describe_inputs(args.inputs)
-    source = (None if args.inputs == "gaussian" else
-              quality.outlier_channels(args.kv_heads, args.head_dim, args.seed) if args.inputs == "outliers" else
-              quality.read_tensor_file(Path(args.inputs)))
+    source = sha256 = None
+    if args.inputs == "outliers":
+        source = quality.outlier_channels(args.kv_heads, args.head_dim, args.seed)
+    elif args.inputs != "gaussian":
+        source, sha256 = quality.read_tensor_file(Path(args.inputs))
+    result["quality_inputs"] = quality.describe_inputs(args.inputs, sha256)
     phases = []
     for context in args.contexts:
         context_phases, entry = prepare_context(flashinfer, args, context, generator, workspace, gemm, source)
@@ -285,23 +288,19 @@ def main(argv=None) -> None:
     runner.write_json_atomic(args.result, result)
 
 
-def accuracy_checks(args, cache, keys, values, q_prefill, q_decode, out_prefill, out_decode, prefill):
-    """Kernel output against float64 attention over the dequantized cache the kernel read (at
-    flashinfer_quality's prefill rows): a kernel that reads the cache as written is near it. For NVFP4 also the
-    other nibble order, to confirm which one FlashInfer reads."""
+def accuracy_checks(args, cache, keys, values, q_prefill, dequantized, out_prefill, out_decode, prefill):
+    """Kernel output against float64 attention over the dequantized cache the kernel read (quality.read_back's, at
+    its prefill rows): a kernel that reads the cache as written is near it. For NVFP4 also the other nibble order,
+    to confirm which one FlashInfer reads."""
     context, batch = cache.context, args.batch
     rows = quality.prefill_rows(context)
-    k_deq = quality.round_trip(cache.kv_format, keys, cache.k_scale)
-    v_deq = quality.round_trip(cache.kv_format, values, cache.v_scale)
-    prefill_ref = quality.attention64(q_prefill, k_deq, v_deq, batch, context, rows)
 
     def prefill_error(out):
-        return quality.errors(quality.select_rows(out, batch, context, rows), prefill_ref)["rel_l2"]
+        return quality.errors(quality.select_rows(out, batch, context, rows), dequantized["prefill"])["rel_l2"]
 
     checks = {
         "prefill_vs_dequantized_cache": prefill_error(out_prefill),
-        "decode_vs_dequantized_cache": quality.errors(
-            out_decode, quality.attention64(q_decode, k_deq, v_deq, batch, context, None))["rel_l2"],
+        "decode_vs_dequantized_cache": quality.errors(out_decode, dequantized["decode"])["rel_l2"],
     }
     if cache.kv_format == "nvfp4":
         kq = formats.nvfp4_quantize(keys, cache.k_scale, low_nibble_first=False)

@@ -18,8 +18,12 @@ _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # the se
 NET_ERRORS = (OSError, http.client.HTTPException)
 
 
-def http_request(method: str, url: str, timeout: float) -> tuple[int, str]:
-    request = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None)
+def http_request(method: str, url: str, timeout: float, payload: dict | None = None) -> tuple[int, str]:
+    """The status and the answer's text. payload: a JSON body (an OpenAI-style request); a POST without one sends
+    an empty body."""
+    data = json.dumps(payload).encode() if payload is not None else b"" if method == "POST" else None
+    headers = {} if payload is None else {"Content-Type": "application/json"}
+    request = urllib.request.Request(url, method=method, data=data, headers=headers)
     try:
         with _OPENER.open(request, timeout=timeout) as response:
             return response.status, response.read().decode("utf-8", "replace")
@@ -90,13 +94,3 @@ class MetricsPoller(threading.Thread):
         self.join()
         return self.peaks
 
-
-def post_json(url: str, payload: dict, timeout: float) -> tuple[int, str]:
-    """POST a JSON body (an OpenAI-style request); returns the status and the answer's text."""
-    request = urllib.request.Request(url, method="POST", data=json.dumps(payload).encode(),
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with _OPENER.open(request, timeout=timeout) as response:
-            return response.status, response.read().decode("utf-8", "replace")
-    except urllib.error.HTTPError as error:
-        return error.code, error.read().decode("utf-8", "replace")

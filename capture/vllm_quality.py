@@ -19,18 +19,20 @@ import re
 from pathlib import Path
 
 from kvtrace import files
-from kvtrace.capture.vllm_http import NET_ERRORS, http_request, post_json
+from kvtrace.capture.vllm_http import NET_ERRORS, http_request
 from kvtrace.errors import KvtraceError
 
 MAX_PROMPTS = 100_000
 _NUMBER = re.compile(r"(?<!\w)-?\d[\d,]*(?:\.\d+)?")  # no letter, digit or _ just before: not inside a word
 
 
-def load_prompts(path: str | Path) -> list[dict]:
-    """The prompt file's entries, checked: one clear error naming the line that is wrong."""
+def load_prompts(path: str | Path) -> tuple[list[dict], str]:
+    """The prompt file's entries, checked (one clear error naming the line that is wrong), and the SHA-256 of the
+    bytes they were read from."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        data = path.read_bytes()
+        text = data.decode("utf-8")
     except (OSError, UnicodeDecodeError) as error:
         raise KvtraceError(f"--quality-prompts {path}: cannot read it as UTF-8 text ({error})") from None
     prompts = []
@@ -51,7 +53,7 @@ def load_prompts(path: str | Path) -> list[dict]:
         raise KvtraceError(f"--quality-prompts {path} holds no prompts")
     if len(prompts) > MAX_PROMPTS:
         raise KvtraceError(f"--quality-prompts {path} holds {len(prompts)} prompts; at most {MAX_PROMPTS}")
-    return prompts
+    return prompts, hashlib.sha256(data).hexdigest()
 
 
 def check(cfg) -> None:
@@ -102,7 +104,7 @@ def run(base: str, prompts_file: str | Path, max_tokens: int, out: Path, run_nam
 
 
 def _run(base: str, prompts_file: Path, max_tokens: int, out: Path, run_name: str) -> dict:
-    prompts = load_prompts(prompts_file)
+    prompts, prompts_sha256 = load_prompts(prompts_file)
     model = _served_model(base)
     if not model:
         raise RuntimeError("GET /v1/models named no served model for the quality prompts")
@@ -110,7 +112,7 @@ def _run(base: str, prompts_file: Path, max_tokens: int, out: Path, run_name: st
     for index, item in enumerate(prompts):
         request = {"model": model, "prompt": item["prompt"], "max_tokens": max_tokens, "temperature": 0,
                    "logprobs": 1, "seed": 0}
-        status, body = post_json(base + "/v1/completions", request, timeout=600)
+        status, body = http_request("POST", base + "/v1/completions", timeout=600, payload=request)
         if status != 200:
             raise RuntimeError(f"quality prompt {item['id']}: POST /v1/completions answered {status} "
                                f"{body.strip()[:200]!r}")
@@ -125,7 +127,7 @@ def _run(base: str, prompts_file: Path, max_tokens: int, out: Path, run_name: st
                         "tokens": tokens, "token_logprobs": logprobs.get("token_logprobs") or []})
     name = f"{run_name}.quality.json"
     summary = {"file": name, "prompts_file": prompts_file.name,
-               "prompts_sha256": hashlib.sha256(prompts_file.read_bytes()).hexdigest(), "prompts": len(results),
+               "prompts_sha256": prompts_sha256, "prompts": len(results),
                "correct": sum(r["correct"] for r in results), "max_tokens": max_tokens, "temperature": 0,
                "model": model}
     files.write(out / name, json.dumps({**summary, "results": results}, indent=1) + "\n")

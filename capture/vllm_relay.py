@@ -5,7 +5,9 @@ the server itself said about it.
 its prefix cache (`usage.prompt_tokens_details.cached_tokens`, sent with `--enable-prompt-tokens-details` on the
 last chunk of a streamed completion) never reach its result JSON. The relay passes every request and every
 response byte through unchanged, as each chunk arrives, and reads the usage chunk and the first token's arrival
-on the way. Both arms go through it, so what it adds to the client's latencies is the same in each.
+on the way. It keeps its connections to the server open between requests (replacing one the server closed while
+idle), so that no request's time includes opening one. Both arms go through it, so what it adds to the client's
+latencies is the same in each.
 
 Standard library only.
 """
@@ -41,6 +43,7 @@ class UsageRelay:
         self._httpd.daemon_threads = True
         self.port = self._httpd.server_address[1]
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="usage-relay", daemon=True)
+        self._upstream = _Upstream(server_host, server_port)
 
     def __enter__(self) -> "UsageRelay":
         self._thread.start()
@@ -49,6 +52,7 @@ class UsageRelay:
     def __exit__(self, *exc) -> None:
         self._httpd.shutdown()
         self._httpd.server_close()
+        self._upstream.close()
 
     def take(self) -> list[dict]:
         """The entries recorded since the last call, in arrival order, numbered from 0 again (a point's)."""
@@ -89,10 +93,9 @@ class UsageRelay:
                 arrival = relay._arrived() if completion else None
                 started = time.perf_counter()
                 headers = {name: value for name, value in self.headers.items() if name.lower() not in _HOP_BY_HOP}
-                upstream = http.client.HTTPConnection(relay.server_host, relay.server_port, timeout=_SERVER_TIMEOUT_S)
+                connection = None
                 try:
-                    upstream.request(self.command, self.path, body=body or None, headers=headers)
-                    response = upstream.getresponse()
+                    connection, response = relay._upstream.send(self.command, self.path, body or None, headers)
                     self.send_response(response.status, response.reason)
                     for name, value in response.getheaders():
                         if name.lower() not in _HOP_BY_HOP and name.lower() != "content-length":
@@ -105,18 +108,23 @@ class UsageRelay:
                         self.wfile.flush()
                         if watcher is not None:
                             watcher.feed(chunk)
-                    self.wfile.write(b"0\r\n\r\n")
-                    self.wfile.flush()
+                    # Back to the pool and recorded before the client hears the end: its next request, or the
+                    # engine's take() once the client has exited, finds them.
+                    relay._upstream.give_back(connection, response)
+                    connection = None
                     if watcher is not None:
                         relay._record({"arrival": arrival, "status": response.status, **watcher.result()})
                     elif completion:
                         relay._record({"arrival": arrival, "status": response.status})
+                    self.wfile.write(b"0\r\n\r\n")
+                    self.wfile.flush()
                 except NET_ERRORS as failure:
                     if completion:
                         relay._record({"arrival": arrival, "status": None, "error": type(failure).__name__})
                     self.close_connection = True
                 finally:
-                    upstream.close()
+                    if connection is not None:  # its response was not read to the end
+                        connection.close()
 
             def log_message(self, *args):
                 pass
@@ -124,22 +132,79 @@ class UsageRelay:
         return Handler
 
 
+class _Upstream:
+    """Keep-alive connections to the server, shared by the relay's threads, so that opening one is not inside a
+    request's measured time: a request takes an idle one, else opens one, and gives it back once its response
+    has been read to the end."""
+
+    def __init__(self, host: str, port: int):
+        self.host, self.port = host, port
+        self._lock = threading.Lock()
+        self._idle: list[http.client.HTTPConnection] = []
+
+    def send(self, method: str, path: str, body: bytes | None,
+             headers: dict) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+        """The server's response to one request. An idle connection that the server has closed meanwhile is
+        replaced by a new one, once (a server that closed it read no request from it)."""
+        with self._lock:
+            idle = self._idle.pop() if self._idle else None
+        if idle is not None:
+            try:
+                return idle, self._exchange(idle, method, path, body, headers)
+            except ConnectionError:  # reset, broken pipe, or closed before any answer (RemoteDisconnected)
+                idle.close()
+        connection = http.client.HTTPConnection(self.host, self.port, timeout=_SERVER_TIMEOUT_S)
+        try:
+            return connection, self._exchange(connection, method, path, body, headers)
+        except BaseException:
+            connection.close()
+            raise
+
+    @staticmethod
+    def _exchange(connection: http.client.HTTPConnection, method: str, path: str, body: bytes | None,
+                  headers: dict) -> http.client.HTTPResponse:
+        connection.request(method, path, body=body, headers=headers)
+        return connection.getresponse()
+
+    def give_back(self, connection: http.client.HTTPConnection, response: http.client.HTTPResponse) -> None:
+        """Keeps a connection once its response has been read until read1() gave nothing, unless the server is
+        closing it or the body ended short of its Content-Length."""
+        if response.will_close or response.length:
+            connection.close()
+            return
+        response.close()  # the connection takes no next request while its last response is open
+        with self._lock:
+            self._idle.append(connection)
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for connection in idle:
+            connection.close()
+
+
 class _StreamWatcher:
     """Reads a streamed completion (server-sent events) as it passes: the first token's arrival and the last
-    usage block. A non-streamed JSON body is read whole at the end."""
+    usage block, keeping only an event not yet complete. A non-streamed JSON body is kept and read at the end."""
 
     def __init__(self, started: float):
         self.started = started
         self.first_token_s: float | None = None
         self.usage: dict | None = None
         self._pending = b""
-        self._whole = bytearray()
+        self._fed = False
+        self._body: bytearray | None = None  # a non-streamed body: it starts with "{"
 
     def feed(self, chunk: bytes) -> None:
-        self._whole += chunk
-        self._pending += chunk
-        while b"\n\n" in self._pending:
-            event, self._pending = self._pending.split(b"\n\n", 1)
+        if not self._fed:
+            self._fed = True
+            if chunk[:1] == b"{":
+                self._body = bytearray()
+        if self._body is not None:
+            self._body += chunk
+            return
+        *events, self._pending = (self._pending + chunk).split(b"\n\n")
+        for event in events:
             for line in event.splitlines():
                 if line.startswith(b"data:"):
                     self._data(line[5:].strip())
@@ -160,9 +225,9 @@ class _StreamWatcher:
 
     def result(self) -> dict:
         ended_s = time.perf_counter() - self.started
-        if self.usage is None and self._whole[:1] == b"{":  # not streamed: one JSON body
+        if self._body is not None:
             try:
-                whole = json.loads(bytes(self._whole))
+                whole = json.loads(self._body)
             except ValueError:
                 whole = None
             if isinstance(whole, dict) and isinstance(whole.get("usage"), dict):

@@ -352,36 +352,33 @@ _RUN_SHAPE = {
 def _check_shape(value, shape, where: str, file: Path) -> None:
     if value is None:
         return
-    if isinstance(shape, tuple):  # any one of these shapes
-        for option in shape:
-            try:
-                return _check_shape(value, option, where, file)
-            except KvtraceError:
-                pass
-        raise _bad_shape(file, where, " or ".join(_wanted(option) for option in shape))
+    options = shape if isinstance(shape, tuple) else (shape,)  # a tuple: any one of these shapes
+    shape = next((option for option in options if _is(value, option)), None)
+    if shape is None:
+        raise _bad_shape(file, where, " or ".join(_wanted(option) for option in options))
     if isinstance(shape, dict):
-        if not isinstance(value, dict):
-            raise _bad_shape(file, where, "an object")
         for key, inner in shape.items():
             for name in (value if key == "*" else [key]):
                 _check_shape(value.get(name), inner, f"{where}.{name}" if where else name, file)
     elif isinstance(shape, list):
-        if not isinstance(value, list):
-            raise _bad_shape(file, where, "a list")
         for index, item in enumerate(value):
             _check_shape(item, shape[0], f"{where}[{index}]", file)
-    elif isinstance(shape, _Number):
-        if not shape.holds(value):
-            raise _bad_shape(file, where, shape.wanted)
-    elif shape is bool:
-        if not isinstance(value, bool):
-            raise _bad_shape(file, where, "true or false")
-    elif not isinstance(value, shape) or isinstance(value, bool):
-        raise _bad_shape(file, where, {str: "a string", dict: "an object", list: "a list"}.get(shape, "a number"))
+
+
+def _is(value, shape) -> bool:
+    """Whether the value is of the shape's kind (an object's fields and a list's items are checked on their own)."""
+    if isinstance(shape, (dict, list)):
+        return isinstance(value, type(shape))
+    if isinstance(shape, _Number):
+        return shape.holds(value)
+    return isinstance(value, shape) and (shape is bool or not isinstance(value, bool))
 
 
 def _wanted(shape) -> str:
-    return shape.wanted if isinstance(shape, _Number) else {dict: "an object", list: "a list"}.get(type(shape), "text")
+    if isinstance(shape, _Number):
+        return shape.wanted
+    kind = type(shape) if isinstance(shape, (dict, list)) else shape
+    return {bool: "true or false", str: "a string", dict: "an object", list: "a list"}.get(kind, "a number")
 
 
 def _bad_shape(file: Path, where: str, wanted: str) -> KvtraceError:

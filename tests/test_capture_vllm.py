@@ -648,11 +648,16 @@ def one_prefix_reuse_arm(standin, **workload) -> tuple[vllm_config.VllmCapture, 
     return cfg, arm
 
 
-def test_serve_records_each_requests_cached_tokens_through_the_relay(standin):
+def test_serve_records_each_requests_cached_tokens_through_the_relay(standin, monkeypatch):
     """The bench client's result has no cached tokens; the relay reads them from each streamed response's usage
     chunk (--enable-prompt-tokens-details). Their sum is the server's prefix-cache hit counter's change, and the
-    warm-up's requests are not among them."""
+    warm-up's requests are not among them. The relay keeps its connection to the server open: the stand-in
+    client sends one request at a time, each over a new connection to the relay, and all of them (warm-up
+    included) reach the server over one."""
+    connections = standin.tmp / "connections.txt"
+    monkeypatch.setenv("STANDIN_CONNECTIONS", str(connections))
     _, arm = one_prefix_reuse_arm(standin, num_prefixes=2, num_prompts=32)
+    assert connections.read_text().splitlines() == ["fp8"]
     assert "--enable-prompt-tokens-details" in arm["commands"][0]
     point = arm["points"][0]
     requests = json.loads((standin.tmp / "run" / point["requests"]["file"]).read_text())
@@ -663,6 +668,40 @@ def test_serve_records_each_requests_cached_tokens_through_the_relay(standin):
     hits = point["metrics"]["deltas"]["counters"]["vllm:prefix_cache_hits_total"]
     assert point["requests"]["cached_tokens"] == hits == 30 * 32
     assert point["requests"]["cached_share"] == pytest.approx(hits / (32 * 48))
+
+
+def test_the_relay_reads_the_usage_whatever_the_chunks():
+    """Events split anywhere across the chunks that arrive (the relay keeps only the one not yet complete), and a
+    non-streamed JSON body, give the same counts."""
+    from kvtrace.capture.vllm_relay import _StreamWatcher
+
+    usage = {"prompt_tokens": 48, "prompt_tokens_details": {"cached_tokens": 32}, "completion_tokens": 2}
+    events = [{"choices": [{"text": " a"}], "usage": None}, {"choices": [{"text": " b"}], "usage": None},
+              {"choices": [], "usage": usage}]
+    stream = b"".join(b"data: %s\n\n" % json.dumps(event).encode() for event in events) + b"data: [DONE]\n\n"
+    body = json.dumps({"choices": [{"text": " a b"}], "usage": usage}).encode()
+    for data, streamed in ((stream, True), (body, False)):
+        for size in (1, 7, len(data)):
+            watcher = _StreamWatcher(time.perf_counter())
+            for start in range(0, len(data), size):
+                watcher.feed(data[start:start + size])
+            result = watcher.result()
+            assert (result["prompt_tokens"], result["cached_tokens"], result["completion_tokens"]) == (48, 32, 2)
+            assert (result["first_token_ms"] is not None) is streamed
+
+
+def test_the_relay_reconnects_when_the_server_drops_an_idle_connection(standin, monkeypatch):
+    """A server may close an idle keep-alive connection unannounced (here after every completion): the relay's next
+    request over it fails before the server reads it, and goes over a new connection instead."""
+    connections = standin.tmp / "connections.txt"
+    monkeypatch.setenv("STANDIN_CONNECTIONS", str(connections))
+    monkeypatch.setenv("STANDIN_FAIL", "drop-keepalive@fp8")
+    _, arm = one_prefix_reuse_arm(standin, num_prefixes=2, num_prompts=8)
+    requests = json.loads((standin.tmp / "run" / arm["points"][0]["requests"]["file"]).read_text())
+    assert [entry["status"] for entry in requests] == [200] * 8
+    assert [entry["cached_tokens"] for entry in requests] == [0, 0] + [32] * 6
+    warmup = arm["commands"][1]
+    assert len(connections.read_text().splitlines()) == 8 + int(warmup[warmup.index("--num-prompts") + 1])
 
 
 def test_serve_counts_kv_cache_evictions_from_the_servers_events(standin, monkeypatch):

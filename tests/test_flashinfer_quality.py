@@ -8,6 +8,7 @@ FlashInfer's own outputs need a GPU; their comparison goes through the same func
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import struct
@@ -111,8 +112,9 @@ def point(kv_format, inputs, context):
         k_scale, v_scale = formats.fp8_quantize(inputs.keys)[1], formats.fp8_quantize(inputs.values)[1]
     else:
         k_scale, v_scale = (formats.nvfp4_quantize(x).global_scale for x in (inputs.keys, inputs.values))
-    return quality.point_quality(kv_format, inputs.keys, inputs.values, inputs.q_prefill, inputs.q_decode, k_scale,
-                                 v_scale, ARGS["batch"], context)
+    tensors = (inputs.keys, inputs.values, inputs.q_prefill, inputs.q_decode)
+    dequantized = quality.read_back(kv_format, *tensors, k_scale, v_scale, ARGS["batch"], context)
+    return quality.point_quality(dequantized, *tensors, ARGS["batch"], context)
 
 
 def test_format_error_matches_numpy_on_the_dequantized_cache():
@@ -216,12 +218,12 @@ def test_tensor_file_is_read_as_written(tmp_path, dtype):
     tensors, path = dumped(), tmp_path / "layer3.safetensors"
     write_safetensors(path, tensors, dtype)
     quality.check_tensor_file(path, 4, 2, 32, 100)
-    read = quality.read_tensor_file(path)
+    read, sha256 = quality.read_tensor_file(path)
     for name, tensor in tensors.items():
         expected = tensor.to(torch.bfloat16) if dtype == "BF16" else tensor
         assert read[name].dtype == expected.dtype and torch.equal(read[name], expected), name
-    described = quality.describe_inputs(str(path))
-    assert described["kind"] == "file" and described["file"] == "layer3.safetensors" and len(described["sha256"]) == 64
+    assert quality.describe_inputs(str(path), sha256) == {"kind": "file", "file": "layer3.safetensors",
+                                                           "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
 
 
 def test_file_inputs_are_contiguous_windows_with_the_last_token_as_decode_query(tmp_path):

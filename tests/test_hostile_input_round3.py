@@ -95,6 +95,28 @@ def test_offline_worker_counts_are_checked_too(tmp_path, kv):
     assert_one_line_error(code, out, err, str(path), r"arms.fp8.points\[0\].tokens_in is not a number of 0 or more")
 
 
+@pytest.mark.parametrize("requests,where,wanted", [
+    (16, None, None), ({"file": "fp8.requests.json", "requests": 16, "cached_tokens": 0}, None, None),
+    ("16", "requests", "a number of 0 or more or an object"),
+    ({"file": "fp8.requests.json", "cached_tokens": -1}, "requests.cached_tokens", "a number of 0 or more"),
+])
+def test_a_points_requests_is_a_count_or_the_relays_summary(requests, where, wanted, tmp_path):
+    """A point's `requests` is the offline worker's count or the usage relay's summary: a value of neither kind names
+    both, and a summary names its own field that is wrong."""
+    from kvtrace.errors import KvtraceError
+    from kvtrace.manifest import read_manifest
+
+    data = json.loads((VLLM033_RUNS["offline-cold-prefill"] / "manifest.json").read_text())
+    data["arms"]["fp8"]["points"][0]["requests"] = requests
+    path = tmp_path / "manifest.json"
+    path.write_text(json.dumps(data))
+    if where is None:
+        read_manifest(path)
+    else:
+        with pytest.raises(KvtraceError, match=re.escape(f"arms.fp8.points[0].{where} is not {wanted}:")):
+            read_manifest(path)
+
+
 # ==== 2. plots draw any text as written, and never into an input run directory ====================================
 
 MATH = "$\\undefinedcommand{x}^$ $x_"  # matplotlib's mathtext fails to parse this

@@ -61,10 +61,11 @@ def cpu_quality(kv_format: str, context: int, seed: int) -> dict:
     q_decode = torch.randn(batch, q_heads, head_dim, generator=generator, dtype=torch.bfloat16)
     scales = [formats.fp8_quantize(x)[1] if kv_format == "fp8" else formats.nvfp4_quantize(x).global_scale
               for x in (keys, values)]
-    k_deq, v_deq = (fq.round_trip(kv_format, x, s) for x, s in zip((keys, values), scales))
+    dequantized = fq.read_back(kv_format, keys, values, q_prefill, q_decode, *scales, batch, context)
+    k_deq, v_deq = dequantized["k"], dequantized["v"]
     kernel = (fq.attention64(q_prefill, k_deq, v_deq, batch, context, list(range(context))).to(torch.bfloat16),
               fq.attention64(q_decode, k_deq, v_deq, batch, context, None).to(torch.bfloat16))
-    return fq.point_quality(kv_format, keys, values, q_prefill, q_decode, *scales, batch, context, kernel=kernel)
+    return fq.point_quality(dequantized, keys, values, q_prefill, q_decode, batch, context, kernel=kernel)
 
 
 @pytest.fixture(scope="module")

@@ -10,12 +10,14 @@
   worker, beside a fake `torch` (version and NVTX only, as a CPU-only torch has none).
 
 Failures are switched on per arm through STANDIN_FAIL, e.g. "never-ready@fp8,bench@nvfp4":
-server-exit, never-ready, ignore-sigint, profile-404, quality (server; quality: prompts answered 500); bench
+server-exit, never-ready, ignore-sigint, profile-404, quality (server; quality: prompts answered 500), drop-keepalive
+(server: a connection closed, unannounced, after each completion); bench
 (client); worker (offline LLM); no-report, export (nsys; these two also per run, e.g. "export@fp8.r2"). STANDIN_DEVICES
 lists the devices whose kernels an export holds, STANDIN_RANK_GIB each tensor-parallel rank's KV memory. STANDIN_PIDDIR
 collects pid files so
 tests can check that nothing survives; STANDIN_BENCH_HANG names a file the measured bench creates before
-hanging (for Ctrl-C tests); STANDIN_CALLS names a file the offline LLM appends its calls to.
+hanging (for Ctrl-C tests); STANDIN_CALLS names a file the offline LLM appends its calls to; STANDIN_CONNECTIONS a
+file the server appends a line (the arm) to for each connection that carried completions.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import argparse
 import json
 import os
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -164,6 +167,15 @@ def serve(argv: list[str]) -> None:
     dev_mode = os.environ.get("VLLM_SERVER_DEV_MODE") == "1"
 
     class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive, as vLLM's server does
+        completions = 0  # served over this connection (one handler per connection)
+
+        def setup(self):
+            super().setup()
+            # Headers and body leave as two writes: without this, the second waits for the client's delayed ACK of
+            # the first on a kept-alive connection. vLLM's asyncio server sets it too.
+            self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
         def reply(self, status: int, body: str = "") -> None:
             data = body.encode()
             self.send_response(status)
@@ -211,6 +223,13 @@ def serve(argv: list[str]) -> None:
                 if events is not None:
                     events.publish(request["stored_blocks"], request["evicted_blocks"])
                 self.stream(request, args.enable_prompt_tokens_details)
+                self.completions += 1
+                connections = os.environ.get("STANDIN_CONNECTIONS")
+                if connections and self.completions == 1:
+                    with open(connections, "a") as handle:
+                        handle.write(f"{arm}\n")
+                # An idle keep-alive connection that the server closes, unannounced, as servers do after a timeout.
+                self.close_connection = self.close_connection or failing("drop-keepalive", arm)
             else:
                 self.reply(404)
 
