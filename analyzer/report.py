@@ -21,7 +21,7 @@ from kvtrace.analyzer import align, capacity, compare, pairing, quality as quali
 from kvtrace.analyzer.classify import RecipeSet
 from kvtrace.analyzer.results import Diff, Finding
 from kvtrace.analyzer.load import open_traces
-from kvtrace.analyzer.runs import ArmInput, RunArm, resolve_inputs, run_arm
+from kvtrace.analyzer.runs import ArmInput, RunArm, left_out_note, resolve_inputs, run_arm
 from kvtrace.analyzer.serving import ServingRow, serving_rows
 from kvtrace.analyzer.statements import Statement, statements
 from kvtrace.errors import KvtraceError
@@ -339,7 +339,7 @@ def build(paths: list[Path], recipes: RecipeSet, *, arms: tuple[str, ...] = (), 
     for side, runs in (("baseline", sides.baseline), ("candidate", sides.candidate)):
         for cell, values in compare.cell_durations(sides.vocabulary, runs, DISTRIBUTION_SEGMENTS).items():
             durations.setdefault(cell, {})[side] = values
-    notes: list[str] = []
+    notes: list[str] = [note] if (note := left_out_note(base, cand)) else []
     if len(b_traces) > 1:
         notes.append(f"{len(b_traces)} runs per arm: kernel numbers and serving intervals cover every run; the other "
                      "serving metrics and capacity are the first run's")

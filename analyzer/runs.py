@@ -4,7 +4,7 @@ their runs) that a report compares, checked before any trace is opened."""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kvtrace import files, kv_formats
@@ -40,6 +40,7 @@ class ArmInput:
     manifest: Manifest
     arm: str  # the arm's name, or the run's name when one run of an arm was picked
     runs: tuple[str, ...]  # the names of its runs in the manifest, in repeat order
+    left_out: tuple[str, ...] = ()  # its runs left out because their pair's other run was never run
 
     @classmethod
     def of(cls, run: Path, manifest: Manifest, name: str) -> ArmInput:
@@ -116,6 +117,7 @@ def resolve_inputs(paths: list[Path], arms: tuple[str, ...] = (),
                                        "(once for both run directories, twice for one each) or pass RUNDIR/ARM")
                 name = arms_here[0]
             inputs.append(ArmInput.of(run, manifest, name))
+    inputs = _complete_pairs(*inputs)
     for item in inputs:
         _check_arm(item, exports_from)
     base, cand = inputs
@@ -123,6 +125,40 @@ def resolve_inputs(paths: list[Path], arms: tuple[str, ...] = (),
         raise KvtraceError(f"arm {base.arm} has {len(base.runs)} run(s) and arm {cand.arm} {len(cand.runs)}: "
                            "runs pair in repeat order, so both arms need as many; name single runs as RUNDIR/ARM.rK")
     return inputs
+
+
+def _complete_pairs(base: ArmInput, cand: ArmInput) -> list[ArmInput]:
+    """With --repeats, a capture stopped early (its machine taken back, a queue cut short) leaves its last runs "not
+    run". Runs pair in repeat order, so the run pairs that both ran are compared and the others left out, each
+    named (ArmInput.left_out). A failed run is not left out: why it failed may be the finding (_check_arm)."""
+    def unrun(item: ArmInput, name: str) -> bool:
+        return item.manifest.runs[name].status == "not run"
+
+    if len(base.runs) != len(cand.runs) or len(base.runs) < 2:
+        return [base, cand]
+    kept = [(b, c) for b, c in zip(base.runs, cand.runs) if not unrun(base, b) and not unrun(cand, c)]
+    if not kept or len(kept) == len(base.runs):
+        return [base, cand]
+    return [replace(item, runs=tuple(pair[side] for pair in kept),
+                    left_out=tuple(name for name in item.runs if name not in {pair[side] for pair in kept}))
+            for side, item in enumerate((base, cand))]
+
+
+def left_out_note(base: ArmInput, cand: ArmInput) -> str | None:
+    """What _complete_pairs left out, for the report's notes."""
+    if not base.left_out and not cand.left_out:
+        return None
+    left = [*base.left_out, *cand.left_out]
+    unrun = [name for item in (base, cand) for name in item.left_out if item.manifest.runs[name].status == "not run"]
+    alone = [name for name in left if name not in unrun]
+    pairs = len(base.runs)
+    text = (f"{', '.join(unrun)} {'was' if len(unrun) == 1 else 'were'} not run (the capture stopped before "
+            f"{'it' if len(unrun) == 1 else 'them'}): {pairs} of {pairs + len(base.left_out)} run pairs compared")
+    if alone:
+        text += (f"; {', '.join(alone)}, left without a pair, {'is' if len(alone) == 1 else 'are'} not in the ratios "
+                 f"(`kvtrace report RUNDIR/{base.runs[0] if alone[0] in base.left_out else cand.runs[0]} "
+                 f"RUNDIR/{alone[0]}` compares it with its own arm)")
+    return text
 
 
 def _check_arm(item: ArmInput, exports_from: tuple[Path, ...] | None) -> None:
