@@ -1,6 +1,7 @@
 """The capacity-bound region on the H200 (issue 33): vLLM 0.33, FP8 against NVFP4 on the Llama-3.1-8B-shaped dummy
 model (fixtures/vllm033-h200-8b, fixtures/README.md). Prefix reuse past FP8's pool and the preemption case, each
-with --repeats 2, the sweep across FP8's capacity, and the matched cold prefill.
+with --repeats 2, the sweep across FP8's capacity (once per arm, then again with --repeats 2, which the device's time
+cut short after three of its four runs), and the matched cold prefill.
 
 Every number is checked against a source kvtrace did not compute: the server's per-request counts (the usage
 relay's files) against its /metrics counters and the bench client's own per-request lists, the evictions against
@@ -22,11 +23,13 @@ from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.render.matrix import claim_text
 from kvtrace.analyzer.render.statements import text as statement_text
 from kvtrace.analyzer.reuse import REUSED_SHARE
+from kvtrace.errors import KvtraceError
 
 PREFIX = VLLM033_8B_RUNS["capacity-prefix-reuse"]
 COLD = VLLM033_8B_RUNS["capacity-cold-prefill"]
 PREEMPTION = VLLM033_8B_RUNS["capacity-preemption"]
 SWEEP = VLLM033_8B_RUNS["capacity-sweep"]
+SWEEP_REPEATS = VLLM033_8B_RUNS["capacity-sweep-repeats"]
 RUNS = ("fp8.r1", "nvfp4.r1", "fp8.r2", "nvfp4.r2")
 
 
@@ -204,22 +207,79 @@ def test_the_preemption_report_calls_the_ttft_change_capacity_not_kernel(recipes
     assert "the TTFT gain is" not in words
 
 
-def test_the_sweep_crosses_fp8s_capacity_on_nvfp4s_grid():
+@pytest.mark.parametrize("run, fp8_run, nvfp4_run", [(SWEEP, "fp8", "nvfp4"), (SWEEP_REPEATS, "fp8.r1", "nvfp4.r1"),
+                                                     (SWEEP_REPEATS, "fp8.r1", "nvfp4.r2")])
+def test_the_sweep_crosses_fp8s_capacity_on_nvfp4s_grid(run, fp8_run, nvfp4_run):
     """NVFP4 (the narrower format) ran first and set the grid; FP8 followed it. From concurrency 8 on, 2,048 + 128
-    tokens per request pass FP8's 16,384: the server ran at most 7 requests at once, while NVFP4 ran them all."""
-    manifest = json.loads((SWEEP / "manifest.json").read_text())
-    assert manifest["settings"]["order"] == ["nvfp4", "fp8"] and list(manifest["arms"]) == ["nvfp4", "fp8"]
-    fp8, nvfp4 = (_arm(SWEEP, arm)["points"] for arm in ("fp8", "nvfp4"))
+    tokens per request pass FP8's 16,384: the server ran at most 7 requests at once, while NVFP4 ran them all. Both
+    sweeps, a session apart, and the sweep's two NVFP4 runs."""
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["settings"]["order"][:2] == [nvfp4_run.replace("r2", "r1"), fp8_run]
+    fp8, nvfp4 = (_arm(run, arm)["points"] for arm in (fp8_run, nvfp4_run))
     assert [p["point"] for p in fp8] == [p["point"] for p in nvfp4]
     for a, b in zip(fp8, nvfp4):
-        concurrency = json.loads((SWEEP / a["bench_result"]).read_text())["max_concurrency"]
+        concurrency = json.loads((run / a["bench_result"]).read_text())["max_concurrency"]
         running = (a["metrics"]["peaks"]["vllm:num_requests_running"],
                    b["metrics"]["peaks"]["vllm:num_requests_running"])
         fits = concurrency * (2048 + 128) <= 16384
-        assert running[0] == (concurrency if fits else 7) and running[1] == concurrency
+        assert running[0] == (concurrency if fits else 7)
+        # NVFP4 ran them all, but where it preempted (at 14, its pool's edge) one request was back in the queue.
+        preempted = b["metrics"]["deltas"]["counters"].get("vllm:num_preemptions_total", 0)
+        assert running[1] == concurrency if not preempted else concurrency - 1 <= running[1] <= concurrency
         for point in (a, b):
-            assert len(json.loads((SWEEP / point["requests"]["file"]).read_text())) == \
-                json.loads((SWEEP / point["bench_result"]).read_text())["completed"]
+            assert len(json.loads((run / point["requests"]["file"]).read_text())) == \
+                json.loads((run / point["bench_result"]).read_text())["completed"]
+
+
+# ---- a --repeats capture stopped early -----------------------------------------------------------------------
+
+def _ttft_means(run: Path, name: str) -> list[float]:
+    """A run's mean TTFT per point, as the bench client wrote it."""
+    return [json.loads((run / p["bench_result"]).read_text())["mean_ttft_ms"] for p in _arm(run, name)["points"]]
+
+
+def test_a_repeats_capture_stopped_early_compares_the_run_pairs_that_ran(recipes):
+    """The device's time ran out before fp8.r2: the report compares fp8.r1 with nvfp4.r1, the one run pair that ran,
+    says so, and leaves nvfp4.r2 out of every ratio."""
+    statuses = {name: arm["status"] for name, arm in json.loads((SWEEP_REPEATS / "manifest.json").read_text())[
+        "arms"].items()}
+    assert statuses == {"nvfp4.r1": "ok", "fp8.r1": "ok", "nvfp4.r2": "ok", "fp8.r2": "not run"}
+    result = report.build([SWEEP_REPEATS], recipes)
+    assert [Path(p).name for p in (*result.baseline.runs, *result.candidate.runs)] == ["fp8.r1.sqlite",
+                                                                                       "nvfp4.r1.sqlite"]
+    note = next(n for n in result.notes if "not run" in n)
+    assert note.startswith("fp8.r2 was not run (the capture stopped before it): 1 of 2 run pairs compared; "
+                           "nvfp4.r2, left without a pair, is not in the ratios")
+    for row, fp8, nvfp4 in zip(result.serving, _ttft_means(SWEEP_REPEATS, "fp8.r1"),
+                               _ttft_means(SWEEP_REPEATS, "nvfp4.r1"), strict=True):
+        estimate = row.estimates["ttft_ms"]
+        assert estimate.runs == 1 and estimate.baseline == pytest.approx(fp8) and \
+            estimate.candidate == pytest.approx(nvfp4)
+
+
+def test_the_run_left_without_a_pair_compares_with_its_own_arm(recipes):
+    """The command the note gives: nvfp4.r2 against nvfp4.r1, the same arm twice, is the run-to-run drift."""
+    result = report.build([SWEEP_REPEATS / "nvfp4.r1", SWEEP_REPEATS / "nvfp4.r2"], recipes)
+    for row, first, second in zip(result.serving, _ttft_means(SWEEP_REPEATS, "nvfp4.r1"),
+                                  _ttft_means(SWEEP_REPEATS, "nvfp4.r2"), strict=True):
+        assert row.estimates["ttft_ms"].ratio == pytest.approx(second / first)
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"fp8.r2": {"status": "failed", "error": "server exited"}}, "arm fp8.r2 in"),
+    ({"fp8.r1": {"status": "not run"}}, "arm fp8.r1 in"),
+])
+def test_a_failed_run_or_no_complete_pair_is_still_refused(tmp_path, recipes, edit, message):
+    """Only runs the capture never started are left out: a failed one may be the finding, and with no run pair
+    that both ran there is nothing to compare."""
+    run = tmp_path / SWEEP_REPEATS.name
+    shutil.copytree(SWEEP_REPEATS, run)
+    manifest = json.loads((run / "manifest.json").read_text())
+    for name, fields in edit.items():
+        manifest["arms"][name].update(fields)
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(KvtraceError, match=message):
+        report.build([run], recipes)
 
 
 def _sql_prefill_step_calls(path: Path, like: str) -> tuple[int, int]:
@@ -235,14 +295,17 @@ def _sql_prefill_step_calls(path: Path, like: str) -> tuple[int, int]:
                             (like,)).fetchone()
 
 
-@pytest.mark.parametrize("run", ["capacity-preemption", "capacity-sweep"])
+@pytest.mark.parametrize("run", ["capacity-preemption", "capacity-sweep", "capacity-sweep-repeats"])
 def test_the_prefill_step_kernel_row_is_plain_sqls(run, recipes):
     """The report's prefill-attention row in prefill steps, every repeat together, against plain SQL: each arm's
-    time per call, and their ratio."""
+    time per call, and their ratio (the runs whose pair ran: in the sweep cut short, fp8.r1 and nvfp4.r1)."""
     path = VLLM033_8B_RUNS[run]
     result = report.build([path], recipes)
     row = next(r for r in result.diff.phases if r.segment == "prefill_attention" and r.phase == "vLLM prefill steps")
-    exports = sorted(path.glob("*.sqlite"))
+    arms = json.loads((path / "manifest.json").read_text())["arms"]
+    paired = [n for n in arms if arms[n]["status"] == "ok" and n.replace("nvfp4", "fp8").replace("fp8", "x") in
+              {m.replace("nvfp4", "fp8").replace("fp8", "x") for m in arms if m != n and arms[m]["status"] == "ok"}]
+    exports = sorted(path / arms[n]["sqlite"] for n in paired)
     per_arm = {}
     for arm, like in (("fp8", "%FP8PrefillWithKVCacheKernel%"),
                       ("nvfp4", "%BatchPrefillWithPagedKVCacheKernel<(bool)1, flashinfer::KernelTraits<"
