@@ -11,8 +11,8 @@ DEMO := $(OUT)/fi-h200-sm90
 VLLM_DEMO_PACK := fixtures/vllm033-h200/offline-decode-heavy.tar.xz
 VLLM_DEMO := $(OUT)/vllm033-offline-decode-heavy
 # The capacity-bound region on the Llama-3.1-8B-shaped model (issue 33): the matched cold prefill, prefix reuse past
-# FP8's pool (both halves of the prefill statement), the preemption case and the sweep across FP8's capacity.
-CAPACITY_RUNS := capacity-cold-prefill capacity-prefix-reuse capacity-preemption capacity-sweep
+# FP8's pool (both halves of the prefill statement), the preemption case and the sweep across FP8's capacity (twice).
+CAPACITY_RUNS := capacity-cold-prefill capacity-prefix-reuse capacity-preemption capacity-sweep capacity-sweep-repeats
 CAPACITY_DEMO := $(OUT)/vllm033-capacity
 
 # Test processes (pytest-xdist): auto is one per core.
