@@ -186,3 +186,19 @@ def test_synthetic_disagreeing_measurements_are_not_pooled_nor_decided(recipes, 
     assert f"measurements disagree at R{first.row}, R{second.row}" in text
     # The other shared points still agree and are pooled.
     assert sum(1 for p in result.points if p.pooled_with) == 2 * (len(run_pair_means(run)) - 1)
+
+
+def test_synthetic_pooled_row_whose_own_run_credits_the_win_otherwise_is_named(recipes):
+    """Causes stay each row's own: where one row of a pooled point credits its win to something else (here made so
+    by hand), the one claim of the point says so for that row."""
+    result = matrix.build([SWEEP, REPEATS], recipes)
+    first, second = next(sorted(points, key=lambda p: p.row) for points in by_point(result).values()
+                         if len(points) > 1 and points[0].winner == "baseline")
+    second.causes = (*second.causes, matrix.CAPACITY)
+    second.candidate_capacity = "synthetic: capacity-bound by hand"
+    (claim,) = [c for c in matrix._claims(result.scenarios, "ttft", THRESHOLD) if first.row in c.rows
+                and c.kind in ("capacity", "point")]
+    assert claim.rows == (first.row, second.row)
+    assert [d["row"] for d in claim.values["differing"]] == [second.row]
+    text = matrix_render.claim_text(claim, result)
+    assert f"; on R{second.row}'s own run, fp8 wins; " in text and "synthetic: capacity-bound by hand" in text
