@@ -295,10 +295,10 @@ def _server(v: dict, name: Name) -> str:
              if None not in v[key]]
     if not parts:
         return ""
-    if v.get("pooled_rows"):
-        first = f" (R{v['pooled_rows'][0]}'s {'first ' if v['own_runs'] > 1 else ''}run)"
-    else:
-        first = f" (the first of {v['runs']} runs)" if v["runs"] > 1 else ""
+    if v.get("pooled_rows"):  # the numbers are one row's: the run pairs pooled are not all its own
+        return (f"; the server measured, {b} against {c}: " + ", ".join(parts)
+                + f" (R{v['pooled_rows'][0]}'s {'first ' if v['own_runs'] > 1 else ''}run)")
+    first = f" (the first of {v['runs']} runs)" if v["runs"] > 1 else ""
     return f"; the server measured, {b} against {c}{first}: " + ", ".join(parts)
 
 
