@@ -80,6 +80,7 @@ class MatrixPoint:
     # Other rows that measured the same point and agree with this one: `estimate` pools all their run pairs
     # (stats.pool_serving); the row's own measurement stays in `serving.estimates`.
     pooled_with: tuple[int, ...] = ()
+    pooled_directories: int = 0  # the run directories whose run pairs `estimate` pools (0: not pooled)
     causes: tuple[str, ...] = ()
     # The objective's kernels over all calls of the run, as the TTFT guard rail reads them: segment, ratio, interval,
     # verdict of the matched calls (what FASTER_KERNEL rests on).
@@ -378,8 +379,9 @@ def _join_measurements(scenarios: list[Scenario], objective: str, threshold: flo
                                "result: the measurements disagree, so this point is not decided")
             continue
         pooled = stats.pool_serving([p.estimate for p in points], threshold=threshold, confidence=confidence)
+        directories = len({run for _, s in members for run in s.runs})
         for p, s in members:
-            p.pooled_with = tuple(q.row for q in points if q is not p)
+            p.pooled_with, p.pooled_directories = tuple(q.row for q in points if q is not p), directories
             _judge(p, s.report, objective, pooled)
 
 
@@ -483,7 +485,7 @@ def _claims(scenarios: list[Scenario], objective: str, threshold: float) -> list
             cited = (p.row,)
             if p.pooled_with:
                 cited = tuple(sorted((p.row, *p.pooled_with)))
-                values["pooled_rows"] = list(cited)
+                values["pooled_rows"], values["pooled_directories"] = list(cited), p.pooled_directories
                 values["own_runs"] = p.serving.runs  # the run pairs of the row whose server numbers are worded
                 # The pooled point's other rows whose own run credits the win otherwise (causes are each run's own).
                 values["differing"] = [{"row": q.row, **_point_values(q, base, cand, objective, threshold)}
@@ -577,7 +579,8 @@ def _residency_claims(group: list[Scenario], base: str, cand: str, objective: st
                 "evictions": [asdict(m.evictions) if m.evictions else None for m in arms],
                 "cold_prefill_kernel": kernel, "winner": p.winner, "ratio": p.ratio,
                 "ci_low": estimate.low if estimate else None, "ci_high": estimate.high if estimate else None,
-                "runs": estimate.runs if estimate else None, "pooled_with": list(p.pooled_with)}))
+                "runs": estimate.runs if estimate else None, "pooled_with": list(p.pooled_with),
+                "pooled_directories": p.pooled_directories}))
     return claims
 
 

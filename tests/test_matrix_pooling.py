@@ -146,6 +146,7 @@ def test_the_decision_states_each_pooled_point_once_naming_every_row(both):
     shown = [p for s in data["scenarios"] for p in s["points"]]
     for point, p in zip(both.points, shown):
         assert p["pooled_with"] == list(point.pooled_with)
+        assert p["pooled_directories"] == (2 if point.pooled_with else 0)
         assert p["estimate"]["runs"] == point.estimate.runs and p["ratio"] == pytest.approx(point.ratio)
         assert p["serving"]["estimates"]["ttft_ms"]["runs"] == 1  # the row's own measurement, as before
 

@@ -52,18 +52,19 @@ def rows_text(rows) -> str:
     return ", ".join(spans)
 
 
-def _band(estimate, pooled_with=()) -> str:
+def _band(estimate, pooled_with=(), directories: int = 0) -> str:
     """The no-change band an estimate's verdict used, and what it rests on."""
     if estimate.band_basis == "assumed":
         return f"±{100 * estimate.band:g}%, assumed with one run per arm"
-    return f"the threshold; {estimate.runs} run pairs{_pooled(pooled_with)} put the drift inside the interval"
+    return (f"the threshold; {estimate.runs} run pairs{_pooled(pooled_with, directories)} put the drift inside the "
+            "interval")
 
 
-def _pooled(pooled_with) -> str:
+def _pooled(pooled_with, directories: int) -> str:
     """", pooled with R7 (2 run directories)": the other rows whose run pairs a point's estimate pools."""
     if not pooled_with:
         return ""
-    return f", pooled with {rows_text(pooled_with)} ({len(pooled_with) + 1} run directories)"
+    return f", pooled with {rows_text(pooled_with)} ({directories} run directories)"
 
 
 # ---- cells -----------------------------------------------------------------------------------------------
@@ -81,7 +82,8 @@ def estimate_cell(estimate, unit: str, pooled: mx.MatrixPoint | None = None) -> 
         return "–"
     cell = f"{_number(estimate.baseline, unit)} → {_number(estimate.candidate, unit)}<br>{estimate_ratio(estimate)}"
     if pooled is not None and pooled.pooled_with:
-        cell += f"<br>decided on {estimate_ratio(pooled.estimate)}{_pooled(pooled.pooled_with)}"
+        cell += (f"<br>decided on {estimate_ratio(pooled.estimate)}"
+                 f"{_pooled(pooled.pooled_with, pooled.pooled_directories)}")
     return cell
 
 
@@ -102,13 +104,13 @@ def winner_cell(point: mx.MatrixPoint, scenario: mx.Scenario) -> str:
     if point.winner is None:
         return point.undecided or "not decided"
     if point.winner == mx.NO_CLEAR_WINNER:
-        return f"{mx.NO_CLEAR_WINNER} (band: {_band(point.estimate, point.pooled_with)})"
+        return f"{mx.NO_CLEAR_WINNER} (band: {_band(point.estimate, point.pooled_with, point.pooled_directories)})"
     if point.winner == mx.NOT_EXPLAINED:
         label = scenario.candidate if point.apparent == "candidate" else scenario.baseline
         return f"{mx.NOT_EXPLAINED}: {label} looks better, and nothing kvtrace measured says why"
     label = scenario.candidate if point.winner == "candidate" else scenario.baseline
     return (f"{label} ({ratio(point.ratio)} {interval(point.estimate.low, point.estimate.high)}"
-            f"{_pooled(point.pooled_with)})")
+            f"{_pooled(point.pooled_with, point.pooled_directories)})")
 
 
 def causes_cell(point: mx.MatrixPoint) -> str:
@@ -223,7 +225,7 @@ def _why(v: dict, name: Name) -> str:
 def _objective(v: dict, name: Name) -> str:
     runs = f", {v['runs']} run pairs" if v["runs"] > 1 else ""
     if v.get("pooled_rows"):
-        runs += f" pooled over {rows_text(v['pooled_rows'])} ({len(v['pooled_rows'])} run directories)"
+        runs += f" pooled over {rows_text(v['pooled_rows'])} ({v['pooled_directories']} run directories)"
     return (f"{_OBJECTIVE_WORDS[v['objective']]} mean {ratio(v['ratio'])} {interval(v['ci_low'], v['ci_high'])} "
             f"({name(v['candidate'])} / {name(v['baseline'])}{runs})")
 
@@ -277,7 +279,7 @@ def _residency(claim: mx.Claim, v: dict, cite: str, name: Name) -> str:
         return text + f" {heading} there is not compared (its cell says why)."
     spread = (f" {interval(v['ci_low'], v['ci_high'])}"
               + (f" over {v['runs']} run {plural(v['runs'], 'pair')}" if v["ci_low"] is not None else "")
-              + _pooled(v["pooled_with"]))
+              + _pooled(v["pooled_with"], v["pooled_directories"]))
     outcome = {"candidate": f"{c} wins it", "baseline": f"{b} wins it",
                mx.NO_CLEAR_WINNER: "no significant difference", mx.NOT_EXPLAINED: "not explained"}.get(
         v["winner"], "not decided")
