@@ -77,6 +77,10 @@ class MatrixPoint:
     undecided: str | None = None
     apparent: str | None = None
     disagrees_with: tuple[int, ...] = ()  # other rows that measured the same point and disagree with this one
+    # Other rows that measured the same point and agree with this one: `estimate` pools all their run pairs
+    # (stats.pool_serving); the row's own measurement stays in `serving.estimates`.
+    pooled_with: tuple[int, ...] = ()
+    pooled_directories: int = 0  # the run directories whose run pairs `estimate` pools (0: not pooled)
     causes: tuple[str, ...] = ()
     # The objective's kernels over all calls of the run, as the TTFT guard rail reads them: segment, ratio, interval,
     # verdict of the matched calls (what FASTER_KERNEL rests on).
@@ -234,12 +238,17 @@ def _no_interval(objective: str) -> str:
     return "no interval: one run per arm and no per-request samples"
 
 
-def _judge(point: MatrixPoint, result: Report, objective: str) -> None:
+def _judge(point: MatrixPoint, result: Report, objective: str, estimate: ServingEstimate | None = None) -> None:
     """Who wins the point on the objective: only an estimate whose interval clears the no-change band names a
-    winner, and only what kvtrace measured (a faster kernel, prefix hits, a capacity effect) makes it a choice."""
+    winner, and only what kvtrace measured (a faster kernel, prefix hits, a capacity effect) makes it a choice.
+    `estimate`: the objective's estimate pooled over several measurements of the point, else the point's own; the
+    causes are always the point's own run's."""
     row = point.serving
     name, _, segments = OBJECTIVES[objective]
-    estimate = row.estimates.get(name)
+    if estimate is None:
+        estimate = row.estimates.get(name)
+    point.winner = point.undecided = point.apparent = None
+    point.causes, point.kernel_verdicts = (), []
     if estimate is None:
         point.undecided = ("no ITL: one output token per request leaves no inter-token gaps"
                            if objective == "itl" and (row.baseline.output_tokens or 0) <= (row.baseline.requests or 0)
@@ -348,21 +357,32 @@ def _disagree(a: MatrixPoint, b: MatrixPoint, threshold: float) -> bool:
     return (a.ratio - 1) * (b.ratio - 1) < 0 and min(abs(a.ratio - 1), abs(b.ratio - 1)) > threshold
 
 
-def _mark_disagreements(scenarios: list[Scenario], threshold: float) -> None:
-    """Points measured in more than one scenario (a single run and a --repeats run of the same traffic) that
-    disagree are not decided: which measurement holds is what nobody can tell from them."""
-    groups: dict[tuple, list[MatrixPoint]] = {}
+def _join_measurements(scenarios: list[Scenario], objective: str, threshold: float, confidence: float) -> None:
+    """Points measured in more than one scenario (a single run and a --repeats run of the same traffic, or the same
+    sweep recorded in two sessions): where the measurements disagree the point is not decided, since which one
+    holds is what nobody can tell from them; where they agree, each is judged again on all their run pairs pooled
+    (stats.pool_serving), as one --repeats capture would be, with its own run's causes."""
+    groups: dict[tuple, list[tuple[MatrixPoint, Scenario]]] = {}
     for s in scenarios:
         for p in s.points:
             if p.estimate is not None and p.point:
-                groups.setdefault((*_same_point_key(s), p.point), []).append(p)
-    for points in groups.values():
-        if len(points) > 1 and any(_disagree(a, b, threshold) for a, b in combinations(points, 2)):
+                groups.setdefault((*_same_point_key(s), p.point), []).append((p, s))
+    for members in groups.values():
+        points = [p for p, _ in members]
+        if len(points) < 2:
+            continue
+        if any(_disagree(a, b, threshold) for a, b in combinations(points, 2)):
             for p in points:
                 p.disagrees_with = tuple(q.row for q in points if q is not p)
                 p.winner, p.apparent, p.causes = None, None, ()
                 p.undecided = (f"measured again at {', '.join(f'R{r}' for r in p.disagrees_with)} with another "
                                "result: the measurements disagree, so this point is not decided")
+            continue
+        pooled = stats.pool_serving([p.estimate for p in points], threshold=threshold, confidence=confidence)
+        directories = len({run for _, s in members for run in s.runs})
+        for p, s in members:
+            p.pooled_with, p.pooled_directories = tuple(q.row for q in points if q is not p), directories
+            _judge(p, s.report, objective, pooled)
 
 
 # ---- the decision ----------------------------------------------------------------------------------------
@@ -412,6 +432,32 @@ def _measured(group: list[Scenario]) -> dict:
     return {"narrower": narrower, "phases": phases, "decode_expectation": expectation}
 
 
+def _judged(p: MatrixPoint) -> tuple:
+    """What a point's judgement rests on besides its estimate: who wins and why."""
+    return p.winner, p.apparent, p.causes
+
+
+def _point_values(p: MatrixPoint, base: str, cand: str, objective: str, threshold: float) -> dict:
+    """A decided point's numbers as its claim holds them: the objective's estimate (pooled where the point was
+    measured more than once), who wins and why, and what its own run's server measured."""
+    return {"baseline": base, "candidate": cand, "point": p.point, "objective": objective, "stat": p.stat,
+            "ratio": p.ratio, "ci_low": p.estimate.low, "ci_high": p.estimate.high,
+            "band": p.estimate.band, "band_basis": p.estimate.band_basis, "runs": p.estimate.runs,
+            "threshold": threshold,
+            "winner": p.winner, "apparent": p.apparent, "causes": list(p.causes),
+            "baseline_capacity": p.baseline_capacity, "candidate_capacity": p.candidate_capacity,
+            "crossover": p.crossover, "baseline_value": p.baseline_value,
+            "candidate_value": p.candidate_value, "kernels": p.kernel_verdicts,
+            "cached_prompt_tokens": [p.serving.baseline.cached_prompt_tokens,
+                                     p.serving.candidate.cached_prompt_tokens],
+            "queue_ms": [p.serving.baseline.queue_ms, p.serving.candidate.queue_ms],
+            # What the server measured of the mechanism (the first run's; None where not recorded or the
+            # peaks were not observed): how a capacity-bound arm's requests waited or were preempted.
+            "preemptions": [p.serving.baseline.preemptions, p.serving.candidate.preemptions],
+            "peak_running": [p.serving.baseline.peak_running, p.serving.candidate.peak_running],
+            "peak_kv_usage": [p.serving.baseline.peak_kv_usage, p.serving.candidate.peak_kv_usage]}
+
+
 def _claims(scenarios: list[Scenario], objective: str, threshold: float) -> list[Claim]:
     """Per pair of KV formats: what the decision holds for and what its rows measured, then capacity, cold
     prefill, prefix hits and the other points, points measured twice that disagree, the kernel costs of runs
@@ -431,34 +477,31 @@ def _claims(scenarios: list[Scenario], objective: str, threshold: float) -> list
             claims.append(Claim("measured", tuple(sorted({r for p in measured["phases"] for r in p["rows"]})), None,
                                 {"baseline": base, "candidate": cand, **measured}))
         decided = [p for s in group for p in s.points if p.winner is not None and p.serving is not None]
+        by_row = {p.row: p for p in decided}
         for p in decided:
-            values = {"baseline": base, "candidate": cand, "point": p.point, "objective": objective, "stat": p.stat,
-                      "ratio": p.ratio, "ci_low": p.estimate.low, "ci_high": p.estimate.high,
-                      "band": p.estimate.band, "band_basis": p.estimate.band_basis, "runs": p.estimate.runs,
-                      "threshold": threshold,
-                      "winner": p.winner, "apparent": p.apparent, "causes": list(p.causes),
-                      "baseline_capacity": p.baseline_capacity, "candidate_capacity": p.candidate_capacity,
-                      "crossover": p.crossover, "baseline_value": p.baseline_value,
-                      "candidate_value": p.candidate_value, "kernels": p.kernel_verdicts,
-                      "cached_prompt_tokens": [p.serving.baseline.cached_prompt_tokens,
-                                               p.serving.candidate.cached_prompt_tokens],
-                      "queue_ms": [p.serving.baseline.queue_ms, p.serving.candidate.queue_ms],
-                      # What the server measured of the mechanism (the first run's; None where not recorded or the
-                      # peaks were not observed): how a capacity-bound arm's requests waited or were preempted.
-                      "preemptions": [p.serving.baseline.preemptions, p.serving.candidate.preemptions],
-                      "peak_running": [p.serving.baseline.peak_running, p.serving.candidate.peak_running],
-                      "peak_kv_usage": [p.serving.baseline.peak_kv_usage, p.serving.candidate.peak_kv_usage]}
+            if any(r < p.row for r in p.pooled_with if r in by_row):
+                continue  # one pooled estimate, one claim: its lowest row states it, citing every row
+            values = _point_values(p, base, cand, objective, threshold)
+            cited = (p.row,)
+            if p.pooled_with:
+                cited = tuple(sorted((p.row, *p.pooled_with)))
+                values["pooled_rows"], values["pooled_directories"] = list(cited), p.pooled_directories
+                values["own_runs"] = p.serving.runs  # the run pairs of the row whose server numbers are worded
+                # The pooled point's other rows whose own run credits the win otherwise (causes are each run's own).
+                values["differing"] = [{"row": q.row, **_point_values(q, base, cand, objective, threshold)}
+                                       for q in (by_row[r] for r in p.pooled_with if r in by_row)
+                                       if _judged(q) != _judged(p)]
             if p.baseline_capacity or p.candidate_capacity:
-                claims.append(Claim("capacity", (p.row,), p.scenario, values))
+                claims.append(Claim("capacity", cited, p.scenario, values))
             elif p.cold_prefill or p.decode_heavy:
                 segment = "prefill_attention" if p.cold_prefill else "decode_attention"
                 kernels = point_kernels(next(s.report for s in group if s.name == p.scenario), segment)
                 values["phase_kernels"] = [{**_kernel_verdict(k, point=k.point), "reason": k.reason} for k in kernels]
-                claims.append(Claim("cold-prefill" if p.cold_prefill else "decode", (p.row,), p.scenario, values))
+                claims.append(Claim("cold-prefill" if p.cold_prefill else "decode", cited, p.scenario, values))
             elif PREFIX_HITS in p.causes:
-                claims.append(Claim("prefix", (p.row,), p.scenario, values))
+                claims.append(Claim("prefix", cited, p.scenario, values))
             else:
-                claims.append(Claim("point", (p.row,), p.scenario, values))
+                claims.append(Claim("point", cited, p.scenario, values))
         claims += _residency_claims(group, base, cand, objective)
         claims += _step_claims(group, base, cand)
         for s in group:
@@ -536,7 +579,8 @@ def _residency_claims(group: list[Scenario], base: str, cand: str, objective: st
                 "evictions": [asdict(m.evictions) if m.evictions else None for m in arms],
                 "cold_prefill_kernel": kernel, "winner": p.winner, "ratio": p.ratio,
                 "ci_low": estimate.low if estimate else None, "ci_high": estimate.high if estimate else None,
-                "runs": estimate.runs if estimate else None}))
+                "runs": estimate.runs if estimate else None, "pooled_with": list(p.pooled_with),
+                "pooled_directories": p.pooled_directories}))
     return claims
 
 
@@ -558,6 +602,6 @@ def build(paths: list[Path], recipes: RecipeSet, *, objective: str = "ttft", thr
             candidate_format=result.candidate.kv_format, environment=_environment(result),
             kernels=[s for s in result.statements if isinstance(s, KernelStatement)], points=points,
             sweep=result.sweep, report=result))
-    _mark_disagreements(scenarios, threshold)
+    _join_measurements(scenarios, objective, threshold, confidence)
     return Matrix(objective=objective, threshold=threshold, scenarios=scenarios,
                   claims=_claims(scenarios, objective, threshold))

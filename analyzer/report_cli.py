@@ -170,9 +170,9 @@ def matrix(runs, objective, threshold, confidence, seed, plots_dir, plot_format,
     (only where the interval clears the no-change band: the threshold with --repeats, ±25% with one run per arm)
     and what wins it (a faster kernel, more prefix hits, a capacity effect; "not explained" otherwise), where a
     sweep's crossover lies, and states what the kernel rows measured and the decision with the rows it rests on.
-    A point measured twice with disagreeing results is not decided. The markdown fits a GitHub issue: if it
-    would not, -o FILE.md writes the kernel rows and the rest into FILE.details.md. Exit codes: 0 done, 2 bad
-    input.
+    A point measured in several run directories with disagreeing results is not decided; with agreeing ones, it
+    is decided once on all their run pairs pooled. The markdown fits a GitHub issue: if it would not, -o FILE.md
+    writes the kernel rows and the rest into FILE.details.md. Exit codes: 0 done, 2 bad input.
     """
     from kvtrace.analyzer import matrix as matrix_lib
     from kvtrace.analyzer.classify import load_recipes

@@ -40,6 +40,7 @@ __all__ = [
     "estimate_rows",
     "mcnemar_exact",
     "paired_accuracy",
+    "pool_serving",
     "ratio",
     "row_verdict",
     "same_work",
@@ -703,7 +704,8 @@ class ServingEstimate:
     """candidate / baseline of a serving mean at one point over every run pair, its interval, and its verdict
     against the no-change band (`band`: ASSUMED_SERVING_BAND with one run per arm, 0 with repeats, whose interval
     carries the run-to-run spread). `baseline`/`candidate` are the means over runs; `improvement` always means
-    better for the candidate (lower latency, higher throughput)."""
+    better for the candidate (lower latency, higher throughput). `run_means` holds each run pair's (baseline,
+    candidate) means, in repeat order: what pool_serving joins."""
 
     ratio: float
     low: float | None
@@ -719,6 +721,7 @@ class ServingEstimate:
     verdict: str
     run_ratios: tuple[float | None, ...] = ()
     higher_is_better: bool = False
+    run_means: tuple[tuple[float, float], ...] = ()
 
 
 def serving_estimate(runs: Sequence[tuple[ArmSamples, ArmSamples]], *, higher_is_better: bool = False,
@@ -773,7 +776,26 @@ def serving_estimate(runs: Sequence[tuple[ArmSamples, ArmSamples]], *, higher_is
                            runs=count, requests=requests, strata=strata_count, band=band, band_basis=basis,
                            verdict=verdict(judged, threshold=threshold, drift=band),
                            run_ratios=tuple(ratio(b.mean, c.mean) for b, c in runs) if count > 1 else (),
-                           higher_is_better=higher_is_better)
+                           higher_is_better=higher_is_better,
+                           run_means=tuple((float(b.mean), float(c.mean)) for b, c in runs) if count > 1 else
+                           ((base_value, cand_value),))
+
+
+def pool_serving(estimates: Sequence[ServingEstimate], *, threshold: float = 0.02,
+                 confidence: float = 0.95) -> ServingEstimate:
+    """One serving metric of one point measured in several recordings (run directories of other sessions), as one
+    estimate over all their run pairs: each run pair stays a unit, paired as it ran (its two arms' means; requests
+    are never pooled across runs), and the interval is serving_estimate's over several run pairs, the band 0.
+    Run pairs of different sessions were not interleaved, so their spread holds the drift between sessions too."""
+    if len(estimates) < 2:
+        raise ValueError("pooling needs two estimates or more")
+    if len({e.higher_is_better for e in estimates}) > 1:
+        raise ValueError("cannot pool estimates of different metrics (higher_is_better differs)")
+    if any(not e.run_means for e in estimates):
+        raise ValueError("every pooled estimate needs its run pairs' means")
+    runs = [(ArmSamples(b), ArmSamples(c)) for e in estimates for b, c in e.run_means]
+    return serving_estimate(runs, higher_is_better=estimates[0].higher_is_better, threshold=threshold,
+                            confidence=confidence)
 
 
 def _run_means_interval(runs: Sequence[tuple[ArmSamples, ArmSamples]], confidence: float) -> tuple[float, float]:

@@ -401,20 +401,22 @@ def v033(recipes):
 def test_one_point_never_gets_two_answers(v033, objective):
     """The decode-heavy point ran twice (one run per arm, and a --repeats 2 run): where the two measurements
     disagree (one ratio outside the other's interval, or on opposite sides of the threshold), neither row is
-    decided and the decision says so; no point is ever won by both arms."""
+    decided and the decision says so; where they agree, both rows are decided on the three run pairs pooled
+    (tests/test_matrix_pooling.py checks the pooled numbers); no point is ever won by both arms."""
     result = v033[objective]
+    name = matrix.OBJECTIVES[objective][0]
     by_point: dict = {}
     for s in result.scenarios:
         for p in s.points:
             by_point.setdefault(p.point, []).append(p)
     for points in by_point.values():
         assert len({p.winner for p in points if p.winner in ("baseline", "candidate")}) <= 1
-    twice = sorted(by_point[SAME_POINT], key=lambda p: p.estimate.runs)
-    assert [p.estimate.runs for p in twice] == [1, 2]
+    twice = sorted(by_point[SAME_POINT], key=lambda p: p.serving.estimates[name].runs)
+    own = [p.serving.estimates[name] for p in twice]  # each row's own measurement
+    assert [e.runs for e in own] == [1, 2]
     single, repeats = twice
-    outside = repeats.estimate.low is not None and not repeats.estimate.low <= single.ratio <= repeats.estimate.high
-    opposite = (single.ratio - 1) * (repeats.ratio - 1) < 0 and \
-        min(abs(single.ratio - 1), abs(repeats.ratio - 1)) > 0.02
+    outside = own[1].low is not None and not own[1].low <= own[0].ratio <= own[1].high
+    opposite = (own[0].ratio - 1) * (own[1].ratio - 1) < 0 and min(abs(own[0].ratio - 1), abs(own[1].ratio - 1)) > 0.02
     disagree = outside or opposite
     if disagree:
         assert all(p.winner is None and p.disagrees_with for p in twice)
@@ -422,6 +424,9 @@ def test_one_point_never_gets_two_answers(v033, objective):
         assert f"the measurements disagree on {matrix_render._OBJECTIVE_WORDS[objective]}" in text
         low, high = sorted((single.row, repeats.row))
         assert f"measurements disagree at R{low}–R{high}" in text
+    else:
+        assert single.pooled_with == (repeats.row,) and repeats.pooled_with == (single.row,)
+        assert single.estimate is repeats.estimate and single.estimate.runs == 3 and not single.disagrees_with
     if objective == "throughput":  # 1.129× against 0.935×: on opposite sides of the threshold
         assert disagree
 
@@ -447,9 +452,11 @@ def test_no_winner_inside_its_band_and_serve_cells_carry_intervals(v033, objecti
     for p in result.points:
         if p.serving is not None and p.serving.estimates.get("ttft_ms") is not None:
             e = p.serving.estimates["ttft_ms"]
-            assert rows[f"R{p.row}"]["TTFT ms"].endswith(f"{e.ratio:.3f}× " + (
-                f"[{e.low:.3f}, {e.high:.3f}]" if e.low is not None else "no interval")
-                + (f", {e.runs} runs" if e.runs > 1 else ""))
+            lines = rows[f"R{p.row}"]["TTFT ms"].split("<br>")
+            assert lines[1] == f"{e.ratio:.3f}× " + (
+                f"[{e.low:.3f}, {e.high:.3f}]" if e.low is not None else "no interval") \
+                + (f", {e.runs} runs" if e.runs > 1 else "")
+            assert len(lines) == (3 if p.pooled_with and objective == "ttft" else 2)
     choice = next(c for c in result.claims if c.kind == "choice")
     assert "rest on one run per arm: run-to-run drift is not measured there" in matrix_render.claim_text(choice, result)
 

@@ -52,11 +52,19 @@ def rows_text(rows) -> str:
     return ", ".join(spans)
 
 
-def _band(estimate) -> str:
+def _band(estimate, pooled_with=(), directories: int = 0) -> str:
     """The no-change band an estimate's verdict used, and what it rests on."""
     if estimate.band_basis == "assumed":
         return f"±{100 * estimate.band:g}%, assumed with one run per arm"
-    return f"the threshold; {estimate.runs} run pairs put the drift inside the interval"
+    return (f"the threshold; {estimate.runs} run pairs{_pooled(pooled_with, directories)} put the drift inside the "
+            "interval")
+
+
+def _pooled(pooled_with, directories: int) -> str:
+    """", pooled with R7 (2 run directories)": the other rows whose run pairs a point's estimate pools."""
+    if not pooled_with:
+        return ""
+    return f", pooled with {rows_text(pooled_with)} ({directories} run directories)"
 
 
 # ---- cells -----------------------------------------------------------------------------------------------
@@ -67,11 +75,16 @@ def _number(value: float | None, unit: str) -> str:
     return f"{value:,.1f}" if unit == "ms" else f"{value:,.0f}"
 
 
-def estimate_cell(estimate, unit: str) -> str:
-    """baseline → candidate (means over every run), then candidate / baseline with its interval."""
+def estimate_cell(estimate, unit: str, pooled: mx.MatrixPoint | None = None) -> str:
+    """baseline → candidate (means over every run), then candidate / baseline with its interval; `pooled`: a point
+    whose objective is decided on this measurement pooled with others, a third line with that pooled estimate."""
     if estimate is None:
         return "–"
-    return f"{_number(estimate.baseline, unit)} → {_number(estimate.candidate, unit)}<br>{estimate_ratio(estimate)}"
+    cell = f"{_number(estimate.baseline, unit)} → {_number(estimate.candidate, unit)}<br>{estimate_ratio(estimate)}"
+    if pooled is not None and pooled.pooled_with:
+        cell += (f"<br>decided on {estimate_ratio(pooled.estimate)}"
+                 f"{_pooled(pooled.pooled_with, pooled.pooled_directories)}")
+    return cell
 
 
 def _arms(point: mx.MatrixPoint, fmt) -> str:
@@ -91,12 +104,13 @@ def winner_cell(point: mx.MatrixPoint, scenario: mx.Scenario) -> str:
     if point.winner is None:
         return point.undecided or "not decided"
     if point.winner == mx.NO_CLEAR_WINNER:
-        return f"{mx.NO_CLEAR_WINNER} (band: {_band(point.estimate)})"
+        return f"{mx.NO_CLEAR_WINNER} (band: {_band(point.estimate, point.pooled_with, point.pooled_directories)})"
     if point.winner == mx.NOT_EXPLAINED:
         label = scenario.candidate if point.apparent == "candidate" else scenario.baseline
         return f"{mx.NOT_EXPLAINED}: {label} looks better, and nothing kvtrace measured says why"
     label = scenario.candidate if point.winner == "candidate" else scenario.baseline
-    return f"{label} ({ratio(point.ratio)} {interval(point.estimate.low, point.estimate.high)})"
+    return (f"{label} ({ratio(point.ratio)} {interval(point.estimate.low, point.estimate.high)}"
+            f"{_pooled(point.pooled_with, point.pooled_directories)})")
 
 
 def causes_cell(point: mx.MatrixPoint) -> str:
@@ -117,6 +131,7 @@ def table(result: mx.Matrix, name: Name, br: str = "<br>") -> tuple[list[str], l
     header = ["row", "scenario · traffic point", "arms", SERVING_COLUMNS[0][0], "cached prompt tokens",
               *(h for h, _, _ in SERVING_COLUMNS[1:]), "capacity-bound", f"wins on {objective}", "what wins it"]
     body = []
+    objective_key = mx.OBJECTIVES[result.objective][0]
     for scenario in result.scenarios:
         arms = f"{name(scenario.baseline)} → {name(scenario.candidate)}"
         for point in scenario.points:
@@ -125,7 +140,8 @@ def table(result: mx.Matrix, name: Name, br: str = "<br>") -> tuple[list[str], l
                 body.append([f"R{point.row}", where, arms, *["–"] * 5, name(winner_cell(point, scenario)), "–"])
                 continue
             estimates = point.serving.estimates
-            cells = [estimate_cell(estimates.get(key), unit).replace("<br>", br) for _, key, unit in SERVING_COLUMNS]
+            cells = [estimate_cell(estimates.get(key), unit, point if key == objective_key else None).replace(
+                "<br>", br) for _, key, unit in SERVING_COLUMNS]
             body.append([f"R{point.row}", where, arms, cells[0], _arms(point, _cached), *cells[1:],
                          name(_capacity(point, scenario)), name(winner_cell(point, scenario)), causes_cell(point)])
     return header, body
@@ -208,22 +224,33 @@ def _why(v: dict, name: Name) -> str:
 
 def _objective(v: dict, name: Name) -> str:
     runs = f", {v['runs']} run pairs" if v["runs"] > 1 else ""
+    if v.get("pooled_rows"):
+        runs += f" pooled over {rows_text(v['pooled_rows'])} ({v['pooled_directories']} run directories)"
     return (f"{_OBJECTIVE_WORDS[v['objective']]} mean {ratio(v['ratio'])} {interval(v['ci_low'], v['ci_high'])} "
             f"({name(v['candidate'])} / {name(v['baseline'])}{runs})")
 
 
 def _outcome(v: dict, name: Name) -> str:
+    text = f"{_objective(v, name)}: {_judgement(v, name)}"
+    for other in v.get("differing", ()):
+        text += f"; on R{other['row']}'s own run, {_judgement(other, name)}"
+    return text
+
+
+def _judgement(v: dict, name: Name) -> str:
+    """Who wins a point and why, after its objective's estimate."""
     if v["winner"] == mx.NO_CLEAR_WINNER:
+        spread = ("the spread across run directories, and so across sessions," if v.get("pooled_rows") else
+                  "the run-to-run spread")
         band = (f"±{100 * v['band']:g}%, assumed with one run per arm" if v["band_basis"] == "assumed" else
-                f"±{100 * v['threshold']:g}%, the run-to-run spread inside the interval")
-        return (f"{_objective(v, name)}: no significant difference (the interval reaches into the no-change band, "
-                f"{band})")
+                f"±{100 * v['threshold']:g}%, {spread} inside the interval")
+        return f"no significant difference (the interval reaches into the no-change band, {band})"
     if v["winner"] == mx.NOT_EXPLAINED:
         apparent = name(v["candidate"] if v["apparent"] == "candidate" else v["baseline"])
         kernels = " and ".join(_SEGMENT_WORDS[k["segment"]] for k in v["kernels"]) or "objective's"
-        return (f"{_objective(v, name)}: {apparent} looks better beyond the band, but its {kernels} kernels are not "
-                "faster and neither prefix hits nor capacity favour it: not explained, so no choice")
-    return f"{_objective(v, name)}: {_why(v, name)}"
+        return (f"{apparent} looks better beyond the band, but its {kernels} kernels are not faster and neither "
+                "prefix hits nor capacity favour it: not explained, so no choice")
+    return _why(v, name)
 
 
 def _residency(claim: mx.Claim, v: dict, cite: str, name: Name) -> str:
@@ -251,7 +278,8 @@ def _residency(claim: mx.Claim, v: dict, cite: str, name: Name) -> str:
     if v["ratio"] is None:
         return text + f" {heading} there is not compared (its cell says why)."
     spread = (f" {interval(v['ci_low'], v['ci_high'])}"
-              + (f" over {v['runs']} run {plural(v['runs'], 'pair')}" if v["ci_low"] is not None else ""))
+              + (f" over {v['runs']} run {plural(v['runs'], 'pair')}" if v["ci_low"] is not None else "")
+              + _pooled(v["pooled_with"], v["pooled_directories"]))
     outcome = {"candidate": f"{c} wins it", "baseline": f"{b} wins it",
                mx.NO_CLEAR_WINNER: "no significant difference", mx.NOT_EXPLAINED: "not explained"}.get(
         v["winner"], "not decided")
@@ -269,6 +297,9 @@ def _server(v: dict, name: Name) -> str:
              if None not in v[key]]
     if not parts:
         return ""
+    if v.get("pooled_rows"):  # the numbers are one row's: the run pairs pooled are not all its own
+        return (f"; the server measured, {b} against {c}: " + ", ".join(parts)
+                + f" (R{v['pooled_rows'][0]}'s {'first ' if v['own_runs'] > 1 else ''}run)")
     first = f" (the first of {v['runs']} runs)" if v["runs"] > 1 else ""
     return f"; the server measured, {b} against {c}{first}: " + ", ".join(parts)
 
@@ -400,7 +431,10 @@ def _lead(result: mx.Matrix) -> str:
             f"{100 * result.threshold:g}% with --repeats; ±{100 * mx.stats.ASSUMED_SERVING_BAND:g}% with one run per "
             "arm, whose drift is not measured), and is a choice only where a faster kernel, prefix hits or a capacity "
             "effect explains it. Points whose arms did different work, or that two measurements disagree on, are "
-            "not decided.")
+            "not decided. A point measured in several run directories whose measurements agree is decided once on "
+            "all their run pairs pooled (each run pair a unit, its requests never mixed with another run's): the "
+            "interval over the run pairs' means then holds the drift between sessions, and the band is the "
+            "threshold.")
 
 
 def markdown(result: mx.Matrix) -> str:
