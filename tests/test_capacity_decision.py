@@ -167,9 +167,10 @@ def test_residency_is_stated_only_where_prefix_caching_happened(decision):
 # ---- capacity: the server's measures, one arm bound or both -----------------------------------------------
 
 def _capacity_claims(decision, run) -> dict[str, matrix.Claim]:
-    """The capacity claims on one run directory's points (two runs may measure the same point), by point."""
+    """The capacity claims that cite one run directory's points, by point (a point measured in two run directories
+    has one claim, citing both)."""
     rows = {p.row for s in decision.scenarios if Path(s.report.baseline.run) == run for p in s.points}
-    return {c.values["point"]: c for c in decision.claims if c.kind == "capacity" and set(c.rows) <= rows}
+    return {c.values["point"]: c for c in decision.claims if c.kind == "capacity" and rows & set(c.rows)}
 
 
 def test_where_capacity_binds_for_one_arm_the_server_measures_stand_beside_it(decision):
