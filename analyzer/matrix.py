@@ -33,7 +33,9 @@ OBJECTIVES = {"ttft": ("ttft_ms", True, ("prefill_attention",)),
 # What wins a point (MatrixPoint.causes): one of these, or several, which then share the credit.
 FASTER_KERNEL = "faster kernel"
 PREFIX_HITS = "more prefix hits"
-CAPACITY = "avoided capacity limits"  # the loser was capacity-bound there (preemption, queueing), the winner not
+# The loser was capacity-bound there (preemption, queueing) and the winner was not, or was bound less: it ran more
+# requests at once, as the server observed.
+CAPACITY = "avoided capacity limits"
 # MatrixPoint.winner besides an arm's side: the interval reaches into the no-change band; or a win beyond it that
 # nothing kvtrace measured accounts for (no kernel of the objective faster for the winner, no prefix hits, no
 # capacity reason), which is no choice.
@@ -278,7 +280,7 @@ def _judge(point: MatrixPoint, result: Report, objective: str, estimate: Serving
         causes.append(PREFIX_HITS)
     bound = (point.baseline_capacity, point.candidate_capacity)
     loser_bound, winner_bound = (bound[0], bound[1]) if candidate_better else (bound[1], bound[0])
-    if loser_bound and not winner_bound:
+    if loser_bound and (not winner_bound or _ran_more(winner, loser)):
         causes.append(CAPACITY)
     point.causes = tuple(dict.fromkeys(causes))
     side = "candidate" if candidate_better else "baseline"
@@ -293,6 +295,11 @@ def _kernel_verdict(kernel, *, verdict: str | None = None, **named) -> dict:
     segment, subject, point or row); `verdict` where the claim's is not the kernel's own (a segment's paired one)."""
     return {**named, "ratio": kernel.ratio, "ci_low": kernel.ci_low, "ci_high": kernel.ci_high,
             "no_interval": kernel.no_interval, "verdict": kernel.verdict if verdict is None else verdict}
+
+
+def _ran_more(winner, loser) -> bool:
+    """Both arms capacity-bound, the winner less so: the server observed it running more requests at once."""
+    return None not in (winner.peak_running, loser.peak_running) and winner.peak_running > loser.peak_running
 
 
 def point_kernels(result: Report, segment: str) -> list[KernelStatement]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import re
+import shutil
 from pathlib import Path
 from statistics import mean
 
@@ -212,6 +213,40 @@ def test_where_capacity_binds_for_both_arms_the_decision_says_so(decision):
         assert "and nvfp4 is not; the server measured, fp8 against nvfp4: preemptions 0 against 0" in \
             claim_text(claims[point], decision)
     assert set(claims) == {fp8_points[-1]["point"], *fp8_only}
+
+
+def test_where_both_arms_are_bound_the_one_bound_less_wins_by_capacity(decision):
+    """At concurrency 14 both sweeps' NVFP4 preempted once, so both arms are capacity-bound; but the server saw NVFP4
+    run up to 13-14 requests at once against FP8's 7. Pooled over both sessions NVFP4's TTFT clears the band, and the
+    win is credited to the capacity effect (NVFP4 bound less), not to a kernel."""
+    last = _points(SWEEP, "fp8")[-1]["point"]
+    points = [p for s in decision.scenarios for p in s.points if p.point == last]
+    assert len(points) == 2 and all(p.pooled_with for p in points)
+    for p in points:
+        running = (p.serving.baseline.peak_running, p.serving.candidate.peak_running)
+        assert p.baseline_capacity and p.candidate_capacity and running[1] > running[0] == 7
+        assert p.estimate.high < 1 and p.winner == "candidate" and p.causes == (matrix.CAPACITY,)
+    words = claim_text(_capacity_claims(decision, SWEEP)[last], decision)
+    assert "nvfp4 wins, by a capacity effect" in words and "nvfp4 was bound less (1 preemption), running up to 14 " \
+        "requests at once against 7" in words and words.endswith("not kernel speed.")
+
+
+def test_both_bound_alike_is_no_capacity_win(tmp_path, recipes):
+    """The same point with NVFP4's observed peak running set to FP8's (a constructed copy): both bound, neither less,
+    so the pooled win is not explained and chooses nothing."""
+    copies = []
+    for run in (SWEEP, VLLM033_8B_RUNS["capacity-sweep-repeats"]):
+        copy = tmp_path / run.name
+        shutil.copytree(run, copy)
+        manifest = json.loads((copy / "manifest.json").read_text())
+        for name, arm in manifest["arms"].items():
+            if name.startswith("nvfp4") and arm["points"]:
+                arm["points"][-1]["metrics"]["peaks"]["vllm:num_requests_running"] = 7
+        (copy / "manifest.json").write_text(json.dumps(manifest))
+        copies.append(copy)
+    last = _points(SWEEP, "fp8")[-1]["point"]
+    points = [p for s in matrix.build(copies, recipes).scenarios for p in s.points if p.point == last]
+    assert points and all(p.winner == matrix.NOT_EXPLAINED and matrix.CAPACITY not in p.causes for p in points)
 
 
 # ---- the bench's wall time -----------------------------------------------------------------------------------

@@ -214,7 +214,11 @@ def _why(v: dict, name: Name) -> str:
         queue = v["queue_ms"]
         queued = (f", requests queued {queue[w]:.1f} ms on average against {queue[l_]:.1f} ms"
                   if None not in queue else "")
-        parts.append(f"a capacity effect ({loser} was capacity-bound: {name(reason)}; {winner} was not{queued})")
+        bound = v["candidate_capacity"] if v["winner"] == "candidate" else v["baseline_capacity"]
+        running = v["peak_running"]
+        less = (f"was bound less ({name(bound)}), running up to {running[w]:,.0f} requests at once against "
+                f"{running[l_]:,.0f}" if bound else "was not")
+        parts.append(f"a capacity effect ({loser} was capacity-bound: {name(reason)}; {winner} {less}{queued})")
     if len(parts) == 1:
         tail = "" if mx.FASTER_KERNEL in v["causes"] else ", not kernel speed"
         return f"{winner} wins, by {parts[0]}{tail}"
