@@ -35,7 +35,7 @@ COPY_KINDS = {1: "host-to-device", 2: "device-to-host", 3: "host-to-array", 4: "
 MEMORY_KINDS = {0: "pageable", 1: "pinned", 2: "device", 3: "array", 4: "managed", 5: "device static",
                 6: "managed static"}
 _VERSION = re.compile(r"_v\d+$")  # the API version nsys appends to a runtime call's name (cudaMemcpyAsync_v3020)
-_WAIT_KEY = ("call", "copy_kind", "src_kind", "dst_kind")
+WAIT_KEY = ("call", "copy_kind", "src_kind", "dst_kind")
 SCHEMA = {"global_tid": pl.Int64, "start": pl.Int64, "end": pl.Int64, "call": pl.Utf8, "copy_kind": pl.Utf8,
           "src_kind": pl.Utf8, "dst_kind": pl.Utf8, "bytes": pl.Int64, "before": pl.Utf8, "after": pl.Utf8}
 
