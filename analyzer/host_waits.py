@@ -56,6 +56,7 @@ class WaitKind:
     baseline_calls: int
     candidate_ns: int  # the host's time in those calls, all paired steps together
     baseline_ns: int
+    candidate_mean_ns: float  # per call of the candidate's
     steps: int  # paired steps in which the candidate made at least one
     per_step_low: int  # the fewest and most such calls in one of those steps
     per_step_high: int

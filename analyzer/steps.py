@@ -17,7 +17,7 @@ and the baseline's did not: what held the host.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -39,6 +39,10 @@ HELD_SHARE = 0.1
 # A kind of host wait is the candidate's when it made more than this many times as many in the paired steps as the
 # baseline (or the baseline none), and spent more host time in them.
 FAR_MORE = 2
+# What a phase's steps say of the candidate's host (StepPhase.host_reading): its steps took longer by host time
+# (host_bound), or its host was held by a wait of its own while the span was not measured as longer (host_held).
+LONGER_BY_HOST = "longer by host time"
+HELD_BY_WAIT = "host held by a wait"
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,7 @@ class StepPhase:
     # The kinds of wait the candidate made and the baseline did not, or far less (FAR_MORE), most added host time
     # first; empty where neither arm recorded waits or none is the candidate's.
     held_by: tuple[WaitKind, ...] = ()
+    host_reading: str = ""  # LONGER_BY_HOST, HELD_BY_WAIT, or "": nothing to state
 
 
 def step_table(trace: Trace) -> pl.DataFrame:
@@ -197,12 +202,13 @@ def _phase(phase: str, parts: list[pl.DataFrame], waits: list[tuple[pl.DataFrame
     base_waits, cand_waits = ([pair[side] for pair in waits] for side in (0, 1))
     recorded = all(w is not None for w in (*base_waits, *cand_waits))
     held = _held_by(base_waits, cand_waits) if recorded else ()
-    return StepPhase(phase, table.height, mean("kernel_ns"), mean("kernel_ns_c"), mean("span_ns"), mean("span_ns_c"),
-                     mean("idle_ns"), mean("idle_ns_c"), mean("host_ns"), mean("host_ns_c"), waited(""),
-                     waited("_c"), kernel.ratio, kernel.low, kernel.high, span.ratio, span.low, span.high,
-                     stats.verdict(span, threshold=threshold), recorded_mean("host_waits"),
-                     recorded_mean("host_waits_c"), recorded_mean("host_wait_ns"), recorded_mean("host_wait_ns_c"),
-                     held)
+    row = StepPhase(phase, table.height, mean("kernel_ns"), mean("kernel_ns_c"), mean("span_ns"), mean("span_ns_c"),
+                    mean("idle_ns"), mean("idle_ns_c"), mean("host_ns"), mean("host_ns_c"), waited(""),
+                    waited("_c"), kernel.ratio, kernel.low, kernel.high, span.ratio, span.low, span.high,
+                    stats.verdict(span, threshold=threshold), recorded_mean("host_waits"),
+                    recorded_mean("host_waits_c"), recorded_mean("host_wait_ns"), recorded_mean("host_wait_ns_c"),
+                    held)
+    return replace(row, host_reading=LONGER_BY_HOST if host_bound(row) else HELD_BY_WAIT if host_held(row) else "")
 
 
 def _held_by(baseline: list[pl.DataFrame], candidate: list[pl.DataFrame]) -> tuple[WaitKind, ...]:
@@ -220,7 +226,8 @@ def _held_by(baseline: list[pl.DataFrame], candidate: list[pl.DataFrame]) -> tup
     kinds = (cand.group_by(key).agg(pl.len().alias("candidate_calls"), pl.col("ns").sum().alias("candidate_ns"),
                                     pl.col("bytes").min().alias("bytes_low"), pl.col("bytes").max().alias("bytes_high"))
              .join(base, on=key, how="left", nulls_equal=True)
-             .with_columns(pl.col("baseline_calls").fill_null(0), pl.col("baseline_ns").fill_null(0))
+             .with_columns(pl.col("baseline_calls").fill_null(0), pl.col("baseline_ns").fill_null(0),
+                           (pl.col("candidate_ns") / pl.col("candidate_calls")).alias("candidate_mean_ns"))
              .filter((pl.col("candidate_calls") > FAR_MORE * pl.col("baseline_calls"))
                      & (pl.col("candidate_ns") > pl.col("baseline_ns")))
              .join(per_step, on=key, nulls_equal=True).join(around, on=key, nulls_equal=True)
@@ -236,3 +243,10 @@ def host_bound(row: StepPhase) -> bool:
     grew = row.candidate_span_ns - row.baseline_span_ns
     return (row.span_verdict == stats.REGRESSION and row.candidate_idle_ns - row.baseline_idle_ns >= grew / 2
             and row.candidate_waited_steps > row.baseline_waited_steps)
+
+
+def host_held(row: StepPhase) -> bool:
+    """Whether the candidate's host stayed in more of a phase's steps than the baseline's while a kind of wait that
+    the baseline did not make (held_by) says what held it: facts of the traces, stated even where the steps are too
+    few for the span to be measured as a change."""
+    return bool(row.held_by) and row.candidate_waited_steps > row.baseline_waited_steps
