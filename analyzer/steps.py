@@ -116,9 +116,11 @@ def _step_table(trace: Trace) -> pl.DataFrame:
                            (pl.col("host_end") - pl.col("last_end")).alias("host_tail_ns")))
     waits = step_waits(trace, table["step_range"])
     if waits is None:
-        table = table.with_columns(pl.lit(None, pl.UInt32).alias("host_waits"), pl.lit(None, pl.Int64).alias("host_wait_ns"))
+        table = table.with_columns(pl.lit(None, pl.UInt32).alias("host_waits"),
+                                   pl.lit(None, pl.Int64).alias("host_wait_ns"))
     else:
-        per_step = waits.group_by("step_range").agg(pl.len().alias("host_waits"), pl.col("ns").sum().alias("host_wait_ns"))
+        per_step = waits.group_by("step_range").agg(pl.len().alias("host_waits"),
+                                                    pl.col("ns").sum().alias("host_wait_ns"))
         table = table.join(per_step, on="step_range", how="left").with_columns(
             pl.col("host_waits").fill_null(0), pl.col("host_wait_ns").fill_null(0))
     return table.cast({c: empty.schema[c] for c in empty.columns}).sort("start").select(empty.columns)
@@ -131,8 +133,8 @@ def step_waits(trace: Trace, step_ranges: pl.Series) -> pl.DataFrame | None:
     if waits is None:
         return None
     steps = (trace.ranges.filter(pl.col("range").is_in(step_ranges.to_list()))
-             .select(pl.col("range").cast(pl.Int64).alias("step_range"), "global_tid", pl.col("start").alias("step_start"),
-                     pl.col("end").alias("step_end")).sort("step_start"))
+             .select(pl.col("range").cast(pl.Int64).alias("step_range"), "global_tid",
+                     pl.col("start").alias("step_start"), pl.col("end").alias("step_end")).sort("step_start"))
     # Steps do not overlap on a thread: a wait is in the last step that started before it, if that one is still open.
     return (waits.sort("start").join_asof(steps, left_on="start", right_on="step_start", by="global_tid",
                                           strategy="backward", check_sortedness=False)
