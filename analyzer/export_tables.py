@@ -19,9 +19,13 @@ from kvtrace.errors import KvtraceError
 KERNEL_TABLE = "CUPTI_ACTIVITY_KIND_KERNEL"
 RUNTIME_TABLE = "CUPTI_ACTIVITY_KIND_RUNTIME"
 NVTX_TABLE = "NVTX_EVENTS"
+# The GPU's copies and the synchronizations CUPTI recorded, each with the correlationId of its runtime call: where
+# the host waited for the GPU (analyzer.host_waits). An export without them recorded no such waits.
+MEMCPY_TABLE = "CUPTI_ACTIVITY_KIND_MEMCPY"
+SYNC_TABLE = "CUPTI_ACTIVITY_KIND_SYNCHRONIZATION"
 # Every table kvtrace reads: an .nsys-rep is exported with only these (nsys export --tables).
 EXPORT_TABLES = (KERNEL_TABLE, RUNTIME_TABLE, NVTX_TABLE, "StringIds", "META_DATA_EXPORT", "META_DATA_CAPTURE",
-                 "TARGET_INFO_SYSTEM_ENV", "TARGET_INFO_GPU")
+                 "TARGET_INFO_SYSTEM_ENV", "TARGET_INFO_GPU", MEMCPY_TABLE, SYNC_TABLE)
 # Columns kvtrace needs from the kernel table; present in every schema since 2023.4 (schema 3.7.2).
 KERNEL_COLUMNS = ("start", "end", "deviceId", "correlationId", "globalPid", "demangledName",
                   "shortName", "gridX", "gridY", "gridZ", "blockX", "blockY", "blockZ")
@@ -31,7 +35,11 @@ PROCESS_BITS = 0x0000FFFFFF000000  # the process id inside a globalTid: domains 
 # The runtime and driver calls that can launch kernels (cudaLaunchKernel*, cuLaunchKernel*, cudaGraphLaunch*,
 # cudaLaunchCooperativeKernel*, …) hold this in their names: reading only their rows halves the runtime scan.
 LAUNCH_WORD = "Launch"
-GRAPH_LAUNCH_WORD = "GraphLaunch"  # cudaGraphLaunch*, cuGraphLaunch*: a trace without them has no graph to miss
+GRAPH_LAUNCH_WORD = "GraphLaunch"
+# The runtime and driver calls that copy (cudaMemcpy*, cuMemcpy*) and those that block the host until the GPU has
+# reached a point (cudaStreamSynchronize, cudaDeviceSynchronize, cudaEventSynchronize, cuCtxSynchronize, …).
+COPY_WORD = "Memcpy"
+SYNC_WORD = "Synchronize"  # cudaGraphLaunch*, cuGraphLaunch*: a trace without them has no graph to miss
 GPU_COLUMNS = ("id", "name", "smCount", "computeMajor", "computeMinor", "chipName", "totalMemory", "memoryBandwidth")
 NSYS_HINT = "profile with `nsys profile -t cuda` (add --cuda-graph-trace=node for vLLM)"
 
@@ -95,6 +103,10 @@ class Tables(Protocol):
 
     def strings(self, ids: list[int]) -> list[tuple]:
         """(id, value) of StringIds for these ids."""
+
+    def integer_rows(self, table: str, columns: tuple[str, ...], where: tuple[str, list[int]] | None = None):
+        """`columns` of `table` as one Arrow table of int64 (NULL where nsys left a value out), only the rows whose
+        where[0] is one of where[1] when `where` is given; a value that is not an integer is a damaged export."""
 
     def close(self) -> None: ...
 

@@ -239,6 +239,11 @@ def _laid_out(tables: export_tables.Tables, launches: ranges_.Launches | None, r
             shutil.rmtree(folder, ignore_errors=True)
 
 
+def tables_of(trace: Trace):
+    """The tables of the export a trace was loaded from, open while the block reads them (as `_reading`)."""
+    return _reading(Path(trace.info.source), Path(trace.info.sqlite))
+
+
 @contextmanager
 def _reading(source: Path, export: Path):
     """The export's tables, in its format (a Parquet folder, else SQLite), open while the block reads them. A

@@ -278,6 +278,19 @@ class ParquetTables:
     def strings(self, ids: list[int]) -> list[tuple]:
         return self._strings_frame().filter(pl.col("id").is_in(ids)).rows()
 
+    def integer_rows(self, table: str, columns: tuple[str, ...], where: tuple[str, list[int]] | None = None):
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        wanted = tuple(dict.fromkeys((*columns, *(where[:1] if where else ()))))
+        pieces = []
+        for span in self.spans(table):  # a row group at a time, as the kernel and runtime tables are read
+            piece = _as_int64(self._group(table, span, wanted), wanted, self.path, table)
+            if where is not None:
+                piece = piece.filter(pc.is_in(piece.column(where[0]), value_set=pa.array(where[1], pa.int64())))
+            pieces.append(piece.select(list(columns)))
+        return pa.concat_tables(pieces) if pieces else pa.table({c: pa.array([], pa.int64()) for c in columns})
+
 
 def _row_groups(metadata, file: Path) -> dict[tuple[int, int], list[int]]:
     """Spans of consecutive row groups, each of at least _SPAN_ROWS rows but the last, as (first row, last row) in

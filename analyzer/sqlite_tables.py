@@ -116,6 +116,22 @@ class SqliteTables:
         return self.conn.execute("SELECT id, value FROM StringIds WHERE id IN (SELECT value FROM json_each(?))",
                                  (json.dumps(ids),)).fetchall()
 
+    def integer_rows(self, table: str, columns: tuple[str, ...], where: tuple[str, list[int]] | None = None):
+        import pyarrow as pa
+
+        query = "SELECT " + ", ".join(f'"{c}"' for c in columns) + f" FROM {table}"
+        if where is not None:
+            query += f" WHERE \"{where[0]}\" IN ({','.join(str(int(v)) for v in where[1])})"
+        batches = [batch for batch in read_batches(self.path, query) if batch.num_rows]
+        if not batches:  # no rows, no types to check: empty int64 columns
+            return pa.table({c: pa.array([], pa.int64()) for c in columns})
+        read = pa.Table.from_batches(batches)
+        for column in columns:
+            values = read.column(column)
+            if not (pa.types.is_integer(values.type) or pa.types.is_null(values.type)):
+                raise et.damaged_values(self.path, table, f"{values.type} (not integer)", column)
+        return pa.table({c: read.column(c).cast(pa.int64()) for c in columns})
+
 
 def _packed(fields: tuple[tuple[str, int], ...]) -> str:
     """Columns packed into one integer (export_tables.PACKED). SQLite's `+` reads text as 0 and a value past its

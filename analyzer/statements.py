@@ -11,7 +11,7 @@ from kvtrace.analyzer.results import Diff
 from kvtrace.analyzer.reuse import Evictions, PrefixReuse
 from kvtrace.analyzer.runs import RunArm
 from kvtrace.analyzer.serving import ServingRow
-from kvtrace.analyzer.steps import StepPhase, host_bound
+from kvtrace.analyzer.steps import StepPhase
 from kvtrace.manifest import Point, parse_phase_name
 
 
@@ -181,7 +181,9 @@ class TtftStatement(Statement):
 @dataclass(frozen=True)
 class StepTimelineStatement(Statement):
     """A phase whose vLLM steps lasted longer on the GPU in the candidate mostly by time with no kernel running
-    (analyzer.steps.host_bound): host-side time, stated apart from the kernels."""
+    (analyzer.steps.host_bound): host-side time, stated apart from the kernels; or whose candidate steps held the
+    host by a kind of wait the baseline's did not make (analyzer.steps.host_held); row.host_reading says which.
+    Either names that wait where the exports recorded it (row.held_by)."""
 
     kind: ClassVar[str] = "step-timeline"
     baseline: str
@@ -243,7 +245,7 @@ def statements(diff: Diff, serving: list[ServingRow], cap: capacity.Capacity | N
     if sweep is not None:
         out.append(sweep)
     out += [StepTimelineStatement("warning", "steps", base.label, cand.label, row) for row in step_rows
-            if host_bound(row)]
+            if row.host_reading]
     out += ttft_guard_rail(diff, serving, base, cand)
     return out
 

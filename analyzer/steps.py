@@ -9,18 +9,22 @@ than their kernels did for exactly that reason (fixtures/README.md, capacity-swe
 this table does, and the statement built from it names it as host-side time, never as a slower kernel.
 
 A kernel belongs to the step around the launch call that made it (analyzer.ranges); kernels that overlap are
-counted once (their union), so concurrent streams do not inflate the step's kernel time.
+counted once (their union), so concurrent streams do not inflate the step's kernel time. Where the export recorded
+copies and synchronizations (analyzer.host_waits), each step also counts the runtime calls inside its range, on its
+thread, in which the host waited for the GPU, and a phase names the kind of wait that the candidate's steps made
+and the baseline's did not: what held the host.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
 import polars as pl
 
-from kvtrace.analyzer import align, ranges, stats
+from kvtrace.analyzer import align, host_waits, ranges, stats
+from kvtrace.analyzer.host_waits import WaitKind
 
 if TYPE_CHECKING:
     from kvtrace.analyzer.load import Trace
@@ -32,6 +36,13 @@ PHASES = (align.PREFILL, align.MIXED, align.DECODE)
 # the end" would miss it (NVFP4's prefill steps on the H200 ended their range ~1 ms before their last kernel, 2% of
 # the span; FP8's host left 38–90% of the span early).
 HELD_SHARE = 0.1
+# A kind of host wait is the candidate's when it made more than this many times as many in the paired steps as the
+# baseline (or the baseline none), and spent more host time in them.
+FAR_MORE = 2
+# What a phase's steps say of the candidate's host (StepPhase.host_reading): its steps took longer by host time
+# (host_bound), or its host was held by a wait of its own while the span was not measured as longer (host_held).
+LONGER_BY_HOST = "longer by host time"
+HELD_BY_WAIT = "host held by a wait"
 
 
 @dataclass(frozen=True)
@@ -59,12 +70,23 @@ class StepPhase:
     span_low: float | None
     span_high: float | None
     span_verdict: str
+    # Per step: the runtime calls inside its range in which the host waited for the GPU, and the host's time in
+    # them; None where an arm's exports did not record copies and synchronizations (analyzer.host_waits).
+    baseline_host_waits: float | None = None
+    candidate_host_waits: float | None = None
+    baseline_host_wait_ns: float | None = None
+    candidate_host_wait_ns: float | None = None
+    # The kinds of wait the candidate made and the baseline did not, or far less (FAR_MORE), most added host time
+    # first; empty where neither arm recorded waits or none is the candidate's.
+    held_by: tuple[WaitKind, ...] = ()
+    host_reading: str = ""  # LONGER_BY_HOST, HELD_BY_WAIT, or "": nothing to state
 
 
 def step_table(trace: Trace) -> pl.DataFrame:
     """Per vLLM step range with at least one kernel: step (name), phase, start, host_ns, kernels, kernel_ns,
-    span_ns, idle_ns and host_tail_ns (the range's end minus the last kernel's end: not negative when the host was
-    still in the step as its GPU work ended), in start order."""
+    span_ns, idle_ns, host_tail_ns (the range's end minus the last kernel's end: not negative when the host was
+    still in the step as its GPU work ended), step_range, host_waits and host_wait_ns (the host waits inside the
+    range and the host's time in them; null where the export recorded none), in start order."""
     return trace.memo("step_table", lambda: _step_table(trace))
 
 
@@ -72,7 +94,8 @@ def _step_table(trace: Trace) -> pl.DataFrame:
     inside = align.steps(trace)
     empty = pl.DataFrame(schema={"step": pl.Utf8, "phase": pl.Utf8, "start": pl.Int64, "host_ns": pl.Int64,
                                  "kernels": pl.UInt32, "kernel_ns": pl.Int64, "span_ns": pl.Int64,
-                                 "idle_ns": pl.Int64, "host_tail_ns": pl.Int64})
+                                 "idle_ns": pl.Int64, "host_tail_ns": pl.Int64, "step_range": pl.Int32,
+                                 "host_waits": pl.UInt32, "host_wait_ns": pl.Int64})
     if inside.is_empty():
         return empty
     calls = trace.calls
@@ -88,10 +111,35 @@ def _step_table(trace: Trace) -> pl.DataFrame:
     host = trace.ranges.select(pl.col("range").alias("step_range"), "start", pl.col("end").alias("host_end"),
                                (pl.col("end") - pl.col("start")).alias("host_ns"))
     names = inside.unique("step_range").select("step_range", "step", "phase")
-    return (per_step.join(names, on="step_range").join(host, on="step_range")
-            .with_columns((pl.col("span_ns") - pl.col("kernel_ns")).alias("idle_ns"),
-                          (pl.col("host_end") - pl.col("last_end")).alias("host_tail_ns"))
-            .sort("start").select(empty.columns))
+    table = (per_step.join(names, on="step_range").join(host, on="step_range")
+             .with_columns((pl.col("span_ns") - pl.col("kernel_ns")).alias("idle_ns"),
+                           (pl.col("host_end") - pl.col("last_end")).alias("host_tail_ns")))
+    waits = step_waits(trace, table["step_range"])
+    if waits is None:
+        table = table.with_columns(pl.lit(None, pl.UInt32).alias("host_waits"),
+                                   pl.lit(None, pl.Int64).alias("host_wait_ns"))
+    else:
+        per_step = waits.group_by("step_range").agg(pl.len().alias("host_waits"),
+                                                    pl.col("ns").sum().alias("host_wait_ns"))
+        table = table.join(per_step, on="step_range", how="left").with_columns(
+            pl.col("host_waits").fill_null(0), pl.col("host_wait_ns").fill_null(0))
+    return table.cast({c: empty.schema[c] for c in empty.columns}).sort("start").select(empty.columns)
+
+
+def step_waits(trace: Trace, step_ranges: pl.Series) -> pl.DataFrame | None:
+    """The host waits (analyzer.host_waits) inside these step ranges on each range's own thread, with their
+    step_range and ns (the host's time in the call); None where the export recorded none."""
+    waits = host_waits.host_waits(trace)
+    if waits is None:
+        return None
+    steps = (trace.ranges.filter(pl.col("range").is_in(step_ranges.to_list()))
+             .select(pl.col("range").cast(pl.Int64).alias("step_range"), "global_tid",
+                     pl.col("start").alias("step_start"), pl.col("end").alias("step_end")).sort("step_start"))
+    # Steps do not overlap on a thread: a wait is in the last step that started before it, if that one is still open.
+    return (waits.sort("start").join_asof(steps, left_on="start", right_on="step_start", by="global_tid",
+                                          strategy="backward", check_sortedness=False)
+            .filter(pl.col("start") < pl.col("step_end"))
+            .with_columns((pl.col("end") - pl.col("start")).alias("ns")).drop("step_start", "step_end"))
 
 
 def kernel_union(kernels: pl.DataFrame) -> pl.DataFrame:
@@ -111,6 +159,7 @@ def compare(baseline: list[Run], candidate: list[Run], *, threshold: float = 0.0
     """The arms' identical steps per phase (run k with run k; within a run pair the i-th step of a name in one
     arm with the i-th of that name in the other). Empty where the traces hold no vLLM steps."""
     pairs: dict[str, list[pl.DataFrame]] = {phase: [] for phase in PHASES}
+    waits: dict[str, list[tuple[pl.DataFrame | None, pl.DataFrame | None]]] = {phase: [] for phase in PHASES}
     for base, cand in zip(baseline, candidate):
         b, c = (step_table(r.trace).with_columns(pl.int_range(pl.len()).over("step").alias("occurrence"))
                 for r in (base, cand))
@@ -119,10 +168,14 @@ def compare(baseline: list[Run], candidate: list[Run], *, threshold: float = 0.0
             found = joined.filter(pl.col("phase") == phase).sort("step", "occurrence")
             if found.height:
                 pairs[phase].append(found)
-    return [_phase(phase, parts, threshold, confidence, seed) for phase, parts in pairs.items() if parts]
+                waits[phase].append((step_waits(base.trace, found["step_range"]),
+                                     step_waits(cand.trace, found["step_range_c"])))
+    return [_phase(phase, parts, waits[phase], threshold, confidence, seed) for phase, parts in pairs.items()
+            if parts]
 
 
-def _phase(phase: str, parts: list[pl.DataFrame], threshold: float, confidence: float, seed: int) -> StepPhase:
+def _phase(phase: str, parts: list[pl.DataFrame], waits: list[tuple[pl.DataFrame | None, pl.DataFrame | None]],
+           threshold: float, confidence: float, seed: int) -> StepPhase:
     table = pl.concat(parts)
     # One stratum per step name and run pair: steps of one batch shape are alike, different shapes are not. Run
     # pairs without a paired step of the phase (their arms scheduled different steps) are left out, not zeros.
@@ -145,10 +198,44 @@ def _phase(phase: str, parts: list[pl.DataFrame], threshold: float, confidence: 
     def waited(suffix: str) -> int:
         return int((table[f"host_tail_ns{suffix}"] >= -HELD_SHARE * table[f"span_ns{suffix}"]).sum())
 
-    return StepPhase(phase, table.height, mean("kernel_ns"), mean("kernel_ns_c"), mean("span_ns"), mean("span_ns_c"),
-                     mean("idle_ns"), mean("idle_ns_c"), mean("host_ns"), mean("host_ns_c"), waited(""),
-                     waited("_c"), kernel.ratio, kernel.low, kernel.high, span.ratio, span.low, span.high,
-                     stats.verdict(span, threshold=threshold))
+    def recorded_mean(column: str) -> float | None:  # a run pair that did not record them leaves the mean unknown
+        return None if table[column].null_count() else mean(column)
+
+    base_waits, cand_waits = ([pair[side] for pair in waits] for side in (0, 1))
+    recorded = all(w is not None for w in (*base_waits, *cand_waits))
+    held = _held_by(base_waits, cand_waits) if recorded else ()
+    row = StepPhase(phase, table.height, mean("kernel_ns"), mean("kernel_ns_c"), mean("span_ns"), mean("span_ns_c"),
+                    mean("idle_ns"), mean("idle_ns_c"), mean("host_ns"), mean("host_ns_c"), waited(""),
+                    waited("_c"), kernel.ratio, kernel.low, kernel.high, span.ratio, span.low, span.high,
+                    stats.verdict(span, threshold=threshold), recorded_mean("host_waits"),
+                    recorded_mean("host_waits_c"), recorded_mean("host_wait_ns"), recorded_mean("host_wait_ns_c"),
+                    held)
+    return replace(row, host_reading=LONGER_BY_HOST if host_bound(row) else HELD_BY_WAIT if host_held(row) else "")
+
+
+def _held_by(baseline: list[pl.DataFrame], candidate: list[pl.DataFrame]) -> tuple[WaitKind, ...]:
+    """The kinds of host wait in a phase's paired steps (one frame per run pair and arm, from step_waits) that the
+    candidate made and the baseline did not, or far less, with the kernels launched around most of them."""
+    key = list(host_waits.WAIT_KEY)
+    # A step is its run pair's: step ranges number each trace's own ranges.
+    cand = pl.concat([w.with_columns(pl.lit(run).alias("run")) for run, w in enumerate(candidate)])
+    base = pl.concat(baseline).group_by(key).agg(pl.len().alias("baseline_calls"),
+                                                 pl.col("ns").sum().alias("baseline_ns"))
+    per_step = cand.group_by(*key, "run", "step_range").len().group_by(key).agg(
+        pl.len().alias("steps"), pl.col("len").min().alias("per_step_low"), pl.col("len").max().alias("per_step_high"))
+    around = (cand.group_by(*key, "before", "after").len().sort("len", descending=True, maintain_order=True)
+              .group_by(key, maintain_order=True).first().rename({"len": "around"}))
+    kinds = (cand.group_by(key).agg(pl.len().alias("candidate_calls"), pl.col("ns").sum().alias("candidate_ns"),
+                                    pl.col("bytes").min().alias("bytes_low"), pl.col("bytes").max().alias("bytes_high"))
+             .join(base, on=key, how="left", nulls_equal=True)
+             .with_columns(pl.col("baseline_calls").fill_null(0), pl.col("baseline_ns").fill_null(0),
+                           (pl.col("candidate_ns") / pl.col("candidate_calls")).alias("candidate_mean_ns"))
+             .filter((pl.col("candidate_calls") > FAR_MORE * pl.col("baseline_calls"))
+                     & (pl.col("candidate_ns") > pl.col("baseline_ns")))
+             .join(per_step, on=key, nulls_equal=True).join(around, on=key, nulls_equal=True)
+             .sort(pl.col("candidate_ns") - pl.col("baseline_ns"), descending=True, maintain_order=True))
+    return tuple(WaitKind(**{name: row[name] for name in WaitKind.__dataclass_fields__})
+                 for row in kinds.iter_rows(named=True))
 
 
 def host_bound(row: StepPhase) -> bool:
@@ -158,3 +245,10 @@ def host_bound(row: StepPhase) -> bool:
     grew = row.candidate_span_ns - row.baseline_span_ns
     return (row.span_verdict == stats.REGRESSION and row.candidate_idle_ns - row.baseline_idle_ns >= grew / 2
             and row.candidate_waited_steps > row.baseline_waited_steps)
+
+
+def host_held(row: StepPhase) -> bool:
+    """Whether the candidate's host stayed in more of a phase's steps than the baseline's while a kind of wait that
+    the baseline did not make (held_by) says what held it: facts of the traces, stated even where the steps are too
+    few for the span to be measured as a change."""
+    return bool(row.held_by) and row.candidate_waited_steps > row.baseline_waited_steps

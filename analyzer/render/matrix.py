@@ -13,8 +13,10 @@ from kvtrace.analyzer import matrix as mx
 from kvtrace.analyzer.render import quality as quality_render
 from kvtrace.analyzer.render.escape import md_code, md_text, visible
 from kvtrace.analyzer.render.report_tables import _cached, _count, _ms, _peak, _rich_table
+from kvtrace.analyzer.render.statements import held_text
 from kvtrace.analyzer.render.units import duration, estimate_ratio, interval, markdown_table, percent, ratio
 from kvtrace.analyzer.statements import APPEND_PHASE
+from kvtrace.analyzer.steps import HELD_BY_WAIT
 from kvtrace.text import plural
 
 Name = Callable[[str], str]
@@ -385,13 +387,21 @@ def claim_text(claim: mx.Claim, result: mx.Matrix, name: Name = _plain) -> str:
         return _residency(claim, v, cite, name)
     if claim.kind == "steps":
         b, c = name(v["baseline"]), name(v["candidate"])
+        held = held_text(v["held_by"], v["steps"], v["baseline"], v["candidate"], name)
+        if v["host_reading"] == HELD_BY_WAIT:
+            return (f"In {name(claim.scenario)}'s {v['phase']} steps {cite}, {c}'s host stayed in "
+                    f"{v['candidate_waited_steps']:,} of {v['steps']:,} paired steps until their GPU work was nearly "
+                    f"done ({b}: {v['baseline_waited_steps']:,}): {held}; the span on the GPU "
+                    f"{ratio(v['span_ratio'])} {interval(v['span_low'], v['span_high'])} ({v['span_verdict']}) is not "
+                    "measured as longer: what holds the host, not a slower kernel.")
         return (f"In {name(claim.scenario)}'s {v['phase']} steps {cite}, {c}'s kernels took "
                 f"{ratio(v['kernel_ratio'])} {interval(v['kernel_low'], v['kernel_high'])} {b}'s time per step, but "
                 f"its steps spanned {ratio(v['span_ratio'])} {interval(v['span_low'], v['span_high'])} on the GPU: "
                 f"{duration(v['candidate_idle_ns'])} per step with no kernel running against "
                 f"{duration(v['baseline_idle_ns'])}, and {c}'s host stayed in {v['candidate_waited_steps']:,} of "
                 f"{v['steps']:,} paired steps until their GPU work was nearly done ({b}: {v['baseline_waited_steps']:,})"
-                f": host-side time in {c}'s steps (report's \"vLLM steps on the GPU\"), not a slower kernel.")
+                f": host-side time in {c}'s steps (report's \"vLLM steps on the GPU\"), not a slower kernel"
+                + (f"; {held}." if held else "."))
     if claim.kind == "disagree":
         each = "; ".join(f"R{m['row']} {ratio(m['ratio'])} "
                          + interval(m["ci_low"], m["ci_high"])

@@ -239,7 +239,10 @@ STEP_LEAD = ("The vLLM steps both arms ran (same step name, paired in order), pe
              "(overlaps once), its span on the GPU from first kernel start to last kernel end, the time inside that "
              "span with no kernel of the step running, the host's time in the step's NVTX range, and in how many "
              "steps the host stayed in the range until the step's GPU work was nearly done (host held: it left less "
-             "than a tenth of the span before the last kernel ended). Ratios are of paired sums, "
+             "than a tenth of the span before the last kernel ended), and the host's waits in the step: runtime "
+             "calls inside its range in which the host waited for the GPU (a copy that returned only once done, "
+             "a …Synchronize call), how many and the host's time in them (not recorded: the export lacks the copy "
+             "and synchronization tables). Ratios are of paired sums, "
              "with 95% intervals over steps (strata by step name and run pair).")
 
 
@@ -247,14 +250,21 @@ def _step_table(report: Report) -> tuple[list[str], list[list[str]]]:
     b, c = report.baseline.label, report.candidate.label
     header = ["phase", "steps", f"kernels {b}", f"kernels {c}", "ratio", f"span {b}", f"span {c}", "ratio",
               "verdict", f"no kernel {b}", f"no kernel {c}", f"host {b}", f"host {c}", f"host held {b}",
-              f"host held {c}"]
+              f"host held {c}", f"host waits {b}", f"host waits {c}"]
     rows = [[r.phase, f"{r.steps:,}", duration(r.baseline_kernel_ns), duration(r.candidate_kernel_ns),
              f"{ratio(r.kernel_ratio)} {interval(r.kernel_low, r.kernel_high)}", duration(r.baseline_span_ns),
              duration(r.candidate_span_ns), f"{ratio(r.span_ratio)} {interval(r.span_low, r.span_high)}",
              r.span_verdict, duration(r.baseline_idle_ns), duration(r.candidate_idle_ns), duration(r.baseline_host_ns),
-             duration(r.candidate_host_ns), f"{r.baseline_waited_steps:,}", f"{r.candidate_waited_steps:,}"]
+             duration(r.candidate_host_ns), f"{r.baseline_waited_steps:,}", f"{r.candidate_waited_steps:,}",
+             _host_waits(r.baseline_host_waits, r.baseline_host_wait_ns),
+             _host_waits(r.candidate_host_waits, r.candidate_host_wait_ns)]
             for r in report.step_timeline]
     return header, rows
+
+
+def _host_waits(calls: float | None, ns: float | None) -> str:
+    """Host waits per step and the host's time in them."""
+    return "not recorded" if calls is None else f"{calls:,.1f} ({duration(ns)})"
 
 
 def _bandwidth_table(report: Report) -> tuple[list[str], list[list[str]]]:
@@ -597,7 +607,11 @@ def report_csv(report: Report) -> str:
     if report.hbm_ceiling:
         writer.writerow(["bandwidth", "ceiling", "", "bytes_per_s", report.hbm_ceiling.bytes_per_s])
     _write_arm_fields(writer, "compute", "phase", report.prefill_compute, labels)
-    _write_arm_fields(writer, "steps", "phase", report.step_timeline, labels)
+    _write_arm_fields(writer, "steps", "phase", report.step_timeline, labels, skip=("held_by",))
+    for row in report.step_timeline:  # what held the candidate's host: one line per field of each kind of wait
+        for place, kind in enumerate(row.held_by):
+            writer.writerows(["steps_held_by", f"{row.phase} {place + 1}", labels["candidate"], name,
+                              "" if value is None else value] for name, value in asdict(kind).items())
     if report.compute_ceiling and report.compute_ceiling.flops_per_s:
         writer.writerow(["compute", "ceiling", "", "flops_per_s", report.compute_ceiling.flops_per_s])
     if report.capacity:
@@ -629,12 +643,12 @@ def _flatten(data: dict, prefix: str = ""):
             yield f"{prefix}{name}", value
 
 
-def _write_arm_fields(writer, kind: str, key: str, rows, labels) -> None:
-    """One CSV line per field of each row, keyed by the row's `key` field; baseline_/candidate_ fields name their
-    arm in the label column."""
+def _write_arm_fields(writer, kind: str, key: str, rows, labels, skip: tuple[str, ...] = ()) -> None:
+    """One CSV line per field of each row but `skip`, keyed by the row's `key` field; baseline_/candidate_ fields
+    name their arm in the label column."""
     for row in rows:
         for name, value in asdict(row).items():
-            if name == key:
+            if name == key or name in skip:
                 continue
             side = next((s for s in ("baseline", "candidate") if name.startswith(s + "_")), None)
             writer.writerow([kind, getattr(row, key), labels[side] if side else "",

@@ -4,12 +4,14 @@ for the format at hand (render.escape); numbers and kvtrace's own words pass as 
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from functools import singledispatch
 from typing import Callable
 
 from kvtrace.analyzer import statements as st
 from kvtrace.analyzer.render.units import duration, interval
 from kvtrace.analyzer.stats import IMPROVEMENT, NO_CHANGE, REGRESSION
+from kvtrace.analyzer.steps import HELD_BY_WAIT
 from kvtrace.text import plural
 
 Name = Callable[[str], str]
@@ -198,11 +200,62 @@ def _step_timeline(s: st.StepTimelineStatement, name: Name = _plain) -> str:
     r, b, c = s.row, name(s.baseline), name(s.candidate)
     kernels = f"{r.kernel_ratio:.3f}× {interval(r.kernel_low, r.kernel_high)}"
     span = f"{r.span_ratio:.3f}× {interval(r.span_low, r.span_high)}, {r.span_verdict}"
+    held = held_text([asdict(k) for k in r.held_by], r.steps, s.baseline, s.candidate, name)
+    if r.host_reading == HELD_BY_WAIT:  # the span not measured as longer
+        return (f"{r.phase} steps ({r.steps:,} paired): {c}'s host stayed in {r.candidate_waited_steps:,} of "
+                f"{r.steps:,} steps until their GPU work was nearly done ({b}: {r.baseline_waited_steps:,}): {held}. "
+                f"On the GPU its steps spanned {r.span_ratio:.3f}× {b}'s {interval(r.span_low, r.span_high)} "
+                f"({r.span_verdict}) and its kernels ran {kernels}: what holds the host, not a slower kernel; how much "
+                "time it adds needs more paired steps")
+    why = (held if r.held_by else "something in them waits for the GPU, such as a synchronizing copy"
+           if r.candidate_host_waits is None else "no copy or synchronization that only it made was recorded")
     return (f"{r.phase} steps ({r.steps:,} paired): {c}'s kernels ran {duration(r.candidate_kernel_ns)} per step "
             f"against {duration(r.baseline_kernel_ns)} ({b}), {kernels}, but its steps took "
             f"{duration(r.candidate_span_ns)} on the GPU from first kernel to last against "
             f"{duration(r.baseline_span_ns)} ({span}): {duration(r.candidate_idle_ns)} per step with no kernel of the "
             f"step running against {duration(r.baseline_idle_ns)}, and its host stayed in {r.candidate_waited_steps:,} "
             f"of {r.steps:,} steps until their GPU work was nearly done ({b}: {r.baseline_waited_steps:,}). The host no "
-            f"longer launched ahead of the GPU in {c}'s steps (something in them waits for the GPU, such as a "
-            "synchronizing copy): host-side time, not a slower kernel")
+            f"longer launched ahead of the GPU in {c}'s steps ({why}): host-side time, not a slower kernel")
+
+
+def held_text(kinds: list[dict], steps: int, baseline: str, candidate: str, name: Name = _plain) -> str:
+    """What held the candidate's host (steps.StepPhase.held_by, as dicts): the first kind of wait in full (count,
+    what it is, host time, how many per step, the kernels launched around it, the baseline's count), the others
+    in short. Empty without kinds."""
+    if not kinds:
+        return ""
+    first, b = kinds[0], name(baseline)
+    per_step = (f"{first['per_step_low']:,}" if first["per_step_low"] == first["per_step_high"]
+                else f"{first['per_step_low']:,}–{first['per_step_high']:,}")
+    words = (f"{name(candidate)}'s host waited in {_wait(first, name)} ({name(first['call'])}, "
+             f"{duration(first['candidate_mean_ns'])} each, {duration(first['candidate_ns'])} in all), {per_step} per "
+             f"step in {first['steps']:,} of {steps:,} paired steps{_around(first, name)}; {b}: "
+             + ("none" if not first["baseline_calls"] else
+                f"{first['baseline_calls']:,} ({duration(first['baseline_ns'])} in all)"))
+    others = [f"{_wait(k, name)} ({duration(k['candidate_mean_ns'])} each; {b}: {k['baseline_calls']:,})"
+              for k in kinds[1:]]
+    return words + (f"; also {', '.join(others)}" if others else "")
+
+
+def _wait(kind: dict, name: Name) -> str:
+    """So many calls of a kind of wait: copies by direction, size and memory, synchronizations by their call."""
+    calls = kind["candidate_calls"]
+    if kind["copy_kind"] is None:
+        return f"{calls:,} {name(kind['call'])} {plural(calls, 'call')}"
+    size = (f"{kind['bytes_low']:,} bytes" if kind["bytes_low"] == kind["bytes_high"]
+            else f"{kind['bytes_low']:,}–{kind['bytes_high']:,} bytes")
+    return (f"{calls:,} {name(kind['copy_kind'])} {plural(calls, 'copy', 'copies')} of {size} from "
+            f"{name(kind['src_kind'] or 'unknown')} into {name(kind['dst_kind'] or 'unknown')} memory")
+
+
+def _around(kind: dict, name: Name) -> str:
+    """The kernels launched just before and after most of these calls on their thread."""
+    before, after = kind["before"], kind["after"]
+    if before is None and after is None:
+        return ""
+    which = "" if kind["around"] == kind["candidate_calls"] else f" ({kind['around']:,} of them)"
+    if before is None:
+        return f", before a launch of {name(after)}{which}"
+    if after is None:
+        return f", after a launch of {name(before)}{which}"
+    return f", between launches of {name(before)} and {name(after)}{which}"
