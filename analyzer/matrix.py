@@ -462,7 +462,14 @@ def _point_values(p: MatrixPoint, base: str, cand: str, objective: str, threshol
             # peaks were not observed): how a capacity-bound arm's requests waited or were preempted.
             "preemptions": [p.serving.baseline.preemptions, p.serving.candidate.preemptions],
             "peak_running": [p.serving.baseline.peak_running, p.serving.candidate.peak_running],
-            "peak_kv_usage": [p.serving.baseline.peak_kv_usage, p.serving.candidate.peak_kv_usage]}
+            "peak_kv_usage": [p.serving.baseline.peak_kv_usage, p.serving.candidate.peak_kv_usage],
+            # The same measures per run of the point's own run pairs: [baseline's, candidate's], in repeat order.
+            "server_runs": {key: [[getattr(pair[side], key) for pair in p.serving.run_pairs] for side in (0, 1)]
+                            for key in SERVER_MEASURES}}
+
+
+# What the server measured of the capacity mechanism, per arm (analyzer.serving.ServingMetrics' names).
+SERVER_MEASURES = ("preemptions", "peak_running", "peak_kv_usage", "queue_ms")
 
 
 def _claims(scenarios: list[Scenario], objective: str, threshold: float) -> list[Claim]:

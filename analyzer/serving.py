@@ -139,6 +139,8 @@ class ServingRow:
     estimates: dict = field(default_factory=dict)
     runs: int = 1
     paired_requests: bool = False  # both arms sent the same prompts in the same order: per-request values pair
+    # Each run pair's metrics at this point, in repeat order (the runs of both arms that ran it).
+    run_pairs: tuple[tuple[ServingMetrics, ServingMetrics], ...] = ()
 
 
 def _number(value):
@@ -411,6 +413,7 @@ def serving_rows(base: ArmInput, cand: ArmInput, *, threshold: float = 0.02, con
             row.ratios = serving_ratios(row.baseline, row.candidate)
             pairs = [(b[spec], c[spec]) for b, c in zip(*runs) if spec in b and spec in c]
             row.runs = len(pairs)
+            row.run_pairs = tuple((b[0], c[0]) for b, c in pairs)
             row.paired_requests = all(_same_requests(b[1], c[1]) for b, c in pairs)
             row.estimates = {name: stats.serving_estimate(
                 [(_samples(b, name, row.paired_requests), _samples(c, name, row.paired_requests)) for b, c in pairs],

@@ -175,8 +175,9 @@ def _capacity_claims(decision, run) -> dict[str, matrix.Claim]:
 
 
 def test_where_capacity_binds_for_one_arm_the_server_measures_stand_beside_it(decision):
-    """The preemption case: FP8 preempted 9 times in its first run and NVFP4 not; its requests queued far longer. The
-    claim carries both arms' preemptions, peak running requests, peak KV-cache usage and mean time queued."""
+    """The preemption case: FP8 preempted 9 times in each run and NVFP4 not; its requests queued far longer. The
+    claim carries both arms' preemptions, peak running requests, peak KV-cache usage and mean time queued, and the
+    words give every run's (one run's measure is not the point's)."""
     fp8, nvfp4 = _points(PREEMPTION, "fp8")[0], _points(PREEMPTION, "nvfp4")[0]
     claim = _capacity_claims(decision, PREEMPTION)[fp8["point"]]
     v = claim.values
@@ -187,12 +188,21 @@ def test_where_capacity_binds_for_one_arm_the_server_measures_stand_beside_it(de
     assert v["peak_running"] == [p["vllm:num_requests_running"] for p in peaks] == [15, 16]
     assert v["peak_kv_usage"] == [p["vllm:kv_cache_usage_perc"] for p in peaks]
     assert v["queue_ms"] == pytest.approx([_queue_ms(fp8), _queue_ms(nvfp4)])
+    runs = {arm: _points(PREEMPTION, arm) for arm in ("fp8", "nvfp4")}  # r1, r2
+
+    def each(arm: str, measure) -> str:
+        return " and ".join(measure(p) for p in runs[arm])
+
+    measures = (("preemptions", lambda p: f"{_counter(p, 'vllm:num_preemptions_total'):,.0f}"),
+                ("peak running requests", lambda p: f"{p['metrics']['peaks']['vllm:num_requests_running']:,.0f}"),
+                ("peak KV-cache usage", lambda p: f"{100 * p['metrics']['peaks']['vllm:kv_cache_usage_perc']:.1f}%"),
+                ("mean time queued", lambda p: f"{_queue_ms(p):.1f} ms"))
     words = claim_text(claim, decision)
     assert "fp8 is capacity-bound (9 preemptions) and nvfp4 is not" in words
-    assert (f"preemptions 9 against 0, peak running requests 15 against 16, peak KV-cache usage "
-            f"{100 * v['peak_kv_usage'][0]:.1f}% against {100 * v['peak_kv_usage'][1]:.1f}%, mean time queued "
-            f"{_queue_ms(fp8):.1f} ms against {_queue_ms(nvfp4):.1f} ms") in words
-    assert "(the first of 2 runs)" in words and "TTFT mean" in words
+    assert "; the server measured, fp8 against nvfp4: " + ", ".join(
+        f"{name} {each('fp8', m)} against {each('nvfp4', m)}" for name, m in measures) + \
+        " (each of its 2 runs, in order)" in words
+    assert "preemptions 9 and 9 against 0 and 0" in words and "TTFT mean" in words
 
 
 def test_where_capacity_binds_for_both_arms_the_decision_says_so(decision):

@@ -297,17 +297,24 @@ def _residency(claim: mx.Claim, v: dict, cite: str, name: Name) -> str:
 def _server(v: dict, name: Name) -> str:
     """What the server measured of the capacity mechanism, baseline against candidate, where recorded."""
     b, c = name(v["baseline"]), name(v["candidate"])
-    measures = [("preemptions", _count, "preemptions"), ("peak_running", _count, "peak running requests"),
-                ("peak_kv_usage", percent, "peak KV-cache usage"), ("queue_ms", _ms, "mean time queued")]
-    parts = [f"{words} {fmt(v[key][0])} against {fmt(v[key][1])}" for key, fmt, words in measures
-             if None not in v[key]]
-    if not parts:
+    measures = dict(zip(mx.SERVER_MEASURES, ((_count, "preemptions"), (_count, "peak running requests"),
+                                             (percent, "peak KV-cache usage"), (_ms, "mean time queued"))))
+    recorded = [key for key in measures if None not in v[key]]  # the first run's, as the row keeps them
+    if not recorded:
         return ""
+    # With repeats, every run's values where every run recorded them: one run's measure is not the point's.
+    per_run = v["server_runs"]
+    runs = len(per_run[recorded[0]][0])
+    every = runs > 1 and all(None not in side for key in recorded for side in per_run[key])
+    parts = []
+    for key in recorded:
+        fmt, words = measures[key]
+        sides = per_run[key] if every else [[v[key][0]], [v[key][1]]]
+        parts.append(f"{words} {' and '.join(map(fmt, sides[0]))} against {' and '.join(map(fmt, sides[1]))}")
+    whose = f"each of its {runs} runs, in order" if every else "its first run" if runs > 1 else ""
     if v.get("pooled_rows"):  # the numbers are one row's: the run pairs pooled are not all its own
-        return (f"; the server measured, {b} against {c}: " + ", ".join(parts)
-                + f" (R{v['pooled_rows'][0]}'s {'first ' if v['own_runs'] > 1 else ''}run)")
-    first = f" (the first of {v['runs']} runs)" if v["runs"] > 1 else ""
-    return f"; the server measured, {b} against {c}{first}: " + ", ".join(parts)
+        whose = f"R{v['pooled_rows'][0]}'s " + (whose.removeprefix("its ") if whose else "run")
+    return f"; the server measured, {b} against {c}: " + ", ".join(parts) + (f" ({whose})" if whose else "")
 
 
 def _capacity_claim(v: dict, cite: str, name: Name) -> str:
