@@ -17,6 +17,7 @@ from conftest import VLLM033_8B_RUNS
 from kvtrace.analyzer import align, host_waits, report, steps
 from kvtrace.analyzer.export_tables import EXPORT_TABLES
 from kvtrace.analyzer.load import open_trace
+from kvtrace.analyzer.render import render_text
 from kvtrace.analyzer.render.escape import md_text
 from kvtrace.analyzer.render.statements import text as statement_text
 
@@ -172,3 +173,14 @@ def test_a_hostile_kernel_name_around_a_wait_reaches_the_markdown_escaped(run_kv
     text = (tmp_path / "r.md").read_text()
     assert f"between launches of {md_text(hostile)} and NVFP4QuantizeAppendPagedKVCacheWithSlotMappingKernel" in text
     assert hostile not in text and "\x1b" not in text and "\u202e" not in text
+
+
+def test_what_held_the_host_stands_beside_ttft_before_the_details(shipped_recipes):
+    """The steps statements explain TTFT, so they stand in the head's serving lines, before <details>, once; a run
+    without serving numbers (the FlashInfer engine's) has no vLLM steps to state."""
+    serve = render_text(report.build([REPEATS], shipped_recipes), "markdown")
+    head, rest = serve.split("<details>", 1)
+    lines = [line for line in serve.splitlines() if "device-to-host copies of 8 bytes" in line]
+    assert len(lines) == 2 and all(line in head.splitlines() for line in lines)
+    assert head.index("### Serving: TTFT beside the cached prompt tokens") < head.index(lines[0])
+    assert all(line not in rest for line in lines)

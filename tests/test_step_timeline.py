@@ -104,7 +104,8 @@ def test_the_cold_prefill_step_statement_and_the_json(shipped_recipes, run_kvtra
     assert any(s["kind"] == "step-timeline" for s in data["statements"])
     code, _, err = run_kvtrace("report", COLD, "--format", "markdown", "-o", tmp_path / "r.md")
     text = (tmp_path / "r.md").read_text()
-    assert "### vLLM steps on the GPU" in text and "**steps**" in text
+    head = text.split("<details>", 1)[0]
+    assert "### vLLM steps on the GPU" in text and "prefill steps (4 paired): nvfp4's kernels ran" in head
 
 
 def test_no_step_timeline_without_vllm_steps_or_inside_a_window(shipped_recipes):

@@ -385,6 +385,12 @@ def _serving_head_table(report: Report) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
+def _beside_ttft(report: Report, statement) -> bool:
+    """The head's serving lines hold the TTFT guard rail and, where serving was measured, what the vLLM steps say
+    about it: time the candidate's host spent in its steps, and what held it, is TTFT no kernel row shows."""
+    return statement.kind == "ttft" or (statement.kind == "step-timeline" and bool(report.serving))
+
+
 def _serving_head(report: Report) -> list[str]:
     """The head's serving lines: TTFT beside the cached prompt tokens per traffic point, and the guard rail (the
     TTFT statements, which say when a TTFT change is a prefix-hit or capacity effect rather than kernel speed)."""
@@ -393,7 +399,7 @@ def _serving_head(report: Report) -> list[str]:
     header, rows = _serving_head_table(report)
     lines = ["", "### Serving: TTFT beside the cached prompt tokens", ""]
     lines += markdown_table([md_text(h) for h in header], [[md_text(cell) for cell in row] for row in rows])
-    rail = [s for s in report.statements if s.kind == "ttft"]
+    rail = [s for s in report.statements if _beside_ttft(report, s)]
     if rail:
         lines += [""] + [f"- {MARK[s.level]} {statement_text(s, md_text)}" for s in rail]
     return lines
@@ -404,7 +410,7 @@ def report_markdown(report: Report, rest: str | None = diff_markdown.WHOLE) -> t
     visible, the rest in <details>; `rest` as diff_markdown.sized takes it."""
     b, c = report.baseline, report.candidate
     labels = md_text(b.label), md_text(c.label)
-    # The head's statements and the TTFT ones are in the head already.
+    # The head's statements and those beside TTFT are in the head already.
     head = diff_markdown.head(report.diff, statements=False, serving=_serving_head(report))
     if report.quality is not None:  # quality beside the phase rows: after them, before the environment
         at = next((i for i, text in enumerate(head) if i and text.startswith("### ")), len(head))
@@ -419,7 +425,7 @@ def report_markdown(report: Report, rest: str | None = diff_markdown.WHOLE) -> t
     sections = [diff_markdown.Section("the report's lead", lead),
                 diff_markdown.Section("what the numbers say", ["### What the numbers say", ""] + [
                     f"- {MARK[s.level]} **{s.check}**: {statement_text(s, md_text)}" for s in report.statements
-                    if s.kind != "ttft"]),
+                    if not _beside_ttft(report, s)]),
                 diff_markdown.Section("the runs", ["### Runs", ""]
                                       + [f"- {MARK[f.level]} {md_prose(f.message)}" for f in report.findings]
                                       + [f"- {md_prose(note)}" for note in report.notes])]

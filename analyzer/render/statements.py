@@ -204,8 +204,8 @@ def _step_timeline(s: st.StepTimelineStatement, name: Name = _plain) -> str:
     if r.host_reading == HELD_BY_WAIT:  # the span not measured as longer
         return (f"{r.phase} steps ({r.steps:,} paired): {c}'s host stayed in {r.candidate_waited_steps:,} of "
                 f"{r.steps:,} steps until their GPU work was nearly done ({b}: {r.baseline_waited_steps:,}): {held}. "
-                f"On the GPU its steps spanned {r.span_ratio:.3f}× {b}'s {interval(r.span_low, r.span_high)} "
-                f"({r.span_verdict}) and its kernels ran {kernels}: what holds the host, not a slower kernel; how much "
+                f"On the GPU its steps spanned {r.span_ratio:.3f}× {b}'s ({interval(r.span_low, r.span_high)}, "
+                f"{r.span_verdict}) and its kernels ran {kernels}: what holds the host, not a slower kernel; how much "
                 "time it adds needs more paired steps")
     why = (held if r.held_by else "something in them waits for the GPU, such as a synchronizing copy"
            if r.candidate_host_waits is None else "no copy or synchronization that only it made was recorded")
