@@ -70,9 +70,11 @@ class MatrixPoint:
     candidate_capacity: str | None
     capacity_notes: list[str] = field(default_factory=list)  # a capacity reason resting on unobserved peaks
     stat: str | None = None  # "mean": what the objective's estimate compares
-    baseline_value: float | None = None  # the objective's mean over every run of the arm
+    # The objective per arm, its mean over every run (pooled: every pooled run pair's), and candidate / baseline,
+    # as `estimate` holds them.
+    baseline_value: float | None = None
     candidate_value: float | None = None
-    ratio: float | None = None  # candidate / baseline of the objective
+    ratio: float | None = None
     estimate: ServingEstimate | None = None  # the objective's ratio with its interval, band and verdict
     # baseline, candidate, NO_CLEAR_WINNER, NOT_EXPLAINED (`apparent`: the side it favours); None: not decided
     # (`undecided` says why)
