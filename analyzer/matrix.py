@@ -364,10 +364,10 @@ def _same_point_key(s: Scenario) -> tuple:
 def _setup(result: Report) -> str:
     """The manifest's settings that shape serving besides the KV format: the model's shape (not where it was read
     from), the server's extra arguments (KV-cache size, batch limits), weights and prefix caching."""
-    settings = read_manifest(Path(result.baseline.run)).settings
-    model = {k: v for k, v in (settings.get("model") or {}).items() if k != "source"}
-    return json.dumps([model, *(settings.get(k) for k in ("extra_vllm_args", "load_format", "prefix_caching"))],
-                      sort_keys=True, default=str)
+    manifest = read_manifest(Path(result.baseline.run))
+    model = {k: v for k, v in manifest.model.items() if k != "source"}
+    return json.dumps([model, *(manifest.settings.get(k) for k in ("extra_vllm_args", "load_format",
+                                                                    "prefix_caching"))], sort_keys=True, default=str)
 
 
 def _disagree(a: MatrixPoint, b: MatrixPoint, threshold: float) -> bool:
