@@ -35,11 +35,11 @@ PROCESS_BITS = 0x0000FFFFFF000000  # the process id inside a globalTid: domains 
 # The runtime and driver calls that can launch kernels (cudaLaunchKernel*, cuLaunchKernel*, cudaGraphLaunch*,
 # cudaLaunchCooperativeKernel*, …) hold this in their names: reading only their rows halves the runtime scan.
 LAUNCH_WORD = "Launch"
-GRAPH_LAUNCH_WORD = "GraphLaunch"
+GRAPH_LAUNCH_WORD = "GraphLaunch"  # cudaGraphLaunch*, cuGraphLaunch*: a trace without them has no graph to miss
 # The runtime and driver calls that copy (cudaMemcpy*, cuMemcpy*) and those that block the host until the GPU has
 # reached a point (cudaStreamSynchronize, cudaDeviceSynchronize, cudaEventSynchronize, cuCtxSynchronize, …).
 COPY_WORD = "Memcpy"
-SYNC_WORD = "Synchronize"  # cudaGraphLaunch*, cuGraphLaunch*: a trace without them has no graph to miss
+SYNC_WORD = "Synchronize"
 GPU_COLUMNS = ("id", "name", "smCount", "computeMajor", "computeMinor", "chipName", "totalMemory", "memoryBandwidth")
 NSYS_HINT = "profile with `nsys profile -t cuda` (add --cuda-graph-trace=node for vLLM)"
 

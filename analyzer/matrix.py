@@ -9,6 +9,7 @@ count, who wins them and why. analyzer/render/matrix.py words the claims.
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field
 from itertools import combinations
 from pathlib import Path
@@ -69,9 +70,11 @@ class MatrixPoint:
     candidate_capacity: str | None
     capacity_notes: list[str] = field(default_factory=list)  # a capacity reason resting on unobserved peaks
     stat: str | None = None  # "mean": what the objective's estimate compares
-    baseline_value: float | None = None  # the objective's mean over every run of the arm
+    # The objective per arm, its mean over every run (pooled: every pooled run pair's), and candidate / baseline,
+    # as `estimate` holds them.
+    baseline_value: float | None = None
     candidate_value: float | None = None
-    ratio: float | None = None  # candidate / baseline of the objective
+    ratio: float | None = None
     estimate: ServingEstimate | None = None  # the objective's ratio with its interval, band and verdict
     # baseline, candidate, NO_CLEAR_WINNER, NOT_EXPLAINED (`apparent`: the side it favours); None: not decided
     # (`undecided` says why)
@@ -105,6 +108,8 @@ class Scenario:
     points: list[MatrixPoint]
     sweep: bool
     report: Report = field(repr=False)
+    # The server's setup that its points' numbers depend on besides formats and environment (_setup).
+    setup: str = field(default="", repr=False)
 
 
 @dataclass
@@ -349,10 +354,20 @@ def _points(name: str, result: Report, objective: str, start: int) -> list[Matri
 # ---- points measured more than once ------------------------------------------------------------------------
 
 def _same_point_key(s: Scenario) -> tuple:
-    """What makes two scenarios' points the same point: formats, engine, mode, scenario and environment."""
+    """What makes two scenarios' points the same point: formats, engine, mode, scenario, environment and the
+    server's setup (their run pairs are pooled: a sweep run again with another KV-cache size is another point)."""
     arm = s.report.baseline
     return (s.baseline_format, s.candidate_format, arm.engine, arm.mode, arm.scenario,
-            tuple(asdict(s.environment).items()))
+            tuple(asdict(s.environment).items()), s.setup)
+
+
+def _setup(result: Report) -> str:
+    """The manifest's settings that shape serving besides the KV format: the model's shape (not where it was read
+    from), the server's extra arguments (KV-cache size, batch limits), weights and prefix caching."""
+    manifest = read_manifest(Path(result.baseline.run))
+    model = {k: v for k, v in manifest.model.items() if k != "source"}
+    return json.dumps([model, *(manifest.settings.get(k) for k in ("extra_vllm_args", "load_format",
+                                                                    "prefix_caching"))], sort_keys=True, default=str)
 
 
 def _disagree(a: MatrixPoint, b: MatrixPoint, threshold: float) -> bool:
@@ -615,7 +630,7 @@ def build(paths: list[Path], recipes: RecipeSet, *, objective: str = "ttft", thr
             candidate=result.candidate.label, baseline_format=result.baseline.kv_format,
             candidate_format=result.candidate.kv_format, environment=_environment(result),
             kernels=[s for s in result.statements if isinstance(s, KernelStatement)], points=points,
-            sweep=result.sweep, report=result))
+            sweep=result.sweep, report=result, setup=_setup(result)))
     _join_measurements(scenarios, objective, threshold, confidence)
     return Matrix(objective=objective, threshold=threshold, scenarios=scenarios,
                   claims=_claims(scenarios, objective, threshold))

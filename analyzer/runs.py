@@ -139,6 +139,10 @@ def _complete_pairs(base: ArmInput, cand: ArmInput) -> list[ArmInput]:
     kept = [(b, c) for b, c in zip(base.runs, cand.runs) if not unrun(base, b) and not unrun(cand, c)]
     if not kept or len(kept) == len(base.runs):
         return [base, cand]
+    for item in (base, cand):  # a failed run whose partner was not run is refused as any failed run is
+        for name in item.runs:
+            if item.manifest.runs[name].status == "failed":
+                _check_arm(replace(item, runs=(name,)), None)
     return [replace(item, runs=tuple(pair[side] for pair in kept),
                     left_out=tuple(name for name in item.runs if name not in {pair[side] for pair in kept}))
             for side, item in enumerate((base, cand))]

@@ -141,6 +141,7 @@ class _Upstream:
         self.host, self.port = host, port
         self._lock = threading.Lock()
         self._idle: list[http.client.HTTPConnection] = []
+        self._closed = False  # the relay has stopped: a handler thread still running gives its connection back late
 
     def send(self, method: str, path: str, body: bytes | None,
              headers: dict) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
@@ -153,6 +154,9 @@ class _Upstream:
                 return idle, self._exchange(idle, method, path, body, headers)
             except ConnectionError:  # reset, broken pipe, or closed before any answer (RemoteDisconnected)
                 idle.close()
+            except BaseException:
+                idle.close()
+                raise
         connection = http.client.HTTPConnection(self.host, self.port, timeout=_SERVER_TIMEOUT_S)
         try:
             return connection, self._exchange(connection, method, path, body, headers)
@@ -168,16 +172,17 @@ class _Upstream:
 
     def give_back(self, connection: http.client.HTTPConnection, response: http.client.HTTPResponse) -> None:
         """Keeps a connection once its response has been read until read1() gave nothing, unless the server is
-        closing it or the body ended short of its Content-Length."""
-        if response.will_close or response.length:
-            connection.close()
-            return
+        closing it, the body ended short of its Content-Length, or the relay has stopped."""
         response.close()  # the connection takes no next request while its last response is open
         with self._lock:
-            self._idle.append(connection)
+            if not (self._closed or response.will_close or response.length):
+                self._idle.append(connection)
+                return
+        connection.close()
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             idle, self._idle = self._idle, []
         for connection in idle:
             connection.close()

@@ -268,10 +268,11 @@ def test_the_run_left_without_a_pair_compares_with_its_own_arm(recipes):
 @pytest.mark.parametrize("edit, message", [
     ({"fp8.r2": {"status": "failed", "error": "server exited"}}, "arm fp8.r2 in"),
     ({"fp8.r1": {"status": "not run"}}, "arm fp8.r1 in"),
+    ({"nvfp4.r2": {"status": "failed", "error": "server exited"}}, "arm nvfp4.r2 in .* failed: server exited"),
 ])
 def test_a_failed_run_or_no_complete_pair_is_still_refused(tmp_path, recipes, edit, message):
-    """Only runs the capture never started are left out: a failed one may be the finding, and with no run pair
-    that both ran there is nothing to compare."""
+    """Only runs the capture never started are left out: a failed one may be the finding (nvfp4.r2 too, whose
+    partner fp8.r2 was never run), and with no run pair that both ran there is nothing to compare."""
     run = tmp_path / SWEEP_REPEATS.name
     shutil.copytree(SWEEP_REPEATS, run)
     manifest = json.loads((run / "manifest.json").read_text())

@@ -704,6 +704,50 @@ def test_the_relay_reconnects_when_the_server_drops_an_idle_connection(standin, 
     assert len(connections.read_text().splitlines()) == 8 + int(warmup[warmup.index("--num-prompts") + 1])
 
 
+def test_the_relays_upstream_connections_are_closed_whatever_ends_them():
+    """A kept connection whose next answer is not HTTP (an error that is no reset) is closed, not left open; one
+    given back after the relay stopped (a handler thread outliving it) is closed, not kept."""
+    import http.client
+
+    from kvtrace.capture.vllm_relay import _Upstream
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    answers = [b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok", b"not http\r\n\r\n",
+               b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"]
+
+    def serve():  # one answer per request, the first two over one connection
+        for connections in (2, 1):
+            peer, _ = listener.accept()
+            with peer:
+                for _ in range(connections):
+                    peer.recv(65536)
+                    peer.sendall(answers.pop(0))
+                if connections == 2:
+                    peer.recv(65536)  # until the relay closes its side
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    upstream = _Upstream(*listener.getsockname())
+    try:
+        connection, response = upstream.send("GET", "/v1/models", None, {})
+        assert response.read() == b"ok"
+        upstream.give_back(connection, response)
+        assert upstream._idle == [connection]
+        with pytest.raises(http.client.BadStatusLine):
+            upstream.send("GET", "/v1/models", None, {})
+        assert connection.sock is None and upstream._idle == []
+        connection, response = upstream.send("GET", "/v1/models", None, {})
+        assert response.read() == b"ok"
+        upstream.close()
+        upstream.give_back(connection, response)
+        assert connection.sock is None and upstream._idle == []
+    finally:
+        upstream.close()
+        listener.close()
+    server.join(10)
+    assert not server.is_alive()
+
+
 def test_serve_counts_kv_cache_evictions_from_the_servers_events(standin, monkeypatch):
     """Evictions are the server's BlockRemoved events, counted per point and checked afresh against the raw event
     file the run directory keeps."""

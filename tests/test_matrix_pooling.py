@@ -189,6 +189,24 @@ def test_synthetic_disagreeing_measurements_are_not_pooled_nor_decided(recipes, 
     assert sum(1 for p in result.points if p.pooled_with) == 2 * (len(run_pair_means(run)) - 1)
 
 
+def test_a_sweep_run_again_with_another_kv_cache_size_is_not_pooled(recipes, both, tmp_path):
+    """The later session's manifest edited to say its server had twice the KV cache (synthetic): its points are
+    other points, so none is pooled with the first session's, though the traffic and formats are the same."""
+    run = tmp_path / REPEATS.name
+    shutil.copytree(REPEATS, run)
+    for path in run.iterdir():
+        path.chmod(0o644)
+    data = json.loads((run / "manifest.json").read_text())
+    args = data["settings"]["extra_vllm_args"]
+    args[args.index("--kv-cache-memory-bytes") + 1] = str(2 * int(args[args.index("--kv-cache-memory-bytes") + 1]))
+    (run / "manifest.json").write_text(json.dumps(data))
+    result = matrix.build([SWEEP, run], recipes)
+    assert len(result.points) == len(both.points) and any(p.pooled_with for p in both.points)
+    for p in result.points:
+        assert p.pooled_with == () and p.disagrees_with == ()
+        assert p.estimate is None or p.estimate is p.serving.estimates["ttft_ms"]
+
+
 def test_synthetic_pooled_row_whose_own_run_credits_the_win_otherwise_is_named(recipes):
     """Causes stay each row's own: where one row of a pooled point credits its win to something else (here made so
     by hand), the one claim of the point says so for that row."""
