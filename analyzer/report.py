@@ -115,6 +115,7 @@ class Report:
     # The arms' identical vLLM steps per phase on the GPU: kernel time, span, time with no kernel running (steps).
     step_timeline: list[steps.StepPhase] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    left_out: str | None = None  # a --repeats capture cut short: the runs left out (analyzer.runs.left_out_note)
     plots: list[PlotFile] = field(default_factory=list)  # set by the caller that wrote them (render.plots)
     # Per-call durations (ns, sorted) per cell (segment, phase, family label) and arm, for the ECDF plots; not in
     # the JSON.
@@ -140,6 +141,7 @@ class Report:
         data["capacity"] = self.capacity.to_dict() if self.capacity else None
         data["step_timeline"] = [asdict(row) for row in self.step_timeline]
         data["notes"] = list(self.notes)
+        data["left_out"] = self.left_out
         data["plots"] = [asdict(p) for p in self.plots]
         data["quality"] = self.quality.to_dict() if self.quality else None
         return data
@@ -339,7 +341,7 @@ def build(paths: list[Path], recipes: RecipeSet, *, arms: tuple[str, ...] = (), 
     for side, runs in (("baseline", sides.baseline), ("candidate", sides.candidate)):
         for cell, values in compare.cell_durations(sides.vocabulary, runs, DISTRIBUTION_SEGMENTS).items():
             durations.setdefault(cell, {})[side] = values
-    notes: list[str] = [note] if (note := left_out_note(base, cand)) else []
+    notes: list[str] = []
     if len(b_traces) > 1:
         notes.append(f"{len(b_traces)} runs per arm: kernel numbers and serving intervals cover every run; the other "
                      "serving metrics and capacity are the first run's")
@@ -378,4 +380,4 @@ def build(paths: list[Path], recipes: RecipeSet, *, arms: tuple[str, ...] = (), 
                   findings=_run_findings(base, cand, b_arm, c_arm, serving), segment_times=segment_times(diff),
                   serving=serving, sweep=sweep, bandwidth=bandwidth, hbm_ceiling=ceiling,
                   prefill_compute=prefill_compute, compute_ceiling=compute_ceiling, capacity=cap, notes=notes,
-                  durations=durations, quality=quality_lib.build(base, cand, tuple(labels)))
+                  left_out=left_out_note(base, cand), durations=durations, quality=quality_lib.build(base, cand, tuple(labels)))

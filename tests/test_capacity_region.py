@@ -20,6 +20,8 @@ import pytest
 from conftest import VLLM033_8B_RUNS
 from kvtrace.analyzer import matrix, report, statements
 from kvtrace.analyzer.classify import load_recipes
+from kvtrace.analyzer.render import render_text
+from kvtrace.analyzer.render.escape import md_prose
 from kvtrace.analyzer.render.matrix import claim_text
 from kvtrace.analyzer.render.statements import text as statement_text
 from kvtrace.analyzer.reuse import REUSED_SHARE
@@ -247,7 +249,9 @@ def test_a_repeats_capture_stopped_early_compares_the_run_pairs_that_ran(recipes
     result = report.build([SWEEP_REPEATS], recipes)
     assert [Path(p).name for p in (*result.baseline.runs, *result.candidate.runs)] == ["fp8.r1.sqlite",
                                                                                        "nvfp4.r1.sqlite"]
-    note = next(n for n in result.notes if "not run" in n)
+    note = result.left_out
+    head = render_text(result, "markdown").split("<details>", 1)[0]
+    assert f"⚠️ {md_prose(note)}" in head and result.to_dict()["left_out"] == note
     assert note.startswith("fp8.r2 was not run (the capture stopped before it): 1 of 2 run pairs compared; "
                            "nvfp4.r2, left without a pair, is not in the ratios")
     for row, fp8, nvfp4 in zip(result.serving, _ttft_means(SWEEP_REPEATS, "fp8.r1"),

@@ -415,7 +415,10 @@ def report_markdown(report: Report, rest: str | None = diff_markdown.WHOLE) -> t
     if report.quality is not None:  # quality beside the phase rows: after them, before the environment
         at = next((i for i, text in enumerate(head) if i and text.startswith("### ")), len(head))
         head[at:at] = [md_text(quality_render.line(report.quality, b.label, c.label)), ""]
-    top = [f"## kvtrace report: {labels[0]} → {labels[1]}", ""] + head
+    top = [f"## kvtrace report: {labels[0]} → {labels[1]}", ""]
+    if report.left_out:  # what the numbers below cover, before any of them
+        top += [f"{MARK['warning']} {md_prose(report.left_out)}", ""]
+    top += head
     lead = [f"Baseline **{labels[0]}** (arm {md_code(b.arm)} of {md_code(shown_path(b.run))}, {md_text(b.engine)} "
             "engine" + (f", {md_text(b.scenario)}" if b.scenario else "") + f"), candidate **{labels[1]}** (arm "
             f"{md_code(c.arm)} of {md_code(shown_path(c.run))}"
@@ -507,6 +510,9 @@ def report_terminal(report: Report, console: Console) -> None:
     if report.quality is not None:
         quality_render.terminal(report.quality, b.label, c.label, console)
     console.print(f"[bold]{rich(b.label)}[/] ({rich(shown_path(b.run))}) → [bold]{rich(c.label)}[/] ({rich(shown_path(c.run))})")
+    if report.left_out:
+        console.print(f"  {LEVEL['warning']}  ", end="")
+        console.print(visible(report.left_out), markup=False, highlight=False)
     for s in report.statements:
         console.print(f"  {LEVEL[s.level]}  {s.check}: ", end="")
         console.print(statement_text(s, visible), markup=False, highlight=False)
