@@ -114,7 +114,7 @@ def _step_table(trace: Trace) -> pl.DataFrame:
     table = (per_step.join(names, on="step_range").join(host, on="step_range")
              .with_columns((pl.col("span_ns") - pl.col("kernel_ns")).alias("idle_ns"),
                            (pl.col("host_end") - pl.col("last_end")).alias("host_tail_ns")))
-    waits = step_waits(trace, table["step_range"])
+    waits = step_waits(trace)
     if waits is None:
         table = table.with_columns(pl.lit(None, pl.UInt32).alias("host_waits"),
                                    pl.lit(None, pl.Int64).alias("host_wait_ns"))
@@ -126,13 +126,17 @@ def _step_table(trace: Trace) -> pl.DataFrame:
     return table.cast({c: empty.schema[c] for c in empty.columns}).sort("start").select(empty.columns)
 
 
-def step_waits(trace: Trace, step_ranges: pl.Series) -> pl.DataFrame | None:
-    """The host waits (analyzer.host_waits) inside these step ranges on each range's own thread, with their
-    step_range and ns (the host's time in the call); None where the export recorded none."""
+def step_waits(trace: Trace) -> pl.DataFrame | None:
+    """The host waits (analyzer.host_waits) inside the trace's vLLM step ranges on each range's own thread, with
+    their step_range and ns (the host's time in the call); None where the export recorded none."""
+    return trace.memo("step_waits", lambda: _step_waits(trace))
+
+
+def _step_waits(trace: Trace) -> pl.DataFrame | None:
     waits = host_waits.host_waits(trace)
     if waits is None:
         return None
-    steps = (trace.ranges.filter(pl.col("range").is_in(step_ranges.to_list()))
+    steps = (trace.ranges.filter(pl.col("range").is_in(align.steps(trace)["step_range"].unique().to_list()))
              .select(pl.col("range").cast(pl.Int64).alias("step_range"), "global_tid",
                      pl.col("start").alias("step_start"), pl.col("end").alias("step_end")).sort("step_start"))
     # Steps do not overlap on a thread: a wait is in the last step that started before it, if that one is still open.
@@ -140,6 +144,11 @@ def step_waits(trace: Trace, step_ranges: pl.Series) -> pl.DataFrame | None:
                                           strategy="backward", check_sortedness=False)
             .filter(pl.col("start") < pl.col("step_end"))
             .with_columns((pl.col("end") - pl.col("start")).alias("ns")).drop("step_start", "step_end"))
+
+
+def _in_steps(waits: pl.DataFrame | None, step_ranges: pl.Series) -> pl.DataFrame | None:
+    """The waits of these steps alone (None stays None: not recorded)."""
+    return None if waits is None else waits.filter(pl.col("step_range").is_in(step_ranges.to_list()))
 
 
 def kernel_union(kernels: pl.DataFrame) -> pl.DataFrame:
@@ -168,8 +177,8 @@ def compare(baseline: list[Run], candidate: list[Run], *, threshold: float = 0.0
             found = joined.filter(pl.col("phase") == phase).sort("step", "occurrence")
             if found.height:
                 pairs[phase].append(found)
-                waits[phase].append((step_waits(base.trace, found["step_range"]),
-                                     step_waits(cand.trace, found["step_range_c"])))
+                waits[phase].append((_in_steps(step_waits(base.trace), found["step_range"]),
+                                     _in_steps(step_waits(cand.trace), found["step_range_c"])))
     return [_phase(phase, parts, waits[phase], threshold, confidence, seed) for phase, parts in pairs.items()
             if parts]
 
