@@ -80,15 +80,14 @@ def _read(trace: Trace) -> pl.DataFrame | None:
         copies = pl.from_arrow(tables.integer_rows(et.MEMCPY_TABLE, (
             "correlationId", "globalPid", "copyKind", "srcKind", "dstKind", "bytes", "end")))
         syncs = pl.from_arrow(tables.integer_rows(et.SYNC_TABLE, ("correlationId", "globalPid")))
-        process = (pl.col("globalPid") // (1 << 24)).alias("process")
-        copies = copies.with_columns(process).rename({"end": "copy_end"})
-        syncs = syncs.with_columns(process).unique(["process", "correlationId"])
+        copies = copies.with_columns(_process("globalPid")).rename({"end": "copy_end"})
+        syncs = syncs.with_columns(_process("globalPid")).unique(["process", "correlationId"])
         wanted = pl.concat([copies["correlationId"], syncs["correlationId"]]).drop_nulls().unique().to_list()
         if not wanted:
             return pl.DataFrame(schema=SCHEMA)
         calls = pl.from_arrow(tables.integer_rows(et.RUNTIME_TABLE, (
             "correlationId", "globalTid", "start", "end", "nameId"), where=("correlationId", wanted)))
-        calls = calls.with_columns((pl.col("globalTid") // (1 << 24)).alias("process"))
+        calls = calls.with_columns(_process("globalTid"))
         names = _names(tables, calls["nameId"])
         calls = calls.join(names.rename({"id": "nameId", "value": "call"}), on="nameId", how="left")
         waited_copies = (copies.join(calls, on=["process", "correlationId"])
@@ -117,9 +116,13 @@ def _words(column: str, words: dict[int, str]) -> pl.Expr:
 
 
 def _names(tables: et.Tables, ids: pl.Series) -> pl.DataFrame:
-    rows = tables.strings(ids.drop_nulls().unique().to_list())
-    et.check_rows(rows, tables.path, "StringIds", (et.INT, et.TEXT), ("id", "value"))
-    return pl.DataFrame(rows, schema={"id": pl.Int64, "value": pl.Utf8}, orient="row")
+    return load.string_frame(tables, ids.drop_nulls().unique().to_list(), "value")
+
+
+def _process(column: str) -> pl.Expr:
+    """The process a globalTid or globalPid belongs to (export_tables.PROCESS_BITS): correlation ids are per
+    process."""
+    return (pl.col(column) & et.PROCESS_BITS).alias("process")
 
 
 def _with_neighbours(tables: et.Tables, waits: pl.DataFrame) -> pl.DataFrame:
@@ -129,7 +132,7 @@ def _with_neighbours(tables: et.Tables, waits: pl.DataFrame) -> pl.DataFrame:
     launches = pl.from_arrow(tables.integer_rows(et.RUNTIME_TABLE, ("correlationId", "globalTid", "start"),
                                                  where=("nameId", tables.launch_api_ids() or [-1])))
     launches = (launches.filter(pl.col("globalTid").is_in(threads))
-                .with_columns((pl.col("globalTid") // (1 << 24)).alias("process"))
+                .with_columns(_process("globalTid"))
                 .rename({"start": "launch_start"}).sort("launch_start"))
     ordered = waits.sort("start")
     keys = ["globalTid", "process"]
@@ -140,7 +143,7 @@ def _with_neighbours(tables: et.Tables, waits: pl.DataFrame) -> pl.DataFrame:
     wanted = pl.concat([before["correlationId"], after["correlationId"]]).drop_nulls().unique().to_list()
     kernels = pl.from_arrow(tables.integer_rows(et.KERNEL_TABLE, ("correlationId", "globalPid", "start", "shortName"),
                                                 where=("correlationId", wanted or [-1])))
-    kernels = kernels.with_columns((pl.col("globalPid") // (1 << 24)).alias("process"))
+    kernels = kernels.with_columns(_process("globalPid"))
     names = _names(tables, kernels["shortName"]).rename({"id": "shortName", "value": "name"})
     kernels = kernels.join(names, on="shortName", how="left").sort("start")
     last = kernels.group_by("process", "correlationId").agg(pl.col("name").last().alias("before"))

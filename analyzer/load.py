@@ -499,10 +499,15 @@ def _check_names(signatures: pl.DataFrame, path: Path) -> None:
                            "export the report again")
 
 
+def string_frame(tables: export_tables.Tables, ids: list[int], what: str) -> pl.DataFrame:
+    """StringIds' id and value of these ids, checked (`what` names the value in a damaged export's error)."""
+    rows = tables.strings(ids)
+    check_rows(rows, tables.path, "StringIds", (INT, TEXT), ("id", what))
+    return pl.DataFrame(rows, schema={"id": pl.Int64, "value": pl.Utf8}, orient="row")
+
+
 def _with_names(tables: export_tables.Tables, signatures: pl.DataFrame) -> pl.DataFrame:
     """Attach the demangled and short kernel names (StringIds) to the signatures."""
-    rows = tables.strings(_ids(signatures["name_id"], signatures["short_id"]))
-    check_rows(rows, tables.path, "StringIds", (INT, TEXT), ("id", "value (a kernel name)"))
-    strings = pl.DataFrame(rows, schema={"id": pl.Int64, "value": pl.Utf8}, orient="row")
+    strings = string_frame(tables, _ids(signatures["name_id"], signatures["short_id"]), "value (a kernel name)")
     return (signatures.join(strings.rename({"id": "name_id", "value": "demangled"}), on="name_id", how="left")
             .join(strings.rename({"id": "short_id", "value": "short"}), on="short_id", how="left").sort("sig"))
