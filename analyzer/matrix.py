@@ -22,7 +22,7 @@ from kvtrace.analyzer.serving import ServingRow
 from kvtrace.analyzer.stats import ServingEstimate
 from kvtrace.analyzer.statements import APPEND_PHASE, KernelStatement, segment_verdict
 from kvtrace.errors import KvtraceError
-from kvtrace.manifest import MANIFEST, Point, read_manifest
+from kvtrace.manifest import MANIFEST, Manifest, Point, read_manifest
 
 MATRIX_SCHEMA = "kvtrace.matrix/2"
 # objective -> (the serving estimate that decides it: ServingRow.estimates' key and ServingMetrics' field, lower is
@@ -37,6 +37,8 @@ PREFIX_HITS = "more prefix hits"
 # The loser was capacity-bound there (preemption, queueing) and the winner was not, or was bound less: it ran more
 # requests at once, as the server observed.
 CAPACITY = "avoided capacity limits"
+# What the server measured of the capacity mechanism, per arm (analyzer.serving.ServingMetrics' names).
+SERVER_MEASURES = ("preemptions", "peak_running", "peak_kv_usage", "queue_ms")
 # MatrixPoint.winner besides an arm's side: the interval reaches into the no-change band; or a win beyond it that
 # nothing kvtrace measured accounts for (no kernel of the objective faster for the winner, no prefix hits, no
 # capacity reason), which is no choice.
@@ -206,8 +208,7 @@ def _scenario_name(manifest, run: Path) -> str:
     return run.name
 
 
-def _environment(result: Report) -> Environment:
-    manifest = read_manifest(Path(result.baseline.run))
+def _environment(result: Report, manifest: Manifest) -> Environment:
     packages = headline.package_versions(manifest)
     flashinfer = packages.get("flashinfer") or packages.get("flashinfer-python")
     backend = manifest.settings.get("attention_backend")
@@ -361,10 +362,9 @@ def _same_point_key(s: Scenario) -> tuple:
             tuple(asdict(s.environment).items()), s.setup)
 
 
-def _setup(result: Report) -> str:
+def _setup(manifest: Manifest) -> str:
     """The manifest's settings that shape serving besides the KV format: the model's shape (not where it was read
     from), the server's extra arguments (KV-cache size, batch limits), weights and prefix caching."""
-    manifest = read_manifest(Path(result.baseline.run))
     model = {k: v for k, v in manifest.model.items() if k != "source"}
     return json.dumps([model, *(manifest.settings.get(k) for k in ("extra_vllm_args", "load_format",
                                                                     "prefix_caching"))], sort_keys=True, default=str)
@@ -481,10 +481,6 @@ def _point_values(p: MatrixPoint, base: str, cand: str, objective: str, threshol
             # The same measures per run of the point's own run pairs: [baseline's, candidate's], in repeat order.
             "server_runs": {key: [[getattr(pair[side], key) for pair in p.serving.run_pairs] for side in (0, 1)]
                             for key in SERVER_MEASURES}}
-
-
-# What the server measured of the capacity mechanism, per arm (analyzer.serving.ServingMetrics' names).
-SERVER_MEASURES = ("preemptions", "peak_running", "peak_kv_usage", "queue_ms")
 
 
 def _claims(scenarios: list[Scenario], objective: str, threshold: float) -> list[Claim]:
@@ -625,12 +621,13 @@ def build(paths: list[Path], recipes: RecipeSet, *, objective: str = "ttft", thr
                                   cache=cache, exports_from=())
         points = _points(name, result, objective, start)
         start += len(points)
+        manifest = read_manifest(Path(result.baseline.run))
         scenarios.append(Scenario(
             name=name, runs=tuple(str(r) for r in runs), baseline=result.baseline.label,
             candidate=result.candidate.label, baseline_format=result.baseline.kv_format,
-            candidate_format=result.candidate.kv_format, environment=_environment(result),
+            candidate_format=result.candidate.kv_format, environment=_environment(result, manifest),
             kernels=[s for s in result.statements if isinstance(s, KernelStatement)], points=points,
-            sweep=result.sweep, report=result, setup=_setup(result)))
+            sweep=result.sweep, report=result, setup=_setup(manifest)))
     _join_measurements(scenarios, objective, threshold, confidence)
     return Matrix(objective=objective, threshold=threshold, scenarios=scenarios,
                   claims=_claims(scenarios, objective, threshold))
