@@ -30,6 +30,10 @@ from pathlib import Path
 from kvtrace.errors import KvtraceError
 
 GENERATED = ("gaussian", "outliers")
+# Generated tensors are float32 normals rounded to BF16 (flashinfer_workload.normal_bf16): torch's own BF16 CPU normal
+# draws its uniforms at BF16 precision on torch 2.7 to 2.11 at least, so its values stop at |x| = 3.33 on 256 levels
+# (pytorch#166853). Recorded in the manifest: runs drawn before (fi-h200-sm90-quality) carry no `drawn_as`.
+DRAWN_AS = "float32 normal rounded to bf16"
 # Outlier mode: this many channels per KV head, fixed across tokens, scaled by OUTLIER_GAIN in K and V.
 OUTLIER_CHANNELS = 4
 OUTLIER_GAIN = 16.0
@@ -117,8 +121,8 @@ def read_tensor_file(path: Path) -> tuple[dict, str]:
 def describe_inputs(kind: str, sha256: str | None = None) -> dict:
     """What the manifest records about the inputs: the kind, and for a file its name and SHA-256 (read_tensor_file's)."""
     if kind in GENERATED:
-        return {"kind": kind, **({"outlier_channels": OUTLIER_CHANNELS, "outlier_gain": OUTLIER_GAIN}
-                                 if kind == "outliers" else {})}
+        return {"kind": kind, "drawn_as": DRAWN_AS, **({"outlier_channels": OUTLIER_CHANNELS,
+                                                       "outlier_gain": OUTLIER_GAIN} if kind == "outliers" else {})}
     return {"kind": "file", "file": Path(kind).name, "sha256": sha256}
 
 

@@ -126,18 +126,15 @@ class Inputs:
         q, k, v (quality.read_tensor_file). Generated tensors are drawn where the generator lives (the workload's is a
         CPU one, so that a GPU run's tensors can be drawn again anywhere: tests check its recorded errors on them),
         then moved to `device`; a file's draw nothing (the generator is not used after the contexts)."""
-        def randn(*shape):
-            return torch.randn(shape, generator=generator, device=generator.device, dtype=torch.bfloat16)
-
         if isinstance(source, dict):
             inputs = cls.of_file(args, context, source)
         else:
-            keys = randn(args.batch * context, args.kv_heads, args.head_dim)
-            values = randn(args.batch * context, args.kv_heads, args.head_dim)
-            q_prefill = randn(args.batch * context, args.q_heads, args.head_dim)
-            q_decode = randn(args.batch, args.q_heads, args.head_dim)
-            new_k = randn(args.append_calls, args.batch, args.kv_heads, args.head_dim)
-            new_v = randn(args.append_calls, args.batch, args.kv_heads, args.head_dim)
+            keys = normal_bf16(generator, args.batch * context, args.kv_heads, args.head_dim)
+            values = normal_bf16(generator, args.batch * context, args.kv_heads, args.head_dim)
+            q_prefill = normal_bf16(generator, args.batch * context, args.q_heads, args.head_dim)
+            q_decode = normal_bf16(generator, args.batch, args.q_heads, args.head_dim)
+            new_k = normal_bf16(generator, args.append_calls, args.batch, args.kv_heads, args.head_dim)
+            new_v = normal_bf16(generator, args.append_calls, args.batch, args.kv_heads, args.head_dim)
             if source is not None:
                 keys, values, new_k, new_v = (quality.add_outliers(x, source) for x in (keys, values, new_k, new_v))
             inputs = cls(keys, values, q_prefill, q_decode, new_k, new_v)
@@ -153,6 +150,11 @@ class Inputs:
         last = torch.tensor([s + context - 1 for s in starts])
         follow = torch.tensor([[(s + context + step) % k.shape[0] for s in starts] for step in range(args.append_calls)])
         return cls(k[rows], v[rows], q[rows], q[last], k[follow], v[follow])
+
+
+def normal_bf16(generator: torch.Generator, *shape: int) -> torch.Tensor:
+    """Standard normal BF16 values drawn in float32 where the generator lives (quality.DRAWN_AS says why)."""
+    return torch.randn(shape, generator=generator, device=generator.device).to(torch.bfloat16)
 
 
 class Appender:
@@ -268,8 +270,7 @@ def main(argv=None) -> None:
                 "sm_count": torch.cuda.get_device_properties(device).multi_processor_count},
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "contexts": []}
-    gemm_a, gemm_b = (torch.randn(args.gemm_size, args.gemm_size, generator=generator, dtype=torch.bfloat16).to(device)
-                      for _ in range(2))
+    gemm_a, gemm_b = (normal_bf16(generator, args.gemm_size, args.gemm_size).to(device) for _ in range(2))
     gemm = functools.partial(torch.matmul, gemm_a, gemm_b)  # the control that must not move between arms
     source = sha256 = None
     if args.inputs == "outliers":

@@ -18,7 +18,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from conftest import NSYS2025_DIR  # noqa: E402
+from conftest import FI_OUTLIERS, FI_QUALITY  # noqa: E402
 from kvtrace.capture import flashinfer_quality as quality  # noqa: E402
 from kvtrace.capture import formats  # noqa: E402
 from kvtrace.capture import flashinfer_workload as workload  # noqa: E402
@@ -284,14 +284,51 @@ def test_workload_passes_the_inputs_to_the_arm_process(tmp_path):
 
 # ---- a recorded run's numbers, drawn again on the CPU ------------------------------------------------------
 
+def mt19937(seed: int) -> np.random.MT19937:
+    """numpy's MT19937 in the state torch's CPU generator has after manual_seed(seed): the reference seeding
+    (init_genrand) of the same Mersenne Twister, whose raw 32-bit outputs torch's uniforms are made from."""
+    key = [seed & 0xFFFFFFFF]
+    for i in range(1, 624):
+        key.append((1812433253 * (key[-1] ^ (key[-1] >> 30)) + i) & 0xFFFFFFFF)
+    generator = np.random.MT19937()
+    generator.state = {"bit_generator": "MT19937", "state": {"key": np.array(key, np.uint32), "pos": 624}}
+    return generator
+
+
+def to_bf16(x) -> np.ndarray:
+    """float32 values rounded to the nearest BF16 (ties to even), kept as float32."""
+    bits = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    return (((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16).astype(np.uint32).view(np.float32)
+
+
+def legacy_bf16_normal(generator: np.random.MT19937, count: int) -> np.ndarray:
+    """torch 2.11's `torch.randn(dtype=torch.bfloat16)` on the CPU, rebuilt from its algorithm (pytorch#166853, the
+    `normal_fill` path of ATen's CPU DistributionTemplates.h): one BF16 uniform per value from the low 8 bits of one
+    32-bit output, then Box-Muller on each block of 16 (u1 = 1 - u[j], u2 = u[j + 8]), every step rounded to BF16.
+    Newer torch draws these at float precision, so a run recorded with it (quality_inputs without `drawn_as`) can
+    only be drawn again this way."""
+    uniform = (generator.random_raw(count) & 0xFF).astype(np.float64).reshape(-1, 16) / 256
+    radius = to_bf16(np.sqrt(-2 * to_bf16(np.log(1 - uniform[:, :8]))))
+    theta = to_bf16(2 * np.pi * uniform[:, 8:]).astype(np.float64)
+    values = np.concatenate([radius * to_bf16(np.cos(theta)), radius * to_bf16(np.sin(theta))], axis=1)
+    return to_bf16(values).reshape(-1)
+
+
 def drawn_again(spec: dict, inputs: dict, context: int) -> dict:
     """The BF16 tensors the workload drew for `context`, drawn again: its generator is a CPU one seeded with the
     spec's seed, drawing the two GEMM operands, then per context keys, values, prefill and decode queries and the
-    appended rows, in that order (flashinfer_workload.main and Inputs.draw)."""
-    generator = torch.Generator().manual_seed(spec["seed"])
+    appended rows, in that order (flashinfer_workload.main and Inputs.draw), each as `inputs` says it was drawn."""
+    if inputs.get("drawn_as") == quality.DRAWN_AS:
+        generator = torch.Generator().manual_seed(spec["seed"])
 
-    def randn(*shape):
-        return torch.randn(shape, generator=generator, dtype=torch.bfloat16)
+        def randn(*shape):
+            return torch.randn(shape, generator=generator).to(torch.bfloat16)
+    else:
+        legacy = mt19937(spec["seed"])
+
+        def randn(*shape):
+            values = legacy_bf16_normal(legacy, math.prod(shape)).reshape(shape)
+            return torch.from_numpy(values).to(torch.bfloat16)
 
     for _ in range(2):
         randn(spec["gemm_size"], spec["gemm_size"])
@@ -357,10 +394,16 @@ def test_workload_records_what_numpy_computes_on_the_same_tensors():
         for context in spec["contexts"]:
             _, entry = workload.prepare_context(stand_in_flashinfer(), args, context, generator,
                                                 torch.zeros(16, dtype=torch.uint8), lambda: None)
-            check_recorded_point(spec, {"kv_format": kv_format, "quality_inputs": {"kind": "gaussian"}}, entry)
+            check_recorded_point(spec, {"kv_format": kv_format, "quality_inputs": quality.describe_inputs("gaussian")},
+                                 entry)
 
 
-FLASHINFER_RUNS = [NSYS2025_DIR]
+FLASHINFER_RUNS = [FI_QUALITY, FI_OUTLIERS]
+
+
+def recorded_workloads(run) -> tuple[dict, dict]:
+    manifest = json.loads((run / "manifest.json").read_text())
+    return manifest["settings"]["spec"], {arm: manifest["arms"][arm]["workload"] for arm in ("fp8", "nvfp4")}
 
 
 @pytest.mark.slow
@@ -368,15 +411,29 @@ FLASHINFER_RUNS = [NSYS2025_DIR]
 def test_recorded_gpu_errors_match_numpy_on_the_same_tensors(run):
     """The H200 run's recorded errors: the smallest context's format and cache errors drawn again here and computed
     by numpy, and NVFP4's error above FP8's at every point, kernel and format alike."""
-    manifest = json.loads((run / "manifest.json").read_text())
-    workloads = {arm: manifest["arms"][arm]["workload"] for arm in ("fp8", "nvfp4")}
-    if "quality" not in workloads["fp8"]["contexts"][0]:
-        pytest.skip(f"{run.name} was recorded before the quality numbers: re-record it with "
-                    "fixtures/record-flashinfer-h200.sh")
-    spec = manifest["settings"]["spec"]
-    for arm, recorded in workloads.items():
+    spec, workloads = recorded_workloads(run)
+    for recorded in workloads.values():
         check_recorded_point(spec, recorded, recorded["contexts"][0])
     for fp8, nvfp4 in zip(workloads["fp8"]["contexts"], workloads["nvfp4"]["contexts"]):
         for group in ("kernel", "format"):
             for phase in ("prefill", "decode"):
                 assert nvfp4["quality"][group][phase]["rel_l2"] > fp8["quality"][group][phase]["rel_l2"]
+        for tensor in ("k", "v"):
+            assert nvfp4["quality"]["cache"][tensor]["rel_l2"] > fp8["quality"]["cache"][tensor]["rel_l2"]
+
+
+def test_recorded_outliers_cost_nvfp4_more_than_fp8():
+    """The same draws with outlier channels: at every recorded point and phase the format's error grows for both,
+    and by more for NVFP4, whose 16-value blocks share one scale with the outlier."""
+    plain, spiked = (recorded_workloads(run)[1] for run in (FI_QUALITY, FI_OUTLIERS))
+    assert spiked["fp8"]["quality_inputs"]["kind"] == "outliers" and plain["fp8"]["quality_inputs"]["kind"] == "gaussian"
+    growth = {}
+    for arm in ("fp8", "nvfp4"):
+        for before, after in zip(plain[arm]["contexts"], spiked[arm]["contexts"]):
+            assert before["context"] == after["context"]
+            for phase in ("prefill", "decode"):
+                growth[arm, before["context"], phase] = (after["quality"]["format"][phase]["rel_l2"]
+                                                         - before["quality"]["format"][phase]["rel_l2"])
+    for (arm, context, phase), value in growth.items():
+        if arm == "nvfp4":
+            assert value > growth["fp8", context, phase] > 0, (context, phase)
