@@ -31,6 +31,10 @@ MEANINGLESS = "not a measurement"  # dummy weights: the plumbing ran, the number
 KERNEL, ANSWERS = "kernel", "answers"
 METRICS = ("rel_l2", "cosine", "max_abs")
 AUTO = "auto"
+# A kernel whose error exceeds its format's (exact attention over the same dequantized cache) by more than this many
+# BF16 output floors departs from the attention its own cache defines: by the triangle inequality its output is at
+# least that gap away from it, far past what rounding the output or reordering the sums costs (docs/statistics.md).
+DEPARTURE_FLOORS = 10
 
 
 @dataclass
@@ -46,6 +50,24 @@ class ErrorRow:
     baseline_format: dict | None = None
     candidate_format: dict | None = None
     floor: dict | None = None  # the reference rounded to BF16: what any kernel with a BF16 output pays
+
+
+@dataclass
+class Departure:
+    """A workload point where one arm's kernel adds error its format does not (DEPARTURE_FLOORS)."""
+
+    context: int
+    what: str  # prefill, decode
+    side: str  # baseline, candidate
+    kernel: float  # rel_l2 of the kernel's output against the reference
+    format: float  # rel_l2 of exact attention over the dequantized cache against the reference
+    floor: float  # rel_l2 of the reference rounded to BF16
+
+    @property
+    def gap(self) -> float:
+        """A lower bound on the kernel's distance from attention over its own dequantized cache, relative to the
+        reference's size: |kernel - ref| - |format - ref| <= |kernel - format|."""
+        return self.kernel - self.format
 
 
 @dataclass
@@ -105,6 +127,7 @@ class Quality:
     # kernel: per phase (prefill, decode) and side, the lowest and highest rel_l2 over the contexts (each context's
     # own row is in `errors`: this only bounds them for the one-line summary).
     spans: dict = field(default_factory=dict)
+    departures: list[Departure] = field(default_factory=list)  # kernel: points where a kernel adds its own error
     prompts_file: str | None = None
     prompts: list[PromptRow] = field(default_factory=list)
     accuracy: stats.PairedAccuracy | None = None
@@ -178,10 +201,26 @@ def _kernel(base: ArmInput, cand: ArmInput) -> Quality:
             values = [getattr(row, side)["rel_l2"] for row in rows if row.what == what and getattr(row, side)]
             spans.setdefault(what, {})[side] = [min(values), max(values)] if values else None
     result = Quality(MEASURED, None, KERNEL, inputs=inputs[0] if isinstance(inputs[0], dict) else None, errors=rows,
-                     spans=spans)
+                     spans=spans, departures=_departures(rows))
     if inputs[0] != inputs[1]:
         result.notes.append("the arms' Q/K/V came from different inputs: their errors do not compare")
     return result
+
+
+def _departures(rows: list[ErrorRow]) -> list[Departure]:
+    found = []
+    for row in rows:
+        if row.floor is None:
+            continue
+        for side in ("baseline", "candidate"):
+            kernel, format_alone = getattr(row, side), getattr(row, f"{side}_format")
+            if kernel is None or format_alone is None:
+                continue
+            departure = Departure(row.context, row.what, side, kernel["rel_l2"], format_alone["rel_l2"],
+                                  row.floor["rel_l2"])
+            if departure.gap > DEPARTURE_FLOORS * departure.floor:
+                found.append(departure)
+    return found
 
 
 def _entry(quality: dict, group: str, name: str) -> dict | None:

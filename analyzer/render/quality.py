@@ -37,6 +37,9 @@ def _inputs(inputs: dict | None) -> str:
         return "inputs not recorded"
     if inputs.get("kind") == "file":
         return f"Q/K/V from {inputs.get('file')}"
+    if "drawn_as" not in inputs:  # drawn before capture/flashinfer_quality.DRAWN_AS was recorded
+        return (f"{inputs.get('kind')} Q/K/V from torch's BF16 CPU normal, which on torch 2.11 and earlier stops at "
+                "|x| = 3.33 (pytorch#166853)")
     return f"{inputs.get('kind')} Q/K/V"
 
 
@@ -84,7 +87,8 @@ def line(result: q.Quality, baseline: str, candidate: str) -> str:
             parts.append(f"{what} {baseline} {spans[0]} vs {candidate} {spans[1]}")
         where = f"context {contexts[0]}" if len(contexts) == 1 else f"contexts {contexts[0]}–{contexts[-1]}"
         return (f"Quality (kernel error, {_inputs(result.inputs)}): attention output relative L2 error against a "
-                f"float64 reference over the BF16 cache, {'; '.join(parts)} ({where}, each context apart below).")
+                f"float64 reference over the BF16 cache, {'; '.join(parts)} ({where}, each context apart below)."
+                + "".join(f" {sentence}" for sentence in departures(result, baseline, candidate)))
     acc = result.accuracy
     text = (f"Quality ({acc.prompts} {plural(acc.prompts, 'prompt')} of "
             f"{result.prompts_file or 'the prompt file'}, greedy): accuracy "
@@ -100,6 +104,23 @@ def line(result: q.Quality, baseline: str, candidate: str) -> str:
         text += "; against BF16 (" + result.auto[0].reference + "): " + ", ".join(
             f"{a.arm} {percent(a.token_agreement)} of tokens alike, {a.identical} identical" for a in result.auto)
     return text + "."
+
+
+def departures(result: q.Quality, baseline: str, candidate: str) -> list[str]:
+    """One warning per arm and phase whose kernel adds error its format does not, every such context named."""
+    groups: dict[tuple[str, str], list[q.Departure]] = {}
+    for departure in result.departures:
+        groups.setdefault((departure.side, departure.what), []).append(departure)
+    sentences = []
+    for (side, what), found in groups.items():
+        points = ", ".join(f"{error(d.kernel)} against {error(d.format)} at context {d.context}" for d in found)
+        least = min(found, key=lambda d: d.gap)
+        sentences.append(
+            f"⚠️ {baseline if side == 'baseline' else candidate}'s {what} kernel adds error its format does not: "
+            f"{points} for exact attention over its own dequantized cache, so its output is at least "
+            f"{error(least.gap)} of the reference away from that attention ({least.gap / least.floor:.0f}× the BF16 "
+            "output floor): the kernel's arithmetic or its reading of the cache, not the format's bits.")
+    return sentences
 
 
 def decision(results: dict[str, q.Quality], candidate: str, name: Name = _plain) -> str:
