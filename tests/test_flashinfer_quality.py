@@ -314,6 +314,17 @@ def legacy_bf16_normal(generator: np.random.MT19937, count: int) -> np.ndarray:
     return to_bf16(values).reshape(-1)
 
 
+def test_generated_inputs_reach_the_gaussian_tails_the_legacy_draw_cut_off():
+    """The workload's draw against torch 2.11's BF16 CPU normal on as many values: only the workload's passes
+    |x| = 3.33, and it records that it drew so."""
+    args = argparse.Namespace(**{**ARGS, "batch": 4, "kv_heads": 8, "head_dim": 128})
+    keys = workload.Inputs.draw(args, 1024, torch.Generator().manual_seed(0)).keys.float()
+    legacy = legacy_bf16_normal(mt19937(0), keys.numel())
+    assert np.abs(legacy).max() == pytest.approx(3.328125) and keys.abs().max() > 4
+    assert float(keys.std()) == pytest.approx(1, abs=0.01)
+    assert quality.describe_inputs("gaussian")["drawn_as"] == quality.DRAWN_AS
+
+
 def drawn_again(spec: dict, inputs: dict, context: int) -> dict:
     """The BF16 tensors the workload drew for `context`, drawn again: its generator is a CPU one seeded with the
     spec's seed, drawing the two GEMM operands, then per context keys, values, prefill and decode queries and the
@@ -390,7 +401,7 @@ def test_workload_records_what_numpy_computes_on_the_same_tensors():
         args = argparse.Namespace(kv_format=kv_format, inputs="gaussian", **spec)
         generator = torch.Generator().manual_seed(spec["seed"])
         for _ in range(2):
-            torch.randn(spec["gemm_size"], spec["gemm_size"], generator=generator, dtype=torch.bfloat16)
+            workload.normal_bf16(generator, spec["gemm_size"], spec["gemm_size"])
         for context in spec["contexts"]:
             _, entry = workload.prepare_context(stand_in_flashinfer(), args, context, generator,
                                                 torch.zeros(16, dtype=torch.uint8), lambda: None)
