@@ -479,8 +479,14 @@ def _point_values(p: MatrixPoint, base: str, cand: str, objective: str, threshol
             "peak_running": [p.serving.baseline.peak_running, p.serving.candidate.peak_running],
             "peak_kv_usage": [p.serving.baseline.peak_kv_usage, p.serving.candidate.peak_kv_usage],
             # The same measures per run of the point's own run pairs: [baseline's, candidate's], in repeat order.
-            "server_runs": {key: [[getattr(pair[side], key) for pair in p.serving.run_pairs] for side in (0, 1)]
-                            for key in SERVER_MEASURES}}
+            "server_runs": _server_runs([p])}
+
+
+def _server_runs(points: list[MatrixPoint]) -> dict:
+    """SERVER_MEASURES per run pair of the points' serving rows, in their order then repeat order:
+    {measure: [baseline's values, candidate's values]}."""
+    return {key: [[getattr(pair[side], key) for q in points for pair in q.serving.run_pairs] for side in (0, 1)]
+            for key in SERVER_MEASURES}
 
 
 def _claims(scenarios: list[Scenario], objective: str, threshold: float) -> list[Claim]:
@@ -511,7 +517,11 @@ def _claims(scenarios: list[Scenario], objective: str, threshold: float) -> list
             if p.pooled_with:
                 cited = tuple(sorted((p.row, *p.pooled_with)))
                 values["pooled_rows"], values["pooled_directories"] = list(cited), p.pooled_directories
-                values["own_runs"] = p.serving.runs  # the run pairs of the row whose server numbers are worded
+                values["own_runs"] = p.serving.runs  # the run pairs of the row whose first-run numbers these are
+                # Every pooled row's run pairs, so that the words give each run's server measures, not one row's.
+                pooled = [by_row[r] for r in cited if r in by_row]
+                values["server_runs"] = _server_runs(pooled)
+                values["server_rows"] = [q.row for q in pooled for _ in q.serving.run_pairs]
                 # The pooled point's other rows whose own run credits the win otherwise (causes are each run's own).
                 values["differing"] = [{"row": q.row, **_point_values(q, base, cand, objective, threshold)}
                                        for q in (by_row[r] for r in p.pooled_with if r in by_row)

@@ -207,20 +207,26 @@ def test_where_capacity_binds_for_one_arm_the_server_measures_stand_beside_it(de
 
 def test_where_capacity_binds_for_both_arms_the_decision_says_so(decision):
     """The sweep's last point: FP8's demand exceeds its pool and NVFP4 preempted once. The sweep points where FP8 alone
-    is bound (concurrency 8 to 12) are capacity claims too, each with the server's measures."""
+    is bound (concurrency 8 to 12) are capacity claims too, each with the server's measures: every point is pooled
+    with the later session's (capacity-sweep-repeats, whose one complete run pair is fp8.r1 + nvfp4.r1), so each
+    measure is given for the sweep's run, then that one."""
     fp8_points, nvfp4_points = _points(SWEEP, "fp8"), _points(SWEEP, "nvfp4")
+    later = {arm: {p["point"]: p for p in _points(VLLM033_8B_RUNS["capacity-sweep-repeats"], arm)
+                   if p["bench_result"].startswith(f"{arm}.r1")} for arm in ("fp8", "nvfp4")}
     claims = _capacity_claims(decision, SWEEP)
     both = claims[fp8_points[-1]["point"]]
     assert both.values["baseline_capacity"].startswith("30,464 KV tokens needed of 16,384")
     assert both.values["candidate_capacity"] == "1 preemption" and both.values["preemptions"] == [0, 1]
     words = claim_text(both, decision)
     assert "Where capacity binds for both arms" in words and "and so is nvfp4 (1 preemption)" in words
-    assert f"mean time queued {_queue_ms(fp8_points[-1]):.1f} ms against {_queue_ms(nvfp4_points[-1]):.1f} ms" in words
+    last = fp8_points[-1]["point"]
+    assert (f"mean time queued {_queue_ms(fp8_points[-1]):.1f} ms and {_queue_ms(later['fp8'][last]):.1f} ms against "
+            f"{_queue_ms(nvfp4_points[-1]):.1f} ms and {_queue_ms(later['nvfp4'][last]):.1f} ms") in words
     fp8_only = [p["point"] for p in fp8_points[2:5]]
     for point in fp8_only:
         v = claims[point].values
         assert v["baseline_capacity"] and not v["candidate_capacity"]
-        assert "and nvfp4 is not; the server measured, fp8 against nvfp4: preemptions 0 against 0" in \
+        assert "and nvfp4 is not; the server measured, fp8 against nvfp4: preemptions 0 and 0 against 0 and 0" in \
             claim_text(claims[point], decision)
     assert set(claims) == {fp8_points[-1]["point"], *fp8_only}
 

@@ -221,3 +221,27 @@ def test_synthetic_pooled_row_whose_own_run_credits_the_win_otherwise_is_named(r
     assert [d["row"] for d in claim.values["differing"]] == [second.row]
     text = matrix_render.claim_text(claim, result)
     assert f"; on R{second.row}'s own run, fp8 wins; " in text and "synthetic: capacity-bound by hand" in text
+
+
+def test_a_pooled_claim_gives_every_pooled_runs_server_measures(both, recipes):
+    """A pooled capacity claim's server measures are each pooled row's runs, row by row, as each directory alone
+    gives them, and its words list them all (not the lowest row's run only)."""
+    alone = [matrix.build([run], recipes) for run in (SWEEP, REPEATS)]
+
+    def own(result, point):
+        claim = next(c for c in result.claims if c.kind == "capacity" and c.values["point"] == point)
+        return claim.values["server_runs"]
+
+    pooled = [c for c in both.claims if c.kind == "capacity" and c.values.get("pooled_rows")]
+    assert {c.values["point"] for c in pooled} >= {"input=2048,output=128,prompts=28,concurrency=14"}
+    for claim in pooled:
+        point, runs = claim.values["point"], claim.values["server_runs"]
+        parts = [own(result, point) for result in alone]
+        for key in matrix.SERVER_MEASURES:
+            assert runs[key] == [parts[0][key][side] + parts[1][key][side] for side in (0, 1)], (point, key)
+        assert claim.values["server_rows"] == claim.values["pooled_rows"]  # one complete run pair per directory
+        sentence = matrix_render.claim_text(claim, both)
+        assert (f"(each of the 2 runs of {matrix_render.rows_text(claim.values['pooled_rows'])}, row by row in repeat "
+                "order)") in sentence
+        queued = runs["queue_ms"][0]
+        assert f"mean time queued {queued[0]:.1f} ms and {queued[1]:.1f} ms against" in sentence

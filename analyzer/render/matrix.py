@@ -312,8 +312,10 @@ def _server(v: dict, name: Name) -> str:
         sides = per_run[key] if every else [[v[key][0]], [v[key][1]]]
         parts.append(f"{words} {' and '.join(map(fmt, sides[0]))} against {' and '.join(map(fmt, sides[1]))}")
     whose = f"each of its {runs} runs, in order" if every else "its first run" if runs > 1 else ""
-    if v.get("pooled_rows"):  # the numbers are one row's: the run pairs pooled are not all its own
-        whose = f"R{v['pooled_rows'][0]}'s " + (whose.removeprefix("its ") if whose else "run")
+    if v.get("server_rows"):  # a pooled point: the runs are its rows' together
+        rows = list(dict.fromkeys(v["server_rows"]))
+        whose = (f"each of the {runs} runs of {rows_text(rows)}, row by row in repeat order" if every else
+                 f"R{rows[0]}'s first run")
     return f"; the server measured, {b} against {c}: " + ", ".join(parts) + (f" ({whose})" if whose else "")
 
 
