@@ -141,6 +141,8 @@ class Quality:
     def to_dict(self) -> dict:
         data = asdict(self)
         del data["read"]  # paths stay out of reports
+        for shown, departure in zip(data["departures"], self.departures):
+            shown["gap"] = departure.gap
         if self.accuracy is not None:
             data["accuracy"].update(baseline_accuracy=self.accuracy.baseline_accuracy,
                                     candidate_accuracy=self.accuracy.candidate_accuracy)

@@ -112,8 +112,10 @@ def test_a_kernel_that_adds_error_its_format_does_not_is_named():
             "against 9.88% at context 8192, 31.6% against 9.71% at context 32768 for exact attention over its own "
             "dequantized cache, so its output is at least 16% of the reference away from that attention") in line
     assert "decode kernel adds" not in line and "fp8's" not in line
-    assert [d["context"] for d in json.loads(render_text(build(FI_QUALITY), "json"))["quality"]["departures"]] == [
-        2048, 8192, 32768]
+    shown = json.loads(render_text(build(FI_QUALITY), "json"))["quality"]["departures"]
+    assert [(d["context"], d["side"], d["what"]) for d in shown] == [
+        (context, "candidate", "prefill") for context in (2048, 8192, 32768)]
+    assert [d["gap"] for d in shown] == pytest.approx([d.kernel - d.format for d in q.departures])
 
 
 def test_outlier_inputs_cost_both_formats_without_a_kernel_departure():
