@@ -8,7 +8,7 @@ DEMO_PACK := fixtures/fi-h200-sm90/fi-h200-sm90.tar.xz
 OUT ?= out
 DEMO := $(OUT)/fi-h200-sm90
 # The same workload with each format's attention error per point (issue 36), shipped packed.
-QUALITY_DEMO := $(OUT)/fi-h200-sm90-quality
+QUALITY_DEMO := $(OUT)/fi-h200-sm90-gaussian
 # The real vLLM 0.33 pair (H200, FP8 vs NVFP4 KV cache, offline decode-heavy), shipped packed.
 VLLM_DEMO_PACK := fixtures/vllm033-h200/offline-decode-heavy.tar.xz
 VLLM_DEMO := $(OUT)/vllm033-offline-decode-heavy
@@ -43,13 +43,13 @@ demo: install
 	kvtrace matrix $(addprefix $(CAPACITY_DEMO)/vllm033-,$(CAPACITY_RUNS))
 	kvtrace matrix $(addprefix $(CAPACITY_DEMO)/vllm033-,$(CAPACITY_RUNS)) --format markdown -o $(OUT)/demo-capacity.md
 	kvtrace report $(CAPACITY_DEMO)/vllm033-capacity-preemption --format markdown -o $(OUT)/demo-preemption.md
-	rm -rf $(QUALITY_DEMO) && tar -xJf fixtures/fi-h200-sm90-quality/fi-h200-sm90-quality.tar.xz -C $(OUT)
+	rm -rf $(QUALITY_DEMO) && tar -xJf fixtures/fi-h200-sm90-gaussian/fi-h200-sm90-gaussian.tar.xz -C $(OUT)
 	kvtrace report $(QUALITY_DEMO) --format markdown -o $(OUT)/demo-quality.md
 	@echo "vLLM 0.33 FP8 vs NVFP4 run directory: $(VLLM_DEMO)"
 	@echo "markdown report: $(OUT)/demo-diff.md, JSON: $(OUT)/demo-diff.json"
 	@echo "serving report with plots: $(OUT)/demo-report.md ($(OUT)/plots/; drag $(OUT)/plots/summary.png into the issue)"
 	@echo "the capacity-bound region (8B shape: cold prefill, prefix reuse, preemption, sweep): $(OUT)/demo-capacity.md; the preemption case: $(OUT)/demo-preemption.md"
-	@echo "quality beside speed (each format's attention error per point, a kernel that adds its own): $(OUT)/demo-quality.md"
+	@echo "quality beside speed (each format's attention error per point, a kernel that strays from its own cache): $(OUT)/demo-quality.md"
 
 test: install-dev
 	@if [ -n "$(NSYS_INSTALLER)" ]; then export NSYS=$$(bash $(NSYS_INSTALLER)); fi; \

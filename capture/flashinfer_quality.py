@@ -5,7 +5,9 @@ cache (the source the format was quantized from), for prefill and decode, three 
 - `format`: exact (float64) attention over the dequantized cache against the reference: the error the format's
   bits add, whatever kernel reads them (computable anywhere, with capture/formats.py's quantizers);
 - `kernel`: FlashInfer's output against the reference: what a model would get (GPU only);
-- `output_rounding`: the reference rounded to BF16, the floor any kernel with a BF16 output has.
+- `output_rounding`: the reference rounded to BF16, the floor any kernel with a BF16 output has;
+- `kernel_vs_format`: the kernel's output against exact attention over its own dequantized cache: what the kernel
+  adds beyond its format (its arithmetic, or a departure from the attention the cache defines).
 Plus the round trip of the cache itself (dequantize(quantize(x)) against x) for K and V.
 Each is relative L2 error, cosine similarity and max absolute error (docs/statistics.md says what they mean).
 
@@ -30,9 +32,9 @@ from pathlib import Path
 from kvtrace.errors import KvtraceError
 
 GENERATED = ("gaussian", "outliers")
-# Generated tensors are float32 normals rounded to BF16 (flashinfer_workload.normal_bf16): torch's own BF16 CPU normal
-# draws its uniforms at BF16 precision on torch 2.7 to 2.11 at least, so its values stop at |x| = 3.33 on 256 levels
-# (pytorch#166853). Recorded in the manifest: runs drawn before (fi-h200-sm90-quality) carry no `drawn_as`.
+# Generated tensors are float32 normals rounded to BF16 (normal_bf16): torch's own BF16 CPU normal draws its uniforms
+# at BF16 precision on torch 2.7–2.11, so its values stop at |x| = 3.33 on 256 levels (pytorch/pytorch#166853).
+# Recorded in the manifest: runs drawn before (fi-h200-sm90-quality) carry no `drawn_as`.
 DRAWN_AS = "float32 normal rounded to bf16"
 # Outlier mode: this many channels per KV head, fixed across tokens, scaled by OUTLIER_GAIN in K and V.
 OUTLIER_CHANNELS = 4
@@ -124,6 +126,13 @@ def describe_inputs(kind: str, sha256: str | None = None) -> dict:
         return {"kind": kind, "drawn_as": DRAWN_AS, **({"outlier_channels": OUTLIER_CHANNELS,
                                                        "outlier_gain": OUTLIER_GAIN} if kind == "outliers" else {})}
     return {"kind": "file", "file": Path(kind).name, "sha256": sha256}
+
+
+def normal_bf16(generator: "torch.Generator", *shape: int) -> "torch.Tensor":
+    """Standard normal BF16 values drawn as DRAWN_AS says, where the generator lives."""
+    import torch
+
+    return torch.randn(shape, generator=generator, device=generator.device).to(torch.bfloat16)
 
 
 def outlier_channels(kv_heads: int, head_dim: int, seed: int) -> "torch.Tensor":
@@ -236,12 +245,14 @@ def point_quality(dequantized: dict, keys, values, q_prefill, q_decode, batch: i
               "cache": {"k": errors(dequantized["k"], keys), "v": errors(dequantized["v"], values)},
               "format": {}, "output_rounding": {}}
     if kernel is not None:
-        result["kernel"] = {}
+        result["kernel"], result["kernel_vs_format"] = {}, {}
     for phase, q, phase_rows in (("prefill", q_prefill, rows), ("decode", q_decode, None)):
         ref = attention64(q, keys, values, batch, context, phase_rows)
         result["format"][phase] = errors(dequantized[phase], ref)
         result["output_rounding"][phase] = errors(ref.to(torch.bfloat16), ref)
         if kernel is not None:
             out = kernel[0 if phase == "prefill" else 1]
-            result["kernel"][phase] = errors(select_rows(out, batch, context, rows) if phase_rows else out, ref)
+            out = select_rows(out, batch, context, rows) if phase_rows else out
+            result["kernel"][phase] = errors(out, ref)
+            result["kernel_vs_format"][phase] = errors(out, dequantized[phase])
     return result

@@ -129,12 +129,12 @@ class Inputs:
         if isinstance(source, dict):
             inputs = cls.of_file(args, context, source)
         else:
-            keys = normal_bf16(generator, args.batch * context, args.kv_heads, args.head_dim)
-            values = normal_bf16(generator, args.batch * context, args.kv_heads, args.head_dim)
-            q_prefill = normal_bf16(generator, args.batch * context, args.q_heads, args.head_dim)
-            q_decode = normal_bf16(generator, args.batch, args.q_heads, args.head_dim)
-            new_k = normal_bf16(generator, args.append_calls, args.batch, args.kv_heads, args.head_dim)
-            new_v = normal_bf16(generator, args.append_calls, args.batch, args.kv_heads, args.head_dim)
+            keys = quality.normal_bf16(generator, args.batch * context, args.kv_heads, args.head_dim)
+            values = quality.normal_bf16(generator, args.batch * context, args.kv_heads, args.head_dim)
+            q_prefill = quality.normal_bf16(generator, args.batch * context, args.q_heads, args.head_dim)
+            q_decode = quality.normal_bf16(generator, args.batch, args.q_heads, args.head_dim)
+            new_k = quality.normal_bf16(generator, args.append_calls, args.batch, args.kv_heads, args.head_dim)
+            new_v = quality.normal_bf16(generator, args.append_calls, args.batch, args.kv_heads, args.head_dim)
             if source is not None:
                 keys, values, new_k, new_v = (quality.add_outliers(x, source) for x in (keys, values, new_k, new_v))
             inputs = cls(keys, values, q_prefill, q_decode, new_k, new_v)
@@ -150,11 +150,6 @@ class Inputs:
         last = torch.tensor([s + context - 1 for s in starts])
         follow = torch.tensor([[(s + context + step) % k.shape[0] for s in starts] for step in range(args.append_calls)])
         return cls(k[rows], v[rows], q[rows], q[last], k[follow], v[follow])
-
-
-def normal_bf16(generator: torch.Generator, *shape: int) -> torch.Tensor:
-    """Standard normal BF16 values drawn in float32 where the generator lives (quality.DRAWN_AS says why)."""
-    return torch.randn(shape, generator=generator, device=generator.device).to(torch.bfloat16)
 
 
 class Appender:
@@ -234,10 +229,11 @@ def prepare_context(flashinfer, args: argparse.Namespace, context: int, generato
              "k_scale": cache.k_scale, "v_scale": cache.v_scale,
              "quality": quality.point_quality(dequantized, inputs.keys, inputs.values, inputs.q_prefill,
                                               inputs.q_decode, args.batch, context, kernel=(out_prefill, out_decode))}
-    # The layout checks (does the kernel read the cache as written?) run on the smallest context only.
-    if context == min(args.contexts):
-        entry["accuracy"] = accuracy_checks(args, cache, inputs.keys, inputs.values, inputs.q_prefill, dequantized,
-                                            out_prefill, out_decode, prefill)
+    # Which nibble FlashInfer reads first, checked once on the smallest context (quality's kernel_vs_format says how
+    # near the kernel is to the cache as written, at every context).
+    if args.kv_format == "nvfp4" and context == min(args.contexts):
+        entry["accuracy"] = nibble_order_check(args, cache, inputs.keys, inputs.values, inputs.q_prefill,
+                                               dequantized, prefill)
     append()
     append.step = 0  # the measured appends start at the first prepared token again
     gemm()
@@ -270,7 +266,7 @@ def main(argv=None) -> None:
                 "sm_count": torch.cuda.get_device_properties(device).multi_processor_count},
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "contexts": []}
-    gemm_a, gemm_b = (normal_bf16(generator, args.gemm_size, args.gemm_size).to(device) for _ in range(2))
+    gemm_a, gemm_b = (quality.normal_bf16(generator, args.gemm_size, args.gemm_size).to(device) for _ in range(2))
     gemm = functools.partial(torch.matmul, gemm_a, gemm_b)  # the control that must not move between arms
     source = sha256 = None
     if args.inputs == "outliers":
@@ -289,33 +285,20 @@ def main(argv=None) -> None:
     runner.write_json_atomic(args.result, result)
 
 
-def accuracy_checks(args, cache, keys, values, q_prefill, dequantized, out_prefill, out_decode, prefill):
-    """Kernel output against float64 attention over the dequantized cache the kernel read (quality.read_back's, at
-    its prefill rows): a kernel that reads the cache as written is near it. For NVFP4 also the other nibble order,
-    to confirm which one FlashInfer reads."""
+def nibble_order_check(args, cache, keys, values, q_prefill, dequantized, prefill) -> dict:
+    """The prefill kernel over the same pages and scales with each byte's nibbles swapped, against float64 attention
+    over the dequantized cache: far off when the cache was written in the order FlashInfer reads."""
     context, batch = cache.context, args.batch
-    rows = quality.prefill_rows(context)
-
-    def prefill_error(out):
-        return quality.errors(quality.select_rows(out, batch, context, rows), dequantized["prefill"])["rel_l2"]
-
-    checks = {
-        "prefill_vs_dequantized_cache": prefill_error(out_prefill),
-        "decode_vs_dequantized_cache": quality.errors(out_decode, dequantized["decode"])["rel_l2"],
-    }
-    if cache.kv_format == "nvfp4":
-        kq = formats.nvfp4_quantize(keys, cache.k_scale, low_nibble_first=False)
-        vq = formats.nvfp4_quantize(values, cache.v_scale, low_nibble_first=False)
-        # Same pages and scales; only the nibble order of the data differs.
-        pages_k, pages_v = cache.k_cache.clone(), cache.v_cache.clone()
-        slots = pages_k.shape[0] // batch * args.page_size
-        for target, packed in ((pages_k, kq.data), (pages_v, vq.data)):
-            view = target.view(batch, slots, *target.shape[2:])
-            view[:, :context] = packed.reshape(batch, context, *packed.shape[1:])
-        checks["prefill_high_nibble_first_vs_dequantized_cache"] = prefill_error(
-            prefill.run(q_prefill, (pages_k, pages_v), **cache.run_kwargs()))
-    return checks
-
+    kq = formats.nvfp4_quantize(keys, cache.k_scale, low_nibble_first=False)
+    vq = formats.nvfp4_quantize(values, cache.v_scale, low_nibble_first=False)
+    pages_k, pages_v = cache.k_cache.clone(), cache.v_cache.clone()
+    slots = pages_k.shape[0] // batch * args.page_size
+    for target, packed in ((pages_k, kq.data), (pages_v, vq.data)):
+        view = target.view(batch, slots, *target.shape[2:])
+        view[:, :context] = packed.reshape(batch, context, *packed.shape[1:])
+    out = prefill.run(q_prefill, (pages_k, pages_v), **cache.run_kwargs())
+    rows = quality.select_rows(out, batch, context, quality.prefill_rows(context))
+    return {"prefill_high_nibble_first_vs_dequantized_cache": quality.errors(rows, dequantized["prefill"])["rel_l2"]}
 
 if __name__ == "__main__":
     main()

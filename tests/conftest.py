@@ -80,14 +80,16 @@ VLLM033_8B_RUNS = {pack.name.removesuffix(".tar.xz"): _unpack(pack)
 # The older runs, each packed whole as fixtures/RUN/RUN.tar.xz (fixtures/README.md), by run name.
 PACKED_RUNS = {run: _unpack(FIXTURES / run / f"{run}.tar.xz", named=True) for run in (
     "fi-h200-sm90", "fi-h200-sm90-nsys2023", "fi-h200-sm90-repeat", "fi-h200-sm90-repeats2", "fi-h200-sm90-quality",
-    "fi-h200-sm90-outliers", "vllm-h200-cold-prefill", "vllm-h200-decode-heavy")}
+    "fi-h200-sm90-gaussian", "fi-h200-sm90-outliers", "vllm-h200-cold-prefill", "vllm-h200-decode-heavy")}
 NSYS2025_DIR = PACKED_RUNS["fi-h200-sm90"]  # Nsight Systems 2025.3.2, export schema 3.20.3
 NSYS2023_DIR = PACKED_RUNS["fi-h200-sm90-nsys2023"]  # Nsight Systems 2023.4.4, export schema 3.7.2
 REPEAT = PACKED_RUNS["fi-h200-sm90-repeat"]  # fi-h200-sm90 recorded again, on another machine
 REPEATS2 = PACKED_RUNS["fi-h200-sm90-repeats2"]  # `--repeats 2`: fp8.r1 nvfp4.r1 fp8.r2 nvfp4.r2
-# fi-h200-sm90's workload recorded again with each format's attention error per point (issue 36), on Gaussian Q/K/V
-# and with outlier channels in K and V (--inputs outliers).
+# fi-h200-sm90's workload recorded again with each format's attention error per point (issue 36): on torch 2.11's
+# coarse BF16 CPU normal (no drawn_as), then on float32 normals rounded to BF16 with each kernel's distance from its own
+# dequantized cache (kernel_vs_format), Gaussian and with outlier channels in K and V (--inputs outliers).
 FI_QUALITY = PACKED_RUNS["fi-h200-sm90-quality"]
+FI_GAUSSIAN = PACKED_RUNS["fi-h200-sm90-gaussian"]
 FI_OUTLIERS = PACKED_RUNS["fi-h200-sm90-outliers"]
 VLLM_COLD_PREFILL = PACKED_RUNS["vllm-h200-cold-prefill"]  # vLLM 0.26, BF16 (auto) vs FP8
 VLLM_DECODE_HEAVY = PACKED_RUNS["vllm-h200-decode-heavy"]

@@ -18,7 +18,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from conftest import FI_OUTLIERS, FI_QUALITY  # noqa: E402
+from conftest import FI_GAUSSIAN, FI_OUTLIERS, FI_QUALITY  # noqa: E402
 from kvtrace.capture import flashinfer_quality as quality  # noqa: E402
 from kvtrace.capture import formats  # noqa: E402
 from kvtrace.capture import flashinfer_workload as workload  # noqa: E402
@@ -302,11 +302,11 @@ def to_bf16(x) -> np.ndarray:
 
 
 def legacy_bf16_normal(generator: np.random.MT19937, count: int) -> np.ndarray:
-    """torch 2.11's `torch.randn(dtype=torch.bfloat16)` on the CPU, rebuilt from its algorithm (pytorch#166853, the
-    `normal_fill` path of ATen's CPU DistributionTemplates.h): one BF16 uniform per value from the low 8 bits of one
-    32-bit output, then Box-Muller on each block of 16 (u1 = 1 - u[j], u2 = u[j + 8]), every step rounded to BF16.
-    Newer torch draws these at float precision, so a run recorded with it (quality_inputs without `drawn_as`) can
-    only be drawn again this way."""
+    """torch 2.7–2.11's `torch.randn(dtype=torch.bfloat16)` on the CPU, rebuilt from its algorithm
+    (pytorch/pytorch#166853, the `normal_fill` path of ATen's CPU DistributionTemplates.h): one BF16 uniform per value
+    from the low 8 bits of one 32-bit output, then Box-Muller on each block of 16 (u1 = 1 - u[j], u2 = u[j + 8]), every
+    step rounded to BF16. A torch that fixes the issue draws otherwise, so a run recorded with it (quality_inputs
+    without `drawn_as`) can only be drawn again this way."""
     uniform = (generator.random_raw(count) & 0xFF).astype(np.float64).reshape(-1, 16) / 256
     radius = to_bf16(np.sqrt(-2 * to_bf16(np.log(1 - uniform[:, :8]))))
     theta = to_bf16(2 * np.pi * uniform[:, 8:]).astype(np.float64)
@@ -315,14 +315,13 @@ def legacy_bf16_normal(generator: np.random.MT19937, count: int) -> np.ndarray:
 
 
 def test_generated_inputs_reach_the_gaussian_tails_the_legacy_draw_cut_off():
-    """The workload's draw against torch 2.11's BF16 CPU normal on as many values: only the workload's passes
+    """The workload's draw against torch 2.7–2.11's BF16 CPU normal on as many values: only the workload's passes
     |x| = 3.33, and it records that it drew so."""
     args = argparse.Namespace(**{**ARGS, "batch": 4, "kv_heads": 8, "head_dim": 128})
     keys = workload.Inputs.draw(args, 1024, torch.Generator().manual_seed(0)).keys.float()
     legacy = legacy_bf16_normal(mt19937(0), keys.numel())
     assert np.abs(legacy).max() == pytest.approx(3.328125) and keys.abs().max() > 4
     assert float(keys.std()) == pytest.approx(1, abs=0.01)
-    assert quality.describe_inputs("gaussian")["drawn_as"] == quality.DRAWN_AS
 
 
 def drawn_again(spec: dict, inputs: dict, context: int) -> dict:
@@ -335,6 +334,7 @@ def drawn_again(spec: dict, inputs: dict, context: int) -> dict:
         def randn(*shape):
             return torch.randn(shape, generator=generator).to(torch.bfloat16)
     else:
+        assert "drawn_as" not in inputs, f"a draw this test cannot repeat: {inputs['drawn_as']!r}"
         legacy = mt19937(spec["seed"])
 
         def randn(*shape):
@@ -401,7 +401,7 @@ def test_workload_records_what_numpy_computes_on_the_same_tensors():
         args = argparse.Namespace(kv_format=kv_format, inputs="gaussian", **spec)
         generator = torch.Generator().manual_seed(spec["seed"])
         for _ in range(2):
-            workload.normal_bf16(generator, spec["gemm_size"], spec["gemm_size"])
+            quality.normal_bf16(generator, spec["gemm_size"], spec["gemm_size"])
         for context in spec["contexts"]:
             _, entry = workload.prepare_context(stand_in_flashinfer(), args, context, generator,
                                                 torch.zeros(16, dtype=torch.uint8), lambda: None)
@@ -409,7 +409,7 @@ def test_workload_records_what_numpy_computes_on_the_same_tensors():
                                  entry)
 
 
-FLASHINFER_RUNS = [FI_QUALITY, FI_OUTLIERS]
+FLASHINFER_RUNS = [FI_QUALITY, FI_GAUSSIAN, FI_OUTLIERS]
 
 
 def recorded_workloads(run) -> tuple[dict, dict]:
@@ -431,13 +431,22 @@ def test_recorded_gpu_errors_match_numpy_on_the_same_tensors(run):
                 assert nvfp4["quality"][group][phase]["rel_l2"] > fp8["quality"][group][phase]["rel_l2"]
         for tensor in ("k", "v"):
             assert nvfp4["quality"]["cache"][tensor]["rel_l2"] > fp8["quality"]["cache"][tensor]["rel_l2"]
+    # Each kernel's distance from its own dequantized cache, where recorded, against the triangle inequality:
+    # | |K - R| - |F - R| | <= |K - F|, with |F| <= |R| (1 + format).
+    for recorded in workloads.values():
+        for entry in recorded["contexts"]:
+            point = entry["quality"]
+            for phase in ("prefill", "decode") if "kernel_vs_format" in point else ():
+                kernel, alone = point["kernel"][phase]["rel_l2"], point["format"][phase]["rel_l2"]
+                assert abs(kernel - alone) / (1 + alone) <= point["kernel_vs_format"][phase]["rel_l2"]
 
 
 def test_recorded_outliers_cost_nvfp4_more_than_fp8():
     """The same draws with outlier channels: at every recorded point and phase the format's error grows for both,
     and by more for NVFP4, whose 16-value blocks share one scale with the outlier."""
-    plain, spiked = (recorded_workloads(run)[1] for run in (FI_QUALITY, FI_OUTLIERS))
+    plain, spiked = (recorded_workloads(run)[1] for run in (FI_GAUSSIAN, FI_OUTLIERS))
     assert spiked["fp8"]["quality_inputs"]["kind"] == "outliers" and plain["fp8"]["quality_inputs"]["kind"] == "gaussian"
+    assert spiked["fp8"]["quality_inputs"]["drawn_as"] == plain["fp8"]["quality_inputs"]["drawn_as"]
     growth = {}
     for arm in ("fp8", "nvfp4"):
         for before, after in zip(plain[arm]["contexts"], spiked[arm]["contexts"]):

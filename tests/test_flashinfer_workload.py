@@ -80,11 +80,12 @@ def test_phases_names_calls_and_bytes(kv_format, bytes_per_value, context):
         ((kind, context), calls, int(size)) for kind, calls, size in expected]
     assert all(p.name.endswith(f" batch={args.batch}") for p in phases)
     assert entry["context"] == context and entry["kv_bytes_read_per_attention_call"] == expected[0][2]
-    # The layout checks run on the smallest context only; the error against the float64 reference at every one
-    # (the stand-in's all-zero outputs are 100% off, with no defined cosine).
-    assert ("accuracy" in entry) == (context == min(args.contexts))
+    # The nibble-order check runs on NVFP4's smallest context only; the errors at every one (the stand-in's all-zero
+    # outputs are 100% off, with no defined cosine, against the reference and the dequantized cache alike).
+    assert ("accuracy" in entry) == (kv_format == "nvfp4" and context == min(args.contexts))
     quality = entry["quality"]
-    assert set(quality["format"]) == set(quality["kernel"]) == {"prefill", "decode"}
+    assert set(quality["format"]) == set(quality["kernel"]) == set(quality["kernel_vs_format"]) == {"prefill", "decode"}
+    assert quality["kernel_vs_format"]["decode"]["rel_l2"] == 1.0
     assert quality["kernel"]["decode"]["rel_l2"] == 1.0 and quality["kernel"]["prefill"]["cosine"] is None
     assert 0 < quality["format"]["prefill"]["rel_l2"] < 0.5 and set(quality["cache"]) == {"k", "v"}
 

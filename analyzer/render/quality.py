@@ -38,8 +38,8 @@ def _inputs(inputs: dict | None) -> str:
     if inputs.get("kind") == "file":
         return f"Q/K/V from {inputs.get('file')}"
     if "drawn_as" not in inputs:  # drawn before capture/flashinfer_quality.DRAWN_AS was recorded
-        return (f"{inputs.get('kind')} Q/K/V from torch's BF16 CPU normal, which on torch 2.11 and earlier stops at "
-                "|x| = 3.33 (pytorch#166853)")
+        return (f"{inputs.get('kind')} Q/K/V drawn before kvtrace recorded how: if by torch 2.7–2.11's BF16 CPU "
+                "normal, no value passes |x| = 3.33 (pytorch/pytorch#166853)")
     return f"{inputs.get('kind')} Q/K/V"
 
 
@@ -107,19 +107,25 @@ def line(result: q.Quality, baseline: str, candidate: str) -> str:
 
 
 def departures(result: q.Quality, baseline: str, candidate: str) -> list[str]:
-    """One warning per arm and phase whose kernel adds error its format does not, every such context named."""
+    """One warning per arm and phase whose kernel strays from the attention its own cache defines, every such context
+    named with its distance (measured, or the lower bound of runs recorded before it was)."""
     groups: dict[tuple[str, str], list[q.Departure]] = {}
     for departure in result.departures:
         groups.setdefault((departure.side, departure.what), []).append(departure)
     sentences = []
     for (side, what), found in groups.items():
-        points = ", ".join(f"{error(d.kernel)} against {error(d.format)} at context {d.context}" for d in found)
-        least = min(found, key=lambda d: d.gap)
+        points = ", ".join(
+            f"{error(d.distance)} away at context {d.context}" if d.measured else
+            f"at least {error(d.distance)} away at context {d.context} (its error {error(d.kernel)} against the "
+            f"reference where the format alone has {error(d.format)})" for d in found)
+        low, high = (f"{value:.0f}" for value in sorted((min(d.roundings for d in found),
+                                                        max(d.roundings for d in found))))
         sentences.append(
-            f"⚠️ {baseline if side == 'baseline' else candidate}'s {what} kernel adds error its format does not: "
-            f"{points} for exact attention over its own dequantized cache, so its output is at least "
-            f"{error(least.gap)} of the reference away from that attention ({least.gap / least.floor:.0f}× the BF16 "
-            "output floor): the kernel's arithmetic or its reading of the cache, not the format's bits.")
+            f"⚠️ {baseline if side == 'baseline' else candidate}'s {what} kernel strays from exact attention over "
+            f"its own dequantized cache: its output is {points} ({'' if found[0].measured else 'at least '}"
+            f"{low if low == high else f'{low}–{high}'} BF16 "
+            f"roundings, past the {q.DEPARTURE_ROUNDINGS} an honest BF16 kernel stays within): the kernel's "
+            "arithmetic or its reading of the cache, not the format's bits.")
     return sentences
 
 
@@ -134,6 +140,10 @@ def decision(results: dict[str, q.Quality], candidate: str, name: Name = _plain)
                     f"{acc.p_value:.3g})")
         elif result.state == q.MEASURED:
             what = "the kernel's attention error above (an error against a reference, not the model's accuracy)"
+            strays = dict.fromkeys(f"{candidate if d.side == 'candidate' else 'the baseline'}'s {d.what}"
+                                   for d in result.departures)
+            if strays:
+                what += f", where {' and '.join(strays)} kernel strays from its own dequantized cache"
         else:
             what = f"{result.state}: {result.reason}"
         parts.append(f"{name(scenario)}: {name(what)}")
@@ -148,7 +158,8 @@ def decision(results: dict[str, q.Quality], candidate: str, name: Name = _plain)
 def _error_table(result: q.Quality, baseline: str, candidate: str) -> tuple[list[str], list[list[str]]]:
     header = ["context", "what", f"{baseline} rel L2", f"{candidate} rel L2", f"{baseline} cosine",
               f"{candidate} cosine", f"{baseline} max abs", f"{candidate} max abs", f"format alone rel L2 "
-              f"({baseline} / {candidate})", "BF16 output floor"]
+              f"({baseline} / {candidate})", f"kernel vs own format rel L2 ({baseline} / {candidate})",
+              "BF16 output floor"]
     rows = []
     for row in result.errors:
         rows.append([str(row.context), row.what, _metric(row.baseline, "rel_l2"), _metric(row.candidate, "rel_l2"),
@@ -156,6 +167,8 @@ def _error_table(result: q.Quality, baseline: str, candidate: str) -> tuple[list
                      _metric(row.baseline, "max_abs"), _metric(row.candidate, "max_abs"),
                      "–" if row.baseline_format is None and row.candidate_format is None else
                      f"{_metric(row.baseline_format, 'rel_l2')} / {_metric(row.candidate_format, 'rel_l2')}",
+                     "–" if row.baseline_vs_format is None and row.candidate_vs_format is None else
+                     f"{_metric(row.baseline_vs_format, 'rel_l2')} / {_metric(row.candidate_vs_format, 'rel_l2')}",
                      _metric(row.floor, "rel_l2")])
     return header, rows
 
@@ -183,7 +196,8 @@ def markdown(result: q.Quality, baseline: str, candidate: str) -> list[str]:
     if result.level == q.KERNEL:
         lines += ["", "rel L2 = ‖out − ref‖ / ‖ref‖ over every checked output value; prefill and decode rows are the "
                   "kernel's output, `cache` rows the round trip of the cache itself; the format-alone column is exact "
-                  "attention over the dequantized cache (docs/statistics.md).", ""]
+                  "attention over the dequantized cache, the kernel-vs-own-format column the kernel's output against "
+                  "it (docs/statistics.md).", ""]
         header, rows = _error_table(result, b, c)
         return lines + markdown_table(header, rows)
     header, rows = _prompt_table(result, b, c)
@@ -223,10 +237,16 @@ def csv_rows(result: q.Quality, baseline: str, candidate: str) -> list[list]:
             ["quality", result.level or "", "", "reason", result.reason or ""]]
     for row in result.errors:
         for side, label in (("baseline", baseline), ("candidate", candidate)):
-            for group, metrics in (("", getattr(row, side)), ("format_", getattr(row, f"{side}_format"))):
+            for group, metrics in (("", getattr(row, side)), ("format_", getattr(row, f"{side}_format")),
+                                   ("vs_format_", getattr(row, f"{side}_vs_format"))):
                 for name in q.METRICS:
                     if metrics is not None and metrics[name] is not None:
                         rows.append(["quality", f"{row.context} {row.what}", label, group + name, metrics[name]])
+        if row.floor is not None:
+            rows.append(["quality", f"{row.context} {row.what}", "", "floor_rel_l2", row.floor["rel_l2"]])
+    for d in result.departures:
+        rows.append(["quality", f"{d.context} {d.what}", baseline if d.side == "baseline" else candidate,
+                     "departure_rel_l2" if d.measured else "departure_at_least_rel_l2", d.distance])
     if result.accuracy is not None:
         acc = result.accuracy
         rows += [["quality", "answers", baseline, "accuracy", acc.baseline_accuracy],
