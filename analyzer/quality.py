@@ -38,6 +38,7 @@ AUTO = "auto"
 BF16_ROUNDING = 2.0 ** -9
 DEPARTURE_ROUNDINGS = 5
 
+
 @dataclass
 class ErrorRow:
     """One workload point's error against the float64 reference over the BF16 cache, per arm: for `prefill` and

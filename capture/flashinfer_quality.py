@@ -1,7 +1,7 @@
 """The numerical error each KV format adds to attention, measured on the FlashInfer workload's own tensors.
 
-Per workload point (context length) and format: the attention output against a float64 reference over the BF16
-cache (the source the format was quantized from), for prefill and decode, three ways apart:
+Per workload point (context length) and format, for prefill and decode, four numbers apart; the first three against a
+float64 reference over the BF16 cache (the source the format was quantized from):
 - `format`: exact (float64) attention over the dequantized cache against the reference: the error the format's
   bits add, whatever kernel reads them (computable anywhere, with capture/formats.py's quantizers);
 - `kernel`: FlashInfer's output against the reference: what a model would get (GPU only);

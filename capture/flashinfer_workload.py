@@ -300,5 +300,6 @@ def nibble_order_check(args, cache, keys, values, q_prefill, dequantized, prefil
     rows = quality.select_rows(out, batch, context, quality.prefill_rows(context))
     return {"prefill_high_nibble_first_vs_dequantized_cache": quality.errors(rows, dequantized["prefill"])["rel_l2"]}
 
+
 if __name__ == "__main__":
     main()

@@ -118,8 +118,7 @@ def departures(result: q.Quality, baseline: str, candidate: str) -> list[str]:
             f"{error(d.distance)} away at context {d.context}" if d.measured else
             f"at least {error(d.distance)} away at context {d.context} (its error {error(d.kernel)} against the "
             f"reference where the format alone has {error(d.format)})" for d in found)
-        low, high = (f"{value:.0f}" for value in sorted((min(d.roundings for d in found),
-                                                        max(d.roundings for d in found))))
+        low, high = (f"{bound(d.roundings for d in found):.0f}" for bound in (min, max))
         sentences.append(
             f"⚠️ {baseline if side == 'baseline' else candidate}'s {what} kernel strays from exact attention over "
             f"its own dequantized cache: its output is {points} ({'' if found[0].measured else 'at least '}"
