@@ -223,8 +223,9 @@ def vllm_matrix(model, out, arms, repeats, concurrencies, sweep_prompts, load_fo
             click.echo(f"{scenario}/{name}: {run['status']}, {windows}/{len(run['windows'])} windows traced"
                        + (f" ({run['error']})" if run["error"] else ""))
             failed += [name] if run["status"] != "ok" else []
-    click.echo(f"matrix: {matrix['seconds']:.0f} s in all; co-resident: {matrix['co_resident']}")
-    if failed:
+    click.echo(f"matrix: {matrix['seconds']:.0f} s in all; co-resident: {matrix['co_resident']}"
+               + (f"; stopped early: {matrix['error']}" if matrix["error"] else ""))
+    if failed or matrix["error"]:
         raise SystemExit(1)
 
 

@@ -10,7 +10,6 @@ Standard library only.
 
 from __future__ import annotations
 
-import os
 import shlex
 import sys
 import time
@@ -18,16 +17,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import kvtrace.nsys
-from kvtrace.capture import runner, vllm_engine, vllm_servers
-from kvtrace.capture.processes import sigterm_as_interrupt
-from kvtrace.capture.vllm_commands import POLL_INTERVAL_S, bench_command, point_tag, warmup_point
-from kvtrace.capture.vllm_config import ATTENTION_BACKEND, VllmCapture, Workload, child_env, engine_flags
-from kvtrace.capture.vllm_engine import VllmArm, _Session, _write_manifests
-from kvtrace.capture.vllm_http import NET_ERRORS
+from kvtrace.capture import vllm_servers
+from kvtrace.capture.vllm_commands import bench_command, point_tag
+from kvtrace.capture.vllm_config import VllmCapture, Workload, child_env
 from kvtrace.capture.vllm_patches import ArmSpec
-from kvtrace.capture.vllm_preflight import check_model, check_port, check_probe, probe_environment, relevant_env
 from kvtrace.errors import KvtraceError
-from kvtrace.manifest import Point, capacity_reason
+from kvtrace.manifest import Point
 
 MATRIX = "matrix.json"
 # A patched arm runs only where its question is asked: cold prefill and the sweep's low-load points.

@@ -7,19 +7,20 @@ Standard library only.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+import traceback
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import kvtrace.nsys
-from kvtrace import files
 from kvtrace.capture import runner, vllm_engine, vllm_servers
 from kvtrace.capture.processes import sigterm_as_interrupt
-from kvtrace.capture.vllm_commands import bench_command, point_tag, request_identity, warmup_point
+from kvtrace.capture.vllm_commands import bench_command, point_tag, warmup_point
 from kvtrace.capture.vllm_common import request_order_sha256
 from kvtrace.capture.vllm_config import ATTENTION_BACKEND, child_env, engine_flags
 from kvtrace.capture.vllm_engine import VllmArm, _Session, _write_manifests
@@ -105,6 +106,7 @@ class _Matrix:
         self.servers = self._new_servers()
         self.scenarios = [self._scenario(s) for s in cfg.scenarios]
         self.check: _Scenario | None = None
+        self.error: str | None = None  # what stopped the matrix early, if anything did
 
     # -- setup --
     def _new_servers(self) -> list[vllm_servers.ArmServer]:
@@ -156,8 +158,9 @@ class _Matrix:
         for run in scenario.runs.values():
             windows = [w for s in self.servers for w in s.windows if w.run_dir == scenario.out and w.run == run.name]
             run.windows = [w.record() for w in windows]
-            exported = [w for w in windows if w.status == "exported"]
-            run.sqlite = exported[0].sqlite if exported else None
+            # What a reader of older manifests takes as the run's one trace, covering its first point.
+            first = [w for w in windows if run.points and w.point == run.points[0]["index"]]
+            run.sqlite = first[0].sqlite if first and first[0].status == "exported" else None
             server = next(s for s in self.servers if s.spec.label == run.server)
             run.kv_cache = server.kv_cache
         return _write_manifests(scenario.out, self.environment, scenario.settings, list(scenario.runs.values()),
@@ -171,7 +174,7 @@ class _Matrix:
             "co_residence_check": self.check.spec.name if self.check else None,
             "arms": [{"label": a.label, "kv_cache_dtype": a.kv_dtype, "patch": a.record()} for a in self.cfg.arms],
             "repeats": self.cfg.repeats, "co_resident": self.co_resident, "co_resident_fallback": self.fallback,
-            "servers": {s.spec.label: s.record() for s in self.servers}, "timeline": self.timeline,
+            "servers": {s.spec.label: s.record() for s in self.servers}, "timeline": self.timeline, "error": self.error,
             "seconds": round(sum(p["seconds"] for p in self.timeline), 1)})
 
     def _phase(self, name: str, started: float, planned_s: float, **where) -> float:
@@ -288,8 +291,14 @@ class _Matrix:
         window = vllm_servers.Window(scenario.out, run.name, index, scenario.spec.profile_steps)
         server.open_window(window)
         opened = time.monotonic()
-        record = vllm_engine._serve_point(session, run, index, point, bench_log, server.relay, server.events,
-                                          run_bench=lambda command: client.run())
+        try:
+            record = vllm_engine._serve_point(session, run, index, point, bench_log, server.relay, server.events,
+                                              run_bench=lambda command: client.run())
+        except BaseException:
+            # vLLM refuses a new /start_profile while a session is open: close it even when the point failed.
+            with contextlib.suppress(*NET_ERRORS, RuntimeError):
+                server.close_window(window)
+            raise
         closing = time.monotonic()
         server.close_window(window)
         profiling = (opened - begun) + (time.monotonic() - closing)
@@ -311,6 +320,9 @@ class _Matrix:
                 self._stop(self.servers)
                 self._write_all(interrupted=True)
                 raise
+            except Exception as failure:  # a fault of kvtrace's own: what was recorded is still exported
+                self.error = f"{type(failure).__name__}: {failure}"
+                traceback.print_exc()
             finally:
                 self._stop(self.servers)
             started = time.monotonic()

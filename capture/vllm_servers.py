@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import re
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -24,12 +23,12 @@ from kvtrace.capture.vllm_commands import NSYS_EXTRA, VLLM_CLI, base_url
 from kvtrace.capture.vllm_common import parse_kv_cache_log
 from kvtrace.capture.vllm_config import VllmCapture
 from kvtrace.capture.vllm_engine import _wait_ready
-from kvtrace.capture.vllm_http import NET_ERRORS, http_request
+from kvtrace.capture.vllm_http import http_request
 from kvtrace.capture.vllm_kv_events import KvEventRecorder
 from kvtrace.capture.vllm_relay import UsageRelay
 
 GATED = ("-m", "kvtrace.capture.vllm_gated_client")
-_REPORT_NUMBER = re.compile(r"\.(\d+)\.nsys-rep$")
+_SLOT_NUMBER = re.compile(r"(\d+)$")
 
 
 @dataclass
@@ -42,9 +41,10 @@ class Window:
     steps: int
     delay_steps: int = 0
     status: str = "open"  # open, closed, failed (start or stop refused), exported, export failed, no report
-    report: Path | None = None
+    report: Path | None = None  # the report's path without its suffix (.nsys-rep, or .qdstrm when nsys' import failed)
     error: str | None = None
     export_s: float | None = None
+    reports_before: int | None = None  # reports nsys had written for this server when the window opened
 
     @property
     def sqlite(self) -> str:
@@ -53,7 +53,8 @@ class Window:
     def record(self) -> dict:
         return {"point": self.point, "sqlite": self.sqlite if self.status == "exported" else None,
                 "steps": self.steps, "delay_steps": self.delay_steps, "status": self.status,
-                "report": str(self.report) if self.report else None, "error": self.error, "export_s": self.export_s}
+                "report": f"{self.report}.nsys-rep" if self.report else None, "reports_before": self.reports_before,
+                "error": self.error, "export_s": self.export_s}
 
 
 @dataclass
@@ -71,7 +72,6 @@ class ArmServer:
     events: KvEventRecorder | None = None
     kv_cache: dict | None = None
     windows: list[Window] = field(default_factory=list)
-    seen_reports: set[str] = field(default_factory=set)
     timings: dict = field(default_factory=dict)  # started_utc, start_s (start and compile), warmup_s, lifetime_s
     error: str | None = None
     exit_code: int | None = None
@@ -123,7 +123,7 @@ class ArmServer:
         raise RuntimeError("POST /reset_prefix_cache kept answering success=false: requests still hold blocks")
 
     def open_window(self, window: Window) -> None:
-        self.collect_reports()
+        window.reports_before = len(self.report_slots())  # recorded: when each window's report appeared
         status, body = http_request("POST", self.base + "/start_profile", timeout=600,
                                     payload={"max_iterations": window.steps, "delay_iterations": window.delay_steps})
         if status != 200:
@@ -138,15 +138,26 @@ class ArmServer:
             raise RuntimeError(window.error)
         window.status = "closed"
 
-    def collect_reports(self) -> None:
-        """Give the reports nsys has written since the last look to the oldest windows still without one, in nsys'
-        numbering order (each window is one capture range, hence one report)."""
-        new = sorted((path for path in self.folder.glob("trace*.nsys-rep") if path.name not in self.seen_reports),
-                     key=_report_order)
-        waiting = [window for window in self.windows if window.report is None and window.status in ("closed", "open")]
-        for path, window in zip(new, waiting):
-            window.report = path
-            self.seen_reports.add(path.name)
+    def report_slots(self) -> list[Path]:
+        """The capture ranges nsys has written so far, in its numbering order: one per range, as its report or,
+        where nsys' import failed, its raw capture (.qdstrm), so that a failed import shifts no other window."""
+        stems = {path.name.rsplit(".", 1)[0] for pattern in ("trace*.nsys-rep", "trace*.qdstrm")
+                 for path in self.folder.glob(pattern)}
+        return sorted((self.folder / stem for stem in stems), key=_slot_order)
+
+    def assign_reports(self) -> None:
+        """Once nsys is done (the server is down): window k's report is the k-th capture range's. Only when there are
+        exactly as many ranges as windows is that certain; otherwise no window gets one, rather than a wrong one."""
+        slots, opened = self.report_slots(), [w for w in self.windows if w.status == "closed"]
+        if len(slots) != len(self.windows):
+            for window in opened:
+                window.status = "no report"
+                window.error = (f"nsys wrote {len(slots)} reports for {len(self.windows)} windows of this server, so "
+                                f"which is whose is uncertain; they are kept in {self.folder}")
+            return
+        for slot, window in zip(slots, self.windows):
+            if window.status == "closed":
+                window.report = slot
 
     def stop(self, grace_s: float) -> None:
         if self.relay is not None:
@@ -159,10 +170,7 @@ class ArmServer:
             self.events.finish()
             self.events = None
         self.kv_cache = parse_kv_cache_log(self.log.read_text(errors="replace")) or self.kv_cache
-        self.collect_reports()
-        for window in self.windows:
-            if window.report is None and window.status == "closed":
-                window.status, window.error = "no report", "nsys wrote no report for this window (see server.log)"
+        self.assign_reports()
 
     def record(self) -> dict:
         return {"arm": self.spec.label, "kv_cache_dtype": self.spec.kv_dtype, "patch": self.spec.record(),
@@ -170,9 +178,10 @@ class ArmServer:
                 "error": self.error, **self.timings}
 
 
-def _report_order(path: Path) -> tuple[int, str]:
-    match = _REPORT_NUMBER.search(path.name)
-    return (int(match.group(1)) if match else -1, path.name)
+def _slot_order(stem: Path) -> tuple[int, str]:
+    """nsys numbers the reports of repeated ranges (trace.1, trace.2, ...); the unnumbered one, if any, is first."""
+    match = _SLOT_NUMBER.search(stem.name)
+    return (int(match.group(1)) if match else -1, stem.name)
 
 
 def export_windows(windows: list[Window], nsys: str, workers: int) -> None:
@@ -181,9 +190,12 @@ def export_windows(windows: list[Window], nsys: str, workers: int) -> None:
         started = time.monotonic()
         with open(window.run_dir / f"{window.run}.p{window.point}.export.log", "w") as log:
             try:
-                kvtrace.nsys.export_sqlite(nsys, window.report, window.run_dir / window.sqlite, log=log)
+                report = window.report.with_name(window.report.name + ".nsys-rep")
+                if not report.exists():  # nsys' own import failed: once more with its QdstrmImporter
+                    runner._import_again(nsys, window.report.with_name(window.report.name + ".qdstrm"), report, log)
+                kvtrace.nsys.export_sqlite(nsys, report, window.run_dir / window.sqlite, log=log)
                 window.status = "exported"
-            except (OSError, kvtrace.nsys.ExportFailed, kvtrace.nsys.TimedOut) as failure:
+            except (OSError, RuntimeError) as failure:  # ExportFailed and TimedOut are RuntimeErrors
                 window.status, window.error = "export failed", f"{failure} (see {log.name})"
         window.export_s = round(time.monotonic() - started, 1)
 

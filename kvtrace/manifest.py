@@ -10,10 +10,15 @@ Shape of the file (capture/runner.manifest writes it; the engines add fields):
      "settings": {..., "arms": [ARM, ...], "repeats": N, "order": [RUN, ...]},
      "arms": {RUN: {"name": RUN, "arm": ARM, "repeat": K, "status": "ok" | "failed" | "not run", "error",
                     "sqlite", "report", "log", "workload", "commands", "seconds", ...}},
-     vLLM only: "status", "request_order_matched"; per run "kv_cache_dtype", "kv_cache", "points", ...}
+     vLLM only: "status", "request_order_matched"; per run "kv_cache_dtype", "kv_cache", "points", ...;
+     `capture vllm-matrix` runs also "windows" [{"point", "sqlite", "steps", "status", ...}] (a trace per point,
+     ARM.rK.pN.sqlite), "timings" [{"phase", "point", "seconds"}], "server" (its key in settings.servers: start,
+     warm-up and lifetime seconds of the server the run belonged to) and "patch" ({"name", "sha256", ...} of a
+     counterfactual arm), and settings "servers", "co_resident", "patches"}
 
 A run is one recording of one arm: named like the arm, or ARM.rK with --repeats (then its files are
-ARM.rK.sqlite, ...). Manifests written before --repeats have no `arm` and `repeat`: the run is the arm.
+ARM.rK.sqlite, ...). Manifests written before --repeats have no `arm` and `repeat`: the run is the arm. A run's
+`sqlite` is its one trace, covering its first point; a matrix run's windows add one per point (RunRecord.trace_for).
 """
 
 from __future__ import annotations

@@ -143,6 +143,21 @@ def test_dry_run_prints_the_whole_plan_with_its_estimate(standin):
     assert text.count("patch validate-once sha256") == 1
 
 
+def test_a_missing_report_leaves_that_servers_windows_untraced_rather_than_misattributed(standin, monkeypatch):
+    """nsys numbers a server's reports in order; one missing would shift every later window onto the wrong report.
+    With fewer reports than windows no window of that server gets one; the other server's are unaffected."""
+    monkeypatch.setenv("STANDIN_FAIL", "drop-window@nvfp4")
+    cfg = tiny_matrix(standin, arms=("fp8", "nvfp4"), repeats=1, co_residence_check=False)
+    cfg = vllm_matrix.MatrixConfig(**{**cfg.__dict__, "scenarios": cfg.scenarios[2:]})
+    record(standin, cfg)
+    manifest = read_manifest(standin.tmp / "matrix" / "sweep")
+    assert [w.status for w in manifest.runs["fp8.r1"].windows] == ["exported"] * 3
+    nvfp4 = manifest.runs["nvfp4.r1"]
+    assert [w.status for w in nvfp4.windows] == ["no report"] * 3 and nvfp4.sqlite is None
+    assert "2 reports for 3 windows" in manifest.raw["arms"]["nvfp4.r1"]["windows"][0]["error"]
+    assert nvfp4.trace_for(0) is None and nvfp4.status == "ok"  # the serving numbers stand
+
+
 @pytest.mark.parametrize("arms,message", [
     ("fp8,fp8", "names an arm twice"), ("fp8,nvfp4:nope", "unknown patch 'nope'"), ("fp9", "unknown arm"),
 ])

@@ -11,7 +11,8 @@
 
 Failures are switched on per arm through STANDIN_FAIL, e.g. "never-ready@fp8,bench@nvfp4":
 server-exit, never-ready, ignore-sigint, profile-404, quality (server; quality: prompts answered 500), drop-keepalive
-(server: a connection closed, unannounced, after each completion); bench
+(server: a connection closed, unannounced, after each completion), drop-window (server under nsys
+--capture-range-end=repeat: no report for its first window); bench
 (client); worker (offline LLM); no-report, export (nsys; these two also per run, e.g. "export@fp8.r2"). STANDIN_DEVICES
 lists the devices whose kernels an export holds, STANDIN_RANK_GIB each tensor-parallel rank's KV memory. STANDIN_PIDDIR
 collects pid files so
@@ -225,7 +226,8 @@ def serve(argv: list[str]) -> None:
                 record_call(arm, self.path.strip("/"), json.loads(body) if body else None)
                 if self.path == "/stop_profile":
                     windows[0] += 1
-                    if repeat_output:  # nsys --capture-range-end=repeat: a report per capture range
+                    # nsys --capture-range-end=repeat: a report per capture range (drop-window: none for the first)
+                    if repeat_output and not (failing("drop-window", arm) and windows[0] == 1):
                         Path(f"{repeat_output}.{windows[0]}.nsys-rep").write_text("stand-in window report\n")
                 self.reply(404 if failing("profile-404", arm) else 200)
             elif self.path == "/reset_prefix_cache":
