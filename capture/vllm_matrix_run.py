@@ -14,6 +14,7 @@ import shutil
 import sys
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -200,8 +201,9 @@ class _Matrix:
         return failed
 
     def _stop(self, servers) -> None:
-        for server in servers:
-            server.stop(self.shutdown_grace_s)
+        """All at once: each nsys writes its last report while the others do."""
+        with ThreadPoolExecutor(max_workers=max(1, len(servers))) as pool:
+            list(pool.map(lambda server: server.stop(self.shutdown_grace_s), servers))
 
     # -- traffic --
     def _client(self, scenario: _Scenario, server, command, log: Path) -> vllm_servers.GatedClient:
@@ -274,7 +276,7 @@ class _Matrix:
                                                                                 index)), bench_log)
             run.status = "ok"
         except (*NET_ERRORS, RuntimeError, ValueError) as failure:
-            run.status, run.error = "failed", f"{failure} (see {bench_log.name}, {run.log})"
+            run.status, run.error = "failed", f"{failure} (see {run.name}*.bench.log, {run.log})"
         except KeyboardInterrupt:
             run.status, run.error = "failed", "interrupted (Ctrl-C or SIGTERM); its processes were shut down"
             raise

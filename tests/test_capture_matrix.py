@@ -164,3 +164,72 @@ def test_a_missing_report_leaves_that_servers_windows_untraced_rather_than_misat
 def test_bad_arms_are_one_clear_error(standin, arms, message):
     with pytest.raises(KvtraceError, match=message):
         tiny_matrix(standin, arms=tuple(arms.split(","))).validate()
+
+
+# The validate-once patch (capture/patches/validate-once.py) ------------------------------------------------------
+
+FAKE_PAGE = '''
+import math
+calls = []
+capturing = [False]
+
+
+def _is_stream_capturing_on_device(device):
+    return capturing[0]
+
+
+def _as_float32_scalar_tensors(values, *, device):
+    """FlashInfer 0.7.2.post1's contract, reduced: every CUDA scale copied to the host and checked."""
+    calls.append([name for name, _ in values])
+    for name, value in values:
+        scalar = float(value.item())
+        if not math.isfinite(scalar) or scalar <= 0.0:
+            raise ValueError(f"{name} must be a positive finite global decode scale")
+    return tuple(values_[1] for values_ in values)
+'''
+
+
+def test_validate_once_checks_each_scale_once_and_again_after_any_change(tmp_path, monkeypatch):
+    """The patch, loaded as a server loads it (sitecustomize), over a stand-in of FlashInfer's page module and
+    scale tensors that look like CUDA scalars: the first call checks, later calls with the same tensors do not copy,
+    an in-place change or another tensor is checked again, a bad scale still raises, and graph capture runs the
+    original."""
+    import importlib
+    import sys
+
+    torch = pytest.importorskip("torch")
+
+    class CudaLooking(torch.Tensor):
+        is_cuda = property(lambda self: True)
+        device = property(lambda self: torch.device("cuda", 0))
+
+    (tmp_path / "flashinfer").mkdir()
+    (tmp_path / "flashinfer" / "__init__.py").write_text("")
+    (tmp_path / "flashinfer" / "page.py").write_text(FAKE_PAGE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("flashinfer", "flashinfer.page"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    patch = Path(vllm_matrix.__file__).parent / "patches" / "validate-once.py"
+    before = list(sys.meta_path)
+    try:
+        exec(compile(patch.read_text(), str(patch), "exec"), {"__file__": str(patch), "__name__": "sitecustomize"})
+        page = importlib.import_module("flashinfer.page")
+    finally:
+        sys.meta_path[:] = before
+    device = torch.device("cuda", 0)
+    k, v = torch.ones(1).as_subclass(CudaLooking), torch.full((1,), 0.5).as_subclass(CudaLooking)
+    scales = (("k_scale", k), ("v_scale", v))
+    assert page._as_float32_scalar_tensors(scales, device=device) == (k, v) and len(page.calls) == 1
+    assert page._as_float32_scalar_tensors(scales, device=device) == (k, v) and len(page.calls) == 1
+    k.fill_(3.0)  # changed in place: checked again
+    page._as_float32_scalar_tensors(scales, device=device)
+    assert len(page.calls) == 2
+    other = torch.ones(1).as_subclass(CudaLooking)
+    page._as_float32_scalar_tensors((("k_scale", other), ("v_scale", v)), device=device)
+    assert len(page.calls) == 3
+    v.fill_(0.0)  # a bad scale is never skipped
+    with pytest.raises(ValueError, match="v_scale must be a positive finite"):
+        page._as_float32_scalar_tensors(scales, device=device)
+    page.capturing[0] = True
+    page._as_float32_scalar_tensors((("k_scale", k), ("v_scale", other)), device=device)
+    assert len(page.calls) == 5

@@ -17,6 +17,7 @@ import importlib.util
 import os
 import runpy
 import sys
+import weakref
 
 PATCH = "validate-once"
 TARGET_MODULE, TARGET = "flashinfer.page", "_as_float32_scalar_tensors"
@@ -26,35 +27,42 @@ def _say(text):
     print(f"kvtrace patch {PATCH} (pid {os.getpid()}): {text}", file=sys.stderr, flush=True)
 
 
-def _key(value):
-    """What identifies a checked scale: storage, device, in-place version; None when it cannot be keyed."""
-    try:
-        return (value.data_ptr(), str(value.device), value._version)
-    except RuntimeError:  # inference tensors carry no version counter: check them every time
-        return None
-
-
 def _wrap(original, page):
     import torch
 
-    checked = set()
-    said = []
+    checked = {}  # id(tensor) -> (weak reference, storage, version) as it was checked
+    said = set()  # what was said once to the log
+
+    def state(value):
+        try:
+            return value.data_ptr(), value._version
+        except RuntimeError:  # inference tensors carry no version counter: they are checked every call
+            return None
+
+    def already_checked(value, device):
+        if not (isinstance(value, torch.Tensor) and value.is_cuda and value.device == device
+                and value.dtype == torch.float32 and value.numel() == 1 and value.is_contiguous()):
+            return False
+        entry = checked.get(id(value))
+        return entry is not None and entry[0]() is value and entry[1] == state(value) is not None
 
     def validate_once(values, *, device):
         if page._is_stream_capturing_on_device(device):
             return original(values, device=device)
-        keys = []
-        for _, value in values:
-            reusable = (isinstance(value, torch.Tensor) and value.is_cuda and value.device == device
-                        and value.dtype == torch.float32 and value.numel() == 1 and value.is_contiguous())
-            keys.append(_key(value) if reusable else None)
-        if all(key is not None and key in checked for key in keys):
-            if not said:
-                said.append(True)
-                _say("scale tensors already checked: no host copy from now on for these tensors")
+        if all(already_checked(value, device) for _, value in values):
+            if "reused" not in said:
+                said.add("reused")
+                _say("scale tensors already checked: no host copy for them from now on")
             return tuple(value for _, value in values)  # what the original returns for such tensors
         result = original(values, device=device)  # raises on a bad scale, as before
-        checked.update(key for key in keys if key is not None)
+        for _, value in values:
+            if isinstance(value, torch.Tensor) and value.is_cuda:
+                now = state(value)
+                if now is None and "unkeyed" not in said:
+                    said.add("unkeyed")
+                    _say("a scale tensor carries no version counter: it is checked every call, as before")
+                if now is not None:
+                    checked[id(value)] = (weakref.ref(value), now)
         return result
 
     validate_once.__wrapped__ = original
