@@ -14,18 +14,22 @@ import importlib
 import runpy
 import sys
 
-PRELOAD = ("vllm.entrypoints.cli.main", "vllm.benchmarks.serve", "vllm.benchmarks.datasets")
+# What `vllm bench serve` imports before it sends anything: vLLM 0.33's CLI main() imports every subcommand's
+# module, then the benchmark's own. --preload replaces the list.
+PRELOAD = tuple(f"vllm.entrypoints.cli.{name}" for name in (
+    "main", "benchmark.main", "collect_env", "download_kernels", "launch", "openai", "preload", "run_batch", "serve",
+    "snapshot")) + ("vllm.benchmarks.serve", "vllm.benchmarks.datasets")
 
 
 def main(argv: list[str]) -> int:
     split = argv.index("--")
     options, command = argv[:split], argv[split + 1:]
-    preload = [options[i + 1] for i, option in enumerate(options) if option == "--preload"]
+    preload = [options[i + 1] for i, option in enumerate(options) if option == "--preload"] or PRELOAD
     for name in preload:
         try:
             importlib.import_module(name)
-        except ImportError:  # a vLLM without that module: the client imports what it needs after the gate
-            pass
+        except Exception as error:  # a vLLM without that module: the client imports what it needs after the gate
+            print(f"kvtrace: not preloaded: {name} ({type(error).__name__}: {error})", flush=True)
     print("kvtrace: client ready, waiting for its turn", flush=True)
     if sys.stdin.readline().strip() != "go":
         return 0

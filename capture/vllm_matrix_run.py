@@ -154,6 +154,9 @@ class _Matrix:
         scenario.settings["servers"] = {s.spec.label: s.record() for s in self.servers}
         scenario.settings["engine_flags"] = {s.spec.label: engine_flags(s.cfg, s.spec.kv_dtype) for s in self.servers}
         scenario.settings["co_resident"] = self.co_resident
+        if not self.co_resident:  # one arm's rounds after another's
+            scenario.settings["order"] = sorted(scenario.settings["order"], key=lambda name: [
+                a.label for a in self.cfg.arms].index(name.rsplit(".r", 1)[0]))
         if self.fallback:
             scenario.settings["co_resident_fallback"] = self.fallback
         for run in scenario.runs.values():
@@ -218,7 +221,7 @@ class _Matrix:
             cfg_of = {s.spec.label: self.cfg.scenario_cfg(scenario.spec, s.cfg) for s in servers}
             for server in servers:
                 run = scenario.runs.get((server.spec.label, round_))
-                if run is None or not server.alive():
+                if run is None or not server.up():
                     continue
                 cfg = cfg_of[server.spec.label]
                 indices = scenario.spec.point_indices(server.spec)
@@ -261,7 +264,7 @@ class _Matrix:
         bench_log = scenario.out / f"{run.name}.bench.log"
         started = time.monotonic()
         try:
-            if not server.alive():
+            if not server.up():
                 raise RuntimeError(f"the {server.spec.label} server is not running ({server.error or 'it exited'})")
             warm = clients.pop((scenario.spec.name, server.spec.label, "warm-up"), None)
             if warm is not None:
@@ -361,7 +364,7 @@ class _Matrix:
                 self._round(round_, group)
             if not self.co_resident:
                 self._stop(group)
-        if self.co_resident and self.cfg.co_residence_check and len(self.servers) > 1 and self.servers[0].alive():
+        if self.co_resident and self.cfg.co_residence_check and len(self.servers) > 1 and self.servers[0].up():
             self._co_residence_check()
 
     def _co_residence_check(self) -> None:

@@ -107,8 +107,9 @@ class ArmServer:
         self.kv_cache = parse_kv_cache_log(self.log.read_text(errors="replace"))
         self.relay = UsageRelay(self.cfg.host, self.cfg.port).__enter__()
 
-    def alive(self) -> bool:
-        return self.process is not None and self.process.running()
+    def up(self) -> bool:
+        """Started, answered /health, and still running."""
+        return self.relay is not None and self.process is not None and self.process.running()
 
     def reset_prefix_cache(self, attempts: int = 20) -> None:
         """vLLM 0.33 answers {"success": false} while blocks are still held (requests finishing): retry briefly."""

@@ -120,13 +120,15 @@ def test_the_matrix_runs_each_arm_on_one_server_with_a_window_per_point(standin)
 
 def test_a_server_that_cannot_start_beside_the_others_falls_back_to_one_arm_at_a_time(standin, monkeypatch):
     monkeypatch.setenv("STANDIN_FAIL", "server-exit@nvfp4")
-    cfg = tiny_matrix(standin, arms=("fp8", "nvfp4"), repeats=1, co_residence_check=False)
+    cfg = tiny_matrix(standin, arms=("fp8", "nvfp4"), repeats=2, co_residence_check=False)
     cfg = vllm_matrix.MatrixConfig(**{**cfg.__dict__, "scenarios": cfg.scenarios[:1]})
     matrix = record(standin, cfg)
     assert matrix["co_resident"] is False and "nvfp4 did not start" in matrix["co_resident_fallback"]
     manifest = read_manifest(standin.tmp / "matrix" / "cold-prefill")
     assert manifest.runs["fp8.r1"].status == "ok" and manifest.runs["nvfp4.r1"].status == "failed"
     assert manifest.raw["status"] == "partial" and manifest.raw["settings"]["co_resident"] is False
+    assert manifest.raw["settings"]["order"] == ["fp8.r1", "fp8.r2", "nvfp4.r1", "nvfp4.r2"]  # arm after arm
+    assert manifest.runs["fp8.r2"].status == "ok" and manifest.runs["nvfp4.r2"].status == "failed"
     # Alone, a server keeps vLLM's default memory fraction.
     assert "--gpu-memory-utilization" not in manifest.raw["settings"]["engine_flags"]["fp8"]
 
@@ -233,3 +235,26 @@ def test_validate_once_checks_each_scale_once_and_again_after_any_change(tmp_pat
     page.capturing[0] = True
     page._as_float32_scalar_tensors((("k_scale", k), ("v_scale", other)), device=device)
     assert len(page.calls) == 5
+
+
+def test_a_gated_client_imports_first_and_runs_only_when_released(tmp_path):
+    """Started ahead of its point, the client imports its modules, says it is ready and sends nothing until told
+    "go"; the end of stdin instead exits without running it."""
+    import subprocess
+    import sys
+
+    (tmp_path / "fake_bench.py").write_text(
+        "import sys\nfrom pathlib import Path\nPath(sys.argv[1]).write_text(' '.join(sys.argv[2:]))\n")
+    ran = tmp_path / "ran.txt"
+    env = {**__import__("os").environ, "PYTHONPATH": str(tmp_path)}
+    command = [sys.executable, "-m", "kvtrace.capture.vllm_gated_client", "--preload", "fake_bench_missing", "--",
+               "fake_bench", str(ran), "bench", "serve"]
+    for release, runs in ((b"go\n", True), (b"", False)):
+        ran.unlink(missing_ok=True)
+        client = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=False, env=env)
+        assert client.stdout.readline().startswith(b"kvtrace: not preloaded: fake_bench_missing")
+        assert client.stdout.readline().startswith(b"kvtrace: client ready")
+        assert not ran.exists()
+        client.communicate(release, timeout=60)
+        assert client.returncode == 0 and ran.exists() is runs
+        assert not runs or ran.read_text() == "bench serve"  # the command's own arguments
