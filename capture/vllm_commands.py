@@ -152,8 +152,9 @@ def dry_run(cfg: VllmCapture, out: Path, *, nsys: str | None = None, python: str
     return "\n".join(lines) + "\n"
 
 
-def point_tag(workload: Workload, index: int) -> str:
-    return f".p{index}" if workload.scenario == "sweep" else ""
+def point_tag(workload: Workload, index: int, every: bool = False) -> str:
+    """`.pN` in a point's file names: a sweep's points, or (`every`, the matrix) any scenario's."""
+    return f".p{index}" if every or workload.scenario == "sweep" else ""
 
 
 def base_url(cfg: VllmCapture) -> str:

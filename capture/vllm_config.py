@@ -168,6 +168,7 @@ class VllmCapture:
     profile_steps: int = 0  # vLLM's profiler stops after this many engine steps (0: at /stop_profile)
     quality_prompts: str | None = None  # a JSONL of prompts and answers (capture/vllm_quality)
     quality_max_tokens: int = 256
+    tag_every_point: bool = False  # name every point's files ARM.rK.pN.* (the matrix: its traces are per point)
 
     def validate(self) -> None:
         if self.mode not in MODES:

@@ -176,7 +176,7 @@ def _serve_point(session: _Session, arm: VllmArm, index: int, point: Point, benc
     """One point's measured traffic and what it is measured by; run_bench(command) runs the client (default: a
     fresh `vllm bench serve`; the matrix releases one it started earlier, capture/vllm_servers)."""
     cfg, out, base = session.cfg, session.out, base_url(session.cfg)
-    stem = f"{arm.name}{point_tag(cfg.workload, index)}"
+    stem = f"{arm.name}{point_tag(cfg.workload, index, cfg.tag_every_point)}"
     result = out / f"{stem}.bench.json"
     command = bench_command(cfg, session.python, point, seed=cfg.workload.seed, result=result, relay_port=relay.port)
     arm.commands.append(command)

@@ -92,7 +92,8 @@ class MatrixConfig:
                            extra_args=extra, profile_steps=max(s.profile_steps for s in self.scenarios))
 
     def scenario_cfg(self, scenario: MatrixScenario, server: VllmCapture) -> VllmCapture:
-        return replace(server, workload=replace(scenario.workload, seed=self.seed), profile_steps=scenario.profile_steps)
+        return replace(server, workload=replace(scenario.workload, seed=self.seed), profile_steps=scenario.profile_steps,
+                       tag_every_point=True)
 
     def validate(self) -> None:
         if not self.arms:
@@ -185,7 +186,7 @@ def dry_run(cfg: MatrixConfig, root: Path, *, nsys: str | None = None, python: s
             out = root / scenario.name
             lines.append(f"# {scenario.name} {run} p{step['point']}: POST /reset_prefix_cache; POST /start_profile "
                          f"{{\"max_iterations\": {scenario.profile_steps}}}; then ({_seconds(step['seconds'])}):")
-            result = out / f"{run}{point_tag(scenario.workload, step['point'])}.bench.json"
+            result = out / f"{run}{point_tag(scenario.workload, step['point'], every=True)}.bench.json"
             lines.append(shlex.join(bench_command(server, python, point, seed=cfg.seed, result=result,
                                                   relay_port="RELAY_PORT")))
             trace = out / f"{run}.p{step['point']}.sqlite"

@@ -120,13 +120,12 @@ class _Matrix:
         cfg = self.cfg.server_cfg(index)
         return cfg if self.co_resident else replace(cfg, extra_args=self.cfg.extra_args)
 
-    def _settings(self, spec: MatrixScenario) -> dict:
+    def _settings(self, spec: MatrixScenario, arms, repeats: int) -> dict:
         workload = spec.workload
         return {
             "scenario": workload.scenario, "mode": "serve", "model": self.model,
-            "arms": [a.label for a in self.cfg.arms if spec.point_indices(a)], "repeats": self.cfg.repeats,
-            "order": [f"{a.label}.r{k}" for k in range(1, self.cfg.repeats + 1) for a in self.cfg.arms
-                      if spec.point_indices(a)],
+            "arms": [a.label for a in arms], "repeats": repeats,
+            "order": [f"{a.label}.r{k}" for k in range(1, repeats + 1) for a in arms],
             "profile_steps": spec.profile_steps, "attention_backend": ATTENTION_BACKEND,
             "load_format": self.cfg.load_format, "seed": self.cfg.seed, "prefix_caching": True,
             "prefix_cache_reset": "POST /reset_prefix_cache before every point (VLLM_SERVER_DEV_MODE=1)",
@@ -137,17 +136,17 @@ class _Matrix:
             "matrix": {"root": "..", "file": f"../{MATRIX}", "run_dir": spec.name},
         }
 
-    def _scenario(self, spec: MatrixScenario, out: Path | None = None) -> _Scenario:
-        out = out or self.root / spec.name
+    def _scenario(self, spec: MatrixScenario, arms=None, repeats: int | None = None) -> _Scenario:
+        arms = [a for a in (arms or self.cfg.arms) if spec.point_indices(a)]
+        repeats = repeats or self.cfg.repeats
+        out = self.root / spec.name
         out.mkdir(parents=True, exist_ok=True)
-        scenario = _Scenario(spec, out, self._settings(spec))
-        for round_ in range(1, self.cfg.repeats + 1):
-            for arm in self.cfg.arms:
-                if spec.point_indices(arm):
-                    name = f"{arm.label}.r{round_}"
-                    scenario.runs[(arm.label, round_)] = MatrixRun(
-                        name=name, arm=arm.label, repeat=round_, kv_cache_dtype=arm.kv_dtype, log=f"{arm.label}.server.log",
-                        server=arm.label, patch=arm.record())
+        scenario = _Scenario(spec, out, self._settings(spec, arms, repeats))
+        for round_ in range(1, repeats + 1):
+            for arm in arms:
+                scenario.runs[(arm.label, round_)] = MatrixRun(
+                    name=f"{arm.label}.r{round_}", arm=arm.label, repeat=round_, kv_cache_dtype=arm.kv_dtype,
+                    log=f"{arm.label}.server.log", server=arm.label, patch=arm.record())
         return scenario
 
     def _write(self, scenario: _Scenario, interrupted: bool = False) -> dict:
@@ -232,7 +231,7 @@ class _Matrix:
                     clients[(scenario.spec.name, server.spec.label, "warm-up")] = self._client(
                         scenario, server, warm, scenario.out / f"{run.name}.warmup.bench.log")
                 for index in indices:
-                    stem = f"{run.name}{point_tag(scenario.spec.workload, index)}"
+                    stem = f"{run.name}{point_tag(scenario.spec.workload, index, every=True)}"
                     command = bench_command(cfg, self.python, points[index], seed=self.cfg.seed,
                                             result=scenario.out / f"{stem}.bench.json", relay_port=server.relay.port)
                     clients[(scenario.spec.name, server.spec.label, index)] = self._client(
@@ -372,18 +371,15 @@ class _Matrix:
         from dataclasses import replace
 
         self._stop(self.servers[1:])
-        scenario_spec, _, index = _check_point(self.cfg)
-        spec = replace(scenario_spec, name="co-residence")
-        self.check = self._scenario(spec)
+        compared, point, index = _check_point(self.cfg)
         first = self.servers[0]
-        self.check.runs = {(first.spec.label, 1): MatrixRun(
-            name=f"{first.spec.label}.r1", arm=first.spec.label, repeat=1, kv_cache_dtype=first.spec.kv_dtype,
-            log=f"{first.spec.label}.server.log", server=first.spec.label, patch=first.spec.record())}
-        self.check.settings.update(arms=[first.spec.label], order=[f"{first.spec.label}.r1"], repeats=1,
-                                   points=[scenario_spec.points()[index].spec()],
-                                   co_residence_check={"alone": first.spec.label, "compares_with": scenario_spec.name,
-                                                       "point": index, "beside_idle": [s.spec.label for s in self.servers[1:]]})
-        self.check.spec = replace(spec, workload=replace(spec.workload, concurrencies=(scenario_spec.points()[index].concurrency,)))
+        # Exactly that point, as point 0 of a run directory of its own.
+        spec = replace(compared, name="co-residence",
+                       workload=replace(compared.workload, followed=(point,), followed_from=f"{compared.name} point {index}"))
+        self.check = self._scenario(spec, arms=[first.spec], repeats=1)
+        self.check.settings["co_residence_check"] = {
+            "alone": first.spec.label, "compares_with": {"run_dir": compared.name, "point": index},
+            "beside_idle": [s.spec.label for s in self.servers[1:]]}
         clients = self._prestart_check(first)
         try:
             self._run(self.check, first, self.check.runs[(first.spec.label, 1)], clients, 1)
@@ -395,7 +391,7 @@ class _Matrix:
         started = time.monotonic()
         cfg = self.cfg.scenario_cfg(self.check.spec, server.cfg)
         point = self.check.spec.points()[0]
-        stem = f"{server.spec.label}.r1{point_tag(self.check.spec.workload, 0)}"
+        stem = f"{server.spec.label}.r1{point_tag(self.check.spec.workload, 0, every=True)}"
         command = bench_command(cfg, self.python, point, seed=self.cfg.seed, result=self.check.out / f"{stem}.bench.json",
                                 relay_port=server.relay.port)
         client = self._client(self.check, server, command, self.check.out / f"{stem}.bench.log")

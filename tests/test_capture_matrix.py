@@ -99,7 +99,7 @@ def test_the_matrix_runs_each_arm_on_one_server_with_a_window_per_point(standin)
             else:
                 assert run.patch is None and len(indices) == len(raw["settings"]["points"])
             for point in entry["points"]:
-                stem = f"{run.name}.p{point['index']}" if name == "sweep" else run.name
+                stem = f"{run.name}.p{point['index']}"  # every scenario's points, as their traces
                 for file in (f"{stem}.bench.json", f"{stem}.metrics.before.prom", f"{stem}.metrics.after.prom",
                              f"{stem}.requests.json"):
                     assert (root / name / file).exists(), file
@@ -110,8 +110,11 @@ def test_the_matrix_runs_each_arm_on_one_server_with_a_window_per_point(standin)
 
     # The co-residence check: one point on the first arm alone, after the others were shut down.
     check = read_manifest(root / "co-residence")
-    assert list(check.runs) == ["fp8.r1"] and check.settings["co_residence_check"]["beside_idle"] == [
-        "nvfp4", "nvfp4-validate-once"]
+    assert list(check.runs) == ["fp8.r1"] and check.settings["co_residence_check"] == {
+        "alone": "fp8", "compares_with": {"run_dir": "sweep", "point": 0}, "beside_idle": ["nvfp4", "nvfp4-validate-once"]}
+    sweep = read_manifest(root / "sweep")
+    assert check.settings["points"] == sweep.settings["points"][:1]
+    assert check.raw["arms"]["fp8.r1"]["points"][0]["point"] == sweep.raw["arms"]["fp8.r1"]["points"][0]["point"]
     phases = [p["phase"] for p in matrix["timeline"]]
     assert phases[0] == "server start and compile" and phases[-1] == "export"
     assert phases.count("client prestart") == cfg.repeats + 1
