@@ -81,6 +81,7 @@ class MatrixConfig:
     memory_fraction: float = 0.25  # each server's --gpu-memory-utilization (vLLM's start-up free-memory check)
     co_residence_check: bool = True
     export_workers: int = 8
+    report_wait_s: float = vllm_servers.REPORT_WAIT_S
 
     def server_cfg(self, index: int) -> VllmCapture:
         """A server's flags: prefix caching on (prefix reuse needs it; the others reset it before each point), its

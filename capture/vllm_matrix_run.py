@@ -293,7 +293,7 @@ class _Matrix:
         begun = time.monotonic()
         server.reset_prefix_cache()
         window = vllm_servers.Window(scenario.out, run.name, index, scenario.spec.profile_steps)
-        server.open_window(window)
+        server.open_window(window, self.cfg.report_wait_s)
         opened = time.monotonic()
         try:
             record = vllm_engine._serve_point(session, run, index, point, bench_log, server.relay, server.events,

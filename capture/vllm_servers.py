@@ -28,6 +28,7 @@ from kvtrace.capture.vllm_kv_events import KvEventRecorder
 from kvtrace.capture.vllm_relay import UsageRelay
 
 GATED = ("-m", "kvtrace.capture.vllm_gated_client")
+REPORT_WAIT_S = 60.0  # at most, before a window, for nsys to finish the previous window's report
 _SLOT_NUMBER = re.compile(r"(\d+)$")
 
 
@@ -45,6 +46,7 @@ class Window:
     error: str | None = None
     export_s: float | None = None
     reports_before: int | None = None  # reports nsys had written for this server when the window opened
+    report_wait_s: float | None = None  # how long it waited for them
 
     @property
     def sqlite(self) -> str:
@@ -54,6 +56,7 @@ class Window:
         return {"point": self.point, "sqlite": self.sqlite if self.status == "exported" else None,
                 "steps": self.steps, "delay_steps": self.delay_steps, "status": self.status,
                 "report": f"{self.report}.nsys-rep" if self.report else None, "reports_before": self.reports_before,
+                "report_wait_s": self.report_wait_s,
                 "error": self.error, "export_s": self.export_s}
 
 
@@ -75,6 +78,7 @@ class ArmServer:
     timings: dict = field(default_factory=dict)  # started_utc, start_s (start and compile), warmup_s, lifetime_s
     error: str | None = None
     exit_code: int | None = None
+    reports_at_exit: bool = False  # this nsys writes its reports when the server exits, not after each window
 
     @property
     def base(self) -> str:
@@ -123,8 +127,21 @@ class ArmServer:
             time.sleep(0.25)
         raise RuntimeError("POST /reset_prefix_cache kept answering success=false: requests still hold blocks")
 
-    def open_window(self, window: Window) -> None:
-        window.reports_before = len(self.report_slots())  # recorded: when each window's report appeared
+    def open_window(self, window: Window, report_wait_s: float = REPORT_WAIT_S) -> None:
+        """Start a window once nsys has written the previous window's report (bounded): a range that starts while
+        nsys still writes the last one's report is at risk, and the count of reports before each window is what
+        tells them apart if one goes missing. A server whose nsys wrote no report for its first window writes them
+        at exit: no more waiting there."""
+        begun = time.monotonic()
+        previous = self.windows[-1] if self.windows else None
+        if previous is not None and not self.reports_at_exit:
+            while not self._report_written_since(previous.reports_before):
+                if time.monotonic() - begun > report_wait_s:
+                    self.reports_at_exit = not self.report_slots()
+                    break
+                time.sleep(0.2)
+        window.report_wait_s = round(time.monotonic() - begun, 2)
+        window.reports_before = len(self.report_slots())
         status, body = http_request("POST", self.base + "/start_profile", timeout=600,
                                     payload={"max_iterations": window.steps, "delay_iterations": window.delay_steps})
         if status != 200:
@@ -146,19 +163,41 @@ class ArmServer:
                  for path in self.folder.glob(pattern)}
         return sorted((self.folder / stem for stem in stems), key=_slot_order)
 
+    def _report_written_since(self, count: int) -> bool:
+        """A report more than `count`, and the newest one no longer growing."""
+        slots = self.report_slots()
+        if len(slots) <= count:
+            return False
+        newest = slots[-1].with_name(slots[-1].name + ".nsys-rep")
+        try:
+            size = newest.stat().st_size
+            time.sleep(0.5)
+            return newest.stat().st_size == size
+        except OSError:  # only its raw capture: nsys' import failed, nothing more will come for it
+            return True
+
     def assign_reports(self) -> None:
-        """Once nsys is done (the server is down): window k's report is the k-th capture range's. Only when there are
-        exactly as many ranges as windows is that certain; otherwise no window gets one, rather than a wrong one."""
-        slots, opened = self.report_slots(), [w for w in self.windows if w.status == "closed"]
-        if len(slots) != len(self.windows):
-            for window in opened:
+        """Once nsys is done (the server is down): window k's report is the k-th capture range's. With exactly as
+        many ranges as windows that is certain. Otherwise only the windows before the first that did not find
+        exactly its predecessors' reports when it opened, and its own when the next one did, get theirs; the rest
+        get none rather than a wrong one."""
+        slots = self.report_slots()
+        if len(slots) == len(self.windows):
+            certain = len(self.windows)
+        else:
+            before = [w.reports_before for w in self.windows] + [None]
+            certain = next((k for k in range(len(self.windows)) if before[k] != k or before[k + 1] != k + 1),
+                           len(self.windows))
+        for k, window in enumerate(self.windows):
+            if window.status != "closed":
+                continue
+            if k < certain:
+                window.report = slots[k]
+            else:
                 window.status = "no report"
                 window.error = (f"nsys wrote {len(slots)} reports for {len(self.windows)} windows of this server, so "
-                                f"which is whose is uncertain; they are kept in {self.folder}")
-            return
-        for slot, window in zip(slots, self.windows):
-            if window.status == "closed":
-                window.report = slot
+                                f"which is whose is uncertain from window {certain + 1} on; they are kept in "
+                                f"{self.folder}")
 
     def stop(self, grace_s: float) -> None:
         if self.relay is not None:
@@ -176,6 +215,7 @@ class ArmServer:
     def record(self) -> dict:
         return {"arm": self.spec.label, "kv_cache_dtype": self.spec.kv_dtype, "patch": self.spec.record(),
                 "port": self.cfg.port, "log": str(self.log), "exit_code": self.exit_code, "kv_cache": self.kv_cache,
+                "reports_at_exit": self.reports_at_exit,
                 "error": self.error, **self.timings}
 
 

@@ -148,19 +148,39 @@ def test_dry_run_prints_the_whole_plan_with_its_estimate(standin):
     assert text.count("patch validate-once sha256") == 1
 
 
-def test_a_missing_report_leaves_that_servers_windows_untraced_rather_than_misattributed(standin, monkeypatch):
+@pytest.mark.parametrize("dropped,traced", [(1, []), (2, [0]), (3, [0, 1])])
+def test_a_missing_report_leaves_windows_untraced_rather_than_misattributed(standin, monkeypatch, dropped, traced):
     """nsys numbers a server's reports in order; one missing would shift every later window onto the wrong report.
-    With fewer reports than windows no window of that server gets one; the other server's are unaffected."""
+    A window keeps its report only while every window up to it found exactly its predecessors' reports when it
+    opened and the next found its own; the other server's windows are unaffected."""
     monkeypatch.setenv("STANDIN_FAIL", "drop-window@nvfp4")
-    cfg = tiny_matrix(standin, arms=("fp8", "nvfp4"), repeats=1, co_residence_check=False)
+    monkeypatch.setenv("STANDIN_DROP_WINDOW", str(dropped))
+    cfg = tiny_matrix(standin, arms=("fp8", "nvfp4"), repeats=1, co_residence_check=False, report_wait_s=1.0)
     cfg = vllm_matrix.MatrixConfig(**{**cfg.__dict__, "scenarios": cfg.scenarios[2:]})
     record(standin, cfg)
     manifest = read_manifest(standin.tmp / "matrix" / "sweep")
     assert [w.status for w in manifest.runs["fp8.r1"].windows] == ["exported"] * 3
     nvfp4 = manifest.runs["nvfp4.r1"]
-    assert [w.status for w in nvfp4.windows] == ["no report"] * 3 and nvfp4.sqlite is None
-    assert "2 reports for 3 windows" in manifest.raw["arms"]["nvfp4.r1"]["windows"][0]["error"]
-    assert nvfp4.trace_for(0) is None and nvfp4.status == "ok"  # the serving numbers stand
+    assert [w.point for w in nvfp4.windows if w.status == "exported"] == traced
+    assert [nvfp4.trace_for(point) for point in range(3)] == [
+        f"nvfp4.r1.p{point}.sqlite" if point in traced else None for point in range(3)]
+    first_lost = manifest.raw["arms"]["nvfp4.r1"]["windows"][len(traced)]
+    assert first_lost["status"] == "no report" and "2 reports for 3 windows" in first_lost["error"]
+    assert nvfp4.status == "ok"  # the serving numbers stand
+
+
+def test_reports_written_at_exit_cost_one_wait_and_are_all_attributed(standin, monkeypatch):
+    """An nsys that writes a server's reports only when it exits: the second window waits once for the first's
+    report, then no more; at the end every window gets its report, by count."""
+    monkeypatch.setenv("STANDIN_REPORTS_AT_EXIT", "1")
+    cfg = tiny_matrix(standin, arms=("fp8",), repeats=1, co_residence_check=False, report_wait_s=1.0)
+    cfg = vllm_matrix.MatrixConfig(**{**cfg.__dict__, "scenarios": cfg.scenarios[2:]})
+    matrix = record(standin, cfg)
+    manifest = read_manifest(standin.tmp / "matrix" / "sweep")
+    windows = manifest.raw["arms"]["fp8.r1"]["windows"]
+    assert [w["status"] for w in windows] == ["exported"] * 3
+    assert [w["report_wait_s"] >= 1.0 for w in windows] == [False, True, False]
+    assert matrix["servers"]["fp8"]["reports_at_exit"] is True
 
 
 @pytest.mark.parametrize("arms,message", [

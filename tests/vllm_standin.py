@@ -12,7 +12,8 @@
 Failures are switched on per arm through STANDIN_FAIL, e.g. "never-ready@fp8,bench@nvfp4":
 server-exit, never-ready, ignore-sigint, profile-404, quality (server; quality: prompts answered 500), drop-keepalive
 (server: a connection closed, unannounced, after each completion), drop-window (server under nsys
---capture-range-end=repeat: no report for its first window); bench
+--capture-range-end=repeat: no report for its window STANDIN_DROP_WINDOW, the first by default;
+STANDIN_REPORTS_AT_EXIT: every report written when the server exits); bench
 (client); worker (offline LLM); no-report, export (nsys; these two also per run, e.g. "export@fp8.r2"). STANDIN_DEVICES
 lists the devices whose kernels an export holds, STANDIN_RANK_GIB each tensor-parallel rank's KV memory. STANDIN_PIDDIR
 collects pid files so
@@ -176,6 +177,9 @@ def serve(argv: list[str]) -> None:
     print_kv_lines(stats.capacity)
     dev_mode = os.environ.get("VLLM_SERVER_DEV_MODE") == "1"
     repeat_output, windows = os.environ.get("STANDIN_NSYS_REPEAT"), [0]
+
+    def write_window_report(number: int) -> None:
+        Path(f"{repeat_output}.{number}.nsys-rep").write_text("stand-in window report\n")
     # What an engine patch (capture/patches) did to FlashInfer's page module, as the server imports it.
     page = importlib.import_module("flashinfer.page") if importlib.util.find_spec("flashinfer") else None
     record_call(arm, "serve", {"patched": hasattr(getattr(page, "_as_float32_scalar_tensors", None), "__wrapped__"),
@@ -226,9 +230,12 @@ def serve(argv: list[str]) -> None:
                 record_call(arm, self.path.strip("/"), json.loads(body) if body else None)
                 if self.path == "/stop_profile":
                     windows[0] += 1
-                    # nsys --capture-range-end=repeat: a report per capture range (drop-window: none for the first)
-                    if repeat_output and not (failing("drop-window", arm) and windows[0] == 1):
-                        Path(f"{repeat_output}.{windows[0]}.nsys-rep").write_text("stand-in window report\n")
+                    # nsys --capture-range-end=repeat: a report per capture range (drop-window: none for window
+                    # STANDIN_DROP_WINDOW, the first by default)
+                    dropped = int(os.environ.get("STANDIN_DROP_WINDOW", "1"))
+                    if repeat_output and not (failing("drop-window", arm) and windows[0] == dropped) \
+                            and not os.environ.get("STANDIN_REPORTS_AT_EXIT"):
+                        write_window_report(windows[0])
                 self.reply(404 if failing("profile-404", arm) else 200)
             elif self.path == "/reset_prefix_cache":
                 record_call(arm, "reset_prefix_cache")
@@ -265,6 +272,9 @@ def serve(argv: list[str]) -> None:
         print("stand-in server: shutting down", file=sys.stderr)
     finally:
         server.server_close()
+        if repeat_output and os.environ.get("STANDIN_REPORTS_AT_EXIT"):  # an nsys that writes them all at the end
+            for number in range(1, windows[0] + 1):
+                write_window_report(number)
 
 
 def bench(argv: list[str]) -> None:
