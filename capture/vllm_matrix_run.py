@@ -35,6 +35,7 @@ from kvtrace.manifest import capacity_reason
 
 READY_LINE = "kvtrace: client ready"
 PRESTART_LIMIT_S = 300.0
+CO_RESIDENCE = "checks/co-residence"
 
 
 @dataclass
@@ -374,7 +375,9 @@ class _Matrix:
         compared, point, index = _check_point(self.cfg)
         first = self.servers[0]
         # Exactly that point, as point 0 of a run directory of its own.
-        spec = replace(compared, name="co-residence",
+        # Below checks/, where `kvtrace matrix ROOT` (one level of run directories) does not take it for a scenario
+        # missing its other arm.
+        spec = replace(compared, name=CO_RESIDENCE,
                        workload=replace(compared.workload, followed=(point,), followed_from=f"{compared.name} point {index}"))
         self.check = self._scenario(spec, arms=[first.spec], repeats=1)
         self.check.settings["co_residence_check"] = {

@@ -109,7 +109,7 @@ def test_the_matrix_runs_each_arm_on_one_server_with_a_window_per_point(standin)
     assert counters["vllm:prefix_cache_hits_total"] == 6 * 32
 
     # The co-residence check: one point on the first arm alone, after the others were shut down.
-    check = read_manifest(root / "co-residence")
+    check = read_manifest(root / "checks" / "co-residence")
     assert list(check.runs) == ["fp8.r1"] and check.settings["co_residence_check"] == {
         "alone": "fp8", "compares_with": {"run_dir": "sweep", "point": 0}, "beside_idle": ["nvfp4", "nvfp4-validate-once"]}
     sweep = read_manifest(root / "sweep")
