@@ -142,3 +142,49 @@ def test_bad_inputs_get_one_line(run_kvtrace, tmp_path):
         assert code == 2 and out == ""
         lines = err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("kvtrace: error:") and words in lines[0], err
+
+
+@pytest.mark.parametrize("name", sorted(COMMITTED))
+def test_script_runs_every_route_against_a_standin(monkeypatch, tmp_path, capsys, name):
+    """The committed script, on shrunk shapes, against tests/flashinfer_standin.py on the CPU: every route runs,
+    each output lies within BF16 rounding of the float64 reference over the cache as stored (a wrong page table,
+    layout or scale would be far off), the split multiplies out, and the JSON holds it all."""
+    import flashinfer_standin
+
+    flashinfer_standin.cuda_on_cpu(monkeypatch)
+    monkeypatch.setitem(sys.modules, "flashinfer", flashinfer_standin.module())
+    source = (FIXTURES / "repro" / f"{name}.py").read_text().replace('"cuda"', '"cpu"')
+    namespace = {"__name__": "repro_under_test"}
+    exec(compile(source, name, "exec"), namespace)
+    spec = namespace["SPEC"]
+    spec.update(q_heads=4, kv_heads=2, head_dim=32)
+    kinds = {}
+    for case in spec["cases"]:  # one case per kernel, shrunk to uneven lengths of a few pages
+        if case["kernel"] in kinds:
+            continue
+        kinds[case["kernel"]] = case
+        case["kv_lens"] = [37, 16, 5]
+        case["qo_lens"] = case["kv_lens"] if case["kernel"] == "prefill" else [1, 1, 1]
+        if case["kernel"] == "append":
+            case["new_lens"] = [3, 1, 2]
+    spec["cases"] = list(kinds.values())
+    out = tmp_path / "repro.json"
+    monkeypatch.setattr(sys, "argv", ["script", "--json", str(out), "--warmup", "1", "--iters", "3"])
+    namespace["main"]()
+    results = json.loads(out.read_text())
+    assert results["environment"]["flashinfer"] == "0.0.0+standin"
+    for case in results["cases"]:
+        for route in case["routes"]:
+            assert route["status"] == "ok", route.get("traceback")
+            assert route["gpu_us"]["n"] >= 3
+            if case["kernel"] != "append":
+                # within BF16's rounding of the output, except the workspace route's second rounding (to FP8)
+                bound = 0.08 if route.get("via") == "fp8-workspace" else 0.01
+                assert route["quality"]["rel_l2_vs_own_cache"] < bound, (case["name"], route["label"])
+                assert route["quality"]["rel_l2_vs_bf16"] < 0.3
+        split = case["split"]
+        assert split["ratio"] == pytest.approx(split["route"] * split["format"])
+    assert "nvfp4 own route" in capsys.readouterr().out
+    calls = set(flashinfer_standin.CALLS)
+    assert {"slot_mapping:Tensor", "slot_mapping:float", "nvfp4_kv_dequantize_paged"} <= calls
+    assert "BatchPrefillWithPagedKVCacheWrapper:fa3:torch.float8_e4m3fn:torch.float8_e4m3fn" in calls
