@@ -530,3 +530,24 @@ def kernels(trace, unclassified, segment, fmt, output, recipe_files, nsys_path):
     recipes = load_recipes(recipe_files)
     emit(list_kernels(load_trace(trace, nsys_path), recipes, unclassified=unclassified, segment=segment),
          fmt, output)
+
+
+@click.command()
+@_trace_argument("run")
+@click.option("-o", "--output", metavar="FILE", type=click.Path(allow_dash=True, path_type=Path),
+              help="Write the script to FILE (atomically, never onto an input) instead of standard output.")
+def repro(run, output):
+    """Write a standalone FlashInfer script with RUN's shapes (a run directory, or a trace inside one): it times FP8
+    against NVFP4 on each format's route and on NVFP4's, checks both against float64, and writes JSON with --json.
+    It imports only torch, flashinfer and the standard library."""
+    from kvtrace.analyzer import repro as repro_spec
+    from kvtrace.analyzer.render import repro as repro_script
+
+    if output is not None and not files.is_stdout(output):
+        files.check_target(output, [run])
+    with progress("reading the run's trace"):
+        text = repro_script.script(repro_spec.build(run))
+    if output is None or files.is_stdout(output):
+        sys.stdout.write(text)
+    else:
+        files.write(output, text, [run])
