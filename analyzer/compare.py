@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from kvtrace.analyzer import align, drift_band, pairing, stats
+from kvtrace.analyzer import align, drift_band, pairing
 from kvtrace.analyzer.calls import sums
 from kvtrace.analyzer.classify import KV_SEGMENTS, RecipeSet
 from kvtrace.analyzer.findings import (arm_findings, comparability, drift_findings, rank_findings, run_findings,
@@ -25,6 +25,7 @@ from kvtrace.analyzer.load import Trace
 from kvtrace.analyzer.pairing import KERNEL, RANGE, Cells, Run, Vocabulary, segment_order
 from kvtrace.analyzer.results import (UNIT_NOTE, WHOLE_PHASE, Arm, ArmStats, Diff, DiffRow, Drift, SizeBand, Summary,
                                       SummaryRow)
+from kvtrace.analyzer.stats import arm_summary, bootstrap, shares, verdicts
 from kvtrace.errors import KvtraceError
 
 # Cells with fewer call pairs than this are named in the row's note: their spread is poorly known.
@@ -76,7 +77,8 @@ def summarize(trace: Trace, recipes: RecipeSet, label: str | None = None,
 
     def row(group: Cells, **extra) -> SummaryRow:
         kv, names = run.kv_dtypes_and_names(group)
-        numbers = ArmStats.of(group.values(), arm.total_ns) if stats.same_work([_per_key_means(group.table)]) else \
+        numbers = ArmStats.of(group.values(), arm.total_ns) \
+            if arm_summary.same_work([_per_key_means(group.table)]) else \
             ArmStats.total(group.calls, group.total_ns, arm.total_ns)
         _release([run])
         cells = group.table.select("sig", "nvtx").unique().height
@@ -125,7 +127,7 @@ class _Comparison:
     runs: list[tuple[Run, Run]]
     pairs: list[pairing.Pairs]
     strata: pl.DataFrame  # all runs' strata, with `run` and a global `stratum`
-    paired: stats.PairedStrata
+    paired: bootstrap.PairedStrata
     strata_totals: tuple[np.ndarray, np.ndarray]  # per global stratum, summed paired time per arm
 
     @classmethod
@@ -148,8 +150,8 @@ class _Comparison:
             pairs = [replace(p, baseline=baseline[end - p.baseline.size:end], candidate=candidate[end - p.baseline.size:end])
                      for p, end in zip(pairs, ends)]
         _release(runs)
-        paired = stats.PairedStrata(baseline, candidate, offsets.astype(np.int64), strata["run"].to_numpy(),
-                                    len(runs))
+        paired = bootstrap.PairedStrata(baseline, candidate, offsets.astype(np.int64), strata["run"].to_numpy(),
+                                        len(runs))
         totals = tuple(sums(values, offsets) for values in (baseline, candidate))
         return cls(vocabulary, runs, pairs, strata, paired, totals)
 
@@ -267,9 +269,9 @@ def diff_sides(sides: Sides, *, labels: tuple[str | None, str | None] = (None, N
     # One control per KV-independent kernel cell (family, launch shape, NVTX range), all run pairs together.
     cells = controls.group_by("family", "shape", "nvtx", maintain_order=True).agg("stratum").sort("family", "nvtx",
                                                                                                    "shape")
-    estimates = stats.estimate_rows(comparison.paired, [spec.members for spec in specs] +
-                                    [controls["stratum"].to_numpy()] + [m.to_numpy() for m in cells["stratum"]],
-                                    confidence=confidence, seed=seed)
+    estimates = bootstrap.estimate_rows(comparison.paired, [spec.members for spec in specs] +
+                                        [controls["stratum"].to_numpy()] + [m.to_numpy() for m in cells["stratum"]],
+                                        confidence=confidence, seed=seed)
     builder = _RowBuilder(comparison, base_arm, cand_arm)
     rows = [builder.row(spec, estimate) for spec, estimate in zip(specs, estimates)]
 
@@ -288,11 +290,11 @@ def diff_sides(sides: Sides, *, labels: tuple[str | None, str | None] = (None, N
         if estimate is not None and row.kv_independent and not holds_outlier:
             band = max(band, drift_band.sure_move(estimate.low, estimate.high))
         row.band = band if estimate is not None else None
-        row.verdict, row.paired_verdict = stats.row_verdict(estimate, threshold=threshold, drift=band,
-                                                            paired_delta=row.paired_delta_ns,
-                                                            unpaired_delta=unpaired_delta)
+        row.verdict, row.paired_verdict = verdicts.row_verdict(estimate, threshold=threshold, drift=band,
+                                                               paired_delta=row.paired_delta_ns,
+                                                               unpaired_delta=unpaired_delta)
         left = (row.baseline_calls - row.compared_calls, row.candidate_calls - row.compared_calls)
-        if row.verdict == stats.DIFFERENT_WORK:
+        if row.verdict == verdicts.DIFFERENT_WORK:
             row.note = "; ".join(filter(None, [builder.different_work(row_groups, row), row.note]))
         elif estimate is not None and any(left):
             row.note = "; ".join(filter(None, [row.note, f"{left[0]:,} baseline and {left[1]:,} candidate calls "
@@ -304,7 +306,7 @@ def diff_sides(sides: Sides, *, labels: tuple[str | None, str | None] = (None, N
     _rank_agreement(segments + phases, rank_rows)
     family_phases = [r for r, s in zip(rows, specs) if s.level == "family_phase"]
     for table in (segments, families, phases, family_phases):
-        for row, share in zip(table, stats.abs_shares([r.total_delta_ns for r in table])):
+        for row, share in zip(table, shares.abs_shares([r.total_delta_ns for r in table])):
             row.abs_delta_share = share
     segments.sort(key=lambda r: (-abs(r.total_delta_ns), segment_order(r.segment)))
     families.sort(key=lambda r: (-abs(r.total_delta_ns), segment_order(r.segment), r.family))
@@ -323,7 +325,7 @@ def diff_sides(sides: Sides, *, labels: tuple[str | None, str | None] = (None, N
                 confidence=confidence, findings=findings, segments=segments, families=families, phases=phases,
                 family_phases=family_phases, phase_totals=phase_totals, drift=drift, runs=len(base_runs),
                 rank_rows=rank_rows,
-                method=stats.HIERARCHICAL if len(base_runs) > 1 else stats.BOOTSTRAP,
+                method=bootstrap.HIERARCHICAL if len(base_runs) > 1 else bootstrap.BOOTSTRAP,
                 window=window.describe() + [part for part in sides.candidate_window.describe()
                                             if part not in window.describe()])
 
@@ -349,7 +351,7 @@ class _RowBuilder:
             out.append((run, group, table))
         return out
 
-    def row(self, spec: _Row, estimate: stats.Estimate | None) -> DiffRow:
+    def row(self, spec: _Row, estimate: bootstrap.Estimate | None) -> DiffRow:
         vocabulary = self.comparison.vocabulary
         sides = [self.groups(spec, side) for side in (0, 1)]
         self.row_groups.append(sides)
@@ -362,15 +364,15 @@ class _RowBuilder:
         if estimate is not None:
             totals = self.comparison.strata_totals
             sizes = np.diff(self.comparison.paired.offsets)[members]
-            per_call = stats.same_work([totals[side][members] / sizes for side in (0, 1)])
+            per_call = arm_summary.same_work([totals[side][members] / sizes for side in (0, 1)])
             intervals = ((estimate.baseline_low, estimate.baseline_high),
                          (estimate.candidate_low, estimate.candidate_high))
             arm_stats = [ArmStats.of(self.comparison.values(members, side), self.arm_totals[side], intervals[side])
                          if per_call else ArmStats.total(int(sizes.sum()), int(totals[side][members].sum()),
                                                          self.arm_totals[side], intervals[side]) for side in (0, 1)]
         else:  # nothing paired: each arm's calls in the window
-            per_call = stats.same_work([np.concatenate([_per_key_means(t) for _, _, t in groups])
-                                        for groups in sides if any(t.height for _, _, t in groups)])
+            per_call = arm_summary.same_work([np.concatenate([_per_key_means(t) for _, _, t in groups])
+                                              for groups in sides if any(t.height for _, _, t in groups)])
             arm_stats = [None if not window_calls[side] else
                          ArmStats.of(np.concatenate([g.values() for _, g, _ in groups]), self.arm_totals[side])
                          if per_call else ArmStats.total(window_calls[side], window_ns[side], self.arm_totals[side])
@@ -386,12 +388,12 @@ class _RowBuilder:
                       candidate_total_ns=window_ns[1], compared_calls=self.comparison.pair_count(members),
                       cells=int(members.size), single_call_cells=estimate.single_call_strata if estimate else 0,
                       same_work=per_call, ratio=None, ci_low=None, ci_high=None, band=None,
-                      verdict=stats.NOT_COMPARABLE, paired_verdict=None, note=None, reason=None,
+                      verdict=verdicts.NOT_COMPARABLE, paired_verdict=None, note=None, reason=None,
                       total_delta_ns=window_ns[1] - window_ns[0],
                       paired_delta_ns=paired_ns[1] - paired_ns[0], unpaired_share=None, abs_delta_share=None,
                       kv_independent=kv_independent, baseline_kv_dtypes=kv[0][0], candidate_kv_dtypes=kv[1][0],
                       baseline_names=kv[0][1], candidate_names=kv[1][1])
-        row.unpaired_share = stats.unpaired_share(row.paired_delta_ns, row.total_delta_ns - row.paired_delta_ns) \
+        row.unpaired_share = shares.unpaired_share(row.paired_delta_ns, row.total_delta_ns - row.paired_delta_ns) \
             if estimate is not None else None
         if spec.level in ("family", "family_phase"):
             row.family, row.family_label = vocabulary.families[spec.code], run.earliest(group, "family_label")
@@ -511,7 +513,7 @@ class _RowBuilder:
 
 def _rank_agreement(rows: list[DiffRow], rank_rows: list[DiffRow]) -> None:
     """Per row of every rank, whether its ranks agree: each rank's row compared, with the row's verdict, and the
-    ranks' paired calls the same work per call in each arm (stats.same_work). Rows of one rank keep None."""
+    ranks' paired calls the same work per call in each arm (arm_summary.same_work). Rows of one rank keep None."""
     by_key: dict[tuple, list[DiffRow]] = {}
     for row in rank_rows:
         by_key.setdefault((row.segment, row.phase), []).append(row)
@@ -520,7 +522,7 @@ def _rank_agreement(rows: list[DiffRow], rank_rows: list[DiffRow]) -> None:
         if not ranks:
             continue
         compared = all(r.ratio is not None and r.verdict == row.verdict for r in ranks)
-        row.ranks_agree = compared and stats.same_work(
+        row.ranks_agree = compared and arm_summary.same_work(
             [np.array([getattr(r, side).total_ns / getattr(r, side).calls for r in ranks])
              for side in ("baseline", "candidate")])
 
@@ -545,19 +547,19 @@ def _phase_totals(comparison: _Comparison, base_arm: Arm, cand_arm: Arm, *, thre
         return []
     sizes = np.array([s[2] for s in strata])
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    paired = stats.PairedStrata(np.concatenate(pieces[0]), np.concatenate(pieces[1]), offsets,
-                                np.array([s[0] for s in strata]), len(comparison.runs))
+    paired = bootstrap.PairedStrata(np.concatenate(pieces[0]), np.concatenate(pieces[1]), offsets,
+                                    np.array([s[0] for s in strata]), len(comparison.runs))
     phase_of = vocabulary.phase_of_nvtx[[s[1] for s in strata]]
     codes = sorted(set(phase_of.tolist()), key=lambda code: _natural(vocabulary.phases[code]))
     members = [np.flatnonzero(phase_of == code) for code in codes]
-    estimates = stats.estimate_rows(paired, members, confidence=confidence, seed=seed)
+    estimates = bootstrap.estimate_rows(paired, members, confidence=confidence, seed=seed)
     rows = []
     for code, chosen, estimate in zip(codes, members, estimates):
         values = [np.concatenate([(paired.baseline, paired.candidate)[side][offsets[i]:offsets[i + 1]]
                                   for i in chosen.tolist()]) for side in (0, 1)]
         means = [np.array([(paired.baseline, paired.candidate)[side][offsets[i]:offsets[i + 1]].mean()
                            for i in chosen.tolist()]) for side in (0, 1)]
-        per_call = stats.same_work(means)
+        per_call = arm_summary.same_work(means)
         intervals = ((estimate.baseline_low, estimate.baseline_high), (estimate.candidate_low, estimate.candidate_high))
         arm_totals = (base_arm.total_ns, cand_arm.total_ns)
         arm_stats = [ArmStats.of(values[side], arm_totals[side], intervals[side]) if per_call else
@@ -569,9 +571,9 @@ def _phase_totals(comparison: _Comparison, base_arm: Arm, cand_arm: Arm, *, thre
         paired_delta = int(values[1].sum()) - int(values[0].sum())
         base_ns = np.array([paired.baseline[offsets[i]:offsets[i + 1]].sum() for i in chosen.tolist()])
         band = bands.of(means[0], base_ns)
-        verdict, paired_verdict = stats.row_verdict(estimate, threshold=threshold, drift=band,
-                                                    paired_delta=paired_delta,
-                                                    unpaired_delta=totals[1] - totals[0] - paired_delta)
+        verdict, paired_verdict = verdicts.row_verdict(estimate, threshold=threshold, drift=band,
+                                                       paired_delta=paired_delta,
+                                                       unpaired_delta=totals[1] - totals[0] - paired_delta)
         left = [units[side] - values[side].size for side in (0, 1)]
         rows.append(DiffRow(
             segment=WHOLE_PHASE, baseline=arm_stats[0], candidate=arm_stats[1], baseline_calls=units[0],
@@ -582,15 +584,15 @@ def _phase_totals(comparison: _Comparison, base_arm: Arm, cand_arm: Arm, *, thre
             note="; ".join([UNIT_NOTE] + ([f"{left[0]:,} baseline and {left[1]:,} candidate units without a partner"]
                                           if any(left) else [])),
             reason=None, total_delta_ns=totals[1] - totals[0], paired_delta_ns=paired_delta,
-            unpaired_share=stats.unpaired_share(paired_delta, totals[1] - totals[0] - paired_delta),
+            unpaired_share=shares.unpaired_share(paired_delta, totals[1] - totals[0] - paired_delta),
             abs_delta_share=None, run_ratios=estimate.run_ratios, phase=vocabulary.phases[code]))
-    for row, share in zip(rows, stats.abs_shares([r.total_delta_ns for r in rows])):
+    for row, share in zip(rows, shares.abs_shares([r.total_delta_ns for r in rows])):
         row.abs_delta_share = share
     return rows
 
 
-def _drift(rows: list[DiffRow], pooled: stats.Estimate | None, controls: pl.DataFrame, cells: pl.DataFrame,
-           estimates: list[stats.Estimate | None], comparison: _Comparison, threshold: float,
+def _drift(rows: list[DiffRow], pooled: bootstrap.Estimate | None, controls: pl.DataFrame, cells: pl.DataFrame,
+           estimates: list[bootstrap.Estimate | None], comparison: _Comparison, threshold: float,
            uncontrolled_paired: bool) -> tuple[Drift, drift_band.Bands]:
     """Drift from the kernels the KV format cannot affect, and the band of each size class from their cells (and
     of `other` cells, when some paired). With none of them paired no class is measured: every class gets what
