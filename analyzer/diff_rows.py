@@ -402,7 +402,6 @@ def phase_totals(comparison: Comparison, base_arm: Arm, cand_arm: Arm, *, thresh
                       paired_delta_ns=paired_delta, compared_calls=int(values[0].size), cells=int(chosen.size),
                       same_work=per_call, phase=vocabulary.phases[code])
         row.band, row.verdict, row.paired_verdict = band, verdict, paired_verdict
-        row.no_interval = None  # as before the split: the next commit gives a phase total its reason
         row.note = "; ".join([UNIT_NOTE] + ([f"{left[0]:,} baseline and {left[1]:,} candidate units without a partner"]
                                             if any(left) else []))
         rows.append(row)
