@@ -15,8 +15,10 @@ from itertools import combinations
 from pathlib import Path
 
 from kvtrace import __version__, kv_formats
-from kvtrace.analyzer import headline, report as report_lib, stats
+from kvtrace.analyzer import budget, claims as claims_lib, headline, kv_pool, report as report_lib, stats
+from kvtrace.analyzer.budget import CAPACITY, FASTER_KERNEL, Reason
 from kvtrace.analyzer.classify import RecipeSet
+from kvtrace.analyzer.kv_pool import ArmPool
 from kvtrace.analyzer.report import PlotFile, Report
 from kvtrace.analyzer.serving import ServingRow
 from kvtrace.analyzer.stats import ServingEstimate
@@ -31,12 +33,12 @@ MATRIX_SCHEMA = "kvtrace.matrix/2"
 OBJECTIVES = {"ttft": ("ttft_ms", True, ("prefill_attention",)),
               "itl": ("tpot_ms", True, ("decode_attention",)),
               "throughput": ("output_tokens_per_s", False, ("prefill_attention", "decode_attention"))}
-# What wins a point (MatrixPoint.causes): one of these, or several, which then share the credit.
-FASTER_KERNEL = "faster kernel"
+# What wins a point (MatrixPoint.causes): on TTFT, the part of its budget that carries the difference
+# (analyzer.budget: CAPACITY where queue time does, FASTER_KERNEL or HOST_TIME only where the traced steps of that very
+# point say so); on ITL and throughput, a faster kernel of the objective where the kernel diff read the point's own
+# traffic, or the loser capacity-bound and the winner not, or bound less (it ran more requests at once, as the
+# server observed); and more prefix hits. Several share the credit.
 PREFIX_HITS = "more prefix hits"
-# The loser was capacity-bound there (preemption, queueing) and the winner was not, or was bound less: it ran more
-# requests at once, as the server observed.
-CAPACITY = "avoided capacity limits"
 # What the server measured of the capacity mechanism, per arm (analyzer.serving.ServingMetrics' names).
 SERVER_MEASURES = ("preemptions", "peak_running", "peak_kv_usage", "queue_ms")
 # MatrixPoint.winner besides an arm's side: the interval reaches into the no-change band; or a win beyond it that
@@ -55,6 +57,20 @@ class Environment:
     vllm: str | None
     attention_backend: str | None
     engine: str | None
+
+
+@dataclass(frozen=True)
+class KernelVerdict:
+    """An objective's kernels over the calls of the traces that cover a point (what FASTER_KERNEL rests on off TTFT):
+    candidate / baseline per matched call, its interval and the segment's paired verdict."""
+
+    segment: str
+    ratio: float | None
+    ci_low: float | None
+    ci_high: float | None
+    no_interval: str | None
+    verdict: str
+    compared_calls: int
 
 
 @dataclass
@@ -89,9 +105,10 @@ class MatrixPoint:
     pooled_with: tuple[int, ...] = ()
     pooled_directories: int = 0  # the run directories whose run pairs `estimate` pools (0: not pooled)
     causes: tuple[str, ...] = ()
-    # The objective's kernels over all calls of the run, as the TTFT guard rail reads them: segment, ratio, interval,
-    # verdict of the matched calls (what FASTER_KERNEL rests on).
-    kernel_verdicts: list[dict] = field(default_factory=list)
+    # The objective's kernels where the report's kernel diff read this point's own traffic; empty elsewhere.
+    kernel_verdicts: list[KernelVerdict] = field(default_factory=list)
+    # The TTFT budget and what carries its difference (the point's own, or pooled over the rows in `pooled_with`).
+    reason: Reason | None = None
     crossover: bool = False  # first point of a sweep where the baseline is capacity-bound and the candidate not
     cold_prefill: bool = False  # prefill-only traffic (one output token) or a cold-prefill scenario
     decode_heavy: bool = False  # a decode-heavy scenario
@@ -112,6 +129,7 @@ class Scenario:
     report: Report = field(repr=False)
     # The server's setup that its points' numbers depend on besides formats and environment (_setup).
     setup: str = field(default="", repr=False)
+    pools: tuple[ArmPool, ...] = ()  # the baseline's and the candidate's KV pool (vLLM runs)
 
 
 @dataclass
@@ -129,7 +147,7 @@ class Matrix:
     objective: str
     threshold: float
     scenarios: list[Scenario]
-    claims: list[Claim]
+    claims: list[Claim | claims_lib.PoolClaim | claims_lib.BudgetClaim]
     plots: list[PlotFile] = field(default_factory=list)
     # The file beside the markdown that took its <details> part (set by the caller that wrote it); not in the JSON.
     rest_file: str | None = None
@@ -147,10 +165,11 @@ class Matrix:
                     "baseline_format": s.baseline_format, "candidate_format": s.candidate_format,
                     "environment": asdict(s.environment), "sweep": s.sweep,
                     "kernels": [{"kind": k.kind, **asdict(k)} for k in s.kernels],
+                    "pools": [asdict(p) for p in s.pools],
                     "points": [asdict(p) for p in s.points]}
             scenarios.append(data)
         return {"schema": self.schema, "kvtrace_version": self.kvtrace_version, "objective": self.objective,
-                "threshold": self.threshold, "scenarios": scenarios, "claims": [asdict(c) for c in self.claims],
+                "threshold": self.threshold, "scenarios": scenarios, "claims": [{"kind": c.kind, **asdict(c)} for c in self.claims],
                 "plots": [asdict(p) for p in self.plots]}
 
 
@@ -265,11 +284,12 @@ def _judge(point: MatrixPoint, result: Report, objective: str, estimate: Serving
         return
     point.estimate, point.stat, point.ratio = estimate, "mean", estimate.ratio
     point.baseline_value, point.candidate_value = estimate.baseline, estimate.candidate
-    for segment in segments:
-        diff_row, verdict = segment_verdict(result.diff, segment)
-        if verdict is not None:
-            point.kernel_verdicts.append({**_kernel_verdict(diff_row, verdict=verdict, segment=segment),
-                                          "compared_calls": diff_row.compared_calls})
+    if row.diff_covers:  # the kernel diff measured this point's own traffic
+        for segment in segments:
+            diff_row, verdict = segment_verdict(result.diff, segment)
+            if verdict is not None:
+                point.kernel_verdicts.append(KernelVerdict(segment, diff_row.ratio, diff_row.ci_low, diff_row.ci_high,
+                                                           diff_row.no_interval, verdict, diff_row.compared_calls))
     if estimate.verdict == stats.NO_CHANGE:
         point.winner = NO_CLEAR_WINNER
         return
@@ -279,15 +299,20 @@ def _judge(point: MatrixPoint, result: Report, objective: str, estimate: Serving
     candidate_better = estimate.verdict == stats.IMPROVEMENT
     b, c = row.baseline, row.candidate
     winner, loser = (c, b) if candidate_better else (b, c)
-    causes = [FASTER_KERNEL for k in point.kernel_verdicts
-              if k["verdict"] == (stats.IMPROVEMENT if candidate_better else stats.REGRESSION)]
+    why = point.reason
+    if objective == "ttft" and why is not None:
+        # The budget's part that carries the TTFT difference, where the server's TTFT moved the winner's way.
+        causes = [why.cause] if (why.budget.ttft.delta_ms < 0) == candidate_better else []
+    else:
+        causes = [FASTER_KERNEL for k in point.kernel_verdicts
+                  if k.verdict == (stats.IMPROVEMENT if candidate_better else stats.REGRESSION)]
+        bound = (point.baseline_capacity, point.candidate_capacity)
+        loser_bound, winner_bound = (bound[0], bound[1]) if candidate_better else (bound[1], bound[0])
+        if loser_bound and (not winner_bound or _ran_more(winner, loser)):
+            causes.append(CAPACITY)
     if objective != "itl" and None not in (winner.cached_prompt_tokens, loser.cached_prompt_tokens) \
             and winner.cached_prompt_tokens > loser.cached_prompt_tokens:
         causes.append(PREFIX_HITS)
-    bound = (point.baseline_capacity, point.candidate_capacity)
-    loser_bound, winner_bound = (bound[0], bound[1]) if candidate_better else (bound[1], bound[0])
-    if loser_bound and (not winner_bound or _ran_more(winner, loser)):
-        causes.append(CAPACITY)
     point.causes = tuple(dict.fromkeys(causes))
     side = "candidate" if candidate_better else "baseline"
     if point.causes:
@@ -339,6 +364,7 @@ def _points(name: str, result: Report, objective: str, start: int) -> list[Matri
                             baseline_capacity=caps[0], candidate_capacity=caps[1], capacity_notes=notes,
                             cold_prefill=single or scenario == "cold-prefill",
                             decode_heavy=not single and scenario == "decode-heavy")
+        point.reason = row.reason
         if point.excluded is None:
             _judge(point, result, objective)
         else:
@@ -402,9 +428,22 @@ def _join_measurements(scenarios: list[Scenario], objective: str, threshold: flo
             continue
         pooled = stats.pool_serving([p.estimate for p in points], threshold=threshold, confidence=confidence)
         directories = len({run for _, s in members for run in s.runs})
+        why = _pooled_reason(points, confidence)
         for p, s in members:
             p.pooled_with, p.pooled_directories = tuple(q.row for q in points if q is not p), directories
+            p.reason = why
             _judge(p, s.report, objective, pooled)
+
+
+def _pooled_reason(points: list[MatrixPoint], confidence: float) -> Reason | None:
+    """The budget over every run pair of a point measured in several rows, with the split of the rows' traced steps
+    where one of them has it (the first such row's)."""
+    if any(p.reason is None for p in points):
+        return None
+    pooled = budget.pooled([tuple((b.budget, c.budget) for b, c in p.serving.run_pairs) for p in points], confidence)
+    traced = next((p.reason for p in points if p.reason.steps is not None), None)
+    return budget.reason(pooled, traced.steps if traced else None,
+                         traced.trace_note if traced else points[0].reason.trace_note)
 
 
 # ---- the decision ----------------------------------------------------------------------------------------
@@ -469,7 +508,7 @@ def _point_values(p: MatrixPoint, base: str, cand: str, objective: str, threshol
             "winner": p.winner, "apparent": p.apparent, "causes": list(p.causes),
             "baseline_capacity": p.baseline_capacity, "candidate_capacity": p.candidate_capacity,
             "crossover": p.crossover, "baseline_value": p.baseline_value,
-            "candidate_value": p.candidate_value, "kernels": p.kernel_verdicts,
+            "candidate_value": p.candidate_value, "kernels": p.kernel_verdicts, "reason": p.reason,
             "cached_prompt_tokens": [p.serving.baseline.cached_prompt_tokens,
                                      p.serving.candidate.cached_prompt_tokens],
             "queue_ms": [p.serving.baseline.queue_ms, p.serving.candidate.queue_ms],
@@ -503,6 +542,10 @@ def _claims(scenarios: list[Scenario], objective: str, threshold: float) -> list
         claims.append(Claim("environment", rows, None, {"baseline": base, "candidate": cand,
                                                         "environments": [dict(t) for t in dict.fromkeys(
                                                             tuple(e.items()) for e in environments)]}))
+        pool = claims_lib.pool_claim(group)
+        if pool is not None:
+            claims.append(pool)
+        claims += claims_lib.budget_claims(group)
         measured = _measured(group)
         if measured["phases"]:
             claims.append(Claim("measured", tuple(sorted({r for p in measured["phases"] for r in p["rows"]})), None,
@@ -637,7 +680,9 @@ def build(paths: list[Path], recipes: RecipeSet, *, objective: str = "ttft", thr
             candidate=result.candidate.label, baseline_format=result.baseline.kv_format,
             candidate_format=result.candidate.kv_format, environment=_environment(result, manifest),
             kernels=[s for s in result.statements if isinstance(s, KernelStatement)], points=points,
-            sweep=result.sweep, report=result, setup=_setup(manifest)))
+            sweep=result.sweep, report=result, setup=_setup(manifest), pools=tuple(
+                kv_pool.arm_pools(read_manifest(Path(arm.run)), [(arm.arm, arm.kv_format)])[0]
+                for arm in (result.baseline, result.candidate)) if manifest.engine == "vllm" else ()))
     _join_measurements(scenarios, objective, threshold, confidence)
     return Matrix(objective=objective, threshold=threshold, scenarios=scenarios,
                   claims=_claims(scenarios, objective, threshold))

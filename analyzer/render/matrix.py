@@ -10,7 +10,8 @@ from typing import Callable
 from rich.console import Console
 
 from kvtrace.analyzer import matrix as mx
-from kvtrace.analyzer.render import quality as quality_render
+from kvtrace.analyzer import budget as budget_lib, claims as claims_lib, kv_pool
+from kvtrace.analyzer.render import budget as budget_words, quality as quality_render
 from kvtrace.analyzer.render.escape import md_code, md_text, visible
 from kvtrace.analyzer.render.report_tables import _cached, _count, _ms, _peak, _rich_table
 from kvtrace.analyzer.render.statements import held_text
@@ -28,6 +29,9 @@ KERNEL_COLUMNS = (("prefill attention", "prefill_attention"), ("decode attention
                   ("KV append kernel", "kv_append"), ("KV append phase", APPEND_PHASE))
 _SUBJECT_WORDS = dict((subject, words) for words, subject in KERNEL_COLUMNS)
 _SEGMENT_WORDS = {"prefill_attention": "prefill attention", "decode_attention": "decode attention"}
+# The causes a point's TTFT budget gives (analyzer.budget), worded with the budget itself.
+_BUDGET_CAUSES = (budget_lib.CAPACITY, budget_lib.FASTER_KERNEL, budget_lib.HOST_TIME, budget_lib.PREFILL_TIME,
+                  budget_lib.REST_TIME)
 _OBJECTIVE_WORDS = {"ttft": "TTFT", "itl": "ITL", "throughput": "output tokens/s"}
 _METHOD_WORDS = {mx.stats.PAIRED_REQUESTS: "paired requests", mx.stats.RUN_MEANS: "run pairs' means",
                  mx.stats.MOMENTS: "per-request mean and std",
@@ -192,10 +196,10 @@ def detail_table(result: mx.Matrix, name: Name) -> tuple[list[str], list[list[st
 
 # ---- the decision paragraph --------------------------------------------------------------------------------
 
-def _kernel_words(k: dict, winner: str, b: str, c: str) -> str:
-    return (f"a faster {_SEGMENT_WORDS[k['segment']]} kernel ({winner}'s; {c} / {b} per matched call "
-            f"{k['ratio']:.3f}× {interval(k['ci_low'], k['ci_high'], k['no_interval'])} over "
-            f"{k['compared_calls']:,} {plural(k['compared_calls'], 'pair')})")
+def _kernel_words(k: mx.KernelVerdict, winner: str, b: str, c: str) -> str:
+    return (f"a faster {_SEGMENT_WORDS[k.segment]} kernel ({winner}'s; {c} / {b} per matched call "
+            f"{k.ratio:.3f}× {interval(k.ci_low, k.ci_high, k.no_interval)} over "
+            f"{k.compared_calls:,} {plural(k.compared_calls, 'pair')})")
 
 
 def _why(v: dict, name: Name) -> str:
@@ -204,14 +208,18 @@ def _why(v: dict, name: Name) -> str:
     winner, loser = (c, b) if v["winner"] == "candidate" else (b, c)
     w, l_ = (1, 0) if v["winner"] == "candidate" else (0, 1)
     parts = []
-    if mx.FASTER_KERNEL in v["causes"]:
-        faster = [k for k in v["kernels"] if (k["verdict"] == "improvement") == (v["winner"] == "candidate")
-                  and k["verdict"] in ("improvement", "regression")]
+    why = v["reason"]
+    budgeted = [cause for cause in v["causes"] if cause in _BUDGET_CAUSES]
+    if why is not None and budgeted:
+        parts.append(f"{budgeted[0]} ({name(budget_words.reason_text(why))})")
+    elif mx.FASTER_KERNEL in v["causes"]:
+        faster = [k for k in v["kernels"] if (k.verdict == "improvement") == (v["winner"] == "candidate")
+                  and k.verdict in ("improvement", "regression")]
         parts += [_kernel_words(k, winner, b, c) for k in faster]
     if mx.PREFIX_HITS in v["causes"]:
         cached = v["cached_prompt_tokens"]
         parts.append(f"more prefix hits ({cached[w]:,} cached prompt tokens against {cached[l_]:,})")
-    if mx.CAPACITY in v["causes"]:
+    if mx.CAPACITY in v["causes"] and not budgeted:
         reason = v["baseline_capacity"] if v["winner"] == "candidate" else v["candidate_capacity"]
         queue = v["queue_ms"]
         queued = (f", requests queued {queue[w]:.1f} ms on average against {queue[l_]:.1f} ms"
@@ -222,7 +230,7 @@ def _why(v: dict, name: Name) -> str:
                 f"{running[l_]:,.0f}" if bound else "was not")
         parts.append(f"a capacity effect ({loser} was capacity-bound: {name(reason)}; {winner} {less}{queued})")
     if len(parts) == 1:
-        tail = "" if mx.FASTER_KERNEL in v["causes"] else ", not kernel speed"
+        tail = "" if mx.FASTER_KERNEL in v["causes"] or budgeted else ", not kernel speed"
         return f"{winner} wins, by {parts[0]}{tail}"
     alone = "neither alone" if len(parts) == 2 else "none of them alone"
     return f"{winner} wins; {', '.join(parts[:-1])} and {parts[-1]} all favour it, so the gain credits {alone}"
@@ -253,7 +261,7 @@ def _judgement(v: dict, name: Name) -> str:
         return f"no significant difference (the interval reaches into the no-change band, {band})"
     if v["winner"] == mx.NOT_EXPLAINED:
         apparent = name(v["candidate"] if v["apparent"] == "candidate" else v["baseline"])
-        kernels = " and ".join(_SEGMENT_WORDS[k["segment"]] for k in v["kernels"]) or "objective's"
+        kernels = " and ".join(_SEGMENT_WORDS[k.segment] for k in v["kernels"]) or "objective's"
         return (f"{apparent} looks better beyond the band, but its {kernels} kernels are not faster and neither "
                 "prefix hits nor capacity favour it: not explained, so no choice")
     return _why(v, name)
@@ -355,7 +363,55 @@ def _phase_words(phase: dict, v: dict, name: Name) -> str:
     return words
 
 
-def claim_text(claim: mx.Claim, result: mx.Matrix, name: Name = _plain) -> str:
+def _pool_text(claim: claims_lib.PoolClaim, name: Name) -> str:
+    """Each scenario's pools, grouped where they are the same, then the projection of the capped runs' capacity-bound
+    points to the default pool."""
+    b, c = name(claim.baseline), name(claim.candidate)
+    alike: dict[tuple, list] = {}
+    for pool in claim.pools:
+        key = (pool.baseline.tokens, pool.candidate.tokens, kv_pool.size_words(pool.baseline),
+               kv_pool.size_words(pool.candidate))
+        alike.setdefault(key, []).extend(pool.rows)
+    parts = []
+    for (tokens_b, tokens_c, how_b, how_c), rows in alike.items():
+        how = how_b if how_b == how_c else f"{how_b} for {b}, {how_c} for {c}"
+        parts.append(f"{_tokens(tokens_b)} for {b} and {_tokens(tokens_c)} for {c} at {rows_text(rows)} "
+                     f"({name(how)})")
+    text = f"KV pool per arm: {'; '.join(parts)}."
+    if claim.projections:
+        default = claim.default_tokens
+        by_arm: dict[tuple, list[int]] = {}
+        for found in claim.projections:
+            by_arm.setdefault((found.projection.arm, found.projection.tokens_per_request,
+                               found.projection.binds_near, found.projection.default_tokens), []).append(found.row)
+        projected = "; ".join(f"with the default pool ({tokens:,} tokens) {name(arm)} would bind near concurrency "
+                              f"{near:,} at {per:,} tokens per request ({rows_text(rows)})"
+                              for (arm, per, near, tokens), rows in by_arm.items())
+        text += (f" The capacity-bound points bind only under that cap: {projected}, as {name(claim.default_from)} "
+                 f"reported the default pool on the same GPU ({_tokens(default[0])} for {b}, {_tokens(default[1])} "
+                 f"for {c}).")
+    elif any(not p.baseline.default for p in claim.pools):
+        text += (" No run here reported vLLM's default pool on this GPU and model shape, so where the capacity-bound "
+                 "points would bind without the cap is not projected (`kvtrace capacity` gives the tokens per GiB).")
+    return text
+
+
+def _tokens(tokens: int | None) -> str:
+    return "not recorded" if tokens is None else f"{tokens:,} tokens"
+
+
+def _budget_text(claim: claims_lib.BudgetClaim, name: Name) -> str:
+    why = claim.reason
+    return (f"TTFT budget at {name(claim.point)} ({rows_text(claim.rows)}), {name(claim.candidate)} − "
+            f"{name(claim.baseline)}: {name(budget_words.reason_text(why))} "
+            f"({name(budget_words.parts_text(why, claim.baseline, claim.candidate))}).")
+
+
+def claim_text(claim, result: mx.Matrix, name: Name = _plain) -> str:
+    if isinstance(claim, claims_lib.PoolClaim):
+        return _pool_text(claim, name)
+    if isinstance(claim, claims_lib.BudgetClaim):
+        return _budget_text(claim, name)
     v = claim.values
     cite = f"({rows_text(claim.rows)})"
     if claim.kind == "environment":
@@ -473,22 +529,57 @@ def markdown(result: mx.Matrix) -> str:
         "issue body).\n"
 
 
+def _first(result: mx.Matrix) -> list:
+    """The claims the first screen states, in this order: the choice, then the pools it holds for."""
+    return [c for kind in ("choice", "pool") for c in result.claims if c.kind == kind]
+
+
+def short_table(result: mx.Matrix, name: Name, br: str = "<br>") -> tuple[list[str], list[list[str]]]:
+    """The first screen's table: per point, TTFT with its interval, where the TTFT difference sits in the server's
+    budget, whether an arm is capacity-bound, who wins and why."""
+    objective = _OBJECTIVE_WORDS[result.objective]
+    header = ["row", "scenario · traffic point", "TTFT ms", "TTFT difference sits in", "capacity-bound",
+              f"wins on {objective}", "what wins it"]
+    body = []
+    for scenario in result.scenarios:
+        for point in scenario.points:
+            where = _where(scenario, point, name, br)
+            if point.serving is None:
+                body.append([f"R{point.row}", where, "–", "–", "–", name(winner_cell(point, scenario)), "–"])
+                continue
+            ttft = estimate_cell(point.serving.estimates.get("ttft_ms"), "ms",
+                                 point if result.objective == "ttft" else None).replace("<br>", br)
+            body.append([f"R{point.row}", where, ttft, name(budget_words.cell(point.reason)),
+                         name(_capacity(point, scenario)), name(winner_cell(point, scenario)), causes_cell(point)])
+    return header, body
+
+
 def markdown_parts(result: mx.Matrix) -> tuple[str, str]:
-    """(the visible part, the <details> part) of the markdown."""
-    lines = [f"## kvtrace matrix: the decision on {_OBJECTIVE_WORDS[result.objective]}", "", md_text(_lead(result)), ""]
-    lines += markdown_table(*table(result, md_text))
-    lines += [""] + [f"- {md_text(s.name)}: {md_text(quality_render.line(s.report.quality, s.baseline, s.candidate))}"
-                     for s in result.scenarios if s.report.quality]
-    lines += ["", "### The decision"]
-    for claim in result.claims:  # a paragraph each, a pair of formats opened by what it holds for
-        lines += ["", claim_text(claim, result, md_text)]
+    """(the visible part: the decision, the pools, the short table; the <details> part: the rest)."""
+    first = _first(result)
+    lines = [f"## kvtrace matrix: the decision on {_OBJECTIVE_WORDS[result.objective]}", ""]
+    for claim in first:
+        lines += [claim_text(claim, result, md_text), ""]
+    lines += [md_text(f"Serving cells are baseline → candidate, then candidate / baseline with its 95% interval; the "
+                      "TTFT difference sits in the part of vLLM's own TTFT budget (queue, prefill, the rest) that "
+                      "carries it, candidate − baseline (docs/statistics.md, the TTFT budget). The decision point by "
+                      "point is below."), ""]
+    lines += markdown_table(*short_table(result, md_text))
     if result.plots:
         lines += ["", "### Plots", ""]
         lines += [f"- {md_code(p.link)}: {md_text(p.title)}" for p in result.plots]
     lines += ["", f"<sub>kvtrace {result.kvtrace_version} · {result.schema}</sub>", ""]
-    rest = ["<details><summary>Kernel rows of each scenario, and the rest of each point's serving numbers</summary>",
-            "", "Kernel rows are candidate / baseline per call, the rows of each scenario's `kvtrace diff` head with "
-            "their intervals and verdicts.", ""]
+    rest = ["<details><summary>The decision point by point, every serving number, and the kernel rows</summary>", "",
+            md_text(_lead(result)), ""]
+    rest += markdown_table(*table(result, md_text))
+    rest += [""] + [f"- {md_text(s.name)}: {md_text(quality_render.line(s.report.quality, s.baseline, s.candidate))}"
+                    for s in result.scenarios if s.report.quality]
+    rest += ["", "### The decision"]
+    for claim in result.claims:  # a paragraph each, a pair of formats opened by what it holds for
+        if claim not in first:
+            rest += ["", claim_text(claim, result, md_text)]
+    rest += ["", "### Kernel rows", "", "Kernel rows are candidate / baseline per call, the rows of each scenario's "
+             "`kvtrace diff` head with their intervals and verdicts.", ""]
     rest += markdown_table(*kernel_table(result, md_text))
     rest += ["", "Serving numbers not in the table above: baseline → candidate, the first run's (E2E latency: means "
              "over every run, with its interval). vLLM reports no eviction counter in /metrics: preemptions stand "
@@ -508,7 +599,8 @@ def terminal(result: mx.Matrix, console: Console) -> None:
                           markup=False, highlight=False)
     console.print(visible(_lead(result)), markup=False, highlight=False)
     console.print("The decision", style="bold")
-    for claim in result.claims:
+    first = _first(result)
+    for claim in first + [c for c in result.claims if c not in first]:
         console.print(f"  {visible(claim_text(claim, result))}", markup=False, highlight=False)
     console.print(_rich_table("kernels (candidate / baseline per call)", *kernel_table(result, _plain)))
     for plot in result.plots:
