@@ -35,18 +35,20 @@ PREFILL_PHASES = (align.PREFILL, align.MIXED)
 # What a point says where no trace covers its own traffic in any run pair.
 NOT_TRACED = "kernels not traced at this point"
 NO_PREFILL_STEPS = "its traces hold no prefill or mixed step of both arms"
+MIXED_TRACE = "kernels not traced at this point alone: the run's one trace holds every point's steps together"
 
 
-def point_trace(run: Path, record: RunRecord, index: int) -> Path | None:
+def point_trace(run: Path, record: RunRecord, index: int, *, first_steps: bool) -> Path | None:
     """The trace that covers point `index` of a run: its own window (NAME.pN.sqlite), else, for a run recorded with
-    one trace and no per-point windows, that trace for the first point."""
+    one trace and no per-point windows, that trace where it holds this point's traffic alone: the first point's
+    when the profiler stopped after its first steps (`first_steps`: --profile-steps), the only point's otherwise."""
     own = run / f"{record.name}.p{index}.sqlite"
     if own.is_file():
         return own
-    if index == 0 and record.sqlite and not any(run.glob(f"{record.name}.p*.sqlite")) \
-            and (run / record.sqlite).is_file():
-        return run / record.sqlite
-    return None
+    whole = run / record.sqlite if record.sqlite else None
+    if whole is None or any(run.glob(f"{record.name}.p*.sqlite")) or not whole.is_file():
+        return None
+    return whole if index == 0 and (first_steps or len(record.points) == 1) else None
 
 
 @dataclass(frozen=True)
@@ -166,7 +168,8 @@ def cover_points(rows: list[ServingRow], base: ArmInput, cand: ArmInput,
                 found[side].append(load(path))
                 paths.add(path.resolve())
         split = traced_steps(*found) if found[0] else None
-        row.trace_note = NOT_TRACED if not found[0] else None if split is not None else NO_PREFILL_STEPS
+        row.trace_note = (None if split is not None else NO_PREFILL_STEPS if found[0] else
+                          MIXED_TRACE if _whole_trace_of_all(base) else NOT_TRACED)
         row.diff_covers = bool(found[0]) and paths <= read_by_diff
         if row.reason is not None:
             row.reason = reason(row.reason.budget, split, row.trace_note)
@@ -175,4 +178,12 @@ def cover_points(rows: list[ServingRow], base: ArmInput, cand: ArmInput,
 def _trace_of(item: ArmInput, name: str, spec: str) -> Path | None:
     record = item.manifest.runs[name]
     index = next((p.get("index", place) for place, p in enumerate(record.points) if p.get("point") == spec), None)
-    return point_trace(item.run, record, index) if isinstance(index, int) else None
+    return point_trace(item.run, record, index, first_steps=bool(item.manifest.settings.get("profile_steps"))) \
+        if isinstance(index, int) else None
+
+
+def _whole_trace_of_all(item: ArmInput) -> bool:
+    """A run of several points recorded in one trace with the profiler on throughout."""
+    record = item.record
+    return bool(record.sqlite) and len(record.points) > 1 and not item.manifest.settings.get("profile_steps") \
+        and not any(item.run.glob(f"{record.name}.p*.sqlite"))

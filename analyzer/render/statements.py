@@ -9,6 +9,7 @@ from functools import singledispatch
 from typing import Callable
 
 from kvtrace.analyzer import statements as st
+from kvtrace.analyzer.render import budget as budget_words
 from kvtrace.analyzer.render.units import duration, interval
 from kvtrace.analyzer.stats import IMPROVEMENT, NO_CHANGE, REGRESSION
 from kvtrace.analyzer.steps import HELD_BY_WAIT
@@ -146,21 +147,22 @@ def _ttft(s: st.TtftStatement, name: Name = _plain) -> str:
         ttft += (f" in the first run; the mean {runs} {e.ratio:.3f}× {interval(e.low, e.high)}, "
                  f"{'no significant difference' if e.verdict == NO_CHANGE else e.verdict}")
         if e.verdict != IMPROVEMENT and s.reading in _GAINS:
-            return f"{ttft}{where}: not a significant gain. What the arms differ in: {_mechanism(s, name, kernels)}"
+            return (f"{ttft}{where}: not a significant gain. What the arms differ in: {_mechanism(s, name, kernels)}"
+                    f"{_budget(s, name)}")
     cached = (f"{s.candidate_cached_tokens:,} cached prompt tokens ({c}) against {s.baseline_cached_tokens:,} ({b})"
               if s.reading in (st.PREFIX_HIT, st.PREFIX_HIT_AND_FASTER, st.PREFIX_HIT_SLOWER, st.PREFILLED_DIFFERENT)
               else "")
     if s.reading == st.PREFIX_HIT:
         return (f"{ttft}{where} while {kernels}, with {cached}{_prefix_evidence(s, name)}. The TTFT gain is a "
                 "capacity / prefix-hit effect (more of the prompt came from the prefix cache, so less prefill ran), "
-                "not a faster prefill kernel")
+                f"not a faster prefill kernel{_budget(s, name)}")
     if s.reading == st.PREFIX_HIT_AND_FASTER:
         return (f"{ttft}{where}, with {cached}{_prefix_evidence(s, name)}. Part of the TTFT gain is this capacity / "
-                f"prefix-hit effect, not kernel speed; {kernels}, so TTFT credits neither alone")
+                f"prefix-hit effect, not kernel speed; {kernels}, so TTFT credits neither alone{_budget(s, name)}")
     if s.reading == st.PREFIX_HIT_SLOWER:
         return (f"{ttft}{where}, with {cached}{_prefix_evidence(s, name)}. The extra prefix hits are a capacity / "
                 f"prefix-hit win for {c}, not a faster kernel: its {kernels} over {s.prefill_compared_calls:,} paired "
-                "calls, and the prefix hits did not make up for them: its TTFT is not lower")
+                f"calls, and the prefix hits did not make up for them: its TTFT is not lower{_budget(s, name)}")
     if s.reading == st.CAPACITY_EFFECT:
         return (f"{ttft}{where} although {kernels}: {b} was capacity-bound there ({name(s.baseline_capacity)}) and "
                 f"{c} was not, so the TTFT gain is a capacity effect (less queueing and recomputation after "
@@ -170,9 +172,19 @@ def _ttft(s: st.TtftStatement, name: Name = _plain) -> str:
                 "the prefill kernels (scheduling, queueing, preemptions), not a faster kernel")
     if s.reading == st.PREFILLED_DIFFERENT:
         return (f"{ttft}{where}, with {cached}: the arms prefilled different amounts, so TTFT mixes kernel speed "
-                "with prefix-cache hits")
+                f"with prefix-cache hits{_budget(s, name)}")
+    if s.reading == st.BUDGET:
+        return f"{ttft}{where}; by vLLM's TTFT budget, {c} − {b}: {name(budget_words.reason_text(s.reason))}"
     same = s.baseline_cached_tokens is not None and s.candidate_cached_tokens is not None
     return f"{ttft}{where}" + (", same cached prompt tokens" if same else "")
+
+
+def _budget(s: st.TtftStatement, name: Name) -> str:
+    """The TTFT budget after a reading that names another mechanism: what carries the difference, measured."""
+    if s.reason is None:
+        return ""
+    return (f"; by vLLM's TTFT budget, {name(s.candidate)} − {name(s.baseline)}: "
+            f"{name(budget_words.reason_text(s.reason))}")
 
 
 # The readings that explain a TTFT gain; where the estimate over every run finds none, only their mechanism is said.
