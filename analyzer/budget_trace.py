@@ -19,6 +19,7 @@ import numpy as np
 import polars as pl
 
 from kvtrace.analyzer import align, ranges, steps
+from kvtrace.errors import KvtraceError
 
 if TYPE_CHECKING:
     from kvtrace.analyzer.classify import RecipeSet
@@ -44,6 +45,8 @@ def point_trace(run: Path, record: RunRecord, index: int, *, first_steps: bool) 
     when the profiler stopped after its first steps (`first_steps`: --profile-steps), the only point's otherwise."""
     own = run / f"{record.name}.p{index}.sqlite"
     if own.is_file():
+        if not own.resolve().is_relative_to(run.resolve()):
+            raise KvtraceError(f"{own} leads outside the run directory (a link out): keep a run's traces inside it")
         return own
     whole = run / record.sqlite if record.sqlite else None
     if whole is None or any(run.glob(f"{record.name}.p*.sqlite")) or not whole.is_file():
