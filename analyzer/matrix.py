@@ -26,7 +26,7 @@ from kvtrace.analyzer.statements import APPEND_PHASE, KernelStatement, segment_v
 from kvtrace.errors import KvtraceError
 from kvtrace.manifest import MANIFEST, Manifest, Point, read_manifest
 
-MATRIX_SCHEMA = "kvtrace.matrix/2"
+MATRIX_SCHEMA = "kvtrace.matrix/3"
 # objective -> (the serving estimate that decides it: ServingRow.estimates' key and ServingMetrics' field, lower is
 # better, the segments whose kernels serve it). ITL is each request's mean inter-token gap (TPOT): one sample per
 # request, since a request's gaps share its batches.

@@ -27,7 +27,8 @@ def delta(part: PartDelta) -> str:
 
 
 def parts_text(why: Reason, baseline: str, candidate: str) -> str:
-    """Each arm's TTFT and its parts: "fp8 162.0 = 0.0 queue + 129.2 prefill + 32.4 rest ms"."""
+    """Each arm's TTFT and its parts: "fp8 162.0 = 0.0 queue + 129.2 prefill + 32.4 rest ms" (the labels as the
+    caller escaped them)."""
     arms = []
     for label, side in ((baseline, "baseline_ms"), (candidate, "candidate_ms")):
         values = [getattr(why.budget.part(p), side) for p in ("ttft", *budget_lib.TTFT_PARTS)]

@@ -32,6 +32,10 @@ _SEGMENT_WORDS = {"prefill_attention": "prefill attention", "decode_attention": 
 # The causes a point's TTFT budget gives (analyzer.budget), worded with the budget itself.
 _BUDGET_CAUSES = (budget_lib.CAPACITY, budget_lib.FASTER_KERNEL, budget_lib.HOST_TIME, budget_lib.PREFILL_TIME,
                   budget_lib.REST_TIME)
+_CAUSE_WORDS = {budget_lib.CAPACITY: "a capacity effect, its requests queued less",
+                budget_lib.PREFILL_TIME: "a shorter prefill time", budget_lib.FASTER_KERNEL: "faster prefill kernels",
+                budget_lib.HOST_TIME: "less host-held time in its prefill steps",
+                budget_lib.REST_TIME: "less time outside the engine core"}
 _OBJECTIVE_WORDS = {"ttft": "TTFT", "itl": "ITL", "throughput": "output tokens/s"}
 _METHOD_WORDS = {mx.stats.PAIRED_REQUESTS: "paired requests", mx.stats.RUN_MEANS: "run pairs' means",
                  mx.stats.MOMENTS: "per-request mean and std",
@@ -153,17 +157,25 @@ def table(result: mx.Matrix, name: Name, br: str = "<br>") -> tuple[list[str], l
     return header, body
 
 
+def rest_table(result: mx.Matrix, name: Name, br: str = "<br>") -> tuple[list[str], list[list[str]]]:
+    """The serving columns the short table leaves out, per point: the arms, their cached prompt tokens, ITL and
+    throughput with their intervals."""
+    header, body = table(result, name, br)
+    keep = [header.index(h) for h in ("row", "arms", "cached prompt tokens", *(h for h, _, _ in SERVING_COLUMNS[1:]))]
+    return [header[i] for i in keep], [[line[i] for i in keep] for line in body]
+
+
 def kernel_table(result: mx.Matrix, name: Name) -> tuple[list[str], list[list[str]]]:
     """The rows of each scenario's head (candidate / baseline per call), one per phase and workload point, with the
-    kernels compared and their query dtypes."""
-    header = ["rows", "scenario", "phase", "where", "candidate / baseline per call", "verdict", "kernels (query dtype)"]
+    kernels compared and their query dtypes; the scenario is its rows' (the tables above name it)."""
+    header = ["rows", "phase", "where", "candidate / baseline per call", "verdict", "kernels (query dtype)"]
     body = []
     for scenario in result.scenarios:
         rows = rows_text([p.row for p in scenario.points])
         for k in scenario.kernels:
             queries = (f" ({k.baseline_query} → {k.candidate_query} queries)"
                        if k.baseline_query or k.candidate_query else "")
-            body.append([rows, name(scenario.name), _SUBJECT_WORDS.get(k.subject, k.subject), name(k.point),
+            body.append([rows, _SUBJECT_WORDS.get(k.subject, k.subject), name(k.point),
                          f"{ratio(k.ratio)} {interval(k.ci_low, k.ci_high, k.no_interval)}"
                          if k.ratio is not None else "–",
                          name(k.verdict if k.ratio is not None else f"{k.verdict} ({k.reason or ''})"),
@@ -209,9 +221,9 @@ def _why(v: dict, name: Name) -> str:
     w, l_ = (1, 0) if v["winner"] == "candidate" else (0, 1)
     parts = []
     why = v["reason"]
-    budgeted = [cause for cause in v["causes"] if cause in _BUDGET_CAUSES]
+    budgeted = [cause for cause in v["causes"] if cause in _BUDGET_CAUSES] if v["objective"] == "ttft" else []
     if why is not None and budgeted:
-        parts.append(f"{budgeted[0]} ({name(budget_words.reason_text(why))})")
+        parts.append(f"{_CAUSE_WORDS[budgeted[0]]} ({budget_words.reason_text(why)})")
     elif mx.FASTER_KERNEL in v["causes"]:
         faster = [k for k in v["kernels"] if (k.verdict == "improvement") == (v["winner"] == "candidate")
                   and k.verdict in ("improvement", "regression")]
@@ -261,9 +273,11 @@ def _judgement(v: dict, name: Name) -> str:
         return f"no significant difference (the interval reaches into the no-change band, {band})"
     if v["winner"] == mx.NOT_EXPLAINED:
         apparent = name(v["candidate"] if v["apparent"] == "candidate" else v["baseline"])
-        kernels = " and ".join(_SEGMENT_WORDS[k.segment] for k in v["kernels"]) or "objective's"
-        return (f"{apparent} looks better beyond the band, but its {kernels} kernels are not faster and neither "
-                "prefix hits nor capacity favour it: not explained, so no choice")
+        kernels = " and ".join(_SEGMENT_WORDS[k.segment] for k in v["kernels"])
+        measured = (f"its {kernels} kernels are not faster" if kernels else
+                    "no trace covers this point's own traffic, so its kernels say nothing here,")
+        return (f"{apparent} looks better beyond the band, but {measured} and neither prefix hits nor capacity favour "
+                "it: not explained, so no choice")
     return _why(v, name)
 
 
@@ -403,8 +417,8 @@ def _tokens(tokens: int | None) -> str:
 def _budget_text(claim: claims_lib.BudgetClaim, name: Name) -> str:
     why = claim.reason
     return (f"TTFT budget at {name(claim.point)} ({rows_text(claim.rows)}), {name(claim.candidate)} − "
-            f"{name(claim.baseline)}: {name(budget_words.reason_text(why))} "
-            f"({name(budget_words.parts_text(why, claim.baseline, claim.candidate))}).")
+            f"{name(claim.baseline)}: {budget_words.reason_text(why)} "
+            f"({budget_words.parts_text(why, name(claim.baseline), name(claim.candidate))}).")
 
 
 def claim_text(claim, result: mx.Matrix, name: Name = _plain) -> str:
@@ -549,7 +563,7 @@ def short_table(result: mx.Matrix, name: Name, br: str = "<br>") -> tuple[list[s
                 continue
             ttft = estimate_cell(point.serving.estimates.get("ttft_ms"), "ms",
                                  point if result.objective == "ttft" else None).replace("<br>", br)
-            body.append([f"R{point.row}", where, ttft, name(budget_words.cell(point.reason)),
+            body.append([f"R{point.row}", where, ttft, budget_words.cell(point.reason),
                          name(_capacity(point, scenario)), name(winner_cell(point, scenario)), causes_cell(point)])
     return header, body
 
@@ -571,7 +585,7 @@ def markdown_parts(result: mx.Matrix) -> tuple[str, str]:
     lines += ["", f"<sub>kvtrace {result.kvtrace_version} · {result.schema}</sub>", ""]
     rest = ["<details><summary>The decision point by point, every serving number, and the kernel rows</summary>", "",
             md_text(_lead(result)), ""]
-    rest += markdown_table(*table(result, md_text))
+    rest += markdown_table(*rest_table(result, md_text))
     rest += [""] + [f"- {md_text(s.name)}: {md_text(quality_render.line(s.report.quality, s.baseline, s.candidate))}"
                     for s in result.scenarios if s.report.quality]
     rest += ["", "### The decision"]

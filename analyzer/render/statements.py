@@ -174,7 +174,7 @@ def _ttft(s: st.TtftStatement, name: Name = _plain) -> str:
         return (f"{ttft}{where}, with {cached}: the arms prefilled different amounts, so TTFT mixes kernel speed "
                 f"with prefix-cache hits{_budget(s, name)}")
     if s.reading == st.BUDGET:
-        return f"{ttft}{where}; by vLLM's TTFT budget, {c} − {b}: {name(budget_words.reason_text(s.reason))}"
+        return f"{ttft}{where}; by vLLM's TTFT budget, {c} − {b}: {budget_words.reason_text(s.reason)}"
     same = s.baseline_cached_tokens is not None and s.candidate_cached_tokens is not None
     return f"{ttft}{where}" + (", same cached prompt tokens" if same else "")
 
@@ -184,7 +184,7 @@ def _budget(s: st.TtftStatement, name: Name) -> str:
     if s.reason is None:
         return ""
     return (f"; by vLLM's TTFT budget, {name(s.candidate)} − {name(s.baseline)}: "
-            f"{name(budget_words.reason_text(s.reason))}")
+            f"{budget_words.reason_text(s.reason)}")
 
 
 # The readings that explain a TTFT gain; where the estimate over every run finds none, only their mechanism is said.
