@@ -234,7 +234,7 @@ def test_where_capacity_binds_for_both_arms_the_decision_says_so(decision):
 def test_where_both_arms_are_bound_the_one_bound_less_wins_by_capacity(decision):
     """At concurrency 14 both sweeps' NVFP4 preempted once, so both arms are capacity-bound; but the server saw NVFP4
     run up to 13-14 requests at once against FP8's 7. Pooled over both sessions NVFP4's TTFT clears the band, and the
-    win is credited to the capacity effect (NVFP4 bound less), not to a kernel."""
+    win is credited to the capacity effect its TTFT budget measures (queue time carries it), not to a kernel."""
     last = _points(SWEEP, "fp8")[-1]["point"]
     points = [p for s in decision.scenarios for p in s.points if p.point == last]
     assert len(points) == 2 and all(p.pooled_with for p in points)
@@ -243,13 +243,14 @@ def test_where_both_arms_are_bound_the_one_bound_less_wins_by_capacity(decision)
         assert p.baseline_capacity and p.candidate_capacity and running[1] > running[0] == 7
         assert p.estimate.high < 1 and p.winner == "candidate" and p.causes == (matrix.CAPACITY,)
     words = claim_text(_capacity_claims(decision, SWEEP)[last], decision)
-    assert "nvfp4 wins, by a capacity effect" in words and "nvfp4 was bound less (1 preemption), running up to 14 " \
-        "requests at once against 7" in words and words.endswith("not kernel speed.")
+    assert "nvfp4 wins, by a capacity effect, its requests queued less (queue time −" in words
+    assert "peak running requests 7 and 7 against 14 and 13" in words and words.endswith("not kernel speed.")
 
 
-def test_both_bound_alike_is_no_capacity_win(tmp_path, recipes):
-    """The same point with NVFP4's observed peak running set to FP8's (a constructed copy): both bound, neither less,
-    so the pooled win is not explained and chooses nothing."""
+def test_a_capacity_win_rests_on_queue_time_not_on_polled_peaks(tmp_path, recipes):
+    """The same point with NVFP4's observed peak running set to FP8's (a constructed copy): both bound alike by the
+    polls, yet the win stays a capacity effect, since the server's queue time (untouched) carries the TTFT
+    difference in every run pair."""
     copies = []
     for run in (SWEEP, VLLM033_8B_RUNS["capacity-sweep-repeats"]):
         copy = tmp_path / run.name
@@ -262,7 +263,10 @@ def test_both_bound_alike_is_no_capacity_win(tmp_path, recipes):
         copies.append(copy)
     last = _points(SWEEP, "fp8")[-1]["point"]
     points = [p for s in matrix.build(copies, recipes).scenarios for p in s.points if p.point == last]
-    assert points and all(p.winner == matrix.NOT_EXPLAINED and matrix.CAPACITY not in p.causes for p in points)
+    for run in (SWEEP, VLLM033_8B_RUNS["capacity-sweep-repeats"]):
+        fp8, nvfp4 = (next(p for p in _points(run, arm)[::-1] if p["point"] == last) for arm in ("fp8", "nvfp4"))
+        assert _queue_ms(nvfp4) - _queue_ms(fp8) < -500  # the queue carries a TTFT difference of some −450 ms
+    assert points and all(p.winner == "candidate" and p.causes == (matrix.CAPACITY,) for p in points)
 
 
 # ---- the bench's wall time -----------------------------------------------------------------------------------

@@ -242,7 +242,10 @@ def _why(v: dict, name: Name) -> str:
                 f"{running[l_]:,.0f}" if bound else "was not")
         parts.append(f"a capacity effect ({loser} was capacity-bound: {name(reason)}; {winner} {less}{queued})")
     if len(parts) == 1:
-        tail = "" if mx.FASTER_KERNEL in v["causes"] or budgeted else ", not kernel speed"
+        # "not kernel speed" where it is measured so, or no kernel is credited; a prefill time no trace split says
+        # nothing of kernels either way.
+        kernel = mx.FASTER_KERNEL in v["causes"] or budget_lib.PREFILL_TIME in budgeted
+        tail = "" if kernel else ", not kernel speed"
         return f"{winner} wins, by {parts[0]}{tail}"
     alone = "neither alone" if len(parts) == 2 else "none of them alone"
     return f"{winner} wins; {', '.join(parts[:-1])} and {parts[-1]} all favour it, so the gain credits {alone}"
