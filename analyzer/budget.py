@@ -27,8 +27,8 @@ from typing import Sequence
 
 import numpy as np
 
-from kvtrace.analyzer import stats
 from kvtrace.analyzer.budget_trace import TracedSteps
+from kvtrace.analyzer.stats import distributions
 
 # vLLM's request histograms (seconds) that make the budget: its part -> histogram.
 HISTOGRAMS = {"ttft": "vllm:time_to_first_token_seconds", "queue": "vllm:request_queue_time_seconds",
@@ -98,7 +98,7 @@ def part_delta(part: str, pairs: Sequence[tuple[ArmBudget, ArmBudget]], confiden
     deltas = cand - base
     low = high = None
     if deltas.size >= 2:
-        spread = stats._t_quantile(0.5 + confidence / 2, deltas.size - 1) * float(deltas.std(ddof=1)) \
+        spread = distributions.t_quantile(0.5 + confidence / 2, deltas.size - 1) * float(deltas.std(ddof=1)) \
             / math.sqrt(deltas.size)
         low, high = float(deltas.mean()) - spread, float(deltas.mean()) + spread
     return PartDelta(part, float(base.mean()), float(cand.mean()), float(deltas.mean()), low, high)
