@@ -133,11 +133,11 @@ def test_the_matrix_states_the_residency_beside_the_cold_kernel(recipes):
     the residency."""
     result = matrix.build([COLD, PREFIX], recipes)
     (claim,) = [c for c in result.claims if c.kind == "residency"]
-    shares = claim.values["cached_share"]
+    shares = list(claim.cached_share)
     assert shares == [_point("fp8.r1")["requests"]["cached_share"], _point("nvfp4.r1")["requests"]["cached_share"]]
     cold_row = next(p.row for s in result.scenarios for p in s.points if p.cold_prefill)
-    assert claim.values["cold_prefill_kernel"]["row"] == cold_row and claim.values["cold_prefill_kernel"]["ratio"] > 2
-    assert claim.values["winner"] != "candidate"
+    assert claim.cold_prefill_kernel.row == cold_row and claim.cold_prefill_kernel.ratio > 2
+    assert claim.winner != "candidate"
     words = claim_text(claim, result)
     assert "residency, a capacity effect, not a faster kernel" in words and "did not buy a better TTFT" in words
     assert f"{100 * shares[1]:.1f}% of its prompt tokens" in words

@@ -15,7 +15,7 @@ import pytest
 from rich.console import Console
 
 from conftest import FIXTURES, NSYS2025_DIR, SERVE_RUNS, VLLM033_RUNS, VLLM_COLD_PREFILL, VLLM_DECODE_HEAVY
-from kvtrace.analyzer import budget_trace, matrix, report
+from kvtrace.analyzer import budget_trace, claims as claims_lib, matrix, report
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.render import render_table, render_text
 from kvtrace.analyzer.render import matrix as matrix_render
@@ -94,8 +94,8 @@ def test_each_cell_matches_the_per_scenario_report(recipes, ttft):
         kernels = [k for k in alone.statements if k.kind == "kernels"]
         assert [(k.subject, k.point, k.ratio, k.ci_low, k.ci_high, k.verdict) for k in s.kernels] == \
             [(k.subject, k.point, k.ratio, k.ci_low, k.ci_high, k.verdict) for k in kernels]
-        rows = matrix_render.rows_text([p.row for p in s.points])
-        mine = [dict(zip(header, row)) for row in kernel_rows if row[0] == rows]
+        cited = matrix_render.rows_text([p.row for p in s.points])
+        mine = [dict(zip(header, row)) for row in kernel_rows if row[0] == cited]
         assert len(mine) == len(kernels)
         for k, row in zip(kernels, mine):
             assert row["phase"] == dict((b, a) for a, b in matrix_render.KERNEL_COLUMNS)[k.subject]
@@ -480,13 +480,13 @@ def test_the_rule_is_what_the_rows_measured(v033):
     result = v033["ttft"]
     (measured,) = [c for c in result.claims if c.kind == "measured"]
     text = matrix_render.claim_text(measured, result)
-    for phase in measured.values["phases"]:
-        rows = [k for s in result.scenarios for k in s.kernels if k.subject == phase["subject"] and k.ratio]
-        assert (phase["low"], phase["high"]) == (min(k.ratio for k in rows), max(k.ratio for k in rows))
-        assert f"{phase['low']:.3f}×–{phase['high']:.3f}×" in text
+    for phase in measured.phases:
+        rows = [k for s in result.scenarios for k in s.kernels if k.subject == phase.subject and k.ratio]
+        assert (phase.low, phase.high) == (min(k.ratio for k in rows), max(k.ratio for k in rows))
+        assert f"{phase.low:.3f}×–{phase.high:.3f}×" in text
     # The attention kernel's own rows; the split-KV merge kernel beside it is a row of its own (the head's).
     decode = [k for s in result.scenarios for k in s.kernels if k.subject == "decode_attention" and k.ratio
-              and matrix.SPLIT_KV_MERGE not in (k.kernels or "")]
+              and claims_lib.SPLIT_KV_MERGE not in (k.kernels or "")]
     assert decode and all(k.verdict == verdicts.REGRESSION for k in decode)
     assert "saves time in decode, since it moves fewer bytes, did not hold here" in text
     logs = {arm: (VLLM033_RUNS["serve-sweep"] / f"{arm}.log").read_text() for arm in ("fp8", "nvfp4")}

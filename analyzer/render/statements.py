@@ -4,7 +4,6 @@ for the format at hand (render.escape); numbers and kvtrace's own words pass as 
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from functools import singledispatch
 from typing import Callable
 
@@ -12,6 +11,7 @@ from kvtrace.analyzer import statements as st
 from kvtrace.analyzer.render import budget as budget_words
 from kvtrace.analyzer.render.units import duration, interval
 from kvtrace.analyzer.stats.verdicts import IMPROVEMENT, NO_CHANGE, REGRESSION
+from kvtrace.analyzer.host_waits import WaitKind
 from kvtrace.analyzer.steps import HELD_BY_WAIT
 from kvtrace.text import plural
 
@@ -212,7 +212,7 @@ def _step_timeline(s: st.StepTimelineStatement, name: Name = _plain) -> str:
     r, b, c = s.row, name(s.baseline), name(s.candidate)
     kernels = f"{r.kernel_ratio:.3f}× {interval(r.kernel_low, r.kernel_high)}"
     span = f"{r.span_ratio:.3f}× {interval(r.span_low, r.span_high)}, {r.span_verdict}"
-    held = held_text([asdict(k) for k in r.held_by], r.steps, s.baseline, s.candidate, name)
+    held = held_text(r.held_by, r.steps, s.baseline, s.candidate, name)
     if r.host_reading == HELD_BY_WAIT:  # the span not measured as longer
         return (f"{r.phase} steps ({r.steps:,} paired): {c}'s host stayed in {r.candidate_waited_steps:,} of "
                 f"{r.steps:,} steps until their GPU work was nearly done ({b}: {r.baseline_waited_steps:,}): {held}. "
@@ -230,42 +230,42 @@ def _step_timeline(s: st.StepTimelineStatement, name: Name = _plain) -> str:
             f"longer launched ahead of the GPU in {c}'s steps ({why}): host-side time, not a slower kernel")
 
 
-def held_text(kinds: list[dict], steps: int, baseline: str, candidate: str, name: Name = _plain) -> str:
-    """What held the candidate's host (steps.StepPhase.held_by, as dicts): the first kind of wait in full (count,
+def held_text(kinds: tuple[WaitKind, ...], steps: int, baseline: str, candidate: str, name: Name = _plain) -> str:
+    """What held the candidate's host (steps.StepPhase.held_by): the first kind of wait in full (count,
     what it is, host time, how many per step, the kernels launched around it, the baseline's count), the others
     in short. Empty without kinds."""
     if not kinds:
         return ""
     first, b = kinds[0], name(baseline)
-    per_step = (f"{first['per_step_low']:,}" if first["per_step_low"] == first["per_step_high"]
-                else f"{first['per_step_low']:,}–{first['per_step_high']:,}")
-    words = (f"{name(candidate)}'s host waited in {_wait(first, name)} ({name(first['call'])}, "
-             f"{duration(first['candidate_mean_ns'])} each, {duration(first['candidate_ns'])} in all), {per_step} per "
-             f"step in {first['steps']:,} of {steps:,} paired steps{_around(first, name)}; {b}: "
-             + ("none" if not first["baseline_calls"] else
-                f"{first['baseline_calls']:,} ({duration(first['baseline_ns'])} in all)"))
-    others = [f"{_wait(k, name)} ({duration(k['candidate_mean_ns'])} each; {b}: {k['baseline_calls']:,})"
+    per_step = (f"{first.per_step_low:,}" if first.per_step_low == first.per_step_high
+                else f"{first.per_step_low:,}–{first.per_step_high:,}")
+    words = (f"{name(candidate)}'s host waited in {_wait(first, name)} ({name(first.call)}, "
+             f"{duration(first.candidate_mean_ns)} each, {duration(first.candidate_ns)} in all), {per_step} per "
+             f"step in {first.steps:,} of {steps:,} paired steps{_around(first, name)}; {b}: "
+             + ("none" if not first.baseline_calls else
+                f"{first.baseline_calls:,} ({duration(first.baseline_ns)} in all)"))
+    others = [f"{_wait(k, name)} ({duration(k.candidate_mean_ns)} each; {b}: {k.baseline_calls:,})"
               for k in kinds[1:]]
     return words + (f"; also {', '.join(others)}" if others else "")
 
 
-def _wait(kind: dict, name: Name) -> str:
+def _wait(kind: WaitKind, name: Name) -> str:
     """So many calls of a kind of wait: copies by direction, size and memory, synchronizations by their call."""
-    calls = kind["candidate_calls"]
-    if kind["copy_kind"] is None:
-        return f"{calls:,} {name(kind['call'])} {plural(calls, 'call')}"
-    size = (f"{kind['bytes_low']:,} bytes" if kind["bytes_low"] == kind["bytes_high"]
-            else f"{kind['bytes_low']:,}–{kind['bytes_high']:,} bytes")
-    return (f"{calls:,} {name(kind['copy_kind'])} {plural(calls, 'copy', 'copies')} of {size} from "
-            f"{name(kind['src_kind'] or 'unknown')} into {name(kind['dst_kind'] or 'unknown')} memory")
+    calls = kind.candidate_calls
+    if kind.copy_kind is None:
+        return f"{calls:,} {name(kind.call)} {plural(calls, 'call')}"
+    size = (f"{kind.bytes_low:,} bytes" if kind.bytes_low == kind.bytes_high
+            else f"{kind.bytes_low:,}–{kind.bytes_high:,} bytes")
+    return (f"{calls:,} {name(kind.copy_kind)} {plural(calls, 'copy', 'copies')} of {size} from "
+            f"{name(kind.src_kind or 'unknown')} into {name(kind.dst_kind or 'unknown')} memory")
 
 
-def _around(kind: dict, name: Name) -> str:
+def _around(kind: WaitKind, name: Name) -> str:
     """The kernels launched just before and after most of these calls on their thread."""
-    before, after = kind["before"], kind["after"]
+    before, after = kind.before, kind.after
     if before is None and after is None:
         return ""
-    which = "" if kind["around"] == kind["candidate_calls"] else f" ({kind['around']:,} of them)"
+    which = "" if kind.around == kind.candidate_calls else f" ({kind.around:,} of them)"
     if before is None:
         return f", before a launch of {name(after)}{which}"
     if after is None:
