@@ -1,11 +1,17 @@
 """Words for a point's TTFT budget and what carries its difference (analyzer.budget.Reason), as the serving report and
-the matrix both give them: one reason for one point, whichever output shows it."""
+the matrix both give them: one reason for one point, whichever output shows it; and the matrix's pool and budget
+claims (analyzer.claims.PoolClaim, BudgetClaim)."""
 
 from __future__ import annotations
 
-from kvtrace.analyzer import budget as budget_lib
+from typing import Callable
+
+from kvtrace.analyzer import budget as budget_lib, claims as claims_lib, kv_pool
 from kvtrace.analyzer.budget import PART_WORDS, PartDelta, Reason
 from kvtrace.analyzer.budget_trace import SEGMENT_WORDS
+from kvtrace.analyzer.render.units import rows_text
+
+Name = Callable[[str], str]
 
 
 def signed_ms(value: float) -> str:
@@ -75,3 +81,47 @@ def cell(why: Reason | None) -> str:
         text += (" · not traced" if why.steps is None else
                  f" · traced: {SEGMENT_WORDS[why.step_carrier]}" if why.step_carrier else " · traced: no one part")
     return text
+
+
+def pool_text(claim: claims_lib.PoolClaim, name: Name) -> str:
+    """Each scenario's pools, grouped where they are the same, then the projection of the capped runs' capacity-bound
+    points to the default pool."""
+    b, c = name(claim.baseline), name(claim.candidate)
+    alike: dict[tuple, list] = {}
+    for pool in claim.pools:
+        key = (pool.baseline.tokens, pool.candidate.tokens, kv_pool.size_words(pool.baseline),
+               kv_pool.size_words(pool.candidate))
+        alike.setdefault(key, []).extend(pool.rows)
+    parts = []
+    for (tokens_b, tokens_c, how_b, how_c), rows in alike.items():
+        how = how_b if how_b == how_c else f"{how_b} for {b}, {how_c} for {c}"
+        parts.append(f"{_tokens(tokens_b)} for {b} and {_tokens(tokens_c)} for {c} at {rows_text(rows)} "
+                     f"({name(how)})")
+    text = f"KV pool per arm: {'; '.join(parts)}."
+    if claim.projections:
+        default = claim.default_tokens
+        by_arm: dict[tuple, list[int]] = {}
+        for found in claim.projections:
+            by_arm.setdefault((found.projection.arm, found.projection.tokens_per_request,
+                               found.projection.binds_near, found.projection.default_tokens), []).append(found.row)
+        projected = "; ".join(f"with the default pool ({tokens:,} tokens) {name(arm)} would bind near concurrency "
+                              f"{near:,} at {per:,} tokens per request ({rows_text(rows)})"
+                              for (arm, per, near, tokens), rows in by_arm.items())
+        text += (f" The capacity-bound points bind only under that cap: {projected}, as {name(claim.default_from)} "
+                 f"reported the default pool on the same GPU ({_tokens(default[0])} for {b}, {_tokens(default[1])} "
+                 f"for {c}).")
+    elif any(not p.baseline.default for p in claim.pools):
+        text += (" No run here reported vLLM's default pool on this GPU and model shape, so where the capacity-bound "
+                 "points would bind without the cap is not projected (`kvtrace capacity` gives the tokens per GiB).")
+    return text
+
+
+def _tokens(tokens: int | None) -> str:
+    return "not recorded" if tokens is None else f"{tokens:,} tokens"
+
+
+def claim_text(claim: claims_lib.BudgetClaim, name: Name) -> str:
+    why = claim.reason
+    return (f"TTFT budget at {name(claim.point)} ({rows_text(claim.rows)}), {name(claim.candidate)} − "
+            f"{name(claim.baseline)}: {reason_text(why)} "
+            f"({parts_text(why, name(claim.baseline), name(claim.candidate))}).")

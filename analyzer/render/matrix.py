@@ -10,12 +10,12 @@ from typing import Callable
 from rich.console import Console
 
 from kvtrace.analyzer import matrix as mx
-from kvtrace.analyzer import budget as budget_lib, claims as claims_lib, kv_pool
+from kvtrace.analyzer import budget as budget_lib, claims as claims_lib
 from kvtrace.analyzer.render import budget as budget_words, quality as quality_render
 from kvtrace.analyzer.render.escape import md_code, md_text, visible
 from kvtrace.analyzer.render.report_tables import _cached, _count, _ms, _peak, _rich_table
 from kvtrace.analyzer.render.statements import held_text
-from kvtrace.analyzer.render.units import duration, estimate_ratio, interval, markdown_table, percent, ratio
+from kvtrace.analyzer.render.units import rows_text, duration, estimate_ratio, interval, markdown_table, percent, ratio
 from kvtrace.analyzer.statements import APPEND_PHASE
 from kvtrace.analyzer.stats.serving_intervals import (ASSUMED_SERVING_BAND, MOMENTS, NO_INTERVAL, PAIRED_REQUESTS,
                                                        RUN_MEANS)
@@ -48,19 +48,6 @@ SERVING_COLUMNS = (("TTFT ms", "ttft_ms", "ms"), ("ITL ms (per request: TPOT)", 
 
 def _plain(text: str) -> str:
     return text
-
-
-def rows_text(rows) -> str:
-    """R1, R2, R4–R6."""
-    rows = sorted(rows)
-    if not rows:
-        return "no row"
-    spans, start = [], rows[0]
-    for prev, cur in zip(rows, rows[1:] + [None]):
-        if cur != prev + 1:
-            spans.append(f"R{start}" if start == prev else f"R{start}–R{prev}")
-            start = cur
-    return ", ".join(spans)
 
 
 def _band(estimate, pooled_with=(), directories: int = 0) -> str:
@@ -381,50 +368,6 @@ def _phase_words(phase: claims_lib.MeasuredPhase, v: claims_lib.MeasuredClaim, n
     return words
 
 
-def _pool_text(claim: claims_lib.PoolClaim, name: Name) -> str:
-    """Each scenario's pools, grouped where they are the same, then the projection of the capped runs' capacity-bound
-    points to the default pool."""
-    b, c = name(claim.baseline), name(claim.candidate)
-    alike: dict[tuple, list] = {}
-    for pool in claim.pools:
-        key = (pool.baseline.tokens, pool.candidate.tokens, kv_pool.size_words(pool.baseline),
-               kv_pool.size_words(pool.candidate))
-        alike.setdefault(key, []).extend(pool.rows)
-    parts = []
-    for (tokens_b, tokens_c, how_b, how_c), rows in alike.items():
-        how = how_b if how_b == how_c else f"{how_b} for {b}, {how_c} for {c}"
-        parts.append(f"{_tokens(tokens_b)} for {b} and {_tokens(tokens_c)} for {c} at {rows_text(rows)} "
-                     f"({name(how)})")
-    text = f"KV pool per arm: {'; '.join(parts)}."
-    if claim.projections:
-        default = claim.default_tokens
-        by_arm: dict[tuple, list[int]] = {}
-        for found in claim.projections:
-            by_arm.setdefault((found.projection.arm, found.projection.tokens_per_request,
-                               found.projection.binds_near, found.projection.default_tokens), []).append(found.row)
-        projected = "; ".join(f"with the default pool ({tokens:,} tokens) {name(arm)} would bind near concurrency "
-                              f"{near:,} at {per:,} tokens per request ({rows_text(rows)})"
-                              for (arm, per, near, tokens), rows in by_arm.items())
-        text += (f" The capacity-bound points bind only under that cap: {projected}, as {name(claim.default_from)} "
-                 f"reported the default pool on the same GPU ({_tokens(default[0])} for {b}, {_tokens(default[1])} "
-                 f"for {c}).")
-    elif any(not p.baseline.default for p in claim.pools):
-        text += (" No run here reported vLLM's default pool on this GPU and model shape, so where the capacity-bound "
-                 "points would bind without the cap is not projected (`kvtrace capacity` gives the tokens per GiB).")
-    return text
-
-
-def _tokens(tokens: int | None) -> str:
-    return "not recorded" if tokens is None else f"{tokens:,} tokens"
-
-
-def _budget_text(claim: claims_lib.BudgetClaim, name: Name) -> str:
-    why = claim.reason
-    return (f"TTFT budget at {name(claim.point)} ({rows_text(claim.rows)}), {name(claim.candidate)} − "
-            f"{name(claim.baseline)}: {budget_words.reason_text(why)} "
-            f"({budget_words.parts_text(why, name(claim.baseline), name(claim.candidate))}).")
-
-
 def _environment_text(claim: claims_lib.EnvironmentClaim, result: mx.Matrix, name: Name) -> str:
     held = "; ".join(
         f"{name(e.gpu)}, FlashInfer {name(e.flashinfer or 'not recorded')}, "
@@ -530,8 +473,8 @@ def _cite(claim) -> str:
 
 # Each claim's words by its type.
 _WORDS = {claims_lib.EnvironmentClaim: _environment_text,
-          claims_lib.PoolClaim: lambda claim, result, name: _pool_text(claim, name),
-          claims_lib.BudgetClaim: lambda claim, result, name: _budget_text(claim, name),
+          claims_lib.PoolClaim: lambda claim, result, name: budget_words.pool_text(claim, name),
+          claims_lib.BudgetClaim: lambda claim, result, name: budget_words.claim_text(claim, name),
           claims_lib.MeasuredClaim: _measured_text,
           claims_lib.CapacityClaim: lambda claim, result, name: _capacity_claim(claim.outcome, _cite(claim), name),
           claims_lib.ColdPrefillClaim: _phase_point_text, claims_lib.DecodeClaim: _phase_point_text,
