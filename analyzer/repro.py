@@ -64,6 +64,8 @@ ATTENTION_ROUTES = {
          "description": "torch cast + append_paged_kv_cache"},
         {"label": "nvfp4 own route", "kv_format": "nvfp4", "via": "slot-mapping", "scales": "tensor",
          "description": "slot-mapping append, scales as GPU tensors (vLLM)"},
+        {"label": "nvfp4 scales checked once", "kv_format": "nvfp4", "via": "slot-mapping", "scales": "tensor",
+         "check": "once", "description": "as vLLM, FlashInfer's host check of the scales once per tensor"},
         {"label": "nvfp4 host scales", "kv_format": "nvfp4", "via": "slot-mapping", "scales": "float",
          "description": "slot-mapping append, scales as Python floats"},
         {"label": "nvfp4 batch append", "kv_format": "nvfp4", "via": "indptr",
