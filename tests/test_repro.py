@@ -185,6 +185,11 @@ def test_script_runs_every_route_against_a_standin(monkeypatch, tmp_path, capsys
                 assert route["quality"]["rel_l2_vs_bf16"] < 0.3
         split = case["split"]
         assert split["ratio"] == pytest.approx(split["route"] * split["format"])
+        for part in ("ratio", "route", "format"):
+            low, high = split[f"{part}_interval"]
+            assert low <= split[part] <= high
+        if case["kernel"] == "decode":  # both formats on one route: all of the ratio is the format's
+            assert split["route"] == 1 and split["route_interval"] == [1, 1]
     assert "nvfp4 own route" in capsys.readouterr().out
     # Checked once: its scale tensors' first call is checked (2 tensors), the rest are not; vLLM's way every call.
     appends = {route["label"]: route for case in results["cases"] if case["kernel"] == "append"
