@@ -22,12 +22,17 @@ import polars as pl
 from kvtrace.analyzer import align, compare
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.load import open_trace
+from kvtrace import files
+from kvtrace.analyzer.results import Diff
 from kvtrace.analyzer.runs import ArmInput, resolve_inputs, run_arm
 from kvtrace.errors import KvtraceError
 from kvtrace.manifest import parse_phase_name, read_manifest
 
-# The file a run directory's repro results go in (the script's --json), which report and matrix read.
+# The file a run directory's repro results go in (the script's --json), which report and matrix read; one per
+# FlashInfer release may sit beside it as repro.SUFFIX.json (e.g. repro.fi0.6.16.post3.json).
 RESULTS_NAME = "repro.json"
+RESULTS_GLOB = "repro*.json"
+RESULTS_SCHEMA = 1  # the script's "kvtrace_repro"
 FORMATS = ("fp8", "nvfp4")
 SCALES = {
     "fp8": "float8_e4m3fn, one float32 decode scale per tensor passed as k_scale / v_scale: value = fp8 * scale "
@@ -37,6 +42,7 @@ SCALES = {
              "as k_scale / v_scale: value = e2m1 * block_scale * global_scale (global = amax / (6 * 448))",
 }
 QUERY_WORDS = {"bfloat16": "BF16", "float16": "FP16"}
+VLLM_PREFILL_PHASE = "vLLM prefill steps"  # the diff's phase of vLLM's prefill steps (analyzer.pairing)
 KERNEL_ORDER = ("prefill", "decode", "append")  # the cases in this order: prefill's split first
 SEGMENT_OF = {"prefill": "prefill_attention", "decode": "decode_attention", "append": "kv_append"}
 
@@ -280,3 +286,130 @@ def _add_traced_times(spec: ReproSpec, arms: dict[str, ArmInput]) -> None:
                 "us_per_range": round(total_us / ranges, 3) if ranges else None,
                 "us_per_kernel": round(total_us / rows.height, 3) if rows.height else None}
 
+
+
+# ---- reading the script's results: the traced ratio split into route and format --------------------------------
+
+@dataclass(frozen=True)
+class SplitRow:
+    """One case of a repro run beside the trace: the traced NVFP4/FP8 ratio of its kernel (this report's diff row,
+    with its interval) and the script's ratio on each format's own route, split into route x format (medians, with
+    the script's bootstrap intervals over its timed calls)."""
+
+    case: str
+    kernel: str
+    traced_phase: str | None  # the diff row's NVTX phase; None: no diff row matches the case
+    traced_ratio: float | None
+    traced_low: float | None
+    traced_high: float | None
+    ratio: float
+    ratio_interval: tuple[float, float]
+    route: float
+    route_interval: tuple[float, float]
+    format: float
+    format_interval: tuple[float, float]
+    fp8_route: str  # what "own route" meant for each format, and the shared route
+    nvfp4_route: str
+    workspace_ratio: float | None  # NVFP4 dequantized to an FP8 workspace feeding FP8's kernel, against FP8's route
+    nvfp4_vs_own_cache: float | None  # NVFP4's output against float64 attention over its own cache (rel. L2)
+    fp8_vs_own_cache: float | None
+
+
+@dataclass(frozen=True)
+class ReproSplit:
+    """One results file of a run directory: which release and GPU measured it, its rows, its failed routes."""
+
+    file: str
+    flashinfer: str | None
+    torch: str | None
+    gpu: str | None
+    sm: str | None
+    rows: tuple[SplitRow, ...]
+    failed: tuple[str, ...]  # "case: route: error"
+
+
+def splits(run_dirs: list[Path], diff: Diff, engine: str | None) -> list[ReproSplit]:
+    """Every repro results file in the run directories, each split against the diff's rows."""
+    found = sorted({path for run in run_dirs for path in Path(run).glob(RESULTS_GLOB)})
+    return [_split(path, diff, engine) for path in found]
+
+
+def _split(path: Path, diff: Diff, engine: str | None) -> ReproSplit:
+    fix = "it is what a `kvtrace repro` script wrote with --json; rerun the script or move the file away"
+    data = files.read_json(path, f"repro results {path}", fix)
+    if not isinstance(data, dict) or data.get("kvtrace_repro") != RESULTS_SCHEMA or \
+            not isinstance(data.get("cases"), list) or not isinstance(data.get("environment"), dict):
+        raise KvtraceError(f"{path} is not a kvtrace repro results file (schema {RESULTS_SCHEMA}): {fix}")
+    env = data["environment"]
+    gpu = env.get("gpu") if isinstance(env.get("gpu"), dict) else {}
+    rows, failed = [], []
+    for case in data["cases"]:
+        try:
+            name, kernel, routes = str(case["name"]), str(case["kernel"]), list(case["routes"])
+            failed += [f"{name}: {r['label']}: {r.get('error')}" for r in routes if r.get("status") != "ok"]
+            if case.get("split"):
+                rows.append(_row(name, kernel, routes, case["split"], diff, engine, data["cases"]))
+        except (KeyError, TypeError, ValueError, IndexError) as error:
+            raise KvtraceError(f"{path}: case {case.get('name') if isinstance(case, dict) else case!r} lacks "
+                               f"{error} or holds the wrong type: {fix}") from None
+    return ReproSplit(str(path), _text(env.get("flashinfer")), _text(env.get("torch")), _text(gpu.get("name")),
+                      _text(gpu.get("sm")), tuple(rows), tuple(failed))
+
+
+def _text(value) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def _number(value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(value)
+    return float(value)
+
+
+def _interval(values) -> tuple[float, float]:
+    low, high = values
+    return _number(low), _number(high)
+
+
+def _row(name: str, kernel: str, routes: list, split: dict, diff: Diff, engine: str | None,
+         cases: list) -> SplitRow:
+    by_label = {r["label"]: r for r in routes if r.get("status") == "ok"}
+
+    def words(label):
+        route = by_label.get(label) or {}
+        return str(route.get("description") or label)
+
+    def quality(label):
+        checks = (by_label.get(label) or {}).get("quality") or {}
+        value = checks.get("rel_l2_vs_own_cache")
+        return _number(value) if value is not None else None
+
+    workspace = by_label.get("nvfp4 via fp8 workspace")
+    fp8 = by_label.get("fp8 own route")
+    traced = _traced_row(name, kernel, diff, engine, cases)
+    return SplitRow(
+        case=name, kernel=kernel, traced_phase=traced.phase if traced else None,
+        traced_ratio=traced.ratio if traced else None, traced_low=traced.ci_low if traced else None,
+        traced_high=traced.ci_high if traced else None,
+        ratio=_number(split["ratio"]), ratio_interval=_interval(split["ratio_interval"]),
+        route=_number(split["route"]), route_interval=_interval(split["route_interval"]),
+        format=_number(split["format"]), format_interval=_interval(split["format_interval"]),
+        fp8_route=words("fp8 own route"), nvfp4_route=words("nvfp4 own route"),
+        workspace_ratio=(_number(workspace["gpu_us"]["median"]) / _number(fp8["gpu_us"]["median"])
+                         if workspace and fp8 else None),
+        nvfp4_vs_own_cache=quality("nvfp4 own route"), fp8_vs_own_cache=quality("fp8 own route"))
+
+
+def _traced_row(name: str, kernel: str, diff: Diff, engine: str | None, cases: list):
+    """The diff's row for the case: its segment in the case's NVTX range (FlashInfer phases), or in vLLM's steps of
+    that kind when the script holds one case of this kernel (the diff pools a kind's steps)."""
+    segment = SEGMENT_OF.get(kernel)
+    case = next((c for c in cases if c.get("name") == name), {})
+    nvtx = case.get("nvtx") if isinstance(case, dict) else None
+    for row in diff.phases:
+        if row.segment == segment and row.phase == nvtx:
+            return row
+    same_kernel = [c for c in cases if isinstance(c, dict) and c.get("kernel") == kernel]
+    if engine == "vllm" and len(same_kernel) == 1:
+        return next((row for row in diff.phases if row.segment == segment and row.phase == VLLM_PREFILL_PHASE), None)
+    return None
