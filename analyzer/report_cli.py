@@ -67,6 +67,7 @@ def report(runs, arms, labels, threshold, confidence, seed, plots_dir, exports_f
     inputs().extend(Path(arm.run) / "manifest.json" for arm in (result.baseline, result.candidate))
     inputs().extend(Path(arm.log) for arm in (result.baseline, result.candidate) if arm.log)
     inputs().extend(result.quality.read if result.quality else ())
+    inputs().extend(Path(split.file) for split in result.repro)
     if plots_dir is not None:
         from kvtrace.analyzer.render import plots  # matplotlib only on this path
 

@@ -49,21 +49,21 @@ SEGMENT_OF = {"prefill": "prefill_attention", "decode": "decode_attention", "app
 # Each kernel's routes: label (what split() in the script reads), format, backend, query dtype, how.
 ATTENTION_ROUTES = {
     "prefill": (
-        {"label": "fp8 own route", "kv_format": "fp8", "backend": "fa3", "q": "fp8",
-         "description": "FA3, FP8 q (vLLM 0.33's FP8 prefill on SM90)"},
-        {"label": "nvfp4 own route", "kv_format": "nvfp4", "backend": "fa2", "q": "bf16",
-         "description": "FA2, BF16 q (vLLM 0.33's NVFP4 prefill below SM100)"},
-        {"label": "fp8 on nvfp4's route", "kv_format": "fp8", "backend": "fa2", "q": "bf16",
-         "description": "FA2, BF16 q: FP8 on NVFP4's route"},
+        {"label": "fp8 own route", "kv_format": "fp8", "backend": "fa3", "q": "fp8", "route": "FA3, FP8 q",
+         "description": "vLLM 0.33's FP8 prefill on SM90"},
+        {"label": "nvfp4 own route", "kv_format": "nvfp4", "backend": "fa2", "q": "bf16", "route": "FA2, BF16 q",
+         "description": "vLLM 0.33's NVFP4 prefill below SM100"},
+        {"label": "fp8 on nvfp4's route", "kv_format": "fp8", "backend": "fa2", "q": "bf16", "route": "FA2, BF16 q",
+         "description": "FP8 on NVFP4's route"},
         {"label": "nvfp4 via fp8 workspace", "kv_format": "nvfp4", "backend": "fa3", "q": "fp8",
-         "via": "fp8-workspace",
-         "description": "NVFP4 dequantized to an FP8 workspace, then FA3 FP8 q"},
+         "via": "fp8-workspace", "route": "FA3, FP8 q",
+         "description": "NVFP4 dequantized to an FP8 workspace first"},
     ),
     "decode": (
-        {"label": "fp8 own route", "kv_format": "fp8", "backend": "fa2", "q": "bf16",
-         "description": "FA2 tensor-core decode, BF16 q"},
-        {"label": "nvfp4 own route", "kv_format": "nvfp4", "backend": "fa2", "q": "bf16",
-         "description": "FA2 tensor-core decode, BF16 q"},
+        {"label": "fp8 own route", "kv_format": "fp8", "backend": "fa2", "q": "bf16", "route": "FA2, BF16 q",
+         "description": "tensor-core decode"},
+        {"label": "nvfp4 own route", "kv_format": "nvfp4", "backend": "fa2", "q": "bf16", "route": "FA2, BF16 q",
+         "description": "tensor-core decode"},
     ),
     "append": (
         {"label": "fp8 own route", "kv_format": "fp8", "via": "append",
@@ -377,7 +377,7 @@ def _row(name: str, kernel: str, routes: list, split: dict, diff: Diff, engine: 
 
     def words(label):
         route = by_label.get(label) or {}
-        return str(route.get("description") or label)
+        return str(route.get("route") or route.get("description") or label)
 
     def quality(label):
         checks = (by_label.get(label) or {}).get("quality") or {}

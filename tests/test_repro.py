@@ -184,6 +184,9 @@ def test_script_runs_every_route_against_a_standin(monkeypatch, tmp_path, capsys
                 assert route["quality"]["rel_l2_vs_own_cache"] < bound, (case["name"], route["label"])
                 assert route["quality"]["rel_l2_vs_bf16"] < 0.3
         split = case["split"]
+        if case["kernel"] == "append":  # no attention route to split
+            assert split is None
+            continue
         assert split["ratio"] == pytest.approx(split["route"] * split["format"])
         for part in ("ratio", "route", "format"):
             low, high = split[f"{part}_interval"]
