@@ -144,11 +144,9 @@ def test_bad_inputs_get_one_line(run_kvtrace, tmp_path):
         assert len(lines) == 1 and lines[0].startswith("kvtrace: error:") and words in lines[0], err
 
 
-@pytest.mark.parametrize("name", sorted(COMMITTED))
-def test_script_runs_every_route_against_a_standin(monkeypatch, tmp_path, capsys, name):
-    """The committed script, on shrunk shapes, against tests/flashinfer_standin.py on the CPU: every route runs,
-    each output lies within BF16 rounding of the float64 reference over the cache as stored (a wrong page table,
-    layout or scale would be far off), the split multiplies out, and the JSON holds it all."""
+def run_against_standin(monkeypatch, name: str, out) -> dict:
+    """The committed script `name`, on shrunk shapes (one case per kernel, uneven lengths of a few pages), run whole
+    against tests/flashinfer_standin.py on the CPU; its JSON results."""
     import flashinfer_standin
 
     flashinfer_standin.CALLS.clear()
@@ -160,7 +158,7 @@ def test_script_runs_every_route_against_a_standin(monkeypatch, tmp_path, capsys
     spec = namespace["SPEC"]
     spec.update(q_heads=4, kv_heads=2, head_dim=32)
     kinds = {}
-    for case in spec["cases"]:  # one case per kernel, shrunk to uneven lengths of a few pages
+    for case in spec["cases"]:
         if case["kernel"] in kinds:
             continue
         kinds[case["kernel"]] = case
@@ -169,10 +167,18 @@ def test_script_runs_every_route_against_a_standin(monkeypatch, tmp_path, capsys
         if case["kernel"] == "append":
             case["new_lens"] = [3, 1, 2]
     spec["cases"] = list(kinds.values())
-    out = tmp_path / "repro.json"
     monkeypatch.setattr(sys, "argv", ["script", "--json", str(out), "--warmup", "1", "--iters", "3"])
     namespace["main"]()
-    results = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("name", sorted(COMMITTED))
+def test_script_runs_every_route_against_a_standin(monkeypatch, tmp_path, capsys, name):
+    """Every route runs, each output lies within BF16 rounding of the float64 reference over the cache as stored (a
+    wrong page table, layout or scale would be far off), the split multiplies out, and the JSON holds it all."""
+    import flashinfer_standin
+
+    results = run_against_standin(monkeypatch, name, tmp_path / "repro.json")
     assert results["environment"]["flashinfer"] == "0.0.0+standin"
     for case in results["cases"]:
         for route in case["routes"]:
@@ -202,3 +208,39 @@ def test_script_runs_every_route_against_a_standin(monkeypatch, tmp_path, capsys
     calls = set(flashinfer_standin.CALLS)
     assert {"slot_mapping:Tensor", "slot_mapping:float", "nvfp4_kv_dequantize_paged"} <= calls
     assert "BatchPrefillWithPagedKVCacheWrapper:fa3:torch.float8_e4m3fn:torch.float8_e4m3fn" in calls
+
+
+def test_report_splits_the_traced_ratio_with_the_run_directorys_repro_results(monkeypatch, tmp_path, run_kvtrace):
+    """A run directory holding the script's results: the report's JSON carries the split as the results file gives
+    it (medians of the timed calls, computed again here) beside the diff's own prefill row; the markdown answers
+    with it before <details>."""
+    run = tmp_path / "vllm033-h200-8b-cold-prefill"
+    shutil.copytree(COLD_PREFILL, run)
+    results = run_against_standin(monkeypatch, "vllm033-h200-8b-cold-prefill", run / "repro.json")
+    code, out, err = run_kvtrace("report", run, "--format", "json")
+    assert code == 0, err
+    report = json.loads(out)
+    (split,) = report["repro"]
+    assert split["flashinfer"] == "0.0.0+standin" and split["file"].endswith("repro.json")
+    (row,) = split["rows"]  # the prefill case; the append case has no attention route to split
+    (case,) = [c for c in results["cases"] if c["kernel"] == "prefill"]
+    median = {r["label"]: sorted(r["gpu_us"]["samples"])[len(r["gpu_us"]["samples"]) // 2] for r in case["routes"]}
+    assert row["route"] == pytest.approx(median["fp8 on nvfp4's route"] / median["fp8 own route"])
+    assert row["format"] == pytest.approx(median["nvfp4 own route"] / median["fp8 on nvfp4's route"])
+    (traced,) = [r for r in report["diff"]["phases"] if r["segment"] == "prefill_attention"]
+    assert (row["traced_ratio"], row["traced_low"], row["traced_high"]) == (
+        traced["ratio"], traced["ci_low"], traced["ci_high"])
+    assert (row["fp8_route"], row["nvfp4_route"]) == ("FA3, FP8 q", "FA2, BF16 q")
+    code, out, err = run_kvtrace("report", run, "--format", "markdown")
+    assert code == 0, err
+    answer = out.split("<details>")[0]
+    assert "Route against format, prefill-8x2048" in answer and "0.0.0+standin" in answer
+
+
+def test_a_damaged_repro_results_file_gets_one_line(run_kvtrace, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(FI_GAUSSIAN, run)
+    (run / "repro.json").write_text('{"kvtrace_repro": 1, "cases": [{"name": "x"}], "environment": {}}')
+    code, out, err = run_kvtrace("report", run)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and "repro.json" in err and "lacks" in err
