@@ -235,6 +235,9 @@ def test_report_splits_the_traced_ratio_with_the_run_directorys_repro_results(mo
     assert code == 0, err
     answer = out.split("<details>")[0]
     assert "Route against format, prefill-8x2048" in answer and "0.0.0+standin" in answer
+    code, out, err = run_kvtrace("matrix", run, "--format", "markdown")
+    assert code == 0, err
+    assert "Route against format, prefill-8x2048" in out.split("<details>")[0]
 
 
 def test_a_damaged_repro_results_file_gets_one_line(run_kvtrace, tmp_path):
