@@ -19,10 +19,10 @@ from pathlib import Path
 
 import polars as pl
 
-from kvtrace.analyzer import align, compare
+from kvtrace import files, model_config
+from kvtrace.analyzer import align, capacity, compare
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.load import open_trace
-from kvtrace import files
 from kvtrace.analyzer.results import Diff
 from kvtrace.analyzer.runs import ArmInput, resolve_inputs, run_arm
 from kvtrace.errors import KvtraceError
@@ -117,11 +117,9 @@ def build(path: Path) -> ReproSpec:
                            "vLLM runs written by `kvtrace capture`")
     first = arms["fp8"].record
     versions = dict(first.workload.get("versions") or {})
-    gpu = (manifest.raw.get("environment") or {}).get("gpus") or [{}]
     query_dtypes = {fmt: run_arm(item, item.arm).query_dtypes for fmt, item in arms.items()}
-    spec.source = {"run": run.name, "engine": manifest.engine, "versions": versions,
-                   "gpu": gpu[0].get("name") if isinstance(gpu[0], dict) else None,
-                   "sm": str((gpu[0] or {}).get("compute_cap", "")).replace(".", "") or None,
+    gpu, sm = _gpu(manifest)
+    spec.source = {"run": run.name, "engine": manifest.engine, "versions": versions, "gpu": gpu, "sm": sm,
                    "manifest_sha256": hashlib.sha256((run / "manifest.json").read_bytes()).hexdigest(),
                    "traced_query_dtypes": query_dtypes,
                    "traced_routes": _traced_routes(manifest.engine, query_dtypes)}
@@ -188,17 +186,22 @@ def _flashinfer_shapes(arms: dict[str, ArmInput]) -> ReproSpec:
     return spec
 
 
+def _vllm_model(item: ArmInput) -> ReproSpec:
+    """The shapes of a vLLM run's attention layers (capacity.run_shape reads them from the manifest), no cases yet."""
+    layout, tp, page = capacity.run_shape(item.manifest, str(item.run))
+    (group, *others) = layout.groups
+    if others or group.kind != model_config.FULL or tp != 1 or not layout.attention_heads:
+        raise KvtraceError(f"{item.run}: kvtrace repro reproduces one GPU's full-attention layers; this model has "
+                           f"{layout.describe()} "
+                           f"at tensor-parallel size {tp}")
+    return ReproSpec({}, layout.attention_heads, group.kv_heads, group.head_dim, page, group.layers)
+
+
 def _vllm_shapes(arms: dict[str, ArmInput]) -> ReproSpec:
-    manifest = arms["fp8"].manifest
-    model = manifest.model
-    where = f"{arms['fp8'].run}/manifest.json settings.model"
-    q_heads = _positive(model.get("num_attention_heads"), "num_attention_heads", where)
-    kv_heads = _positive(model.get("num_key_value_heads", q_heads), "num_key_value_heads", where)
-    head_dim = _positive(model.get("head_dim") or (model.get("hidden_size") or 0) // q_heads, "head_dim", where)
-    engine = arms["fp8"].record.workload.get("engine") or {}
-    page = _positive(engine.get("block_size"), "the engine's block_size", f"{arms['fp8'].run}'s fp8 workload")
-    spec = ReproSpec({}, q_heads, kv_heads, head_dim, page, _positive(model.get("num_hidden_layers"),
-                                                                      "num_hidden_layers", where))
+    spec = _vllm_model(arms["fp8"])
+    if any(point.get("cached_tokens") for point in arms["fp8"].record.points):
+        raise KvtraceError(f"{arms['fp8'].run} served cached prefix tokens: the trace does not say which request's "
+                           "query attended to how many cached tokens; use a cold-prefill run")
     trace = open_trace(run_arm(arms["fp8"], "fp8").sqlite)
     steps = align.steps(trace).filter(pl.col("phase") == align.PREFILL).unique("step")
     input_tokens = _point_inputs(arms["fp8"])
@@ -218,10 +221,45 @@ def _vllm_shapes(arms: dict[str, ArmInput]) -> ReproSpec:
         raise KvtraceError(f"{arms['fp8'].run}: the trace has no vLLM prefill step range (execute_context_N(T)_"
                            "generation_0(0)); kvtrace repro reproduces prefill steps: record with the CUDA profiler "
                            "(--profiler-config) and a prefill scenario")
-    if any(row.get("cached_tokens") for point in arms["fp8"].record.points for row in [point]):
-        raise KvtraceError(f"{arms['fp8'].run} served cached prefix tokens: the trace does not say which request's "
-                           "query attended to how many cached tokens; use a cold-prefill run")
     return spec
+
+
+def append_spec(run: Path, arm: str, most: int = 3) -> ReproSpec:
+    """The KV appends of a vLLM arm's eager steps (prefill and mixed: the steps that run outside CUDA graphs), the
+    `most` most frequent shapes: each step's prompt tokens and one token per decoding request, written through the
+    append routes. The host-sync finding's repro (analyzer/upstream)."""
+    item = ArmInput.of(run, read_manifest(run), arm)
+    spec = _vllm_model(item)
+    trace = open_trace(run_arm(item, arm).sqlite)
+    eager = (align.steps(trace).filter(pl.col("phase").is_in([align.PREFILL, align.MIXED]))
+             .unique("step_range").group_by("step", "context_tokens", "generation_tokens").len()
+             .sort(["len", "step"], descending=[True, False]).head(most))
+    for row in eager.iter_rows(named=True):
+        match = align.VLLM_STEP.fullmatch(row["step"])
+        requests, decoding = int(match.group(1)), int(match.group(3))
+        if not requests or row["context_tokens"] is None:
+            continue
+        lens = _split_tokens(row["context_tokens"], requests, None) + [1] * decoding
+        case = {"qo_lens": lens, "kv_lens": lens, "new_lens": lens, "causal": False}
+        spec.cases.append({"name": f"append-{sum(lens)}-tokens", "kernel": "append", "nvtx": row["step"],
+                           "description": f"the KV append of {row['len']} traced step(s) {row['step']}: "
+                                          + _describe("append", case),
+                           **case, "routes": [dict(route) for route in ATTENTION_ROUTES["append"]]})
+    if not spec.cases:
+        raise KvtraceError(f"{run}: arm {arm}'s trace has no eager vLLM step (prefill or mixed) with token counts in "
+                           "its name; record with the CUDA profiler (--profiler-config)")
+    versions = (item.manifest.raw.get("environment") or {}).get("packages") or {}
+    spec.source = {"run": run.name, "engine": "vllm", "gpu": _gpu(item.manifest)[0], "sm": _gpu(item.manifest)[1],
+                   "versions": {"flashinfer": versions.get("flashinfer-python"), "vllm": versions.get("vllm"),
+                                "torch": versions.get("torch")},
+                   "manifest_sha256": hashlib.sha256((run / "manifest.json").read_bytes()).hexdigest()}
+    return spec
+
+
+def _gpu(manifest) -> tuple[str | None, str | None]:
+    gpus = (manifest.raw.get("environment") or {}).get("gpus") or [{}]
+    first = gpus[0] if isinstance(gpus[0], dict) else {}
+    return first.get("name"), str(first.get("compute_cap", "")).replace(".", "") or None
 
 
 def _point_inputs(item: ArmInput) -> int | None:
@@ -316,6 +354,18 @@ class SplitRow:
 
 
 @dataclass(frozen=True)
+class AppendRoute:
+    """One append route of a repro run: the GPU's time and the host's time inside the call, per call (median, 10th
+    and 90th percentile of the timed calls): a call that waits on the device shows it in the host's time."""
+
+    case: str
+    label: str
+    description: str
+    gpu_us: tuple[float, float, float]  # median, p10, p90
+    host_us: tuple[float, float, float]
+
+
+@dataclass(frozen=True)
 class ReproSplit:
     """One results file of a run directory: which release and GPU measured it, its rows, its failed routes."""
 
@@ -326,6 +376,7 @@ class ReproSplit:
     sm: str | None
     rows: tuple[SplitRow, ...]
     failed: tuple[str, ...]  # "case: route: error"
+    appends: tuple[AppendRoute, ...] = ()
 
 
 def splits(run_dirs: list[Path], diff: Diff, engine: str | None) -> list[ReproSplit]:
@@ -342,18 +393,21 @@ def _split(path: Path, diff: Diff, engine: str | None) -> ReproSplit:
         raise KvtraceError(f"{path} is not a kvtrace repro results file (schema {RESULTS_SCHEMA}): {fix}")
     env = data["environment"]
     gpu = env.get("gpu") if isinstance(env.get("gpu"), dict) else {}
-    rows, failed = [], []
+    rows, failed, appends = [], [], []
     for case in data["cases"]:
         try:
             name, kernel, routes = str(case["name"]), str(case["kernel"]), list(case["routes"])
             failed += [f"{name}: {r['label']}: {r.get('error')}" for r in routes if r.get("status") != "ok"]
             if case.get("split"):
                 rows.append(_row(name, kernel, routes, case["split"], diff, engine, data["cases"]))
+            if kernel == "append":
+                appends += [AppendRoute(name, str(r["label"]), str(r.get("description") or ""), _spread(r["gpu_us"]),
+                                        _spread(r["host_us"])) for r in routes if r.get("status") == "ok"]
         except (KeyError, TypeError, ValueError, IndexError) as error:
             raise KvtraceError(f"{path}: case {case.get('name') if isinstance(case, dict) else case!r} lacks "
                                f"{error} or holds the wrong type: {fix}") from None
     return ReproSplit(str(path), _text(env.get("flashinfer")), _text(env.get("torch")), _text(gpu.get("name")),
-                      _text(gpu.get("sm")), tuple(rows), tuple(failed))
+                      _text(gpu.get("sm")), tuple(rows), tuple(failed), tuple(appends))
 
 
 def _text(value) -> str | None:
@@ -364,6 +418,10 @@ def _number(value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(value)
     return float(value)
+
+
+def _spread(summary: dict) -> tuple[float, float, float]:
+    return _number(summary["median"]), _number(summary["p10"]), _number(summary["p90"])
 
 
 def _interval(values) -> tuple[float, float]:
