@@ -286,8 +286,8 @@ def _describe(kind: str, case: dict) -> str:
     qo, kv = case["qo_lens"], case["kv_lens"]
     lens = (lambda values: f"{values[0]}" if len(set(values)) == 1 else "/".join(map(str, values)))
     if kind == "append":
-        return f"{len(kv)} sequences, {lens(case['new_lens'])} new token(s) each, written at position {kv[0] - case['new_lens'][0]}"
-    return (f"{len(kv)} requests, {lens(qo)} query token(s) against {lens(kv)} cached each, "
+        return f"{len(kv)} sequence(s), {lens(case['new_lens'])} new token(s) each, written after {lens([n - new for n, new in zip(kv, case['new_lens'])])} cached"
+    return (f"{len(kv)} request(s), {lens(qo)} query token(s) against {lens(kv)} cached each, "
             f"{'causal' if case['causal'] else 'no mask'}")
 
 
