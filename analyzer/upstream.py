@@ -34,8 +34,9 @@ HISTORY = (
     "(re-checked when the tensor changes), or check on the device.",
     "`_as_float32_scalar_tensors` is the same in v0.6.16.post3 and in 0.7.2.post1 (the release vLLM 0.33 ships): both "
     "stack the CUDA scales and copy them to the host on every call made outside CUDA graph capture.",
-    "Python floats do not avoid a wait: the same function turns a float into `torch.tensor([scale], device=...)`, "
-    "a blocking host-to-device copy on the stream (the repro times this as `nvfp4 host scales`).",
+    "Python floats are no cure as the function stands: it turns a float into `torch.tensor([scale], device=...)`, "
+    "torch's blocking host-to-device copy, which also waits for the stream (the repro times it as "
+    "`nvfp4 host scales`).",
     "A third-party fork on SM120 reported −1.3 ms per step (−5.6%) from caching the check; not reproduced here.",
 )
 

@@ -20,8 +20,8 @@ TITLES = {
 
 def host_sync_markdown(finding: HostSyncFinding) -> str:
     sections = _flashinfer(finding) if finding.project == "flashinfer" else _vllm(finding)
-    text = "\n".join([f"<!-- kvtrace draft for {_repository(finding.project)}: the title is the first line; each "
-                      "### section is one field of its issue template -->", f"**{TITLES[finding.project]}**", "",
+    text = "\n".join([f"<!-- kvtrace draft for {_repository(finding.project)}: the title is the bold line "
+                      "below; each ### section is one field of its issue template -->", f"**{TITLES[finding.project]}**", "",
                       f"**In short:** {_answer(finding)}", "", *sections]).rstrip() + "\n"
     if len(text) > ISSUE_LIMIT:
         raise KvtraceError(f"the draft would hold {len(text):,} characters, past a GitHub issue body's "
@@ -178,8 +178,8 @@ def _vllm(f: HostSyncFinding) -> list[str]:
             "tensors on the GPU. FlashInfer checks such scales on the host on every call outside CUDA graph capture, "
             "so each eager step waits once per layer. The scales are constant after loading: checking them once "
             "(in FlashInfer, per tensor, or in vLLM at load with an entry point that skips the per-call check) "
-            "removes the wait. Passing Python floats instead does not: FlashInfer then copies them to the GPU, "
-            "blocking too.", "",
+            "removes the wait. Passing Python floats is no cure as FlashInfer stands: it turns each into a CUDA tensor "
+            "with torch's blocking host-to-device copy, which also waits for the stream (the repro times both).", "",
             "### Report of performance regression", "", *_evidence(f), "", *_script(f), "",
             "### Misc discussion on performance", "", *_context(f), "",
             "### Your current environment", "", *_environment(f)]
