@@ -101,7 +101,7 @@ class ReproSpec:
 
 def build(path: Path) -> ReproSpec:
     """The repro specification of a run directory (or one of its manifests or exports)."""
-    run = _run_dir(Path(path))
+    run = run_directory(Path(path))
     base, cand = resolve_inputs([run])
     arms = {run_arm(item, item.arm).kv_format: item for item in (base, cand)}
     if set(arms) != set(FORMATS):
@@ -128,7 +128,7 @@ def build(path: Path) -> ReproSpec:
     return spec
 
 
-def _run_dir(path: Path) -> Path:
+def run_directory(path: Path) -> Path:
     """RUN_DIR, its manifest, or an export (TRACE) inside a run directory."""
     if path.is_dir():
         return path

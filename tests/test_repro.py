@@ -247,3 +247,15 @@ def test_a_damaged_repro_results_file_gets_one_line(run_kvtrace, tmp_path):
     code, out, err = run_kvtrace("report", run)
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and "repro.json" in err and "lacks" in err
+
+
+def test_the_script_never_replaces_what_it_reads(run_kvtrace, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(FI_GAUSSIAN, run)
+    before = (run / "manifest.json").read_bytes()
+    for target in ("manifest.json", "fp8.sqlite", "nvfp4.log"):
+        code, out, err = run_kvtrace("repro", run, "-o", run / target)
+        assert code == 2 and err.startswith("kvtrace: error:") and err.count("\n") == 1, err
+    assert (run / "manifest.json").read_bytes() == before
+    code, _, err = run_kvtrace("repro", run, "-o", run / "repro.py")
+    assert code == 0, err
