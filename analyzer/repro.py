@@ -398,6 +398,8 @@ def _split(path: Path, diff: Diff, engine: str | None) -> ReproSplit:
         try:
             name, kernel, routes = str(case["name"]), str(case["kernel"]), list(case["routes"])
             failed += [f"{name}: {r['label']}: {r.get('error')}" for r in routes if r.get("status") != "ok"]
+            if case.get("error"):
+                failed.append(f"{name}: the whole case: {case['error']}")
             if case.get("split"):
                 rows.append(_row(name, kernel, routes, case["split"], diff, engine, data["cases"]))
             if kernel == "append":
