@@ -144,14 +144,17 @@ def test_bad_inputs_get_one_line(run_kvtrace, tmp_path):
         assert len(lines) == 1 and lines[0].startswith("kvtrace: error:") and words in lines[0], err
 
 
-def run_against_standin(monkeypatch, name: str, out) -> dict:
+def run_against_standin(monkeypatch, name: str, out, without: tuple[str, ...] = ()) -> dict:
     """The committed script `name`, on shrunk shapes (one case per kernel, uneven lengths of a few pages), run whole
-    against tests/flashinfer_standin.py on the CPU; its JSON results."""
+    against tests/flashinfer_standin.py on the CPU (lacking the functions named in `without`); its JSON results."""
     import flashinfer_standin
 
     flashinfer_standin.CALLS.clear()
     flashinfer_standin.cuda_on_cpu(monkeypatch)
-    monkeypatch.setitem(sys.modules, "flashinfer", flashinfer_standin.module())
+    fake = flashinfer_standin.module()
+    for missing in without:
+        delattr(fake, missing)
+    monkeypatch.setitem(sys.modules, "flashinfer", fake)
     source = (FIXTURES / "repro" / f"{name}.py").read_text().replace('"cuda"', '"cpu"')
     namespace = {"__name__": "repro_under_test"}
     exec(compile(source, name, "exec"), namespace)
@@ -259,3 +262,15 @@ def test_the_script_never_replaces_what_it_reads(run_kvtrace, tmp_path):
     assert (run / "manifest.json").read_bytes() == before
     code, _, err = run_kvtrace("repro", run, "-o", run / "repro.py")
     assert code == 0, err
+
+
+def test_a_route_this_flashinfer_lacks_fails_alone(monkeypatch, tmp_path, capsys):
+    """A release without FlashInfer's paged NVFP4 dequantizer: that route prints FAILED, every other runs, and the
+    split (which does not need it) is there."""
+    results = run_against_standin(monkeypatch, "vllm033-h200-8b-cold-prefill", tmp_path / "repro.json",
+                                  without=("nvfp4_kv_dequantize_paged",))
+    (prefill,) = [case for case in results["cases"] if case["kernel"] == "prefill"]
+    status = {route["label"]: route["status"] for route in prefill["routes"]}
+    assert status.pop("nvfp4 via fp8 workspace") == "failed"
+    assert set(status.values()) == {"ok"} and prefill["split"] is not None
+    assert "FAILED RuntimeError: this FlashInfer has no nvfp4_kv_dequantize_paged" in capsys.readouterr().out
