@@ -274,3 +274,30 @@ def test_a_route_this_flashinfer_lacks_fails_alone(monkeypatch, tmp_path, capsys
     assert status.pop("nvfp4 via fp8 workspace") == "failed"
     assert set(status.values()) == {"ok"} and prefill["split"] is not None
     assert "FAILED RuntimeError: this FlashInfer has no nvfp4_kv_dequantize_paged" in capsys.readouterr().out
+
+
+RESULTS = sorted((FIXTURES / "repro" / "results").glob("*.json"))  # the scripts' output on the H200, per release
+
+
+@pytest.mark.parametrize("results", RESULTS, ids=[path.name for path in RESULTS])
+def test_h200_results_split_the_traced_ratio(run_kvtrace, tmp_path, results):
+    """Each committed H200 result beside the run it was generated from: the report's split rows are the file's own
+    medians (computed again here) and every route the file says ran is in them."""
+    data = json.loads(results.read_text())
+    source = COMMITTED[data["spec"]["source"]["run"]]
+    run = tmp_path / data["spec"]["source"]["run"]
+    shutil.copytree(source, run)
+    shutil.copy(results, run / f"repro.{results.stem.split('.', 1)[1]}.json")
+    code, out, err = run_kvtrace("report", run, "--format", "json")
+    assert code == 0, err
+    (split,) = json.loads(out)["repro"]
+    assert split["flashinfer"] == data["environment"]["flashinfer"]
+    rows = {row["case"]: row for row in split["rows"]}
+    for case in data["cases"]:
+        ok = {r["label"]: sorted(r["gpu_us"]["samples"]) for r in case["routes"] if r["status"] == "ok"}
+        if case["name"] not in rows:
+            assert case["kernel"] == "append" or not {"fp8 own route", "nvfp4 own route"} <= set(ok)
+            continue
+        median = {label: samples[len(samples) // 2] for label, samples in ok.items()}
+        shared = median.get("fp8 on nvfp4's route", median["fp8 own route"])
+        assert rows[case["name"]]["format"] == pytest.approx(median["nvfp4 own route"] / shared)
