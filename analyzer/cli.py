@@ -18,7 +18,7 @@ from rich.console import Console
 
 import kvtrace.nsys
 from kvtrace import files
-from kvtrace.analyzer import align, compare, headline, render, statements, stats, verify
+from kvtrace.analyzer import align, compare, headline, render, statements, verify
 from kvtrace.analyzer.classify import SEGMENTS, load_recipes
 from kvtrace.analyzer.findings import read_first
 from kvtrace.analyzer.kernels import list_kernels
@@ -27,6 +27,7 @@ from kvtrace.analyzer.render import escape, markdown
 from kvtrace.analyzer.names import NameKey
 from kvtrace.analyzer.results import Diff
 from kvtrace.analyzer.runs import trace_query_dtypes
+from kvtrace.analyzer.stats import verdicts
 from kvtrace.analyzer.render.escape import visible
 from kvtrace.errors import KvtraceError
 
@@ -401,16 +402,16 @@ def gate(result, watched: list[str | None]) -> int:
     rows = {r.segment: r for r in result.segments}
     named = {segment for segment in watched if segment is not None}
     every = None in watched
-    tripped = [r for r in result.segments if r.verdict == stats.REGRESSION and (every or r.segment in named)]
+    tripped = [r for r in result.segments if r.verdict == verdicts.REGRESSION and (every or r.segment in named)]
     unmeasured = [(segment, rows[segment].verdict if segment in rows else "no calls in either arm")
-                  for segment in sorted(named) if segment not in rows or rows[segment].verdict in stats.UNMEASURED]
+                  for segment in sorted(named) if segment not in rows or rows[segment].verdict in verdicts.UNMEASURED]
     if tripped:
         click.echo("kvtrace: gate: " + "; ".join(f"{r.segment} regressed {r.ratio:.3f}× [{r.ci_low:.3f}, {r.ci_high:.3f}]"
                                                   for r in tripped), err=True)
     if unmeasured:
         click.echo("kvtrace: gate: cannot judge " + "; ".join(f"{segment} ({why})" for segment, why in unmeasured)
                    + ": compare runs that did the same work, or drop it from --fail-on", err=True)
-    skipped = [r for r in result.segments if every and r.verdict in stats.UNMEASURED and r.segment not in named]
+    skipped = [r for r in result.segments if every and r.verdict in verdicts.UNMEASURED and r.segment not in named]
     if skipped:
         click.echo("kvtrace: gate: not judged: " + ", ".join(f"{r.segment} ({r.verdict})" for r in skipped), err=True)
     return GATE_REGRESSION if tripped else GATE_UNMEASURED if unmeasured else 0
