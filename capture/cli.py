@@ -223,7 +223,8 @@ def vllm_matrix(model, out, arms, repeats, concurrencies, sweep_prompts, load_fo
         return
     matrix = vllm_matrix_run.capture(cfg, out, force=force, nsys=nsys_path, startup_timeout_s=startup_timeout)
     failed = []
-    for scenario in matrix["scenarios"] + ([matrix["co_residence_check"]] if matrix["co_residence_check"] else []):
+    for scenario in (matrix["scenarios"] + matrix["counterfactual"]
+                     + ([matrix["co_residence_check"]] if matrix["co_residence_check"] else [])):
         manifest = json.loads((out / scenario / "manifest.json").read_text())
         for name, run in manifest["arms"].items():
             windows = sum(1 for w in run["windows"] if w["status"] == "exported")

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import kvtrace.nsys
-from kvtrace.capture import runner, vllm_engine, vllm_servers
+from kvtrace.capture import runner, vllm_engine, vllm_matrix_split, vllm_servers
 from kvtrace.capture.processes import sigterm_as_interrupt
 from kvtrace.capture.vllm_commands import bench_command, point_tag, warmup_point
 from kvtrace.capture.vllm_common import request_order_sha256
@@ -109,6 +109,7 @@ class _Matrix:
         self.scenarios = [self._scenario(s) for s in cfg.scenarios]
         self.check: _Scenario | None = None
         self.error: str | None = None  # what stopped the matrix early, if anything did
+        self.counterfactual: list[str] = []  # run directories of the patched arms, once split off
 
     # -- setup --
     def _new_servers(self) -> list[vllm_servers.ArmServer]:
@@ -173,9 +174,13 @@ class _Matrix:
     def _write_all(self, interrupted: bool = False) -> None:
         for scenario in self.scenarios + ([self.check] if self.check else []):
             self._write(scenario, interrupted)
+        self._write_matrix()
+
+    def _write_matrix(self) -> None:
         runner.write_json_atomic(self.root / MATRIX, {
             "kvtrace_matrix": 1, "scenarios": [s.spec.name for s in self.scenarios],
             "co_residence_check": self.check.spec.name if self.check else None,
+            "counterfactual": self.counterfactual,
             "arms": [{"label": a.label, "kv_cache_dtype": a.kv_dtype, "patch": a.record()} for a in self.cfg.arms],
             "repeats": self.cfg.repeats, "co_resident": self.co_resident, "co_resident_fallback": self.fallback,
             "servers": {s.spec.label: s.record() for s in self.servers}, "timeline": self.timeline, "error": self.error,
@@ -343,6 +348,9 @@ class _Matrix:
                     if server.log.exists():
                         shutil.copyfile(server.log, scenario.out / run.log)
             self._write_all()
+            self.counterfactual = [str(moved.relative_to(self.root)) for scenario in self.scenarios
+                                   if (moved := vllm_matrix_split.split(self.root, scenario.spec.name))]
+            self._write_matrix()
         return json.loads((self.root / MATRIX).read_text())
 
     def _record(self) -> None:

@@ -35,7 +35,7 @@ def tiny_matrix(standin, arms=ARMS, repeats=2, **options) -> vllm_matrix.MatrixC
         vllm_matrix.MatrixScenario("prefix-reuse", Workload.for_scenario(
             "prefix-reuse", input_len=16, output_len=2, num_prompts=8, concurrency=2, prefix_len=32, num_prefixes=2), 8),
         vllm_matrix.MatrixScenario("sweep", Workload.for_scenario(
-            "sweep", contexts=(32,), concurrencies=(4, 8, 12), output_len=2, num_prompts=4), 8, patched=True),
+            "sweep", contexts=(32,), concurrencies=(2, 4, 8), output_len=2, num_prompts=4), 8, patched=True),
     )
     return vllm_matrix.MatrixConfig(model=str(standin.model), arms=tuple(ArmSpec.parse(a) for a in arms),
                                     scenarios=scenarios, repeats=repeats, load_format="dummy", port=free_port(),
@@ -71,13 +71,19 @@ def test_the_matrix_runs_each_arm_on_one_server_with_a_window_per_point(standin)
         assert all(c["detail"] == {"max_iterations": 8, "delay_iterations": 0}
                    for c in server_calls if c["call"] == "start_profile")
 
-    for name, expected_runs in (("cold-prefill", 6), ("prefix-reuse", 4), ("sweep", 6)):
+    # Every run directory holds two arms (what `kvtrace matrix` decides between): the scenarios the stock ones, and
+    # counterfactual/SCENARIO the patched arm beside the stock arm of its KV dtype, at the patched arm's points.
+    assert matrix["counterfactual"] == ["counterfactual/cold-prefill", "counterfactual/sweep"]
+    for name, arms in (("cold-prefill", ["fp8", "nvfp4"]), ("prefix-reuse", ["fp8", "nvfp4"]),
+                       ("sweep", ["fp8", "nvfp4"]), ("counterfactual/cold-prefill", ["nvfp4", "nvfp4-validate-once"]),
+                       ("counterfactual/sweep", ["nvfp4", "nvfp4-validate-once"])):
         manifest = read_manifest(root / name)
         raw = manifest.raw
-        assert raw["status"] == "ok" and len(manifest.runs) == expected_runs
-        # Rounds interleave the arms: A B (C) A B (C).
-        assert [r.name for r in manifest.runs.values()] == raw["settings"]["order"]
-        assert raw["settings"]["order"][:2] == ["fp8.r1", "nvfp4.r1"]
+        assert raw["status"] == "ok" and raw["request_order_matched"] is True
+        # Rounds interleave the arms: A B A B.
+        assert [r.name for r in manifest.runs.values()] == raw["settings"]["order"] == [
+            f"{arm}.r{k}" for k in (1, 2) for arm in arms]
+        assert raw["settings"]["arms"] == arms
         for run in manifest.runs.values():
             entry = raw["arms"][run.name]
             indices = [p["index"] for p in entry["points"]]
@@ -94,10 +100,19 @@ def test_the_matrix_runs_each_arm_on_one_server_with_a_window_per_point(standin)
             if run.arm == "nvfp4-validate-once":
                 assert run.patch["name"] == "validate-once" and len(run.patch["sha256"]) == 64
                 assert run.kv_dtype == "nvfp4"
-                if name == "sweep":  # the patched arm runs the sweep's low-load points only
-                    assert [manifest.settings["points"][i].split("concurrency=")[1] for i in indices] == ["4", "8"]
             else:
-                assert run.patch is None and len(indices) == len(raw["settings"]["points"])
+                assert run.patch is None
+            assert indices == list(range(len(raw["settings"]["points"])))
+            if name == "counterfactual/sweep":  # the sweep's low-load points only, renumbered from 0
+                assert [p["point"].split("concurrency=")[1] for p in entry["points"]] == ["4", "8"]
+            if "copied_from" in entry:  # the stock arm's very runs, cut to those points
+                assert run.arm == "nvfp4" and entry["copied_from"] == f"../../{name.split('/')[1]}/{run.name}"
+                there = name.split("/")[1]
+                shift = 1 if there == "sweep" else 0
+                for point in entry["points"]:
+                    for suffix in ("bench.json", "sqlite", "requests.json"):
+                        assert (root / name / f"{run.name}.p{point['index']}.{suffix}").read_bytes() == (
+                            root / there / f"{run.name}.p{point['index'] + shift}.{suffix}").read_bytes()
             for point in entry["points"]:
                 stem = f"{run.name}.p{point['index']}"  # every scenario's points, as their traces
                 for file in (f"{stem}.bench.json", f"{stem}.metrics.before.prom", f"{stem}.metrics.after.prom",

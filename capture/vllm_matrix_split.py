@@ -1,0 +1,113 @@
+"""A matrix's counterfactual arms in run directories of their own, so that every run directory holds two arms.
+
+`kvtrace capture vllm-matrix --arms fp8,nvfp4,nvfp4:validate-once` records the patched arm beside the stock arms,
+in the scenarios it runs (cold prefill, the sweep's low-load points). `kvtrace matrix ROOT` decides between two KV
+formats per run directory; a third arm there is refused. So once the matrix is recorded, each patched arm moves to
+ROOT/counterfactual/SCENARIO with the stock arm of its KV dtype: that arm's runs of the same rounds, copied, cut to
+the patched arm's points (renumbered from 0, files renamed with them). The scenario's own directory keeps the two
+stock arms. A copied run is the very measurement the scenario's directory holds (its manifest says so); the pair
+patched/stock of a round was recorded back to back on the same GPU.
+
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from pathlib import Path
+
+from kvtrace.capture import runner
+from kvtrace.capture.vllm_common import request_order_sha256
+from kvtrace.manifest import MANIFEST
+
+COUNTERFACTUAL = "counterfactual"
+
+
+def split(root: Path, scenario: str) -> Path | None:
+    """Move the patched arms of ROOT/SCENARIO to ROOT/counterfactual/SCENARIO; returns that directory, or None when
+    the scenario ran no patched arm."""
+    source = root / scenario
+    manifest = json.loads((source / MANIFEST).read_text())
+    runs = manifest["arms"]
+    patched = {name: run for name, run in runs.items() if run.get("patch")}
+    if not patched:
+        return None
+    dtypes = {run["kv_cache_dtype"] for run in patched.values()}
+    stock = {name: run for name, run in runs.items()
+             if not run.get("patch") and run.get("kv_cache_dtype") in dtypes}
+    indices = sorted({point["index"] for run in patched.values() for point in run["points"]})
+    renumber = {old: new for new, old in enumerate(indices)}
+    target = root / COUNTERFACTUAL / scenario
+    if target.exists():
+        shutil.rmtree(target)
+    target.mkdir(parents=True)
+
+    moved = {}
+    for name, run in {**stock, **patched}.items():
+        moved[name] = _renumbered(run, renumber, source, target, name, move=name in patched)
+        log = run.get("log")
+        if log and (source / log).is_file() and not (target / log).exists():
+            (shutil.move if name in patched and not _shared_log(runs, name, log) else shutil.copy2)(source / log,
+                                                                                                   target / log)
+    order = [name for name in manifest["settings"].get("order", []) if name in moved]
+    settings = {**copy.deepcopy(manifest["settings"]), "order": order,
+                "arms": list(dict.fromkeys(run["arm"] for run in moved.values())),
+                "points": [manifest["settings"]["points"][i] for i in indices],
+                "counterfactual": {"stock_runs_copied_from": f"../../{scenario}", "points_of": scenario,
+                                   "point_indices_there": indices}}
+    _write(target, manifest, settings, {name: moved[name] for name in order})
+
+    kept = {name: run for name, run in runs.items() if name not in patched}
+    settings = {**manifest["settings"], "order": [n for n in manifest["settings"].get("order", []) if n in kept],
+                "arms": [arm for arm in manifest["settings"].get("arms", []) if any(r["arm"] == arm for r in kept.values())],
+                "patches": {}, "counterfactual_moved_to": f"{COUNTERFACTUAL}/{scenario}"}
+    _write(source, manifest, settings, kept)
+    for name in patched:
+        (source / f"{name}.manifest.json").unlink(missing_ok=True)
+        for leftover in source.glob(f"{name}.*"):  # warm-up logs and the like
+            shutil.move(leftover, target / leftover.name)
+    return target
+
+
+def _shared_log(runs: dict, name: str, log: str) -> bool:
+    return any(other != name and run.get("log") == log and not run.get("patch") for other, run in runs.items())
+
+
+def _renumbered(run: dict, renumber: dict, source: Path, target: Path, name: str, move: bool) -> dict:
+    """The run's entry for the counterfactual directory: its points at the patched arm's indices, renumbered, and
+    their files copied (stock) or moved (patched) under the new numbers."""
+    text = json.dumps(run)
+    for old, new in renumber.items():  # file names in the records: "NAME.pOLD." -> "NAME.pNEW."
+        text = text.replace(f'"{name}.p{old}.', f'"{name}.p{new}.')
+    entry = json.loads(text)
+    entry["points"] = [{**point, "index": renumber[point["index"]]} for point in entry["points"]
+                       if point["index"] in renumber]
+    entry["windows"] = [{**window, "point": renumber[window["point"]]} for window in entry.get("windows", [])
+                        if window["point"] in renumber]
+    entry["timings"] = [{**timing, "point": renumber[timing["point"]]} for timing in entry.get("timings", [])
+                        if timing.get("point") in renumber]
+    first = next((w for w in entry["windows"] if w["point"] == 0), None)
+    entry["sqlite"] = first["sqlite"] if first and first["status"] == "exported" else None
+    hashes = [point["request_order_sha256"] for point in entry["points"]]
+    entry["request_order_sha256"] = request_order_sha256(hashes) if hashes else None
+    if not move:
+        entry["copied_from"] = f"../../{source.name}/{name}"
+    for old, new in renumber.items():
+        for path in source.glob(f"{name}.p{old}.*"):
+            renamed = target / path.name.replace(f"{name}.p{old}.", f"{name}.p{new}.", 1)
+            (shutil.move if move else shutil.copy2)(path, renamed)
+    return entry
+
+
+def _write(folder: Path, manifest: dict, settings: dict, runs: dict) -> None:
+    statuses = {run["status"] for run in runs.values()}
+    hashes = {run["request_order_sha256"] for run in runs.values() if run.get("request_order_sha256")}
+    whole = {**manifest, "settings": settings, "arms": runs,
+             "status": "ok" if statuses == {"ok"} else "partial" if "ok" in statuses else "failed",
+             "request_order_matched": (len(hashes) == 1) if len(runs) > 1 and hashes else None}
+    runner.write_json_atomic(folder / MANIFEST, whole)
+    for name, run in runs.items():
+        runner.write_json_atomic(folder / f"{name}.manifest.json",
+                                 {**whole, "arms": {name: run}, "status": run["status"]})
