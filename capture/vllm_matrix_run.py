@@ -348,8 +348,11 @@ class _Matrix:
                     if server.log.exists():
                         shutil.copyfile(server.log, scenario.out / run.log)
             self._write_all()
-            self.counterfactual = [str(moved.relative_to(self.root)) for scenario in self.scenarios
-                                   if (moved := vllm_matrix_split.split(self.root, scenario.spec.name))]
+            try:
+                self.counterfactual = [str(moved.relative_to(self.root)) for scenario in self.scenarios
+                                       if (moved := vllm_matrix_split.split(self.root, scenario.spec.name))]
+            except (OSError, ValueError, KeyError) as failure:  # the scenario directories stay as recorded
+                self.error = f"moving the counterfactual arms failed: {type(failure).__name__}: {failure}"
             self._write_matrix()
         return json.loads((self.root / MATRIX).read_text())
 

@@ -44,13 +44,14 @@ def split(root: Path, scenario: str) -> Path | None:
         shutil.rmtree(target)
     target.mkdir(parents=True)
 
+    # Copied first and removed from the scenario's directory only once both manifests are written, so that a
+    # failure half-way leaves that directory whole.
     moved = {}
     for name, run in {**stock, **patched}.items():
-        moved[name] = _renumbered(run, renumber, source, target, name, move=name in patched)
+        moved[name] = _renumbered(run, renumber, source, target, name, patched=name in patched)
         log = run.get("log")
         if log and (source / log).is_file() and not (target / log).exists():
-            (shutil.move if name in patched and not _shared_log(runs, name, log) else shutil.copy2)(source / log,
-                                                                                                   target / log)
+            shutil.copy2(source / log, target / log)
     order = [name for name in manifest["settings"].get("order", []) if name in moved]
     settings = {**copy.deepcopy(manifest["settings"]), "order": order,
                 "arms": list(dict.fromkeys(run["arm"] for run in moved.values())),
@@ -66,18 +67,20 @@ def split(root: Path, scenario: str) -> Path | None:
     _write(source, manifest, settings, kept)
     for name in patched:
         (source / f"{name}.manifest.json").unlink(missing_ok=True)
-        for leftover in source.glob(f"{name}.*"):  # warm-up logs and the like
-            shutil.move(leftover, target / leftover.name)
+        for leftover in source.glob(f"{name}.*"):  # its points' files, copied above; warm-up logs and the like
+            if not (target / leftover.name).exists() and not leftover.name.startswith(f"{name}.p"):
+                shutil.copy2(leftover, target / leftover.name)
+            leftover.unlink()
+    kept_logs = {run.get("log") for run in kept.values()}
+    for run in patched.values():
+        if run.get("log") and run["log"] not in kept_logs:
+            (source / run["log"]).unlink(missing_ok=True)
     return target
 
 
-def _shared_log(runs: dict, name: str, log: str) -> bool:
-    return any(other != name and run.get("log") == log and not run.get("patch") for other, run in runs.items())
-
-
-def _renumbered(run: dict, renumber: dict, source: Path, target: Path, name: str, move: bool) -> dict:
+def _renumbered(run: dict, renumber: dict, source: Path, target: Path, name: str, patched: bool) -> dict:
     """The run's entry for the counterfactual directory: its points at the patched arm's indices, renumbered, and
-    their files copied (stock) or moved (patched) under the new numbers."""
+    their files copied under the new numbers."""
     text = json.dumps(run)
     for old, new in renumber.items():  # file names in the records: "NAME.pOLD." -> "NAME.pNEW."
         text = text.replace(f'"{name}.p{old}.', f'"{name}.p{new}.')
@@ -92,12 +95,12 @@ def _renumbered(run: dict, renumber: dict, source: Path, target: Path, name: str
     entry["sqlite"] = first["sqlite"] if first and first["status"] == "exported" else None
     hashes = [point["request_order_sha256"] for point in entry["points"]]
     entry["request_order_sha256"] = request_order_sha256(hashes) if hashes else None
-    if not move:
+    if not patched:
         entry["copied_from"] = f"../../{source.name}/{name}"
     for old, new in renumber.items():
         for path in source.glob(f"{name}.p{old}.*"):
             renamed = target / path.name.replace(f"{name}.p{old}.", f"{name}.p{new}.", 1)
-            (shutil.move if move else shutil.copy2)(path, renamed)
+            shutil.copy2(path, renamed)
     return entry
 
 

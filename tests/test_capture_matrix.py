@@ -74,6 +74,9 @@ def test_the_matrix_runs_each_arm_on_one_server_with_a_window_per_point(standin)
     # Every run directory holds two arms (what `kvtrace matrix` decides between): the scenarios the stock ones, and
     # counterfactual/SCENARIO the patched arm beside the stock arm of its KV dtype, at the patched arm's points.
     assert matrix["counterfactual"] == ["counterfactual/cold-prefill", "counterfactual/sweep"]
+    assert not [path for name in ("cold-prefill", "sweep") for path in (root / name).glob("nvfp4-validate-once*")]
+    assert (root / "counterfactual" / "sweep" / "nvfp4-validate-once.r1.warmup.bench.log").exists()
+    assert (root / "counterfactual" / "sweep" / "nvfp4-validate-once.server.log").exists()
     for name, arms in (("cold-prefill", ["fp8", "nvfp4"]), ("prefix-reuse", ["fp8", "nvfp4"]),
                        ("sweep", ["fp8", "nvfp4"]), ("counterfactual/cold-prefill", ["nvfp4", "nvfp4-validate-once"]),
                        ("counterfactual/sweep", ["nvfp4", "nvfp4-validate-once"])):
