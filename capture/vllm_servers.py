@@ -144,6 +144,9 @@ class ArmServer:
         window.reports_before = len(self.report_slots())
         status, body = http_request("POST", self.base + "/start_profile", timeout=600,
                                     payload={"max_iterations": window.steps, "delay_iterations": window.delay_steps})
+        if status in (400, 422):  # a vLLM without per-window bounds: the server's --profiler-config bounds it
+            window.steps, window.error = self.cfg.profile_steps, f"per-window bounds refused ({status}): server's own"
+            status, body = http_request("POST", self.base + "/start_profile", timeout=600)
         if status != 200:
             window.status, window.error = "failed", f"POST /start_profile answered {status} {body.strip()[:200]!r}"
             raise RuntimeError(window.error)

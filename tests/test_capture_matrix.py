@@ -201,6 +201,17 @@ def test_reports_written_at_exit_cost_one_wait_and_are_all_attributed(standin, m
     assert matrix["servers"]["fp8"]["reports_at_exit"] is True
 
 
+def test_a_server_that_refuses_per_window_bounds_is_profiled_with_its_own(standin, monkeypatch):
+    monkeypatch.setenv("STANDIN_FAIL", "profile-body-422@fp8")
+    cfg = tiny_matrix(standin, arms=("fp8",), repeats=1, co_residence_check=False)
+    cfg = vllm_matrix.MatrixConfig(**{**cfg.__dict__, "scenarios": cfg.scenarios[:1]})
+    record(standin, cfg)
+    run = read_manifest(standin.tmp / "matrix" / "cold-prefill").raw["arms"]["fp8.r1"]
+    assert run["status"] == "ok" and run["windows"][0]["status"] == "exported"
+    assert "per-window bounds refused (422)" in run["windows"][0]["error"]
+    assert [c["detail"] for c in standin.calls() if c["call"] == "start_profile"] == [None]
+
+
 @pytest.mark.parametrize("arms,message", [
     ("fp8,fp8", "names an arm twice"), ("fp8,nvfp4:nope", "unknown patch 'nope'"), ("fp9", "unknown arm"),
 ])

@@ -10,7 +10,7 @@
   worker, beside a fake `torch` (version and NVTX only, as a CPU-only torch has none).
 
 Failures are switched on per arm through STANDIN_FAIL, e.g. "never-ready@fp8,bench@nvfp4":
-server-exit, never-ready, ignore-sigint, profile-404, quality (server; quality: prompts answered 500), drop-keepalive
+server-exit, never-ready, ignore-sigint, profile-404, profile-body-422 (a /start_profile with a body refused), quality (server; quality: prompts answered 500), drop-keepalive
 (server: a connection closed, unannounced, after each completion), drop-window (server under nsys
 --capture-range-end=repeat: no report for its window STANDIN_DROP_WINDOW, the first by default;
 STANDIN_REPORTS_AT_EXIT: every report written when the server exits); bench
@@ -226,6 +226,9 @@ def serve(argv: list[str]) -> None:
 
         def do_POST(self):
             body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            if self.path == "/start_profile" and body and failing("profile-body-422", arm):
+                self.reply(422, "stand-in: extra fields not permitted")
+                return
             if self.path in ("/start_profile", "/stop_profile"):
                 record_call(arm, self.path.strip("/"), json.loads(body) if body else None)
                 if self.path == "/stop_profile":
