@@ -3,7 +3,9 @@ one go. One long-lived `vllm serve` per arm (capture/vllm_servers), all arms' se
 they fit; rounds interleave the arms (A B A B ...); each traffic point gets its own bounded profile window; the
 prefix cache is reset (POST /reset_prefix_cache) before every point. Each scenario is its own run directory under
 the matrix root, with today's files (ARM.rK.pN.bench.json, metrics, requests) plus a trace per point
-(ARM.rK.pN.sqlite) and, per run, its windows and the wall time of each phase.
+(ARM.rK.pN.sqlite) and, per run, its windows and the wall time of each phase. Counterfactual (patched) arms end up
+in counterfactual/SCENARIO beside the stock arm of their KV dtype (vllm_matrix_split), the co-residence check in
+checks/co-residence: every run directory holds two arms, as `kvtrace matrix` wants.
 
 Standard library only.
 """
@@ -196,9 +198,19 @@ def dry_run(cfg: MatrixConfig, root: Path, *, nsys: str | None = None, python: s
             lines.append(f"# round {step['round']}: start every client of the round as `{shlex.quote(python)} -m "
                          "kvtrace.capture.vllm_gated_client -- vllm.entrypoints.cli.main bench serve ...` and wait "
                          f"until each has imported vLLM; each is released on its turn ({_seconds(step['seconds'])})")
+        elif step["phase"] == "co-residence check":
+            scenario, point, index = _check_point(cfg)
+            lines.append(f"# co-residence check: shut every server but {step['arm']}'s down, then {scenario.name} "
+                         f"p{index} ({point.spec()}) once more on it alone, into "
+                         f"{shlex.quote(str(root / 'checks' / 'co-residence'))} ({_seconds(step['seconds'])})")
         else:
             where = " ".join(str(step[k]) for k in ("round", "scenario", "arm") if k in step)
             lines.append(f"# {step['phase']}{' ' + where if where else ''} ({_seconds(step['seconds'])})")
+    patched = [arm.label for arm in cfg.arms if arm.patch]
+    if patched:
+        lines.append(f"# then {', '.join(patched)} move to {shlex.quote(str(root / 'counterfactual'))}/SCENARIO, beside "
+                     "the stock runs of their KV dtype (copied, cut to their points), so that every run directory "
+                     "holds two arms")
     return "\n".join(lines) + "\n"
 
 

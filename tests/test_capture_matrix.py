@@ -164,6 +164,7 @@ def test_dry_run_prints_the_whole_plan_with_its_estimate(standin):
     assert "'--output=/tmp/m x/servers/fp8/trace'" in text  # quoted for a shell
     assert "--capture-range-end=repeat" in text and "--gpu-memory-utilization 0.25" in text
     assert text.count("patch validate-once sha256") == 1
+    assert "'/tmp/m x/checks/co-residence'" in text and "move to '/tmp/m x/counterfactual'/SCENARIO" in text
 
 
 @pytest.mark.parametrize("dropped,traced", [(1, []), (2, [0]), (3, [0, 1])])
