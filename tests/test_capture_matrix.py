@@ -311,3 +311,20 @@ def test_a_gated_client_imports_first_and_runs_only_when_released(tmp_path):
         client.communicate(release, timeout=60)
         assert client.returncode == 0 and ran.exists() is runs
         assert not runs or ran.read_text() == "bench serve"  # the command's own arguments
+
+
+def test_a_patched_arms_label_names_its_kv_dtype_and_patch():
+    """Run names carry KVDTYPE-PATCH (nvfp4-validate-once.r1.*); the floor reads the KV format from them, and a dtype
+    whose name has an underscore is not split."""
+    from kvtrace import kv_formats
+
+    assert ArmSpec.parse("nvfp4:validate-once").label == "nvfp4-validate-once"
+    assert kv_formats.split_arm_label("nvfp4-validate-once") == ("nvfp4", "validate-once")
+    assert kv_formats.split_arm_label("nvfp4:validate-once") == ("nvfp4", "validate-once")
+    assert kv_formats.split_arm_label("nvfp4_4over6") == ("nvfp4_4over6", None)
+    assert kv_formats.split_arm_label("fp8_e4m3-x") == ("fp8_e4m3", "x")
+    assert kv_formats.split_arm_label("int4-x") is None and kv_formats.split_arm_label("nvfp4-") is None
+    assert kv_formats.canonical_format("nvfp4-validate-once") == "nvfp4"
+    assert kv_formats.bytes_per_value("nvfp4-validate-once") == kv_formats.bytes_per_value("nvfp4")
+    with pytest.raises(KvtraceError, match="unknown KV format"):
+        kv_formats.canonical_format("int4-validate-once")
