@@ -139,6 +139,7 @@ def test_the_matrix_runs_each_arm_on_one_server_with_a_window_per_point(standin)
     assert not [pid for pid in standin.pids() if alive(pid)]
 
 
+@pytest.mark.slow
 def test_a_server_that_cannot_start_beside_the_others_falls_back_to_one_arm_at_a_time(standin, monkeypatch):
     monkeypatch.setenv("STANDIN_FAIL", "server-exit@nvfp4")
     cfg = tiny_matrix(standin, arms=("fp8", "nvfp4"), repeats=2, co_residence_check=False)
@@ -167,6 +168,7 @@ def test_dry_run_prints_the_whole_plan_with_its_estimate(standin):
     assert "'/tmp/m x/checks/co-residence'" in text and "move to '/tmp/m x/counterfactual'/SCENARIO" in text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dropped,traced", [(1, []), (2, [0]), (3, [0, 1])])
 def test_a_missing_report_leaves_windows_untraced_rather_than_misattributed(standin, monkeypatch, dropped, traced):
     """nsys numbers a server's reports in order; one missing would shift every later window onto the wrong report.
@@ -188,6 +190,7 @@ def test_a_missing_report_leaves_windows_untraced_rather_than_misattributed(stan
     assert nvfp4.status == "ok"  # the serving numbers stand
 
 
+@pytest.mark.slow
 def test_reports_written_at_exit_cost_one_wait_and_are_all_attributed(standin, monkeypatch):
     """An nsys that writes a server's reports only when it exits: the second window waits once for the first's
     report, then no more; at the end every window gets its report, by count."""
@@ -202,6 +205,7 @@ def test_reports_written_at_exit_cost_one_wait_and_are_all_attributed(standin, m
     assert matrix["servers"]["fp8"]["reports_at_exit"] is True
 
 
+@pytest.mark.slow
 def test_a_server_that_refuses_per_window_bounds_is_profiled_with_its_own(standin, monkeypatch):
     monkeypatch.setenv("STANDIN_FAIL", "profile-body-422@fp8")
     cfg = tiny_matrix(standin, arms=("fp8",), repeats=1, co_residence_check=False)
