@@ -24,7 +24,7 @@ from kvtrace.capture.vllm_commands import bench_command, point_tag
 from kvtrace.capture.vllm_config import VllmCapture, Workload, child_env
 from kvtrace.capture.vllm_patches import ArmSpec
 from kvtrace.errors import KvtraceError
-from kvtrace.manifest import Point
+from kvtrace.manifest import Point, check_repeats
 
 MATRIX = "matrix.json"
 # A patched arm runs only where its question is asked: cold prefill and the sweep's low-load points.
@@ -104,6 +104,7 @@ class MatrixConfig:
         labels = [a.label for a in self.arms]
         if len(set(labels)) != len(labels):
             raise KvtraceError(f"--arms {','.join(labels)} names an arm twice: list each once")
+        check_repeats(self.repeats)
         if not 0 < self.memory_fraction <= 1:
             raise KvtraceError(f"--memory-fraction {self.memory_fraction} is not in (0, 1]")
         for index in range(len(self.arms)):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import sys
@@ -55,13 +56,22 @@ class _Scenario:
 
 
 def _prepare_root(root: Path, force: bool) -> None:
-    if root.exists() and any(root.iterdir()):
-        if not (root / MATRIX).exists():
-            raise KvtraceError(f"{root} is not empty and holds no kvtrace {MATRIX}: choose another --out")
-        if not force:
-            raise KvtraceError(f"{root} already holds a matrix: pass --force to replace it, or choose another --out")
-        shutil.rmtree(root)
-    root.mkdir(parents=True, exist_ok=True)
+    """As runner.prepare_run_dir, for a matrix root (it holds matrix.json, its run directories one level down)."""
+    if root.is_symlink():  # --force would remove what the link points to
+        raise KvtraceError(f"--out {root} is a symbolic link: name the matrix root itself")
+    if root.exists() and not root.is_dir():
+        raise KvtraceError(f"--out {root} is a file, not a directory: choose another --out")
+    try:
+        if root.exists() and any(root.iterdir()):
+            if not (root / MATRIX).is_file():
+                raise KvtraceError(f"{root} is not empty and holds no kvtrace {MATRIX}: choose another --out")
+            if not force:
+                raise KvtraceError(f"{root} already holds a matrix: pass --force to replace it, or choose another --out")
+            shutil.rmtree(root)
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise KvtraceError(f"cannot prepare --out {root}: {error.strerror or error}; choose a folder you can "
+                           "write to") from None
 
 
 def capture(cfg: MatrixConfig, root: Path, *, force: bool = False, nsys: str | None = None, python: str | None = None,
@@ -70,6 +80,8 @@ def capture(cfg: MatrixConfig, root: Path, *, force: bool = False, nsys: str | N
     from kvtrace.capture.vllm_commands import POLL_INTERVAL_S
 
     cfg.validate()
+    if not 0 < startup_timeout_s < math.inf:
+        raise KvtraceError(f"--startup-timeout {startup_timeout_s} is not a number of seconds above 0: give e.g. 900")
     python = python or sys.executable
     poll_interval_s = POLL_INTERVAL_S if poll_interval_s is None else poll_interval_s
     first = cfg.server_cfg(0)

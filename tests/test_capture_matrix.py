@@ -225,6 +225,32 @@ def test_bad_arms_are_one_clear_error(standin, arms, message):
         tiny_matrix(standin, arms=tuple(arms.split(","))).validate()
 
 
+@pytest.mark.parametrize("options,message", [
+    ({"repeats": 0}, "--repeats must be at least 1"), ({"memory_fraction": float("nan")}, "--memory-fraction nan"),
+    ({"startup_timeout_s": float("nan")}, "--startup-timeout nan"), ({"startup_timeout_s": 0.0}, "--startup-timeout 0"),
+])
+def test_bad_settings_are_one_clear_error_before_anything_starts(standin, options, message):
+    timeout = options.pop("startup_timeout_s", 60.0)
+    with pytest.raises(KvtraceError, match=message):
+        vllm_matrix_run.capture(tiny_matrix(standin, **options), standin.tmp / "matrix", nsys=standin.nsys,
+                                startup_timeout_s=timeout)
+    assert not (standin.tmp / "matrix").exists() and not standin.pids()
+
+
+def test_an_out_that_is_a_link_a_file_or_someone_elses_folder_is_refused(standin, tmp_path):
+    cfg = tiny_matrix(standin)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep.txt").write_text("mine")
+    (tmp_path / "link").symlink_to(elsewhere)
+    (tmp_path / "file").write_text("x")
+    for out, message in ((tmp_path / "link", "is a symbolic link"), (tmp_path / "file", "is a file"),
+                         (elsewhere, "holds no kvtrace matrix.json")):
+        with pytest.raises(KvtraceError, match=message):
+            vllm_matrix_run.capture(cfg, out, nsys=standin.nsys, force=True)
+    assert (elsewhere / "keep.txt").read_text() == "mine"
+
+
 # The validate-once patch (capture/patches/validate-once.py) ------------------------------------------------------
 
 FAKE_PAGE = '''
