@@ -5,8 +5,9 @@ in the scenarios it runs (cold prefill, the sweep's low-load points). `kvtrace m
 formats per run directory; a third arm there is refused. So once the matrix is recorded, each patched arm moves to
 ROOT/counterfactual/SCENARIO with the stock arm of its KV dtype: that arm's runs of the same rounds, copied, cut to
 the patched arm's points (renumbered from 0, files renamed with them). The scenario's own directory keeps the two
-stock arms. A copied run is the very measurement the scenario's directory holds (its manifest says so); the pair
-patched/stock of a round was recorded back to back on the same GPU.
+stock arms. A copied run is the very measurement the scenario's directory holds (its manifest says so:
+`copied_from`); the pair patched/stock of a round was recorded back to back on the same GPU. So ROOT and
+ROOT/counterfactual go to separate `kvtrace matrix` calls: together, the stock arm's runs would count twice.
 
 Standard library only.
 """
