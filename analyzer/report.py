@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from kvtrace import __version__
-from kvtrace.analyzer import align, capacity, compare, pairing, quality as quality_lib, roofline, steps, verify
+from kvtrace.analyzer import align, budget_trace, capacity, compare, pairing, quality as quality_lib, roofline, steps, verify
 from kvtrace.analyzer import repro as repro_lib
 from kvtrace.analyzer.classify import RecipeSet
 from kvtrace.analyzer.results import Diff, Finding
@@ -350,6 +350,8 @@ def build(paths: list[Path], recipes: RecipeSet, *, arms: tuple[str, ...] = (), 
         notes.append(f"{len(b_traces)} runs per arm: kernel numbers and serving intervals cover every run; the other "
                      "serving metrics and capacity are the first run's")
     serving = serving_rows(base, cand, threshold=threshold, confidence=confidence, seed=seed)
+    read = {Path(run.trace.info.source).resolve(): (run.trace, run.classes) for run in (*sides.baseline, *sides.candidate)}
+    budget_trace.cover_points(serving, base, cand, read, recipes, nsys=nsys, cache=cache)
     if not serving:
         engines = {b_arm.engine, c_arm.engine}
         notes.append("no serving metrics: " + ("the FlashInfer engine calls kernels directly (no requests, TTFT or "

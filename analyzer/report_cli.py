@@ -183,7 +183,8 @@ def _flags(overrides: dict) -> str:
               help="What decides a traffic point: TTFT, ITL (inter-token latency) or throughput (output tokens/s).")
 @interval_options(", for kernels and the objective")
 @click.option("--plots", "plots_dir", type=click.Path(path_type=Path),
-              help="Write each sweep's crossover plot into this folder (created if missing); the markdown links it.")
+              help="Write the TTFT budget of every point (budget.png: stacked bars per arm) and each sweep's crossover "
+                   "plot into this folder (created if missing); the markdown links them.")
 @click.option("--plot-format", type=click.Choice(["png", "svg"]), default="png", show_default=True,
               help="Image format of --plots.")
 @output_options
@@ -215,11 +216,12 @@ def matrix(runs, objective, threshold, confidence, seed, plots_dir, plot_format,
         inputs().extend(Path(arm.log) for arm in arms if arm.log)
         inputs().extend(scenario.report.quality.read if scenario.report.quality else ())
     if plots_dir is not None:
-        from kvtrace.analyzer.render import plots  # matplotlib only on this path
+        from kvtrace.analyzer.render import budget_plot, plots  # matplotlib only on this path
 
         to_file = output is not None and not files.is_stdout(output)
-        result.plots = plots.write_matrix_plots(result, plots_dir, plot_format,
-                                                link_base=output.parent if to_file else None, inputs=inputs())
+        where = {"link_base": output.parent if to_file else None, "inputs": inputs()}
+        result.plots = (budget_plot.write_budget_plot(result, plots_dir, plot_format, **where)
+                        + plots.write_matrix_plots(result, plots_dir, plot_format, **where))
     if fmt == "markdown" and output is not None and not files.is_stdout(output):
         from kvtrace.analyzer.render import matrix as matrix_render
 
