@@ -199,9 +199,11 @@ def _vllm_model(item: ArmInput) -> ReproSpec:
 
 def _vllm_shapes(arms: dict[str, ArmInput]) -> ReproSpec:
     spec = _vllm_model(arms["fp8"])
-    if any(point.get("cached_tokens") for point in arms["fp8"].record.points):
-        raise KvtraceError(f"{arms['fp8'].run} served cached prefix tokens: the trace does not say which request's "
-                           "query attended to how many cached tokens; use a cold-prefill run")
+    if arms["fp8"].manifest.settings.get("prefix_caching") or any(
+            point.get("cached_tokens") for point in arms["fp8"].record.points):
+        raise KvtraceError(f"{arms['fp8'].run} ran with prefix caching: its step names count the new tokens only, not "
+                           "the cached ones each query attended to; pass a run recorded without prefix caching "
+                           "(cold prefill)")
     trace = open_trace(run_arm(arms["fp8"], "fp8").sqlite)
     steps = align.steps(trace).filter(pl.col("phase") == align.PREFILL).unique("step")
     input_tokens = _point_inputs(arms["fp8"])

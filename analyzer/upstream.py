@@ -18,13 +18,14 @@ from kvtrace.analyzer import repro as repro_lib
 from kvtrace.analyzer.report import Report
 from kvtrace.analyzer.steps import StepPhase
 from kvtrace.errors import KvtraceError
+from kvtrace.kv_formats import patched_arm_label
 from kvtrace.manifest import read_manifest
 
 PROJECTS = ("flashinfer", "vllm")
 APPEND_KERNEL = "NVFP4QuantizeAppendPagedKVCacheWithSlotMapping"  # the kernel launched right after the copy
 # The counterfactual arm: NVFP4 with FlashInfer's check run once per scale tensor (capture/patches/validate-once.py,
 # recorded with `--arms fp8,nvfp4,nvfp4:validate-once`).
-COUNTERFACTUAL_ARM = "nvfp4-validate-once"
+COUNTERFACTUAL_ARM = patched_arm_label("nvfp4", "validate-once")
 NOT_MEASURED = "not measured"
 # What the sources say about the check (read in the FlashInfer sources: v0.6.15 onwards in its repository, the
 # 0.7.2.post1 that vLLM 0.33 ships) and what others measured: facts the draft states with their source.
@@ -170,9 +171,8 @@ def _counterfactual(report: Report, build_report) -> Counterfactual:
         manifest = read_manifest(run)
         if COUNTERFACTUAL_ARM not in manifest.runs_by_arm:
             continue
-        first = manifest.runs_by_arm[COUNTERFACTUAL_ARM][0]
-        patch = ((manifest.raw.get("arms") or {}).get(first) or {}).get("patch") or {}
-        if not isinstance(patch, dict) or not patch.get("sha256"):
+        patch = manifest.runs[manifest.runs_by_arm[COUNTERFACTUAL_ARM][0]].patch or {}
+        if not patch.get("sha256"):
             raise KvtraceError(f"{run}: arm {COUNTERFACTUAL_ARM} records no patch name and SHA-256 in its manifest: a "
                                "patched arm must say which patch it ran; capture it again")
         stock = build_report([run], (report.candidate.arm, COUNTERFACTUAL_ARM))

@@ -137,7 +137,9 @@ def test_bad_inputs_get_one_line(run_kvtrace, tmp_path):
     shutil.copy(FI_GAUSSIAN / "fp8.sqlite", lone / "fp8.sqlite")
     for bad, words in ((tmp_path / "missing", "no such run directory"),
                        (lone / "fp8.sqlite", "no manifest.json beside it"),
-                       (lone, "manifest")):
+                       (lone, "manifest"),
+                       (VLLM033_8B_RUNS["capacity-prefix-reuse"], "prefix caching"),
+                       (FIXTURES / "bad", "manifest")):
         code, out, err = run_kvtrace("repro", bad)
         assert code == 2 and out == ""
         lines = err.strip().splitlines()
