@@ -29,6 +29,7 @@ from kvtrace.capture.vllm_relay import UsageRelay
 
 GATED = ("-m", "kvtrace.capture.vllm_gated_client")
 REPORT_WAIT_S = 60.0  # at most, before a window, for nsys to finish the previous window's report
+FIRST_REPORT_WAIT_S = 20.0  # at most, for a server's first report (a 24-48-step window imports in seconds)
 _SLOT_NUMBER = re.compile(r"(\d+)$")
 
 
@@ -135,8 +136,11 @@ class ArmServer:
         begun = time.monotonic()
         previous = self.windows[-1] if self.windows else None
         if previous is not None and not self.reports_at_exit:
+            # Until this nsys has shown that it writes a report per window, waiting long would cost every server
+            # that much once, were its reports written at exit.
+            limit = report_wait_s if self.report_slots() else min(report_wait_s, FIRST_REPORT_WAIT_S)
             while not self._report_written_since(previous.reports_before):
-                if time.monotonic() - begun > report_wait_s:
+                if time.monotonic() - begun > limit:
                     self.reports_at_exit = not self.report_slots()
                     break
                 time.sleep(0.2)
