@@ -36,7 +36,6 @@ from kvtrace.manifest import capacity_reason
 
 READY_LINE = "kvtrace: client ready"
 PRESTART_LIMIT_S = 300.0
-CO_RESIDENCE = "checks/co-residence"
 
 
 @dataclass
@@ -400,7 +399,7 @@ class _Matrix:
         # Exactly that point, as point 0 of a run directory of its own.
         # Below checks/, where `kvtrace matrix ROOT` (one level of run directories) does not take it for a scenario
         # missing its other arm.
-        spec = replace(compared, name=CO_RESIDENCE,
+        spec = replace(compared, name=vllm_matrix_split.CO_RESIDENCE,
                        workload=replace(compared.workload, followed=(point,), followed_from=f"{compared.name} point {index}"))
         self.check = self._scenario(spec, arms=[first.spec], repeats=1)
         self.check.settings["co_residence_check"] = {

@@ -24,6 +24,7 @@ from kvtrace.capture.vllm_common import request_order_sha256
 from kvtrace.manifest import MANIFEST
 
 COUNTERFACTUAL = "counterfactual"
+CO_RESIDENCE = "checks/co-residence"  # below the root: `kvtrace matrix ROOT` reads one level of run directories
 
 
 def split(root: Path, scenario: str) -> Path | None:
@@ -98,11 +99,51 @@ def _renumbered(run: dict, renumber: dict, source: Path, target: Path, name: str
     entry["request_order_sha256"] = request_order_sha256(hashes) if hashes else None
     if not patched:
         entry["copied_from"] = f"../../{source.name}/{name}"
-    for old, new in renumber.items():
-        for path in source.glob(f"{name}.p{old}.*"):
-            renamed = target / path.name.replace(f"{name}.p{old}.", f"{name}.p{new}.", 1)
-            shutil.copy2(path, renamed)
+
+    def renamed(file: str) -> str:
+        for old, new in renumber.items():
+            if file.startswith(f"{name}.p{old}."):
+                return file.replace(f"{name}.p{old}.", f"{name}.p{new}.", 1)
+        return file
+
+    # The files its kept points' records name (a recording whose one-point scenarios named them without .pN
+    # included), their traces and logs, and such a recording's client log.
+    files = {value for point in run["points"] if point["index"] in renumber
+             for value in (point.get("bench_result"), (point.get("metrics") or {}).get("before"),
+                           (point.get("metrics") or {}).get("after"), (point.get("requests") or {}).get("file"))
+             if isinstance(value, str)}
+    files |= {path.name for old in renumber for path in source.glob(f"{name}.p{old}.*")}
+    files |= {f"{name}.bench.log"} if len(renumber) == 1 and (source / f"{name}.bench.log").is_file() else set()
+    for file in files:
+        if (source / file).is_file():
+            shutil.copy2(source / file, target / renamed(file))
     return entry
+
+
+def tidy(root: Path) -> dict:
+    """A matrix recorded before its run directories were kept to two arms each: its co-residence check moves to
+    checks/co-residence and its patched arms to counterfactual/SCENARIO. Returns the updated matrix.json."""
+    from kvtrace.capture.vllm_matrix import MATRIX
+
+    matrix = json.loads((root / MATRIX).read_text())
+    check = matrix.get("co_residence_check")
+    if check and (root / check / MANIFEST).is_file() and check != CO_RESIDENCE:
+        (root / CO_RESIDENCE).parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(root / check, root / CO_RESIDENCE)
+        matrix["co_residence_check"] = CO_RESIDENCE
+    matrix["counterfactual"] = sorted(set(matrix.get("counterfactual") or []) | {
+        str(moved.relative_to(root)) for scenario in matrix["scenarios"] if (moved := split(root, scenario))})
+    runner.write_json_atomic(root / MATRIX, matrix)
+    return matrix
+
+
+if __name__ == "__main__":
+    import sys
+
+    for argument in sys.argv[1:]:
+        done = tidy(Path(argument))
+        print(f"{argument}: co-residence check in {done['co_residence_check']}; counterfactual run directories: "
+              f"{', '.join(done['counterfactual']) or 'none'}")
 
 
 def _write(folder: Path, manifest: dict, settings: dict, runs: dict) -> None:

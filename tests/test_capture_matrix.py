@@ -358,3 +358,30 @@ def test_a_patched_arms_label_names_its_kv_dtype_and_patch():
     assert kv_formats.bytes_per_value("nvfp4-validate-once") == kv_formats.bytes_per_value("nvfp4")
     with pytest.raises(KvtraceError, match="unknown KV format"):
         kv_formats.canonical_format("int4-validate-once")
+
+
+@pytest.mark.slow
+def test_a_matrix_recorded_with_three_arms_per_directory_is_tidied_into_two(standin, monkeypatch):
+    """A recording made before the split (patched arms beside both stock arms, the co-residence check at the top):
+    `python -m kvtrace.capture.vllm_matrix_split ROOT` gives every run directory two arms, as a new recording has."""
+    from kvtrace.capture import vllm_matrix_split
+
+    cfg = tiny_matrix(standin, repeats=1)
+    cfg = vllm_matrix.MatrixConfig(**{**cfg.__dict__, "scenarios": cfg.scenarios[2:]})  # the sweep
+    with monkeypatch.context() as legacy:
+        legacy.setattr(vllm_matrix_split, "CO_RESIDENCE", "co-residence")
+        legacy.setattr(vllm_matrix_split, "split", lambda root, scenario: None)
+        record(standin, cfg)
+    root = standin.tmp / "matrix"
+    assert len(read_manifest(root / "sweep").runs) == 3 and (root / "co-residence" / "manifest.json").exists()
+    matrix = vllm_matrix_split.tidy(root)
+    assert matrix["co_residence_check"] == "checks/co-residence" and matrix["counterfactual"] == ["counterfactual/sweep"]
+    assert read_manifest(root / "checks" / "co-residence").runs["fp8.r1"].status == "ok"
+    assert not (root / "co-residence").exists()
+    sweep, counterfactual = read_manifest(root / "sweep"), read_manifest(root / "counterfactual" / "sweep")
+    assert list(sweep.runs) == ["fp8.r1", "nvfp4.r1"] and list(counterfactual.runs) == ["nvfp4.r1", "nvfp4-validate-once.r1"]
+    for run in counterfactual.runs.values():
+        assert [w.sqlite for w in run.windows] == [f"{run.name}.p0.sqlite", f"{run.name}.p1.sqlite"]
+        for point in counterfactual.raw["arms"][run.name]["points"]:
+            assert (root / "counterfactual" / "sweep" / point["bench_result"]).is_file()
+    assert json.loads((root / "matrix.json").read_text()) == matrix
