@@ -137,15 +137,6 @@ def tidy(root: Path) -> dict:
     return matrix
 
 
-if __name__ == "__main__":
-    import sys
-
-    for argument in sys.argv[1:]:
-        done = tidy(Path(argument))
-        print(f"{argument}: co-residence check in {done['co_residence_check']}; counterfactual run directories: "
-              f"{', '.join(done['counterfactual']) or 'none'}")
-
-
 def _write(folder: Path, manifest: dict, settings: dict, runs: dict) -> None:
     statuses = {run["status"] for run in runs.values()}
     hashes = {run["request_order_sha256"] for run in runs.values() if run.get("request_order_sha256")}
@@ -156,3 +147,13 @@ def _write(folder: Path, manifest: dict, settings: dict, runs: dict) -> None:
     for name, run in runs.items():
         runner.write_json_atomic(folder / f"{name}.manifest.json",
                                  {**whole, "arms": {name: run}, "status": run["status"]})
+
+
+if __name__ == "__main__":
+    import sys
+
+    for argument in sys.argv[1:]:
+        done = tidy(Path(argument))
+        print(f"{argument}: co-residence check in {done['co_residence_check']}; counterfactual run directories: "
+              f"{', '.join(done['counterfactual']) or 'none'}")
+
