@@ -26,6 +26,7 @@ from kvtrace.analyzer.pairing import KERNEL, RANGE, Cells, Run, Vocabulary, segm
 from kvtrace.analyzer.results import (UNIT_NOTE, WHOLE_PHASE, Arm, ArmStats, Diff, DiffRow, Drift, SizeBand, Summary,
                                       SummaryRow)
 from kvtrace.analyzer.stats import arm_summary, bootstrap, shares, verdicts
+from kvtrace.analyzer.stats.verdicts import Verdict
 from kvtrace.errors import KvtraceError
 
 # Cells with fewer call pairs than this are named in the row's note: their spread is poorly known.
@@ -294,7 +295,7 @@ def diff_sides(sides: Sides, *, labels: tuple[str | None, str | None] = (None, N
                                                                paired_delta=row.paired_delta_ns,
                                                                unpaired_delta=unpaired_delta)
         left = (row.baseline_calls - row.compared_calls, row.candidate_calls - row.compared_calls)
-        if row.verdict == verdicts.DIFFERENT_WORK:
+        if row.verdict == Verdict.DIFFERENT_WORK:
             row.note = "; ".join(filter(None, [builder.different_work(row_groups, row), row.note]))
         elif estimate is not None and any(left):
             row.note = "; ".join(filter(None, [row.note, f"{left[0]:,} baseline and {left[1]:,} candidate calls "
@@ -388,7 +389,7 @@ class _RowBuilder:
                       candidate_total_ns=window_ns[1], compared_calls=self.comparison.pair_count(members),
                       cells=int(members.size), single_call_cells=estimate.single_call_strata if estimate else 0,
                       same_work=per_call, ratio=None, ci_low=None, ci_high=None, band=None,
-                      verdict=verdicts.NOT_COMPARABLE, paired_verdict=None, note=None, reason=None,
+                      verdict=Verdict.NOT_COMPARABLE, paired_verdict=None, note=None, reason=None,
                       total_delta_ns=window_ns[1] - window_ns[0],
                       paired_delta_ns=paired_ns[1] - paired_ns[0], unpaired_share=None, abs_delta_share=None,
                       kv_independent=kv_independent, baseline_kv_dtypes=kv[0][0], candidate_kv_dtypes=kv[1][0],

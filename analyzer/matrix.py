@@ -20,7 +20,8 @@ from kvtrace.analyzer.classify import RecipeSet
 from kvtrace.analyzer.report import PlotFile, Report
 from kvtrace.analyzer.serving import ServingRow
 from kvtrace.analyzer.statements import APPEND_PHASE, KernelStatement, segment_verdict
-from kvtrace.analyzer.stats import serving_intervals, verdicts
+from kvtrace.analyzer.stats import serving_intervals
+from kvtrace.analyzer.stats.verdicts import Verdict
 from kvtrace.analyzer.stats.serving_intervals import ServingEstimate
 from kvtrace.errors import KvtraceError
 from kvtrace.manifest import MANIFEST, Manifest, Point, read_manifest
@@ -271,17 +272,17 @@ def _judge(point: MatrixPoint, result: Report, objective: str, estimate: Serving
         if verdict is not None:
             point.kernel_verdicts.append({**_kernel_verdict(diff_row, verdict=verdict, segment=segment),
                                           "compared_calls": diff_row.compared_calls})
-    if estimate.verdict == verdicts.NO_CHANGE:
+    if estimate.verdict == Verdict.NO_CHANGE:
         point.winner = NO_CLEAR_WINNER
         return
-    if estimate.verdict not in (verdicts.IMPROVEMENT, verdicts.REGRESSION):
+    if estimate.verdict not in (Verdict.IMPROVEMENT, Verdict.REGRESSION):
         point.undecided = _no_interval(objective)
         return
-    candidate_better = estimate.verdict == verdicts.IMPROVEMENT
+    candidate_better = estimate.verdict == Verdict.IMPROVEMENT
     b, c = row.baseline, row.candidate
     winner, loser = (c, b) if candidate_better else (b, c)
     causes = [FASTER_KERNEL for k in point.kernel_verdicts
-              if k["verdict"] == (verdicts.IMPROVEMENT if candidate_better else verdicts.REGRESSION)]
+              if k["verdict"] == (Verdict.IMPROVEMENT if candidate_better else Verdict.REGRESSION)]
     if objective != "itl" and None not in (winner.cached_prompt_tokens, loser.cached_prompt_tokens) \
             and winner.cached_prompt_tokens > loser.cached_prompt_tokens:
         causes.append(PREFIX_HITS)
@@ -448,8 +449,8 @@ def _measured(group: list[Scenario]) -> dict:
     decode = [k.verdict for s in group for k in s.kernels if k.subject == "decode_attention" and k.ratio is not None
               and SPLIT_KV_MERGE not in (k.kernels or "")]
     if narrower and decode:
-        faster = verdicts.IMPROVEMENT if narrower == "candidate" else verdicts.REGRESSION
-        slower = verdicts.REGRESSION if narrower == "candidate" else verdicts.IMPROVEMENT
+        faster = Verdict.IMPROVEMENT if narrower == "candidate" else Verdict.REGRESSION
+        slower = Verdict.REGRESSION if narrower == "candidate" else Verdict.IMPROVEMENT
         favour, against = decode.count(faster), decode.count(slower)
         expectation = ("held" if favour and not against else "did not hold" if against and not favour else
                        "held at some rows only" if favour else None)

@@ -11,7 +11,8 @@ from kvtrace.analyzer.results import Diff
 from kvtrace.analyzer.reuse import Evictions, PrefixReuse
 from kvtrace.analyzer.runs import RunArm
 from kvtrace.analyzer.serving import ServingRow
-from kvtrace.analyzer.stats import serving_intervals, verdicts
+from kvtrace.analyzer.stats import serving_intervals
+from kvtrace.analyzer.stats.verdicts import Verdict
 from kvtrace.analyzer.steps import StepPhase
 from kvtrace.manifest import Point, parse_phase_name
 
@@ -49,7 +50,7 @@ class KernelStatement(Statement):
     context: int | None  # its context length, for a kvtrace workload range
     baseline: str  # arm labels
     candidate: str
-    verdict: str
+    verdict: Verdict
     ratio: float | None  # None: not compared (reason says why)
     ci_low: float | None
     ci_high: float | None
@@ -158,7 +159,7 @@ class TtftStatement(Statement):
     baseline_ms: float
     candidate_ms: float
     ratio: float
-    prefill_verdict: str | None  # the prefill-attention kernels' (paired) verdict, ratio and pairs
+    prefill_verdict: Verdict | None  # the prefill-attention kernels' (paired) verdict, ratio and pairs
     prefill_ratio: float | None
     prefill_compared_calls: int | None
     baseline_cached_tokens: int | None
@@ -211,7 +212,7 @@ def _kernel_statement(diff: Diff, head: headline.HeadRow, base: RunArm | None, c
     if compared:  # cells of different cost per call: the totals, since a pooled mean describes no call that ran
         times = [getattr(arm, "mean_ns" if row.same_work else "total_ns") for arm in (row.baseline, row.candidate)]
     return KernelStatement(
-        level="warning" if not compared or row.verdict in (verdicts.REGRESSION, verdicts.DIFFERENT_WORK) else "ok",
+        level="warning" if not compared or row.verdict in (Verdict.REGRESSION, Verdict.DIFFERENT_WORK) else "ok",
         check=_KERNEL_CHECKS[head.question], subject=subject, point=head.point, phase=row.phase,
         context=parsed[1] if parsed else None,
         baseline=diff.baseline.label, candidate=diff.candidate.label, verdict=row.verdict, ratio=row.ratio,
@@ -271,7 +272,7 @@ def segment_verdict(diff: Diff, segment: str):
     row = next((r for r in diff.segments if r.segment == segment), None)
     if row is None or row.ratio is None:
         return row, None
-    return row, row.paired_verdict if row.verdict == verdicts.DIFFERENT_WORK else row.verdict
+    return row, row.paired_verdict if row.verdict == Verdict.DIFFERENT_WORK else row.verdict
 
 
 def ttft_guard_rail(diff: Diff, serving: list[ServingRow], base: RunArm, cand: RunArm) -> list[TtftStatement]:
@@ -279,7 +280,7 @@ def ttft_guard_rail(diff: Diff, serving: list[ServingRow], base: RunArm, cand: R
     from the prefix cache is a capacity / prefix-hit effect, not a faster kernel, when its prefill kernels are
     not faster; when they are faster too, TTFT credits neither alone."""
     prefill, verdict = segment_verdict(diff, "prefill_attention")
-    not_faster = verdict in (verdicts.REGRESSION, verdicts.NO_CHANGE)
+    not_faster = verdict in (Verdict.REGRESSION, Verdict.NO_CHANGE)
     out = []
     for row in serving:
         if not (row.baseline and row.candidate and row.ttft_ratio is not None):
@@ -291,13 +292,13 @@ def ttft_guard_rail(diff: Diff, serving: list[ServingRow], base: RunArm, cand: R
         improved = row.ttft_ratio < 1 - diff.threshold
         if improved and more_hits and not_faster:
             reading = PREFIX_HIT
-        elif improved and more_hits and verdict == verdicts.IMPROVEMENT:
+        elif improved and more_hits and verdict == Verdict.IMPROVEMENT:
             reading = PREFIX_HIT_AND_FASTER
         elif improved and not_faster and b.capacity and not c.capacity:
             reading = CAPACITY_EFFECT
         elif improved and not_faster and not cached_differ:
             reading = OUTSIDE_KERNELS
-        elif more_hits and verdict == verdicts.REGRESSION and not improved:
+        elif more_hits and verdict == Verdict.REGRESSION and not improved:
             reading = PREFIX_HIT_SLOWER
         elif cached_differ:
             reading = PREFILLED_DIFFERENT

@@ -26,7 +26,8 @@ from kvtrace.analyzer.render import render_table, render_text
 from kvtrace.analyzer.render.matrix import claim_text, kernel_table, table
 from kvtrace.analyzer.render.statements import text as statement_text
 from kvtrace.analyzer.render.units import interval
-from kvtrace.analyzer.stats import bootstrap, serving_intervals, verdicts
+from kvtrace.analyzer.stats import bootstrap, serving_intervals
+from kvtrace.analyzer.stats.verdicts import Verdict
 from kvtrace.text import plural
 
 PREEMPTION = VLLM033_8B_RUNS["capacity-preemption"]
@@ -90,7 +91,7 @@ def test_a_row_paired_in_one_run_pair_of_two_has_no_interval_and_says_why(preemp
     row = _decode_steps(preemption.diff, "BatchPrefillWithPagedKVCacheKernel")
     assert row.compared_calls == 928 and row.run_ratios[0] is None
     assert row.ci_low is None and row.ci_high is None and row.no_interval == ONE_RUN_PAIR
-    assert row.verdict == verdicts.DIFFERENT_WORK and row.paired_verdict == verdicts.INSUFFICIENT_DATA
+    assert row.verdict == Verdict.DIFFERENT_WORK and row.paired_verdict == Verdict.INSUFFICIENT_DATA
     assert "calls paired in r2 only, of 2 run pairs" in row.note
 
     fp8, nvfp4 = open_traces([PREEMPTION / "fp8.r2.sqlite", PREEMPTION / "nvfp4.r2.sqlite"])
@@ -99,7 +100,7 @@ def test_a_row_paired_in_one_run_pair_of_two_has_no_interval_and_says_why(preemp
     assert alone.ratio == pytest.approx(row.run_ratios[1], rel=1e-12) and alone.ci_low < alone.ratio < alone.ci_high
 
     merge = _decode_steps(preemption.diff, "MergeStates")
-    assert merge.no_interval == ONE_RUN_PAIR and merge.verdict == verdicts.INSUFFICIENT_DATA  # 0.964x: beyond ±2%
+    assert merge.no_interval == ONE_RUN_PAIR and merge.verdict == Verdict.INSUFFICIENT_DATA  # 0.964x: beyond ±2%
 
 
 def test_a_row_paired_in_two_run_pairs_of_three_is_resampled_over_those(recipes):

@@ -19,7 +19,8 @@ from kvtrace.analyzer import matrix, report
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.render import render_table, render_text
 from kvtrace.analyzer.render import matrix as matrix_render
-from kvtrace.analyzer.stats import serving_intervals, verdicts
+from kvtrace.analyzer.stats import serving_intervals
+from kvtrace.analyzer.stats.verdicts import Verdict
 from kvtrace.manifest import Point
 from test_report import manifest, recorded_point, run_main
 
@@ -217,8 +218,8 @@ def test_prefix_reuse_credits_neither_the_faster_kernel_nor_the_prefix_hits_alon
     assert own["fp8"]["vllm:prompt_tokens_cached_total"] > own["auto"]["vllm:prompt_tokens_cached_total"]
     prefill = next(r for r in scenario(ttft, "prefix-reuse (serve)").report.diff.segments
                    if r.segment == "prefill_attention")
-    judged = prefill.paired_verdict if prefill.verdict == verdicts.DIFFERENT_WORK else prefill.verdict
-    assert judged == verdicts.IMPROVEMENT
+    judged = prefill.paired_verdict if prefill.verdict == Verdict.DIFFERENT_WORK else prefill.verdict
+    assert judged == Verdict.IMPROVEMENT
 
     # The same runs with fp8's mean TTFT halved: now beyond the band, and both a faster prefill kernel and more
     # prefix hits favour fp8, so the decision credits neither alone.
@@ -477,7 +478,7 @@ def test_the_rule_is_what_the_rows_measured(v033):
     # The attention kernel's own rows; the split-KV merge kernel beside it is a row of its own (the head's).
     decode = [k for s in result.scenarios for k in s.kernels if k.subject == "decode_attention" and k.ratio
               and matrix.SPLIT_KV_MERGE not in (k.kernels or "")]
-    assert decode and all(k.verdict == verdicts.REGRESSION for k in decode)
+    assert decode and all(k.verdict == Verdict.REGRESSION for k in decode)
     assert "saves time in decode, since it moves fewer bytes, did not hold here" in text
     logs = {arm: (VLLM033_RUNS["serve-sweep"] / f"{arm}.log").read_text() for arm in ("fp8", "nvfp4")}
     assert "prefill=torch.float8_e4m3fn" in logs["fp8"] and "prefill=torch.bfloat16" in logs["nvfp4"]
@@ -504,7 +505,7 @@ def test_a_win_nothing_measured_explains_is_no_choice(recipes, tmp_path):
     assert point.point == "input=1024,output=16,prompts=32,concurrency=16"
     assert point.estimate.high < 1 - serving_intervals.ASSUMED_SERVING_BAND and not point.baseline_capacity
     assert point.winner == matrix.NOT_EXPLAINED and point.apparent == "candidate" and point.causes == ()
-    assert [k["verdict"] for k in point.kernel_verdicts] == [verdicts.REGRESSION]
+    assert [k["verdict"] for k in point.kernel_verdicts] == [Verdict.REGRESSION]
     text = render_text(result, "markdown")
     assert f"not explained (no choice) at R{point.row}" in text and f"choose nvfp4 at R{point.row}" not in text
     assert "nvfp4 looks better beyond the band, but its decode attention kernels are not faster" in text

@@ -20,7 +20,8 @@ from conftest import VLLM033_RUNS
 from kvtrace.analyzer import serving
 from kvtrace.analyzer.report import build as build_report
 from kvtrace.analyzer.runs import ArmInput
-from kvtrace.analyzer.stats import serving_intervals, verdicts
+from kvtrace.analyzer.stats import serving_intervals
+from kvtrace.analyzer.stats.verdicts import Verdict
 from kvtrace.analyzer.stats.serving_intervals import ArmSamples, serving_estimate
 from kvtrace.errors import KvtraceError
 from kvtrace.manifest import read_manifest
@@ -93,20 +94,20 @@ def test_run_pair_intervals_cover_a_known_ratio_with_run_to_run_drift(population
 def test_same_work_is_no_significant_difference_and_throughput_reads_higher_as_better(population):
     base, cand = population
     same = serving_estimate([(ArmSamples.of_values(base), ArmSamples.of_values(cand))])
-    assert same.verdict == verdicts.NO_CHANGE and same.low <= 1 <= same.high
+    assert same.verdict == Verdict.NO_CHANGE and same.low <= 1 <= same.high
     # One run per arm: a 20% change with a tight interval is still within the assumed band.
     inside = serving_estimate([(ArmSamples.of_values(base), ArmSamples.of_values(1.2 * cand))])
-    assert inside.low > 1 + 0.02 and inside.verdict == verdicts.NO_CHANGE
+    assert inside.low > 1 + 0.02 and inside.verdict == Verdict.NO_CHANGE
     assert inside.band == serving_intervals.ASSUMED_SERVING_BAND
     slower = serving_estimate([(ArmSamples.of_values(base), ArmSamples.of_values(2 * cand))])
-    assert slower.verdict == verdicts.REGRESSION
+    assert slower.verdict == Verdict.REGRESSION
     # Throughput: higher is better, so the same ratio is an improvement; without a spread, no verdict beyond the
     # threshold.
     faster = serving_estimate([(ArmSamples(100.0), ArmSamples(200.0)),
                                (ArmSamples(110.0), ArmSamples(215.0))], higher_is_better=True)
-    assert faster.ratio > 1 and faster.verdict == verdicts.IMPROVEMENT
+    assert faster.ratio > 1 and faster.verdict == Verdict.IMPROVEMENT
     single = serving_estimate([(ArmSamples(100.0), ArmSamples(200.0))], higher_is_better=True)
-    assert single.low is None and single.verdict == verdicts.INSUFFICIENT_DATA
+    assert single.low is None and single.verdict == Verdict.INSUFFICIENT_DATA
 
 
 def test_a_repeats_capture_is_estimated_over_every_run(recipes):

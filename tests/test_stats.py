@@ -15,6 +15,7 @@ import pytest
 
 from kvtrace.analyzer import drift_band
 from kvtrace.analyzer.stats import arm_summary, bootstrap, distributions, shares, verdicts
+from kvtrace.analyzer.stats.verdicts import Verdict
 
 
 def lognormal_ns(seed: int, n: int, *, scale: float = 1.0, sigma: float = 0.3) -> np.ndarray:
@@ -283,21 +284,21 @@ def estimate(ratio: float, low: float | None, high: float | None) -> bootstrap.E
 @pytest.mark.parametrize(
     "ratio,low,high,threshold,drift,expected",
     [
-        (1.05, 1.03, 1.07, 0.02, 0.0, verdicts.REGRESSION),
-        (0.90, 0.85, 0.95, 0.02, 0.0, verdicts.IMPROVEMENT),
-        (1.01, 1.005, 1.015, 0.02, 0.0, verdicts.NO_CHANGE),  # significant, inside the band
-        (1.01, 1.005, 1.015, 0.0, 0.0, verdicts.REGRESSION),  # same, with no band
-        (0.99, 0.985, 0.995, 0.02, 0.0, verdicts.NO_CHANGE),
-        (1.10, 0.98, 1.22, 0.02, 0.0, verdicts.NO_CHANGE),  # large but not significant
-        (0.90, 0.78, 1.02, 0.02, 0.0, verdicts.NO_CHANGE),
-        (1.05, 1.00, 1.10, 0.02, 0.0, verdicts.NO_CHANGE),  # touching 1 does not exclude it
-        (0.974, 0.971, 0.977, 0.02, 0.0, verdicts.IMPROVEMENT),
-        (0.974, 0.971, 0.977, 0.02, 0.032, verdicts.NO_CHANGE),  # within what drift moves
-        (1.05, 1.04, 1.06, 0.02, 0.032, verdicts.REGRESSION),  # beyond it
-        (1.05, 1.03, 1.07, 0.02, 0.032, verdicts.NO_CHANGE),  # reaching into it
-        (1.01, None, None, 0.02, 0.0, verdicts.NO_CHANGE),  # single call, inside the band
-        (2.50, None, None, 0.02, 0.0, verdicts.INSUFFICIENT_DATA),
-        (0.50, None, None, 0.02, 0.0, verdicts.INSUFFICIENT_DATA),
+        (1.05, 1.03, 1.07, 0.02, 0.0, Verdict.REGRESSION),
+        (0.90, 0.85, 0.95, 0.02, 0.0, Verdict.IMPROVEMENT),
+        (1.01, 1.005, 1.015, 0.02, 0.0, Verdict.NO_CHANGE),  # significant, inside the band
+        (1.01, 1.005, 1.015, 0.0, 0.0, Verdict.REGRESSION),  # same, with no band
+        (0.99, 0.985, 0.995, 0.02, 0.0, Verdict.NO_CHANGE),
+        (1.10, 0.98, 1.22, 0.02, 0.0, Verdict.NO_CHANGE),  # large but not significant
+        (0.90, 0.78, 1.02, 0.02, 0.0, Verdict.NO_CHANGE),
+        (1.05, 1.00, 1.10, 0.02, 0.0, Verdict.NO_CHANGE),  # touching 1 does not exclude it
+        (0.974, 0.971, 0.977, 0.02, 0.0, Verdict.IMPROVEMENT),
+        (0.974, 0.971, 0.977, 0.02, 0.032, Verdict.NO_CHANGE),  # within what drift moves
+        (1.05, 1.04, 1.06, 0.02, 0.032, Verdict.REGRESSION),  # beyond it
+        (1.05, 1.03, 1.07, 0.02, 0.032, Verdict.NO_CHANGE),  # reaching into it
+        (1.01, None, None, 0.02, 0.0, Verdict.NO_CHANGE),  # single call, inside the band
+        (2.50, None, None, 0.02, 0.0, Verdict.INSUFFICIENT_DATA),
+        (0.50, None, None, 0.02, 0.0, Verdict.INSUFFICIENT_DATA),
     ],
 )
 def test_verdict_rule(ratio, low, high, threshold, drift, expected):
@@ -305,10 +306,10 @@ def test_verdict_rule(ratio, low, high, threshold, drift, expected):
 
 
 def test_verdicts_are_distinct():
-    names = {verdicts.REGRESSION, verdicts.IMPROVEMENT, verdicts.NO_CHANGE, verdicts.INSUFFICIENT_DATA,
-             verdicts.NOT_COMPARABLE, verdicts.DIFFERENT_WORK}
+    names = {Verdict.REGRESSION, Verdict.IMPROVEMENT, Verdict.NO_CHANGE, Verdict.INSUFFICIENT_DATA,
+             Verdict.NOT_COMPARABLE, Verdict.DIFFERENT_WORK}
     assert len(names) == 6
-    assert verdicts.UNMEASURED == {verdicts.INSUFFICIENT_DATA, verdicts.NOT_COMPARABLE, verdicts.DIFFERENT_WORK}
+    assert verdicts.UNMEASURED == {Verdict.INSUFFICIENT_DATA, Verdict.NOT_COMPARABLE, Verdict.DIFFERENT_WORK}
 
 
 @pytest.mark.parametrize("kwargs", [{"threshold": -0.01}, {"threshold": 1.0}, {"drift": -0.1}, {"drift": 1.0}])
@@ -319,10 +320,10 @@ def test_verdict_rejects_bad_bands(kwargs):
 
 @pytest.mark.parametrize(
     "paired_delta,unpaired_delta,expected",
-    [(100.0, 0.0, (verdicts.REGRESSION, None)),
-     (100.0, 99.0, (verdicts.REGRESSION, None)),
-     (100.0, -101.0, (verdicts.DIFFERENT_WORK, verdicts.REGRESSION)),  # offsetting unpaired work still dominates
-     (1.0, 350.0, (verdicts.DIFFERENT_WORK, verdicts.REGRESSION))],
+    [(100.0, 0.0, (Verdict.REGRESSION, None)),
+     (100.0, 99.0, (Verdict.REGRESSION, None)),
+     (100.0, -101.0, (Verdict.DIFFERENT_WORK, Verdict.REGRESSION)),  # offsetting unpaired work still dominates
+     (1.0, 350.0, (Verdict.DIFFERENT_WORK, Verdict.REGRESSION))],
 )
 def test_different_work_is_never_a_plain_verdict(paired_delta, unpaired_delta, expected):
     found = verdicts.row_verdict(estimate(1.05, 1.03, 1.07), threshold=0.02, drift=0.0, paired_delta=paired_delta,
@@ -332,7 +333,7 @@ def test_different_work_is_never_a_plain_verdict(paired_delta, unpaired_delta, e
 
 def test_no_pairs_is_not_comparable():
     assert verdicts.row_verdict(None, threshold=0.02, drift=0.0, paired_delta=0, unpaired_delta=5) == \
-        (verdicts.NOT_COMPARABLE, None)
+        (Verdict.NOT_COMPARABLE, None)
 
 
 def test_unpaired_share_stays_within_zero_and_one():

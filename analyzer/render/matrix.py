@@ -18,6 +18,7 @@ from kvtrace.analyzer.render.units import duration, estimate_ratio, interval, ma
 from kvtrace.analyzer.statements import APPEND_PHASE
 from kvtrace.analyzer.stats.serving_intervals import (ASSUMED_SERVING_BAND, MOMENTS, NO_INTERVAL, PAIRED_REQUESTS,
                                                        RUN_MEANS)
+from kvtrace.analyzer.stats.verdicts import Verdict
 from kvtrace.analyzer.steps import HELD_BY_WAIT
 from kvtrace.text import plural
 
@@ -206,8 +207,8 @@ def _why(v: dict, name: Name) -> str:
     w, l_ = (1, 0) if v["winner"] == "candidate" else (0, 1)
     parts = []
     if mx.FASTER_KERNEL in v["causes"]:
-        faster = [k for k in v["kernels"] if (k["verdict"] == "improvement") == (v["winner"] == "candidate")
-                  and k["verdict"] in ("improvement", "regression")]
+        faster = [k for k in v["kernels"] if (k["verdict"] == Verdict.IMPROVEMENT) == (v["winner"] == "candidate")
+                  and k["verdict"] in (Verdict.IMPROVEMENT, Verdict.REGRESSION)]
         parts += [_kernel_words(k, winner, b, c) for k in faster]
     if mx.PREFIX_HITS in v["causes"]:
         cached = v["cached_prompt_tokens"]

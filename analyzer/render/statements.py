@@ -10,7 +10,7 @@ from typing import Callable
 
 from kvtrace.analyzer import statements as st
 from kvtrace.analyzer.render.units import duration, interval
-from kvtrace.analyzer.stats.verdicts import IMPROVEMENT, NO_CHANGE, REGRESSION
+from kvtrace.analyzer.stats.verdicts import Verdict
 from kvtrace.analyzer.steps import HELD_BY_WAIT
 from kvtrace.text import plural
 
@@ -98,9 +98,9 @@ def _sweep(s: st.SweepCapacityStatement, name: Name = _plain) -> str:
 def _prefill_kernels(s: st.TtftStatement, name: Name) -> str:
     if s.prefill_verdict is None:
         return ""
-    if s.prefill_verdict == REGRESSION:
+    if s.prefill_verdict == Verdict.REGRESSION:
         return f"prefill attention kernels regressed {s.prefill_ratio:.3f}× per call"
-    if s.prefill_verdict == NO_CHANGE:
+    if s.prefill_verdict == Verdict.NO_CHANGE:
         return f"prefill attention kernels showed no significant change per call ({s.prefill_ratio:.3f}×)"
     return (f"{name(s.candidate)}'s prefill attention kernels are also faster per matched call "
             f"({s.prefill_ratio:.3f}× over {s.prefill_compared_calls:,} paired calls)")
@@ -144,8 +144,8 @@ def _ttft(s: st.TtftStatement, name: Name = _plain) -> str:
     if e is not None:
         runs = f"over {e.runs} run pairs" if e.runs > 1 else "with one run per arm"
         ttft += (f" in the first run; the mean {runs} {e.ratio:.3f}× {interval(e.low, e.high)}, "
-                 f"{'no significant difference' if e.verdict == NO_CHANGE else e.verdict}")
-        if e.verdict != IMPROVEMENT and s.reading in _GAINS:
+                 f"{'no significant difference' if e.verdict == Verdict.NO_CHANGE else e.verdict}")
+        if e.verdict != Verdict.IMPROVEMENT and s.reading in _GAINS:
             return f"{ttft}{where}: not a significant gain. What the arms differ in: {_mechanism(s, name, kernels)}"
     cached = (f"{s.candidate_cached_tokens:,} cached prompt tokens ({c}) against {s.baseline_cached_tokens:,} ({b})"
               if s.reading in (st.PREFIX_HIT, st.PREFIX_HIT_AND_FASTER, st.PREFIX_HIT_SLOWER, st.PREFILLED_DIFFERENT)

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvtrace.analyzer.drift_band import ASSUMED, REPEATS
-from kvtrace.analyzer.stats.bootstrap import Estimate, PairedStrata, estimate_rows
+from kvtrace.analyzer.stats.bootstrap import PairedStrata, estimate_rows
 from kvtrace.analyzer.stats.distributions import t_quantile
 from kvtrace.analyzer.stats.shares import ratio
-from kvtrace.analyzer.stats.verdicts import verdict
+from kvtrace.analyzer.stats.verdicts import Verdict, judge
 
 # With one run per arm nothing measures how far a serving mean moves between two recordings of the same work, and
 # an interval over one run's requests cannot see it: a change within this band is not attributed to the KV format.
@@ -66,7 +66,7 @@ class ServingEstimate:
     strata: int
     band: float
     band_basis: str  # drift_band.ASSUMED or drift_band.REPEATS
-    verdict: str
+    verdict: Verdict
     run_ratios: tuple[float | None, ...] = ()
     higher_is_better: bool = False
     run_means: tuple[tuple[float, float], ...] = ()
@@ -113,14 +113,10 @@ def serving_estimate(runs: Sequence[tuple[ArmSamples, ArmSamples]], *, higher_is
         if bounds is not None:
             method, (low, high) = MOMENTS, bounds
     band, basis = (ASSUMED_SERVING_BAND, ASSUMED) if count == 1 else (0.0, REPEATS)
-    judged = Estimate(point, low, high, confidence, resamples, method, base_value, None, None, cand_value, None,
-                      None, (), strata_count, 0)
-    if higher_is_better:  # verdict() reads a ratio above 1 as worse for the candidate
-        judged = Estimate(1 / point, None if high is None else 1 / high, None if low is None else 1 / low,
-                          confidence, resamples, method, cand_value, None, None, base_value, None, None, (), 1, 0)
     return ServingEstimate(ratio=point, low=low, high=high, baseline=base_value, candidate=cand_value, method=method,
                            runs=count, requests=requests, strata=strata_count, band=band, band_basis=basis,
-                           verdict=verdict(judged, threshold=threshold, drift=band),
+                           verdict=judge(point, low, high, threshold=threshold, drift=band,
+                                         higher_is_better=higher_is_better),
                            run_ratios=tuple(ratio(b.mean, c.mean) for b, c in runs) if count > 1 else (),
                            higher_is_better=higher_is_better,
                            run_means=tuple((float(b.mean), float(c.mean)) for b, c in runs) if count > 1 else
