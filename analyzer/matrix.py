@@ -275,6 +275,9 @@ def _judge(point: MatrixPoint, result: Report, objective: str, estimate: Serving
     if estimate.verdict == Verdict.NO_CHANGE:
         point.winner = NO_CLEAR_WINNER
         return
+    if estimate.verdict == Verdict.TOO_FEW_RUNS:
+        point.undecided = serving_intervals.too_few_runs(estimate)
+        return
     if estimate.verdict not in (Verdict.IMPROVEMENT, Verdict.REGRESSION):
         point.undecided = _no_interval(objective)
         return
@@ -618,7 +621,7 @@ def _residency_claims(group: list[Scenario], base: str, cand: str, objective: st
                 "cold_prefill_kernel": kernel, "winner": p.winner, "ratio": p.ratio,
                 "ci_low": estimate.low if estimate else None, "ci_high": estimate.high if estimate else None,
                 "runs": estimate.runs if estimate else None, "pooled_with": list(p.pooled_with),
-                "pooled_directories": p.pooled_directories}))
+                "pooled_directories": p.pooled_directories, "undecided": p.undecided}))
     return claims
 
 

@@ -10,6 +10,7 @@ from typing import Callable
 
 from kvtrace.analyzer import statements as st
 from kvtrace.analyzer.render.units import duration, interval
+from kvtrace.analyzer.stats.serving_intervals import too_few_runs
 from kvtrace.analyzer.stats.verdicts import Verdict
 from kvtrace.analyzer.steps import HELD_BY_WAIT
 from kvtrace.text import plural
@@ -143,8 +144,12 @@ def _ttft(s: st.TtftStatement, name: Name = _plain) -> str:
     e = s.estimate
     if e is not None:
         runs = f"over {e.runs} run pairs" if e.runs > 1 else "with one run per arm"
-        ttft += (f" in the first run; the mean {runs} {e.ratio:.3f}× {interval(e.low, e.high)}, "
-                 f"{'no significant difference' if e.verdict == Verdict.NO_CHANGE else e.verdict}")
+        verdict = {Verdict.NO_CHANGE: "no significant difference",
+                   Verdict.TOO_FEW_RUNS: too_few_runs(e)}.get(e.verdict, e.verdict)
+        ttft += (f" in the first run (descriptive: no interval); the mean {runs} {e.ratio:.3f}× "
+                 f"{interval(e.low, e.high)}, {verdict}")
+        if e.verdict == Verdict.TOO_FEW_RUNS and s.reading in _GAINS + (st.PREFIX_HIT_SLOWER,):
+            return f"{ttft}{where}. What the arms differ in: {_mechanism(s, name, kernels)}"
         if e.verdict != Verdict.IMPROVEMENT and s.reading in _GAINS:
             return f"{ttft}{where}: not a significant gain. What the arms differ in: {_mechanism(s, name, kernels)}"
     cached = (f"{s.candidate_cached_tokens:,} cached prompt tokens ({c}) against {s.baseline_cached_tokens:,} ({b})"

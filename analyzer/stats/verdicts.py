@@ -18,6 +18,7 @@ class Verdict(str, Enum):
     INSUFFICIENT_DATA = "insufficient data"
     NOT_COMPARABLE = "not comparable"
     DIFFERENT_WORK = "different work"
+    TOO_FEW_RUNS = "too few runs to decide"  # a serving point measured on fewer than 3 run pairs
 
     # The value, never "Verdict.REGRESSION", whatever the Python version's default for mixed-in enums.
     __str__ = str.__str__
@@ -25,7 +26,7 @@ class Verdict(str, Enum):
 
 
 # Verdicts that say the row could not be measured: a gate watching such a row cannot pass or fail on it.
-UNMEASURED = frozenset({Verdict.INSUFFICIENT_DATA, Verdict.NOT_COMPARABLE, Verdict.DIFFERENT_WORK})
+UNMEASURED = frozenset({Verdict.INSUFFICIENT_DATA, Verdict.NOT_COMPARABLE, Verdict.DIFFERENT_WORK, Verdict.TOO_FEW_RUNS})
 
 
 def judge(ratio: float, low: float | None, high: float | None, *, threshold: float = 0.02, drift: float = 0.0,
@@ -60,6 +61,18 @@ def judge(ratio: float, low: float | None, high: float | None, *, threshold: flo
 def verdict(estimate: Estimate, *, threshold: float = 0.02, drift: float = 0.0) -> Verdict:
     """judge() of an estimate's ratio and interval (anything with ratio, low and high)."""
     return judge(estimate.ratio, estimate.low, estimate.high, threshold=threshold, drift=drift)
+
+
+def level_of(verdict: Verdict, ratio: float | None, band: float) -> str:
+    """How a statement of one comparison is marked: "warning" where the candidate measured worse or the arms are not
+    comparable, "ok" only where the ratio stays within its no-change band (`band`: the larger of the row's band and
+    the threshold), "info" for the rest: a speed-up, or a change beyond the band that nothing decided, which is
+    neither a problem nor all well."""
+    if ratio is None or verdict in (Verdict.REGRESSION, Verdict.DIFFERENT_WORK, Verdict.NOT_COMPARABLE):
+        return "warning"
+    if verdict != Verdict.TOO_FEW_RUNS and 1 - band <= ratio <= 1 + band:
+        return "ok"
+    return "info"
 
 
 def row_verdict(estimate: Estimate | None, *, threshold: float, drift: float, paired_delta: float,
