@@ -25,7 +25,7 @@ from click.testing import CliRunner
 from rich.console import Console
 
 from conftest import (NSYS2023_DIR, NSYS2025_DIR, RECORDED_REPORT, REPEAT, SERVE_RUNS, VLLM033_8B_RUNS, VLLM033_RUNS,
-                      VLLM_COLD_PREFILL, VLLM_DECODE_HEAVY, sql_durations)
+                      VLLM_COLD_PREFILL, VLLM_DECODE_HEAVY, deciding_on_any_run_pairs, sql_durations)
 from kvtrace.analyzer import align, headline, report, runs, serving, statements
 from kvtrace.analyzer.render import json_out, render_table, render_text
 from kvtrace.analyzer.render.statements import text as statement_text
@@ -338,7 +338,8 @@ def test_guard_rail_stays_quiet_or_changes_its_words_when_the_case_differs(tmp_p
             data["arms"][arm]["points"][0]["bench"]["p50_ttft_ms"] = value
 
     (tmp_path / "b").mkdir()
-    result = report.build([_variant(tmp_path / "b", CAPACITY_WIN, ttft_worse)], recipes)
+    with deciding_on_any_run_pairs():  # the words of a decided point: one run pair decides nothing
+        result = report.build([_variant(tmp_path / "b", CAPACITY_WIN, ttft_worse)], recipes)
     statement = next(s for s in result.statements if s.check == "ttft")
     # More hits, slower prefill kernels and a longer TTFT: the hits are a capacity win, never a faster kernel,
     # and they did not make up for the kernels (the real vLLM 0.33 prefix-reuse run, tests/test_vllm033.py).
@@ -362,8 +363,8 @@ def test_guard_rail_stays_quiet_or_changes_its_words_when_the_case_differs(tmp_p
     (tmp_path / "d").mkdir()
     result = report.build([_variant(tmp_path / "d", CAPACITY_WIN, faster_kernels)], recipes)
     message = statement_text(next(s for s in result.statements if s.check == "ttft"))
-    # One run per arm without per-request times: no interval, so no gain is claimed, only what the arms differ in.
-    assert "not a significant gain" in message and "Part of the TTFT gain" not in message
+    # One run per arm: too few runs to decide, so no gain is claimed, only what the arms differ in.
+    assert "too few runs to decide (one run pair, 3 needed)" in message and "Part of the TTFT gain" not in message
     assert "capacity / prefix-hit effect, not kernel speed" in message and "credits neither alone" in message
     assert "not a faster prefill kernel" not in message
 
@@ -470,7 +471,7 @@ def test_the_head_is_printed_once_and_the_whole_diff_follows(fi):
 def test_statement_names_are_escaped_for_each_format(recipes):
     """Statements carry the labels as data; each renderer makes them inert its own way."""
     result = report.build([NSYS2025_DIR], recipes, labels=("<b>fp8*", "\x1b[31mnv"))
-    said = [line for line in render_text(result, "markdown").splitlines() if line.startswith("- ✅ **append**")]
+    said = [line for line in render_text(result, "markdown").splitlines() if re.match(r"- \S+ \*\*append\*\*", line)]
     assert said and all("(\\<b\\>fp8\\*) → " in line and "(\\\\x1b\\[31mnv)" in line for line in said)
     buffer = io.StringIO()
     render_table(result, Console(file=buffer, width=400, force_terminal=True))
