@@ -133,7 +133,7 @@ def test_the_decision_states_each_pooled_point_once_naming_every_row(decided):
     text = render_text(both, "markdown")
     head, _ = matrix_render.markdown_parts(both)
     assert len(text) <= matrix_render.ISSUE_CHARS
-    assert "decided once on all their run pairs pooled" in matrix_render._lead(both)
+    assert "judged once on all their run pairs pooled" in matrix_render._lead(both)
     header, body = matrix_render.table(both, str)
     cells = {row[0]: dict(zip(header, row)) for row in body}
     stated = [c for c in both.claims if c.kind in ("capacity", "cold-prefill", "decode", "prefix", "point")]

@@ -16,7 +16,8 @@ from kvtrace.analyzer.render.report_tables import _cached, _count, _ms, _peak, _
 from kvtrace.analyzer.render.statements import held_text
 from kvtrace.analyzer.render.units import duration, estimate_ratio, interval, markdown_table, percent, ratio
 from kvtrace.analyzer.statements import APPEND_PHASE
-from kvtrace.analyzer.stats.serving_intervals import DECIDING_RUN_PAIRS, MOMENTS, NO_INTERVAL, PAIRED_REQUESTS, RUN_MEANS
+from kvtrace.analyzer.stats.serving_intervals import (DECIDING_RUN_PAIRS, MOMENTS, NO_INTERVAL, PAIRED_REQUESTS,
+                                                       RUN_MEANS)
 from kvtrace.analyzer.stats.verdicts import Verdict
 from kvtrace.analyzer.steps import HELD_BY_WAIT
 from kvtrace.text import plural
@@ -248,8 +249,8 @@ def _judgement(v: dict, name: Name) -> str:
     if v["winner"] == mx.NO_CLEAR_WINNER:
         spread = ("the spread across run directories, and so across sessions," if v.get("pooled_rows") else
                   "the run-to-run spread")
-        return (f"no significant difference (the interval reaches into the no-change band, ±{100 * v['threshold']:g}%, "
-                f"{spread} inside the interval)")
+        return ("no significant difference (the interval reaches into the no-change band, "
+                f"±{100 * v['threshold']:g}%, {spread} inside the interval)")
     if v["winner"] == mx.NOT_EXPLAINED:
         apparent = name(v["candidate"] if v["apparent"] == "candidate" else v["baseline"])
         kernels = " and ".join(_SEGMENT_WORDS[k["segment"]] for k in v["kernels"]) or "objective's"
@@ -452,9 +453,9 @@ def _lead(result: mx.Matrix) -> str:
             "more (one run per arm leaves the run-to-run drift unmeasured, two measure it by one difference), and is "
             f"won on {_OBJECTIVE_WORDS[result.objective]} only where the whole interval clears the no-change band (±"
             f"{100 * result.threshold:g}%: the run pairs' spread is inside the interval), and is a choice only where a "
-            "faster kernel, prefix hits or a capacity effect explains it. Points whose arms did different work, or that two measurements disagree on, are "
-            "not decided. A point measured in several run directories whose measurements agree is decided once on "
-            "all their run pairs pooled (each run pair a unit, its requests never mixed with another run's): the "
+            "faster kernel, prefix hits or a capacity effect explains it. Points whose arms did different work, or "
+            "that two measurements disagree on, are not decided. A point measured in several run directories whose "
+            "measurements agree is judged once on all their run pairs pooled (each run pair a unit, its requests never mixed with another run's): the "
             "interval over the run pairs' means then holds the drift between sessions, and the band is the "
             "threshold.")
 
