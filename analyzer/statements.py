@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from kvtrace.analyzer import capacity, headline
+from kvtrace.analyzer.budget import Reason
 from kvtrace.analyzer.results import Diff
 from kvtrace.analyzer.reuse import Evictions, PrefixReuse
 from kvtrace.analyzer.runs import RunArm
@@ -25,6 +26,7 @@ CAPACITY_EFFECT = "capacity effect"  # the baseline was capacity-bound there, th
 OUTSIDE_KERNELS = "outside the prefill kernels"  # same cached tokens, prefill kernels not faster
 PREFILLED_DIFFERENT = "different prefill amounts"  # cached tokens differ: TTFT mixes kernel speed and hits
 PLAIN = "plain"  # nothing to qualify
+BUDGET = "budget"  # same cached tokens: the server's TTFT budget says which part carries the change (analyzer.budget)
 
 
 @dataclass(frozen=True)
@@ -50,7 +52,7 @@ class KernelStatement(Statement):
     context: int | None  # its context length, for a kvtrace workload range
     baseline: str  # arm labels
     candidate: str
-    verdict: Verdict
+    verdict: str
     ratio: float | None  # None: not compared (reason says why)
     ci_low: float | None
     ci_high: float | None
@@ -159,7 +161,7 @@ class TtftStatement(Statement):
     baseline_ms: float
     candidate_ms: float
     ratio: float
-    prefill_verdict: Verdict | None  # the prefill-attention kernels' (paired) verdict, ratio and pairs
+    prefill_verdict: str | None  # the prefill-attention kernels' (paired) verdict, ratio and pairs
     prefill_ratio: float | None
     prefill_compared_calls: int | None
     baseline_cached_tokens: int | None
@@ -178,6 +180,8 @@ class TtftStatement(Statement):
     # TTFT's mean over every run pair with its interval and verdict (ServingRow.estimates), where the point has one:
     # the reading names a mechanism, and only this estimate says whether the change is one.
     estimate: serving_intervals.ServingEstimate | None = None
+    # The TTFT budget and the part that carries its difference, the same result the matrix words for this point.
+    reason: Reason | None = None
 
 
 @dataclass(frozen=True)
@@ -279,12 +283,14 @@ def ttft_guard_rail(diff: Diff, serving: list[ServingRow], base: RunArm, cand: R
     """Two prefill statements that can both be true: a TTFT gain while the candidate served more of its prompts
     from the prefix cache is a capacity / prefix-hit effect, not a faster kernel, when its prefill kernels are
     not faster; when they are faster too, TTFT credits neither alone."""
-    prefill, verdict = segment_verdict(diff, "prefill_attention")
-    not_faster = verdict in (Verdict.REGRESSION, Verdict.NO_CHANGE)
+    prefill, whole_verdict = segment_verdict(diff, "prefill_attention")
     out = []
     for row in serving:
         if not (row.baseline and row.candidate and row.ttft_ratio is not None):
             continue
+        # The prefill kernels speak for a point only where the kernel diff read that point's own traffic.
+        verdict = whole_verdict if row.diff_covers else None
+        not_faster = verdict in (Verdict.REGRESSION, Verdict.NO_CHANGE)
         b, c = row.baseline, row.candidate
         cached_differ = b.cached_prompt_tokens is not None and c.cached_prompt_tokens is not None and \
             b.cached_prompt_tokens != c.cached_prompt_tokens
@@ -294,6 +300,8 @@ def ttft_guard_rail(diff: Diff, serving: list[ServingRow], base: RunArm, cand: R
             reading = PREFIX_HIT
         elif improved and more_hits and verdict == Verdict.IMPROVEMENT:
             reading = PREFIX_HIT_AND_FASTER
+        elif row.reason is not None and not cached_differ:
+            reading = BUDGET
         elif improved and not_faster and b.capacity and not c.capacity:
             reading = CAPACITY_EFFECT
         elif improved and not_faster and not cached_differ:
@@ -311,8 +319,9 @@ def ttft_guard_rail(diff: Diff, serving: list[ServingRow], base: RunArm, cand: R
         worse = row.ttft_ratio > 1 + diff.threshold
         estimate = row.estimates.get("ttft_ms")
         judged = estimate.verdict if estimate else verdicts.judge(row.ttft_ratio, None, None, threshold=diff.threshold)
+        plain = reading == PLAIN or (reading == BUDGET and not improved)
         out.append(TtftStatement(
-            level="warning" if reading != PLAIN or worse else verdicts.level_of(judged, row.ttft_ratio, diff.threshold),
+            level=verdicts.level_of(judged, row.ttft_ratio, diff.threshold) if plain and not worse else "warning",
             check="ttft", reading=reading,
             baseline=base.label, candidate=cand.label, point=row.point if len(serving) > 1 else None, stat=row.ttft_stat,
             baseline_ms=getattr(b.ttft_ms, row.ttft_stat), candidate_ms=getattr(c.ttft_ms, row.ttft_stat),
@@ -323,7 +332,7 @@ def ttft_guard_rail(diff: Diff, serving: list[ServingRow], base: RunArm, cand: R
             baseline_queue_ms=queued[0], candidate_queue_ms=queued[1], prefix_fit=_prefix_fit(row, base, cand),
             baseline_capacity=b.capacity, baseline_reuse=b.reuse, candidate_reuse=c.reuse,
             baseline_evictions=b.evictions, candidate_evictions=c.evictions,
-            estimate=estimate))
+            estimate=estimate, reason=row.reason))
     return out
 
 

@@ -43,7 +43,7 @@ from kvtrace.capture.vllm_preflight import (check_model, check_port, check_probe
                                             relevant_env)
 from kvtrace.capture.vllm_relay import UsageRelay
 from kvtrace.capture.vllm_relay import summarize as summarize_requests
-from kvtrace.manifest import MANIFEST, Point, capacity_reason
+from kvtrace.manifest import MANIFEST, Point, capacity_reason, capture_status
 
 ENGINE = "vllm"
 
@@ -172,7 +172,9 @@ def _serve_points(session: _Session, arm: VllmArm, points: list[Point], stop_at_
 
 
 def _serve_point(session: _Session, arm: VllmArm, index: int, point: Point, bench_log: Path, relay: UsageRelay,
-                 events: KvEventRecorder | None) -> dict:
+                 events: KvEventRecorder | None, run_bench=None) -> dict:
+    """One point's measured traffic and what it is measured by; run_bench(command) runs the client (default: a
+    fresh `vllm bench serve`; the matrix releases one it started earlier, capture/vllm_servers)."""
     cfg, out, base = session.cfg, session.out, base_url(session.cfg)
     stem = f"{arm.name}{point_tag(cfg.workload, index)}"
     result = out / f"{stem}.bench.json"
@@ -188,7 +190,7 @@ def _serve_point(session: _Session, arm: VllmArm, index: int, point: Point, benc
     poller = MetricsPoller(base, session.poll_interval_s)
     poller.start()
     try:
-        record["bench_exit_code"] = _run_bench(session, command, bench_log)
+        record["bench_exit_code"] = (run_bench(command) if run_bench else _run_bench(session, command, bench_log))
     finally:
         peaks = poller.finish()
     after_text = scrape(base)
@@ -255,9 +257,7 @@ def _export(session: _Session, arm: VllmArm) -> None:
 
 def _write_manifests(out: Path, environment: dict, settings: dict, arms: list[VllmArm], interrupted: bool) -> dict:
     manifest = runner.manifest(ENGINE, environment, settings, arms)
-    statuses = {arm.status for arm in arms}
-    manifest["status"] = ("interrupted" if interrupted else "ok" if statuses == {"ok"}
-                          else "partial" if "ok" in statuses else "failed")
+    manifest["status"] = capture_status([arm.status for arm in arms], interrupted)
     hashes = [arm.request_order_sha256 for arm in arms if arm.request_order_sha256]
     manifest["request_order_matched"] = len(set(hashes)) == 1 if len(hashes) > 1 else None
     runner.write_json_atomic(out / MANIFEST, manifest)
