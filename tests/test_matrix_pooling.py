@@ -119,9 +119,9 @@ def test_a_point_measured_once_is_not_pooled(both):
 def test_no_pooled_point_of_two_run_pairs_is_decided_and_each_says_why(both):
     (choice,) = [c for c in both.claims if c.kind == "choice"]
     pooled = sorted(p.row for p in both.points if p.pooled_with)
-    assert pooled and set(pooled) <= set(choice.values["undecided"])
+    assert pooled and set(pooled) <= set(choice.undecided)
     sentence = matrix_render.claim_text(choice, both)
-    assert f"not decided at {matrix_render.rows_text(choice.values['undecided'])} (their cells say why)" in sentence
+    assert f"not decided at {matrix_render.rows_text(choice.undecided)} (their cells say why)" in sentence
     header, body = matrix_render.table(both, str)
     for row in pooled:
         cell = dict(zip(header, body[row - 1]))["wins on TTFT"]
