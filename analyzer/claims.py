@@ -21,8 +21,8 @@ from kvtrace.analyzer.budget import Reason
 from kvtrace.analyzer.kv_pool import ArmPool, Projection
 from kvtrace.analyzer.reuse import Evictions, PrefixReuse
 from kvtrace.analyzer.statements import APPEND_PHASE, KernelStatement
+from kvtrace.analyzer.stats.verdicts import Verdict
 from kvtrace.analyzer.steps import StepPhase
-from kvtrace.analyzer.stats import verdicts
 from kvtrace.errors import KvtraceError
 
 if TYPE_CHECKING:
@@ -282,6 +282,7 @@ class ResidencyClaim:
     runs: int | None
     pooled_with: tuple[int, ...]
     pooled_directories: int
+    undecided: str | None  # why the point is not decided (MatrixPoint.undecided), else None
 
 
 @dataclass(frozen=True)
@@ -456,8 +457,8 @@ def measured_claim(group: list[Scenario]) -> MeasuredClaim:
     decode = [k.verdict for s in group for k in s.kernels if k.subject == "decode_attention" and k.ratio is not None
               and SPLIT_KV_MERGE not in (k.kernels or "")]
     if narrower and decode:
-        faster = verdicts.IMPROVEMENT if narrower == "candidate" else verdicts.REGRESSION
-        slower = verdicts.REGRESSION if narrower == "candidate" else verdicts.IMPROVEMENT
+        faster = Verdict.IMPROVEMENT if narrower == "candidate" else Verdict.REGRESSION
+        slower = Verdict.REGRESSION if narrower == "candidate" else Verdict.IMPROVEMENT
         favour, against = decode.count(faster), decode.count(slower)
         expectation = ("held" if favour and not against else "did not hold" if against and not favour else
                        "held at some rows only" if favour else None)
@@ -531,7 +532,8 @@ def residency_claims(group: list[Scenario], base: str, cand: str, objective: str
                 (p.row,) + ((kernel.row,) if kernel else ()), p.scenario, base, cand, p.point, objective,
                 (arms[0].reuse, arms[1].reuse), (arms[0].reuse.cached_share, arms[1].reuse.cached_share),
                 (arms[0].evictions, arms[1].evictions), kernel, p.winner, p.ratio, e.low if e else None,
-                e.high if e else None, e.runs if e else None, tuple(p.pooled_with), p.pooled_directories))
+                e.high if e else None, e.runs if e else None, tuple(p.pooled_with), p.pooled_directories,
+                p.undecided))
     return out
 
 

@@ -28,6 +28,7 @@ from kvtrace.analyzer.names import NameKey
 from kvtrace.analyzer.results import Diff
 from kvtrace.analyzer.runs import trace_query_dtypes
 from kvtrace.analyzer.stats import verdicts
+from kvtrace.analyzer.stats.verdicts import Verdict
 from kvtrace.analyzer.render.escape import visible
 from kvtrace.errors import KvtraceError
 from kvtrace.text import plural
@@ -422,7 +423,7 @@ def gate(result, watched: list[str | None]) -> int:
     rows = {r.segment: r for r in result.segments}
     named = {segment for segment in watched if segment is not None}
     every = None in watched
-    tripped = [r for r in result.segments if r.verdict == verdicts.REGRESSION and (every or r.segment in named)]
+    tripped = [r for r in result.segments if r.verdict == Verdict.REGRESSION and (every or r.segment in named)]
     unmeasured = [(segment, rows[segment].verdict if segment in rows else "no calls in either arm")
                   for segment in sorted(named) if segment not in rows or rows[segment].verdict in verdicts.UNMEASURED]
     if tripped:

@@ -10,8 +10,9 @@ from typing import Callable
 from kvtrace.analyzer import statements as st
 from kvtrace.analyzer.render import budget as budget_words
 from kvtrace.analyzer.render.units import duration, interval
-from kvtrace.analyzer.stats.verdicts import IMPROVEMENT, NO_CHANGE, REGRESSION
 from kvtrace.analyzer.host_waits import WaitKind
+from kvtrace.analyzer.stats.serving_intervals import too_few_runs
+from kvtrace.analyzer.stats.verdicts import Verdict
 from kvtrace.analyzer.steps import HELD_BY_WAIT
 from kvtrace.text import plural
 
@@ -99,9 +100,9 @@ def _sweep(s: st.SweepCapacityStatement, name: Name = _plain) -> str:
 def _prefill_kernels(s: st.TtftStatement, name: Name) -> str:
     if s.prefill_verdict is None:
         return ""
-    if s.prefill_verdict == REGRESSION:
+    if s.prefill_verdict == Verdict.REGRESSION:
         return f"prefill attention kernels regressed {s.prefill_ratio:.3f}× per call"
-    if s.prefill_verdict == NO_CHANGE:
+    if s.prefill_verdict == Verdict.NO_CHANGE:
         return f"prefill attention kernels showed no significant change per call ({s.prefill_ratio:.3f}×)"
     return (f"{name(s.candidate)}'s prefill attention kernels are also faster per matched call "
             f"({s.prefill_ratio:.3f}× over {s.prefill_compared_calls:,} paired calls)")
@@ -144,9 +145,13 @@ def _ttft(s: st.TtftStatement, name: Name = _plain) -> str:
     e = s.estimate
     if e is not None:
         runs = f"over {e.runs} run pairs" if e.runs > 1 else "with one run per arm"
-        ttft += (f" in the first run; the mean {runs} {e.ratio:.3f}× {interval(e.low, e.high)}, "
-                 f"{'no significant difference' if e.verdict == NO_CHANGE else e.verdict}")
-        if e.verdict != IMPROVEMENT and s.reading in _GAINS:
+        verdict = {Verdict.NO_CHANGE: "no significant difference",
+                   Verdict.TOO_FEW_RUNS: too_few_runs(e)}.get(e.verdict, e.verdict)
+        ttft += (f" in the first run (descriptive: no interval); the mean {runs} {e.ratio:.3f}× "
+                 f"{interval(e.low, e.high)}, {verdict}")
+        if e.verdict == Verdict.TOO_FEW_RUNS and s.reading in _GAINS + (st.PREFIX_HIT_SLOWER,):
+            return f"{ttft}{where}. What the arms differ in: {_mechanism(s, name, kernels)}{_budget(s, name)}"
+        if e.verdict != Verdict.IMPROVEMENT and s.reading in _GAINS:
             return (f"{ttft}{where}: not a significant gain. What the arms differ in: {_mechanism(s, name, kernels)}"
                     f"{_budget(s, name)}")
     cached = (f"{s.candidate_cached_tokens:,} cached prompt tokens ({c}) against {s.baseline_cached_tokens:,} ({b})"
