@@ -96,18 +96,15 @@ def capture_command(manifest: Manifest) -> str | None:
 
 
 def engine_commands(manifest: Manifest) -> list[str]:
-    """Each arm's server (or offline worker) command under nsys as recorded; for a serve run, the first arm's
-    bench commands after it, warm-up first then one per traffic point (the other arms ran the same with their own
+    """Each run's server (or offline worker) command under nsys as recorded; for a serve run, the first run's bench
+    commands after its own, warm-up first then one per traffic point (the other runs sent the same with their own
     result file names)."""
     commands = []
-    first_arm = True
-    for arm, names in manifest.runs_by_arm.items():
-        raw = manifest.raw["arms"][names[0]].get("commands")
-        if not (isinstance(raw, list) and raw and all(isinstance(c, list) for c in raw)):
-            continue
-        recorded = [c for c in raw if c and all(isinstance(a, str) for a in c)]
+    for place, name in enumerate(manifest.runs):
+        raw = manifest.raw["arms"][name].get("commands")
+        recorded = [c for c in raw if isinstance(c, list) and c and all(isinstance(a, str) for a in c)] \
+            if isinstance(raw, list) else []
         commands += [portable(recorded[0])] if recorded else []
-        if first_arm and manifest.mode == "serve":
+        if place == 0 and manifest.mode == "serve":
             commands += [portable(c) for c in recorded[1:] if "bench" in c and "serve" in c]
-        first_arm = False
     return commands
