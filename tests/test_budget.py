@@ -148,3 +148,30 @@ def test_a_serve_report_keeps_standard_error_short(tmp_path, run_kvtrace):
                                "-o", tmp_path / "r.md")
     assert code == 0 and len(err.splitlines()) <= 10, err
     assert "None" not in err
+
+
+def test_a_serve_report_states_its_pool_engine_settings_and_how_to_record_it_again(tmp_path, run_kvtrace):
+    """Environment: each arm's pool and the flag that set it, the serve run's engine settings; Reproduce: the capture
+    command its settings give, every server command and the first run's bench commands as the manifest has them, and
+    the model's shape."""
+    code, _, err = run_kvtrace("report", SWEEP, "--format", "markdown", "-o", tmp_path / "r.md")
+    assert code == 0, err
+    text = (tmp_path / "r.md").read_text()
+    data = json.loads((SWEEP / "manifest.json").read_text())
+    tokens = {arm: int(re.search(r"GPU KV cache size: ([\d,]+) tokens", (SWEEP / f"{arm}.log").read_text(
+        errors="replace")).group(1).replace(",", "")) for arm in ("fp8", "nvfp4")}
+    order = data["settings"]["arms"]
+    assert (f"| KV pool | {order[0]} {tokens[order[0]]:,} tokens, {order[1]} {tokens[order[1]]:,} tokens "
+            "(--kv-cache-memory-bytes 1 GiB) |") in text
+    assert "| engine settings | attention_backend=FLASHINFER," in text and "--max-num-seqs 16" in text
+    commands = text.split("```sh\n")[1].split("```")[0].splitlines()
+    assert commands[0].startswith("kvtrace capture vllm --model llama-8b-shape --scenario sweep --mode serve")
+    assert "--points-from . " in commands[0] and commands[0].endswith("-- --kv-cache-memory-bytes 1073741824 "
+                                                                      "--max-num-seqs 16 --max-model-len 4096")
+    first = data["arms"][order[0]]["commands"]
+    benches = [c for c in first if "bench" in c and "serve" in c]
+    assert sum(" bench serve " in c for c in commands) == len(benches) == len(data["arms"][order[0]]["points"]) + 1
+    assert sum(c.startswith("nsys profile ") for c in commands) == len(data["arms"])
+    model = {k: v for k, v in data["settings"]["model"].items() if k not in ("source", "kv_config")}
+    shown = json.loads(text.split("```json\n")[1].split("```")[0])
+    assert shown == model
