@@ -569,11 +569,13 @@ def repro(run, output):
     from kvtrace.analyzer import repro as repro_spec
     from kvtrace.analyzer.render import repro as repro_script
 
+    # What it reads: the run directory's manifests, exports and logs; the script never replaces one of them.
+    read = [run, *(path for path in repro_spec.run_directory(run).iterdir() if path.is_file())]
     if output is not None and not files.is_stdout(output):
-        files.check_target(output, [run])
+        files.check_target(output, read)
     with progress("reading the run's trace"):
         text = repro_script.script(repro_spec.build(run))
     if output is None or files.is_stdout(output):
         sys.stdout.write(text)
     else:
-        files.write(output, text, [run])
+        files.write(output, text, read)

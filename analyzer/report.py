@@ -18,6 +18,7 @@ from pathlib import Path
 
 from kvtrace import __version__
 from kvtrace.analyzer import align, budget_trace, capacity, compare, pairing, quality as quality_lib, roofline, steps, verify
+from kvtrace.analyzer import repro as repro_lib
 from kvtrace.analyzer.classify import RecipeSet
 from kvtrace.analyzer.results import Diff, Finding
 from kvtrace.analyzer.load import open_traces
@@ -121,6 +122,8 @@ class Report:
     # the JSON.
     durations: dict = field(default_factory=dict, repr=False)
     quality: quality_lib.Quality | None = None  # quality beside speed (analyzer/quality)
+    # The run directories' `kvtrace repro` results: the traced ratio split into route x format (analyzer/repro)
+    repro: list[repro_lib.ReproSplit] = field(default_factory=list)
     schema: str = REPORT_SCHEMA
     kvtrace_version: str = __version__
 
@@ -144,6 +147,7 @@ class Report:
         data["left_out"] = self.left_out
         data["plots"] = [asdict(p) for p in self.plots]
         data["quality"] = self.quality.to_dict() if self.quality else None
+        data["repro"] = [asdict(split) for split in self.repro]
         return data
 
 
@@ -382,4 +386,5 @@ def build(paths: list[Path], recipes: RecipeSet, *, arms: tuple[str, ...] = (), 
                   findings=_run_findings(base, cand, b_arm, c_arm, serving), segment_times=segment_times(diff),
                   serving=serving, sweep=sweep, bandwidth=bandwidth, hbm_ceiling=ceiling,
                   prefill_compute=prefill_compute, compute_ceiling=compute_ceiling, capacity=cap, notes=notes,
-                  left_out=left_out_note(base, cand), durations=durations, quality=quality_lib.build(base, cand, tuple(labels)))
+                  left_out=left_out_note(base, cand), durations=durations, quality=quality_lib.build(base, cand, tuple(labels)),
+                  repro=repro_lib.splits(sorted({base.run, cand.run}), diff, base.manifest.engine))

@@ -34,11 +34,15 @@ from kvtrace.nsys import find_nsys
                    "manifest's exports must lie inside its run directory). Repeatable.")
 @click.option("--plot-format", type=click.Choice(["png", "svg"]), default="png", show_default=True,
               help="Image format of --plots.")
+@click.option("--upstream", type=click.Choice(["flashinfer", "vllm"]),
+              help="Instead of the report, a draft issue for that project's tracker (its bug template's sections, "
+                   "markdown): the finding the report holds (NVFP4's host sync per layer), with the repro script "
+                   "inline and the counterfactual arm's numbers when the run directory has one.")
 @verify_option
 @window_options
 @output_options
-def report(runs, arms, labels, threshold, confidence, seed, plots_dir, exports_from, plot_format, verify_totals, window,
-           fmt, output, recipe_files, nsys_path):
+def report(runs, arms, labels, threshold, confidence, seed, plots_dir, exports_from, plot_format, upstream,
+           verify_totals, window, fmt, output, recipe_files, nsys_path):
     """Kernel diff and serving metrics of two arms, side by side, from run directories.
 
     RUNS is one run directory written by `kvtrace capture` (its two arms are compared, e.g. FlashInfer's fp8
@@ -67,6 +71,12 @@ def report(runs, arms, labels, threshold, confidence, seed, plots_dir, exports_f
     inputs().extend(Path(arm.run) / "manifest.json" for arm in (result.baseline, result.candidate))
     inputs().extend(Path(arm.log) for arm in (result.baseline, result.candidate) if arm.log)
     inputs().extend(result.quality.read if result.quality else ())
+    inputs().extend(Path(split.file) for split in result.repro)
+    if upstream is not None:
+        _draft(result, upstream, list(runs), load_recipes(recipe_files), output,
+               dict(threshold=threshold, confidence=confidence, seed=seed, window=window, nsys=nsys_path,
+                    cache=use_cache(), exports_from=tuple(exports_from)))
+        return
     if plots_dir is not None:
         from kvtrace.analyzer.render import plots  # matplotlib only on this path
 
@@ -75,6 +85,24 @@ def report(runs, arms, labels, threshold, confidence, seed, plots_dir, exports_f
                                     inputs=inputs())
         result = dataclasses.replace(result, plots=written)
     emit(result, fmt, output)
+
+
+def _draft(result, project: str, runs: list[Path], recipes, output: Path | None, options: dict) -> None:
+    """`report --upstream`: the report's finding as a draft issue, to standard output or -o FILE."""
+    from kvtrace.analyzer import report as report_lib, upstream as upstream_lib
+    from kvtrace.analyzer.render import repro as repro_render, upstream as upstream_render
+
+    def build_report(paths, arms):
+        inputs().extend(Path(path) / MANIFEST for path in paths)
+        return report_lib.build(paths, recipes, arms=arms, **options)
+
+    with progress("drafting the upstream issue"):
+        finding = upstream_lib.host_sync(result, project, build_report, repro_render.script)
+        text = upstream_render.host_sync_markdown(finding)
+    if output is None or files.is_stdout(output):
+        click.echo(text, nl=False)
+    else:
+        files.write(output, text, inputs())
 
 
 @click.command()

@@ -12,7 +12,8 @@ from rich.console import Console
 from kvtrace.analyzer import matrix as mx
 from kvtrace.analyzer import budget as budget_lib, claims as claims_lib
 from kvtrace.analyzer.render import budget as budget_words, quality as quality_render
-from kvtrace.analyzer.render.escape import md_code, md_text, visible
+from kvtrace.analyzer.render import repro as repro_render
+from kvtrace.analyzer.render.escape import md_code, md_prose, md_text, visible
 from kvtrace.analyzer.render.report_tables import _cached, _count, _ms, _peak, _rich_table
 from kvtrace.analyzer.render.statements import held_text
 from kvtrace.analyzer.render.units import rows_text, duration, estimate_ratio, interval, markdown_table, percent, ratio
@@ -503,6 +504,12 @@ def _lead(result: mx.Matrix) -> str:
             "threshold.")
 
 
+def _split_lines(scenario: mx.Scenario) -> list[str]:
+    """The scenario's traced prefill ratio split into route x format, where its run directories hold repro results."""
+    report = scenario.report
+    return repro_render.split_lines(report.repro, report.baseline.versions.get("flashinfer"))
+
+
 def markdown(result: mx.Matrix) -> str:
     """The answer (serving table, decision) ahead of <details> with the kernel rows and the rest; where the whole
     would not fit an issue body (ISSUE_CHARS), the <details> part is left to the file `result.rest_file` names
@@ -553,6 +560,8 @@ def markdown_parts(result: mx.Matrix) -> tuple[str, str]:
                       "carries it, candidate − baseline (docs/statistics.md, the TTFT budget). The decision point by "
                       "point is below."), ""]
     lines += markdown_table(*short_table(result, md_text))
+    split = [f"- {md_text(s.name)}: {md_prose(line)}" for s in result.scenarios for line in _split_lines(s)]
+    lines += [""] + split if split else []
     if result.plots:
         lines += ["", "### Plots", ""]
         lines += [f"- {md_code(p.link)}: {md_text(p.title)}" for p in result.plots]
@@ -585,6 +594,8 @@ def terminal(result: mx.Matrix, console: Console) -> None:
         if s.report.quality:
             console.print(f"{visible(s.name)}: {visible(quality_render.line(s.report.quality, s.baseline, s.candidate))}",
                           markup=False, highlight=False)
+        for line in _split_lines(s):
+            console.print(f"{visible(s.name)}: {visible(line)}", markup=False, highlight=False)
     console.print(visible(_lead(result)), markup=False, highlight=False)
     console.print("The decision", style="bold")
     first = _first(result)
