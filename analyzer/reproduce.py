@@ -64,10 +64,13 @@ def model_config(manifest: Manifest) -> str | None:
 
 def capture_command(manifest: Manifest) -> str | None:
     """The `kvtrace capture vllm` command that records this run again, from the manifest's settings: a sweep runs
-    the very points this run directory ran (--points-from it), a single point its shape."""
+    the very points this run directory ran (--points-from it), a single point its shape. A scenario of a capture
+    matrix says where the matrix's plan is instead (its settings hold one scenario of it)."""
     s = manifest.settings
     if manifest.engine != "vllm" or not s.get("scenario"):
         return None
+    if "servers" in s:  # one scenario of `kvtrace capture vllm-matrix`, whose plan is the matrix root's
+        return "# recorded by kvtrace capture vllm-matrix: its plan and arms are in ../matrix.json"
     model = PurePosixPath(str((s.get("model") or {}).get("source") or "MODEL")).name
     argv = ["kvtrace", "capture", "vllm", "--model", model, "--scenario", s["scenario"], "--mode",
             s.get("mode") or "serve", "--arms", ",".join(s.get("arms") or manifest.runs_by_arm),
