@@ -18,6 +18,7 @@ from conftest import VLLM033_8B_RUNS
 from kvtrace.analyzer import budget, budget_trace, matrix
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.render.matrix import markdown_parts
+from kvtrace.errors import KvtraceError
 
 SWEEP = VLLM033_8B_RUNS["capacity-sweep"]
 PARTS = {"ttft": "vllm:time_to_first_token_seconds", "queue": "vllm:request_queue_time_seconds",
@@ -175,3 +176,12 @@ def test_a_serve_report_states_its_pool_engine_settings_and_how_to_record_it_aga
     model = {k: v for k, v in data["settings"]["model"].items() if k not in ("source", "kv_config")}
     shown = json.loads(text.split("```json\n")[1].split("```")[0])
     assert shown == model
+
+
+def test_a_point_trace_linked_out_of_its_run_directory_is_refused(tmp_path, recipes):
+    source = VLLM033_8B_RUNS["capacity-sweep-repeats"]
+    run = tmp_path / source.name
+    shutil.copytree(source, run)
+    (run / "fp8.r1.p1.sqlite").symlink_to(source / "fp8.r1.sqlite")
+    with pytest.raises(KvtraceError, match="fp8.r1.p1.sqlite leads outside the run directory"):
+        matrix.build([run], recipes)
