@@ -85,6 +85,10 @@ def test_the_why_follows_the_budget_at_each_point(decision):
     for p in sweeps:
         if concurrency(p.point) != 4:
             assert p.serving.trace_note == budget_trace.NOT_TRACED and not p.kernel_verdicts
+    # A steps claim cites only the points its traces cover.
+    covered = {p.row for s in decision.scenarios for p in s.points if p.serving is not None and p.serving.diff_covers}
+    steps = [c for c in decision.claims if c.kind == "steps"]
+    assert steps and all(set(c.rows) <= covered for c in steps)
     head, rest = markdown_parts(decision)
     claims = re.findall(r"^TTFT budget at (\S+) \((R[^)]*)\), nvfp4 − fp8: (.*)$", head + rest, re.MULTILINE)
     words = {concurrency(point): text for point, _, text in claims if "output=128" in point}
