@@ -374,7 +374,7 @@ def claims(scenarios: list[Scenario], objective: str, threshold: float) -> list[
         out += [measured] if measured.phases else []
         out += point_claims(group, base, cand, objective, threshold)
         out += residency_claims(group, base, cand, objective)
-        out += [StepsClaim(tuple(p.row for p in s.points), s.name, base, cand, statement.row)
+        out += [StepsClaim(_traced_rows(s), s.name, base, cand, statement.row)
                 for s in group for statement in s.report.statements if statement.kind == "step-timeline"]
         out += [KernelsClaim((p.row,), s.name, base, cand, tuple(KernelCost.of(k) for k in s.kernels
                                                                    if k.ratio is not None))
@@ -384,6 +384,13 @@ def claims(scenarios: list[Scenario], objective: str, threshold: float) -> list[
         out.append(choice_claim(group, rows, base, cand, objective, {r for c in disagree for r in c.rows}))
         out.append(QualityClaim(rows, base, cand, tuple(s.name for s in group if s.report.quality)))
     return out
+
+
+def _traced_rows(s: Scenario) -> tuple[int, ...]:
+    """The rows whose traffic the scenario's kernel diff (and its steps table) read: every row of a run without
+    serving, else the points its traces cover (a one-trace run's first point)."""
+    covered = tuple(p.row for p in s.points if p.serving is None or p.serving.diff_covers)
+    return covered or tuple(p.row for p in s.points)
 
 
 def _model_shape(s: Scenario) -> str:

@@ -302,7 +302,7 @@ def ttft_guard_rail(diff: Diff, serving: list[ServingRow], base: RunArm, cand: R
             reading = PREFIX_HIT_AND_FASTER
         elif row.reason is not None and not cached_differ:
             reading = BUDGET
-        elif improved and not_faster and b.capacity and not c.capacity:
+        elif improved and (not_faster or verdict is None) and b.capacity and not c.capacity:
             reading = CAPACITY_EFFECT
         elif improved and not_faster and not cached_differ:
             reading = OUTSIDE_KERNELS

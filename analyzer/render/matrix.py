@@ -495,12 +495,15 @@ def _lead(result: mx.Matrix) -> str:
             f"(docs/statistics.md, serving intervals). A point is decided only on {DECIDING_RUN_PAIRS} run pairs or "
             "more (one run per arm leaves the run-to-run drift unmeasured, two measure it by one difference), and is "
             f"won on {_OBJECTIVE_WORDS[result.objective]} only where the whole interval clears the no-change band (±"
-            f"{100 * result.threshold:g}%: the run pairs' spread is inside the interval), and is a choice only where a "
-            "faster kernel, prefix hits or a capacity effect explains it. Points whose arms did different work, or "
-            "that two measurements disagree on, are not decided. A point measured in several run directories whose "
-            "measurements agree is judged once on all their run pairs pooled (each run pair a unit, its requests never mixed with another run's): the "
-            "interval over the run pairs' means then holds the drift between sessions, and the band is the "
-            "threshold.")
+            f"{100 * result.threshold:g}%: the run pairs' spread is inside the interval), and is a choice only where "
+            "something measured at that point explains it: on TTFT, the part of the server's TTFT budget that carries "
+            "the difference (queue time: a capacity effect; prefill time, split by that point's own traced steps "
+            "where a trace covers it; the rest), else a faster kernel where the kernel diff read the point's "
+            "traffic, prefix hits or a capacity effect. Points whose arms did different work, or that two "
+            "measurements disagree on, are not decided. A point measured in several run directories whose "
+            "measurements agree is judged once on all their run pairs pooled (each run pair a unit, its requests "
+            "never mixed with another run's): the interval over the run pairs' means then holds the drift between "
+            "sessions, and the band is the threshold.")
 
 
 def _split_lines(scenario: mx.Scenario) -> list[str]:

@@ -8,6 +8,7 @@ from functools import singledispatch
 from typing import Callable
 
 from kvtrace.analyzer import statements as st
+from kvtrace.analyzer.budget_trace import NOT_TRACED
 from kvtrace.analyzer.render import budget as budget_words
 from kvtrace.analyzer.render.units import duration, interval
 from kvtrace.analyzer.host_waits import WaitKind
@@ -169,9 +170,11 @@ def _ttft(s: st.TtftStatement, name: Name = _plain) -> str:
                 f"prefix-hit win for {c}, not a faster kernel: its {kernels} over {s.prefill_compared_calls:,} paired "
                 f"calls, and the prefix hits did not make up for them: its TTFT is not lower{_budget(s, name)}")
     if s.reading == st.CAPACITY_EFFECT:
-        return (f"{ttft}{where} although {kernels}: {b} was capacity-bound there ({name(s.baseline_capacity)}) and "
+        although = f" although {kernels}" if kernels else ""
+        return (f"{ttft}{where}{although}: {b} was capacity-bound there ({name(s.baseline_capacity)}) and "
                 f"{c} was not, so the TTFT gain is a capacity effect (less queueing and recomputation after "
-                "preemption), not a faster prefill kernel")
+                "preemption)" + (", not a faster prefill kernel" if kernels else
+                                 f"; {NOT_TRACED}, so the prefill kernels say nothing here"))
     if s.reading == st.OUTSIDE_KERNELS:
         return (f"{ttft}{where} although {kernels}, with the same cached prompt tokens: the gain comes from outside "
                 "the prefill kernels (scheduling, queueing, preemptions), not a faster kernel")
@@ -200,8 +203,9 @@ def _mechanism(s: st.TtftStatement, name: Name, kernels: str) -> str:
     """What a TTFT gain would be credited to, without claiming one."""
     b, c = name(s.baseline), name(s.candidate)
     if s.reading == st.CAPACITY_EFFECT:
-        return (f"{b} was capacity-bound there ({name(s.baseline_capacity)}) and {c} was not, while {kernels}: a "
-                "capacity effect, not a faster prefill kernel")
+        while_ = f", while {kernels}" if kernels else f" ({NOT_TRACED})"
+        return (f"{b} was capacity-bound there ({name(s.baseline_capacity)}) and {c} was not{while_}: a "
+                "capacity effect" + (", not a faster prefill kernel" if kernels else ""))
     if s.reading == st.OUTSIDE_KERNELS:
         return f"{kernels}, with the same cached prompt tokens: whatever changed is outside the prefill kernels"
     cached = (f"{s.candidate_cached_tokens:,} cached prompt tokens ({c}) against {s.baseline_cached_tokens:,} ({b})"
