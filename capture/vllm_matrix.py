@@ -119,6 +119,7 @@ class MatrixConfig:
 # Seconds, from the H200 recordings of fixtures/vllm033-h200-8b (docs/performance.md): a fresh machine's first
 # start compiles; a point's traffic at the bench client's measured durations; the gated clients' imports per round.
 START_S, WARMUP_S, PRESTART_S, POINT_OVERHEAD_S, EXPORT_S = 360.0, 3.0, 25.0, 2.0, 15.0
+LATER_START_S = 180.0  # a server started after the first (130 to 250 s on the H200)
 PREFILL_TOKENS_PER_S, DECODE_STEP_S = 20000.0, 0.012
 
 
@@ -132,6 +133,8 @@ def traffic_estimate_s(point: Point) -> float:
 def plan(cfg: MatrixConfig) -> list[dict]:
     """Every step in order: (phase, round, scenario, arm label, point index), each with its estimated seconds."""
     steps = [{"phase": "server start and compile", "seconds": START_S}]
+    if not cfg.co_resident:  # each later arm's server starts on its own, from the first one's compile caches
+        steps += [{"phase": "server start", "arm": arm.label, "seconds": LATER_START_S} for arm in cfg.arms[1:]]
     for round_ in range(1, cfg.repeats + 1):
         steps.append({"phase": "client prestart", "round": round_, "seconds": PRESTART_S})
         for scenario in cfg.scenarios:

@@ -28,8 +28,9 @@ from kvtrace.capture.vllm_config import ATTENTION_BACKEND, child_env, engine_fla
 from kvtrace.capture.vllm_engine import VllmArm, _Session, _write_manifests
 from kvtrace.capture.vllm_http import NET_ERRORS
 from kvtrace.capture.vllm_kv_events import check_available as check_kv_events_available
-from kvtrace.capture.vllm_matrix import (EXPORT_S, MATRIX, POINT_OVERHEAD_S, PRESTART_S, START_S, WARMUP_S, MatrixConfig,
-                                         MatrixScenario, Progress, _check_point, plan, traffic_estimate_s)
+from kvtrace.capture.vllm_matrix import (EXPORT_S, LATER_START_S, MATRIX, POINT_OVERHEAD_S, PRESTART_S, START_S,
+                                         WARMUP_S, MatrixConfig, MatrixScenario, Progress, _check_point, plan,
+                                         traffic_estimate_s)
 from kvtrace.capture.vllm_preflight import check_model, check_port, check_probe, probe_environment, relevant_env
 from kvtrace.errors import KvtraceError
 from kvtrace.manifest import capacity_reason
@@ -216,7 +217,9 @@ class _Matrix:
             except (*NET_ERRORS, RuntimeError) as failure:
                 server.error = f"{failure} (see {server.log})"
                 failed.append(server)
-        self._phase("server start and compile", started, START_S, servers=",".join(s.spec.label for s in servers))
+        first = not any(p["phase"] == "server start and compile" for p in self.timeline)
+        self._phase("server start and compile", started, START_S if first else LATER_START_S,
+                    servers=",".join(s.spec.label for s in servers))
         return failed
 
     def _stop(self, servers) -> None:

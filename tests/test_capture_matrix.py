@@ -166,6 +166,10 @@ def test_dry_run_prints_the_whole_plan_with_its_estimate(standin):
     assert "--capture-range-end=repeat" in text and "--gpu-memory-utilization 0.25" in text
     assert text.count("patch validate-once sha256") == 1
     assert "'/tmp/m x/checks/co-residence'" in text and "move to '/tmp/m x/counterfactual'/SCENARIO" in text
+    # One arm after another: each later server's start is planned, and no co-residence check.
+    apart = vllm_matrix.plan(vllm_matrix.MatrixConfig(**{**cfg.__dict__, "co_resident": False}))
+    assert [s.get("arm") for s in apart if s["phase"] == "server start"] == ["nvfp4", "nvfp4-validate-once"]
+    assert not [s for s in apart if s["phase"] == "co-residence check"]
 
 
 @pytest.mark.slow
