@@ -22,7 +22,8 @@ from kvtrace.analyzer.findings import (arm_findings, comparability, drift_findin
                                        window_findings)
 from kvtrace.analyzer.load import Trace
 from kvtrace.analyzer.pairing import KERNEL, Cells, Run, Vocabulary, segment_order
-from kvtrace.analyzer.results import Arm, ArmStats, Diff, DiffRow, Drift, SizeBand, Summary, SummaryRow
+from kvtrace.analyzer.results import (OUTSIDE_RANGES, Arm, ArmStats, Diff, DiffRow, Drift, SizeBand, Summary,
+                                      SummaryRow)
 from kvtrace.errors import KvtraceError
 
 
@@ -40,7 +41,6 @@ def _arm(runs: list[Run], label: str) -> Arm:
                kv_dtypes=tuple(sorted(kv)), runs=len(runs), sources=tuple(run.trace.info.source for run in runs))
 
 
-
 def summarize(trace: Trace, recipes: RecipeSet, label: str | None = None,
               window: align.Window = align.Window()) -> Summary:
     classes = classify_signatures(trace, recipes)
@@ -48,10 +48,10 @@ def summarize(trace: Trace, recipes: RecipeSet, label: str | None = None,
     run = vocabulary.run(trace, classes, window)
     arm = _arm([run], label or default_label([trace]))
 
-    def row(group: Cells, **extra) -> SummaryRow:
+    def row(group: Cells, *, per_call: bool = False, **extra) -> SummaryRow:
         kv, names = run.kv_dtypes_and_names(group)
-        same_work = stats.same_work([diff_rows.per_key_means(group.table)])
-        numbers = ArmStats.of(group.values(), arm.total_ns) if same_work else \
+        per_call = per_call or stats.same_work([diff_rows.per_key_means(group.table)])
+        numbers = ArmStats.of(group.values(), arm.total_ns) if per_call else \
             ArmStats.total(group.calls, group.total_ns, arm.total_ns)
         diff_rows.release_runs([run])
         cells = group.table.select("sig", "nvtx").unique().height
@@ -62,10 +62,43 @@ def summarize(trace: Trace, recipes: RecipeSet, label: str | None = None,
     families = []
     for (code,) in diff_rows.codes_in(run.cells, "family"):
         group = run.cells.where(pl.col("family") == code)
-        families.append(row(group, family=vocabulary.families[code], family_label=run.earliest(group, "family_label")))
+        label = run.earliest(group, "family_label")
+        parts = _same_work_parts(group, vocabulary)
+        if parts is None:
+            families.append(row(group, family=vocabulary.families[code], family_label=label))
+        else:
+            families += [row(part, per_call=True, family=vocabulary.families[code], family_label=label, launch=launch,
+                             nvtx_range=nvtx) for launch, nvtx, part in parts]
     segments.sort(key=lambda r: (-r.stats.total_ns, r.segment))
-    families.sort(key=lambda r: (-r.stats.total_ns, r.family))
+    families.sort(key=lambda r: (-r.stats.total_ns, r.family, r.launch or "", r.nvtx_range or ""))
     return Summary(arm=arm, recipes=tuple(recipes.files), segments=segments, families=families)
+
+
+# A family of more parts than this stays one row, "mixed" (vLLM's decode kernels run a launch shape per batch size):
+# a summary that listed them all would no longer summarize.
+MAX_PARTS = 8
+
+
+def _same_work_parts(family: Cells, vocabulary: Vocabulary) -> list[tuple[str | None, str | None, Cells]] | None:
+    """A family's calls where they cost differently per call, in parts of the same work as diff pairs cells: one per
+    launch shape, and one per range name where one launch shape cost differently per range (kvtrace's ctx=2048 and
+    ctx=32768, a GEMM inside and outside an operator); each part counts every rank and every instance-numbered range
+    together (analyzer.names), as `nsys stats` counts a kernel. (launch shape or None, range name or None, cells) per
+    part; None where the family is one row: its cells cost the same per call, or it has more than MAX_PARTS parts."""
+    if stats.same_work([diff_rows.per_key_means(family.table)]):
+        return None
+    shapes = sorted(diff_rows.codes_in(family, "shape"))
+    parts = []
+    for (shape,) in shapes:
+        cells = family.where(pl.col("shape") == shape) if len(shapes) > 1 else family
+        launch = vocabulary.shape_label(shape) if len(shapes) > 1 else None
+        by_range = cells.table.group_by("nvtx").agg(pl.col("calls", "total_ns").sum()).sort("nvtx")
+        if stats.same_work([by_range["total_ns"].to_numpy() / by_range["calls"].to_numpy()]):
+            parts.append((launch, None, cells))
+            continue
+        parts += [(launch, vocabulary.name(nvtx) or OUTSIDE_RANGES, cells.where(pl.col("nvtx") == nvtx))
+                  for nvtx in by_range["nvtx"].to_list()]
+    return parts if len(parts) <= MAX_PARTS else None
 
 
 def cell_durations(vocabulary: Vocabulary, runs: list[Run], segments: tuple[str, ...]
