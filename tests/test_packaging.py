@@ -105,3 +105,44 @@ def test_cli_reference_is_current_and_every_command_has_help():
         for param in command.params:
             if param.param_type_name == "option" and param.name not in ("help", "version"):
                 assert (param.help or "").strip(), (" ".join(path), param.name)
+
+
+def _source_modules() -> dict[str, object]:
+    """Every module of the three source folders by its installed name (pyproject's package-dir)."""
+    roots = {"kvtrace": REPO / "kvtrace", "kvtrace.analyzer": REPO / "analyzer", "kvtrace.capture": REPO / "capture"}
+    found = {}
+    for package, folder in roots.items():
+        for path in folder.rglob("*.py"):
+            parts = [part for part in path.relative_to(folder).with_suffix("").parts if part != "__init__"]
+            found[".".join([package, *parts])] = path
+    return found
+
+
+def test_no_import_cycle():
+    """The modules import one way (docs/design.md): no module reaches itself through the modules it imports, at
+    module level or inside a function. `from PACKAGE import MODULE` is an arrow to MODULE, not to the package."""
+    modules = _source_modules()
+    arrows = {}
+    for name, path in modules.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                inside = {f"{node.module}.{alias.name}" for alias in node.names}
+                targets |= inside if inside <= modules.keys() else inside | {node.module}
+        arrows[name] = (targets & modules.keys()) - {name}
+    done, path = set(), []
+
+    def visit(name):
+        path.append(name)
+        for target in sorted(arrows[name]):
+            assert target not in path, " → ".join(path[path.index(target):] + [target])
+            if target not in done:
+                visit(target)
+        path.pop()
+        done.add(name)
+
+    for name in sorted(modules):
+        if name not in done:
+            visit(name)
