@@ -70,11 +70,14 @@ class Headline:
         arguments as run (paths relative to the run directory), `query_quantize` the statements of
         statements.query_quantize_statements."""
         drift = next((f.message for f in diff.findings if f.check == "drift"), None)
-        commands = [_command(c) for c in _capture_commands(manifest)]
-        if command:
-            commands.append(shlex.join(["kvtrace", *command]))
-        return cls(diff.baseline.label, diff.candidate.label, diff.confidence, head_rows(diff), drift,
-                   _environment(diff, manifest), commands, list(query_quantize or ()))
+        head = cls(diff.baseline.label, diff.candidate.label, diff.confidence, head_rows(diff), drift,
+                   _environment(diff, manifest), [_command(c) for c in _capture_commands(manifest)],
+                   list(query_quantize or ()))
+        return head.with_command(command) if command else head
+
+    def with_command(self, command: list[str]) -> Headline:
+        """The head with the command as run (kvtrace's arguments) after the capture commands."""
+        return replace(self, commands=[*self.commands, shlex.join(["kvtrace", *command])])
 
 
 def head_rows(diff: Diff) -> list[HeadRow]:
