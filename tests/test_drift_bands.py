@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from conftest import GRAPH_LOOP, NSYS2025_DIR, REPEAT, REPEATS2, VLLM033_RUNS
-from kvtrace.analyzer import align, compare, drift_band, pairing, stats
+from kvtrace.analyzer import align, compare, drift_band, pairing, results, stats
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.load import open_trace
 from test_intervals import draw, repeat_pairs
@@ -161,7 +161,7 @@ def test_a_change_planted_in_a_small_kernel_is_found_and_drift_is_not(recipes, m
     # Rows without the planted calls keep their verdicts.
     planted_family = next(r.family for r in alone.families if r.family_label == "BUnaryFunctor")
     holding = {("other", None, None), ("other", None, planted_family), (*SMALL_CELL, None),
-               (compare.WHOLE_PHASE, SMALL_CELL[1], None)}
+               (results.WHOLE_PHASE, SMALL_CELL[1], None)}
 
     def verdicts(diff):
         return {key: r.verdict for r in every_row(diff) if (key := (r.segment, r.phase, r.family)) not in holding}
