@@ -169,7 +169,6 @@ def diff_sides(sides: Sides, *, labels: tuple[str | None, str | None] = (None, N
                confidence: float = 0.95, seed: int = 0) -> Diff:
     vocabulary, base_runs, cand_runs, recipes, window = (sides.vocabulary, sides.baseline, sides.candidate,
                                                          sides.recipes, sides.window)
-    built = base_runs + cand_runs
     # Arms cut from their traces by --arms are named by their ranges: one trace may hold both.
     base_arm = _arm(base_runs, labels[0] or window.arm or default_label([run.trace for run in base_runs]))
     cand_arm = _arm(cand_runs, labels[1] or sides.candidate_window.arm or
@@ -196,6 +195,29 @@ def diff_sides(sides: Sides, *, labels: tuple[str | None, str | None] = (None, N
                                                     if drift_band.UNCONTROLLED_SEGMENT in vocabulary.segments else -1)
     drift, bands = _drift(rows, estimates[len(specs)], controls, cells, estimates[len(specs) + 1:], comparison,
                           threshold, uncontrolled.any())
+    _judge(rows, specs, estimates, builder, bands, uncontrolled, threshold)
+    segments, phases, families, family_phases, rank_rows = _tables(rows, specs)
+    phase_totals = diff_rows.phase_totals(comparison, base_arm, cand_arm, threshold=threshold, bands=bands,
+                                          confidence=confidence, seed=seed)
+    findings = comparability(base_arm, cand_arm) + window_findings(window, families, builder.realigned,
+                                                                  builder.relaunched)
+    findings += arm_findings(list(zip(base_runs, cand_runs)), sides.candidate_window) + findings_of_runs
+    findings += drift_findings(drift, threshold)
+    findings += rank_findings(vocabulary, comparison.runs, base_arm, cand_arm)
+    return Diff(baseline=base_arm, candidate=cand_arm, recipes=tuple(recipes.files), threshold=threshold,
+                confidence=confidence, findings=findings, segments=segments, families=families, phases=phases,
+                family_phases=family_phases, phase_totals=phase_totals, drift=drift, runs=len(base_runs),
+                rank_rows=rank_rows,
+                method=stats.HIERARCHICAL if len(base_runs) > 1 else stats.BOOTSTRAP,
+                window=window.describe() + [part for part in sides.candidate_window.describe()
+                                            if part not in window.describe()])
+
+
+def _judge(rows: list[DiffRow], specs: list[diff_rows.RowSpec], estimates: list[stats.Estimate | None],
+           builder: diff_rows.RowBuilder, bands: drift_band.Bands, uncontrolled: np.ndarray, threshold: float) -> None:
+    """Each row's no-change band (its size class's, a control row's own sure move), its verdict within it, and the
+    note that says what its unpaired calls are."""
+    comparison = builder.comparison
     per_call = comparison.strata_totals[0] / np.diff(comparison.paired.offsets)
     for row, spec, estimate, row_groups in zip(rows, specs, estimates, builder.row_groups):
         unpaired_delta = row.total_delta_ns - row.paired_delta_ns
@@ -216,6 +238,11 @@ def diff_sides(sides: Sides, *, labels: tuple[str | None, str | None] = (None, N
         elif estimate is not None and any(left):
             row.note = "; ".join(filter(None, [row.note, f"{left[0]:,} baseline and {left[1]:,} candidate calls "
                                                          "without a partner"]))
+
+
+def _tables(rows: list[DiffRow], specs: list[diff_rows.RowSpec]) -> tuple[list[DiffRow], ...]:
+    """The rows as the Diff's tables (segments, phases, families, family phases, rank rows), each row's share of its
+    table's |Δ| set and each table in its order; whether the ranks of a segment or phase row agree."""
     segments = [r for r, s in zip(rows, specs) if s.level == "segment" and s.rank is None]
     phases = [r for r, s in zip(rows, specs) if s.level == "phase" and s.rank is None]
     families = [r for r, s in zip(rows, specs) if s.level == "family"]
@@ -230,21 +257,7 @@ def diff_sides(sides: Sides, *, labels: tuple[str | None, str | None] = (None, N
     phases.sort(key=lambda r: (segment_order(r.segment), diff_rows.natural(r.phase)))
     family_phases.sort(key=lambda r: (segment_order(r.segment), diff_rows.natural(r.phase), -r.baseline_total_ns,
                                       r.family_label))
-
-    phase_totals = diff_rows.phase_totals(comparison, base_arm, cand_arm, threshold=threshold, bands=bands,
-                                 confidence=confidence, seed=seed)
-    findings = comparability(base_arm, cand_arm) + window_findings(window, families, builder.realigned,
-                                                                  builder.relaunched)
-    findings += arm_findings(list(zip(base_runs, cand_runs)), sides.candidate_window) + findings_of_runs
-    findings += drift_findings(drift, threshold)
-    findings += rank_findings(vocabulary, comparison.runs, base_arm, cand_arm)
-    return Diff(baseline=base_arm, candidate=cand_arm, recipes=tuple(recipes.files), threshold=threshold,
-                confidence=confidence, findings=findings, segments=segments, families=families, phases=phases,
-                family_phases=family_phases, phase_totals=phase_totals, drift=drift, runs=len(base_runs),
-                rank_rows=rank_rows,
-                method=stats.HIERARCHICAL if len(base_runs) > 1 else stats.BOOTSTRAP,
-                window=window.describe() + [part for part in sides.candidate_window.describe()
-                                            if part not in window.describe()])
+    return segments, phases, families, family_phases, rank_rows
 
 
 def _drift(rows: list[DiffRow], pooled: stats.Estimate | None, controls: pl.DataFrame, cells: pl.DataFrame,
