@@ -18,7 +18,7 @@ from rich.console import Console
 
 import kvtrace.nsys
 from kvtrace import files
-from kvtrace.analyzer import align, compare, render, stats, verify
+from kvtrace.analyzer import align, compare, render, verify
 from kvtrace.analyzer.classify import SEGMENTS, load_recipes
 from kvtrace.analyzer.findings import read_first
 from kvtrace.analyzer.kernels import list_kernels
@@ -27,8 +27,10 @@ from kvtrace.analyzer.render import escape, markdown
 from kvtrace.analyzer.names import NameKey
 from kvtrace.analyzer.results import Diff
 from kvtrace.analyzer.run_context import RunContext
+from kvtrace.analyzer.stats import verdicts
 from kvtrace.analyzer.render.escape import visible
 from kvtrace.errors import KvtraceError
+from kvtrace.text import plural
 
 
 # Whole numbers on the command line end at int64, where the numpy and polars columns they meet end; past it a
@@ -246,9 +248,28 @@ def emit(result, fmt: str, output: Path | None) -> None:
     if whole is not None:
         click.echo(f"kvtrace: {visible(str(output))} fits a GitHub issue body; the whole report is in "
                    f"{visible(str(rest))}", err=True)
-    # Standard output stays empty, so what a reader of the file would be warned about goes to standard error.
-    for finding in _warnings(result):
-        click.echo(f"kvtrace: {finding.level}: {visible(finding.message)}", err=True)
+    # Standard output stays empty, so what a reader of the file would be warned about goes to standard error: each
+    # warning where they are few, else their counts and where the file lists them.
+    for line in warning_lines(_warnings(result), rest if whole is not None else output):
+        click.echo(line, err=True)
+
+
+# More warnings than this are counted on standard error, not listed: the file lists them.
+LISTED_WARNINGS = 5
+
+
+def warning_lines(findings: list, listed_in: Path) -> list[str]:
+    """The lines for standard error: each finding, or, past LISTED_WARNINGS, their counts by level and check and the
+    file that lists each."""
+    if len(findings) <= LISTED_WARNINGS:
+        return [f"kvtrace: {f.level}: {visible(f.message)}" for f in findings]
+    counts: dict[str, int] = {}
+    for finding in findings:
+        counts[f"{finding.level} ({finding.check})"] = counts.get(f"{finding.level} ({finding.check})", 0) + 1
+    listed = ", ".join(f"{count} {plural(count, what.split(' ')[0])} {what.split(' ', 1)[1]}"
+                       for what, count in sorted(counts.items(), key=lambda item: -item[1]))
+    return [f"kvtrace: {len(findings)} findings to read: {listed}; {visible(str(listed_in))} lists each under "
+            "Comparability and Runs"]
 
 
 def whole_path(output: Path) -> Path | None:
@@ -401,16 +422,16 @@ def gate(result, watched: list[str | None]) -> int:
     rows = {r.segment: r for r in result.segments}
     named = {segment for segment in watched if segment is not None}
     every = None in watched
-    tripped = [r for r in result.segments if r.verdict == stats.REGRESSION and (every or r.segment in named)]
+    tripped = [r for r in result.segments if r.verdict == verdicts.REGRESSION and (every or r.segment in named)]
     unmeasured = [(segment, rows[segment].verdict if segment in rows else "no calls in either arm")
-                  for segment in sorted(named) if segment not in rows or rows[segment].verdict in stats.UNMEASURED]
+                  for segment in sorted(named) if segment not in rows or rows[segment].verdict in verdicts.UNMEASURED]
     if tripped:
         click.echo("kvtrace: gate: " + "; ".join(f"{r.segment} regressed {r.ratio:.3f}× [{r.ci_low:.3f}, {r.ci_high:.3f}]"
                                                   for r in tripped), err=True)
     if unmeasured:
         click.echo("kvtrace: gate: cannot judge " + "; ".join(f"{segment} ({why})" for segment, why in unmeasured)
                    + ": compare runs that did the same work, or drop it from --fail-on", err=True)
-    skipped = [r for r in result.segments if every and r.verdict in stats.UNMEASURED and r.segment not in named]
+    skipped = [r for r in result.segments if every and r.verdict in verdicts.UNMEASURED and r.segment not in named]
     if skipped:
         click.echo("kvtrace: gate: not judged: " + ", ".join(f"{r.segment} ({r.verdict})" for r in skipped), err=True)
     return GATE_REGRESSION if tripped else GATE_UNMEASURED if unmeasured else 0
@@ -507,3 +528,26 @@ def kernels(trace, unclassified, segment, fmt, output, recipe_files, nsys_path):
     recipes = load_recipes(recipe_files)
     emit(list_kernels(load_trace(trace, nsys_path), recipes, unclassified=unclassified, segment=segment),
          fmt, output)
+
+
+@click.command()
+@_trace_argument("run")
+@click.option("-o", "--output", metavar="FILE", type=click.Path(allow_dash=True, path_type=Path),
+              help="Write the script to FILE (atomically, never onto an input) instead of standard output.")
+def repro(run, output):
+    """Write a standalone FlashInfer script with RUN's shapes (a run directory, or a trace inside one): it times FP8
+    against NVFP4 on each format's route and on NVFP4's, checks both against float64, and writes JSON with --json.
+    It imports only torch, flashinfer and the standard library."""
+    from kvtrace.analyzer import repro as repro_spec
+    from kvtrace.analyzer.render import repro as repro_script
+
+    # What it reads: the run directory's manifests, exports and logs; the script never replaces one of them.
+    read = [run, *(path for path in repro_spec.run_directory(run).iterdir() if path.is_file())]
+    if output is not None and not files.is_stdout(output):
+        files.check_target(output, read)
+    with progress("reading the run's trace"):
+        text = repro_script.script(repro_spec.build(run))
+    if output is None or files.is_stdout(output):
+        sys.stdout.write(text)
+    else:
+        files.write(output, text, read)

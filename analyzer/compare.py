@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from kvtrace.analyzer import align, diff_rows, drift_band, stats
+from kvtrace.analyzer import align, diff_rows, drift_band
+from kvtrace.analyzer.stats import arm_summary, bootstrap, shares, verdicts
 from kvtrace.analyzer.classify import KV_SEGMENTS, RecipeSet
 from kvtrace.analyzer.findings import (arm_findings, comparability, drift_findings, rank_findings, run_findings,
                                        window_findings)
@@ -50,7 +51,7 @@ def summarize(trace: Trace, recipes: RecipeSet, label: str | None = None,
 
     def row(group: Cells, *, per_call: bool = False, **extra) -> SummaryRow:
         kv, names = run.kv_dtypes_and_names(group)
-        per_call = per_call or stats.same_work([diff_rows.per_key_means(group.table)])
+        per_call = per_call or arm_summary.same_work([diff_rows.per_key_means(group.table)])
         numbers = ArmStats.of(group.values(), arm.total_ns) if per_call else \
             ArmStats.total(group.calls, group.total_ns, arm.total_ns)
         diff_rows.release_runs([run])
@@ -85,7 +86,7 @@ def _same_work_parts(family: Cells, vocabulary: Vocabulary) -> list[tuple[str | 
     ctx=32768, a GEMM inside and outside an operator); each part counts every rank and every instance-numbered range
     together (analyzer.names), as `nsys stats` counts a kernel. (launch shape or None, range name or None, cells) per
     part; None where the family is one row: its cells cost the same per call, or it has more than MAX_PARTS parts."""
-    if stats.same_work([diff_rows.per_key_means(family.table)]):
+    if arm_summary.same_work([diff_rows.per_key_means(family.table)]):
         return None
     shapes = sorted(diff_rows.codes_in(family, "shape"))
     parts = []
@@ -93,7 +94,7 @@ def _same_work_parts(family: Cells, vocabulary: Vocabulary) -> list[tuple[str | 
         cells = family.where(pl.col("shape") == shape) if len(shapes) > 1 else family
         launch = vocabulary.shape_label(shape) if len(shapes) > 1 else None
         by_range = cells.table.group_by("nvtx").agg(pl.col("calls", "total_ns").sum()).sort("nvtx")
-        if stats.same_work([by_range["total_ns"].to_numpy() / by_range["calls"].to_numpy()]):
+        if arm_summary.same_work([by_range["total_ns"].to_numpy() / by_range["calls"].to_numpy()]):
             parts.append((launch, None, cells))
             continue
         parts += [(launch, vocabulary.name(nvtx) or OUTSIDE_RANGES, cells.where(pl.col("nvtx") == nvtx))
@@ -185,7 +186,7 @@ def diff_sides(sides: Sides, *, labels: tuple[str | None, str | None] = (None, N
     # One control per KV-independent kernel cell (family, launch shape, NVTX range), all run pairs together.
     cells = controls.group_by("family", "shape", "nvtx", maintain_order=True).agg("stratum").sort("family", "nvtx",
                                                                                                    "shape")
-    estimates = stats.estimate_rows(comparison.paired, [spec.members for spec in specs] +
+    estimates = bootstrap.estimate_rows(comparison.paired, [spec.members for spec in specs] +
                                     [controls["stratum"].to_numpy()] + [m.to_numpy() for m in cells["stratum"]],
                                     confidence=confidence, seed=seed)
     builder = diff_rows.RowBuilder(comparison, base_arm, cand_arm)
@@ -208,12 +209,12 @@ def diff_sides(sides: Sides, *, labels: tuple[str | None, str | None] = (None, N
                 confidence=confidence, findings=findings, segments=segments, families=families, phases=phases,
                 family_phases=family_phases, phase_totals=phase_totals, drift=drift, runs=len(base_runs),
                 rank_rows=rank_rows,
-                method=stats.HIERARCHICAL if len(base_runs) > 1 else stats.BOOTSTRAP,
+                method=bootstrap.HIERARCHICAL if len(base_runs) > 1 else bootstrap.BOOTSTRAP,
                 window=window.describe() + [part for part in sides.candidate_window.describe()
                                             if part not in window.describe()])
 
 
-def _judge(rows: list[DiffRow], specs: list[diff_rows.RowSpec], estimates: list[stats.Estimate | None],
+def _judge(rows: list[DiffRow], specs: list[diff_rows.RowSpec], estimates: list[bootstrap.Estimate | None],
            builder: diff_rows.RowBuilder, bands: drift_band.Bands, uncontrolled: np.ndarray, threshold: float) -> None:
     """Each row's no-change band (its size class's, a control row's own sure move), its verdict within it, and the
     note that says what its unpaired calls are."""
@@ -229,11 +230,11 @@ def _judge(rows: list[DiffRow], specs: list[diff_rows.RowSpec], estimates: list[
         if estimate is not None and row.kv_independent and not holds_outlier:
             band = max(band, drift_band.sure_move(estimate.low, estimate.high))
         row.band = band if estimate is not None else None
-        row.verdict, row.paired_verdict = stats.row_verdict(estimate, threshold=threshold, drift=band,
+        row.verdict, row.paired_verdict = verdicts.row_verdict(estimate, threshold=threshold, drift=band,
                                                             paired_delta=row.paired_delta_ns,
                                                             unpaired_delta=unpaired_delta)
         left = (row.baseline_calls - row.compared_calls, row.candidate_calls - row.compared_calls)
-        if row.verdict == stats.DIFFERENT_WORK:
+        if row.verdict == verdicts.DIFFERENT_WORK:
             row.note = "; ".join(filter(None, [builder.different_work(row_groups, row), row.note]))
         elif estimate is not None and any(left):
             row.note = "; ".join(filter(None, [row.note, f"{left[0]:,} baseline and {left[1]:,} candidate calls "
@@ -250,7 +251,7 @@ def _tables(rows: list[DiffRow], specs: list[diff_rows.RowSpec]) -> tuple[list[D
     diff_rows.rank_agreement(segments + phases, rank_rows)
     family_phases = [r for r, s in zip(rows, specs) if s.level == "family_phase"]
     for table in (segments, families, phases, family_phases):
-        for row, share in zip(table, stats.abs_shares([r.total_delta_ns for r in table])):
+        for row, share in zip(table, shares.abs_shares([r.total_delta_ns for r in table])):
             row.abs_delta_share = share
     segments.sort(key=lambda r: (-abs(r.total_delta_ns), segment_order(r.segment)))
     families.sort(key=lambda r: (-abs(r.total_delta_ns), segment_order(r.segment), r.family))
@@ -260,8 +261,8 @@ def _tables(rows: list[DiffRow], specs: list[diff_rows.RowSpec]) -> tuple[list[D
     return segments, phases, families, family_phases, rank_rows
 
 
-def _drift(rows: list[DiffRow], pooled: stats.Estimate | None, controls: pl.DataFrame, cells: pl.DataFrame,
-           estimates: list[stats.Estimate | None], comparison: diff_rows.Comparison, threshold: float,
+def _drift(rows: list[DiffRow], pooled: bootstrap.Estimate | None, controls: pl.DataFrame, cells: pl.DataFrame,
+           estimates: list[bootstrap.Estimate | None], comparison: diff_rows.Comparison, threshold: float,
            uncontrolled_paired: bool) -> tuple[Drift, drift_band.Bands]:
     """Drift from the kernels the KV format cannot affect, and the band of each size class from their cells (and
     of `other` cells, when some paired). With none of them paired no class is measured: every class gets what

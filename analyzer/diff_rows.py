@@ -13,7 +13,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 import polars as pl
 
-from kvtrace.analyzer import drift_band, pairing, stats
+from kvtrace.analyzer import drift_band, pairing
+from kvtrace.analyzer.stats import arm_summary, bootstrap, shares, verdicts
 from kvtrace.analyzer.calls import sums
 from kvtrace.analyzer.pairing import KERNEL, RANGE, Cells, Run, Vocabulary
 from kvtrace.analyzer.results import UNIT_NOTE, WHOLE_PHASE, Arm, ArmStats, DiffRow
@@ -52,7 +53,7 @@ class Comparison:
     runs: list[tuple[Run, Run]]
     pairs: list[pairing.Pairs]
     strata: pl.DataFrame  # all runs' strata, with `run` and a global `stratum`
-    paired: stats.PairedStrata
+    paired: bootstrap.PairedStrata
     strata_totals: tuple[np.ndarray, np.ndarray]  # per global stratum, summed paired time per arm
 
     @classmethod
@@ -75,7 +76,7 @@ class Comparison:
             pairs = [replace(p, baseline=baseline[end - p.baseline.size:end], candidate=candidate[end - p.baseline.size:end])
                      for p, end in zip(pairs, ends)]
         release_runs(runs)
-        paired = stats.PairedStrata(baseline, candidate, offsets.astype(np.int64), strata["run"].to_numpy(),
+        paired = bootstrap.PairedStrata(baseline, candidate, offsets.astype(np.int64), strata["run"].to_numpy(),
                                     len(runs))
         totals = tuple(sums(values, offsets) for values in (baseline, candidate))
         return cls(vocabulary, runs, pairs, strata, paired, totals)
@@ -163,7 +164,7 @@ class RowBuilder:
             out.append((run, group, table))
         return out
 
-    def row(self, spec: RowSpec, estimate: stats.Estimate | None) -> DiffRow:
+    def row(self, spec: RowSpec, estimate: bootstrap.Estimate | None) -> DiffRow:
         vocabulary = self.comparison.vocabulary
         sides = [self.groups(spec, side) for side in (0, 1)]
         self.row_groups.append(sides)
@@ -176,14 +177,14 @@ class RowBuilder:
         if estimate is not None:
             totals = self.comparison.strata_totals
             sizes = np.diff(self.comparison.paired.offsets)[members]
-            per_call = stats.same_work([totals[side][members] / sizes for side in (0, 1)])
+            per_call = arm_summary.same_work([totals[side][members] / sizes for side in (0, 1)])
             intervals = ((estimate.baseline_low, estimate.baseline_high),
                          (estimate.candidate_low, estimate.candidate_high))
             arm_stats = [ArmStats.of(self.comparison.values(members, side), self.arm_totals[side], intervals[side])
                          if per_call else ArmStats.total(int(sizes.sum()), int(totals[side][members].sum()),
                                                          self.arm_totals[side], intervals[side]) for side in (0, 1)]
         else:  # nothing paired: each arm's calls in the window
-            per_call = stats.same_work([np.concatenate([per_key_means(t) for _, _, t in groups])
+            per_call = arm_summary.same_work([np.concatenate([per_key_means(t) for _, _, t in groups])
                                         for groups in sides if any(t.height for _, _, t in groups)])
             arm_stats = [None if not window_calls[side] else
                          ArmStats.of(np.concatenate([g.values() for _, g, _ in groups]), self.arm_totals[side])
@@ -313,7 +314,7 @@ class RowBuilder:
                 f"{row.compared_calls:,} paired calls alone ({row.paired_verdict})")
 
 
-def new_row(estimate: stats.Estimate | None, *, segment: str, arm_stats: list[ArmStats | None], calls: list[int],
+def new_row(estimate: bootstrap.Estimate | None, *, segment: str, arm_stats: list[ArmStats | None], calls: list[int],
             totals: list[int], paired_delta_ns: int, compared_calls: int, cells: int, same_work: bool,
             **where) -> DiffRow:
     """A row from its counts (per arm: calls and total time in the window) and its estimate (None: nothing paired);
@@ -326,9 +327,9 @@ def new_row(estimate: stats.Estimate | None, *, segment: str, arm_stats: list[Ar
                    compared_calls=compared_calls, cells=cells,
                    single_call_cells=estimate.single_call_strata if paired else 0, same_work=same_work,
                    ratio=estimate.ratio if paired else None, ci_low=estimate.low if paired else None,
-                   ci_high=estimate.high if paired else None, band=None, verdict=stats.NOT_COMPARABLE,
+                   ci_high=estimate.high if paired else None, band=None, verdict=verdicts.NOT_COMPARABLE,
                    paired_verdict=None, note=None, reason=None, total_delta_ns=total_delta,
-                   paired_delta_ns=paired_delta_ns, unpaired_share=stats.unpaired_share(
+                   paired_delta_ns=paired_delta_ns, unpaired_share=shares.unpaired_share(
                        paired_delta_ns, total_delta - paired_delta_ns) if paired else None,
                    abs_delta_share=None, run_ratios=estimate.run_ratios if paired else (),
                    no_interval=estimate.no_interval if paired else None, **where)
@@ -336,7 +337,7 @@ def new_row(estimate: stats.Estimate | None, *, segment: str, arm_stats: list[Ar
 
 def rank_agreement(rows: list[DiffRow], rank_rows: list[DiffRow]) -> None:
     """Per row of every rank, whether its ranks agree: each rank's row compared, with the row's verdict, and the
-    ranks' paired calls the same work per call in each arm (stats.same_work). Rows of one rank keep None."""
+    ranks' paired calls the same work per call in each arm (arm_summary.same_work). Rows of one rank keep None."""
     by_key: dict[tuple, list[DiffRow]] = {}
     for row in rank_rows:
         by_key.setdefault((row.segment, row.phase), []).append(row)
@@ -345,7 +346,7 @@ def rank_agreement(rows: list[DiffRow], rank_rows: list[DiffRow]) -> None:
         if not ranks:
             continue
         compared = all(r.ratio is not None and r.verdict == row.verdict for r in ranks)
-        row.ranks_agree = compared and stats.same_work(
+        row.ranks_agree = compared and arm_summary.same_work(
             [np.array([getattr(r, side).total_ns / getattr(r, side).calls for r in ranks])
              for side in ("baseline", "candidate")])
 
@@ -370,19 +371,19 @@ def phase_totals(comparison: Comparison, base_arm: Arm, cand_arm: Arm, *, thresh
         return []
     sizes = np.array([s[2] for s in strata])
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    paired = stats.PairedStrata(np.concatenate(pieces[0]), np.concatenate(pieces[1]), offsets,
+    paired = bootstrap.PairedStrata(np.concatenate(pieces[0]), np.concatenate(pieces[1]), offsets,
                                 np.array([s[0] for s in strata]), len(comparison.runs))
     phase_of = vocabulary.phase_of_nvtx[[s[1] for s in strata]]
     codes = sorted(set(phase_of.tolist()), key=lambda code: natural(vocabulary.phases[code]))
     members = [np.flatnonzero(phase_of == code) for code in codes]
-    estimates = stats.estimate_rows(paired, members, confidence=confidence, seed=seed)
+    estimates = bootstrap.estimate_rows(paired, members, confidence=confidence, seed=seed)
     rows = []
     for code, chosen, estimate in zip(codes, members, estimates):
         values = [np.concatenate([(paired.baseline, paired.candidate)[side][offsets[i]:offsets[i + 1]]
                                   for i in chosen.tolist()]) for side in (0, 1)]
         means = [np.array([(paired.baseline, paired.candidate)[side][offsets[i]:offsets[i + 1]].mean()
                            for i in chosen.tolist()]) for side in (0, 1)]
-        per_call = stats.same_work(means)
+        per_call = arm_summary.same_work(means)
         intervals = ((estimate.baseline_low, estimate.baseline_high), (estimate.candidate_low, estimate.candidate_high))
         arm_totals = (base_arm.total_ns, cand_arm.total_ns)
         arm_stats = [ArmStats.of(values[side], arm_totals[side], intervals[side]) if per_call else
@@ -394,7 +395,7 @@ def phase_totals(comparison: Comparison, base_arm: Arm, cand_arm: Arm, *, thresh
         paired_delta = int(values[1].sum()) - int(values[0].sum())
         base_ns = np.array([paired.baseline[offsets[i]:offsets[i + 1]].sum() for i in chosen.tolist()])
         band = bands.of(means[0], base_ns)
-        verdict, paired_verdict = stats.row_verdict(estimate, threshold=threshold, drift=band,
+        verdict, paired_verdict = verdicts.row_verdict(estimate, threshold=threshold, drift=band,
                                                     paired_delta=paired_delta,
                                                     unpaired_delta=totals[1] - totals[0] - paired_delta)
         left = [units[side] - values[side].size for side in (0, 1)]
@@ -405,7 +406,7 @@ def phase_totals(comparison: Comparison, base_arm: Arm, cand_arm: Arm, *, thresh
         row.note = "; ".join([UNIT_NOTE] + ([f"{left[0]:,} baseline and {left[1]:,} candidate units without a partner"]
                                             if any(left) else []))
         rows.append(row)
-    for row, share in zip(rows, stats.abs_shares([r.total_delta_ns for r in rows])):
+    for row, share in zip(rows, shares.abs_shares([r.total_delta_ns for r in rows])):
         row.abs_delta_share = share
     return rows
 

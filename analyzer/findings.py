@@ -8,8 +8,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import polars as pl
 
-from kvtrace.analyzer import align, drift_band, stats
+from kvtrace.analyzer import align, drift_band
 from kvtrace.analyzer.results import Arm, DiffRow, Drift, Finding
+from kvtrace.analyzer.stats import arm_summary
 from kvtrace.kv_formats import bytes_per_value, claimed_dtypes
 
 if TYPE_CHECKING:
@@ -82,7 +83,8 @@ def window_findings(window: align.Window, families: list[DiffRow], realigned: li
         findings.append(Finding("ok", "window", "compared whole traces (no --window, --time, --phase or trimming)"))
     for r in families:
         if r.family_label in realigned:
-            findings.append(Finding("warning", "alignment", f"{r.family_label}: {r.note}; extra calls at the start "
+            paired = r.note or "paired on its last calls"
+            findings.append(Finding("warning", "alignment", f"{r.family_label}: {paired}; extra calls at the start "
                                     "are usually warm-up (--skip-warmup), missing calls at the end a truncated arm"))
     for label, base_shapes, cand_shapes in relaunched:
         findings.append(Finding("warning", "alignment", f"{label} ran in the same NVTX ranges with other launch "
@@ -156,7 +158,7 @@ def _rank_skew(run: Run, label: str, communication: int) -> Finding:
         return Finding("ok", "ranks", f"{text}; no communication kernels on every rank, so skew is not measured")
     per_call = np.array([total / calls for calls, total in waits])
     shown = ", ".join(f"{value / 1e3:,.1f} µs" for value in per_call)
-    if stats.same_work([per_call]):
+    if arm_summary.same_work([per_call]):
         return Finding("ok", "ranks", f"{text}; communication kernels cost the same per call on every rank "
                        f"({shown}): no straggler")
     straggler = int(per_call.argmin())

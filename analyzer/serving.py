@@ -11,9 +11,12 @@ from pathlib import Path
 import numpy as np
 
 from kvtrace import files
-from kvtrace.analyzer import stats
+from kvtrace.analyzer import budget as budget_lib
+from kvtrace.analyzer.budget import ArmBudget, Reason
 from kvtrace.analyzer.reuse import Evictions, PrefixReuse, evictions, prefix_reuse
 from kvtrace.analyzer.runs import ArmInput
+from kvtrace.analyzer.stats import serving_intervals, shares
+from kvtrace.analyzer.stats.serving_intervals import ArmSamples
 from kvtrace.errors import KvtraceError
 from kvtrace.manifest import Point, capacity_reason
 
@@ -120,6 +123,7 @@ class ServingMetrics:
     reuse: PrefixReuse | None = None  # the server's cached tokens per request (serve runs with the usage relay)
     evictions: Evictions | None = None  # cached blocks evicted, from vLLM's KV-cache events
     requests_detail: RequestSamples | None = field(default=None, repr=False)  # per request, where recorded
+    budget: ArmBudget | None = None  # the TTFT budget from vLLM's request histograms (analyzer.budget)
 
     @property
     def cached_share(self) -> float | None:
@@ -148,12 +152,17 @@ class ServingRow:
     ttft_ratio: float | None = None  # candidate / baseline
     ratios: dict = field(default_factory=dict)  # candidate / baseline per metric (`ttft_ms.p50`, `output_tokens_per_s`)
     # Per ESTIMATED metric, candidate / baseline of its mean over every run pair with its interval and verdict
-    # (stats.serving_estimate); None where either arm lacks it. `runs`: the run pairs they cover.
+    # (serving_intervals.serving_estimate); None where either arm lacks it. `runs`: the run pairs they cover.
     estimates: dict = field(default_factory=dict)
     runs: int = 1
     paired_requests: bool = False  # both arms sent the same prompts in the same order: per-request values pair
     # Each run pair's metrics at this point, in repeat order (the runs of both arms that ran it).
     run_pairs: tuple[tuple[ServingMetrics, ServingMetrics], ...] = ()
+    # The TTFT budget over the run pairs and what carries its difference, with the split of the traced prefill steps
+    # where a trace covers this point's own traffic (analyzer.budget, budget_trace); None without the histograms.
+    reason: Reason | None = None
+    trace_note: str | None = None  # why no trace splits this point (budget_trace.NOT_TRACED, NO_PREFILL_STEPS)
+    diff_covers: bool = False  # the report's kernel diff read this point's traces (a one-trace run's first point)
 
 
 def _number(value):
@@ -375,7 +384,8 @@ def serving_metrics(record: dict, kv_cache_tokens: int | None, run: Path | None 
         peak_waiting=observed.get("vllm:num_requests_waiting"), peak_kv_usage=observed.get("vllm:kv_cache_usage_perc"),
         peaks_note=peaks_note, capacity=reason, capacity_note=capacity_note,
         checks=source_checks(record, counters, histograms, kv_cache_tokens, reuse),
-        requests_detail=request_samples(record, run), reuse=reuse, evictions=evictions(record))
+        requests_detail=request_samples(record, run), reuse=reuse, evictions=evictions(record),
+        budget=budget_lib.arm_budget(histograms))
 
 
 def _observed_capacity(recorded: str | None, point: Point | None, counters: dict, peaks: dict,
@@ -421,14 +431,16 @@ def serving_rows(base: ArmInput, cand: ArmInput, *, threshold: float = 0.02, con
             for stat in ("p50", "mean"):
                 b, c = getattr(row.baseline.ttft_ms, stat), getattr(row.candidate.ttft_ms, stat)
                 if b and c is not None:
-                    row.ttft_stat, row.ttft_ratio = stat, stats.ratio(b, c)
+                    row.ttft_stat, row.ttft_ratio = stat, shares.ratio(b, c)
                     break
             row.ratios = serving_ratios(row.baseline, row.candidate)
             pairs = [(b[spec], c[spec]) for b, c in zip(*runs) if spec in b and spec in c]
             row.runs = len(pairs)
             row.run_pairs = tuple((b[0], c[0]) for b, c in pairs)
+            row.reason = budget_lib.reason(budget_lib.point_budget([(b.budget, c.budget) for b, c in row.run_pairs],
+                                                                   confidence), None, None)
             row.paired_requests = all(_same_requests(b[1], c[1]) for b, c in pairs)
-            row.estimates = {name: stats.serving_estimate(
+            row.estimates = {name: serving_intervals.serving_estimate(
                 [(_samples(b, name, row.paired_requests), _samples(c, name, row.paired_requests)) for b, c in pairs],
                 higher_is_better=higher, threshold=threshold, confidence=confidence, seed=seed)
                 for name, higher in ESTIMATED.items()}
@@ -449,22 +461,22 @@ def _same_requests(base: dict, cand: dict) -> bool:
     return isinstance(digest, str) and bool(digest) and digest == cand.get("request_order_sha256")
 
 
-def _samples(arm: tuple[ServingMetrics, dict], name: str, paired: bool) -> stats.ArmSamples:
+def _samples(arm: tuple[ServingMetrics, dict], name: str, paired: bool) -> ArmSamples:
     """One arm's samples of an ESTIMATED metric in one run: per request where recorded and the requests pair, else
     the client's mean, std and count, else the mean alone (vLLM's histogram, a throughput)."""
     metrics, record = arm
     if name in _RUN_VALUES:
-        return stats.ArmSamples(mean=getattr(metrics, name))
+        return ArmSamples(mean=getattr(metrics, name))
     detail = metrics.requests_detail
     values = getattr(detail, name) if detail is not None else None
     if paired and values is not None and values.size >= 2:
-        return stats.ArmSamples.of_values(values)
+        return ArmSamples.of_values(values)
     mean = getattr(metrics, name).mean
     bench = record.get("bench") or {}
     std, count = bench.get(f"std_{_SUMMARY[name]}_ms"), metrics.requests
     if all(isinstance(v, (int, float)) and math.isfinite(v) for v in (mean, std, count)) and count >= 2:
-        return stats.ArmSamples(mean=mean, std=std * math.sqrt(count / (count - 1)), count=int(count))  # client: ddof 0
-    return stats.ArmSamples(mean=mean)
+        return ArmSamples(mean=mean, std=std * math.sqrt(count / (count - 1)), count=int(count))  # client: ddof 0
+    return ArmSamples(mean=mean)
 
 
 def serving_ratios(base: ServingMetrics, cand: ServingMetrics) -> dict[str, float | None]:
@@ -472,8 +484,8 @@ def serving_ratios(base: ServingMetrics, cand: ServingMetrics) -> dict[str, floa
     ratios = {}
     for name in ("ttft_ms", "itl_ms", "tpot_ms", "e2el_ms"):
         for stat in ("p50", "p90", "p99", "mean"):
-            ratios[f"{name}.{stat}"] = stats.ratio(getattr(getattr(base, name), stat),
-                                                   getattr(getattr(cand, name), stat))
+            ratios[f"{name}.{stat}"] = shares.ratio(getattr(getattr(base, name), stat),
+                                                    getattr(getattr(cand, name), stat))
     for name in ("input_tokens_per_s", "output_tokens_per_s"):
-        ratios[name] = stats.ratio(getattr(base, name), getattr(cand, name))
+        ratios[name] = shares.ratio(getattr(base, name), getattr(cand, name))
     return ratios

@@ -6,11 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kvtrace.analyzer import capacity, headline, stats
+from kvtrace.analyzer import capacity, headline
+from kvtrace.analyzer.budget import Reason
 from kvtrace.analyzer.results import Diff
 from kvtrace.analyzer.reuse import Evictions, PrefixReuse
 from kvtrace.analyzer.runs import RunArm
 from kvtrace.analyzer.serving import ServingRow
+from kvtrace.analyzer.stats import serving_intervals, verdicts
 from kvtrace.analyzer.steps import StepPhase
 from kvtrace.manifest import Point, parse_phase_name
 
@@ -23,6 +25,7 @@ CAPACITY_EFFECT = "capacity effect"  # the baseline was capacity-bound there, th
 OUTSIDE_KERNELS = "outside the prefill kernels"  # same cached tokens, prefill kernels not faster
 PREFILLED_DIFFERENT = "different prefill amounts"  # cached tokens differ: TTFT mixes kernel speed and hits
 PLAIN = "plain"  # nothing to qualify
+BUDGET = "budget"  # same cached tokens: the server's TTFT budget says which part carries the change (analyzer.budget)
 
 
 @dataclass(frozen=True)
@@ -175,7 +178,9 @@ class TtftStatement(Statement):
     candidate_evictions: Evictions | None = None
     # TTFT's mean over every run pair with its interval and verdict (ServingRow.estimates), where the point has one:
     # the reading names a mechanism, and only this estimate says whether the change is one.
-    estimate: stats.ServingEstimate | None = None
+    estimate: serving_intervals.ServingEstimate | None = None
+    # The TTFT budget and the part that carries its difference, the same result the matrix words for this point.
+    reason: Reason | None = None
 
 
 @dataclass(frozen=True)
@@ -210,7 +215,7 @@ def _kernel_statement(diff: Diff, head: headline.HeadRow, base: RunArm | None, c
     if compared:  # cells of different cost per call: the totals, since a pooled mean describes no call that ran
         times = [getattr(arm, "mean_ns" if row.same_work else "total_ns") for arm in (row.baseline, row.candidate)]
     return KernelStatement(
-        level="warning" if not compared or row.verdict in (stats.REGRESSION, stats.DIFFERENT_WORK) else "ok",
+        level="warning" if not compared or row.verdict in (verdicts.REGRESSION, verdicts.DIFFERENT_WORK) else "ok",
         check=_KERNEL_CHECKS[head.question], subject=subject, point=head.point, phase=row.phase,
         context=parsed[1] if parsed else None,
         baseline=diff.baseline.label, candidate=diff.candidate.label, verdict=row.verdict, ratio=row.ratio,
@@ -270,19 +275,21 @@ def segment_verdict(diff: Diff, segment: str):
     row = next((r for r in diff.segments if r.segment == segment), None)
     if row is None or row.ratio is None:
         return row, None
-    return row, row.paired_verdict if row.verdict == stats.DIFFERENT_WORK else row.verdict
+    return row, row.paired_verdict if row.verdict == verdicts.DIFFERENT_WORK else row.verdict
 
 
 def ttft_guard_rail(diff: Diff, serving: list[ServingRow], base: RunArm, cand: RunArm) -> list[TtftStatement]:
     """Two prefill statements that can both be true: a TTFT gain while the candidate served more of its prompts
     from the prefix cache is a capacity / prefix-hit effect, not a faster kernel, when its prefill kernels are
     not faster; when they are faster too, TTFT credits neither alone."""
-    prefill, verdict = segment_verdict(diff, "prefill_attention")
-    not_faster = verdict in (stats.REGRESSION, stats.NO_CHANGE)
+    prefill, whole_verdict = segment_verdict(diff, "prefill_attention")
     out = []
     for row in serving:
         if not (row.baseline and row.candidate and row.ttft_ratio is not None):
             continue
+        # The prefill kernels speak for a point only where the kernel diff read that point's own traffic.
+        verdict = whole_verdict if row.diff_covers else None
+        not_faster = verdict in (verdicts.REGRESSION, verdicts.NO_CHANGE)
         b, c = row.baseline, row.candidate
         cached_differ = b.cached_prompt_tokens is not None and c.cached_prompt_tokens is not None and \
             b.cached_prompt_tokens != c.cached_prompt_tokens
@@ -290,13 +297,15 @@ def ttft_guard_rail(diff: Diff, serving: list[ServingRow], base: RunArm, cand: R
         improved = row.ttft_ratio < 1 - diff.threshold
         if improved and more_hits and not_faster:
             reading = PREFIX_HIT
-        elif improved and more_hits and verdict == stats.IMPROVEMENT:
+        elif improved and more_hits and verdict == verdicts.IMPROVEMENT:
             reading = PREFIX_HIT_AND_FASTER
+        elif row.reason is not None and not cached_differ:
+            reading = BUDGET
         elif improved and not_faster and b.capacity and not c.capacity:
             reading = CAPACITY_EFFECT
         elif improved and not_faster and not cached_differ:
             reading = OUTSIDE_KERNELS
-        elif more_hits and verdict == stats.REGRESSION and not improved:
+        elif more_hits and verdict == verdicts.REGRESSION and not improved:
             reading = PREFIX_HIT_SLOWER
         elif cached_differ:
             reading = PREFILLED_DIFFERENT
@@ -308,7 +317,8 @@ def ttft_guard_rail(diff: Diff, serving: list[ServingRow], base: RunArm, cand: R
         # A slower TTFT is never marked "ok", whatever reading it has.
         worse = row.ttft_ratio > 1 + diff.threshold
         out.append(TtftStatement(
-            level="ok" if reading == PLAIN and not worse else "warning", check="ttft", reading=reading,
+            level="ok" if (reading == PLAIN and not worse) or (reading == BUDGET and not worse and not improved)
+            else "warning", check="ttft", reading=reading,
             baseline=base.label, candidate=cand.label, point=row.point if len(serving) > 1 else None, stat=row.ttft_stat,
             baseline_ms=getattr(b.ttft_ms, row.ttft_stat), candidate_ms=getattr(c.ttft_ms, row.ttft_stat),
             ratio=row.ttft_ratio, prefill_verdict=verdict, prefill_ratio=prefill.ratio if verdict else None,
@@ -318,7 +328,7 @@ def ttft_guard_rail(diff: Diff, serving: list[ServingRow], base: RunArm, cand: R
             baseline_queue_ms=queued[0], candidate_queue_ms=queued[1], prefix_fit=_prefix_fit(row, base, cand),
             baseline_capacity=b.capacity, baseline_reuse=b.reuse, candidate_reuse=c.reuse,
             baseline_evictions=b.evictions, candidate_evictions=c.evictions,
-            estimate=row.estimates.get("ttft_ms")))
+            estimate=row.estimates.get("ttft_ms"), reason=row.reason))
     return out
 
 

@@ -19,18 +19,19 @@ import pytest
 from rich.console import Console
 
 from conftest import VLLM033_8B_RUNS
-from kvtrace.analyzer import compare, matrix, report, stats
+from kvtrace.analyzer import claims as claims_lib, compare, matrix, report
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.load import open_traces
 from kvtrace.analyzer.render import render_table, render_text
 from kvtrace.analyzer.render.matrix import claim_text, kernel_table, table
 from kvtrace.analyzer.render.statements import text as statement_text
 from kvtrace.analyzer.render.units import interval
+from kvtrace.analyzer.stats import bootstrap, serving_intervals, verdicts
 from kvtrace.text import plural
 
 PREEMPTION = VLLM033_8B_RUNS["capacity-preemption"]
 SWEEP = VLLM033_8B_RUNS["capacity-sweep"]
-ONE_RUN_PAIR = stats.NO_INTERVAL_WHY[stats.ONE_RUN_PAIR]
+ONE_RUN_PAIR = bootstrap.NO_INTERVAL_WHY[bootstrap.ONE_RUN_PAIR]
 NAN = re.compile(r"\bnan\b", re.IGNORECASE)
 
 
@@ -89,7 +90,7 @@ def test_a_row_paired_in_one_run_pair_of_two_has_no_interval_and_says_why(preemp
     row = _decode_steps(preemption.diff, "BatchPrefillWithPagedKVCacheKernel")
     assert row.compared_calls == 928 and row.run_ratios[0] is None
     assert row.ci_low is None and row.ci_high is None and row.no_interval == ONE_RUN_PAIR
-    assert row.verdict == stats.DIFFERENT_WORK and row.paired_verdict == stats.INSUFFICIENT_DATA
+    assert row.verdict == verdicts.DIFFERENT_WORK and row.paired_verdict == verdicts.INSUFFICIENT_DATA
     assert "calls paired in r2 only, of 2 run pairs" in row.note
 
     fp8, nvfp4 = open_traces([PREEMPTION / "fp8.r2.sqlite", PREEMPTION / "nvfp4.r2.sqlite"])
@@ -98,7 +99,7 @@ def test_a_row_paired_in_one_run_pair_of_two_has_no_interval_and_says_why(preemp
     assert alone.ratio == pytest.approx(row.run_ratios[1], rel=1e-12) and alone.ci_low < alone.ratio < alone.ci_high
 
     merge = _decode_steps(preemption.diff, "MergeStates")
-    assert merge.no_interval == ONE_RUN_PAIR and merge.verdict == stats.INSUFFICIENT_DATA  # 0.964x: beyond ±2%
+    assert merge.no_interval == ONE_RUN_PAIR and merge.verdict == verdicts.INSUFFICIENT_DATA  # 0.964x: beyond ±2%
 
 
 def test_a_row_paired_in_two_run_pairs_of_three_is_resampled_over_those(recipes):
@@ -160,18 +161,18 @@ def test_residency_is_stated_only_where_prefix_caching_happened(decision):
                 cached[key] = cached.get(key, False) or sum(r["cached_tokens"] for r in requests) > 0 or removed > 0
     assert sum(cached.values()) == 1
     claims = [c for c in decision.claims if c.kind == "residency"]
-    assert [c.values["point"] for c in claims] == [point for (_, point), used in cached.items() if used]
+    assert [c.point for c in claims] == [point for (_, point), used in cached.items() if used]
     words = "\n".join(claim_text(c, decision) for c in decision.claims)
     assert words.count("Residency at") == 1 and "the same share" not in words
 
 
 # ---- capacity: the server's measures, one arm bound or both -----------------------------------------------
 
-def _capacity_claims(decision, run) -> dict[str, matrix.Claim]:
+def _capacity_claims(decision, run) -> dict[str, claims_lib.CapacityClaim]:
     """The capacity claims that cite one run directory's points, by point (a point measured in two run directories
     has one claim, citing both)."""
     rows = {p.row for s in decision.scenarios if Path(s.report.baseline.run) == run for p in s.points}
-    return {c.values["point"]: c for c in decision.claims if c.kind == "capacity" and rows & set(c.rows)}
+    return {c.outcome.point: c for c in decision.claims if c.kind == "capacity" and rows & set(c.rows)}
 
 
 def test_where_capacity_binds_for_one_arm_the_server_measures_stand_beside_it(decision):
@@ -180,14 +181,14 @@ def test_where_capacity_binds_for_one_arm_the_server_measures_stand_beside_it(de
     words give every run's (one run's measure is not the point's)."""
     fp8, nvfp4 = _points(PREEMPTION, "fp8")[0], _points(PREEMPTION, "nvfp4")[0]
     claim = _capacity_claims(decision, PREEMPTION)[fp8["point"]]
-    v = claim.values
-    assert v["baseline_capacity"] == "9 preemptions" and v["candidate_capacity"] is None
-    assert v["preemptions"] == [_counter(fp8, "vllm:num_preemptions_total"),
-                                _counter(nvfp4, "vllm:num_preemptions_total")] == [9, 0]
+    v = claim.outcome
+    assert v.baseline_capacity == "9 preemptions" and v.candidate_capacity is None
+    assert list(v.preemptions) == [_counter(fp8, "vllm:num_preemptions_total"),
+                                   _counter(nvfp4, "vllm:num_preemptions_total")] == [9, 0]
     peaks = [p["metrics"]["peaks"] for p in (fp8, nvfp4)]
-    assert v["peak_running"] == [p["vllm:num_requests_running"] for p in peaks] == [15, 16]
-    assert v["peak_kv_usage"] == [p["vllm:kv_cache_usage_perc"] for p in peaks]
-    assert v["queue_ms"] == pytest.approx([_queue_ms(fp8), _queue_ms(nvfp4)])
+    assert list(v.peak_running) == [p["vllm:num_requests_running"] for p in peaks] == [15, 16]
+    assert list(v.peak_kv_usage) == [p["vllm:kv_cache_usage_perc"] for p in peaks]
+    assert list(v.queue_ms) == pytest.approx([_queue_ms(fp8), _queue_ms(nvfp4)])
     runs = {arm: _points(PREEMPTION, arm) for arm in ("fp8", "nvfp4")}  # r1, r2
 
     def each(arm: str, measure) -> str:
@@ -215,8 +216,8 @@ def test_where_capacity_binds_for_both_arms_the_decision_says_so(decision):
                    if p["bench_result"].startswith(f"{arm}.r1")} for arm in ("fp8", "nvfp4")}
     claims = _capacity_claims(decision, SWEEP)
     both = claims[fp8_points[-1]["point"]]
-    assert both.values["baseline_capacity"].startswith("30,464 KV tokens needed of 16,384")
-    assert both.values["candidate_capacity"] == "1 preemption" and both.values["preemptions"] == [0, 1]
+    assert both.outcome.baseline_capacity.startswith("30,464 KV tokens needed of 16,384")
+    assert both.outcome.candidate_capacity == "1 preemption" and both.outcome.preemptions == (0, 1)
     words = claim_text(both, decision)
     assert "Where capacity binds for both arms" in words and "and so is nvfp4 (1 preemption)" in words
     last = fp8_points[-1]["point"]
@@ -224,8 +225,8 @@ def test_where_capacity_binds_for_both_arms_the_decision_says_so(decision):
             f"{_queue_ms(nvfp4_points[-1]):.1f} ms and {_queue_ms(later['nvfp4'][last]):.1f} ms") in words
     fp8_only = [p["point"] for p in fp8_points[2:5]]
     for point in fp8_only:
-        v = claims[point].values
-        assert v["baseline_capacity"] and not v["candidate_capacity"]
+        v = claims[point].outcome
+        assert v.baseline_capacity and not v.candidate_capacity
         assert "and nvfp4 is not; the server measured, fp8 against nvfp4: preemptions 0 and 0 against 0 and 0" in \
             claim_text(claims[point], decision)
     assert set(claims) == {fp8_points[-1]["point"], *fp8_only}
@@ -234,7 +235,7 @@ def test_where_capacity_binds_for_both_arms_the_decision_says_so(decision):
 def test_where_both_arms_are_bound_the_one_bound_less_wins_by_capacity(decision):
     """At concurrency 14 both sweeps' NVFP4 preempted once, so both arms are capacity-bound; but the server saw NVFP4
     run up to 13-14 requests at once against FP8's 7. Pooled over both sessions NVFP4's TTFT clears the band, and the
-    win is credited to the capacity effect (NVFP4 bound less), not to a kernel."""
+    win is credited to the capacity effect its TTFT budget measures (queue time carries it), not to a kernel."""
     last = _points(SWEEP, "fp8")[-1]["point"]
     points = [p for s in decision.scenarios for p in s.points if p.point == last]
     assert len(points) == 2 and all(p.pooled_with for p in points)
@@ -243,13 +244,14 @@ def test_where_both_arms_are_bound_the_one_bound_less_wins_by_capacity(decision)
         assert p.baseline_capacity and p.candidate_capacity and running[1] > running[0] == 7
         assert p.estimate.high < 1 and p.winner == "candidate" and p.causes == (matrix.CAPACITY,)
     words = claim_text(_capacity_claims(decision, SWEEP)[last], decision)
-    assert "nvfp4 wins, by a capacity effect" in words and "nvfp4 was bound less (1 preemption), running up to 14 " \
-        "requests at once against 7" in words and words.endswith("not kernel speed.")
+    assert "nvfp4 wins, by a capacity effect, its requests queued less (queue time −" in words
+    assert "peak running requests 7 and 7 against 14 and 13" in words and words.endswith("not kernel speed.")
 
 
-def test_both_bound_alike_is_no_capacity_win(tmp_path, recipes):
-    """The same point with NVFP4's observed peak running set to FP8's (a constructed copy): both bound, neither less,
-    so the pooled win is not explained and chooses nothing."""
+def test_a_capacity_win_rests_on_queue_time_not_on_polled_peaks(tmp_path, recipes):
+    """The same point with NVFP4's observed peak running set to FP8's (a constructed copy): both bound alike by the
+    polls, yet the win stays a capacity effect, since the server's queue time (untouched) carries the TTFT
+    difference in every run pair."""
     copies = []
     for run in (SWEEP, VLLM033_8B_RUNS["capacity-sweep-repeats"]):
         copy = tmp_path / run.name
@@ -262,7 +264,10 @@ def test_both_bound_alike_is_no_capacity_win(tmp_path, recipes):
         copies.append(copy)
     last = _points(SWEEP, "fp8")[-1]["point"]
     points = [p for s in matrix.build(copies, recipes).scenarios for p in s.points if p.point == last]
-    assert points and all(p.winner == matrix.NOT_EXPLAINED and matrix.CAPACITY not in p.causes for p in points)
+    for run in (SWEEP, VLLM033_8B_RUNS["capacity-sweep-repeats"]):
+        fp8, nvfp4 = (next(p for p in _points(run, arm)[::-1] if p["point"] == last) for arm in ("fp8", "nvfp4"))
+        assert _queue_ms(nvfp4) - _queue_ms(fp8) < -500  # the queue carries a TTFT difference of some −450 ms
+    assert points and all(p.winner == "candidate" and p.causes == (matrix.CAPACITY,) for p in points)
 
 
 # ---- the bench's wall time -----------------------------------------------------------------------------------
@@ -276,7 +281,7 @@ def test_the_report_states_the_benchs_wall_time(preemption):
     assert estimate.baseline == pytest.approx(mean(durations["fp8"]))
     assert estimate.candidate == pytest.approx(mean(durations["nvfp4"]))
     assert estimate.ratio == pytest.approx(sum(durations["nvfp4"]) / sum(durations["fp8"]))
-    assert estimate.method == stats.RUN_MEANS and estimate.low < estimate.ratio < estimate.high
+    assert estimate.method == serving_intervals.RUN_MEANS and estimate.low < estimate.ratio < estimate.high
     cell = (f"{mean(durations['fp8']):.1f} s | {mean(durations['nvfp4']):.1f} s | {estimate.ratio:.3f}× "
             f"[{estimate.low:.3f}, {estimate.high:.3f}], 2 runs")
     texts = _outputs(preemption)
@@ -293,4 +298,4 @@ def test_one_run_per_arm_gives_the_wall_time_no_interval(recipes):
         estimate = row.estimates["duration_s"]
         assert estimate.baseline == pytest.approx(json.loads((SWEEP / fp8["bench_result"]).read_text())["duration"])
         assert estimate.candidate == pytest.approx(json.loads((SWEEP / nvfp4["bench_result"]).read_text())["duration"])
-        assert estimate.low is None and estimate.method == stats.NO_INTERVAL
+        assert estimate.low is None and estimate.method == serving_intervals.NO_INTERVAL

@@ -11,7 +11,8 @@ from html.parser import HTMLParser
 import pytest
 
 from conftest import NSYS2025_DIR, REPEATS2, VLLM_COLD_PREFILL, VLLM_DECODE_HEAVY, sql_durations
-from kvtrace.analyzer import compare, headline, results, stats
+from kvtrace.analyzer import compare, headline, results
+from kvtrace.analyzer.stats import bootstrap
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.load import open_trace
 from kvtrace.analyzer.render import markdown
@@ -291,5 +292,5 @@ def test_a_phase_total_without_an_interval_says_why(fi_diff):
     assert single, "fi-h200-sm90 has GEMM phases of one range each"
     for row in single:
         assert row.ratio == pytest.approx(row.candidate.total_ns / row.baseline.total_ns)
-        assert row.ci_low is None and row.no_interval == stats.NO_INTERVAL_WHY[stats.SINGLE_CALL]
+        assert row.ci_low is None and row.no_interval == bootstrap.NO_INTERVAL_WHY[bootstrap.SINGLE_CALL]
     assert all(r.no_interval is None for r in fi_diff.phase_totals if r.ci_low is not None)

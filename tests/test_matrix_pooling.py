@@ -16,10 +16,11 @@ import pytest
 from scipy import stats as sp
 
 from conftest import VLLM033_8B_RUNS
-from kvtrace.analyzer import matrix, stats
+from kvtrace.analyzer import claims as claims_lib, matrix
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.render import render_text
 from kvtrace.analyzer.render import matrix as matrix_render
+from kvtrace.analyzer.stats import serving_intervals
 
 SWEEP = VLLM033_8B_RUNS["capacity-sweep"]
 REPEATS = VLLM033_8B_RUNS["capacity-sweep-repeats"]
@@ -87,11 +88,11 @@ def test_each_shared_point_is_decided_on_both_sessions_run_pairs(both):
         for p in (first, second):
             e = p.estimate
             assert (e.ratio, e.low, e.high) == pytest.approx((r, low, high), rel=1e-9)
-            assert (e.runs, e.band, e.method) == (2, 0.0, stats.RUN_MEANS)
+            assert (e.runs, e.band, e.method) == (2, 0.0, serving_intervals.RUN_MEANS)
             assert p.ratio == e.ratio
             assert list(np.ravel(e.run_means)) == pytest.approx(list(np.ravel(old[spec] + new[spec])), rel=1e-9)
             own = p.serving.estimates["ttft_ms"]  # the row's own measurement is kept, unpooled
-            assert own.runs == 1 and own.band == stats.ASSUMED_SERVING_BAND
+            assert own.runs == 1 and own.band == serving_intervals.ASSUMED_SERVING_BAND
             # The verdict follows from the pooled interval, band 0 and the threshold.
             if r < 1 - THRESHOLD and high < 1:
                 assert p.winner in ("candidate", matrix.NOT_EXPLAINED) and "candidate" in (p.winner, p.apparent)
@@ -112,7 +113,7 @@ def test_a_point_measured_once_is_not_pooled(both):
     for spec in once:
         (p,) = by_point(both)[spec]
         assert p.pooled_with == () and p.estimate is p.serving.estimates["ttft_ms"]
-        assert p.estimate.runs == 1 and p.estimate.band == stats.ASSUMED_SERVING_BAND
+        assert p.estimate.runs == 1 and p.estimate.band == serving_intervals.ASSUMED_SERVING_BAND
         assert p.estimate.ratio == pytest.approx(old[spec][0][1] / old[spec][0][0], rel=1e-9)
 
 
@@ -129,10 +130,10 @@ def test_the_decision_states_each_pooled_point_once_naming_every_row(both):
         citing = [c for c in stated if set(c.rows) & set(rows)]
         assert len(citing) == 1 and citing[0].rows == rows  # one claim, every row of the point
         sentence = matrix_render.claim_text(citing[0], both)
-        assert sentence in head
+        assert sentence in text and sentence not in head  # the first screen has the choice; each point's words follow
         e = points[0].estimate
         if len(rows) > 1:
-            assert citing[0].values["pooled_rows"] == list(rows)
+            assert citing[0].outcome.pooled_rows == rows
             assert (f"{e.ratio:.3f}× [{e.low:.3f}, {e.high:.3f}] (nvfp4 / fp8, 2 run pairs pooled over "
                     f"{matrix_render.rows_text(rows)} (2 run directories))") in sentence
             for p in points:
@@ -155,9 +156,9 @@ def test_pooling_refuses_estimates_of_different_metrics(both):
     p = next(p for p in both.points if p.pooled_with)
     ttft, throughput = p.serving.estimates["ttft_ms"], p.serving.estimates["output_tokens_per_s"]
     with pytest.raises(ValueError, match="different metrics"):
-        stats.pool_serving([ttft, throughput])
+        serving_intervals.pool_serving([ttft, throughput])
     with pytest.raises(ValueError, match="two estimates"):
-        stats.pool_serving([ttft])
+        serving_intervals.pool_serving([ttft])
 
 
 def test_synthetic_disagreeing_measurements_are_not_pooled_nor_decided(recipes, tmp_path):
@@ -213,14 +214,13 @@ def test_synthetic_pooled_row_whose_own_run_credits_the_win_otherwise_is_named(r
     result = matrix.build([SWEEP, REPEATS], recipes)
     first, second = next(sorted(points, key=lambda p: p.row) for points in by_point(result).values()
                          if len(points) > 1 and points[0].winner == "baseline")
-    second.causes = (*second.causes, matrix.CAPACITY)
-    second.candidate_capacity = "synthetic: capacity-bound by hand"
-    (claim,) = [c for c in matrix._claims(result.scenarios, "ttft", THRESHOLD) if first.row in c.rows
+    second.causes = (matrix.CAPACITY,)
+    (claim,) = [c for c in claims_lib.claims(result.scenarios, "ttft", THRESHOLD) if first.row in c.rows
                 and c.kind in ("capacity", "point")]
     assert claim.rows == (first.row, second.row)
-    assert [d["row"] for d in claim.values["differing"]] == [second.row]
+    assert [row for row, _ in claim.outcome.differing] == [second.row]
     text = matrix_render.claim_text(claim, result)
-    assert f"; on R{second.row}'s own run, fp8 wins; " in text and "synthetic: capacity-bound by hand" in text
+    assert f"; on R{second.row}'s own run, fp8 wins, by a capacity effect" in text
 
 
 def test_a_pooled_claim_gives_every_pooled_runs_server_measures(both, recipes):
@@ -229,19 +229,20 @@ def test_a_pooled_claim_gives_every_pooled_runs_server_measures(both, recipes):
     alone = [matrix.build([run], recipes) for run in (SWEEP, REPEATS)]
 
     def own(result, point):
-        claim = next(c for c in result.claims if c.kind == "capacity" and c.values["point"] == point)
-        return claim.values["server_runs"]
+        claim = next(c for c in result.claims if c.kind == "capacity" and c.outcome.point == point)
+        return claim.outcome.server_runs
 
-    pooled = [c for c in both.claims if c.kind == "capacity" and c.values.get("pooled_rows")]
-    assert {c.values["point"] for c in pooled} >= {"input=2048,output=128,prompts=28,concurrency=14"}
+    pooled = [c for c in both.claims if c.kind == "capacity" and c.outcome.pooled_rows]
+    assert {c.outcome.point for c in pooled} >= {"input=2048,output=128,prompts=28,concurrency=14"}
     for claim in pooled:
-        point, runs = claim.values["point"], claim.values["server_runs"]
+        point, runs = claim.outcome.point, claim.outcome.server_runs
         parts = [own(result, point) for result in alone]
-        for key in matrix.SERVER_MEASURES:
-            assert runs[key] == [parts[0][key][side] + parts[1][key][side] for side in (0, 1)], (point, key)
-        assert claim.values["server_rows"] == claim.values["pooled_rows"]  # one complete run pair per directory
+        for key in claims_lib.SERVER_MEASURES:
+            assert getattr(runs, key) == tuple(getattr(parts[0], key)[side] + getattr(parts[1], key)[side]
+                                               for side in (0, 1)), (point, key)
+        assert claim.outcome.server_rows == claim.outcome.pooled_rows  # one complete run pair per directory
         sentence = matrix_render.claim_text(claim, both)
-        assert (f"(each of the 2 runs of {matrix_render.rows_text(claim.values['pooled_rows'])}, row by row in repeat "
+        assert (f"(each of the 2 runs of {matrix_render.rows_text(claim.outcome.pooled_rows)}, row by row in repeat "
                 "order)") in sentence
-        queued = runs["queue_ms"][0]
+        queued = runs.queue_ms[0]
         assert f"mean time queued {queued[0]:.1f} ms and {queued[1]:.1f} ms against" in sentence

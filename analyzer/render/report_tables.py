@@ -18,7 +18,8 @@ from kvtrace.analyzer.roofline import CAUSAL_CONVENTION
 
 # The report's sections after its head, in the order its markdown and its terminal tables both show them (each
 # renderer draws a section by this name; a section with nothing to show is left out).
-SECTIONS = ("statements", "runs", "serving", "bandwidth", "steps", "compute", "capacity", "plots", "quality", "kernels")
+SECTIONS = ("statements", "runs", "serving", "repro", "bandwidth", "steps", "compute", "capacity", "plots", "quality",
+            "kernels")
 
 
 # ---- cell formatting -----------------------------------------------------------------------------------

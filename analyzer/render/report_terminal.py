@@ -5,6 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 
 from kvtrace.analyzer.render import quality as quality_render
+from kvtrace.analyzer.render import repro as repro_render
 from kvtrace.analyzer.render import terminal as diff_terminal
 from kvtrace.analyzer.render.capacity import capacity_terminal
 from kvtrace.analyzer.render.escape import rich, visible
@@ -58,6 +59,16 @@ def _serving(report: Report, console: Console) -> None:
         console.print(text, markup=False, highlight=False)
 
 
+def _repro(report: Report, console: Console) -> None:
+    if not report.repro:
+        return
+    for line in repro_render.split_lines(report.repro, report.baseline.versions.get("flashinfer")):
+        console.print(f"  {visible(line)}", markup=False, highlight=False)
+    console.print(_rich_table("Route against format (kvtrace repro)", *repro_render.split_table(report.repro)))
+    for note in repro_render.split_notes(report.repro):
+        console.print(f"  {visible(note)}", markup=False, highlight=False)
+
+
 def _bandwidth(report: Report, console: Console) -> None:
     if not report.bandwidth:
         return
@@ -99,6 +110,6 @@ def _kernels(report: Report, console: Console) -> None:
     diff_terminal.body(report.diff, console)
 
 
-_SECTIONS = {"statements": _statements, "runs": _runs, "serving": _serving, "bandwidth": _bandwidth,
-             "steps": _steps, "compute": _compute, "capacity": _capacity, "plots": _plots, "quality": _quality,
-             "kernels": _kernels}
+_SECTIONS = {"statements": _statements, "runs": _runs, "serving": _serving, "repro": _repro,
+             "bandwidth": _bandwidth, "steps": _steps, "compute": _compute, "capacity": _capacity, "plots": _plots,
+             "quality": _quality, "kernels": _kernels}

@@ -37,7 +37,7 @@ NO_INTERVAL = "no interval"
 
 def interval(low: float | None, high: float | None, why: str | None = None) -> str:
     """An interval as every output prints it: [low, high], else "no interval" (with `why`, where the result says
-    why: stats.NO_INTERVAL_WHY). Never nan: an end that is not a finite number is no interval."""
+    why: bootstrap.NO_INTERVAL_WHY). Never nan: an end that is not a finite number is no interval."""
     if low is None or high is None or not (math.isfinite(low) and math.isfinite(high)):
         return f"{NO_INTERVAL} ({why})" if why else NO_INTERVAL
     return f"[{low:.3f}, {high:.3f}]"
@@ -56,7 +56,7 @@ def row_interval(row) -> str:
 
 def no_change_half_width(row, threshold: float) -> float:
     """Half-width of what a compared row's ratio must leave for a verdict: its own band (the one its verdict used),
-    at least the threshold, since a ratio within 1 ± threshold is never a change (stats.verdict)."""
+    at least the threshold, since a ratio within 1 ± threshold is never a change (verdicts.verdict)."""
     return max(row.band, threshold)
 
 
@@ -154,3 +154,16 @@ def markdown_table(header: list[str], rows: list[list]) -> list[str]:
 
     lines = ["| " + " | ".join(cell(h) for h in header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     return lines + ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows]
+
+
+def rows_text(rows) -> str:
+    """R1, R2, R4–R6."""
+    rows = sorted(rows)
+    if not rows:
+        return "no row"
+    spans, start = [], rows[0]
+    for prev, cur in zip(rows, rows[1:] + [None]):
+        if cur != prev + 1:
+            spans.append(f"R{start}" if start == prev else f"R{start}–R{prev}")
+            start = cur
+    return ", ".join(spans)
