@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import shutil
 import subprocess
 import sys
@@ -159,3 +160,13 @@ def test_no_module_over_650_lines():
     long = {str(path.relative_to(REPO)): lines for path in _source_modules().values()
             if (lines := len(path.read_text().splitlines())) > 650}
     assert not long, long
+
+
+def test_readme_is_an_entrance():
+    """README.md stays an entrance (issue 49): under 12,000 characters, the long material in docs/, and every file
+    it links (docs, the demo's picture) is there."""
+    text = (REPO / "README.md").read_text()
+    assert len(text) < 12_000
+    links = re.findall(r"\]\(([^)#\s]+)", text)
+    assert "docs/summary.png" in links and "docs/usage.md" in links
+    assert not [link for link in links if not (REPO / link).is_file()]
