@@ -11,9 +11,9 @@ from kvtrace.analyzer.kernels import KernelList
 from kvtrace.analyzer.headline import APPEND_PHASE, CONTROL, Headline
 from kvtrace.analyzer.render.escape import rich, visible
 from kvtrace.analyzer.render.statements import text as statement_text
-from kvtrace.analyzer.render.units import (HEAD_TIMES, LEVEL, PART, arm_time, calls, duration, head_time, no_change_band,
-                                          numbered_notes, per_call, percent, ratio, row_interval, run_ratios,
-                                          signed_duration, summary_part)
+from kvtrace.analyzer.render.units import (HEAD_TIMES, LEVEL, PART, arm_time, calls, duration, head_time,
+                                          no_change_band, numbered_notes, per_call, percent, ratio, row_interval,
+                                          run_ratios, signed_duration, summary_part)
 from kvtrace.analyzer.stats.verdicts import Verdict
 from kvtrace.analyzer.verify import MISMATCHES_SHOWN
 
@@ -40,7 +40,8 @@ def summary(summary: Summary, console: Console) -> None:
                   f"{rich(arm.info.product_version)}, {arm.info.kernel_count:,} kernels, {duration(arm.total_ns)} "
                   "GPU kernel time")
     parted = any(r.launch or r.nvtx_range for r in summary.families)
-    for title, rows, with_family in (("Segments", summary.segments, False), ("Kernel families", summary.families, True)):
+    for title, rows, with_family in (("Segments", summary.segments, False),
+                                     ("Kernel families", summary.families, True)):
         table = Table(title=title, title_justify="left")
         family = (["family"] + ([PART] if parted else [])) if with_family else []
         for column in ["segment", *family, "calls", "total", "share", "per call", "median", "p90", "KV dtype"]:
