@@ -53,12 +53,12 @@ demo: install
 
 test: install-dev
 	@if [ -n "$(NSYS_INSTALLER)" ]; then export NSYS=$$(bash $(NSYS_INSTALLER)); fi; \
-	$(PYTHON) -m pytest -n $(TEST_WORKERS)
+	$(PYTHON) -m pytest -n $(TEST_WORKERS) --dist worksteal
 
 # The suite less the tests marked slow (end-to-end runs); `make test` and CI run everything.
 test-fast: install-dev
 	@if [ -n "$(NSYS_INSTALLER)" ]; then export NSYS=$$(bash $(NSYS_INSTALLER)); fi; \
-	$(PYTHON) -m pytest -n $(TEST_WORKERS) -m "not slow"
+	$(PYTHON) -m pytest -n $(TEST_WORKERS) --dist worksteal -m "not slow"
 
 # Grows the vLLM fixtures to 10M, 30M and 100M kernels per file under bench/out/ (a pair is skipped, and says so,
 # when the disk cannot hold it; 100M pairs need 20 to 40 GB and are removed once measured) and times kvtrace

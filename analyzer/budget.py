@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from kvtrace.analyzer.budget_trace import TracedSteps
 from kvtrace.analyzer.stats import distributions
+
+if TYPE_CHECKING:  # budget_trace reads its traces and calls reason(): an annotation only here
+    from kvtrace.analyzer.budget_trace import TracedSteps
 
 # vLLM's request histograms (seconds) that make the budget: its part -> histogram.
 HISTOGRAMS = {"ttft": "vllm:time_to_first_token_seconds", "queue": "vllm:request_queue_time_seconds",

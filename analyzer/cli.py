@@ -18,7 +18,7 @@ from rich.console import Console
 
 import kvtrace.nsys
 from kvtrace import files
-from kvtrace.analyzer import align, compare, headline, render, statements, verify
+from kvtrace.analyzer import align, compare, render, verify
 from kvtrace.analyzer.classify import SEGMENTS, load_recipes
 from kvtrace.analyzer.findings import read_first
 from kvtrace.analyzer.kernels import list_kernels
@@ -26,7 +26,7 @@ from kvtrace.analyzer.load import open_trace, open_traces
 from kvtrace.analyzer.render import escape, markdown
 from kvtrace.analyzer.names import NameKey
 from kvtrace.analyzer.results import Diff
-from kvtrace.analyzer.runs import trace_query_dtypes
+from kvtrace.analyzer.run_context import RunContext
 from kvtrace.analyzer.stats import verdicts
 from kvtrace.analyzer.stats.verdicts import Verdict
 from kvtrace.analyzer.render.escape import visible
@@ -487,11 +487,10 @@ def diff(baseline, candidate, arms, repeats, labels, threshold, confidence, seed
     runs = [(baseline, candidate), *repeats]
     if repeats:
         _check_distinct_runs(runs)
-    manifest = headline.find_manifest(baseline)
-    queries, read = _query_dtypes(baseline, candidate, manifest)
-    if (manifest is not None or read) and output is not None:
+    context = RunContext.of(baseline, None if candidate is baseline else candidate)
+    if context.read and output is not None:
         # Read for the headline: -o must not replace them.
-        inputs().extend(([manifest.path] if manifest is not None else []) + read)
+        inputs().extend(context.read)
         files.check_target(output, inputs())
     # A trace holding both arms is loaded once.
     traces = load_traces([baseline], nsys_path) * 2 if candidate is baseline else \
@@ -503,32 +502,10 @@ def diff(baseline, candidate, arms, repeats, labels, threshold, confidence, seed
     if verify_totals:
         with progress("checking kernel totals with nsys stats"):
             verify.attach(result, traces, recipes, kvtrace.nsys.find_nsys(nsys_path))
-    result.headline = headline.Headline.of(result, manifest, as_run(manifest.path.parent if manifest else None),
-                                           statements.query_quantize_statements(result, queries))
-    emit(result, fmt, output)
+    emit(context.attach(result, as_run(context.run_dir)), fmt, output)
     code = gate(result, watched)
     if code:
         sys.exit(code)
-
-
-def _query_dtypes(baseline: Path, candidate: Path, manifest) -> tuple[tuple[str | None, str | None], list[Path]]:
-    """Each arm's prefill query dtype from the log of the run that exported its (first) trace, as the report
-    reads it (analyzer.runs), and the files read for them. One trace holding both arms (--arms) has
-    one log for two arms: it tells neither apart."""
-    if candidate is baseline:
-        return (None, None), []
-    found, read = [], []
-    # Both arms of one run directory share its manifest: read it once, list it once.
-    same_run = manifest is not None and candidate.parent.resolve() == manifest.path.parent.resolve()
-    for trace, found_manifest in ((baseline, manifest),
-                                  (candidate, manifest if same_run else headline.find_manifest(candidate))):
-        dtypes, log = trace_query_dtypes(found_manifest, trace)
-        found.append(dtypes.get("prefill"))
-        if found_manifest is not None and found_manifest is not manifest:
-            read.append(found_manifest.path)
-        if log is not None:
-            read.append(Path(log))
-    return (found[0], found[1]), read
 
 
 def _check_distinct_runs(runs: list[tuple[Path, Path]]) -> None:

@@ -24,7 +24,8 @@ from kvtrace.analyzer.findings import (arm_findings, comparability, drift_findin
                                        window_findings)
 from kvtrace.analyzer.load import Trace
 from kvtrace.analyzer.pairing import KERNEL, Cells, Run, Vocabulary, segment_order
-from kvtrace.analyzer.results import Arm, ArmStats, Diff, DiffRow, Drift, SizeBand, Summary, SummaryRow
+from kvtrace.analyzer.results import (OUTSIDE_RANGES, Arm, ArmStats, Diff, DiffRow, Drift, SizeBand, Summary,
+                                      SummaryRow)
 from kvtrace.errors import KvtraceError
 
 
@@ -42,7 +43,6 @@ def _arm(runs: list[Run], label: str) -> Arm:
                kv_dtypes=tuple(sorted(kv)), runs=len(runs), sources=tuple(run.trace.info.source for run in runs))
 
 
-
 def summarize(trace: Trace, recipes: RecipeSet, label: str | None = None,
               window: align.Window = align.Window()) -> Summary:
     classes = classify_signatures(trace, recipes)
@@ -50,10 +50,10 @@ def summarize(trace: Trace, recipes: RecipeSet, label: str | None = None,
     run = vocabulary.run(trace, classes, window)
     arm = _arm([run], label or default_label([trace]))
 
-    def row(group: Cells, **extra) -> SummaryRow:
+    def row(group: Cells, *, per_call: bool = False, **extra) -> SummaryRow:
         kv, names = run.kv_dtypes_and_names(group)
-        same_work = arm_summary.same_work([diff_rows.per_key_means(group.table)])
-        numbers = ArmStats.of(group.values(), arm.total_ns) if same_work else \
+        per_call = per_call or arm_summary.same_work([diff_rows.per_key_means(group.table)])
+        numbers = ArmStats.of(group.values(), arm.total_ns) if per_call else \
             ArmStats.total(group.calls, group.total_ns, arm.total_ns)
         diff_rows.release_runs([run])
         cells = group.table.select("sig", "nvtx").unique().height
@@ -64,10 +64,43 @@ def summarize(trace: Trace, recipes: RecipeSet, label: str | None = None,
     families = []
     for (code,) in diff_rows.codes_in(run.cells, "family"):
         group = run.cells.where(pl.col("family") == code)
-        families.append(row(group, family=vocabulary.families[code], family_label=run.earliest(group, "family_label")))
+        label = run.earliest(group, "family_label")
+        parts = _same_work_parts(group, vocabulary)
+        if parts is None:
+            families.append(row(group, family=vocabulary.families[code], family_label=label))
+        else:
+            families += [row(part, per_call=True, family=vocabulary.families[code], family_label=label, launch=launch,
+                             nvtx_range=nvtx) for launch, nvtx, part in parts]
     segments.sort(key=lambda r: (-r.stats.total_ns, r.segment))
-    families.sort(key=lambda r: (-r.stats.total_ns, r.family))
+    families.sort(key=lambda r: (-r.stats.total_ns, r.family, r.launch or "", r.nvtx_range or ""))
     return Summary(arm=arm, recipes=tuple(recipes.files), segments=segments, families=families)
+
+
+# A family of more parts than this stays one row, "mixed" (vLLM's decode kernels run a launch shape per batch size):
+# a summary that listed them all would no longer summarize.
+MAX_PARTS = 8
+
+
+def _same_work_parts(family: Cells, vocabulary: Vocabulary) -> list[tuple[str | None, str | None, Cells]] | None:
+    """A family's calls where they cost differently per call, in parts of the same work as diff pairs cells: one per
+    launch shape, and one per range name where one launch shape cost differently per range (kvtrace's ctx=2048 and
+    ctx=32768, a GEMM inside and outside an operator); each part counts every rank and every instance-numbered range
+    together (analyzer.names), as `nsys stats` counts a kernel. (launch shape or None, range name or None, cells) per
+    part; None where the family is one row: its cells cost the same per call, or it has more than MAX_PARTS parts."""
+    if arm_summary.same_work([diff_rows.per_key_means(family.table)]):
+        return None
+    shapes = sorted(diff_rows.codes_in(family, "shape"))
+    parts = []
+    for (shape,) in shapes:
+        cells = family.where(pl.col("shape") == shape) if len(shapes) > 1 else family
+        launch = vocabulary.shape_label(shape) if len(shapes) > 1 else None
+        by_range = cells.table.group_by("nvtx").agg(pl.col("calls", "total_ns").sum()).sort("nvtx")
+        if arm_summary.same_work([by_range["total_ns"].to_numpy() / by_range["calls"].to_numpy()]):
+            parts.append((launch, None, cells))
+            continue
+        parts += [(launch, vocabulary.name(nvtx) or OUTSIDE_RANGES, cells.where(pl.col("nvtx") == nvtx))
+                  for nvtx in by_range["nvtx"].to_list()]
+    return parts if len(parts) <= MAX_PARTS else None
 
 
 def cell_durations(vocabulary: Vocabulary, runs: list[Run], segments: tuple[str, ...]
@@ -138,7 +171,6 @@ def diff_sides(sides: Sides, *, labels: tuple[str | None, str | None] = (None, N
                confidence: float = 0.95, seed: int = 0) -> Diff:
     vocabulary, base_runs, cand_runs, recipes, window = (sides.vocabulary, sides.baseline, sides.candidate,
                                                          sides.recipes, sides.window)
-    built = base_runs + cand_runs
     # Arms cut from their traces by --arms are named by their ranges: one trace may hold both.
     base_arm = _arm(base_runs, labels[0] or window.arm or default_label([run.trace for run in base_runs]))
     cand_arm = _arm(cand_runs, labels[1] or sides.candidate_window.arm or
@@ -165,6 +197,29 @@ def diff_sides(sides: Sides, *, labels: tuple[str | None, str | None] = (None, N
                                                     if drift_band.UNCONTROLLED_SEGMENT in vocabulary.segments else -1)
     drift, bands = _drift(rows, estimates[len(specs)], controls, cells, estimates[len(specs) + 1:], comparison,
                           threshold, uncontrolled.any())
+    _judge(rows, specs, estimates, builder, bands, uncontrolled, threshold)
+    segments, phases, families, family_phases, rank_rows = _tables(rows, specs)
+    phase_totals = diff_rows.phase_totals(comparison, base_arm, cand_arm, threshold=threshold, bands=bands,
+                                          confidence=confidence, seed=seed)
+    findings = comparability(base_arm, cand_arm) + window_findings(window, families, builder.realigned,
+                                                                  builder.relaunched)
+    findings += arm_findings(list(zip(base_runs, cand_runs)), sides.candidate_window) + findings_of_runs
+    findings += drift_findings(drift, threshold)
+    findings += rank_findings(vocabulary, comparison.runs, base_arm, cand_arm)
+    return Diff(baseline=base_arm, candidate=cand_arm, recipes=tuple(recipes.files), threshold=threshold,
+                confidence=confidence, findings=findings, segments=segments, families=families, phases=phases,
+                family_phases=family_phases, phase_totals=phase_totals, drift=drift, runs=len(base_runs),
+                rank_rows=rank_rows,
+                method=bootstrap.HIERARCHICAL if len(base_runs) > 1 else bootstrap.BOOTSTRAP,
+                window=window.describe() + [part for part in sides.candidate_window.describe()
+                                            if part not in window.describe()])
+
+
+def _judge(rows: list[DiffRow], specs: list[diff_rows.RowSpec], estimates: list[bootstrap.Estimate | None],
+           builder: diff_rows.RowBuilder, bands: drift_band.Bands, uncontrolled: np.ndarray, threshold: float) -> None:
+    """Each row's no-change band (its size class's, a control row's own sure move), its verdict within it, and the
+    note that says what its unpaired calls are."""
+    comparison = builder.comparison
     per_call = comparison.strata_totals[0] / np.diff(comparison.paired.offsets)
     for row, spec, estimate, row_groups in zip(rows, specs, estimates, builder.row_groups):
         unpaired_delta = row.total_delta_ns - row.paired_delta_ns
@@ -185,6 +240,11 @@ def diff_sides(sides: Sides, *, labels: tuple[str | None, str | None] = (None, N
         elif estimate is not None and any(left):
             row.note = "; ".join(filter(None, [row.note, f"{left[0]:,} baseline and {left[1]:,} candidate calls "
                                                          "without a partner"]))
+
+
+def _tables(rows: list[DiffRow], specs: list[diff_rows.RowSpec]) -> tuple[list[DiffRow], ...]:
+    """The rows as the Diff's tables (segments, phases, families, family phases, rank rows), each row's share of its
+    table's |Δ| set and each table in its order; whether the ranks of a segment or phase row agree."""
     segments = [r for r, s in zip(rows, specs) if s.level == "segment" and s.rank is None]
     phases = [r for r, s in zip(rows, specs) if s.level == "phase" and s.rank is None]
     families = [r for r, s in zip(rows, specs) if s.level == "family"]
@@ -199,21 +259,7 @@ def diff_sides(sides: Sides, *, labels: tuple[str | None, str | None] = (None, N
     phases.sort(key=lambda r: (segment_order(r.segment), diff_rows.natural(r.phase)))
     family_phases.sort(key=lambda r: (segment_order(r.segment), diff_rows.natural(r.phase), -r.baseline_total_ns,
                                       r.family_label))
-
-    phase_totals = diff_rows.phase_totals(comparison, base_arm, cand_arm, threshold=threshold, bands=bands,
-                                 confidence=confidence, seed=seed)
-    findings = comparability(base_arm, cand_arm) + window_findings(window, families, builder.realigned,
-                                                                  builder.relaunched)
-    findings += arm_findings(list(zip(base_runs, cand_runs)), sides.candidate_window) + findings_of_runs
-    findings += drift_findings(drift, threshold)
-    findings += rank_findings(vocabulary, comparison.runs, base_arm, cand_arm)
-    return Diff(baseline=base_arm, candidate=cand_arm, recipes=tuple(recipes.files), threshold=threshold,
-                confidence=confidence, findings=findings, segments=segments, families=families, phases=phases,
-                family_phases=family_phases, phase_totals=phase_totals, drift=drift, runs=len(base_runs),
-                rank_rows=rank_rows,
-                method=bootstrap.HIERARCHICAL if len(base_runs) > 1 else bootstrap.BOOTSTRAP,
-                window=window.describe() + [part for part in sides.candidate_window.describe()
-                                            if part not in window.describe()])
+    return segments, phases, families, family_phases, rank_rows
 
 
 def _drift(rows: list[DiffRow], pooled: bootstrap.Estimate | None, controls: pl.DataFrame, cells: pl.DataFrame,

@@ -78,11 +78,14 @@ class Headline:
         if manifest is not None:
             commands += [c for c in (reproduce.capture_command(manifest),) if c]
             commands += reproduce.engine_commands(manifest)
-        if command:
-            commands.append(shlex.join(["kvtrace", *command]))
-        return cls(diff.baseline.label, diff.candidate.label, diff.confidence, head_rows(diff), drift,
+        head = cls(diff.baseline.label, diff.candidate.label, diff.confidence, head_rows(diff), drift,
                    _environment(diff, manifest), commands, reproduce.model_config(manifest) if manifest else None,
                    list(query_quantize or ()))
+        return head.with_command(command) if command else head
+
+    def with_command(self, command: list[str]) -> Headline:
+        """The head with the command as run (kvtrace's arguments) after the capture commands."""
+        return replace(self, commands=[*self.commands, shlex.join(["kvtrace", *command])])
 
 
 def head_rows(diff: Diff) -> list[HeadRow]:

@@ -17,14 +17,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from kvtrace import __version__
-from kvtrace.analyzer import align, budget_trace, capacity, compare, pairing, quality as quality_lib, roofline, steps, verify
+from kvtrace.analyzer import (align, budget_trace, capacity, compare, headline, pairing, quality as quality_lib,
+                             roofline, steps, verify)
 from kvtrace.analyzer import repro as repro_lib
 from kvtrace.analyzer.classify import RecipeSet
 from kvtrace.analyzer.results import Diff, Finding
 from kvtrace.analyzer.load import open_traces
 from kvtrace.analyzer.runs import ArmInput, RunArm, left_out_note, resolve_inputs, run_arm
 from kvtrace.analyzer.serving import ServingRow, serving_rows
-from kvtrace.analyzer.statements import Statement, statements
+from kvtrace.analyzer.statements import QueryQuantizeStatement, Statement, statements
 from kvtrace.analyzer.stats.verdicts import Verdict
 from kvtrace.errors import KvtraceError
 from kvtrace.manifest import Phase, parse_phase_name
@@ -125,6 +126,9 @@ class Report:
     quality: quality_lib.Quality | None = None  # quality beside speed (analyzer/quality)
     # The run directories' `kvtrace repro` results: the traced ratio split into route x format (analyzer/repro)
     repro: list[repro_lib.ReproSplit] = field(default_factory=list)
+    # The run directory of the baseline's export, where a manifest sits beside it: the head's commands are relative to
+    # it (Headline.with_command). Not in the JSON.
+    run_dir: Path | None = field(default=None, repr=False)
     schema: str = REPORT_SCHEMA
     kvtrace_version: str = __version__
 
@@ -150,6 +154,28 @@ class Report:
         data["quality"] = self.quality.to_dict() if self.quality else None
         data["repro"] = [asdict(split) for split in self.repro]
         return data
+
+    @property
+    def ttft_stat(self) -> str | None:
+        """The TTFT statistic every traffic point's ratio uses (p50, else mean); None where they differ."""
+        stats = {row.ttft_stat for row in self.serving if row.ttft_stat}
+        return stats.pop() if len(stats) == 1 else None
+
+    def beside_ttft(self, statement: Statement) -> bool:
+        """Whether a statement belongs beside TTFT in the head: the TTFT guard rail and, where serving was measured,
+        what the vLLM steps say about it (time the candidate's host spent in its steps, and what held it, is TTFT
+        no kernel row shows)."""
+        return statement.kind == "ttft" or (statement.kind == "step-timeline" and bool(self.serving))
+
+    def agreed_sources(self, side: str) -> tuple[dict[str, int], int]:
+        """Per quantity, at how many traffic points every source check of one arm ("baseline" or "candidate")
+        agrees, and at how many points that arm has serving metrics."""
+        metrics = [getattr(row, side) for row in self.serving if getattr(row, side)]
+        agreed: dict[str, int] = {}
+        for one in metrics:
+            for quantity in one.agreed():
+                agreed[quantity] = agreed.get(quantity, 0) + 1
+        return agreed, len(metrics)
 
 
 # ---- kernels: means, distributions, bandwidth ---------------------------------------------------------
@@ -382,8 +408,12 @@ def build(paths: list[Path], recipes: RecipeSet, *, arms: tuple[str, ...] = (), 
     # Whole steps only: a window can cut a step's kernels apart.
     step_timeline = [] if window.describe() else steps.compare(sides.baseline, sides.candidate, threshold=threshold,
                                                                confidence=confidence, seed=seed)
-    return Report(baseline=b_arm, candidate=c_arm, diff=diff,
-                  statements=statements(diff, serving, cap, b_arm, c_arm, step_timeline), step_timeline=step_timeline,
+    said = statements(diff, serving, cap, b_arm, c_arm, step_timeline)
+    manifest = headline.find_manifest(Path(b_arm.sqlite))
+    diff.headline = headline.Headline.of(diff, manifest, None,
+                                         [s for s in said if isinstance(s, QueryQuantizeStatement)])
+    return Report(baseline=b_arm, candidate=c_arm, diff=diff, statements=said, step_timeline=step_timeline,
+                  run_dir=manifest.path.parent if manifest is not None else None,
                   findings=_run_findings(base, cand, b_arm, c_arm, serving), segment_times=segment_times(diff),
                   serving=serving, sweep=sweep, bandwidth=bandwidth, hbm_ceiling=ceiling,
                   prefill_compute=prefill_compute, compute_ceiling=compute_ceiling, capacity=cap, notes=notes,

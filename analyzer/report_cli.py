@@ -10,8 +10,6 @@ import click
 
 from kvtrace import files, model_config
 from kvtrace.analyzer import capacity as capacity_lib
-from kvtrace.analyzer import headline
-from kvtrace.analyzer.statements import QueryQuantizeStatement
 from kvtrace.analyzer.cli import (FiniteRange, Whole, as_run, emit, inputs, interval_options, output_options, progress,
                                   target_options, use_cache, verify_option, window_options)
 from kvtrace.errors import KvtraceError
@@ -63,10 +61,7 @@ def report(runs, arms, labels, threshold, confidence, seed, plots_dir, exports_f
                                   threshold=threshold, confidence=confidence, seed=seed, window=window,
                                   nsys=nsys_path, cache=use_cache(), verify_with=verify_with, step=step,
                                   exports_from=tuple(exports_from))
-    manifest = headline.find_manifest(Path(result.baseline.sqlite))
-    result.diff.headline = headline.Headline.of(
-        result.diff, manifest, as_run(manifest.path.parent if manifest else None),
-        [s for s in result.statements if isinstance(s, QueryQuantizeStatement)])
+    result.diff.headline = result.diff.headline.with_command(as_run(result.run_dir))
     inputs().extend(Path(export) for arm in (result.baseline, result.candidate) for export in arm.runs)
     inputs().extend(Path(arm.run) / "manifest.json" for arm in (result.baseline, result.candidate))
     inputs().extend(Path(arm.log) for arm in (result.baseline, result.candidate) if arm.log)

@@ -23,10 +23,13 @@ class Finding:
     message: str
 
 
-SUMMARY_SCHEMA = "kvtrace.summary/2"
+# /3: a family may have several rows, one per launch shape (and range) of the same work (SummaryRow.launch).
+SUMMARY_SCHEMA = "kvtrace.summary/3"
 DIFF_SCHEMA = "kvtrace.diff/4"
 # The segment field of a whole-phase row: every kernel of a phase's NVTX range instances together.
 WHOLE_PHASE = "whole phase"
+# A summary row's range name for calls outside every NVTX range.
+OUTSIDE_RANGES = "outside every NVTX range"
 UNIT_NOTE = ("a call here is one unit of the phase's work: one append, prefill or decode call with the kernels "
              "launched since the previous one, or one NVTX range (a vLLM step)")
 
@@ -86,6 +89,10 @@ class SummaryRow:
     family_label: str | None = None
     kv_dtypes: tuple[str, ...] = ()
     names: tuple[str, ...] = ()
+    # A family row's part of the family's calls: its launch shape, where the family ran several, and its range name
+    # (OUTSIDE_RANGES for calls outside every range), where one launch shape cost differently per range.
+    launch: str | None = None
+    nvtx_range: str | None = None
 
 
 @dataclass

@@ -125,6 +125,19 @@ class ServingMetrics:
     requests_detail: RequestSamples | None = field(default=None, repr=False)  # per request, where recorded
     budget: ArmBudget | None = None  # the TTFT budget from vLLM's request histograms (analyzer.budget)
 
+    @property
+    def cached_share(self) -> float | None:
+        """Of the prompt tokens, the share served from the prefix cache."""
+        if self.cached_prompt_tokens is None or not self.prompt_tokens:
+            return None
+        return self.cached_prompt_tokens / self.prompt_tokens
+
+    def agreed(self) -> list[str]:
+        """The quantities whose every source check agrees, in the order they were checked (cached prompt tokens
+        count once, however many pairs of sources checked them)."""
+        quantities = dict.fromkeys(check.quantity for check in self.checks)
+        return [q for q in quantities if all(check.agree for check in self.checks if check.quantity == q)]
+
 
 @dataclass
 class ServingRow:

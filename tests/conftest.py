@@ -359,3 +359,16 @@ def deciding_on_any_run_pairs():
         patch.setattr(serving_intervals, "DECIDING_RUN_PAIRS", 1)
         yield
 
+
+@pytest.fixture(scope="session")
+def preemption_report(shipped_recipes):
+    """`report` of the vLLM 0.33 preemption run (8B shape, --repeats 2): the capacity-bound case."""
+    from kvtrace.analyzer import report
+    return report.build([VLLM033_8B_RUNS["capacity-preemption"]], shipped_recipes)
+
+
+@pytest.fixture(scope="session")
+def capacity_matrix(shipped_recipes):
+    """`matrix` over every vLLM 0.33 run of the 8B shape (make demo's capacity-bound region)."""
+    from kvtrace.analyzer import matrix
+    return matrix.build([VLLM033_8B_RUNS[name] for name in sorted(VLLM033_8B_RUNS)], shipped_recipes)

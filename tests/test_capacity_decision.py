@@ -42,13 +42,13 @@ def recipes():
 
 
 @pytest.fixture(scope="module")
-def preemption(recipes):
-    return report.build([PREEMPTION], recipes)
+def preemption(preemption_report):
+    return preemption_report
 
 
 @pytest.fixture(scope="module")
-def decision(recipes):
-    return matrix.build([VLLM033_8B_RUNS[name] for name in sorted(VLLM033_8B_RUNS)], recipes)
+def decision(capacity_matrix):
+    return capacity_matrix
 
 
 @pytest.fixture(scope="module")

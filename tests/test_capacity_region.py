@@ -196,10 +196,10 @@ def test_fp8_preempts_and_nvfp4_does_not(repeat):
         assert peaks["vllm:num_requests_running"] <= 16
 
 
-def test_the_preemption_report_calls_the_ttft_change_capacity_not_kernel(recipes):
+def test_the_preemption_report_calls_the_ttft_change_capacity_not_kernel(preemption_report):
     """The report's serving row names FP8's preemptions as its capacity bound, and its TTFT statement does not
     credit NVFP4's (slower) prefill kernels with any gain."""
-    result = report.build([PREEMPTION], recipes)
+    result = preemption_report
     (row,) = result.serving
     assert row.baseline.capacity and not row.candidate.capacity and "preemption" in row.baseline.capacity
     (ttft,) = [s for s in result.statements if s.check == "ttft"]

@@ -551,6 +551,11 @@ def free_port() -> int:
 
 @pytest.fixture
 def standin(tmp_path, monkeypatch):
+    return make_standin(tmp_path, monkeypatch)
+
+
+def make_standin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
+    """The stand-in vLLM, bench client and nsys in tmp_path, on PATH for the capture through `monkeypatch`."""
     site = tmp_path / "site"
     vllm_standin.write_fake_vllm(site)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), str(TESTS), os.environ.get("PYTHONPATH", "")]))

@@ -8,6 +8,7 @@ FlashInfer's own outputs need a GPU; their comparison goes through the same func
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import math
@@ -30,18 +31,19 @@ ARGS = dict(contexts=[32, 80], batch=2, q_heads=4, kv_heads=2, head_dim=32, page
 
 
 def numpy_attention(q, k, v, causal_rows=None):
-    """One sequence, float64: q [n, Hq, D], k/v [C, Hkv, D]; causal_rows: the positions of q's rows."""
+    """One sequence, float64: q [n, Hq, D], k/v [C, Hkv, D]; causal_rows: the positions of q's rows. Every row of
+    a head at once (one matrix product each way), softmax row by row after subtracting the row's maximum."""
     q, k, v = (np.asarray(t.double() if hasattr(t, "double") else t, dtype=np.float64) for t in (q, k, v))
     group = q.shape[1] // k.shape[1]
     out = np.zeros_like(q)
+    later = None if causal_rows is None else np.arange(k.shape[0])[None, :] > np.asarray(causal_rows)[:, None]
     for h in range(q.shape[1]):
         kh, vh = k[:, h // group], v[:, h // group]
-        for r in range(q.shape[0]):
-            logits = kh @ q[r, h] / math.sqrt(q.shape[2])
-            if causal_rows is not None:
-                logits[causal_rows[r] + 1:] = -np.inf
-            weights = np.exp(logits - logits.max())
-            out[r, h] = weights @ vh / weights.sum()
+        logits = q[:, h] @ kh.T / math.sqrt(q.shape[2])
+        if later is not None:
+            logits[later] = -np.inf
+        weights = np.exp(logits - logits.max(axis=1, keepdims=True))
+        out[:, h] = weights @ vh / weights.sum(axis=1, keepdims=True)
     return out
 
 
@@ -297,8 +299,18 @@ def mt19937(seed: int) -> np.random.MT19937:
 
 def to_bf16(x) -> np.ndarray:
     """float32 values rounded to the nearest BF16 (ties to even), kept as float32."""
-    bits = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
-    return (((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16).astype(np.uint32).view(np.float32)
+    bits = np.array(x, np.float32).view(np.uint32)  # a copy: the rounding works in place
+    bits += 0x7FFF + ((bits >> 16) & 1)  # below 2**32 for every finite value
+    bits &= 0xFFFF0000
+    return bits.view(np.float32)
+
+
+def legacy_bytes(generator: np.random.MT19937, count: int) -> np.ndarray:
+    """The low 8 bits of `count` 32-bit outputs: what torch 2.7–2.11's BF16 CPU normal makes one value from (below),
+    drawn a chunk at a time."""
+    chunk = 1 << 22
+    return np.concatenate([(generator.random_raw(min(chunk, count - at)) & 0xFF).astype(np.uint8)
+                           for at in range(0, count, chunk)] or [np.zeros(0, np.uint8)])
 
 
 def legacy_bf16_normal(generator: np.random.MT19937, count: int) -> np.ndarray:
@@ -307,7 +319,12 @@ def legacy_bf16_normal(generator: np.random.MT19937, count: int) -> np.ndarray:
     from the low 8 bits of one 32-bit output, then Box-Muller on each block of 16 (u1 = 1 - u[j], u2 = u[j + 8]), every
     step rounded to BF16. A torch that fixes the issue draws otherwise, so a run recorded with it (quality_inputs
     without `drawn_as`) can only be drawn again this way."""
-    uniform = (generator.random_raw(count) & 0xFF).astype(np.float64).reshape(-1, 16) / 256
+    return legacy_from_bytes(legacy_bytes(generator, count))
+
+
+def legacy_from_bytes(raw: np.ndarray) -> np.ndarray:
+    """legacy_bf16_normal's values from its bytes: each block of 16 on its own."""
+    uniform = raw.astype(np.float64).reshape(-1, 16) / 256
     radius = to_bf16(np.sqrt(-2 * to_bf16(np.log(1 - uniform[:, :8]))))
     theta = to_bf16(2 * np.pi * uniform[:, 8:]).astype(np.float64)
     values = np.concatenate([radius * to_bf16(np.cos(theta)), radius * to_bf16(np.sin(theta))], axis=1)
@@ -324,31 +341,42 @@ def test_generated_inputs_reach_the_gaussian_tails_the_legacy_draw_cut_off():
     assert float(keys.std()) == pytest.approx(1, abs=0.01)
 
 
-def drawn_again(spec: dict, inputs: dict, context: int) -> dict:
-    """The BF16 tensors the workload drew for `context`, drawn again: its generator is a CPU one seeded with the
-    spec's seed, drawing the two GEMM operands, then per context keys, values, prefill and decode queries and the
-    appended rows, in that order (flashinfer_workload.main and Inputs.draw), each as `inputs` says it was drawn."""
+@functools.lru_cache(maxsize=2)
+def _drawn_again(spec: str, inputs: str, context: int) -> dict:
+    spec, inputs = json.loads(spec), json.loads(inputs)
     if inputs.get("drawn_as") == quality.DRAWN_AS:
         generator = torch.Generator().manual_seed(spec["seed"])
 
-        def randn(*shape):
-            return torch.randn(shape, generator=generator).to(torch.bfloat16)
+        def randn(*shape, rows=None):
+            values = torch.randn(shape, generator=generator).to(torch.bfloat16)
+            return values if rows is None else values[rows]
+
+        skip = randn
     else:
         assert "drawn_as" not in inputs, f"a draw this test cannot repeat: {inputs['drawn_as']!r}"
         legacy = mt19937(spec["seed"])
 
-        def randn(*shape):
-            values = legacy_bf16_normal(legacy, math.prod(shape)).reshape(shape)
-            return torch.from_numpy(values).to(torch.bfloat16)
+        def randn(*shape, rows=None):
+            raw = legacy_bytes(legacy, math.prod(shape))
+            if rows is not None:  # whole rows are whole blocks of 16: each row's values come from its own bytes
+                assert math.prod(shape[1:]) % 16 == 0
+                raw, shape = raw.reshape(shape[0], -1)[rows].reshape(-1), (len(rows), *shape[1:])
+            return torch.from_numpy(legacy_from_bytes(raw).reshape(shape)).to(torch.bfloat16)
+
+        def skip(*shape, rows=None):
+            legacy_bytes(legacy, math.prod(shape))
 
     for _ in range(2):
-        randn(spec["gemm_size"], spec["gemm_size"])
+        skip(spec["gemm_size"], spec["gemm_size"])
     batch, kv_heads, q_heads, head_dim, appends = (spec[k] for k in ("batch", "kv_heads", "q_heads", "head_dim",
                                                                      "append_calls"))
     for each in spec["contexts"]:
-        tensors = {"keys": randn(batch * each, kv_heads, head_dim), "values": randn(batch * each, kv_heads, head_dim),
-                   "q_prefill": randn(batch * each, q_heads, head_dim), "q_decode": randn(batch, q_heads, head_dim)}
-        randn(appends, batch, kv_heads, head_dim), randn(appends, batch, kv_heads, head_dim)
+        draw = randn if each == context else skip
+        rows = [b * each + row for b in range(batch) for row in quality.prefill_rows(each)]
+        tensors = {"keys": draw(batch * each, kv_heads, head_dim), "values": draw(batch * each, kv_heads, head_dim),
+                   "q_prefill": draw(batch * each, q_heads, head_dim, rows=rows),
+                   "q_decode": draw(batch, q_heads, head_dim)}
+        skip(appends, batch, kv_heads, head_dim), skip(appends, batch, kv_heads, head_dim)
         if each == context:
             break
     if inputs.get("kind") == "outliers":
@@ -358,15 +386,26 @@ def drawn_again(spec: dict, inputs: dict, context: int) -> dict:
     return tensors
 
 
+def drawn_again(spec: dict, inputs: dict, context: int) -> dict:
+    """The BF16 tensors the workload drew for `context`, drawn again: its generator is a CPU one seeded with the
+    spec's seed, drawing the two GEMM operands, then per context keys, values, prefill and decode queries and the
+    appended rows, in that order (flashinfer_workload.main and Inputs.draw), each as `inputs` says it was drawn.
+    Of the prefill queries only the rows quality.prefill_rows samples, sequence after sequence; what no check reads
+    is drawn past, not made. Both arms of a run drew the same tensors: they are drawn again once (read only)."""
+    return _drawn_again(json.dumps(spec, sort_keys=True), json.dumps(inputs, sort_keys=True), context)
+
+
 def numpy_phase(tensors, k, v, batch, context, rows):
-    """float64 numpy attention of every sequence: prefill at `rows`, decode (rows None) at its one query."""
+    """float64 numpy attention of every sequence: prefill at `rows` (tensors["q_prefill"] holds those rows, sequence
+    after sequence), decode (rows None) at its one query."""
     out = []
     for b in range(batch):
         window = slice(b * context, (b + 1) * context)
         if rows is None:
             out.append(numpy_attention(tensors["q_decode"][b:b + 1], k[window], v[window]))
         else:
-            out.append(numpy_attention(tensors["q_prefill"][window][rows], k[window], v[window], rows))
+            out.append(numpy_attention(tensors["q_prefill"][b * len(rows):(b + 1) * len(rows)], k[window], v[window],
+                                       rows))
     return np.concatenate(out)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import shutil
 import subprocess
 import sys
@@ -105,3 +106,67 @@ def test_cli_reference_is_current_and_every_command_has_help():
         for param in command.params:
             if param.param_type_name == "option" and param.name not in ("help", "version"):
                 assert (param.help or "").strip(), (" ".join(path), param.name)
+
+
+def _source_modules() -> dict[str, object]:
+    """Every module of the three source folders by its installed name (pyproject's package-dir)."""
+    roots = {"kvtrace": REPO / "kvtrace", "kvtrace.analyzer": REPO / "analyzer", "kvtrace.capture": REPO / "capture"}
+    found = {}
+    for package, folder in roots.items():
+        for path in folder.rglob("*.py"):
+            parts = [part for part in path.relative_to(folder).with_suffix("").parts if part != "__init__"]
+            found[".".join([package, *parts])] = path
+    return found
+
+
+def test_no_import_cycle():
+    """The modules import one way (docs/design.md): no module reaches itself through the modules it imports, at
+    module level or inside a function. `from PACKAGE import MODULE` is an arrow to MODULE, not to the package."""
+    modules = _source_modules()
+    arrows = {}
+    for name, path in modules.items():
+        targets = set()
+        tree = ast.parse(path.read_text())
+        typing_only = {id(inner) for node in ast.walk(tree) if isinstance(node, ast.If)
+                       and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
+                       for inner in ast.walk(node)}
+        for node in ast.walk(tree):
+            if id(node) in typing_only:  # annotations only: no arrow when the code runs
+                continue
+            if isinstance(node, ast.Import):
+                targets |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                inside = {f"{node.module}.{alias.name}" for alias in node.names}
+                targets |= inside if inside <= modules.keys() else inside | {node.module}
+        arrows[name] = (targets & modules.keys()) - {name}
+    done, path = set(), []
+
+    def visit(name):
+        path.append(name)
+        for target in sorted(arrows[name]):
+            assert target not in path, " → ".join(path[path.index(target):] + [target])
+            if target not in done:
+                visit(target)
+        path.pop()
+        done.add(name)
+
+    for name in sorted(modules):
+        if name not in done:
+            visit(name)
+
+
+def test_no_module_over_650_lines():
+    """A module past 650 lines holds more than one room (docs/design.md): split it along its seams."""
+    long = {str(path.relative_to(REPO)): lines for path in _source_modules().values()
+            if (lines := len(path.read_text().splitlines())) > 650}
+    assert not long, long
+
+
+def test_readme_is_an_entrance():
+    """README.md stays an entrance (issue 49): under 12,000 characters, the long material in docs/, and every file
+    it links (docs, the demo's picture) is there."""
+    text = (REPO / "README.md").read_text()
+    assert len(text) < 12_000
+    links = re.findall(r"\]\(([^)#\s]+)", text)
+    assert "docs/summary.png" in links and "docs/usage.md" in links
+    assert not [link for link in links if not (REPO / link).is_file()]

@@ -21,7 +21,7 @@ import pytest
 from rich.console import Console
 
 from conftest import FIXTURES, VLLM033_8B_RUNS
-from kvtrace.analyzer import matrix, quality, report
+from kvtrace.analyzer import matrix, quality
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.render import quality as quality_render
 from kvtrace.analyzer.render import render_table, render_text
@@ -130,8 +130,8 @@ def dummy_line(run_dir: Path, runs: tuple[str, str]) -> str:
             f"{sum(len(a) for a in answers)} answers stopped at the 32-token limit).")
 
 
-def test_report_says_not_a_measurement_and_shows_the_step_ran():
-    result = report.build([PREEMPTION], load_recipes(()))
+def test_report_says_not_a_measurement_and_shows_the_step_ran(preemption_report):
+    result = preemption_report
     q = result.quality
     assert q.state == quality.MEANINGLESS and q.accuracy is None and q.agreement is None and not q.prompts
     assert [(a.run, a.prompts, a.empty, a.cut) for a in q.answered] == [("fp8.r1", 8, 0, 8), ("nvfp4.r1", 8, 0, 8)]

@@ -23,7 +23,7 @@ from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.render import render_text
 from kvtrace.analyzer.stats import mcnemar
 from kvtrace.errors import KvtraceError
-from test_capture_vllm import run_capture, serve_config, standin  # noqa: F401  (standin: a fixture)
+from test_capture_vllm import make_standin, run_capture, serve_config
 
 PROMPTS = Path(__file__).resolve().parents[1] / "fixtures" / "quality" / "arithmetic-8.jsonl"
 
@@ -187,14 +187,16 @@ def test_a_damaged_error_value_shows_as_missing(tmp_path):
 
 # ---- answers level: vLLM --------------------------------------------------------------------------------
 
-@pytest.fixture
-def answered(standin, tmp_path) -> Path:
+@pytest.fixture(scope="module")
+def answers(tmp_path_factory) -> Path:
     """A real vLLM serve run (fp8 vs nvfp4) with the quality step's records of a stand-in capture (auto, fp8 and
-    nvfp4 answering fixtures/quality/arithmetic-8.jsonl) grafted in."""
-    cfg = dataclasses.replace(serve_config(standin, arms=("auto", "fp8", "nvfp4")), quality_prompts=str(PROMPTS),
-                              quality_max_tokens=5)
-    captured = run_capture(standin, cfg)
-    run = copy_run(VLLM033_RUNS["serve-prefix-reuse"], tmp_path / "synthetic-answers")
+    nvfp4 answering fixtures/quality/arithmetic-8.jsonl) grafted in: captured once, each test edits its own copy."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        standin = make_standin(tmp_path_factory.mktemp("standin"), monkeypatch)
+        cfg = dataclasses.replace(serve_config(standin, arms=("auto", "fp8", "nvfp4")), quality_prompts=str(PROMPTS),
+                                  quality_max_tokens=5)
+        captured = run_capture(standin, cfg)
+    run = copy_run(VLLM033_RUNS["serve-prefix-reuse"], tmp_path_factory.mktemp("answers") / "synthetic-answers")
     for arm in ("auto", "fp8", "nvfp4"):
         shutil.copy(standin.tmp / "run" / f"{arm}.quality.json", run)
 
@@ -204,6 +206,11 @@ def answered(standin, tmp_path) -> Path:
             data["arms"][arm]["quality"] = captured["arms"][arm]["quality"]
     edit_manifest(run, graft)
     return run
+
+
+@pytest.fixture
+def answered(answers, tmp_path) -> Path:
+    return copy_run(answers, tmp_path / "synthetic-answers")
 
 
 def real_weights(run: Path) -> None:

@@ -7,6 +7,7 @@ traces named "synthetic" are real single-GPU exports with their kernels copied o
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sqlite3
 
@@ -175,3 +176,35 @@ def test_arms_of_different_rank_counts_are_an_error(tmp_path, shipped_recipes):
     result = compare.diff(fp8, open_trace(NSYS2025_DIR / "nvfp4.sqlite"), shipped_recipes)
     errors = [f.message for f in result.findings if f.check == "ranks" and f.level == "error"]
     assert len(errors) == 1 and "on 2 GPU(s)" in errors[0] and "on 1" in errors[0]
+
+
+GRID = re.compile(r"grid (\d+)×(\d+)×(\d+) block (\d+)×(\d+)×(\d+)")
+
+
+@pytest.mark.parametrize("path", [BEFORE, AFTER], ids=["before", "after"])
+def test_summary_gives_time_per_call_where_diff_pairs_calls(path, shipped_recipes, run_kvtrace):
+    """Issue 49: a family whose calls differ only in rank or instance-numbered ranges (PyTorch's op_id and seq) has
+    its time per call, as nsys stats counts it; one of several launch shapes has a row per shape. Each row's calls
+    and time are those of its kernel names and launch shape in plain SQL (rows of one shape split by range name add
+    up to the shape's)."""
+    code, out, err = run_kvtrace("summary", path)
+    assert code == 0, err
+    assert out.count("mixed (") <= 5
+    summary = compare.summarize(open_trace(path), shipped_recipes)
+    assert all(row.stats.mean_ns is not None for row in summary.families)
+    assert sum(row.launch is not None for row in summary.families) >= 10  # the elementwise kernels' tensor sizes
+    parts: dict[tuple, list[int]] = {}
+    for row in summary.families:
+        assert row.stats.mean_ns == pytest.approx(row.stats.total_ns / row.stats.calls)
+        found = parts.setdefault((row.family, row.launch, row.names), [0, 0])
+        found[0] += row.stats.calls
+        found[1] += row.stats.total_ns
+    with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as db:
+        for (_, launch, names), (calls, total) in parts.items():
+            shape = GRID.fullmatch(launch).groups() if launch else ()
+            where = " AND k.gridX = ? AND k.gridY = ? AND k.gridZ = ? AND k.blockX = ? AND k.blockY = ? AND k.blockZ = ?"
+            expected = db.execute(f"""SELECT COUNT(*), SUM(k."end" - k.start) FROM CUPTI_ACTIVITY_KIND_KERNEL k
+                                      JOIN StringIds s ON s.id = k.demangledName
+                                      WHERE s.value IN ({", ".join("?" * len(names))}){where if shape else ""}""",
+                                  (*names, *map(int, shape))).fetchone()
+            assert (calls, total) == expected, (names, launch)

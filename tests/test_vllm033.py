@@ -16,10 +16,12 @@ from pathlib import Path
 import pytest
 
 from conftest import VLLM033_RUNS, sql_durations
-from kvtrace.analyzer import report, statements
+from kvtrace.analyzer import compare, report, statements
 from kvtrace.analyzer.classify import load_recipes
+from kvtrace.analyzer.load import open_trace
 from kvtrace.analyzer.render.escape import md_text, visible
 from kvtrace.analyzer.render.statements import text as statement_text
+from kvtrace.analyzer.run_context import RunContext
 from kvtrace.analyzer.stats import bootstrap
 from kvtrace.analyzer.stats.verdicts import Verdict
 
@@ -314,7 +316,9 @@ def test_diff_states_the_query_quantization_the_report_states(recipes, run_kvtra
     FP8's query quantization, from the same statement, in every renderer; its numbers are plain SQL sums over
     the prefill steps."""
     run = VLLM033_RUNS["offline-decode-heavy"]
-    (said,) = [s for s in report.build([run], recipes).statements if s.kind == "query_quantize"]
+    built = report.build([run], recipes)
+    (said,) = [s for s in built.statements if s.kind == "query_quantize"]
+    assert built.diff.headline.query_quantize == [said]  # the library's report carries the headline the CLI shows
     quantize = {arm: _sql_prefill_ns(run / f"{arm}.sqlite", EXPECTED["quantize"]["fp8"]) for arm in ARMS}
     attention = {arm: _sql_prefill_ns(run / f"{arm}.sqlite", EXPECTED["prefill_attention"][arm]) for arm in ARMS}
     assert quantize["nvfp4"] == (0, 0) and quantize["fp8"][0] == 16
@@ -326,7 +330,12 @@ def test_diff_states_the_query_quantization_the_report_states(recipes, run_kvtra
 
     code, out, err = run_kvtrace("diff", "fp8.sqlite", "nvfp4.sqlite", "--format", "json", cwd=run)
     assert code == 0, err
-    assert json.loads(out)["headline"]["query_quantize"] == [dataclasses.asdict(said)]
+    shown = json.loads(out)["headline"]
+    assert shown["query_quantize"] == [dataclasses.asdict(said)]
+    # A Python caller of the library gets the same headline, but for the command as run.
+    traces = [run / f"{arm}.sqlite" for arm in ARMS]
+    made = RunContext.of(*traces).attach(compare.diff(*map(open_trace, traces), recipes)).headline
+    assert json.loads(json.dumps(dataclasses.asdict(made))) == {**shown, "commands": shown["commands"][:-1]}
     code, out, err = run_kvtrace("diff", "fp8.sqlite", "nvfp4.sqlite", "--format", "markdown", cwd=run)
     assert code == 0, err
     assert statement_text(said, md_text) in out.split("### Environment")[0]

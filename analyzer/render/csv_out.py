@@ -33,11 +33,12 @@ def kernels(result: KernelList) -> str:
 def summary(result: Summary) -> str:
     buffer = io.StringIO()
     writer = csv_writer(buffer)
-    writer.writerow(["level", "segment", "family_label", "family", *STAT_FIELDS, "kv_dtypes"])
+    writer.writerow(["level", "segment", "family_label", "family", "launch", "nvtx_range", *STAT_FIELDS, "kv_dtypes"])
     for level, rows in (("segment", result.segments), ("family", result.families)):
         for row in rows:
-            writer.writerow([level, row.segment, row.family_label or "", row.family or "",
-                             *(_blank(getattr(row.stats, f)) for f in STAT_FIELDS), " ".join(row.kv_dtypes)])
+            writer.writerow([level, row.segment, row.family_label or "", row.family or "", row.launch or "",
+                             row.nvtx_range or "", *(_blank(getattr(row.stats, f)) for f in STAT_FIELDS),
+                             " ".join(row.kv_dtypes)])
     return buffer.getvalue()
 
 

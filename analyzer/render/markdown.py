@@ -13,9 +13,9 @@ from kvtrace.analyzer.kernels import KernelList
 from kvtrace.analyzer.headline import APPEND_PHASE, Headline
 from kvtrace.analyzer.render.escape import md_code, md_prose, md_text, visible
 from kvtrace.analyzer.render.statements import text as statement_text
-from kvtrace.analyzer.render.units import (HEAD_TIMES, MARK, arm_time, calls, duration, head_time,
+from kvtrace.analyzer.render.units import (HEAD_TIMES, MARK, PART, arm_time, calls, duration, head_time,
                                           markdown_table, no_change_band, numbered_notes, per_call, percent,
-                                          ratio, row_interval, run_ratios, signed_duration)
+                                          ratio, row_interval, run_ratios, signed_duration, summary_part)
 from kvtrace.analyzer.verify import MISMATCHES_SHOWN
 
 # Characters a GitHub issue or comment body holds: markdown past it is cut to fit (sized).
@@ -71,17 +71,22 @@ def summary(summary: Summary) -> str:
     arm = summary.arm
     lines = [f"## kvtrace summary: {md_text(arm.label)}", "",
              f"{arm.info.kernel_count:,} kernels, {duration(arm.total_ns)} of GPU kernel time. Per-call statistics "
-             "appear only where a row's cells (kernel × NVTX range) cost the same per call; rows over cells of "
-             "different cost say \"mixed\" (their total is beside it).", "", "### Segments", ""]
+             "appear only over calls of the same work: every rank and instance-numbered NVTX range of a kernel "
+             "together, as nsys stats counts them, with a row per launch shape (and per range name, where one shape "
+             "cost differently per range) for a family whose calls cost differently; rows over cells of different "
+             "cost say \"mixed\" (their total is beside it).", "", "### Segments", ""]
     lines += markdown_table(["segment", "calls", "total", "share", "per call", "median", "p90", "KV dtype"],
                     [[r.segment, f"{r.stats.calls:,}", duration(r.stats.total_ns), percent(r.stats.share),
                       per_call(r.stats, r.cells), duration(r.stats.median_ns), duration(r.stats.p90_ns),
                       ", ".join(r.kv_dtypes) or "–"] for r in summary.segments])
     lines += ["", "### Kernel families", ""]
-    lines += markdown_table(["segment", "family", "calls", "total", "share", "per call", "median", "p90", "KV dtype"],
-                    [[r.segment, md_code(r.family_label), f"{r.stats.calls:,}", duration(r.stats.total_ns),
-                      percent(r.stats.share), per_call(r.stats, r.cells), duration(r.stats.median_ns),
-                      duration(r.stats.p90_ns), ", ".join(r.kv_dtypes) or "–"] for r in summary.families])
+    parted = any(r.launch or r.nvtx_range for r in summary.families)
+    lines += markdown_table(["segment", "family", *([PART] if parted else []), "calls", "total", "share", "per call",
+                             "median", "p90", "KV dtype"],
+                    [[r.segment, md_code(r.family_label), *([md_text(summary_part(r))] if parted else []),
+                      f"{r.stats.calls:,}", duration(r.stats.total_ns), percent(r.stats.share),
+                      per_call(r.stats, r.cells), duration(r.stats.median_ns), duration(r.stats.p90_ns),
+                      ", ".join(r.kv_dtypes) or "–"] for r in summary.families])
     lines += ["", "### Environment", ""] + _environment([arm])
     lines += ["", "<details><summary>Kernel names per segment</summary>", ""]
     for r in summary.segments:

@@ -16,6 +16,12 @@ from kvtrace.analyzer.report import Report
 from kvtrace.analyzer.serving import Latency, ServingMetrics, SourceCheck
 from kvtrace.analyzer.roofline import CAUSAL_CONVENTION
 
+# The report's sections after its head, in the order its markdown and its terminal tables both show them (each
+# renderer draws a section by this name; a section with nothing to show is left out).
+SECTIONS = ("statements", "runs", "serving", "repro", "bandwidth", "steps", "compute", "capacity", "plots", "quality",
+            "kernels")
+
+
 # ---- cell formatting -----------------------------------------------------------------------------------
 
 def _count(value) -> str:
@@ -63,8 +69,7 @@ def _cached(m: ServingMetrics | None) -> str:
     if m is None or m.cached_prompt_tokens is None:
         return "–"
     if m.prompt_tokens:
-        share = percent(m.cached_prompt_tokens / m.prompt_tokens)
-        return f"{_count(m.cached_prompt_tokens)} of {_count(m.prompt_tokens)} ({share})"
+        return f"{_count(m.cached_prompt_tokens)} of {_count(m.prompt_tokens)} ({percent(m.cached_share)})"
     return _count(m.cached_prompt_tokens)
 
 
@@ -91,16 +96,12 @@ def _serving_notes(report: Report) -> list[tuple[str, str]]:
     disagreement with its reason, and the points whose polled peaks are not observations."""
     lines = []
     for side, label in (("baseline", report.baseline.label), ("candidate", report.candidate.label)):
-        agreed: dict[str, int] = {}
-        rows = [(row, getattr(row, side)) for row in report.serving if getattr(row, side)]
         warnings = []
-        for row, metrics in rows:
+        for row in report.serving:
+            metrics = getattr(row, side)
+            if not metrics:
+                continue
             where = f" at {row.point}" if len(report.serving) > 1 else ""
-            # A point counts once per quantity (two pairs of sources can check one, as cached prompt tokens), and
-            # only where every check of it agrees.
-            for quantity in dict.fromkeys(c.quantity for c in metrics.checks):
-                if all(c.agree for c in metrics.checks if c.quantity == quantity):
-                    agreed[quantity] = agreed.get(quantity, 0) + 1
             for check in metrics.checks:
                 if not check.agree:
                     warnings.append(("warning", f"{label}{where}: {check.quantity} disagrees: "
@@ -111,11 +112,12 @@ def _serving_notes(report: Report) -> list[tuple[str, str]]:
                 warnings.append(("warning", f"{label}{where}: {metrics.peaks_note}"))
             if metrics.capacity_note:
                 warnings.append(("warning", f"{label}{where}: capacity-bound: cannot tell ({metrics.capacity_note})"))
+        agreed, points = report.agreed_sources(side)
         if agreed:
-            everywhere = all(n == len(rows) for n in agreed.values())
+            everywhere = all(n == points for n in agreed.values())
             lines.append(("ok", f"{label}: two sources agree on " + ", ".join(
-                quantity + ("" if n == len(rows) else f" ({n} of {len(rows)} points)") for quantity, n in agreed.items())
-                + (f" at all {len(rows)} points" if len(rows) > 1 and everywhere else "")))
+                quantity + ("" if n == points else f" ({n} of {points} points)") for quantity, n in agreed.items())
+                + (f" at all {points} points" if points > 1 and everywhere else "")))
         lines += warnings
     return lines
 

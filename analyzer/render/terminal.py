@@ -11,9 +11,9 @@ from kvtrace.analyzer.kernels import KernelList
 from kvtrace.analyzer.headline import APPEND_PHASE, CONTROL, Headline
 from kvtrace.analyzer.render.escape import rich, visible
 from kvtrace.analyzer.render.statements import text as statement_text
-from kvtrace.analyzer.render.units import (HEAD_TIMES, LEVEL, arm_time, calls, duration, head_time, no_change_band,
-                                          numbered_notes, per_call, percent, ratio, row_interval, run_ratios,
-                                          signed_duration)
+from kvtrace.analyzer.render.units import (HEAD_TIMES, LEVEL, PART, arm_time, calls, duration, head_time,
+                                          no_change_band, numbered_notes, per_call, percent, ratio, row_interval,
+                                          run_ratios, signed_duration, summary_part)
 from kvtrace.analyzer.stats.verdicts import Verdict
 from kvtrace.analyzer.verify import MISMATCHES_SHOWN
 
@@ -39,15 +39,18 @@ def summary(summary: Summary, console: Console) -> None:
     console.print(f"[bold]{rich(arm.label)}[/]: {rich(arm.info.gpu_label)}, Nsight Systems "
                   f"{rich(arm.info.product_version)}, {arm.info.kernel_count:,} kernels, {duration(arm.total_ns)} "
                   "GPU kernel time")
-    for title, rows, with_family in (("Segments", summary.segments, False), ("Kernel families", summary.families, True)):
+    parted = any(r.launch or r.nvtx_range for r in summary.families)
+    for title, rows, with_family in (("Segments", summary.segments, False),
+                                     ("Kernel families", summary.families, True)):
         table = Table(title=title, title_justify="left")
-        for column in ["segment"] + (["family"] if with_family else []) + ["calls", "total", "share", "per call",
-                                                                             "median", "p90", "KV dtype"]:
-            table.add_column(column, justify="left" if column in ("segment", "family", "KV dtype") else "right")
+        family = (["family"] + ([PART] if parted else [])) if with_family else []
+        for column in ["segment", *family, "calls", "total", "share", "per call", "median", "p90", "KV dtype"]:
+            table.add_column(column, justify="left" if column in ("segment", "family", PART, "KV dtype") else "right")
         for r in rows:
-            table.add_row(r.segment, *([rich(r.family_label)] if with_family else []), f"{r.stats.calls:,}",
-                          duration(r.stats.total_ns), percent(r.stats.share), per_call(r.stats, r.cells),
-                          duration(r.stats.median_ns), duration(r.stats.p90_ns), rich(", ".join(r.kv_dtypes) or "–"))
+            family = ([rich(r.family_label)] + ([rich(summary_part(r))] if parted else [])) if with_family else []
+            table.add_row(r.segment, *family, f"{r.stats.calls:,}", duration(r.stats.total_ns), percent(r.stats.share),
+                          per_call(r.stats, r.cells), duration(r.stats.median_ns), duration(r.stats.p90_ns),
+                          rich(", ".join(r.kv_dtypes) or "–"))
         console.print(table)
 
 

@@ -6,6 +6,7 @@ import math
 from pathlib import PurePath
 
 from kvtrace.analyzer.render.escape import visible
+from kvtrace.analyzer.results import OUTSIDE_RANGES
 
 
 def shown_path(path) -> str:
@@ -90,6 +91,16 @@ HEAD_TIMES = (f"time per call ({AVG}: the mean over calls of different launch sh
 def head_time(ns: float | None, mixed: bool) -> str:
     """One arm's time per call in a head row (headline.HeadRow), marked where it is a mean over different work."""
     return "–" if ns is None else duration(ns) + (f" {AVG}" if mixed else "")
+
+
+# The column of a summary's family rows that names each row's part of its family (SummaryRow.launch, .nvtx_range).
+PART = "launch shape / range"
+
+
+def summary_part(row) -> str:
+    """Which calls of its family a summary row counts: its launch shape and range, or all of them."""
+    where = row.nvtx_range if row.nvtx_range in (None, OUTSIDE_RANGES) else f"in {row.nvtx_range}"
+    return " ".join(filter(None, [row.launch, where])) or "all"
 
 
 def per_call(stats, cells: int) -> str:
