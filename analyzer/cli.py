@@ -150,6 +150,15 @@ def inputs() -> list[Path]:
     return click.get_current_context().meta.setdefault("kvtrace.inputs", [])
 
 
+def run_files(run: Path) -> list[Path]:
+    """Every entry of a run directory (links included): kvtrace reads its manifests, exports, logs, bench results,
+    per-request counts and answers, so an output may replace none of them."""
+    try:
+        return sorted(Path(run).iterdir())
+    except OSError:  # not a folder: the reader of the run says what is wrong
+        return [Path(run)]
+
+
 @contextmanager
 def progress(message: str, delay_s: float = 1.0):
     """A transient spinner on standard error for a step still running after `delay_s` (loading or exporting

@@ -13,9 +13,9 @@ from kvtrace.analyzer import capacity as capacity_lib
 from kvtrace.analyzer import headline
 from kvtrace.analyzer.statements import QueryQuantizeStatement
 from kvtrace.analyzer.cli import (FiniteRange, Whole, as_run, emit, inputs, interval_options, output_options, progress,
-                                  target_options, use_cache, verify_option, window_options)
+                                  run_files, target_options, use_cache, verify_option, window_options)
 from kvtrace.errors import KvtraceError
-from kvtrace.manifest import MANIFEST, read_manifest
+from kvtrace.manifest import read_manifest
 from kvtrace.nsys import find_nsys
 
 
@@ -64,7 +64,7 @@ def report(runs, arms, labels, threshold, confidence, seed, plots_dir, exports_f
         result.diff, manifest, as_run(manifest.path.parent if manifest else None),
         [s for s in result.statements if isinstance(s, QueryQuantizeStatement)])
     inputs().extend(Path(export) for arm in (result.baseline, result.candidate) for export in arm.runs)
-    inputs().extend(Path(arm.run) / "manifest.json" for arm in (result.baseline, result.candidate))
+    inputs().extend(file for arm in (result.baseline, result.candidate) for file in run_files(arm.run))
     inputs().extend(Path(arm.log) for arm in (result.baseline, result.candidate) if arm.log)
     inputs().extend(result.quality.read if result.quality else ())
     if plots_dir is not None:
@@ -110,7 +110,7 @@ def capacity(run, config_path, layers, kv_heads, head_dim, tokens, sequences, tp
     """
     # What capacity reads beside its arguments: the run's manifest and the model folder's config.json.
     if run is not None:
-        inputs().append(run / MANIFEST if run.is_dir() else run)
+        inputs().extend(run_files(run) if run.is_dir() else [run])
     if config_path is not None:
         inputs().append(config_path / "config.json" if config_path.is_dir() else config_path)
     if output is not None:
@@ -183,7 +183,7 @@ def matrix(runs, objective, threshold, confidence, seed, plots_dir, plot_format,
     for scenario in result.scenarios:
         arms = (scenario.report.baseline, scenario.report.candidate)
         inputs().extend(Path(export) for arm in arms for export in arm.runs)
-        inputs().extend(Path(arm.run) / "manifest.json" for arm in arms)
+        inputs().extend(file for arm in arms for file in run_files(arm.run))
         inputs().extend(Path(arm.log) for arm in arms if arm.log)
         inputs().extend(scenario.report.quality.read if scenario.report.quality else ())
     if plots_dir is not None:
