@@ -22,7 +22,7 @@ from pathlib import Path
 
 from kvtrace import files
 from kvtrace.analyzer import stats
-from kvtrace.analyzer.runs import ArmInput
+from kvtrace.analyzer.runs import ArmInput, run_file
 from kvtrace.errors import KvtraceError
 
 MEASURED = "measured"
@@ -185,10 +185,27 @@ def _metrics(value) -> dict | None:
 def _by_context(item: ArmInput) -> dict[int, dict]:
     contexts = item.record.workload.get("contexts")
     found = {}
-    for entry in contexts if isinstance(contexts, list) else []:
+    for index, entry in enumerate(contexts if isinstance(contexts, list) else []):
         if isinstance(entry, dict) and isinstance(entry.get("context"), int) and isinstance(entry.get("quality"), dict):
+            _check_errors(item, f"arms.{item.runs[0]}.workload.contexts[{index}].quality", entry["quality"])
             found[entry["context"]] = entry["quality"]
     return found
+
+
+def _check_errors(item: ArmInput, where: str, quality: dict) -> None:
+    """A recorded error that is there but out of its range (a negative distance, a cosine past ±1, NaN) is a damaged
+    manifest, refused: it would read as a measured error (and 1 + rel_l2 = 0 divided by zero)."""
+    for group, entries in quality.items():
+        for name, metrics in (entries.items() if isinstance(entries, dict) else ()):
+            for metric, value in (metrics.items() if isinstance(metrics, dict) else ()):
+                low = -1.0 if metric == "cosine" else 0.0
+                if metric not in METRICS or (value is None and metric == "cosine"):
+                    continue
+                if not (isinstance(value, (int, float)) and not isinstance(value, bool)
+                        and low <= value <= (1.0 if metric == "cosine" else math.inf)):
+                    raise KvtraceError(f"{item.run / 'manifest.json'}: {where}.{group}.{name}.{metric} is not a "
+                                       f"number from {low:g} to {'1' if metric == 'cosine' else 'infinity'} "
+                                       f"({value!r:.40}): capture the run again")
 
 
 def _kernel(base: ArmInput, cand: ArmInput) -> Quality:
@@ -261,8 +278,9 @@ def _results(run: Path, summary: dict, label: str, read: list[Path]) -> list[dic
         raise KvtraceError(f"{label}: the manifest names no quality file inside its run directory ({name!r}): "
                            "capture again with --quality-prompts")
     fix = "capture again with --quality-prompts"
-    read.append(run / name)
-    data = files.read_json(run / name, f"{label}'s answers {name}", fix)
+    path = run_file(run, name, label, "answers")
+    read.append(path)
+    data = files.read_json(path, f"{label}'s answers {name}", fix)
     results = data.get("results") if isinstance(data, dict) else None
     if not isinstance(results, list):
         raise KvtraceError(f"{label}'s answers {name} hold no results list: {fix}")

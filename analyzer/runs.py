@@ -206,15 +206,22 @@ def run_arm(item: ArmInput, label: str) -> RunArm:
 _QUERY_DTYPES = re.compile(r"FlashInfer resolved query dtypes: prefill=torch\.(\w+), decode=torch\.(\w+)")
 
 
+def run_file(run: Path, name: str, owner: str, what: str) -> Path:
+    """A file a manifest names (`owner` lists it as its `what`), refused where it leads outside the run directory:
+    an edited or planted manifest, or a link in the run directory, must not send kvtrace to read elsewhere."""
+    path = run / name
+    if not path.resolve().is_relative_to(run.resolve()):
+        raise KvtraceError(f"{owner} in {run} lists its {what} as {name!r}, which leads outside the run directory "
+                           f"(through .., an absolute path or a link): keep a run's {what} inside it")
+    return path
+
+
 def _log_fields(item: ArmInput, name: str | None) -> dict:
     """The run's log (inside its run directory, as its exports are) and the query dtypes it names; none without
     a log. A planted manifest cannot send kvtrace to read elsewhere, nor to wait on a FIFO or read /dev/zero."""
     if not name:
         return {}
-    log = item.run / name
-    if not log.resolve().is_relative_to(item.run.resolve()):
-        raise KvtraceError(f"arm {item.arm} in {item.run} lists its log as {name!r}, which leads outside the run "
-                           "directory (through .., an absolute path or a link): keep a run's logs inside it")
+    log = run_file(item.run, name, f"arm {item.arm}", "log")
     if not log.exists():
         return {"log": None, "query_dtypes": {}}
     text = files.read_small(log, f"log {log}", "keep the capture's own log there, or remove it").decode(errors="replace")

@@ -10,16 +10,23 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import resource
 import shutil
+import sqlite3
+import struct
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from conftest import VLLM033_8B_RUNS, fingerprint
+from conftest import FI_QUALITY, NSYS2025_DIR, REPO, VLLM033_8B_RUNS, VLLM033_RUNS, fingerprint
 from test_bad_input import assert_one_line_error
-from test_hostile_input import kv  # noqa: F401 (a fixture)
+from kvtrace.analyzer.render.markdown import ISSUE_LIMIT
+from test_hostile_input import NVFP4, SMALL, kv  # noqa: F401 (kv: a fixture)
 
 PREEMPTION = VLLM033_8B_RUNS["capacity-preemption"]  # fp8 and nvfp4, two repeats each, with requests and answers
+QUALITY_PROMPTS = REPO / "fixtures" / "quality" / "arithmetic-8.jsonl"
 
 
 def run_copy(tmp_path: Path, source: Path = PREEMPTION, name: str = "run") -> Path:
@@ -53,3 +60,318 @@ def test_no_output_replaces_a_run_file_through_a_link(tmp_path, kv):
     code, out, err = kv("report", run, "-q", "-o", tmp_path / "latest.md")
     assert_one_line_error(code, out, err, "latest.md", "never overwrites its inputs")
     assert fingerprints(run) == before
+
+
+def edit_json(path: Path, edit) -> None:
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+
+
+# ==== 2. tracebacks become one line ===============================================================================
+
+def _first_context(data: dict, arm: str = "fp8") -> dict:
+    return data["arms"][arm]["workload"]["contexts"][0]["quality"]
+
+
+@pytest.mark.parametrize("value", [-1.0, -0.25, float("nan"), True])
+def test_a_recorded_error_out_of_its_range_is_one_line(value, tmp_path, kv):
+    """-1 divided by zero (1 + rel_l2); -0.25 was reported as a measured error; NaN and true read as no error."""
+    run = run_copy(tmp_path, FI_QUALITY)
+    edit_json(run / "manifest.json", lambda d: _first_context(d)["format"]["prefill"].update(rel_l2=value))
+    code, out, err = kv("report", run, "-q")
+    assert_one_line_error(code, out, err, str(run / "manifest.json"),
+                          re.escape("arms.fp8.workload.contexts[0].quality.format.prefill.rel_l2 is not a number from "
+                                    "0 to infinity"), "capture the run again")
+
+
+@pytest.mark.parametrize("command", ["capacity", "report"])
+def test_a_fraction_of_a_token_of_capacity_is_one_line(command, tmp_path, kv):
+    run = run_copy(tmp_path, VLLM033_8B_RUNS["capacity-sweep"])
+    edit_json(run / "manifest.json", lambda d: d["arms"]["fp8"]["kv_cache"].update(tokens=0.5))
+    code, out, err = kv(command, run, *(["-q"] if command == "report" else []))
+    assert_one_line_error(code, out, err, str(run / "manifest.json"),
+                          re.escape("arms.fp8.kv_cache.tokens is not a whole number of at least 1"))
+
+
+HOST_WAIT_TABLES = {
+    "copy-without-bytes": ("ALTER TABLE CUPTI_ACTIVITY_KIND_MEMCPY DROP COLUMN bytes",
+                           "CUPTI_ACTIVITY_KIND_MEMCPY lacks column bytes"),
+    "sync-without-correlation": ("ALTER TABLE CUPTI_ACTIVITY_KIND_SYNCHRONIZATION DROP COLUMN correlationId",
+                                 "CUPTI_ACTIVITY_KIND_SYNCHRONIZATION lacks column correlationId"),
+    "null-bytes": ("UPDATE CUPTI_ACTIVITY_KIND_MEMCPY SET bytes = NULL",
+                   "CUPTI_ACTIVITY_KIND_MEMCPY has NULL values in bytes"),
+    "null-sync-process": ("UPDATE CUPTI_ACTIVITY_KIND_SYNCHRONIZATION SET globalPid = NULL",
+                          "CUPTI_ACTIVITY_KIND_SYNCHRONIZATION has NULL values in globalPid"),
+    # Silently wrong before: "32 device-to-host copies of -8 bytes", and host waits of negative time.
+    "negative-bytes": ("UPDATE CUPTI_ACTIVITY_KIND_MEMCPY SET bytes = -8",
+                       "CUPTI_ACTIVITY_KIND_MEMCPY has negative values in bytes"),
+    "call-ends-before-it-starts": ('UPDATE CUPTI_ACTIVITY_KIND_RUNTIME SET start = "end" + 5 WHERE correlationId IN '
+                                   "(SELECT correlationId FROM CUPTI_ACTIVITY_KIND_SYNCHRONIZATION)",
+                                   "CUPTI_ACTIVITY_KIND_RUNTIME has calls that end before they start"),
+}
+
+
+def _without_constraints(export: Path, table: str) -> None:
+    """nsys writes these tables NOT NULL; an edited export need not be."""
+    with sqlite3.connect(export) as conn:
+        conn.execute(f"CREATE TABLE rebuilt AS SELECT * FROM {table}")
+        conn.execute(f"DROP TABLE {table}")
+        conn.execute(f"ALTER TABLE rebuilt RENAME TO {table}")
+    conn.close()
+
+
+@pytest.mark.parametrize("kind", sorted(HOST_WAIT_TABLES))
+def test_copy_and_synchronization_tables_as_nsys_never_writes_them_are_one_line(kind, tmp_path, kv):
+    statement, problem = HOST_WAIT_TABLES[kind]
+    run = run_copy(tmp_path, VLLM033_8B_RUNS["capacity-sweep-repeats"])
+    export = run / "nvfp4.r1.sqlite"
+    if "NULL" in statement:
+        _without_constraints(export, statement.split()[1])
+    with sqlite3.connect(export) as conn:
+        conn.execute(statement)
+    conn.close()
+    code, out, err = kv("report", run / "fp8.r1", run / "nvfp4.r1", "-q")
+    assert_one_line_error(code, out, err, str(export), re.escape(problem), "export the report again")
+
+
+def _bench_ttfts(run: Path, ttfts) -> None:
+    edit_json(run / "nvfp4.r1.bench.json", lambda d: d.update(ttfts=ttfts(d["ttfts"])))
+
+
+def test_a_ttft_past_floating_point_in_milliseconds_is_left_out_not_written_as_infinity(tmp_path, kv):
+    run = run_copy(tmp_path)
+    _bench_ttfts(run, lambda ttfts: [1e306] + ttfts[1:])  # seconds: 1e309 ms is inf
+    code, out, err = kv("report", run, "-q", "--format", "json")
+    assert code == 0, err
+    json.loads(out)  # strict JSON: no Infinity
+
+
+def test_boolean_ttfts_are_no_per_request_times(tmp_path):
+    from kvtrace.analyzer import serving
+    from kvtrace.manifest import read_manifest
+
+    run = run_copy(tmp_path)
+    record = read_manifest(run).runs["nvfp4.r1"].points[0]
+    assert serving.request_samples(record, run).ttft_ms is not None
+    _bench_ttfts(run, lambda ttfts: [i % 2 == 0 for i in range(len(ttfts))])  # were read as 1,000 ms and 0 ms
+    assert serving.request_samples(record, run).ttft_ms is None
+
+
+def test_more_cached_tokens_than_prompt_tokens_is_one_line(tmp_path, kv):
+    """It read "prefilled -104,448 prompt tokens" and a 150.0% cached share."""
+    run = run_copy(tmp_path)
+    edit_json(run / "manifest.json", lambda d: d["arms"]["nvfp4.r1"]["points"][0].update(cached_tokens=49152))
+    code, out, err = kv("report", run, "-q")
+    assert_one_line_error(code, out, err, str(run / "manifest.json"),
+                          "served 49,152 prompt tokens from the prefix cache of 32,768 sent", "capture the run again")
+
+
+def _safetensors(path: Path, header: bytes | dict, data: bytes = b"") -> Path:
+    text = header if isinstance(header, bytes) else json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+    return path
+
+
+def _tensor_table(q_offsets) -> tuple[dict, bytes]:
+    """q [100, 4, 32], k and v [100, 2, 32] in BF16, q at `q_offsets`."""
+    q, kv_size = 100 * 4 * 32 * 2, 100 * 2 * 32 * 2
+    return ({"q": {"dtype": "BF16", "shape": [100, 4, 32], "data_offsets": q_offsets},
+             "k": {"dtype": "BF16", "shape": [100, 2, 32], "data_offsets": [q, q + kv_size]},
+             "v": {"dtype": "BF16", "shape": [100, 2, 32], "data_offsets": [q + kv_size, q + 2 * kv_size]}},
+            bytes(q + 2 * kv_size))
+
+
+INPUTS = {
+    "nested-header": (lambda p: _safetensors(p, b"[" * 100_000 + b"]" * 100_000), "header is nested too deeply"),
+    "float-offsets": (lambda p: _safetensors(p, *_tensor_table([0.0, 25600.0])), "q's data offsets [0.0, 25600.0]"),
+    "fifo": (lambda p: (os.mkfifo(p), p)[1], "not a regular file"),
+}
+
+
+def _small_memory() -> None:
+    """A child's address space of 4 GiB: /dev/zero read whole ends in MemoryError, not in the machine's memory."""
+    resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+
+
+def _waits(kind: str) -> dict:
+    """What may wait for ever or fill memory when unfixed runs in a child with a time limit, never in pytest."""
+    return {"preexec_fn": _small_memory, "timeout": 60} if kind in ("fifo", "dev-zero") else {}
+
+
+@pytest.mark.parametrize("kind", sorted(INPUTS))
+def test_inputs_that_are_no_tensor_file_are_one_line(kind, tmp_path, kv):
+    """RecursionError, float offsets accepted (a buffer slice then fails on the GPU box), a FIFO waited on."""
+    make, problem = INPUTS[kind]
+    path = make(tmp_path / "layer.safetensors")
+    code, out, err = kv("capture", "flashinfer", "--out", tmp_path / "out", "--inputs", path, "--context", "32",
+                        "--q-heads", "4", "--kv-heads", "2", "--head-dim", "32", **_waits(kind))
+    assert_one_line_error(code, out, err, f"--inputs {path}", re.escape(problem))
+    assert not (tmp_path / "out").exists()
+
+
+PROMPTS = {
+    "dev-zero": (lambda p: Path("/dev/zero"), "not a regular file"),
+    "fifo": (lambda p: (os.mkfifo(p), p)[1], "not a regular file"),
+    "nested": (lambda p: (p.write_text("[" * 100_000 + "]" * 100_000 + "\n"), p)[1], "line 1 is not JSON"),
+    # U+2028, U+2029 and U+0085 are text inside a JSON string; splitlines() broke the line there
+    "line-separators": (lambda p: (p.write_text(QUALITY_PROMPTS.read_text().split("\n", 1)[0].replace(
+        '"prompt": "', '"prompt": "\u2028\u2029\u0085', 1) + "\n{not json\n"), p)[1], "line 2 is not JSON"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(PROMPTS))
+def test_quality_prompts_that_are_no_prompt_file_are_one_line(kind, tmp_path, kv):
+    make, problem = PROMPTS[kind]
+    path = make(tmp_path / "prompts.jsonl")
+    code, out, err = kv("capture", "vllm", "--model", tmp_path / "model", "--quality-prompts", path, "--dry-run",
+                        "--out", tmp_path / "out", **_waits(kind))
+    assert_one_line_error(code, out, err, f"--quality-prompts {path}", re.escape(problem))
+
+
+LONG = "x" * 80_000  # one field of 80,000 characters
+
+
+def _long_gpu_name(run: Path) -> Path:
+    for export in run.glob("*.sqlite"):
+        with sqlite3.connect(export) as conn:
+            conn.execute("UPDATE TARGET_INFO_GPU SET name = ?", (f"NVIDIA {LONG}",))
+        conn.close()
+    return run
+
+
+@pytest.mark.parametrize("target", ["/dev/null", "fifo"])
+def test_markdown_past_an_issue_body_written_to_a_device_or_fifo(target, tmp_path, kv):
+    """It had no file beside it for the whole document: a TypeError."""
+    run = _long_gpu_name(run_copy(tmp_path, NSYS2025_DIR))
+    if target == "fifo":
+        target = tmp_path / "fifo"
+        os.mkfifo(target)
+        reader = subprocess.Popen(["cat", str(target)], stdout=subprocess.PIPE)
+    code, out, err = kv("report", run, "-q", "--format", "markdown", "-o", target)
+    assert code == 0, err
+    if target != "/dev/null":
+        assert len(reader.communicate(timeout=60)[0].decode()) <= ISSUE_LIMIT
+
+
+# ==== 3. the markdown kvtrace writes fits an issue body ===========================================================
+
+def _fits(markdown: str) -> None:
+    assert len(markdown) <= ISSUE_LIMIT
+    assert re.search(r"\(shortened: 80,\d{3} characters in all\)", markdown)  # the long field, with its length
+
+
+def test_a_long_gpu_name_is_shortened_and_the_report_fits(tmp_path, kv):
+    run = _long_gpu_name(run_copy(tmp_path, NSYS2025_DIR))
+    code, out, err = kv("report", run, "-q", "-o", tmp_path / "r.md")
+    assert code == 0, err
+    _fits((tmp_path / "r.md").read_text())
+    code, out, err = kv("report", run, "-q", "--format", "markdown")
+    _fits(out)
+
+
+def test_a_long_scenario_is_shortened_and_the_matrix_fits(tmp_path, kv):
+    run = run_copy(tmp_path, VLLM033_RUNS["offline-decode-heavy"])
+    edit_json(run / "manifest.json", lambda d: d["settings"].update(scenario=LONG))
+    code, out, err = kv("matrix", run, "-q", "-o", tmp_path / "m.md")
+    assert code == 0, err
+    _fits((tmp_path / "m.md").read_text())
+
+
+def test_a_long_label_is_shortened_and_drawn_at_once(kv):
+    """rich wrapped a 100,000-character label for minutes; the markdown head was past the issue body."""
+    labels = ("--label", "y" * 100_000, "--label", "b")
+    code, out, err = kv("diff", SMALL, NVFP4, *labels, "--format", "markdown")
+    assert code == 0, err
+    assert len(out) <= ISSUE_LIMIT and "(shortened: 100,000 characters in all)" in out
+    code, out, err = kv("diff", SMALL, NVFP4, *labels, child=True, timeout=120)  # a terminal table
+    assert code == 0, err
+    assert "(shortened: 100,000 characters in all)" in out
+
+
+def test_the_head_is_cut_at_a_line_when_it_alone_is_past_its_share():
+    from kvtrace.analyzer.render import markdown
+
+    top = ["## title", "", "```sh", *(f"command {i} {'z' * 100}" for i in range(1000)), "```"]
+    cut = markdown.cut(top, markdown.HEAD_CHARS, "The rest is in the whole report.")
+    assert len("\n".join(cut)) <= markdown.HEAD_CHARS
+    assert cut[:3] == top[:3] and cut[-3] == "```"  # the open fence is closed before the note
+    assert cut[-1].endswith("are left out here to fit a GitHub issue body. The rest is in the whole report.")
+
+
+# ==== 4. what took for ever ends at once ==========================================================================
+
+@pytest.mark.parametrize("engine", ["vllm", "flashinfer"])
+def test_a_huge_repeat_count_is_one_line_before_any_run_is_listed(engine, tmp_path, kv):
+    code, out, err = kv("capture", engine, *(["--model", tmp_path / "model", "--dry-run"] if engine == "vllm" else []),
+                        "--out", tmp_path / "out", "--repeats", str(10 ** 30), preexec_fn=_small_memory, timeout=120)
+    assert_one_line_error(code, out, err, "--repeats", r"not in the range 1<=x<=1000")
+
+
+# ==== 5. a run directory is read inside itself: answers and per-request counts too ================================
+
+@pytest.mark.parametrize("name", ["nvfp4.r1.requests.json", "fp8.r1.quality.json"])
+def test_a_run_file_linked_from_outside_the_run_directory_is_not_read(name, tmp_path, kv):
+    run = run_copy(tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (run / name).rename(elsewhere / name)
+    (run / name).symlink_to(elsewhere / name)
+    code, out, err = kv("report", run, "-q")
+    assert_one_line_error(code, out, err, repr(name), "leads outside the run directory", "inside it")
+
+
+# ==== 6. the dry run's plan is text to paste into a shell: nothing in it runs on its own ===========================
+
+def _sweep_manifest(folder: Path, edit=None) -> Path:
+    folder.mkdir()
+    data = json.loads((VLLM033_RUNS["serve-sweep"] / "manifest.json").read_text())
+    if edit:
+        edit(data)
+    (folder / "manifest.json").write_text(json.dumps(data))
+    return folder / "manifest.json"
+
+
+def _plan(kv, tmp_path, *args):
+    return kv("capture", "vllm", "--model", tmp_path / "model", "--scenario", "sweep", "--dry-run", "--out",
+              tmp_path / "out", *args)
+
+
+def test_a_points_from_path_with_a_newline_stays_inside_its_comment(tmp_path, kv):
+    source = _sweep_manifest(tmp_path / "runs\ntouch pwned #")
+    code, out, err = _plan(kv, tmp_path, "--points-from", source)
+    assert code == 0, err
+    assert not any(line.startswith("touch") for line in out.splitlines())
+    assert "runs\\ntouch pwned #/manifest.json (run fp8) ran" in out
+
+
+def test_a_host_with_a_newline_is_one_line(tmp_path, kv):
+    code, out, err = _plan(kv, tmp_path, "--host", "127.0.0.1\ntouch pwned")
+    assert_one_line_error(code, out, err, "--host '127.0.0.1\\ntouch pwned'", "is not a host name or IP address")
+
+
+@pytest.mark.parametrize("edit,problem", [
+    (lambda d: d["arms"]["fp8"]["points"][0].update(point="input=1024,output=16,prompts=0,concurrency=8"),
+     "lists the point input=1024,output=16,prompts=0,concurrency=8, which sends no requests"),
+    (lambda d: d["arms"]["fp8"]["points"][1].update(point="input=1024,output=-5,prompts=32,concurrency=16"),
+     "lists the point input=1024,output=-5,prompts=32,concurrency=16, which sends no requests"),
+    (lambda d: d["settings"].update(order=5), None),  # a TypeError; the points stand without the order
+    (lambda d: d["settings"].update(order=[["fp8"]]), None),
+])
+def test_points_from_with_values_of_the_wrong_kind(edit, problem, tmp_path, kv):
+    source = _sweep_manifest(tmp_path / "earlier", edit)
+    code, out, err = _plan(kv, tmp_path, "--points-from", source)
+    if problem is None:
+        assert code == 0, err
+        assert out.count("bench serve") == 2 * 5  # each arm: a warm-up and the 4 points of the earlier sweep
+    else:
+        assert_one_line_error(code, out, err, str(source), re.escape(problem), "let this sweep choose its own")
+
+
+# ==== 7. options that cannot be what they say =====================================================================
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-1", "0"])
+def test_a_startup_timeout_that_never_ends_is_one_line(value, tmp_path, kv):
+    code, out, err = kv("capture", "vllm", "--model", tmp_path / "model", "--startup-timeout", value, "--dry-run",
+                        "--out", tmp_path / "out")
+    assert_one_line_error(code, out, err, "--startup-timeout", "is not a finite number of seconds above 0")
