@@ -247,6 +247,7 @@ def emit(result, fmt: str, output: Path | None) -> None:
     elif fmt == "markdown":
         rest = whole_path(output)
         text, whole = render.render_markdown(result, rest and rest.name)
+        whole = whole if rest is not None else None  # a device or FIFO has nothing beside it
     else:
         text = render.render_text(result, fmt)
     if whole is not None:  # written first: the file the issue-sized markdown names exists once that does
