@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import click
@@ -20,6 +21,15 @@ def _name_list(ctx, param, value: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in value.split(",") if part.strip())
 
 
+def _seconds(ctx, param, value: float) -> float:
+    """A wait in seconds: NaN passes every comparison and would never time out, infinity never ends."""
+    if not (math.isfinite(value) and value > 0):
+        raise click.BadParameter(f"{value} is not a finite number of seconds above 0", ctx, param)
+    return value
+
+
+# Each repeat is a GPU run of minutes: past this a count is a slip, and listing its runs would never end.
+MAX_REPEATS = 1000
 REPEATS_HELP = ("Record each arm N times, arms interleaved (A B A B ...) so that drift over time is not "
                 "confounded with the arm; runs are named ARM.rK when N > 1.")
 
@@ -51,7 +61,7 @@ def capture() -> None:
                    "q [tokens, q_heads, head_dim], k and v [tokens, kv_heads, head_dim] dumped from a model (keys "
                    "after RoPE). Each format's attention error against a float64 reference is recorded per context.")
 @click.option("--arms", default="fp8,nvfp4", show_default=True, callback=_name_list, help="Formats to record, comma-separated.")
-@click.option("--repeats", default=1, show_default=True, help=REPEATS_HELP)
+@click.option("--repeats", default=1, show_default=True, type=click.IntRange(1, MAX_REPEATS), help=REPEATS_HELP)
 @click.option("--nsys", "nsys_path", default=None, help="nsys binary (default: $NSYS, PATH, known installs).")
 @click.option("--force", is_flag=True, help="Replace an existing run directory.")
 def flashinfer(out, context, batch, q_heads, kv_heads, head_dim, page_size, prefill_calls, decode_calls,
@@ -116,8 +126,9 @@ def _optional_int_list(ctx, param, value: str | None) -> tuple[int, ...] | None:
 @click.option("--quality-max-tokens", default=256, show_default=True, help="serve: tokens generated per quality prompt.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="serve: address the server binds.")
 @click.option("--port", default=8000, show_default=True, help="serve: port the server binds.")
-@click.option("--startup-timeout", default=1800.0, show_default=True, help="serve: seconds to wait for /health.")
-@click.option("--repeats", default=1, show_default=True, help=REPEATS_HELP)
+@click.option("--startup-timeout", default=1800.0, show_default=True, callback=_seconds,
+              help="serve: seconds to wait for /health.")
+@click.option("--repeats", default=1, show_default=True, type=click.IntRange(1, MAX_REPEATS), help=REPEATS_HELP)
 @click.option("--profile-steps", default=0, show_default=True,
               help="Trace only the first N engine steps of the measured traffic (0: all of it); the serving metrics "
                    "still cover every request. Keeps long serve runs' traces small.")
