@@ -19,6 +19,7 @@ from rich.console import Console
 import kvtrace.nsys
 from kvtrace import files
 from kvtrace.analyzer import align, compare, headline, render, statements, stats, verify
+from kvtrace.analyzer import runs as runs_lib
 from kvtrace.analyzer.classify import SEGMENTS, load_recipes
 from kvtrace.analyzer.findings import read_first
 from kvtrace.analyzer.kernels import list_kernels
@@ -528,6 +529,9 @@ def _check_distinct_runs(runs: list[tuple[Path, Path]]) -> None:
                 raise KvtraceError(f"{path} and {earlier} are the same file: with --repeat each run of each arm is a "
                                    "recording of its own; pass every run once")
         seen.append((status, path))
+    for side in (0, 1):  # a repeat copied from another run of its arm is the same recording too
+        runs_lib.check_distinct_recordings([run[side] for run in runs], "pass every run once, each a recording of its "
+                                           "own")
 
 
 @click.command()

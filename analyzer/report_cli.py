@@ -11,6 +11,7 @@ import click
 from kvtrace import files, model_config
 from kvtrace.analyzer import capacity as capacity_lib
 from kvtrace.analyzer import headline
+from kvtrace.analyzer import runs as runs_lib
 from kvtrace.analyzer.statements import QueryQuantizeStatement
 from kvtrace.analyzer.cli import (FiniteRange, Whole, as_run, emit, inputs, interval_options, output_options, progress,
                                   run_files, target_options, use_cache, verify_option, window_options)
@@ -180,12 +181,16 @@ def matrix(runs, objective, threshold, confidence, seed, plots_dir, plot_format,
     with progress(f"reporting on every scenario of {' '.join(map(str, runs))}"):
         result = matrix_lib.build(list(runs), load_recipes(recipe_files), objective=objective, threshold=threshold,
                                   confidence=confidence, seed=seed, nsys=nsys_path, cache=use_cache())
+    recordings = []
     for scenario in result.scenarios:
         arms = (scenario.report.baseline, scenario.report.candidate)
+        recordings += [file for arm in arms for file in _recording_files(arm)]
         inputs().extend(Path(export) for arm in arms for export in arm.runs)
         inputs().extend(file for arm in arms for file in run_files(arm.run))
         inputs().extend(Path(arm.log) for arm in arms if arm.log)
         inputs().extend(scenario.report.quality.read if scenario.report.quality else ())
+    # A run directory copied is no second recording: pooled with its original it would decide points on nothing.
+    runs_lib.check_distinct_recordings(recordings, "give each recording once (remove the copy)")
     if plots_dir is not None:
         from kvtrace.analyzer.render import plots  # matplotlib only on this path
 
@@ -201,3 +206,9 @@ def matrix(runs, objective, threshold, confidence, seed, plots_dir, plot_format,
             files.write(rest_path, rest, inputs())
             result.rest_file = rest_path.name
     emit(result, fmt, output)
+
+
+def _recording_files(arm) -> list[Path]:
+    """The export and bench results of each run of a report's arm."""
+    manifest = read_manifest(Path(arm.run))
+    return runs_lib.recording_files(Path(arm.run), manifest, manifest.runs_by_arm.get(arm.arm, [arm.arm]))

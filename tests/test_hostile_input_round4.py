@@ -20,12 +20,15 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FI_QUALITY, NSYS2025_DIR, REPO, VLLM033_8B_RUNS, VLLM033_RUNS, fingerprint
+from conftest import (FI_QUALITY, NSYS2025_DIR, REPEAT, REPO, TORCH_H100X2, VLLM033_8B_RUNS, VLLM033_RUNS,
+                      fingerprint)
 from test_bad_input import assert_one_line_error
 from kvtrace.analyzer.render.markdown import ISSUE_LIMIT
-from test_hostile_input import NVFP4, SMALL, kv  # noqa: F401 (kv: a fixture)
+from test_hostile_input import NVFP4, SMALL, json_of, kv  # noqa: F401 (kv: a fixture)
+from test_hostile_input_round3 import _exports, _report, standin_nsys
 
 PREEMPTION = VLLM033_8B_RUNS["capacity-preemption"]  # fp8 and nvfp4, two repeats each, with requests and answers
+NVFP4_REPEAT = REPEAT / "nvfp4.sqlite"  # fi-h200-sm90's nvfp4 recorded again
 QUALITY_PROMPTS = REPO / "fixtures" / "quality" / "arithmetic-8.jsonl"
 
 
@@ -375,3 +378,83 @@ def test_a_startup_timeout_that_never_ends_is_one_line(value, tmp_path, kv):
     code, out, err = kv("capture", "vllm", "--model", tmp_path / "model", "--startup-timeout", value, "--dry-run",
                         "--out", tmp_path / "out")
     assert_one_line_error(code, out, err, "--startup-timeout", "is not a finite number of seconds above 0")
+
+
+# ==== 8. a run is not independent evidence of itself ==============================================================
+
+def test_a_repeat_that_is_a_byte_copy_of_another_is_one_line(tmp_path, kv):
+    run = run_copy(tmp_path)
+    shutil.copyfile(run / "fp8.r1.sqlite", run / "fp8.r2.sqlite")
+    code, out, err = kv("report", run, "-q")
+    assert_one_line_error(code, out, err, "fp8.r1.sqlite", "hold the same bytes: a run is not independent evidence "
+                          "of itself", "capture it again")
+
+
+def test_a_bench_result_copied_from_another_repeat_is_one_line(tmp_path, kv):
+    run = run_copy(tmp_path)
+    shutil.copyfile(run / "nvfp4.r1.bench.json", run / "nvfp4.r2.bench.json")
+    code, out, err = kv("report", run, "-q")
+    assert_one_line_error(code, out, err, "nvfp4.r1.bench.json", "hold the same bytes")
+
+
+def test_a_run_directory_copied_is_not_pooled_as_a_second_recording(tmp_path, kv):
+    """Two byte-identical copies of one run decided 12 points on zero-width intervals."""
+    first = run_copy(tmp_path, VLLM033_8B_RUNS["capacity-sweep"], "first")
+    second = run_copy(tmp_path, VLLM033_8B_RUNS["capacity-sweep"], "second")
+    code, out, err = kv("matrix", first, second, "-q")
+    assert_one_line_error(code, out, err, "fp8.sqlite", "hold the same bytes", "give each recording once")
+
+
+def test_a_repeat_of_diff_that_is_a_byte_copy_is_one_line(tmp_path, kv):
+    copy = tmp_path / "fp8-again.sqlite"
+    shutil.copyfile(SMALL, copy)
+    code, out, err = kv("diff", SMALL, NVFP4, "--repeat", copy, NVFP4_REPEAT)
+    assert_one_line_error(code, out, err, str(copy), "hold the same bytes", "pass every run once")
+
+
+def test_a_rank_count_that_differs_in_a_later_repeat_pair_is_an_error(tmp_path, kv):
+    """Only the first pair's counts were compared: the second pair's mismatch was called ok."""
+    before, after = TORCH_H100X2 / "before.sqlite", TORCH_H100X2 / "after.sqlite"
+    again = {name: tmp_path / f"{name}-again.sqlite" for name in ("before", "after")}
+    for name, source in (("before", before), ("after", after)):
+        shutil.copyfile(source, again[name])
+    with sqlite3.connect(again["after"]) as conn:  # the second candidate ran on one GPU
+        conn.execute("DELETE FROM CUPTI_ACTIVITY_KIND_KERNEL WHERE deviceId = 1")
+    conn.close()
+    with sqlite3.connect(again["before"]) as conn:  # another recording, not a byte copy
+        conn.execute("DELETE FROM CUPTI_ACTIVITY_KIND_KERNEL WHERE rowid = (SELECT max(rowid) FROM "
+                     "CUPTI_ACTIVITY_KIND_KERNEL)")
+    conn.close()
+    findings = json_of(kv, "diff", before, after, "--repeat", again["before"], again["after"])["findings"]
+    errors = [f["message"] for f in findings if f["check"] == "ranks" and f["level"] == "error"]
+    assert len(errors) == 1 and errors[0].startswith("r2: ") and "ran on 2 GPU(s)" in errors[0] \
+        and "on 1: ranks pair by device order" in errors[0]
+
+
+# ==== 9. child processes: what the user sees while kvtrace waits, and nothing left behind =========================
+
+def test_a_slow_export_says_what_kvtrace_waits_for(tmp_path, kv, monkeypatch):
+    import kvtrace.nsys
+
+    monkeypatch.setattr(kvtrace.nsys, "WAIT_NOTICE_S", 0.2)
+    report, nsys = _report(tmp_path), standin_nsys(tmp_path)
+    nsys.write_text(nsys.read_text().replace("for a in", "sleep 1\nfor a in", 1))
+    code, out, err = kv("kernels", report, "--no-cache", "--format", "json", env={"NSYS": str(nsys)})
+    assert code == 0, err
+    assert re.search(rf"kvtrace: waiting for nsys export of {re.escape(str(report))}: \d+ s so far, stopped at "
+                     r"\d+ s\n", err), err
+
+
+def test_an_export_made_without_a_cache_folder_is_removed_as_kvtrace_exits(tmp_path, kv):
+    """Neither the cache folder nor the private fallback can be made: the export went to a temporary folder of its
+    own, which stayed behind."""
+    report, nsys = _report(tmp_path), standin_nsys(tmp_path)
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    (temp / f"kvtrace-{os.getuid()}").write_text("not a folder\n")
+    (tmp_path / "not-a-folder").write_text("x\n")
+    code, out, err = kv("kernels", report, "--format", "json", child=True,
+                        env={"NSYS": str(nsys), "TMPDIR": str(temp), "KVTRACE_CACHE_DIR": str(tmp_path / "not-a-folder")})
+    assert code == 0, err
+    assert json.loads(out)["rows"] and _exports(tmp_path) == 1
+    assert sorted(p.name for p in temp.iterdir()) == [f"kvtrace-{os.getuid()}"]
