@@ -18,7 +18,7 @@ from rich.console import Console
 
 import kvtrace.nsys
 from kvtrace import files
-from kvtrace.analyzer import align, compare, headline, render, statements, stats, verify
+from kvtrace.analyzer import align, compare, headline, render, statements, verify
 from kvtrace.analyzer import runs as runs_lib
 from kvtrace.analyzer.classify import SEGMENTS, load_recipes
 from kvtrace.analyzer.findings import read_first
@@ -28,6 +28,7 @@ from kvtrace.analyzer.render import escape, markdown
 from kvtrace.analyzer.names import NameKey
 from kvtrace.analyzer.results import Diff
 from kvtrace.analyzer.runs import trace_query_dtypes
+from kvtrace.analyzer.stats import verdicts
 from kvtrace.analyzer.render.escape import visible
 from kvtrace.errors import KvtraceError
 
@@ -412,16 +413,16 @@ def gate(result, watched: list[str | None]) -> int:
     rows = {r.segment: r for r in result.segments}
     named = {segment for segment in watched if segment is not None}
     every = None in watched
-    tripped = [r for r in result.segments if r.verdict == stats.REGRESSION and (every or r.segment in named)]
+    tripped = [r for r in result.segments if r.verdict == verdicts.REGRESSION and (every or r.segment in named)]
     unmeasured = [(segment, rows[segment].verdict if segment in rows else "no calls in either arm")
-                  for segment in sorted(named) if segment not in rows or rows[segment].verdict in stats.UNMEASURED]
+                  for segment in sorted(named) if segment not in rows or rows[segment].verdict in verdicts.UNMEASURED]
     if tripped:
         click.echo("kvtrace: gate: " + "; ".join(f"{r.segment} regressed {r.ratio:.3f}× [{r.ci_low:.3f}, {r.ci_high:.3f}]"
                                                   for r in tripped), err=True)
     if unmeasured:
         click.echo("kvtrace: gate: cannot judge " + "; ".join(f"{segment} ({why})" for segment, why in unmeasured)
                    + ": compare runs that did the same work, or drop it from --fail-on", err=True)
-    skipped = [r for r in result.segments if every and r.verdict in stats.UNMEASURED and r.segment not in named]
+    skipped = [r for r in result.segments if every and r.verdict in verdicts.UNMEASURED and r.segment not in named]
     if skipped:
         click.echo("kvtrace: gate: not judged: " + ", ".join(f"{r.segment} ({r.verdict})" for r in skipped), err=True)
     return GATE_REGRESSION if tripped else GATE_UNMEASURED if unmeasured else 0
@@ -544,3 +545,24 @@ def kernels(trace, unclassified, segment, fmt, output, recipe_files, nsys_path):
     recipes = load_recipes(recipe_files)
     emit(list_kernels(load_trace(trace, nsys_path), recipes, unclassified=unclassified, segment=segment),
          fmt, output)
+
+
+@click.command()
+@_trace_argument("run")
+@click.option("-o", "--output", metavar="FILE", type=click.Path(allow_dash=True, path_type=Path),
+              help="Write the script to FILE (atomically, never onto an input) instead of standard output.")
+def repro(run, output):
+    """Write a standalone FlashInfer script with RUN's shapes (a run directory, or a trace inside one): it times FP8
+    against NVFP4 on each format's route and on NVFP4's, checks both against float64, and writes JSON with --json.
+    It imports only torch, flashinfer and the standard library."""
+    from kvtrace.analyzer import repro as repro_spec
+    from kvtrace.analyzer.render import repro as repro_script
+
+    if output is not None and not files.is_stdout(output):
+        files.check_target(output, [run])
+    with progress("reading the run's trace"):
+        text = repro_script.script(repro_spec.build(run))
+    if output is None or files.is_stdout(output):
+        sys.stdout.write(text)
+    else:
+        files.write(output, text, [run])

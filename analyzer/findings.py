@@ -8,8 +8,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import polars as pl
 
-from kvtrace.analyzer import align, drift_band, stats
+from kvtrace.analyzer import align, drift_band
 from kvtrace.analyzer.results import Arm, DiffRow, Drift, Finding
+from kvtrace.analyzer.stats import arm_summary
 from kvtrace.kv_formats import bytes_per_value, claimed_dtypes
 
 if TYPE_CHECKING:
@@ -158,7 +159,7 @@ def _rank_skew(run: Run, label: str, communication: int) -> Finding:
         return Finding("ok", "ranks", f"{text}; no communication kernels on every rank, so skew is not measured")
     per_call = np.array([total / calls for calls, total in waits])
     shown = ", ".join(f"{value / 1e3:,.1f} µs" for value in per_call)
-    if stats.same_work([per_call]):
+    if arm_summary.same_work([per_call]):
         return Finding("ok", "ranks", f"{text}; communication kernels cost the same per call on every rank "
                        f"({shown}): no straggler")
     straggler = int(per_call.argmin())

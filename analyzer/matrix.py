@@ -15,12 +15,13 @@ from itertools import combinations
 from pathlib import Path
 
 from kvtrace import __version__, kv_formats
-from kvtrace.analyzer import headline, report as report_lib, stats
+from kvtrace.analyzer import headline, report as report_lib
 from kvtrace.analyzer.classify import RecipeSet
 from kvtrace.analyzer.report import PlotFile, Report
 from kvtrace.analyzer.serving import ServingRow
-from kvtrace.analyzer.stats import ServingEstimate
 from kvtrace.analyzer.statements import APPEND_PHASE, KernelStatement, segment_verdict
+from kvtrace.analyzer.stats import serving_intervals, verdicts
+from kvtrace.analyzer.stats.serving_intervals import ServingEstimate
 from kvtrace.errors import KvtraceError
 from kvtrace.manifest import MANIFEST, Manifest, Point, read_manifest
 
@@ -85,7 +86,7 @@ class MatrixPoint:
     apparent: str | None = None
     disagrees_with: tuple[int, ...] = ()  # other rows that measured the same point and disagree with this one
     # Other rows that measured the same point and agree with this one: `estimate` pools all their run pairs
-    # (stats.pool_serving); the row's own measurement stays in `serving.estimates`.
+    # (serving_intervals.pool_serving); the row's own measurement stays in `serving.estimates`.
     pooled_with: tuple[int, ...] = ()
     pooled_directories: int = 0  # the run directories whose run pairs `estimate` pools (0: not pooled)
     causes: tuple[str, ...] = ()
@@ -270,17 +271,17 @@ def _judge(point: MatrixPoint, result: Report, objective: str, estimate: Serving
         if verdict is not None:
             point.kernel_verdicts.append({**_kernel_verdict(diff_row, verdict=verdict, segment=segment),
                                           "compared_calls": diff_row.compared_calls})
-    if estimate.verdict == stats.NO_CHANGE:
+    if estimate.verdict == verdicts.NO_CHANGE:
         point.winner = NO_CLEAR_WINNER
         return
-    if estimate.verdict not in (stats.IMPROVEMENT, stats.REGRESSION):
+    if estimate.verdict not in (verdicts.IMPROVEMENT, verdicts.REGRESSION):
         point.undecided = _no_interval(objective)
         return
-    candidate_better = estimate.verdict == stats.IMPROVEMENT
+    candidate_better = estimate.verdict == verdicts.IMPROVEMENT
     b, c = row.baseline, row.candidate
     winner, loser = (c, b) if candidate_better else (b, c)
     causes = [FASTER_KERNEL for k in point.kernel_verdicts
-              if k["verdict"] == (stats.IMPROVEMENT if candidate_better else stats.REGRESSION)]
+              if k["verdict"] == (verdicts.IMPROVEMENT if candidate_better else verdicts.REGRESSION)]
     if objective != "itl" and None not in (winner.cached_prompt_tokens, loser.cached_prompt_tokens) \
             and winner.cached_prompt_tokens > loser.cached_prompt_tokens:
         causes.append(PREFIX_HITS)
@@ -383,7 +384,7 @@ def _join_measurements(scenarios: list[Scenario], objective: str, threshold: flo
     """Points measured in more than one scenario (a single run and a --repeats run of the same traffic, or the same
     sweep recorded in two sessions): where the measurements disagree the point is not decided, since which one
     holds is what nobody can tell from them; where they agree, each is judged again on all their run pairs pooled
-    (stats.pool_serving), as one --repeats capture would be, with its own run's causes."""
+    (serving_intervals.pool_serving), as one --repeats capture would be, with its own run's causes."""
     groups: dict[tuple, list[tuple[MatrixPoint, Scenario]]] = {}
     for s in scenarios:
         for p in s.points:
@@ -400,7 +401,8 @@ def _join_measurements(scenarios: list[Scenario], objective: str, threshold: flo
                 p.undecided = (f"measured again at {', '.join(f'R{r}' for r in p.disagrees_with)} with another "
                                "result: the measurements disagree, so this point is not decided")
             continue
-        pooled = stats.pool_serving([p.estimate for p in points], threshold=threshold, confidence=confidence)
+        pooled = serving_intervals.pool_serving([p.estimate for p in points], threshold=threshold,
+                                                confidence=confidence)
         directories = len({run for _, s in members for run in s.runs})
         for p, s in members:
             p.pooled_with, p.pooled_directories = tuple(q.row for q in points if q is not p), directories
@@ -433,11 +435,11 @@ def _measured(group: list[Scenario]) -> dict:
         kernels = list(dict.fromkeys(k.kernels for _, k in found if k.kernels))
         queries = list(dict.fromkeys((k.baseline_query, k.candidate_query) for _, k in found
                                      if k.baseline_query or k.candidate_query))
-        verdicts: dict[str, int] = {}
+        counts: dict[str, int] = {}
         for _, k in found:
-            verdicts[k.verdict] = verdicts.get(k.verdict, 0) + 1
+            counts[k.verdict] = counts.get(k.verdict, 0) + 1
         phases.append({"subject": subject, "low": min(k.ratio for _, k in found),
-                       "high": max(k.ratio for _, k in found), "verdicts": verdicts, "kernels": kernels,
+                       "high": max(k.ratio for _, k in found), "verdicts": counts, "kernels": kernels,
                        "queries": [list(q) for q in queries], "different_kernels": any("→" in k for k in kernels),
                        "rows": sorted({s.points[0].row for s, _ in found})})
     expectation = None
@@ -446,8 +448,8 @@ def _measured(group: list[Scenario]) -> dict:
     decode = [k.verdict for s in group for k in s.kernels if k.subject == "decode_attention" and k.ratio is not None
               and SPLIT_KV_MERGE not in (k.kernels or "")]
     if narrower and decode:
-        faster = stats.IMPROVEMENT if narrower == "candidate" else stats.REGRESSION
-        slower = stats.REGRESSION if narrower == "candidate" else stats.IMPROVEMENT
+        faster = verdicts.IMPROVEMENT if narrower == "candidate" else verdicts.REGRESSION
+        slower = verdicts.REGRESSION if narrower == "candidate" else verdicts.IMPROVEMENT
         favour, against = decode.count(faster), decode.count(slower)
         expectation = ("held" if favour and not against else "did not hold" if against and not favour else
                        "held at some rows only" if favour else None)

@@ -21,8 +21,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from kvtrace import files
-from kvtrace.analyzer import stats
 from kvtrace.analyzer.runs import ArmInput, run_file
+from kvtrace.analyzer.stats import mcnemar, shares
 from kvtrace.errors import KvtraceError
 
 MEASURED = "measured"
@@ -137,7 +137,7 @@ class Quality:
     departures: list[Departure] = field(default_factory=list)  # kernel: points where a kernel strays from its cache
     prompts_file: str | None = None
     prompts: list[PromptRow] = field(default_factory=list)
-    accuracy: stats.PairedAccuracy | None = None
+    accuracy: mcnemar.PairedAccuracy | None = None
     agreement: Agreement | None = None  # candidate against baseline
     auto: list[Agreement] = field(default_factory=list)  # each arm against an `auto` arm, when one was recorded
     answered: list[ArmAnswers] = field(default_factory=list)  # the first repeat's two runs, baseline first
@@ -337,7 +337,7 @@ def _agreement(arm: str, reference: str, splits: list[int | None], lengths: list
     """From each prompt's first divergence and the reference's token count."""
     alike = sum(length if split is None else split for split, length in zip(splits, lengths))
     return Agreement(arm, reference, len(splits), sum(split is None for split in splits),
-                     stats.share(alike, sum(lengths)))
+                     shares.share(alike, sum(lengths)))
 
 
 def _auto_arms(base: ArmInput, cand: ArmInput) -> list[tuple[str, ArmInput]]:
@@ -385,8 +385,8 @@ def _answers(base: ArmInput, cand: ArmInput, labels: tuple[str, str]) -> Quality
                       first_divergence(b["tokens"], c["tokens"]), len(b["tokens"]), len(c["tokens"]))
             for index, (b, c) in enumerate(zip(*results))]
     result = Quality(MEASURED, None, ANSWERS, prompts_file=prompts_file, prompts=rows,
-                     accuracy=stats.paired_accuracy([r.baseline_correct for r in rows],
-                                                    [r.candidate_correct for r in rows]),
+                     accuracy=mcnemar.paired_accuracy([r.baseline_correct for r in rows],
+                                                      [r.candidate_correct for r in rows]),
                      agreement=_agreement(labels[1], labels[0], [r.first_divergence for r in rows],
                                           [r.baseline_tokens for r in rows]), answered=answered,
                      repeats=repeats, notes=notes, read=read)
@@ -423,7 +423,7 @@ def _repeats(base: ArmInput, cand: ArmInput, first: list[list[dict]], read: list
             notes.append(f"{b_run} and {c_run} answered other prompts than repeat 1: repeat not compared")
             continue
         alike = [agreement(run, f"{run} r1", results[k], first[k]).identical for k, run in enumerate((b_run, c_run))]
-        paired = stats.paired_accuracy([b["correct"] for b in results[0]], [c["correct"] for c in results[1]])
+        paired = mcnemar.paired_accuracy([b["correct"] for b in results[0]], [c["correct"] for c in results[1]])
         repeats.append(Repeat(b_run, c_run, alike[0], alike[1], len(results[0]), paired.baseline_only,
                               paired.candidate_only))
     return repeats, notes

@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 
 from kvtrace import __version__
-from kvtrace.analyzer import stats
 from kvtrace.analyzer.load import TraceInfo
+from kvtrace.analyzer.stats import arm_summary, bootstrap, shares, verdicts
 
 
 @dataclass
@@ -33,7 +33,7 @@ UNIT_NOTE = ("a call here is one unit of the phase's work: one append, prefill o
 @dataclass(frozen=True)
 class ArmStats:
     """One arm's calls in a row. The per-call statistics (mean … cv) are None when the row spans cells of
-    different work (stats.same_work): a pooled mean would describe no call that ran."""
+    different work (arm_summary.same_work): a pooled mean would describe no call that ran."""
 
     calls: int
     total_ns: int
@@ -52,10 +52,10 @@ class ArmStats:
     def of(cls, durations: np.ndarray, arm_total_ns: int,
            interval: tuple[float | None, float | None] = (None, None)) -> ArmStats:
         """Calls of one kind of work: every statistic."""
-        d = stats.describe(durations)
+        d = arm_summary.describe(durations)
         return cls(calls=d.count, total_ns=int(d.total), total_low_ns=interval[0], total_high_ns=interval[1],
                    mean_ns=d.mean, median_ns=d.median, p90_ns=d.p90, p99_ns=d.p99, min_ns=d.min, max_ns=d.max,
-                   cv=d.cv, share=stats.share(d.total, arm_total_ns))
+                   cv=d.cv, share=shares.share(d.total, arm_total_ns))
 
     @classmethod
     def total(cls, calls: int, total_ns: int, arm_total_ns: int,
@@ -63,7 +63,7 @@ class ArmStats:
         """Calls of different work: counts and time only."""
         return cls(calls=calls, total_ns=total_ns, total_low_ns=interval[0], total_high_ns=interval[1], mean_ns=None,
                    median_ns=None, p90_ns=None, p99_ns=None, min_ns=None, max_ns=None, cv=None,
-                   share=stats.share(total_ns, arm_total_ns))
+                   share=shares.share(total_ns, arm_total_ns))
 
 
 @dataclass(frozen=True)
@@ -117,7 +117,7 @@ class DiffRow:
     ci_low: float | None
     ci_high: float | None
     # The row's no-change band, the drift its verdict was given (None when not compared): a regression needs the
-    # interval above 1 + band and the ratio above 1 + threshold (stats.verdict); improvement mirrored.
+    # interval above 1 + band and the ratio above 1 + threshold (verdicts.verdict); improvement mirrored.
     band: float | None
     verdict: str
     paired_verdict: str | None  # the pairs' own verdict when the row is "different work"
@@ -128,7 +128,7 @@ class DiffRow:
     unpaired_share: float | None  # of the row's absolute change, the part carried by calls without a partner
     abs_delta_share: float | None  # |Δ| of this row / Σ|Δ| of its table
     run_ratios: tuple[float | None, ...] = ()  # per run pair, with repeated runs
-    no_interval: str | None = None  # why a row with a ratio has no interval (stats.NO_INTERVAL_WHY)
+    no_interval: str | None = None  # why a row with a ratio has no interval (bootstrap.NO_INTERVAL_WHY)
     kv_independent: bool = False  # every kernel of the row is one the KV format cannot affect
     family: str | None = None
     family_label: str | None = None
@@ -187,7 +187,7 @@ class Diff:
     rank_rows: list[DiffRow] = field(default_factory=list)
     drift: Drift | None = None
     runs: int = 1  # run pairs (repeated runs per arm)
-    method: str = stats.BOOTSTRAP
+    method: str = bootstrap.BOOTSTRAP
     window: list[str] = field(default_factory=list)
     headline: Any = None  # analyzer.headline.Headline: the rows that answer first, environment, commands
     verification: Any = None  # analyzer.verify.Verification, with --verify
@@ -196,7 +196,7 @@ class Diff:
 
     @property
     def total_ratio(self) -> float | None:
-        return stats.ratio(self.baseline.total_ns, self.candidate.total_ns)
+        return shares.ratio(self.baseline.total_ns, self.candidate.total_ns)
 
     def to_dict(self) -> dict:
         data = schema_first(asdict(self))

@@ -11,9 +11,10 @@ from pathlib import Path
 import numpy as np
 
 from kvtrace import files
-from kvtrace.analyzer import stats
 from kvtrace.analyzer.reuse import Evictions, PrefixReuse, evictions, prefix_reuse
 from kvtrace.analyzer.runs import ArmInput, run_file
+from kvtrace.analyzer.stats import serving_intervals, shares
+from kvtrace.analyzer.stats.serving_intervals import ArmSamples
 from kvtrace.errors import KvtraceError
 from kvtrace.manifest import Point, capacity_reason
 
@@ -135,7 +136,7 @@ class ServingRow:
     ttft_ratio: float | None = None  # candidate / baseline
     ratios: dict = field(default_factory=dict)  # candidate / baseline per metric (`ttft_ms.p50`, `output_tokens_per_s`)
     # Per ESTIMATED metric, candidate / baseline of its mean over every run pair with its interval and verdict
-    # (stats.serving_estimate); None where either arm lacks it. `runs`: the run pairs they cover.
+    # (serving_intervals.serving_estimate); None where either arm lacks it. `runs`: the run pairs they cover.
     estimates: dict = field(default_factory=dict)
     runs: int = 1
     paired_requests: bool = False  # both arms sent the same prompts in the same order: per-request values pair
@@ -409,14 +410,14 @@ def serving_rows(base: ArmInput, cand: ArmInput, *, threshold: float = 0.02, con
             for stat in ("p50", "mean"):
                 b, c = getattr(row.baseline.ttft_ms, stat), getattr(row.candidate.ttft_ms, stat)
                 if b and c is not None:
-                    row.ttft_stat, row.ttft_ratio = stat, stats.ratio(b, c)
+                    row.ttft_stat, row.ttft_ratio = stat, shares.ratio(b, c)
                     break
             row.ratios = serving_ratios(row.baseline, row.candidate)
             pairs = [(b[spec], c[spec]) for b, c in zip(*runs) if spec in b and spec in c]
             row.runs = len(pairs)
             row.run_pairs = tuple((b[0], c[0]) for b, c in pairs)
             row.paired_requests = all(_same_requests(b[1], c[1]) for b, c in pairs)
-            row.estimates = {name: stats.serving_estimate(
+            row.estimates = {name: serving_intervals.serving_estimate(
                 [(_samples(b, name, row.paired_requests), _samples(c, name, row.paired_requests)) for b, c in pairs],
                 higher_is_better=higher, threshold=threshold, confidence=confidence, seed=seed)
                 for name, higher in ESTIMATED.items()}
@@ -437,22 +438,22 @@ def _same_requests(base: dict, cand: dict) -> bool:
     return isinstance(digest, str) and bool(digest) and digest == cand.get("request_order_sha256")
 
 
-def _samples(arm: tuple[ServingMetrics, dict], name: str, paired: bool) -> stats.ArmSamples:
+def _samples(arm: tuple[ServingMetrics, dict], name: str, paired: bool) -> ArmSamples:
     """One arm's samples of an ESTIMATED metric in one run: per request where recorded and the requests pair, else
     the client's mean, std and count, else the mean alone (vLLM's histogram, a throughput)."""
     metrics, record = arm
     if name in _RUN_VALUES:
-        return stats.ArmSamples(mean=getattr(metrics, name))
+        return ArmSamples(mean=getattr(metrics, name))
     detail = metrics.requests_detail
     values = getattr(detail, name) if detail is not None else None
     if paired and values is not None and values.size >= 2:
-        return stats.ArmSamples.of_values(values)
+        return ArmSamples.of_values(values)
     mean = getattr(metrics, name).mean
     bench = record.get("bench") or {}
     std, count = bench.get(f"std_{_SUMMARY[name]}_ms"), metrics.requests
     if all(isinstance(v, (int, float)) and math.isfinite(v) for v in (mean, std, count)) and count >= 2:
-        return stats.ArmSamples(mean=mean, std=std * math.sqrt(count / (count - 1)), count=int(count))  # client: ddof 0
-    return stats.ArmSamples(mean=mean)
+        return ArmSamples(mean=mean, std=std * math.sqrt(count / (count - 1)), count=int(count))  # client: ddof 0
+    return ArmSamples(mean=mean)
 
 
 def serving_ratios(base: ServingMetrics, cand: ServingMetrics) -> dict[str, float | None]:
@@ -460,8 +461,8 @@ def serving_ratios(base: ServingMetrics, cand: ServingMetrics) -> dict[str, floa
     ratios = {}
     for name in ("ttft_ms", "itl_ms", "tpot_ms", "e2el_ms"):
         for stat in ("p50", "p90", "p99", "mean"):
-            ratios[f"{name}.{stat}"] = stats.ratio(getattr(getattr(base, name), stat),
-                                                   getattr(getattr(cand, name), stat))
+            ratios[f"{name}.{stat}"] = shares.ratio(getattr(getattr(base, name), stat),
+                                                    getattr(getattr(cand, name), stat))
     for name in ("input_tokens_per_s", "output_tokens_per_s"):
-        ratios[name] = stats.ratio(getattr(base, name), getattr(cand, name))
+        ratios[name] = shares.ratio(getattr(base, name), getattr(cand, name))
     return ratios

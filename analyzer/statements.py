@@ -6,11 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kvtrace.analyzer import capacity, headline, stats
+from kvtrace.analyzer import capacity, headline
 from kvtrace.analyzer.results import Diff
 from kvtrace.analyzer.reuse import Evictions, PrefixReuse
 from kvtrace.analyzer.runs import RunArm
 from kvtrace.analyzer.serving import ServingRow
+from kvtrace.analyzer.stats import serving_intervals, verdicts
 from kvtrace.analyzer.steps import StepPhase
 from kvtrace.manifest import Point, parse_phase_name
 
@@ -175,7 +176,7 @@ class TtftStatement(Statement):
     candidate_evictions: Evictions | None = None
     # TTFT's mean over every run pair with its interval and verdict (ServingRow.estimates), where the point has one:
     # the reading names a mechanism, and only this estimate says whether the change is one.
-    estimate: stats.ServingEstimate | None = None
+    estimate: serving_intervals.ServingEstimate | None = None
 
 
 @dataclass(frozen=True)
@@ -210,7 +211,7 @@ def _kernel_statement(diff: Diff, head: headline.HeadRow, base: RunArm | None, c
     if compared:  # cells of different cost per call: the totals, since a pooled mean describes no call that ran
         times = [getattr(arm, "mean_ns" if row.same_work else "total_ns") for arm in (row.baseline, row.candidate)]
     return KernelStatement(
-        level="warning" if not compared or row.verdict in (stats.REGRESSION, stats.DIFFERENT_WORK) else "ok",
+        level="warning" if not compared or row.verdict in (verdicts.REGRESSION, verdicts.DIFFERENT_WORK) else "ok",
         check=_KERNEL_CHECKS[head.question], subject=subject, point=head.point, phase=row.phase,
         context=parsed[1] if parsed else None,
         baseline=diff.baseline.label, candidate=diff.candidate.label, verdict=row.verdict, ratio=row.ratio,
@@ -270,7 +271,7 @@ def segment_verdict(diff: Diff, segment: str):
     row = next((r for r in diff.segments if r.segment == segment), None)
     if row is None or row.ratio is None:
         return row, None
-    return row, row.paired_verdict if row.verdict == stats.DIFFERENT_WORK else row.verdict
+    return row, row.paired_verdict if row.verdict == verdicts.DIFFERENT_WORK else row.verdict
 
 
 def ttft_guard_rail(diff: Diff, serving: list[ServingRow], base: RunArm, cand: RunArm) -> list[TtftStatement]:
@@ -278,7 +279,7 @@ def ttft_guard_rail(diff: Diff, serving: list[ServingRow], base: RunArm, cand: R
     from the prefix cache is a capacity / prefix-hit effect, not a faster kernel, when its prefill kernels are
     not faster; when they are faster too, TTFT credits neither alone."""
     prefill, verdict = segment_verdict(diff, "prefill_attention")
-    not_faster = verdict in (stats.REGRESSION, stats.NO_CHANGE)
+    not_faster = verdict in (verdicts.REGRESSION, verdicts.NO_CHANGE)
     out = []
     for row in serving:
         if not (row.baseline and row.candidate and row.ttft_ratio is not None):
@@ -290,13 +291,13 @@ def ttft_guard_rail(diff: Diff, serving: list[ServingRow], base: RunArm, cand: R
         improved = row.ttft_ratio < 1 - diff.threshold
         if improved and more_hits and not_faster:
             reading = PREFIX_HIT
-        elif improved and more_hits and verdict == stats.IMPROVEMENT:
+        elif improved and more_hits and verdict == verdicts.IMPROVEMENT:
             reading = PREFIX_HIT_AND_FASTER
         elif improved and not_faster and b.capacity and not c.capacity:
             reading = CAPACITY_EFFECT
         elif improved and not_faster and not cached_differ:
             reading = OUTSIDE_KERNELS
-        elif more_hits and verdict == stats.REGRESSION and not improved:
+        elif more_hits and verdict == verdicts.REGRESSION and not improved:
             reading = PREFIX_HIT_SLOWER
         elif cached_differ:
             reading = PREFILLED_DIFFERENT

@@ -23,8 +23,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import polars as pl
 
-from kvtrace.analyzer import align, host_waits, ranges, stats
+from kvtrace.analyzer import align, host_waits, ranges
 from kvtrace.analyzer.host_waits import WaitKind
+from kvtrace.analyzer.stats import bootstrap, verdicts
 
 if TYPE_CHECKING:
     from kvtrace.analyzer.load import Trace
@@ -48,7 +49,7 @@ HELD_BY_WAIT = "host held by a wait"
 @dataclass(frozen=True)
 class StepPhase:
     """One phase's vLLM steps that both arms ran (same step name, paired in order within each run pair): means
-    per step, the ratios of their sums with intervals (stats.estimate_rows, steps paired, strata by step name and
+    per step, the ratios of their sums with intervals (bootstrap.estimate_rows, steps paired, strata by step name and
     run pair), and how many steps of each arm held the host until their GPU work was nearly done."""
 
     phase: str
@@ -196,9 +197,10 @@ def _phase(phase: str, parts: list[pl.DataFrame], waits: list[tuple[pl.DataFrame
     runs = len(parts)
     estimates = {}
     for name in ("kernel_ns", "span_ns"):
-        strata = stats.PairedStrata(table[name].to_numpy().astype(float), table[f"{name}_c"].to_numpy().astype(float),
-                                    np.array(offsets), np.array(run_of), runs)
-        (estimates[name],) = stats.estimate_rows(strata, [np.arange(len(run_of))], confidence=confidence, seed=seed)
+        strata = bootstrap.PairedStrata(table[name].to_numpy().astype(float),
+                                        table[f"{name}_c"].to_numpy().astype(float), np.array(offsets),
+                                        np.array(run_of), runs)
+        (estimates[name],) = bootstrap.estimate_rows(strata, [np.arange(len(run_of))], confidence=confidence, seed=seed)
     kernel, span = estimates["kernel_ns"], estimates["span_ns"]
 
     def mean(column: str) -> float:
@@ -216,7 +218,7 @@ def _phase(phase: str, parts: list[pl.DataFrame], waits: list[tuple[pl.DataFrame
     row = StepPhase(phase, table.height, mean("kernel_ns"), mean("kernel_ns_c"), mean("span_ns"), mean("span_ns_c"),
                     mean("idle_ns"), mean("idle_ns_c"), mean("host_ns"), mean("host_ns_c"), waited(""),
                     waited("_c"), kernel.ratio, kernel.low, kernel.high, span.ratio, span.low, span.high,
-                    stats.verdict(span, threshold=threshold), recorded_mean("host_waits"),
+                    verdicts.verdict(span, threshold=threshold), recorded_mean("host_waits"),
                     recorded_mean("host_waits_c"), recorded_mean("host_wait_ns"), recorded_mean("host_wait_ns_c"),
                     held)
     return replace(row, host_reading=LONGER_BY_HOST if host_bound(row) else HELD_BY_WAIT if host_held(row) else "")
@@ -252,7 +254,7 @@ def host_bound(row: StepPhase) -> bool:
     host held in the step until its kernels ended more often than the baseline's: time the host added (launches
     that no longer ran ahead, a synchronization inside the step), which a kernel diff cannot show."""
     grew = row.candidate_span_ns - row.baseline_span_ns
-    return (row.span_verdict == stats.REGRESSION and row.candidate_idle_ns - row.baseline_idle_ns >= grew / 2
+    return (row.span_verdict == verdicts.REGRESSION and row.candidate_idle_ns - row.baseline_idle_ns >= grew / 2
             and row.candidate_waited_steps > row.baseline_waited_steps)
 
 

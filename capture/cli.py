@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from kvtrace.errors import KvtraceError
+from kvtrace.manifest import MANIFEST, CaptureStatus, Manifest, RunStatus
 
 
 def _int_list(ctx, param, value: str) -> tuple[int, ...]:
@@ -26,6 +27,11 @@ def _seconds(ctx, param, value: float) -> float:
     if not (math.isfinite(value) and value > 0):
         raise click.BadParameter(f"{value} is not a finite number of seconds above 0", ctx, param)
     return value
+
+
+def _written(manifest: dict, out: Path) -> Manifest:
+    """The typed view of the manifest a capture just wrote into `out`."""
+    return Manifest.of(manifest, out / MANIFEST)
 
 
 # Each repeat is a GPU run of minutes: past this a count is a slip, and listing its runs would never end.
@@ -79,11 +85,11 @@ def flashinfer(out, context, batch, q_heads, kv_heads, head_dim, page_size, pref
         contexts=context, batch=batch, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, page_size=page_size,
         prefill_calls=prefill_calls, decode_calls=decode_calls, append_calls=append_calls, gemm_calls=gemm_calls,
         seed=seed, inputs=inputs)
-    manifest = flashinfer_engine.capture(out, spec, arms=arms, repeats=repeats, force=force, nsys=nsys_path)
-    failed = [name for name, arm in manifest["arms"].items() if arm["status"] != "ok"]
-    for name, arm in manifest["arms"].items():
-        click.echo(f"{name}: {arm['status']}" + (f" ({arm['error']})" if arm["error"] else f" -> {out / arm['sqlite']}"))
-    if failed:
+    manifest = _written(flashinfer_engine.capture(out, spec, arms=arms, repeats=repeats, force=force, nsys=nsys_path),
+                        out)
+    for run in manifest.runs.values():
+        click.echo(f"{run.name}: {run.status}" + (f" ({run.error})" if run.error else f" -> {out / run.sqlite}"))
+    if any(run.status != RunStatus.OK for run in manifest.runs.values()):
         raise SystemExit(1)
 
 
@@ -163,14 +169,15 @@ def vllm(model, scenario, out, arms, mode, input_len, output_len, num_prompts, c
     if dry_run:
         click.echo(vllm_commands.dry_run(cfg, out, nsys=nsys_path), nl=False)
         return
-    manifest = vllm_engine.capture(cfg, out, force=force, nsys=nsys_path, startup_timeout_s=startup_timeout)
-    for name, arm in manifest["arms"].items():
-        if arm["status"] != "ok":
-            click.echo(f"{name}: {arm['status']} ({arm['error']})")
+    manifest = _written(vllm_engine.capture(cfg, out, force=force, nsys=nsys_path, startup_timeout_s=startup_timeout),
+                        out)
+    for run in manifest.runs.values():
+        if run.status != RunStatus.OK:
+            click.echo(f"{run.name}: {run.status} ({run.error})")
             continue
-        kv = f", GPU KV cache {arm['kv_cache']['tokens']:,} tokens" if arm["kv_cache"] else ""
-        click.echo(f"{name}: ok -> {out / arm['sqlite']}{kv}")
-    if manifest["status"] != "ok":
+        kv = f", GPU KV cache {run.kv_cache_tokens:,} tokens" if run.kv_cache else ""
+        click.echo(f"{run.name}: ok -> {out / run.sqlite}{kv}")
+    if manifest.status != CaptureStatus.OK:
         raise SystemExit(1)
 
 

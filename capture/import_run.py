@@ -22,7 +22,7 @@ import kvtrace.nsys
 from kvtrace import __version__, files
 from kvtrace.capture import runner
 from kvtrace.errors import KvtraceError
-from kvtrace.manifest import MANIFEST, is_kvtrace_manifest
+from kvtrace.manifest import MANIFEST, CaptureStatus, capture_status, is_kvtrace_manifest
 
 
 def importable(entry: dict) -> bool:
@@ -122,11 +122,6 @@ def _take_up(out: Path, name: str, nsys: _Nsys) -> dict:
     return {"how": how, "commands": commands}
 
 
-def _run_status(arms: dict) -> str:
-    statuses = {entry.get("status") for entry in arms.values()}
-    return "ok" if statuses == {"ok"} else "partial" if "ok" in statuses else "failed"
-
-
 def import_run(out: Path, *, nsys: str | None = None) -> dict[str, str | None]:
     """Takes up every importable run in `out`; returns, per run taken up, None when it is now ok, else why not.
     The manifests are written once, after every run, and only when one was taken up."""
@@ -163,7 +158,8 @@ def import_run(out: Path, *, nsys: str | None = None) -> dict[str, str | None]:
             entry["report"] = f"{name}.nsys-rep"
     if "status" in data:
         data.setdefault("imports", []).append({"utc": stamp, "runs": sorted(done), "status_before": data["status"]})
-        data["status"] = _run_status(data["arms"])
+        data["status"] = capture_status([entry.get("status") for entry in data["arms"].values()],
+                                        interrupted=data["status"] == CaptureStatus.INTERRUPTED)
     for name in done:  # the per-run manifests (vLLM) carry the same entry
         arm_file = out / f"{name}.manifest.json"
         if arm_file.is_file():

@@ -43,7 +43,7 @@ from kvtrace.capture.vllm_preflight import (check_model, check_port, check_probe
                                             relevant_env)
 from kvtrace.capture.vllm_relay import UsageRelay
 from kvtrace.capture.vllm_relay import summarize as summarize_requests
-from kvtrace.manifest import MANIFEST, Point, capacity_reason
+from kvtrace.manifest import MANIFEST, Point, capacity_reason, capture_status
 
 ENGINE = "vllm"
 
@@ -255,9 +255,7 @@ def _export(session: _Session, arm: VllmArm) -> None:
 
 def _write_manifests(out: Path, environment: dict, settings: dict, arms: list[VllmArm], interrupted: bool) -> dict:
     manifest = runner.manifest(ENGINE, environment, settings, arms)
-    statuses = {arm.status for arm in arms}
-    manifest["status"] = ("interrupted" if interrupted else "ok" if statuses == {"ok"}
-                          else "partial" if "ok" in statuses else "failed")
+    manifest["status"] = capture_status([arm.status for arm in arms], interrupted)
     hashes = [arm.request_order_sha256 for arm in arms if arm.request_order_sha256]
     manifest["request_order_matched"] = len(set(hashes)) == 1 if len(hashes) > 1 else None
     runner.write_json_atomic(out / MANIFEST, manifest)

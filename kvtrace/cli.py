@@ -27,6 +27,7 @@ _COMMANDS = {
     "capture": ("kvtrace.capture.cli:capture", "Record matched FP8 / NVFP4 runs under Nsight Systems."),
     "report": ("kvtrace.analyzer.report_cli:report", "Kernel diff beside serving metrics of two arms' run directories."),
     "matrix": ("kvtrace.analyzer.report_cli:matrix", "One decision over several scenarios' run directories."),
+    "repro": ("kvtrace.analyzer.cli:repro", "A standalone FlashInfer script with a run's shapes: FP8 vs NVFP4 per route."),
     "capacity": ("kvtrace.analyzer.report_cli:capacity", "KV-cache bytes per token and tokens that fit, per format."),
 }
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 
 from kvtrace.errors import KvtraceError
@@ -55,6 +56,36 @@ def run_order(arms: tuple[str, ...] | list[str], repeats: int) -> list[Run]:
     if repeats == 1:
         return [Run(arm, arm, 1) for arm in arms]
     return [Run(f"{arm}.r{k}", arm, k) for k in range(1, repeats + 1) for arm in arms]
+
+
+# ---- how runs and captures end ------------------------------------------------------------------------
+
+class RunStatus(str, Enum):
+    """How one run ended (its entry's `status`)."""
+
+    OK = "ok"
+    FAILED = "failed"
+    NOT_RUN = "not run"  # the capture stopped before it
+
+
+class CaptureStatus(str, Enum):
+    """How a whole capture ended (vLLM's manifest `status`)."""
+
+    OK = "ok"  # every run ok
+    PARTIAL = "partial"  # some runs ok
+    FAILED = "failed"  # none ok
+    INTERRUPTED = "interrupted"  # Ctrl-C or SIGTERM stopped it, whatever the runs before gave
+
+
+def capture_status(run_statuses, interrupted: bool) -> CaptureStatus:
+    """The capture's status from its runs' statuses: the one rule for the engine that records and for `capture
+    import`, which takes failed runs up but cannot make an interrupted capture whole."""
+    if interrupted:
+        return CaptureStatus.INTERRUPTED
+    statuses = {getattr(status, "value", status) for status in run_statuses}  # an Enum hashes by its name
+    if statuses == {RunStatus.OK.value}:
+        return CaptureStatus.OK
+    return CaptureStatus.PARTIAL if RunStatus.OK.value in statuses else CaptureStatus.FAILED
 
 
 # ---- NVTX names of kvtrace's workload phases ------------------------------------------------------------

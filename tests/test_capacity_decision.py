@@ -19,18 +19,19 @@ import pytest
 from rich.console import Console
 
 from conftest import VLLM033_8B_RUNS
-from kvtrace.analyzer import compare, matrix, report, stats
+from kvtrace.analyzer import compare, matrix, report
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.load import open_traces
 from kvtrace.analyzer.render import render_table, render_text
 from kvtrace.analyzer.render.matrix import claim_text, kernel_table, table
 from kvtrace.analyzer.render.statements import text as statement_text
 from kvtrace.analyzer.render.units import interval
+from kvtrace.analyzer.stats import bootstrap, serving_intervals, verdicts
 from kvtrace.text import plural
 
 PREEMPTION = VLLM033_8B_RUNS["capacity-preemption"]
 SWEEP = VLLM033_8B_RUNS["capacity-sweep"]
-ONE_RUN_PAIR = stats.NO_INTERVAL_WHY[stats.ONE_RUN_PAIR]
+ONE_RUN_PAIR = bootstrap.NO_INTERVAL_WHY[bootstrap.ONE_RUN_PAIR]
 NAN = re.compile(r"\bnan\b", re.IGNORECASE)
 
 
@@ -89,7 +90,7 @@ def test_a_row_paired_in_one_run_pair_of_two_has_no_interval_and_says_why(preemp
     row = _decode_steps(preemption.diff, "BatchPrefillWithPagedKVCacheKernel")
     assert row.compared_calls == 928 and row.run_ratios[0] is None
     assert row.ci_low is None and row.ci_high is None and row.no_interval == ONE_RUN_PAIR
-    assert row.verdict == stats.DIFFERENT_WORK and row.paired_verdict == stats.INSUFFICIENT_DATA
+    assert row.verdict == verdicts.DIFFERENT_WORK and row.paired_verdict == verdicts.INSUFFICIENT_DATA
     assert "calls paired in r2 only, of 2 run pairs" in row.note
 
     fp8, nvfp4 = open_traces([PREEMPTION / "fp8.r2.sqlite", PREEMPTION / "nvfp4.r2.sqlite"])
@@ -98,7 +99,7 @@ def test_a_row_paired_in_one_run_pair_of_two_has_no_interval_and_says_why(preemp
     assert alone.ratio == pytest.approx(row.run_ratios[1], rel=1e-12) and alone.ci_low < alone.ratio < alone.ci_high
 
     merge = _decode_steps(preemption.diff, "MergeStates")
-    assert merge.no_interval == ONE_RUN_PAIR and merge.verdict == stats.INSUFFICIENT_DATA  # 0.964x: beyond ±2%
+    assert merge.no_interval == ONE_RUN_PAIR and merge.verdict == verdicts.INSUFFICIENT_DATA  # 0.964x: beyond ±2%
 
 
 def test_a_row_paired_in_two_run_pairs_of_three_is_resampled_over_those(recipes):
@@ -276,7 +277,7 @@ def test_the_report_states_the_benchs_wall_time(preemption):
     assert estimate.baseline == pytest.approx(mean(durations["fp8"]))
     assert estimate.candidate == pytest.approx(mean(durations["nvfp4"]))
     assert estimate.ratio == pytest.approx(sum(durations["nvfp4"]) / sum(durations["fp8"]))
-    assert estimate.method == stats.RUN_MEANS and estimate.low < estimate.ratio < estimate.high
+    assert estimate.method == serving_intervals.RUN_MEANS and estimate.low < estimate.ratio < estimate.high
     cell = (f"{mean(durations['fp8']):.1f} s | {mean(durations['nvfp4']):.1f} s | {estimate.ratio:.3f}× "
             f"[{estimate.low:.3f}, {estimate.high:.3f}], 2 runs")
     texts = _outputs(preemption)
@@ -293,4 +294,4 @@ def test_one_run_per_arm_gives_the_wall_time_no_interval(recipes):
         estimate = row.estimates["duration_s"]
         assert estimate.baseline == pytest.approx(json.loads((SWEEP / fp8["bench_result"]).read_text())["duration"])
         assert estimate.candidate == pytest.approx(json.loads((SWEEP / nvfp4["bench_result"]).read_text())["duration"])
-        assert estimate.low is None and estimate.method == stats.NO_INTERVAL
+        assert estimate.low is None and estimate.method == serving_intervals.NO_INTERVAL

@@ -130,6 +130,19 @@ def test_incomplete_hand_export_is_refused(tmp_path, run_kvtrace):
     assert (recorded / MANIFEST).read_bytes() != manifest_bytes
 
 
+def test_an_interrupted_capture_stays_interrupted(tmp_path, run_kvtrace):
+    """Taking up the failed runs of a capture stopped by Ctrl-C (synthetic: the real run's status set so) makes
+    those runs ok, not the capture whole: runs it never reached are missing, so its status stays interrupted."""
+    recorded = as_recorded(VLLM033_RUNS["offline-decode-heavy"], tmp_path / "run")
+    data = json.loads((recorded / MANIFEST).read_text())
+    (recorded / MANIFEST).write_text(json.dumps({**data, "status": "interrupted"}, indent=2) + "\n")
+    code, out, err = run_kvtrace("capture", "import", recorded)
+    assert (code, err) == (0, ""), (out, err)
+    after = json.loads((recorded / MANIFEST).read_text())
+    assert {entry["status"] for entry in after["arms"].values()} == {"ok"}
+    assert after["status"] == "interrupted" and after["imports"][0]["status_before"] == "interrupted"
+
+
 def test_not_a_run_directory(tmp_path, run_kvtrace):
     message = one_error_line(*run_kvtrace("capture", "import", tmp_path))
     assert "has no manifest.json" in message

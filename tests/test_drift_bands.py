@@ -18,12 +18,13 @@ import numpy as np
 import pytest
 
 from conftest import GRAPH_LOOP, NSYS2025_DIR, REPEAT, REPEATS2, VLLM033_RUNS
-from kvtrace.analyzer import align, compare, drift_band, pairing, stats
+from kvtrace.analyzer import align, compare, drift_band, pairing
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.load import open_trace
+from kvtrace.analyzer.stats import bootstrap, verdicts
 from test_intervals import draw, repeat_pairs
 
-CHANGES = (stats.REGRESSION, stats.IMPROVEMENT)
+CHANGES = (verdicts.REGRESSION, verdicts.IMPROVEMENT)
 # Every same-format pair of real runs in fixtures/ recorded as one: two consecutive runs on one machine
 # (-repeats2), and the same workload recorded again on a second machine the same day (fi-h200-sm90, -repeat).
 SAME_FORMAT = [(REPEATS2 / "fp8.r1.sqlite", REPEATS2 / "fp8.r2.sqlite"),
@@ -140,8 +141,8 @@ def planted(monkeypatch, factor: float, cell: tuple[str, str] = SMALL_CELL, fami
     monkeypatch.setattr(pairing, "pair", pair)
 
 
-@pytest.mark.parametrize("factor,expected", [(1.5, stats.REGRESSION), (0.7, stats.IMPROVEMENT),
-                                             (1.03, stats.NO_CHANGE), (1.0, stats.NO_CHANGE)])
+@pytest.mark.parametrize("factor,expected", [(1.5, verdicts.REGRESSION), (0.7, verdicts.IMPROVEMENT),
+                                             (1.03, verdicts.NO_CHANGE), (1.0, verdicts.NO_CHANGE)])
 def test_a_change_planted_in_a_small_kernel_is_found_and_drift_is_not(recipes, monkeypatch, factor, expected):
     """fp8.r1 against fp8.r2, with the 0.96 µs scaling multiply of the 32k append range (BUnaryFunctor, 0.999x
     between the two runs) scaled by a known factor in the candidate. The assumed ±20% band for calls under
@@ -155,7 +156,7 @@ def test_a_change_planted_in_a_small_kernel_is_found_and_drift_is_not(recipes, m
     def row(diff):
         return next(r for r in diff.phases if (r.segment, r.phase) == SMALL_CELL)
 
-    assert row(alone).baseline.mean_ns < 1_000 and row(alone).verdict == stats.NO_CHANGE
+    assert row(alone).baseline.mean_ns < 1_000 and row(alone).verdict == verdicts.NO_CHANGE
     assert row(result).ratio == pytest.approx(factor * row(alone).ratio, rel=1e-9)
     assert row(result).verdict == expected
     # Rows without the planted calls keep their verdicts.
@@ -163,10 +164,10 @@ def test_a_change_planted_in_a_small_kernel_is_found_and_drift_is_not(recipes, m
     holding = {("other", None, None), ("other", None, planted_family), (*SMALL_CELL, None),
                (compare.WHOLE_PHASE, SMALL_CELL[1], None)}
 
-    def verdicts(diff):
+    def verdicts_of(diff):
         return {key: r.verdict for r in every_row(diff) if (key := (r.segment, r.phase, r.family)) not in holding}
 
-    assert verdicts(result) == verdicts(alone)
+    assert verdicts_of(result) == verdicts_of(alone)
 
 def test_intervals_cover_a_ratio_planted_in_small_kernels(recipes):
     """Coverage as in test_intervals: the call pairs of fi-h200-sm90's FP8 run and its repeat, the repeat
@@ -191,8 +192,8 @@ def test_intervals_cover_a_ratio_planted_in_small_kernels(recipes):
         covered = np.zeros(len(rows))
         for index in range(draws):
             picked = draw(rng, pairs.offsets)
-            strata = stats.PairedStrata(base[picked], truth * repeat[picked], pairs.offsets, runs, 1)
-            estimates = stats.estimate_rows(strata, rows, resamples=1000, seed=index)
+            strata = bootstrap.PairedStrata(base[picked], truth * repeat[picked], pairs.offsets, runs, 1)
+            estimates = bootstrap.estimate_rows(strata, rows, resamples=1000, seed=index)
             covered += [e.low <= truth <= e.high for e in estimates]
         coverage = covered / draws
         assert 0.93 <= coverage.mean() <= 0.97 and coverage.min() >= 0.90, (truth, coverage)
@@ -207,10 +208,10 @@ GUMBEL = (("other", "kvtrace:decode-heavy:input=512,output=32,prompts=16,concurr
 
 
 @pytest.mark.parametrize("where,factor,expected", [
-    (DECODE_APPEND, 1.5, stats.REGRESSION), (DECODE_APPEND, 0.7, stats.IMPROVEMENT),
-    (DECODE_APPEND, 1.1, stats.REGRESSION), (GUMBEL, 1.5, stats.REGRESSION), (GUMBEL, 0.7, stats.IMPROVEMENT),
-    (GUMBEL, 1.1, stats.NO_CHANGE)], ids=["append-1.5", "append-0.7", "append-1.1", "gumbel-1.5", "gumbel-0.7",
-                                          "gumbel-1.1"])
+    (DECODE_APPEND, 1.5, verdicts.REGRESSION), (DECODE_APPEND, 0.7, verdicts.IMPROVEMENT),
+    (DECODE_APPEND, 1.1, verdicts.REGRESSION), (GUMBEL, 1.5, verdicts.REGRESSION), (GUMBEL, 0.7, verdicts.IMPROVEMENT),
+    (GUMBEL, 1.1, verdicts.NO_CHANGE)], ids=["append-1.5", "append-0.7", "append-1.1", "gumbel-1.5", "gumbel-0.7",
+                                             "gumbel-1.1"])
 def test_a_change_planted_in_a_vllm_same_format_pair_is_found(recipes, monkeypatch, where, factor, expected):
     """vLLM fp8.r1 against fp8.r2 (no verdict on any row) with one cell of the candidate scaled. The append
     kernel's 10% is found: KV work is judged in the band the controls measure (under 1.2%). An `other`
@@ -227,7 +228,7 @@ def test_a_change_planted_in_a_vllm_same_format_pair_is_found(recipes, monkeypat
             return next(r for r in diff.phases if (r.segment, r.phase) == phase_row)
         return next(r for r in diff.families if r.family == family)
 
-    assert row(alone).verdict == stats.NO_CHANGE and row(alone).cells == 1
+    assert row(alone).verdict == verdicts.NO_CHANGE and row(alone).cells == 1
     assert row(result).ratio == pytest.approx(factor * row(alone).ratio, rel=1e-9)
     assert row(result).verdict == expected
     families = {r.family for r in alone.families if r.segment == cell[0] and
@@ -235,10 +236,10 @@ def test_a_change_planted_in_a_vllm_same_format_pair_is_found(recipes, monkeypat
     phase = phase_row[1] if phase_row else cell[1]
     holding = {(cell[0], None, None), (cell[0], phase, None)} | {(cell[0], None, f) for f in families}
 
-    def verdicts(diff):
+    def verdicts_of(diff):
         return {key: r.verdict for r in every_row(diff) if (key := (r.segment, r.phase, r.family)) not in holding}
 
-    assert verdicts(result) == verdicts(alone)
+    assert verdicts_of(result) == verdicts_of(alone)
 
 
 # ---- traces without controls -------------------------------------------------------------------------------
@@ -291,16 +292,16 @@ def test_a_window_with_its_control_keeps_the_measured_band(recipes):
     assert rows[0].ratio == pytest.approx(rows[1].ratio)
     assert 1 + results[0].threshold < rows[0].ci_low and rows[0].ci_high < 1 + drift_band.ASSUMED_BAND
     assert results[0].drift.ratio is not None and results[0].drift.segments == ("gemm",)
-    assert rows[0].verdict == stats.REGRESSION and rows[1].verdict == stats.NO_CHANGE
+    assert rows[0].verdict == verdicts.REGRESSION and rows[1].verdict == verdicts.NO_CHANGE
     assert not any(NO_DRIFT_MEASURED in f.message for f in results[0].findings)
 
 
 GRAPH_ADD = "CUDAFunctorOnSelf_add"  # half the loop's 2,000 calls, ~1 µs each, 1.004x between a and b
 
 
-@pytest.mark.parametrize("factor,expected", [(1 + drift_band.ASSUMED_BAND / 2, stats.NO_CHANGE),
-                                             (1 + 2 * drift_band.ASSUMED_BAND, stats.REGRESSION),
-                                             (1 - 1.5 * drift_band.ASSUMED_BAND, stats.IMPROVEMENT)])
+@pytest.mark.parametrize("factor,expected", [(1 + drift_band.ASSUMED_BAND / 2, verdicts.NO_CHANGE),
+                                             (1 + 2 * drift_band.ASSUMED_BAND, verdicts.REGRESSION),
+                                             (1 - 1.5 * drift_band.ASSUMED_BAND, verdicts.IMPROVEMENT)])
 def test_a_change_planted_in_the_graph_loop_is_judged_in_the_assumed_band(recipes, monkeypatch, factor, expected):
     """The graph-loop pair (no KV-independent kernel at all) with the add kernel of b scaled: a change within the
     assumed band is not called, though its interval lies far beyond the threshold; one beyond the band is."""

@@ -12,6 +12,7 @@ import pytest
 
 from conftest import NSYS2025_DIR, REPEATS2, VLLM_COLD_PREFILL, VLLM_DECODE_HEAVY, sql_durations
 from kvtrace.analyzer import compare, headline, results
+from kvtrace.analyzer.stats import bootstrap
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.load import open_trace
 from kvtrace.analyzer.render import markdown
@@ -283,3 +284,13 @@ def test_serve_reports_are_paste_ready(run_kvtrace, scenario):
                 assert _markdown_problems(out) == []
                 head = out.split("<details>")[0]
                 assert "### The answer" in head and "vllm" in head and "### Reproduce" in head
+
+
+def test_a_phase_total_without_an_interval_says_why(fi_diff):
+    """A phase of one unit per arm (one GEMM range) has a ratio and no interval; like every other row, it says why."""
+    single = [r for r in fi_diff.phase_totals if r.compared_calls == 1]
+    assert single, "fi-h200-sm90 has GEMM phases of one range each"
+    for row in single:
+        assert row.ratio == pytest.approx(row.candidate.total_ns / row.baseline.total_ns)
+        assert row.ci_low is None and row.no_interval == bootstrap.NO_INTERVAL_WHY[bootstrap.SINGLE_CALL]
+    assert all(r.no_interval is None for r in fi_diff.phase_totals if r.ci_low is not None)

@@ -20,10 +20,11 @@ import polars as pl
 import pytest
 
 from conftest import NSYS2025_DIR, REPEAT, REPEATS2, VLLM_DECODE_HEAVY
-from kvtrace.analyzer import align, compare, drift_band, pairing, stats
+from kvtrace.analyzer import align, compare, drift_band, pairing
 from kvtrace.analyzer.load import open_trace
+from kvtrace.analyzer.stats import bootstrap, verdicts
 
-CHANGES = (stats.REGRESSION, stats.IMPROVEMENT)
+CHANGES = (verdicts.REGRESSION, verdicts.IMPROVEMENT)
 
 
 @pytest.fixture(scope="module")
@@ -85,8 +86,8 @@ def test_intervals_cover_a_known_ratio(recipes):
     runs = np.zeros(pairs.strata.height, dtype=np.int64)
     for index in range(draws):
         picked = draw(rng, pairs.offsets)
-        strata = stats.PairedStrata(base[picked], truth * repeat[picked], pairs.offsets, runs, 1)
-        estimates = stats.estimate_rows(strata, rows, resamples=1000, seed=index)
+        strata = bootstrap.PairedStrata(base[picked], truth * repeat[picked], pairs.offsets, runs, 1)
+        estimates = bootstrap.estimate_rows(strata, rows, resamples=1000, seed=index)
         covered += [e.low <= truth <= e.high for e in estimates]
     coverage = covered / draws
     single, multiple = coverage[:len(one)], coverage[len(one):]
@@ -107,28 +108,28 @@ def test_synthetic_null_pairs_raise_few_false_alarms(recipes):
     rows = [np.array([s]) for s in range(pairs.strata.height)] + [np.flatnonzero(segments == code)
                                                                     for code in np.unique(segments)]
     rng = np.random.default_rng(1988)
-    alarms = verdicts = 0
+    alarms = judged = 0
     runs = np.zeros(pairs.strata.height, dtype=np.int64)
     for index in range(100):
         picked = draw(rng, pairs.offsets)
-        estimates = stats.estimate_rows(stats.PairedStrata(base[picked], repeat[picked], pairs.offsets, runs, 1),
-                                        rows, resamples=1000, seed=index)
-        found = [stats.verdict(e) for e in estimates]
+        strata = bootstrap.PairedStrata(base[picked], repeat[picked], pairs.offsets, runs, 1)
+        estimates = bootstrap.estimate_rows(strata, rows, resamples=1000, seed=index)
+        found = [verdicts.verdict(e) for e in estimates]
         alarms += sum(v in CHANGES for v in found)
-        verdicts += len(found)
-    assert alarms / verdicts <= 0.05
+        judged += len(found)
+    assert alarms / judged <= 0.05
 
 
 def test_same_format_repeat_raises_few_false_alarms(recipes):
     """The real same-format pairs (FP8 with FP8, NVFP4 with NVFP4, recorded on two H200 machines): at most 5%
     of all rows, at every level, say regression or improvement; no segment does."""
-    verdicts = []
+    judged = []
     for fmt in ("fp8", "nvfp4"):
         result = compare.diff(open_trace(NSYS2025_DIR / f"{fmt}.sqlite"), open_trace(REPEAT / f"{fmt}.sqlite"),
                               recipes)
         assert all(r.verdict not in CHANGES for r in result.segments)
-        verdicts += [r.verdict for r in result.segments + result.phases + result.families]
-    assert sum(v in CHANGES for v in verdicts) / len(verdicts) <= 0.05
+        judged += [r.verdict for r in result.segments + result.phases + result.families]
+    assert sum(v in CHANGES for v in judged) / len(judged) <= 0.05
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +154,7 @@ def test_rows_say_when_their_cells_hold_single_or_few_calls(decode_heavy):
     assert other.single_call_cells > 1 and other.ci_low is not None
     assert f"{other.single_call_cells} single-call cells resampled together" in other.note
     lone = next(r for r in decode_heavy.phases if r.segment == "memory" and r.phase == "vLLM prefill steps")
-    assert (lone.compared_calls, lone.ci_low, lone.verdict) == (1, None, stats.INSUFFICIENT_DATA)
+    assert (lone.compared_calls, lone.ci_low, lone.verdict) == (1, None, verdicts.INSUFFICIENT_DATA)
 
 
 def test_kernels_the_kv_format_cannot_touch_get_no_verdict_beyond_drift(decode_heavy):
@@ -170,16 +171,16 @@ def test_kernels_the_kv_format_cannot_touch_get_no_verdict_beyond_drift(decode_h
             if r.segment in ("activation", "norm", "memory", "gemm")]
     assert rows and all(r.verdict not in CHANGES for r in rows)
     activation = next(r for r in decode_heavy.phases if r.segment == "activation" and r.phase == "vLLM decode steps")
-    alone = stats.Estimate(activation.ratio, activation.ci_low, activation.ci_high, 0.95, 2000, stats.BOOTSTRAP, 0.0,
-                           None, None, 0.0, None, None, (), 1, 0)
-    assert stats.verdict(alone) == stats.IMPROVEMENT and activation.verdict == stats.NO_CHANGE
+    alone = bootstrap.Estimate(activation.ratio, activation.ci_low, activation.ci_high, 0.95, 2000, bootstrap.BOOTSTRAP,
+                               0.0, None, None, 0.0, None, None, (), 1, 0)
+    assert verdicts.verdict(alone) == verdicts.IMPROVEMENT and activation.verdict == verdicts.NO_CHANGE
     # The band comes from the controls' cells: splitKreduce runs in one cell (decode steps, 1.9 µs per call), so
     # its family row's interval is the cell's (resampled in another draw order).
     split = next(r for r in decode_heavy.families if r.family_label == "splitKreduce_kernel")
     assert split.compared_calls == 992 and drift.band == pytest.approx(1 - split.ci_high, abs=0.002)
     # KV-dependent rows beyond the band keep their verdicts.
     decode = next(r for r in decode_heavy.segments if r.segment == "decode_attention")
-    assert decode.verdict == stats.REGRESSION and decode.ci_low > 1 + drift.band
+    assert decode.verdict == verdicts.REGRESSION and decode.ci_low > 1 + drift.band
 
 
 # ---- repeated runs ---------------------------------------------------------------------------------------
@@ -218,7 +219,7 @@ def test_repeated_runs_put_between_run_variance_in_the_interval(recipes, run_kvt
     code, out, err = run_kvtrace("diff", fp8, nvfp4, "--repeat", *again, "--format", "json")
     assert code == 0, err
     both = json.loads(out)
-    assert both["runs"] == 2 and both["method"] == stats.HIERARCHICAL
+    assert both["runs"] == 2 and both["method"] == bootstrap.HIERARCHICAL
     singles = [compare.diff(open_trace(b), open_trace(c), recipes) for b, c in ((fp8, nvfp4), again)]
     checked, disagree = _between_run_checks(both["phases"], singles, "phases")
     assert checked and disagree  # runs that one run's interval cannot explain: the between-run variance is real
@@ -236,7 +237,7 @@ def test_repeats_capture_diff_covers_every_run_pairs_ratio(recipes, run_kvtrace)
     code, out, err = run_kvtrace("diff", *runs[0], "--repeat", *runs[1], "--format", "json")
     assert code == 0, err
     both = json.loads(out)
-    assert both["runs"] == 2 and both["method"] == stats.HIERARCHICAL
+    assert both["runs"] == 2 and both["method"] == bootstrap.HIERARCHICAL
     assert both["baseline"]["sources"] == [runs[0][0].name, runs[1][0].name]
     singles = [compare.diff(open_trace(b), open_trace(c), recipes) for b, c in runs]
     checked = disagree = 0
@@ -247,7 +248,7 @@ def test_repeats_capture_diff_covers_every_run_pairs_ratio(recipes, run_kvtrace)
     assert {"prefill_attention", "decode_attention", "kv_append", "gemm"} <= compared and checked > len(compared)
     assert disagree  # the between-run variance is real, and one run per arm cannot see it
     prefill = next(r for r in both["segments"] if r["segment"] == "prefill_attention")
-    assert prefill["verdict"] == stats.REGRESSION and prefill["ci_low"] > 1 + both["threshold"]
+    assert prefill["verdict"] == verdicts.REGRESSION and prefill["ci_low"] > 1 + both["threshold"]
 
 
 @pytest.mark.slow
@@ -261,7 +262,7 @@ def test_report_on_the_repeats_capture_compares_run_by_run(recipes, run_kvtrace)
     assert (result.baseline.arm, result.candidate.arm) == ("fp8", "nvfp4")  # the wider format is the baseline
     assert result.baseline.runs == (str(REPEATS2 / "fp8.r1.sqlite"), str(REPEATS2 / "fp8.r2.sqlite"))
     assert result.candidate.runs == (str(REPEATS2 / "nvfp4.r1.sqlite"), str(REPEATS2 / "nvfp4.r2.sqlite"))
-    assert result.diff.runs == 2 and result.diff.method == stats.HIERARCHICAL
+    assert result.diff.runs == 2 and result.diff.method == bootstrap.HIERARCHICAL
     assert any(f.check == "runs" for f in result.diff.findings)
     assert any("2 runs per arm" in note for note in result.notes)
     singles = [report.build([REPEATS2], recipes, arms=(f"fp8.r{k}", f"nvfp4.r{k}")) for k in (1, 2)]
@@ -314,10 +315,10 @@ def test_repeated_runs_cover_a_known_ratio_under_run_to_run_drift(recipes):
         for index in range(draws):
             picked = [draw(rng, pairs.offsets) for _ in range(runs)]
             drift = np.repeat(np.exp(0.03 * rng.standard_normal(runs)), pairs.offsets[-1])
-            strata = stats.PairedStrata(np.concatenate([base[p] for p in picked]),
-                                        truth * drift * np.concatenate([repeat[p] for p in picked]), offsets,
-                                        run_of, runs)
-            estimates = stats.estimate_rows(strata, run_rows, resamples=400, seed=index)
+            strata = bootstrap.PairedStrata(np.concatenate([base[p] for p in picked]),
+                                            truth * drift * np.concatenate([repeat[p] for p in picked]), offsets,
+                                            run_of, runs)
+            estimates = bootstrap.estimate_rows(strata, run_rows, resamples=400, seed=index)
             covered += [e.low <= truth <= e.high for e in estimates]
             widths[runs] += [e.high - e.low for e in estimates]
         assert np.mean(covered) >= 0.93, (runs, np.mean(covered))

@@ -15,10 +15,11 @@ import pytest
 from rich.console import Console
 
 from conftest import FIXTURES, NSYS2025_DIR, SERVE_RUNS, VLLM033_RUNS, VLLM_COLD_PREFILL, VLLM_DECODE_HEAVY
-from kvtrace.analyzer import matrix, report, stats
+from kvtrace.analyzer import matrix, report
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.render import render_table, render_text
 from kvtrace.analyzer.render import matrix as matrix_render
+from kvtrace.analyzer.stats import serving_intervals, verdicts
 from kvtrace.manifest import Point
 from test_report import manifest, recorded_point, run_main
 
@@ -148,7 +149,7 @@ def test_serving_cells_match_the_runs_own_bench_json_and_metrics(ttft):
             # Sub-second points against 0.5 s polling: the peaks are not observations, and the cells say so.
             assert detail["peak KV usage"] == "not observed → not observed"
             # The winner, recomputed from the bench JSON alone: one run per arm, so the assumed band.
-            band = stats.ASSUMED_SERVING_BAND
+            band = serving_intervals.ASSUMED_SERVING_BAND
             if low > 1 + band or high < 1 - band:
                 assert point.winner in ("auto", "fp8", matrix.NOT_EXPLAINED, "baseline", "candidate")
             else:
@@ -210,13 +211,14 @@ def test_the_sweep_crossover_is_the_first_point_only_the_narrower_format_fits(tt
 def test_prefix_reuse_credits_neither_the_faster_kernel_nor_the_prefix_hits_alone(recipes, ttft, tmp_path):
     # The recorded point: fp8's TTFT is lower, but one run per arm leaves its interval inside the assumed band.
     (point,) = scenario(ttft, "prefix-reuse (serve)").points
-    assert point.winner == matrix.NO_CLEAR_WINNER and point.estimate.band == stats.ASSUMED_SERVING_BAND
-    assert point.ratio < 1 and point.estimate.high > 1 - stats.ASSUMED_SERVING_BAND
+    assert point.winner == matrix.NO_CLEAR_WINNER and point.estimate.band == serving_intervals.ASSUMED_SERVING_BAND
+    assert point.ratio < 1 and point.estimate.high > 1 - serving_intervals.ASSUMED_SERVING_BAND
     own = {arm: recorded_point(SERVE_RUNS[f"prefix-reuse-{arm}"], arm)["delta"] for arm in ("auto", "fp8")}
     assert own["fp8"]["vllm:prompt_tokens_cached_total"] > own["auto"]["vllm:prompt_tokens_cached_total"]
     prefill = next(r for r in scenario(ttft, "prefix-reuse (serve)").report.diff.segments
                    if r.segment == "prefill_attention")
-    assert (prefill.paired_verdict if prefill.verdict == stats.DIFFERENT_WORK else prefill.verdict) == stats.IMPROVEMENT
+    judged = prefill.paired_verdict if prefill.verdict == verdicts.DIFFERENT_WORK else prefill.verdict
+    assert judged == verdicts.IMPROVEMENT
 
     # The same runs with fp8's mean TTFT halved: now beyond the band, and both a faster prefill kernel and more
     # prefix hits favour fp8, so the decision credits neither alone.
@@ -231,7 +233,7 @@ def test_prefix_reuse_credits_neither_the_faster_kernel_nor_the_prefix_hits_alon
     runs = copied_runs(tmp_path, [SERVE_RUNS[f"prefix-reuse-{arm}"] for arm in ("auto", "fp8")], halve)
     result = matrix.build(runs, recipes)
     (point,) = result.points
-    assert point.winner == "candidate" and point.estimate.high < 1 - stats.ASSUMED_SERVING_BAND
+    assert point.winner == "candidate" and point.estimate.high < 1 - serving_intervals.ASSUMED_SERVING_BAND
     assert {matrix.FASTER_KERNEL, matrix.PREFIX_HITS} <= set(point.causes)
     text = claim(result, point.row)
     assert "a faster prefill attention kernel" in text and "more prefix hits (73,728 cached prompt tokens against " \
@@ -444,7 +446,7 @@ def test_no_winner_inside_its_band_and_serve_cells_carry_intervals(v033, objecti
                 band = max(p.estimate.band, result.threshold)
                 assert p.estimate.low is not None and not (p.estimate.low > 1 + band or p.estimate.high < 1 - band)
             if p.estimate is not None and p.estimate.runs == 1:
-                assert p.estimate.band == stats.ASSUMED_SERVING_BAND
+                assert p.estimate.band == serving_intervals.ASSUMED_SERVING_BAND
             if s.report.baseline.mode == "serve" and name != "output_tokens_per_s":
                 estimate = p.serving.estimates[name]
                 assert estimate.low < estimate.ratio < estimate.high
@@ -475,7 +477,7 @@ def test_the_rule_is_what_the_rows_measured(v033):
     # The attention kernel's own rows; the split-KV merge kernel beside it is a row of its own (the head's).
     decode = [k for s in result.scenarios for k in s.kernels if k.subject == "decode_attention" and k.ratio
               and matrix.SPLIT_KV_MERGE not in (k.kernels or "")]
-    assert decode and all(k.verdict == stats.REGRESSION for k in decode)
+    assert decode and all(k.verdict == verdicts.REGRESSION for k in decode)
     assert "saves time in decode, since it moves fewer bytes, did not hold here" in text
     logs = {arm: (VLLM033_RUNS["serve-sweep"] / f"{arm}.log").read_text() for arm in ("fp8", "nvfp4")}
     assert "prefill=torch.float8_e4m3fn" in logs["fp8"] and "prefill=torch.bfloat16" in logs["nvfp4"]
@@ -500,9 +502,9 @@ def test_a_win_nothing_measured_explains_is_no_choice(recipes, tmp_path):
     result = matrix.build([run], recipes, objective="itl")
     point = result.points[1]
     assert point.point == "input=1024,output=16,prompts=32,concurrency=16"
-    assert point.estimate.high < 1 - stats.ASSUMED_SERVING_BAND and not point.baseline_capacity
+    assert point.estimate.high < 1 - serving_intervals.ASSUMED_SERVING_BAND and not point.baseline_capacity
     assert point.winner == matrix.NOT_EXPLAINED and point.apparent == "candidate" and point.causes == ()
-    assert [k["verdict"] for k in point.kernel_verdicts] == [stats.REGRESSION]
+    assert [k["verdict"] for k in point.kernel_verdicts] == [verdicts.REGRESSION]
     text = render_text(result, "markdown")
     assert f"not explained (no choice) at R{point.row}" in text and f"choose nvfp4 at R{point.row}" not in text
     assert "nvfp4 looks better beyond the band, but its decode attention kernels are not faster" in text

@@ -16,10 +16,11 @@ import pytest
 from scipy import stats as sp
 
 from conftest import VLLM033_8B_RUNS
-from kvtrace.analyzer import matrix, stats
+from kvtrace.analyzer import matrix
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.render import render_text
 from kvtrace.analyzer.render import matrix as matrix_render
+from kvtrace.analyzer.stats import serving_intervals
 
 SWEEP = VLLM033_8B_RUNS["capacity-sweep"]
 REPEATS = VLLM033_8B_RUNS["capacity-sweep-repeats"]
@@ -87,11 +88,11 @@ def test_each_shared_point_is_decided_on_both_sessions_run_pairs(both):
         for p in (first, second):
             e = p.estimate
             assert (e.ratio, e.low, e.high) == pytest.approx((r, low, high), rel=1e-9)
-            assert (e.runs, e.band, e.method) == (2, 0.0, stats.RUN_MEANS)
+            assert (e.runs, e.band, e.method) == (2, 0.0, serving_intervals.RUN_MEANS)
             assert p.ratio == e.ratio
             assert list(np.ravel(e.run_means)) == pytest.approx(list(np.ravel(old[spec] + new[spec])), rel=1e-9)
             own = p.serving.estimates["ttft_ms"]  # the row's own measurement is kept, unpooled
-            assert own.runs == 1 and own.band == stats.ASSUMED_SERVING_BAND
+            assert own.runs == 1 and own.band == serving_intervals.ASSUMED_SERVING_BAND
             # The verdict follows from the pooled interval, band 0 and the threshold.
             if r < 1 - THRESHOLD and high < 1:
                 assert p.winner in ("candidate", matrix.NOT_EXPLAINED) and "candidate" in (p.winner, p.apparent)
@@ -112,7 +113,7 @@ def test_a_point_measured_once_is_not_pooled(both):
     for spec in once:
         (p,) = by_point(both)[spec]
         assert p.pooled_with == () and p.estimate is p.serving.estimates["ttft_ms"]
-        assert p.estimate.runs == 1 and p.estimate.band == stats.ASSUMED_SERVING_BAND
+        assert p.estimate.runs == 1 and p.estimate.band == serving_intervals.ASSUMED_SERVING_BAND
         assert p.estimate.ratio == pytest.approx(old[spec][0][1] / old[spec][0][0], rel=1e-9)
 
 
@@ -155,9 +156,9 @@ def test_pooling_refuses_estimates_of_different_metrics(both):
     p = next(p for p in both.points if p.pooled_with)
     ttft, throughput = p.serving.estimates["ttft_ms"], p.serving.estimates["output_tokens_per_s"]
     with pytest.raises(ValueError, match="different metrics"):
-        stats.pool_serving([ttft, throughput])
+        serving_intervals.pool_serving([ttft, throughput])
     with pytest.raises(ValueError, match="two estimates"):
-        stats.pool_serving([ttft])
+        serving_intervals.pool_serving([ttft])
 
 
 def test_synthetic_disagreeing_measurements_are_not_pooled_nor_decided(recipes, tmp_path):

@@ -18,9 +18,10 @@ from click.testing import CliRunner
 from matplotlib.container import BarContainer
 
 from conftest import NSYS2025_DIR, RECORDED_REPORT, VLLM_COLD_PREFILL, sql_durations
-from kvtrace.analyzer import headline, report, stats
+from kvtrace.analyzer import headline, report
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.render import plots
+from kvtrace.analyzer.stats import verdicts
 from kvtrace.cli import cli
 
 SWEEP = RECORDED_REPORT / "sweep"
@@ -65,7 +66,7 @@ def shades(figure, gid: str) -> dict[int, tuple[float, float]]:
 
 def assert_each_row_has_its_own_band(shaded: dict, rows: dict, threshold: float) -> None:
     """Every compared row is shaded 1 ± the larger of its own band and the threshold, and its verdict reads off that
-    picture as the table says: stats.verdict given the row's band gives the row's verdict (for `different work`, the
+    picture as the table says: verdicts.verdict given the row's band gives the row's verdict (for `different work`, the
     pairs' own), a `no significant change` row's interval touches its shade, a change has its ratio beyond the shade
     and its whole interval beyond 1 ± band. The rows' shades differ, so one band for all could not pass."""
     assert sorted(shaded) == sorted(rows)
@@ -73,13 +74,13 @@ def assert_each_row_has_its_own_band(shaded: dict, rows: dict, threshold: float)
         half = max(threshold, row.band)
         assert shaded[position] == pytest.approx((1 - half, 1 + half)), row
         verdict = row.paired_verdict or row.verdict
-        assert stats.verdict(SimpleNamespace(ratio=row.ratio, low=row.ci_low, high=row.ci_high), threshold=threshold,
-                             drift=row.band) == verdict, row
-        if verdict == stats.NO_CHANGE:
+        assert verdicts.verdict(SimpleNamespace(ratio=row.ratio, low=row.ci_low, high=row.ci_high), threshold=threshold,
+                                drift=row.band) == verdict, row
+        if verdict == verdicts.NO_CHANGE:
             assert (row.ci_low or row.ratio) <= 1 + half and (row.ci_high or row.ratio) >= 1 - half, row
-        elif verdict == stats.REGRESSION:
+        elif verdict == verdicts.REGRESSION:
             assert row.ratio > 1 + half and row.ci_low > 1 + row.band, row
-        elif verdict == stats.IMPROVEMENT:
+        elif verdict == verdicts.IMPROVEMENT:
             assert row.ratio < 1 - half and row.ci_high < 1 - row.band, row
     assert len({max(threshold, r.band) for r in rows.values()}) > 1
 

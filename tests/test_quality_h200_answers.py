@@ -21,12 +21,13 @@ import pytest
 from rich.console import Console
 
 from conftest import FIXTURES, VLLM033_8B_RUNS
-from kvtrace.analyzer import matrix, quality, report, stats
+from kvtrace.analyzer import matrix, quality, report
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.render import quality as quality_render
 from kvtrace.analyzer.render import render_table, render_text
 from kvtrace.analyzer.render.matrix import markdown as matrix_markdown
 from kvtrace.analyzer.runs import ArmInput
+from kvtrace.analyzer.stats import mcnemar
 from kvtrace.capture import vllm_quality
 from kvtrace.errors import KvtraceError
 from kvtrace.manifest import read_manifest
@@ -183,7 +184,7 @@ def check_against_files(q: quality.Quality, run_dir: Path, runs: tuple[str, str]
             acc.prompts - acc.baseline_correct - acc.candidate_only) == (
         table["both"], table["baseline"], table["candidate"], table["neither"])
     assert acc.p_value == pytest.approx(reference_p(table["baseline"], table["candidate"]), rel=1e-12)
-    assert acc.verdict == (stats.ACCURACY_DIFFERS if acc.p_value < 0.05 else stats.ACCURACY_SAME)
+    assert acc.verdict == (mcnemar.ACCURACY_DIFFERS if acc.p_value < 0.05 else mcnemar.ACCURACY_SAME)
     splits = [reference_divergence(b["tokens"], c["tokens"]) for b, c in zip(base, cand)]
     assert [(row.id, row.first_divergence, row.baseline_tokens, row.candidate_tokens) for row in q.prompts] == [
         (b["id"], split, len(b["tokens"]), len(c["tokens"])) for b, c, split in zip(base, cand, splits)]
@@ -240,7 +241,7 @@ def test_real_tokens_with_constructed_correctness_and_divergence(preemption):
     check_against_files(q, preemption, ("fp8.r1", "nvfp4.r1"))
     acc = q.accuracy
     assert (acc.baseline_only, acc.candidate_only, acc.prompts - acc.baseline_correct - acc.candidate_only) == (6, 1, 1)
-    assert acc.p_value == pytest.approx(2 * (1 + 7) / 2 ** 7) and acc.verdict == stats.ACCURACY_SAME
+    assert acc.p_value == pytest.approx(2 * (1 + 7) / 2 ** 7) and acc.verdict == mcnemar.ACCURACY_SAME
     assert [row.first_divergence for row in q.prompts] == [0, 4, 8, 12, 16, 20, 24, 28]
     assert q.agreement.token_agreement == sum(range(0, 32, 4)) / (8 * 32)
 

@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 
 from conftest import FI_GAUSSIAN, FI_OUTLIERS, FI_QUALITY, NSYS2025_DIR, VLLM033_RUNS
-from kvtrace.analyzer import quality, report, stats
+from kvtrace.analyzer import quality, report
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.render import render_text
+from kvtrace.analyzer.stats import mcnemar
 from kvtrace.errors import KvtraceError
 from test_capture_vllm import run_capture, serve_config, standin  # noqa: F401  (standin: a fixture)
 
@@ -234,7 +235,7 @@ def test_answers_are_paired_prompt_by_prompt(answered):
     assert (b_only, c_only) == (3, 0)  # the stand-in's nvfp4 gets the three odd sums wrong
     acc = q.accuracy
     assert (acc.baseline_correct, acc.candidate_correct, acc.baseline_only, acc.candidate_only) == (8, 5, 3, 0)
-    assert acc.p_value == stats.mcnemar_exact(3, 0) == 2 / 8 and acc.verdict == stats.ACCURACY_SAME
+    assert acc.p_value == mcnemar.mcnemar_exact(3, 0) == 2 / 8 and acc.verdict == mcnemar.ACCURACY_SAME
     # The first divergence: the answer's first token, where the sums differ; the others are identical.
     for row, fp8, nvfp4 in zip(q.prompts, answers["fp8"], answers["nvfp4"]):
         assert row.first_divergence == (None if fp8["tokens"] == nvfp4["tokens"] else 0)

@@ -26,10 +26,11 @@ from rich.console import Console
 
 from conftest import (NSYS2023_DIR, NSYS2025_DIR, RECORDED_REPORT, REPEAT, SERVE_RUNS, VLLM033_8B_RUNS, VLLM033_RUNS,
                       VLLM_COLD_PREFILL, VLLM_DECODE_HEAVY, sql_durations)
-from kvtrace.analyzer import align, headline, report, runs, serving, statements, stats
+from kvtrace.analyzer import align, headline, report, runs, serving, statements
 from kvtrace.analyzer.render import json_out, render_table, render_text
 from kvtrace.analyzer.render.statements import text as statement_text
 from kvtrace.analyzer.render.units import duration
+from kvtrace.analyzer.stats import verdicts
 from kvtrace.cli import cli, main
 from kvtrace.errors import KvtraceError
 
@@ -200,7 +201,7 @@ def test_append_phase_statement_counts_every_kernel_in_the_append_ranges(fi):
         statement = said[context]
         assert (statement.baseline_ns, statement.candidate_ns) == pytest.approx((per_call["fp8"], per_call["nvfp4"]))
         assert statement.ratio == pytest.approx(per_call["nvfp4"] / per_call["fp8"])
-        assert statement.ci_low < statement.ratio < statement.ci_high and statement.verdict == stats.IMPROVEMENT
+        assert statement.ci_low < statement.ratio < statement.ci_high and statement.verdict == verdicts.IMPROVEMENT
         assert statement.compared_calls == phase["calls"]
         words = statement_text(statement)
         assert words.startswith(f"append phase at ctx={context}, every kernel in the kvtrace:append ranges")
@@ -240,7 +241,7 @@ def test_two_run_directories_one_arm_each(recipes):
     result = report.build([NSYS2025_DIR, REPEAT], recipes, arms=("fp8",))
     assert (result.baseline.label, result.candidate.label) == ("fi-h200-sm90/fp8", "fi-h200-sm90-repeat/fp8")
     prefill = next(r for r in result.diff.segments if r.segment == "prefill_attention")
-    assert prefill.verdict == stats.NO_CHANGE  # a same-format repeat (fixtures/README.md)
+    assert prefill.verdict == verdicts.NO_CHANGE  # a same-format repeat (fixtures/README.md)
     assert not any(s.check == "capacity" for s in result.statements)  # same format: nothing to say
     named = runs.resolve_inputs([NSYS2025_DIR / "fp8", REPEAT / "nvfp4"])
     assert [(i.run, i.arm) for i in named] == [(NSYS2025_DIR, "fp8"), (REPEAT, "nvfp4")]
@@ -714,7 +715,7 @@ def test_real_prefix_reuse_tells_the_capacity_story(prefix_reuse):
     prefill = next(r for r in prefix_reuse.diff.segments if r.segment == "prefill_attention")
     # The arms prefilled different amounts, so most prefill calls have no partner ("different work"); the
     # matched ones say the kernel (FA3 with FP8 queries) is faster on this GPU too.
-    assert (prefill.verdict, prefill.paired_verdict) == (stats.DIFFERENT_WORK, stats.IMPROVEMENT)
+    assert (prefill.verdict, prefill.paired_verdict) == (verdicts.DIFFERENT_WORK, verdicts.IMPROVEMENT)
     assert f"faster per matched call ({prefill.ratio:.3f}× over {prefill.compared_calls:,} paired calls)" in message
     assert "credits neither alone" in message
     capture = next(f for f in prefix_reuse.findings if f.check == "capture")
@@ -841,7 +842,7 @@ def test_real_cold_prefill_arms_ran_the_same_steps_and_pair(run_kvtrace, recipes
     for segment, per_arm in counts.items():
         assert per_arm["auto"] == per_arm["fp8"] > 0
         row = segments[segment]
-        assert row["verdict"] in (stats.REGRESSION, stats.IMPROVEMENT, stats.NO_CHANGE) and row["ratio"], row
+        assert row["verdict"] in (verdicts.REGRESSION, verdicts.IMPROVEMENT, verdicts.NO_CHANGE) and row["ratio"], row
         assert row["compared_calls"] == per_arm["auto"]
     result = report.build([SERVE_RUNS["cold-prefill-auto"], SERVE_RUNS["cold-prefill-fp8"]], recipes)
     metrics = result.serving[0].baseline

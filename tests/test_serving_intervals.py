@@ -17,9 +17,11 @@ import numpy as np
 import pytest
 
 from conftest import VLLM033_RUNS
-from kvtrace.analyzer import serving, stats
+from kvtrace.analyzer import serving
 from kvtrace.analyzer.report import build as build_report
 from kvtrace.analyzer.runs import ArmInput
+from kvtrace.analyzer.stats import serving_intervals, verdicts
+from kvtrace.analyzer.stats.serving_intervals import ArmSamples, serving_estimate
 from kvtrace.errors import KvtraceError
 from kvtrace.manifest import read_manifest
 
@@ -44,10 +46,9 @@ def test_paired_request_intervals_cover_a_known_ratio(population):
     covered = 0
     for index in range(DRAWS):
         picked = rng.integers(0, base.size, base.size)
-        estimate = stats.serving_estimate([(stats.ArmSamples.of_values(base[picked]),
-                                            stats.ArmSamples.of_values(1.3 * cand[picked]))], resamples=1000,
-                                          seed=index)
-        assert estimate.method == stats.PAIRED_REQUESTS and estimate.requests == base.size
+        estimate = serving_estimate([(ArmSamples.of_values(base[picked]), ArmSamples.of_values(1.3 * cand[picked]))],
+                                    resamples=1000, seed=index)
+        assert estimate.method == serving_intervals.PAIRED_REQUESTS and estimate.requests == base.size
         covered += estimate.low <= 1.3 <= estimate.high
     assert 0.93 <= covered / DRAWS <= 0.97
 
@@ -60,9 +61,9 @@ def test_moment_intervals_cover_a_known_ratio(population):
     covered = 0
     for _ in range(DRAWS):
         b, c = base[rng.integers(0, base.size, base.size)], 0.8 * cand[rng.integers(0, base.size, base.size)]
-        estimate = stats.serving_estimate([(stats.ArmSamples(b.mean(), b.std(ddof=1), b.size),
-                                            stats.ArmSamples(c.mean(), c.std(ddof=1), c.size))])
-        assert estimate.method == stats.MOMENTS
+        estimate = serving_estimate([(ArmSamples(b.mean(), b.std(ddof=1), b.size),
+                                      ArmSamples(c.mean(), c.std(ddof=1), c.size))])
+        assert estimate.method == serving_intervals.MOMENTS
         covered += estimate.low <= 0.8 <= estimate.high
     assert 0.93 <= covered / DRAWS <= 0.97
 
@@ -80,30 +81,32 @@ def test_run_pair_intervals_cover_a_known_ratio_with_run_to_run_drift(population
         for _ in range(runs):
             drift = np.exp(rng.normal(0.0, 0.1, 2))
             picked = rng.integers(0, base.size, base.size)
-            pairs.append((stats.ArmSamples(float(drift[0] * base[picked].mean())),
-                          stats.ArmSamples(float(1.3 * drift[1] * cand[picked].mean()))))
-        estimate = stats.serving_estimate(pairs)
-        assert estimate.method == stats.RUN_MEANS and estimate.band == 0.0 and len(estimate.run_ratios) == runs
+            pairs.append((ArmSamples(float(drift[0] * base[picked].mean())),
+                          ArmSamples(float(1.3 * drift[1] * cand[picked].mean()))))
+        estimate = serving_estimate(pairs)
+        assert estimate.method == serving_intervals.RUN_MEANS and estimate.band == 0.0
+        assert len(estimate.run_ratios) == runs
         covered += estimate.low <= 1.3 <= estimate.high
     assert 0.93 <= covered / DRAWS <= 0.97
 
 
 def test_same_work_is_no_significant_difference_and_throughput_reads_higher_as_better(population):
     base, cand = population
-    same = stats.serving_estimate([(stats.ArmSamples.of_values(base), stats.ArmSamples.of_values(cand))])
-    assert same.verdict == stats.NO_CHANGE and same.low <= 1 <= same.high
+    same = serving_estimate([(ArmSamples.of_values(base), ArmSamples.of_values(cand))])
+    assert same.verdict == verdicts.NO_CHANGE and same.low <= 1 <= same.high
     # One run per arm: a 20% change with a tight interval is still within the assumed band.
-    inside = stats.serving_estimate([(stats.ArmSamples.of_values(base), stats.ArmSamples.of_values(1.2 * cand))])
-    assert inside.low > 1 + 0.02 and inside.verdict == stats.NO_CHANGE and inside.band == stats.ASSUMED_SERVING_BAND
-    slower = stats.serving_estimate([(stats.ArmSamples.of_values(base), stats.ArmSamples.of_values(2 * cand))])
-    assert slower.verdict == stats.REGRESSION
+    inside = serving_estimate([(ArmSamples.of_values(base), ArmSamples.of_values(1.2 * cand))])
+    assert inside.low > 1 + 0.02 and inside.verdict == verdicts.NO_CHANGE
+    assert inside.band == serving_intervals.ASSUMED_SERVING_BAND
+    slower = serving_estimate([(ArmSamples.of_values(base), ArmSamples.of_values(2 * cand))])
+    assert slower.verdict == verdicts.REGRESSION
     # Throughput: higher is better, so the same ratio is an improvement; without a spread, no verdict beyond the
     # threshold.
-    faster = stats.serving_estimate([(stats.ArmSamples(100.0), stats.ArmSamples(200.0)),
-                                     (stats.ArmSamples(110.0), stats.ArmSamples(215.0))], higher_is_better=True)
-    assert faster.ratio > 1 and faster.verdict == stats.IMPROVEMENT
-    single = stats.serving_estimate([(stats.ArmSamples(100.0), stats.ArmSamples(200.0))], higher_is_better=True)
-    assert single.low is None and single.verdict == stats.INSUFFICIENT_DATA
+    faster = serving_estimate([(ArmSamples(100.0), ArmSamples(200.0)),
+                               (ArmSamples(110.0), ArmSamples(215.0))], higher_is_better=True)
+    assert faster.ratio > 1 and faster.verdict == verdicts.IMPROVEMENT
+    single = serving_estimate([(ArmSamples(100.0), ArmSamples(200.0))], higher_is_better=True)
+    assert single.low is None and single.verdict == verdicts.INSUFFICIENT_DATA
 
 
 def test_a_repeats_capture_is_estimated_over_every_run(recipes):
@@ -118,7 +121,7 @@ def test_a_repeats_capture_is_estimated_over_every_run(recipes):
         histogram = arm["points"][0]["metrics"]["deltas"]["histograms"]["vllm:time_to_first_token_seconds"]
         means[name] = 1000 * histogram["sum"] / histogram["count"]
     estimate = row.estimates["ttft_ms"]
-    assert row.runs == 2 and estimate.runs == 2 and estimate.method == stats.RUN_MEANS
+    assert row.runs == 2 and estimate.runs == 2 and estimate.method == serving_intervals.RUN_MEANS
     assert estimate.baseline == pytest.approx((means["fp8.r1"] + means["fp8.r2"]) / 2)
     assert estimate.candidate == pytest.approx((means["nvfp4.r1"] + means["nvfp4.r2"]) / 2)
     assert estimate.run_ratios == pytest.approx((means["nvfp4.r1"] / means["fp8.r1"],
@@ -134,8 +137,8 @@ def test_serve_points_pair_their_requests_end_to_end(recipes):
     for row in result.serving:
         assert row.paired_requests
         e2e, ttft = row.estimates["e2el_ms"], row.estimates["ttft_ms"]
-        assert e2e.method == stats.PAIRED_REQUESTS and e2e.requests == row.baseline.requests
-        assert ttft.method == stats.MOMENTS and ttft.low < ttft.ratio < ttft.high
+        assert e2e.method == serving_intervals.PAIRED_REQUESTS and e2e.requests == row.baseline.requests
+        assert ttft.method == serving_intervals.MOMENTS and ttft.low < ttft.ratio < ttft.high
         detail = row.baseline.requests_detail
         assert detail.e2el_ms.size == row.baseline.requests and detail.ttft_ms is None
 
@@ -181,8 +184,8 @@ def test_samples_pair_only_where_the_request_orders_match(tmp_path):
     manifest = read_manifest(tmp_path)
     rows = serving.serving_rows(*(ArmInput.of(tmp_path, manifest, arm) for arm in ("fp8", "nvfp4")))
     assert [row.paired_requests for row in rows] == [False, True, True, True]
-    assert rows[0].estimates["e2el_ms"].method == stats.MOMENTS
-    assert rows[1].estimates["e2el_ms"].method == stats.PAIRED_REQUESTS
+    assert rows[0].estimates["e2el_ms"].method == serving_intervals.MOMENTS
+    assert rows[1].estimates["e2el_ms"].method == serving_intervals.PAIRED_REQUESTS
 
 
 @pytest.fixture(scope="module")

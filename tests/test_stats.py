@@ -13,7 +13,8 @@ import statistics
 import numpy as np
 import pytest
 
-from kvtrace.analyzer import drift_band, stats
+from kvtrace.analyzer import drift_band
+from kvtrace.analyzer.stats import arm_summary, bootstrap, distributions, shares, verdicts
 
 
 def lognormal_ns(seed: int, n: int, *, scale: float = 1.0, sigma: float = 0.3) -> np.ndarray:
@@ -63,7 +64,7 @@ def t_quantile(p: float, df: float) -> float:
     ids=["int-ns", "float", "two-calls"],
 )
 def test_describe_matches_statistics_module(data):
-    d = stats.describe(np.asarray(data))
+    d = arm_summary.describe(np.asarray(data))
     cuts = statistics.quantiles(data, n=100, method="inclusive")  # type 7 == numpy "linear"
     std = statistics.stdev(data)
     mean = statistics.fmean(data)
@@ -80,35 +81,35 @@ def test_describe_matches_statistics_module(data):
 
 
 def test_describe_single_call_has_zero_spread():
-    d = stats.describe([1234])
+    d = arm_summary.describe([1234])
     assert (d.count, d.std, d.cv) == (1, 0.0, 0.0)
     assert d.median == d.p90 == d.p99 == d.min == d.max == d.mean == d.total == 1234
 
 
 def test_describe_cv_is_nan_for_zero_mean():
-    assert math.isnan(stats.describe([0, 0, 0]).cv)
+    assert math.isnan(arm_summary.describe([0, 0, 0]).cv)
 
 
 def test_describe_is_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
-        stats.describe([1, 2]).mean = 0.0
+        arm_summary.describe([1, 2]).mean = 0.0
 
 
 @pytest.mark.parametrize("bad", [[], np.ones((2, 3))], ids=["empty", "2-D"])
 def test_describe_rejects_empty_and_non_1d(bad):
     with pytest.raises(ValueError):
-        stats.describe(bad)
+        arm_summary.describe(bad)
 
 
 # --- estimate_rows: paired, stratified ratios -----------------------------------------------------------
 
 
 def strata_of(pairs: list[tuple[np.ndarray, np.ndarray]], runs: list[int] | None = None, count: int = 1
-              ) -> stats.PairedStrata:
+              ) -> bootstrap.PairedStrata:
     sizes = [b.size for b, _ in pairs]
-    return stats.PairedStrata(np.concatenate([b for b, _ in pairs]), np.concatenate([c for _, c in pairs]),
-                              np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64),
-                              np.array(runs if runs is not None else [0] * len(pairs)), count)
+    return bootstrap.PairedStrata(np.concatenate([b for b, _ in pairs]), np.concatenate([c for _, c in pairs]),
+                                  np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64),
+                                  np.array(runs if runs is not None else [0] * len(pairs)), count)
 
 
 def shared_noise_pair(seed: int, n: int, level: float, ratio: float, *, shared: float = 0.2, own: float = 0.01):
@@ -122,20 +123,20 @@ PAIRS = [shared_noise_pair(1, 40, 2e6, 5.0), shared_noise_pair(2, 12, 4e8, 5.4),
 
 
 def test_ratio_is_the_ratio_of_summed_paired_time():
-    estimates = stats.estimate_rows(strata_of(PAIRS), [np.array([0]), np.array([0, 1, 2])], resamples=500)
+    estimates = bootstrap.estimate_rows(strata_of(PAIRS), [np.array([0]), np.array([0, 1, 2])], resamples=500)
     assert estimates[0].ratio == pytest.approx(PAIRS[0][1].sum() / PAIRS[0][0].sum(), rel=1e-12)
     expected = math.fsum(c.sum() for _, c in PAIRS) / math.fsum(b.sum() for b, _ in PAIRS)
     assert estimates[1].ratio == pytest.approx(expected, rel=1e-12)
     assert estimates[1].baseline_ns == pytest.approx(math.fsum(b.sum() for b, _ in PAIRS), rel=1e-12)
     for e in estimates:
         assert e.low < e.ratio < e.high and e.baseline_low < e.baseline_ns < e.baseline_high
-        assert (e.confidence, e.resamples, e.method) == (0.95, 500, stats.BOOTSTRAP)
+        assert (e.confidence, e.resamples, e.method) == (0.95, 500, bootstrap.BOOTSTRAP)
     assert (estimates[1].strata, estimates[1].single_call_strata) == (3, 0)
 
 
 @pytest.mark.parametrize("members", [[0], [1], [0, 1, 2]], ids=["40-pairs", "12-pairs", "three-strata"])
 def test_interval_width_matches_paired_stratified_normal_theory(members):
-    estimate = stats.estimate_rows(strata_of(PAIRS), [np.array(members)], resamples=4000)[0]
+    estimate = bootstrap.estimate_rows(strata_of(PAIRS), [np.array(members)], resamples=4000)[0]
     expected = paired_half_width([PAIRS[m] for m in members], 0.95)
     assert (estimate.high - estimate.low) / 2 == pytest.approx(expected, rel=0.12)
 
@@ -144,7 +145,7 @@ def test_pairing_cancels_variation_both_arms_share():
     """20% shared spread per call, 1% own: the paired interval is as narrow as the own noise allows, far
     narrower than treating the arms as independent samples would give."""
     base, cand = PAIRS[2]
-    estimate = stats.estimate_rows(strata_of([PAIRS[2]]), [np.array([0])])[0]
+    estimate = bootstrap.estimate_rows(strata_of([PAIRS[2]]), [np.array([0])])[0]
     unpaired = 1.96 * estimate.ratio * math.sqrt(sum(np.var(a, ddof=1) / a.size / a.mean() ** 2 for a in (base, cand)))
     assert (estimate.high - estimate.low) / 2 < unpaired / 10
 
@@ -155,24 +156,24 @@ def test_strata_are_never_mixed():
     short = shared_noise_pair(4, 8, 2e6, 5.0, shared=0.01)
     long = shared_noise_pair(5, 8, 4.7e8, 5.0, shared=0.01)
     strata = strata_of([short, long])
-    row, alone_short, alone_long = stats.estimate_rows(strata, [np.array([0, 1]), np.array([0]), np.array([1])])
+    row, alone_short, alone_long = bootstrap.estimate_rows(strata, [np.array([0, 1]), np.array([0]), np.array([1])])
     assert row.high - row.low <= max(alone_short.high - alone_short.low, alone_long.high - alone_long.low)
 
 
 def test_seeded_and_independent_of_the_order_of_rows():
     strata = strata_of(PAIRS)
-    first = stats.estimate_rows(strata, [np.array([0, 1, 2]), np.array([1])], seed=7)
-    again = stats.estimate_rows(strata_of([(b.copy(), c.copy()) for b, c in PAIRS]),
-                                [np.array([0, 1, 2]), np.array([1])], seed=7)
-    other = stats.estimate_rows(strata, [np.array([0, 1, 2]), np.array([1])], seed=8)
+    first = bootstrap.estimate_rows(strata, [np.array([0, 1, 2]), np.array([1])], seed=7)
+    again = bootstrap.estimate_rows(strata_of([(b.copy(), c.copy()) for b, c in PAIRS]),
+                                    [np.array([0, 1, 2]), np.array([1])], seed=7)
+    other = bootstrap.estimate_rows(strata, [np.array([0, 1, 2]), np.array([1])], seed=8)
     assert [(e.low, e.high) for e in first] == [(e.low, e.high) for e in again]  # identical floats
     assert (first[0].low, first[0].high) != (other[0].low, other[0].high)
 
 
 def test_higher_confidence_nests_the_interval():
     strata = strata_of(PAIRS)
-    narrow = stats.estimate_rows(strata, [np.array([0, 1, 2])], confidence=0.8)[0]
-    wide = stats.estimate_rows(strata, [np.array([0, 1, 2])], confidence=0.99)[0]
+    narrow = bootstrap.estimate_rows(strata, [np.array([0, 1, 2])], confidence=0.8)[0]
+    wide = bootstrap.estimate_rows(strata, [np.array([0, 1, 2])], confidence=0.99)[0]
     assert wide.low < narrow.low < narrow.high < wide.high
 
 
@@ -183,9 +184,9 @@ def test_resampled_totals_have_the_unbiased_variance(size, monkeypatch):
     unfilled or misplaced row would show."""
     base, cand = shared_noise_pair(6, size, 1e5, 1.3)
     strata = strata_of([(base, cand)])
-    monkeypatch.setattr(stats, "_CHUNK_ELEMENTS", 7 * (size - 1))
-    unit = stats._units(strata, np.array([0]), np.array([0]))[0]
-    totals_b, totals_c = stats._resampled_totals(strata, [unit], size, 4000, np.random.default_rng(0))
+    monkeypatch.setattr(bootstrap, "CHUNK_ELEMENTS", 7 * (size - 1))
+    unit = bootstrap._units(strata, np.array([0]), np.array([0]))[0]
+    totals_b, totals_c = bootstrap._resampled_totals(strata, [unit], size, 4000, np.random.default_rng(0))
     assert totals_b.shape == totals_c.shape == (1, 4000)
     sd = math.sqrt(size * np.var(base, ddof=1))
     assert abs(totals_b.mean() - base.sum()) < 5 * sd / math.sqrt(4000)
@@ -195,8 +196,8 @@ def test_resampled_totals_have_the_unbiased_variance(size, monkeypatch):
 
 def test_large_units_take_the_normal_limit_with_the_same_interval():
     strata = strata_of(PAIRS)
-    exact = stats.estimate_rows(strata, [np.array([0, 1, 2])], resamples=4000)[0]
-    limit = stats.estimate_rows(strata, [np.array([0, 1, 2])], resamples=4000, exact_calls=0)[0]
+    exact = bootstrap.estimate_rows(strata, [np.array([0, 1, 2])], resamples=4000)[0]
+    limit = bootstrap.estimate_rows(strata, [np.array([0, 1, 2])], resamples=4000, exact_calls=0)[0]
     assert limit.ratio == exact.ratio
     assert (limit.low, limit.high) == pytest.approx((exact.low, exact.high), rel=2e-3)
 
@@ -205,7 +206,7 @@ def test_million_call_cell():
     # Realistic size (integer ns); runs through the normal limit. Runtime is reported, not asserted.
     base, cand = shared_noise_pair(11, 1_000_000, 2e4, 1.01, shared=0.1)
     base, cand = np.rint(base).astype(np.int64), np.rint(cand).astype(np.int64)
-    estimate = stats.estimate_rows(strata_of([(base, cand)]), [np.array([0])])[0]
+    estimate = bootstrap.estimate_rows(strata_of([(base, cand)]), [np.array([0])])[0]
     assert estimate.low < estimate.ratio < estimate.high
     assert (estimate.high - estimate.low) / 2 == pytest.approx(paired_half_width([(base, cand)], 0.95), rel=0.1)
 
@@ -214,9 +215,9 @@ def test_single_call_strata_are_pooled_or_have_no_interval():
     rng = np.random.default_rng(9)
     singles = [(np.array([v]), np.array([v * 1.2 * rng.lognormal(0, 0.01)])) for v in rng.uniform(1e4, 1e6, 30)]
     strata = strata_of(singles + [PAIRS[0]])
-    pooled, lone, mixed = stats.estimate_rows(strata, [np.arange(30), np.array([0]), np.array([0, 30])])
+    pooled, lone, mixed = bootstrap.estimate_rows(strata, [np.arange(30), np.array([0]), np.array([0, 30])])
     assert pooled.low < pooled.ratio < pooled.high and (pooled.strata, pooled.single_call_strata) == (30, 30)
-    assert (lone.low, lone.high, lone.resamples, lone.method) == (None, None, 0, stats.SINGLE_CALL)
+    assert (lone.low, lone.high, lone.resamples, lone.method) == (None, None, 0, bootstrap.SINGLE_CALL)
     assert lone.ratio == pytest.approx(singles[0][1][0] / singles[0][0][0])
     assert mixed.low is not None and mixed.single_call_strata == 1
 
@@ -227,9 +228,9 @@ def test_repeated_runs_put_between_run_variance_in_the_interval():
     first = shared_noise_pair(12, 64, 1e5, 2.0, own=0.001)
     second = shared_noise_pair(13, 64, 1e5, 2.08, own=0.001)
     strata = strata_of([first, second], runs=[0, 1], count=2)
-    both = stats.estimate_rows(strata, [np.array([0, 1])])[0]
-    alone = stats.estimate_rows(strata_of([first]), [np.array([0])])[0]
-    assert both.method == stats.HIERARCHICAL
+    both = bootstrap.estimate_rows(strata, [np.array([0, 1])])[0]
+    alone = bootstrap.estimate_rows(strata_of([first]), [np.array([0])])[0]
+    assert both.method == bootstrap.HIERARCHICAL
     assert both.run_ratios == pytest.approx((first[1].sum() / first[0].sum(), second[1].sum() / second[0].sum()))
     assert both.low < min(both.run_ratios) and max(both.run_ratios) < both.high
     assert alone.high - alone.low < (both.high - both.low) / 10
@@ -238,27 +239,27 @@ def test_repeated_runs_put_between_run_variance_in_the_interval():
 @pytest.mark.parametrize("kwargs", [{"confidence": 1.0}, {"confidence": 0.0}, {"resamples": 0}])
 def test_estimate_rows_rejects_bad_parameters(kwargs):
     with pytest.raises(ValueError):
-        stats.estimate_rows(strata_of(PAIRS), [np.array([0])], **kwargs)
+        bootstrap.estimate_rows(strata_of(PAIRS), [np.array([0])], **kwargs)
 
 
 @pytest.mark.parametrize("rows", [[np.array([3])], [np.array([0, 0])], [np.array([-1])]],
                          ids=["unknown", "twice", "negative"])
 def test_estimate_rows_rejects_bad_rows(rows):
     with pytest.raises(ValueError):
-        stats.estimate_rows(strata_of(PAIRS), rows)
+        bootstrap.estimate_rows(strata_of(PAIRS), rows)
 
 
 def test_rows_without_strata_or_baseline_time_have_no_estimate():
     zero = (np.zeros(4), np.ones(4))
-    estimates = stats.estimate_rows(strata_of([PAIRS[0], zero]), [np.zeros(0, dtype=np.int64), np.array([1])])
+    estimates = bootstrap.estimate_rows(strata_of([PAIRS[0], zero]), [np.zeros(0, dtype=np.int64), np.array([1])])
     assert estimates == [None, None]
 
 
 @pytest.mark.parametrize("make", [
-    lambda: stats.PairedStrata(np.ones(3), np.ones(2), np.array([0, 3]), np.array([0]), 1),
-    lambda: stats.PairedStrata(np.ones(3), np.ones(3), np.array([0, 2]), np.array([0]), 1),
-    lambda: stats.PairedStrata(np.ones(3), np.ones(3), np.array([0, 3, 3]), np.array([0, 0]), 1),
-    lambda: stats.PairedStrata(np.ones(3), np.ones(3), np.array([0, 3]), np.array([1]), 1),
+    lambda: bootstrap.PairedStrata(np.ones(3), np.ones(2), np.array([0, 3]), np.array([0]), 1),
+    lambda: bootstrap.PairedStrata(np.ones(3), np.ones(3), np.array([0, 2]), np.array([0]), 1),
+    lambda: bootstrap.PairedStrata(np.ones(3), np.ones(3), np.array([0, 3, 3]), np.array([0, 0]), 1),
+    lambda: bootstrap.PairedStrata(np.ones(3), np.ones(3), np.array([0, 3]), np.array([1]), 1),
 ], ids=["lengths", "offsets-end", "empty-stratum", "run-out-of-range"])
 def test_paired_strata_reject_inconsistent_arrays(make):
     with pytest.raises(ValueError):
@@ -267,77 +268,77 @@ def test_paired_strata_reject_inconsistent_arrays(make):
 
 @pytest.mark.parametrize("df", [1, 1.5, 2, 3, 7.5, 30, 400])
 def test_t_quantile(df):
-    assert stats._t_quantile(0.975, df) == pytest.approx(t_quantile(0.975, df), rel=1e-5)
+    assert distributions.t_quantile(0.975, df) == pytest.approx(t_quantile(0.975, df), rel=1e-5)
 
 
 # --- verdicts ---------------------------------------------------------------------------------------------
 
 
-def estimate(ratio: float, low: float | None, high: float | None) -> stats.Estimate:
-    method = stats.SINGLE_CALL if low is None else stats.BOOTSTRAP
-    return stats.Estimate(ratio, low, high, 0.95, 0 if low is None else 2000, method, 1.0, None, None, ratio, None,
-                          None, (), 1, 0)
+def estimate(ratio: float, low: float | None, high: float | None) -> bootstrap.Estimate:
+    method = bootstrap.SINGLE_CALL if low is None else bootstrap.BOOTSTRAP
+    return bootstrap.Estimate(ratio, low, high, 0.95, 0 if low is None else 2000, method, 1.0, None, None, ratio, None,
+                              None, (), 1, 0)
 
 
 @pytest.mark.parametrize(
     "ratio,low,high,threshold,drift,expected",
     [
-        (1.05, 1.03, 1.07, 0.02, 0.0, stats.REGRESSION),
-        (0.90, 0.85, 0.95, 0.02, 0.0, stats.IMPROVEMENT),
-        (1.01, 1.005, 1.015, 0.02, 0.0, stats.NO_CHANGE),  # significant, inside the band
-        (1.01, 1.005, 1.015, 0.0, 0.0, stats.REGRESSION),  # same, with no band
-        (0.99, 0.985, 0.995, 0.02, 0.0, stats.NO_CHANGE),
-        (1.10, 0.98, 1.22, 0.02, 0.0, stats.NO_CHANGE),  # large but not significant
-        (0.90, 0.78, 1.02, 0.02, 0.0, stats.NO_CHANGE),
-        (1.05, 1.00, 1.10, 0.02, 0.0, stats.NO_CHANGE),  # touching 1 does not exclude it
-        (0.974, 0.971, 0.977, 0.02, 0.0, stats.IMPROVEMENT),
-        (0.974, 0.971, 0.977, 0.02, 0.032, stats.NO_CHANGE),  # within what drift moves
-        (1.05, 1.04, 1.06, 0.02, 0.032, stats.REGRESSION),  # beyond it
-        (1.05, 1.03, 1.07, 0.02, 0.032, stats.NO_CHANGE),  # reaching into it
-        (1.01, None, None, 0.02, 0.0, stats.NO_CHANGE),  # single call, inside the band
-        (2.50, None, None, 0.02, 0.0, stats.INSUFFICIENT_DATA),
-        (0.50, None, None, 0.02, 0.0, stats.INSUFFICIENT_DATA),
+        (1.05, 1.03, 1.07, 0.02, 0.0, verdicts.REGRESSION),
+        (0.90, 0.85, 0.95, 0.02, 0.0, verdicts.IMPROVEMENT),
+        (1.01, 1.005, 1.015, 0.02, 0.0, verdicts.NO_CHANGE),  # significant, inside the band
+        (1.01, 1.005, 1.015, 0.0, 0.0, verdicts.REGRESSION),  # same, with no band
+        (0.99, 0.985, 0.995, 0.02, 0.0, verdicts.NO_CHANGE),
+        (1.10, 0.98, 1.22, 0.02, 0.0, verdicts.NO_CHANGE),  # large but not significant
+        (0.90, 0.78, 1.02, 0.02, 0.0, verdicts.NO_CHANGE),
+        (1.05, 1.00, 1.10, 0.02, 0.0, verdicts.NO_CHANGE),  # touching 1 does not exclude it
+        (0.974, 0.971, 0.977, 0.02, 0.0, verdicts.IMPROVEMENT),
+        (0.974, 0.971, 0.977, 0.02, 0.032, verdicts.NO_CHANGE),  # within what drift moves
+        (1.05, 1.04, 1.06, 0.02, 0.032, verdicts.REGRESSION),  # beyond it
+        (1.05, 1.03, 1.07, 0.02, 0.032, verdicts.NO_CHANGE),  # reaching into it
+        (1.01, None, None, 0.02, 0.0, verdicts.NO_CHANGE),  # single call, inside the band
+        (2.50, None, None, 0.02, 0.0, verdicts.INSUFFICIENT_DATA),
+        (0.50, None, None, 0.02, 0.0, verdicts.INSUFFICIENT_DATA),
     ],
 )
 def test_verdict_rule(ratio, low, high, threshold, drift, expected):
-    assert stats.verdict(estimate(ratio, low, high), threshold=threshold, drift=drift) == expected
+    assert verdicts.verdict(estimate(ratio, low, high), threshold=threshold, drift=drift) == expected
 
 
 def test_verdicts_are_distinct():
-    names = {stats.REGRESSION, stats.IMPROVEMENT, stats.NO_CHANGE, stats.INSUFFICIENT_DATA, stats.NOT_COMPARABLE,
-             stats.DIFFERENT_WORK}
+    names = {verdicts.REGRESSION, verdicts.IMPROVEMENT, verdicts.NO_CHANGE, verdicts.INSUFFICIENT_DATA,
+             verdicts.NOT_COMPARABLE, verdicts.DIFFERENT_WORK}
     assert len(names) == 6
-    assert stats.UNMEASURED == {stats.INSUFFICIENT_DATA, stats.NOT_COMPARABLE, stats.DIFFERENT_WORK}
+    assert verdicts.UNMEASURED == {verdicts.INSUFFICIENT_DATA, verdicts.NOT_COMPARABLE, verdicts.DIFFERENT_WORK}
 
 
 @pytest.mark.parametrize("kwargs", [{"threshold": -0.01}, {"threshold": 1.0}, {"drift": -0.1}, {"drift": 1.0}])
 def test_verdict_rejects_bad_bands(kwargs):
     with pytest.raises(ValueError):
-        stats.verdict(estimate(1.0, 0.9, 1.1), **kwargs)
+        verdicts.verdict(estimate(1.0, 0.9, 1.1), **kwargs)
 
 
 @pytest.mark.parametrize(
     "paired_delta,unpaired_delta,expected",
-    [(100.0, 0.0, (stats.REGRESSION, None)),
-     (100.0, 99.0, (stats.REGRESSION, None)),
-     (100.0, -101.0, (stats.DIFFERENT_WORK, stats.REGRESSION)),  # offsetting unpaired work still dominates
-     (1.0, 350.0, (stats.DIFFERENT_WORK, stats.REGRESSION))],
+    [(100.0, 0.0, (verdicts.REGRESSION, None)),
+     (100.0, 99.0, (verdicts.REGRESSION, None)),
+     (100.0, -101.0, (verdicts.DIFFERENT_WORK, verdicts.REGRESSION)),  # offsetting unpaired work still dominates
+     (1.0, 350.0, (verdicts.DIFFERENT_WORK, verdicts.REGRESSION))],
 )
 def test_different_work_is_never_a_plain_verdict(paired_delta, unpaired_delta, expected):
-    found = stats.row_verdict(estimate(1.05, 1.03, 1.07), threshold=0.02, drift=0.0, paired_delta=paired_delta,
-                              unpaired_delta=unpaired_delta)
+    found = verdicts.row_verdict(estimate(1.05, 1.03, 1.07), threshold=0.02, drift=0.0, paired_delta=paired_delta,
+                                 unpaired_delta=unpaired_delta)
     assert found == expected
 
 
 def test_no_pairs_is_not_comparable():
-    assert stats.row_verdict(None, threshold=0.02, drift=0.0, paired_delta=0, unpaired_delta=5) == \
-        (stats.NOT_COMPARABLE, None)
+    assert verdicts.row_verdict(None, threshold=0.02, drift=0.0, paired_delta=0, unpaired_delta=5) == \
+        (verdicts.NOT_COMPARABLE, None)
 
 
 def test_unpaired_share_stays_within_zero_and_one():
-    assert stats.unpaired_share(-40.0, -354.0) == pytest.approx(354 / 394)
-    assert stats.unpaired_share(100.0, -100.0) == pytest.approx(0.5)
-    assert stats.unpaired_share(0.0, 0.0) is None
+    assert shares.unpaired_share(-40.0, -354.0) == pytest.approx(354 / 394)
+    assert shares.unpaired_share(100.0, -100.0) == pytest.approx(0.5)
+    assert shares.unpaired_share(0.0, 0.0) is None
 
 
 def test_sure_move_is_the_interval_end_nearest_one():
@@ -412,31 +413,31 @@ def test_uncontrolled_cells_are_held_to_the_assumed_band_with_one_run_per_arm():
 
 
 def test_same_work():
-    assert stats.same_work([np.array([170.7, 172.1, 171.7]), np.array([171.1, 171.3])])
-    assert not stats.same_work([np.array([2.08e6, 30.1e6, 468e6])])
-    assert not stats.same_work([np.array([100.0]), np.array([100.0, 111.0])])
-    assert stats.same_work([np.array([100.0, 110.0]), np.zeros(0)])
+    assert arm_summary.same_work([np.array([170.7, 172.1, 171.7]), np.array([171.1, 171.3])])
+    assert not arm_summary.same_work([np.array([2.08e6, 30.1e6, 468e6])])
+    assert not arm_summary.same_work([np.array([100.0]), np.array([100.0, 111.0])])
+    assert arm_summary.same_work([np.array([100.0, 110.0]), np.zeros(0)])
 
 
 # --- ratios and shares --------------------------------------------------------------------------------------
 
 
 def test_share_and_ratio():
-    assert stats.share(3.0, 12.0) == 0.25
-    assert stats.share(0.0, 5.0) == 0.0
-    assert stats.share(1.0, 0.0) is None
-    assert stats.ratio(4.0, 5.0) == 1.25
-    assert stats.ratio(0.0, 5.0) is None and stats.ratio(None, 5.0) is None and stats.ratio(4.0, None) is None
+    assert shares.share(3.0, 12.0) == 0.25
+    assert shares.share(0.0, 5.0) == 0.0
+    assert shares.share(1.0, 0.0) is None
+    assert shares.ratio(4.0, 5.0) == 1.25
+    assert shares.ratio(0.0, 5.0) is None and shares.ratio(None, 5.0) is None and shares.ratio(4.0, None) is None
 
 
 def test_abs_shares_stay_within_zero_and_one_and_sum_to_one():
     deltas = [11.45e6, -9.34e6, -2.22e6, 1.64e6, 1.59e6]  # signed shares of these reach 398% and -325%
-    shares = stats.abs_shares(deltas)
-    assert all(0.0 <= s <= 1.0 for s in shares)
-    assert math.fsum(shares) == pytest.approx(1.0)
-    assert shares[0] == pytest.approx(11.45e6 / sum(abs(d) for d in deltas))
+    found = shares.abs_shares(deltas)
+    assert all(0.0 <= s <= 1.0 for s in found)
+    assert math.fsum(found) == pytest.approx(1.0)
+    assert found[0] == pytest.approx(11.45e6 / sum(abs(d) for d in deltas))
 
 
 @pytest.mark.parametrize("deltas", [[0.0, 0.0], []], ids=["no-change", "empty"])
 def test_abs_shares_without_change_are_none(deltas):
-    assert stats.abs_shares(deltas) == [None] * len(deltas)
+    assert shares.abs_shares(deltas) == [None] * len(deltas)

@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 
 from conftest import VLLM033_RUNS, sql_durations
-from kvtrace.analyzer import report, statements, stats
+from kvtrace.analyzer import report, statements
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.render.escape import md_text, visible
 from kvtrace.analyzer.render.statements import text as statement_text
+from kvtrace.analyzer.stats import bootstrap, verdicts
 
 ARMS = ("fp8", "nvfp4")
 # The kernels each phase runs, by SQL name pattern, per arm (fixtures/README.md: FP8 prefills on FA3, NVFP4
@@ -168,7 +169,7 @@ def test_repeats_report_pairs_run_by_run_and_matches_sql(recipes):
     heads = [("prefill_attention", None), ("decode_attention", None),
              ("kv_append", "prefill steps"), ("kv_append", "decode steps")]
     both = report.build([run], recipes)
-    assert both.diff.runs == 2 and both.diff.method == stats.HIERARCHICAL
+    assert both.diff.runs == 2 and both.diff.method == bootstrap.HIERARCHICAL
     assert both.baseline.runs == (str(run / "fp8.r1.sqlite"), str(run / "fp8.r2.sqlite"))
     assert both.candidate.runs == (str(run / "nvfp4.r1.sqlite"), str(run / "nvfp4.r2.sqlite"))
     singles = {k: report.build([run], recipes, arms=(f"fp8.r{k}", f"nvfp4.r{k}")) for k in (1, 2)}
@@ -187,7 +188,7 @@ def test_repeats_report_pairs_run_by_run_and_matches_sql(recipes):
         fp8_ns, nv_ns = (sum(totals[arm, k][1] for k in (1, 2)) for arm in ARMS)
         pooled = head(both, segment, point)
         assert pooled.compared_calls == totals["fp8", 1][0] + totals["fp8", 2][0]
-        assert pooled.ratio == pytest.approx(nv_ns / fp8_ns) and pooled.verdict == stats.REGRESSION
+        assert pooled.ratio == pytest.approx(nv_ns / fp8_ns) and pooled.verdict == verdicts.REGRESSION
         assert pooled.ci_low <= min(per_run) and max(per_run) <= pooled.ci_high, (segment, point, per_run)
         if pooled.per_call:
             assert pooled.baseline_ns == pytest.approx(fp8_ns / pooled.compared_calls)
@@ -196,7 +197,7 @@ def test_repeats_report_pairs_run_by_run_and_matches_sql(recipes):
         for k in (1, 2):
             alone = head(singles[k], segment, point)
             assert alone.compared_calls == totals["fp8", k][0] and alone.ratio == pytest.approx(per_run[k - 1])
-            assert alone.verdict == stats.REGRESSION
+            assert alone.verdict == verdicts.REGRESSION
         if point is None:
             row = ([r for r in both.diff.family_phases if r.segment == segment
                     and r.family_label == "BatchPrefillWithPagedKVCacheKernel[MaskMode=0]"]
@@ -229,14 +230,14 @@ def test_repeats_diff_keeps_run_pairs_apart(run_kvtrace):
     code, out, err = run_kvtrace("diff", *pairs[0], "--repeat", *pairs[1], "--format", "json")
     assert code == 0, err
     result = json.loads(out)
-    assert result["runs"] == 2 and result["method"] == stats.HIERARCHICAL
+    assert result["runs"] == 2 and result["method"] == bootstrap.HIERARCHICAL
     for segment in ("prefill_attention", "decode_attention", "kv_append"):
         per_run = [sql_totals(nvfp4, EXPECTED[segment]["nvfp4"])[1] / sql_totals(fp8, EXPECTED[segment]["fp8"])[1]
                    for fp8, nvfp4 in pairs]
         row = next(r for r in result["segments"] if r["segment"] == segment)
         assert row["run_ratios"] == pytest.approx(per_run)
         assert row["ci_low"] <= min(per_run) and max(per_run) <= row["ci_high"]
-        assert row["verdict"] == stats.REGRESSION and row["ci_low"] > 1 + result["threshold"]
+        assert row["verdict"] == verdicts.REGRESSION and row["ci_low"] > 1 + result["threshold"]
 
 
 def _metric(path: Path, name: str) -> float:

@@ -13,7 +13,8 @@ from kvtrace.analyzer.capacity import Capacity
 from kvtrace.analyzer.results import Diff, Summary
 from kvtrace.analyzer.kernels import KernelList
 from kvtrace.analyzer.matrix import Matrix
-from kvtrace.analyzer.render import csv_out, json_out, markdown, matrix, report_tables, terminal
+from kvtrace.analyzer.render import (capacity, csv_out, json_out, markdown, matrix, report_csv, report_markdown,
+                                     report_terminal, terminal)
 from kvtrace.analyzer.report import Report
 from kvtrace.errors import KvtraceError
 
@@ -22,14 +23,14 @@ FORMATS = ("table", "markdown", "json", "csv")
 # format -> result type -> renderer. 'table' renderers print to a console, the others return text.
 RENDERERS = {
     "table": {Summary: terminal.summary, Diff: terminal.diff, KernelList: terminal.kernels,
-              Report: report_tables.report_terminal, Capacity: report_tables.capacity_terminal,
+              Report: report_terminal.report_terminal, Capacity: capacity.capacity_terminal,
               Matrix: matrix.terminal},
     "markdown": {Summary: markdown.summary, Diff: markdown.diff, KernelList: markdown.kernels,
-                 Report: report_tables.report_markdown, Capacity: report_tables.capacity_markdown,
+                 Report: report_markdown.report_markdown, Capacity: capacity.capacity_markdown,
                  Matrix: matrix.markdown},
     "json": {kind: json_out.render for kind in (Summary, Diff, KernelList, Report, Capacity, Matrix)},
     "csv": {Summary: csv_out.summary, Diff: csv_out.diff, KernelList: csv_out.kernels,
-            Report: report_tables.report_csv, Capacity: report_tables.capacity_csv},
+            Report: report_csv.report_csv, Capacity: capacity.capacity_csv},
 }
 
 

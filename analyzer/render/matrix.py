@@ -16,6 +16,8 @@ from kvtrace.analyzer.render.report_tables import _cached, _count, _ms, _peak, _
 from kvtrace.analyzer.render.statements import held_text
 from kvtrace.analyzer.render.units import duration, estimate_ratio, interval, markdown_table, percent, ratio
 from kvtrace.analyzer.statements import APPEND_PHASE
+from kvtrace.analyzer.stats.serving_intervals import (ASSUMED_SERVING_BAND, MOMENTS, NO_INTERVAL, PAIRED_REQUESTS,
+                                                       RUN_MEANS)
 from kvtrace.analyzer.steps import HELD_BY_WAIT
 from kvtrace.text import plural
 
@@ -29,9 +31,8 @@ KERNEL_COLUMNS = (("prefill attention", "prefill_attention"), ("decode attention
 _SUBJECT_WORDS = dict((subject, words) for words, subject in KERNEL_COLUMNS)
 _SEGMENT_WORDS = {"prefill_attention": "prefill attention", "decode_attention": "decode attention"}
 _OBJECTIVE_WORDS = {"ttft": "TTFT", "itl": "ITL", "throughput": "output tokens/s"}
-_METHOD_WORDS = {mx.stats.PAIRED_REQUESTS: "paired requests", mx.stats.RUN_MEANS: "run pairs' means",
-                 mx.stats.MOMENTS: "per-request mean and std",
-                 mx.stats.NO_INTERVAL: "none"}
+_METHOD_WORDS = {PAIRED_REQUESTS: "paired requests", RUN_MEANS: "run pairs' means",
+                 MOMENTS: "per-request mean and std", NO_INTERVAL: "none"}
 # The serving columns of the table: (header, ServingRow.estimates' key, unit).
 SERVING_COLUMNS = (("TTFT ms", "ttft_ms", "ms"), ("ITL ms (per request: TPOT)", "tpot_ms", "ms"),
                    ("output tok/s", "output_tokens_per_s", "tok/s"))
@@ -436,7 +437,7 @@ def claim_text(claim: mx.Claim, result: mx.Matrix, name: Name = _plain) -> str:
             "; ".join(p for p in parts if p) + "."
         if v["one_run"]:
             text += (f" {rows_text(v['one_run'])} rest on one run per arm: run-to-run drift is not measured there, so "
-                     f"a change within ±{100 * mx.stats.ASSUMED_SERVING_BAND:g}% is not attributed to the KV format "
+                     f"a change within ±{100 * ASSUMED_SERVING_BAND:g}% is not attributed to the KV format "
                      "(`kvtrace capture --repeats` measures it; per-request times, which `vllm bench serve "
                      "--save-detailed` keeps, give TTFT and ITL an interval within a run).")
         return text
@@ -451,7 +452,7 @@ def _lead(result: mx.Matrix) -> str:
             "baseline → candidate, each arm's mean over every run, then candidate / baseline with its 95% interval "
             "(docs/statistics.md, serving intervals). A point is won on "
             f"{_OBJECTIVE_WORDS[result.objective]} only where the whole interval clears the no-change band (±"
-            f"{100 * result.threshold:g}% with --repeats; ±{100 * mx.stats.ASSUMED_SERVING_BAND:g}% with one run per "
+            f"{100 * result.threshold:g}% with --repeats; ±{100 * ASSUMED_SERVING_BAND:g}% with one run per "
             "arm, whose drift is not measured), and is a choice only where a faster kernel, prefix hits or a capacity "
             "effect explains it. Points whose arms did different work, or that two measurements disagree on, are "
             "not decided. A point measured in several run directories whose measurements agree is decided once on "

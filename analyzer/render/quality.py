@@ -1,5 +1,5 @@
 """Quality beside speed (analyzer.quality.Quality), as `report` and `matrix` show it: one line for the head and the
-decision, and the per-point tables for the details. Formats fields only; analyzer/quality.py and analyzer/stats.py
+decision, and the per-point tables for the details. Formats fields only; analyzer/quality.py and analyzer/stats/
 computed them."""
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from typing import Callable
 
 from kvtrace.analyzer import statements as st
 from kvtrace.analyzer.render.units import duration, interval
-from kvtrace.analyzer.stats import IMPROVEMENT, NO_CHANGE, REGRESSION
+from kvtrace.analyzer.stats.verdicts import IMPROVEMENT, NO_CHANGE, REGRESSION
 from kvtrace.analyzer.steps import HELD_BY_WAIT
 from kvtrace.text import plural
 

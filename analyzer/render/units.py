@@ -36,7 +36,7 @@ NO_INTERVAL = "no interval"
 
 def interval(low: float | None, high: float | None, why: str | None = None) -> str:
     """An interval as every output prints it: [low, high], else "no interval" (with `why`, where the result says
-    why: stats.NO_INTERVAL_WHY). Never nan: an end that is not a finite number is no interval."""
+    why: bootstrap.NO_INTERVAL_WHY). Never nan: an end that is not a finite number is no interval."""
     if low is None or high is None or not (math.isfinite(low) and math.isfinite(high)):
         return f"{NO_INTERVAL} ({why})" if why else NO_INTERVAL
     return f"[{low:.3f}, {high:.3f}]"
@@ -55,7 +55,7 @@ def row_interval(row) -> str:
 
 def no_change_half_width(row, threshold: float) -> float:
     """Half-width of what a compared row's ratio must leave for a verdict: its own band (the one its verdict used),
-    at least the threshold, since a ratio within 1 ± threshold is never a change (stats.verdict)."""
+    at least the threshold, since a ratio within 1 ± threshold is never a change (verdicts.verdict)."""
     return max(row.band, threshold)
 
 

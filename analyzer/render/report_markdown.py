@@ -1,0 +1,142 @@
+"""Markdown for the serving report (analyzer.report.Report): the head (the answer, the serving line and its guard
+rail, the environment) visible, the rest in <details>."""
+
+from __future__ import annotations
+
+from kvtrace.analyzer.render import markdown as diff_markdown
+from kvtrace.analyzer.render import quality as quality_render
+from kvtrace.analyzer.render.capacity import capacity_markdown
+from kvtrace.analyzer.render.escape import md_code, md_prose, md_text
+from kvtrace.analyzer.render.report_tables import (STEP_LEAD, _bandwidth_table, _cached, _capacity_bound, _compute_lead,
+                                                  _compute_table, _ms, _rate, _serving_notes, _serving_point_table,
+                                                  _serving_sweep_table, _step_table)
+from kvtrace.analyzer.render.statements import text as statement_text
+from kvtrace.analyzer.render.units import MARK, estimate_ratio, markdown_table, ratio, shown_path
+from kvtrace.analyzer.report import Report
+from kvtrace.analyzer.serving import MIN_PEAK_POLLS
+
+def _phase_cells(header: list[str], rows: list[list[str]]) -> tuple[list[str], list[list[str]]]:
+    """A phase table for markdown: the header (which holds the labels) and the phase names as plain text."""
+    return [md_text(h) for h in header], [[md_text(row[0]), *row[1:]] for row in rows]
+
+
+def _serving_head_table(report: Report) -> tuple[list[str], list[list[str]]]:
+    """TTFT per traffic point with each arm's cached prompt tokens beside it: the serving line of the head."""
+    bl, cl = report.baseline.label, report.candidate.label
+    stats = {row.ttft_stat for row in report.serving if row.ttft_stat}
+    stat = stats.pop() if len(stats) == 1 else "p50 or mean"
+    # The first run's statistic as recorded, then the mean over every run with its interval and verdict: only the
+    # latter is a result (docs/statistics.md, serving intervals).
+    header = ["point", f"TTFT {stat} {bl}, first run", f"TTFT {stat} {cl}, first run", f"{cl} / {bl}",
+              f"TTFT mean {cl} / {bl}, every run",
+              f"cached prompt tokens {bl}", f"cached prompt tokens {cl}", "capacity-bound"]
+    rows = []
+    for row in report.serving:
+        b, c = row.baseline, row.candidate
+        ttft = [_ms(getattr(m.ttft_ms, row.ttft_stat)) if m and m.ttft_ms and row.ttft_stat else "–" for m in (b, c)]
+        bound = [f"{label}: {_capacity_bound(m)}" for label, m in ((bl, b), (cl, c))
+                 if m and (m.capacity or m.capacity_note)]
+        e = row.estimates.get("ttft_ms")
+        mean = f"{estimate_ratio(e)}, {e.verdict}" if e else "–"
+        rows.append([row.point, *ttft, ratio(row.ttft_ratio), mean, _cached(b), _cached(c), "; ".join(bound) or "no"])
+    return header, rows
+
+
+def _beside_ttft(report: Report, statement) -> bool:
+    """The head's serving lines hold the TTFT guard rail and, where serving was measured, what the vLLM steps say
+    about it: time the candidate's host spent in its steps, and what held it, is TTFT no kernel row shows."""
+    return statement.kind == "ttft" or (statement.kind == "step-timeline" and bool(report.serving))
+
+
+def _serving_head(report: Report) -> list[str]:
+    """The head's serving lines: TTFT beside the cached prompt tokens per traffic point, and the guard rail (the
+    TTFT statements, which say when a TTFT change is a prefix-hit or capacity effect rather than kernel speed)."""
+    if not report.serving:
+        return []
+    header, rows = _serving_head_table(report)
+    lines = ["", "### Serving: TTFT beside the cached prompt tokens", ""]
+    lines += markdown_table([md_text(h) for h in header], [[md_text(cell) for cell in row] for row in rows])
+    rail = [s for s in report.statements if _beside_ttft(report, s)]
+    if rail:
+        lines += [""] + [f"- {MARK[s.level]} {statement_text(s, md_text)}" for s in rail]
+    return lines
+
+
+def report_markdown(report: Report, rest: str | None = diff_markdown.WHOLE) -> tuple[str, str | None]:
+    """The report for an issue: the head (the answer, the serving line and its guard rail, the environment)
+    visible, the rest in <details>; `rest` as diff_markdown.sized takes it."""
+    b, c = report.baseline, report.candidate
+    labels = md_text(b.label), md_text(c.label)
+    # The head's statements and those beside TTFT are in the head already.
+    head = diff_markdown.head(report.diff, statements=False, serving=_serving_head(report))
+    if report.quality is not None:  # quality beside the phase rows: after them, before the environment
+        at = next((i for i, text in enumerate(head) if i and text.startswith("### ")), len(head))
+        head[at:at] = [md_text(quality_render.line(report.quality, b.label, c.label)), ""]
+    top = [f"## kvtrace report: {labels[0]} → {labels[1]}", ""]
+    if report.left_out:  # what the numbers below cover, before any of them
+        top += [f"{MARK['warning']} {md_prose(report.left_out)}", ""]
+    top += head
+    lead = [f"Baseline **{labels[0]}** (arm {md_code(b.arm)} of {md_code(shown_path(b.run))}, {md_text(b.engine)} "
+            "engine" + (f", {md_text(b.scenario)}" if b.scenario else "") + f"), candidate **{labels[1]}** (arm "
+            f"{md_code(c.arm)} of {md_code(shown_path(c.run))}"
+            + (f", {md_text(c.engine)} engine" if c.engine != b.engine else "") + "). Kernel numbers are per call "
+            "over the calls both arms ran (the kernel diff below); serving numbers are what the capture recorded. "
+            "They answer different questions and are kept apart."]
+    sections = [diff_markdown.Section("the report's lead", lead),
+                diff_markdown.Section("what the numbers say", ["### What the numbers say", ""] + [
+                    f"- {MARK[s.level]} **{s.check}**: {statement_text(s, md_text)}" for s in report.statements
+                    if not _beside_ttft(report, s)]),
+                diff_markdown.Section("the runs", ["### Runs", ""]
+                                      + [f"- {MARK[f.level]} {md_prose(f.message)}" for f in report.findings]
+                                      + [f"- {md_prose(note)}" for note in report.notes])]
+    if report.serving:
+        lines = ["### Serving" + (" (sweep)" if report.sweep and len(report.serving) > 1 else ""), ""]
+        if len(report.serving) == 1:
+            lines += markdown_table(*_serving_point_table(report))
+        else:
+            lines += ["Latencies are p50 / p90 / p99 (or the mean where only vLLM's histograms exist); cached = "
+                      "prompt tokens served from the prefix cache; ◆ marks the first point of a context length at "
+                      "which an arm is capacity-bound.", ""]
+            lines += markdown_table(*_serving_sweep_table(report))
+        notes = _serving_notes(report)
+        if notes:
+            lines += ["", f"Sources that measure the same quantity, checked against each other; peaks are maxima of "
+                      f"/metrics polled during the traffic, observations only with at least {MIN_PEAK_POLLS} polls "
+                      "inside it.", ""]
+            lines += [f"- {MARK[level]} {md_prose(text)}" for level, text in notes]
+        sections.append(diff_markdown.Section("the serving metrics", lines))
+    if report.bandwidth:
+        ceiling = report.hbm_ceiling
+        lines = ["### Achieved bandwidth", "",
+                 "KV bytes one workload call reads (append: writes), from the engine's manifest, divided by the GPU "
+                 "time of the phase's attention (append) kernels per call in its NVTX range."
+                 + (f" Ceiling: {_rate(ceiling.bytes_per_s)}, the {md_prose(ceiling.source)}." if ceiling else
+                    " The traces give no HBM bandwidth for the GPU, so no ceiling is stated."), ""]
+        sections.append(diff_markdown.Section("the achieved bandwidth",
+                                              lines + markdown_table(*_phase_cells(*_bandwidth_table(report)))))
+    if report.step_timeline:
+        lines = ["### vLLM steps on the GPU", "", STEP_LEAD, ""]
+        sections.append(diff_markdown.Section("the vLLM steps", lines + markdown_table(*_step_table(report))))
+    if report.prefill_compute:
+        lines = ["### Achieved compute (prefill)", "", md_text(_compute_lead(report)), ""]
+        sections.append(diff_markdown.Section("the achieved compute",
+                                              lines + markdown_table(*_phase_cells(*_compute_table(report)))))
+    if report.capacity is not None:
+        sections.append(diff_markdown.Section("the capacity", [capacity_markdown(report.capacity, level="###").rstrip()]))
+    if report.plots:
+        summary = next((p for p in report.plots if p.kind == "summary"), None)
+        lines = ["### Plots", ""]
+        if summary is not None:
+            lines += [f"Drag {md_code(summary.link)} into the issue or pull request: GitHub renders uploaded images, not "
+                      "images linked by a relative path. It holds the ratio per workload point with intervals and "
+                      "the ratio against context length.", ""]
+        sections.append(diff_markdown.Section("the plots", lines + [f"- {md_code(p.link)}: {p.title}"
+                                                                   for p in report.plots if p is not summary]))
+    if report.quality is not None:
+        sections.append(diff_markdown.Section("quality", quality_render.markdown(report.quality, b.label, c.label)))
+    kernel = diff_markdown.body(report.diff, 4)
+    kernel[0] = diff_markdown.Section(kernel[0].name, ["### Kernel diff", "", *kernel[0].lines])
+    sections += kernel
+    return diff_markdown.sized(top, "Everything else: statements, runs, serving, bandwidth, capacity, the whole "
+                                    "kernel diff", sections,
+                               [diff_markdown.footer(report.diff.kvtrace_version, report.diff.recipes)], rest, "report")
