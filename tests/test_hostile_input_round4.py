@@ -9,6 +9,7 @@ a copy of a real fixture edited in tmp_path. docs/reliability.md has a row per k
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import resource
@@ -16,6 +17,8 @@ import shutil
 import sqlite3
 import struct
 import subprocess
+import sys
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -458,3 +461,42 @@ def test_an_export_made_without_a_cache_folder_is_removed_as_kvtrace_exits(tmp_p
     assert code == 0, err
     assert json.loads(out)["rows"] and _exports(tmp_path) == 1
     assert sorted(p.name for p in temp.iterdir()) == [f"kvtrace-{os.getuid()}"]
+
+
+# ==== 10. statistics that divided by zero or summed for ever ======================================================
+
+@pytest.mark.slow
+def test_a_candidate_serving_mean_of_zero_over_two_run_pairs_is_no_ratio(tmp_path, kv):
+    """Its log-scale interval divided by the ratio 0."""
+    run = run_copy(tmp_path)
+    for name in ("nvfp4.r1", "nvfp4.r2"):
+        edit_json(run / f"{name}.bench.json", lambda d: d.update(ttfts=[0.0] * len(d["ttfts"])))
+    edit_json(run / "manifest.json", lambda d: [point["bench"].update({key: 0.0 for key in point["bench"] if "ttft" in key})
+                                                for name in ("nvfp4.r1", "nvfp4.r2") for point in d["arms"][name]["points"]])
+    for command in ("report", "matrix"):
+        code, out, err = kv(command, run, "-q", "--format", "json")
+        assert code == 0, err
+        json.loads(out)
+
+
+def _exact_mcnemar(baseline_only: int, candidate_only: int) -> float:
+    """The two-sided binomial tail summed in integers, as a fraction: the reference."""
+    n = baseline_only + candidate_only
+    tail = sum(math.comb(n, i) for i in range(min(baseline_only, candidate_only) + 1))
+    return float(min(Fraction(1), Fraction(2 * tail, 2 ** n))) if n else 1.0
+
+
+@pytest.mark.parametrize("counts", [(0, 0), (0, 7), (3, 12), (30, 10), (250, 300), (1000, 1100)])
+def test_mcnemar_summed_in_floating_point_is_the_exact_tail(counts):
+    from kvtrace.analyzer.stats.mcnemar import mcnemar_exact
+
+    assert mcnemar_exact(*counts) == pytest.approx(_exact_mcnemar(*counts), rel=1e-10, abs=1e-300)
+
+
+def test_mcnemar_on_tens_of_thousands_of_discordant_prompts_ends(tmp_path):
+    """15,000 binomial terms of thousands of digits each took 23 s for 10,000 pairs; 40,000 took minutes."""
+    code = ("from kvtrace.analyzer.stats.mcnemar import mcnemar_exact; "
+            "print(mcnemar_exact(19_900, 20_100), mcnemar_exact(10, 39_990))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    middle, far = map(float, done.stdout.split())
+    assert 0.3 < middle < 0.4 and far == 0.0  # z = 1.0 by the normal approximation; 2 * C(40000, 10) / 2^40000

@@ -39,15 +39,25 @@ class PairedAccuracy:
 
 def mcnemar_exact(baseline_only: int, candidate_only: int) -> float:
     """Two-sided exact McNemar p-value: under no difference each discordant prompt goes either way with
-    probability 1/2, so the p-value is twice the binomial(n, 1/2) tail at the smaller count, at most 1.
-    Summed in integers, exact for any n."""
+    probability 1/2, so the p-value is twice the binomial(n, 1/2) tail at the smaller count k, at most 1.
+
+    The tail is summed in floating point from its largest term, C(n, k) / 2^n (from log-gamma), down, each term
+    the last times i / (n - i + 1), until the terms no longer change the sum: exact to about 1e-12 relative and
+    linear in k at most. Summed in integers (C(n, i) of thousands of digits) 10,000 discordant prompts took 23 s."""
     if baseline_only < 0 or candidate_only < 0:
         raise ValueError("discordant counts must be non-negative")
     n = baseline_only + candidate_only
-    if n == 0:
+    k = min(baseline_only, candidate_only)
+    if n == 0 or 2 * k == n:
         return 1.0
-    tail = sum(math.comb(n, i) for i in range(min(baseline_only, candidate_only) + 1))
-    return min(1.0, 2 * tail / 2 ** n)
+    total, term = 0.0, 1.0  # terms relative to the largest
+    for i in range(k, -1, -1):
+        total += term
+        term *= i / (n - i + 1)
+        if term < total * 1e-17:
+            break
+    log_largest = math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1) - n * math.log(2)
+    return min(1.0, 2 * math.exp(log_largest + math.log(total)))
 
 
 def paired_accuracy(baseline: Sequence[bool], candidate: Sequence[bool], *, alpha: float = 0.05) -> PairedAccuracy:
