@@ -167,15 +167,19 @@ def _not_measured(reason: str, level: str | None = None) -> Quality:
 # ---- kernel level (FlashInfer) --------------------------------------------------------------------------
 
 def _metrics(value) -> dict | None:
-    """A recorded {rel_l2, cosine, max_abs}, each a finite number (cosine may be None), else None."""
+    """A recorded {rel_l2, cosine, max_abs}, each a finite number in its range (distances 0 or more, cosine within
+    ±1 or None), else None: a damaged value shows as missing, never as a measured error (-0.25 was reported as one,
+    and -1 divided 1 + rel_l2 = 0)."""
     if not isinstance(value, dict):
         return None
     out = {}
     for name in METRICS:
         number = value.get(name)
+        low, high = (-1.0, 1.0) if name == "cosine" else (0.0, math.inf)
         if number is None and name == "cosine":
             out[name] = None
-        elif isinstance(number, (int, float)) and not isinstance(number, bool) and math.isfinite(number):
+        elif isinstance(number, (int, float)) and not isinstance(number, bool) and math.isfinite(number) \
+                and low <= number <= high:
             out[name] = float(number)
         else:
             return None
@@ -185,27 +189,10 @@ def _metrics(value) -> dict | None:
 def _by_context(item: ArmInput) -> dict[int, dict]:
     contexts = item.record.workload.get("contexts")
     found = {}
-    for index, entry in enumerate(contexts if isinstance(contexts, list) else []):
+    for entry in contexts if isinstance(contexts, list) else []:
         if isinstance(entry, dict) and isinstance(entry.get("context"), int) and isinstance(entry.get("quality"), dict):
-            _check_errors(item, f"arms.{item.runs[0]}.workload.contexts[{index}].quality", entry["quality"])
             found[entry["context"]] = entry["quality"]
     return found
-
-
-def _check_errors(item: ArmInput, where: str, quality: dict) -> None:
-    """A recorded error that is there but out of its range (a negative distance, a cosine past ±1, NaN) is a damaged
-    manifest, refused: it would read as a measured error (and 1 + rel_l2 = 0 divided by zero)."""
-    for group, entries in quality.items():
-        for name, metrics in (entries.items() if isinstance(entries, dict) else ()):
-            for metric, value in (metrics.items() if isinstance(metrics, dict) else ()):
-                low = -1.0 if metric == "cosine" else 0.0
-                if metric not in METRICS or (value is None and metric == "cosine"):
-                    continue
-                if not (isinstance(value, (int, float)) and not isinstance(value, bool)
-                        and low <= value <= (1.0 if metric == "cosine" else math.inf)):
-                    raise KvtraceError(f"{item.run / 'manifest.json'}: {where}.{group}.{name}.{metric} is not a "
-                                       f"number from {low:g} to {'1' if metric == 'cosine' else 'infinity'} "
-                                       f"({value!r:.40}): capture the run again")
 
 
 def _kernel(base: ArmInput, cand: ArmInput) -> Quality:

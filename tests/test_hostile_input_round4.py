@@ -80,15 +80,18 @@ def _first_context(data: dict, arm: str = "fp8") -> dict:
     return data["arms"][arm]["workload"]["contexts"][0]["quality"]
 
 
-@pytest.mark.parametrize("value", [-1.0, -0.25, float("nan"), True])
-def test_a_recorded_error_out_of_its_range_is_one_line(value, tmp_path, kv):
-    """-1 divided by zero (1 + rel_l2); -0.25 was reported as a measured error; NaN and true read as no error."""
+@pytest.mark.parametrize("value", [-1.0, -0.25, 1.5])
+def test_a_recorded_error_out_of_its_range_shows_as_missing(value, tmp_path, kv):
+    """As a damaged (NaN) value does: -1 divided by zero (1 + rel_l2), -0.25 was reported as a measured error, and a
+    cosine of 1.5 is none."""
     run = run_copy(tmp_path, FI_QUALITY)
-    edit_json(run / "manifest.json", lambda d: _first_context(d)["format"]["prefill"].update(rel_l2=value))
-    code, out, err = kv("report", run, "-q")
-    assert_one_line_error(code, out, err, str(run / "manifest.json"),
-                          re.escape("arms.fp8.workload.contexts[0].quality.format.prefill.rel_l2 is not a number from "
-                                    "0 to infinity"), "capture the run again")
+    metric = "cosine" if value > 1 else "rel_l2"
+    edit_json(run / "manifest.json", lambda d: _first_context(d)["format"]["prefill"].update({metric: value}))
+    rows = json_of(kv, "report", run, "-q")["quality"]["errors"]
+    first = next(row for row in rows if row["context"] == 2048 and row["what"] == "prefill")
+    assert first["baseline_format"] is None and first["candidate_format"] is not None
+    assert all(row["baseline_format"] is not None for row in rows if row is not first and row["what"] != "cache k"
+               and row["what"] != "cache v")
 
 
 @pytest.mark.parametrize("command", ["capacity", "report"])
