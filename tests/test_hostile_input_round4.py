@@ -314,7 +314,8 @@ def test_the_head_is_cut_at_a_line_when_it_alone_is_past_its_share():
 def test_a_huge_repeat_count_is_one_line_before_any_run_is_listed(engine, tmp_path, kv):
     code, out, err = kv("capture", engine, *(["--model", tmp_path / "model", "--dry-run"] if engine == "vllm" else []),
                         "--out", tmp_path / "out", "--repeats", str(10 ** 30), preexec_fn=_small_memory, timeout=120)
-    assert_one_line_error(code, out, err, "--repeats", r"not in the range 1<=x<=1000")
+    assert_one_line_error(code, out, err, f"--repeats {10 ** 30}", "is more than the 1,000 runs per arm kvtrace "
+                          "records", "give fewer")
 
 
 # ==== 5. a run directory is read inside itself: answers and per-request counts too ================================
