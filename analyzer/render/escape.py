@@ -27,19 +27,21 @@ _ACTIVE = re.compile(r"(?<=:)(?=[\w+-]*[^\W\d_][\w+-]*:)|(?<=@)(?=[\w-])|(?<=:)(
                      re.IGNORECASE)
 
 
-# The most characters one text shows in markdown or a terminal (a label, GPU name, version string, scenario, run or
-# kernel name, one of kvtrace's sentences: real ones stay under 1,000). Past it the text is shortened with a note,
-# so that one field cannot push a report past an issue body, nor make rich wrap it for minutes (100,000 characters
-# took over a minute); JSON and CSV keep it whole.
+# The most characters one text shows in markdown or a terminal: a name or cell (a label, GPU name, version string,
+# scenario, run or kernel name: real ones stay under 1,000), and one of kvtrace's notes quoting such text (a
+# note listing the unpaired calls of a vLLM sweep runs to 13,000). Past it the text is shortened with a note of
+# its length, so that one field cannot push a report past an issue body, nor make rich wrap it for minutes
+# (100,000 characters took over a minute); JSON and CSV keep it whole.
 FIELD_CHARS = 2_000
+PROSE_CHARS = 16_384
 
 
-def shown(text) -> str:
-    """`text` with control characters visible, shortened past FIELD_CHARS with a note of its length."""
+def shown(text, limit: int = FIELD_CHARS) -> str:
+    """`text` with control characters visible, shortened past `limit` with a note of its length."""
     text = visible(text)
-    if len(text) <= FIELD_CHARS:
+    if len(text) <= limit:
         return text
-    return f"{text[:FIELD_CHARS]}… (shortened: {len(text):,} characters in all)"
+    return f"{text[:limit]}… (shortened: {len(text):,} characters in all)"
 
 
 def _inert(text: str) -> str:
@@ -69,7 +71,7 @@ def md_prose(text) -> str:
     """A sentence kvtrace wrote with trace or manifest text inside (a finding, a note): emphasis, HTML, links and
     emoji shortcodes made literal, as md_text does, but square brackets that hold kvtrace's own intervals
     (`[0.98, 1.01]`) stay as they are: only `](`, which would make them a link, is broken."""
-    return _inert(_PROSE_SPECIAL.sub(r"\\\1", shown(text)).replace("](", "]\\("))
+    return _inert(_PROSE_SPECIAL.sub(r"\\\1", shown(text, PROSE_CHARS)).replace("](", "]\\("))
 
 
 def plot_text(text) -> str:
