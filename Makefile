@@ -41,14 +41,14 @@ demo: install
 	kvtrace report $(DEMO) --format markdown -o $(OUT)/demo-report.md --plots $(OUT)/plots
 	rm -rf $(CAPACITY_DEMO) && mkdir -p $(CAPACITY_DEMO) && for run in $(CAPACITY_RUNS); do tar -xJf fixtures/vllm033-h200-8b/$$run.tar.xz -C $(CAPACITY_DEMO); done
 	kvtrace matrix $(addprefix $(CAPACITY_DEMO)/vllm033-,$(CAPACITY_RUNS))
-	kvtrace matrix $(addprefix $(CAPACITY_DEMO)/vllm033-,$(CAPACITY_RUNS)) --format markdown -o $(OUT)/demo-capacity.md
+	kvtrace matrix $(addprefix $(CAPACITY_DEMO)/vllm033-,$(CAPACITY_RUNS)) --format markdown -o $(OUT)/demo-capacity.md --plots $(OUT)/capacity-plots
 	kvtrace report $(CAPACITY_DEMO)/vllm033-capacity-preemption --format markdown -o $(OUT)/demo-preemption.md
 	rm -rf $(QUALITY_DEMO) && tar -xJf fixtures/fi-h200-sm90-gaussian/fi-h200-sm90-gaussian.tar.xz -C $(OUT)
 	kvtrace report $(QUALITY_DEMO) --format markdown -o $(OUT)/demo-quality.md
 	@echo "vLLM 0.33 FP8 vs NVFP4 run directory: $(VLLM_DEMO)"
 	@echo "markdown report: $(OUT)/demo-diff.md, JSON: $(OUT)/demo-diff.json"
 	@echo "serving report with plots: $(OUT)/demo-report.md ($(OUT)/plots/; drag $(OUT)/plots/summary.png into the issue)"
-	@echo "the capacity-bound region (8B shape: cold prefill, prefix reuse, preemption, sweep): $(OUT)/demo-capacity.md; the preemption case: $(OUT)/demo-preemption.md"
+	@echo "the capacity-bound region (8B shape: cold prefill, prefix reuse, preemption, sweep): $(OUT)/demo-capacity.md (the TTFT budget per point: $(OUT)/capacity-plots/budget.png); the preemption case: $(OUT)/demo-preemption.md"
 	@echo "quality beside speed (each format's attention error per point, a kernel that strays from its own cache): $(OUT)/demo-quality.md"
 
 test: install-dev

@@ -31,6 +31,7 @@ from kvtrace.analyzer.runs import trace_query_dtypes
 from kvtrace.analyzer.stats import verdicts
 from kvtrace.analyzer.render.escape import visible
 from kvtrace.errors import KvtraceError
+from kvtrace.text import plural
 
 
 # Whole numbers on the command line end at int64, where the numpy and polars columns they meet end; past it a
@@ -258,9 +259,28 @@ def emit(result, fmt: str, output: Path | None) -> None:
     if whole is not None:
         click.echo(f"kvtrace: {visible(str(output))} fits a GitHub issue body; the whole report is in "
                    f"{visible(str(rest))}", err=True)
-    # Standard output stays empty, so what a reader of the file would be warned about goes to standard error.
-    for finding in _warnings(result):
-        click.echo(f"kvtrace: {finding.level}: {visible(finding.message)}", err=True)
+    # Standard output stays empty, so what a reader of the file would be warned about goes to standard error: each
+    # warning where they are few, else their counts and where the file lists them.
+    for line in warning_lines(_warnings(result), rest if whole is not None else output):
+        click.echo(line, err=True)
+
+
+# More warnings than this are counted on standard error, not listed: the file lists them.
+LISTED_WARNINGS = 5
+
+
+def warning_lines(findings: list, listed_in: Path) -> list[str]:
+    """The lines for standard error: each finding, or, past LISTED_WARNINGS, their counts by level and check and the
+    file that lists each."""
+    if len(findings) <= LISTED_WARNINGS:
+        return [f"kvtrace: {f.level}: {visible(f.message)}" for f in findings]
+    counts: dict[str, int] = {}
+    for finding in findings:
+        counts[f"{finding.level} ({finding.check})"] = counts.get(f"{finding.level} ({finding.check})", 0) + 1
+    listed = ", ".join(f"{count} {plural(count, what.split(' ')[0])} {what.split(' ', 1)[1]}"
+                       for what, count in sorted(counts.items(), key=lambda item: -item[1]))
+    return [f"kvtrace: {len(findings)} findings to read: {listed}; {visible(str(listed_in))} lists each under "
+            "Comparability and Runs"]
 
 
 def whole_path(output: Path) -> Path | None:
@@ -558,11 +578,13 @@ def repro(run, output):
     from kvtrace.analyzer import repro as repro_spec
     from kvtrace.analyzer.render import repro as repro_script
 
+    # What it reads: the run directory's manifests, exports and logs; the script never replaces one of them.
+    read = [run, *(path for path in repro_spec.run_directory(run).iterdir() if path.is_file())]
     if output is not None and not files.is_stdout(output):
-        files.check_target(output, [run])
+        files.check_target(output, read)
     with progress("reading the run's trace"):
         text = repro_script.script(repro_spec.build(run))
     if output is None or files.is_stdout(output):
         sys.stdout.write(text)
     else:
-        files.write(output, text, [run])
+        files.write(output, text, read)

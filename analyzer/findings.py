@@ -83,7 +83,8 @@ def window_findings(window: align.Window, families: list[DiffRow], realigned: li
         findings.append(Finding("ok", "window", "compared whole traces (no --window, --time, --phase or trimming)"))
     for r in families:
         if r.family_label in realigned:
-            findings.append(Finding("warning", "alignment", f"{r.family_label}: {r.note}; extra calls at the start "
+            paired = r.note or "paired on its last calls"
+            findings.append(Finding("warning", "alignment", f"{r.family_label}: {paired}; extra calls at the start "
                                     "are usually warm-up (--skip-warmup), missing calls at the end a truncated arm"))
     for label, base_shapes, cand_shapes in relaunched:
         findings.append(Finding("warning", "alignment", f"{label} ran in the same NVTX ranges with other launch "

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import shlex
 from dataclasses import dataclass, field, replace
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 from kvtrace import __version__
+from kvtrace.analyzer import reproduce
 from kvtrace.analyzer.results import Diff, DiffRow
 from kvtrace.analyzer.pairing import PHASE_SEGMENTS
 from kvtrace.errors import KvtraceError
@@ -58,7 +59,10 @@ class Headline:
     # (name, value) of the GPU, driver, CUDA, Nsight Systems, kvtrace and, from a run directory's manifest,
     # the engine's packages and flags; no hostnames, UUIDs, user names or absolute paths.
     environment: list[tuple[str, str]] = field(default_factory=list)
-    commands: list[str] = field(default_factory=list)  # to reproduce: capture (per arm), then this diff
+    # To reproduce: `kvtrace capture` as the manifest's settings give it, the engine's commands as it ran them,
+    # then this diff or report (analyzer.reproduce).
+    commands: list[str] = field(default_factory=list)
+    model_config: str | None = None  # the model's shape as the capture read it (JSON)
     # analyzer.statements.QueryQuantizeStatement: the query quantization that counts in one arm's prefill (a
     # quantize row the diff's tables call "only in" that arm), as the report states it.
     query_quantize: list = field(default_factory=list)
@@ -70,11 +74,15 @@ class Headline:
         arguments as run (paths relative to the run directory), `query_quantize` the statements of
         statements.query_quantize_statements."""
         drift = next((f.message for f in diff.findings if f.check == "drift"), None)
-        commands = [_command(c) for c in _capture_commands(manifest)]
+        commands = []
+        if manifest is not None:
+            commands += [c for c in (reproduce.capture_command(manifest),) if c]
+            commands += reproduce.engine_commands(manifest)
         if command:
             commands.append(shlex.join(["kvtrace", *command]))
         return cls(diff.baseline.label, diff.candidate.label, diff.confidence, head_rows(diff), drift,
-                   _environment(diff, manifest), commands, list(query_quantize or ()))
+                   _environment(diff, manifest), commands, reproduce.model_config(manifest) if manifest else None,
+                   list(query_quantize or ()))
 
 
 def head_rows(diff: Diff) -> list[HeadRow]:
@@ -147,9 +155,11 @@ def _environment(diff: Diff, manifest: Manifest | None) -> list[tuple[str, str]]
     engines = [r.workload.get("engine") or r.workload.get("settings") or {} for r in manifest.runs.values()]
     flags = ", ".join(f"{k}={v}" for k, v in engines[0].items() if isinstance(v, (str, int, float, bool))
                       and not (isinstance(v, str) and v.startswith("/")) and all(e.get(k) == v for e in engines))
+    flags = flags or reproduce.serve_settings(manifest)
     if flags:
         found.append(("engine settings", flags))
-    return found
+    pool = reproduce.pool_row(manifest)
+    return found + ([pool] if pool else [])
 
 
 def package_versions(manifest: Manifest) -> dict:
@@ -158,29 +168,6 @@ def package_versions(manifest: Manifest) -> dict:
     raw = manifest.raw.get("environment") if isinstance(manifest.raw.get("environment"), dict) else {}
     workload = next((r.workload for r in manifest.runs.values() if r.workload), {})
     return {**(raw.get("packages") or {}), **(workload.get("versions") or {})}
-
-
-def _capture_commands(manifest: Manifest | None) -> list[list[str]]:
-    if manifest is None:
-        return []
-    commands = []
-    for name in manifest.runs:
-        raw = manifest.raw["arms"][name].get("commands")
-        if isinstance(raw, list) and raw and isinstance(raw[0], list) and all(isinstance(a, str) for a in raw[0]):
-            commands.append(raw[0])
-    return commands
-
-
-def _command(argv: list[str]) -> str:
-    """A recorded command with machine paths made portable: files of the run directory by name, any other
-    absolute path by its last component (`nsys`, `python3`, the model's folder)."""
-    out = []
-    for arg in argv:
-        key, eq, value = arg.partition("=") if arg.startswith("--") else ("", "", arg)
-        if value.startswith("/"):
-            value = PurePosixPath(value).name
-        out.append(f"{key}{eq}{value}")
-    return shlex.join(out)
 
 
 def find_manifest(trace: Path) -> Manifest | None:

@@ -15,39 +15,34 @@ from itertools import combinations
 from pathlib import Path
 
 from kvtrace import __version__, kv_formats
-from kvtrace.analyzer import headline, report as report_lib
+from kvtrace.analyzer import budget, claims as claims_lib, headline, kv_pool, report as report_lib
+from kvtrace.analyzer.budget import CAPACITY, FASTER_KERNEL, Reason
+from kvtrace.analyzer.claims import NO_CLEAR_WINNER, NOT_EXPLAINED, PREFIX_HITS, KernelVerdict
 from kvtrace.analyzer.classify import RecipeSet
+from kvtrace.analyzer.kv_pool import ArmPool
 from kvtrace.analyzer.report import PlotFile, Report
 from kvtrace.analyzer.serving import ServingRow
-from kvtrace.analyzer.statements import APPEND_PHASE, KernelStatement, segment_verdict
+from kvtrace.analyzer.statements import KernelStatement, segment_verdict
 from kvtrace.analyzer.stats import serving_intervals, verdicts
 from kvtrace.analyzer.stats.serving_intervals import ServingEstimate
 from kvtrace.errors import KvtraceError
 from kvtrace.manifest import MANIFEST, Manifest, Point, read_manifest
 
-MATRIX_SCHEMA = "kvtrace.matrix/2"
+MATRIX_SCHEMA = "kvtrace.matrix/3"
 # objective -> (the serving estimate that decides it: ServingRow.estimates' key and ServingMetrics' field, lower is
 # better, the segments whose kernels serve it). ITL is each request's mean inter-token gap (TPOT): one sample per
 # request, since a request's gaps share its batches.
 OBJECTIVES = {"ttft": ("ttft_ms", True, ("prefill_attention",)),
               "itl": ("tpot_ms", True, ("decode_attention",)),
               "throughput": ("output_tokens_per_s", False, ("prefill_attention", "decode_attention"))}
-# What wins a point (MatrixPoint.causes): one of these, or several, which then share the credit.
-FASTER_KERNEL = "faster kernel"
-PREFIX_HITS = "more prefix hits"
-# The loser was capacity-bound there (preemption, queueing) and the winner was not, or was bound less: it ran more
-# requests at once, as the server observed.
-CAPACITY = "avoided capacity limits"
-# What the server measured of the capacity mechanism, per arm (analyzer.serving.ServingMetrics' names).
-SERVER_MEASURES = ("preemptions", "peak_running", "peak_kv_usage", "queue_ms")
-# MatrixPoint.winner besides an arm's side: the interval reaches into the no-change band; or a win beyond it that
-# nothing kvtrace measured accounts for (no kernel of the objective faster for the winner, no prefix hits, no
-# capacity reason), which is no choice.
-NO_CLEAR_WINNER = "no significant difference"
-NOT_EXPLAINED = "not explained"
+# What wins a point (MatrixPoint.causes): on TTFT, the part of its budget that carries the difference
+# (analyzer.budget: CAPACITY where queue time does, FASTER_KERNEL or HOST_TIME only where the traced steps of that very
+# point say so); on ITL and throughput, a faster kernel of the objective where the kernel diff read the point's own
+# traffic, or the loser capacity-bound and the winner not, or bound less (it ran more requests at once, as the
+# server observed); and more prefix hits. Several share the credit.
 
 
-@dataclass
+@dataclass(frozen=True)
 class Environment:
     """What a scenario's decision holds for."""
 
@@ -90,9 +85,10 @@ class MatrixPoint:
     pooled_with: tuple[int, ...] = ()
     pooled_directories: int = 0  # the run directories whose run pairs `estimate` pools (0: not pooled)
     causes: tuple[str, ...] = ()
-    # The objective's kernels over all calls of the run, as the TTFT guard rail reads them: segment, ratio, interval,
-    # verdict of the matched calls (what FASTER_KERNEL rests on).
-    kernel_verdicts: list[dict] = field(default_factory=list)
+    # The objective's kernels where the report's kernel diff read this point's own traffic; empty elsewhere.
+    kernel_verdicts: list[KernelVerdict] = field(default_factory=list)
+    # The TTFT budget and what carries its difference (the point's own, or pooled over the rows in `pooled_with`).
+    reason: Reason | None = None
     crossover: bool = False  # first point of a sweep where the baseline is capacity-bound and the candidate not
     cold_prefill: bool = False  # prefill-only traffic (one output token) or a cold-prefill scenario
     decode_heavy: bool = False  # a decode-heavy scenario
@@ -113,16 +109,7 @@ class Scenario:
     report: Report = field(repr=False)
     # The server's setup that its points' numbers depend on besides formats and environment (_setup).
     setup: str = field(default="", repr=False)
-
-
-@dataclass
-class Claim:
-    """One sentence of the decision paragraph, with its numbers and the rows it cites."""
-
-    kind: str  # environment, capacity, cold-prefill, decode, prefix, point, kernels, choice, quality
-    rows: tuple[int, ...]
-    scenario: str | None = None
-    values: dict = field(default_factory=dict)
+    pools: tuple[ArmPool, ...] = ()  # the baseline's and the candidate's KV pool (vLLM runs)
 
 
 @dataclass
@@ -130,7 +117,7 @@ class Matrix:
     objective: str
     threshold: float
     scenarios: list[Scenario]
-    claims: list[Claim]
+    claims: list[claims_lib.Claim]
     plots: list[PlotFile] = field(default_factory=list)
     # The file beside the markdown that took its <details> part (set by the caller that wrote it); not in the JSON.
     rest_file: str | None = None
@@ -148,10 +135,11 @@ class Matrix:
                     "baseline_format": s.baseline_format, "candidate_format": s.candidate_format,
                     "environment": asdict(s.environment), "sweep": s.sweep,
                     "kernels": [{"kind": k.kind, **asdict(k)} for k in s.kernels],
+                    "pools": [asdict(p) for p in s.pools],
                     "points": [asdict(p) for p in s.points]}
             scenarios.append(data)
         return {"schema": self.schema, "kvtrace_version": self.kvtrace_version, "objective": self.objective,
-                "threshold": self.threshold, "scenarios": scenarios, "claims": [asdict(c) for c in self.claims],
+                "threshold": self.threshold, "scenarios": scenarios, "claims": [{"kind": c.kind, **asdict(c)} for c in self.claims],
                 "plots": [asdict(p) for p in self.plots]}
 
 
@@ -266,11 +254,12 @@ def _judge(point: MatrixPoint, result: Report, objective: str, estimate: Serving
         return
     point.estimate, point.stat, point.ratio = estimate, "mean", estimate.ratio
     point.baseline_value, point.candidate_value = estimate.baseline, estimate.candidate
-    for segment in segments:
-        diff_row, verdict = segment_verdict(result.diff, segment)
-        if verdict is not None:
-            point.kernel_verdicts.append({**_kernel_verdict(diff_row, verdict=verdict, segment=segment),
-                                          "compared_calls": diff_row.compared_calls})
+    if row.diff_covers:  # the kernel diff measured this point's own traffic
+        for segment in segments:
+            diff_row, verdict = segment_verdict(result.diff, segment)
+            if verdict is not None:
+                point.kernel_verdicts.append(KernelVerdict(segment, diff_row.ratio, diff_row.ci_low, diff_row.ci_high,
+                                                           diff_row.no_interval, verdict, diff_row.compared_calls))
     if estimate.verdict == verdicts.NO_CHANGE:
         point.winner = NO_CLEAR_WINNER
         return
@@ -280,15 +269,20 @@ def _judge(point: MatrixPoint, result: Report, objective: str, estimate: Serving
     candidate_better = estimate.verdict == verdicts.IMPROVEMENT
     b, c = row.baseline, row.candidate
     winner, loser = (c, b) if candidate_better else (b, c)
-    causes = [FASTER_KERNEL for k in point.kernel_verdicts
-              if k["verdict"] == (verdicts.IMPROVEMENT if candidate_better else verdicts.REGRESSION)]
+    why = point.reason
+    if objective == "ttft" and why is not None:
+        # The budget's part that carries the TTFT difference, where the server's TTFT moved the winner's way.
+        causes = [why.cause] if (why.budget.ttft.delta_ms < 0) == candidate_better else []
+    else:
+        causes = [FASTER_KERNEL for k in point.kernel_verdicts
+                  if k.verdict == (verdicts.IMPROVEMENT if candidate_better else verdicts.REGRESSION)]
+        bound = (point.baseline_capacity, point.candidate_capacity)
+        loser_bound, winner_bound = (bound[0], bound[1]) if candidate_better else (bound[1], bound[0])
+        if loser_bound and (not winner_bound or _ran_more(winner, loser)):
+            causes.append(CAPACITY)
     if objective != "itl" and None not in (winner.cached_prompt_tokens, loser.cached_prompt_tokens) \
             and winner.cached_prompt_tokens > loser.cached_prompt_tokens:
         causes.append(PREFIX_HITS)
-    bound = (point.baseline_capacity, point.candidate_capacity)
-    loser_bound, winner_bound = (bound[0], bound[1]) if candidate_better else (bound[1], bound[0])
-    if loser_bound and (not winner_bound or _ran_more(winner, loser)):
-        causes.append(CAPACITY)
     point.causes = tuple(dict.fromkeys(causes))
     side = "candidate" if candidate_better else "baseline"
     if point.causes:
@@ -297,21 +291,9 @@ def _judge(point: MatrixPoint, result: Report, objective: str, estimate: Serving
         point.winner, point.apparent = NOT_EXPLAINED, side
 
 
-def _kernel_verdict(kernel, *, verdict: str | None = None, **named) -> dict:
-    """A kernel row's or statement's ratio, interval and verdict as a claim holds them, after what names it (its
-    segment, subject, point or row); `verdict` where the claim's is not the kernel's own (a segment's paired one)."""
-    return {**named, "ratio": kernel.ratio, "ci_low": kernel.ci_low, "ci_high": kernel.ci_high,
-            "no_interval": kernel.no_interval, "verdict": kernel.verdict if verdict is None else verdict}
-
-
 def _ran_more(winner, loser) -> bool:
     """Both arms capacity-bound, the winner less so: the server observed it running more requests at once."""
     return None not in (winner.peak_running, loser.peak_running) and winner.peak_running > loser.peak_running
-
-
-def point_kernels(result: Report, segment: str) -> list[KernelStatement]:
-    """The report's kernel statements of a segment (one per workload point of the diff's head)."""
-    return [s for s in result.statements if isinstance(s, KernelStatement) and s.subject == segment]
 
 
 def _points(name: str, result: Report, objective: str, start: int) -> list[MatrixPoint]:
@@ -340,6 +322,7 @@ def _points(name: str, result: Report, objective: str, start: int) -> list[Matri
                             baseline_capacity=caps[0], candidate_capacity=caps[1], capacity_notes=notes,
                             cold_prefill=single or scenario == "cold-prefill",
                             decode_heavy=not single and scenario == "decode-heavy")
+        point.reason = row.reason
         if point.excluded is None:
             _judge(point, result, objective)
         else:
@@ -404,221 +387,22 @@ def _join_measurements(scenarios: list[Scenario], objective: str, threshold: flo
         pooled = serving_intervals.pool_serving([p.estimate for p in points], threshold=threshold,
                                                 confidence=confidence)
         directories = len({run for _, s in members for run in s.runs})
+        why = _pooled_reason(points, confidence)
         for p, s in members:
             p.pooled_with, p.pooled_directories = tuple(q.row for q in points if q is not p), directories
+            p.reason = why
             _judge(p, s.report, objective, pooled)
 
 
-# ---- the decision ----------------------------------------------------------------------------------------
-
-# The split-KV merge kernel's family name (recipes/flashinfer.toml, split-kv-merge): it reads no KV cache.
-SPLIT_KV_MERGE = "MergeStates"
-# The head's rows the measured summary walks through, in the head's order.
-MEASURED_SUBJECTS = ("prefill_attention", "decode_attention", "kv_append", APPEND_PHASE)
-
-
-def _measured(group: list[Scenario]) -> dict:
-    """What this GPU, engine and kernel route measured, per row of the head over every scenario of a pair of
-    formats: the range of ratios, the verdicts, the kernels compared and their query dtypes; and whether the
-    general expectation that the narrower format saves time in decode (it moves fewer bytes) held here."""
-    formats = [group[0].baseline_format, group[0].candidate_format]
-    try:
-        widths = [kv_formats.bytes_per_value(f or "") for f in formats]
-        narrower = None if widths[0] == widths[1] else "candidate" if widths[1] < widths[0] else "baseline"
-    except KvtraceError:
-        narrower = None
-    phases = []
-    for subject in MEASURED_SUBJECTS:
-        found = [(s, k) for s in group for k in s.kernels if k.subject == subject and k.ratio is not None]
-        if not found:
-            continue
-        kernels = list(dict.fromkeys(k.kernels for _, k in found if k.kernels))
-        queries = list(dict.fromkeys((k.baseline_query, k.candidate_query) for _, k in found
-                                     if k.baseline_query or k.candidate_query))
-        counts: dict[str, int] = {}
-        for _, k in found:
-            counts[k.verdict] = counts.get(k.verdict, 0) + 1
-        phases.append({"subject": subject, "low": min(k.ratio for _, k in found),
-                       "high": max(k.ratio for _, k in found), "verdicts": counts, "kernels": kernels,
-                       "queries": [list(q) for q in queries], "different_kernels": any("→" in k for k in kernels),
-                       "rows": sorted({s.points[0].row for s, _ in found})})
-    expectation = None
-    # The expectation is about the kernels that read the cache: the split-KV merge kernel beside them (its own head
-    # row) reads only their partial outputs.
-    decode = [k.verdict for s in group for k in s.kernels if k.subject == "decode_attention" and k.ratio is not None
-              and SPLIT_KV_MERGE not in (k.kernels or "")]
-    if narrower and decode:
-        faster = verdicts.IMPROVEMENT if narrower == "candidate" else verdicts.REGRESSION
-        slower = verdicts.REGRESSION if narrower == "candidate" else verdicts.IMPROVEMENT
-        favour, against = decode.count(faster), decode.count(slower)
-        expectation = ("held" if favour and not against else "did not hold" if against and not favour else
-                       "held at some rows only" if favour else None)
-    return {"narrower": narrower, "phases": phases, "decode_expectation": expectation}
-
-
-def _judged(p: MatrixPoint) -> tuple:
-    """What a point's judgement rests on besides its estimate: who wins and why."""
-    return p.winner, p.apparent, p.causes
-
-
-def _point_values(p: MatrixPoint, base: str, cand: str, objective: str, threshold: float) -> dict:
-    """A decided point's numbers as its claim holds them: the objective's estimate (pooled where the point was
-    measured more than once), who wins and why, and what its own run's server measured."""
-    return {"baseline": base, "candidate": cand, "point": p.point, "objective": objective, "stat": p.stat,
-            "ratio": p.ratio, "ci_low": p.estimate.low, "ci_high": p.estimate.high,
-            "band": p.estimate.band, "band_basis": p.estimate.band_basis, "runs": p.estimate.runs,
-            "threshold": threshold,
-            "winner": p.winner, "apparent": p.apparent, "causes": list(p.causes),
-            "baseline_capacity": p.baseline_capacity, "candidate_capacity": p.candidate_capacity,
-            "crossover": p.crossover, "baseline_value": p.baseline_value,
-            "candidate_value": p.candidate_value, "kernels": p.kernel_verdicts,
-            "cached_prompt_tokens": [p.serving.baseline.cached_prompt_tokens,
-                                     p.serving.candidate.cached_prompt_tokens],
-            "queue_ms": [p.serving.baseline.queue_ms, p.serving.candidate.queue_ms],
-            # What the server measured of the mechanism (the first run's; None where not recorded or the
-            # peaks were not observed): how a capacity-bound arm's requests waited or were preempted.
-            "preemptions": [p.serving.baseline.preemptions, p.serving.candidate.preemptions],
-            "peak_running": [p.serving.baseline.peak_running, p.serving.candidate.peak_running],
-            "peak_kv_usage": [p.serving.baseline.peak_kv_usage, p.serving.candidate.peak_kv_usage],
-            # The same measures per run of the point's own run pairs: [baseline's, candidate's], in repeat order.
-            "server_runs": _server_runs([p])}
-
-
-def _server_runs(points: list[MatrixPoint]) -> dict:
-    """SERVER_MEASURES per run pair of the points' serving rows, in their order then repeat order:
-    {measure: [baseline's values, candidate's values]}."""
-    return {key: [[getattr(pair[side], key) for q in points for pair in q.serving.run_pairs] for side in (0, 1)]
-            for key in SERVER_MEASURES}
-
-
-def _claims(scenarios: list[Scenario], objective: str, threshold: float) -> list[Claim]:
-    """Per pair of KV formats: what the decision holds for and what its rows measured, then capacity, cold
-    prefill, prefix hits and the other points, points measured twice that disagree, the kernel costs of runs
-    without serving, the choice per point, and quality as each scenario measured it (analyzer/quality)."""
-    claims = []
-    pairs: dict[tuple, list[Scenario]] = {}
-    for s in scenarios:
-        pairs.setdefault((s.baseline, s.candidate), []).append(s)
-    for (base, cand), group in pairs.items():
-        rows = tuple(p.row for s in group for p in s.points)
-        environments = [asdict(s.environment) for s in group]
-        claims.append(Claim("environment", rows, None, {"baseline": base, "candidate": cand,
-                                                        "environments": [dict(t) for t in dict.fromkeys(
-                                                            tuple(e.items()) for e in environments)]}))
-        measured = _measured(group)
-        if measured["phases"]:
-            claims.append(Claim("measured", tuple(sorted({r for p in measured["phases"] for r in p["rows"]})), None,
-                                {"baseline": base, "candidate": cand, **measured}))
-        decided = [p for s in group for p in s.points if p.winner is not None and p.serving is not None]
-        by_row = {p.row: p for p in decided}
-        for p in decided:
-            if any(r < p.row for r in p.pooled_with if r in by_row):
-                continue  # one pooled estimate, one claim: its lowest row states it, citing every row
-            values = _point_values(p, base, cand, objective, threshold)
-            cited = (p.row,)
-            if p.pooled_with:
-                cited = tuple(sorted((p.row, *p.pooled_with)))
-                values["pooled_rows"], values["pooled_directories"] = list(cited), p.pooled_directories
-                values["own_runs"] = p.serving.runs  # the run pairs of the row whose first-run numbers these are
-                # Every pooled row's run pairs, so that the words give each run's server measures, not one row's.
-                pooled = [by_row[r] for r in cited if r in by_row]
-                values["server_runs"] = _server_runs(pooled)
-                values["server_rows"] = [q.row for q in pooled for _ in q.serving.run_pairs]
-                # The pooled point's other rows whose own run credits the win otherwise (causes are each run's own).
-                values["differing"] = [{"row": q.row, **_point_values(q, base, cand, objective, threshold)}
-                                       for q in (by_row[r] for r in p.pooled_with if r in by_row)
-                                       if _judged(q) != _judged(p)]
-            if p.baseline_capacity or p.candidate_capacity:
-                claims.append(Claim("capacity", cited, p.scenario, values))
-            elif p.cold_prefill or p.decode_heavy:
-                segment = "prefill_attention" if p.cold_prefill else "decode_attention"
-                kernels = point_kernels(next(s.report for s in group if s.name == p.scenario), segment)
-                values["phase_kernels"] = [{**_kernel_verdict(k, point=k.point), "reason": k.reason} for k in kernels]
-                claims.append(Claim("cold-prefill" if p.cold_prefill else "decode", cited, p.scenario, values))
-            elif PREFIX_HITS in p.causes:
-                claims.append(Claim("prefix", cited, p.scenario, values))
-            else:
-                claims.append(Claim("point", cited, p.scenario, values))
-        claims += _residency_claims(group, base, cand, objective)
-        claims += _step_claims(group, base, cand)
-        for s in group:
-            for p in s.points:
-                if p.serving is None:
-                    costs = [_kernel_verdict(k, subject=k.subject, point=k.point)
-                             for k in s.kernels if k.ratio is not None]
-                    claims.append(Claim("kernels", (p.row,), s.name, {"baseline": base, "candidate": cand,
-                                                                     "costs": costs}))
-        seen: set = set()
-        for s in group:
-            for p in s.points:
-                if p.disagrees_with and p.row not in seen:
-                    same = (p.row, *p.disagrees_with)
-                    seen.update(same)
-                    measured_at = [q for q in (x for t in group for x in t.points) if q.row in same]
-                    claims.append(Claim("disagree", tuple(sorted(same)), p.scenario, {
-                        "baseline": base, "candidate": cand, "point": p.point, "objective": objective,
-                        "measurements": [{"row": q.row, "ratio": q.ratio, "ci_low": q.estimate.low,
-                                          "ci_high": q.estimate.high, "runs": q.estimate.runs}
-                                         for q in sorted(measured_at, key=lambda q: q.row)]}))
-        choice = {"candidate": [], "baseline": [], NO_CLEAR_WINNER: [], NOT_EXPLAINED: [], None: []}
-        for s in group:
-            for p in s.points:
-                choice[p.winner].append(p.row)
-        one_run = [p.row for s in group for p in s.points if p.estimate is not None and p.estimate.runs == 1]
-        claims.append(Claim("choice", rows, None, {"baseline": base, "candidate": cand, "objective": objective,
-                                                   "candidate_wins": choice["candidate"],
-                                                   "baseline_wins": choice["baseline"],
-                                                   "no_clear_winner": choice[NO_CLEAR_WINNER],
-                                                   "not_explained": choice[NOT_EXPLAINED],
-                                                   "disagree": sorted(seen),
-                                                   "undecided": [r for r in choice[None] if r not in seen],
-                                                   "one_run": one_run}))
-        claims.append(Claim("quality", rows, None, {"baseline": base, "candidate": cand, "scenarios": {
-            s.name: (s.report.quality.state, s.report.quality.level) for s in group if s.report.quality}}))
-    return claims
-
-
-def _step_claims(group: list[Scenario], base: str, cand: str) -> list[Claim]:
-    """Per scenario and vLLM step kind whose report states its candidate steps waiting on the host (its step-timeline
-    statements): time the kernel rows cannot show, named as the host's so that it is neither blamed on nor hidden
-    behind a kernel."""
-    return [Claim("steps", tuple(p.row for p in s.points), s.name, {"baseline": base, "candidate": cand,
-                                                                   **asdict(statement.row)})
-            for s in group for statement in s.report.statements if statement.kind == "step-timeline"]
-
-
-def _residency_claims(group: list[Scenario], base: str, cand: str, objective: str) -> list[Claim]:
-    """Per point whose server counted each request's cached tokens, and where either arm served prompt tokens from
-    its prefix cache or evicted cached blocks: how much more of the prompts each arm's pool
-    served from its prefix cache and how many cached blocks it evicted (residency, a capacity effect), beside the
-    prefill attention kernel's cost on the group's matched cold prefill and the objective's outcome there; stated
-    whichever way the objective fell, so that a residency win never reads as a faster kernel, nor a slower kernel
-    hide one."""
-    cold = next(((s, p) for s in group for p in s.points if p.cold_prefill), None)
-    kernel = None
-    if cold is not None:
-        kernel = next((_kernel_verdict(k, row=cold[1].row) for k in point_kernels(cold[0].report, "prefill_attention")
-                       if k.ratio is not None), None)
-    claims = []
-    for s in group:
-        for p in s.points:
-            arms = (p.serving.baseline, p.serving.candidate) if p.serving else (None, None)
-            if None in arms or None in (arms[0].reuse, arms[1].reuse) \
-                    or None in (arms[0].reuse.cached_share, arms[1].reuse.cached_share):  # no prompt tokens counted
-                continue
-            if not any(m.reuse.cached_tokens or (m.evictions and m.evictions.blocks_removed) for m in arms):
-                continue  # no prefix caching happened at the point: residency has nothing to say there
-            estimate = p.estimate
-            claims.append(Claim("residency", (p.row,) + ((kernel["row"],) if kernel else ()), p.scenario, {
-                "baseline": base, "candidate": cand, "point": p.point, "objective": objective,
-                "reuse": [asdict(m.reuse) for m in arms],
-                "cached_share": [m.reuse.cached_share for m in arms],
-                "evictions": [asdict(m.evictions) if m.evictions else None for m in arms],
-                "cold_prefill_kernel": kernel, "winner": p.winner, "ratio": p.ratio,
-                "ci_low": estimate.low if estimate else None, "ci_high": estimate.high if estimate else None,
-                "runs": estimate.runs if estimate else None, "pooled_with": list(p.pooled_with),
-                "pooled_directories": p.pooled_directories}))
-    return claims
+def _pooled_reason(points: list[MatrixPoint], confidence: float) -> Reason | None:
+    """The budget over every run pair of a point measured in several rows, with the split of the rows' traced steps
+    where one of them has it (the first such row's)."""
+    if any(p.reason is None for p in points):
+        return None
+    pooled = budget.pooled([tuple((b.budget, c.budget) for b, c in p.serving.run_pairs) for p in points], confidence)
+    traced = next((p.reason for p in points if p.reason.steps is not None), None)
+    return budget.reason(pooled, traced.steps if traced else None,
+                         traced.trace_note if traced else points[0].reason.trace_note)
 
 
 def build(paths: list[Path], recipes: RecipeSet, *, objective: str = "ttft", threshold: float = 0.02,
@@ -639,7 +423,9 @@ def build(paths: list[Path], recipes: RecipeSet, *, objective: str = "ttft", thr
             candidate=result.candidate.label, baseline_format=result.baseline.kv_format,
             candidate_format=result.candidate.kv_format, environment=_environment(result, manifest),
             kernels=[s for s in result.statements if isinstance(s, KernelStatement)], points=points,
-            sweep=result.sweep, report=result, setup=_setup(manifest)))
+            sweep=result.sweep, report=result, setup=_setup(manifest), pools=tuple(
+                kv_pool.arm_pools(read_manifest(Path(arm.run)), [(arm.arm, arm.kv_format)])[0]
+                for arm in (result.baseline, result.candidate)) if manifest.engine == "vllm" else ()))
     _join_measurements(scenarios, objective, threshold, confidence)
     return Matrix(objective=objective, threshold=threshold, scenarios=scenarios,
-                  claims=_claims(scenarios, objective, threshold))
+                  claims=claims_lib.claims(scenarios, objective, threshold))

@@ -17,7 +17,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from kvtrace import __version__
-from kvtrace.analyzer import align, capacity, compare, pairing, quality as quality_lib, roofline, steps, verify
+from kvtrace.analyzer import align, budget_trace, capacity, compare, pairing, quality as quality_lib, roofline, steps, verify
+from kvtrace.analyzer import repro as repro_lib
 from kvtrace.analyzer.classify import RecipeSet
 from kvtrace.analyzer.results import Diff, Finding
 from kvtrace.analyzer.load import open_traces
@@ -121,6 +122,8 @@ class Report:
     # the JSON.
     durations: dict = field(default_factory=dict, repr=False)
     quality: quality_lib.Quality | None = None  # quality beside speed (analyzer/quality)
+    # The run directories' `kvtrace repro` results: the traced ratio split into route x format (analyzer/repro)
+    repro: list[repro_lib.ReproSplit] = field(default_factory=list)
     schema: str = REPORT_SCHEMA
     kvtrace_version: str = __version__
 
@@ -144,6 +147,7 @@ class Report:
         data["left_out"] = self.left_out
         data["plots"] = [asdict(p) for p in self.plots]
         data["quality"] = self.quality.to_dict() if self.quality else None
+        data["repro"] = [asdict(split) for split in self.repro]
         return data
 
 
@@ -346,6 +350,8 @@ def build(paths: list[Path], recipes: RecipeSet, *, arms: tuple[str, ...] = (), 
         notes.append(f"{len(b_traces)} runs per arm: kernel numbers and serving intervals cover every run; the other "
                      "serving metrics and capacity are the first run's")
     serving = serving_rows(base, cand, threshold=threshold, confidence=confidence, seed=seed)
+    read = {Path(run.trace.info.source).resolve(): (run.trace, run.classes) for run in (*sides.baseline, *sides.candidate)}
+    budget_trace.cover_points(serving, base, cand, read, recipes, nsys=nsys, cache=cache)
     if not serving:
         engines = {b_arm.engine, c_arm.engine}
         notes.append("no serving metrics: " + ("the FlashInfer engine calls kernels directly (no requests, TTFT or "
@@ -380,4 +386,5 @@ def build(paths: list[Path], recipes: RecipeSet, *, arms: tuple[str, ...] = (), 
                   findings=_run_findings(base, cand, b_arm, c_arm, serving), segment_times=segment_times(diff),
                   serving=serving, sweep=sweep, bandwidth=bandwidth, hbm_ceiling=ceiling,
                   prefill_compute=prefill_compute, compute_ceiling=compute_ceiling, capacity=cap, notes=notes,
-                  left_out=left_out_note(base, cand), durations=durations, quality=quality_lib.build(base, cand, tuple(labels)))
+                  left_out=left_out_note(base, cand), durations=durations, quality=quality_lib.build(base, cand, tuple(labels)),
+                  repro=repro_lib.splits(sorted({base.run, cand.run}), diff, base.manifest.engine))

@@ -35,11 +35,15 @@ from kvtrace.nsys import find_nsys
                    "manifest's exports must lie inside its run directory). Repeatable.")
 @click.option("--plot-format", type=click.Choice(["png", "svg"]), default="png", show_default=True,
               help="Image format of --plots.")
+@click.option("--upstream", type=click.Choice(["flashinfer", "vllm"]),
+              help="Instead of the report, a draft issue for that project's tracker (its bug template's sections, "
+                   "markdown): the finding the report holds (NVFP4's host sync per layer), with the repro script "
+                   "inline and the counterfactual arm's numbers when the run directory has one.")
 @verify_option
 @window_options
 @output_options
-def report(runs, arms, labels, threshold, confidence, seed, plots_dir, exports_from, plot_format, verify_totals, window,
-           fmt, output, recipe_files, nsys_path):
+def report(runs, arms, labels, threshold, confidence, seed, plots_dir, exports_from, plot_format, upstream,
+           verify_totals, window, fmt, output, recipe_files, nsys_path):
     """Kernel diff and serving metrics of two arms, side by side, from run directories.
 
     RUNS is one run directory written by `kvtrace capture` (its two arms are compared, e.g. FlashInfer's fp8
@@ -68,6 +72,12 @@ def report(runs, arms, labels, threshold, confidence, seed, plots_dir, exports_f
     inputs().extend(file for arm in (result.baseline, result.candidate) for file in run_files(arm.run))
     inputs().extend(Path(arm.log) for arm in (result.baseline, result.candidate) if arm.log)
     inputs().extend(result.quality.read if result.quality else ())
+    inputs().extend(Path(split.file) for split in result.repro)
+    if upstream is not None:
+        _draft(result, upstream, list(runs), load_recipes(recipe_files), output,
+               dict(threshold=threshold, confidence=confidence, seed=seed, window=window, nsys=nsys_path,
+                    cache=use_cache(), exports_from=tuple(exports_from)))
+        return
     if plots_dir is not None:
         from kvtrace.analyzer.render import plots  # matplotlib only on this path
 
@@ -76,6 +86,24 @@ def report(runs, arms, labels, threshold, confidence, seed, plots_dir, exports_f
                                     inputs=inputs())
         result = dataclasses.replace(result, plots=written)
     emit(result, fmt, output)
+
+
+def _draft(result, project: str, runs: list[Path], recipes, output: Path | None, options: dict) -> None:
+    """`report --upstream`: the report's finding as a draft issue, to standard output or -o FILE."""
+    from kvtrace.analyzer import report as report_lib, upstream as upstream_lib
+    from kvtrace.analyzer.render import repro as repro_render, upstream as upstream_render
+
+    def build_report(paths, arms):
+        inputs().extend(Path(path) / MANIFEST for path in paths)
+        return report_lib.build(paths, recipes, arms=arms, **options)
+
+    with progress("drafting the upstream issue"):
+        finding = upstream_lib.host_sync(result, project, build_report, repro_render.script)
+        text = upstream_render.host_sync_markdown(finding)
+    if output is None or files.is_stdout(output):
+        click.echo(text, nl=False)
+    else:
+        files.write(output, text, inputs())
 
 
 @click.command()
@@ -156,7 +184,8 @@ def _flags(overrides: dict) -> str:
               help="What decides a traffic point: TTFT, ITL (inter-token latency) or throughput (output tokens/s).")
 @interval_options(", for kernels and the objective")
 @click.option("--plots", "plots_dir", type=click.Path(path_type=Path),
-              help="Write each sweep's crossover plot into this folder (created if missing); the markdown links it.")
+              help="Write the TTFT budget of every point (budget.png: stacked bars per arm) and each sweep's crossover "
+                   "plot into this folder (created if missing); the markdown links them.")
 @click.option("--plot-format", type=click.Choice(["png", "svg"]), default="png", show_default=True,
               help="Image format of --plots.")
 @output_options
@@ -192,11 +221,12 @@ def matrix(runs, objective, threshold, confidence, seed, plots_dir, plot_format,
     # A run directory copied is no second recording: pooled with its original it would decide points on nothing.
     runs_lib.check_distinct_recordings(recordings, "give each recording once (remove the copy)")
     if plots_dir is not None:
-        from kvtrace.analyzer.render import plots  # matplotlib only on this path
+        from kvtrace.analyzer.render import budget_plot, plots  # matplotlib only on this path
 
         to_file = output is not None and not files.is_stdout(output)
-        result.plots = plots.write_matrix_plots(result, plots_dir, plot_format,
-                                                link_base=output.parent if to_file else None, inputs=inputs())
+        where = {"link_base": output.parent if to_file else None, "inputs": inputs()}
+        result.plots = (budget_plot.write_budget_plot(result, plots_dir, plot_format, **where)
+                        + plots.write_matrix_plots(result, plots_dir, plot_format, **where))
     if fmt == "markdown" and output is not None and not files.is_stdout(output):
         from kvtrace.analyzer.render import matrix as matrix_render
 

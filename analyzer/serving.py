@@ -11,6 +11,8 @@ from pathlib import Path
 import numpy as np
 
 from kvtrace import files
+from kvtrace.analyzer import budget as budget_lib
+from kvtrace.analyzer.budget import ArmBudget, Reason
 from kvtrace.analyzer.reuse import Evictions, PrefixReuse, evictions, prefix_reuse
 from kvtrace.analyzer.runs import ArmInput, run_file
 from kvtrace.analyzer.stats import serving_intervals, shares
@@ -121,6 +123,7 @@ class ServingMetrics:
     reuse: PrefixReuse | None = None  # the server's cached tokens per request (serve runs with the usage relay)
     evictions: Evictions | None = None  # cached blocks evicted, from vLLM's KV-cache events
     requests_detail: RequestSamples | None = field(default=None, repr=False)  # per request, where recorded
+    budget: ArmBudget | None = None  # the TTFT budget from vLLM's request histograms (analyzer.budget)
 
 
 @dataclass
@@ -142,6 +145,11 @@ class ServingRow:
     paired_requests: bool = False  # both arms sent the same prompts in the same order: per-request values pair
     # Each run pair's metrics at this point, in repeat order (the runs of both arms that ran it).
     run_pairs: tuple[tuple[ServingMetrics, ServingMetrics], ...] = ()
+    # The TTFT budget over the run pairs and what carries its difference, with the split of the traced prefill steps
+    # where a trace covers this point's own traffic (analyzer.budget, budget_trace); None without the histograms.
+    reason: Reason | None = None
+    trace_note: str | None = None  # why no trace splits this point (budget_trace.NOT_TRACED, NO_PREFILL_STEPS)
+    diff_covers: bool = False  # the report's kernel diff read this point's traces (a one-trace run's first point)
 
 
 def _number(value):
@@ -364,7 +372,8 @@ def serving_metrics(record: dict, kv_cache_tokens: int | None, run: Path | None 
         peak_waiting=observed.get("vllm:num_requests_waiting"), peak_kv_usage=observed.get("vllm:kv_cache_usage_perc"),
         peaks_note=peaks_note, capacity=reason, capacity_note=capacity_note,
         checks=source_checks(record, counters, histograms, kv_cache_tokens, reuse),
-        requests_detail=request_samples(record, run), reuse=reuse, evictions=evictions(record))
+        requests_detail=request_samples(record, run), reuse=reuse, evictions=evictions(record),
+        budget=budget_lib.arm_budget(histograms))
 
 
 def _observed_capacity(recorded: str | None, point: Point | None, counters: dict, peaks: dict,
@@ -416,6 +425,8 @@ def serving_rows(base: ArmInput, cand: ArmInput, *, threshold: float = 0.02, con
             pairs = [(b[spec], c[spec]) for b, c in zip(*runs) if spec in b and spec in c]
             row.runs = len(pairs)
             row.run_pairs = tuple((b[0], c[0]) for b, c in pairs)
+            row.reason = budget_lib.reason(budget_lib.point_budget([(b.budget, c.budget) for b, c in row.run_pairs],
+                                                                   confidence), None, None)
             row.paired_requests = all(_same_requests(b[1], c[1]) for b, c in pairs)
             row.estimates = {name: serving_intervals.serving_estimate(
                 [(_samples(b, name, row.paired_requests), _samples(c, name, row.paired_requests)) for b, c in pairs],

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from kvtrace.analyzer import capacity, headline
+from kvtrace.analyzer.budget import Reason
 from kvtrace.analyzer.results import Diff
 from kvtrace.analyzer.reuse import Evictions, PrefixReuse
 from kvtrace.analyzer.runs import RunArm
@@ -24,6 +25,7 @@ CAPACITY_EFFECT = "capacity effect"  # the baseline was capacity-bound there, th
 OUTSIDE_KERNELS = "outside the prefill kernels"  # same cached tokens, prefill kernels not faster
 PREFILLED_DIFFERENT = "different prefill amounts"  # cached tokens differ: TTFT mixes kernel speed and hits
 PLAIN = "plain"  # nothing to qualify
+BUDGET = "budget"  # same cached tokens: the server's TTFT budget says which part carries the change (analyzer.budget)
 
 
 @dataclass(frozen=True)
@@ -177,6 +179,8 @@ class TtftStatement(Statement):
     # TTFT's mean over every run pair with its interval and verdict (ServingRow.estimates), where the point has one:
     # the reading names a mechanism, and only this estimate says whether the change is one.
     estimate: serving_intervals.ServingEstimate | None = None
+    # The TTFT budget and the part that carries its difference, the same result the matrix words for this point.
+    reason: Reason | None = None
 
 
 @dataclass(frozen=True)
@@ -278,12 +282,14 @@ def ttft_guard_rail(diff: Diff, serving: list[ServingRow], base: RunArm, cand: R
     """Two prefill statements that can both be true: a TTFT gain while the candidate served more of its prompts
     from the prefix cache is a capacity / prefix-hit effect, not a faster kernel, when its prefill kernels are
     not faster; when they are faster too, TTFT credits neither alone."""
-    prefill, verdict = segment_verdict(diff, "prefill_attention")
-    not_faster = verdict in (verdicts.REGRESSION, verdicts.NO_CHANGE)
+    prefill, whole_verdict = segment_verdict(diff, "prefill_attention")
     out = []
     for row in serving:
         if not (row.baseline and row.candidate and row.ttft_ratio is not None):
             continue
+        # The prefill kernels speak for a point only where the kernel diff read that point's own traffic.
+        verdict = whole_verdict if row.diff_covers else None
+        not_faster = verdict in (verdicts.REGRESSION, verdicts.NO_CHANGE)
         b, c = row.baseline, row.candidate
         cached_differ = b.cached_prompt_tokens is not None and c.cached_prompt_tokens is not None and \
             b.cached_prompt_tokens != c.cached_prompt_tokens
@@ -293,6 +299,8 @@ def ttft_guard_rail(diff: Diff, serving: list[ServingRow], base: RunArm, cand: R
             reading = PREFIX_HIT
         elif improved and more_hits and verdict == verdicts.IMPROVEMENT:
             reading = PREFIX_HIT_AND_FASTER
+        elif row.reason is not None and not cached_differ:
+            reading = BUDGET
         elif improved and not_faster and b.capacity and not c.capacity:
             reading = CAPACITY_EFFECT
         elif improved and not_faster and not cached_differ:
@@ -309,7 +317,8 @@ def ttft_guard_rail(diff: Diff, serving: list[ServingRow], base: RunArm, cand: R
         # A slower TTFT is never marked "ok", whatever reading it has.
         worse = row.ttft_ratio > 1 + diff.threshold
         out.append(TtftStatement(
-            level="ok" if reading == PLAIN and not worse else "warning", check="ttft", reading=reading,
+            level="ok" if (reading == PLAIN and not worse) or (reading == BUDGET and not worse and not improved)
+            else "warning", check="ttft", reading=reading,
             baseline=base.label, candidate=cand.label, point=row.point if len(serving) > 1 else None, stat=row.ttft_stat,
             baseline_ms=getattr(b.ttft_ms, row.ttft_stat), candidate_ms=getattr(c.ttft_ms, row.ttft_stat),
             ratio=row.ttft_ratio, prefill_verdict=verdict, prefill_ratio=prefill.ratio if verdict else None,
@@ -319,7 +328,7 @@ def ttft_guard_rail(diff: Diff, serving: list[ServingRow], base: RunArm, cand: R
             baseline_queue_ms=queued[0], candidate_queue_ms=queued[1], prefix_fit=_prefix_fit(row, base, cand),
             baseline_capacity=b.capacity, baseline_reuse=b.reuse, candidate_reuse=c.reuse,
             baseline_evictions=b.evictions, candidate_evictions=c.evictions,
-            estimate=row.estimates.get("ttft_ms")))
+            estimate=row.estimates.get("ttft_ms"), reason=row.reason))
     return out
 
 

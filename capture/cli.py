@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -186,6 +187,71 @@ def vllm(model, scenario, out, arms, mode, input_len, output_len, num_prompts, c
         kv = f", GPU KV cache {run.kv_cache_tokens:,} tokens" if run.kv_cache else ""
         click.echo(f"{run.name}: ok -> {out / run.sqlite}{kv}")
     if manifest.status != CaptureStatus.OK:
+        raise SystemExit(1)
+
+
+@capture.command("vllm-matrix")
+@click.option("--model", required=True, help="Model directory (with config.json) or Hugging Face model id.")
+@click.option("--out", type=click.Path(path_type=Path), required=True,
+              help="Matrix root to create: one run directory per scenario, servers/ and matrix.json.")
+@click.option("--arms", default="fp8,nvfp4", show_default=True, callback=_name_list,
+              help="vLLM --kv-cache-dtype values, one server each; KVDTYPE:PATCH adds a counterfactual arm with a "
+                   "patch from capture/patches (e.g. nvfp4:validate-once), recorded at cold prefill and the sweep's "
+                   "concurrencies 4 and 8 only.")
+@click.option("--repeats", default=3, show_default=True, help="Interleaved rounds (A B A B ...) of every scenario.")
+@click.option("--concurrencies", default="4,8,12,16", show_default=True, callback=_int_list,
+              help="The sweep's concurrencies (context 2,048 + 128 out); reach past the narrowest format's capacity.")
+@click.option("--sweep-prompts", default=32, show_default=True, help="Requests per sweep point.")
+@click.option("--load-format", type=click.Choice(["auto", "dummy"]), default="auto", show_default=True,
+              help="dummy: random weights from config.json alone (no download).")
+@click.option("--seed", default=0, show_default=True, help="Seed of the prompts and of vLLM's sampling.")
+@click.option("--port", default=8000, show_default=True, help="First server's port; each next arm's is 10 higher.")
+@click.option("--one-at-a-time", is_flag=True,
+              help="Run the arms' servers one after another instead of all at once on the GPU.")
+@click.option("--memory-fraction", default=0.25, show_default=True,
+              help="Each co-resident server's --gpu-memory-utilization: vLLM 0.33 refuses to start when free memory "
+                   "is below this fraction of the GPU's, which the default 0.9 fails beside another server.")
+@click.option("--no-co-residence-check", is_flag=True,
+              help="Skip the closing re-run of one point on the first arm with the other servers shut down.")
+@click.option("--export-workers", default=8, show_default=True, help="nsys exports run at the end, this many at once.")
+@click.option("--startup-timeout", default=1800.0, show_default=True, help="Seconds to wait for the servers' /health.")
+@click.option("--nsys", "nsys_path", default=None, help="nsys binary (default: $NSYS, PATH, known installs).")
+@click.option("--dry-run", is_flag=True, help="Print the whole plan with its estimated time and exit.")
+@click.option("--force", is_flag=True, help="Replace an existing matrix root.")
+@click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
+def vllm_matrix(model, out, arms, repeats, concurrencies, sweep_prompts, load_format, seed, port, one_at_a_time,
+                memory_fraction, no_co_residence_check, export_workers, startup_timeout, nsys_path, dry_run, force,
+                vllm_args) -> None:
+    """The whole capacity matrix (cold prefill, prefix reuse, preemption, the sweep) against one long-lived server
+    per arm, arms interleaved by round, a bounded profile window in every point's traffic.
+
+    Extra vLLM engine flags go after `--` (every server gets them). Writes OUT/SCENARIO/ run directories that
+    `kvtrace report` and `kvtrace matrix` read (ARM.rK.pN.sqlite per point), OUT/servers/ARM/ (server log, nsys
+    reports, KV events) and OUT/matrix.json (every phase's wall time).
+    """
+    from kvtrace.capture import vllm_matrix, vllm_matrix_run
+    from kvtrace.capture.vllm_patches import ArmSpec
+
+    cfg = vllm_matrix.MatrixConfig(
+        model=model, arms=tuple(ArmSpec.parse(arm) for arm in arms),
+        scenarios=tuple(vllm_matrix.capacity_scenarios(concurrencies, sweep_prompts)), repeats=repeats,
+        load_format=load_format, port=port, extra_args=tuple(vllm_args), seed=seed, co_resident=not one_at_a_time,
+        memory_fraction=memory_fraction, co_residence_check=not no_co_residence_check, export_workers=export_workers)
+    if dry_run:
+        click.echo(vllm_matrix.dry_run(cfg, out, nsys=nsys_path), nl=False)
+        return
+    matrix = vllm_matrix_run.capture(cfg, out, force=force, nsys=nsys_path, startup_timeout_s=startup_timeout)
+    failed = []
+    for scenario in matrix["scenarios"] + ([matrix["co_residence_check"]] if matrix["co_residence_check"] else []):
+        manifest = json.loads((out / scenario / "manifest.json").read_text())
+        for name, run in manifest["arms"].items():
+            windows = sum(1 for w in run["windows"] if w["status"] == "exported")
+            click.echo(f"{scenario}/{name}: {run['status']}, {windows}/{len(run['windows'])} windows traced"
+                       + (f" ({run['error']})" if run["error"] else ""))
+            failed += [name] if run["status"] != "ok" else []
+    click.echo(f"matrix: {matrix['seconds']:.0f} s in all; co-resident: {matrix['co_resident']}"
+               + (f"; stopped early: {matrix['error']}" if matrix["error"] else ""))
+    if failed or matrix["error"]:
         raise SystemExit(1)
 
 

@@ -20,8 +20,8 @@ class ManagedProcess:
     stops the whole group in order: SIGINT (nsys finalizes its report, vLLM shuts down), then SIGTERM,
     then SIGKILL."""
 
-    def __init__(self, command: list[str], env: dict, log_path: Path, *, append: bool = False):
-        self.command, self.env, self.log_path, self.append = command, env, log_path, append
+    def __init__(self, command: list[str], env: dict, log_path: Path, *, append: bool = False, stdin=None):
+        self.command, self.env, self.log_path, self.append, self.stdin = command, env, log_path, append, stdin
         self.process: subprocess.Popen | None = None
 
     def start(self) -> "ManagedProcess":
@@ -30,7 +30,7 @@ class ManagedProcess:
         self._log.flush()
         try:
             self.process = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT,
-                                            env=self.env, start_new_session=True)
+                                            stdin=self.stdin, env=self.env, start_new_session=True)
         except OSError:
             self._log.close()
             raise

@@ -21,14 +21,16 @@ from kvtrace import __version__, files
 from kvtrace.errors import KvtraceError
 from kvtrace.manifest import MANIFEST, MARKER, SCHEMA, is_kvtrace_manifest
 
-def profile_command(nsys: str, report: Path, workload: list[str], *, extra: tuple[str, ...] = ()) -> list[str]:
+def profile_command(nsys: str, report: Path, workload: list[str], *, extra: tuple[str, ...] = (),
+                    range_end: str = "stop") -> list[str]:
     """nsys profile over a workload that opens its own measured region with cudaProfilerStart/Stop.
 
     `--cuda-graph-trace=node` keeps one row per kernel inside CUDA graphs (decode in serving stacks);
-    the capture range keeps JIT and warm-up out of the trace.
+    the capture range keeps JIT and warm-up out of the trace. range_end "repeat": every range becomes a report of
+    its own (a long-lived server traced once per traffic point).
     """
     return [nsys, "profile", "--trace=cuda,nvtx", "--sample=none", "--cpuctxsw=none",
-            "--cuda-graph-trace=node", "--capture-range=cudaProfilerApi", "--capture-range-end=stop",
+            "--cuda-graph-trace=node", "--capture-range=cudaProfilerApi", f"--capture-range-end={range_end}",
             *extra, "--force-overwrite=true", f"--output={report}", *workload]
 
 

@@ -172,7 +172,9 @@ def _serve_points(session: _Session, arm: VllmArm, points: list[Point], stop_at_
 
 
 def _serve_point(session: _Session, arm: VllmArm, index: int, point: Point, bench_log: Path, relay: UsageRelay,
-                 events: KvEventRecorder | None) -> dict:
+                 events: KvEventRecorder | None, run_bench=None) -> dict:
+    """One point's measured traffic and what it is measured by; run_bench(command) runs the client (default: a
+    fresh `vllm bench serve`; the matrix releases one it started earlier, capture/vllm_servers)."""
     cfg, out, base = session.cfg, session.out, base_url(session.cfg)
     stem = f"{arm.name}{point_tag(cfg.workload, index)}"
     result = out / f"{stem}.bench.json"
@@ -188,7 +190,7 @@ def _serve_point(session: _Session, arm: VllmArm, index: int, point: Point, benc
     poller = MetricsPoller(base, session.poll_interval_s)
     poller.start()
     try:
-        record["bench_exit_code"] = _run_bench(session, command, bench_log)
+        record["bench_exit_code"] = (run_bench(command) if run_bench else _run_bench(session, command, bench_log))
     finally:
         peaks = poller.finish()
     after_text = scrape(base)

@@ -64,9 +64,34 @@ _LABEL_WORDS = {"nvfp4": ("nvfp4", "fp4"), "fp8_e4m3": ("fp8",), "fp8_e5m2": ("f
                 "fp16": ("fp16", "auto"), "auto": ("auto", "bf16")}
 
 
+# A counterfactual arm (capture/vllm_patches) is a KV dtype recorded with a named engine patch: `--arms
+# nvfp4:validate-once` on the command line, `nvfp4-validate-once` in its run names and files.
+PATCH_SEPARATORS = (":", "-")
+
+
+def patched_arm_label(kv_dtype: str, patch: str) -> str:
+    return f"{kv_dtype}{PATCH_SEPARATORS[1]}{patch}"
+
+
+def split_arm_label(label: str) -> tuple[str, str | None] | None:
+    """(vLLM --kv-cache-dtype, patch name or None) of an arm label such as fp8, nvfp4:validate-once or
+    nvfp4-validate-once; None when the label starts with no known KV dtype."""
+    lowered = label.lower()
+    for dtype in sorted(VLLM_KV_CACHE_DTYPES, key=len, reverse=True):
+        if lowered == dtype:
+            return dtype, None
+        if lowered.startswith(dtype) and lowered[len(dtype):len(dtype) + 1] in PATCH_SEPARATORS \
+                and len(lowered) > len(dtype) + 1:
+            return dtype, label[len(dtype) + 1:]
+    return None
+
+
 def canonical_format(name: str, model_dtype: str | None = None) -> str:
-    """fp8, nvfp4, bf16 or fp16 for a format or vLLM --kv-cache-dtype name; 'auto' follows the model dtype."""
+    """fp8, nvfp4, bf16 or fp16 for a format or vLLM --kv-cache-dtype name (a patched arm's label names its KV
+    dtype); 'auto' follows the model dtype."""
     key = name.lower()
+    if key not in _FORMAT_OF_NAME and key != "auto" and split_arm_label(key):
+        key = split_arm_label(key)[0]
     if key == "auto":
         return _FORMAT_OF_MODEL_DTYPE.get((model_dtype or "bfloat16").lower(), "bf16")
     if key not in _FORMAT_OF_NAME:

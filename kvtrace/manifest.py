@@ -10,10 +10,15 @@ Shape of the file (capture/runner.manifest writes it; the engines add fields):
      "settings": {..., "arms": [ARM, ...], "repeats": N, "order": [RUN, ...]},
      "arms": {RUN: {"name": RUN, "arm": ARM, "repeat": K, "status": "ok" | "failed" | "not run", "error",
                     "sqlite", "report", "log", "workload", "commands", "seconds", ...}},
-     vLLM only: "status", "request_order_matched"; per run "kv_cache_dtype", "kv_cache", "points", ...}
+     vLLM only: "status", "request_order_matched"; per run "kv_cache_dtype", "kv_cache", "points", ...;
+     `capture vllm-matrix` runs also "windows" [{"point", "sqlite", "steps", "status", ...}] (a trace per point,
+     ARM.rK.pN.sqlite), "timings" [{"phase", "point", "seconds"}], "server" (its key in settings.servers: start,
+     warm-up and lifetime seconds of the server the run belonged to) and "patch" ({"name", "sha256", ...} of a
+     counterfactual arm), and settings "servers", "co_resident", "patches"}
 
 A run is one recording of one arm: named like the arm, or ARM.rK with --repeats (then its files are
-ARM.rK.sqlite, ...). Manifests written before --repeats have no `arm` and `repeat`: the run is the arm.
+ARM.rK.sqlite, ...). Manifests written before --repeats have no `arm` and `repeat`: the run is the arm. A run's
+`sqlite` is its one trace, covering its first point; a matrix run's windows add one per point (RunRecord.trace_for).
 """
 
 from __future__ import annotations
@@ -216,6 +221,20 @@ class Phase:
 
 
 @dataclass(frozen=True)
+class Window:
+    """A profile window inside one traffic point of a run (capture vllm-matrix): its trace and its size."""
+
+    point: int
+    sqlite: str | None  # ARM.rK.pN.sqlite in the run directory; None when the window left no export
+    steps: int | None  # engine steps vLLM's profiler was asked to trace
+    status: str | None  # exported, export failed, no report, failed
+
+    @classmethod
+    def of(cls, record: dict) -> "Window":
+        return cls(_int(record.get("point")) or 0, record.get("sqlite"), _int(record.get("steps")), record.get("status"))
+
+
+@dataclass(frozen=True)
 class RunRecord:
     """One run's entry under `arms` (Manifest.of has checked the types of its fields)."""
 
@@ -231,6 +250,13 @@ class RunRecord:
     workload: dict  # the workload's own result (FlashInfer: kv_format, phases; vLLM offline: engine, ...)
     points: list[dict]  # vLLM traffic points with bench results and metrics
     request_order_sha256: str | None
+    # capture vllm-matrix: a trace per point, the wall time of each phase ({"phase", "point", "seconds"}: traffic,
+    # profiling, export), the server (settings.servers) whose lifetime the run belonged to, and a counterfactual
+    # arm's engine patch ({"name", "sha256", ...}). Older manifests have none of these.
+    windows: list[Window] = field(default_factory=list)
+    timings: list[dict] = field(default_factory=list)
+    server: str | None = None
+    patch: dict | None = None
 
     @classmethod
     def of(cls, name: str, entry: dict) -> "RunRecord":
@@ -238,7 +264,17 @@ class RunRecord:
                    error=entry.get("error"), sqlite=entry.get("sqlite"), log=entry.get("log"), kv_cache_dtype=entry.get("kv_cache_dtype"),
                    kv_cache=_dict(entry.get("kv_cache")), workload=_dict(entry.get("workload")),
                    points=[p for p in entry.get("points") or [] if isinstance(p, dict)],
-                   request_order_sha256=entry.get("request_order_sha256"))
+                   request_order_sha256=entry.get("request_order_sha256"),
+                   windows=[Window.of(w) for w in entry.get("windows") or [] if isinstance(w, dict)],
+                   timings=[t for t in entry.get("timings") or [] if isinstance(t, dict)],
+                   server=entry.get("server"), patch=entry.get("patch"))
+
+    def trace_for(self, point: int) -> str | None:
+        """The export that traced this point: its own window's, or (a legacy run, one trace covering its first
+        point) the run's export for point 0; None when the point was not traced."""
+        if self.windows:
+            return next((w.sqlite for w in self.windows if w.point == point and w.sqlite), None)
+        return self.sqlite if point == 0 else None
 
     @property
     def kv_dtype(self) -> str:
@@ -377,6 +413,9 @@ _RUN_SHAPE = {
     "kv_cache": {"tokens": _COUNT, "available_gib": _AMOUNT, "line": str, "available_gib_per_rank": {"*": _AMOUNT}},
     "ranks": [{"rank": _Number(0, whole=True), "device": _Number(0, whole=True), "kernels": _COUNT}],
     "points": [_POINT_SHAPE],
+    "windows": [{"point": _Number(0, whole=True), "sqlite": str, "steps": _COUNT, "status": str}],
+    "timings": [{"phase": str, "point": _Number(0, whole=True), "seconds": _AMOUNT}],
+    "server": str, "patch": {"name": str, "sha256": str},
 }
 
 

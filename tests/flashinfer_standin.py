@@ -94,9 +94,20 @@ def nvfp4_quantize_append_paged_kv_cache(k, v, batch_indices, positions, paged, 
     assert isinstance(k_scale, float) and len(k) == len(batch_indices) == len(positions)
 
 
+def _as_float32_scalar_tensors(values, *, device):
+    """FlashInfer's host check of the scales: one count per CUDA tensor checked (its device-to-host copy)."""
+    CALLS.extend("scale check" for _, value in values if isinstance(value, torch.Tensor))
+    return tuple(value if isinstance(value, torch.Tensor) else torch.tensor([value]) for _, value in values)
+
+
+PAGE = types.ModuleType("flashinfer.page")
+PAGE._as_float32_scalar_tensors = _as_float32_scalar_tensors
+
+
 def nvfp4_quantize_append_paged_kv_cache_with_slot_mapping(k, v, slots, paged, scales, k_scale, v_scale,
                                                            layout="NHD"):
     CALLS.append(f"slot_mapping:{type(k_scale).__name__}")
+    PAGE._as_float32_scalar_tensors((("k_scale", k_scale), ("v_scale", v_scale)), device=k.device)
     _check_slots(slots, paged[0])
     assert len(slots) == len(k)
 
@@ -113,6 +124,7 @@ def nvfp4_kv_dequantize_paged(paged, scales, block_tables, seq_lens, k_scale, v_
 def module() -> types.ModuleType:
     fake = types.ModuleType("flashinfer")
     fake.__version__ = "0.0.0+standin"
+    fake.page = PAGE
     for name, value in list(globals().items()):
         if name[0].isupper() or name.startswith(("append", "nvfp4")):
             setattr(fake, name, value)

@@ -19,7 +19,7 @@ import pytest
 from rich.console import Console
 
 from conftest import VLLM033_8B_RUNS
-from kvtrace.analyzer import compare, matrix, report
+from kvtrace.analyzer import claims as claims_lib, compare, matrix, report
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.load import open_traces
 from kvtrace.analyzer.render import render_table, render_text
@@ -161,18 +161,18 @@ def test_residency_is_stated_only_where_prefix_caching_happened(decision):
                 cached[key] = cached.get(key, False) or sum(r["cached_tokens"] for r in requests) > 0 or removed > 0
     assert sum(cached.values()) == 1
     claims = [c for c in decision.claims if c.kind == "residency"]
-    assert [c.values["point"] for c in claims] == [point for (_, point), used in cached.items() if used]
+    assert [c.point for c in claims] == [point for (_, point), used in cached.items() if used]
     words = "\n".join(claim_text(c, decision) for c in decision.claims)
     assert words.count("Residency at") == 1 and "the same share" not in words
 
 
 # ---- capacity: the server's measures, one arm bound or both -----------------------------------------------
 
-def _capacity_claims(decision, run) -> dict[str, matrix.Claim]:
+def _capacity_claims(decision, run) -> dict[str, claims_lib.CapacityClaim]:
     """The capacity claims that cite one run directory's points, by point (a point measured in two run directories
     has one claim, citing both)."""
     rows = {p.row for s in decision.scenarios if Path(s.report.baseline.run) == run for p in s.points}
-    return {c.values["point"]: c for c in decision.claims if c.kind == "capacity" and rows & set(c.rows)}
+    return {c.outcome.point: c for c in decision.claims if c.kind == "capacity" and rows & set(c.rows)}
 
 
 def test_where_capacity_binds_for_one_arm_the_server_measures_stand_beside_it(decision):
@@ -181,14 +181,14 @@ def test_where_capacity_binds_for_one_arm_the_server_measures_stand_beside_it(de
     words give every run's (one run's measure is not the point's)."""
     fp8, nvfp4 = _points(PREEMPTION, "fp8")[0], _points(PREEMPTION, "nvfp4")[0]
     claim = _capacity_claims(decision, PREEMPTION)[fp8["point"]]
-    v = claim.values
-    assert v["baseline_capacity"] == "9 preemptions" and v["candidate_capacity"] is None
-    assert v["preemptions"] == [_counter(fp8, "vllm:num_preemptions_total"),
-                                _counter(nvfp4, "vllm:num_preemptions_total")] == [9, 0]
+    v = claim.outcome
+    assert v.baseline_capacity == "9 preemptions" and v.candidate_capacity is None
+    assert list(v.preemptions) == [_counter(fp8, "vllm:num_preemptions_total"),
+                                   _counter(nvfp4, "vllm:num_preemptions_total")] == [9, 0]
     peaks = [p["metrics"]["peaks"] for p in (fp8, nvfp4)]
-    assert v["peak_running"] == [p["vllm:num_requests_running"] for p in peaks] == [15, 16]
-    assert v["peak_kv_usage"] == [p["vllm:kv_cache_usage_perc"] for p in peaks]
-    assert v["queue_ms"] == pytest.approx([_queue_ms(fp8), _queue_ms(nvfp4)])
+    assert list(v.peak_running) == [p["vllm:num_requests_running"] for p in peaks] == [15, 16]
+    assert list(v.peak_kv_usage) == [p["vllm:kv_cache_usage_perc"] for p in peaks]
+    assert list(v.queue_ms) == pytest.approx([_queue_ms(fp8), _queue_ms(nvfp4)])
     runs = {arm: _points(PREEMPTION, arm) for arm in ("fp8", "nvfp4")}  # r1, r2
 
     def each(arm: str, measure) -> str:
@@ -216,8 +216,8 @@ def test_where_capacity_binds_for_both_arms_the_decision_says_so(decision):
                    if p["bench_result"].startswith(f"{arm}.r1")} for arm in ("fp8", "nvfp4")}
     claims = _capacity_claims(decision, SWEEP)
     both = claims[fp8_points[-1]["point"]]
-    assert both.values["baseline_capacity"].startswith("30,464 KV tokens needed of 16,384")
-    assert both.values["candidate_capacity"] == "1 preemption" and both.values["preemptions"] == [0, 1]
+    assert both.outcome.baseline_capacity.startswith("30,464 KV tokens needed of 16,384")
+    assert both.outcome.candidate_capacity == "1 preemption" and both.outcome.preemptions == (0, 1)
     words = claim_text(both, decision)
     assert "Where capacity binds for both arms" in words and "and so is nvfp4 (1 preemption)" in words
     last = fp8_points[-1]["point"]
@@ -225,8 +225,8 @@ def test_where_capacity_binds_for_both_arms_the_decision_says_so(decision):
             f"{_queue_ms(nvfp4_points[-1]):.1f} ms and {_queue_ms(later['nvfp4'][last]):.1f} ms") in words
     fp8_only = [p["point"] for p in fp8_points[2:5]]
     for point in fp8_only:
-        v = claims[point].values
-        assert v["baseline_capacity"] and not v["candidate_capacity"]
+        v = claims[point].outcome
+        assert v.baseline_capacity and not v.candidate_capacity
         assert "and nvfp4 is not; the server measured, fp8 against nvfp4: preemptions 0 and 0 against 0 and 0" in \
             claim_text(claims[point], decision)
     assert set(claims) == {fp8_points[-1]["point"], *fp8_only}
@@ -235,7 +235,7 @@ def test_where_capacity_binds_for_both_arms_the_decision_says_so(decision):
 def test_where_both_arms_are_bound_the_one_bound_less_wins_by_capacity(decision):
     """At concurrency 14 both sweeps' NVFP4 preempted once, so both arms are capacity-bound; but the server saw NVFP4
     run up to 13-14 requests at once against FP8's 7. Pooled over both sessions NVFP4's TTFT clears the band, and the
-    win is credited to the capacity effect (NVFP4 bound less), not to a kernel."""
+    win is credited to the capacity effect its TTFT budget measures (queue time carries it), not to a kernel."""
     last = _points(SWEEP, "fp8")[-1]["point"]
     points = [p for s in decision.scenarios for p in s.points if p.point == last]
     assert len(points) == 2 and all(p.pooled_with for p in points)
@@ -244,13 +244,14 @@ def test_where_both_arms_are_bound_the_one_bound_less_wins_by_capacity(decision)
         assert p.baseline_capacity and p.candidate_capacity and running[1] > running[0] == 7
         assert p.estimate.high < 1 and p.winner == "candidate" and p.causes == (matrix.CAPACITY,)
     words = claim_text(_capacity_claims(decision, SWEEP)[last], decision)
-    assert "nvfp4 wins, by a capacity effect" in words and "nvfp4 was bound less (1 preemption), running up to 14 " \
-        "requests at once against 7" in words and words.endswith("not kernel speed.")
+    assert "nvfp4 wins, by a capacity effect, its requests queued less (queue time −" in words
+    assert "peak running requests 7 and 7 against 14 and 13" in words and words.endswith("not kernel speed.")
 
 
-def test_both_bound_alike_is_no_capacity_win(tmp_path, recipes):
-    """The same point with NVFP4's observed peak running set to FP8's (a constructed copy): both bound, neither less,
-    so the pooled win is not explained and chooses nothing."""
+def test_a_capacity_win_rests_on_queue_time_not_on_polled_peaks(tmp_path, recipes):
+    """The same point with NVFP4's observed peak running set to FP8's (a constructed copy): both bound alike by the
+    polls, yet the win stays a capacity effect, since the server's queue time (untouched) carries the TTFT
+    difference in every run pair."""
     copies = []
     for run in (SWEEP, VLLM033_8B_RUNS["capacity-sweep-repeats"]):
         copy = tmp_path / run.name
@@ -263,7 +264,10 @@ def test_both_bound_alike_is_no_capacity_win(tmp_path, recipes):
         copies.append(copy)
     last = _points(SWEEP, "fp8")[-1]["point"]
     points = [p for s in matrix.build(copies, recipes).scenarios for p in s.points if p.point == last]
-    assert points and all(p.winner == matrix.NOT_EXPLAINED and matrix.CAPACITY not in p.causes for p in points)
+    for run in (SWEEP, VLLM033_8B_RUNS["capacity-sweep-repeats"]):
+        fp8, nvfp4 = (next(p for p in _points(run, arm)[::-1] if p["point"] == last) for arm in ("fp8", "nvfp4"))
+        assert _queue_ms(nvfp4) - _queue_ms(fp8) < -500  # the queue carries a TTFT difference of some −450 ms
+    assert points and all(p.winner == "candidate" and p.causes == (matrix.CAPACITY,) for p in points)
 
 
 # ---- the bench's wall time -----------------------------------------------------------------------------------

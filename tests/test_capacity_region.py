@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import VLLM033_8B_RUNS
-from kvtrace.analyzer import matrix, report, statements
+from kvtrace.analyzer import budget, matrix, report, statements
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.render import render_text
 from kvtrace.analyzer.render.escape import md_prose
@@ -133,11 +133,11 @@ def test_the_matrix_states_the_residency_beside_the_cold_kernel(recipes):
     the residency."""
     result = matrix.build([COLD, PREFIX], recipes)
     (claim,) = [c for c in result.claims if c.kind == "residency"]
-    shares = claim.values["cached_share"]
+    shares = list(claim.cached_share)
     assert shares == [_point("fp8.r1")["requests"]["cached_share"], _point("nvfp4.r1")["requests"]["cached_share"]]
     cold_row = next(p.row for s in result.scenarios for p in s.points if p.cold_prefill)
-    assert claim.values["cold_prefill_kernel"]["row"] == cold_row and claim.values["cold_prefill_kernel"]["ratio"] > 2
-    assert claim.values["winner"] != "candidate"
+    assert claim.cold_prefill_kernel.row == cold_row and claim.cold_prefill_kernel.ratio > 2
+    assert claim.winner != "candidate"
     words = claim_text(claim, result)
     assert "residency, a capacity effect, not a faster kernel" in words and "did not buy a better TTFT" in words
     assert f"{100 * shares[1]:.1f}% of its prompt tokens" in words
@@ -200,13 +200,14 @@ def test_the_preemption_report_calls_the_ttft_change_capacity_not_kernel(recipes
     assert row.baseline.capacity and not row.candidate.capacity and "preemption" in row.baseline.capacity
     (ttft,) = [s for s in result.statements if s.check == "ttft"]
     assert ttft.prefill_verdict == "regression"
-    assert ttft.reading in (statements.CAPACITY_EFFECT, statements.PLAIN)
-    assert ttft.ratio < 1 - result.diff.threshold and ttft.reading == statements.CAPACITY_EFFECT
+    # The server's TTFT budget: fp8's requests queued, nvfp4's did not; queue time carries the difference.
+    assert ttft.reading == statements.BUDGET and ttft.reason.budget.carrier == "queue"
+    assert ttft.reason.cause == budget.CAPACITY and ttft.reason.budget.part("queue").delta_ms < -300
     # The first run's p50 is lower, but the mean over both run pairs is no significant change: no gain is claimed.
     assert ttft.estimate.runs == 2 and ttft.estimate.verdict == "no significant change"
     words = statement_text(ttft)
-    assert "not a significant gain" in words and "a capacity effect, not a faster prefill kernel" in words
-    assert "the TTFT gain is" not in words
+    assert "no significant difference" in words and "by vLLM's TTFT budget, nvfp4 − fp8: queue time −" in words
+    assert "the TTFT gain is" not in words and "faster" not in words
 
 
 @pytest.mark.parametrize("run, fp8_run, nvfp4_run", [(SWEEP, "fp8", "nvfp4"), (SWEEP_REPEATS, "fp8.r1", "nvfp4.r1"),

@@ -15,7 +15,7 @@ import pytest
 from rich.console import Console
 
 from conftest import FIXTURES, NSYS2025_DIR, SERVE_RUNS, VLLM033_RUNS, VLLM_COLD_PREFILL, VLLM_DECODE_HEAVY
-from kvtrace.analyzer import matrix, report
+from kvtrace.analyzer import budget_trace, claims as claims_lib, matrix, report
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.render import render_table, render_text
 from kvtrace.analyzer.render import matrix as matrix_render
@@ -94,7 +94,8 @@ def test_each_cell_matches_the_per_scenario_report(recipes, ttft):
         kernels = [k for k in alone.statements if k.kind == "kernels"]
         assert [(k.subject, k.point, k.ratio, k.ci_low, k.ci_high, k.verdict) for k in s.kernels] == \
             [(k.subject, k.point, k.ratio, k.ci_low, k.ci_high, k.verdict) for k in kernels]
-        mine = [dict(zip(header, row)) for row in kernel_rows if row[1] == s.name]
+        cited = matrix_render.rows_text([p.row for p in s.points])
+        mine = [dict(zip(header, row)) for row in kernel_rows if row[0] == cited]
         assert len(mine) == len(kernels)
         for k, row in zip(kernels, mine):
             assert row["phase"] == dict((b, a) for a, b in matrix_render.KERNEL_COLUMNS)[k.subject]
@@ -220,8 +221,8 @@ def test_prefix_reuse_credits_neither_the_faster_kernel_nor_the_prefix_hits_alon
     judged = prefill.paired_verdict if prefill.verdict == verdicts.DIFFERENT_WORK else prefill.verdict
     assert judged == verdicts.IMPROVEMENT
 
-    # The same runs with fp8's mean TTFT halved: now beyond the band, and both a faster prefill kernel and more
-    # prefix hits favour fp8, so the decision credits neither alone.
+    # The same runs with fp8's mean TTFT halved: now beyond the band; the server's TTFT budget (untouched) names the
+    # part that carries the difference, and more prefix hits favour fp8 too, so the decision credits neither alone.
     def halve(run, arm):
         data = manifest(run)
         if arm == "fp8":
@@ -234,10 +235,18 @@ def test_prefix_reuse_credits_neither_the_faster_kernel_nor_the_prefix_hits_alon
     result = matrix.build(runs, recipes)
     (point,) = result.points
     assert point.winner == "candidate" and point.estimate.high < 1 - serving_intervals.ASSUMED_SERVING_BAND
-    assert {matrix.FASTER_KERNEL, matrix.PREFIX_HITS} <= set(point.causes)
+    means = {arm: {name: h["sum"] / h["count"] for name, h in
+                   manifest(SERVE_RUNS[f"prefix-reuse-{arm}"])["arms"][arm]["points"][0]["metrics"]["deltas"][
+                       "histograms"].items() if h["count"]} for arm in ("auto", "fp8")}
+    moved = {part: means["fp8"][f"vllm:request_{part}_time_seconds"] - means["auto"][f"vllm:request_{part}_time_seconds"]
+             for part in ("queue", "prefill")}
+    moved["rest"] = means["fp8"]["vllm:time_to_first_token_seconds"] - means["auto"][
+        "vllm:time_to_first_token_seconds"] - moved["queue"] - moved["prefill"]
+    assert moved["queue"] + moved["prefill"] + moved["rest"] < 0  # the server's TTFT fell too
+    assert point.reason.budget.carrier == min(moved, key=moved.get)
+    assert set(point.causes) == {point.reason.cause, matrix.PREFIX_HITS}
     text = claim(result, point.row)
-    assert "a faster prefill attention kernel" in text and "more prefix hits (73,728 cached prompt tokens against " \
-        "42,064)" in text
+    assert "more prefix hits (73,728 cached prompt tokens against 42,064)" in text
     assert re.search(r"credits (neither|none of them) alone", text)
     assert f"(R{point.row})" in text
 
@@ -275,6 +284,8 @@ def test_a_capacity_win_is_never_called_a_faster_kernel(itl):
 def test_the_decision_names_what_it_holds_for_and_states_quality_as_measured(ttft):
     markdown = render_text(ttft, "markdown")
     decision = markdown.split("### The decision", 1)[1]
+    assert "On TTFT, fp8 against auto: no significant difference at R1–R5; not decided at R6–R8" in \
+        markdown.split("<details>", 1)[0]
     env = manifest(SERVE_RUNS["sweep-fp8"])["environment"]
     assert (f"fp8 against auto (R1–R8) holds for NVIDIA H200, FlashInfer {env['packages']['flashinfer-python']}, "
             f"vLLM {env['packages']['vllm']}, attention backend FLASHINFER") in decision
@@ -287,7 +298,6 @@ def test_the_decision_names_what_it_holds_for_and_states_quality_as_measured(ttf
     for c in ttft.claims:
         if c.kind in ("capacity", "cold-prefill", "decode", "prefix", "point"):
             assert f"(R{c.rows[0]})" in matrix_render.claim_text(c, ttft)
-    assert "On TTFT, fp8 against auto: no significant difference at R1–R5; not decided at R6–R8" in decision
 
 
 def test_json_schema_and_cli(tmp_path):
@@ -295,12 +305,12 @@ def test_json_schema_and_cli(tmp_path):
     result = run_main(["matrix", *ALL[:6], "-q", "-o", out, "--plots", tmp_path / "plots"])
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
-    assert data["schema"] == "kvtrace.matrix/2" and data["objective"] == "ttft"
+    assert data["schema"] == "kvtrace.matrix/3" and data["objective"] == "ttft"
     sweep = next(s for s in data["scenarios"] if s["name"] == "sweep (serve)")
     assert [p["crossover"] for p in sweep["points"]] == [False, True, False, False]
     assert sweep["points"][0]["serving"]["baseline"]["ttft_ms"]["p50"] == \
         recorded_point(SERVE_RUNS["sweep-auto"], "auto")["bench"]["p50_ttft_ms"]
-    assert [p["kind"] for p in data["plots"]] == ["crossover"]
+    assert [p["kind"] for p in data["plots"]] == ["budget", "crossover"]
     assert (tmp_path / "plots" / "crossover-3.png").read_bytes()[:4] == b"\x89PNG"
     assert {c["kind"] for c in data["claims"]} >= {"environment", "capacity", "cold-prefill", "choice", "quality"}
 
@@ -470,13 +480,13 @@ def test_the_rule_is_what_the_rows_measured(v033):
     result = v033["ttft"]
     (measured,) = [c for c in result.claims if c.kind == "measured"]
     text = matrix_render.claim_text(measured, result)
-    for phase in measured.values["phases"]:
-        rows = [k for s in result.scenarios for k in s.kernels if k.subject == phase["subject"] and k.ratio]
-        assert (phase["low"], phase["high"]) == (min(k.ratio for k in rows), max(k.ratio for k in rows))
-        assert f"{phase['low']:.3f}×–{phase['high']:.3f}×" in text
+    for phase in measured.phases:
+        rows = [k for s in result.scenarios for k in s.kernels if k.subject == phase.subject and k.ratio]
+        assert (phase.low, phase.high) == (min(k.ratio for k in rows), max(k.ratio for k in rows))
+        assert f"{phase.low:.3f}×–{phase.high:.3f}×" in text
     # The attention kernel's own rows; the split-KV merge kernel beside it is a row of its own (the head's).
     decode = [k for s in result.scenarios for k in s.kernels if k.subject == "decode_attention" and k.ratio
-              and matrix.SPLIT_KV_MERGE not in (k.kernels or "")]
+              and claims_lib.SPLIT_KV_MERGE not in (k.kernels or "")]
     assert decode and all(k.verdict == verdicts.REGRESSION for k in decode)
     assert "saves time in decode, since it moves fewer bytes, did not hold here" in text
     logs = {arm: (VLLM033_RUNS["serve-sweep"] / f"{arm}.log").read_text() for arm in ("fp8", "nvfp4")}
@@ -490,7 +500,8 @@ def test_the_rule_is_what_the_rows_measured(v033):
 
 def test_a_win_nothing_measured_explains_is_no_choice(recipes, tmp_path):
     """The real serve sweep with nvfp4's mean TPOT at 1024 × 16 halved: nvfp4 would win ITL far beyond the band
-    while its decode kernels are 1.48× slower and neither arm is capacity-bound there: "not explained", no choice."""
+    while neither arm is capacity-bound there and the run's one trace holds every point's steps together, so no kernel
+    speaks for this point alone: "not explained", no choice."""
     def faster_decode(run, arm):
         data = manifest(run)
         bench = data["arms"]["nvfp4"]["points"][1]["bench"]
@@ -504,10 +515,10 @@ def test_a_win_nothing_measured_explains_is_no_choice(recipes, tmp_path):
     assert point.point == "input=1024,output=16,prompts=32,concurrency=16"
     assert point.estimate.high < 1 - serving_intervals.ASSUMED_SERVING_BAND and not point.baseline_capacity
     assert point.winner == matrix.NOT_EXPLAINED and point.apparent == "candidate" and point.causes == ()
-    assert [k["verdict"] for k in point.kernel_verdicts] == [verdicts.REGRESSION]
+    assert point.kernel_verdicts == [] and point.serving.trace_note == budget_trace.MIXED_TRACE
     text = render_text(result, "markdown")
     assert f"not explained (no choice) at R{point.row}" in text and f"choose nvfp4 at R{point.row}" not in text
-    assert "nvfp4 looks better beyond the band, but its decode attention kernels are not faster" in text
+    assert "nvfp4 looks better beyond the band, but no trace covers this point's own traffic" in text
 
 
 def _table_lines(text: str) -> list[list[str]]:
@@ -527,8 +538,8 @@ def _cells(line: str) -> int:
 
 
 def check_github_markdown(text: str) -> None:
-    """Rendered by a GitHub-flavoured markdown parser (markdown-it-py's gfm-like preset): the serving table with
-    TTFT beside the cached prompt tokens comes before <details>, every table row has its header's cells, no
+    """Rendered by a GitHub-flavoured markdown parser (markdown-it-py's gfm-like preset): the short table with TTFT
+    beside where its difference sits comes before <details>, every table row has its header's cells, no
     table is wider than ten columns, the whole fits an issue body, and nothing carries a tick or an "ok"."""
     from markdown_it import MarkdownIt
 
@@ -544,13 +555,13 @@ def check_github_markdown(text: str) -> None:
             break
         if token.type == "inline":
             headers.append(token.content)
-    assert headers.index("cached prompt tokens") == headers.index("TTFT ms") + 1
-    assert sum(t.type == "table_open" for t in tokens) == len(_table_lines(text)) == 3
+    assert headers.index("TTFT difference sits in") == headers.index("TTFT ms") + 1
+    assert sum(t.type == "table_open" for t in tokens) == len(_table_lines(text)) == 4
     for block in _table_lines(text):
         width = _cells(block[0])
         assert width <= 10 and all(_cells(line) == width for line in block), block[0]
     html = parser.render(text)
-    assert html.count("<table>") == 3 and "✅" not in text and not re.search(r"\bok\b", text)
+    assert html.count("<table>") == 4 and "✅" not in text and not re.search(r"\bok\b", text)
     assert {t.content.split(">")[0] for t in tokens if t.type == "html_block"} <= {"<details", "<sub", "</details"}
 
 

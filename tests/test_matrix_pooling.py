@@ -16,7 +16,7 @@ import pytest
 from scipy import stats as sp
 
 from conftest import VLLM033_8B_RUNS
-from kvtrace.analyzer import matrix
+from kvtrace.analyzer import claims as claims_lib, matrix
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.render import render_text
 from kvtrace.analyzer.render import matrix as matrix_render
@@ -130,10 +130,10 @@ def test_the_decision_states_each_pooled_point_once_naming_every_row(both):
         citing = [c for c in stated if set(c.rows) & set(rows)]
         assert len(citing) == 1 and citing[0].rows == rows  # one claim, every row of the point
         sentence = matrix_render.claim_text(citing[0], both)
-        assert sentence in head
+        assert sentence in text and sentence not in head  # the first screen has the choice; each point's words follow
         e = points[0].estimate
         if len(rows) > 1:
-            assert citing[0].values["pooled_rows"] == list(rows)
+            assert citing[0].outcome.pooled_rows == rows
             assert (f"{e.ratio:.3f}× [{e.low:.3f}, {e.high:.3f}] (nvfp4 / fp8, 2 run pairs pooled over "
                     f"{matrix_render.rows_text(rows)} (2 run directories))") in sentence
             for p in points:
@@ -214,14 +214,13 @@ def test_synthetic_pooled_row_whose_own_run_credits_the_win_otherwise_is_named(r
     result = matrix.build([SWEEP, REPEATS], recipes)
     first, second = next(sorted(points, key=lambda p: p.row) for points in by_point(result).values()
                          if len(points) > 1 and points[0].winner == "baseline")
-    second.causes = (*second.causes, matrix.CAPACITY)
-    second.candidate_capacity = "synthetic: capacity-bound by hand"
-    (claim,) = [c for c in matrix._claims(result.scenarios, "ttft", THRESHOLD) if first.row in c.rows
+    second.causes = (matrix.CAPACITY,)
+    (claim,) = [c for c in claims_lib.claims(result.scenarios, "ttft", THRESHOLD) if first.row in c.rows
                 and c.kind in ("capacity", "point")]
     assert claim.rows == (first.row, second.row)
-    assert [d["row"] for d in claim.values["differing"]] == [second.row]
+    assert [row for row, _ in claim.outcome.differing] == [second.row]
     text = matrix_render.claim_text(claim, result)
-    assert f"; on R{second.row}'s own run, fp8 wins; " in text and "synthetic: capacity-bound by hand" in text
+    assert f"; on R{second.row}'s own run, fp8 wins, by a capacity effect" in text
 
 
 def test_a_pooled_claim_gives_every_pooled_runs_server_measures(both, recipes):
@@ -230,19 +229,20 @@ def test_a_pooled_claim_gives_every_pooled_runs_server_measures(both, recipes):
     alone = [matrix.build([run], recipes) for run in (SWEEP, REPEATS)]
 
     def own(result, point):
-        claim = next(c for c in result.claims if c.kind == "capacity" and c.values["point"] == point)
-        return claim.values["server_runs"]
+        claim = next(c for c in result.claims if c.kind == "capacity" and c.outcome.point == point)
+        return claim.outcome.server_runs
 
-    pooled = [c for c in both.claims if c.kind == "capacity" and c.values.get("pooled_rows")]
-    assert {c.values["point"] for c in pooled} >= {"input=2048,output=128,prompts=28,concurrency=14"}
+    pooled = [c for c in both.claims if c.kind == "capacity" and c.outcome.pooled_rows]
+    assert {c.outcome.point for c in pooled} >= {"input=2048,output=128,prompts=28,concurrency=14"}
     for claim in pooled:
-        point, runs = claim.values["point"], claim.values["server_runs"]
+        point, runs = claim.outcome.point, claim.outcome.server_runs
         parts = [own(result, point) for result in alone]
-        for key in matrix.SERVER_MEASURES:
-            assert runs[key] == [parts[0][key][side] + parts[1][key][side] for side in (0, 1)], (point, key)
-        assert claim.values["server_rows"] == claim.values["pooled_rows"]  # one complete run pair per directory
+        for key in claims_lib.SERVER_MEASURES:
+            assert getattr(runs, key) == tuple(getattr(parts[0], key)[side] + getattr(parts[1], key)[side]
+                                               for side in (0, 1)), (point, key)
+        assert claim.outcome.server_rows == claim.outcome.pooled_rows  # one complete run pair per directory
         sentence = matrix_render.claim_text(claim, both)
-        assert (f"(each of the 2 runs of {matrix_render.rows_text(claim.values['pooled_rows'])}, row by row in repeat "
+        assert (f"(each of the 2 runs of {matrix_render.rows_text(claim.outcome.pooled_rows)}, row by row in repeat "
                 "order)") in sentence
-        queued = runs["queue_ms"][0]
+        queued = runs.queue_ms[0]
         assert f"mean time queued {queued[0]:.1f} ms and {queued[1]:.1f} ms against" in sentence

@@ -137,29 +137,33 @@ def test_bad_inputs_get_one_line(run_kvtrace, tmp_path):
     shutil.copy(FI_GAUSSIAN / "fp8.sqlite", lone / "fp8.sqlite")
     for bad, words in ((tmp_path / "missing", "no such run directory"),
                        (lone / "fp8.sqlite", "no manifest.json beside it"),
-                       (lone, "manifest")):
+                       (lone, "manifest"),
+                       (VLLM033_8B_RUNS["capacity-prefix-reuse"], "prefix caching"),
+                       (FIXTURES / "bad", "manifest")):
         code, out, err = run_kvtrace("repro", bad)
         assert code == 2 and out == ""
         lines = err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("kvtrace: error:") and words in lines[0], err
 
 
-@pytest.mark.parametrize("name", sorted(COMMITTED))
-def test_script_runs_every_route_against_a_standin(monkeypatch, tmp_path, capsys, name):
-    """The committed script, on shrunk shapes, against tests/flashinfer_standin.py on the CPU: every route runs,
-    each output lies within BF16 rounding of the float64 reference over the cache as stored (a wrong page table,
-    layout or scale would be far off), the split multiplies out, and the JSON holds it all."""
+def run_against_standin(monkeypatch, name: str, out, without: tuple[str, ...] = ()) -> dict:
+    """The committed script `name`, on shrunk shapes (one case per kernel, uneven lengths of a few pages), run whole
+    against tests/flashinfer_standin.py on the CPU (lacking the functions named in `without`); its JSON results."""
     import flashinfer_standin
 
+    flashinfer_standin.CALLS.clear()
     flashinfer_standin.cuda_on_cpu(monkeypatch)
-    monkeypatch.setitem(sys.modules, "flashinfer", flashinfer_standin.module())
+    fake = flashinfer_standin.module()
+    for missing in without:
+        delattr(fake, missing)
+    monkeypatch.setitem(sys.modules, "flashinfer", fake)
     source = (FIXTURES / "repro" / f"{name}.py").read_text().replace('"cuda"', '"cpu"')
     namespace = {"__name__": "repro_under_test"}
     exec(compile(source, name, "exec"), namespace)
     spec = namespace["SPEC"]
     spec.update(q_heads=4, kv_heads=2, head_dim=32)
     kinds = {}
-    for case in spec["cases"]:  # one case per kernel, shrunk to uneven lengths of a few pages
+    for case in spec["cases"]:
         if case["kernel"] in kinds:
             continue
         kinds[case["kernel"]] = case
@@ -168,10 +172,18 @@ def test_script_runs_every_route_against_a_standin(monkeypatch, tmp_path, capsys
         if case["kernel"] == "append":
             case["new_lens"] = [3, 1, 2]
     spec["cases"] = list(kinds.values())
-    out = tmp_path / "repro.json"
     monkeypatch.setattr(sys, "argv", ["script", "--json", str(out), "--warmup", "1", "--iters", "3"])
     namespace["main"]()
-    results = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("name", sorted(COMMITTED))
+def test_script_runs_every_route_against_a_standin(monkeypatch, tmp_path, capsys, name):
+    """Every route runs, each output lies within BF16 rounding of the float64 reference over the cache as stored (a
+    wrong page table, layout or scale would be far off), the split multiplies out, and the JSON holds it all."""
+    import flashinfer_standin
+
+    results = run_against_standin(monkeypatch, name, tmp_path / "repro.json")
     assert results["environment"]["flashinfer"] == "0.0.0+standin"
     for case in results["cases"]:
         for route in case["routes"]:
@@ -183,8 +195,111 @@ def test_script_runs_every_route_against_a_standin(monkeypatch, tmp_path, capsys
                 assert route["quality"]["rel_l2_vs_own_cache"] < bound, (case["name"], route["label"])
                 assert route["quality"]["rel_l2_vs_bf16"] < 0.3
         split = case["split"]
+        if case["kernel"] == "append":  # no attention route to split
+            assert split is None
+            continue
         assert split["ratio"] == pytest.approx(split["route"] * split["format"])
+        for part in ("ratio", "route", "format"):
+            low, high = split[f"{part}_interval"]
+            assert low <= split[part] <= high
+        if case["kernel"] == "decode":  # both formats on one route: all of the ratio is the format's
+            assert split["route"] == 1 and split["route_interval"] == [1, 1]
     assert "nvfp4 own route" in capsys.readouterr().out
+    # Checked once: its scale tensors' first call is checked (2 tensors), the rest are not; vLLM's way every call.
+    appends = {route["label"]: route for case in results["cases"] if case["kernel"] == "append"
+               for route in case["routes"]}
+    per_route = 3 + appends["nvfp4 own route"]["gpu_us"]["n"]  # the first, the estimate, one warm-up, the timed
+    assert flashinfer_standin.CALLS.count("scale check") == 2 * per_route + 2
     calls = set(flashinfer_standin.CALLS)
     assert {"slot_mapping:Tensor", "slot_mapping:float", "nvfp4_kv_dequantize_paged"} <= calls
     assert "BatchPrefillWithPagedKVCacheWrapper:fa3:torch.float8_e4m3fn:torch.float8_e4m3fn" in calls
+
+
+def test_report_splits_the_traced_ratio_with_the_run_directorys_repro_results(monkeypatch, tmp_path, run_kvtrace):
+    """A run directory holding the script's results: the report's JSON carries the split as the results file gives
+    it (medians of the timed calls, computed again here) beside the diff's own prefill row; the markdown answers
+    with it before <details>."""
+    run = tmp_path / "vllm033-h200-8b-cold-prefill"
+    shutil.copytree(COLD_PREFILL, run)
+    results = run_against_standin(monkeypatch, "vllm033-h200-8b-cold-prefill", run / "repro.json")
+    code, out, err = run_kvtrace("report", run, "--format", "json")
+    assert code == 0, err
+    report = json.loads(out)
+    (split,) = report["repro"]
+    assert split["flashinfer"] == "0.0.0+standin" and split["file"].endswith("repro.json")
+    (row,) = split["rows"]  # the prefill case; the append case has no attention route to split
+    (case,) = [c for c in results["cases"] if c["kernel"] == "prefill"]
+    median = {r["label"]: sorted(r["gpu_us"]["samples"])[len(r["gpu_us"]["samples"]) // 2] for r in case["routes"]}
+    assert row["route"] == pytest.approx(median["fp8 on nvfp4's route"] / median["fp8 own route"])
+    assert row["format"] == pytest.approx(median["nvfp4 own route"] / median["fp8 on nvfp4's route"])
+    (traced,) = [r for r in report["diff"]["phases"] if r["segment"] == "prefill_attention"]
+    assert (row["traced_ratio"], row["traced_low"], row["traced_high"]) == (
+        traced["ratio"], traced["ci_low"], traced["ci_high"])
+    assert (row["fp8_route"], row["nvfp4_route"]) == ("FA3, FP8 q", "FA2, BF16 q")
+    code, out, err = run_kvtrace("report", run, "--format", "markdown")
+    assert code == 0, err
+    answer = out.split("<details>")[0]
+    assert "Route against format, prefill-8x2048" in answer and "0.0.0+standin" in answer
+    code, out, err = run_kvtrace("matrix", run, "--format", "markdown")
+    assert code == 0, err
+    assert "Route against format, prefill-8x2048" in out.split("<details>")[0]
+
+
+def test_a_damaged_repro_results_file_gets_one_line(run_kvtrace, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(FI_GAUSSIAN, run)
+    (run / "repro.json").write_text('{"kvtrace_repro": 1, "cases": [{"name": "x"}], "environment": {}}')
+    code, out, err = run_kvtrace("report", run)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and "repro.json" in err and "lacks" in err
+
+
+def test_the_script_never_replaces_what_it_reads(run_kvtrace, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(FI_GAUSSIAN, run)
+    before = (run / "manifest.json").read_bytes()
+    for target in ("manifest.json", "fp8.sqlite", "nvfp4.log"):
+        code, out, err = run_kvtrace("repro", run, "-o", run / target)
+        assert code == 2 and err.startswith("kvtrace: error:") and err.count("\n") == 1, err
+    assert (run / "manifest.json").read_bytes() == before
+    code, _, err = run_kvtrace("repro", run, "-o", run / "repro.py")
+    assert code == 0, err
+
+
+def test_a_route_this_flashinfer_lacks_fails_alone(monkeypatch, tmp_path, capsys):
+    """A release without FlashInfer's paged NVFP4 dequantizer: that route prints FAILED, every other runs, and the
+    split (which does not need it) is there."""
+    results = run_against_standin(monkeypatch, "vllm033-h200-8b-cold-prefill", tmp_path / "repro.json",
+                                  without=("nvfp4_kv_dequantize_paged",))
+    (prefill,) = [case for case in results["cases"] if case["kernel"] == "prefill"]
+    status = {route["label"]: route["status"] for route in prefill["routes"]}
+    assert status.pop("nvfp4 via fp8 workspace") == "failed"
+    assert set(status.values()) == {"ok"} and prefill["split"] is not None
+    assert "FAILED RuntimeError: this FlashInfer has no nvfp4_kv_dequantize_paged" in capsys.readouterr().out
+
+
+RESULTS = sorted((FIXTURES / "repro" / "results").glob("*.json"))  # the scripts' output on the H200, per release
+
+
+@pytest.mark.parametrize("results", RESULTS, ids=[path.name for path in RESULTS])
+def test_h200_results_split_the_traced_ratio(run_kvtrace, tmp_path, results):
+    """Each committed H200 result beside the run it was generated from: the report's split rows are the file's own
+    medians (computed again here) and every route the file says ran is in them."""
+    data = json.loads(results.read_text())
+    source = COMMITTED[data["spec"]["source"]["run"]]
+    run = tmp_path / data["spec"]["source"]["run"]
+    shutil.copytree(source, run)
+    shutil.copy(results, run / f"repro.{results.stem.split('.', 1)[1]}.json")
+    code, out, err = run_kvtrace("report", run, "--format", "json")
+    assert code == 0, err
+    (split,) = json.loads(out)["repro"]
+    assert split["flashinfer"] == data["environment"]["flashinfer"]
+    rows = {row["case"]: row for row in split["rows"]}
+    for case in data["cases"]:
+        ok = {r["label"]: sorted(r["gpu_us"]["samples"]) for r in case["routes"] if r["status"] == "ok"}
+        if case["name"] not in rows:
+            assert case["kernel"] == "append" or not {"fp8 own route", "nvfp4 own route"} <= set(ok)
+            continue
+        median = {label: samples[len(samples) // 2] for label, samples in ok.items()}
+        shared = median.get("fp8 on nvfp4's route", median["fp8 own route"])
+        assert rows[case["name"]]["format"] == pytest.approx(median["nvfp4 own route"] / shared)

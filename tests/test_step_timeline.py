@@ -126,10 +126,10 @@ def test_the_matrix_names_the_host_time_where_the_report_does(shipped_recipes):
     result = matrix.build(runs, shipped_recipes)
     claims = [c for c in result.claims if c.kind == "steps"]
     stated = {(s.name, row.phase) for s in result.scenarios for row in s.report.step_timeline if steps.host_bound(row)}
-    assert {(c.scenario, c.values["phase"]) for c in claims} == stated
+    assert {(c.scenario, c.step.phase) for c in claims} == stated
     assert {phase for _, phase in stated} == {align.PREFILL} and len(stated) == 2
     for claim in claims:
         scenario = next(s for s in result.scenarios if s.name == claim.scenario)
         assert claim.rows == tuple(p.row for p in scenario.points)
-        assert claim.values["span_verdict"] == verdicts.REGRESSION
+        assert claim.step.span_verdict == verdicts.REGRESSION
         assert "not a slower kernel" in claim_text(claim, result)

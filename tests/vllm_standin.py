@@ -11,7 +11,8 @@
 
 Failures are switched on per arm through STANDIN_FAIL, e.g. "never-ready@fp8,bench@nvfp4":
 server-exit, never-ready, ignore-sigint, profile-404, quality (server; quality: prompts answered 500), drop-keepalive
-(server: a connection closed, unannounced, after each completion); bench
+(server: a connection closed, unannounced, after each completion), drop-window (server under nsys
+--capture-range-end=repeat: no report for its first window); bench
 (client); worker (offline LLM); no-report, export (nsys; these two also per run, e.g. "export@fp8.r2"). STANDIN_DEVICES
 lists the devices whose kernels an export holds, STANDIN_RANK_GIB each tensor-parallel rank's KV memory. STANDIN_PIDDIR
 collects pid files so
@@ -23,6 +24,8 @@ file the server appends a line (the arm) to for each connection that carried com
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import json
 import os
 import signal
@@ -132,6 +135,13 @@ class KvEventPublisher:
         self.seq += 1
 
 
+def record_call(arm: str, name: str, detail=None) -> None:
+    calls = os.environ.get("STANDIN_CALLS")
+    if calls:
+        with open(calls, "a") as handle:
+            handle.write(json.dumps({"arm": arm, "call": name, "detail": detail, "pid": os.getpid()}) + "\n")
+
+
 def complete(request: dict, arm: str) -> dict:
     """A greedy completion of a quality prompt: the sum of the prompt's numbers, which an nvfp4 arm gets wrong (one
     too many) when the sum is odd, and a sentence of up to max_tokens word tokens."""
@@ -165,6 +175,11 @@ def serve(argv: list[str]) -> None:
     stats = Stats(kv_tokens(arm))
     print_kv_lines(stats.capacity)
     dev_mode = os.environ.get("VLLM_SERVER_DEV_MODE") == "1"
+    repeat_output, windows = os.environ.get("STANDIN_NSYS_REPEAT"), [0]
+    # What an engine patch (capture/patches) did to FlashInfer's page module, as the server imports it.
+    page = importlib.import_module("flashinfer.page") if importlib.util.find_spec("flashinfer") else None
+    record_call(arm, "serve", {"patched": hasattr(getattr(page, "_as_float32_scalar_tensors", None), "__wrapped__"),
+                               "port": args.port})
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # keep-alive, as vLLM's server does
@@ -208,9 +223,16 @@ def serve(argv: list[str]) -> None:
         def do_POST(self):
             body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
             if self.path in ("/start_profile", "/stop_profile"):
+                record_call(arm, self.path.strip("/"), json.loads(body) if body else None)
+                if self.path == "/stop_profile":
+                    windows[0] += 1
+                    # nsys --capture-range-end=repeat: a report per capture range (drop-window: none for the first)
+                    if repeat_output and not (failing("drop-window", arm) and windows[0] == 1):
+                        Path(f"{repeat_output}.{windows[0]}.nsys-rep").write_text("stand-in window report\n")
                 self.reply(404 if failing("profile-404", arm) else 200)
             elif self.path == "/reset_prefix_cache":
-                self.reply(200 if dev_mode else 404)
+                record_call(arm, "reset_prefix_cache")
+                self.reply(200 if dev_mode else 404, json.dumps({"success": True}))
             elif self.path == "/v1/completions" and "prompt" in json.loads(body):
                 if failing("quality", arm):
                     self.reply(500, "stand-in: internal error")
@@ -425,6 +447,13 @@ class LLM:
         return metrics
 
 
+FAKE_FLASHINFER = {
+    "flashinfer/__init__.py": "",
+    "flashinfer/page.py": ("def _is_stream_capturing_on_device(device):\n    return False\n\n\n"
+                           "def _as_float32_scalar_tensors(values, *, device):\n    return tuple(v for _, v in values)\n"),
+}
+
+
 FAKE_VLLM = {
     "vllm/__init__.py": "from vllm_standin import LLM, SamplingParams\n__version__ = '0.0.0+standin'\n",
     "vllm/inputs.py": "TokensPrompt = dict\n",
@@ -450,7 +479,7 @@ FAKE_TORCH = {
 
 
 def write_fake_vllm(site: Path) -> None:
-    for relative, text in {**FAKE_VLLM, **FAKE_TORCH}.items():
+    for relative, text in {**FAKE_VLLM, **FAKE_TORCH, **FAKE_FLASHINFER}.items():
         path = site / relative
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
@@ -486,9 +515,12 @@ def nsys(argv: list[str]) -> int:
                                 for device in devices for i in range(3)])
         return 0
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # nsys outlives its target to write the report
-    child = subprocess.Popen(workload, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    env = dict(os.environ)
+    if "--capture-range-end=repeat" in options:
+        env["STANDIN_NSYS_REPEAT"] = output
+    child = subprocess.Popen(workload, env=env, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     returncode = child.wait()
-    if not (failing("no-report", arm) or failing("no-report", run)):
+    if "--capture-range-end=repeat" not in options and not (failing("no-report", arm) or failing("no-report", run)):
         Path(output + ".nsys-rep").write_text("stand-in report\n")
     return returncode if returncode >= 0 else 128 - returncode
 

@@ -271,7 +271,11 @@ def head(diff: Diff, level: int = 3, *, statements: bool = True, serving: list[s
         commands = [shown(command) for command in head.commands]  # a 100,000-character --label shortened
         fence = "`" * max(3, 1 + max(len(run) for run in re.findall("`*", "\n".join(commands))))
         lines += ["", f"{section} Reproduce", "", "From the run directory (absolute paths shortened to their last "
-                  "component):", "", f"{fence}sh", *commands, fence]
+                  "component): the capture as its settings give it, the engine's commands as it ran them, then "
+                  "kvtrace:", "", f"{fence}sh", *commands, fence]
+    if head.model_config:
+        lines += ["", "The model's shape, as the capture read its config.json:", "", "```json",
+                  visible(head.model_config).replace("`", "'"), "```"]
     return lines
 
 

@@ -58,7 +58,7 @@ _BAND_COLOR = "#bbbbbb"
 _BAND_LABEL = "no-change band of each row (its drift band or the threshold)"
 
 
-def _figure(width: float, height: float) -> Figure:
+def new_figure(width: float, height: float) -> Figure:
     figure = Figure(figsize=(width, height), layout="constrained")
     FigureCanvasAgg(figure)
     return figure
@@ -216,7 +216,7 @@ def _by_context(ax, report: Report, series: dict[str, list]) -> None:
 def forest_figure(report: Report) -> Figure | None:
     if not _answer_rows(report):
         return None
-    figure = _figure(9, 0.38 * len(_answer_rows(report)) + 3.2)
+    figure = new_figure(9, 0.38 * len(_answer_rows(report)) + 3.2)
     _forest(figure.add_subplot(), report)
     figure.suptitle(heading(report, "Ratio per workload point"), fontsize=10)
     return figure
@@ -226,7 +226,7 @@ def context_figure(report: Report) -> Figure | None:
     series = _context_rows(report)
     if not series:
         return None
-    figure = _figure(7, 4.5)
+    figure = new_figure(7, 4.5)
     _by_context(figure.add_subplot(), report, series)
     figure.suptitle(heading(report, "Ratio against context length"), fontsize=10)
     return figure
@@ -237,7 +237,7 @@ def summary_figure(report: Report) -> Figure | None:
     if not _answer_rows(report):
         return None
     series = _context_rows(report)
-    figure = _figure(15 if series else 9, 0.38 * len(_answer_rows(report)) + 3.4)
+    figure = new_figure(15 if series else 9, 0.38 * len(_answer_rows(report)) + 3.4)
     axes = figure.subplots(1, 2 if series else 1, squeeze=False)[0]
     _forest(axes[0], report)
     if series:
@@ -250,7 +250,7 @@ def segment_times_figure(report: Report) -> Figure | None:
     rows = [r for r in report.segment_times if r.baseline_total_ns or r.candidate_total_ns]
     if not rows:
         return None
-    figure = _figure(8, 0.55 * len(rows) + 1.8)
+    figure = new_figure(8, 0.55 * len(rows) + 1.8)
     ax = figure.add_subplot()
     height = 0.38
     positions = list(range(len(rows)))
@@ -283,7 +283,7 @@ def segment_ratios_figure(report: Report) -> Figure | None:
     rows = [r for r in report.segment_times if r.ratio is not None]
     if not rows:
         return None
-    figure = _figure(8, 0.5 * len(rows) + 1.8)
+    figure = new_figure(8, 0.5 * len(rows) + 1.8)
     ax = figure.add_subplot()
     positions = list(range(len(rows)))
     _row_bands(ax, report, list(zip(positions, rows)), "no-change-band")
@@ -315,7 +315,7 @@ def ecdf_figure(report: Report) -> Figure | None:
         return None
     columns = min(3, len(cells))
     rows = -(-len(cells) // columns)
-    figure = _figure(5.2 * columns, 3.6 * rows + 0.8)
+    figure = new_figure(5.2 * columns, 3.6 * rows + 0.8)
     axes = figure.subplots(rows, columns, squeeze=False).ravel()
     for ax, cell in zip(axes, cells):
         segment, phase, family = cell
@@ -344,7 +344,7 @@ def bandwidth_figure(report: Report) -> Figure | None:
     rows = [r for r in report.bandwidth if r.baseline_bytes_per_s or r.candidate_bytes_per_s]
     if not rows:
         return None
-    figure = _figure(8, 0.5 * len(rows) + 1.8)
+    figure = new_figure(8, 0.5 * len(rows) + 1.8)
     ax = figure.add_subplot()
     height = 0.38
     positions = list(range(len(rows)))
@@ -383,7 +383,7 @@ def sweep_figure(report: Report) -> Figure | None:
         return None
     panels = (("TTFT (ms)", lambda m: _stat(m.ttft_ms)), ("ITL (ms)", lambda m: _stat(m.itl_ms)),
               ("preemptions", lambda m: m.preemptions))
-    figure = _figure(15, 4.2)
+    figure = new_figure(15, 4.2)
     axes = figure.subplots(1, len(panels))
     contexts = sorted({r.context for r in rows})
     styles = ("-", "--", ":", "-.")
@@ -450,7 +450,7 @@ def crossover_figure(matrix: Matrix, scenario: Scenario) -> Figure | None:
         return None
     name, lower_better, _ = OBJECTIVES[matrix.objective]
     unit = "ms" if name.endswith("_ms") else "tokens/s"
-    figure = _figure(7.5, 4.6)
+    figure = new_figure(7.5, 4.6)
     ax = figure.subplots()
     contexts = sorted({p.context for p in points if p.context is not None})
     styles = ("-", "--", ":", "-.")
@@ -503,7 +503,7 @@ def _objective_value(metrics, name: str) -> float | None:
 def write_matrix_plots(matrix: Matrix, folder: Path, fmt: str = "png", link_base: Path | None = None,
                        inputs=()) -> list[PlotFile]:
     """Each sweep's crossover plot in folder, as write_plots writes a report's."""
-    folder = _plot_folder(folder, fmt, inputs)
+    folder = plot_folder(folder, fmt, inputs)
     written = []
     base = Path(link_base) if link_base is not None else Path.cwd()
     for number, scenario in enumerate(matrix.scenarios, 1):
@@ -511,7 +511,7 @@ def write_matrix_plots(matrix: Matrix, folder: Path, fmt: str = "png", link_base
         if figure is None:
             continue
         path = folder / f"crossover-{number}.{fmt}"
-        _save(figure, path, fmt, inputs)
+        save_figure(figure, path, fmt, inputs)
         link = Path(os.path.relpath(path.resolve(), base.resolve())).as_posix()
         written.append(PlotFile(kind="crossover", title=f"{scenario.name}: {matrix.objective} of both arms against "
                                 f"context and concurrency, with the crossover", path=str(path), link=link,
@@ -520,7 +520,7 @@ def write_matrix_plots(matrix: Matrix, folder: Path, fmt: str = "png", link_base
     return written
 
 
-def _plot_folder(folder: Path, fmt: str, inputs) -> Path:
+def plot_folder(folder: Path, fmt: str, inputs) -> Path:
     if fmt not in FORMATS:
         raise KvtraceError(f"--plot-format {fmt}: choose png or svg")
     folder = Path(folder)
@@ -539,13 +539,13 @@ def write_plots(report: Report, folder: Path, fmt: str = "png", link_base: Path 
     """Save every plot into folder (created when missing), never onto one of `inputs` (a plot's name may be a
     link to one); its files, with paths relative to link_base (the report file's folder; the working directory
     when None), the figure's title and its panels' titles."""
-    folder = _plot_folder(folder, fmt, inputs)
+    folder = plot_folder(folder, fmt, inputs)
     titles = {kind: title for kind, title, _ in PLOTS}
     written = []
     base = Path(link_base) if link_base is not None else Path.cwd()
     for kind, figure in figures(report).items():
         path = folder / f"{kind}.{fmt}"
-        _save(figure, path, fmt, inputs)
+        save_figure(figure, path, fmt, inputs)
         link = Path(os.path.relpath(path.resolve(), base.resolve())).as_posix()
         written.append(PlotFile(kind=kind, title=titles[kind], path=str(path), link=link, heading=figure.get_suptitle(),
                                 panels=tuple(ax.get_title() for ax in figure.axes if ax.get_visible())))
@@ -565,7 +565,7 @@ def _inert(figure: Figure) -> None:
             formatter.seq = [escape.plot_text(label) for label in formatter.seq]
 
 
-def _save(figure: Figure, path: Path, fmt: str, inputs) -> None:
+def save_figure(figure: Figure, path: Path, fmt: str, inputs) -> None:
     """Atomic, and reproducible: no creation date in the file; SVG text stays text (searchable)."""
     metadata = {"Date": None} if fmt == "svg" else {"Software": None}
     image = io.BytesIO()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from kvtrace.analyzer.render import markdown as diff_markdown
 from kvtrace.analyzer.render import quality as quality_render
+from kvtrace.analyzer.render import repro as repro_render
 from kvtrace.analyzer.render.capacity import capacity_markdown
 from kvtrace.analyzer.render.escape import md_code, md_prose, md_text
 from kvtrace.analyzer.render.report_tables import (STEP_LEAD, _bandwidth_table, _cached, _capacity_bound, _compute_lead,
@@ -76,6 +77,9 @@ def report_markdown(report: Report, rest: str | None = diff_markdown.WHOLE) -> t
     if report.left_out:  # what the numbers below cover, before any of them
         top += [f"{MARK['warning']} {md_prose(report.left_out)}", ""]
     top += head
+    if report.repro:  # the traced ratio split into route and format: an answer, before <details>
+        top += [f"- {md_prose(line)}" for line in repro_render.split_lines(report.repro, b.versions.get("flashinfer"))]
+        top += [""]
     lead = [f"Baseline **{labels[0]}** (arm {md_code(b.arm)} of {md_code(shown_path(b.run))}, {md_text(b.engine)} "
             "engine" + (f", {md_text(b.scenario)}" if b.scenario else "") + f"), candidate **{labels[1]}** (arm "
             f"{md_code(c.arm)} of {md_code(shown_path(c.run))}"
@@ -105,6 +109,12 @@ def report_markdown(report: Report, rest: str | None = diff_markdown.WHOLE) -> t
                       "inside it.", ""]
             lines += [f"- {MARK[level]} {md_prose(text)}" for level, text in notes]
         sections.append(diff_markdown.Section("the serving metrics", lines))
+    if report.repro:
+        header, rows = repro_render.split_table(report.repro)
+        lines = ["### Route against format (kvtrace repro)", "",
+                 *markdown_table(header, [[md_text(cell) for cell in row] for row in rows]), ""]
+        lines += [f"- {md_prose(note)}" for note in repro_render.split_notes(report.repro)]
+        sections.append(diff_markdown.Section("the route against format", lines))
     if report.bandwidth:
         ceiling = report.hbm_ceiling
         lines = ["### Achieved bandwidth", "",

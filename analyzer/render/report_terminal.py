@@ -5,6 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 
 from kvtrace.analyzer.render import quality as quality_render
+from kvtrace.analyzer.render import repro as repro_render
 from kvtrace.analyzer.render import terminal as diff_terminal
 from kvtrace.analyzer.render.capacity import capacity_terminal
 from kvtrace.analyzer.render.escape import rich, visible
@@ -40,6 +41,12 @@ def report_terminal(report: Report, console: Console) -> None:
         for level, text in _serving_notes(report):
             console.print(f"  {LEVEL[level]}  ", end="")
             console.print(text, markup=False, highlight=False)
+    if report.repro:
+        for line in repro_render.split_lines(report.repro, b.versions.get("flashinfer")):
+            console.print(f"  {visible(line)}", markup=False, highlight=False)
+        console.print(_rich_table("Route against format (kvtrace repro)", *repro_render.split_table(report.repro)))
+        for note in repro_render.split_notes(report.repro):
+            console.print(f"  {visible(note)}", markup=False, highlight=False)
     if report.bandwidth:
         ceiling = report.hbm_ceiling
         title = "Achieved bandwidth" + (f" (ceiling {_rate(ceiling.bytes_per_s)}: {ceiling.gpu} memoryBandwidth "

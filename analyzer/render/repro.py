@@ -1,6 +1,6 @@
-"""The standalone script of `kvtrace repro`: a docstring saying where its shapes came from and how to run it,
-the specification as a Python literal, and the fixed body (repro_script.tmpl: torch, FlashInfer and the standard
-library only)."""
+"""The standalone script of `kvtrace repro` (a docstring saying where its shapes came from and how to run it, the
+specification as a Python literal, and the fixed body, repro_script.tmpl: torch, FlashInfer and the standard library
+only), and the words and cells of its results' route x format split in report and matrix."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import importlib.resources
 import json
 import pprint
 
-from kvtrace.analyzer.repro import RESULTS_NAME, ReproSpec
+from kvtrace.analyzer.render.units import interval, ratio
+from kvtrace.analyzer.repro import RESULTS_NAME, ReproSplit, ReproSpec
 
 
 def script(spec: ReproSpec) -> str:
@@ -31,3 +32,60 @@ def script(spec: ReproSpec) -> str:
     literal = pprint.pformat(json.loads(json.dumps(data)), width=116, sort_dicts=False)
     return f'"""{doc}"""\n\n' + body.replace("import flashinfer\nimport torch\n",
                                                  f"import flashinfer\nimport torch\n\nSPEC = {literal}\n", 1)
+
+
+# ---- the route x format split in report and matrix -----------------------------------------------------------
+
+SPLIT_HEADER = ["case", "measured with", "traced NVFP4/FP8", "own routes", "= route", "× format",
+                "NVFP4 via FP8 workspace", "rel. L2 vs own cache (FP8, NVFP4)"]
+
+
+def _with(value: float, interval_: tuple[float, float]) -> str:
+    return f"{ratio(value)} {interval(*interval_)}"
+
+
+def _measured_with(split: ReproSplit) -> str:
+    return f"FlashInfer {split.flashinfer or '?'}, {split.gpu or '?'}"
+
+
+def split_table(splits: list[ReproSplit]) -> tuple[list[str], list[list[str]]]:
+    """One row per case of every results file (plain text: the caller escapes it for its format)."""
+    rows = []
+    for split in splits:
+        for row in split.rows:
+            traced = ("not in this diff" if row.traced_ratio is None else
+                      f"{ratio(row.traced_ratio)} {interval(row.traced_low, row.traced_high)}")
+            checks = ", ".join("–" if v is None else f"{v:.2%}" for v in (row.fp8_vs_own_cache, row.nvfp4_vs_own_cache))
+            rows.append([row.case, _measured_with(split), traced, _with(row.ratio, row.ratio_interval),
+                         _with(row.route, row.route_interval), _with(row.format, row.format_interval),
+                         "–" if row.workspace_ratio is None else ratio(row.workspace_ratio), checks])
+    return SPLIT_HEADER, rows
+
+
+def split_lines(splits: list[ReproSplit], traced_release: str | None) -> list[str]:
+    """The answer for each prefill case (plain sentences): the traced ratio, and what the script split it into."""
+    lines = []
+    for split in splits:
+        for row in split.rows:
+            if row.kernel != "prefill":
+                continue
+            traced = ("the trace's" if row.traced_ratio is None else
+                      f"the trace's {ratio(row.traced_ratio)} {interval(row.traced_low, row.traced_high)} "
+                      f"(FlashInfer {traced_release or '?'})")
+            text = (f"Route against format, {row.case} (kvtrace repro with {_measured_with(split)}): NVFP4/FP8 on "
+                    f"their own routes {_with(row.ratio, row.ratio_interval)} = route "
+                    f"{_with(row.route, row.route_interval)} (FP8 on {row.fp8_route} → on {row.nvfp4_route}) × format "
+                    f"{_with(row.format, row.format_interval)} (NVFP4 against FP8, both on {row.nvfp4_route}), beside "
+                    f"{traced}.")
+            if row.route_interval[0] > row.format_interval[1] and row.workspace_ratio is not None:
+                text += (f" The route costs more than the format: NVFP4 dequantized into an FP8 workspace feeding FP8's "
+                         f"kernel ran at {ratio(row.workspace_ratio)} FP8's own route.")
+            lines.append(text)
+    return lines
+
+
+def split_notes(splits: list[ReproSplit]) -> list[str]:
+    notes = [f"{split.file}: {failed}" for split in splits for failed in split.failed]
+    return (["Intervals of the script's numbers: 95% percentile bootstrap over the timed calls of one process "
+             "(call-to-call spread, not run-to-run drift); the traced ratio's is the kernel diff's."]
+            + [f"route failed, {note}" for note in notes])

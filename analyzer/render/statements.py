@@ -4,13 +4,14 @@ for the format at hand (render.escape); numbers and kvtrace's own words pass as 
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from functools import singledispatch
 from typing import Callable
 
 from kvtrace.analyzer import statements as st
+from kvtrace.analyzer.render import budget as budget_words
 from kvtrace.analyzer.render.units import duration, interval
 from kvtrace.analyzer.stats.verdicts import IMPROVEMENT, NO_CHANGE, REGRESSION
+from kvtrace.analyzer.host_waits import WaitKind
 from kvtrace.analyzer.steps import HELD_BY_WAIT
 from kvtrace.text import plural
 
@@ -146,21 +147,22 @@ def _ttft(s: st.TtftStatement, name: Name = _plain) -> str:
         ttft += (f" in the first run; the mean {runs} {e.ratio:.3f}× {interval(e.low, e.high)}, "
                  f"{'no significant difference' if e.verdict == NO_CHANGE else e.verdict}")
         if e.verdict != IMPROVEMENT and s.reading in _GAINS:
-            return f"{ttft}{where}: not a significant gain. What the arms differ in: {_mechanism(s, name, kernels)}"
+            return (f"{ttft}{where}: not a significant gain. What the arms differ in: {_mechanism(s, name, kernels)}"
+                    f"{_budget(s, name)}")
     cached = (f"{s.candidate_cached_tokens:,} cached prompt tokens ({c}) against {s.baseline_cached_tokens:,} ({b})"
               if s.reading in (st.PREFIX_HIT, st.PREFIX_HIT_AND_FASTER, st.PREFIX_HIT_SLOWER, st.PREFILLED_DIFFERENT)
               else "")
     if s.reading == st.PREFIX_HIT:
         return (f"{ttft}{where} while {kernels}, with {cached}{_prefix_evidence(s, name)}. The TTFT gain is a "
                 "capacity / prefix-hit effect (more of the prompt came from the prefix cache, so less prefill ran), "
-                "not a faster prefill kernel")
+                f"not a faster prefill kernel{_budget(s, name)}")
     if s.reading == st.PREFIX_HIT_AND_FASTER:
         return (f"{ttft}{where}, with {cached}{_prefix_evidence(s, name)}. Part of the TTFT gain is this capacity / "
-                f"prefix-hit effect, not kernel speed; {kernels}, so TTFT credits neither alone")
+                f"prefix-hit effect, not kernel speed; {kernels}, so TTFT credits neither alone{_budget(s, name)}")
     if s.reading == st.PREFIX_HIT_SLOWER:
         return (f"{ttft}{where}, with {cached}{_prefix_evidence(s, name)}. The extra prefix hits are a capacity / "
                 f"prefix-hit win for {c}, not a faster kernel: its {kernels} over {s.prefill_compared_calls:,} paired "
-                "calls, and the prefix hits did not make up for them: its TTFT is not lower")
+                f"calls, and the prefix hits did not make up for them: its TTFT is not lower{_budget(s, name)}")
     if s.reading == st.CAPACITY_EFFECT:
         return (f"{ttft}{where} although {kernels}: {b} was capacity-bound there ({name(s.baseline_capacity)}) and "
                 f"{c} was not, so the TTFT gain is a capacity effect (less queueing and recomputation after "
@@ -170,9 +172,19 @@ def _ttft(s: st.TtftStatement, name: Name = _plain) -> str:
                 "the prefill kernels (scheduling, queueing, preemptions), not a faster kernel")
     if s.reading == st.PREFILLED_DIFFERENT:
         return (f"{ttft}{where}, with {cached}: the arms prefilled different amounts, so TTFT mixes kernel speed "
-                "with prefix-cache hits")
+                f"with prefix-cache hits{_budget(s, name)}")
+    if s.reading == st.BUDGET:
+        return f"{ttft}{where}; by vLLM's TTFT budget, {c} − {b}: {budget_words.reason_text(s.reason)}"
     same = s.baseline_cached_tokens is not None and s.candidate_cached_tokens is not None
     return f"{ttft}{where}" + (", same cached prompt tokens" if same else "")
+
+
+def _budget(s: st.TtftStatement, name: Name) -> str:
+    """The TTFT budget after a reading that names another mechanism: what carries the difference, measured."""
+    if s.reason is None:
+        return ""
+    return (f"; by vLLM's TTFT budget, {name(s.candidate)} − {name(s.baseline)}: "
+            f"{budget_words.reason_text(s.reason)}")
 
 
 # The readings that explain a TTFT gain; where the estimate over every run finds none, only their mechanism is said.
@@ -200,7 +212,7 @@ def _step_timeline(s: st.StepTimelineStatement, name: Name = _plain) -> str:
     r, b, c = s.row, name(s.baseline), name(s.candidate)
     kernels = f"{r.kernel_ratio:.3f}× {interval(r.kernel_low, r.kernel_high)}"
     span = f"{r.span_ratio:.3f}× {interval(r.span_low, r.span_high)}, {r.span_verdict}"
-    held = held_text([asdict(k) for k in r.held_by], r.steps, s.baseline, s.candidate, name)
+    held = held_text(r.held_by, r.steps, s.baseline, s.candidate, name)
     if r.host_reading == HELD_BY_WAIT:  # the span not measured as longer
         return (f"{r.phase} steps ({r.steps:,} paired): {c}'s host stayed in {r.candidate_waited_steps:,} of "
                 f"{r.steps:,} steps until their GPU work was nearly done ({b}: {r.baseline_waited_steps:,}): {held}. "
@@ -218,42 +230,42 @@ def _step_timeline(s: st.StepTimelineStatement, name: Name = _plain) -> str:
             f"longer launched ahead of the GPU in {c}'s steps ({why}): host-side time, not a slower kernel")
 
 
-def held_text(kinds: list[dict], steps: int, baseline: str, candidate: str, name: Name = _plain) -> str:
-    """What held the candidate's host (steps.StepPhase.held_by, as dicts): the first kind of wait in full (count,
+def held_text(kinds: tuple[WaitKind, ...], steps: int, baseline: str, candidate: str, name: Name = _plain) -> str:
+    """What held the candidate's host (steps.StepPhase.held_by): the first kind of wait in full (count,
     what it is, host time, how many per step, the kernels launched around it, the baseline's count), the others
     in short. Empty without kinds."""
     if not kinds:
         return ""
     first, b = kinds[0], name(baseline)
-    per_step = (f"{first['per_step_low']:,}" if first["per_step_low"] == first["per_step_high"]
-                else f"{first['per_step_low']:,}–{first['per_step_high']:,}")
-    words = (f"{name(candidate)}'s host waited in {_wait(first, name)} ({name(first['call'])}, "
-             f"{duration(first['candidate_mean_ns'])} each, {duration(first['candidate_ns'])} in all), {per_step} per "
-             f"step in {first['steps']:,} of {steps:,} paired steps{_around(first, name)}; {b}: "
-             + ("none" if not first["baseline_calls"] else
-                f"{first['baseline_calls']:,} ({duration(first['baseline_ns'])} in all)"))
-    others = [f"{_wait(k, name)} ({duration(k['candidate_mean_ns'])} each; {b}: {k['baseline_calls']:,})"
+    per_step = (f"{first.per_step_low:,}" if first.per_step_low == first.per_step_high
+                else f"{first.per_step_low:,}–{first.per_step_high:,}")
+    words = (f"{name(candidate)}'s host waited in {_wait(first, name)} ({name(first.call)}, "
+             f"{duration(first.candidate_mean_ns)} each, {duration(first.candidate_ns)} in all), {per_step} per "
+             f"step in {first.steps:,} of {steps:,} paired steps{_around(first, name)}; {b}: "
+             + ("none" if not first.baseline_calls else
+                f"{first.baseline_calls:,} ({duration(first.baseline_ns)} in all)"))
+    others = [f"{_wait(k, name)} ({duration(k.candidate_mean_ns)} each; {b}: {k.baseline_calls:,})"
               for k in kinds[1:]]
     return words + (f"; also {', '.join(others)}" if others else "")
 
 
-def _wait(kind: dict, name: Name) -> str:
+def _wait(kind: WaitKind, name: Name) -> str:
     """So many calls of a kind of wait: copies by direction, size and memory, synchronizations by their call."""
-    calls = kind["candidate_calls"]
-    if kind["copy_kind"] is None:
-        return f"{calls:,} {name(kind['call'])} {plural(calls, 'call')}"
-    size = (f"{kind['bytes_low']:,} bytes" if kind["bytes_low"] == kind["bytes_high"]
-            else f"{kind['bytes_low']:,}–{kind['bytes_high']:,} bytes")
-    return (f"{calls:,} {name(kind['copy_kind'])} {plural(calls, 'copy', 'copies')} of {size} from "
-            f"{name(kind['src_kind'] or 'unknown')} into {name(kind['dst_kind'] or 'unknown')} memory")
+    calls = kind.candidate_calls
+    if kind.copy_kind is None:
+        return f"{calls:,} {name(kind.call)} {plural(calls, 'call')}"
+    size = (f"{kind.bytes_low:,} bytes" if kind.bytes_low == kind.bytes_high
+            else f"{kind.bytes_low:,}–{kind.bytes_high:,} bytes")
+    return (f"{calls:,} {name(kind.copy_kind)} {plural(calls, 'copy', 'copies')} of {size} from "
+            f"{name(kind.src_kind or 'unknown')} into {name(kind.dst_kind or 'unknown')} memory")
 
 
-def _around(kind: dict, name: Name) -> str:
+def _around(kind: WaitKind, name: Name) -> str:
     """The kernels launched just before and after most of these calls on their thread."""
-    before, after = kind["before"], kind["after"]
+    before, after = kind.before, kind.after
     if before is None and after is None:
         return ""
-    which = "" if kind["around"] == kind["candidate_calls"] else f" ({kind['around']:,} of them)"
+    which = "" if kind.around == kind.candidate_calls else f" ({kind.around:,} of them)"
     if before is None:
         return f", before a launch of {name(after)}{which}"
     if after is None:

@@ -143,3 +143,16 @@ def markdown_table(header: list[str], rows: list[list]) -> list[str]:
 
     lines = ["| " + " | ".join(cell(h) for h in header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     return lines + ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows]
+
+
+def rows_text(rows) -> str:
+    """R1, R2, R4–R6."""
+    rows = sorted(rows)
+    if not rows:
+        return "no row"
+    spans, start = [], rows[0]
+    for prev, cur in zip(rows, rows[1:] + [None]):
+        if cur != prev + 1:
+            spans.append(f"R{start}" if start == prev else f"R{start}–R{prev}")
+            start = cur
+    return ", ".join(spans)

@@ -1,0 +1,189 @@
+"""The TTFT budget of a traffic point, from the server: each arm's mean time to first token split into the time a
+request queued, the time it was prefilled, and the rest, from vLLM's own request histograms; the difference between
+the arms per part, over run pairs; and which part carries the TTFT difference (the reason a point is won).
+
+vLLM 0.33 observes the histograms at these moments (vllm/v1/metrics/stats.py, loggers.py):
+- time_to_first_token: in the API server (the frontend), wall clock from the request's arrival there to the
+  frontend's processing of the engine output that holds its first token;
+- request_queue_time: in the engine core, from the request's QUEUED event to its first SCHEDULED event;
+- request_prefill_time: in the engine core, from the first SCHEDULED event to the timestamp of the engine output
+  that holds the first token (made after the step's GPU work returned): the prefill steps, preemptions during
+  prefill and any wait between chunks;
+- request_decode_time and request_inference_time: first token to last, and first SCHEDULED to last token.
+So the rest, TTFT − queue − prefill, is what happens outside the engine core's two intervals: the frontend's input
+processing and tokenization, the hand-over to the engine core, and the first token's way back to the frontend.
+
+Every number is a mean per request over the point's requests (Δsum / Δcount between the scrapes before and after
+the point's traffic, as the capture recorded them); a difference is candidate − baseline per run pair, averaged over
+run pairs, with a t interval over them where there are two or more (the run pair is the unit, as for the serving
+intervals). Where a trace covers the point's own traffic, analyzer/budget_trace splits the prefill steps further.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from kvtrace.analyzer.budget_trace import TracedSteps
+from kvtrace.analyzer.stats import distributions
+
+# vLLM's request histograms (seconds) that make the budget: its part -> histogram.
+HISTOGRAMS = {"ttft": "vllm:time_to_first_token_seconds", "queue": "vllm:request_queue_time_seconds",
+              "prefill": "vllm:request_prefill_time_seconds", "decode": "vllm:request_decode_time_seconds",
+              "inference": "vllm:request_inference_time_seconds"}
+# TTFT = queue + prefill + rest, per request on average.
+TTFT_PARTS = ("queue", "prefill", "rest")
+PART_WORDS = {"ttft": "TTFT", "queue": "queue time", "prefill": "prefill time",
+              "rest": "the rest (frontend and hand-over)", "decode": "decode time", "inference": "inference time"}
+
+
+@dataclass(frozen=True)
+class ArmBudget:
+    """One arm at one point in one run: means per request, milliseconds."""
+
+    requests: int
+    ttft_ms: float
+    queue_ms: float
+    prefill_ms: float
+    decode_ms: float | None
+    inference_ms: float | None
+
+    @property
+    def rest_ms(self) -> float:
+        return self.ttft_ms - self.queue_ms - self.prefill_ms
+
+    def value(self, part: str) -> float | None:
+        return self.rest_ms if part == "rest" else getattr(self, f"{part}_ms")
+
+
+def arm_budget(histograms: dict) -> ArmBudget | None:
+    """The budget of one point's histogram deltas ({name: {count, sum}}); None where TTFT, queue or prefill time is
+    missing, or where they counted different requests (a request that had its first token but did not finish
+    inside the scrapes)."""
+    means, counts = {}, {}
+    for part, name in HISTOGRAMS.items():
+        entry = histograms.get(name) or {}
+        count, total = entry.get("count"), entry.get("sum")
+        if isinstance(count, (int, float)) and isinstance(total, (int, float)) and count > 0 \
+                and math.isfinite(total):
+            means[part], counts[part] = 1000.0 * total / count, count
+    if any(part not in means for part in ("ttft", "queue", "prefill")):
+        return None
+    if len({counts[part] for part in ("ttft", "queue", "prefill")}) != 1:
+        return None
+    return ArmBudget(requests=int(counts["ttft"]), ttft_ms=means["ttft"], queue_ms=means["queue"],
+                     prefill_ms=means["prefill"], decode_ms=means.get("decode"), inference_ms=means.get("inference"))
+
+
+@dataclass(frozen=True)
+class PartDelta:
+    """One part of the budget, both arms' means over their runs and candidate − baseline over run pairs."""
+
+    part: str  # ttft, queue, prefill, rest, decode, inference
+    baseline_ms: float
+    candidate_ms: float
+    delta_ms: float
+    low_ms: float | None  # the t interval over run pairs; None with one run pair
+    high_ms: float | None
+
+
+def part_delta(part: str, pairs: Sequence[tuple[ArmBudget, ArmBudget]], confidence: float = 0.95) -> PartDelta | None:
+    values = [(b.value(part), c.value(part)) for b, c in pairs]
+    if not values or any(v is None for pair in values for v in pair):
+        return None
+    base, cand = (np.array(side, dtype=np.float64) for side in zip(*values))
+    deltas = cand - base
+    low = high = None
+    if deltas.size >= 2:
+        spread = distributions.t_quantile(0.5 + confidence / 2, deltas.size - 1) * float(deltas.std(ddof=1)) \
+            / math.sqrt(deltas.size)
+        low, high = float(deltas.mean()) - spread, float(deltas.mean()) + spread
+    return PartDelta(part, float(base.mean()), float(cand.mean()), float(deltas.mean()), low, high)
+
+
+@dataclass(frozen=True)
+class PointBudget:
+    """The TTFT budget of one traffic point over its run pairs: TTFT and its parts (queue, prefill, rest), then decode
+    and inference time where recorded; `carrier`: the part of TTFT that carries the TTFT difference (the largest
+    move in its direction), with its share of it."""
+
+    runs: int
+    parts: tuple[PartDelta, ...]
+    carrier: str
+    share: float | None  # carrier's delta / TTFT's delta (above 1 where other parts moved the other way)
+
+    def part(self, name: str) -> PartDelta | None:
+        return next((p for p in self.parts if p.part == name), None)
+
+    @property
+    def ttft(self) -> PartDelta:
+        return self.part("ttft")
+
+
+def point_budget(pairs: Sequence[tuple[ArmBudget | None, ArmBudget | None]],
+                 confidence: float = 0.95) -> PointBudget | None:
+    """A point's budget over its run pairs (baseline's, candidate's per run pair); None where a run pair lacks one."""
+    if not pairs or any(None in pair for pair in pairs):
+        return None
+    parts = tuple(p for p in (part_delta(name, pairs, confidence) for name in ("ttft", *TTFT_PARTS, "decode",
+                                                                                 "inference")) if p is not None)
+    ttft = next(p for p in parts if p.part == "ttft")
+    sign = 1.0 if ttft.delta_ms >= 0 else -1.0
+    carrier = max((p for p in parts if p.part in TTFT_PARTS), key=lambda p: sign * p.delta_ms)
+    share = carrier.delta_ms / ttft.delta_ms if ttft.delta_ms else None
+    return PointBudget(runs=len(pairs), parts=parts, carrier=carrier.part, share=share)
+
+
+def pooled(budgets: Sequence[tuple[tuple[ArmBudget, ArmBudget], ...]], confidence: float = 0.95) -> PointBudget | None:
+    """One budget over the run pairs of several measurements of one point (each a tuple of run pairs)."""
+    return point_budget([pair for pairs in budgets for pair in pairs], confidence)
+
+
+# What carries a point's TTFT difference (Reason.cause), the words a won point's cause is given in.
+CAPACITY = "avoided capacity limits"  # queue time carries it: the loser's requests waited for room
+FASTER_KERNEL = "faster kernel"  # prefill time carries it, and in the traced steps one segment's kernels do
+HOST_TIME = "less host-held time"  # prefill time carries it, and in the traced steps the GPU waiting on the host does
+PREFILL_TIME = "shorter prefill time"  # prefill time carries it; the traces do not say which component, or none cover
+REST_TIME = "less time outside the engine core"  # the rest carries it: frontend processing and hand-over
+_CAUSE_OF_PART = {"queue": CAPACITY, "prefill": PREFILL_TIME, "rest": REST_TIME}
+# A component carries a difference when it holds at least this share of it.
+MOST = 0.5
+
+
+@dataclass(frozen=True)
+class Reason:
+    """Why a point's TTFT differs, measured at that very point: the budget's part that carries the difference, and,
+    where a trace covers the point's own traffic, which component of the traced prefill steps carries the span's
+    difference (`step_carrier`: "host" or a segment, None where none holds most of it). `cause` names a kernel or
+    the host only where that component also holds most of the prefill part's difference."""
+
+    budget: PointBudget
+    steps: TracedSteps | None
+    trace_note: str | None  # why no split: budget_trace.NOT_TRACED, NO_PREFILL_STEPS
+    step_carrier: str | None
+    cause: str
+
+    @property
+    def carrier(self) -> PartDelta:
+        return self.budget.part(self.budget.carrier)
+
+
+def reason(point_budget_: PointBudget | None, steps: TracedSteps | None, trace_note: str | None) -> Reason | None:
+    if point_budget_ is None:
+        return None
+    part = point_budget_.part(point_budget_.carrier)
+    cause = _CAUSE_OF_PART[part.part]
+    step_carrier = None
+    if steps is not None and part.part == "prefill":
+        sign = 1.0 if part.delta_ms >= 0 else -1.0
+        span = sign * steps.delta_ns("span") / 1e6
+        top = max(steps.components, key=lambda c: sign * steps.delta_ns(c))
+        moved = sign * steps.delta_ns(top) / 1e6
+        if span > 0 and moved >= MOST * span:
+            step_carrier = top
+            if moved >= MOST * abs(part.delta_ms):
+                cause = HOST_TIME if top == "host" else FASTER_KERNEL if top != "other" else PREFILL_TIME
+    return Reason(budget=point_budget_, steps=steps, trace_note=trace_note, step_carrier=step_carrier, cause=cause)

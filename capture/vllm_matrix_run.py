@@ -1,0 +1,411 @@
+"""Runs a capture matrix (capture/vllm_matrix): servers up, rounds of gated clients, a window per point, the
+co-residence check, exports, and the manifests (rewritten after every point, so that an interrupted matrix still
+says what finished; reports stay in servers/LABEL/ for a later export).
+
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import sys
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import kvtrace.nsys
+from kvtrace.capture import runner, vllm_engine, vllm_servers
+from kvtrace.capture.processes import sigterm_as_interrupt
+from kvtrace.capture.vllm_commands import bench_command, point_tag, warmup_point
+from kvtrace.capture.vllm_common import request_order_sha256
+from kvtrace.capture.vllm_config import ATTENTION_BACKEND, child_env, engine_flags
+from kvtrace.capture.vllm_engine import VllmArm, _Session, _write_manifests
+from kvtrace.capture.vllm_http import NET_ERRORS
+from kvtrace.capture.vllm_kv_events import check_available as check_kv_events_available
+from kvtrace.capture.vllm_matrix import (EXPORT_S, MATRIX, POINT_OVERHEAD_S, PRESTART_S, START_S, WARMUP_S, MatrixConfig,
+                                         MatrixScenario, Progress, _check_point, plan, traffic_estimate_s)
+from kvtrace.capture.vllm_preflight import check_model, check_port, check_probe, probe_environment, relevant_env
+from kvtrace.errors import KvtraceError
+from kvtrace.manifest import capacity_reason
+
+READY_LINE = "kvtrace: client ready"
+PRESTART_LIMIT_S = 300.0
+
+
+@dataclass
+class MatrixRun(VllmArm):
+    server: str = ""  # the server (arm label) whose lifetime this run belonged to: settings.servers
+    patch: dict | None = None  # the engine patch of a counterfactual arm (capture/vllm_patches)
+    windows: list[dict] = field(default_factory=list)
+    timings: list[dict] = field(default_factory=list)  # {"phase", "point", "seconds"}: traffic, profiling, export
+
+
+@dataclass
+class _Scenario:
+    spec: MatrixScenario
+    out: Path
+    settings: dict
+    runs: dict[tuple[str, int], MatrixRun] = field(default_factory=dict)  # (arm label, round)
+
+
+def _prepare_root(root: Path, force: bool) -> None:
+    if root.exists() and any(root.iterdir()):
+        if not (root / MATRIX).exists():
+            raise KvtraceError(f"{root} is not empty and holds no kvtrace {MATRIX}: choose another --out")
+        if not force:
+            raise KvtraceError(f"{root} already holds a matrix: pass --force to replace it, or choose another --out")
+        shutil.rmtree(root)
+    root.mkdir(parents=True, exist_ok=True)
+
+
+def capture(cfg: MatrixConfig, root: Path, *, force: bool = False, nsys: str | None = None, python: str | None = None,
+            startup_timeout_s: float = 1800.0, shutdown_grace_s: float = 300.0,
+            poll_interval_s: float | None = None, progress_stream=None) -> dict:
+    from kvtrace.capture.vllm_commands import POLL_INTERVAL_S
+
+    cfg.validate()
+    python = python or sys.executable
+    poll_interval_s = POLL_INTERVAL_S if poll_interval_s is None else poll_interval_s
+    first = cfg.server_cfg(0)
+    model = check_model(first)
+    nsys_path = kvtrace.nsys.find_nsys(nsys)
+    for index in range(len(cfg.arms)):
+        server = cfg.server_cfg(index)
+        check_port(server.host, server.port)
+        check_port("127.0.0.1", server.kv_events_port)
+    check_kv_events_available()
+    probe = probe_environment(python, any(a.kv_dtype.startswith("nvfp4") for a in cfg.arms))
+    check_probe(probe, tuple(sorted({a.kv_dtype for a in cfg.arms})), 1)
+    _prepare_root(root, force)
+    environment = runner.host_environment(nsys_path)
+    environment.update({
+        "packages": {name: probe.get(name) for name in ("vllm", "torch", "flashinfer-python", "prometheus-client")},
+        "cuda_runtime": probe.get("cuda_runtime"),
+        "gpu": {"name": probe.get("gpu_name"), "sm": "".join(map(str, probe.get("capability", []))),
+                "count": probe.get("gpu_count")},
+        "vllm_nvfp4_kv": probe.get("vllm_nvfp4_kv"), "inherited_env": relevant_env(os.environ)})
+    env = {**os.environ, **child_env(first), "VLLM_SERVER_DEV_MODE": "1"}  # mounts POST /reset_prefix_cache
+    matrix = _Matrix(cfg, root, nsys_path, python, env, environment, model, startup_timeout_s, shutdown_grace_s,
+                     poll_interval_s, Progress(plan(cfg), progress_stream))
+    return matrix.run()
+
+
+class _Matrix:
+    def __init__(self, cfg, root, nsys, python, env, environment, model, startup_timeout_s, shutdown_grace_s,
+                 poll_interval_s, progress):
+        self.cfg, self.root, self.nsys, self.python, self.env = cfg, root, nsys, python, env
+        self.environment, self.model = environment, model
+        self.startup_timeout_s, self.shutdown_grace_s, self.poll_interval_s = startup_timeout_s, shutdown_grace_s, poll_interval_s
+        self.progress = progress
+        self.timeline: list[dict] = []  # every phase with its wall time, for matrix.json
+        self.co_resident, self.fallback = cfg.co_resident, None
+        self.servers = self._new_servers()
+        self.scenarios = [self._scenario(s) for s in cfg.scenarios]
+        self.check: _Scenario | None = None
+        self.error: str | None = None  # what stopped the matrix early, if anything did
+
+    # -- setup --
+    def _new_servers(self) -> list[vllm_servers.ArmServer]:
+        return [vllm_servers.ArmServer(spec, self._server_cfg(i), self.root / "servers" / spec.label, self.nsys,
+                                       self.python, self.env) for i, spec in enumerate(self.cfg.arms)]
+
+    def _server_cfg(self, index):
+        from dataclasses import replace
+
+        cfg = self.cfg.server_cfg(index)
+        return cfg if self.co_resident else replace(cfg, extra_args=self.cfg.extra_args)
+
+    def _settings(self, spec: MatrixScenario) -> dict:
+        workload = spec.workload
+        return {
+            "scenario": workload.scenario, "mode": "serve", "model": self.model,
+            "arms": [a.label for a in self.cfg.arms if spec.point_indices(a)], "repeats": self.cfg.repeats,
+            "order": [f"{a.label}.r{k}" for k in range(1, self.cfg.repeats + 1) for a in self.cfg.arms
+                      if spec.point_indices(a)],
+            "profile_steps": spec.profile_steps, "attention_backend": ATTENTION_BACKEND,
+            "load_format": self.cfg.load_format, "seed": self.cfg.seed, "prefix_caching": True,
+            "prefix_cache_reset": "POST /reset_prefix_cache before every point (VLLM_SERVER_DEV_MODE=1)",
+            "points": [point.spec() for point in spec.points()],
+            "extra_vllm_args": list(self.cfg.extra_args), "env": child_env(self._server_cfg(0)),
+            "patches": {a.label: a.record() for a in self.cfg.arms if a.patch},
+            "request_order_basis": "the bench client's dataset arguments and seed (it draws the prompts from them)",
+            "matrix": {"root": "..", "file": f"../{MATRIX}", "run_dir": spec.name},
+        }
+
+    def _scenario(self, spec: MatrixScenario, out: Path | None = None) -> _Scenario:
+        out = out or self.root / spec.name
+        out.mkdir(parents=True, exist_ok=True)
+        scenario = _Scenario(spec, out, self._settings(spec))
+        for round_ in range(1, self.cfg.repeats + 1):
+            for arm in self.cfg.arms:
+                if spec.point_indices(arm):
+                    name = f"{arm.label}.r{round_}"
+                    scenario.runs[(arm.label, round_)] = MatrixRun(
+                        name=name, arm=arm.label, repeat=round_, kv_cache_dtype=arm.kv_dtype, log=f"{arm.label}.server.log",
+                        server=arm.label, patch=arm.record())
+        return scenario
+
+    def _write(self, scenario: _Scenario, interrupted: bool = False) -> dict:
+        scenario.settings["servers"] = {s.spec.label: s.record() for s in self.servers}
+        scenario.settings["engine_flags"] = {s.spec.label: engine_flags(s.cfg, s.spec.kv_dtype) for s in self.servers}
+        scenario.settings["co_resident"] = self.co_resident
+        if not self.co_resident:  # one arm's rounds after another's
+            scenario.settings["order"] = sorted(scenario.settings["order"], key=lambda name: [
+                a.label for a in self.cfg.arms].index(name.rsplit(".r", 1)[0]))
+        if self.fallback:
+            scenario.settings["co_resident_fallback"] = self.fallback
+        for run in scenario.runs.values():
+            windows = [w for s in self.servers for w in s.windows if w.run_dir == scenario.out and w.run == run.name]
+            run.windows = [w.record() for w in windows]
+            # What a reader of older manifests takes as the run's one trace, covering its first point.
+            first = [w for w in windows if run.points and w.point == run.points[0]["index"]]
+            run.sqlite = first[0].sqlite if first and first[0].status == "exported" else None
+            server = next(s for s in self.servers if s.spec.label == run.server)
+            run.kv_cache = server.kv_cache
+        return _write_manifests(scenario.out, self.environment, scenario.settings, list(scenario.runs.values()),
+                                interrupted)
+
+    def _write_all(self, interrupted: bool = False) -> None:
+        for scenario in self.scenarios + ([self.check] if self.check else []):
+            self._write(scenario, interrupted)
+        runner.write_json_atomic(self.root / MATRIX, {
+            "kvtrace_matrix": 1, "scenarios": [s.spec.name for s in self.scenarios],
+            "co_residence_check": self.check.spec.name if self.check else None,
+            "arms": [{"label": a.label, "kv_cache_dtype": a.kv_dtype, "patch": a.record()} for a in self.cfg.arms],
+            "repeats": self.cfg.repeats, "co_resident": self.co_resident, "co_resident_fallback": self.fallback,
+            "servers": {s.spec.label: s.record() for s in self.servers}, "timeline": self.timeline, "error": self.error,
+            "seconds": round(sum(p["seconds"] for p in self.timeline), 1)})
+
+    def _phase(self, name: str, started: float, planned_s: float, **where) -> float:
+        seconds = round(time.monotonic() - started, 2)
+        self.timeline.append({"phase": name, **where, "seconds": seconds})
+        label = " ".join([name] + [f"{k} {v}" for k, v in where.items()])
+        self.progress.done(label, planned_s, seconds)
+        return seconds
+
+    # -- servers --
+    def _start(self, servers) -> list:
+        started = time.monotonic()
+        for server in servers:
+            server.start()
+        failed = []
+        for server in servers:
+            try:
+                server.wait_ready(self.startup_timeout_s)
+            except (*NET_ERRORS, RuntimeError) as failure:
+                server.error = f"{failure} (see {server.log})"
+                failed.append(server)
+        self._phase("server start and compile", started, START_S, servers=",".join(s.spec.label for s in servers))
+        return failed
+
+    def _stop(self, servers) -> None:
+        """All at once: each nsys writes its last report while the others do."""
+        with ThreadPoolExecutor(max_workers=max(1, len(servers))) as pool:
+            list(pool.map(lambda server: server.stop(self.shutdown_grace_s), servers))
+
+    # -- traffic --
+    def _client(self, scenario: _Scenario, server, command, log: Path) -> vllm_servers.GatedClient:
+        return vllm_servers.GatedClient(command, self.env, log, self.python).start()
+
+    def _prestart(self, round_: int, servers) -> dict:
+        """Every client of the round, started and past their imports before any traffic, so that no import runs
+        beside a measured point."""
+        started = time.monotonic()
+        clients = {}
+        for scenario in self.scenarios:
+            cfg_of = {s.spec.label: self.cfg.scenario_cfg(scenario.spec, s.cfg) for s in servers}
+            for server in servers:
+                run = scenario.runs.get((server.spec.label, round_))
+                if run is None or not server.up():
+                    continue
+                cfg = cfg_of[server.spec.label]
+                indices = scenario.spec.point_indices(server.spec)
+                points = scenario.spec.points()
+                if round_ == 1:
+                    warm = bench_command(cfg, self.python, warmup_point(points[indices[0]]), seed=self.cfg.seed + 1,
+                                         result=None, relay_port=server.relay.port)
+                    clients[(scenario.spec.name, server.spec.label, "warm-up")] = self._client(
+                        scenario, server, warm, scenario.out / f"{run.name}.warmup.bench.log")
+                for index in indices:
+                    stem = f"{run.name}{point_tag(scenario.spec.workload, index)}"
+                    command = bench_command(cfg, self.python, points[index], seed=self.cfg.seed,
+                                            result=scenario.out / f"{stem}.bench.json", relay_port=server.relay.port)
+                    clients[(scenario.spec.name, server.spec.label, index)] = self._client(
+                        scenario, server, command, scenario.out / f"{stem}.bench.log")
+        deadline = time.monotonic() + PRESTART_LIMIT_S
+        for client in clients.values():
+            while time.monotonic() < deadline and client.process.running() and \
+                    READY_LINE not in client.process.log_path.read_text(errors="replace"):
+                time.sleep(0.2)
+        self._phase("client prestart", started, PRESTART_S, round=round_, clients=len(clients))
+        return clients
+
+    def _round(self, round_: int, servers) -> None:
+        clients = self._prestart(round_, servers)
+        try:
+            for scenario in self.scenarios:
+                for server in servers:
+                    run = scenario.runs.get((server.spec.label, round_))
+                    if run is not None:
+                        self._run(scenario, server, run, clients, round_)
+        finally:
+            for client in clients.values():
+                client.cancel()
+
+    def _run(self, scenario: _Scenario, server, run: MatrixRun, clients: dict, round_: int) -> None:
+        cfg = self.cfg.scenario_cfg(scenario.spec, server.cfg)
+        session = _Session(cfg, scenario.out, self.nsys, self.python, self.env, self.startup_timeout_s,
+                           self.shutdown_grace_s, self.poll_interval_s)
+        bench_log = scenario.out / f"{run.name}.bench.log"
+        started = time.monotonic()
+        try:
+            if not server.up():
+                raise RuntimeError(f"the {server.spec.label} server is not running ({server.error or 'it exited'})")
+            warm = clients.pop((scenario.spec.name, server.spec.label, "warm-up"), None)
+            if warm is not None:
+                begun = time.monotonic()
+                if warm.run() != 0:
+                    raise RuntimeError("the warm-up `vllm bench serve` failed")
+                server.timings.setdefault("warmup_s", {})[scenario.spec.name] = self._phase(
+                    "warm-up", begun, WARMUP_S, scenario=scenario.spec.name, arm=server.spec.label)
+                server.relay.take()
+            for index in scenario.spec.point_indices(server.spec):
+                self._point(scenario, server, run, session, index, clients.pop((scenario.spec.name, server.spec.label,
+                                                                                index)), bench_log)
+            run.status = "ok"
+        except (*NET_ERRORS, RuntimeError, ValueError) as failure:
+            run.status, run.error = "failed", f"{failure} (see {run.name}*.bench.log, {run.log})"
+        except KeyboardInterrupt:
+            run.status, run.error = "failed", "interrupted (Ctrl-C or SIGTERM); its processes were shut down"
+            raise
+        finally:
+            run.seconds = round((run.seconds or 0) + time.monotonic() - started, 1)
+            hashes = [p["request_order_sha256"] for p in run.points]
+            run.request_order_sha256 = request_order_sha256(hashes) if hashes else None
+            self._write(scenario)
+
+    def _point(self, scenario: _Scenario, server, run: MatrixRun, session, index: int, client, bench_log: Path) -> None:
+        point = scenario.spec.points()[index]
+        begun = time.monotonic()
+        server.reset_prefix_cache()
+        window = vllm_servers.Window(scenario.out, run.name, index, scenario.spec.profile_steps)
+        server.open_window(window)
+        opened = time.monotonic()
+        try:
+            record = vllm_engine._serve_point(session, run, index, point, bench_log, server.relay, server.events,
+                                              run_bench=lambda command: client.run())
+        except BaseException:
+            # vLLM refuses a new /start_profile while a session is open: close it even when the point failed.
+            with contextlib.suppress(*NET_ERRORS, RuntimeError):
+                server.close_window(window)
+            raise
+        closing = time.monotonic()
+        server.close_window(window)
+        profiling = (opened - begun) + (time.monotonic() - closing)
+        record["capacity"] = capacity_reason(point, record["metrics"]["deltas"], record["metrics"]["peaks"],
+                                             (server.kv_cache or {}).get("tokens"))
+        run.timings += [{"phase": "traffic", "point": index, "seconds": record["seconds"]},
+                       {"phase": "profiling", "point": index, "seconds": round(profiling, 2)}]
+        self._phase("traffic", begun, _planned(scenario, index), scenario=scenario.spec.name, run=run.name,
+                    point=index)
+        self._write(scenario)
+
+    # -- the whole matrix --
+    def run(self) -> dict:
+        self._write_all()
+        with sigterm_as_interrupt():
+            try:
+                self._record()
+            except KeyboardInterrupt:
+                self._stop(self.servers)
+                self._write_all(interrupted=True)
+                raise
+            except Exception as failure:  # a fault of kvtrace's own: what was recorded is still exported
+                self.error = f"{type(failure).__name__}: {failure}"
+                traceback.print_exc()
+            finally:
+                self._stop(self.servers)
+            started = time.monotonic()
+            windows = [w for s in self.servers for w in s.windows]
+            vllm_servers.export_windows(windows, self.nsys, self.cfg.export_workers)
+            self._phase("export", started, EXPORT_S * len(windows) / max(1, self.cfg.export_workers), windows=len(windows))
+            for scenario in self.scenarios + ([self.check] if self.check else []):
+                for run in scenario.runs.values():
+                    run.timings += [{"phase": "export", "point": w.point, "seconds": w.export_s}
+                                   for s in self.servers for w in s.windows
+                                   if w.run_dir == scenario.out and w.run == run.name and w.export_s is not None]
+                    server = next(s for s in self.servers if s.spec.label == run.server)
+                    if server.log.exists():
+                        shutil.copyfile(server.log, scenario.out / run.log)
+            self._write_all()
+        return json.loads((self.root / MATRIX).read_text())
+
+    def _record(self) -> None:
+        groups = [self.servers] if self.co_resident else [[s] for s in self.servers]
+        failed = self._start(groups[0])
+        if failed and self.co_resident and len(self.servers) > 1:
+            self.fallback = (f"{', '.join(s.spec.label for s in failed)} did not start beside the others "
+                             f"({failed[0].error}); the arms ran one after another")
+            self._stop(self.servers)
+            shutil.rmtree(self.root / "servers", ignore_errors=True)
+            self.co_resident = False
+            self.servers = self._new_servers()
+            groups = [[s] for s in self.servers]
+            self._start(groups[0])
+        for position, group in enumerate(groups):
+            if position:
+                self._start(group)
+            for round_ in range(1, self.cfg.repeats + 1):
+                self._round(round_, group)
+            if not self.co_resident:
+                self._stop(group)
+        if self.co_resident and self.cfg.co_residence_check and len(self.servers) > 1 and self.servers[0].up():
+            self._co_residence_check()
+
+    def _co_residence_check(self) -> None:
+        """One point again on the first arm with every other server shut down: A alone against A beside idle B."""
+        from dataclasses import replace
+
+        self._stop(self.servers[1:])
+        scenario_spec, _, index = _check_point(self.cfg)
+        spec = replace(scenario_spec, name="co-residence")
+        self.check = self._scenario(spec)
+        first = self.servers[0]
+        self.check.runs = {(first.spec.label, 1): MatrixRun(
+            name=f"{first.spec.label}.r1", arm=first.spec.label, repeat=1, kv_cache_dtype=first.spec.kv_dtype,
+            log=f"{first.spec.label}.server.log", server=first.spec.label, patch=first.spec.record())}
+        self.check.settings.update(arms=[first.spec.label], order=[f"{first.spec.label}.r1"], repeats=1,
+                                   points=[scenario_spec.points()[index].spec()],
+                                   co_residence_check={"alone": first.spec.label, "compares_with": scenario_spec.name,
+                                                       "point": index, "beside_idle": [s.spec.label for s in self.servers[1:]]})
+        self.check.spec = replace(spec, workload=replace(spec.workload, concurrencies=(scenario_spec.points()[index].concurrency,)))
+        clients = self._prestart_check(first)
+        try:
+            self._run(self.check, first, self.check.runs[(first.spec.label, 1)], clients, 1)
+        finally:
+            for client in clients.values():
+                client.cancel()
+
+    def _prestart_check(self, server) -> dict:
+        started = time.monotonic()
+        cfg = self.cfg.scenario_cfg(self.check.spec, server.cfg)
+        point = self.check.spec.points()[0]
+        stem = f"{server.spec.label}.r1{point_tag(self.check.spec.workload, 0)}"
+        command = bench_command(cfg, self.python, point, seed=self.cfg.seed, result=self.check.out / f"{stem}.bench.json",
+                                relay_port=server.relay.port)
+        client = self._client(self.check, server, command, self.check.out / f"{stem}.bench.log")
+        deadline = time.monotonic() + PRESTART_LIMIT_S
+        while time.monotonic() < deadline and client.process.running() and \
+                READY_LINE not in client.process.log_path.read_text(errors="replace"):
+            time.sleep(0.2)
+        self._phase("client prestart", started, PRESTART_S, round="co-residence")
+        return {(self.check.spec.name, server.spec.label, 0): client}
+
+
+def _planned(scenario: _Scenario, index: int) -> float:
+    return POINT_OVERHEAD_S + traffic_estimate_s(scenario.spec.points()[index])
