@@ -11,7 +11,7 @@ from kvtrace.analyzer.results import Arm, Diff, DiffRow, Summary
 from kvtrace.analyzer.findings import read_first
 from kvtrace.analyzer.kernels import KernelList
 from kvtrace.analyzer.headline import APPEND_PHASE, Headline
-from kvtrace.analyzer.render.escape import md_code, md_prose, md_text, shown
+from kvtrace.analyzer.render.escape import md_code, md_prose, md_text, shown, visible
 from kvtrace.analyzer.render.statements import text as statement_text
 from kvtrace.analyzer.render.units import (HEAD_TIMES, MARK, arm_time, calls, duration, head_time,
                                           markdown_table, no_change_band, numbered_notes, per_call, percent,
