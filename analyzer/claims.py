@@ -21,8 +21,8 @@ from kvtrace.analyzer.budget import Reason
 from kvtrace.analyzer.kv_pool import ArmPool, Projection
 from kvtrace.analyzer.reuse import Evictions, PrefixReuse
 from kvtrace.analyzer.statements import APPEND_PHASE, KernelStatement
+from kvtrace.analyzer.stats.verdicts import Verdict
 from kvtrace.analyzer.steps import StepPhase
-from kvtrace.analyzer.stats import verdicts
 from kvtrace.errors import KvtraceError
 
 if TYPE_CHECKING:
@@ -282,6 +282,7 @@ class ResidencyClaim:
     runs: int | None
     pooled_with: tuple[int, ...]
     pooled_directories: int
+    undecided: str | None  # why the point is not decided (MatrixPoint.undecided), else None
 
 
 @dataclass(frozen=True)
@@ -373,7 +374,7 @@ def claims(scenarios: list[Scenario], objective: str, threshold: float) -> list[
         out += [measured] if measured.phases else []
         out += point_claims(group, base, cand, objective, threshold)
         out += residency_claims(group, base, cand, objective)
-        out += [StepsClaim(tuple(p.row for p in s.points), s.name, base, cand, statement.row)
+        out += [StepsClaim(_traced_rows(s), s.name, base, cand, statement.row)
                 for s in group for statement in s.report.statements if statement.kind == "step-timeline"]
         out += [KernelsClaim((p.row,), s.name, base, cand, tuple(KernelCost.of(k) for k in s.kernels
                                                                    if k.ratio is not None))
@@ -383,6 +384,13 @@ def claims(scenarios: list[Scenario], objective: str, threshold: float) -> list[
         out.append(choice_claim(group, rows, base, cand, objective, {r for c in disagree for r in c.rows}))
         out.append(QualityClaim(rows, base, cand, tuple(s.name for s in group if s.report.quality)))
     return out
+
+
+def _traced_rows(s: Scenario) -> tuple[int, ...]:
+    """The rows whose traffic the scenario's kernel diff (and its steps table) read: every row of a run without
+    serving, else the points its traces cover (a one-trace run's first point)."""
+    covered = tuple(p.row for p in s.points if p.serving is None or p.serving.diff_covers)
+    return covered or tuple(p.row for p in s.points)
 
 
 def _model_shape(s: Scenario) -> str:
@@ -456,8 +464,8 @@ def measured_claim(group: list[Scenario]) -> MeasuredClaim:
     decode = [k.verdict for s in group for k in s.kernels if k.subject == "decode_attention" and k.ratio is not None
               and SPLIT_KV_MERGE not in (k.kernels or "")]
     if narrower and decode:
-        faster = verdicts.IMPROVEMENT if narrower == "candidate" else verdicts.REGRESSION
-        slower = verdicts.REGRESSION if narrower == "candidate" else verdicts.IMPROVEMENT
+        faster = Verdict.IMPROVEMENT if narrower == "candidate" else Verdict.REGRESSION
+        slower = Verdict.REGRESSION if narrower == "candidate" else Verdict.IMPROVEMENT
         favour, against = decode.count(faster), decode.count(slower)
         expectation = ("held" if favour and not against else "did not hold" if against and not favour else
                        "held at some rows only" if favour else None)
@@ -531,7 +539,8 @@ def residency_claims(group: list[Scenario], base: str, cand: str, objective: str
                 (p.row,) + ((kernel.row,) if kernel else ()), p.scenario, base, cand, p.point, objective,
                 (arms[0].reuse, arms[1].reuse), (arms[0].reuse.cached_share, arms[1].reuse.cached_share),
                 (arms[0].evictions, arms[1].evictions), kernel, p.winner, p.ratio, e.low if e else None,
-                e.high if e else None, e.runs if e else None, tuple(p.pooled_with), p.pooled_directories))
+                e.high if e else None, e.runs if e else None, tuple(p.pooled_with), p.pooled_directories,
+                p.undecided))
     return out
 
 

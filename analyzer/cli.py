@@ -29,6 +29,7 @@ from kvtrace.analyzer.names import NameKey
 from kvtrace.analyzer.results import Diff
 from kvtrace.analyzer.runs import trace_query_dtypes
 from kvtrace.analyzer.stats import verdicts
+from kvtrace.analyzer.stats.verdicts import Verdict
 from kvtrace.analyzer.render.escape import visible
 from kvtrace.errors import KvtraceError
 from kvtrace.text import plural
@@ -265,22 +266,27 @@ def emit(result, fmt: str, output: Path | None) -> None:
         click.echo(line, err=True)
 
 
-# More warnings than this are counted on standard error, not listed: the file lists them.
+# Standard error lists at most this many findings (kernel families paired on their last calls, one finding each,
+# are the many, and come last); the rest it counts, naming the file that lists them.
 LISTED_WARNINGS = 5
+_PER_FAMILY = "alignment"
 
 
 def warning_lines(findings: list, listed_in: Path) -> list[str]:
-    """The lines for standard error: each finding, or, past LISTED_WARNINGS, their counts by level and check and the
-    file that lists each."""
-    if len(findings) <= LISTED_WARNINGS:
-        return [f"kvtrace: {f.level}: {visible(f.message)}" for f in findings]
-    counts: dict[str, int] = {}
-    for finding in findings:
-        counts[f"{finding.level} ({finding.check})"] = counts.get(f"{finding.level} ({finding.check})", 0) + 1
-    listed = ", ".join(f"{count} {plural(count, what.split(' ')[0])} {what.split(' ', 1)[1]}"
-                       for what, count in sorted(counts.items(), key=lambda item: -item[1]))
-    return [f"kvtrace: {len(findings)} findings to read: {listed}; {visible(str(listed_in))} lists each under "
-            "Comparability and Runs"]
+    """The lines for standard error: the findings about the runs first, then those per kernel family, each while
+    they are few, and one line counting the rest by level and check."""
+    ordered = [f for f in findings if f.check != _PER_FAMILY] + [f for f in findings if f.check == _PER_FAMILY]
+    shown = ordered[:LISTED_WARNINGS] if len(ordered) > LISTED_WARNINGS + 1 else ordered
+    lines = [f"kvtrace: {f.level}: {visible(f.message)}" for f in shown]
+    rest = ordered[len(shown):]
+    if rest:
+        counts: dict[tuple, int] = {}
+        for finding in rest:
+            counts[finding.level, finding.check] = counts.get((finding.level, finding.check), 0) + 1
+        listed = ", ".join(f"{count} {plural(count, level)} ({check})" for (level, check), count in counts.items())
+        lines.append(f"kvtrace: {len(rest)} more findings: {listed}; {visible(str(listed_in))} lists each under "
+                     "Comparability and Runs")
+    return lines
 
 
 def whole_path(output: Path) -> Path | None:
@@ -433,7 +439,7 @@ def gate(result, watched: list[str | None]) -> int:
     rows = {r.segment: r for r in result.segments}
     named = {segment for segment in watched if segment is not None}
     every = None in watched
-    tripped = [r for r in result.segments if r.verdict == verdicts.REGRESSION and (every or r.segment in named)]
+    tripped = [r for r in result.segments if r.verdict == Verdict.REGRESSION and (every or r.segment in named)]
     unmeasured = [(segment, rows[segment].verdict if segment in rows else "no calls in either arm")
                   for segment in sorted(named) if segment not in rows or rows[segment].verdict in verdicts.UNMEASURED]
     if tripped:

@@ -18,6 +18,7 @@ import polars as pl
 
 from kvtrace.analyzer import align, diff_rows, drift_band
 from kvtrace.analyzer.stats import arm_summary, bootstrap, shares, verdicts
+from kvtrace.analyzer.stats.verdicts import Verdict
 from kvtrace.analyzer.classify import KV_SEGMENTS, RecipeSet
 from kvtrace.analyzer.findings import (arm_findings, comparability, drift_findings, rank_findings, run_findings,
                                        window_findings)
@@ -179,7 +180,7 @@ def diff_sides(sides: Sides, *, labels: tuple[str | None, str | None] = (None, N
                                                             paired_delta=row.paired_delta_ns,
                                                             unpaired_delta=unpaired_delta)
         left = (row.baseline_calls - row.compared_calls, row.candidate_calls - row.compared_calls)
-        if row.verdict == verdicts.DIFFERENT_WORK:
+        if row.verdict == Verdict.DIFFERENT_WORK:
             row.note = "; ".join(filter(None, [builder.different_work(row_groups, row), row.note]))
         elif estimate is not None and any(left):
             row.note = "; ".join(filter(None, [row.note, f"{left[0]:,} baseline and {left[1]:,} candidate calls "

@@ -15,6 +15,7 @@ import polars as pl
 
 from kvtrace.analyzer import drift_band, pairing
 from kvtrace.analyzer.stats import arm_summary, bootstrap, shares, verdicts
+from kvtrace.analyzer.stats.verdicts import Verdict
 from kvtrace.analyzer.calls import sums
 from kvtrace.analyzer.pairing import KERNEL, RANGE, Cells, Run, Vocabulary
 from kvtrace.analyzer.results import UNIT_NOTE, WHOLE_PHASE, Arm, ArmStats, DiffRow
@@ -327,7 +328,7 @@ def new_row(estimate: bootstrap.Estimate | None, *, segment: str, arm_stats: lis
                    compared_calls=compared_calls, cells=cells,
                    single_call_cells=estimate.single_call_strata if paired else 0, same_work=same_work,
                    ratio=estimate.ratio if paired else None, ci_low=estimate.low if paired else None,
-                   ci_high=estimate.high if paired else None, band=None, verdict=verdicts.NOT_COMPARABLE,
+                   ci_high=estimate.high if paired else None, band=None, verdict=Verdict.NOT_COMPARABLE,
                    paired_verdict=None, note=None, reason=None, total_delta_ns=total_delta,
                    paired_delta_ns=paired_delta_ns, unpaired_share=shares.unpaired_share(
                        paired_delta_ns, total_delta - paired_delta_ns) if paired else None,

@@ -23,8 +23,9 @@ from kvtrace.analyzer.kv_pool import ArmPool
 from kvtrace.analyzer.report import PlotFile, Report
 from kvtrace.analyzer.serving import ServingRow
 from kvtrace.analyzer.statements import KernelStatement, segment_verdict
-from kvtrace.analyzer.stats import serving_intervals, verdicts
+from kvtrace.analyzer.stats import serving_intervals
 from kvtrace.analyzer.stats.serving_intervals import ServingEstimate
+from kvtrace.analyzer.stats.verdicts import Verdict
 from kvtrace.errors import KvtraceError
 from kvtrace.manifest import MANIFEST, Manifest, Point, read_manifest
 
@@ -260,13 +261,16 @@ def _judge(point: MatrixPoint, result: Report, objective: str, estimate: Serving
             if verdict is not None:
                 point.kernel_verdicts.append(KernelVerdict(segment, diff_row.ratio, diff_row.ci_low, diff_row.ci_high,
                                                            diff_row.no_interval, verdict, diff_row.compared_calls))
-    if estimate.verdict == verdicts.NO_CHANGE:
+    if estimate.verdict == Verdict.NO_CHANGE:
         point.winner = NO_CLEAR_WINNER
         return
-    if estimate.verdict not in (verdicts.IMPROVEMENT, verdicts.REGRESSION):
+    if estimate.verdict == Verdict.TOO_FEW_RUNS:
+        point.undecided = serving_intervals.too_few_runs(estimate)
+        return
+    if estimate.verdict not in (Verdict.IMPROVEMENT, Verdict.REGRESSION):
         point.undecided = _no_interval(objective)
         return
-    candidate_better = estimate.verdict == verdicts.IMPROVEMENT
+    candidate_better = estimate.verdict == Verdict.IMPROVEMENT
     b, c = row.baseline, row.candidate
     winner, loser = (c, b) if candidate_better else (b, c)
     why = point.reason
@@ -275,7 +279,7 @@ def _judge(point: MatrixPoint, result: Report, objective: str, estimate: Serving
         causes = [why.cause] if (why.budget.ttft.delta_ms < 0) == candidate_better else []
     else:
         causes = [FASTER_KERNEL for k in point.kernel_verdicts
-                  if k.verdict == (verdicts.IMPROVEMENT if candidate_better else verdicts.REGRESSION)]
+                  if k.verdict == (Verdict.IMPROVEMENT if candidate_better else Verdict.REGRESSION)]
         bound = (point.baseline_capacity, point.candidate_capacity)
         loser_bound, winner_bound = (bound[0], bound[1]) if candidate_better else (bound[1], bound[0])
         if loser_bound and (not winner_bound or _ran_more(winner, loser)):

@@ -25,6 +25,7 @@ from kvtrace.analyzer.load import open_traces
 from kvtrace.analyzer.runs import ArmInput, RunArm, left_out_note, resolve_inputs, run_arm
 from kvtrace.analyzer.serving import ServingRow, serving_rows
 from kvtrace.analyzer.statements import Statement, statements
+from kvtrace.analyzer.stats.verdicts import Verdict
 from kvtrace.errors import KvtraceError
 from kvtrace.manifest import Phase, parse_phase_name
 
@@ -58,7 +59,7 @@ class SegmentTime:
     ci_low: float | None
     ci_high: float | None
     band: float | None  # the row's no-change band (DiffRow.band)
-    verdict: str
+    verdict: Verdict
 
 
 @dataclass

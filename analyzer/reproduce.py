@@ -64,10 +64,13 @@ def model_config(manifest: Manifest) -> str | None:
 
 def capture_command(manifest: Manifest) -> str | None:
     """The `kvtrace capture vllm` command that records this run again, from the manifest's settings: a sweep runs
-    the very points this run directory ran (--points-from it), a single point its shape."""
+    the very points this run directory ran (--points-from it), a single point its shape. A scenario of a capture
+    matrix says where the matrix's plan is instead (its settings hold one scenario of it)."""
     s = manifest.settings
     if manifest.engine != "vllm" or not s.get("scenario"):
         return None
+    if "servers" in s:  # one scenario of `kvtrace capture vllm-matrix`, whose plan is the matrix root's
+        return "# recorded by kvtrace capture vllm-matrix: its plan and arms are in ../matrix.json"
     model = PurePosixPath(str((s.get("model") or {}).get("source") or "MODEL")).name
     argv = ["kvtrace", "capture", "vllm", "--model", model, "--scenario", s["scenario"], "--mode",
             s.get("mode") or "serve", "--arms", ",".join(s.get("arms") or manifest.runs_by_arm),
@@ -96,18 +99,15 @@ def capture_command(manifest: Manifest) -> str | None:
 
 
 def engine_commands(manifest: Manifest) -> list[str]:
-    """Each arm's server (or offline worker) command under nsys as recorded; for a serve run, the first arm's
-    bench commands after it, warm-up first then one per traffic point (the other arms ran the same with their own
+    """Each run's server (or offline worker) command under nsys as recorded; for a serve run, the first run's bench
+    commands after its own, warm-up first then one per traffic point (the other runs sent the same with their own
     result file names)."""
     commands = []
-    first_arm = True
-    for arm, names in manifest.runs_by_arm.items():
-        raw = manifest.raw["arms"][names[0]].get("commands")
-        if not (isinstance(raw, list) and raw and all(isinstance(c, list) for c in raw)):
-            continue
-        recorded = [c for c in raw if c and all(isinstance(a, str) for a in c)]
+    for place, name in enumerate(manifest.runs):
+        raw = manifest.raw["arms"][name].get("commands")
+        recorded = [c for c in raw if isinstance(c, list) and c and all(isinstance(a, str) for a in c)] \
+            if isinstance(raw, list) else []
         commands += [portable(recorded[0])] if recorded else []
-        if first_arm and manifest.mode == "serve":
+        if place == 0 and manifest.mode == "serve":
             commands += [portable(c) for c in recorded[1:] if "bench" in c and "serve" in c]
-        first_arm = False
     return commands

@@ -12,7 +12,8 @@ import numpy as np
 
 from kvtrace import __version__
 from kvtrace.analyzer.load import TraceInfo
-from kvtrace.analyzer.stats import arm_summary, bootstrap, shares, verdicts
+from kvtrace.analyzer.stats import arm_summary, bootstrap, shares
+from kvtrace.analyzer.stats.verdicts import Verdict
 
 
 @dataclass
@@ -119,8 +120,8 @@ class DiffRow:
     # The row's no-change band, the drift its verdict was given (None when not compared): a regression needs the
     # interval above 1 + band and the ratio above 1 + threshold (verdicts.verdict); improvement mirrored.
     band: float | None
-    verdict: str
-    paired_verdict: str | None  # the pairs' own verdict when the row is "different work"
+    verdict: Verdict
+    paired_verdict: Verdict | None  # the pairs' own verdict when the row is "different work"
     note: str | None  # how calls were paired when not one-to-one
     reason: str | None  # why the row is not comparable
     total_delta_ns: int  # candidate total - baseline total, all calls in the window

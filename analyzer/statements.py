@@ -13,6 +13,7 @@ from kvtrace.analyzer.reuse import Evictions, PrefixReuse
 from kvtrace.analyzer.runs import RunArm
 from kvtrace.analyzer.serving import ServingRow
 from kvtrace.analyzer.stats import serving_intervals, verdicts
+from kvtrace.analyzer.stats.verdicts import Verdict
 from kvtrace.analyzer.steps import StepPhase
 from kvtrace.manifest import Point, parse_phase_name
 
@@ -34,7 +35,7 @@ class Statement:
     a Finding, by contrast, says whether the two runs can be compared at all. Each kind carries its numbers
     (ns, ms, ratios, counts) and names; analyzer/render/statements.py words them."""
 
-    level: str  # ok, warning
+    level: str  # ok, info, warning (verdicts.level_of)
     check: str  # the topic
     kind: ClassVar[str]
 
@@ -215,7 +216,7 @@ def _kernel_statement(diff: Diff, head: headline.HeadRow, base: RunArm | None, c
     if compared:  # cells of different cost per call: the totals, since a pooled mean describes no call that ran
         times = [getattr(arm, "mean_ns" if row.same_work else "total_ns") for arm in (row.baseline, row.candidate)]
     return KernelStatement(
-        level="warning" if not compared or row.verdict in (verdicts.REGRESSION, verdicts.DIFFERENT_WORK) else "ok",
+        level=verdicts.level_of(row.verdict, row.ratio, max(row.band or 0.0, diff.threshold)),
         check=_KERNEL_CHECKS[head.question], subject=subject, point=head.point, phase=row.phase,
         context=parsed[1] if parsed else None,
         baseline=diff.baseline.label, candidate=diff.candidate.label, verdict=row.verdict, ratio=row.ratio,
@@ -275,7 +276,7 @@ def segment_verdict(diff: Diff, segment: str):
     row = next((r for r in diff.segments if r.segment == segment), None)
     if row is None or row.ratio is None:
         return row, None
-    return row, row.paired_verdict if row.verdict == verdicts.DIFFERENT_WORK else row.verdict
+    return row, row.paired_verdict if row.verdict == Verdict.DIFFERENT_WORK else row.verdict
 
 
 def ttft_guard_rail(diff: Diff, serving: list[ServingRow], base: RunArm, cand: RunArm) -> list[TtftStatement]:
@@ -289,7 +290,7 @@ def ttft_guard_rail(diff: Diff, serving: list[ServingRow], base: RunArm, cand: R
             continue
         # The prefill kernels speak for a point only where the kernel diff read that point's own traffic.
         verdict = whole_verdict if row.diff_covers else None
-        not_faster = verdict in (verdicts.REGRESSION, verdicts.NO_CHANGE)
+        not_faster = verdict in (Verdict.REGRESSION, Verdict.NO_CHANGE)
         b, c = row.baseline, row.candidate
         cached_differ = b.cached_prompt_tokens is not None and c.cached_prompt_tokens is not None and \
             b.cached_prompt_tokens != c.cached_prompt_tokens
@@ -297,15 +298,15 @@ def ttft_guard_rail(diff: Diff, serving: list[ServingRow], base: RunArm, cand: R
         improved = row.ttft_ratio < 1 - diff.threshold
         if improved and more_hits and not_faster:
             reading = PREFIX_HIT
-        elif improved and more_hits and verdict == verdicts.IMPROVEMENT:
+        elif improved and more_hits and verdict == Verdict.IMPROVEMENT:
             reading = PREFIX_HIT_AND_FASTER
         elif row.reason is not None and not cached_differ:
             reading = BUDGET
-        elif improved and not_faster and b.capacity and not c.capacity:
+        elif improved and (not_faster or verdict is None) and b.capacity and not c.capacity:
             reading = CAPACITY_EFFECT
         elif improved and not_faster and not cached_differ:
             reading = OUTSIDE_KERNELS
-        elif more_hits and verdict == verdicts.REGRESSION and not improved:
+        elif more_hits and verdict == Verdict.REGRESSION and not improved:
             reading = PREFIX_HIT_SLOWER
         elif cached_differ:
             reading = PREFILLED_DIFFERENT
@@ -314,11 +315,14 @@ def ttft_guard_rail(diff: Diff, serving: list[ServingRow], base: RunArm, cand: R
         prefilled = (b.prompt_tokens - b.cached_prompt_tokens, c.prompt_tokens - c.cached_prompt_tokens) if None not in (
             b.prompt_tokens, c.prompt_tokens, b.cached_prompt_tokens, c.cached_prompt_tokens) else (None, None)
         queued = (b.queue_ms, c.queue_ms) if b.queue_ms is not None and c.queue_ms is not None else (None, None)
-        # A slower TTFT is never marked "ok", whatever reading it has.
+        # A slower TTFT is never marked "ok", whatever reading it has; a faster one is "info" (a change, not all well).
         worse = row.ttft_ratio > 1 + diff.threshold
+        estimate = row.estimates.get("ttft_ms")
+        judged = estimate.verdict if estimate else verdicts.judge(row.ttft_ratio, None, None, threshold=diff.threshold)
+        plain = reading == PLAIN or (reading == BUDGET and not improved)
         out.append(TtftStatement(
-            level="ok" if (reading == PLAIN and not worse) or (reading == BUDGET and not worse and not improved)
-            else "warning", check="ttft", reading=reading,
+            level=verdicts.level_of(judged, row.ttft_ratio, diff.threshold) if plain and not worse else "warning",
+            check="ttft", reading=reading,
             baseline=base.label, candidate=cand.label, point=row.point if len(serving) > 1 else None, stat=row.ttft_stat,
             baseline_ms=getattr(b.ttft_ms, row.ttft_stat), candidate_ms=getattr(c.ttft_ms, row.ttft_stat),
             ratio=row.ttft_ratio, prefill_verdict=verdict, prefill_ratio=prefill.ratio if verdict else None,
@@ -328,7 +332,7 @@ def ttft_guard_rail(diff: Diff, serving: list[ServingRow], base: RunArm, cand: R
             baseline_queue_ms=queued[0], candidate_queue_ms=queued[1], prefix_fit=_prefix_fit(row, base, cand),
             baseline_capacity=b.capacity, baseline_reuse=b.reuse, candidate_reuse=c.reuse,
             baseline_evictions=b.evictions, candidate_evictions=c.evictions,
-            estimate=row.estimates.get("ttft_ms"), reason=row.reason))
+            estimate=estimate, reason=row.reason))
     return out
 
 
@@ -370,7 +374,7 @@ def query_quantize_statements(diff: Diff, queries: tuple[str | None, str | None]
         ratio = None
         if attention.baseline_calls == attention.candidate_calls and with_quantize and theirs:
             ratio = theirs / with_quantize if side == "baseline" else with_quantize / theirs
-        out.append(QueryQuantizeStatement(
-            "ok", "prefill", labels[index], labels[1 - index], query, row.phase, per_run(getattr(row, f"{side}_calls")),
+        out.append(QueryQuantizeStatement(  # a cost beyond the threshold is a change: never "ok"
+            "ok" if ratio is None or abs(ratio - 1) <= diff.threshold else "info", "prefill", labels[index], labels[1 - index], query, row.phase, per_run(getattr(row, f"{side}_calls")),
             per_run(quantize), per_run(own), per_run(theirs), ratio, diff.runs))
     return out

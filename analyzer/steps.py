@@ -26,6 +26,7 @@ import polars as pl
 from kvtrace.analyzer import align, host_waits, ranges
 from kvtrace.analyzer.host_waits import WaitKind
 from kvtrace.analyzer.stats import bootstrap, verdicts
+from kvtrace.analyzer.stats.verdicts import Verdict
 
 if TYPE_CHECKING:
     from kvtrace.analyzer.load import Trace
@@ -70,7 +71,7 @@ class StepPhase:
     span_ratio: float
     span_low: float | None
     span_high: float | None
-    span_verdict: str
+    span_verdict: Verdict
     # Per step: the runtime calls inside its range in which the host waited for the GPU, and the host's time in
     # them; None where an arm's exports did not record copies and synchronizations (analyzer.host_waits).
     baseline_host_waits: float | None = None
@@ -254,7 +255,7 @@ def host_bound(row: StepPhase) -> bool:
     host held in the step until its kernels ended more often than the baseline's: time the host added (launches
     that no longer ran ahead, a synchronization inside the step), which a kernel diff cannot show."""
     grew = row.candidate_span_ns - row.baseline_span_ns
-    return (row.span_verdict == verdicts.REGRESSION and row.candidate_idle_ns - row.baseline_idle_ns >= grew / 2
+    return (row.span_verdict == Verdict.REGRESSION and row.candidate_idle_ns - row.baseline_idle_ns >= grew / 2
             and row.candidate_waited_steps > row.baseline_waited_steps)
 
 

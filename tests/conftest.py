@@ -17,6 +17,7 @@ import tarfile
 import tempfile
 import traceback
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -345,3 +346,16 @@ def sweep_report(shipped_recipes):
     """`report` of the recorded vLLM sweep run directory."""
     from kvtrace.analyzer import report
     return report.build([RECORDED_REPORT / "sweep"], shipped_recipes)
+
+
+@contextmanager
+def deciding_on_any_run_pairs():
+    """Inside the block, a serving point is decided on any number of run pairs. Every shipped serve fixture holds one
+    or two run pairs per point, which decide nothing (docs/statistics.md, three run pairs decide a point); tests of
+    the reasons a decided point gives (a faster kernel, prefix hits, capacity) build their result inside it."""
+    from kvtrace.analyzer.stats import serving_intervals
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(serving_intervals, "DECIDING_RUN_PAIRS", 1)
+        yield
+

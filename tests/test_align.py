@@ -18,7 +18,7 @@ from kvtrace.analyzer import align, compare, pairing
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.load import open_trace
 from kvtrace.analyzer.ranges import NO_RANGE
-from kvtrace.analyzer.stats import verdicts
+from kvtrace.analyzer.stats.verdicts import Verdict
 
 FP8 = NSYS2025_DIR / "fp8.sqlite"
 NVFP4 = NSYS2025_DIR / "nvfp4.sqlite"
@@ -74,7 +74,7 @@ def test_phases_split_prefill_by_context(recipes):
     for name, row in prefill.items():
         base, cand = sql_range_durations(FP8, PREFILL_LIKE, name), sql_range_durations(NVFP4, PREFILL_LIKE, name)
         assert row.ratio == pytest.approx((sum(cand) / len(cand)) / (sum(base) / len(base)))
-        assert row.verdict == verdicts.REGRESSION and row.ci_low > 1
+        assert row.verdict == Verdict.REGRESSION and row.ci_low > 1
     # The segment resamples each context inside itself: it is no wider than its widest context (plus one
     # percentage point), where mixing 2k- and 32k-context calls would span [2.5, 11.7].
     whole = next(r for r in result.segments if r.segment == "prefill_attention")
@@ -164,14 +164,14 @@ def test_truncated_arm_is_flagged(tmp_path, recipes):
     assert (cell["pairs"], cell["baseline_calls"], cell["candidate_calls"]) == (3, len(calls), 3)
     assert prefill.compared_calls == 3 and prefill.candidate.total_ns == sum(third)
     gone = [r for r in result.phases if "ctx=32768" in r.phase and r.segment in ("decode_attention", "kv_append", "gemm")]
-    assert gone and all(r.verdict == verdicts.NOT_COMPARABLE and r.reason == "only in the baseline" for r in gone)
+    assert gone and all(r.verdict == Verdict.NOT_COMPARABLE and r.reason == "only in the baseline" for r in gone)
     decode = next(r for r in result.segments if r.segment == "decode_attention")
     # The two contexts both arms decoded pair whole; the ctx=32768 decode calls exist only in the baseline and
     # carry more of the segment's change than the pairs do, so the segment is "different work", not a ratio.
     missing = sum(sql_durations(FP8, DECODE_LIKE, "%MergeStates%", nvtx="kvtrace:decode ctx=32768 batch=8"))
     assert decode.compared_calls == 256 and (decode.baseline_calls, decode.candidate_calls) == (384, 256)
     assert decode.total_delta_ns - decode.paired_delta_ns == -missing
-    assert decode.verdict == verdicts.DIFFERENT_WORK and decode.paired_verdict == verdicts.REGRESSION
+    assert decode.verdict == Verdict.DIFFERENT_WORK and decode.paired_verdict == Verdict.REGRESSION
     assert decode.unpaired_share > 0.5
 
 
@@ -179,7 +179,7 @@ def test_same_format_repeat_passes_the_gate(run_kvtrace):
     repeat = REPEAT / "fp8.sqlite"
     code, out, err = run_kvtrace("diff", str(FP8), str(repeat), "--fail-on", "regression", "--format", "json")
     assert code == 0, err
-    assert all(r["verdict"] == verdicts.NO_CHANGE for r in json.loads(out)["segments"])
+    assert all(r["verdict"] == Verdict.NO_CHANGE for r in json.loads(out)["segments"])
 
 
 def test_gate_trips_on_a_regressed_segment_only(run_kvtrace):
@@ -196,7 +196,7 @@ def test_gate_trips_on_a_regressed_segment_only(run_kvtrace):
 def test_gate_cannot_pass_a_segment_it_cannot_measure(run_kvtrace):
     """quantize ran only in the FP8 arm (its cast), memory's change is the FP8 arm's extra copies, moe ran in
     neither: a gate watching them exits 3 with one line, and never 0."""
-    for segment, why in (("quantize", verdicts.NOT_COMPARABLE), ("memory", verdicts.DIFFERENT_WORK),
+    for segment, why in (("quantize", Verdict.NOT_COMPARABLE), ("memory", Verdict.DIFFERENT_WORK),
                          ("moe", "no calls in either arm")):
         code, out, err = run_kvtrace("diff", str(FP8), str(NVFP4), "--fail-on", f"regression:{segment}",
                                      "--format", "json")
@@ -276,8 +276,8 @@ def test_real_vllm_steps_are_projected_and_unmatched_batches_refused(recipes):
     assert result.baseline.kv_dtypes == ("bf16",) and result.candidate.kv_dtypes == ("fp8_e4m3",)
     segments = {r.segment: r for r in result.segments}
     assert {"prefill_attention", "kv_append", "gemm"} <= set(segments)
-    assert segments["prefill_attention"].verdict == verdicts.NOT_COMPARABLE
-    assert segments["kv_append"].verdict == verdicts.NOT_COMPARABLE
+    assert segments["prefill_attention"].verdict == Verdict.NOT_COMPARABLE
+    assert segments["kv_append"].verdict == Verdict.NOT_COMPARABLE
     assert any(f.check == "steps" and f.level == "warning" and "different vLLM steps" in f.message
                for f in result.findings)
 
@@ -312,7 +312,7 @@ def test_real_vllm_decode_pairs_cuda_graph_kernels(recipes):
                  and "MaskMode=0" in (r.family_label or "")]
     assert sum(r.baseline_calls for r in attention) == len(base) and sum(r.candidate_calls for r in attention) == len(cand)
     assert phase.compared_calls == phase.baseline_calls == phase.candidate_calls
-    assert phase.verdict == verdicts.REGRESSION and phase.ci_low > 1
+    assert phase.verdict == Verdict.REGRESSION and phase.ci_low > 1
     append = next(r for r in result.segments if r.segment == "kv_append")
     assert append.baseline_kv_dtypes == ("bf16",) and append.candidate_kv_dtypes == ("fp8_e4m3",)
     assert append.compared_calls == append.baseline_calls

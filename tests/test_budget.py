@@ -18,6 +18,7 @@ from conftest import VLLM033_8B_RUNS
 from kvtrace.analyzer import budget, budget_trace, matrix
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.render.matrix import markdown_parts
+from kvtrace.errors import KvtraceError
 
 SWEEP = VLLM033_8B_RUNS["capacity-sweep"]
 PARTS = {"ttft": "vllm:time_to_first_token_seconds", "queue": "vllm:request_queue_time_seconds",
@@ -84,6 +85,10 @@ def test_the_why_follows_the_budget_at_each_point(decision):
     for p in sweeps:
         if concurrency(p.point) != 4:
             assert p.serving.trace_note == budget_trace.NOT_TRACED and not p.kernel_verdicts
+    # A steps claim cites only the points its traces cover.
+    covered = {p.row for s in decision.scenarios for p in s.points if p.serving is not None and p.serving.diff_covers}
+    steps = [c for c in decision.claims if c.kind == "steps"]
+    assert steps and all(set(c.rows) <= covered for c in steps)
     head, rest = markdown_parts(decision)
     claims = re.findall(r"^TTFT budget at (\S+) \((R[^)]*)\), nvfp4 − fp8: (.*)$", head + rest, re.MULTILINE)
     words = {concurrency(point): text for point, _, text in claims if "output=128" in point}
@@ -107,7 +112,7 @@ def test_the_pool_is_stated_and_projected_to_the_default_pool(decision):
            "for nvfp4" in head and "--kv-cache-memory-bytes 1 GiB" in head
     per_request = 2048 + 128
     near = logged["capacity-cold-prefill", "fp8"] // per_request + 1
-    assert f"fp8 would bind near concurrency {near:,} at {per_request:,} tokens per request" in head
+    assert re.search(rf"fp8 would bind near concurrency [^;]*\b{near:,} at {per_request:,} tokens per request", head)
 
 
 def test_the_first_screen_opens_with_the_decision(decision):
@@ -148,3 +153,39 @@ def test_a_serve_report_keeps_standard_error_short(tmp_path, run_kvtrace):
                                "-o", tmp_path / "r.md")
     assert code == 0 and len(err.splitlines()) <= 10, err
     assert "None" not in err
+
+
+def test_a_serve_report_states_its_pool_engine_settings_and_how_to_record_it_again(tmp_path, run_kvtrace):
+    """Environment: each arm's pool and the flag that set it, the serve run's engine settings; Reproduce: the capture
+    command its settings give, every server command and the first run's bench commands as the manifest has them, and
+    the model's shape."""
+    code, _, err = run_kvtrace("report", SWEEP, "--format", "markdown", "-o", tmp_path / "r.md")
+    assert code == 0, err
+    text = (tmp_path / "r.md").read_text()
+    data = json.loads((SWEEP / "manifest.json").read_text())
+    tokens = {arm: int(re.search(r"GPU KV cache size: ([\d,]+) tokens", (SWEEP / f"{arm}.log").read_text(
+        errors="replace")).group(1).replace(",", "")) for arm in ("fp8", "nvfp4")}
+    order = data["settings"]["arms"]
+    assert (f"| KV pool | {order[0]} {tokens[order[0]]:,} tokens, {order[1]} {tokens[order[1]]:,} tokens "
+            "(--kv-cache-memory-bytes 1 GiB) |") in text
+    assert "| engine settings | attention_backend=FLASHINFER," in text and "--max-num-seqs 16" in text
+    commands = text.split("```sh\n")[1].split("```")[0].splitlines()
+    assert commands[0].startswith("kvtrace capture vllm --model llama-8b-shape --scenario sweep --mode serve")
+    assert "--points-from . " in commands[0] and commands[0].endswith("-- --kv-cache-memory-bytes 1073741824 "
+                                                                      "--max-num-seqs 16 --max-model-len 4096")
+    first = data["arms"][order[0]]["commands"]
+    benches = [c for c in first if "bench" in c and "serve" in c]
+    assert sum(" bench serve " in c for c in commands) == len(benches) == len(data["arms"][order[0]]["points"]) + 1
+    assert sum(c.startswith("nsys profile ") for c in commands) == len(data["arms"])
+    model = {k: v for k, v in data["settings"]["model"].items() if k not in ("source", "kv_config")}
+    shown = json.loads(text.split("```json\n")[1].split("```")[0])
+    assert shown == model
+
+
+def test_a_point_trace_linked_out_of_its_run_directory_is_refused(tmp_path, recipes):
+    source = VLLM033_8B_RUNS["capacity-sweep-repeats"]
+    run = tmp_path / source.name
+    shutil.copytree(source, run)
+    (run / "fp8.r1.p1.sqlite").symlink_to(source / "fp8.r1.sqlite")
+    with pytest.raises(KvtraceError, match="fp8.r1.p1.sqlite leads outside the run directory"):
+        matrix.build([run], recipes)

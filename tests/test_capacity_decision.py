@@ -18,7 +18,7 @@ from statistics import mean
 import pytest
 from rich.console import Console
 
-from conftest import VLLM033_8B_RUNS
+from conftest import VLLM033_8B_RUNS, deciding_on_any_run_pairs
 from kvtrace.analyzer import claims as claims_lib, compare, matrix, report
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.load import open_traces
@@ -26,7 +26,8 @@ from kvtrace.analyzer.render import render_table, render_text
 from kvtrace.analyzer.render.matrix import claim_text, kernel_table, table
 from kvtrace.analyzer.render.statements import text as statement_text
 from kvtrace.analyzer.render.units import interval
-from kvtrace.analyzer.stats import bootstrap, serving_intervals, verdicts
+from kvtrace.analyzer.stats import bootstrap, serving_intervals
+from kvtrace.analyzer.stats.verdicts import Verdict
 from kvtrace.text import plural
 
 PREEMPTION = VLLM033_8B_RUNS["capacity-preemption"]
@@ -48,6 +49,13 @@ def preemption(recipes):
 @pytest.fixture(scope="module")
 def decision(recipes):
     return matrix.build([VLLM033_8B_RUNS[name] for name in sorted(VLLM033_8B_RUNS)], recipes)
+
+
+@pytest.fixture(scope="module")
+def decided(recipes):
+    """The same matrix as if one or two run pairs could decide (none can): the reasons a decided point gives."""
+    with deciding_on_any_run_pairs():
+        return matrix.build([VLLM033_8B_RUNS[name] for name in sorted(VLLM033_8B_RUNS)], recipes)
 
 
 def _points(run, arm: str) -> list[dict]:
@@ -90,7 +98,7 @@ def test_a_row_paired_in_one_run_pair_of_two_has_no_interval_and_says_why(preemp
     row = _decode_steps(preemption.diff, "BatchPrefillWithPagedKVCacheKernel")
     assert row.compared_calls == 928 and row.run_ratios[0] is None
     assert row.ci_low is None and row.ci_high is None and row.no_interval == ONE_RUN_PAIR
-    assert row.verdict == verdicts.DIFFERENT_WORK and row.paired_verdict == verdicts.INSUFFICIENT_DATA
+    assert row.verdict == Verdict.DIFFERENT_WORK and row.paired_verdict == Verdict.INSUFFICIENT_DATA
     assert "calls paired in r2 only, of 2 run pairs" in row.note
 
     fp8, nvfp4 = open_traces([PREEMPTION / "fp8.r2.sqlite", PREEMPTION / "nvfp4.r2.sqlite"])
@@ -99,7 +107,7 @@ def test_a_row_paired_in_one_run_pair_of_two_has_no_interval_and_says_why(preemp
     assert alone.ratio == pytest.approx(row.run_ratios[1], rel=1e-12) and alone.ci_low < alone.ratio < alone.ci_high
 
     merge = _decode_steps(preemption.diff, "MergeStates")
-    assert merge.no_interval == ONE_RUN_PAIR and merge.verdict == verdicts.INSUFFICIENT_DATA  # 0.964x: beyond ±2%
+    assert merge.no_interval == ONE_RUN_PAIR and merge.verdict == Verdict.INSUFFICIENT_DATA  # 0.964x: beyond ±2%
 
 
 def test_a_row_paired_in_two_run_pairs_of_three_is_resampled_over_those(recipes):
@@ -175,12 +183,12 @@ def _capacity_claims(decision, run) -> dict[str, claims_lib.CapacityClaim]:
     return {c.outcome.point: c for c in decision.claims if c.kind == "capacity" and rows & set(c.rows)}
 
 
-def test_where_capacity_binds_for_one_arm_the_server_measures_stand_beside_it(decision):
+def test_where_capacity_binds_for_one_arm_the_server_measures_stand_beside_it(decided):
     """The preemption case: FP8 preempted 9 times in each run and NVFP4 not; its requests queued far longer. The
     claim carries both arms' preemptions, peak running requests, peak KV-cache usage and mean time queued, and the
     words give every run's (one run's measure is not the point's)."""
     fp8, nvfp4 = _points(PREEMPTION, "fp8")[0], _points(PREEMPTION, "nvfp4")[0]
-    claim = _capacity_claims(decision, PREEMPTION)[fp8["point"]]
+    claim = _capacity_claims(decided, PREEMPTION)[fp8["point"]]
     v = claim.outcome
     assert v.baseline_capacity == "9 preemptions" and v.candidate_capacity is None
     assert list(v.preemptions) == [_counter(fp8, "vllm:num_preemptions_total"),
@@ -198,7 +206,7 @@ def test_where_capacity_binds_for_one_arm_the_server_measures_stand_beside_it(de
                 ("peak running requests", lambda p: f"{p['metrics']['peaks']['vllm:num_requests_running']:,.0f}"),
                 ("peak KV-cache usage", lambda p: f"{100 * p['metrics']['peaks']['vllm:kv_cache_usage_perc']:.1f}%"),
                 ("mean time queued", lambda p: f"{_queue_ms(p):.1f} ms"))
-    words = claim_text(claim, decision)
+    words = claim_text(claim, decided)
     assert "fp8 is capacity-bound (9 preemptions) and nvfp4 is not" in words
     assert "; the server measured, fp8 against nvfp4: " + ", ".join(
         f"{name} {each('fp8', m)} against {each('nvfp4', m)}" for name, m in measures) + \
@@ -206,7 +214,7 @@ def test_where_capacity_binds_for_one_arm_the_server_measures_stand_beside_it(de
     assert "preemptions 9 and 9 against 0 and 0" in words and "TTFT mean" in words
 
 
-def test_where_capacity_binds_for_both_arms_the_decision_says_so(decision):
+def test_where_capacity_binds_for_both_arms_the_decision_says_so(decided):
     """The sweep's last point: FP8's demand exceeds its pool and NVFP4 preempted once. The sweep points where FP8 alone
     is bound (concurrency 8 to 12) are capacity claims too, each with the server's measures: every point is pooled
     with the later session's (capacity-sweep-repeats, whose one complete run pair is fp8.r1 + nvfp4.r1), so each
@@ -214,11 +222,11 @@ def test_where_capacity_binds_for_both_arms_the_decision_says_so(decision):
     fp8_points, nvfp4_points = _points(SWEEP, "fp8"), _points(SWEEP, "nvfp4")
     later = {arm: {p["point"]: p for p in _points(VLLM033_8B_RUNS["capacity-sweep-repeats"], arm)
                    if p["bench_result"].startswith(f"{arm}.r1")} for arm in ("fp8", "nvfp4")}
-    claims = _capacity_claims(decision, SWEEP)
+    claims = _capacity_claims(decided, SWEEP)
     both = claims[fp8_points[-1]["point"]]
     assert both.outcome.baseline_capacity.startswith("30,464 KV tokens needed of 16,384")
     assert both.outcome.candidate_capacity == "1 preemption" and both.outcome.preemptions == (0, 1)
-    words = claim_text(both, decision)
+    words = claim_text(both, decided)
     assert "Where capacity binds for both arms" in words and "and so is nvfp4 (1 preemption)" in words
     last = fp8_points[-1]["point"]
     assert (f"mean time queued {_queue_ms(fp8_points[-1]):.1f} ms and {_queue_ms(later['fp8'][last]):.1f} ms against "
@@ -228,22 +236,22 @@ def test_where_capacity_binds_for_both_arms_the_decision_says_so(decision):
         v = claims[point].outcome
         assert v.baseline_capacity and not v.candidate_capacity
         assert "and nvfp4 is not; the server measured, fp8 against nvfp4: preemptions 0 and 0 against 0 and 0" in \
-            claim_text(claims[point], decision)
+            claim_text(claims[point], decided)
     assert set(claims) == {fp8_points[-1]["point"], *fp8_only}
 
 
-def test_where_both_arms_are_bound_the_one_bound_less_wins_by_capacity(decision):
+def test_where_both_arms_are_bound_the_one_bound_less_wins_by_capacity(decided):
     """At concurrency 14 both sweeps' NVFP4 preempted once, so both arms are capacity-bound; but the server saw NVFP4
     run up to 13-14 requests at once against FP8's 7. Pooled over both sessions NVFP4's TTFT clears the band, and the
     win is credited to the capacity effect its TTFT budget measures (queue time carries it), not to a kernel."""
     last = _points(SWEEP, "fp8")[-1]["point"]
-    points = [p for s in decision.scenarios for p in s.points if p.point == last]
+    points = [p for s in decided.scenarios for p in s.points if p.point == last]
     assert len(points) == 2 and all(p.pooled_with for p in points)
     for p in points:
         running = (p.serving.baseline.peak_running, p.serving.candidate.peak_running)
         assert p.baseline_capacity and p.candidate_capacity and running[1] > running[0] == 7
         assert p.estimate.high < 1 and p.winner == "candidate" and p.causes == (matrix.CAPACITY,)
-    words = claim_text(_capacity_claims(decision, SWEEP)[last], decision)
+    words = claim_text(_capacity_claims(decided, SWEEP)[last], decided)
     assert "nvfp4 wins, by a capacity effect, its requests queued less (queue time −" in words
     assert "peak running requests 7 and 7 against 14 and 13" in words and words.endswith("not kernel speed.")
 
@@ -263,7 +271,8 @@ def test_a_capacity_win_rests_on_queue_time_not_on_polled_peaks(tmp_path, recipe
         (copy / "manifest.json").write_text(json.dumps(manifest))
         copies.append(copy)
     last = _points(SWEEP, "fp8")[-1]["point"]
-    points = [p for s in matrix.build(copies, recipes).scenarios for p in s.points if p.point == last]
+    with deciding_on_any_run_pairs():
+        points = [p for s in matrix.build(copies, recipes).scenarios for p in s.points if p.point == last]
     for run in (SWEEP, VLLM033_8B_RUNS["capacity-sweep-repeats"]):
         fp8, nvfp4 = (next(p for p in _points(run, arm)[::-1] if p["point"] == last) for arm in ("fp8", "nvfp4"))
         assert _queue_ms(nvfp4) - _queue_ms(fp8) < -500  # the queue carries a TTFT difference of some −450 ms

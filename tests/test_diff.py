@@ -13,7 +13,7 @@ import pytest
 from conftest import NSYS2023_DIR, NSYS2025_DIR, REPEAT, REPO
 from kvtrace.analyzer import compare, kernels, results
 from kvtrace.analyzer.load import open_trace
-from kvtrace.analyzer.stats import verdicts
+from kvtrace.analyzer.stats.verdicts import Verdict
 
 FP8 = NSYS2025_DIR / "fp8.sqlite"
 NVFP4 = NSYS2025_DIR / "nvfp4.sqlite"
@@ -54,7 +54,7 @@ def test_prefill_and_decode_are_separate_regressions_matching_plain_sql(fp8_nvfp
         assert row.baseline.calls == len(base) and row.candidate.calls == len(cand)
         assert row.baseline.total_ns == sum(base) and row.candidate.total_ns == sum(cand)
         assert row.ratio == pytest.approx((sum(cand) / len(cand)) / (sum(base) / len(base)))
-        assert row.verdict == verdicts.REGRESSION
+        assert row.verdict == Verdict.REGRESSION
         assert row.ci_low > 1 and row.ci_high >= row.ratio >= row.ci_low
         assert row.baseline_kv_dtypes == ("fp8_e4m3",) and row.candidate_kv_dtypes == ("nvfp4",)
 
@@ -63,7 +63,7 @@ def test_gemm_control_is_unchanged(fp8_nvfp4):
     row = next(r for r in fp8_nvfp4.segments if r.segment == "gemm")
     base, cand = sql_durations(FP8, GEMM), sql_durations(NVFP4, GEMM)
     assert (row.baseline.calls, row.candidate.calls) == (len(base), len(cand))
-    assert row.verdict == verdicts.NO_CHANGE
+    assert row.verdict == Verdict.NO_CHANGE
     assert abs(row.ratio - 1) < fp8_nvfp4.threshold
 
 
@@ -85,7 +85,7 @@ def test_segments_partition_each_arm_and_explain_the_whole_delta(fp8_nvfp4):
 def test_rows_with_different_work_are_not_comparable(fp8_nvfp4):
     # The FP8 append casts in separate torch kernels the NVFP4 arm never launches.
     only_fp8 = [r for r in fp8_nvfp4.families if r.candidate is None]
-    assert only_fp8 and all(r.verdict == verdicts.NOT_COMPARABLE and "only in the baseline" in r.reason
+    assert only_fp8 and all(r.verdict == Verdict.NOT_COMPARABLE and "only in the baseline" in r.reason
                             for r in only_fp8)
     assert all(r.ratio is None and r.ci_low is None for r in only_fp8)
 
@@ -98,7 +98,7 @@ def test_unpaired_work_that_carries_the_change_is_different_work(fp8_nvfp4):
     unpaired = sum(sql_durations(FP8, "%BUnaryFunctor%"))
     assert row.total_delta_ns - row.paired_delta_ns == -unpaired
     assert row.unpaired_share == pytest.approx(unpaired / (unpaired + abs(row.paired_delta_ns)))
-    assert row.verdict == verdicts.DIFFERENT_WORK and row.paired_verdict == verdicts.NO_CHANGE
+    assert row.verdict == Verdict.DIFFERENT_WORK and row.paired_verdict == Verdict.NO_CHANGE
     assert "BUnaryFunctor ×384" in row.note
     assert row.compared_calls == row.candidate_calls == len(sql_durations(NVFP4, "%AUnaryFunctor%"))
 
@@ -126,7 +126,7 @@ def test_same_format_repeat_has_no_regression(recipes, fmt):
     result = compare.diff(open_trace(NSYS2025_DIR / f"{fmt}.sqlite"), open_trace(REPEAT / f"{fmt}.sqlite"), recipes,
                           labels=(fmt, f"{fmt}-repeat"))
     for row in result.segments + result.families:
-        assert row.verdict == verdicts.NO_CHANGE, (row.segment, row.family_label, row.ratio, row.ci_low, row.ci_high)
+        assert row.verdict == Verdict.NO_CHANGE, (row.segment, row.family_label, row.ratio, row.ci_low, row.ci_high)
     assert any(f.level == "warning" and "same KV dtype" in f.message for f in result.findings)
 
 

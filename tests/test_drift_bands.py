@@ -18,13 +18,14 @@ import numpy as np
 import pytest
 
 from conftest import GRAPH_LOOP, NSYS2025_DIR, REPEAT, REPEATS2, VLLM033_RUNS
-from kvtrace.analyzer import align, compare, drift_band, pairing
+from kvtrace.analyzer import align, compare, drift_band, pairing, results
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.load import open_trace
-from kvtrace.analyzer.stats import bootstrap, verdicts
+from kvtrace.analyzer.stats import bootstrap
+from kvtrace.analyzer.stats.verdicts import Verdict
 from test_intervals import draw, repeat_pairs
 
-CHANGES = (verdicts.REGRESSION, verdicts.IMPROVEMENT)
+CHANGES = (Verdict.REGRESSION, Verdict.IMPROVEMENT)
 # Every same-format pair of real runs in fixtures/ recorded as one: two consecutive runs on one machine
 # (-repeats2), and the same workload recorded again on a second machine the same day (fi-h200-sm90, -repeat).
 SAME_FORMAT = [(REPEATS2 / "fp8.r1.sqlite", REPEATS2 / "fp8.r2.sqlite"),
@@ -141,8 +142,8 @@ def planted(monkeypatch, factor: float, cell: tuple[str, str] = SMALL_CELL, fami
     monkeypatch.setattr(pairing, "pair", pair)
 
 
-@pytest.mark.parametrize("factor,expected", [(1.5, verdicts.REGRESSION), (0.7, verdicts.IMPROVEMENT),
-                                             (1.03, verdicts.NO_CHANGE), (1.0, verdicts.NO_CHANGE)])
+@pytest.mark.parametrize("factor,expected", [(1.5, Verdict.REGRESSION), (0.7, Verdict.IMPROVEMENT),
+                                             (1.03, Verdict.NO_CHANGE), (1.0, Verdict.NO_CHANGE)])
 def test_a_change_planted_in_a_small_kernel_is_found_and_drift_is_not(recipes, monkeypatch, factor, expected):
     """fp8.r1 against fp8.r2, with the 0.96 µs scaling multiply of the 32k append range (BUnaryFunctor, 0.999x
     between the two runs) scaled by a known factor in the candidate. The assumed ±20% band for calls under
@@ -156,13 +157,13 @@ def test_a_change_planted_in_a_small_kernel_is_found_and_drift_is_not(recipes, m
     def row(diff):
         return next(r for r in diff.phases if (r.segment, r.phase) == SMALL_CELL)
 
-    assert row(alone).baseline.mean_ns < 1_000 and row(alone).verdict == verdicts.NO_CHANGE
+    assert row(alone).baseline.mean_ns < 1_000 and row(alone).verdict == Verdict.NO_CHANGE
     assert row(result).ratio == pytest.approx(factor * row(alone).ratio, rel=1e-9)
     assert row(result).verdict == expected
     # Rows without the planted calls keep their verdicts.
     planted_family = next(r.family for r in alone.families if r.family_label == "BUnaryFunctor")
     holding = {("other", None, None), ("other", None, planted_family), (*SMALL_CELL, None),
-               (compare.WHOLE_PHASE, SMALL_CELL[1], None)}
+               (results.WHOLE_PHASE, SMALL_CELL[1], None)}
 
     def verdicts_of(diff):
         return {key: r.verdict for r in every_row(diff) if (key := (r.segment, r.phase, r.family)) not in holding}
@@ -208,9 +209,9 @@ GUMBEL = (("other", "kvtrace:decode-heavy:input=512,output=32,prompts=16,concurr
 
 
 @pytest.mark.parametrize("where,factor,expected", [
-    (DECODE_APPEND, 1.5, verdicts.REGRESSION), (DECODE_APPEND, 0.7, verdicts.IMPROVEMENT),
-    (DECODE_APPEND, 1.1, verdicts.REGRESSION), (GUMBEL, 1.5, verdicts.REGRESSION), (GUMBEL, 0.7, verdicts.IMPROVEMENT),
-    (GUMBEL, 1.1, verdicts.NO_CHANGE)], ids=["append-1.5", "append-0.7", "append-1.1", "gumbel-1.5", "gumbel-0.7",
+    (DECODE_APPEND, 1.5, Verdict.REGRESSION), (DECODE_APPEND, 0.7, Verdict.IMPROVEMENT),
+    (DECODE_APPEND, 1.1, Verdict.REGRESSION), (GUMBEL, 1.5, Verdict.REGRESSION), (GUMBEL, 0.7, Verdict.IMPROVEMENT),
+    (GUMBEL, 1.1, Verdict.NO_CHANGE)], ids=["append-1.5", "append-0.7", "append-1.1", "gumbel-1.5", "gumbel-0.7",
                                              "gumbel-1.1"])
 def test_a_change_planted_in_a_vllm_same_format_pair_is_found(recipes, monkeypatch, where, factor, expected):
     """vLLM fp8.r1 against fp8.r2 (no verdict on any row) with one cell of the candidate scaled. The append
@@ -228,7 +229,7 @@ def test_a_change_planted_in_a_vllm_same_format_pair_is_found(recipes, monkeypat
             return next(r for r in diff.phases if (r.segment, r.phase) == phase_row)
         return next(r for r in diff.families if r.family == family)
 
-    assert row(alone).verdict == verdicts.NO_CHANGE and row(alone).cells == 1
+    assert row(alone).verdict == Verdict.NO_CHANGE and row(alone).cells == 1
     assert row(result).ratio == pytest.approx(factor * row(alone).ratio, rel=1e-9)
     assert row(result).verdict == expected
     families = {r.family for r in alone.families if r.segment == cell[0] and
@@ -292,16 +293,16 @@ def test_a_window_with_its_control_keeps_the_measured_band(recipes):
     assert rows[0].ratio == pytest.approx(rows[1].ratio)
     assert 1 + results[0].threshold < rows[0].ci_low and rows[0].ci_high < 1 + drift_band.ASSUMED_BAND
     assert results[0].drift.ratio is not None and results[0].drift.segments == ("gemm",)
-    assert rows[0].verdict == verdicts.REGRESSION and rows[1].verdict == verdicts.NO_CHANGE
+    assert rows[0].verdict == Verdict.REGRESSION and rows[1].verdict == Verdict.NO_CHANGE
     assert not any(NO_DRIFT_MEASURED in f.message for f in results[0].findings)
 
 
 GRAPH_ADD = "CUDAFunctorOnSelf_add"  # half the loop's 2,000 calls, ~1 µs each, 1.004x between a and b
 
 
-@pytest.mark.parametrize("factor,expected", [(1 + drift_band.ASSUMED_BAND / 2, verdicts.NO_CHANGE),
-                                             (1 + 2 * drift_band.ASSUMED_BAND, verdicts.REGRESSION),
-                                             (1 - 1.5 * drift_band.ASSUMED_BAND, verdicts.IMPROVEMENT)])
+@pytest.mark.parametrize("factor,expected", [(1 + drift_band.ASSUMED_BAND / 2, Verdict.NO_CHANGE),
+                                             (1 + 2 * drift_band.ASSUMED_BAND, Verdict.REGRESSION),
+                                             (1 - 1.5 * drift_band.ASSUMED_BAND, Verdict.IMPROVEMENT)])
 def test_a_change_planted_in_the_graph_loop_is_judged_in_the_assumed_band(recipes, monkeypatch, factor, expected):
     """The graph-loop pair (no KV-independent kernel at all) with the add kernel of b scaled: a change within the
     assumed band is not called, though its interval lies far beyond the threshold; one beyond the band is."""

@@ -16,7 +16,7 @@ from kvtrace.analyzer import align, compare
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.load import open_trace
 from kvtrace.analyzer.names import INSTANCE, NameKey
-from kvtrace.analyzer.stats import verdicts
+from kvtrace.analyzer.stats.verdicts import Verdict
 
 BLOCK_A, BLOCK_B, BLOCK_TANH = (TORCH_H200 / f"{name}.sqlite" for name in ("block-a", "block-b", "block-tanh"))
 BOTH = TORCH_H200 / "both-formats.sqlite"
@@ -104,7 +104,7 @@ def test_two_runs_of_one_program_pair_every_call(runs, recipes):
     assert sum(r.compared_calls for r in result.segments) == 163
     for row in result.segments + result.families:
         assert row.compared_calls == row.baseline_calls == row.candidate_calls, row
-        assert row.verdict == verdicts.NO_CHANGE, row
+        assert row.verdict == Verdict.NO_CHANGE, row
     # The operator ranges of all 12 steps are one cell per operator and shape: 12 calls, not 12 single calls.
     gelu = [r for r in result.phases if r.segment == "activation" and r.phase.startswith("aten::gelu")]
     assert [r.compared_calls for r in gelu] == [kernels_in(BLOCK_A, r"^aten::gelu, ")] == [12]
@@ -134,16 +134,16 @@ def test_a_changed_kernel_is_found_and_only_it(runs, recipes):
     changed = names[0] ^ names[1]
     assert changed and all("GeluCUDAKernelImpl" in n for n in changed)
     result = compare.diff(a, tanh, recipes)
-    moved = [r.segment for r in result.segments if r.verdict not in (verdicts.NO_CHANGE,)]
+    moved = [r.segment for r in result.segments if r.verdict not in (Verdict.NO_CHANGE,)]
     assert moved == ["activation"]
     activation = next(r for r in result.segments if r.segment == "activation")
-    assert activation.verdict == verdicts.IMPROVEMENT and not activation.kv_independent
+    assert activation.verdict == Verdict.IMPROVEMENT and not activation.kv_independent
     durations = [[e - s for (s, e) in sql(p, "SELECT k.start, k.\"end\" FROM CUPTI_ACTIVITY_KIND_KERNEL k JOIN "
                                              "StringIds s ON s.id = k.demangledName WHERE s.value LIKE ?", GELU)]
                  for p in (BLOCK_A, BLOCK_TANH)]
     assert activation.ci_low <= sum(durations[1]) / sum(durations[0]) <= activation.ci_high
     families = {r.family_label: r.verdict for r in result.families if r.family_label != "GeluCUDAKernelImpl"}
-    assert set(families.values()) == {verdicts.NO_CHANGE}
+    assert set(families.values()) == {Verdict.NO_CHANGE}
     # The changed kernel does not widen the drift band that would hide it.
     assert "gelu" not in (result.drift.widest or "").lower() and result.drift.band < 1 - activation.ci_high
 

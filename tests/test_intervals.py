@@ -23,8 +23,9 @@ from conftest import NSYS2025_DIR, REPEAT, REPEATS2, VLLM_DECODE_HEAVY
 from kvtrace.analyzer import align, compare, drift_band, pairing
 from kvtrace.analyzer.load import open_trace
 from kvtrace.analyzer.stats import bootstrap, verdicts
+from kvtrace.analyzer.stats.verdicts import Verdict
 
-CHANGES = (verdicts.REGRESSION, verdicts.IMPROVEMENT)
+CHANGES = (Verdict.REGRESSION, Verdict.IMPROVEMENT)
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +155,7 @@ def test_rows_say_when_their_cells_hold_single_or_few_calls(decode_heavy):
     assert other.single_call_cells > 1 and other.ci_low is not None
     assert f"{other.single_call_cells} single-call cells resampled together" in other.note
     lone = next(r for r in decode_heavy.phases if r.segment == "memory" and r.phase == "vLLM prefill steps")
-    assert (lone.compared_calls, lone.ci_low, lone.verdict) == (1, None, verdicts.INSUFFICIENT_DATA)
+    assert (lone.compared_calls, lone.ci_low, lone.verdict) == (1, None, Verdict.INSUFFICIENT_DATA)
 
 
 def test_kernels_the_kv_format_cannot_touch_get_no_verdict_beyond_drift(decode_heavy):
@@ -173,14 +174,14 @@ def test_kernels_the_kv_format_cannot_touch_get_no_verdict_beyond_drift(decode_h
     activation = next(r for r in decode_heavy.phases if r.segment == "activation" and r.phase == "vLLM decode steps")
     alone = bootstrap.Estimate(activation.ratio, activation.ci_low, activation.ci_high, 0.95, 2000, bootstrap.BOOTSTRAP,
                                0.0, None, None, 0.0, None, None, (), 1, 0)
-    assert verdicts.verdict(alone) == verdicts.IMPROVEMENT and activation.verdict == verdicts.NO_CHANGE
+    assert verdicts.verdict(alone) == Verdict.IMPROVEMENT and activation.verdict == Verdict.NO_CHANGE
     # The band comes from the controls' cells: splitKreduce runs in one cell (decode steps, 1.9 µs per call), so
     # its family row's interval is the cell's (resampled in another draw order).
     split = next(r for r in decode_heavy.families if r.family_label == "splitKreduce_kernel")
     assert split.compared_calls == 992 and drift.band == pytest.approx(1 - split.ci_high, abs=0.002)
     # KV-dependent rows beyond the band keep their verdicts.
     decode = next(r for r in decode_heavy.segments if r.segment == "decode_attention")
-    assert decode.verdict == verdicts.REGRESSION and decode.ci_low > 1 + drift.band
+    assert decode.verdict == Verdict.REGRESSION and decode.ci_low > 1 + drift.band
 
 
 # ---- repeated runs ---------------------------------------------------------------------------------------
@@ -248,7 +249,7 @@ def test_repeats_capture_diff_covers_every_run_pairs_ratio(recipes, run_kvtrace)
     assert {"prefill_attention", "decode_attention", "kv_append", "gemm"} <= compared and checked > len(compared)
     assert disagree  # the between-run variance is real, and one run per arm cannot see it
     prefill = next(r for r in both["segments"] if r["segment"] == "prefill_attention")
-    assert prefill["verdict"] == verdicts.REGRESSION and prefill["ci_low"] > 1 + both["threshold"]
+    assert prefill["verdict"] == Verdict.REGRESSION and prefill["ci_low"] > 1 + both["threshold"]
 
 
 @pytest.mark.slow

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from scipy import stats as sp
 
-from conftest import VLLM033_8B_RUNS
-from kvtrace.analyzer import claims as claims_lib, matrix
+from conftest import VLLM033_8B_RUNS, deciding_on_any_run_pairs
+from kvtrace.analyzer import claims as claims_lib, drift_band, matrix
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.render import render_text
 from kvtrace.analyzer.render import matrix as matrix_render
@@ -35,6 +35,13 @@ def recipes():
 @pytest.fixture(scope="module")
 def both(recipes):
     return matrix.build([SWEEP, REPEATS], recipes)
+
+
+@pytest.fixture(scope="module")
+def decided(recipes):
+    """The two sessions as if two run pairs could decide: what a decided pooled point says and cites."""
+    with deciding_on_any_run_pairs():
+        return matrix.build([SWEEP, REPEATS], recipes)
 
 
 def run_pair_means(run: Path) -> dict[str, list[tuple[float, float]]]:
@@ -92,18 +99,10 @@ def test_each_shared_point_is_decided_on_both_sessions_run_pairs(both):
             assert p.ratio == e.ratio
             assert list(np.ravel(e.run_means)) == pytest.approx(list(np.ravel(old[spec] + new[spec])), rel=1e-9)
             own = p.serving.estimates["ttft_ms"]  # the row's own measurement is kept, unpooled
-            assert own.runs == 1 and own.band == serving_intervals.ASSUMED_SERVING_BAND
-            # The verdict follows from the pooled interval, band 0 and the threshold.
-            if r < 1 - THRESHOLD and high < 1:
-                assert p.winner in ("candidate", matrix.NOT_EXPLAINED) and "candidate" in (p.winner, p.apparent)
-            elif r > 1 + THRESHOLD and low > 1:
-                assert p.winner in ("baseline", matrix.NOT_EXPLAINED) and "baseline" in (p.winner, p.apparent)
-            else:
-                assert p.winner == matrix.NO_CLEAR_WINNER
-        # Each row keeps its own run's causes: a win credited to capacity needs that row's own loser bound.
-        for p in (first, second):
-            if matrix.CAPACITY in p.causes:
-                assert (p.baseline_capacity if p.winner == "candidate" else p.candidate_capacity)
+            assert own.runs == 1 and own.band == drift_band.ASSUMED_SERVING_BAND
+            # Two run pairs pooled decide nothing, however narrow the pooled interval (concurrency 14's excludes 1).
+            assert p.winner is None and p.causes == ()
+            assert p.undecided == "too few runs to decide (2 run pairs, 3 needed): record --repeats 3"
 
 
 def test_a_point_measured_once_is_not_pooled(both):
@@ -113,15 +112,28 @@ def test_a_point_measured_once_is_not_pooled(both):
     for spec in once:
         (p,) = by_point(both)[spec]
         assert p.pooled_with == () and p.estimate is p.serving.estimates["ttft_ms"]
-        assert p.estimate.runs == 1 and p.estimate.band == serving_intervals.ASSUMED_SERVING_BAND
+        assert p.estimate.runs == 1 and p.estimate.band == drift_band.ASSUMED_SERVING_BAND
         assert p.estimate.ratio == pytest.approx(old[spec][0][1] / old[spec][0][0], rel=1e-9)
 
 
-def test_the_decision_states_each_pooled_point_once_naming_every_row(both):
+def test_no_pooled_point_of_two_run_pairs_is_decided_and_each_says_why(both):
+    (choice,) = [c for c in both.claims if c.kind == "choice"]
+    pooled = sorted(p.row for p in both.points if p.pooled_with)
+    assert pooled and set(pooled) <= set(choice.undecided)
+    sentence = matrix_render.claim_text(choice, both)
+    assert f"not decided at {matrix_render.rows_text(choice.undecided)} (their cells say why)" in sentence
+    header, body = matrix_render.table(both, str)
+    for row in pooled:
+        cell = dict(zip(header, body[row - 1]))["wins on TTFT"]
+        assert cell == "too few runs to decide (2 run pairs, 3 needed): record --repeats 3"
+
+
+def test_the_decision_states_each_pooled_point_once_naming_every_row(decided):
+    both = decided
     text = render_text(both, "markdown")
     head, _ = matrix_render.markdown_parts(both)
     assert len(text) <= matrix_render.ISSUE_CHARS
-    assert "decided once on all their run pairs pooled" in matrix_render._lead(both)
+    assert "judged once on all their run pairs pooled" in matrix_render._lead(both)
     header, body = matrix_render.table(both, str)
     cells = {row[0]: dict(zip(header, row)) for row in body}
     stated = [c for c in both.claims if c.kind in ("capacity", "cold-prefill", "decode", "prefix", "point")]
@@ -139,7 +151,7 @@ def test_the_decision_states_each_pooled_point_once_naming_every_row(both):
             for p in points:
                 other = next(q.row for q in points if q is not p)
                 assert cells[f"R{p.row}"]["TTFT ms"].endswith(
-                    f"<br>decided on {e.ratio:.3f}× [{e.low:.3f}, {e.high:.3f}], 2 runs, pooled with R{other} "
+                    f"<br>all run pairs: {e.ratio:.3f}× [{e.low:.3f}, {e.high:.3f}], 2 runs, pooled with R{other} "
                     "(2 run directories)")
         else:
             assert "pooled" not in sentence and "pooled" not in cells[f"R{rows[0]}"]["TTFT ms"]
@@ -211,7 +223,8 @@ def test_a_sweep_run_again_with_another_kv_cache_size_is_not_pooled(recipes, bot
 def test_synthetic_pooled_row_whose_own_run_credits_the_win_otherwise_is_named(recipes):
     """Causes stay each row's own: where one row of a pooled point credits its win to something else (here made so
     by hand), the one claim of the point says so for that row."""
-    result = matrix.build([SWEEP, REPEATS], recipes)
+    with deciding_on_any_run_pairs():
+        result = matrix.build([SWEEP, REPEATS], recipes)
     first, second = next(sorted(points, key=lambda p: p.row) for points in by_point(result).values()
                          if len(points) > 1 and points[0].winner == "baseline")
     second.causes = (matrix.CAPACITY,)
@@ -223,10 +236,12 @@ def test_synthetic_pooled_row_whose_own_run_credits_the_win_otherwise_is_named(r
     assert f"; on R{second.row}'s own run, fp8 wins, by a capacity effect" in text
 
 
-def test_a_pooled_claim_gives_every_pooled_runs_server_measures(both, recipes):
+def test_a_pooled_claim_gives_every_pooled_runs_server_measures(decided, recipes):
     """A pooled capacity claim's server measures are each pooled row's runs, row by row, as each directory alone
     gives them, and its words list them all (not the lowest row's run only)."""
-    alone = [matrix.build([run], recipes) for run in (SWEEP, REPEATS)]
+    both = decided
+    with deciding_on_any_run_pairs():
+        alone = [matrix.build([run], recipes) for run in (SWEEP, REPEATS)]
 
     def own(result, point):
         claim = next(c for c in result.claims if c.kind == "capacity" and c.outcome.point == point)

@@ -22,6 +22,7 @@ from kvtrace.analyzer import headline, report
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.render import plots
 from kvtrace.analyzer.stats import verdicts
+from kvtrace.analyzer.stats.verdicts import Verdict
 from kvtrace.cli import cli
 
 SWEEP = RECORDED_REPORT / "sweep"
@@ -76,11 +77,11 @@ def assert_each_row_has_its_own_band(shaded: dict, rows: dict, threshold: float)
         verdict = row.paired_verdict or row.verdict
         assert verdicts.verdict(SimpleNamespace(ratio=row.ratio, low=row.ci_low, high=row.ci_high), threshold=threshold,
                                 drift=row.band) == verdict, row
-        if verdict == verdicts.NO_CHANGE:
+        if verdict == Verdict.NO_CHANGE:
             assert (row.ci_low or row.ratio) <= 1 + half and (row.ci_high or row.ratio) >= 1 - half, row
-        elif verdict == verdicts.REGRESSION:
+        elif verdict == Verdict.REGRESSION:
             assert row.ratio > 1 + half and row.ci_low > 1 + row.band, row
-        elif verdict == verdicts.IMPROVEMENT:
+        elif verdict == Verdict.IMPROVEMENT:
             assert row.ratio < 1 - half and row.ci_high < 1 - row.band, row
     assert len({max(threshold, r.band) for r in rows.values()}) > 1
 

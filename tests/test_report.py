@@ -25,12 +25,12 @@ from click.testing import CliRunner
 from rich.console import Console
 
 from conftest import (NSYS2023_DIR, NSYS2025_DIR, RECORDED_REPORT, REPEAT, SERVE_RUNS, VLLM033_8B_RUNS, VLLM033_RUNS,
-                      VLLM_COLD_PREFILL, VLLM_DECODE_HEAVY, sql_durations)
+                      VLLM_COLD_PREFILL, VLLM_DECODE_HEAVY, deciding_on_any_run_pairs, sql_durations)
 from kvtrace.analyzer import align, headline, report, runs, serving, statements
 from kvtrace.analyzer.render import json_out, render_table, render_text
 from kvtrace.analyzer.render.statements import text as statement_text
 from kvtrace.analyzer.render.units import duration
-from kvtrace.analyzer.stats import verdicts
+from kvtrace.analyzer.stats.verdicts import Verdict
 from kvtrace.cli import cli, main
 from kvtrace.errors import KvtraceError
 
@@ -201,7 +201,7 @@ def test_append_phase_statement_counts_every_kernel_in_the_append_ranges(fi):
         statement = said[context]
         assert (statement.baseline_ns, statement.candidate_ns) == pytest.approx((per_call["fp8"], per_call["nvfp4"]))
         assert statement.ratio == pytest.approx(per_call["nvfp4"] / per_call["fp8"])
-        assert statement.ci_low < statement.ratio < statement.ci_high and statement.verdict == verdicts.IMPROVEMENT
+        assert statement.ci_low < statement.ratio < statement.ci_high and statement.verdict == Verdict.IMPROVEMENT
         assert statement.compared_calls == phase["calls"]
         words = statement_text(statement)
         assert words.startswith(f"append phase at ctx={context}, every kernel in the kvtrace:append ranges")
@@ -241,7 +241,7 @@ def test_two_run_directories_one_arm_each(recipes):
     result = report.build([NSYS2025_DIR, REPEAT], recipes, arms=("fp8",))
     assert (result.baseline.label, result.candidate.label) == ("fi-h200-sm90/fp8", "fi-h200-sm90-repeat/fp8")
     prefill = next(r for r in result.diff.segments if r.segment == "prefill_attention")
-    assert prefill.verdict == verdicts.NO_CHANGE  # a same-format repeat (fixtures/README.md)
+    assert prefill.verdict == Verdict.NO_CHANGE  # a same-format repeat (fixtures/README.md)
     assert not any(s.check == "capacity" for s in result.statements)  # same format: nothing to say
     named = runs.resolve_inputs([NSYS2025_DIR / "fp8", REPEAT / "nvfp4"])
     assert [(i.run, i.arm) for i in named] == [(NSYS2025_DIR, "fp8"), (REPEAT, "nvfp4")]
@@ -338,7 +338,8 @@ def test_guard_rail_stays_quiet_or_changes_its_words_when_the_case_differs(tmp_p
             data["arms"][arm]["points"][0]["bench"]["p50_ttft_ms"] = value
 
     (tmp_path / "b").mkdir()
-    result = report.build([_variant(tmp_path / "b", CAPACITY_WIN, ttft_worse)], recipes)
+    with deciding_on_any_run_pairs():  # the words of a decided point: one run pair decides nothing
+        result = report.build([_variant(tmp_path / "b", CAPACITY_WIN, ttft_worse)], recipes)
     statement = next(s for s in result.statements if s.check == "ttft")
     # More hits, slower prefill kernels and a longer TTFT: the hits are a capacity win, never a faster kernel,
     # and they did not make up for the kernels (the real vLLM 0.33 prefix-reuse run, tests/test_vllm033.py).
@@ -362,8 +363,8 @@ def test_guard_rail_stays_quiet_or_changes_its_words_when_the_case_differs(tmp_p
     (tmp_path / "d").mkdir()
     result = report.build([_variant(tmp_path / "d", CAPACITY_WIN, faster_kernels)], recipes)
     message = statement_text(next(s for s in result.statements if s.check == "ttft"))
-    # One run per arm without per-request times: no interval, so no gain is claimed, only what the arms differ in.
-    assert "not a significant gain" in message and "Part of the TTFT gain" not in message
+    # One run per arm: too few runs to decide, so no gain is claimed, only what the arms differ in.
+    assert "too few runs to decide (one run pair, 3 needed)" in message and "Part of the TTFT gain" not in message
     assert "capacity / prefix-hit effect, not kernel speed" in message and "credits neither alone" in message
     assert "not a faster prefill kernel" not in message
 
@@ -470,7 +471,7 @@ def test_the_head_is_printed_once_and_the_whole_diff_follows(fi):
 def test_statement_names_are_escaped_for_each_format(recipes):
     """Statements carry the labels as data; each renderer makes them inert its own way."""
     result = report.build([NSYS2025_DIR], recipes, labels=("<b>fp8*", "\x1b[31mnv"))
-    said = [line for line in render_text(result, "markdown").splitlines() if line.startswith("- ✅ **append**")]
+    said = [line for line in render_text(result, "markdown").splitlines() if re.match(r"- \S+ \*\*append\*\*", line)]
     assert said and all("(\\<b\\>fp8\\*) → " in line and "(\\\\x1b\\[31mnv)" in line for line in said)
     buffer = io.StringIO()
     render_table(result, Console(file=buffer, width=400, force_terminal=True))
@@ -715,7 +716,7 @@ def test_real_prefix_reuse_tells_the_capacity_story(prefix_reuse):
     prefill = next(r for r in prefix_reuse.diff.segments if r.segment == "prefill_attention")
     # The arms prefilled different amounts, so most prefill calls have no partner ("different work"); the
     # matched ones say the kernel (FA3 with FP8 queries) is faster on this GPU too.
-    assert (prefill.verdict, prefill.paired_verdict) == (verdicts.DIFFERENT_WORK, verdicts.IMPROVEMENT)
+    assert (prefill.verdict, prefill.paired_verdict) == (Verdict.DIFFERENT_WORK, Verdict.IMPROVEMENT)
     assert f"faster per matched call ({prefill.ratio:.3f}× over {prefill.compared_calls:,} paired calls)" in message
     assert "credits neither alone" in message
     capture = next(f for f in prefix_reuse.findings if f.check == "capture")
@@ -842,7 +843,7 @@ def test_real_cold_prefill_arms_ran_the_same_steps_and_pair(run_kvtrace, recipes
     for segment, per_arm in counts.items():
         assert per_arm["auto"] == per_arm["fp8"] > 0
         row = segments[segment]
-        assert row["verdict"] in (verdicts.REGRESSION, verdicts.IMPROVEMENT, verdicts.NO_CHANGE) and row["ratio"], row
+        assert row["verdict"] in (Verdict.REGRESSION, Verdict.IMPROVEMENT, Verdict.NO_CHANGE) and row["ratio"], row
         assert row["compared_calls"] == per_arm["auto"]
     result = report.build([SERVE_RUNS["cold-prefill-auto"], SERVE_RUNS["cold-prefill-fp8"]], recipes)
     metrics = result.serving[0].baseline

@@ -7,6 +7,7 @@ the spread of a mean, the documented verdict rule) or from properties, never fro
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import statistics
 
@@ -15,6 +16,7 @@ import pytest
 
 from kvtrace.analyzer import drift_band
 from kvtrace.analyzer.stats import arm_summary, bootstrap, distributions, shares, verdicts
+from kvtrace.analyzer.stats.verdicts import Verdict
 
 
 def lognormal_ns(seed: int, n: int, *, scale: float = 1.0, sigma: float = 0.3) -> np.ndarray:
@@ -266,6 +268,24 @@ def test_paired_strata_reject_inconsistent_arrays(make):
         make()
 
 
+@pytest.mark.parametrize("runs", [1, 2])
+def test_intervals_are_positive_and_invert_when_the_arms_swap(runs):
+    """Ratios and times are positive, and so are their intervals, however few the run pairs and however far t
+    stretches them: two run pairs whose ratios are 1.0 and 3.0 (t with 1 df) reached below zero on the linear
+    scale. On the log scale swapping the arms inverts the ratio's interval exactly."""
+    pairs = [shared_noise_pair(11, 6, 1e4, 1.0, own=0.3), shared_noise_pair(12, 6, 1e4, 3.0, own=0.3)][:runs]
+    swapped = [(c, b) for b, c in pairs]
+    run_of = list(range(runs))
+    forward = bootstrap.estimate_rows(strata_of(pairs, run_of, runs), [np.arange(runs)], seed=5)[0]
+    backward = bootstrap.estimate_rows(strata_of(swapped, run_of, runs), [np.arange(runs)], seed=5)[0]
+    for e in (forward, backward):
+        assert 0 < e.low < e.ratio < e.high and 0 < e.baseline_low < e.baseline_high
+        assert 0 < e.candidate_low < e.candidate_high
+    assert (backward.low, backward.high) == pytest.approx((1 / forward.high, 1 / forward.low), rel=1e-9)
+    if runs == 2:  # the linear interval, ratio ± half its log width times the ratio, would reach below zero
+        assert forward.ratio - forward.ratio * math.log(forward.high / forward.ratio) < 0
+
+
 @pytest.mark.parametrize("df", [1, 1.5, 2, 3, 7.5, 30, 400])
 def test_t_quantile(df):
     assert distributions.t_quantile(0.975, df) == pytest.approx(t_quantile(0.975, df), rel=1e-5)
@@ -283,32 +303,57 @@ def estimate(ratio: float, low: float | None, high: float | None) -> bootstrap.E
 @pytest.mark.parametrize(
     "ratio,low,high,threshold,drift,expected",
     [
-        (1.05, 1.03, 1.07, 0.02, 0.0, verdicts.REGRESSION),
-        (0.90, 0.85, 0.95, 0.02, 0.0, verdicts.IMPROVEMENT),
-        (1.01, 1.005, 1.015, 0.02, 0.0, verdicts.NO_CHANGE),  # significant, inside the band
-        (1.01, 1.005, 1.015, 0.0, 0.0, verdicts.REGRESSION),  # same, with no band
-        (0.99, 0.985, 0.995, 0.02, 0.0, verdicts.NO_CHANGE),
-        (1.10, 0.98, 1.22, 0.02, 0.0, verdicts.NO_CHANGE),  # large but not significant
-        (0.90, 0.78, 1.02, 0.02, 0.0, verdicts.NO_CHANGE),
-        (1.05, 1.00, 1.10, 0.02, 0.0, verdicts.NO_CHANGE),  # touching 1 does not exclude it
-        (0.974, 0.971, 0.977, 0.02, 0.0, verdicts.IMPROVEMENT),
-        (0.974, 0.971, 0.977, 0.02, 0.032, verdicts.NO_CHANGE),  # within what drift moves
-        (1.05, 1.04, 1.06, 0.02, 0.032, verdicts.REGRESSION),  # beyond it
-        (1.05, 1.03, 1.07, 0.02, 0.032, verdicts.NO_CHANGE),  # reaching into it
-        (1.01, None, None, 0.02, 0.0, verdicts.NO_CHANGE),  # single call, inside the band
-        (2.50, None, None, 0.02, 0.0, verdicts.INSUFFICIENT_DATA),
-        (0.50, None, None, 0.02, 0.0, verdicts.INSUFFICIENT_DATA),
+        (1.05, 1.03, 1.07, 0.02, 0.0, Verdict.REGRESSION),
+        (0.90, 0.85, 0.95, 0.02, 0.0, Verdict.IMPROVEMENT),
+        (1.01, 1.005, 1.015, 0.02, 0.0, Verdict.NO_CHANGE),  # significant, inside the band
+        (1.01, 1.005, 1.015, 0.0, 0.0, Verdict.REGRESSION),  # same, with no band
+        (0.99, 0.985, 0.995, 0.02, 0.0, Verdict.NO_CHANGE),
+        (1.10, 0.98, 1.22, 0.02, 0.0, Verdict.NO_CHANGE),  # large but not significant
+        (0.90, 0.78, 1.02, 0.02, 0.0, Verdict.NO_CHANGE),
+        (1.05, 1.00, 1.10, 0.02, 0.0, Verdict.NO_CHANGE),  # touching 1 does not exclude it
+        (0.974, 0.971, 0.977, 0.02, 0.0, Verdict.IMPROVEMENT),
+        (0.974, 0.971, 0.977, 0.02, 0.032, Verdict.NO_CHANGE),  # within what drift moves
+        (1.05, 1.04, 1.06, 0.02, 0.032, Verdict.REGRESSION),  # beyond it
+        (1.05, 1.03, 1.07, 0.02, 0.032, Verdict.NO_CHANGE),  # reaching into it
+        (1.01, None, None, 0.02, 0.0, Verdict.NO_CHANGE),  # single call, inside the band
+        (2.50, None, None, 0.02, 0.0, Verdict.INSUFFICIENT_DATA),
+        (0.50, None, None, 0.02, 0.0, Verdict.INSUFFICIENT_DATA),
     ],
 )
 def test_verdict_rule(ratio, low, high, threshold, drift, expected):
     assert verdicts.verdict(estimate(ratio, low, high), threshold=threshold, drift=drift) == expected
 
 
-def test_verdicts_are_distinct():
-    names = {verdicts.REGRESSION, verdicts.IMPROVEMENT, verdicts.NO_CHANGE, verdicts.INSUFFICIENT_DATA,
-             verdicts.NOT_COMPARABLE, verdicts.DIFFERENT_WORK}
-    assert len(names) == 6
-    assert verdicts.UNMEASURED == {verdicts.INSUFFICIENT_DATA, verdicts.NOT_COMPARABLE, verdicts.DIFFERENT_WORK}
+def test_verdicts_are_distinct_and_read_as_their_values():
+    assert len({v.value for v in Verdict}) == len(Verdict) == 7
+    assert verdicts.UNMEASURED == {Verdict.INSUFFICIENT_DATA, Verdict.NOT_COMPARABLE, Verdict.DIFFERENT_WORK,
+                                   Verdict.TOO_FEW_RUNS}
+    for v in Verdict:  # JSON, CSV and sentences carry the value, never the enum's name
+        assert str(v) == f"{v}" == v.value and json.dumps(v) == json.dumps(v.value)
+
+
+@pytest.mark.parametrize("ratio,low,high", [(2.0, 1.5, 2.5), (0.5, 0.4, 0.6), (1.01, 0.9, 1.1), (2.0, None, None)])
+def test_higher_is_better_judges_the_reciprocal(ratio, low, high):
+    """Throughput: a candidate twice as fast is an improvement, judged as baseline / candidate would be."""
+    swapped = verdicts.judge(1 / ratio, None if high is None else 1 / high, None if low is None else 1 / low,
+                             drift=0.25)
+    mirrored = {Verdict.REGRESSION: Verdict.IMPROVEMENT, Verdict.IMPROVEMENT: Verdict.REGRESSION}
+    assert verdicts.judge(ratio, low, high, drift=0.25, higher_is_better=True) == swapped
+    assert verdicts.judge(ratio, low, high, drift=0.25) == mirrored.get(swapped, swapped)
+
+
+@pytest.mark.parametrize("verdict,ratio,expected", [
+    (Verdict.NO_CHANGE, 1.01, "ok"),  # within the band: nothing to report
+    (Verdict.NO_CHANGE, 1.567, "info"),  # beyond the band and not decided: never ✅
+    (Verdict.INSUFFICIENT_DATA, 0.964, "info"),
+    (Verdict.IMPROVEMENT, 0.5, "info"),  # a speed-up is a change, not "all well"
+    (Verdict.TOO_FEW_RUNS, 1.0, "info"),
+    (Verdict.REGRESSION, 2.3, "warning"),
+    (Verdict.DIFFERENT_WORK, 1.0, "warning"),
+    (Verdict.NOT_COMPARABLE, None, "warning"),
+])
+def test_a_statement_is_ok_only_within_its_band(verdict, ratio, expected):
+    assert verdicts.level_of(verdict, ratio, 0.02) == expected
 
 
 @pytest.mark.parametrize("kwargs", [{"threshold": -0.01}, {"threshold": 1.0}, {"drift": -0.1}, {"drift": 1.0}])
@@ -319,10 +364,10 @@ def test_verdict_rejects_bad_bands(kwargs):
 
 @pytest.mark.parametrize(
     "paired_delta,unpaired_delta,expected",
-    [(100.0, 0.0, (verdicts.REGRESSION, None)),
-     (100.0, 99.0, (verdicts.REGRESSION, None)),
-     (100.0, -101.0, (verdicts.DIFFERENT_WORK, verdicts.REGRESSION)),  # offsetting unpaired work still dominates
-     (1.0, 350.0, (verdicts.DIFFERENT_WORK, verdicts.REGRESSION))],
+    [(100.0, 0.0, (Verdict.REGRESSION, None)),
+     (100.0, 99.0, (Verdict.REGRESSION, None)),
+     (100.0, -101.0, (Verdict.DIFFERENT_WORK, Verdict.REGRESSION)),  # offsetting unpaired work still dominates
+     (1.0, 350.0, (Verdict.DIFFERENT_WORK, Verdict.REGRESSION))],
 )
 def test_different_work_is_never_a_plain_verdict(paired_delta, unpaired_delta, expected):
     found = verdicts.row_verdict(estimate(1.05, 1.03, 1.07), threshold=0.02, drift=0.0, paired_delta=paired_delta,
@@ -332,7 +377,7 @@ def test_different_work_is_never_a_plain_verdict(paired_delta, unpaired_delta, e
 
 def test_no_pairs_is_not_comparable():
     assert verdicts.row_verdict(None, threshold=0.02, drift=0.0, paired_delta=0, unpaired_delta=5) == \
-        (verdicts.NOT_COMPARABLE, None)
+        (Verdict.NOT_COMPARABLE, None)
 
 
 def test_unpaired_share_stays_within_zero_and_one():

@@ -14,7 +14,7 @@ from conftest import NSYS2025_DIR, VLLM033_8B_RUNS
 from kvtrace.analyzer import align, report, steps
 from kvtrace.analyzer.load import open_trace
 from kvtrace.analyzer.render.statements import text as statement_text
-from kvtrace.analyzer.stats import verdicts
+from kvtrace.analyzer.stats.verdicts import Verdict
 
 SWEEP = VLLM033_8B_RUNS["capacity-sweep"]
 PREEMPTION = VLLM033_8B_RUNS["capacity-preemption"]
@@ -82,7 +82,7 @@ def test_nvfp4s_prefill_steps_wait_on_the_host(shipped_recipes):
     while their kernels are nearly as fast: the statement says host-side time, not a slower kernel."""
     result = report.build([PREEMPTION], shipped_recipes)
     prefill = next(r for r in result.step_timeline if r.phase == align.PREFILL)
-    assert prefill.span_verdict == verdicts.REGRESSION and prefill.span_low > prefill.kernel_high
+    assert prefill.span_verdict == Verdict.REGRESSION and prefill.span_low > prefill.kernel_high
     assert prefill.candidate_idle_ns > 2 * prefill.baseline_idle_ns
     assert prefill.candidate_waited_steps == prefill.steps > prefill.baseline_waited_steps
     (said,) = [s for s in result.statements if s.kind == "step-timeline"]
@@ -131,5 +131,5 @@ def test_the_matrix_names_the_host_time_where_the_report_does(shipped_recipes):
     for claim in claims:
         scenario = next(s for s in result.scenarios if s.name == claim.scenario)
         assert claim.rows == tuple(p.row for p in scenario.points)
-        assert claim.step.span_verdict == verdicts.REGRESSION
+        assert claim.step.span_verdict == Verdict.REGRESSION
         assert "not a slower kernel" in claim_text(claim, result)

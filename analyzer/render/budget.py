@@ -100,16 +100,17 @@ def pool_text(claim: claims_lib.PoolClaim, name: Name) -> str:
     text = f"KV pool per arm: {'; '.join(parts)}."
     if claim.projections:
         default = claim.default_tokens
-        by_arm: dict[tuple, list[int]] = {}
+        by_arm: dict[str, dict[tuple, list[int]]] = {}
         for found in claim.projections:
-            by_arm.setdefault((found.projection.arm, found.projection.tokens_per_request,
-                               found.projection.binds_near, found.projection.default_tokens), []).append(found.row)
-        projected = "; ".join(f"with the default pool ({tokens:,} tokens) {name(arm)} would bind near concurrency "
-                              f"{near:,} at {per:,} tokens per request ({rows_text(rows)})"
-                              for (arm, per, near, tokens), rows in by_arm.items())
-        text += (f" The capacity-bound points bind only under that cap: {projected}, as {name(claim.default_from)} "
-                 f"reported the default pool on the same GPU ({_tokens(default[0])} for {b}, {_tokens(default[1])} "
-                 f"for {c}).")
+            at = (found.projection.binds_near, found.projection.tokens_per_request)
+            by_arm.setdefault(found.projection.arm, {}).setdefault(at, []).append(found.row)
+        projected = "; ".join(
+            f"{name(arm)} would bind near concurrency " + " and near ".join(
+                f"{near:,} at {per:,} tokens per request ({rows_text(rows)})" for (near, per), rows in shapes.items())
+            for arm, shapes in by_arm.items())
+        text += (f" The capacity-bound points bind only under that cap: with vLLM's default pool, as "
+                 f"{name(claim.default_from)} reported it on the same GPU ({_tokens(default[0])} for {b}, "
+                 f"{_tokens(default[1])} for {c}), {projected}.")
     elif any(not p.baseline.default for p in claim.pools):
         text += (" No run here reported vLLM's default pool on this GPU and model shape, so where the capacity-bound "
                  "points would bind without the cap is not projected (`kvtrace capacity` gives the tokens per GiB).")

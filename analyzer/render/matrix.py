@@ -18,8 +18,9 @@ from kvtrace.analyzer.render.report_tables import _cached, _count, _ms, _peak, _
 from kvtrace.analyzer.render.statements import held_text
 from kvtrace.analyzer.render.units import rows_text, duration, estimate_ratio, interval, markdown_table, percent, ratio
 from kvtrace.analyzer.statements import APPEND_PHASE
-from kvtrace.analyzer.stats.serving_intervals import (ASSUMED_SERVING_BAND, MOMENTS, NO_INTERVAL, PAIRED_REQUESTS,
+from kvtrace.analyzer.stats.serving_intervals import (DECIDING_RUN_PAIRS, MOMENTS, NO_INTERVAL, PAIRED_REQUESTS,
                                                        RUN_MEANS)
+from kvtrace.analyzer.stats.verdicts import Verdict
 from kvtrace.analyzer.steps import HELD_BY_WAIT
 from kvtrace.text import plural
 
@@ -52,9 +53,8 @@ def _plain(text: str) -> str:
 
 
 def _band(estimate, pooled_with=(), directories: int = 0) -> str:
-    """The no-change band an estimate's verdict used, and what it rests on."""
-    if estimate.band_basis == "assumed":
-        return f"±{100 * estimate.band:g}%, assumed with one run per arm"
+    """The no-change band an estimate's verdict used, and what it rests on (a decided point has run pairs enough to
+    put the drift inside its interval)."""
     return (f"the threshold; {estimate.runs} run pairs{_pooled(pooled_with, directories)} put the drift inside the "
             "interval")
 
@@ -76,12 +76,12 @@ def _number(value: float | None, unit: str) -> str:
 
 def estimate_cell(estimate, unit: str, pooled: mx.MatrixPoint | None = None) -> str:
     """baseline → candidate (means over every run), then candidate / baseline with its interval; `pooled`: a point
-    whose objective is decided on this measurement pooled with others, a third line with that pooled estimate."""
+    whose objective is judged on this measurement pooled with others, a third line with that pooled estimate."""
     if estimate is None:
         return "–"
     cell = f"{_number(estimate.baseline, unit)} → {_number(estimate.candidate, unit)}<br>{estimate_ratio(estimate)}"
     if pooled is not None and pooled.pooled_with:
-        cell += (f"<br>decided on {estimate_ratio(pooled.estimate)}"
+        cell += (f"<br>all run pairs: {estimate_ratio(pooled.estimate)}"
                  f"{_pooled(pooled.pooled_with, pooled.pooled_directories)}")
     return cell
 
@@ -214,8 +214,8 @@ def _why(v: claims_lib.PointOutcome, name: Name) -> str:
     if why is not None and budgeted:
         parts.append(f"{_CAUSE_WORDS[budgeted[0]]} ({budget_words.reason_text(why)})")
     elif mx.FASTER_KERNEL in v.causes:
-        faster = [k for k in v.kernels if (k.verdict == "improvement") == (v.winner == "candidate")
-                  and k.verdict in ("improvement", "regression")]
+        faster = [k for k in v.kernels if (k.verdict == Verdict.IMPROVEMENT) == (v.winner == "candidate")
+                  and k.verdict in (Verdict.IMPROVEMENT, Verdict.REGRESSION)]
         parts += [_kernel_words(k, winner, b, c) for k in faster]
     if mx.PREFIX_HITS in v.causes:
         cached = v.cached_prompt_tokens
@@ -260,9 +260,8 @@ def _judgement(v: claims_lib.PointOutcome, name: Name) -> str:
     if v.winner == mx.NO_CLEAR_WINNER:
         spread = ("the spread across run directories, and so across sessions," if v.pooled_rows else
                   "the run-to-run spread")
-        band = (f"±{100 * v.band:g}%, assumed with one run per arm" if v.band_basis == "assumed" else
-                f"±{100 * v.threshold:g}%, {spread} inside the interval")
-        return f"no significant difference (the interval reaches into the no-change band, {band})"
+        return ("no significant difference (the interval reaches into the no-change band, "
+                f"±{100 * v.threshold:g}%, {spread} inside the interval)")
     if v.winner == mx.NOT_EXPLAINED:
         apparent = name(v.candidate if v.apparent == "candidate" else v.baseline)
         kernels = " and ".join(_SEGMENT_WORDS[k.segment] for k in v.kernels)
@@ -302,9 +301,10 @@ def _residency(v: claims_lib.ResidencyClaim, cite: str, name: Name) -> str:
               + _pooled(v.pooled_with, v.pooled_directories))
     outcome = {"candidate": f"{c} wins it", "baseline": f"{b} wins it",
                mx.NO_CLEAR_WINNER: "no significant difference", mx.NOT_EXPLAINED: "not explained"}.get(
-        v.winner, "not decided")
-    paid = (f": {c}'s residency did not buy a better {objective} here" if more and v.winner != "candidate" else
-            "")
+        v.winner, f"not decided: {v.undecided}" if v.undecided else "not decided")
+    # Only a decided point says what the residency did not buy; an undecided one says what was measured.
+    paid = (f": {c}'s residency did not buy a better {objective} here"
+            if more and v.winner in ("baseline", mx.NO_CLEAR_WINNER) else "")
     return text + f" {heading} there: {ratio(v.ratio)}{spread} ({c} / {b}), {outcome}{paid}."
 
 
@@ -456,10 +456,9 @@ def _choice_text(v: claims_lib.ChoiceClaim, result: mx.Matrix, name: Name) -> st
              f"not decided at {rows_text(v.undecided)} (their cells say why)" if v.undecided else None]
     text = f"On {objective}, {name(v.candidate)} against {name(v.baseline)}: " + "; ".join(p for p in parts if p) + "."
     if v.one_run:
-        text += (f" {rows_text(v.one_run)} rest on one run per arm: run-to-run drift is not measured there, so "
-                 f"a change within ±{100 * ASSUMED_SERVING_BAND:g}% is not attributed to the KV format "
-                 "(`kvtrace capture --repeats` measures it; per-request times, which `vllm bench serve "
-                 "--save-detailed` keeps, give TTFT and ITL an interval within a run).")
+        text += (f" {rows_text(v.one_run)} rest on one run per arm: run-to-run drift is not measured there "
+                 f"(`kvtrace capture --repeats {DECIDING_RUN_PAIRS}` measures it; per-request times, which `vllm bench "
+                 "serve --save-detailed` keeps, give TTFT and ITL an interval within a run).")
     return text
 
 
@@ -493,15 +492,18 @@ def claim_text(claim: claims_lib.Claim, result: mx.Matrix, name: Name = _plain) 
 def _lead(result: mx.Matrix) -> str:
     return (f"One row per scenario and traffic point (R1, R2, …: what the decision cites). Serving cells are "
             "baseline → candidate, each arm's mean over every run, then candidate / baseline with its 95% interval "
-            "(docs/statistics.md, serving intervals). A point is won on "
-            f"{_OBJECTIVE_WORDS[result.objective]} only where the whole interval clears the no-change band (±"
-            f"{100 * result.threshold:g}% with --repeats; ±{100 * ASSUMED_SERVING_BAND:g}% with one run per "
-            "arm, whose drift is not measured), and is a choice only where a faster kernel, prefix hits or a capacity "
-            "effect explains it. Points whose arms did different work, or that two measurements disagree on, are "
-            "not decided. A point measured in several run directories whose measurements agree is decided once on "
-            "all their run pairs pooled (each run pair a unit, its requests never mixed with another run's): the "
-            "interval over the run pairs' means then holds the drift between sessions, and the band is the "
-            "threshold.")
+            f"(docs/statistics.md, serving intervals). A point is decided only on {DECIDING_RUN_PAIRS} run pairs or "
+            "more (one run per arm leaves the run-to-run drift unmeasured, two measure it by one difference), and is "
+            f"won on {_OBJECTIVE_WORDS[result.objective]} only where the whole interval clears the no-change band (±"
+            f"{100 * result.threshold:g}%: the run pairs' spread is inside the interval), and is a choice only where "
+            "something measured at that point explains it: on TTFT, the part of the server's TTFT budget that carries "
+            "the difference (queue time: a capacity effect; prefill time, split by that point's own traced steps "
+            "where a trace covers it; the rest), else a faster kernel where the kernel diff read the point's "
+            "traffic, prefix hits or a capacity effect. Points whose arms did different work, or that two "
+            "measurements disagree on, are not decided. A point measured in several run directories whose "
+            "measurements agree is judged once on all their run pairs pooled (each run pair a unit, its requests "
+            "never mixed with another run's): the interval over the run pairs' means then holds the drift between "
+            "sessions, and the band is the threshold.")
 
 
 def _split_lines(scenario: mx.Scenario) -> list[str]:

@@ -42,14 +42,14 @@ from kvtrace.analyzer.matrix import OBJECTIVES, Matrix, Scenario  # noqa: E402
 from kvtrace.analyzer.render import escape  # noqa: E402
 from kvtrace.analyzer.report import PlotFile, Report  # noqa: E402
 from kvtrace.analyzer.render.units import no_change_half_width  # noqa: E402
-from kvtrace.analyzer.stats import verdicts  # noqa: E402
+from kvtrace.analyzer.stats.verdicts import Verdict  # noqa: E402
 from kvtrace.errors import KvtraceError  # noqa: E402
 from kvtrace.manifest import parse_phase_name  # noqa: E402
 
 FORMATS = ("png", "svg")
 _COLORS = ("#1f77b4", "#d62728")  # baseline, candidate
 # "different work" apart from "no significant change": its pairs are not matched work, whatever their ratio.
-_VERDICT_COLORS = {verdicts.REGRESSION: "#d62728", verdicts.IMPROVEMENT: "#2ca02c", verdicts.DIFFERENT_WORK: "#9467bd"}
+_VERDICT_COLORS = {Verdict.REGRESSION: "#d62728", Verdict.IMPROVEMENT: "#2ca02c", Verdict.DIFFERENT_WORK: "#9467bd"}
 _DEFAULT_COLOR = "#7f7f7f"
 _TITLES = {"prefill_attention": "prefill attention", "decode_attention": "decode attention", "kv_append": "KV append"}
 _VERSION_NAMES = {"torch": "torch", "cuda_runtime": "CUDA", "flashinfer": "FlashInfer", "vllm": "vLLM"}

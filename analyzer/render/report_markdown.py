@@ -28,7 +28,8 @@ def _serving_head_table(report: Report) -> tuple[list[str], list[list[str]]]:
     stat = stats.pop() if len(stats) == 1 else "p50 or mean"
     # The first run's statistic as recorded, then the mean over every run with its interval and verdict: only the
     # latter is a result (docs/statistics.md, serving intervals).
-    header = ["point", f"TTFT {stat} {bl}, first run", f"TTFT {stat} {cl}, first run", f"{cl} / {bl}",
+    header = ["point", f"TTFT {stat} {bl}, first run", f"TTFT {stat} {cl}, first run",
+              f"{cl} / {bl}, first run (descriptive: no interval)",
               f"TTFT mean {cl} / {bl}, every run",
               f"cached prompt tokens {bl}", f"cached prompt tokens {cl}", "capacity-bound"]
     rows = []

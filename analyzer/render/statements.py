@@ -8,10 +8,12 @@ from functools import singledispatch
 from typing import Callable
 
 from kvtrace.analyzer import statements as st
+from kvtrace.analyzer.budget_trace import NOT_TRACED
 from kvtrace.analyzer.render import budget as budget_words
 from kvtrace.analyzer.render.units import duration, interval
-from kvtrace.analyzer.stats.verdicts import IMPROVEMENT, NO_CHANGE, REGRESSION
 from kvtrace.analyzer.host_waits import WaitKind
+from kvtrace.analyzer.stats.serving_intervals import too_few_runs
+from kvtrace.analyzer.stats.verdicts import Verdict
 from kvtrace.analyzer.steps import HELD_BY_WAIT
 from kvtrace.text import plural
 
@@ -99,9 +101,9 @@ def _sweep(s: st.SweepCapacityStatement, name: Name = _plain) -> str:
 def _prefill_kernels(s: st.TtftStatement, name: Name) -> str:
     if s.prefill_verdict is None:
         return ""
-    if s.prefill_verdict == REGRESSION:
+    if s.prefill_verdict == Verdict.REGRESSION:
         return f"prefill attention kernels regressed {s.prefill_ratio:.3f}× per call"
-    if s.prefill_verdict == NO_CHANGE:
+    if s.prefill_verdict == Verdict.NO_CHANGE:
         return f"prefill attention kernels showed no significant change per call ({s.prefill_ratio:.3f}×)"
     return (f"{name(s.candidate)}'s prefill attention kernels are also faster per matched call "
             f"({s.prefill_ratio:.3f}× over {s.prefill_compared_calls:,} paired calls)")
@@ -144,9 +146,13 @@ def _ttft(s: st.TtftStatement, name: Name = _plain) -> str:
     e = s.estimate
     if e is not None:
         runs = f"over {e.runs} run pairs" if e.runs > 1 else "with one run per arm"
-        ttft += (f" in the first run; the mean {runs} {e.ratio:.3f}× {interval(e.low, e.high)}, "
-                 f"{'no significant difference' if e.verdict == NO_CHANGE else e.verdict}")
-        if e.verdict != IMPROVEMENT and s.reading in _GAINS:
+        verdict = {Verdict.NO_CHANGE: "no significant difference",
+                   Verdict.TOO_FEW_RUNS: too_few_runs(e)}.get(e.verdict, e.verdict)
+        ttft += (f" in the first run (descriptive: no interval); the mean {runs} {e.ratio:.3f}× "
+                 f"{interval(e.low, e.high)}, {verdict}")
+        if e.verdict == Verdict.TOO_FEW_RUNS and s.reading in _GAINS + (st.PREFIX_HIT_SLOWER,):
+            return f"{ttft}{where}. What the arms differ in: {_mechanism(s, name, kernels)}{_budget(s, name)}"
+        if e.verdict != Verdict.IMPROVEMENT and s.reading in _GAINS:
             return (f"{ttft}{where}: not a significant gain. What the arms differ in: {_mechanism(s, name, kernels)}"
                     f"{_budget(s, name)}")
     cached = (f"{s.candidate_cached_tokens:,} cached prompt tokens ({c}) against {s.baseline_cached_tokens:,} ({b})"
@@ -164,9 +170,11 @@ def _ttft(s: st.TtftStatement, name: Name = _plain) -> str:
                 f"prefix-hit win for {c}, not a faster kernel: its {kernels} over {s.prefill_compared_calls:,} paired "
                 f"calls, and the prefix hits did not make up for them: its TTFT is not lower{_budget(s, name)}")
     if s.reading == st.CAPACITY_EFFECT:
-        return (f"{ttft}{where} although {kernels}: {b} was capacity-bound there ({name(s.baseline_capacity)}) and "
+        although = f" although {kernels}" if kernels else ""
+        return (f"{ttft}{where}{although}: {b} was capacity-bound there ({name(s.baseline_capacity)}) and "
                 f"{c} was not, so the TTFT gain is a capacity effect (less queueing and recomputation after "
-                "preemption), not a faster prefill kernel")
+                "preemption)" + (", not a faster prefill kernel" if kernels else
+                                 f"; {NOT_TRACED}, so the prefill kernels say nothing here"))
     if s.reading == st.OUTSIDE_KERNELS:
         return (f"{ttft}{where} although {kernels}, with the same cached prompt tokens: the gain comes from outside "
                 "the prefill kernels (scheduling, queueing, preemptions), not a faster kernel")
@@ -195,8 +203,9 @@ def _mechanism(s: st.TtftStatement, name: Name, kernels: str) -> str:
     """What a TTFT gain would be credited to, without claiming one."""
     b, c = name(s.baseline), name(s.candidate)
     if s.reading == st.CAPACITY_EFFECT:
-        return (f"{b} was capacity-bound there ({name(s.baseline_capacity)}) and {c} was not, while {kernels}: a "
-                "capacity effect, not a faster prefill kernel")
+        while_ = f", while {kernels}" if kernels else f" ({NOT_TRACED})"
+        return (f"{b} was capacity-bound there ({name(s.baseline_capacity)}) and {c} was not{while_}: a "
+                "capacity effect" + (", not a faster prefill kernel" if kernels else ""))
     if s.reading == st.OUTSIDE_KERNELS:
         return f"{kernels}, with the same cached prompt tokens: whatever changed is outside the prefill kernels"
     cached = (f"{s.candidate_cached_tokens:,} cached prompt tokens ({c}) against {s.baseline_cached_tokens:,} ({b})"

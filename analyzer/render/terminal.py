@@ -14,10 +14,10 @@ from kvtrace.analyzer.render.statements import text as statement_text
 from kvtrace.analyzer.render.units import (HEAD_TIMES, LEVEL, arm_time, calls, duration, head_time, no_change_band,
                                           numbered_notes, per_call, percent, ratio, row_interval, run_ratios,
                                           signed_duration)
-from kvtrace.analyzer.stats.verdicts import IMPROVEMENT, REGRESSION
+from kvtrace.analyzer.stats.verdicts import Verdict
 from kvtrace.analyzer.verify import MISMATCHES_SHOWN
 
-_STYLE = {REGRESSION: "red", IMPROVEMENT: "green"}
+_STYLE = {Verdict.REGRESSION: "red", Verdict.IMPROVEMENT: "green"}
 
 
 def kernels(kernels: KernelList, console: Console) -> None:

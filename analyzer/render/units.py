@@ -131,8 +131,8 @@ def calls(row) -> tuple[str, str]:
 
 
 # How a finding's level shows: a mark in markdown, rich markup on the terminal.
-MARK = {"ok": "✅", "warning": "⚠️", "error": "❌"}
-LEVEL = {"ok": "[green]ok[/]", "warning": "[yellow]warning[/]", "error": "[bold red]error[/]"}
+MARK = {"ok": "✅", "info": "ℹ️", "warning": "⚠️", "error": "❌"}
+LEVEL = {"ok": "[green]ok[/]", "info": "[cyan]info[/]", "warning": "[yellow]warning[/]", "error": "[bold red]error[/]"}
 
 
 def markdown_table(header: list[str], rows: list[list]) -> list[str]:

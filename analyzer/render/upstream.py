@@ -3,10 +3,10 @@ order, the answer first and the repro script inside <details>; under a GitHub is
 
 from __future__ import annotations
 
-from kvtrace.analyzer.stats import verdicts
 from kvtrace.analyzer.render.escape import md_code, md_prose, md_text
 from kvtrace.analyzer.render.markdown import ISSUE_LIMIT
 from kvtrace.analyzer.render.units import interval, markdown_table, ratio
+from kvtrace.analyzer.stats.verdicts import Verdict
 from kvtrace.analyzer.upstream import HISTORY, NOT_MEASURED, HostSyncFinding, Ttft
 from kvtrace.errors import KvtraceError
 
@@ -35,7 +35,7 @@ def _repository(project: str) -> str:
 
 def _answer(f: HostSyncFinding) -> str:
     step = max(f.steps, key=lambda s: s.host_per_step_ms)
-    loss = [t for t in f.ttft if t.verdict == verdicts.REGRESSION]
+    loss = [t for t in f.ttft if t.verdict == Verdict.REGRESSION]
     ttft = (f"; NVFP4's TTFT against FP8's is {_ttft_words(loss[0])} at {md_code(loss[0].point)}" if loss else "")
     counterfactual = f.counterfactual
     with_patch = ("not measured yet (no arm with the check run once was recorded)"

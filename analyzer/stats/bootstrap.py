@@ -99,7 +99,7 @@ def estimate_rows(strata: PairedStrata, rows: Sequence[np.ndarray], *, confidenc
 
     With several run pairs the bootstrap is hierarchical (Kalibera & Jones 2013): each resample draws
     runs − 1 run pairs, then, within each, the calls as above, so between-run variance is inside the
-    interval, which is then ± t(runs − 1) standard deviations of the draws (bounds, run_widening). A row whose
+    interval, which is then ± t(runs − 1) standard deviations of the log draws (bounds, run_widening). A row whose
     calls paired in only some of the run pairs (vLLM steps that one run pair scheduled alike and another not) is
     resampled over those run pairs alone, with their count's t: a run pair without its calls adds nothing to
     either arm, and drawn alone it would make 0 / 0. Paired in one run pair of several, the row gets no

@@ -9,22 +9,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvtrace.analyzer.drift_band import ASSUMED, REPEATS
-from kvtrace.analyzer.stats.bootstrap import Estimate, PairedStrata, estimate_rows
+from kvtrace.analyzer.drift_band import ASSUMED_SERVING_BAND, unmeasured_band
+from kvtrace.analyzer.stats.bootstrap import PairedStrata, estimate_rows
 from kvtrace.analyzer.stats.distributions import t_quantile
 from kvtrace.analyzer.stats.shares import ratio
-from kvtrace.analyzer.stats.verdicts import verdict
-
-# With one run per arm nothing measures how far a serving mean moves between two recordings of the same work, and
-# an interval over one run's requests cannot see it: a change within this band is not attributed to the KV format.
-# Above the largest move of one arm's serving mean between recordings of the same point in fixtures/ (23.8%: NVFP4's
-# mean TTFT, vllm033-h200 offline-decode-heavy against its --repeats run's r1, 46.5 against 57.5 ms).
-ASSUMED_SERVING_BAND = 0.25
+from kvtrace.analyzer.stats.verdicts import Verdict, judge
 
 PAIRED_REQUESTS = "paired requests, stratified bootstrap"
 RUN_MEANS = "run pairs' means, t interval over run pairs"
 MOMENTS = "each arm's per-request mean and std (unpaired), log-ratio t interval"
 NO_INTERVAL = "one value per arm: no interval"
+# A serving point is decided on this many run pairs or more. Fewer leave the run-to-run spread unmeasured (one run
+# pair) or measured by one difference (two: t with 1 df, whose interval is narrow whenever two recordings happen to
+# agree); their verdict is Verdict.TOO_FEW_RUNS however narrow the interval (docs/statistics.md).
+DECIDING_RUN_PAIRS = 3
 
 
 @dataclass(frozen=True)
@@ -51,7 +49,7 @@ class ArmSamples:
 class ServingEstimate:
     """candidate / baseline of a serving mean at one point over every run pair, its interval, and its verdict
     against the no-change band (`band`: ASSUMED_SERVING_BAND with one run per arm, 0 with repeats, whose interval
-    carries the run-to-run spread). `baseline`/`candidate` are the means over runs; `improvement` always means
+    carries the run-to-run spread), on DECIDING_RUN_PAIRS run pairs or more (else Verdict.TOO_FEW_RUNS). `baseline`/`candidate` are the means over runs; `improvement` always means
     better for the candidate (lower latency, higher throughput). `run_means` holds each run pair's (baseline,
     candidate) means, in repeat order: what pool_serving joins."""
 
@@ -66,7 +64,7 @@ class ServingEstimate:
     strata: int
     band: float
     band_basis: str  # drift_band.ASSUMED or drift_band.REPEATS
-    verdict: str
+    verdict: Verdict
     run_ratios: tuple[float | None, ...] = ()
     higher_is_better: bool = False
     run_means: tuple[tuple[float, float], ...] = ()
@@ -84,7 +82,8 @@ def serving_estimate(runs: Sequence[tuple[ArmSamples, ArmSamples]], *, higher_is
     point as one stratum), as estimate_rows resamples call pairs. One run pair with each arm's mean, std and
     count: a t interval of the log ratio (unpaired, since which request is which is not known). Anything else:
     none. Requests of one run share its batches and its machine, so an interval over one run's requests
-    describes that run only: with one run per arm the verdict's band is ASSUMED_SERVING_BAND."""
+    describes that run only: with one run per arm the band is ASSUMED_SERVING_BAND. Fewer than DECIDING_RUN_PAIRS
+    run pairs decide nothing: their verdict is Verdict.TOO_FEW_RUNS, whatever the interval."""
     if not runs or any(b.mean is None or c.mean is None for b, c in runs):
         return None
     count = len(runs)
@@ -112,15 +111,12 @@ def serving_estimate(runs: Sequence[tuple[ArmSamples, ArmSamples]], *, higher_is
         bounds = _moments_interval(b, c, confidence)
         if bounds is not None:
             method, (low, high) = MOMENTS, bounds
-    band, basis = (ASSUMED_SERVING_BAND, ASSUMED) if count == 1 else (0.0, REPEATS)
-    judged = Estimate(point, low, high, confidence, resamples, method, base_value, None, None, cand_value, None,
-                      None, (), strata_count, 0)
-    if higher_is_better:  # verdict() reads a ratio above 1 as worse for the candidate
-        judged = Estimate(1 / point, None if high is None else 1 / high, None if low is None else 1 / low,
-                          confidence, resamples, method, cand_value, None, None, base_value, None, None, (), 1, 0)
+    band, basis = unmeasured_band(count, ASSUMED_SERVING_BAND)
     return ServingEstimate(ratio=point, low=low, high=high, baseline=base_value, candidate=cand_value, method=method,
                            runs=count, requests=requests, strata=strata_count, band=band, band_basis=basis,
-                           verdict=verdict(judged, threshold=threshold, drift=band),
+                           verdict=judge(point, low, high, threshold=threshold, drift=band,
+                                         higher_is_better=higher_is_better)
+                           if count >= DECIDING_RUN_PAIRS else Verdict.TOO_FEW_RUNS,
                            run_ratios=tuple(ratio(b.mean, c.mean) for b, c in runs) if count > 1 else (),
                            higher_is_better=higher_is_better,
                            run_means=tuple((float(b.mean), float(c.mean)) for b, c in runs) if count > 1 else
@@ -173,3 +169,16 @@ def _moments_interval(base: ArmSamples, cand: ArmSamples, confidence: float) -> 
     df = variance ** 2 / sum(v ** 2 / d for v, d in parts)
     spread = t_quantile(0.5 + confidence / 2, round(df, 2)) * math.sqrt(variance)
     return point * math.exp(-spread), point * math.exp(spread)
+
+
+def too_few_runs(estimate: ServingEstimate) -> str:
+    """Why a point on fewer than DECIDING_RUN_PAIRS run pairs is not decided and what would decide it, in words; with
+    one run per arm, whether its interval clears the band one arm's mean has moved between recordings."""
+    pairs = "one run pair" if estimate.runs == 1 else f"{estimate.runs} run pairs"
+    seen = ""
+    if estimate.runs == 1 and estimate.low is not None:
+        beyond = estimate.low > 1 + estimate.band or estimate.high < 1 - estimate.band
+        seen = (f"; its interval {'clears' if beyond else 'reaches into'} the ±{100 * estimate.band:g}% assumed "
+                "for one run per arm")
+    return (f"too few runs to decide ({pairs}, {DECIDING_RUN_PAIRS} needed{seen}): "
+            f"record --repeats {DECIDING_RUN_PAIRS}")

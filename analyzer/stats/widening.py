@@ -1,5 +1,5 @@
-"""How far a bootstrap interval reaches from its point: the percentile interval stretched by t / z, or z standard
-deviations of the draws times t / z over run pairs, with the degrees of freedom of what varied."""
+"""How far a bootstrap interval reaches from its point, on the log scale: the percentile interval stretched by t / z,
+or z standard deviations of the log draws times t / z over run pairs, with the degrees of freedom of what varied."""
 
 from __future__ import annotations
 
@@ -12,16 +12,29 @@ from kvtrace.analyzer.stats.distributions import normal_quantile, t_quantile
 
 def bounds(draws: np.ndarray, point: np.ndarray, stretch: np.ndarray, confidence: float, *,
            runs: int = 1) -> np.ndarray:
-    """Percentile interval of each row's draws, its distances from the point estimate times `stretch`.
+    """Percentile interval of each row's draws, its distances from the point estimate times `stretch`, taken on the
+    log scale: ratios and times are positive, so their intervals are too, and swapping the arms inverts a ratio's
+    interval exactly ([1/high, 1/low]).
 
-    With run pairs, z standard deviations of the draws instead: two or three run pairs give the draws two or
-    three values, whose percentiles lie about one standard error from the point, not z."""
+    With run pairs, z standard deviations of the log draws instead: two or three run pairs give the draws two or
+    three values, whose percentiles lie about one standard error from the point, not z; t(1) = 12.7 stretches such
+    an interval far, which on the linear scale reached below zero (1.567× [-1.456, 4.590]). A row whose point or
+    draws are not all positive keeps the linear interval, cut at 0."""
     alpha = 1.0 - confidence
+    positive = (point > 0) & np.all(draws > 0, axis=1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        logs, centre = np.log(np.where(positive[:, None], draws, 1.0)), np.log(np.where(positive, point, 1.0))
     if runs > 1:
-        half = normal_quantile(1 - alpha / 2) * draws.std(axis=1, ddof=1)
-        return np.stack([point - stretch * half, point + stretch * half])
-    low, high = np.quantile(draws, [alpha / 2, 1 - alpha / 2], axis=1)
-    return np.stack([point - stretch * (point - low), point + stretch * (high - point)])
+        z = normal_quantile(1 - alpha / 2)
+        half_log, half = z * logs.std(axis=1, ddof=1), z * draws.std(axis=1, ddof=1)
+        on_log = np.stack([centre - stretch * half_log, centre + stretch * half_log])
+        linear = np.stack([point - stretch * half, point + stretch * half])
+    else:
+        low, high = np.quantile(logs, [alpha / 2, 1 - alpha / 2], axis=1)
+        on_log = np.stack([centre - stretch * (centre - low), centre + stretch * (high - centre)])
+        low, high = np.quantile(draws, [alpha / 2, 1 - alpha / 2], axis=1)
+        linear = np.stack([point - stretch * (point - low), point + stretch * (high - point)])
+    return np.where(positive, np.exp(on_log), np.maximum(linear, 0.0))
 
 
 def run_widening(run_counts: np.ndarray, confidence: float) -> np.ndarray:
