@@ -11,6 +11,7 @@ renamed into place once whole (`seal`).
 
 from __future__ import annotations
 
+import atexit
 import functools
 import hashlib
 import json
@@ -252,7 +253,10 @@ def export_report(report: Path, *, nsys: str | None = None, tables: tuple[str, .
     identity = (report.resolve(), status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns,
                 status.st_ctime_ns, nsys_path)
     key = hashlib.sha256("|".join(map(str, identity)).encode(errors="surrogateescape")).hexdigest()[:20]
-    folder = cache_dir("exports") or Path(tempfile.mkdtemp(prefix="kvtrace-export-"))
+    folder = cache_dir("exports")
+    if folder is None:  # no cache folder can be used: a temporary one for this command, removed as kvtrace exits
+        folder = Path(tempfile.mkdtemp(prefix="kvtrace-export-"))
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
     parquet, target = (folder / f"{report.stem[:64]}-{key}{suffix}" for suffix in (".parquetdir", ".sqlite"))
     # Only what kvtrace sealed there for this report, unchanged; anything else at the name (damaged, another
     # report's, a folder or link planted) is cleared and the report exported again.

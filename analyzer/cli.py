@@ -19,6 +19,7 @@ from rich.console import Console
 import kvtrace.nsys
 from kvtrace import files
 from kvtrace.analyzer import align, compare, render, verify
+from kvtrace.analyzer import runs as runs_lib
 from kvtrace.analyzer.classify import SEGMENTS, load_recipes
 from kvtrace.analyzer.findings import read_first
 from kvtrace.analyzer.kernels import list_kernels
@@ -153,6 +154,15 @@ def inputs() -> list[Path]:
     return click.get_current_context().meta.setdefault("kvtrace.inputs", [])
 
 
+def run_files(run: Path) -> list[Path]:
+    """Every entry of a run directory (links included): kvtrace reads its manifests, exports, logs, bench results,
+    per-request counts and answers, so an output may replace none of them."""
+    try:
+        return sorted(Path(run).iterdir())
+    except OSError:  # not a folder: the reader of the run says what is wrong
+        return [Path(run)]
+
+
 @contextmanager
 def progress(message: str, delay_s: float = 1.0):
     """A transient spinner on standard error for a step still running after `delay_s` (loading or exporting
@@ -241,6 +251,7 @@ def emit(result, fmt: str, output: Path | None) -> None:
     elif fmt == "markdown":
         rest = whole_path(output)
         text, whole = render.render_markdown(result, rest and rest.name)
+        whole = whole if rest is not None else None  # a device or FIFO has nothing beside it
     else:
         text = render.render_text(result, fmt)
     if whole is not None:  # written first: the file the issue-sized markdown names exists once that does
@@ -522,6 +533,9 @@ def _check_distinct_runs(runs: list[tuple[Path, Path]]) -> None:
                 raise KvtraceError(f"{path} and {earlier} are the same file: with --repeat each run of each arm is a "
                                    "recording of its own; pass every run once")
         seen.append((status, path))
+    for side in (0, 1):  # a repeat copied from another run of its arm is the same recording too
+        runs_lib.check_distinct_recordings([run[side] for run in runs], "pass every run once, each a recording of its "
+                                           "own")
 
 
 @click.command()

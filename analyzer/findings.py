@@ -131,11 +131,13 @@ def rank_findings(vocabulary: Vocabulary, runs: list[tuple[Run, Run]], base_arm:
     if vocabulary.ranks == 1:
         return []
     findings = []
-    counts = [len(runs[0][side].trace.info.ranks) for side in (0, 1)]
-    if counts[0] != counts[1]:
-        findings.append(Finding("error", "ranks", f"{base_arm.label} ran on {counts[0]} GPU(s) and {cand_arm.label} "
-                                f"on {counts[1]}: ranks pair by device order, so the ranks beyond {min(counts)} have "
-                                "no partner; compare runs of the same tensor-parallel size"))
+    for index, pair in enumerate(runs):  # every run pair: a later one may differ where the first does not
+        counts = [len(run.trace.info.ranks) for run in pair]
+        if counts[0] != counts[1]:
+            where = f"r{index + 1}: " if len(runs) > 1 else ""
+            findings.append(Finding("error", "ranks", f"{where}{base_arm.label} ran on {counts[0]} GPU(s) and "
+                                    f"{cand_arm.label} on {counts[1]}: ranks pair by device order, so the ranks beyond "
+                                    f"{min(counts)} have no partner; compare runs of the same tensor-parallel size"))
     communication = vocabulary.segments.index("communication") if "communication" in vocabulary.segments else -1
     for index, pair in enumerate(runs):
         for run, arm in zip(pair, (base_arm, cand_arm)):

@@ -23,6 +23,7 @@ import polars as pl
 
 from kvtrace.analyzer import export_tables as et
 from kvtrace.analyzer import load
+from kvtrace.errors import KvtraceError
 
 if TYPE_CHECKING:
     from kvtrace.analyzer.load import Trace
@@ -77,15 +78,15 @@ def _read(trace: Trace) -> pl.DataFrame | None:
     with load.tables_of(trace) as tables:
         if not {et.MEMCPY_TABLE, et.SYNC_TABLE, et.RUNTIME_TABLE} <= tables.names:
             return None
-        copies = pl.from_arrow(tables.integer_rows(et.MEMCPY_TABLE, (
+        copies = _checked(tables, et.MEMCPY_TABLE, tables.integer_rows(et.MEMCPY_TABLE, (
             "correlationId", "globalPid", "copyKind", "srcKind", "dstKind", "bytes", "end")))
-        syncs = pl.from_arrow(tables.integer_rows(et.SYNC_TABLE, ("correlationId", "globalPid")))
+        syncs = _checked(tables, et.SYNC_TABLE, tables.integer_rows(et.SYNC_TABLE, ("correlationId", "globalPid")))
         copies = copies.with_columns(_process("globalPid")).rename({"end": "copy_end"})
         syncs = syncs.with_columns(_process("globalPid")).unique(["process", "correlationId"])
         wanted = pl.concat([copies["correlationId"], syncs["correlationId"]]).drop_nulls().unique().to_list()
         if not wanted:
             return pl.DataFrame(schema=SCHEMA)
-        calls = pl.from_arrow(tables.integer_rows(et.RUNTIME_TABLE, (
+        calls = _checked(tables, et.RUNTIME_TABLE, tables.integer_rows(et.RUNTIME_TABLE, (
             "correlationId", "globalTid", "start", "end", "nameId"), where=("correlationId", wanted)))
         calls = calls.with_columns(_process("globalTid"))
         names = _names(tables, calls["nameId"])
@@ -106,6 +107,22 @@ def _read(trace: Trace) -> pl.DataFrame | None:
         waits = waits.with_columns(pl.col("call").str.replace(_VERSION.pattern, ""))
         return _with_neighbours(tables, waits).rename({"globalTid": "global_tid"}).select(list(SCHEMA)).sort(
             "global_tid", "start")
+
+
+def _checked(tables: et.Tables, table: str, rows) -> pl.DataFrame:
+    """Rows of copies, synchronizations or runtime calls as nsys writes them: no NULL (its columns are NOT NULL), no
+    negative byte count, no call that ends before it starts; else the export is damaged, and its waits would be
+    counted as copies of -8 bytes or negative host time."""
+    frame = pl.from_arrow(rows)
+    for column in frame.columns:
+        if frame[column].null_count():
+            raise et.damaged_values(tables.path, table, "NULL", column)
+    if "bytes" in frame.columns and (frame["bytes"] < 0).any():
+        raise et.damaged_values(tables.path, table, "negative", "bytes")
+    if {"start", "end"} <= set(frame.columns) and (frame["end"] < frame["start"]).any():
+        raise KvtraceError(f"{tables.path}: {table} has calls that end before they start: the export is damaged or "
+                           "was edited; export the report again")
+    return frame
 
 
 def _words(column: str, words: dict[int, str]) -> pl.Expr:

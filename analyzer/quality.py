@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from kvtrace import files
-from kvtrace.analyzer.runs import ArmInput
+from kvtrace.analyzer.runs import ArmInput, run_file
 from kvtrace.analyzer.stats import mcnemar, shares
 from kvtrace.errors import KvtraceError
 
@@ -167,15 +167,19 @@ def _not_measured(reason: str, level: str | None = None) -> Quality:
 # ---- kernel level (FlashInfer) --------------------------------------------------------------------------
 
 def _metrics(value) -> dict | None:
-    """A recorded {rel_l2, cosine, max_abs}, each a finite number (cosine may be None), else None."""
+    """A recorded {rel_l2, cosine, max_abs}, each a finite number in its range (distances 0 or more, cosine within
+    ±1 or None), else None: a damaged value shows as missing, never as a measured error (-0.25 was reported as one,
+    and -1 divided 1 + rel_l2 = 0)."""
     if not isinstance(value, dict):
         return None
     out = {}
     for name in METRICS:
         number = value.get(name)
+        low, high = (-1.0, 1.0) if name == "cosine" else (0.0, math.inf)
         if number is None and name == "cosine":
             out[name] = None
-        elif isinstance(number, (int, float)) and not isinstance(number, bool) and math.isfinite(number):
+        elif isinstance(number, (int, float)) and not isinstance(number, bool) and math.isfinite(number) \
+                and low <= number <= high:
             out[name] = float(number)
         else:
             return None
@@ -261,8 +265,9 @@ def _results(run: Path, summary: dict, label: str, read: list[Path]) -> list[dic
         raise KvtraceError(f"{label}: the manifest names no quality file inside its run directory ({name!r}): "
                            "capture again with --quality-prompts")
     fix = "capture again with --quality-prompts"
-    read.append(run / name)
-    data = files.read_json(run / name, f"{label}'s answers {name}", fix)
+    path = run_file(run, name, label, "answers")
+    read.append(path)
+    data = files.read_json(path, f"{label}'s answers {name}", fix)
     results = data.get("results") if isinstance(data, dict) else None
     if not isinstance(results, list):
         raise KvtraceError(f"{label}'s answers {name} hold no results list: {fix}")

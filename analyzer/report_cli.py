@@ -10,10 +10,11 @@ import click
 
 from kvtrace import files, model_config
 from kvtrace.analyzer import capacity as capacity_lib
+from kvtrace.analyzer import runs as runs_lib
 from kvtrace.analyzer.cli import (FiniteRange, Whole, as_run, emit, inputs, interval_options, output_options, progress,
-                                  target_options, use_cache, verify_option, window_options)
+                                  run_files, target_options, use_cache, verify_option, window_options)
 from kvtrace.errors import KvtraceError
-from kvtrace.manifest import MANIFEST, read_manifest
+from kvtrace.manifest import read_manifest
 from kvtrace.nsys import find_nsys
 
 
@@ -63,7 +64,7 @@ def report(runs, arms, labels, threshold, confidence, seed, plots_dir, exports_f
                                   exports_from=tuple(exports_from))
     result.diff.headline = result.diff.headline.with_command(as_run(result.run_dir))
     inputs().extend(Path(export) for arm in (result.baseline, result.candidate) for export in arm.runs)
-    inputs().extend(Path(arm.run) / "manifest.json" for arm in (result.baseline, result.candidate))
+    inputs().extend(file for arm in (result.baseline, result.candidate) for file in run_files(arm.run))
     inputs().extend(Path(arm.log) for arm in (result.baseline, result.candidate) if arm.log)
     inputs().extend(result.quality.read if result.quality else ())
     inputs().extend(Path(split.file) for split in result.repro)
@@ -88,7 +89,7 @@ def _draft(result, project: str, runs: list[Path], recipes, output: Path | None,
     from kvtrace.analyzer.render import repro as repro_render, upstream as upstream_render
 
     def build_report(paths, arms):
-        inputs().extend(Path(path) / MANIFEST for path in paths)
+        inputs().extend(file for path in paths for file in run_files(path))
         return report_lib.build(paths, recipes, arms=arms, **options)
 
     with progress("drafting the upstream issue"):
@@ -133,7 +134,7 @@ def capacity(run, config_path, layers, kv_heads, head_dim, tokens, sequences, tp
     """
     # What capacity reads beside its arguments: the run's manifest and the model folder's config.json.
     if run is not None:
-        inputs().append(run / MANIFEST if run.is_dir() else run)
+        inputs().extend(run_files(run) if run.is_dir() else [run])
     if config_path is not None:
         inputs().append(config_path / "config.json" if config_path.is_dir() else config_path)
     if output is not None:
@@ -204,12 +205,16 @@ def matrix(runs, objective, threshold, confidence, seed, plots_dir, plot_format,
     with progress(f"reporting on every scenario of {' '.join(map(str, runs))}"):
         result = matrix_lib.build(list(runs), load_recipes(recipe_files), objective=objective, threshold=threshold,
                                   confidence=confidence, seed=seed, nsys=nsys_path, cache=use_cache())
+    recordings = []
     for scenario in result.scenarios:
         arms = (scenario.report.baseline, scenario.report.candidate)
+        recordings += [file for arm in arms for file in _recording_files(arm)]
         inputs().extend(Path(export) for arm in arms for export in arm.runs)
-        inputs().extend(Path(arm.run) / "manifest.json" for arm in arms)
+        inputs().extend(file for arm in arms for file in run_files(arm.run))
         inputs().extend(Path(arm.log) for arm in arms if arm.log)
         inputs().extend(scenario.report.quality.read if scenario.report.quality else ())
+    # A run directory copied is no second recording: pooled with its original it would decide points on nothing.
+    runs_lib.check_distinct_recordings(recordings, "give each recording once (remove the copy)")
     if plots_dir is not None:
         from kvtrace.analyzer.render import budget_plot, plots  # matplotlib only on this path
 
@@ -226,3 +231,9 @@ def matrix(runs, objective, threshold, confidence, seed, plots_dir, plot_format,
             files.write(rest_path, rest, inputs())
             result.rest_file = rest_path.name
     emit(result, fmt, output)
+
+
+def _recording_files(arm) -> list[Path]:
+    """The export and bench results of each run of a report's arm."""
+    manifest = read_manifest(Path(arm.run))
+    return runs_lib.recording_files(Path(arm.run), manifest, manifest.runs_by_arm.get(arm.arm, [arm.arm]))

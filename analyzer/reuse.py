@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from kvtrace import files
+from kvtrace.analyzer.runs import run_file
 from kvtrace.errors import KvtraceError
 
 REUSED_SHARE = 0.5  # of a prompt's tokens served from the cache
@@ -62,10 +63,10 @@ def prefix_reuse(run: Path, record: dict) -> PrefixReuse | None:
     summary = record.get("requests")
     if not isinstance(summary, dict) or not isinstance(summary.get("file"), str):
         return None
-    path = run / summary["file"]
-    if path.name != summary["file"]:
+    if Path(summary["file"]).name != summary["file"]:
         raise KvtraceError(f"{run}: the manifest names per-request counts {summary['file']!r}, which is not a file "
                            "in the run directory: restore it from the capture or remove its entry")
+    path = run_file(run, summary["file"], "a point", "per-request counts")
     entries = files.read_json(path, f"per-request counts {path}", "record the run again or restore the file")
     if not isinstance(entries, list) or not all(isinstance(entry, dict) for entry in entries):
         raise KvtraceError(f"{path}: not a list of requests: the file is damaged; record the run again or restore it")

@@ -3,7 +3,9 @@ their runs) that a report compares, checked before any trace is opened."""
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -120,6 +122,8 @@ def resolve_inputs(paths: list[Path], arms: tuple[str, ...] = (),
     inputs = _complete_pairs(*inputs)
     for item in inputs:
         _check_arm(item, exports_from)
+        check_distinct_recordings(recording_files(item.run, item.manifest, item.runs),
+                                  "each run of an arm must be a recording of its own; capture it again")
     base, cand = inputs
     if len(base.runs) != len(cand.runs):
         raise KvtraceError(f"arm {base.arm} has {len(base.runs)} run(s) and arm {cand.arm} {len(cand.runs)}: "
@@ -206,15 +210,58 @@ def run_arm(item: ArmInput, label: str) -> RunArm:
 _QUERY_DTYPES = re.compile(r"FlashInfer resolved query dtypes: prefill=torch\.(\w+), decode=torch\.(\w+)")
 
 
+def recording_files(run: Path, manifest: Manifest, names) -> list[Path]:
+    """What makes each of the runs `names` a recording: its export and its points' bench results."""
+    found = []
+    for name in names:
+        record = manifest.runs[name]
+        found += [run / record.sqlite] if record.sqlite else []
+        found += [run / point["bench_result"] for point in record.points if isinstance(point.get("bench_result"), str)]
+    return found
+
+
+def check_distinct_recordings(paths: list[Path], fix: str) -> None:
+    """Refuse recordings counted as independent (the runs of an arm, run directories pooled) where a file of one
+    holds the same bytes as another: a repeat or run directory copied is no second recording, and counted as one
+    its zero difference would pass for agreement (zero-width intervals, points decided on nothing). The same file
+    named twice is one file; only files of the same size are hashed."""
+    by_size: dict[int, list[tuple[Path, os.stat_result]]] = {}
+    for path in paths:
+        try:
+            status = path.stat()
+        except OSError:
+            continue  # its reader says what is wrong with it
+        if not stat.S_ISREG(status.st_mode):
+            continue  # a FIFO is never opened; its reader refuses it
+        same = by_size.setdefault(status.st_size, [])
+        if not any(os.path.samestat(status, other) for _, other in same):
+            same.append((path, status))
+    for same in (group for group in by_size.values() if len(group) > 1):
+        digests: dict[str, Path] = {}
+        for path, _ in same:
+            digest = files.sha256(path)
+            if digest in digests:
+                raise KvtraceError(f"{path} and {digests[digest]} hold the same bytes: a run is not independent "
+                                   f"evidence of itself; {fix}")
+            digests[digest] = path
+
+
+def run_file(run: Path, name: str, owner: str, what: str) -> Path:
+    """A file a manifest names (`owner` lists it as its `what`), refused where it leads outside the run directory:
+    an edited or planted manifest, or a link in the run directory, must not send kvtrace to read elsewhere."""
+    path = run / name
+    if not path.resolve().is_relative_to(run.resolve()):
+        raise KvtraceError(f"{owner} in {run} lists its {what} as {name!r}, which leads outside the run directory "
+                           f"(through .., an absolute path or a link): keep a run's {what} inside it")
+    return path
+
+
 def _log_fields(item: ArmInput, name: str | None) -> dict:
     """The run's log (inside its run directory, as its exports are) and the query dtypes it names; none without
     a log. A planted manifest cannot send kvtrace to read elsewhere, nor to wait on a FIFO or read /dev/zero."""
     if not name:
         return {}
-    log = item.run / name
-    if not log.resolve().is_relative_to(item.run.resolve()):
-        raise KvtraceError(f"arm {item.arm} in {item.run} lists its log as {name!r}, which leads outside the run "
-                           "directory (through .., an absolute path or a link): keep a run's logs inside it")
+    log = run_file(item.run, name, f"arm {item.arm}", "log")
     if not log.exists():
         return {"log": None, "query_dtypes": {}}
     text = files.read_small(log, f"log {log}", "keep the capture's own log there, or remove it").decode(errors="replace")

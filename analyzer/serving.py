@@ -14,7 +14,7 @@ from kvtrace import files
 from kvtrace.analyzer import budget as budget_lib
 from kvtrace.analyzer.budget import ArmBudget, Reason
 from kvtrace.analyzer.reuse import Evictions, PrefixReuse, evictions, prefix_reuse
-from kvtrace.analyzer.runs import ArmInput
+from kvtrace.analyzer.runs import ArmInput, run_file
 from kvtrace.analyzer.stats import serving_intervals, shares
 from kvtrace.analyzer.stats.serving_intervals import ArmSamples
 from kvtrace.errors import KvtraceError
@@ -275,10 +275,11 @@ def _peaks_note(record: dict, duration: float | None) -> str | None:
 
 def _finite(values, scale: float = 1.0) -> np.ndarray | None:
     """A per-request list as an array of finite, non-negative numbers (times scaled), or None for anything else."""
-    if not isinstance(values, list) or not values or not all(isinstance(v, (int, float)) for v in values):
+    if not isinstance(values, list) or not values or \
+            not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
         return None
-    array = np.asarray(values, dtype=np.float64)
-    return array * scale if np.isfinite(array).all() and (array >= 0).all() else None
+    array = np.asarray(values, dtype=np.float64) * scale  # finite after scaling: 1e306 s is no time in ms
+    return array if np.isfinite(array).all() and (array >= 0).all() else None
 
 
 def _bench_result(record: dict, run: Path | None) -> dict:
@@ -287,14 +288,10 @@ def _bench_result(record: dict, run: Path | None) -> dict:
     name = record.get("bench_result")
     if run is None or not isinstance(name, str) or not name:
         return {}
-    path = run / name
     try:
-        inside = path.resolve().is_relative_to(run.resolve())
+        path = run_file(run, name, "a point", "bench result")
     except (OSError, ValueError):  # a name no file can have (a NUL byte, a loop of links): no bench result
         return {}
-    if not inside:
-        raise KvtraceError(f"a point in {run} lists its bench result as {name!r}, which leads outside the run "
-                           "directory (through .., an absolute path or a link): keep a run's files inside it")
     try:  # supplementary: the manifest's summary stands without it (the intervals then say what they rest on)
         data = files.read_json(path, f"bench result {path}", "keep the capture's own bench JSON there")
     except KvtraceError:
@@ -353,6 +350,10 @@ def serving_metrics(record: dict, kv_cache_tokens: int | None, run: Path | None 
     cached = record.get("cached_tokens")
     if cached is None:
         cached = counter("vllm:prompt_tokens_cached_total", "vllm:prefix_cache_hits_total")
+    if isinstance(cached, (int, float)) and isinstance(prompt, (int, float)) and cached > prompt:
+        raise KvtraceError(f"{run / 'manifest.json' if run else 'a manifest'}: point {record.get('point')!r:.80} "
+                           f"served {cached:,} prompt tokens from the prefix cache of {prompt:,} sent, more than it "
+                           "was sent: its counts are damaged; capture the run again")
     queries, hits = counter("vllm:prefix_cache_queries_total"), counter("vllm:prefix_cache_hits_total")
     input_rate = bench.get("input_throughput")
     if input_rate is None and prompt is not None and duration:

@@ -119,6 +119,11 @@ class SqliteTables:
     def integer_rows(self, table: str, columns: tuple[str, ...], where: tuple[str, list[int]] | None = None):
         import pyarrow as pa
 
+        present = sqlite_utils.Database(self.conn)[table].columns_dict
+        missing = [c for c in dict.fromkeys((*columns, *(where[:1] if where else ()))) if c not in present]
+        if missing:  # SQLite would read a quoted name it lacks as text, "bytes" for bytes
+            raise KvtraceError(f"{self.path}: {table} lacks column {', '.join(missing)}: the export is damaged or was "
+                               "edited; export the report again")
         query = "SELECT " + ", ".join(f'"{c}"' for c in columns) + f" FROM {table}"
         if where is not None:
             query += f" WHERE \"{where[0]}\" IN ({','.join(str(int(v)) for v in where[1])})"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import click
@@ -22,11 +23,28 @@ def _name_list(ctx, param, value: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in value.split(",") if part.strip())
 
 
+def _seconds(ctx, param, value: float) -> float:
+    """A wait in seconds: NaN passes every comparison and would never time out, infinity never ends."""
+    if not (math.isfinite(value) and value > 0):
+        raise click.BadParameter(f"{value} is not a finite number of seconds above 0", ctx, param)
+    return value
+
+
 def _written(manifest: dict, out: Path) -> Manifest:
     """The typed view of the manifest a capture just wrote into `out`."""
     return Manifest.of(manifest, out / MANIFEST)
 
 
+# Each repeat is a GPU run of minutes: past this a count is a slip, and listing its runs would never end.
+MAX_REPEATS = 1000
+
+
+def _repeats(ctx, param, value: int) -> int:
+    """At most MAX_REPEATS, before any run is listed (below 1 the capture's own check says so)."""
+    if value > MAX_REPEATS:
+        raise KvtraceError(f"--repeats {value} is more than the {MAX_REPEATS:,} runs per arm kvtrace records: "
+                           "give fewer")
+    return value
 REPEATS_HELP = ("Record each arm N times, arms interleaved (A B A B ...) so that drift over time is not "
                 "confounded with the arm; runs are named ARM.rK when N > 1.")
 
@@ -58,7 +76,7 @@ def capture() -> None:
                    "q [tokens, q_heads, head_dim], k and v [tokens, kv_heads, head_dim] dumped from a model (keys "
                    "after RoPE). Each format's attention error against a float64 reference is recorded per context.")
 @click.option("--arms", default="fp8,nvfp4", show_default=True, callback=_name_list, help="Formats to record, comma-separated.")
-@click.option("--repeats", default=1, show_default=True, help=REPEATS_HELP)
+@click.option("--repeats", default=1, show_default=True, callback=_repeats, help=REPEATS_HELP)
 @click.option("--nsys", "nsys_path", default=None, help="nsys binary (default: $NSYS, PATH, known installs).")
 @click.option("--force", is_flag=True, help="Replace an existing run directory.")
 def flashinfer(out, context, batch, q_heads, kv_heads, head_dim, page_size, prefill_calls, decode_calls,
@@ -123,8 +141,9 @@ def _optional_int_list(ctx, param, value: str | None) -> tuple[int, ...] | None:
 @click.option("--quality-max-tokens", default=256, show_default=True, help="serve: tokens generated per quality prompt.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="serve: address the server binds.")
 @click.option("--port", default=8000, show_default=True, help="serve: port the server binds.")
-@click.option("--startup-timeout", default=1800.0, show_default=True, help="serve: seconds to wait for /health.")
-@click.option("--repeats", default=1, show_default=True, help=REPEATS_HELP)
+@click.option("--startup-timeout", default=1800.0, show_default=True, callback=_seconds,
+              help="serve: seconds to wait for /health.")
+@click.option("--repeats", default=1, show_default=True, callback=_repeats, help=REPEATS_HELP)
 @click.option("--profile-steps", default=0, show_default=True,
               help="Trace only the first N engine steps of the measured traffic (0: all of it); the serving metrics "
                    "still cover every request. Keeps long serve runs' traces small.")

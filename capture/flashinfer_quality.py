@@ -26,6 +26,8 @@ import hashlib
 import io
 import json
 import math
+import os
+import stat
 import struct
 from pathlib import Path
 
@@ -53,7 +55,10 @@ def _header(path: Path, data: bytes | None = None) -> tuple[dict, int]:
     """A .safetensors file's tensor table and where its data starts (8-byte little-endian header length, JSON),
     read from the file, or from its bytes `data` where they are in memory already."""
     try:
-        with open(path, "rb") if data is None else io.BytesIO(data) as handle:
+        # Without blocking: a FIFO would wait for a writer before it could be refused
+        with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") if data is None else io.BytesIO(data) as handle:
+            if data is None and not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
+                raise ValueError("not a regular file: a folder, pipe, FIFO or device")
             raw = handle.read(8)
             if len(raw) != 8:
                 raise ValueError("shorter than its 8-byte header length")
@@ -65,8 +70,9 @@ def _header(path: Path, data: bytes | None = None) -> tuple[dict, int]:
                 raise ValueError("header is not a JSON object")
     except OSError as error:
         raise KvtraceError(f"--inputs {path}: cannot read it ({error.strerror or error})") from None
-    except (ValueError, UnicodeDecodeError) as error:
-        raise KvtraceError(f"--inputs {path} is not a .safetensors file ({error}): dump q, k and v with "
+    except (ValueError, UnicodeDecodeError, RecursionError) as error:
+        reason = "its header is nested too deeply" if isinstance(error, RecursionError) else error
+        raise KvtraceError(f"--inputs {path} is not a .safetensors file ({reason}): dump q, k and v with "
                            "safetensors.torch.save_file") from None
     return table, 8 + length
 
@@ -85,13 +91,14 @@ def check_tensor_file(path: Path, q_heads: int, kv_heads: int, head_dim: int, ma
         if dtype not in _DTYPES:
             raise KvtraceError(f"--inputs {path}: {name} is {dtype!r}; save it as bfloat16, float16 or float32")
         wanted = {"q_heads": q_heads, "kv_heads": kv_heads}[heads]
-        if not (isinstance(shape, list) and len(shape) == 3 and all(isinstance(n, int) for n in shape)):
+        if not (isinstance(shape, list) and len(shape) == 3 and all(_whole(n) for n in shape)):
             raise KvtraceError(f"--inputs {path}: {name} has shape {shape!r}, not [tokens, heads, head_dim]")
         if shape[1:] != [wanted, head_dim]:
             raise KvtraceError(f"--inputs {path}: {name} is {shape}, the workload wants [tokens, {wanted}, {head_dim}]: "
                                f"pass --{heads.replace('_', '-')} {shape[1]} --head-dim {shape[2]}")
         width = {"BF16": 2, "F16": 2, "F32": 4}[dtype]
-        if not (isinstance(offsets, list) and len(offsets) == 2 and offsets[1] - offsets[0] == math.prod(shape) * width
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_whole(n) for n in offsets)
+                and offsets[1] - offsets[0] == math.prod(shape) * width
                 and 0 <= offsets[0] and offsets[1] <= size):
             raise KvtraceError(f"--inputs {path}: {name}'s data offsets {offsets!r} do not match its shape (truncated?)")
         tokens.add(shape[0])
@@ -102,6 +109,11 @@ def check_tensor_file(path: Path, q_heads: int, kv_heads: int, head_dim: int, ma
     if count < max_context:
         raise KvtraceError(f"--inputs {path} holds {count} tokens, fewer than --context {max_context}: pass contexts "
                            f"up to {count}")
+
+
+def _whole(value) -> bool:
+    """A size or offset as safetensors writes it: an integer of 0 or more (2.0 would slice no buffer, True is 1)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def read_tensor_file(path: Path) -> tuple[dict, str]:

@@ -16,6 +16,7 @@ from kvtrace.capture import runner, vllm_ranks
 from kvtrace.capture.vllm_config import PREFIX_CACHING, VllmCapture, Workload, child_env, engine_flags
 from kvtrace.errors import KvtraceError
 from kvtrace.manifest import Point
+from kvtrace.text import visible
 
 # vLLM's engine core and workers are child processes of the traced command.
 NSYS_EXTRA = ("--trace-fork-before-exec=true",)
@@ -149,7 +150,9 @@ def dry_run(cfg: VllmCapture, out: Path, *, nsys: str | None = None, python: str
             lines.append(f"# POST {base}/stop_profile, then SIGINT the server so that nsys writes its report")
         lines.append(shlex.join(kvtrace.nsys.export_command(nsys, out / f"{run.name}.nsys-rep",
                                                             out / f"{run.name}.sqlite")))
-    return "\n".join(lines) + "\n"
+    # A comment quotes what it was given (--host, a --points-from path): a newline there must not end it, or the
+    # rest would be a command line of its own when the plan is pasted into a shell.
+    return "\n".join(visible(line) if line.startswith("#") else line for line in lines) + "\n"
 
 
 def point_tag(workload: Workload, index: int, every: bool = False) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -141,7 +142,9 @@ def followed_points(path: str, mode: str) -> tuple[tuple[Point, ...], str]:
     if manifest.scenario != "sweep" or manifest.mode != mode:
         raise KvtraceError(f"{path} holds a {manifest.mode} {manifest.scenario} run: --points-from follows an "
                            f"earlier --scenario sweep --mode {mode} run")
-    order = [name for name in manifest.settings.get("order", []) if name in manifest.runs] or list(manifest.runs)
+    order = manifest.settings.get("order")
+    order = [name for name in (order if isinstance(order, list) else []) if isinstance(name, str)
+             and name in manifest.runs] or list(manifest.runs)
     for name in order:
         record = manifest.runs[name]
         if record.status == "ok" and record.points:
@@ -149,9 +152,18 @@ def followed_points(path: str, mode: str) -> tuple[tuple[Point, ...], str]:
                 points = tuple(Point.parse(point["point"]) for point in record.points)
             except (KeyError, TypeError, ValueError):
                 break
+            for point in points:  # a point vLLM's bench would refuse, or run as nothing
+                if min(point.input_len, point.output_len, point.num_prompts, point.concurrency) < 1 \
+                        or min(point.prefix_len, point.num_prefixes) < 0:
+                    raise KvtraceError(f"{path} (run {name}) lists the point {point.spec()}, which sends no requests "
+                                       "or asks for no tokens: follow a run whose points are whole, or let this "
+                                       "sweep choose its own points")
             return points, f"{path} (run {name})"
     raise KvtraceError(f"{path} has no finished sweep run with its points: follow a run whose first arm "
                        "finished, or let this sweep choose its own points")
+
+
+_HOST = re.compile(r"[A-Za-z0-9.:%_-]{1,253}|\[[0-9A-Fa-f:.%]{1,100}\]")  # a name, IPv4, IPv6 (bracketed or not)
 
 
 @dataclass(frozen=True)
@@ -186,6 +198,9 @@ class VllmCapture:
         check_repeats(self.repeats)
         if self.profile_steps < 0:
             raise KvtraceError(f"--profile-steps {self.profile_steps} is negative: give 0 (trace everything) or more")
+        if not _HOST.fullmatch(self.host):
+            raise KvtraceError(f"--host {self.host!r:.80} is not a host name or IP address (letters, digits, '.', '-', "
+                               "':'): give the address the server binds, e.g. 127.0.0.1")
         if not 0 < self.port < 65535:
             raise KvtraceError(f"--port {self.port} is not a TCP port kvtrace can use (it also takes the next one, "
                                "for KV-cache events): choose one in 1-65534")

@@ -30,18 +30,20 @@ def load_prompts(path: str | Path) -> tuple[list[dict], str]:
     """The prompt file's entries, checked (one clear error naming the line that is wrong), and the SHA-256 of the
     bytes they were read from."""
     path = Path(path)
+    # A regular file of at most files.SMALL_INPUT_BYTES: a FIFO would wait for a writer, /dev/zero never ends.
+    data = files.read_small(path, f"--quality-prompts {path}", "give a JSON Lines file of prompts")
     try:
-        data = path.read_bytes()
         text = data.decode("utf-8")
-    except (OSError, UnicodeDecodeError) as error:
+    except UnicodeDecodeError as error:
         raise KvtraceError(f"--quality-prompts {path}: cannot read it as UTF-8 text ({error})") from None
     prompts = []
-    for number, line in enumerate(text.splitlines(), 1):
+    # Lines end at \n only, as JSON Lines says: U+2028 or U+0085 inside a string is text, not a line break.
+    for number, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
         try:
             entry = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
             raise KvtraceError(f"--quality-prompts {path}: line {number} is not JSON; write one object per line with "
                                '"prompt" and "answer"') from None
         if not (isinstance(entry, dict) and isinstance(entry.get("prompt"), str)

@@ -18,6 +18,7 @@ Every failure is a KvtraceError naming the target and what to do.
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import re
@@ -67,6 +68,15 @@ def read_json(path: str | os.PathLike, what: str, fix: str):
         raise KvtraceError(f"{what} is not readable JSON (nested too deeply): {fix}") from None
     except ValueError as error:
         raise KvtraceError(f"{what} is not readable JSON ({error}): {fix}") from None
+
+
+def sha256(path: str | os.PathLike) -> str:
+    """The SHA-256 of a file's bytes, read in 1 MiB chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def is_stdout(path: str | os.PathLike | None) -> bool:

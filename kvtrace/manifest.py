@@ -410,7 +410,7 @@ _RUN_SHAPE = {
     "request_order_sha256": str,
     "workload": {"kv_format": str, "engine": {"block_size": _COUNT}, "settings": dict, "versions": dict,
                  "phases": [{"nvtx": str, "calls": _AMOUNT, "bytes_per_call": _AMOUNT}]},
-    "kv_cache": {"tokens": _AMOUNT, "available_gib": _AMOUNT, "line": str, "available_gib_per_rank": {"*": _AMOUNT}},
+    "kv_cache": {"tokens": _COUNT, "available_gib": _AMOUNT, "line": str, "available_gib_per_rank": {"*": _AMOUNT}},
     "ranks": [{"rank": _Number(0, whole=True), "device": _Number(0, whole=True), "kernels": _COUNT}],
     "points": [_POINT_SHAPE],
     "windows": [{"point": _Number(0, whole=True), "sqlite": str, "steps": _COUNT, "status": str}],

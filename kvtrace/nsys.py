@@ -14,7 +14,9 @@ import shutil
 import signal
 import sqlite3
 import subprocess
+import sys
 import tempfile
+import time
 from contextlib import closing
 from pathlib import Path
 from typing import Callable, TextIO
@@ -38,6 +40,9 @@ INSTALL_GLOBS = (
 # times that, and ten minutes more, is a tool that has stopped working. $KVTRACE_STEP_LIMIT_S replaces them all.
 VERSION_LIMIT_S = 60.0
 EXPORT_LIMIT_S, EXPORT_LIMIT_S_PER_MIB = 600.0, 2.0
+# While an export or import runs, a line on standard error this often says what kvtrace waits for and until when
+# (a spinner shows only on a terminal; a log or CI job would otherwise see minutes of nothing).
+WAIT_NOTICE_S = 30.0
 
 
 class TimedOut(KvtraceError, RuntimeError):
@@ -45,18 +50,30 @@ class TimedOut(KvtraceError, RuntimeError):
 
 
 def run_step(command: list[str], step: str, limit_s: float, *, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-             cwd: str | os.PathLike | None = None, env: dict | None = None,
-             own_session: bool = True) -> subprocess.CompletedProcess:
+             cwd: str | os.PathLike | None = None, env: dict | None = None, own_session: bool = True,
+             notice_s: float | None = None) -> subprocess.CompletedProcess:
     """The one way kvtrace runs a child process: with a time limit, in its own session. Past the limit, or on any
     exception (Ctrl-C), the whole group is killed (a grandchild holding the output pipe would otherwise keep
     kvtrace waiting), and TimedOut names `step` and the limit. `own_session=False` leaves the child in the
     terminal's group, so that Ctrl-C reaches it too (nsys profile then finalizes its report); then only the
-    child is killed."""
+    child is killed. `notice_s`: every so many seconds the child runs, one line on standard error names the step,
+    the time so far and the limit."""
     limit_s = _limit_s(limit_s)
+    started = time.monotonic()
     with subprocess.Popen(command, stdout=stdout, stderr=stderr, text=True, errors="replace", cwd=cwd, env=env,
                           start_new_session=own_session) as process:
         try:
-            out, err = process.communicate(timeout=limit_s)
+            while True:
+                left = limit_s - (time.monotonic() - started)
+                try:  # communicate may be called again after its timeout: what was read is kept
+                    out, err = process.communicate(timeout=max(0.0, min(left, notice_s or left)))
+                    break
+                except subprocess.TimeoutExpired:
+                    if not notice_s or time.monotonic() - started >= limit_s:
+                        raise
+                    sys.stderr.write(f"kvtrace: waiting for {step}: {time.monotonic() - started:.0f} s so far, "
+                                     f"stopped at {limit_s:.0f} s\n")
+                    sys.stderr.flush()
         except BaseException as error:
             with contextlib.suppress(OSError):
                 os.killpg(process.pid, signal.SIGKILL) if own_session else process.kill()
@@ -142,7 +159,7 @@ def _run_logged(command: list[str], log: TextIO | None, step: str, limit_s: floa
     if log is not None:
         log.write(f"$ {' '.join(command)}\n")
         log.flush()
-    result = run_step(command, step, limit_s, stderr=subprocess.STDOUT)
+    result = run_step(command, step, limit_s, stderr=subprocess.STDOUT, notice_s=WAIT_NOTICE_S)
     if log is not None:
         log.write(result.stdout)
         log.flush()

@@ -114,9 +114,9 @@ def test_numbers_past_their_range_are_one_line(args, names, problem, kv):
 MANIFEST_VALUES = [
     (lambda m: m["environment"].update(packages=["torch"]), "environment.packages", "an object"),
     (lambda m: m["arms"]["fp8"].setdefault("kv_cache", {}).update(tokens=float("nan")), "arms.fp8.kv_cache.tokens",
-     "a number of 0 or more"),
+     "a whole number of at least 1"),
     (lambda m: m["arms"]["fp8"].setdefault("kv_cache", {}).update(tokens=float("inf")), "arms.fp8.kv_cache.tokens",
-     "a number of 0 or more"),
+     "a whole number of at least 1"),
     (lambda m: m["arms"]["fp8"]["workload"].update(engine={"block_size": "abc"}), "arms.fp8.workload.engine.block_size",
      "a whole number"),
     (lambda m: m["settings"].update(engine_flags={"fp8": "--enforce-eager"}), "settings.engine_flags.fp8", "a list"),

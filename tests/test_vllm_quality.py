@@ -98,7 +98,7 @@ def test_bad_prompt_files_are_one_clear_error(tmp_path, text, says):
 def test_quality_options_are_checked_before_anything_starts(tmp_path):
     with pytest.raises(KvtraceError, match="needs --mode serve"):
         with_quality(config(mode="offline")).validate()
-    with pytest.raises(KvtraceError, match="cannot read it"):
+    with pytest.raises(KvtraceError, match="cannot be read"):
         with_quality(config(), tmp_path / "missing.jsonl").validate()
     with pytest.raises(KvtraceError, match="at least 1"):
         with_quality(config(), max_tokens=0).validate()

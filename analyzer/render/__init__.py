@@ -56,9 +56,11 @@ SIZED = (Diff, Report)
 def render_markdown(result, rest: str | None) -> tuple[str, str | None]:
     """Markdown of `result` that fits an issue body, and the whole document when that leaves sections out (for the
     file linked by `rest`; None: no file, and the text says how to get one)."""
-    if not isinstance(result, SIZED):
-        return render_text(result, "markdown"), None
-    return _renderer(result, "markdown")(result, rest)
+    text, whole = (render_text(result, "markdown"), None) if not isinstance(result, SIZED) else \
+        _renderer(result, "markdown")(result, rest)
+    if rest == markdown.WHOLE or len(text) <= markdown.ISSUE_LIMIT:
+        return text, whole
+    return markdown.fit(text, rest), whole or text
 
 
 def render_text(result, fmt: str) -> str:

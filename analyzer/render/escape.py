@@ -27,18 +27,35 @@ _ACTIVE = re.compile(r"(?<=:)(?=[\w+-]*[^\W\d_][\w+-]*:)|(?<=@)(?=[\w-])|(?<=:)(
                      re.IGNORECASE)
 
 
+# The most characters one text shows in markdown or a terminal: a name or cell (a label, GPU name, version string,
+# scenario, run or kernel name: real ones stay under 1,000), and one of kvtrace's notes quoting such text (a
+# note listing the unpaired calls of a vLLM sweep runs to 13,000). Past it the text is shortened with a note of
+# its length, so that one field cannot push a report past an issue body, nor make rich wrap it for minutes
+# (100,000 characters took over a minute); JSON and CSV keep it whole.
+FIELD_CHARS = 2_000
+PROSE_CHARS = 16_384
+
+
+def shown(text, limit: int = FIELD_CHARS) -> str:
+    """`text` with control characters visible, shortened past `limit` with a note of its length."""
+    text = visible(text)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}… (shortened: {len(text):,} characters in all)"
+
+
 def _inert(text: str) -> str:
     return _ACTIVE.sub("<!-- -->", text)
 
 
 def rich(text) -> str:
     """For a rich console or table cell: control characters visible, square brackets not read as markup."""
-    return _rich_escape(visible(text))
+    return _rich_escape(shown(text))
 
 
 def md_code(text) -> str:
     """A markdown code span holding `text` whatever backticks it contains (a longer fence than any run in it)."""
-    content = visible(text)
+    content = shown(text)
     fence = "`" * (max((len(run) for run in _BACKTICKS.findall(content)), default=0) + 1)
     pad = " " if content.startswith("`") or content.endswith("`") else ""
     return f"{fence}{pad}{content}{pad}{fence}"
@@ -47,14 +64,14 @@ def md_code(text) -> str:
 def md_text(text) -> str:
     """Plain markdown text (a label in a heading or table): emphasis, links, HTML and emoji shortcodes made literal.
     (An underscore inside a word emphasises nothing in GitHub markdown, so `fp8_e4m3` stays as it is.)"""
-    return _inert(_MARKDOWN_SPECIAL.sub(r"\\\1", visible(text)))
+    return _inert(_MARKDOWN_SPECIAL.sub(r"\\\1", shown(text)))
 
 
 def md_prose(text) -> str:
     """A sentence kvtrace wrote with trace or manifest text inside (a finding, a note): emphasis, HTML, links and
     emoji shortcodes made literal, as md_text does, but square brackets that hold kvtrace's own intervals
     (`[0.98, 1.01]`) stay as they are: only `](`, which would make them a link, is broken."""
-    return _inert(_PROSE_SPECIAL.sub(r"\\\1", visible(text)).replace("](", "]\\("))
+    return _inert(_PROSE_SPECIAL.sub(r"\\\1", shown(text, PROSE_CHARS)).replace("](", "]\\("))
 
 
 def plot_text(text) -> str:

@@ -11,7 +11,7 @@ from kvtrace.analyzer.results import Arm, Diff, DiffRow, Summary
 from kvtrace.analyzer.findings import read_first
 from kvtrace.analyzer.kernels import KernelList
 from kvtrace.analyzer.headline import APPEND_PHASE, Headline
-from kvtrace.analyzer.render.escape import md_code, md_prose, md_text, visible
+from kvtrace.analyzer.render.escape import md_code, md_prose, md_text, shown, visible
 from kvtrace.analyzer.render.statements import text as statement_text
 from kvtrace.analyzer.render.units import (HEAD_TIMES, MARK, PART, arm_time, calls, duration, head_time,
                                           markdown_table, no_change_band, numbered_notes, per_call, percent,
@@ -23,6 +23,10 @@ ISSUE_LIMIT = 65_536
 WHOLE = "whole"  # a markdown renderer's `rest` that asks for every section inline
 WHOLE_SUFFIX = ".full"  # the whole document's file: the -o file's name with this before its suffix
 _POINTER_ROOM = 600  # characters kept for the line that names what was left out
+# The most the visible head of a report may take when the whole does not fit: half an issue body, so that the
+# sections it leads to and the reporter's own words have room. Past it the head is cut at a line.
+HEAD_CHARS = 32_768
+_FENCE = re.compile(r"^(`{3,})")
 
 
 @dataclass(frozen=True)
@@ -137,6 +141,7 @@ def sized(top: list[str], summary: str, sections: list[Section], bottom: list[st
     whole = text(sections, [])
     if rest == WHOLE or len(whole) < ISSUE_LIMIT:
         return whole, None
+    top = cut(top, HEAD_CHARS, f"The rest of this {what}'s head is in the whole {what}.")
     budget = ISSUE_LIMIT - len(text([], [])) - _POINTER_ROOM
     kept = set()
     for index in sorted(range(len(sections)), key=lambda i: sections[i].rank):
@@ -151,6 +156,36 @@ def sized(top: list[str], summary: str, sections: list[Section], bottom: list[st
     pointer = ["", f"This {what} leaves out {left}, to fit a GitHub issue body; the whole {what} ({len(whole):,} "
                    f"characters) {where}."]
     return text(chosen, pointer), whole
+
+
+def cut(lines: list[str], budget: int, note: str) -> list[str]:
+    """`lines` as they are if they fit `budget` characters, else the first whole lines that do (each line's escaping
+    stays whole), a code fence or <details> they leave open closed, then a line saying how much was cut and `note`."""
+    if len("\n".join(lines)) <= budget:
+        return lines
+    kept, size, fence, details = [], 0, None, 0
+    budget -= _POINTER_ROOM
+    for line in lines:
+        if size + len(line) + 1 > budget:
+            break
+        kept.append(line)
+        size += len(line) + 1
+        opened = _FENCE.match(line)
+        if opened and (fence is None or opened.group(1) == fence):
+            fence = opened.group(1) if fence is None else None
+        details += line.count("<details>") - line.count("</details>")
+    closing = ([fence] if fence else []) + ["</details>"] * max(details, 0)
+    left = lines[len(kept):]
+    return kept + closing + ["", f"{len(left):,} more lines ({sum(len(x) + 1 for x in left):,} characters) are left "
+                                 f"out here to fit a GitHub issue body. {note}"]
+
+
+def fit(text: str, rest: str | None) -> str:
+    """Any markdown kvtrace writes for an issue, cut at a line to fit ISSUE_LIMIT: the promise behind every renderer's
+    own sizing (one overlong field or table cannot break it)."""
+    where = (f"The whole is in {md_code(rest)}, written beside this file." if rest and rest != WHOLE else
+             f"Write it with `-o FILE.md` to get the whole as FILE{WHOLE_SUFFIX}.md beside it.")
+    return "\n".join(cut(text.split("\n"), ISSUE_LIMIT, where))
 
 
 def _reaches(diff: Diff) -> str:
@@ -238,7 +273,7 @@ def head(diff: Diff, level: int = 3, *, statements: bool = True, serving: list[s
     lines += list(serving) + ["", f"{section} Environment", ""]
     lines += markdown_table(["", ""], [[name, md_text(value)] for name, value in head.environment])
     if head.commands:
-        commands = [visible(command) for command in head.commands]
+        commands = [shown(command) for command in head.commands]  # a 100,000-character --label shortened
         fence = "`" * max(3, 1 + max(len(run) for run in re.findall("`*", "\n".join(commands))))
         lines += ["", f"{section} Reproduce", "", "From the run directory (absolute paths shortened to their last "
                   "component): the capture as its settings give it, the engine's commands as it ran them, then "

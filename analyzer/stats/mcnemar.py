@@ -37,17 +37,34 @@ class PairedAccuracy:
         return share(self.candidate_correct, self.prompts)
 
 
+# Discordant prompts up to which the tail is summed in integers (exact; milliseconds at this size).
+EXACT_INTEGER_PROMPTS = 2_000
+
+
 def mcnemar_exact(baseline_only: int, candidate_only: int) -> float:
     """Two-sided exact McNemar p-value: under no difference each discordant prompt goes either way with
-    probability 1/2, so the p-value is twice the binomial(n, 1/2) tail at the smaller count, at most 1.
-    Summed in integers, exact for any n."""
+    probability 1/2, so the p-value is twice the binomial(n, 1/2) tail at the smaller count k, at most 1.
+
+    Up to EXACT_INTEGER_PROMPTS the tail is summed in integers. Past it, in floating point from its largest
+    term, C(n, k) / 2^n (from log-gamma), down, each term the last times i / (n - i + 1), until the terms no
+    longer change the sum: within about 1e-11 relative and linear in k at most, where integers of thousands of
+    digits took 23 s for 10,000 discordant prompts."""
     if baseline_only < 0 or candidate_only < 0:
         raise ValueError("discordant counts must be non-negative")
     n = baseline_only + candidate_only
-    if n == 0:
+    k = min(baseline_only, candidate_only)
+    if n == 0 or 2 * k == n:
         return 1.0
-    tail = sum(math.comb(n, i) for i in range(min(baseline_only, candidate_only) + 1))
-    return min(1.0, 2 * tail / 2 ** n)
+    if n <= EXACT_INTEGER_PROMPTS:
+        return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n)
+    total, term = 0.0, 1.0  # terms relative to the largest
+    for i in range(k, -1, -1):
+        total += term
+        term *= i / (n - i + 1)
+        if term < total * 1e-17:
+            break
+    log_largest = math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1) - n * math.log(2)
+    return min(1.0, 2 * math.exp(log_largest + math.log(total)))
 
 
 def paired_accuracy(baseline: Sequence[bool], candidate: Sequence[bool], *, alpha: float = 0.05) -> PairedAccuracy:

@@ -89,7 +89,7 @@ def serving_estimate(runs: Sequence[tuple[ArmSamples, ArmSamples]], *, higher_is
     count = len(runs)
     base_value = float(np.mean([b.mean for b, _ in runs]))
     cand_value = float(np.mean([c.mean for _, c in runs]))
-    if not base_value:
+    if not base_value or not cand_value:  # a ratio of 0 or infinity has no interval on the log scale
         return None
     point, low, high, method, requests, strata_count = cand_value / base_value, None, None, NO_INTERVAL, None, 1
     (b, c) = runs[0]
