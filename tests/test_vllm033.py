@@ -347,10 +347,15 @@ def test_diff_states_the_query_quantization_the_report_states(recipes, run_kvtra
 
 def test_repeated_runs_state_the_query_quantization_per_run(run_kvtrace, tmp_path):
     """With --repeat the diff sums its runs; the statement gives one run's calls and time (their mean), never
-    the pooled sum. A second run that is a copy of the first has the first run's numbers."""
+    the pooled sum. A second run with the first run's kernels has the first run's numbers (its header differs, so
+    that it is not refused as a byte copy of the first: a run is not independent evidence of itself)."""
     run = VLLM033_RUNS["offline-decode-heavy"]
     for arm in ARMS:
         shutil.copyfile(run / f"{arm}.sqlite", tmp_path / f"{arm}.sqlite")
+        (tmp_path / f"{arm}.sqlite").chmod(0o644)
+        with sqlite3.connect(tmp_path / f"{arm}.sqlite") as conn:
+            conn.execute("PRAGMA user_version = 1")
+        conn.close()
     code, out, err = run_kvtrace("diff", run / "fp8.sqlite", run / "nvfp4.sqlite", "--repeat", tmp_path / "fp8.sqlite",
                                  tmp_path / "nvfp4.sqlite", "--format", "json")
     assert code == 0, err

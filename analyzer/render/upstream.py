@@ -93,7 +93,8 @@ def _counterfactual(f: HostSyncFinding) -> list[str]:
     c = f.counterfactual
     if c.state == NOT_MEASURED:
         return [f"**With the check once per scale tensor:** {NOT_MEASURED}. The run directory holds no "
-                f"{md_code(c.arm)} arm (recorded with `kvtrace capture vllm --arms fp8,nvfp4,nvfp4:validate-once`)."]
+                f"{md_code(c.arm)} arm (recorded with `kvtrace capture vllm-matrix --arms "
+                "fp8,nvfp4,nvfp4:validate-once`)."]
     lines = [f"**With the check once per scale tensor** (arm {md_code(c.arm)} of {md_code(c.run)}: the stock release "
              f"patched by {md_code(c.patch.get('name'))}, SHA-256 {md_code(c.patch.get('sha256'))}; not a stock "
              "release), time to first token:", ""]
