@@ -255,7 +255,7 @@ def emit(result, fmt: str, output: Path | None) -> None:
     else:
         text = render.render_text(result, fmt)
     if whole is not None:  # written first: the file the issue-sized markdown names exists once that does
-        files.write(rest, markdown.fit_attachment(whole), inputs())
+        files.write(rest, whole, inputs())
     files.write(output, text, inputs())
     if whole is not None:
         click.echo(f"kvtrace: {visible(str(output))} fits a GitHub issue body; the whole report is in "

@@ -11,7 +11,6 @@ import click
 from kvtrace import files, model_config
 from kvtrace.analyzer import capacity as capacity_lib
 from kvtrace.analyzer import runs as runs_lib
-from kvtrace.analyzer.render import markdown
 from kvtrace.analyzer.cli import (FiniteRange, Whole, as_run, emit, inputs, interval_options, output_options, progress,
                                   run_files, target_options, use_cache, verify_option, window_options)
 from kvtrace.errors import KvtraceError
@@ -229,7 +228,7 @@ def matrix(runs, objective, threshold, confidence, seed, plots_dir, plot_format,
         head, rest = matrix_render.markdown_parts(result)
         if len(head) + len(rest) > matrix_render.ISSUE_CHARS:  # the rest beside it, so that the file fits an issue
             rest_path = output.with_name(f"{output.stem}.details.md")
-            files.write(rest_path, markdown.fit_attachment(rest), inputs())
+            files.write(rest_path, rest, inputs())
             result.rest_file = rest_path.name
     emit(result, fmt, output)
 

@@ -180,12 +180,6 @@ def cut(lines: list[str], budget: int, note: str) -> list[str]:
                                  f"out here to fit a GitHub issue body. {note}"]
 
 
-def fit_attachment(text: str) -> str:
-    """The whole document written beside an issue-sized file, held to the same limit: a maintainer attaches it to the
-    issue, and past that the JSON output is where every number is."""
-    return "\n".join(cut(text.split("\n"), ISSUE_LIMIT, "The JSON output (`--format json`) holds every number."))
-
-
 def fit(text: str, rest: str | None) -> str:
     """Any markdown kvtrace writes for an issue, cut at a line to fit ISSUE_LIMIT: the promise behind every renderer's
     own sizing (one overlong field or table cannot break it)."""
