@@ -94,13 +94,18 @@ def worker_command(cfg: VllmCapture, arm: str, out: Path, nsys: str, python: str
     return runner.profile_command(nsys, out / run, work, extra=NSYS_EXTRA)
 
 
+
+def dry_run_nsys(nsys: str | None) -> str:
+    """The nsys a dry run's commands name: the one found, else the name given or `nsys` (no GPU box needed)."""
+    try:
+        return kvtrace.nsys.find_nsys(nsys)
+    except KvtraceError:
+        return nsys or "nsys"
+
 def dry_run(cfg: VllmCapture, out: Path, *, nsys: str | None = None, python: str | None = None) -> str:
     """The exact commands of every arm, without a GPU, vLLM or nsys (then `nsys` stands for it)."""
     cfg.validate()
-    try:
-        nsys = kvtrace.nsys.find_nsys(nsys)
-    except KvtraceError:
-        nsys = nsys or "nsys"
+    nsys = dry_run_nsys(nsys)
     python = python or sys.executable
     env = " ".join(f"{name}={shlex.quote(value)}" for name, value in child_env(cfg).items())
     workload, runs = cfg.workload, cfg.runs()

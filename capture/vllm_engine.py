@@ -269,6 +269,18 @@ def _write_manifests(out: Path, environment: dict, settings: dict, arms: list[Vl
     return manifest
 
 
+
+def capture_environment(nsys_path: str, probe: dict) -> dict:
+    """The manifest's environment: the host's, and what the probe found of vLLM, torch, FlashInfer, CUDA and the GPU."""
+    environment = runner.host_environment(nsys_path)
+    environment.update({
+        "packages": {name: probe.get(name) for name in ("vllm", "torch", "flashinfer-python", "prometheus-client")},
+        "cuda_runtime": probe.get("cuda_runtime"),
+        "gpu": {"name": probe.get("gpu_name"), "sm": "".join(map(str, probe.get("capability", []))),
+                "count": probe.get("gpu_count")},
+        "vllm_nvfp4_kv": probe.get("vllm_nvfp4_kv"), "inherited_env": relevant_env(os.environ)})
+    return environment
+
 def capture(cfg: VllmCapture, out: Path, *, force: bool = False, nsys: str | None = None,
             python: str | None = None, startup_timeout_s: float = 1800.0, shutdown_grace_s: float = 300.0,
             poll_interval_s: float = POLL_INTERVAL_S) -> dict:
@@ -287,15 +299,7 @@ def capture(cfg: VllmCapture, out: Path, *, force: bool = False, nsys: str | Non
     check_probe(probe, cfg.arms, cfg.tensor_parallel_size)
     runner.prepare_run_dir(out, force)
 
-    environment = runner.host_environment(nsys_path)
-    environment.update({
-        "packages": {name: probe.get(name) for name in ("vllm", "torch", "flashinfer-python", "prometheus-client")},
-        "cuda_runtime": probe.get("cuda_runtime"),
-        "gpu": {"name": probe.get("gpu_name"), "sm": "".join(map(str, probe.get("capability", []))),
-                "count": probe.get("gpu_count")},
-        "vllm_nvfp4_kv": probe.get("vllm_nvfp4_kv"),
-        "inherited_env": relevant_env(os.environ),
-    })
+    environment = capture_environment(nsys_path, probe)
     env = child_env(cfg)
     order, runs = cfg.arm_order(), cfg.runs()
     workload = cfg.workload

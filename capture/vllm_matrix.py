@@ -18,9 +18,8 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import kvtrace.nsys
 from kvtrace.capture import vllm_servers
-from kvtrace.capture.vllm_commands import bench_command, point_tag
+from kvtrace.capture.vllm_commands import bench_command, dry_run_nsys, point_tag
 from kvtrace.capture.vllm_config import VllmCapture, Workload, child_env
 from kvtrace.capture.vllm_patches import ArmSpec
 from kvtrace.errors import KvtraceError
@@ -163,10 +162,7 @@ def _check_point(cfg: MatrixConfig) -> tuple[MatrixScenario, Point, int]:
 
 def dry_run(cfg: MatrixConfig, root: Path, *, nsys: str | None = None, python: str | None = None) -> str:
     cfg.validate()
-    try:
-        nsys = kvtrace.nsys.find_nsys(nsys)
-    except KvtraceError:
-        nsys = nsys or "nsys"
+    nsys = dry_run_nsys(nsys)
     python = python or sys.executable
     steps = plan(cfg)
     total = sum(step["seconds"] for step in steps)

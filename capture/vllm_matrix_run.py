@@ -31,7 +31,7 @@ from kvtrace.capture.vllm_kv_events import check_available as check_kv_events_av
 from kvtrace.capture.vllm_matrix import (EXPORT_S, LATER_START_S, MATRIX, POINT_OVERHEAD_S, PRESTART_S, START_S,
                                          WARMUP_S, MatrixConfig, MatrixScenario, Progress, _check_point, plan,
                                          traffic_estimate_s)
-from kvtrace.capture.vllm_preflight import check_model, check_port, check_probe, probe_environment, relevant_env
+from kvtrace.capture.vllm_preflight import check_model, check_port, check_probe, probe_environment
 from kvtrace.errors import KvtraceError
 from kvtrace.manifest import capacity_reason
 
@@ -95,13 +95,7 @@ def capture(cfg: MatrixConfig, root: Path, *, force: bool = False, nsys: str | N
     probe = probe_environment(python, any(a.kv_dtype.startswith("nvfp4") for a in cfg.arms))
     check_probe(probe, tuple(sorted({a.kv_dtype for a in cfg.arms})), 1)
     _prepare_root(root, force)
-    environment = runner.host_environment(nsys_path)
-    environment.update({
-        "packages": {name: probe.get(name) for name in ("vllm", "torch", "flashinfer-python", "prometheus-client")},
-        "cuda_runtime": probe.get("cuda_runtime"),
-        "gpu": {"name": probe.get("gpu_name"), "sm": "".join(map(str, probe.get("capability", []))),
-                "count": probe.get("gpu_count")},
-        "vllm_nvfp4_kv": probe.get("vllm_nvfp4_kv"), "inherited_env": relevant_env(os.environ)})
+    environment = vllm_engine.capture_environment(nsys_path, probe)
     env = {**os.environ, **child_env(first), "VLLM_SERVER_DEV_MODE": "1"}  # mounts POST /reset_prefix_cache
     matrix = _Matrix(cfg, root, nsys_path, python, env, environment, model, startup_timeout_s, shutdown_grace_s,
                      poll_interval_s, Progress(plan(cfg), progress_stream))
