@@ -92,20 +92,25 @@ def _is_kvtrace_run(out: Path) -> bool:
         return False
 
 
-def prepare_run_dir(out: Path, force: bool) -> None:
+def prepare_run_dir(out: Path, force: bool, *, what: str = "run directory", whats: str = "run directories",
+                    holding: str = "a run", marker: str = MANIFEST, owned=_is_kvtrace_run) -> None:
+    """`out` made empty for a capture: created, or replaced with --force where `owned` says kvtrace wrote it (a folder
+    with its `marker`); a link, a file or a folder of someone else's is refused. `what`, `whats` and `holding` word
+    the refusals (a run directory holding a run; capture vllm-matrix: a matrix root holding a matrix)."""
     if out.is_symlink():
-        # --force removes the run directory; through a link it would remove what the link points to.
-        raise KvtraceError(f"--out {out} is a symbolic link (to {os.readlink(out)}): name the run directory itself")
+        # --force removes the folder; through a link it would remove what the link points to.
+        raise KvtraceError(f"--out {out} is a symbolic link (to {os.readlink(out)}): name the {what} itself")
     if out.exists() and not out.is_dir():
         raise KvtraceError(f"--out {out} is a file, not a directory: choose another --out")
     try:
         if out.exists() and any(out.iterdir()):
             # Checked before --force, so that the message never suggests a --force that would be refused.
-            if not _is_kvtrace_run(out):
-                raise KvtraceError(f"{out} is not empty and has no kvtrace {MANIFEST}: kvtrace replaces only its "
-                                   "own run directories, choose another --out")
+            if not owned(out):
+                raise KvtraceError(f"{out} is not empty and holds no kvtrace {marker}: kvtrace replaces only its "
+                                   f"own {whats}, choose another --out")
             if not force:
-                raise KvtraceError(f"{out} already holds a run: pass --force to replace it, or choose another --out")
+                raise KvtraceError(f"{out} already holds {holding}: pass --force to replace it, or choose another "
+                                   "--out")
             shutil.rmtree(out)
         out.mkdir(parents=True, exist_ok=True)
     except OSError as error:

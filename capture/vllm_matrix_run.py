@@ -55,25 +55,6 @@ class _Scenario:
     runs: dict[tuple[str, int], MatrixRun] = field(default_factory=dict)  # (arm label, round)
 
 
-def _prepare_root(root: Path, force: bool) -> None:
-    """As runner.prepare_run_dir, for a matrix root (it holds matrix.json, its run directories one level down)."""
-    if root.is_symlink():  # --force would remove what the link points to
-        raise KvtraceError(f"--out {root} is a symbolic link: name the matrix root itself")
-    if root.exists() and not root.is_dir():
-        raise KvtraceError(f"--out {root} is a file, not a directory: choose another --out")
-    try:
-        if root.exists() and any(root.iterdir()):
-            if not (root / MATRIX).is_file():
-                raise KvtraceError(f"{root} is not empty and holds no kvtrace {MATRIX}: choose another --out")
-            if not force:
-                raise KvtraceError(f"{root} already holds a matrix: pass --force to replace it, or choose another --out")
-            shutil.rmtree(root)
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise KvtraceError(f"cannot prepare --out {root}: {error.strerror or error}; choose a folder you can "
-                           "write to") from None
-
-
 def capture(cfg: MatrixConfig, root: Path, *, force: bool = False, nsys: str | None = None, python: str | None = None,
             startup_timeout_s: float = 1800.0, shutdown_grace_s: float = 300.0,
             poll_interval_s: float | None = None, progress_stream=None) -> dict:
@@ -94,7 +75,8 @@ def capture(cfg: MatrixConfig, root: Path, *, force: bool = False, nsys: str | N
     check_kv_events_available()
     probe = probe_environment(python, any(a.kv_dtype.startswith("nvfp4") for a in cfg.arms))
     check_probe(probe, tuple(sorted({a.kv_dtype for a in cfg.arms})), 1)
-    _prepare_root(root, force)
+    runner.prepare_run_dir(root, force, what="matrix root", whats="matrix roots", holding="a matrix", marker=MATRIX,
+                           owned=lambda folder: (folder / MATRIX).is_file())
     environment = vllm_engine.capture_environment(nsys_path, probe)
     env = {**os.environ, **child_env(first), "VLLM_SERVER_DEV_MODE": "1"}  # mounts POST /reset_prefix_cache
     matrix = _Matrix(cfg, root, nsys_path, python, env, environment, model, startup_timeout_s, shutdown_grace_s,
