@@ -254,16 +254,36 @@ def emit(result, fmt: str, output: Path | None) -> None:
         whole = whole if rest is not None else None  # a device or FIFO has nothing beside it
     else:
         text = render.render_text(result, fmt)
-    if whole is not None:  # written first: the file the issue-sized markdown names exists once that does
-        files.write(rest, whole, inputs())
+    # Written first: the files the issue-sized markdown names exist once it does.
+    written = write_parts(rest, whole) if whole is not None else []
     files.write(output, text, inputs())
-    if whole is not None:
+    if written:
         click.echo(f"kvtrace: {visible(str(output))} fits a GitHub issue body; the whole report is in "
-                   f"{visible(str(rest))}", err=True)
+                   f"{named(written)}", err=True)
     # Standard output stays empty, so what a reader of the file would be warned about goes to standard error: each
     # warning where they are few, else their counts and where the file lists them.
-    for line in warning_lines(_warnings(result), rest if whole is not None else output):
+    for line in warning_lines(_warnings(result), written or [output]):
         click.echo(line, err=True)
+
+
+def write_parts(first: Path, text: str) -> list[Path]:
+    """Write markdown that an issue-sized file leaves out beside it, as `first` (FILE.full.md, matrix's
+    FILE.details.md) and, past an issue body, in parts that fit one each (markdown.parts): FILE.full-2.md and on.
+    Each is refused like any target that is an input, before any is written. Parts that an earlier, longer text left
+    past the last are not removed: the last part names no next one, and every part says how many there are."""
+    parts = markdown.parts(text, first.name)
+    paths = [first.with_name(markdown.part_name(first.name, number)) for number in range(1, len(parts) + 1)]
+    for path in paths:
+        files.check_target(path, inputs())
+    for path, part in zip(paths, parts):
+        files.write(path, part, inputs())
+    return paths
+
+
+def named(paths: list[Path]) -> str:
+    """A file, or parts of one, as standard error names them."""
+    shown = ", ".join(visible(str(path)) for path in paths)
+    return shown if len(paths) == 1 else f"{len(paths)} parts: {shown}"
 
 
 # Standard error lists at most this many findings (kernel families paired on their last calls, one finding each,
@@ -272,7 +292,7 @@ LISTED_WARNINGS = 5
 _PER_FAMILY = "alignment"
 
 
-def warning_lines(findings: list, listed_in: Path) -> list[str]:
+def warning_lines(findings: list, listed_in: list[Path]) -> list[str]:
     """The lines for standard error: the findings about the runs first, then those per kernel family, each while
     they are few, and one line counting the rest by level and check."""
     ordered = [f for f in findings if f.check != _PER_FAMILY] + [f for f in findings if f.check == _PER_FAMILY]
@@ -284,7 +304,8 @@ def warning_lines(findings: list, listed_in: Path) -> list[str]:
         for finding in rest:
             counts[finding.level, finding.check] = counts.get((finding.level, finding.check), 0) + 1
         listed = ", ".join(f"{count} {plural(count, level)} ({check})" for (level, check), count in counts.items())
-        lines.append(f"kvtrace: {len(rest)} more findings: {listed}; {visible(str(listed_in))} lists each under "
+        where = named(listed_in) if len(listed_in) == 1 else f"the whole report ({named(listed_in)})"
+        lines.append(f"kvtrace: {len(rest)} more findings: {listed}; {where} lists each under "
                      "Comparability and Runs")
     return lines
 

@@ -12,7 +12,7 @@ from kvtrace import files, model_config
 from kvtrace.analyzer import capacity as capacity_lib
 from kvtrace.analyzer import runs as runs_lib
 from kvtrace.analyzer.cli import (FiniteRange, Whole, as_run, emit, inputs, interval_options, output_options, progress,
-                                  run_files, target_options, use_cache, verify_option, window_options)
+                                  run_files, target_options, use_cache, verify_option, window_options, write_parts)
 from kvtrace.errors import KvtraceError
 from kvtrace.manifest import read_manifest
 from kvtrace.nsys import find_nsys
@@ -197,7 +197,8 @@ def matrix(runs, objective, threshold, confidence, seed, plots_dir, plot_format,
     sweep's crossover lies, and states what the kernel rows measured and the decision with the rows it rests on.
     A point measured in several run directories with disagreeing results is not decided; with agreeing ones, it
     is decided once on all their run pairs pooled. The markdown fits a GitHub issue: if it would not, -o FILE.md
-    writes the kernel rows and the rest into FILE.details.md. Exit codes: 0 done, 2 bad input.
+    writes the kernel rows and the rest into FILE.details.md (in parts of an issue body each, FILE.details-2.md and on,
+    where it is longer). Exit codes: 0 done, 2 bad input.
     """
     from kvtrace.analyzer import matrix as matrix_lib
     from kvtrace.analyzer.classify import load_recipes
@@ -227,9 +228,7 @@ def matrix(runs, objective, threshold, confidence, seed, plots_dir, plot_format,
 
         head, rest = matrix_render.markdown_parts(result)
         if len(head) + len(rest) > matrix_render.ISSUE_CHARS:  # the rest beside it, so that the file fits an issue
-            rest_path = output.with_name(f"{output.stem}.details.md")
-            files.write(rest_path, rest, inputs())
-            result.rest_file = rest_path.name
+            result.rest_file = write_parts(output.with_name(f"{output.stem}.details.md"), rest)[0].name
     emit(result, fmt, output)
 
 

@@ -308,6 +308,40 @@ def test_the_head_is_cut_at_a_line_when_it_alone_is_past_its_share():
     assert cut[-1].endswith("are left out here to fit a GitHub issue body. The rest is in the whole report.")
 
 
+def test_no_part_of_the_whole_report_replaces_a_file_of_the_run_directory(tmp_path, kv):
+    """The whole report past an issue body is written in parts (r.full.md, r.full-2.md, …), each refused like the
+    -o file where it names an input, here through a link; before any part is written."""
+    run = run_copy(tmp_path, VLLM033_RUNS["serve-sweep"])
+    (tmp_path / "r.full-2.md").symlink_to(run / "manifest.json")
+    before = fingerprints(run)
+    code, out, err = kv("report", run, "-q", "-o", tmp_path / "r.md")
+    assert_one_line_error(code, out, err, str(tmp_path / "r.full-2.md"), "never overwrites its inputs",
+                          "choose another output")
+    assert fingerprints(run) == before
+    assert not (tmp_path / "r.md").exists() and not (tmp_path / "r.full.md").exists()
+
+
+def test_a_line_longer_than_an_issue_body_is_cut_between_parts_that_say_so(shipped_recipes):
+    """The whole document beside an issue-sized file is written in parts that each fit an issue body, ended between
+    lines (markdown.parts). One line longer than a part holds must not break that either: it is cut, and the parts
+    on both sides of each cut say so. No field kvtrace writes is that long (each is shortened to 2,000 characters),
+    so the line is put into a real whole report, inside its Reproduce code block: the fence is closed and opened
+    again around every cut."""
+    from kvtrace.analyzer import report
+    from kvtrace.analyzer.render import markdown, render_text
+    from test_upstream_report import balanced, rejoins
+
+    lines = render_text(report.build([VLLM033_RUNS["serve-sweep"]], shipped_recipes), "markdown").split("\n")
+    fence = next(i for i, line in enumerate(lines) if line.startswith("```sh"))
+    lines.insert(fence + 2, "x" * 200_000)
+    whole = "\n".join(lines)
+    parts = markdown.parts(whole, "r.full.md")
+    assert all(len(part) <= ISSUE_LIMIT and balanced(part) for part in parts)
+    said = [part for part in parts if "one line of 200,000 characters cut to fit" in part]
+    assert len(said) >= 4 and all(part.split("\n").count("```sh") == 1 for part in said)  # 200,000 / 65,536: 4 parts
+    assert rejoins(parts, whole)
+
+
 # ==== 4. what took for ever ends at once ==========================================================================
 
 @pytest.mark.parametrize("engine", ["vllm", "flashinfer"])

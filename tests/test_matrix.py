@@ -19,10 +19,11 @@ from conftest import (FIXTURES, NSYS2025_DIR, SERVE_RUNS, VLLM033_RUNS, VLLM_COL
 from kvtrace.analyzer import budget_trace, claims as claims_lib, drift_band, matrix, report
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.render import render_table, render_text
-from kvtrace.analyzer.render import matrix as matrix_render
+from kvtrace.analyzer.render import markdown as markdown_render, matrix as matrix_render
 from kvtrace.analyzer.stats.verdicts import Verdict
 from kvtrace.manifest import Point
 from test_report import manifest, recorded_point, run_main
+from test_upstream_report import balanced, read_parts, rejoins
 
 OFFLINE = [VLLM_COLD_PREFILL, VLLM_DECODE_HEAVY]
 FLASHINFER = NSYS2025_DIR
@@ -601,3 +602,19 @@ def test_a_matrix_too_long_for_an_issue_leaves_its_details_in_a_named_file(v033,
     head, details = matrix_render.markdown_parts(v033["ttft"])
     assert text.startswith(head) and "are in `matrix.details.md` beside this file" in text and "<details>" not in text
     assert rest == details and len(text) < 12_000
+
+
+def test_matrix_details_past_an_issue_body_are_written_in_parts_that_each_fit(v033, tmp_path, monkeypatch):
+    """FILE.details.md holds to an issue body too (issue 48): past one, it is written in parts, FILE.details-2.md
+    and on, each naming the next; here parts of 6,000 characters, so that the shipped matrix's details take several."""
+    monkeypatch.setattr(matrix_render, "ISSUE_CHARS", 12_000)
+    split = markdown_render.parts
+    monkeypatch.setattr(markdown_render, "parts", lambda text, first: split(text, first, 6_000))
+    out = tmp_path / "matrix.md"
+    result = run_main(["matrix", *VLLM033, "-q", "-o", out])
+    assert result.exit_code == 0, result.output
+    parts = read_parts(tmp_path / "matrix.details.md")
+    assert len(parts) >= 2 and all(len(part) <= 6_000 and balanced(part) for part in parts)
+    assert f"are in {len(parts)} parts (`matrix.details.md` first, each naming the next) beside this file" \
+        in out.read_text()
+    assert rejoins(parts, matrix_render.markdown_parts(v033["ttft"])[1])

@@ -1,7 +1,8 @@
 """Reports sized for an upstream issue (issue 34): the markdown of `kvtrace report` and `kvtrace diff` fits a GitHub
 issue body with the answer, the serving line and the guard rail before <details> (checked through a CommonMark
-renderer with GitHub's tables); a regression never reads "ok"; the head gives each kernel's own time per call (what
-nsys stats shows, checked in plain SQL); summary.png carries the head's rows; the arms' order is said first."""
+renderer with GitHub's tables), and the whole report beside it is written in parts that each fit one (issue 48);
+a regression never reads "ok"; the head gives each kernel's own time per call (what nsys stats shows, checked in
+plain SQL); summary.png carries the head's rows; the arms' order is said first."""
 
 from __future__ import annotations
 
@@ -39,6 +40,74 @@ def build(name: str, recipes) -> report.Report:
     return report.build(runs, recipes)  # a test vouches for the manifests it reads (runs.resolve_inputs)
 
 
+# The line at the bottom of a part that names the next one (analyzer.render.markdown.parts), and at the top of every
+# part after the first; a line of the part itself: a fence, a <details> line or a blank one.
+NEXT_PART = re.compile(r"This is part (\d+) of (\d+); it continues in `([^`]+)`")
+PART_TOP = re.compile(r"Part (\d+) of (\d+), continued from `([^`]+)`")
+_FRAME = re.compile(r"`{3,}\S*|\s*|.*</?details>.*")
+
+
+def read_parts(first: Path) -> list[str]:
+    """The parts of a whole document from its first file on, each naming the next at its bottom; checks that each
+    says which part of how many it is, and from the second on, at its top, which part it continues."""
+    paths, texts, counts = [first], [first.read_text()], set()
+    while found := NEXT_PART.match(texts[-1].rstrip("\n").rsplit("\n", 1)[-1]):
+        assert int(found.group(1)) == len(texts)
+        counts.add(int(found.group(2)))
+        paths.append(first.with_name(found.group(3)))
+        texts.append(paths[-1].read_text())
+    for number, text in enumerate(texts[1:], 2):
+        top = PART_TOP.match(text)
+        assert int(top.group(1)) == number and top.group(3) == paths[number - 2].name
+        counts.add(int(top.group(2)))
+    assert counts <= {len(texts)}
+    return texts
+
+
+def rejoins(texts: list[str], whole: str) -> bool:
+    """Whether the parts, each less its part lines and the fence and <details> lines it opens again at its top and
+    closes at its bottom, are `whole` in order: nothing lost, nothing added (a line cut to fit goes on in the next
+    part without a line break)."""
+    bodies = []
+    for number, text in enumerate(texts, 1):
+        lines = text.removesuffix("\n").split("\n")
+        last = number == len(texts)
+        bodies.append((lines[2 if number > 1 else 0:None if last else -2], not last and "cut to fit" in lines[-1]))
+
+    def frames(lines: list[str]) -> int:
+        return next((i for i, line in enumerate(lines) if not _FRAME.fullmatch(line)), len(lines))
+
+    def search(number: int, at: int) -> bool:
+        if number == len(bodies):
+            return at == len(whole)
+        lines, cut = bodies[number]
+        for top in range(frames(lines) + 1):
+            for bottom in range(frames(lines[top:][::-1]) + 1):
+                content = "\n".join(lines[top:len(lines) - bottom]) + ("" if cut else "\n")
+                if whole.startswith(content, at) and search(number + 1, at + len(content)):
+                    return True
+        return False
+
+    return search(0, 0)
+
+
+def balanced(text: str) -> bool:
+    """Whether every code fence and <details> that `text` opens it also closes, as CommonMark reads fences: a closing
+    fence is a run of backticks at least as long as the opening one, alone on its line."""
+    fence, details = None, 0
+    for line in text.split("\n"):
+        opening = re.match(r"`{3,}", line)
+        if fence:
+            fence = None if re.fullmatch(r"`{%d,}\s*" % len(fence), line) else fence
+        elif opening:
+            fence = opening.group()
+        else:
+            details += line.count("<details>") - line.count("</details>")
+            if details < 0:
+                return False
+    return fence is None and details == 0
+
+
 def github(text: str) -> str:
     """HTML as GitHub would render the markdown: CommonMark with tables, raw HTML (<details>) passed through."""
     return MarkdownIt("commonmark", {"html": True}).enable("table").render(text)
@@ -58,11 +127,13 @@ def test_report_markdown_fits_an_issue_with_the_answer_and_serving_before_detail
     if any(row.ttft_ratio is not None for row in result.serving):  # the serving line and the guard rail
         assert "TTFT" in visible and "cached prompt tokens" in visible
         assert all(f"{s.ratio:.3f}×" in visible for s in result.statements if s.kind == "ttft")
-    whole = tmp_path / "report.full.md"
-    if whole.exists():  # what did not fit is named, and the whole report is beside it
-        assert "`report.full.md`" in text[:text.index("<details>")]
-        assert len(whole.read_text()) > diff_markdown.ISSUE_LIMIT and "Kernel families" in whole.read_text()
-        assert str(whole) in err
+    first = tmp_path / "report.full.md"
+    if first.exists():  # what did not fit is named, and the whole report is beside it, in parts that each fit
+        parts = read_parts(first)
+        assert f"{len(parts)} parts (`report.full.md` first" in text[:text.index("<details>")]
+        assert "Kernel families" in "".join(parts) and all(len(part) <= diff_markdown.ISSUE_LIMIT for part in parts)
+        assert f"the whole report is in {len(parts)} parts: {first}, " in err
+        assert all(str(tmp_path / f"report.full-{n}.md") in err for n in range(2, len(parts) + 1))
     else:
         assert "Kernel families" in text
 
@@ -70,15 +141,40 @@ def test_report_markdown_fits_an_issue_with_the_answer_and_serving_before_detail
 @pytest.mark.parametrize("name", ["serve-sweep", "serve-prefix-reuse"])
 def test_the_large_vllm033_reports_leave_their_long_tables_to_the_whole_file(name, run_kvtrace, tmp_path):
     """The two reports of the issue (146,926 and 122,355 characters before): the head and the segment tables stay,
-    the file beside holds everything."""
+    the files beside hold everything, starting as the head does."""
     code, _, err = run_kvtrace("report", VLLM033_RUNS[name], "-o", tmp_path / "r.md")
     assert code == 0, err
     text, whole = (tmp_path / "r.md").read_text(), (tmp_path / "r.full.md").read_text()
-    assert len(text) < diff_markdown.ISSUE_LIMIT < len(whole)
+    assert len(text) < diff_markdown.ISSUE_LIMIT and len(whole) <= diff_markdown.ISSUE_LIMIT
     assert "#### Segments\n" in text and "### Serving" in text
     assert whole.startswith(text[:text.index("This report leaves out")].rstrip())
     code, out, _ = run_kvtrace("report", VLLM033_RUNS[name], "--format", "markdown")  # no file beside stdout
     assert code == 0 and len(out) < diff_markdown.ISSUE_LIMIT and "`-o FILE.md`" in out
+
+
+@pytest.mark.parametrize("name", ["serve/prefix-reuse", "serve/sweep", "vllm033/serve-prefix-reuse",
+                                  "vllm033/serve-sweep"])
+def test_a_whole_report_past_an_issue_body_is_written_in_parts_that_each_fit(name, run_kvtrace, tmp_path,
+                                                                              monkeypatch):
+    """Issue 48: no markdown file kvtrace writes exceeds 65,536 characters. These reports' whole documents are
+    longer (113k to 185k characters): written in parts, each of which fits, renders on its own (every fence and
+    <details> it opens closed) and names the next; together they are the whole document, nothing lost."""
+    code, _, err = run_kvtrace("report", *REPORTS[name], "-o", tmp_path / "report.md")
+    assert code == 0, err
+    parts = read_parts(tmp_path / "report.full.md")
+    assert len(parts) >= 2 and all(balanced(part) for part in parts)
+    assert {path.name for path in tmp_path.glob("*.md")} == {"report.md", "report.full.md", *(
+        f"report.full-{number}.md" for number in range(2, len(parts) + 1))}
+    assert all(len(path.read_text()) <= diff_markdown.ISSUE_LIMIT for path in tmp_path.glob("*.md"))
+    # The whole document: what kvtrace writes where an issue body holds any length (the same command and file name).
+    monkeypatch.setattr(diff_markdown, "ISSUE_LIMIT", 10 ** 9)
+    (tmp_path / "whole").mkdir()
+    code, _, err = run_kvtrace("report", *REPORTS[name], "-o", tmp_path / "whole" / "report.md")
+    assert code == 0, err
+    whole = (tmp_path / "whole" / "report.md").read_text()
+    assert len(whole) > 65_536 and not (tmp_path / "whole" / "report.full.md").exists()
+    assert rejoins(parts, whole)
+    assert not rejoins(parts[:1] + parts[2:], whole)  # a part left out is found
 
 
 @pytest.mark.parametrize("name", sorted(REPORTS))

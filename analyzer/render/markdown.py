@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
+from pathlib import Path, PurePath
 
 from kvtrace.analyzer import drift_band
 from kvtrace.analyzer.results import Arm, Diff, DiffRow, Summary
@@ -151,8 +151,8 @@ def sized(top: list[str], summary: str, sections: list[Section], bottom: list[st
             budget -= size
     chosen = [s for i, s in enumerate(sections) if i in kept]
     left = ", ".join(s.name for i, s in enumerate(sections) if i not in kept)
-    where = (f"is in {md_code(rest)}, written beside this file: attach it to the issue" if rest is not None else
-             f"is written beside the output by `-o FILE.md`, as FILE{WHOLE_SUFFIX}.md")
+    where = (f"is in {whole_named(whole, rest)}, written beside this file to attach to the issue"
+             if rest is not None else f"is written beside the output by `-o FILE.md`, as FILE{WHOLE_SUFFIX}.md")
     pointer = ["", f"This {what} leaves out {left}, to fit a GitHub issue body; the whole {what} ({len(whole):,} "
                    f"characters) {where}."]
     return text(chosen, pointer), whole
@@ -163,27 +163,147 @@ def cut(lines: list[str], budget: int, note: str) -> list[str]:
     stays whole), a code fence or <details> they leave open closed, then a line saying how much was cut and `note`."""
     if len("\n".join(lines)) <= budget:
         return lines
-    kept, size, fence, details = [], 0, None, 0
+    kept, size, opened = [], 0, []
     budget -= _POINTER_ROOM
     for line in lines:
         if size + len(line) + 1 > budget:
             break
         kept.append(line)
         size += len(line) + 1
-        opened = _FENCE.match(line)
-        if opened and (fence is None or opened.group(1) == fence):
-            fence = opened.group(1) if fence is None else None
-        details += line.count("<details>") - line.count("</details>")
-    closing = ([fence] if fence else []) + ["</details>"] * max(details, 0)
+        opened = _blocks(opened, line)
     left = lines[len(kept):]
-    return kept + closing + ["", f"{len(left):,} more lines ({sum(len(x) + 1 for x in left):,} characters) are left "
-                                 f"out here to fit a GitHub issue body. {note}"]
+    return kept + _closers(opened) + ["", f"{len(left):,} more lines ({sum(len(x) + 1 for x in left):,} characters) "
+                                          f"are left out here to fit a GitHub issue body. {note}"]
+
+
+def _blocks(opened: list[str], line: str) -> list[str]:
+    """The opening lines of the <details> and code fence still open after `line` (outermost first), given those
+    open before it: inside a fence only its closing fence counts."""
+    fence = _FENCE.match(line)
+    if opened and _FENCE.match(opened[-1]):
+        return opened[:-1] if fence and fence.group(1) == _FENCE.match(opened[-1]).group(1) else opened
+    if fence:
+        return opened + [line]
+    depth = line.count("<details>") - line.count("</details>")
+    return opened + [line] * depth if depth >= 0 else opened[:max(len(opened) + depth, 0)]
+
+
+def _closers(opened: list[str]) -> list[str]:
+    """The lines that close what `opened` left open, innermost first: a fence's backticks, or </details> after a
+    blank line (which ends a table or list before it)."""
+    return [line for opening in reversed(opened)
+            for line in ([_FENCE.match(opening).group(1)] if _FENCE.match(opening) else ["", "</details>"])]
+
+
+def _reopeners(opened: list[str]) -> list[str]:
+    """The lines that open again what `opened` left open, outermost first: a <details> line with the blank line after
+    it that lets markdown follow."""
+    return [line for opening in opened for line in ([opening] if _FENCE.match(opening) else [opening, ""])]
+
+
+def part_name(first: str, number: int) -> str:
+    """The file name of part `number` of a document (parts) whose first part is `first`: FILE.full.md, then
+    FILE.full-2.md, FILE.full-3.md, …"""
+    name = PurePath(first)
+    return first if number == 1 else f"{name.stem}-{number}{name.suffix}"
+
+
+def parts(text: str, first: str, budget: int = ISSUE_LIMIT) -> list[str]:
+    """`text` in parts of at most `budget` characters each, to be written as part_name(first, 1), (first, 2), …: one
+    part, `text` itself, where it fits. Parts end between lines; a code fence or <details> open there is closed at
+    the end of the part and its opening line repeated at the top of the next, so that each part renders on its own.
+    From the second part on, each starts saying which part it is of how many, and each but the last ends naming the
+    next part's file. Only a line longer than a part holds is cut inside, and both parts around the cut say so."""
+    if len(text) <= budget:
+        return [text]
+    digits = 1  # of the number of parts, for the room the part lines take: more only where the parts need it
+    while len(split := _split(text, first, budget, digits)) >= 10 ** digits:
+        digits += 1
+    return split
+
+
+@dataclass
+class _Part:
+    reopened: list[str]  # the lines opening again what the previous part left open
+    carried: int | None = None  # a line cut at the previous part's end that this one goes on with: its length
+    lines: list[str] = field(default_factory=list)
+    closing: list[str] = field(default_factory=list)
+    cut: int | None = None  # the length of the line cut at this part's end
+    used: int = field(init=False)  # characters of the reopened lines and the lines, each with its newline
+
+    def __post_init__(self):
+        self.used = sum(len(line) + 1 for line in self.reopened)
+
+    def add(self, line: str) -> None:
+        self.lines.append(line)
+        self.used += len(line) + 1
+
+    def size(self, line: str, opened: list[str]) -> int:
+        """Characters of the part with `line` added and what `opened` leaves open closed, each line's newline too."""
+        return self.used + len(line) + 1 + sum(len(closer) + 1 for closer in _closers(opened))
+
+
+def _split(text: str, first: str, budget: int, digits: int) -> list[str]:
+    """parts, with room for part numbers of up to `digits` digits."""
+    lines = text.removesuffix("\n").split("\n")
+    most, longest = 10 ** digits - 1, max(len(line) for line in lines)
+    # Room for a part's own lines: the budget less its top and bottom lines at their longest (the numbers and file
+    # names of the last parts, with the note of a cut line).
+    top, bottom = _part_lines(most, most, first, longest, None)[0], _part_lines(most - 1, most, first, None, longest)[1]
+    room = budget - len(top) - len(bottom) - 4  # each line's newline and the blank line beside it
+    done, part, opened = [], _Part([]), []
+    for line in lines:
+        after = _blocks(opened, line)
+        if part.size(line, after) > room and part.lines:
+            part.closing = _closers(opened)
+            done.append(part)
+            part = _Part(_reopeners(opened))
+        length = len(line)
+        while part.size(line, after) > room:  # longer than a part holds: cut, its blocks counted once it is whole
+            take = max(room - part.size("", opened), 1)
+            part.add(line[:take])
+            part.closing, part.cut = _closers(opened), length
+            done.append(part)
+            part = _Part(_reopeners(opened), carried=length)
+            line = line[take:]
+        part.add(line)
+        opened = after
+    done.append(part)
+    texts = []
+    for number, part in enumerate(done, 1):
+        top, bottom = _part_lines(number, len(done), first, part.carried, part.cut)
+        lines = ([top, ""] if top else []) + part.reopened + part.lines
+        texts.append("\n".join(lines + part.closing + (["", bottom] if bottom else [])) + "\n")
+    if not text.endswith("\n"):
+        texts[-1] = texts[-1].removesuffix("\n")
+    return texts
+
+
+def _part_lines(number: int, count: int, first: str, carried: int | None, cut: int | None) -> tuple[str, str]:
+    """The line at the top of part `number` of `count` (none on the first) and at its bottom (none on the last)."""
+    top = bottom = ""
+    if number > 1:
+        top = f"Part {number} of {count}, continued from {md_code(part_name(first, number - 1))}" + (
+            f"; its first line goes on from the last line there, one line of {carried:,} characters cut to fit"
+            if carried else "") + "."
+    if number < count:
+        bottom = f"This is part {number} of {count}; it continues in {md_code(part_name(first, number + 1))}" + (
+            f", whose first line goes on from this part's last line, one line of {cut:,} characters cut to fit"
+            if cut else "") + "."
+    return top, bottom
+
+
+def whole_named(whole: str, first: str) -> str:
+    """How a pointer names the file of the whole document `whole`: `first`, or how many parts it takes and that
+    `first` is the first of them (parts)."""
+    count = len(parts(whole, first))
+    return md_code(first) if count == 1 else f"{count} parts ({md_code(first)} first, each naming the next)"
 
 
 def fit(text: str, rest: str | None) -> str:
     """Any markdown kvtrace writes for an issue, cut at a line to fit ISSUE_LIMIT: the promise behind every renderer's
     own sizing (one overlong field or table cannot break it)."""
-    where = (f"The whole is in {md_code(rest)}, written beside this file." if rest and rest != WHOLE else
+    where = (f"The whole is in {whole_named(text, rest)}, written beside this file." if rest and rest != WHOLE else
              f"Write it with `-o FILE.md` to get the whole as FILE{WHOLE_SUFFIX}.md beside it.")
     return "\n".join(cut(text.split("\n"), ISSUE_LIMIT, where))
 

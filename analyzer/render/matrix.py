@@ -11,7 +11,7 @@ from rich.console import Console
 
 from kvtrace.analyzer import matrix as mx
 from kvtrace.analyzer import budget as budget_lib, claims as claims_lib
-from kvtrace.analyzer.render import budget as budget_words, quality as quality_render
+from kvtrace.analyzer.render import budget as budget_words, markdown as markdown_lib, quality as quality_render
 from kvtrace.analyzer.render import repro as repro_render
 from kvtrace.analyzer.render.escape import md_code, md_prose, md_text, visible
 from kvtrace.analyzer.render.report_tables import _cached, _count, _ms, _peak, _rich_table
@@ -519,7 +519,7 @@ def markdown(result: mx.Matrix) -> str:
     head, rest = markdown_parts(result)
     if len(head) + len(rest) <= ISSUE_CHARS:
         return head + rest
-    where = (f"are in {md_code(result.rest_file)} beside this file" if result.rest_file else
+    where = (f"are in {markdown_lib.whole_named(rest, result.rest_file)} beside this file" if result.rest_file else
              "are left out: write the markdown with -o FILE.md to get them in a file beside it")
     return head + f"\nThe kernel rows and the rest of the serving numbers {where} (with them it would not fit an " \
         "issue body).\n"
