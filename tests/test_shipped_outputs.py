@@ -7,7 +7,7 @@ outputs.json then names every output the change touched.
 
 Markdown is digested byte for byte. JSON carries full-precision floats whose last bits depend on the machine (one
 commit's JSON digests, made and passed on one machine, failed on another with every markdown digest equal), so its
-floats are digested at 6 significant digits (a report prints at most 4): a last-bit difference then almost never
+floats are digested at 6 significant digits (more than any report prints): a last-bit difference then almost never
 meets a rounding boundary, and any change a reader could see still shows."""
 
 from __future__ import annotations
