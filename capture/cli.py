@@ -39,12 +39,15 @@ def _written(manifest: dict, out: Path) -> Manifest:
 MAX_REPEATS = 1000
 
 
-def _repeats(ctx, param, value: int) -> int:
+def _repeats(ctx, param, value: int | None) -> int | None:
     """At most MAX_REPEATS, before any run is listed (below 1 the capture's own check says so)."""
-    if value > MAX_REPEATS:
+    if value is not None and value > MAX_REPEATS:
         raise KvtraceError(f"--repeats {value} is more than the {MAX_REPEATS:,} runs per arm kvtrace records: "
                            "give fewer")
     return value
+# Serving points are decided on three run pairs or more (analyzer.stats.serving_intervals.DECIDING_RUN_PAIRS), so a serve
+# capture records that many by default; an offline kernel comparison pairs calls within one run.
+SERVE_REPEATS = 3
 REPEATS_HELP = ("Record each arm N times, arms interleaved (A B A B ...) so that drift over time is not "
                 "confounded with the arm; runs are named ARM.rK when N > 1.")
 
@@ -143,7 +146,9 @@ def _optional_int_list(ctx, param, value: str | None) -> tuple[int, ...] | None:
 @click.option("--port", default=8000, show_default=True, help="serve: port the server binds.")
 @click.option("--startup-timeout", default=1800.0, show_default=True, callback=_seconds,
               help="serve: seconds to wait for /health.")
-@click.option("--repeats", default=1, show_default=True, callback=_repeats, help=REPEATS_HELP)
+@click.option("--repeats", type=int, default=None, callback=_repeats,
+              help=REPEATS_HELP + f" [default: {SERVE_REPEATS} in serve mode, enough run pairs to decide a serving "
+                   "point; 1 offline]")
 @click.option("--profile-steps", default=0, show_default=True,
               help="Trace only the first N engine steps of the measured traffic (0: all of it); the serving metrics "
                    "still cover every request. Keeps long serve runs' traces small.")
@@ -165,6 +170,7 @@ def vllm(model, scenario, out, arms, mode, input_len, output_len, num_prompts, c
     """
     from kvtrace.capture import vllm_commands, vllm_config, vllm_engine
 
+    repeats = repeats if repeats is not None else SERVE_REPEATS if mode == "serve" else 1
     followed, followed_from = vllm_config.followed_points(points_from, mode) if points_from else (None, None)
     workload = vllm_config.Workload.for_scenario(
         scenario, input_len=input_len, output_len=output_len, num_prompts=num_prompts, concurrency=concurrency,
@@ -198,7 +204,8 @@ def vllm(model, scenario, out, arms, mode, input_len, output_len, num_prompts, c
               help="vLLM --kv-cache-dtype values, one server each; KVDTYPE:PATCH adds a counterfactual arm with a "
                    "patch from capture/patches (e.g. nvfp4:validate-once), recorded at cold prefill and the sweep's "
                    "concurrencies 4 and 8 only.")
-@click.option("--repeats", default=3, show_default=True, help="Interleaved rounds (A B A B ...) of every scenario.")
+@click.option("--repeats", default=SERVE_REPEATS, show_default=True, callback=_repeats,
+              help="Interleaved rounds (A B A B ...) of every scenario.")
 @click.option("--concurrencies", default="4,8,12,16", show_default=True, callback=_int_list,
               help="The sweep's concurrencies (context 2,048 + 128 out); reach past the narrowest format's capacity.")
 @click.option("--sweep-prompts", default=32, show_default=True, help="Requests per sweep point.")

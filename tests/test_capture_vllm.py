@@ -202,7 +202,8 @@ def test_points_from_follows_the_points_an_earlier_sweep_ran(monkeypatch):
         golden.write_text(text)
     assert text == golden.read_text()
     result = CliRunner().invoke(capture_cli.capture, ["vllm", "--model", "/models/m", "--scenario", "sweep", "--arms",
-                                                      "fp8", "--points-from", earlier.name, "--dry-run"])
+                                                      "fp8", "--points-from", earlier.name, "--repeats", "1",
+                                                      "--dry-run"])
     assert result.exit_code == 0, result.output
     assert f"runs the 3 points that {earlier.name} (run auto) ran" in result.output
     assert result.output.count("--save-result") == 3
@@ -265,27 +266,31 @@ def test_makefile_fragment_runs_the_cli(tmp_path):
     assert "--output=runs/x/fp8" in make("MODEL=/models/m", "SCENARIO=cold-prefill", "OUT=runs/x", "DRY_RUN=1").stdout
     repeated = make("MODEL=/models/m", "SCENARIO=cold-prefill", "REPEATS=2", "DRY_RUN=1").stdout
     assert "2 repeats interleaved" in repeated and "--output=runs/vllm-cold-prefill/nvfp4.r2" in repeated
-    whole = make("MODEL=/models/m", "OUT=runs/x", "DRY_RUN=1").stdout  # no SCENARIO: the seed's whole matrix
-    assert [line for line in whole.splitlines() if line.startswith("== ")] == [
-        f"== {scenario} -> runs/x/{scenario}" for scenario in ("cold-prefill", "decode-heavy", "prefix-reuse", "sweep")]
-    assert "--output=runs/x/sweep/nvfp4" in whole and "--output=runs/x/prefix-reuse/fp8" in whole
+    served = make("MODEL=/models/m", "SCENARIO=prefix-reuse", "DRY_RUN=1").stdout  # serve: 3 repeats by default
+    assert "3 repeats interleaved" in served and "--output=runs/vllm-prefix-reuse/nvfp4.r3" in served
+    offline = make("MODEL=/models/m", "SCENARIO=cold-prefill", "MODE=offline", "DRY_RUN=1").stdout
+    assert "repeats interleaved" not in offline and "--output=runs/vllm-cold-prefill/nvfp4 " in offline
+    whole = make("MODEL=/models/m", "OUT=runs/x", "DRY_RUN=1", "VLLM_ARGS=--max-model-len 4096")  # the whole matrix
+    assert whole.returncode == 0, whole.stderr
+    assert ("# kvtrace capture vllm-matrix: 4 scenarios x arms fp8, nvfp4 x 3 interleaved rounds, all servers up at "
+            "once") in whole.stdout and "# estimated wall time: ~" in whole.stdout
+    assert "--output=runs/x/servers/nvfp4/trace" in whole.stdout and "--max-model-len 4096" in whole.stdout
 
 
-def test_make_capture_records_the_whole_matrix_and_ends_with_kvtrace_matrix(tmp_path):
+def test_make_capture_records_the_whole_matrix_on_one_server_per_arm_and_ends_with_kvtrace_matrix(tmp_path):
     if not shutil.which("make"):
         pytest.skip("make is not installed")
     calls = tmp_path / "calls.jsonl"
-    stub = tmp_path / "kvtrace-stub"  # records its arguments; fails the decode-heavy capture
+    stub = tmp_path / "kvtrace-stub"  # records its arguments; the capture fails as one with a failed run does
     stub.write_text(f"#!{sys.executable}\nimport json, sys\nopen({str(calls)!r}, 'a').write(json.dumps(sys.argv[1:]) "
-                    "+ '\\n')\nsys.exit('decode-heavy' in sys.argv)\n")
+                    "+ '\\n')\nsys.exit('vllm-matrix' in sys.argv)\n")
     stub.chmod(0o755)
     result = subprocess.run(["make", "-s", "-f", str(ROOT / "capture" / "capture.mk"), "capture", f"KVTRACE={stub}",
-                             "MODEL=/models/m"], capture_output=True, text=True, cwd=tmp_path)
+                             "MODEL=/models/m", "REPEATS=4"], capture_output=True, text=True, cwd=tmp_path)
     argvs = [json.loads(line) for line in calls.read_text().splitlines()]
-    assert [argv[argv.index("--out") + 1] for argv in argvs[:4]] == [
-        f"runs/vllm-matrix/{scenario}" for scenario in ("cold-prefill", "decode-heavy", "prefix-reuse", "sweep")]
-    assert argvs[4] == ["matrix", "runs/vllm-matrix"]
-    assert result.returncode != 0 and "failed: decode-heavy" in result.stderr
+    assert argvs == [["capture", "vllm-matrix", "--model", "/models/m", "--arms", "fp8,nvfp4", "--out",
+                      "runs/vllm-matrix", "--repeats", "4"], ["matrix", "runs/vllm-matrix"]]
+    assert result.returncode != 0 and "the matrix did not record every run" in result.stderr
 
 
 # Preflight --------------------------------------------------------------------------------------------------
@@ -893,7 +898,7 @@ def test_cli_exit_code_on_partial_failure(standin, monkeypatch):
     result = CliRunner().invoke(capture_cli.capture, [
         "vllm", "--model", cfg.model, "--scenario", "decode-heavy", "--input-len", "32", "--output-len", "4",
         "--num-prompts", "6", "--concurrency", "3", "--load-format", "dummy", "--port", str(cfg.port),
-        "--nsys", standin.nsys, "--out", str(standin.tmp / "cli-run")])
+        "--repeats", "1", "--nsys", standin.nsys, "--out", str(standin.tmp / "cli-run")])
     assert result.exit_code == 1, result.output
     assert "fp8: ok -> " in result.output and "GPU KV cache 100,000 tokens" in result.output
     assert "nvfp4: failed (vllm bench serve exited with code 1" in result.output
