@@ -12,6 +12,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -548,10 +549,26 @@ def alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def free_port() -> int:
+def free_port(span: int = 40) -> int:
+    """A port free with the `span` ports after it (a matrix gives arm i's server port + 10·i, and each server's KV
+    events the port after its own), below the kernel's ephemeral range: a port the kernel hands out is also what
+    other tests' outgoing connections take meanwhile, which made a matrix's later ports busy under load."""
+    ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    lowest = int(ephemeral.read_text().split()[0]) if ephemeral.exists() else 32768
+    for _ in range(100):
+        base = random.randrange(10_000, lowest - span)  # unseeded: two xdist workers must not pick alike
+        if all(_bindable(port) for port in range(base, base + span)):
+            return base
+    raise RuntimeError(f"no {span} free ports in a row below {lowest}")
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 @pytest.fixture
