@@ -46,6 +46,8 @@ from kvtrace.capture.vllm_relay import summarize as summarize_requests
 from kvtrace.manifest import MANIFEST, Point, capacity_reason, capture_status
 
 ENGINE = "vllm"
+# /health is polled soon at first (a small model is up in a fraction of a second), then at most this far apart.
+READY_POLL_MAX_S = 1.0
 
 _BENCH_KEYS = ("duration", "completed", "failed", "total_input_tokens", "total_output_tokens", "request_throughput",
                "output_throughput", "total_token_throughput", "max_output_tokens_per_s", "max_concurrent_requests")
@@ -90,8 +92,7 @@ class _Session:
 
 def _wait_ready(server: ManagedProcess, base: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
-    # Polls soon at first (a small model is up in a fraction of a second), then once a second.
-    pause_s = 0.05
+    pause_s = min(0.05, READY_POLL_MAX_S)
     while True:
         if not server.running():
             raise RuntimeError(f"server exited with code {server.process.returncode} before it was ready")
@@ -101,7 +102,7 @@ def _wait_ready(server: ManagedProcess, base: str, timeout_s: float) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"server not ready after {timeout_s:g} s (raise --startup-timeout for slow starts)")
         time.sleep(pause_s)
-        pause_s = min(2 * pause_s, 1.0)
+        pause_s = min(2 * pause_s, READY_POLL_MAX_S)
 
 
 def _run_bench(session: _Session, command: list[str], log: Path) -> int:

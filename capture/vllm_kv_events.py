@@ -24,6 +24,7 @@ from kvtrace.errors import KvtraceError
 
 EVENT_TYPES = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
 TOPIC = "kvtrace"
+QUIET_S = 0.3  # no batch for this long after a point's traffic: its last step's events are in
 
 
 def events_config(port: int) -> str:
@@ -108,12 +109,12 @@ class KvEventRecorder(threading.Thread):
                 self._totals[kind] += count
             self._log.write(json.dumps({"seq": seq, "ts": stamp, **counts}) + "\n")
 
-    def settle(self, quiet_s: float = 0.3, limit_s: float = 5.0) -> None:
-        """Waits until no batch has come for quiet_s (at most limit_s): the engine publishes a step's events after
+    def settle(self, limit_s: float = 5.0) -> None:
+        """Waits until no batch has come for QUIET_S (at most limit_s): the engine publishes a step's events after
         the step, so the last responses of a point can arrive before its last events."""
         deadline, seen = time.monotonic() + limit_s, self._received()
         while time.monotonic() < deadline:
-            time.sleep(quiet_s)
+            time.sleep(QUIET_S)
             received = self._received()
             if received == seen:
                 return

@@ -37,6 +37,7 @@ from kvtrace.manifest import capacity_reason
 
 READY_LINE = "kvtrace: client ready"
 PRESTART_LIMIT_S = 300.0
+CLIENT_READY_POLL_S = 0.2  # between looks at a prestarted client's log for READY_LINE
 
 
 @dataclass
@@ -236,7 +237,7 @@ class _Matrix:
         for client in clients.values():
             while time.monotonic() < deadline and client.process.running() and \
                     READY_LINE not in client.process.log_path.read_text(errors="replace"):
-                time.sleep(0.2)
+                time.sleep(CLIENT_READY_POLL_S)
         self._phase("client prestart", started, PRESTART_S, round=round_, clients=len(clients))
         return clients
 
@@ -402,7 +403,7 @@ class _Matrix:
         deadline = time.monotonic() + PRESTART_LIMIT_S
         while time.monotonic() < deadline and client.process.running() and \
                 READY_LINE not in client.process.log_path.read_text(errors="replace"):
-            time.sleep(0.2)
+            time.sleep(CLIENT_READY_POLL_S)
         self._phase("client prestart", started, PRESTART_S, round="co-residence")
         return {(self.check.spec.name, server.spec.label, 0): client}
 

@@ -27,6 +27,7 @@ from kvtrace.capture.vllm_http import NET_ERRORS
 _HOP_BY_HOP = frozenset(("connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer",
                          "upgrade", "proxy-authenticate", "proxy-authorization"))
 _SERVER_TIMEOUT_S = 3600.0  # a request may wait that long in a saturated server's queue
+SHUTDOWN_POLL_S = 0.5  # how often the relay's accept loop looks for a shutdown: the most that stopping it waits
 
 
 class UsageRelay:
@@ -42,7 +43,8 @@ class UsageRelay:
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
         self._httpd.daemon_threads = True
         self.port = self._httpd.server_address[1]
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="usage-relay", daemon=True)
+        self._thread = threading.Thread(target=self._httpd.serve_forever, args=(SHUTDOWN_POLL_S,), name="usage-relay",
+                                        daemon=True)
         self._upstream = _Upstream(server_host, server_port)
 
     def __enter__(self) -> "UsageRelay":

@@ -30,6 +30,8 @@ from kvtrace.capture.vllm_relay import UsageRelay
 GATED = ("-m", "kvtrace.capture.vllm_gated_client")
 REPORT_WAIT_S = 60.0  # at most, before a window, for nsys to finish the previous window's report
 FIRST_REPORT_WAIT_S = 20.0  # at most, for a server's first report (a 24-48-step window imports in seconds)
+REPORT_POLL_S = 0.2  # between looks for that report
+REPORT_STEADY_S = 0.5  # a report whose size holds this long is no longer being written
 _SLOT_NUMBER = re.compile(r"(\d+)$")
 
 
@@ -143,7 +145,7 @@ class ArmServer:
                 if time.monotonic() - begun > limit:
                     self.reports_at_exit = not self.report_slots()
                     break
-                time.sleep(0.2)
+                time.sleep(REPORT_POLL_S)
         window.report_wait_s = round(time.monotonic() - begun, 2)
         window.reports_before = len(self.report_slots())
         status, body = http_request("POST", self.base + "/start_profile", timeout=600,
@@ -178,7 +180,7 @@ class ArmServer:
         newest = slots[-1].with_name(slots[-1].name + ".nsys-rep")
         try:
             size = newest.stat().st_size
-            time.sleep(0.5)
+            time.sleep(REPORT_STEADY_S)
             return newest.stat().st_size == size
         except OSError:  # only its raw capture: nsys' import failed, nothing more will come for it
             return True

@@ -33,7 +33,8 @@ from kvtrace.manifest import MANIFEST, SCHEMA, Run, run_order
 
 STAND_IN_VERSION = "NVIDIA Nsight Systems version 0.0.0-stand-in"
 
-STAND_IN_NSYS = r'''#!{python}
+# -S: the stand-in needs only the standard library (no site start-up), and it runs once per profile and per export.
+STAND_IN_NSYS = r'''#!{python} -S
 """Stand-in for the nsys CLI surface used by kvtrace's capture runner. Controlled by environment:
 FAKE_NSYS_CALLS (append each argv as a JSON line), FAKE_NSYS_FIXTURES (folder of real ARM.sqlite exports
 and ARM.workload.json results), FAKE_NSYS_RUN (run | replay: skip the app and copy ARM.workload.json to its

@@ -12,7 +12,8 @@ from kvtrace.capture import vllm_engine as engine
 from kvtrace.capture import vllm_preflight as preflight
 from kvtrace.errors import KvtraceError
 from kvtrace.manifest import read_manifest, tensor_parallel_size
-from test_capture_vllm import PROBE_B200, config, run_capture, serve_config, standin  # noqa: F401 (a fixture)
+from test_capture_vllm import PROBE_B200, config, run_capture, serve_config
+from test_capture_vllm import plain_serve, standin  # noqa: F401 (fixtures)
 
 TP2 = ("--tensor-parallel-size", "2")
 
@@ -83,7 +84,7 @@ def test_a_rank_without_kernels_fails_the_run_and_is_named(two_gpus, monkeypatch
         assert "VLLM_WORKER_MULTIPROC_METHOD=spawn" in arm["error"]
 
 
-def test_one_gpu_runs_record_no_ranks(standin):
-    manifest = run_capture(standin, serve_config(standin))
+def test_one_gpu_runs_record_no_ranks(plain_serve):
+    manifest = plain_serve.manifest
     assert "ranks" not in manifest["settings"]
     assert all(arm["ranks"] == [] for arm in manifest["arms"].values())

@@ -588,9 +588,11 @@ def make_standin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> SimpleNames
     monkeypatch.delenv("STANDIN_FAIL", raising=False)
     nsys = tmp_path / "bin" / "nsys"
     nsys.parent.mkdir()
-    nsys.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{TESTS / "vllm_standin.py"}" nsys "$@"\n')
+    # -S: the stand-in nsys needs only the standard library, and it runs once per report and per export.
+    nsys.write_text(f'#!/bin/sh\nexec "{sys.executable}" -S "{TESTS / "vllm_standin.py"}" nsys "$@"\n')
     nsys.chmod(0o755)
     monkeypatch.setattr(engine, "probe_environment", lambda python, nvfp4: dict(PROBE_B200))
+    fast_polls(monkeypatch)
 
     def pids(kind: str = "") -> list[int]:
         return [int(path.read_text()) for path in piddir.glob(f"{kind}*.pid")]
@@ -600,6 +602,20 @@ def make_standin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> SimpleNames
         return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
     return SimpleNamespace(nsys=str(nsys), tmp=tmp_path, pids=pids, calls=calls, model=model_dir(tmp_path))
+
+
+def fast_polls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The capture's polls and waits sized for the stand-ins, which answer in milliseconds where a GPU server takes
+    seconds: /health, the relay's look for its shutdown, a window's report and its steady size, a prestarted
+    client's ready line, the quiet after a point's KV events. Each is still waited for, only in shorter steps."""
+    from kvtrace.capture import vllm_kv_events, vllm_matrix_run, vllm_relay, vllm_servers
+
+    monkeypatch.setattr(engine, "READY_POLL_MAX_S", 0.02)
+    monkeypatch.setattr(vllm_relay, "SHUTDOWN_POLL_S", 0.02)
+    monkeypatch.setattr(vllm_servers, "REPORT_POLL_S", 0.01)
+    monkeypatch.setattr(vllm_servers, "REPORT_STEADY_S", 0.02)
+    monkeypatch.setattr(vllm_matrix_run, "CLIENT_READY_POLL_S", 0.02)
+    monkeypatch.setattr(vllm_kv_events, "QUIET_S", 0.02)  # the stand-in publishes before it answers
 
 
 def run_capture(standin, cfg, **kwargs) -> dict:
@@ -613,8 +629,46 @@ def serve_config(standin, **kwargs) -> vllm_config.VllmCapture:
                   **{**workload, **kwargs})
 
 
-def test_serve_records_metrics_bench_and_traces(standin):
-    manifest = run_capture(standin, serve_config(standin))
+_SHARED: dict[str, SimpleNamespace] = {}
+
+
+def shared_capture(name: str, tmp_path_factory, record) -> SimpleNamespace:
+    """A capture through the stand-ins made once per test process, for the tests that each check something else of
+    its result, which they only read. record(standin, monkeypatch) runs it and returns (cfg, manifest). Its
+    survivors (processes still alive) are looked for at once, before their ids can go to other processes."""
+    if name not in _SHARED:
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            standin = make_standin(tmp_path_factory.mktemp(name), monkeypatch)
+            standin.cfg, standin.manifest = record(standin, monkeypatch)
+            standin.survivors = [pid for pid in standin.pids() if alive(pid)]
+        _SHARED[name] = standin
+    return _SHARED[name]
+
+
+@pytest.fixture(scope="session")
+def plain_serve(tmp_path_factory) -> SimpleNamespace:
+    """serve_config's two-arm decode-heavy capture with nothing failing."""
+    def record(standin, monkeypatch):
+        cfg = serve_config(standin)
+        return cfg, run_capture(standin, cfg)
+    return shared_capture("plain-serve", tmp_path_factory, record)
+
+
+@pytest.fixture(scope="session")
+def prefix_reuse_fp8(tmp_path_factory) -> SimpleNamespace:
+    """The fp8 arm alone on prefix reuse, 32 prompts over 2 prefixes, its server noting each connection that carried
+    completions (connections.txt) and evicting a prefix block every 4th request."""
+    def record(standin, monkeypatch):
+        monkeypatch.setenv("STANDIN_CONNECTIONS", str(standin.tmp / "connections.txt"))
+        monkeypatch.setenv("STANDIN_EVICT_EVERY", "4")
+        cfg = serve_config(standin, scenario="prefix-reuse", prefix_len=32, input_len=16, arms=("fp8",),
+                           num_prefixes=2, num_prompts=32)
+        return cfg, run_capture(standin, cfg)
+    return shared_capture("prefix-reuse-fp8", tmp_path_factory, record)
+
+
+def test_serve_records_metrics_bench_and_traces(plain_serve):
+    standin, manifest = plain_serve, plain_serve.manifest
     run = standin.tmp / "run"
     assert manifest["status"] == "ok" and manifest["request_order_matched"] is True
     assert manifest == json.loads((run / "manifest.json").read_text())
@@ -654,13 +708,11 @@ def test_serve_records_metrics_bench_and_traces(standin):
                                                                                   "count": 1}
     assert "stand-in" in environment["nsys"]
     assert "PYTHONPATH" in environment["inherited_env"]
-    assert not [pid for pid in standin.pids() if alive(pid)]
+    assert standin.pids() and not standin.survivors
 
 
-def test_prefix_reuse_resets_the_cache_after_warmup(standin):
-    cfg = serve_config(standin, scenario="prefix-reuse", prefix_len=32, num_prefixes=2, input_len=16,
-                       num_prompts=32)
-    manifest = run_capture(standin, cfg)
+def test_prefix_reuse_resets_the_cache_after_warmup(prefix_reuse_fp8):
+    manifest = prefix_reuse_fp8.manifest
     assert manifest["status"] == "ok"
     counters = manifest["arms"]["fp8"]["points"][0]["metrics"]["deltas"]["counters"]
     assert counters["vllm:prefix_cache_hits_total"] == 30 * 32  # the stand-in client reuses 2 prefixes
@@ -675,16 +727,15 @@ def one_prefix_reuse_arm(standin, **workload) -> tuple[vllm_config.VllmCapture, 
     return cfg, arm
 
 
-def test_serve_records_each_requests_cached_tokens_through_the_relay(standin, monkeypatch):
+def test_serve_records_each_requests_cached_tokens_through_the_relay(prefix_reuse_fp8):
     """The bench client's result has no cached tokens; the relay reads them from each streamed response's usage
     chunk (--enable-prompt-tokens-details). Their sum is the server's prefix-cache hit counter's change, and the
     warm-up's requests are not among them. The relay keeps its connection to the server open: the stand-in
     client sends one request at a time, each over a new connection to the relay, and all of them (warm-up
     included) reach the server over one."""
-    connections = standin.tmp / "connections.txt"
-    monkeypatch.setenv("STANDIN_CONNECTIONS", str(connections))
-    _, arm = one_prefix_reuse_arm(standin, num_prefixes=2, num_prompts=32)
-    assert connections.read_text().splitlines() == ["fp8"]
+    standin, arm = prefix_reuse_fp8, prefix_reuse_fp8.manifest["arms"]["fp8"]
+    assert arm["status"] == "ok", arm["error"]
+    assert (standin.tmp / "connections.txt").read_text().splitlines() == ["fp8"]
     assert "--enable-prompt-tokens-details" in arm["commands"][0]
     point = arm["points"][0]
     requests = json.loads((standin.tmp / "run" / point["requests"]["file"]).read_text())
@@ -775,11 +826,11 @@ def test_the_relays_upstream_connections_are_closed_whatever_ends_them():
     assert not server.is_alive()
 
 
-def test_serve_counts_kv_cache_evictions_from_the_servers_events(standin, monkeypatch):
+def test_serve_counts_kv_cache_evictions_from_the_servers_events(prefix_reuse_fp8):
     """Evictions are the server's BlockRemoved events, counted per point and checked afresh against the raw event
     file the run directory keeps."""
-    monkeypatch.setenv("STANDIN_EVICT_EVERY", "4")
-    cfg, arm = one_prefix_reuse_arm(standin, num_prefixes=2, num_prompts=32)
+    standin, cfg, arm = prefix_reuse_fp8, prefix_reuse_fp8.cfg, prefix_reuse_fp8.manifest["arms"]["fp8"]
+    assert arm["status"] == "ok", arm["error"]
     flags = arm["commands"][0]
     assert json.loads(flags[flags.index("--kv-events-config") + 1])["endpoint"] == f"tcp://127.0.0.1:{cfg.port + 1}"
     events = arm["points"][0]["kv_events"]
@@ -790,9 +841,8 @@ def test_serve_counts_kv_cache_evictions_from_the_servers_events(standin, monkey
     assert [line["seq"] for line in lines] == list(range(len(lines)))
 
 
-def test_serve_without_prefix_caching_records_no_events(standin):
-    manifest = run_capture(standin, serve_config(standin, arms=("fp8",)))
-    arm = manifest["arms"]["fp8"]
+def test_serve_without_prefix_caching_records_no_events(plain_serve):
+    arm = plain_serve.manifest["arms"]["fp8"]
     assert arm["status"] == "ok" and arm["kv_events"] is None and "kv_events" not in arm["points"][0]
     assert "--kv-events-config" not in arm["commands"][0]
 

@@ -44,6 +44,18 @@ def recipes():
     return load_recipes()
 
 
+@pytest.fixture(scope="module")
+def built(recipes):
+    """built(NAME): `report.build` of the run NAME, made once per module (the tests only read it)."""
+    cache = {}
+
+    def build(name: str):
+        if name not in cache:
+            cache[name] = report.build([VLLM033_RUNS[name]], recipes)
+        return cache[name]
+    return build
+
+
 def sql_totals(path: Path, likes: list[str]) -> tuple[int, int]:
     """(calls, GPU ns) of the kernels whose demangled name matches any of `likes`."""
     if not likes:
@@ -95,9 +107,9 @@ def test_every_phase_kernel_lands_in_its_segment(name, run_kvtrace):
         assert (sql_totals(run / f"{arm}.sqlite", ["%scaled_fp8_quant%"])[0] > 0) == (prefill_query == "float8_e4m3fn")
 
 
-def test_decode_heavy_statements_match_sql_and_name_kernels_and_queries(recipes):
+def test_decode_heavy_statements_match_sql_and_name_kernels_and_queries(built):
     run = VLLM033_RUNS["offline-decode-heavy"]
-    result = report.build([run], recipes)
+    result = built("offline-decode-heavy")
     said = {s.subject: s for s in reversed(result.statements) if s.kind == "kernels"}  # each subject's first
     sql = {segment: {arm: sql_totals(run / f"{arm}.sqlite", likes[arm]) for arm in ARMS}
            for segment, likes in EXPECTED.items()}
@@ -148,7 +160,7 @@ QUERIES = r"FlashInfer resolved query dtypes: prefill=torch\.(\w+), decode=torch
 KV_TOKENS = r"GPU KV cache size: ([\d,]+) tokens"
 
 
-def test_repeats_report_pairs_run_by_run_and_matches_sql(recipes):
+def test_repeats_report_pairs_run_by_run_and_matches_sql(recipes, built):
     """`--repeats 2` (fp8.r1, nvfp4.r1, fp8.r2, nvfp4.r2): `kvtrace report RUNDIR` pairs r1 with r1 and r2 with r2;
     each head row's ratio is both runs' summed time, its interval holds each run pair's own ratio (plain SQL),
     and the row keeps those ratios apart. Each run pair alone says its own ratios, its own vLLM KV-token counts
@@ -171,7 +183,7 @@ def test_repeats_report_pairs_run_by_run_and_matches_sql(recipes):
 
     heads = [("prefill_attention", None), ("decode_attention", None),
              ("kv_append", "prefill steps"), ("kv_append", "decode steps")]
-    both = report.build([run], recipes)
+    both = built("offline-decode-heavy-repeats")
     assert both.diff.runs == 2 and both.diff.method == bootstrap.HIERARCHICAL
     assert both.baseline.runs == (str(run / "fp8.r1.sqlite"), str(run / "fp8.r2.sqlite"))
     assert both.candidate.runs == (str(run / "nvfp4.r1.sqlite"), str(run / "nvfp4.r2.sqlite"))
@@ -247,12 +259,12 @@ def _metric(path: Path, name: str) -> float:
     return float(re.search(rf"^{re.escape(name)}{{[^}}]*}} (\S+)$", path.read_text(), re.M).group(1))
 
 
-def test_prefix_reuse_keeps_the_capacity_win_apart_from_the_slower_kernel(recipes):
+def test_prefix_reuse_keeps_the_capacity_win_apart_from_the_slower_kernel(built):
     """NVFP4's pool (36,400 tokens in 640 MiB) holds the 12 shared 2,048-token prefixes, FP8's (20,480) does not:
     NVFP4 serves more prompt tokens from its prefix cache. Its prefill kernel is slower, and its TTFT longer.
     The report says both, and never calls the capacity win a faster kernel."""
     run = VLLM033_RUNS["serve-prefix-reuse"]
-    result = report.build([run], recipes)
+    result = built("serve-prefix-reuse")
     pool = {arm: int(log_line(run, arm, r"GPU KV cache size: ([\d,]+) tokens").replace(",", "")) for arm in ARMS}
     assert pool == {"fp8": 20480, "nvfp4": 36400}
     cached = {arm: _metric(run / f"{arm}.metrics.after.prom", "vllm:prompt_tokens_cached_total")
@@ -280,10 +292,10 @@ def test_prefix_reuse_keeps_the_capacity_win_apart_from_the_slower_kernel(recipe
     assert all("faster" not in statement_text(s) for s in prefill)
 
 
-def test_sweep_shows_fp8_capacity_bound_at_2048_by_16(recipes):
+def test_sweep_shows_fp8_capacity_bound_at_2048_by_16(built):
     """FP8's 20,480-token pool cannot hold 16 requests of 2,048 + 16 tokens (33,024); NVFP4's 36,400 can."""
     run = VLLM033_RUNS["serve-sweep"]
-    result = report.build([run], recipes)
+    result = built("serve-sweep")
     manifest = json.loads((run / "manifest.json").read_text())
     points = {arm: [p["point"] for p in manifest["arms"][arm]["points"]] for arm in ARMS}
     assert points["fp8"] == points["nvfp4"] and len(points["fp8"]) == 4
@@ -311,14 +323,14 @@ def _sql_prefill_ns(path: Path, likes: list[str]) -> tuple[int, int]:
     return len(durations), sum(durations)
 
 
-def test_diff_states_the_query_quantization_the_report_states(recipes, run_kvtrace):
+def test_diff_states_the_query_quantization_the_report_states(recipes, built, run_kvtrace):
     """`kvtrace diff fp8.sqlite nvfp4.sqlite` (make demo's first command) says what `kvtrace report` says of
     FP8's query quantization, from the same statement, in every renderer; its numbers are plain SQL sums over
     the prefill steps."""
     run = VLLM033_RUNS["offline-decode-heavy"]
-    built = report.build([run], recipes)
-    (said,) = [s for s in built.statements if s.kind == "query_quantize"]
-    assert built.diff.headline.query_quantize == [said]  # the library's report carries the headline the CLI shows
+    result = built("offline-decode-heavy")
+    (said,) = [s for s in result.statements if s.kind == "query_quantize"]
+    assert result.diff.headline.query_quantize == [said]  # the library's report carries the headline the CLI shows
     quantize = {arm: _sql_prefill_ns(run / f"{arm}.sqlite", EXPECTED["quantize"]["fp8"]) for arm in ARMS}
     attention = {arm: _sql_prefill_ns(run / f"{arm}.sqlite", EXPECTED["prefill_attention"][arm]) for arm in ARMS}
     assert quantize["nvfp4"] == (0, 0) and quantize["fp8"][0] == 16
@@ -373,11 +385,11 @@ def test_repeated_runs_state_the_query_quantization_per_run(run_kvtrace, tmp_pat
     assert f"{calls} quantize calls, {ns / 1e3:.2f} µs per run (mean of 2 runs)" in line and "in total" not in line
 
 
-def test_the_real_repeats_state_the_query_quantization_per_run(recipes):
+def test_the_real_repeats_state_the_query_quantization_per_run(built):
     """On the real `--repeats 2` run the statement is the mean of the two runs' own prefill-step sums (plain SQL
     over fp8.r1 and fp8.r2, which differ), not their pooled sum."""
     run = VLLM033_RUNS["offline-decode-heavy-repeats"]
-    (said,) = [s for s in report.build([run], recipes).statements if s.kind == "query_quantize"]
+    (said,) = [s for s in built("offline-decode-heavy-repeats").statements if s.kind == "query_quantize"]
     per_run = [_sql_prefill_ns(run / f"fp8.r{k}.sqlite", EXPECTED["quantize"]["fp8"]) for k in (1, 2)]
     attention = [_sql_prefill_ns(run / f"fp8.r{k}.sqlite", EXPECTED["prefill_attention"]["fp8"])[1] for k in (1, 2)]
     assert per_run[0][1] != per_run[1][1] and all(calls == 16 for calls, _ in per_run)

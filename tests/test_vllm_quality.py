@@ -12,7 +12,8 @@ import pytest
 
 from kvtrace.capture import vllm_quality
 from kvtrace.errors import KvtraceError
-from test_capture_vllm import alive, config, run_capture, serve_config, standin  # noqa: F401  (standin: a fixture)
+from test_capture_vllm import alive, config, run_capture, serve_config
+from test_capture_vllm import plain_serve, standin  # noqa: F401  (fixtures)
 
 PROMPTS = Path(__file__).resolve().parents[1] / "fixtures" / "quality" / "arithmetic-8.jsonl"
 
@@ -59,9 +60,9 @@ def test_a_failed_quality_step_keeps_the_arms_trace(standin, monkeypatch):
     assert manifest["arms"]["fp8"]["quality"]["correct"] == 8
 
 
-def test_without_prompts_there_is_no_quality_step(standin):
-    manifest = run_capture(standin, serve_config(standin))
-    assert manifest["arms"]["fp8"]["quality"] is None and not list((standin.tmp / "run").glob("*.quality.json"))
+def test_without_prompts_there_is_no_quality_step(plain_serve):
+    manifest = plain_serve.manifest
+    assert manifest["arms"]["fp8"]["quality"] is None and not list((plain_serve.tmp / "run").glob("*.quality.json"))
 
 
 @pytest.mark.parametrize("completion,answer,correct", [

@@ -24,18 +24,15 @@ file the server appends a line (the arm) to for each connection that carried com
 
 from __future__ import annotations
 
+# Each process started from here imports what its own part needs, the rest on the way in (a capture starts dozens).
 import argparse
 import importlib
 import importlib.util
 import json
 import os
 import signal
-import socket
-import sqlite3
-import subprocess
 import sys
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 MODEL_LABELS = ("model_name", "engine")
@@ -120,10 +117,13 @@ class KvEventPublisher:
         import zmq
 
         self.topic = config.get("topic", "").encode()
-        self.socket = zmq.Context.instance().socket(zmq.PUB)
+        # XPUB, which is PUB to the subscriber, so that it can see the subscription arrive: a publisher drops what it
+        # sends before that, and a fixed sleep would only make the loss unlikely.
+        self.socket = zmq.Context.instance().socket(zmq.XPUB)
         self.socket.connect(config["endpoint"])
         self.seq = 0
-        time.sleep(0.2)  # a PUB socket drops what it sends before the connection is up
+        if self.socket.poll(10_000):
+            self.socket.recv()  # b"\x01" + the subscribed topic
 
     def publish(self, stored: int, evicted: int) -> None:
         import msgspec
@@ -157,6 +157,9 @@ def complete(request: dict, arm: str) -> dict:
 
 
 def serve(argv: list[str]) -> None:
+    import socket
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
     parser = argparse.ArgumentParser()
     parser.add_argument("model")
     parser.add_argument("--host")
@@ -501,6 +504,9 @@ def write_fake_vllm(site: Path) -> None:
 # Nsight Systems ----------------------------------------------------------------------------------------
 
 def nsys(argv: list[str]) -> int:
+    import sqlite3
+    import subprocess
+
     if argv == ["--version"]:
         print("NVIDIA Nsight Systems version 2099.1.0 (kvtrace stand-in)")
         return 0
