@@ -51,6 +51,10 @@ demo: install
 	@echo "the capacity-bound region (8B shape: cold prefill, prefix reuse, preemption, sweep): $(OUT)/demo-capacity.md (the TTFT budget per point: $(OUT)/capacity-plots/budget.png); the preemption case: $(OUT)/demo-preemption.md"
 	@echo "quality beside speed (each format's attention error per point, a kernel that strays from its own cache): $(OUT)/demo-quality.md"
 
+# Python may cache bytecode while the tests run: the suite starts hundreds of kvtrace processes, and an environment
+# with PYTHONDONTWRITEBYTECODE set had each of them compile every module afresh.
+test test-fast: export PYTHONDONTWRITEBYTECODE =
+
 test: install-dev
 	@if [ -n "$(NSYS_INSTALLER)" ]; then export NSYS=$$(bash $(NSYS_INSTALLER)); fi; \
 	$(PYTHON) -m pytest -n $(TEST_WORKERS) --dist worksteal
