@@ -31,27 +31,32 @@ ARGS = dict(contexts=[32, 80], batch=2, q_heads=4, kv_heads=2, head_dim=32, page
 
 
 def numpy_attention(q, k, v, causal_rows=None):
-    """One sequence, float64: q [n, Hq, D], k/v [C, Hkv, D]; causal_rows: the positions of q's rows. Every row of
-    a head at once (one matrix product each way), softmax row by row after subtracting the row's maximum."""
+    """One sequence, float64: q [n, Hq, D], k/v [C, Hkv, D]; causal_rows: the positions of q's rows. The query heads
+    that share a KV head at once (one matrix product each way), softmax row by row after subtracting the row's maximum.
+    Causal rows are taken a few at a time, each few against the keys up to its last position: the keys past it would
+    only be masked out."""
     q, k, v = (np.asarray(t.double() if hasattr(t, "double") else t, dtype=np.float64) for t in (q, k, v))
-    group = q.shape[1] // k.shape[1]
-    out = np.zeros_like(q)
-    later = None if causal_rows is None else np.arange(k.shape[0])[None, :] > np.asarray(causal_rows)[:, None]
-    for h in range(q.shape[1]):
-        kh, vh = k[:, h // group], v[:, h // group]
-        logits = q[:, h] @ kh.T / math.sqrt(q.shape[2])
-        if later is not None:
+    rows, kv_heads = q.shape[0], k.shape[1]
+    group, dim = q.shape[1] // kv_heads, q.shape[2]
+    positions = np.full(rows, k.shape[0] - 1) if causal_rows is None else np.asarray(causal_rows)
+    out = np.empty_like(q)
+    for chunk in np.array_split(np.arange(rows), min(rows, 8)):
+        keys = positions[chunk].max() + 1
+        later = np.arange(keys)[None, :] > np.repeat(positions[chunk], group)[:, None]  # (row, head) by key
+        for h in range(kv_heads):
+            heads = slice(h * group, (h + 1) * group)
+            logits = q[chunk, heads].reshape(-1, dim) @ k[:keys, h].T / math.sqrt(dim)
             logits[later] = -np.inf
-        weights = np.exp(logits - logits.max(axis=1, keepdims=True))
-        out[:, h] = weights @ vh / weights.sum(axis=1, keepdims=True)
+            weights = np.exp(logits - logits.max(axis=1, keepdims=True))
+            out[chunk, heads] = (weights @ v[:keys, h] / weights.sum(axis=1, keepdims=True)).reshape(-1, group, dim)
     return out
 
 
 def numpy_errors(out, ref):
     out, ref = np.asarray(out, np.float64).ravel(), np.asarray(ref, np.float64).ravel()
-    return {"rel_l2": np.sqrt(((out - ref) ** 2).sum() / (ref ** 2).sum()),
-            "cosine": (out * ref).sum() / np.sqrt((out ** 2).sum() * (ref ** 2).sum()),
-            "max_abs": np.abs(out - ref).max()}
+    diff = out - ref
+    return {"rel_l2": np.sqrt(diff @ diff / (ref @ ref)), "cosine": out @ ref / np.sqrt((out @ out) * (ref @ ref)),
+            "max_abs": np.abs(diff).max()}
 
 
 def drawn(context, source=None, seed=3):
@@ -323,12 +328,16 @@ def legacy_bf16_normal(generator: np.random.MT19937, count: int) -> np.ndarray:
 
 
 def legacy_from_bytes(raw: np.ndarray) -> np.ndarray:
-    """legacy_bf16_normal's values from its bytes: each block of 16 on its own."""
-    uniform = raw.astype(np.float64).reshape(-1, 16) / 256
-    radius = to_bf16(np.sqrt(-2 * to_bf16(np.log(1 - uniform[:, :8]))))
-    theta = to_bf16(2 * np.pi * uniform[:, 8:]).astype(np.float64)
-    values = np.concatenate([radius * to_bf16(np.cos(theta)), radius * to_bf16(np.sin(theta))], axis=1)
-    return to_bf16(values).reshape(-1)
+    """legacy_bf16_normal's values from its bytes: each block of 16 on its own, value j (j < 8) of a block from its
+    bytes j (the radius) and j + 8 (the angle), as is value j + 8 (sine for cosine). Every step is a function of one
+    byte, so each value is one of 256 × 256: computed once as a table, then looked up."""
+    uniform = np.arange(256) / 256
+    radius = to_bf16(np.sqrt(-2 * to_bf16(np.log(1 - uniform))))
+    theta = to_bf16(2 * np.pi * uniform).astype(np.float64)
+    cosine, sine = (to_bf16(radius[:, None] * to_bf16(wave(theta))[None, :]).reshape(-1) for wave in (np.cos, np.sin))
+    blocks = raw.reshape(-1, 16).astype(np.intp)
+    index = blocks[:, :8] * 256 + blocks[:, 8:]  # [radius byte, angle byte]
+    return np.concatenate([cosine[index], sine[index]], axis=1).reshape(-1)
 
 
 def test_generated_inputs_reach_the_gaussian_tails_the_legacy_draw_cut_off():
@@ -409,11 +418,25 @@ def numpy_phase(tensors, k, v, batch, context, rows):
     return np.concatenate(out)
 
 
+@functools.lru_cache(maxsize=2)
+def _reference(spec: str, inputs: str, context: int) -> dict:
+    tensors, batch = _drawn_again(spec, inputs, context), json.loads(spec)["batch"]
+    return {phase: numpy_phase(tensors, tensors["keys"], tensors["values"], batch, context, rows)
+            for phase, rows in (("prefill", quality.prefill_rows(context)), ("decode", None))}
+
+
+def reference(spec: dict, inputs: dict, context: int) -> dict:
+    """phase -> numpy_phase on drawn_again's tensors as drawn, what both arms' format errors are measured against:
+    computed once (read only)."""
+    return _reference(json.dumps(spec, sort_keys=True), json.dumps(inputs, sort_keys=True), context)
+
+
 def check_recorded_point(spec: dict, workload: dict, entry: dict) -> None:
     """One recorded context's `cache` and `format` errors against numpy on the same tensors, with the recorded
     scales and the project's quantizers."""
     context, batch, kv_format = entry["context"], spec["batch"], workload["kv_format"]
-    tensors = drawn_again(spec, workload.get("quality_inputs") or {"kind": "gaussian"}, context)
+    inputs = workload.get("quality_inputs") or {"kind": "gaussian"}
+    tensors = drawn_again(spec, inputs, context)
     k_deq = quality.round_trip(kv_format, tensors["keys"], entry["k_scale"])
     v_deq = quality.round_trip(kv_format, tensors["values"], entry["v_scale"])
     recorded = entry["quality"]
@@ -424,8 +447,8 @@ def check_recorded_point(spec: dict, workload: dict, entry: dict) -> None:
     rows = quality.prefill_rows(context)
     assert recorded["prefill_rows_per_sequence"] == len(rows)
     for phase, phase_rows in (("prefill", rows), ("decode", None)):
-        ref = numpy_phase(tensors, tensors["keys"], tensors["values"], batch, context, phase_rows)
-        want = numpy_errors(numpy_phase(tensors, k_deq, v_deq, batch, context, phase_rows), ref)
+        want = numpy_errors(numpy_phase(tensors, k_deq, v_deq, batch, context, phase_rows),
+                            reference(spec, inputs, context)[phase])
         for metric, value in want.items():
             assert recorded["format"][phase][metric] == pytest.approx(value, rel=1e-4), (phase, metric)
 
