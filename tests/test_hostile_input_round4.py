@@ -403,7 +403,7 @@ def test_a_host_with_a_newline_is_one_line(tmp_path, kv):
 ])
 def test_points_from_with_values_of_the_wrong_kind(edit, problem, tmp_path, kv):
     source = _sweep_manifest(tmp_path / "earlier", edit)
-    code, out, err = _plan(kv, tmp_path, "--points-from", source)
+    code, out, err = _plan(kv, tmp_path, "--points-from", source, "--repeats", "1")
     if problem is None:
         assert code == 0, err
         assert out.count("bench serve") == 2 * 5  # each arm: a warm-up and the 4 points of the earlier sweep
