@@ -319,33 +319,81 @@ RECORDED_REPORT = _beside_unpacked(FIXTURES / "vllm-recorded-report", NSYS2025_D
 
 
 @pytest.fixture(scope="session")
+def shipped_output(tmp_path_factory):
+    """shipped_output(name, fmt="markdown") -> shipped_outputs.Output: every shipped fixture's report, diff and matrix
+    (tests/shipped_outputs.py), each written once per session into a folder that every xdist worker shares."""
+    from shipped_outputs import ShippedOutputs
+
+    base = tmp_path_factory.getbasetemp()
+    return ShippedOutputs((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shipped-outputs")
+
+
+@pytest.fixture(scope="session")
 def shipped_recipes():
     """The shipped recipes, parsed once (a RecipeSet's caches per kernel name only ever grow)."""
     from kvtrace.analyzer.classify import load_recipes
     return load_recipes()
 
 
+class SharedResults:
+    """`report`, `matrix` and `diff` results of unmodified shipped inputs, each built once per test process on first
+    request and then only read (see above)."""
+
+    def __init__(self, recipes):
+        from kvtrace.analyzer.stats import serving_intervals
+
+        self.recipes = recipes
+        self._built: dict[tuple, object] = {}
+        self._deciding_run_pairs = serving_intervals.DECIDING_RUN_PAIRS
+
+    def report(self, runs):
+        """report.build of run directories (or RUNDIR/ARM paths)."""
+        from kvtrace.analyzer import report
+        return self._once(("report", *map(str, runs)), lambda: report.build(list(runs), self.recipes))
+
+    def matrix(self, runs):
+        from kvtrace.analyzer import matrix
+        return self._once(("matrix", *map(str, runs)), lambda: matrix.build(list(runs), self.recipes))
+
+    def diff(self, baseline: Path, candidate: Path):
+        """compare.diff of two exports, baseline first."""
+        from kvtrace.analyzer import compare
+        from kvtrace.analyzer.load import open_trace
+        return self._once(("diff", str(baseline), str(candidate)),
+                          lambda: compare.diff(open_trace(baseline), open_trace(candidate), self.recipes))
+
+    def _once(self, key: tuple, build):
+        from kvtrace.analyzer.stats import serving_intervals
+
+        if key not in self._built:
+            # deciding_on_any_run_pairs() changes results: what is built inside it is the test's own.
+            assert serving_intervals.DECIDING_RUN_PAIRS == self._deciding_run_pairs, "built under a patch: not shared"
+            self._built[key] = build()
+        return self._built[key]
+
+
 @pytest.fixture(scope="session")
-def fi_h200_diff(shipped_recipes):
+def shared(shipped_recipes) -> SharedResults:
+    """shared.report(runs), shared.matrix(runs), shared.diff(baseline, candidate): built once per worker."""
+    return SharedResults(shipped_recipes)
+
+
+@pytest.fixture(scope="session")
+def fi_h200_diff(shared):
     """`diff` of the FlashInfer H200 pair (Nsight Systems 2025.3), fp8 → nvfp4."""
-    from kvtrace.analyzer import compare
-    from kvtrace.analyzer.load import open_trace
-    return compare.diff(open_trace(NSYS2025_DIR / "fp8.sqlite"), open_trace(NSYS2025_DIR / "nvfp4.sqlite"),
-                        shipped_recipes)
+    return shared.diff(NSYS2025_DIR / "fp8.sqlite", NSYS2025_DIR / "nvfp4.sqlite")
 
 
 @pytest.fixture(scope="session")
-def fi_h200_report(shipped_recipes):
+def fi_h200_report(shared):
     """`report` of the FlashInfer H200 run directory."""
-    from kvtrace.analyzer import report
-    return report.build([NSYS2025_DIR], shipped_recipes)
+    return shared.report([NSYS2025_DIR])
 
 
 @pytest.fixture(scope="session")
-def sweep_report(shipped_recipes):
+def sweep_report(shared):
     """`report` of the recorded vLLM sweep run directory."""
-    from kvtrace.analyzer import report
-    return report.build([RECORDED_REPORT / "sweep"], shipped_recipes)
+    return shared.report([RECORDED_REPORT / "sweep"])
 
 
 @contextmanager
@@ -361,14 +409,12 @@ def deciding_on_any_run_pairs():
 
 
 @pytest.fixture(scope="session")
-def preemption_report(shipped_recipes):
+def preemption_report(shared):
     """`report` of the vLLM 0.33 preemption run (8B shape, --repeats 2): the capacity-bound case."""
-    from kvtrace.analyzer import report
-    return report.build([VLLM033_8B_RUNS["capacity-preemption"]], shipped_recipes)
+    return shared.report([VLLM033_8B_RUNS["capacity-preemption"]])
 
 
 @pytest.fixture(scope="session")
-def capacity_matrix(shipped_recipes):
+def capacity_matrix(shared):
     """`matrix` over every vLLM 0.33 run of the 8B shape (make demo's capacity-bound region)."""
-    from kvtrace.analyzer import matrix
-    return matrix.build([VLLM033_8B_RUNS[name] for name in sorted(VLLM033_8B_RUNS)], shipped_recipes)
+    return shared.matrix([VLLM033_8B_RUNS[name] for name in sorted(VLLM033_8B_RUNS)])

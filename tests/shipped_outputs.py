@@ -1,8 +1,20 @@
 """Every shipped fixture's report, diff and matrix, as markdown and JSON: the outputs that tests over "every
-shipped output" read (byte-stability, no impossible interval, no repr text in a sentence)."""
+shipped output" read (byte-stability, no impossible interval, no repr text in a sentence), and that tests of one
+output read instead of running the same command again.
+
+Each output is written once per test session into one folder that every xdist worker shares: the first worker to
+ask for it runs the command (in its process, as run_kvtrace does) under a lock, and keeps the exit code, standard
+output and standard error beside it; the others wait for it and read. Nothing there is written again: a test that
+wants to change an output writes its own."""
 
 from __future__ import annotations
 
+import fcntl
+import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from conftest import (NSYS2025_DIR, PACKED_RUNS, RECORDED_REPORT, SERVE_RUNS, VLLM033_8B_RUNS, VLLM033_RUNS,
@@ -33,13 +45,75 @@ def commands() -> dict[str, list]:
     return found
 
 
-def render(folder: Path) -> dict[str, Path]:
-    """Write every output into folder; file name -> path. Fails on the first command that does not exit 0."""
-    written = {}
-    for name, args in commands().items():
-        for fmt, suffix in FORMATS.items():
-            path = folder / f"{name}.{suffix}"
-            code, _, err = _run_in_process([str(a) for a in args] + ["--format", fmt, "-o", str(path)], {}, folder)
-            assert code == 0, f"{name} ({fmt}): {err[-2000:]}"
-            written[path.name] = path
-    return written
+def _patchable() -> tuple:
+    """What tests patch that changes an output (the issue-body limit, how many run pairs decide a point)."""
+    from kvtrace.analyzer.render import markdown
+    from kvtrace.analyzer.stats import serving_intervals
+
+    return markdown.ISSUE_LIMIT, serving_intervals.DECIDING_RUN_PAIRS
+
+
+@dataclass(frozen=True)
+class Output:
+    """One output: its file (FOLDER/NAME.md or .json; a whole document too long for an issue is beside it) and what
+    the command it came from exited with and printed."""
+    path: Path
+    code: int
+    out: str
+    err: str
+
+
+class ShippedOutputs:
+    """The outputs of `commands()` in `folder`, each written on first request (read only after that)."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self._commands = commands()
+        self._unpatched = _patchable()
+        (folder / ".results").mkdir(parents=True, exist_ok=True)
+
+    def __call__(self, name: str, fmt: str = "markdown") -> Output:
+        """NAME.md (markdown) or NAME.json (json), written now unless it was."""
+        with self._locked(name, fmt, wait=True) as held:
+            assert held
+            return self._written(name, fmt)
+
+    def all(self) -> dict[str, Path]:
+        """Every output, file name -> path. Outputs another worker is writing are waited for last, so that two workers
+        that both want all of them write different ones."""
+        written, later = {}, []
+        for name in self._commands:
+            for fmt in FORMATS:
+                with self._locked(name, fmt, wait=False) as held:
+                    if held:
+                        written[name, fmt] = self._written(name, fmt)
+                    else:
+                        later.append((name, fmt))
+        for name, fmt in later:
+            written[name, fmt] = self(name, fmt)
+        for (name, fmt), output in written.items():
+            assert output.code == 0, f"{name} ({fmt}): {output.err[-2000:]}"
+        return {output.path.name: output.path for output in written.values()}
+
+    @contextmanager
+    def _locked(self, name: str, fmt: str, *, wait: bool) -> Iterator[bool]:
+        with open(self.folder / ".results" / f"{name}.{FORMATS[fmt]}.lock", "w") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            except BlockingIOError:
+                yield False
+                return
+            yield True
+
+    def _written(self, name: str, fmt: str) -> Output:
+        """The output, written first if no worker has; the caller holds its lock."""
+        path = self.folder / f"{name}.{FORMATS[fmt]}"
+        result = self.folder / ".results" / f"{path.name}.json"
+        if not result.exists():
+            assert _patchable() == self._unpatched, "a test's patch is in force: an output shared is kvtrace's own"
+            args = [str(a) for a in self._commands[name]] + ["--format", fmt, "-o", str(path)]
+            code, out, err = _run_in_process(args, {}, self.folder)
+            scratch = result.with_suffix(".partial")
+            scratch.write_text(json.dumps({"code": code, "out": out, "err": err}))
+            os.replace(scratch, result)
+        return Output(path, **json.loads(result.read_text()))

@@ -31,8 +31,8 @@ def recipes():
 
 
 @pytest.fixture(scope="module")
-def decision(recipes):
-    return matrix.build([VLLM033_8B_RUNS[name] for name in sorted(VLLM033_8B_RUNS)], recipes)
+def decision(capacity_matrix):
+    return capacity_matrix
 
 
 def prom_mean_ms(run: Path, stem: str, histogram: str) -> float:
@@ -148,20 +148,19 @@ def test_matrix_plots_draw_the_budget(tmp_path, run_kvtrace):
 
 
 @pytest.mark.slow
-def test_a_serve_report_keeps_standard_error_short(tmp_path, run_kvtrace):
-    code, _, err = run_kvtrace("report", VLLM033_8B_RUNS["capacity-sweep-repeats"], "--format", "markdown",
-                               "-o", tmp_path / "r.md")
-    assert code == 0 and len(err.splitlines()) <= 10, err
-    assert "None" not in err
+def test_a_serve_report_keeps_standard_error_short(shipped_output):
+    output = shipped_output("report.vllm033-8b-capacity-sweep-repeats")  # report RUN --format markdown -o FILE.md
+    assert output.code == 0 and len(output.err.splitlines()) <= 10, output.err
+    assert "None" not in output.err
 
 
-def test_a_serve_report_states_its_pool_engine_settings_and_how_to_record_it_again(tmp_path, run_kvtrace):
+def test_a_serve_report_states_its_pool_engine_settings_and_how_to_record_it_again(shipped_output):
     """Environment: each arm's pool and the flag that set it, the serve run's engine settings; Reproduce: the capture
     command its settings give, every server command and the first run's bench commands as the manifest has them, and
     the model's shape."""
-    code, _, err = run_kvtrace("report", SWEEP, "--format", "markdown", "-o", tmp_path / "r.md")
-    assert code == 0, err
-    text = (tmp_path / "r.md").read_text()
+    output = shipped_output("report.vllm033-8b-capacity-sweep")  # report SWEEP --format markdown -o FILE.md
+    assert output.code == 0, output.err
+    text = output.path.read_text()
     data = json.loads((SWEEP / "manifest.json").read_text())
     tokens = {arm: int(re.search(r"GPU KV cache size: ([\d,]+) tokens", (SWEEP / f"{arm}.log").read_text(
         errors="replace")).group(1).replace(",", "")) for arm in ("fp8", "nvfp4")}

@@ -300,9 +300,9 @@ def test_the_report_states_the_benchs_wall_time(preemption):
     assert data["baseline"] == pytest.approx(mean(durations["fp8"])) and data["runs"] == 2
 
 
-def test_one_run_per_arm_gives_the_wall_time_no_interval(recipes):
+def test_one_run_per_arm_gives_the_wall_time_no_interval(shared):
     """The sweep ran once per arm: its points' wall times are the bench's own, with no interval."""
-    result = report.build([SWEEP], recipes)
+    result = shared.report([SWEEP])
     for row, fp8, nvfp4 in zip(result.serving, _points(SWEEP, "fp8"), _points(SWEEP, "nvfp4")):
         estimate = row.estimates["duration_s"]
         assert estimate.baseline == pytest.approx(json.loads((SWEEP / fp8["bench_result"]).read_text())["duration"])

@@ -98,10 +98,10 @@ def _sql_mean(path: Path, like: str) -> float:
     return total / calls
 
 
-def test_the_cold_prefill_kernel_row_is_plain_sqls(recipes):
+def test_the_cold_prefill_kernel_row_is_plain_sqls(shared):
     """On the 8B shape the NVFP4 FA2 prefill kernel is slower per call than FP8's FA3 one, and it is a small part
     of the step: the GEMMs dominate."""
-    result = report.build([COLD], recipes)
+    result = shared.report([COLD])
     row = next(r for r in result.diff.segments if r.segment == "prefill_attention")
     nvfp4 = _sql_mean(COLD / "nvfp4.sqlite",
                       "%BatchPrefillWithPagedKVCacheKernel<(bool)1, flashinfer::KernelTraits<(flashinfer::MaskMode)1%")
@@ -112,8 +112,8 @@ def test_the_cold_prefill_kernel_row_is_plain_sqls(recipes):
     assert gemm.baseline_total_ns > 10 * row.baseline_total_ns
 
 
-def test_the_report_keeps_residency_apart_from_the_slower_kernel(recipes):
-    result = report.build([PREFIX], recipes)
+def test_the_report_keeps_residency_apart_from_the_slower_kernel(shared):
+    result = shared.report([PREFIX])
     (ttft,) = [s for s in result.statements if s.check == "ttft"]
     assert ttft.reading == statements.PREFIX_HIT_SLOWER and ttft.prefill_verdict == "regression"
     words = statement_text(ttft)
@@ -246,13 +246,13 @@ def _ttft_means(run: Path, name: str) -> list[float]:
     return [json.loads((run / p["bench_result"]).read_text())["mean_ttft_ms"] for p in _arm(run, name)["points"]]
 
 
-def test_a_repeats_capture_stopped_early_compares_the_run_pairs_that_ran(recipes):
+def test_a_repeats_capture_stopped_early_compares_the_run_pairs_that_ran(shared):
     """The device's time ran out before fp8.r2: the report compares fp8.r1 with nvfp4.r1, the one run pair that ran,
     says so, and leaves nvfp4.r2 out of every ratio."""
     statuses = {name: arm["status"] for name, arm in json.loads((SWEEP_REPEATS / "manifest.json").read_text())[
         "arms"].items()}
     assert statuses == {"nvfp4.r1": "ok", "fp8.r1": "ok", "nvfp4.r2": "ok", "fp8.r2": "not run"}
-    result = report.build([SWEEP_REPEATS], recipes)
+    result = shared.report([SWEEP_REPEATS])
     assert [Path(p).name for p in (*result.baseline.runs, *result.candidate.runs)] == ["fp8.r1.sqlite",
                                                                                        "nvfp4.r1.sqlite"]
     note = result.left_out

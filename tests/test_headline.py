@@ -270,20 +270,22 @@ def test_capacity_groups_repeated_runs_by_arm(run_kvtrace):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("scenario", ["prefix-reuse", "cold-prefill", "sweep"])
-def test_serve_reports_are_paste_ready(run_kvtrace, scenario):
+def test_serve_reports_are_paste_ready(run_kvtrace, shipped_output, scenario):
     """The real serve-mode runs: two run directories, one arm each; their report and diff carry no private text."""
     from conftest import SERVE_RUNS
 
     runs = [SERVE_RUNS[f"{scenario}-{arm}"] for arm in ("auto", "fp8")]
-    for fmt in ("markdown", "json"):
-        for args in (["report", *runs], ["diff", runs[0] / "auto.sqlite", runs[1] / "fp8.sqlite"]):
-            code, out, err = run_kvtrace(*args, "--format", fmt)
-            assert code == 0, err
-            assert _private(out, runs[0]) == [] and _private(out, runs[1]) == []
-            if fmt == "markdown":
-                assert _markdown_problems(out) == []
-                head = out.split("<details>")[0]
-                assert "### The answer" in head and "vllm" in head and "### Reproduce" in head
+    for args in (["report", *runs], ["diff", runs[0] / "auto.sqlite", runs[1] / "fp8.sqlite"]):
+        code, out, err = run_kvtrace(*args, "--format", "markdown")
+        assert code == 0, err
+        assert _private(out, runs[0]) == [] and _private(out, runs[1]) == []
+        assert _markdown_problems(out) == []
+        head = out.split("<details>")[0]
+        assert "### The answer" in head and "vllm" in head and "### Reproduce" in head
+        # Its JSON as written with -o FILE (the shipped output), whose Reproduce command names FILE too.
+        output = shipped_output(f"{args[0]}.serve-{scenario}", "json")
+        assert output.code == 0, output.err
+        assert _private(output.path.read_text(), runs[0]) == [] and _private(output.path.read_text(), runs[1]) == []
 
 
 def test_a_phase_total_without_an_interval_says_why(fi_diff):

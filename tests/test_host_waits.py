@@ -14,7 +14,7 @@ import polars as pl
 import pytest
 
 from conftest import VLLM033_8B_RUNS
-from kvtrace.analyzer import align, host_waits, report, steps
+from kvtrace.analyzer import align, host_waits, steps
 from kvtrace.analyzer.export_tables import EXPORT_TABLES
 from kvtrace.analyzer.load import open_trace
 from kvtrace.analyzer.render import render_text
@@ -56,7 +56,7 @@ def test_each_steps_host_waits_are_plain_sqls(arm):
     assert table["host_waits"].sum() > 0
 
 
-def test_nvfp4s_device_to_host_copies_hold_its_host(shipped_recipes):
+def test_nvfp4s_device_to_host_copies_hold_its_host(shared):
     """The one kind of wait that NVFP4's paired steps make and FP8's do not: 8-byte copies into pageable memory, one
     per layer in each step with context tokens, between the same two kernel launches; FP8 makes none anywhere."""
     nvfp4, fp8 = REPEATS / "nvfp4.r1.sqlite", REPEATS / "fp8.r1.sqlite"
@@ -79,7 +79,7 @@ def test_nvfp4s_device_to_host_copies_hold_its_host(shipped_recipes):
     assert len(around) == 1
     before, after, count = around[0]
 
-    result = report.build([REPEATS], shipped_recipes)
+    result = shared.report([REPEATS])
     held = {row.phase: row for row in result.step_timeline if row.held_by}
     assert set(held) == {align.PREFILL, align.MIXED}
     table = steps.step_table(open_trace(nvfp4))
@@ -109,28 +109,28 @@ def test_nvfp4s_device_to_host_copies_hold_its_host(shipped_recipes):
         assert "not a slower kernel" in words
 
 
-def test_the_table_json_and_csv_carry_the_waits(run_kvtrace, tmp_path):
-    code, _, err = run_kvtrace("report", REPEATS, "--format", "json", "-o", tmp_path / "r.json")
-    assert code == 0, err
-    rows = {row["phase"]: row for row in json.loads((tmp_path / "r.json").read_text())["step_timeline"]}
+def test_the_table_json_and_csv_carry_the_waits(run_kvtrace, tmp_path, shipped_output):
+    shipped = shipped_output("report.vllm033-8b-capacity-sweep-repeats", "json")  # report REPEATS --format json -o
+    assert shipped.code == 0, shipped.err
+    rows = {row["phase"]: row for row in json.loads(shipped.path.read_text())["step_timeline"]}
     prefill = rows[align.PREFILL]
     assert prefill["candidate_host_waits"] > prefill["baseline_host_waits"] >= 0
     assert prefill["held_by"][0]["call"] == "cudaMemcpyAsync" and prefill["host_reading"] == steps.HELD_BY_WAIT
     code, _, err = run_kvtrace("report", REPEATS, "--format", "csv", "-o", tmp_path / "r.csv")
     lines = (tmp_path / "r.csv").read_text().splitlines()
     assert "steps_held_by,prefill 1,nvfp4,call,cudaMemcpyAsync" in lines
-    code, _, err = run_kvtrace("report", REPEATS, "--format", "markdown", "-o", tmp_path / "r.md")
-    table = (tmp_path / "r.md").read_text().split("### vLLM steps on the GPU")[1]
+    shipped = shipped_output("report.vllm033-8b-capacity-sweep-repeats")
+    table = shipped.path.read_text().split("### vLLM steps on the GPU")[1]
     assert "| host waits fp8 | host waits nvfp4 |" in table
     assert f"| {prefill['candidate_host_waits']:,.1f} (" in table
 
 
-def test_exports_without_the_tables_have_no_waits_not_zero(shipped_recipes):
+def test_exports_without_the_tables_have_no_waits_not_zero(shared):
     trace = open_trace(SWEEP / "nvfp4.sqlite")
     assert host_waits.host_waits(trace) is None
     table = steps.step_table(trace)
     assert table.height == 24 and table["host_waits"].null_count() == table["host_wait_ns"].null_count() == 24
-    result = report.build([SWEEP], shipped_recipes)
+    result = shared.report([SWEEP])
     assert result.step_timeline
     for row in result.step_timeline:
         assert None is row.baseline_host_waits is row.candidate_host_waits is row.candidate_host_wait_ns
@@ -175,10 +175,10 @@ def test_a_hostile_kernel_name_around_a_wait_reaches_the_markdown_escaped(run_kv
     assert hostile not in text and "\x1b" not in text and "\u202e" not in text
 
 
-def test_what_held_the_host_stands_beside_ttft_before_the_details(shipped_recipes):
+def test_what_held_the_host_stands_beside_ttft_before_the_details(shared):
     """The steps statements explain TTFT, so they stand in the head's serving lines, before <details>, once; a run
     without serving numbers (the FlashInfer engine's) has no vLLM steps to state."""
-    serve = render_text(report.build([REPEATS], shipped_recipes), "markdown")
+    serve = render_text(shared.report([REPEATS]), "markdown")
     head, rest = serve.split("<details>", 1)
     lines = [line for line in serve.splitlines() if "device-to-host copies of 8 bytes" in line]
     assert len(lines) == 2 and all(line in head.splitlines() for line in lines)

@@ -232,20 +232,21 @@ def test_a_catastrophic_window_pattern_on_the_real_fixture_ends(kv):
     assert_one_line_error(code, out, err, "(.+)+Z", r"took over 1 s|no kernels inside the window")
 
 
-def with_nvtx_ranges(source: Path, target: Path, names) -> Path:
-    """A copy of the export `source` with one more NVTX range per name, each after the last range (no kernel in it)."""
+def with_nvtx_ranges(source: Path, target: Path, count: int, name: str) -> Path:
+    """A copy of the export `source` with `count` more NVTX ranges, each after the last range (no kernel in it), the
+    i-th named by the SQL expression `name` of i (0 to count - 1); made in SQLite, not row by row in Python."""
     shutil.copy2(source, target)
     with sqlite3.connect(target) as conn:
         tid, end = conn.execute('SELECT globalTid, max("end") FROM NVTX_EVENTS').fetchone()
-        conn.executemany('INSERT INTO NVTX_EVENTS (start, "end", eventType, text, globalTid) VALUES (?, ?, 59, ?, ?)',
-                         ((end + 10 * i, end + 10 * i + 5, name, tid) for i, name in enumerate(names)))
+        conn.execute(f"""WITH RECURSIVE n(i) AS (SELECT 0 UNION ALL SELECT i + 1 FROM n WHERE i + 1 < ?)
+                         INSERT INTO NVTX_EVENTS (start, "end", eventType, text, globalTid)
+                         SELECT ? + 10 * i, ? + 10 * i + 5, 59, {name}, ? FROM n""", (count, end, end, tid))
     conn.close()
     return target
 
 
 def test_100000_distinct_nvtx_names_load(tmp_path, kv):
-    trace = with_nvtx_ranges(FP8, tmp_path / "many.sqlite",
-                             (f"kvtrace:decode ctx={i} batch=1" for i in range(100_000)))
+    trace = with_nvtx_ranges(FP8, tmp_path / "many.sqlite", 100_000, "'kvtrace:decode ctx=' || i || ' batch=1'")
     reference = json.loads(kv("summary", FP8, "--format", "json")[1])
     code, out, err = kv("summary", trace, "--format", "json", "--no-cache", timeout=300)
     assert code == 0, err

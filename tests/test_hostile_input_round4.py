@@ -321,17 +321,16 @@ def test_no_part_of_the_whole_report_replaces_a_file_of_the_run_directory(tmp_pa
     assert not (tmp_path / "r.md").exists() and not (tmp_path / "r.full.md").exists()
 
 
-def test_a_line_longer_than_an_issue_body_is_cut_between_parts_that_say_so(shipped_recipes):
+def test_a_line_longer_than_an_issue_body_is_cut_between_parts_that_say_so(shared):
     """The whole document beside an issue-sized file is written in parts that each fit an issue body, ended between
     lines (markdown.parts). One line longer than a part holds must not break that either: it is cut, and the parts
     on both sides of each cut say so. No field kvtrace writes is that long (each is shortened to 2,000 characters),
     so the line is put into a real whole report, inside its Reproduce code block: the fence is closed and opened
     again around every cut."""
-    from kvtrace.analyzer import report
     from kvtrace.analyzer.render import markdown, render_text
     from test_upstream_report import balanced, rejoins
 
-    lines = render_text(report.build([VLLM033_RUNS["serve-sweep"]], shipped_recipes), "markdown").split("\n")
+    lines = render_text(shared.report([VLLM033_RUNS["serve-sweep"]]), "markdown").split("\n")
     fence = next(i for i, line in enumerate(lines) if line.startswith("```sh"))
     lines.insert(fence + 2, "x" * 200_000)
     whole = "\n".join(lines)

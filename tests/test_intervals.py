@@ -253,13 +253,13 @@ def test_repeats_capture_diff_covers_every_run_pairs_ratio(recipes, run_kvtrace)
 
 
 @pytest.mark.slow
-def test_report_on_the_repeats_capture_compares_run_by_run(recipes, run_kvtrace):
+def test_report_on_the_repeats_capture_compares_run_by_run(shared, recipes, run_kvtrace):
     """`kvtrace report fixtures/fi-h200-sm90-repeats2` finds both runs of each arm in the manifest (arm and
     repeat per run), diffs r1 with r1 and r2 with r2, and says so; the intervals carry the between-run
     variance as `kvtrace diff --repeat` does."""
     from kvtrace.analyzer import report
 
-    result = report.build([REPEATS2], recipes)
+    result = shared.report([REPEATS2])
     assert (result.baseline.arm, result.candidate.arm) == ("fp8", "nvfp4")  # the wider format is the baseline
     assert result.baseline.runs == (str(REPEATS2 / "fp8.r1.sqlite"), str(REPEATS2 / "fp8.r2.sqlite"))
     assert result.candidate.runs == (str(REPEATS2 / "nvfp4.r1.sqlite"), str(REPEATS2 / "nvfp4.r2.sqlite"))

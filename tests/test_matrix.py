@@ -83,11 +83,11 @@ def test_reversed_and_folder_inputs_give_the_same_matrix(recipes, ttft, tmp_path
     assert by_name == sorted((s.name, s.baseline, s.candidate, [p.ratio for p in s.points]) for s in ttft.scenarios)
 
 
-def test_each_cell_matches_the_per_scenario_report(recipes, ttft):
+def test_each_cell_matches_the_per_scenario_report(shared, ttft):
     rows = table_rows(ttft)
     header, kernel_rows = matrix_render.kernel_table(ttft, str)
     for s in ttft.scenarios:
-        alone = report.build([Path(r) for r in s.runs], recipes)
+        alone = shared.report([Path(r) for r in s.runs])  # built on its own, not the matrix's
         kernels = [k for k in alone.statements if k.kind == "kernels"]
         assert [(k.subject, k.point, k.ratio, k.ci_low, k.ci_high, k.verdict) for k in s.kernels] == \
             [(k.subject, k.point, k.ratio, k.ci_low, k.ci_high, k.verdict) for k in kernels]

@@ -19,7 +19,6 @@ from matplotlib.container import BarContainer
 
 from conftest import NSYS2025_DIR, RECORDED_REPORT, VLLM_COLD_PREFILL, sql_durations
 from kvtrace.analyzer import headline, report
-from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.render import plots
 from kvtrace.analyzer.stats import verdicts
 from kvtrace.analyzer.stats.verdicts import Verdict
@@ -175,7 +174,7 @@ def test_forest_has_every_workload_point_with_its_interval_and_the_drift_control
     assert labels[-1] == "drift: KV-independent kernels"
 
 
-def test_ratio_against_context_per_phase(fi):
+def test_ratio_against_context_per_phase(shared, fi):
     figure = plots.context_figure(fi)
     contexts = json.loads((NSYS2025_DIR / "manifest.json").read_text())["settings"]["spec"]["contexts"]
     lines = {gid: line for gid, line in by_gid(figure, "context-").items() if not gid.startswith("context-band-")}
@@ -187,7 +186,7 @@ def test_ratio_against_context_per_phase(fi):
         line = lines[f"context-{name}"]
         assert list(line.get_xdata()) == contexts == [c for c, _ in points]
         assert list(line.get_ydata()) == pytest.approx([r.ratio for _, r in points])
-    vllm = report.build([VLLM_COLD_PREFILL], load_recipes())
+    vllm = shared.report([VLLM_COLD_PREFILL])
     assert plots.context_figure(vllm) is None  # vLLM step kinds have no context axis
 
 

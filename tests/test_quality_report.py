@@ -56,8 +56,8 @@ def percent(value: float) -> str:
     return f"{100 * value:.3g}%"
 
 
-def test_kernel_errors_per_point_beside_the_phase_rows():
-    result = build(FI_GAUSSIAN)
+def test_kernel_errors_per_point_beside_the_phase_rows(shared):
+    result = shared.report([FI_GAUSSIAN])
     q = result.quality
     assert (q.state, q.level) == (quality.MEASURED, quality.KERNEL)
     assert q.inputs == {"kind": "gaussian", "drawn_as": "float32 normal rounded to bf16"}
@@ -98,10 +98,10 @@ def test_kernel_errors_per_point_beside_the_phase_rows():
 HONEST_ROUNDINGS = 2  # what FlashInfer's decode and FP8 kernels stay within on the H200 (analyzer.quality says why)
 
 
-def test_a_kernel_that_strays_from_its_own_cache_is_named():
+def test_a_kernel_that_strays_from_its_own_cache_is_named(shared):
     """On fi-h200-sm90-gaussian each kernel's output was measured against exact attention over its own dequantized
     cache: NVFP4's causal prefill is several BF16 roundings away at every context, every other kernel within two."""
-    q = build(FI_GAUSSIAN).quality
+    q = shared.report([FI_GAUSSIAN]).quality
     recorded = recorded_quality(FI_GAUSSIAN)
     distance = {(side, what, context): point["kernel_vs_format"][what]["rel_l2"]
                 for arm, side in (("fp8", "baseline"), ("nvfp4", "candidate"))
@@ -113,28 +113,28 @@ def test_a_kernel_that_strays_from_its_own_cache_is_named():
         assert d.roundings > quality.DEPARTURE_ROUNDINGS
     assert all(value < HONEST_ROUNDINGS * quality.BF16_ROUNDING
                for key, value in distance.items() if key not in strays)
-    line = next(text for text in render_text(build(FI_GAUSSIAN), "markdown").splitlines()
+    line = next(text for text in render_text(shared.report([FI_GAUSSIAN]), "markdown").splitlines()
                 if text.startswith("Quality"))
     points = ", ".join(f"{percent(distance[key])} away at context {key[2]}" for key in strays)
     low, high = (f"{min(d.roundings for d in q.departures):.0f}", f"{max(d.roundings for d in q.departures):.0f}")
     assert (f"⚠️ nvfp4's prefill kernel strays from exact attention over its own dequantized cache: its output is "
             f"{points} ({low}–{high} BF16 roundings, past the 5 an honest BF16 kernel stays within)") in line
     assert line.count("⚠️") == 1
-    shown = json.loads(render_text(build(FI_GAUSSIAN), "json"))["quality"]["departures"]
+    shown = json.loads(render_text(shared.report([FI_GAUSSIAN]), "json"))["quality"]["departures"]
     assert [(d["context"], d["side"], d["what"], d["measured"]) for d in shown] == [
         (context, "candidate", "prefill", True) for context in (2048, 8192, 32768)]
     assert [d["roundings"] for d in shown] == pytest.approx([d.distance * 2 ** 9 for d in q.departures])
     floors = {(row.context, row.what): row.floor["rel_l2"] for row in q.errors if row.floor}
     assert [(d["gap"], d["floor"]) for d in shown] == [
         (d.kernel - d.format, floors[d.context, d.what]) for d in q.departures]
-    assert "quality,2048 prefill,nvfp4,departure_rel_l2," in render_text(build(FI_GAUSSIAN), "csv")
+    assert "quality,2048 prefill,nvfp4,departure_rel_l2," in render_text(shared.report([FI_GAUSSIAN]), "csv")
 
 
-def test_runs_recorded_before_the_direct_distance_get_its_lower_bound():
+def test_runs_recorded_before_the_direct_distance_get_its_lower_bound(shared):
     """fi-h200-sm90-quality recorded no kernel_vs_format: kernel − format bounds the distance from below (the
     triangle inequality, scaled to the dequantized output's norm), and the bound stays under the direct check its
     workload made at the smallest context."""
-    result = build(FI_QUALITY)
+    result = shared.report([FI_QUALITY])
     q = result.quality
     recorded = recorded_quality(FI_QUALITY)
     assert [(d.side, d.what, d.context, d.measured) for d in q.departures] == [
@@ -158,19 +158,19 @@ def test_runs_recorded_before_the_direct_distance_get_its_lower_bound():
     assert "departure_at_least_rel_l2" in render_text(result, "csv")
 
 
-def test_outlier_inputs_cost_both_formats_without_a_kernel_departure():
-    q = build(FI_OUTLIERS).quality
+def test_outlier_inputs_cost_both_formats_without_a_kernel_departure(shared):
+    q = shared.report([FI_OUTLIERS]).quality
     assert q.inputs["kind"] == "outliers" and q.departures == []
     assert all(row.candidate_vs_format["rel_l2"] < HONEST_ROUNDINGS * quality.BF16_ROUNDING
                for row in q.errors if row.what in ("prefill", "decode"))
-    plain = build(FI_GAUSSIAN).quality.spans
+    plain = shared.report([FI_GAUSSIAN]).quality.spans
     for what in ("prefill", "decode"):
         assert q.spans[what]["baseline"][0] > plain[what]["baseline"][1]  # FP8's error grows with outliers too
-    assert "⚠️" not in render_text(build(FI_OUTLIERS), "markdown").split("<details>", 1)[0]
+    assert "⚠️" not in render_text(shared.report([FI_OUTLIERS]), "markdown").split("<details>", 1)[0]
 
 
-def test_runs_without_quality_numbers_say_so(tmp_path):
-    result = build(NSYS2025_DIR)
+def test_runs_without_quality_numbers_say_so(shared, tmp_path):
+    result = shared.report([NSYS2025_DIR])
     assert result.quality.state == quality.NOT_MEASURED
     assert "Quality not measured: the FlashInfer runs recorded no attention error" in render_text(result, "markdown")
 
@@ -292,12 +292,12 @@ def test_an_output_never_lands_on_an_answer_file(answered, run_kvtrace):
     assert code == 2 and "nvfp4.quality.json" in err and target.read_bytes() == before
 
 
-def test_the_decision_states_quality_as_measured(answered):
+def test_the_decision_states_quality_as_measured(shared, answered):
     from kvtrace.analyzer.render import quality as quality_render
 
     real_weights(answered)
     answers = build(answered, arms=("fp8", "nvfp4")).quality
-    kernel = build(FI_QUALITY).quality
+    kernel = shared.report([FI_QUALITY]).quality
     text = quality_render.decision({"prefix-reuse": answers, "fi": kernel}, "nvfp4")
     assert text.startswith("Quality, as measured beside speed: prefix-reuse: no significant accuracy difference over "
                            "8 prompts (McNemar exact p = 0.25); fi: the kernel's attention error above")

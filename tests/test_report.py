@@ -70,8 +70,8 @@ def fi(fi_h200_report):
 
 
 @pytest.fixture(scope="module")
-def win(recipes):
-    return report.build([CAPACITY_WIN], recipes)
+def win(shared):
+    return shared.report([CAPACITY_WIN])
 
 
 @pytest.fixture(scope="module")
@@ -621,8 +621,8 @@ def recorded_point(run: Path, arm: str, index: int = 0) -> dict:
 
 
 @pytest.fixture(scope="module")
-def prefix_reuse(recipes):
-    return report.build([SERVE_RUNS["prefix-reuse-auto"], SERVE_RUNS["prefix-reuse-fp8"]], recipes)
+def prefix_reuse(shared):
+    return shared.report([SERVE_RUNS["prefix-reuse-auto"], SERVE_RUNS["prefix-reuse-fp8"]])
 
 
 def test_real_prefix_reuse_serving_metrics_match_the_runs_own_files(prefix_reuse):

@@ -54,8 +54,8 @@ def test_the_convention_is_stated_in_the_report(fi):
     assert json.loads(json_out.render(fi))["flops_convention"] == roofline.CAUSAL_CONVENTION
 
 
-def test_vllm_prefill_flops_from_the_model_config_and_step_names():
-    result = report.build([VLLM_COLD_PREFILL], load_recipes())
+def test_vllm_prefill_flops_from_the_model_config_and_step_names(shared):
+    result = shared.report([VLLM_COLD_PREFILL])
     model = json.loads((VLLM_COLD_PREFILL / "manifest.json").read_text())["settings"]["model"]
     layers, heads, head_dim = model["num_hidden_layers"], model["num_attention_heads"], model["head_dim"]
     (row,) = result.prefill_compute
@@ -72,8 +72,8 @@ def test_vllm_prefill_flops_from_the_model_config_and_step_names():
     assert row.baseline_calls == len(steps) and row.baseline_fraction_of_peak < 1
 
 
-def test_not_derivable_and_unknown_peak_are_said():
-    sweep = report.build([RECORDED_REPORT / "sweep"], load_recipes())
+def test_not_derivable_and_unknown_peak_are_said(shared):
+    sweep = shared.report([RECORDED_REPORT / "sweep"])
     (row,) = sweep.prefill_compute
     assert row.flops_per_call is None and row.derivation.startswith("not derivable:")
     assert "not derivable" in render_text(sweep, "markdown")
@@ -81,11 +81,11 @@ def test_not_derivable_and_unknown_peak_are_said():
     assert unknown.flops_per_s is None and unknown.source.startswith("peak unknown")
 
 
-def test_vllm_prefill_flops_under_trimming_are_not_derivable_and_a_time_window_keeps_whole_steps():
+def test_vllm_prefill_flops_under_trimming_are_not_derivable_and_a_time_window_keeps_whole_steps(shared):
     trimmed = report.build([VLLM_COLD_PREFILL], load_recipes(), window=align.Window(last=2))
     (row,) = trimmed.prefill_compute
     assert row.flops_per_call is None and "--last" in row.derivation
-    whole = report.build([VLLM_COLD_PREFILL], load_recipes())
+    whole = shared.report([VLLM_COLD_PREFILL])
     (full,) = whole.prefill_compute
     timed = report.build([VLLM_COLD_PREFILL], load_recipes(), window=align.Window(time_ns=(0, None)))
     assert timed.prefill_compute[0].baseline_calls == full.baseline_calls

@@ -20,7 +20,6 @@ from scipy import stats as sp
 
 from conftest import VLLM033_RUNS
 from kvtrace.analyzer import drift_band, serving
-from kvtrace.analyzer.report import build as build_report
 from kvtrace.analyzer.runs import ArmInput
 from kvtrace.analyzer.stats import serving_intervals
 from kvtrace.analyzer.stats.serving_intervals import ArmSamples, pool_serving, serving_estimate
@@ -160,11 +159,11 @@ def test_run_pair_intervals_on_the_log_scale_cover_lognormal_run_means_with_drif
     assert linear_below_zero > 0
 
 
-def test_a_repeats_capture_is_estimated_over_every_run(recipes):
+def test_a_repeats_capture_is_estimated_over_every_run(shared):
     """The --repeats run of the decode-heavy point: its TTFT estimate is the mean over both runs of each arm
     (vLLM's histograms, read here from the manifest), not the first run's, and its run ratios are each run
     pair's."""
-    result = build_report([REPEATS], recipes)
+    result = shared.report([REPEATS])
     (row,) = result.serving
     manifest = json.loads((REPEATS / "manifest.json").read_text())
     means = {}
@@ -180,11 +179,11 @@ def test_a_repeats_capture_is_estimated_over_every_run(recipes):
     assert estimate.low < min(estimate.run_ratios) and max(estimate.run_ratios) < estimate.high
 
 
-def test_serve_points_pair_their_requests_end_to_end(recipes):
+def test_serve_points_pair_their_requests_end_to_end(shared):
     """The vLLM 0.33 serve sweep's bench files keep each request's end-to-end latency: E2E intervals pair request
     with request (same prompts, same order by the capture's hash); TTFT, of which only the summary is kept, gets
     the moments' interval."""
-    result = build_report([SWEEP], recipes)
+    result = shared.report([SWEEP])
     for row in result.serving:
         assert row.paired_requests
         e2e, ttft = row.estimates["e2el_ms"], row.estimates["ttft_ms"]
@@ -237,8 +236,3 @@ def test_samples_pair_only_where_the_request_orders_match(tmp_path):
     assert [row.paired_requests for row in rows] == [False, True, True, True]
     assert rows[0].estimates["e2el_ms"].method == serving_intervals.MOMENTS
     assert rows[1].estimates["e2el_ms"].method == serving_intervals.PAIRED_REQUESTS
-
-
-@pytest.fixture(scope="module")
-def recipes(shipped_recipes):
-    return shipped_recipes

@@ -13,8 +13,6 @@ import os
 import re
 
 import pytest
-from shipped_outputs import render
-
 from conftest import REPO
 
 GOLDEN = REPO / "tests" / "golden" / "outputs.json"
@@ -23,8 +21,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def shipped_outputs(tmp_path_factory):
-    return render(tmp_path_factory.mktemp("shipped-outputs"))
+def shipped_outputs(shipped_output):
+    return shipped_output.all()
 
 
 def test_outputs_are_byte_identical_to_the_golden_digests(shipped_outputs):

@@ -77,10 +77,10 @@ def test_overlapping_kernels_count_once():
     assert union == covered.sum() < (end - start).sum()
 
 
-def test_nvfp4s_prefill_steps_wait_on_the_host(shipped_recipes):
+def test_nvfp4s_prefill_steps_wait_on_the_host(shared):
     """Preemption run, --repeats 2: NVFP4's prefill steps last longer on the GPU by time with no kernel running,
     while their kernels are nearly as fast: the statement says host-side time, not a slower kernel."""
-    result = report.build([PREEMPTION], shipped_recipes)
+    result = shared.report([PREEMPTION])
     prefill = next(r for r in result.step_timeline if r.phase == align.PREFILL)
     assert prefill.span_verdict == Verdict.REGRESSION and prefill.span_low > prefill.kernel_high
     assert prefill.candidate_idle_ns > 2 * prefill.baseline_idle_ns
@@ -109,8 +109,8 @@ def test_the_cold_prefill_step_statement_and_the_json(shipped_recipes, run_kvtra
     assert "### vLLM steps on the GPU" in text and "prefill steps (4 paired): nvfp4's kernels ran" in head
 
 
-def test_no_step_timeline_without_vllm_steps_or_inside_a_window(shipped_recipes):
-    assert report.build([NSYS2025_DIR], shipped_recipes).step_timeline == []
+def test_no_step_timeline_without_vllm_steps_or_inside_a_window(shared, shipped_recipes):
+    assert shared.report([NSYS2025_DIR]).step_timeline == []
     windowed = report.build([SWEEP], shipped_recipes, window=align.Window(phase=align.DECODE))
     assert windowed.step_timeline == [] and not any(s.kind == "step-timeline" for s in windowed.statements)
 

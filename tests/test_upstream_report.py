@@ -33,11 +33,17 @@ DECODE_ATTENTION = "%BatchPrefillWithPagedKVCacheKernel%MaskMode)0%"
 MERGE = "%PersistentVariableLengthMergeStatesKernel%"
 
 
-def build(name: str, recipes) -> report.Report:
-    """The Report `kvtrace report` makes of REPORTS[name]."""
+def build(name: str, shared) -> report.Report:
+    """The Report `kvtrace report` makes of REPORTS[name], built once per worker (conftest.shared)."""
     args = REPORTS[name]
     runs = args[:args.index("--exports-from")] if "--exports-from" in args else args
-    return report.build(runs, recipes)  # a test vouches for the manifests it reads (runs.resolve_inputs)
+    return shared.report(runs)  # a test vouches for the manifests it reads (runs.resolve_inputs)
+
+
+def shipped(name: str, shipped_output):
+    """`kvtrace report REPORTS[name] --format markdown -o report.NAME.md`, written once per session
+    (tests/shipped_outputs.py names it after REPORTS[name], "/" as "-")."""
+    return shipped_output(f"report.{name.replace('/', '-')}")
 
 
 # The line at the bottom of a part that names the next one (analyzer.render.markdown.parts), and at the top of every
@@ -114,26 +120,25 @@ def github(text: str) -> str:
 
 
 @pytest.mark.parametrize("name", sorted(REPORTS))
-def test_report_markdown_fits_an_issue_with_the_answer_and_serving_before_details(name, run_kvtrace, tmp_path,
-                                                                                 shipped_recipes):
-    code, _, err = run_kvtrace("report", *REPORTS[name], "-o", tmp_path / "report.md")
-    assert code == 0, err
-    text = (tmp_path / "report.md").read_text()
+def test_report_markdown_fits_an_issue_with_the_answer_and_serving_before_details(name, shipped_output, shared):
+    output = shipped(name, shipped_output)
+    assert output.code == 0, output.err
+    text = output.path.read_text()
     assert len(text) < diff_markdown.ISSUE_LIMIT
     html = github(text)
     visible = html[:html.index("<details>")]
     assert "The answer:" in visible and visible.count("<table>") >= 1
-    result = build(name, shipped_recipes)
+    result = build(name, shared)
     if any(row.ttft_ratio is not None for row in result.serving):  # the serving line and the guard rail
         assert "TTFT" in visible and "cached prompt tokens" in visible
         assert all(f"{s.ratio:.3f}×" in visible for s in result.statements if s.kind == "ttft")
-    first = tmp_path / "report.full.md"
+    first = output.path.with_suffix(".full.md")
     if first.exists():  # what did not fit is named, and the whole report is beside it, in parts that each fit
         parts = read_parts(first)
-        assert f"{len(parts)} parts (`report.full.md` first" in text[:text.index("<details>")]
+        assert f"{len(parts)} parts (`{first.name}` first" in text[:text.index("<details>")]
         assert "Kernel families" in "".join(parts) and all(len(part) <= diff_markdown.ISSUE_LIMIT for part in parts)
-        assert f"the whole report is in {len(parts)} parts: {first}, " in err
-        assert all(str(tmp_path / f"report.full-{n}.md") in err for n in range(2, len(parts) + 1))
+        assert f"the whole report is in {len(parts)} parts: {first}, " in output.err
+        assert all(str(output.path.with_suffix(f".full-{n}.md")) in output.err for n in range(2, len(parts) + 1))
     else:
         assert "Kernel families" in text
 
@@ -155,31 +160,34 @@ def test_the_large_vllm033_reports_leave_their_long_tables_to_the_whole_file(nam
 @pytest.mark.parametrize("name", ["serve/prefix-reuse", "serve/sweep", "vllm033/serve-prefix-reuse",
                                   "vllm033/serve-sweep"])
 def test_a_whole_report_past_an_issue_body_is_written_in_parts_that_each_fit(name, run_kvtrace, tmp_path,
-                                                                              monkeypatch):
+                                                                              monkeypatch, shipped_output):
     """Issue 48: no markdown file kvtrace writes exceeds 65,536 characters. These reports' whole documents are
     longer (113k to 185k characters): written in parts, each of which fits, renders on its own (every fence and
     <details> it opens closed) and names the next; together they are the whole document, nothing lost."""
-    code, _, err = run_kvtrace("report", *REPORTS[name], "-o", tmp_path / "report.md")
-    assert code == 0, err
-    parts = read_parts(tmp_path / "report.full.md")
+    output = shipped(name, shipped_output)
+    assert output.code == 0, output.err
+    stem = output.path.stem
+    parts = read_parts(output.path.with_suffix(".full.md"))
     assert len(parts) >= 2 and all(balanced(part) for part in parts)
-    assert {path.name for path in tmp_path.glob("*.md")} == {"report.md", "report.full.md", *(
-        f"report.full-{number}.md" for number in range(2, len(parts) + 1))}
-    assert all(len(path.read_text()) <= diff_markdown.ISSUE_LIMIT for path in tmp_path.glob("*.md"))
+    written = list(output.path.parent.glob(f"{stem}.*md"))  # the folder holds every shipped output
+    assert {path.name for path in written} == {f"{stem}.md", f"{stem}.full.md", *(
+        f"{stem}.full-{number}.md" for number in range(2, len(parts) + 1))}
+    assert all(len(path.read_text()) <= diff_markdown.ISSUE_LIMIT for path in written)
     # The whole document: what kvtrace writes where an issue body holds any length (the same command and file name).
     monkeypatch.setattr(diff_markdown, "ISSUE_LIMIT", 10 ** 9)
     (tmp_path / "whole").mkdir()
-    code, _, err = run_kvtrace("report", *REPORTS[name], "-o", tmp_path / "whole" / "report.md")
+    code, _, err = run_kvtrace("report", *REPORTS[name], "--format", "markdown", "-o", tmp_path / "whole" /
+                               output.path.name)
     assert code == 0, err
-    whole = (tmp_path / "whole" / "report.md").read_text()
-    assert len(whole) > 65_536 and not (tmp_path / "whole" / "report.full.md").exists()
+    whole = (tmp_path / "whole" / output.path.name).read_text()
+    assert len(whole) > 65_536 and not (tmp_path / "whole" / f"{stem}.full.md").exists()
     assert rejoins(parts, whole)
     assert not rejoins(parts[:1] + parts[2:], whole)  # a part left out is found
 
 
 @pytest.mark.parametrize("name", sorted(REPORTS))
-def test_a_slower_ttft_or_kernel_never_reads_ok(name, run_kvtrace, tmp_path, shipped_recipes):
-    result = build(name, shipped_recipes)
+def test_a_slower_ttft_or_kernel_never_reads_ok(name, run_kvtrace, shipped_output, shared):
+    result = build(name, shared)
     slower = [s for s in result.statements if (s.kind == "ttft" and s.ratio > 1 + result.diff.threshold)
               or (s.kind == "kernels" and s.verdict == "regression")]
     assert all(s.level != "ok" for s in slower)
@@ -188,8 +196,7 @@ def test_a_slower_ttft_or_kernel_never_reads_ok(name, run_kvtrace, tmp_path, shi
     for line in out.splitlines():  # the terminal: "ok  ttft: … 1.093×" was a regression marked ok
         found = re.search(r"\bok\s+ttft: TTFT \S+ [\d.]+ ms \(.*?\) → [\d.]+ ms \(.*?\), ([\d.]+)×", line)
         assert not found or float(found.group(1)) <= 1 + result.diff.threshold, line
-    code, _, _ = run_kvtrace("report", *REPORTS[name], "-o", tmp_path / "r.md")
-    for line in (tmp_path / "r.md").read_text().splitlines():
+    for line in shipped(name, shipped_output).path.read_text().splitlines():
         found = re.search(r"✅.*TTFT \S+ [\d.]+ ms .*?, ([\d.]+)×", line)
         assert not found or float(found.group(1)) <= 1 + result.diff.threshold, line
         assert not ("✅" in line and "regression" in line), line
@@ -266,8 +273,8 @@ def _rows_of(figure) -> list[str]:
 
 
 @pytest.mark.parametrize("name", ["fi-h200-sm90", "vllm033/serve-sweep"])
-def test_summary_png_carries_every_row_of_the_head_and_no_legend_covers_the_bands(name, shipped_recipes):
-    result = build(name, shipped_recipes)
+def test_summary_png_carries_every_row_of_the_head_and_no_legend_covers_the_bands(name, shared):
+    result = build(name, shared)
     figure = plots.summary_figure(result)
     head = headline.head_rows(result.diff)
     labels = _rows_of(figure)
