@@ -22,6 +22,14 @@ from pathlib import Path
 
 import pytest
 
+# One of several test processes (pytest-xdist, one per core) computes on one thread: numpy's OpenBLAS and torch would
+# start a thread per core in every process, and their busy waiting on cores the other processes use made the
+# BLAS-heavy checks (test_flashinfer_quality) three times slower. Read when numpy and torch load, which is after this;
+# child processes inherit it.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    for _threads in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(_threads, "1")
+
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "fixtures"
 # Its two .nsys-rep reports, kept unpacked beside the pack of the rest (make bench-export's default REPORTS).
