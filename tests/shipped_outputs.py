@@ -86,7 +86,7 @@ class ShippedOutputs:
             for fmt in FORMATS:
                 with self._locked(name, fmt, wait=False) as held:
                     if held:
-                        written[(name, fmt)] = self._written(name, fmt)
+                        written[name, fmt] = self._written(name, fmt)
                     else:
                         later.append((name, fmt))
         for name, fmt in later:
