@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from kvtrace.errors import KvtraceError
-from kvtrace.manifest import MANIFEST, CaptureStatus, Manifest, RunStatus
+from kvtrace.manifest import DECIDING_RUN_PAIRS, MANIFEST, CaptureStatus, Manifest, RunStatus
 
 
 def _int_list(ctx, param, value: str) -> tuple[int, ...]:
@@ -45,9 +45,11 @@ def _repeats(ctx, param, value: int | None) -> int | None:
         raise KvtraceError(f"--repeats {value} is more than the {MAX_REPEATS:,} runs per arm kvtrace records: "
                            "give fewer")
     return value
-# Serving points are decided on three run pairs or more (analyzer.stats.serving_intervals.DECIDING_RUN_PAIRS), so a serve
-# capture records that many by default; an offline kernel comparison pairs calls within one run.
-SERVE_REPEATS = 3
+
+
+# A served capture records as many repeats as decide a serving point; an offline kernel comparison pairs calls within
+# one run.
+SERVE_REPEATS = DECIDING_RUN_PAIRS
 REPEATS_HELP = ("Record each arm N times, arms interleaved (A B A B ...) so that drift over time is not "
                 "confounded with the arm; runs are named ARM.rK when N > 1.")
 

@@ -40,6 +40,16 @@ PRESTART_LIMIT_S = 300.0
 CLIENT_READY_POLL_S = 0.2  # between looks at a prestarted client's log for READY_LINE
 
 
+def _await_ready(clients) -> None:
+    """Until each prestarted client has logged READY_LINE (past its imports) or exited, PRESTART_LIMIT_S at most in
+    all."""
+    deadline = time.monotonic() + PRESTART_LIMIT_S
+    for client in clients:
+        while time.monotonic() < deadline and client.process.running() and \
+                READY_LINE not in client.process.log_path.read_text(errors="replace"):
+            time.sleep(CLIENT_READY_POLL_S)
+
+
 @dataclass
 class MatrixRun(VllmArm):
     server: str = ""  # the server (arm label) whose lifetime this run belonged to: settings.servers
@@ -233,11 +243,7 @@ class _Matrix:
                                             result=scenario.out / f"{stem}.bench.json", relay_port=server.relay.port)
                     clients[(scenario.spec.name, server.spec.label, index)] = self._client(
                         scenario, server, command, scenario.out / f"{stem}.bench.log")
-        deadline = time.monotonic() + PRESTART_LIMIT_S
-        for client in clients.values():
-            while time.monotonic() < deadline and client.process.running() and \
-                    READY_LINE not in client.process.log_path.read_text(errors="replace"):
-                time.sleep(CLIENT_READY_POLL_S)
+        _await_ready(clients.values())
         self._phase("client prestart", started, PRESTART_S, round=round_, clients=len(clients))
         return clients
 
@@ -400,10 +406,7 @@ class _Matrix:
         command = bench_command(cfg, self.python, point, seed=self.cfg.seed, result=self.check.out / f"{stem}.bench.json",
                                 relay_port=server.relay.port)
         client = self._client(self.check, server, command, self.check.out / f"{stem}.bench.log")
-        deadline = time.monotonic() + PRESTART_LIMIT_S
-        while time.monotonic() < deadline and client.process.running() and \
-                READY_LINE not in client.process.log_path.read_text(errors="replace"):
-            time.sleep(CLIENT_READY_POLL_S)
+        _await_ready([client])
         self._phase("client prestart", started, PRESTART_S, round="co-residence")
         return {(self.check.spec.name, server.spec.label, 0): client}
 

@@ -49,6 +49,13 @@ class Run:
     repeat: int
 
 
+# A serving point is decided on this many run pairs or more. Fewer leave the run-to-run spread unmeasured (one run
+# pair) or measured by one difference (two: t with 1 df, whose interval is narrow whenever two recordings happen to
+# agree); their verdict is too few runs however narrow the interval (docs/statistics.md). Served captures record
+# this many repeats by default.
+DECIDING_RUN_PAIRS = 3
+
+
 def check_repeats(repeats: int) -> None:
     if repeats < 1:
         raise KvtraceError(f"--repeats must be at least 1, got {repeats}")

@@ -14,15 +14,12 @@ from kvtrace.analyzer.stats.bootstrap import PairedStrata, estimate_rows
 from kvtrace.analyzer.stats.distributions import t_quantile
 from kvtrace.analyzer.stats.shares import ratio
 from kvtrace.analyzer.stats.verdicts import Verdict, judge
+from kvtrace.manifest import DECIDING_RUN_PAIRS  # fewer run pairs give Verdict.TOO_FEW_RUNS
 
 PAIRED_REQUESTS = "paired requests, stratified bootstrap"
 RUN_MEANS = "run pairs' means, t interval over run pairs"
 MOMENTS = "each arm's per-request mean and std (unpaired), log-ratio t interval"
 NO_INTERVAL = "one value per arm: no interval"
-# A serving point is decided on this many run pairs or more. Fewer leave the run-to-run spread unmeasured (one run
-# pair) or measured by one difference (two: t with 1 df, whose interval is narrow whenever two recordings happen to
-# agree); their verdict is Verdict.TOO_FEW_RUNS however narrow the interval (docs/statistics.md).
-DECIDING_RUN_PAIRS = 3
 
 
 @dataclass(frozen=True)
