@@ -110,12 +110,15 @@ def part_delta(part: str, pairs: Sequence[tuple[ArmBudget, ArmBudget]], confiden
 class PointBudget:
     """The TTFT budget of one traffic point over its run pairs: TTFT and its parts (queue, prefill, rest), then decode
     and inference time where recorded; `carrier`: the part of TTFT that carries the TTFT difference (the largest
-    move in its direction), with its share of it."""
+    move in its direction among the parts whose interval clears zero that way, else the largest move, unmeasured),
+    with its share of it."""
 
     runs: int
     parts: tuple[PartDelta, ...]
     carrier: str
     share: float | None  # carrier's delta / TTFT's delta (above 1 where other parts moved the other way)
+    # Whether the carrier's interval clears zero in TTFT's direction: a move inside its interval explains nothing.
+    carrier_measured: bool = True
 
     def part(self, name: str) -> PartDelta | None:
         return next((p for p in self.parts if p.part == name), None)
@@ -134,9 +137,14 @@ def point_budget(pairs: Sequence[tuple[ArmBudget | None, ArmBudget | None]],
                                                                                  "inference")) if p is not None)
     ttft = next(p for p in parts if p.part == "ttft")
     sign = 1.0 if ttft.delta_ms >= 0 else -1.0
-    carrier = max((p for p in parts if p.part in TTFT_PARTS), key=lambda p: sign * p.delta_ms)
+    candidates = [p for p in parts if p.part in TTFT_PARTS]
+    # On real runs (H100, the capacity matrix's cold prefill) queue time moved most with an interval across zero
+    # while prefill time moved less but surely: the sure move is the one that explains.
+    measured = [p for p in candidates if p.low_ms is not None and min(sign * p.low_ms, sign * p.high_ms) > 0]
+    carrier = max(measured or candidates, key=lambda p: sign * p.delta_ms)
     share = carrier.delta_ms / ttft.delta_ms if ttft.delta_ms else None
-    return PointBudget(runs=len(pairs), parts=parts, carrier=carrier.part, share=share)
+    return PointBudget(runs=len(pairs), parts=parts, carrier=carrier.part, share=share,
+                       carrier_measured=bool(measured))
 
 
 def pooled(budgets: Sequence[tuple[tuple[ArmBudget, ArmBudget], ...]], confidence: float = 0.95) -> PointBudget | None:
@@ -150,6 +158,7 @@ FASTER_KERNEL = "faster kernel"  # prefill time carries it, and in the traced st
 HOST_TIME = "less host-held time"  # prefill time carries it, and in the traced steps the GPU waiting on the host does
 PREFILL_TIME = "shorter prefill time"  # prefill time carries it; the traces do not say which component, or none cover
 REST_TIME = "less time outside the engine core"  # the rest carries it: frontend processing and hand-over
+UNMEASURED = "no part measured apart from zero"  # every part's interval crosses zero: nothing explains the point
 _CAUSE_OF_PART = {"queue": CAPACITY, "prefill": PREFILL_TIME, "rest": REST_TIME}
 # A component carries a difference when it holds at least this share of it.
 MOST = 0.5
@@ -177,9 +186,9 @@ def reason(point_budget_: PointBudget | None, steps: TracedSteps | None, trace_n
     if point_budget_ is None:
         return None
     part = point_budget_.part(point_budget_.carrier)
-    cause = _CAUSE_OF_PART[part.part]
+    cause = _CAUSE_OF_PART[part.part] if point_budget_.carrier_measured else UNMEASURED
     step_carrier = None
-    if steps is not None and part.part == "prefill":
+    if steps is not None and part.part == "prefill" and point_budget_.carrier_measured:
         sign = 1.0 if part.delta_ms >= 0 else -1.0
         span = sign * steps.delta_ns("span") / 1e6
         top = max(steps.components, key=lambda c: sign * steps.delta_ns(c))

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from kvtrace import __version__, kv_formats
 from kvtrace.analyzer import budget, claims as claims_lib, headline, kv_pool, report as report_lib
-from kvtrace.analyzer.budget import CAPACITY, FASTER_KERNEL, Reason
+from kvtrace.analyzer.budget import CAPACITY, FASTER_KERNEL, UNMEASURED, Reason
 from kvtrace.analyzer.claims import NO_CLEAR_WINNER, NOT_EXPLAINED, PREFIX_HITS, KernelVerdict
 from kvtrace.analyzer.classify import RecipeSet
 from kvtrace.analyzer.kv_pool import ArmPool
@@ -274,15 +274,20 @@ def _judge(point: MatrixPoint, result: Report, objective: str, estimate: Serving
     b, c = row.baseline, row.candidate
     winner, loser = (c, b) if candidate_better else (b, c)
     why = point.reason
+    bound = (point.baseline_capacity, point.candidate_capacity)
+    loser_bound, winner_bound = (bound[0], bound[1]) if candidate_better else (bound[1], bound[0])
+    # Capacity explains a win only where the loser ran out of room and the winner did not, or held more requests.
+    more_room = bool(loser_bound) and (not winner_bound or _ran_more(winner, loser))
     if objective == "ttft" and why is not None:
-        # The budget's part that carries the TTFT difference, where the server's TTFT moved the winner's way.
-        causes = [why.cause] if (why.budget.ttft.delta_ms < 0) == candidate_better else []
+        # The budget's part that carries the TTFT difference, measured apart from zero, where the server's TTFT moved
+        # the winner's way; queue time is a capacity effect only where the winner had more room (else the loser's
+        # requests queued behind slower work).
+        causes = [why.cause] if (why.budget.ttft.delta_ms < 0) == candidate_better and why.cause != UNMEASURED \
+            and (why.cause != CAPACITY or more_room) else []
     else:
         causes = [FASTER_KERNEL for k in point.kernel_verdicts
                   if k.verdict == (Verdict.IMPROVEMENT if candidate_better else Verdict.REGRESSION)]
-        bound = (point.baseline_capacity, point.candidate_capacity)
-        loser_bound, winner_bound = (bound[0], bound[1]) if candidate_better else (bound[1], bound[0])
-        if loser_bound and (not winner_bound or _ran_more(winner, loser)):
+        if more_room:
             causes.append(CAPACITY)
     if objective != "itl" and None not in (winner.cached_prompt_tokens, loser.cached_prompt_tokens) \
             and winner.cached_prompt_tokens > loser.cached_prompt_tokens:

@@ -84,8 +84,14 @@ TORCH_H200 = _unpack(FIXTURES / "torch-h200" / "torch-h200.tar.xz")
 TORCH_H100X2 = _unpack(FIXTURES / "torch-h100x2" / "torch-h100x2.tar.xz", named=True)
 # The vLLM 0.33 run directories (fixtures/README.md): offline-cold-prefill, ..., serve-sweep.
 VLLM033_RUNS = {pack.name.removesuffix(".tar.xz"): _unpack(pack) for pack in sorted(VLLM033_PACKS.glob("*.tar.xz"))}
+# The older H200 runs of the 8B shape that the matrix does not replace: the offline cold prefill that fixtures/repro's
+# script comes from, and the preemption run with the quality prompts.
 VLLM033_8B_RUNS = {pack.name.removesuffix(".tar.xz"): _unpack(pack)
                    for pack in sorted(VLLM033_8B_PACKS.glob("*.tar.xz"))}
+# The whole capacity matrix of the 8B shape, recorded by `kvtrace capture vllm-matrix` on an H100 (issue 46): one
+# server per arm, three interleaved rounds, a trace window per point (fixtures/README.md); its runs by scenario.
+MATRIX = _unpack(FIXTURES / "vllm033-h100-matrix" / "vllm033-h100-matrix.tar.xz", named=True)
+MATRIX_RUNS = {run.name: run for run in sorted(MATRIX.iterdir()) if (run / "manifest.json").is_file()}
 # The older runs, each packed whole as fixtures/RUN/RUN.tar.xz (fixtures/README.md), by run name.
 PACKED_RUNS = {run: _unpack(FIXTURES / run / f"{run}.tar.xz", named=True) for run in (
     "fi-h200-sm90", "fi-h200-sm90-nsys2023", "fi-h200-sm90-repeat", "fi-h200-sm90-repeats2", "fi-h200-sm90-quality",

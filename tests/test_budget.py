@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import VLLM033_8B_RUNS
+from conftest import MATRIX_RUNS, VLLM033_8B_RUNS
 from kvtrace.analyzer import budget, budget_trace, matrix
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.render.matrix import markdown_parts
 from kvtrace.errors import KvtraceError
 
-SWEEP = VLLM033_8B_RUNS["capacity-sweep"]
+SWEEP = MATRIX_RUNS["sweep"]
 PARTS = {"ttft": "vllm:time_to_first_token_seconds", "queue": "vllm:request_queue_time_seconds",
          "prefill": "vllm:request_prefill_time_seconds"}
 
@@ -126,7 +126,7 @@ def test_the_first_screen_opens_with_the_decision(decision):
 def test_a_point_traced_in_its_own_window_is_split_and_the_others_are_not(tmp_path, recipes):
     """A run directory whose first run's trace stands as point 2's own window (ARM.rK.p2.sqlite): point 2 is traced
     and split, point 0 no longer borrows the run's one trace."""
-    source = VLLM033_8B_RUNS["capacity-sweep-repeats"]
+    source = MATRIX_RUNS["sweep"]
     run = tmp_path / source.name
     shutil.copytree(source, run)
     for arm in ("fp8.r1", "nvfp4.r1", "nvfp4.r2"):
@@ -182,7 +182,7 @@ def test_a_serve_report_states_its_pool_engine_settings_and_how_to_record_it_aga
 
 
 def test_a_point_trace_linked_out_of_its_run_directory_is_refused(tmp_path, recipes):
-    source = VLLM033_8B_RUNS["capacity-sweep-repeats"]
+    source = MATRIX_RUNS["sweep"]
     run = tmp_path / source.name
     shutil.copytree(source, run)
     (run / "fp8.r1.p1.sqlite").symlink_to(source / "fp8.r1.sqlite")

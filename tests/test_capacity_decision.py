@@ -18,7 +18,7 @@ from statistics import mean
 import pytest
 from rich.console import Console
 
-from conftest import VLLM033_8B_RUNS, deciding_on_any_run_pairs
+from conftest import MATRIX_RUNS, VLLM033_8B_RUNS, deciding_on_any_run_pairs
 from kvtrace.analyzer import claims as claims_lib, compare, matrix, report
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.load import open_traces
@@ -31,7 +31,7 @@ from kvtrace.analyzer.stats.verdicts import Verdict
 from kvtrace.text import plural
 
 PREEMPTION = VLLM033_8B_RUNS["capacity-preemption"]
-SWEEP = VLLM033_8B_RUNS["capacity-sweep"]
+SWEEP = MATRIX_RUNS["sweep"]
 ONE_RUN_PAIR = bootstrap.NO_INTERVAL_WHY[bootstrap.ONE_RUN_PAIR]
 NAN = re.compile(r"\bnan\b", re.IGNORECASE)
 
@@ -220,7 +220,7 @@ def test_where_capacity_binds_for_both_arms_the_decision_says_so(decided):
     with the later session's (capacity-sweep-repeats, whose one complete run pair is fp8.r1 + nvfp4.r1), so each
     measure is given for the sweep's run, then that one."""
     fp8_points, nvfp4_points = _points(SWEEP, "fp8"), _points(SWEEP, "nvfp4")
-    later = {arm: {p["point"]: p for p in _points(VLLM033_8B_RUNS["capacity-sweep-repeats"], arm)
+    later = {arm: {p["point"]: p for p in _points(MATRIX_RUNS["sweep"], arm)
                    if p["bench_result"].startswith(f"{arm}.r1")} for arm in ("fp8", "nvfp4")}
     claims = _capacity_claims(decided, SWEEP)
     both = claims[fp8_points[-1]["point"]]
@@ -261,7 +261,7 @@ def test_a_capacity_win_rests_on_queue_time_not_on_polled_peaks(tmp_path, recipe
     polls, yet the win stays a capacity effect, since the server's queue time (untouched) carries the TTFT
     difference in every run pair."""
     copies = []
-    for run in (SWEEP, VLLM033_8B_RUNS["capacity-sweep-repeats"]):
+    for run in (SWEEP, MATRIX_RUNS["sweep"]):
         copy = tmp_path / run.name
         shutil.copytree(run, copy)
         manifest = json.loads((copy / "manifest.json").read_text())
@@ -273,7 +273,7 @@ def test_a_capacity_win_rests_on_queue_time_not_on_polled_peaks(tmp_path, recipe
     last = _points(SWEEP, "fp8")[-1]["point"]
     with deciding_on_any_run_pairs():
         points = [p for s in matrix.build(copies, recipes).scenarios for p in s.points if p.point == last]
-    for run in (SWEEP, VLLM033_8B_RUNS["capacity-sweep-repeats"]):
+    for run in (SWEEP, MATRIX_RUNS["sweep"]):
         fp8, nvfp4 = (next(p for p in _points(run, arm)[::-1] if p["point"] == last) for arm in ("fp8", "nvfp4"))
         assert _queue_ms(nvfp4) - _queue_ms(fp8) < -500  # the queue carries a TTFT difference of some −450 ms
     assert points and all(p.winner == "candidate" and p.causes == (matrix.CAPACITY,) for p in points)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import VLLM033_8B_RUNS
+from conftest import MATRIX_RUNS, VLLM033_8B_RUNS
 from kvtrace.analyzer import budget, matrix, report, statements
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.render import render_text
@@ -27,11 +27,11 @@ from kvtrace.analyzer.render.statements import text as statement_text
 from kvtrace.analyzer.reuse import REUSED_SHARE
 from kvtrace.errors import KvtraceError
 
-PREFIX = VLLM033_8B_RUNS["capacity-prefix-reuse"]
+PREFIX = MATRIX_RUNS["prefix-reuse"]
 COLD = VLLM033_8B_RUNS["capacity-cold-prefill"]
 PREEMPTION = VLLM033_8B_RUNS["capacity-preemption"]
-SWEEP = VLLM033_8B_RUNS["capacity-sweep"]
-SWEEP_REPEATS = VLLM033_8B_RUNS["capacity-sweep-repeats"]
+SWEEP = MATRIX_RUNS["sweep"]
+SWEEP_REPEATS = MATRIX_RUNS["sweep"]
 RUNS = ("fp8.r1", "nvfp4.r1", "fp8.r2", "nvfp4.r2")
 
 

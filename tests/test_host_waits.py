@@ -13,7 +13,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from conftest import VLLM033_8B_RUNS
+from conftest import MATRIX_RUNS, VLLM033_8B_RUNS
 from kvtrace.analyzer import align, host_waits, steps
 from kvtrace.analyzer.export_tables import EXPORT_TABLES
 from kvtrace.analyzer.load import open_trace
@@ -21,8 +21,8 @@ from kvtrace.analyzer.render import render_text
 from kvtrace.analyzer.render.escape import md_text
 from kvtrace.analyzer.render.statements import text as statement_text
 
-REPEATS = VLLM033_8B_RUNS["capacity-sweep-repeats"]
-SWEEP = VLLM033_8B_RUNS["capacity-sweep"]  # exports cut before the copy and synchronization tables were kept
+REPEATS = MATRIX_RUNS["sweep"]
+SWEEP = MATRIX_RUNS["sweep"]  # exports cut before the copy and synchronization tables were kept
 STEPS = """WITH steps AS (
     SELECT n.rowid AS id, COALESCE(s.value, n.text) AS name, n.start, n."end", n.globalTid
     FROM NVTX_EVENTS n LEFT JOIN StringIds s ON s.id = n.textId

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (FI_QUALITY, NSYS2025_DIR, REPEAT, REPO, TORCH_H100X2, VLLM033_8B_RUNS, VLLM033_RUNS,
+from conftest import (FI_QUALITY, NSYS2025_DIR, REPEAT, REPO, TORCH_H100X2, MATRIX_RUNS, VLLM033_8B_RUNS, VLLM033_RUNS,
                       fingerprint)
 from test_bad_input import assert_one_line_error
 from kvtrace.analyzer.render.markdown import ISSUE_LIMIT
@@ -96,7 +96,7 @@ def test_a_recorded_error_out_of_its_range_shows_as_missing(value, tmp_path, kv)
 
 @pytest.mark.parametrize("command", ["capacity", "report"])
 def test_a_fraction_of_a_token_of_capacity_is_one_line(command, tmp_path, kv):
-    run = run_copy(tmp_path, VLLM033_8B_RUNS["capacity-sweep"])
+    run = run_copy(tmp_path, MATRIX_RUNS["sweep"])
     edit_json(run / "manifest.json", lambda d: d["arms"]["fp8"]["kv_cache"].update(tokens=0.5))
     code, out, err = kv(command, run, *(["-q"] if command == "report" else []))
     assert_one_line_error(code, out, err, str(run / "manifest.json"),
@@ -133,7 +133,7 @@ def _without_constraints(export: Path, table: str) -> None:
 @pytest.mark.parametrize("kind", sorted(HOST_WAIT_TABLES))
 def test_copy_and_synchronization_tables_as_nsys_never_writes_them_are_one_line(kind, tmp_path, kv):
     statement, problem = HOST_WAIT_TABLES[kind]
-    run = run_copy(tmp_path, VLLM033_8B_RUNS["capacity-sweep-repeats"])
+    run = run_copy(tmp_path, MATRIX_RUNS["sweep"])
     export = run / "nvfp4.r1.sqlite"
     if "NULL" in statement:
         _without_constraints(export, statement.split()[1])
@@ -439,8 +439,8 @@ def test_a_bench_result_copied_from_another_repeat_is_one_line(tmp_path, kv):
 
 def test_a_run_directory_copied_is_not_pooled_as_a_second_recording(tmp_path, kv):
     """Two byte-identical copies of one run decided 12 points on zero-width intervals."""
-    first = run_copy(tmp_path, VLLM033_8B_RUNS["capacity-sweep"], "first")
-    second = run_copy(tmp_path, VLLM033_8B_RUNS["capacity-sweep"], "second")
+    first = run_copy(tmp_path, MATRIX_RUNS["sweep"], "first")
+    second = run_copy(tmp_path, MATRIX_RUNS["sweep"], "second")
     code, out, err = kv("matrix", first, second, "-q")
     assert_one_line_error(code, out, err, "fp8.sqlite", "hold the same bytes", "give each recording once")
 

@@ -15,15 +15,15 @@ import numpy as np
 import pytest
 from scipy import stats as sp
 
-from conftest import VLLM033_8B_RUNS, deciding_on_any_run_pairs
+from conftest import MATRIX_RUNS, VLLM033_8B_RUNS, deciding_on_any_run_pairs
 from kvtrace.analyzer import claims as claims_lib, drift_band, matrix
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.render import render_text
 from kvtrace.analyzer.render import matrix as matrix_render
 from kvtrace.analyzer.stats import serving_intervals
 
-SWEEP = VLLM033_8B_RUNS["capacity-sweep"]
-REPEATS = VLLM033_8B_RUNS["capacity-sweep-repeats"]
+SWEEP = MATRIX_RUNS["sweep"]
+REPEATS = MATRIX_RUNS["sweep"]
 THRESHOLD = 0.02
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from conftest import FIXTURES, VLLM033_8B_RUNS
+from conftest import FIXTURES, MATRIX_RUNS, VLLM033_8B_RUNS
 from kvtrace.analyzer import matrix, quality
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.render import quality as quality_render
@@ -33,7 +33,7 @@ from kvtrace.errors import KvtraceError
 from kvtrace.manifest import read_manifest
 
 PREEMPTION = VLLM033_8B_RUNS["capacity-preemption"]
-SWEEP = VLLM033_8B_RUNS["capacity-sweep"]
+SWEEP = MATRIX_RUNS["sweep"]
 PROMPTS = FIXTURES / "quality" / "arithmetic-8.jsonl"
 ANSWERED = [(PREEMPTION, run) for run in ("fp8.r1", "nvfp4.r1", "fp8.r2", "nvfp4.r2")] + [
     (SWEEP, run) for run in ("fp8", "nvfp4")]

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from conftest import FI_GAUSSIAN, FIXTURES, VLLM033_8B_RUNS
+from conftest import FI_GAUSSIAN, FIXTURES, MATRIX_RUNS, VLLM033_8B_RUNS
 
 COLD_PREFILL = VLLM033_8B_RUNS["capacity-cold-prefill"]
 # The committed scripts, by the run directory's name they were generated from (fixtures/repro/README.md).
@@ -138,7 +138,7 @@ def test_bad_inputs_get_one_line(run_kvtrace, tmp_path):
     for bad, words in ((tmp_path / "missing", "no such run directory"),
                        (lone / "fp8.sqlite", "no manifest.json beside it"),
                        (lone, "manifest"),
-                       (VLLM033_8B_RUNS["capacity-prefix-reuse"], "prefix caching"),
+                       (MATRIX_RUNS["prefix-reuse"], "prefix caching"),
                        (FIXTURES / "bad", "manifest")):
         code, out, err = run_kvtrace("repro", bad)
         assert code == 2 and out == ""

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import NSYS2025_DIR, VLLM033_8B_RUNS
+from conftest import NSYS2025_DIR, MATRIX_RUNS, VLLM033_8B_RUNS
 from kvtrace.analyzer import align, report, steps
 from kvtrace.analyzer.load import open_trace
 from kvtrace.analyzer.render.statements import text as statement_text
 from kvtrace.analyzer.stats.verdicts import Verdict
 
-SWEEP = VLLM033_8B_RUNS["capacity-sweep"]
+SWEEP = MATRIX_RUNS["sweep"]
 PREEMPTION = VLLM033_8B_RUNS["capacity-preemption"]
 COLD = VLLM033_8B_RUNS["capacity-cold-prefill"]
 STEP_LIKE = "execute_%context_%generation_%"

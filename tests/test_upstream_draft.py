@@ -14,9 +14,9 @@ import sys
 
 import pytest
 
-from conftest import FI_GAUSSIAN, VLLM033_8B_RUNS
+from conftest import FI_GAUSSIAN, MATRIX_RUNS, VLLM033_8B_RUNS
 
-SWEEP = VLLM033_8B_RUNS["capacity-sweep-repeats"]
+SWEEP = MATRIX_RUNS["sweep"]
 TEMPLATE_SECTIONS = {
     # flashinfer-ai/flashinfer .github/ISSUE_TEMPLATE/bug_report.yml, in its order
     "flashinfer": ["Environment", "Bug description", "Minimal reproduction", "Error messages / logs",

@@ -66,6 +66,8 @@ def reason_text(why: Reason) -> str:
                        if p != carrier.part)
     runs = f", {why.budget.runs} run pairs" if why.budget.runs > 1 else ", one run pair"
     text = f"{PART_WORDS[carrier.part]} {delta(carrier)} of {delta(why.budget.ttft)} TTFT ({others}{runs})"
+    if not why.budget.carrier_measured:
+        return f"{budget_lib.UNMEASURED} (the largest move: {text})"
     if carrier.part == "prefill":
         text += f"; {steps_text(why)}"
     return text
@@ -77,6 +79,8 @@ def cell(why: Reason | None) -> str:
         return "–"
     carrier = why.carrier
     text = f"{carrier.part} {signed_ms(carrier.delta_ms)} of {signed_ms(why.budget.ttft.delta_ms)}"
+    if not why.budget.carrier_measured:
+        return f"no part clears zero (largest: {text})"
     if carrier.part == "prefill":
         text += (" · not traced" if why.steps is None else
                  f" · traced: {SEGMENT_WORDS[why.step_carrier]}" if why.step_carrier else " · traced: no one part")
