@@ -117,7 +117,8 @@ class PointBudget:
     parts: tuple[PartDelta, ...]
     carrier: str
     share: float | None  # carrier's delta / TTFT's delta (above 1 where other parts moved the other way)
-    # Whether the carrier's interval clears zero in TTFT's direction: a move inside its interval explains nothing.
+    # Whether the carrier's interval clears zero in TTFT's direction and the parts that do hold at least MOST of the
+    # TTFT difference: a move inside its interval explains nothing.
     carrier_measured: bool = True
 
     def part(self, name: str) -> PartDelta | None:
@@ -143,8 +144,10 @@ def point_budget(pairs: Sequence[tuple[ArmBudget | None, ArmBudget | None]],
     measured = [p for p in candidates if p.low_ms is not None and min(sign * p.low_ms, sign * p.high_ms) > 0]
     carrier = max(measured or candidates, key=lambda p: sign * p.delta_ms)
     share = carrier.delta_ms / ttft.delta_ms if ttft.delta_ms else None
+    # The measured parts must hold most of the difference: a sure move of a tenth of it explains a tenth.
+    held = sum(p.delta_ms for p in measured) / ttft.delta_ms if ttft.delta_ms else 0.0
     return PointBudget(runs=len(pairs), parts=parts, carrier=carrier.part, share=share,
-                       carrier_measured=bool(measured))
+                       carrier_measured=bool(measured) and held >= MOST)
 
 
 def pooled(budgets: Sequence[tuple[tuple[ArmBudget, ArmBudget], ...]], confidence: float = 0.95) -> PointBudget | None:
@@ -158,7 +161,7 @@ FASTER_KERNEL = "faster kernel"  # prefill time carries it, and in the traced st
 HOST_TIME = "less host-held time"  # prefill time carries it, and in the traced steps the GPU waiting on the host does
 PREFILL_TIME = "shorter prefill time"  # prefill time carries it; the traces do not say which component, or none cover
 REST_TIME = "less time outside the engine core"  # the rest carries it: frontend processing and hand-over
-UNMEASURED = "no part measured apart from zero"  # every part's interval crosses zero: nothing explains the point
+UNMEASURED = "no measured part holds most of it"  # the parts that clear zero hold less than MOST of the move
 _CAUSE_OF_PART = {"queue": CAPACITY, "prefill": PREFILL_TIME, "rest": REST_TIME}
 # A component carries a difference when it holds at least this share of it.
 MOST = 0.5

@@ -147,7 +147,8 @@ def open_trace(path: str | os.PathLike, *, nsys: str | None = None, cache: bool 
     with _reading(source, export) as tables:
         tables.check(source if export == source else Path(f"{source} (exported as {export})"))
         entry = cache_.entry_of(export) if cache else None
-        cached = cache_.read(entry, export_tables.workers(), _cached_trace(source)) if entry is not None else None
+        cached = cache_.read(entry, export_tables.workers(), _cached_trace(source, export)) \
+            if entry is not None else None
         if cached is not None:
             sys.stderr.write(cache_.notes_text(notes))
             return cached
@@ -175,13 +176,14 @@ def open_trace(path: str | os.PathLike, *, nsys: str | None = None, cache: bool 
     return trace
 
 
-def _cached_trace(source: Path):
-    """Builds the Trace of a cache entry (analyzer.cache.read), named by the path the user passed."""
+def _cached_trace(source: Path, export: Path):
+    """Builds the Trace of a cache entry (analyzer.cache.read), named by the paths the user passed now: the entry's
+    own were written by an earlier run, perhaps from another directory (a relative path would then name nothing)."""
     def build(info: dict, frames: dict[str, pl.DataFrame], calls: calls_.Calls) -> Trace:
         info["gpus"] = tuple(GpuInfo(**gpu) for gpu in info["gpus"])
         info["ranks"] = tuple(RankInfo(rank["device_id"], tuple(rank["processes"]), rank["kernels"])
                               for rank in info["ranks"])
-        return Trace(info=TraceInfo(**{**info, "source": str(source)}), calls=calls, **frames)
+        return Trace(info=TraceInfo(**{**info, "source": str(source), "sqlite": str(export)}), calls=calls, **frames)
     return build
 
 

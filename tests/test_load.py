@@ -394,6 +394,25 @@ def test_second_load_comes_from_the_cache_and_equals_a_fresh_load(tmp_path, cach
     assert _same_trace(open_trace(export, cache=False), first)
 
 
+def test_a_cached_trace_read_through_another_relative_path_reads_its_tables_there(tmp_path, cache_dir, monkeypatch):
+    """The entry was written by a run in the export's own folder (`fp8.sqlite`); a later run from the folder above
+    (`run/fp8.sqlite`) reads the host waits from the export's tables, through the path it was given. Seen on the H100
+    matrix: `kvtrace diff` inside a run directory, then `kvtrace matrix` from above, failed on the stale path."""
+    from kvtrace.analyzer import host_waits
+
+    monkeypatch.setenv("KVTRACE_CACHE_DIR", str(cache_dir))
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy2(VLLM_DECODE_HEAVY / "fp8.sqlite", run / "fp8.sqlite")
+    monkeypatch.chdir(run)
+    waits = host_waits.host_waits(open_trace("fp8.sqlite"))
+    monkeypatch.chdir(tmp_path)
+    cached = open_trace(Path("run") / "fp8.sqlite")
+    assert len(_entries(cache_dir)) == 1
+    assert (cached.info.source, cached.info.sqlite) == (str(Path("run") / "fp8.sqlite"),) * 2
+    assert host_waits.host_waits(cached).equals(waits)
+
+
 def test_a_changed_export_is_read_again_and_replaces_its_entry(tmp_path, cache_dir, monkeypatch):
     monkeypatch.setenv("KVTRACE_CACHE_DIR", str(cache_dir))
     export = tmp_path / "auto.sqlite"
