@@ -142,12 +142,12 @@ def point_budget(pairs: Sequence[tuple[ArmBudget | None, ArmBudget | None]],
     # On real runs (H100, the capacity matrix's cold prefill) queue time moved most with an interval across zero
     # while prefill time moved less but surely: the sure move is the one that explains.
     measured = [p for p in candidates if p.low_ms is not None and min(sign * p.low_ms, sign * p.high_ms) > 0]
-    carrier = max(measured or candidates, key=lambda p: sign * p.delta_ms)
-    share = carrier.delta_ms / ttft.delta_ms if ttft.delta_ms else None
     # The measured parts must hold most of the difference: a sure move of a tenth of it explains a tenth.
     held = sum(p.delta_ms for p in measured) / ttft.delta_ms if ttft.delta_ms else 0.0
-    return PointBudget(runs=len(pairs), parts=parts, carrier=carrier.part, share=share,
-                       carrier_measured=bool(measured) and held >= MOST)
+    explained = bool(measured) and held >= MOST
+    carrier = max(measured if explained else candidates, key=lambda p: sign * p.delta_ms)
+    share = carrier.delta_ms / ttft.delta_ms if ttft.delta_ms else None
+    return PointBudget(runs=len(pairs), parts=parts, carrier=carrier.part, share=share, carrier_measured=explained)
 
 
 def pooled(budgets: Sequence[tuple[tuple[ArmBudget, ArmBudget], ...]], confidence: float = 0.95) -> PointBudget | None:
