@@ -51,19 +51,26 @@ class MatrixScenario:
         return [i for i, point in enumerate(points) if point.concurrency in PATCHED_SWEEP_CONCURRENCIES]
 
 
+# Engine steps traced per point. The first 8 hold a point's prefill and mixed steps and the decode steps after them;
+# the H100 matrix traced 12 to 48 per point, 87 MB of exports, which its fixture keeps 8 of (pack_run.py --steps 8).
+WINDOW_STEPS = 8
+
+
 def capacity_scenarios(concurrencies: tuple[int, ...] = (4, 8, 12, 16), sweep_prompts: int = 32) -> list[MatrixScenario]:
     """The 8B-shaped capacity matrix of fixtures/record-vllm033-h200.sh, with a 1 GiB KV pool: 16,384 FP8 tokens,
-    29,127 NVFP4 tokens."""
+    29,120 NVFP4 tokens (vLLM 0.33 on the H100)."""
     return [
         MatrixScenario("cold-prefill", Workload.for_scenario("cold-prefill", input_len=2048, output_len=1,
-                                                             num_prompts=32, concurrency=16), 24, patched=True),
+                                                             num_prompts=32, concurrency=16), WINDOW_STEPS,
+                       patched=True),
         MatrixScenario("prefix-reuse", Workload.for_scenario("prefix-reuse", input_len=128, output_len=16,
                                                              num_prompts=96, concurrency=4, prefix_len=2048,
-                                                             num_prefixes=12), 48),
+                                                             num_prefixes=12), WINDOW_STEPS),
         MatrixScenario("preemption", Workload.for_scenario("decode-heavy", input_len=1024, output_len=512,
-                                                           num_prompts=32, concurrency=16), 32),
+                                                           num_prompts=32, concurrency=16), WINDOW_STEPS),
         MatrixScenario("sweep", Workload.for_scenario("sweep", contexts=(2048,), concurrencies=concurrencies,
-                                                      output_len=128, num_prompts=sweep_prompts), 24, patched=True),
+                                                      output_len=128, num_prompts=sweep_prompts), WINDOW_STEPS,
+                       patched=True),
     ]
 
 
@@ -115,9 +122,11 @@ class MatrixConfig:
 
 # ---- the plan and its estimate ----------------------------------------------------------------------------
 
-# Seconds, from the H200 recordings of fixtures/vllm033-h200-8b (docs/performance.md): a fresh machine's first
-# start compiles; a point's traffic at the bench client's measured durations; the gated clients' imports per round.
-START_S, WARMUP_S, PRESTART_S, POINT_OVERHEAD_S, EXPORT_S = 360.0, 3.0, 25.0, 2.0, 15.0
+# Seconds, from the H100 recording of fixtures/vllm033-h100-matrix (matrix.json's timeline, docs/performance.md): a
+# fresh machine's first start compiles (430 s for three servers together, 170 s of it FlashInfer's JIT builds); a
+# point's traffic at the bench client's measured durations; the gated clients' imports per round (28 to 55 s); a
+# window's export (0.2 s each, 8 at a time: 1.2 s for 52 windows).
+START_S, WARMUP_S, PRESTART_S, POINT_OVERHEAD_S, EXPORT_S = 430.0, 3.5, 38.0, 2.0, 0.2
 LATER_START_S = 180.0  # a server started after the first (130 to 250 s on the H200)
 PREFILL_TOKENS_PER_S, DECODE_STEP_S = 20000.0, 0.012
 
