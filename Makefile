@@ -12,10 +12,11 @@ QUALITY_DEMO := $(OUT)/fi-h200-sm90-gaussian
 # The real vLLM 0.33 pair (H200, FP8 vs NVFP4 KV cache, offline decode-heavy), shipped packed.
 VLLM_DEMO_PACK := fixtures/vllm033-h200/offline-decode-heavy.tar.xz
 VLLM_DEMO := $(OUT)/vllm033-offline-decode-heavy
-# The capacity-bound region on the Llama-3.1-8B-shaped model (issue 33): the matched cold prefill, prefix reuse past
-# FP8's pool (both halves of the prefill statement), the preemption case and the sweep across FP8's capacity (twice).
-CAPACITY_RUNS := capacity-cold-prefill capacity-prefix-reuse capacity-preemption capacity-sweep capacity-sweep-repeats
-CAPACITY_DEMO := $(OUT)/vllm033-capacity
+# The capacity-bound region on the Llama-3.1-8B-shaped model (issues 33, 46): the whole matrix in one capture (cold
+# prefill, prefix reuse past FP8's pool, the preemption case, the sweep across FP8's capacity; 3 interleaved rounds, a
+# trace per point) and its counterfactual arm (issue 47), recorded on an H100, shipped packed.
+CAPACITY_PACK := fixtures/vllm033-h100-matrix/vllm033-h100-matrix.tar.xz
+CAPACITY_DEMO := $(OUT)/vllm033-h100-matrix
 
 # Test processes (pytest-xdist): auto is one per core.
 TEST_WORKERS ?= auto
@@ -39,16 +40,17 @@ demo: install
 	kvtrace diff $(DEMO)/fp8.sqlite $(DEMO)/nvfp4.sqlite --format markdown -o $(OUT)/demo-diff.md
 	kvtrace diff $(DEMO)/fp8.sqlite $(DEMO)/nvfp4.sqlite --format json -o $(OUT)/demo-diff.json
 	kvtrace report $(DEMO) --format markdown -o $(OUT)/demo-report.md --plots $(OUT)/plots
-	rm -rf $(CAPACITY_DEMO) && mkdir -p $(CAPACITY_DEMO) && for run in $(CAPACITY_RUNS); do tar -xJf fixtures/vllm033-h200-8b/$$run.tar.xz -C $(CAPACITY_DEMO); done
-	kvtrace matrix $(addprefix $(CAPACITY_DEMO)/vllm033-,$(CAPACITY_RUNS))
-	kvtrace matrix $(addprefix $(CAPACITY_DEMO)/vllm033-,$(CAPACITY_RUNS)) --format markdown -o $(OUT)/demo-capacity.md --plots $(OUT)/capacity-plots
-	kvtrace report $(CAPACITY_DEMO)/vllm033-capacity-preemption --format markdown -o $(OUT)/demo-preemption.md
+	rm -rf $(CAPACITY_DEMO) && tar -xJf $(CAPACITY_PACK) -C $(OUT)
+	kvtrace matrix $(CAPACITY_DEMO)
+	kvtrace matrix $(CAPACITY_DEMO) --format markdown -o $(OUT)/demo-capacity.md --plots $(OUT)/capacity-plots
+	kvtrace matrix $(CAPACITY_DEMO)/counterfactual --format markdown -o $(OUT)/demo-counterfactual.md
+	kvtrace report $(CAPACITY_DEMO)/preemption --format markdown -o $(OUT)/demo-preemption.md
 	rm -rf $(QUALITY_DEMO) && tar -xJf fixtures/fi-h200-sm90-gaussian/fi-h200-sm90-gaussian.tar.xz -C $(OUT)
 	kvtrace report $(QUALITY_DEMO) --format markdown -o $(OUT)/demo-quality.md
 	@echo "vLLM 0.33 FP8 vs NVFP4 run directory: $(VLLM_DEMO)"
 	@echo "markdown report: $(OUT)/demo-diff.md, JSON: $(OUT)/demo-diff.json"
 	@echo "serving report with plots: $(OUT)/demo-report.md ($(OUT)/plots/; drag $(OUT)/plots/summary.png into the issue)"
-	@echo "the capacity-bound region (8B shape: cold prefill, prefix reuse, preemption, sweep): $(OUT)/demo-capacity.md (the TTFT budget per point: $(OUT)/capacity-plots/budget.png); the preemption case: $(OUT)/demo-preemption.md"
+	@echo "the capacity matrix (8B shape on an H100: cold prefill, prefix reuse, preemption, sweep; 3 rounds): $(OUT)/demo-capacity.md (the TTFT budget per point: $(OUT)/capacity-plots/budget.png); NVFP4 with FlashInfer's host check run once: $(OUT)/demo-counterfactual.md; the preemption case: $(OUT)/demo-preemption.md"
 	@echo "quality beside speed (each format's attention error per point, a kernel that strays from its own cache): $(OUT)/demo-quality.md"
 
 # Python may cache bytecode while the tests run: the suite starts hundreds of kvtrace processes, and an environment
