@@ -9,8 +9,9 @@ import json
 
 import pytest
 
-from conftest import FI_GAUSSIAN, FI_GAUSSIAN_072, sql_durations
+from conftest import FI_GAUSSIAN, FI_GAUSSIAN_072, REPO, sql_durations
 from kvtrace.analyzer import headline, quality
+from kvtrace.analyzer.render import units
 
 CONTEXTS = (2048, 8192, 32768)
 RUNS = {"0.6.16.post3": FI_GAUSSIAN, "0.7.2.post1": FI_GAUSSIAN_072}
@@ -90,3 +91,27 @@ def test_the_two_releases_runs_are_not_compared_call_for_call(shared):
         gpu = [f for f in diff.findings if f.check == "gpu"]
         assert [(f.level, f.message) for f in gpu] == [
             ("error", "different GPUs: NVIDIA H200 vs NVIDIA H100 80GB HBM3")]
+
+
+def test_readme_head_is_what_kvtrace_prints_for_the_newest_release(run_kvtrace, shared):
+    """README's shortened head of `make demo` comes from kvtrace on FlashInfer 0.7.2.post1's run: each of its lines
+    from the first question on is a line of the 100-column terminal diff (as words), and the history it quotes for
+    0.6.16.post3 are that run's own head rows."""
+    text = (REPO / "README.md").read_text()
+    block = text.split("```\n", 2)[1]
+    assert block.startswith("baseline fp8 → candidate nvfp4 on NVIDIA H100 80GB HBM3:")
+    code, out, err = run_kvtrace("diff", FI_GAUSSIAN_072 / "fp8.sqlite", FI_GAUSSIAN_072 / "nvfp4.sqlite",
+                                 env={"COLUMNS": "100"})
+    assert code == 0, err
+    printed = [line.split() for line in out.splitlines()]
+    shown = block.splitlines()
+    first = next(i for i, line in enumerate(shown) if line.startswith(headline.PREFILL))
+    assert [line for line in shown[first:] if line.split() not in printed] == []
+    head = headline.Headline.of(shared.diff(FI_GAUSSIAN / "fp8.sqlite", FI_GAUSSIAN / "nvfp4.sqlite"))
+    quoted = {(question, f"ctx={context}"): units.ratio(r.row.ratio) for question in (headline.PREFILL, headline.DECODE)
+              for context in (2048, 32768) for r in head.rows
+              if r.question == question and r.point == f"ctx={context}" and r.family.startswith("BatchPrefill")}
+    history = text[text.index("History: FlashInfer"):]
+    assert (f"prefill {quoted[headline.PREFILL, 'ctx=2048']} at 2,048 tokens and {quoted[headline.PREFILL, 'ctx=32768']}"
+            f" at 32,768, decode {quoted[headline.DECODE, 'ctx=2048']} and {quoted[headline.DECODE, 'ctx=32768']}"
+            ) in " ".join(history.split())
