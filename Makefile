@@ -1,14 +1,17 @@
-# kvtrace — `make demo` diffs the shipped real H200 traces; `make test` runs the test suite.
+# kvtrace — `make demo` diffs the shipped real traces (H100 and H200); `make test` runs the test suite.
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip install -q --disable-pip-version-check
 # Debian's Nsight Systems 2023.4.4 CLI for the `nsys stats` cross-check (shared/ci beside the checkout).
 NSYS_INSTALLER := $(wildcard ../shared/ci/install-nsys-cli.sh)
-# The FlashInfer FP8 vs NVFP4 pair on the H200 (fixtures/fi-h200-sm90, shipped packed), unpacked by `make demo`.
-DEMO_PACK := fixtures/fi-h200-sm90/fi-h200-sm90.tar.xz
+# The FlashInfer FP8 vs NVFP4 kernel A/B with Gaussian inputs, shipped packed, per release: the newest leads (the
+# release vLLM 0.33 ships, recorded on an H100), the older one is history (the same command and inputs on an H200).
+DEMO_RELEASE := 0.7.2.post1
+DEMO_RUN := fi-h100-sm90-gaussian-fi$(DEMO_RELEASE)
+HISTORY_RELEASE := 0.6.16.post3
+HISTORY_RUN := fi-h200-sm90-gaussian
 OUT ?= out
-DEMO := $(OUT)/fi-h200-sm90
-# The same workload with each format's attention error per point (issue 36), shipped packed.
-QUALITY_DEMO := $(OUT)/fi-h200-sm90-gaussian
+DEMO := $(OUT)/$(DEMO_RUN)
+HISTORY_DEMO := $(OUT)/$(HISTORY_RUN)
 # The real vLLM 0.33 pair (H200, FP8 vs NVFP4 KV cache, offline decode-heavy), shipped packed.
 VLLM_DEMO_PACK := fixtures/vllm033-h200/offline-decode-heavy.tar.xz
 VLLM_DEMO := $(OUT)/vllm033-offline-decode-heavy
@@ -35,7 +38,8 @@ demo: install
 	mkdir -p $(OUT)
 	rm -rf $(VLLM_DEMO) && tar -xJf $(VLLM_DEMO_PACK) -C $(OUT)
 	cd $(VLLM_DEMO) && kvtrace diff fp8.sqlite nvfp4.sqlite
-	rm -rf $(DEMO) && tar -xJf $(DEMO_PACK) -C $(OUT)
+	rm -rf $(DEMO) && tar -xJf fixtures/$(DEMO_RUN)/$(DEMO_RUN).tar.xz -C $(OUT)
+	@echo "FlashInfer $(DEMO_RELEASE) (the release vLLM 0.33 ships), NVIDIA H100: $(DEMO_RUN)"
 	kvtrace diff $(DEMO)/fp8.sqlite $(DEMO)/nvfp4.sqlite
 	kvtrace diff $(DEMO)/fp8.sqlite $(DEMO)/nvfp4.sqlite --format markdown -o $(OUT)/demo-diff.md
 	kvtrace diff $(DEMO)/fp8.sqlite $(DEMO)/nvfp4.sqlite --format json -o $(OUT)/demo-diff.json
@@ -45,13 +49,15 @@ demo: install
 	kvtrace matrix $(CAPACITY_DEMO) --format markdown -o $(OUT)/demo-capacity.md --plots $(OUT)/capacity-plots
 	kvtrace matrix $(CAPACITY_DEMO)/counterfactual --format markdown -o $(OUT)/demo-counterfactual.md
 	kvtrace report $(CAPACITY_DEMO)/preemption --format markdown -o $(OUT)/demo-preemption.md
-	rm -rf $(QUALITY_DEMO) && tar -xJf fixtures/fi-h200-sm90-gaussian/fi-h200-sm90-gaussian.tar.xz -C $(OUT)
-	kvtrace report $(QUALITY_DEMO) --format markdown -o $(OUT)/demo-quality.md
+	rm -rf $(HISTORY_DEMO) && tar -xJf fixtures/$(HISTORY_RUN)/$(HISTORY_RUN).tar.xz -C $(OUT)
+	@echo "History, FlashInfer $(HISTORY_RELEASE), NVIDIA H200, the same workload: $(HISTORY_RUN)"
+	kvtrace diff $(HISTORY_DEMO)/fp8.sqlite $(HISTORY_DEMO)/nvfp4.sqlite
+	kvtrace report $(HISTORY_DEMO) --format markdown -o $(OUT)/demo-fi$(HISTORY_RELEASE).md
 	@echo "vLLM 0.33 FP8 vs NVFP4 run directory: $(VLLM_DEMO)"
-	@echo "markdown report: $(OUT)/demo-diff.md, JSON: $(OUT)/demo-diff.json"
-	@echo "serving report with plots: $(OUT)/demo-report.md ($(OUT)/plots/; drag $(OUT)/plots/summary.png into the issue)"
+	@echo "FlashInfer $(DEMO_RELEASE) on the H100, markdown: $(OUT)/demo-diff.md, JSON: $(OUT)/demo-diff.json"
+	@echo "its report with quality and plots: $(OUT)/demo-report.md ($(OUT)/plots/; drag $(OUT)/plots/summary.png into the issue)"
 	@echo "the capacity matrix (8B shape on an H100: cold prefill, prefix reuse, preemption, sweep; 3 rounds): $(OUT)/demo-capacity.md (the TTFT budget per point: $(OUT)/capacity-plots/budget.png); NVFP4 with FlashInfer's host check run once: $(OUT)/demo-counterfactual.md; the preemption case: $(OUT)/demo-preemption.md"
-	@echo "quality beside speed (each format's attention error per point, a kernel that strays from its own cache): $(OUT)/demo-quality.md"
+	@echo "history, FlashInfer $(HISTORY_RELEASE) on the H200 (the same workload; NVFP4's prefill strays from its own cache there): $(OUT)/demo-fi$(HISTORY_RELEASE).md"
 
 # Python may cache bytecode while the tests run: the suite starts hundreds of kvtrace processes, and an environment
 # with PYTHONDONTWRITEBYTECODE set had each of them compile every module afresh.

@@ -350,6 +350,9 @@ class SplitRow:
     format_interval: tuple[float, float]
     fp8_route: str  # what "own route" meant for each format, and the shared route
     nvfp4_route: str
+    # Which of the script's ratios ran the routes the trace ran (its spec's traced_routes): "ratio" (each format's
+    # own), "format" (both on NVFP4's: a FlashInfer A/B plans FA2 with BF16 queries for both), None (neither).
+    traced_counterpart: str | None
     workspace_ratio: float | None  # NVFP4 dequantized to an FP8 workspace feeding FP8's kernel, against FP8's route
     nvfp4_vs_own_cache: float | None  # NVFP4's output against float64 attention over its own cache (rel. L2)
     fp8_vs_own_cache: float | None
@@ -369,7 +372,8 @@ class AppendRoute:
 
 @dataclass(frozen=True)
 class ReproSplit:
-    """One results file of a run directory: which release and GPU measured it, its rows, its failed routes."""
+    """One results file of a run directory: which release and GPU measured it, its rows, its failed routes, and the
+    GPU of the trace its rows stand beside (a script run on another GPU is not paired with the trace)."""
 
     file: str
     flashinfer: str | None
@@ -379,6 +383,7 @@ class ReproSplit:
     rows: tuple[SplitRow, ...]
     failed: tuple[str, ...]  # "case: route: error"
     appends: tuple[AppendRoute, ...] = ()
+    traced_gpu: str | None = None
 
 
 def splits(run_dirs: list[Path], diff: Diff, engine: str | None) -> list[ReproSplit]:
@@ -395,6 +400,8 @@ def _split(path: Path, diff: Diff, engine: str | None) -> ReproSplit:
         raise KvtraceError(f"{path} is not a kvtrace repro results file (schema {RESULTS_SCHEMA}): {fix}")
     env = data["environment"]
     gpu = env.get("gpu") if isinstance(env.get("gpu"), dict) else {}
+    source = (data.get("spec") or {}).get("source") if isinstance(data.get("spec"), dict) else None
+    traced_routes = source.get("traced_routes") if isinstance(source, dict) else None
     rows, failed, appends = [], [], []
     for case in data["cases"]:
         try:
@@ -403,7 +410,7 @@ def _split(path: Path, diff: Diff, engine: str | None) -> ReproSplit:
             if case.get("error"):
                 failed.append(f"{name}: the whole case: {case['error']}")
             if case.get("split"):
-                rows.append(_row(name, kernel, routes, case["split"], diff, engine, data["cases"]))
+                rows.append(_row(name, kernel, routes, case["split"], diff, engine, data["cases"], traced_routes))
             if kernel == "append":
                 appends += [AppendRoute(name, str(r["label"]), str(r.get("description") or ""), _spread(r["gpu_us"]),
                                         _spread(r["host_us"])) for r in routes if r.get("status") == "ok"]
@@ -411,7 +418,8 @@ def _split(path: Path, diff: Diff, engine: str | None) -> ReproSplit:
             raise KvtraceError(f"{path}: case {case.get('name') if isinstance(case, dict) else case!r} lacks "
                                f"{error} or holds the wrong type: {fix}") from None
     return ReproSplit(str(path), _text(env.get("flashinfer")), _text(env.get("torch")), _text(gpu.get("name")),
-                      _text(gpu.get("sm")), tuple(rows), tuple(failed), tuple(appends))
+                      _text(gpu.get("sm")), tuple(rows), tuple(failed), tuple(appends),
+                      traced_gpu=diff.baseline.info.gpu_label)
 
 
 def _text(value) -> str | None:
@@ -434,7 +442,7 @@ def _interval(values) -> tuple[float, float]:
 
 
 def _row(name: str, kernel: str, routes: list, split: dict, diff: Diff, engine: str | None,
-         cases: list) -> SplitRow:
+         cases: list, traced_routes) -> SplitRow:
     by_label = {r["label"]: r for r in routes if r.get("status") == "ok"}
 
     def words(label):
@@ -449,6 +457,9 @@ def _row(name: str, kernel: str, routes: list, split: dict, diff: Diff, engine: 
     workspace = by_label.get("nvfp4 via fp8 workspace")
     fp8 = by_label.get("fp8 own route")
     traced = _traced_row(name, kernel, diff, engine, cases)
+    own = {"fp8": words("fp8 own route"), "nvfp4": words("nvfp4 own route")}
+    counterpart = ("ratio" if traced_routes == own else
+                   "format" if traced_routes == {"fp8": own["nvfp4"], "nvfp4": own["nvfp4"]} else None)
     return SplitRow(
         case=name, kernel=kernel, traced_phase=traced.phase if traced else None,
         traced_ratio=traced.ratio if traced else None, traced_low=traced.ci_low if traced else None,
@@ -456,7 +467,7 @@ def _row(name: str, kernel: str, routes: list, split: dict, diff: Diff, engine: 
         ratio=_number(split["ratio"]), ratio_interval=_interval(split["ratio_interval"]),
         route=_number(split["route"]), route_interval=_interval(split["route_interval"]),
         format=_number(split["format"]), format_interval=_interval(split["format_interval"]),
-        fp8_route=words("fp8 own route"), nvfp4_route=words("nvfp4 own route"),
+        fp8_route=own["fp8"], nvfp4_route=own["nvfp4"], traced_counterpart=counterpart,
         workspace_ratio=(_number(workspace["gpu_us"]["median"]) / _number(fp8["gpu_us"]["median"])
                          if workspace and fp8 else None),
         nvfp4_vs_own_cache=quality("nvfp4 own route"), fp8_vs_own_cache=quality("fp8 own route"))

@@ -95,7 +95,8 @@ MATRIX_RUNS = {run.name: run for run in sorted(MATRIX.iterdir()) if (run / "mani
 # The older runs, each packed whole as fixtures/RUN/RUN.tar.xz (fixtures/README.md), by run name.
 PACKED_RUNS = {run: _unpack(FIXTURES / run / f"{run}.tar.xz", named=True) for run in (
     "fi-h200-sm90", "fi-h200-sm90-nsys2023", "fi-h200-sm90-repeat", "fi-h200-sm90-repeats2", "fi-h200-sm90-quality",
-    "fi-h200-sm90-gaussian", "fi-h200-sm90-outliers", "vllm-h200-cold-prefill", "vllm-h200-decode-heavy")}
+    "fi-h200-sm90-gaussian", "fi-h200-sm90-outliers", "vllm-h200-cold-prefill", "vllm-h200-decode-heavy",
+    "fi-h100-sm90-gaussian-fi0.7.2.post1")}
 NSYS2025_DIR = PACKED_RUNS["fi-h200-sm90"]  # Nsight Systems 2025.3.2, export schema 3.20.3
 NSYS2023_DIR = PACKED_RUNS["fi-h200-sm90-nsys2023"]  # Nsight Systems 2023.4.4, export schema 3.7.2
 REPEAT = PACKED_RUNS["fi-h200-sm90-repeat"]  # fi-h200-sm90 recorded again, on another machine
@@ -106,6 +107,8 @@ REPEATS2 = PACKED_RUNS["fi-h200-sm90-repeats2"]  # `--repeats 2`: fp8.r1 nvfp4.r
 FI_QUALITY = PACKED_RUNS["fi-h200-sm90-quality"]
 FI_GAUSSIAN = PACKED_RUNS["fi-h200-sm90-gaussian"]
 FI_OUTLIERS = PACKED_RUNS["fi-h200-sm90-outliers"]
+# FI_GAUSSIAN's command again with FlashInfer 0.7.2.post1 (vLLM 0.33's), recorded on an H100, not an H200 (issue 47).
+FI_GAUSSIAN_072 = PACKED_RUNS["fi-h100-sm90-gaussian-fi0.7.2.post1"]
 VLLM_COLD_PREFILL = PACKED_RUNS["vllm-h200-cold-prefill"]  # vLLM 0.26, BF16 (auto) vs FP8
 VLLM_DECODE_HEAVY = PACKED_RUNS["vllm-h200-decode-heavy"]
 # The Parquet exports (nsys export --type parquetdir, the tables kvtrace reads) of fi-h200-sm90's two reports by

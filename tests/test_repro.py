@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from conftest import FI_GAUSSIAN, FIXTURES, MATRIX_RUNS, VLLM033_8B_RUNS
+from conftest import FI_GAUSSIAN, FI_GAUSSIAN_072, FIXTURES, MATRIX_RUNS, VLLM033_8B_RUNS
 
 COLD_PREFILL = VLLM033_8B_RUNS["capacity-cold-prefill"]
 # The committed scripts, by the run directory's name they were generated from (fixtures/repro/README.md).
@@ -278,28 +278,84 @@ def test_a_route_this_flashinfer_lacks_fails_alone(monkeypatch, tmp_path, capsys
     assert "FAILED RuntimeError: this FlashInfer has no nvfp4_kv_dequantize_paged" in capsys.readouterr().out
 
 
-RESULTS = sorted((FIXTURES / "repro" / "results").glob("*.json"))  # the scripts' output on the H200, per release
+# The scripts' output on the GPU machine, per FlashInfer release (fixtures/repro/README.md): FlashInfer 0.7.2.post1 on
+# an H100, recorded 2026-12-06; 0.6.16.post3's run was not recorded, so no file (and no test case) stands for it.
+RESULTS = sorted((FIXTURES / "repro" / "results").glob("*.json"))
 
 
-@pytest.mark.parametrize("results", RESULTS, ids=[path.name for path in RESULTS])
-def test_h200_results_split_the_traced_ratio(run_kvtrace, tmp_path, results):
-    """Each committed H200 result beside the run it was generated from: the report's split rows are the file's own
-    medians (computed again here) and every route the file says ran is in them."""
+def report_beside(run_kvtrace, tmp_path, results, source=None) -> tuple[dict, dict, str]:
+    """`kvtrace report` of a copy of `source` (default: the run the script was generated from) holding the results
+    file as repro.fiVERSION.json: the results, the report's JSON and its answer (the markdown before <details>)."""
     data = json.loads(results.read_text())
-    source = COMMITTED[data["spec"]["source"]["run"]]
     run = tmp_path / data["spec"]["source"]["run"]
-    shutil.copytree(source, run)
+    shutil.copytree(source or COMMITTED[run.name], run)
     shutil.copy(results, run / f"repro.{results.stem.split('.', 1)[1]}.json")
     code, out, err = run_kvtrace("report", run, "--format", "json")
     assert code == 0, err
-    (split,) = json.loads(out)["repro"]
-    assert split["flashinfer"] == data["environment"]["flashinfer"]
+    code, markdown, err = run_kvtrace("report", run, "--format", "markdown")
+    assert code == 0, err
+    return data, json.loads(out), markdown.split("<details>")[0]
+
+
+def traced_rows(report: dict, data: dict) -> dict:
+    """Per case of the results, the report's diff row its traced ratio must be: the case's NVTX phase, or vLLM's
+    prefill steps for a vLLM run's one prefill case."""
+    phases = {(row["segment"], row["phase"]): row for row in report["diff"]["phases"]}
+    segment = {"prefill": "prefill_attention", "decode": "decode_attention"}
+    vllm = data["spec"]["source"]["engine"] == "vllm"
+    return {case["name"]: phases.get((segment[case["kernel"]], "vLLM prefill steps" if vllm else case["nvtx"]))
+            for case in data["cases"] if case["kernel"] in segment}
+
+
+@pytest.mark.parametrize("results", RESULTS, ids=[path.name for path in RESULTS])
+def test_recorded_results_split_the_traced_ratio(run_kvtrace, tmp_path, results):
+    """Each committed result beside the run it was generated from: the report's split rows are the file's own
+    medians (computed again here), each beside the diff's own row for its case, with the script's ratio that ran
+    the trace's routes named; the answer names both GPUs and releases and, the script having run on an H100 and the
+    trace on an H200, says that the two are not paired."""
+    data, report, answer = report_beside(run_kvtrace, tmp_path, results)
+    (split,) = report["repro"]
+    assert (split["flashinfer"], split["gpu"]) == (data["environment"]["flashinfer"],
+                                                    data["environment"]["gpu"]["name"])
+    assert split["traced_gpu"] == data["spec"]["source"]["gpu"] != split["gpu"]
     rows = {row["case"]: row for row in split["rows"]}
+    traced = traced_rows(report, data)
+    both_on_fa2 = set(data["spec"]["source"]["traced_routes"].values()) == {"FA2, BF16 q"}
     for case in data["cases"]:
         ok = {r["label"]: sorted(r["gpu_us"]["samples"]) for r in case["routes"] if r["status"] == "ok"}
         if case["name"] not in rows:
             assert case["kernel"] == "append" or not {"fp8 own route", "nvfp4 own route"} <= set(ok)
             continue
+        row = rows[case["name"]]
         median = {label: samples[len(samples) // 2] for label, samples in ok.items()}
         shared = median.get("fp8 on nvfp4's route", median["fp8 own route"])
-        assert rows[case["name"]]["format"] == pytest.approx(median["nvfp4 own route"] / shared)
+        assert row["format"] == pytest.approx(median["nvfp4 own route"] / shared)
+        assert row["route"] == pytest.approx(shared / median["fp8 own route"])
+        assert row["ratio"] == pytest.approx(median["nvfp4 own route"] / median["fp8 own route"])
+        diff_row = traced[case["name"]]
+        assert (row["traced_ratio"], row["traced_low"], row["traced_high"]) == (
+            diff_row["ratio"], diff_row["ci_low"], diff_row["ci_high"])
+        if case["kernel"] == "prefill":
+            assert row["traced_counterpart"] == ("format" if both_on_fa2 else "ratio")
+            (line,) = [text for text in answer.splitlines() if f"Route against format, {case['name']} " in text]
+            trace = data["spec"]["source"]
+            assert (f"(FlashInfer {trace['versions']['flashinfer']}, {trace['gpu']})" in line
+                    and f"with FlashInfer {split['flashinfer']}, {split['gpu']}" in line and "Not paired" in line)
+
+
+def test_the_flashinfer_script_times_the_kernels_its_release_traced_on_the_same_gpu(run_kvtrace, tmp_path):
+    """The FlashInfer script's results beside FI_GAUSSIAN_072, the same workload traced with the same release on the
+    same H100 and machine: the trace ran both formats on FA2 with BF16 queries, so its prefill ratio's counterpart is
+    the script's format ratio, and for each context the two intervals overlap (the script timed the kernels the
+    trace did); the answer does not call them unpaired."""
+    results = FIXTURES / "repro" / "results" / "fi-h200-sm90-gaussian.fi0.7.2.post1.json"
+    data, report, answer = report_beside(run_kvtrace, tmp_path, results, FI_GAUSSIAN_072)
+    (split,) = report["repro"]
+    assert split["gpu"] == split["traced_gpu"] == "NVIDIA H100 80GB HBM3"
+    prefill = [row for row in split["rows"] if row["kernel"] == "prefill"]
+    assert [row["case"] for row in prefill] == ["prefill-ctx2048", "prefill-ctx8192", "prefill-ctx32768"]
+    for row in prefill:
+        assert row["traced_counterpart"] == "format"
+        low, high = row["format_interval"]
+        assert max(low, row["traced_low"]) <= min(high, row["traced_high"]), row["case"]
+    assert "Route against format, prefill-ctx2048 " in answer and "Not paired" not in answer

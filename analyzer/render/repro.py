@@ -63,20 +63,30 @@ def split_table(splits: list[ReproSplit]) -> tuple[list[str], list[list[str]]]:
 
 
 def split_lines(splits: list[ReproSplit], traced_release: str | None) -> list[str]:
-    """The answer for each prefill case (plain sentences): the traced ratio, and what the script split it into."""
+    """The answer for each prefill case (plain sentences): the traced ratio, what the script split it into, which of
+    the script's ratios ran the trace's routes, and whether the two were measured with the same release and GPU."""
     lines = []
     for split in splits:
+        traced_with = f"FlashInfer {traced_release or '?'}, {split.traced_gpu or '?'}"
         for row in split.rows:
             if row.kernel != "prefill":
                 continue
             traced = ("the trace's" if row.traced_ratio is None else
                       f"the trace's {ratio(row.traced_ratio)} {interval(row.traced_low, row.traced_high)} "
-                      f"(FlashInfer {traced_release or '?'})")
+                      f"({traced_with})")
             text = (f"Route against format, {row.case} (kvtrace repro with {_measured_with(split)}): NVFP4/FP8 on "
                     f"their own routes {_with(row.ratio, row.ratio_interval)} = route "
                     f"{_with(row.route, row.route_interval)} (FP8 on {row.fp8_route} → on {row.nvfp4_route}) × format "
                     f"{_with(row.format, row.format_interval)} (NVFP4 against FP8, both on {row.nvfp4_route}), beside "
                     f"{traced}.")
+            if row.traced_counterpart == "format":
+                text += (f" The trace ran both formats on {row.nvfp4_route}: its counterpart is the format's "
+                         f"{ratio(row.format)}, not the own routes' ratio.")
+            elif row.traced_counterpart is None:
+                text += " The trace ran neither pair of the script's routes: no ratio of the script is its counterpart."
+            if row.traced_ratio is not None and _measured_with(split) != traced_with:
+                text += (f" Not paired with the trace: measured with {_measured_with(split)}, traced with "
+                         f"{traced_with}.")
             if row.route_interval[0] > row.format_interval[1] and row.workspace_ratio is not None:
                 text += (f" The route costs more than the format: NVFP4 dequantized into an FP8 workspace feeding FP8's "
                          f"kernel ran at {ratio(row.workspace_ratio)} FP8's own route.")
