@@ -167,7 +167,10 @@ def _environment_source(report: Report) -> str:
 
 
 def _counterfactual(report: Report, build_report) -> Counterfactual:
-    for run in sorted({Path(report.baseline.run), Path(report.candidate.run)}):
+    """The counterfactual arm where the report's runs hold it, or, for a scenario of a `kvtrace capture vllm-matrix`
+    root, in the root's counterfactual/SCENARIO beside the same rounds' stock NVFP4 runs."""
+    baseline_run = Path(report.baseline.run)
+    for run in _counterfactual_places(report):
         manifest = read_manifest(run)
         if COUNTERFACTUAL_ARM not in manifest.runs_by_arm:
             continue
@@ -176,9 +179,23 @@ def _counterfactual(report: Report, build_report) -> Counterfactual:
             raise KvtraceError(f"{run}: arm {COUNTERFACTUAL_ARM} records no patch name and SHA-256 in its manifest: a "
                                "patched arm must say which patch it ran; capture it again")
         stock = build_report([run], (report.candidate.arm, COUNTERFACTUAL_ARM))
-        against_fp8 = build_report([run], (report.baseline.arm, COUNTERFACTUAL_ARM))
+        against_fp8 = (build_report([run], (report.baseline.arm, COUNTERFACTUAL_ARM))
+                       if report.baseline.arm in manifest.runs_by_arm else
+                       build_report([baseline_run, run], (report.baseline.arm, COUNTERFACTUAL_ARM)))
         return Counterfactual("measured", patch={"name": str(patch.get("name")), "sha256": str(patch["sha256"])},
                               run=run.name, against_nvfp4=_ttft(stock), against_fp8=_ttft(against_fp8),
                               copies_per_step={row.phase: (row.baseline_host_waits, row.candidate_host_waits)
                                                for row in stock.step_timeline})
     return Counterfactual(NOT_MEASURED)
+
+
+def _counterfactual_places(report: Report) -> list[Path]:
+    runs = sorted({Path(report.baseline.run), Path(report.candidate.run)})
+    places = list(runs)
+    for run in runs:
+        matrix = read_manifest(run).settings.get("matrix")
+        if isinstance(matrix, dict) and isinstance(matrix.get("run_dir"), str) and isinstance(matrix.get("root"), str):
+            place = (run / matrix["root"] / "counterfactual" / matrix["run_dir"]).resolve()
+            if place.is_relative_to((run / matrix["root"]).resolve()) and (place / "manifest.json").is_file():
+                places.append(place)
+    return places

@@ -110,7 +110,8 @@ def _counterfactual(f: HostSyncFinding) -> list[str]:
 
 
 def _waits(value) -> str:
-    return "not recorded" if value is None else f"{value:g}"
+    """A mean over steps: whole where it is whole, else to two decimals (1 wait in 6 steps is 0.17, not 0.166667)."""
+    return "not recorded" if value is None else f"{value:g}" if float(value).is_integer() else f"{value:.2f}"
 
 
 def _kernel_level(f: HostSyncFinding) -> list[str]:
