@@ -1,0 +1,64 @@
+"""The upstream draft of the host-sync finding over a scenario of the H100 capacity matrix (fixtures/vllm033-h100-matrix):
+the counterfactual arm lives in the root's counterfactual/SCENARIO, beside copies of the same rounds' stock NVFP4 runs,
+and the draft finds it there. Every number is checked against the bench client's own per-request times."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from conftest import MATRIX, MATRIX_RUNS, REPO
+
+PATCHED = "nvfp4-validate-once"
+
+
+def _ttfts(run: Path, arm: str, point: int) -> list[float]:
+    """Every request's TTFT of an arm at a point, over its runs (the bench client's --save-detailed lists)."""
+    manifest = json.loads((run / "manifest.json").read_text())
+    values = []
+    for name, record in manifest["arms"].items():
+        if record["arm"] == arm:
+            values += json.loads((run / f"{name}.p{point}.bench.json").read_text())["ttfts"]
+    return values
+
+
+@pytest.fixture(scope="module")
+def draft(tmp_path_factory):
+    from kvtrace.cli import main
+
+    out = tmp_path_factory.mktemp("draft") / "flashinfer.md"
+    assert main(["report", str(MATRIX_RUNS["sweep"]), "--upstream", "flashinfer", "-o", str(out)]) in (0, None)
+    return out.read_text()
+
+
+def test_the_draft_finds_the_matrix_counterfactual_and_names_its_patch(draft):
+    counterfactual = MATRIX / "counterfactual" / "sweep"
+    manifest = json.loads((counterfactual / "manifest.json").read_text())
+    patches = {json.dumps(r["patch"], sort_keys=True) for r in manifest["arms"].values() if r["arm"] == PATCHED}
+    (patch,) = [json.loads(p) for p in patches]
+    shipped = hashlib.sha256((REPO / patch["file"]).read_bytes()).hexdigest()
+    assert patch["sha256"] == shipped  # the arm ran the patch this checkout ships
+    assert f"arm `{PATCHED}`" in draft and f"SHA-256 `{shipped}`" in draft and "not a stock release" in draft
+    assert "not measured" not in draft.split("**With the check once per scale tensor**")[1].split("**The call alone**")[0]
+
+
+def test_the_counterfactual_ratios_are_the_bench_clients_own(draft):
+    """Patched against stock NVFP4 and against FP8, at each point the patched arm ran: the mean TTFT over every
+    request of every run, patched over the other (each run holds as many requests)."""
+    counterfactual = MATRIX / "counterfactual" / "sweep"
+    points = json.loads((counterfactual / "manifest.json").read_text())["settings"]["points"]
+    section = draft.split("**With the check once per scale tensor**")[1].split("###")[0]
+    rows = re.findall(r"^\| `([^`]+)` \| ([0-9.]+)× \[[^|]*\| ([0-9.]+)× \[", section, flags=re.M)
+    assert [row[0] for row in rows] == points
+    sweep_points = json.loads((MATRIX_RUNS["sweep"] / "manifest.json").read_text())["settings"]["points"]
+    for index, (point, against_stock, against_fp8) in enumerate(rows):
+        patched = _ttfts(counterfactual, PATCHED, index)
+        stock = _ttfts(counterfactual, "nvfp4", index)
+        fp8 = _ttfts(MATRIX_RUNS["sweep"], "fp8", sweep_points.index(point))
+        mean = lambda values: sum(values) / len(values)  # noqa: E731
+        assert against_stock == f"{mean(patched) / mean(stock):.3f}"
+        assert against_fp8 == f"{mean(patched) / mean(fp8):.3f}"
