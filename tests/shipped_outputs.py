@@ -17,8 +17,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from conftest import (NSYS2025_DIR, PACKED_RUNS, RECORDED_REPORT, SERVE_RUNS, VLLM033_8B_RUNS, VLLM033_RUNS,
-                      _run_in_process)
+from conftest import (MATRIX, MATRIX_RUNS, NSYS2025_DIR, PACKED_RUNS, RECORDED_REPORT, SERVE_RUNS, VLLM033_8B_RUNS,
+                      VLLM033_RUNS, _run_in_process)
 
 FORMATS = {"markdown": "md", "json": "json"}
 SERVE_SCENARIOS = sorted({name.rsplit("-", 1)[0] for name in SERVE_RUNS})
@@ -28,7 +28,8 @@ def commands() -> dict[str, list]:
     """name -> kvtrace arguments (less --format and -o), one per output kind and input."""
     found: dict[str, list] = {}
     runs = {**PACKED_RUNS, **{f"vllm033-{name}": path for name, path in VLLM033_RUNS.items()},
-            **{f"vllm033-8b-{name}": path for name, path in VLLM033_8B_RUNS.items()}}
+            **{f"vllm033-8b-{name}": path for name, path in VLLM033_8B_RUNS.items()},
+            **{f"vllm033-h100-matrix-{name}": path for name, path in MATRIX_RUNS.items()}}
     for name, path in runs.items():
         if name != "fi-h200-sm90-nsys2023":  # its manifest records both arms as failed (nsys wrote no report)
             found[f"report.{name}"] = ["report", path]
@@ -42,6 +43,8 @@ def commands() -> dict[str, list]:
         found[f"diff.serve-{scenario}"] = ["diff", auto / "auto.sqlite", fp8 / "fp8.sqlite"]
     found["matrix.vllm033"] = ["matrix", *VLLM033_RUNS.values()]
     found["matrix.vllm033-8b"] = ["matrix", *VLLM033_8B_RUNS.values()]
+    found["matrix.vllm033-h100-matrix"] = ["matrix", MATRIX]
+    found["matrix.vllm033-h100-matrix-counterfactual"] = ["matrix", MATRIX / "counterfactual"]
     return found
 
 
