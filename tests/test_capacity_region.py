@@ -206,23 +206,29 @@ def _arm(run: Path, name: str) -> dict:
     return json.loads((run / "manifest.json").read_text())["arms"][name]
 
 
-@pytest.mark.parametrize("repeat", ["r1", "r2"])
-def test_fp8_preempts_and_nvfp4_does_not(repeat):
+@pytest.mark.parametrize("run, repeat", [("H200", "r1"), ("H200", "r2"), ("H100", "r1"), ("H100", "r2"),
+                                         ("H100", "r3")])
+def test_fp8_preempts_and_nvfp4_does_not(run, repeat):
     """32 requests of 1,024 + 512 tokens at concurrency 16 need 24,576 tokens at the end of a wave: past FP8's
-    16,384 and inside NVFP4's 29,120. The preemptions are the server's counter across the traffic (the scrapes
-    before and after it, read here as text), the completions the bench client's."""
+    16,384 and inside NVFP4's 29,120, on the H200 (--repeats 2) and in the H100 matrix (3 run pairs). The preemptions
+    are the server's counter across the traffic (the scrapes before and after it, read here as text), the completions
+    the bench client's. The polled peak KV-cache usage is higher where the server preempted, and below full where it
+    did not."""
+    path = PREEMPTION if run == "H200" else MATRIX_RUNS["preemption"]
+    usage = {}
     for arm, preempted in (("fp8", True), ("nvfp4", False)):
-        name = f"{arm}.{repeat}"
-        (point,) = _arm(PREEMPTION, name)["points"]
-        counted = (_prom(PREEMPTION / f"{name}.metrics.after.prom", "vllm:num_preemptions_total")
-                   - _prom(PREEMPTION / f"{name}.metrics.before.prom", "vllm:num_preemptions_total"))
-        assert counted == point["metrics"]["deltas"]["counters"]["vllm:num_preemptions_total"]
+        (point,) = _arm(path, f"{arm}.{repeat}")["points"]
+        metrics = point["metrics"]
+        counted = (_prom(path / metrics["after"], "vllm:num_preemptions_total")
+                   - _prom(path / metrics["before"], "vllm:num_preemptions_total"))
+        assert counted == metrics["deltas"]["counters"]["vllm:num_preemptions_total"]
         assert (counted > 0) == preempted
-        bench = json.loads((PREEMPTION / point["bench_result"]).read_text())
+        bench = json.loads((path / point["bench_result"]).read_text())
         assert bench["completed"] == 32 and bench["failed"] == 0
-        peaks = point["metrics"]["peaks"]
-        assert (peaks["vllm:kv_cache_usage_perc"] == 1.0) == preempted
-        assert peaks["vllm:num_requests_running"] <= 16
+        assert 32 * 1024 == bench["total_input_tokens"] and 32 * 512 == bench["total_output_tokens"]
+        usage[arm] = metrics["peaks"]["vllm:kv_cache_usage_perc"]
+        assert metrics["peaks"]["vllm:num_requests_running"] <= 16
+    assert usage["nvfp4"] < usage["fp8"] <= 1 and usage["nvfp4"] < 1
 
 
 def test_the_preemption_report_calls_the_ttft_change_capacity_not_kernel(preemption_report):

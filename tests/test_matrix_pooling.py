@@ -307,6 +307,7 @@ def test_a_pooled_claim_gives_every_pooled_runs_server_measures(both, sessions, 
 
 def _queue_ms(run: Path, arm: str, point: str) -> float:
     """An arm's mean time queued at a point: the server's histogram of it, across the traffic."""
-    (entry,) = [p for p in json.loads((run / "manifest.json").read_text())["arms"][arm]["points"] if p["point"] == point]
+    points = json.loads((run / "manifest.json").read_text())["arms"][arm]["points"]
+    (entry,) = [p for p in points if p["point"] == point]
     histogram = entry["metrics"]["deltas"]["histograms"]["vllm:request_queue_time_seconds"]
     return 1000 * histogram["sum"] / histogram["count"]
