@@ -1,9 +1,11 @@
-"""What `kvtrace matrix` and `kvtrace report` say over the four vLLM 0.33 runs on the Llama-3.1-8B-shaped model
-(fixtures/vllm033-h200-8b): the capacity-bound region's decision lines, the server's measures beside them, the
-bench's wall time, and no interval that is not a number.
+"""What `kvtrace matrix` and `kvtrace report` say over the vLLM 0.33 runs on the Llama-3.1-8B-shaped model: the
+capacity matrix recorded on an NVIDIA H100 80GB HBM3 (fixtures/vllm033-h100-matrix, 3 run pairs per point) and the
+older H200 preemption run with --repeats 2 (fixtures/vllm033-h200-8b): the capacity-bound region's decision lines,
+the server's measures beside them, the bench's wall time, and no interval that is not a number.
 
 Numbers are checked against what kvtrace did not compute: the run directories' manifests (/metrics counters and
-histograms), the bench result files, and a diff of the one run pair whose steps matched.
+histograms, peaks), the servers' startup logs, the bench result files, and a diff of the one run pair whose steps
+matched.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import pytest
 from rich.console import Console
 
 from conftest import MATRIX_RUNS, VLLM033_8B_RUNS, deciding_on_any_run_pairs
-from kvtrace.analyzer import claims as claims_lib, compare, matrix, report
+from kvtrace.analyzer import budget, claims as claims_lib, compare, matrix, report
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.load import open_traces
 from kvtrace.analyzer.render import render_table, render_text
@@ -52,6 +54,12 @@ def decision(capacity_matrix):
 
 
 @pytest.fixture(scope="module")
+def h100(shared):
+    """The decision over the whole H100 matrix: cold prefill, prefix reuse, preemption and the sweep."""
+    return shared.matrix([MATRIX_RUNS[name] for name in sorted(MATRIX_RUNS)])
+
+
+@pytest.fixture(scope="module")
 def decided(recipes):
     """The same matrix as if one or two run pairs could decide (none can): the reasons a decided point gives."""
     with deciding_on_any_run_pairs():
@@ -60,8 +68,13 @@ def decided(recipes):
 
 def _points(run, arm: str) -> list[dict]:
     """An arm's points as the capture recorded them (a --repeats arm's every run, in repeat order)."""
+    return [point for points in _runs(run, arm) for point in points]
+
+
+def _runs(run, arm: str) -> list[list[dict]]:
+    """An arm's runs, in repeat order, each its points."""
     arms = json.loads((run / "manifest.json").read_text())["arms"]
-    return [point for name in sorted(arms) if name.split(".")[0] == arm for point in arms[name]["points"]]
+    return [arms[name]["points"] for name in sorted(arms) if name.split(".")[0] == arm]
 
 
 def _counter(point: dict, name: str) -> float:
@@ -141,37 +154,69 @@ def test_an_interval_that_is_not_a_number_is_no_interval():
 
 # ---- counts and their nouns ----------------------------------------------------------------------------------
 
-def test_one_preemption_is_singular(decision):
-    """The sweep's last point: NVFP4 preempted once (its /metrics counter), FP8 not at all."""
-    last = _points(SWEEP, "nvfp4")[-1]
-    assert _counter(last, "vllm:num_preemptions_total") == 1
-    point = next(p for s in decision.scenarios for p in s.points if p.scenario.startswith("sweep") and
-                 p.point == last["point"])
-    assert point.candidate_capacity == "1 preemption"
-    body = " ".join(" ".join(row) for row in table(decision, str)[1])
+def _sweep_copy(tmp_path: Path, edit) -> Path:
+    """A copy of the matrix's sweep with `edit(arm name, its points)` applied to each arm in its manifest."""
+    copy = tmp_path / SWEEP.name
+    shutil.copytree(SWEEP, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    for name, arm in manifest["arms"].items():
+        edit(name, arm["points"])
+    (copy / "manifest.json").chmod(0o644)
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    return copy
+
+
+def _body(result) -> str:
+    return " ".join(" ".join(row) for row in table(result, str)[1])
+
+
+def test_one_preemption_is_singular(h100, tmp_path, recipes):
+    """The sweep's last point: NVFP4 preempted twice in every run (its /metrics counter), FP8 not at all; the same
+    sweep with NVFP4's counter there set to 1 (synthetic: no recorded point preempted once) says it in the singular."""
+    last = [points[-1] for points in _runs(SWEEP, "nvfp4")]
+    assert [_counter(p, "vllm:num_preemptions_total") for p in last] == [2, 2, 2]
+    point = next(p for s in h100.scenarios for p in s.points if s.name.startswith("sweep") and
+                 p.point == last[0]["point"])
+    assert point.candidate_capacity == "2 preemptions" and "nvfp4: 2 preemptions" in _body(h100)
+
+    def once(name, points):
+        if name.startswith("nvfp4"):
+            points[-1]["metrics"]["deltas"]["counters"]["vllm:num_preemptions_total"] = 1
+
+    result = matrix.build([_sweep_copy(tmp_path, once)], recipes)
+    assert result.points[-1].candidate_capacity == "1 preemption"
+    body = _body(result)
     assert "nvfp4: 1 preemption" in body and "1 preemptions" not in body
     assert [plural(n, "preemption") for n in (0, 1, 9)] == ["preemptions", "preemption", "preemptions"]
 
 
 # ---- residency where prefix caching happened ------------------------------------------------------------------
 
-def test_residency_is_stated_only_where_prefix_caching_happened(decision):
-    """Of the serve points, only prefix reuse served prompt tokens from the cache (the server's per-request counts,
-    from the relay's files) or evicted cached blocks: it alone gets a residency sentence."""
-    cached = {}
-    for name in ("capacity-preemption", "capacity-prefix-reuse", "capacity-sweep"):
-        run = VLLM033_8B_RUNS[name]
-        for arm in ("fp8", "nvfp4"):
-            for point in _points(run, arm):
-                requests = json.loads((run / point["requests"]["file"]).read_text())
-                removed = (point.get("kv_events") or {}).get("BlockRemoved", 0)
-                key = (name, point["point"])
-                cached[key] = cached.get(key, False) or sum(r["cached_tokens"] for r in requests) > 0 or removed > 0
-    assert sum(cached.values()) == 1
-    claims = [c for c in decision.claims if c.kind == "residency"]
-    assert [c.point for c in claims] == [point for (_, point), used in cached.items() if used]
-    words = "\n".join(claim_text(c, decision) for c in decision.claims)
-    assert words.count("Residency at") == 1 and "the same share" not in words
+def test_residency_is_stated_only_where_prefix_caching_happened(h100):
+    """A residency sentence wherever either arm served prompt tokens from its prefix cache (the server's per-request
+    counts, from the relay's files) or evicted cached blocks (its KV-cache events): in the matrix every point's pool
+    turned over, so every point has one; only prefix reuse served prompt tokens from the cache, and only there does
+    a share differ. The counts are the first run's, as the claim states them."""
+    used, differs = {}, {}
+    for name, run in MATRIX_RUNS.items():
+        first = {arm: _runs(run, arm)[0] for arm in ("fp8", "nvfp4")}
+        for fp8, nvfp4 in zip(first["fp8"], first["nvfp4"], strict=True):
+            cached = [sum(r["cached_tokens"] for r in json.loads((run / p["requests"]["file"]).read_text()))
+                      for p in (fp8, nvfp4)]
+            removed = [p["kv_events"]["BlockRemoved"] for p in (fp8, nvfp4)]
+            used[fp8["point"]] = any(cached) or any(removed)
+            differs[fp8["point"]] = cached[0] != cached[1]
+    assert all(used.values()) and [point for point, d in differs.items() if d] == [
+        _runs(MATRIX_RUNS["prefix-reuse"], "fp8")[0][0]["point"]]
+    claims = [c for c in h100.claims if c.kind == "residency"]
+    assert sorted(c.point for c in claims) == sorted(point for point, u in used.items() if u)
+    for claim in claims:
+        words = claim_text(claim, h100)
+        assert words.startswith(f"Residency at {claim.point}")
+        assert ("the same share" in words) == (not differs[claim.point])
+        assert ("residency, a capacity effect, not a faster kernel" in words) == differs[claim.point]
+    text = "\n".join(claim_text(c, h100) for c in h100.claims)
+    assert text.count("Residency at") == len(used)
 
 
 # ---- capacity: the server's measures, one arm bound or both -----------------------------------------------
@@ -214,69 +259,87 @@ def test_where_capacity_binds_for_one_arm_the_server_measures_stand_beside_it(de
     assert "preemptions 9 and 9 against 0 and 0" in words and "TTFT mean" in words
 
 
-def test_where_capacity_binds_for_both_arms_the_decision_says_so(decided):
-    """The sweep's last point: FP8's demand exceeds its pool and NVFP4 preempted once. The sweep points where FP8 alone
-    is bound (concurrency 8 to 12) are capacity claims too, each with the server's measures: every point is pooled
-    with the later session's (capacity-sweep-repeats, whose one complete run pair is fp8.r1 + nvfp4.r1), so each
-    measure is given for the sweep's run, then that one."""
-    fp8_points, nvfp4_points = _points(SWEEP, "fp8"), _points(SWEEP, "nvfp4")
-    later = {arm: {p["point"]: p for p in _points(MATRIX_RUNS["sweep"], arm)
-                   if p["bench_result"].startswith(f"{arm}.r1")} for arm in ("fp8", "nvfp4")}
-    claims = _capacity_claims(decided, SWEEP)
-    both = claims[fp8_points[-1]["point"]]
-    assert both.outcome.baseline_capacity.startswith("30,464 KV tokens needed of 16,384")
-    assert both.outcome.candidate_capacity == "1 preemption" and both.outcome.preemptions == (0, 1)
-    words = claim_text(both, decided)
-    assert "Where capacity binds for both arms" in words and "and so is nvfp4 (1 preemption)" in words
-    last = fp8_points[-1]["point"]
-    assert (f"mean time queued {_queue_ms(fp8_points[-1]):.1f} ms and {_queue_ms(later['fp8'][last]):.1f} ms against "
-            f"{_queue_ms(nvfp4_points[-1]):.1f} ms and {_queue_ms(later['nvfp4'][last]):.1f} ms") in words
-    fp8_only = [p["point"] for p in fp8_points[2:5]]
-    for point in fp8_only:
+def _kv_tokens(run: Path, arm: str) -> int:
+    """The arm's KV pool in tokens, as its server logged it at startup."""
+    (tokens,) = re.findall(r"GPU KV cache size: ([\d,]+) tokens", (run / f"{arm}.server.log").read_text())
+    return int(tokens.replace(",", ""))
+
+
+def _needed(point: dict) -> int:
+    """The KV tokens a point's requests in flight need at their end: concurrency × (prompt + output), the bench's."""
+    bench = json.loads((SWEEP / point["bench_result"]).read_text())
+    return bench["max_concurrency"] * (bench["total_input_tokens"] + bench["total_output_tokens"]) // bench["completed"]
+
+
+def test_where_capacity_binds_for_both_arms_the_decision_says_so(h100):
+    """The sweep's last point: FP8's demand exceeds its pool and NVFP4 preempted twice in each run. The sweep points
+    where FP8 alone is bound (concurrency 8 and 12) are capacity claims too, each with the server's measures of each
+    of the 3 runs, in order."""
+    fp8_runs, nvfp4_runs = _runs(SWEEP, "fp8"), _runs(SWEEP, "nvfp4")
+    pool = _kv_tokens(SWEEP, "fp8")
+    claims = _capacity_claims(h100, SWEEP)
+    last = fp8_runs[0][-1]
+    both = claims[last["point"]]
+    assert both.outcome.baseline_capacity == f"{_needed(last):,} KV tokens needed of {pool:,} available"
+    assert _needed(last) > pool and _needed(last) > _kv_tokens(SWEEP, "nvfp4")
+    assert both.outcome.candidate_capacity == "2 preemptions"
+    assert both.outcome.server_runs.preemptions == tuple(
+        tuple(_counter(run[-1], "vllm:num_preemptions_total") for run in runs) for runs in (fp8_runs, nvfp4_runs)) \
+        == ((0, 0, 0), (2, 2, 2))
+    words = claim_text(both, h100)
+    assert "Where capacity binds for both arms" in words and "and so is nvfp4 (2 preemptions)" in words
+    queued = [" and ".join(f"{_queue_ms(run[-1]):,.1f} ms" for run in runs) for runs in (fp8_runs, nvfp4_runs)]
+    assert f"mean time queued {queued[0]} against {queued[1]} (each of its 3 runs, in order)" in words
+    fp8_only = [p["point"] for p in fp8_runs[0][1:3]]
+    for index, point in enumerate(fp8_only, start=1):
         v = claims[point].outcome
-        assert v.baseline_capacity and not v.candidate_capacity
-        assert "and nvfp4 is not; the server measured, fp8 against nvfp4: preemptions 0 and 0 against 0 and 0" in \
-            claim_text(claims[point], decided)
-    assert set(claims) == {fp8_points[-1]["point"], *fp8_only}
+        assert v.baseline_capacity == f"{_needed(fp8_runs[0][index]):,} KV tokens needed of {pool:,} available"
+        assert not v.candidate_capacity and _needed(fp8_runs[0][index]) <= _kv_tokens(SWEEP, "nvfp4")
+        assert "and nvfp4 is not; the server measured, fp8 against nvfp4: preemptions 0 and 0 and 0 against 0 and 0 " \
+            "and 0" in claim_text(claims[point], h100)
+    assert _needed(fp8_runs[0][0]) <= pool and set(claims) == {last["point"], *fp8_only}
 
 
-def test_where_both_arms_are_bound_the_one_bound_less_wins_by_capacity(decided):
-    """At concurrency 14 both sweeps' NVFP4 preempted once, so both arms are capacity-bound; but the server saw NVFP4
-    run up to 13-14 requests at once against FP8's 7. Pooled over both sessions NVFP4's TTFT clears the band, and the
-    win is credited to the capacity effect its TTFT budget measures (queue time carries it), not to a kernel."""
+def test_where_both_arms_are_bound_the_one_bound_less_wins_by_capacity(h100):
+    """At concurrency 16 NVFP4 preempted, so both arms are capacity-bound; but the server saw NVFP4 run up to 14
+    requests at once against FP8's 7. Three run pairs decide NVFP4's TTFT past the band, and the win is credited to
+    the capacity effect its TTFT budget measures (queue time carries it: shorter in every run pair), not to a kernel."""
     last = _points(SWEEP, "fp8")[-1]["point"]
-    points = [p for s in decided.scenarios for p in s.points if p.point == last]
-    assert len(points) == 2 and all(p.pooled_with for p in points)
-    for p in points:
-        running = (p.serving.baseline.peak_running, p.serving.candidate.peak_running)
-        assert p.baseline_capacity and p.candidate_capacity and running[1] > running[0] == 7
-        assert p.estimate.high < 1 and p.winner == "candidate" and p.causes == (matrix.CAPACITY,)
-    words = claim_text(_capacity_claims(decided, SWEEP)[last], decided)
+    (p,) = [p for s in h100.scenarios for p in s.points if s.name.startswith("sweep") and p.point == last]
+    fp8, nvfp4 = ([run[-1] for run in _runs(SWEEP, arm)] for arm in ("fp8", "nvfp4"))
+    assert all(_queue_ms(b) < _queue_ms(a) for a, b in zip(fp8, nvfp4, strict=True))
+    running = (p.serving.baseline.peak_running, p.serving.candidate.peak_running)
+    assert p.baseline_capacity and p.candidate_capacity and running[1] > running[0] == 7
+    assert p.estimate.runs == 3 and p.estimate.high < 1 and p.winner == "candidate" and p.causes == (matrix.CAPACITY,)
+    assert p.reason.budget.carrier == "queue" and p.reason.budget.part("queue").high_ms < 0
+    words = claim_text(_capacity_claims(h100, SWEEP)[last], h100)
     assert "nvfp4 wins, by a capacity effect, its requests queued less (queue time −" in words
-    assert "peak running requests 7 and 7 against 14 and 13" in words and words.endswith("not kernel speed.")
+    peaks = [" and ".join(f"{q['metrics']['peaks']['vllm:num_requests_running']:,.0f}" for q in arm)
+             for arm in (fp8, nvfp4)]
+    assert f"peak running requests {peaks[0]} against {peaks[1]}" in words and words.endswith("not kernel speed.")
 
 
-def test_a_capacity_win_rests_on_queue_time_not_on_polled_peaks(tmp_path, recipes):
-    """The same point with NVFP4's observed peak running set to FP8's (a constructed copy): both bound alike by the
-    polls, yet the win stays a capacity effect, since the server's queue time (untouched) carries the TTFT
-    difference in every run pair."""
-    copies = []
-    for run in (SWEEP, MATRIX_RUNS["sweep"]):
-        copy = tmp_path / run.name
-        shutil.copytree(run, copy)
-        manifest = json.loads((copy / "manifest.json").read_text())
-        for name, arm in manifest["arms"].items():
-            if name.startswith("nvfp4") and arm["points"]:
-                arm["points"][-1]["metrics"]["peaks"]["vllm:num_requests_running"] = 7
-        (copy / "manifest.json").write_text(json.dumps(manifest))
-        copies.append(copy)
-    last = _points(SWEEP, "fp8")[-1]["point"]
-    with deciding_on_any_run_pairs():
-        points = [p for s in matrix.build(copies, recipes).scenarios for p in s.points if p.point == last]
-    for run in (SWEEP, MATRIX_RUNS["sweep"]):
-        fp8, nvfp4 = (next(p for p in _points(run, arm)[::-1] if p["point"] == last) for arm in ("fp8", "nvfp4"))
-        assert _queue_ms(nvfp4) - _queue_ms(fp8) < -500  # the queue carries a TTFT difference of some −450 ms
-    assert points and all(p.winner == "candidate" and p.causes == (matrix.CAPACITY,) for p in points)
+def test_a_capacity_win_needs_the_winner_to_have_had_more_room(tmp_path, recipes):
+    """The sweep with NVFP4's observed peak running set to FP8's 7 at concurrency 12 and 16 (a constructed copy),
+    queue times untouched. At 12 FP8 alone is bound (its demand past its pool, NVFP4's inside its own): the win stays
+    a capacity effect, resting on the bound and the queue time, not on the polls. At 16 both are bound and the polls
+    now show NVFP4 no roomier: its shorter queue may be shorter work ahead, so nothing measured there explains the
+    win, and none is credited."""
+    def as_fp8(name, points):
+        if name.startswith("nvfp4"):
+            for point in points[2:]:
+                point["metrics"]["peaks"]["vllm:num_requests_running"] = 7
+
+    result = matrix.build([_sweep_copy(tmp_path, as_fp8)], recipes)
+    for runs in zip(*(_runs(SWEEP, arm) for arm in ("fp8", "nvfp4"))):
+        for fp8, nvfp4 in zip(*(run[2:] for run in runs), strict=True):
+            assert _queue_ms(nvfp4) - _queue_ms(fp8) < -500  # the queue carries a TTFT difference of some −750 ms
+    twelve, sixteen = result.points[2:]
+    assert twelve.baseline_capacity and not twelve.candidate_capacity
+    assert twelve.winner == "candidate" and twelve.causes == (matrix.CAPACITY,)
+    assert sixteen.baseline_capacity and sixteen.candidate_capacity and sixteen.estimate.high < 1
+    assert sixteen.reason.cause == budget.CAPACITY  # the budget's carrier is still the queue
+    assert sixteen.winner == matrix.NOT_EXPLAINED and sixteen.apparent == "candidate" and sixteen.causes == ()
 
 
 # ---- the bench's wall time -----------------------------------------------------------------------------------
@@ -300,11 +363,23 @@ def test_the_report_states_the_benchs_wall_time(preemption):
     assert data["baseline"] == pytest.approx(mean(durations["fp8"])) and data["runs"] == 2
 
 
-def test_one_run_per_arm_gives_the_wall_time_no_interval(shared):
-    """The sweep ran once per arm: its points' wall times are the bench's own, with no interval."""
-    result = shared.report([SWEEP])
-    for row, fp8, nvfp4 in zip(result.serving, _points(SWEEP, "fp8"), _points(SWEEP, "nvfp4")):
+def test_one_run_per_arm_gives_the_wall_time_no_interval(recipes):
+    """The sweep's first run pair named alone (RUNDIR/fp8.r1 and RUNDIR/nvfp4.r1): its points' wall times are the
+    bench's own, with no interval; over all 3 run pairs each arm's mean of the bench's durations, with one."""
+    result = report.build([SWEEP / "fp8.r1", SWEEP / "nvfp4.r1"], recipes)
+    first = {arm: _runs(SWEEP, arm)[0] for arm in ("fp8", "nvfp4")}
+    for row, fp8, nvfp4 in zip(result.serving, first["fp8"], first["nvfp4"], strict=True):
         estimate = row.estimates["duration_s"]
         assert estimate.baseline == pytest.approx(json.loads((SWEEP / fp8["bench_result"]).read_text())["duration"])
         assert estimate.candidate == pytest.approx(json.loads((SWEEP / nvfp4["bench_result"]).read_text())["duration"])
         assert estimate.low is None and estimate.method == serving_intervals.NO_INTERVAL
+    whole = report.build([SWEEP], recipes)
+    for index, row in enumerate(whole.serving):
+        durations = {arm: [json.loads((SWEEP / run[index]["bench_result"]).read_text())["duration"]
+                           for run in _runs(SWEEP, arm)] for arm in ("fp8", "nvfp4")}
+        estimate = row.estimates["duration_s"]
+        assert estimate.baseline == pytest.approx(mean(durations["fp8"]))
+        assert estimate.candidate == pytest.approx(mean(durations["nvfp4"]))
+        assert estimate.ratio == pytest.approx(sum(durations["nvfp4"]) / sum(durations["fp8"]))
+        assert estimate.runs == 3 and estimate.method == serving_intervals.RUN_MEANS
+        assert estimate.low < estimate.ratio < estimate.high

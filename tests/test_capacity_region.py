@@ -1,7 +1,9 @@
-"""The capacity-bound region on the H200 (issue 33): vLLM 0.33, FP8 against NVFP4 on the Llama-3.1-8B-shaped dummy
-model (fixtures/vllm033-h200-8b, fixtures/README.md). Prefix reuse past FP8's pool and the preemption case, each
-with --repeats 2, the sweep across FP8's capacity (once per arm, then again with --repeats 2, which the device's time
-cut short after three of its four runs), and the matched cold prefill.
+"""The capacity-bound region (issues 33 and 46): vLLM 0.33, FP8 against NVFP4 on the Llama-3.1-8B-shaped dummy model.
+Prefix reuse past FP8's pool, the sweep across FP8's capacity and the preemption case come from the capacity matrix
+recorded on an NVIDIA H100 80GB HBM3 (fixtures/vllm033-h100-matrix: one server per arm, 3 interleaved run pairs per
+point, 1 GiB of KV pool: 16,384 tokens FP8, 29,120 NVFP4); the matched offline cold prefill and the preemption run
+with --repeats 2 are the older H200 recordings (fixtures/vllm033-h200-8b). A capture stopped early is the matrix's
+sweep with its last run marked "not run" (a constructed copy).
 
 Every number is checked against a source kvtrace did not compute: the server's per-request counts (the usage
 relay's files) against its /metrics counters and the bench client's own per-request lists, the evictions against
@@ -11,13 +13,15 @@ the raw KV-event stream, and the kernel rows against plain SQL over the exports.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sqlite3
+from datetime import datetime
 from pathlib import Path
 
 import pytest
 
-from conftest import MATRIX_RUNS, VLLM033_8B_RUNS
+from conftest import MATRIX, MATRIX_RUNS, VLLM033_8B_RUNS
 from kvtrace.analyzer import budget, matrix, report, statements
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.render import render_text
@@ -25,14 +29,17 @@ from kvtrace.analyzer.render.escape import md_prose
 from kvtrace.analyzer.render.matrix import claim_text
 from kvtrace.analyzer.render.statements import text as statement_text
 from kvtrace.analyzer.reuse import REUSED_SHARE
+from kvtrace.analyzer.stats.verdicts import Verdict
 from kvtrace.errors import KvtraceError
+from test_matrix_pooling import run_pair_means, t_interval
 
 PREFIX = MATRIX_RUNS["prefix-reuse"]
 COLD = VLLM033_8B_RUNS["capacity-cold-prefill"]
 PREEMPTION = VLLM033_8B_RUNS["capacity-preemption"]
 SWEEP = MATRIX_RUNS["sweep"]
-SWEEP_REPEATS = MATRIX_RUNS["sweep"]
-RUNS = ("fp8.r1", "nvfp4.r1", "fp8.r2", "nvfp4.r2")
+RUNS = ("fp8.r1", "nvfp4.r1", "fp8.r2", "nvfp4.r2", "fp8.r3", "nvfp4.r3")
+REPEATS = ("r1", "r2", "r3")
+TOKENS_PER_REQUEST = 2048 + 128  # the sweep's prompt and output
 
 
 @pytest.fixture(scope="module")
@@ -68,27 +75,38 @@ def test_each_requests_cached_tokens_add_up_to_the_servers_counter(run):
 
 @pytest.mark.parametrize("run", RUNS)
 def test_evictions_are_the_raw_event_streams_own(run):
-    """The arm's totals are the event file's sums, its batches arrived without a gap, and the point's evictions are
-    within them."""
-    manifest = json.loads((PREFIX / "manifest.json").read_text())["arms"][run]
-    lines = [json.loads(line) for line in (PREFIX / manifest["kv_events"]["file"]).read_text().splitlines()]
-    totals = manifest["kv_events"]["totals"]
-    assert [line["seq"] for line in lines] == list(range(len(lines))) and totals["batches"] == len(lines)
+    """One server per arm records its whole life's KV events (servers/ARM/kv-events.jsonl), and the prefix cache is
+    reset before every point: the point's counts are the stream's batches from the first reset after the point
+    started, as many as it counted, in a row, summed; the stream arrived without a gap."""
+    arm = json.loads((PREFIX / "manifest.json").read_text())["arms"][run]
+    lines = [json.loads(line) for line in (MATRIX / "servers" / arm["server"] / "kv-events.jsonl").read_text()
+             .splitlines()]
+    assert [line["seq"] for line in lines] == list(range(len(lines)))
+    point = _point(run)
+    events, started = point["kv_events"], datetime.fromisoformat(point["started_utc"]).timestamp()
+    first = next(i for i, line in enumerate(lines) if line["AllBlocksCleared"] and line["ts"] >= started)
+    assert lines[first]["ts"] < started + point["seconds"]
+    batches = lines[first:first + events["batches"]]
     for kind in ("BlockStored", "BlockRemoved", "AllBlocksCleared"):
-        assert sum(line[kind] for line in lines) == totals[kind]
-    events = _point(run)["kv_events"]
-    assert events["exact"] and 0 < events["BlockRemoved"] <= totals["BlockRemoved"]
+        assert sum(line[kind] for line in batches) == events[kind]
+    assert events["exact"] and events["AllBlocksCleared"] == 1 and events["BlockRemoved"] > 0
 
 
-def test_nvfp4s_pool_holds_the_prefixes_and_evicts_less_in_both_repeats():
+def _kv_tokens(run: Path, arm: str) -> int:
+    """The arm's KV pool in tokens, as its server logged it at startup."""
+    (tokens,) = re.findall(r"GPU KV cache size: ([\d,]+) tokens", (run / f"{arm}.server.log").read_text())
+    return int(tokens.replace(",", ""))
+
+
+def test_nvfp4s_pool_holds_the_prefixes_and_evicts_less_in_every_repeat():
     """12 prefixes of 2,048 tokens are 1.5x FP8's pool of 16,384 tokens and inside NVFP4's 29,120 (the startup log)."""
-    for repeat in ("r1", "r2"):
+    assert (_kv_tokens(PREFIX, "fp8"), _kv_tokens(PREFIX, "nvfp4")) == (16384, 29120)
+    assert _kv_tokens(PREFIX, "fp8") < 12 * 2048 <= _kv_tokens(PREFIX, "nvfp4")
+    for repeat in REPEATS:
         fp8, nvfp4 = _point(f"fp8.{repeat}"), _point(f"nvfp4.{repeat}")
         assert nvfp4["requests"]["cached_share"] > fp8["requests"]["cached_share"] + 0.25
         assert nvfp4["kv_events"]["BlockRemoved"] * 5 < fp8["kv_events"]["BlockRemoved"]
         assert _reused(f"nvfp4.{repeat}") > _reused(f"fp8.{repeat}")
-    for run, tokens in (("fp8.r1", 16384), ("nvfp4.r1", 29120)):
-        assert f"GPU KV cache size: {tokens:,} tokens" in (PREFIX / f"{run}.log").read_text()
 
 
 def _sql_mean(path: Path, like: str) -> float:
@@ -113,6 +131,9 @@ def test_the_cold_prefill_kernel_row_is_plain_sqls(shared):
 
 
 def test_the_report_keeps_residency_apart_from_the_slower_kernel(shared):
+    """NVFP4's prefix hits are stated as residency beside its slower prefill kernel; three run pairs decide the TTFT
+    (no significant difference, the interval recomputed here from the bench's per-request TTFTs), so the words say
+    the hits did not make up for the kernels, and credit no kernel."""
     result = shared.report([PREFIX])
     (ttft,) = [s for s in result.statements if s.check == "ttft"]
     assert ttft.reading == statements.PREFIX_HIT_SLOWER and ttft.prefill_verdict == "regression"
@@ -121,29 +142,37 @@ def test_the_report_keeps_residency_apart_from_the_slower_kernel(shared):
     assert f"{_reused('nvfp4.r1')} of nvfp4's 96 requests had at least half their prompt served" in words
     assert f"against {_reused('fp8.r1')} of fp8's 96 requests" in words
     assert f"nvfp4 evicted {removed[0]:,} cached KV blocks against {removed[1]:,}" in words
-    # Two run pairs decide nothing: the words say what was measured and what would decide it, never that the hits
-    # did not make up for the kernels.
-    assert "not a faster prefill kernel" in words and "its TTFT is not lower" not in words
-    assert "too few runs to decide (2 run pairs, 3 needed): record --repeats 3" in words
+    (spec, pairs), = run_pair_means(PREFIX).items()
+    ratio, low, high = t_interval(pairs)
+    assert low < 1 < high and len(pairs) == 3
+    assert (ttft.estimate.runs, ttft.estimate.verdict) == (3, Verdict.NO_CHANGE)
+    assert (ttft.estimate.ratio, ttft.estimate.low, ttft.estimate.high) == pytest.approx((ratio, low, high), rel=1e-6)
+    assert f"the mean over 3 run pairs {ratio:.3f}× [{low:.3f}, {high:.3f}], no significant difference" in words
+    assert "the prefix hits did not make up for them: its TTFT is not lower" in words
+    assert "The extra prefix hits are a capacity / prefix-hit win for nvfp4, not a faster kernel: its prefill " \
+        "attention kernels regressed" in words and "too few runs" not in words
     checks = [c for m in (result.serving[0].baseline, result.serving[0].candidate) for c in m.checks
               if c.first.startswith("the server, per request")]
     assert len(checks) == 2 and all(c.agree for c in checks)
 
 
 def test_the_matrix_states_the_residency_beside_the_cold_kernel(recipes):
-    """The decision over both runs: NVFP4's residency (its share of cached prompt tokens, its evictions) stated
-    beside its slower prefill kernel on the matched cold prefill, and no TTFT choice for it on the strength of
-    the residency."""
-    result = matrix.build([COLD, PREFIX], recipes)
-    (claim,) = [c for c in result.claims if c.kind == "residency"]
+    """The decision over the matrix's cold prefill and prefix reuse (one session, one H100): NVFP4's residency (its
+    share of cached prompt tokens, its evictions) stated beside its slower prefill kernel on the matched cold
+    prefill; three run pairs decide no TTFT difference there, so the residency buys NVFP4 no TTFT choice."""
+    result = matrix.build([MATRIX_RUNS["cold-prefill"], PREFIX], recipes)
+    spec = _point("fp8.r1")["point"]
+    (claim,) = [c for c in result.claims if c.kind == "residency" and c.point == spec]
     shares = list(claim.cached_share)
     assert shares == [_point("fp8.r1")["requests"]["cached_share"], _point("nvfp4.r1")["requests"]["cached_share"]]
     cold_row = next(p.row for s in result.scenarios for p in s.points if p.cold_prefill)
     assert claim.cold_prefill_kernel.row == cold_row and claim.cold_prefill_kernel.ratio > 2
-    assert claim.winner != "candidate"
+    ratio, low, high = t_interval(run_pair_means(PREFIX)[spec])
+    assert low < 1 < high and claim.winner == matrix.NO_CLEAR_WINNER
     words = claim_text(claim, result)
-    assert "residency, a capacity effect, not a faster kernel" in words and "did not buy" not in words
-    assert words.endswith("not decided: too few runs to decide (2 run pairs, 3 needed): record --repeats 3.")
+    assert "residency, a capacity effect, not a faster kernel" in words
+    assert words.endswith(f"TTFT there: {ratio:.3f}× [{low:.3f}, {high:.3f}] over 3 run pairs (nvfp4 / fp8), no "
+                          "significant difference: nvfp4's residency did not buy a better TTFT here.")
     assert f"{100 * shares[1]:.1f}% of its prompt tokens" in words
 
 
@@ -177,23 +206,29 @@ def _arm(run: Path, name: str) -> dict:
     return json.loads((run / "manifest.json").read_text())["arms"][name]
 
 
-@pytest.mark.parametrize("repeat", ["r1", "r2"])
-def test_fp8_preempts_and_nvfp4_does_not(repeat):
+@pytest.mark.parametrize("run, repeat", [("H200", "r1"), ("H200", "r2"), ("H100", "r1"), ("H100", "r2"),
+                                         ("H100", "r3")])
+def test_fp8_preempts_and_nvfp4_does_not(run, repeat):
     """32 requests of 1,024 + 512 tokens at concurrency 16 need 24,576 tokens at the end of a wave: past FP8's
-    16,384 and inside NVFP4's 29,120. The preemptions are the server's counter across the traffic (the scrapes
-    before and after it, read here as text), the completions the bench client's."""
+    16,384 and inside NVFP4's 29,120, on the H200 (--repeats 2) and in the H100 matrix (3 run pairs). The preemptions
+    are the server's counter across the traffic (the scrapes before and after it, read here as text), the completions
+    the bench client's. The polled peak KV-cache usage is higher where the server preempted, and below full where it
+    did not."""
+    path = PREEMPTION if run == "H200" else MATRIX_RUNS["preemption"]
+    usage = {}
     for arm, preempted in (("fp8", True), ("nvfp4", False)):
-        name = f"{arm}.{repeat}"
-        (point,) = _arm(PREEMPTION, name)["points"]
-        counted = (_prom(PREEMPTION / f"{name}.metrics.after.prom", "vllm:num_preemptions_total")
-                   - _prom(PREEMPTION / f"{name}.metrics.before.prom", "vllm:num_preemptions_total"))
-        assert counted == point["metrics"]["deltas"]["counters"]["vllm:num_preemptions_total"]
+        (point,) = _arm(path, f"{arm}.{repeat}")["points"]
+        metrics = point["metrics"]
+        counted = (_prom(path / metrics["after"], "vllm:num_preemptions_total")
+                   - _prom(path / metrics["before"], "vllm:num_preemptions_total"))
+        assert counted == metrics["deltas"]["counters"]["vllm:num_preemptions_total"]
         assert (counted > 0) == preempted
-        bench = json.loads((PREEMPTION / point["bench_result"]).read_text())
+        bench = json.loads((path / point["bench_result"]).read_text())
         assert bench["completed"] == 32 and bench["failed"] == 0
-        peaks = point["metrics"]["peaks"]
-        assert (peaks["vllm:kv_cache_usage_perc"] == 1.0) == preempted
-        assert peaks["vllm:num_requests_running"] <= 16
+        assert 32 * 1024 == bench["total_input_tokens"] and 32 * 512 == bench["total_output_tokens"]
+        usage[arm] = metrics["peaks"]["vllm:kv_cache_usage_perc"]
+        assert metrics["peaks"]["vllm:num_requests_running"] <= 16
+    assert usage["nvfp4"] < usage["fp8"] <= 1 and usage["nvfp4"] < 1
 
 
 def test_the_preemption_report_calls_the_ttft_change_capacity_not_kernel(preemption_report):
@@ -215,76 +250,98 @@ def test_the_preemption_report_calls_the_ttft_change_capacity_not_kernel(preempt
     assert "the TTFT gain is" not in words and "faster" not in words
 
 
-@pytest.mark.parametrize("run, fp8_run, nvfp4_run", [(SWEEP, "fp8", "nvfp4"), (SWEEP_REPEATS, "fp8.r1", "nvfp4.r1"),
-                                                     (SWEEP_REPEATS, "fp8.r1", "nvfp4.r2")])
-def test_the_sweep_crosses_fp8s_capacity_on_nvfp4s_grid(run, fp8_run, nvfp4_run):
-    """NVFP4 (the narrower format) ran first and set the grid; FP8 followed it. From concurrency 8 on, 2,048 + 128
-    tokens per request pass FP8's 16,384: the server ran at most 7 requests at once, while NVFP4 ran them all. Both
-    sweeps, a session apart, and the sweep's two NVFP4 runs."""
-    manifest = json.loads((run / "manifest.json").read_text())
-    assert manifest["settings"]["order"][:2] == [nvfp4_run.replace("r2", "r1"), fp8_run]
-    fp8, nvfp4 = (_arm(run, arm)["points"] for arm in (fp8_run, nvfp4_run))
+@pytest.mark.parametrize("repeat", REPEATS)
+def test_the_sweep_crosses_fp8s_capacity(repeat):
+    """Each run pair, FP8 first, then NVFP4 on the same points. 2,048 + 128 tokens per request: concurrency 4 fits
+    FP8's pool (the startup log's), and from concurrency 8 on it does not: the server ran as many requests at once
+    as fit (7), where NVFP4 ran them all. At 16 (34,816 tokens) NVFP4's 29,120 is past too: it preempted (the /metrics
+    scrapes before and after the traffic, read as text) and ran fewer than 16 at once, yet more than FP8."""
+    order = json.loads((SWEEP / "manifest.json").read_text())["settings"]["order"]
+    fp8_run, nvfp4_run = f"fp8.{repeat}", f"nvfp4.{repeat}"
+    assert order.index(nvfp4_run) == order.index(fp8_run) + 1
+    pools = {"fp8": _kv_tokens(SWEEP, "fp8"), "nvfp4": _kv_tokens(SWEEP, "nvfp4")}
+    fp8, nvfp4 = (_arm(SWEEP, run)["points"] for run in (fp8_run, nvfp4_run))
     assert [p["point"] for p in fp8] == [p["point"] for p in nvfp4]
-    for a, b in zip(fp8, nvfp4):
-        concurrency = json.loads((run / a["bench_result"]).read_text())["max_concurrency"]
-        running = (a["metrics"]["peaks"]["vllm:num_requests_running"],
-                   b["metrics"]["peaks"]["vllm:num_requests_running"])
-        fits = concurrency * (2048 + 128) <= 16384
-        assert running[0] == (concurrency if fits else 7)
-        # NVFP4 ran them all, but where it preempted (at 14, its pool's edge) one request was back in the queue.
-        preempted = b["metrics"]["deltas"]["counters"].get("vllm:num_preemptions_total", 0)
-        assert running[1] == concurrency if not preempted else concurrency - 1 <= running[1] <= concurrency
+    concurrencies = [json.loads((SWEEP / a["bench_result"]).read_text())["max_concurrency"] for a in fp8]
+    assert concurrencies == [4, 8, 12, 16]
+    for concurrency, a, b in zip(concurrencies, fp8, nvfp4):
+        assert json.loads((SWEEP / b["bench_result"]).read_text())["max_concurrency"] == concurrency
+        running = {arm: point["metrics"]["peaks"]["vllm:num_requests_running"] for arm, point in (("fp8", a),
+                                                                                                  ("nvfp4", b))}
+        preempted = {arm: _prom(SWEEP / point["metrics"]["after"], "vllm:num_preemptions_total")
+                     - _prom(SWEEP / point["metrics"]["before"], "vllm:num_preemptions_total")
+                     for arm, point in (("fp8", a), ("nvfp4", b))}
+        fits = {arm: concurrency * TOKENS_PER_REQUEST <= tokens for arm, tokens in pools.items()}
+        assert running["fp8"] == (concurrency if fits["fp8"] else pools["fp8"] // TOKENS_PER_REQUEST)
+        assert preempted["fp8"] == 0  # FP8 admitted only what fit: it queued rather than preempted
+        if fits["nvfp4"]:
+            assert running["nvfp4"] == concurrency and preempted["nvfp4"] == 0
+        else:
+            assert preempted["nvfp4"] > 0 and running["fp8"] < running["nvfp4"] < concurrency
         for point in (a, b):
-            assert len(json.loads((run / point["requests"]["file"]).read_text())) == \
-                json.loads((run / point["bench_result"]).read_text())["completed"]
+            assert len(json.loads((SWEEP / point["requests"]["file"]).read_text())) == \
+                json.loads((SWEEP / point["bench_result"]).read_text())["completed"]
 
 
 # ---- a --repeats capture stopped early -----------------------------------------------------------------------
+
+def _stopped_early(tmp_path: Path) -> Path:
+    """A copy of the matrix's sweep as a capture stopped before its last run (nvfp4.r3) would leave it: that arm
+    "not run", with no points nor export, as capture writes a run it never started."""
+    run = tmp_path / SWEEP.name
+    shutil.copytree(SWEEP, run)
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest["arms"]["nvfp4.r3"].update(status="not run", sqlite=None, commands=[], seconds=None, kv_cache=None,
+                                        request_order_sha256=None, points=[])
+    (run / "manifest.json").chmod(0o644)
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    return run
+
 
 def _ttft_means(run: Path, name: str) -> list[float]:
     """A run's mean TTFT per point, as the bench client wrote it."""
     return [json.loads((run / p["bench_result"]).read_text())["mean_ttft_ms"] for p in _arm(run, name)["points"]]
 
 
-def test_a_repeats_capture_stopped_early_compares_the_run_pairs_that_ran(shared):
-    """The device's time ran out before fp8.r2: the report compares fp8.r1 with nvfp4.r1, the one run pair that ran,
-    says so, and leaves nvfp4.r2 out of every ratio."""
-    statuses = {name: arm["status"] for name, arm in json.loads((SWEEP_REPEATS / "manifest.json").read_text())[
-        "arms"].items()}
-    assert statuses == {"nvfp4.r1": "ok", "fp8.r1": "ok", "nvfp4.r2": "ok", "fp8.r2": "not run"}
-    result = shared.report([SWEEP_REPEATS])
-    assert [Path(p).name for p in (*result.baseline.runs, *result.candidate.runs)] == ["fp8.r1.sqlite",
-                                                                                       "nvfp4.r1.sqlite"]
+def test_a_repeats_capture_stopped_early_compares_the_run_pairs_that_ran(tmp_path, recipes):
+    """Stopped before nvfp4.r3: the report compares the two run pairs that ran (r1 and r2), says so, and leaves
+    fp8.r3, left without a pair, out of every ratio; two run pairs decide nothing."""
+    run = _stopped_early(tmp_path)
+    result = report.build([run], recipes)
+    assert [Path(p).name for p in (*result.baseline.runs, *result.candidate.runs)] == [
+        "fp8.r1.p0.sqlite", "fp8.r2.p0.sqlite", "nvfp4.r1.p0.sqlite", "nvfp4.r2.p0.sqlite"]
     note = result.left_out
     head = render_text(result, "markdown").split("<details>", 1)[0]
     assert f"⚠️ {md_prose(note)}" in head and result.to_dict()["left_out"] == note
-    assert note.startswith("fp8.r2 was not run (the capture stopped before it): 1 of 2 run pairs compared; "
-                           "nvfp4.r2, left without a pair, is not in the ratios")
-    for row, fp8, nvfp4 in zip(result.serving, _ttft_means(SWEEP_REPEATS, "fp8.r1"),
-                               _ttft_means(SWEEP_REPEATS, "nvfp4.r1"), strict=True):
+    assert note.startswith("nvfp4.r3 was not run (the capture stopped before it): 2 of 3 run pairs compared; "
+                           "fp8.r3, left without a pair, is not in the ratios")
+    means = {name: _ttft_means(run, name) for name in ("fp8.r1", "fp8.r2", "nvfp4.r1", "nvfp4.r2")}
+    for index, row in enumerate(result.serving):
         estimate = row.estimates["ttft_ms"]
-        assert estimate.runs == 1 and estimate.baseline == pytest.approx(fp8) and \
-            estimate.candidate == pytest.approx(nvfp4)
+        fp8, nvfp4 = ([means[f"{arm}.{r}"][index] for r in ("r1", "r2")] for arm in ("fp8", "nvfp4"))
+        assert estimate.runs == 2 and estimate.verdict == "too few runs to decide"
+        assert estimate.baseline == pytest.approx(sum(fp8) / 2) and estimate.candidate == pytest.approx(sum(nvfp4) / 2)
+        assert estimate.ratio == pytest.approx(sum(nvfp4) / sum(fp8))
+    assert len(result.serving) == len(means["fp8.r1"]) == 4
 
 
 def test_the_run_left_without_a_pair_compares_with_its_own_arm(recipes):
-    """The command the note gives: nvfp4.r2 against nvfp4.r1, the same arm twice, is the run-to-run drift."""
-    result = report.build([SWEEP_REPEATS / "nvfp4.r1", SWEEP_REPEATS / "nvfp4.r2"], recipes)
-    for row, first, second in zip(result.serving, _ttft_means(SWEEP_REPEATS, "nvfp4.r1"),
-                                  _ttft_means(SWEEP_REPEATS, "nvfp4.r2"), strict=True):
+    """The command the note gives: fp8.r3 against fp8.r1, the same arm twice, is the run-to-run drift."""
+    result = report.build([SWEEP / "fp8.r1", SWEEP / "fp8.r3"], recipes)
+    for row, first, second in zip(result.serving, _ttft_means(SWEEP, "fp8.r1"), _ttft_means(SWEEP, "fp8.r3"),
+                                  strict=True):
         assert row.estimates["ttft_ms"].ratio == pytest.approx(second / first)
 
 
 @pytest.mark.parametrize("edit, message", [
     ({"fp8.r2": {"status": "failed", "error": "server exited"}}, "arm fp8.r2 in"),
-    ({"fp8.r1": {"status": "not run"}}, "arm fp8.r1 in"),
-    ({"nvfp4.r2": {"status": "failed", "error": "server exited"}}, "arm nvfp4.r2 in .* failed: server exited"),
+    ({"fp8.r1": {"status": "not run"}, "fp8.r2": {"status": "not run"}}, "arm fp8.r1 in"),
+    ({"fp8.r3": {"status": "failed", "error": "server exited"}}, "arm fp8.r3 in .* failed: server exited"),
 ])
 def test_a_failed_run_or_no_complete_pair_is_still_refused(tmp_path, recipes, edit, message):
-    """Only runs the capture never started are left out: a failed one may be the finding (nvfp4.r2 too, whose
-    partner fp8.r2 was never run), and with no run pair that both ran there is nothing to compare."""
-    run = tmp_path / SWEEP_REPEATS.name
-    shutil.copytree(SWEEP_REPEATS, run)
+    """Only runs the capture never started are left out: a failed one may be the finding (fp8.r3 too, whose partner
+    nvfp4.r3 was never run), and with no run pair that both ran there is nothing to compare."""
+    run = _stopped_early(tmp_path)
     manifest = json.loads((run / "manifest.json").read_text())
     for name, fields in edit.items():
         manifest["arms"][name].update(fields)
@@ -306,11 +363,12 @@ def _sql_prefill_step_calls(path: Path, like: str) -> tuple[int, int]:
                             (like,)).fetchone()
 
 
-@pytest.mark.parametrize("run", ["capacity-preemption", "capacity-sweep", "capacity-sweep-repeats"])
-def test_the_prefill_step_kernel_row_is_plain_sqls(run, recipes):
+@pytest.mark.parametrize("run", ["H200 preemption", "sweep", "prefix-reuse", "preemption", "sweep stopped early"])
+def test_the_prefill_step_kernel_row_is_plain_sqls(run, recipes, tmp_path):
     """The report's prefill-attention row in prefill steps, every repeat together, against plain SQL: each arm's
-    time per call, and their ratio (the runs whose pair ran: in the sweep cut short, fp8.r1 and nvfp4.r1)."""
-    path = VLLM033_8B_RUNS[run]
+    time per call, and their ratio (the runs whose pair ran: in the sweep stopped early, r1 and r2)."""
+    path = {"H200 preemption": PREEMPTION, "sweep stopped early": None}.get(run, MATRIX_RUNS.get(run)) \
+        or _stopped_early(tmp_path)
     result = report.build([path], recipes)
     row = next(r for r in result.diff.phases if r.segment == "prefill_attention" and r.phase == "vLLM prefill steps")
     arms = json.loads((path / "manifest.json").read_text())["arms"]

@@ -1,8 +1,10 @@
 """`kvtrace matrix` pools the run pairs of one point measured in several run directories when the measurements
-agree: on the 8B-shaped H200 sweep recorded in two sessions (capacity-sweep, one run per arm; capacity-sweep-repeats,
-whose one complete run pair is fp8.r1 + nvfp4.r1), each shared point's TTFT is decided once on both run pairs. The
-pooled ratio and interval are recomputed here from each run's own bench JSON (per-request TTFTs) with scipy's t;
-the verdicts from those intervals; a point measured once is not pooled; a synthetic disagreement is not decided."""
+agree. The sweep of the H100 capacity matrix (fixtures/vllm033-h100-matrix: 3 interleaved run pairs per point) is
+split here into two run directories as if recorded in two sessions (constructed copies: r1 and r2 in the first, r3
+without concurrency 8 in the second), so each point they share is decided once on all 3 run pairs, as the one
+capture decides it, where neither directory alone decides (2 run pairs, 1). The pooled ratio and interval are
+recomputed here from each run's own bench JSON (per-request TTFTs) with scipy's t; the verdicts from those intervals;
+a point measured once is not pooled; two run pairs pooled decide nothing; a synthetic disagreement is not decided."""
 
 from __future__ import annotations
 
@@ -15,16 +17,36 @@ import numpy as np
 import pytest
 from scipy import stats as sp
 
-from conftest import MATRIX_RUNS, VLLM033_8B_RUNS, deciding_on_any_run_pairs
+from conftest import MATRIX_RUNS, deciding_on_any_run_pairs
 from kvtrace.analyzer import claims as claims_lib, drift_band, matrix
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.render import render_text
 from kvtrace.analyzer.render import matrix as matrix_render
 from kvtrace.analyzer.stats import serving_intervals
+from kvtrace.analyzer.stats.verdicts import Verdict
 
 SWEEP = MATRIX_RUNS["sweep"]
-REPEATS = MATRIX_RUNS["sweep"]
+SKIPPED = "input=2048,output=128,prompts=32,concurrency=8"  # the point the second session did not run
 THRESHOLD = 0.02
+
+
+def session(folder: Path, repeats: tuple[str, ...], skipped: tuple[str, ...] = ()) -> Path:
+    """A copy of the matrix's sweep holding only the runs of `repeats`, without the points in `skipped`: what a
+    capture of those runs and points alone would have written."""
+    run = folder / SWEEP.name
+    shutil.copytree(SWEEP, run)
+    for path in run.iterdir():
+        path.chmod(0o644)
+    data = json.loads((run / "manifest.json").read_text())
+    data["arms"] = {name: arm for name, arm in data["arms"].items() if name.rsplit(".", 1)[1] in repeats}
+    for arm in data["arms"].values():
+        arm["points"] = [p for p in arm["points"] if p["point"] not in skipped]
+    settings = data["settings"]
+    settings["order"] = [name for name in settings["order"] if name in data["arms"]]
+    settings["points"] = [p for p in settings["points"] if p not in skipped]
+    settings["repeats"] = len(repeats)
+    (run / "manifest.json").write_text(json.dumps(data))
+    return run
 
 
 @pytest.fixture(scope="module")
@@ -33,15 +55,15 @@ def recipes():
 
 
 @pytest.fixture(scope="module")
-def both(recipes):
-    return matrix.build([SWEEP, REPEATS], recipes)
+def sessions(tmp_path_factory) -> tuple[Path, Path]:
+    """The two sessions: r1 and r2 at every point; r3 at every point but concurrency 8."""
+    return (session(tmp_path_factory.mktemp("first"), ("r1", "r2")),
+            session(tmp_path_factory.mktemp("second"), ("r3",), (SKIPPED,)))
 
 
 @pytest.fixture(scope="module")
-def decided(recipes):
-    """The two sessions as if two run pairs could decide: what a decided pooled point says and cites."""
-    with deciding_on_any_run_pairs():
-        return matrix.build([SWEEP, REPEATS], recipes)
+def both(sessions, recipes):
+    return matrix.build(list(sessions), recipes)
 
 
 def run_pair_means(run: Path) -> dict[str, list[tuple[float, float]]]:
@@ -83,53 +105,70 @@ def by_point(result: matrix.Matrix) -> dict[str, list[matrix.MatrixPoint]]:
     return found
 
 
-def test_each_shared_point_is_decided_on_both_sessions_run_pairs(both):
-    old, new = run_pair_means(SWEEP), run_pair_means(REPEATS)
-    shared = sorted(set(old) & set(new))
-    assert len(new) == len(shared) >= 2 and all(len(pairs) == 1 for pairs in (*old.values(), *new.values()))
+def _expected_winner(low: float, high: float) -> str | None:
+    """Who a TTFT interval (nvfp4 / fp8) names, where it clears the no-change band on one side."""
+    return "baseline" if low > 1 + THRESHOLD else "candidate" if high < 1 - THRESHOLD else None
+
+
+def test_each_shared_point_is_decided_on_both_sessions_run_pairs(both, sessions, shared):
+    old, new = (run_pair_means(run) for run in sessions)
+    common = sorted(set(old) & set(new))
+    assert len(new) == len(common) == 3 and SKIPPED not in common
+    assert all(len(pairs) == 2 for pairs in old.values()) and all(len(pairs) == 1 for pairs in new.values())
+    whole = {p.point: p for p in shared.matrix([SWEEP]).points}  # the one capture of all three run pairs
     points = by_point(both)
-    for spec in shared:
+    for spec in common:
         first, second = sorted(points[spec], key=lambda p: p.row)
         assert first.pooled_with == (second.row,) and second.pooled_with == (first.row,)
         r, low, high = t_interval(old[spec] + new[spec])
-        for p in (first, second):
+        for p, runs in ((first, 2), (second, 1)):
             e = p.estimate
-            assert (e.ratio, e.low, e.high) == pytest.approx((r, low, high), rel=1e-9)
-            assert (e.runs, e.band, e.method) == (2, 0.0, serving_intervals.RUN_MEANS)
-            assert p.ratio == e.ratio
+            assert (e.ratio, e.low, e.high) == pytest.approx((r, low, high), rel=1e-6)  # scipy's t against kvtrace's
+            assert (e.runs, e.band, e.method) == (3, 0.0, serving_intervals.RUN_MEANS)
+            assert p.ratio == e.ratio and p.pooled_directories == 2
             assert list(np.ravel(e.run_means)) == pytest.approx(list(np.ravel(old[spec] + new[spec])), rel=1e-9)
-            own = p.serving.estimates["ttft_ms"]  # the row's own measurement is kept, unpooled
-            assert own.runs == 1 and own.band == drift_band.ASSUMED_SERVING_BAND
-            # Two run pairs pooled decide nothing, however narrow the pooled interval (concurrency 14's excludes 1).
-            assert p.winner is None and p.causes == ()
-            assert p.undecided == "too few runs to decide (2 run pairs, 3 needed): record --repeats 3"
+            # Pooled as the one capture pools them.
+            w = whole[spec].estimate
+            assert (e.ratio, e.low, e.high) == pytest.approx((w.ratio, w.low, w.high), rel=1e-12)
+            own = p.serving.estimates["ttft_ms"]  # the row's own measurement is kept, unpooled, and decides nothing
+            assert own.runs == runs and own.verdict == Verdict.TOO_FEW_RUNS
+            if runs == 1:
+                assert own.band == drift_band.ASSUMED_SERVING_BAND
+            # Three run pairs pooled decide the point, each row with its own run's causes.
+            assert _expected_winner(low, high) is not None
+            assert p.winner == _expected_winner(low, high) and p.causes and p.undecided is None
 
 
-def test_a_point_measured_once_is_not_pooled(both):
-    old, new = run_pair_means(SWEEP), run_pair_means(REPEATS)
+def test_a_point_measured_once_is_not_pooled(both, sessions):
+    old, new = (run_pair_means(run) for run in sessions)
     once = [spec for spec in old if spec not in new]
-    assert once  # concurrency 6: the later session's sweep skipped it
+    assert once == [SKIPPED]
     for spec in once:
         (p,) = by_point(both)[spec]
-        assert p.pooled_with == () and p.estimate is p.serving.estimates["ttft_ms"]
-        assert p.estimate.runs == 1 and p.estimate.band == drift_band.ASSUMED_SERVING_BAND
-        assert p.estimate.ratio == pytest.approx(old[spec][0][1] / old[spec][0][0], rel=1e-9)
+        r, low, high = t_interval(old[spec])
+        assert p.pooled_with == () and p.pooled_directories == 0 and p.estimate is p.serving.estimates["ttft_ms"]
+        assert p.estimate.runs == 2 and (p.estimate.ratio, p.estimate.low, p.estimate.high) == pytest.approx(
+            (r, low, high), rel=1e-9)
+        assert p.winner is None and p.causes == ()
+        assert p.undecided == "too few runs to decide (2 run pairs, 3 needed): record --repeats 3"
 
 
-def test_no_pooled_point_of_two_run_pairs_is_decided_and_each_says_why(both):
-    (choice,) = [c for c in both.claims if c.kind == "choice"]
-    pooled = sorted(p.row for p in both.points if p.pooled_with)
-    assert pooled and set(pooled) <= set(choice.undecided)
-    sentence = matrix_render.claim_text(choice, both)
+def test_no_pooled_point_of_two_run_pairs_is_decided_and_each_says_why(sessions, recipes, tmp_path):
+    """r1 alone beside r3: two run pairs pooled decide nothing, however narrow their interval."""
+    two = matrix.build([session(tmp_path, ("r1",)), sessions[1]], recipes)
+    (choice,) = [c for c in two.claims if c.kind == "choice"]
+    pooled = sorted(p.row for p in two.points if p.pooled_with)
+    assert len(pooled) == 6 and set(pooled) <= set(choice.undecided)
+    assert all(p.estimate.runs == 2 and p.winner is None for p in two.points if p.pooled_with)
+    sentence = matrix_render.claim_text(choice, two)
     assert f"not decided at {matrix_render.rows_text(choice.undecided)} (their cells say why)" in sentence
-    header, body = matrix_render.table(both, str)
+    header, body = matrix_render.table(two, str)
     for row in pooled:
         cell = dict(zip(header, body[row - 1]))["wins on TTFT"]
         assert cell == "too few runs to decide (2 run pairs, 3 needed): record --repeats 3"
 
 
-def test_the_decision_states_each_pooled_point_once_naming_every_row(decided):
-    both = decided
+def test_the_decision_states_each_pooled_point_once_naming_every_row(both):
     text = render_text(both, "markdown")
     head, _ = matrix_render.markdown_parts(both)
     assert len(text) <= matrix_render.ISSUE_CHARS
@@ -140,28 +179,32 @@ def test_the_decision_states_each_pooled_point_once_naming_every_row(decided):
     for spec, points in by_point(both).items():
         rows = tuple(sorted(p.row for p in points))
         citing = [c for c in stated if set(c.rows) & set(rows)]
+        if all(p.winner is None for p in points):  # a point not decided is stated by its cell alone
+            assert citing == [] and points[0].undecided in cells[f"R{rows[0]}"]["wins on TTFT"]
+            continue
         assert len(citing) == 1 and citing[0].rows == rows  # one claim, every row of the point
         sentence = matrix_render.claim_text(citing[0], both)
         assert sentence in text and sentence not in head  # the first screen has the choice; each point's words follow
         e = points[0].estimate
         if len(rows) > 1:
             assert citing[0].outcome.pooled_rows == rows
-            assert (f"{e.ratio:.3f}× [{e.low:.3f}, {e.high:.3f}] (nvfp4 / fp8, 2 run pairs pooled over "
+            assert (f"{e.ratio:.3f}× [{e.low:.3f}, {e.high:.3f}] (nvfp4 / fp8, 3 run pairs pooled over "
                     f"{matrix_render.rows_text(rows)} (2 run directories))") in sentence
             for p in points:
                 other = next(q.row for q in points if q is not p)
                 assert cells[f"R{p.row}"]["TTFT ms"].endswith(
-                    f"<br>all run pairs: {e.ratio:.3f}× [{e.low:.3f}, {e.high:.3f}], 2 runs, pooled with R{other} "
+                    f"<br>all run pairs: {e.ratio:.3f}× [{e.low:.3f}, {e.high:.3f}], 3 runs, pooled with R{other} "
                     "(2 run directories)")
         else:
             assert "pooled" not in sentence and "pooled" not in cells[f"R{rows[0]}"]["TTFT ms"]
     data = json.loads(render_text(both, "json"))
     shown = [p for s in data["scenarios"] for p in s["points"]]
-    for point, p in zip(both.points, shown):
+    for point, p in zip(both.points, shown, strict=True):
         assert p["pooled_with"] == list(point.pooled_with)
         assert p["pooled_directories"] == (2 if point.pooled_with else 0)
         assert p["estimate"]["runs"] == point.estimate.runs and p["ratio"] == pytest.approx(point.ratio)
-        assert p["serving"]["estimates"]["ttft_ms"]["runs"] == 1  # the row's own measurement, as before
+        # The row's own measurement, as before: its directory's run pairs.
+        assert p["serving"]["estimates"]["ttft_ms"]["runs"] == len(point.serving.run_pairs)
 
 
 def test_pooling_refuses_estimates_of_different_metrics(both):
@@ -173,25 +216,24 @@ def test_pooling_refuses_estimates_of_different_metrics(both):
         serving_intervals.pool_serving([ttft])
 
 
-def test_synthetic_disagreeing_measurements_are_not_pooled_nor_decided(recipes, tmp_path):
-    """The later session's run with its nvfp4.r1 TTFTs at concurrency 12 doubled (synthetic): its ratio now lies
+def test_synthetic_disagreeing_measurements_are_not_pooled_nor_decided(recipes, sessions, tmp_path):
+    """The second session's run with its nvfp4.r3 TTFTs at concurrency 4 doubled (synthetic): its ratio now lies
     outside the first session's interval, so the point is measured twice with disagreeing results."""
-    run = tmp_path / REPEATS.name
-    shutil.copytree(REPEATS, run)
-    for path in run.iterdir():
-        path.chmod(0o644)
+    run = tmp_path / sessions[1].name
+    shutil.copytree(sessions[1], run)
     arms = json.loads((run / "manifest.json").read_text())["arms"]
-    spec = "input=2048,output=128,prompts=24,concurrency=12"
-    entry = next(p for p in arms["nvfp4.r1"]["points"] if p["point"] == spec)
+    spec = "input=2048,output=128,prompts=32,concurrency=4"
+    entry = next(p for p in arms["nvfp4.r3"]["points"] if p["point"] == spec)
     bench = json.loads((run / entry["bench_result"]).read_text())
     bench["ttfts"] = [2 * t for t in bench["ttfts"]]
     for key in [k for k in bench if k.endswith("_ttft_ms")]:
         bench[key] *= 2
     (run / entry["bench_result"]).write_text(json.dumps(bench))
-    result = matrix.build([SWEEP, run], recipes)
+    _, low, high = t_interval(run_pair_means(sessions[0])[spec])
+    (pair,) = run_pair_means(run)[spec]
+    assert not low <= pair[1] / pair[0] <= high
+    result = matrix.build([sessions[0], run], recipes)
     first, second = sorted(by_point(result)[spec], key=lambda p: p.row)
-    own = [p.serving.estimates["ttft_ms"] for p in (first, second)]
-    assert not own[0].low <= own[1].ratio <= own[0].high
     for p, other in ((first, second), (second, first)):
         assert p.pooled_with == () and p.disagrees_with == (other.row,)
         assert p.winner is None and p.estimate is p.serving.estimates["ttft_ms"]
@@ -202,29 +244,26 @@ def test_synthetic_disagreeing_measurements_are_not_pooled_nor_decided(recipes, 
     assert sum(1 for p in result.points if p.pooled_with) == 2 * (len(run_pair_means(run)) - 1)
 
 
-def test_a_sweep_run_again_with_another_kv_cache_size_is_not_pooled(recipes, both, tmp_path):
-    """The later session's manifest edited to say its server had twice the KV cache (synthetic): its points are
+def test_a_sweep_run_again_with_another_kv_cache_size_is_not_pooled(recipes, both, sessions, tmp_path):
+    """The second session's manifest edited to say its server had twice the KV cache (synthetic): its points are
     other points, so none is pooled with the first session's, though the traffic and formats are the same."""
-    run = tmp_path / REPEATS.name
-    shutil.copytree(REPEATS, run)
-    for path in run.iterdir():
-        path.chmod(0o644)
+    run = tmp_path / sessions[1].name
+    shutil.copytree(sessions[1], run)
     data = json.loads((run / "manifest.json").read_text())
     args = data["settings"]["extra_vllm_args"]
     args[args.index("--kv-cache-memory-bytes") + 1] = str(2 * int(args[args.index("--kv-cache-memory-bytes") + 1]))
     (run / "manifest.json").write_text(json.dumps(data))
-    result = matrix.build([SWEEP, run], recipes)
+    result = matrix.build([sessions[0], run], recipes)
     assert len(result.points) == len(both.points) and any(p.pooled_with for p in both.points)
     for p in result.points:
         assert p.pooled_with == () and p.disagrees_with == ()
         assert p.estimate is None or p.estimate is p.serving.estimates["ttft_ms"]
 
 
-def test_synthetic_pooled_row_whose_own_run_credits_the_win_otherwise_is_named(recipes):
+def test_synthetic_pooled_row_whose_own_run_credits_the_win_otherwise_is_named(recipes, sessions):
     """Causes stay each row's own: where one row of a pooled point credits its win to something else (here made so
     by hand), the one claim of the point says so for that row."""
-    with deciding_on_any_run_pairs():
-        result = matrix.build([SWEEP, REPEATS], recipes)
+    result = matrix.build(list(sessions), recipes)
     first, second = next(sorted(points, key=lambda p: p.row) for points in by_point(result).values()
                          if len(points) > 1 and points[0].winner == "baseline")
     second.causes = (matrix.CAPACITY,)
@@ -236,28 +275,39 @@ def test_synthetic_pooled_row_whose_own_run_credits_the_win_otherwise_is_named(r
     assert f"; on R{second.row}'s own run, fp8 wins, by a capacity effect" in text
 
 
-def test_a_pooled_claim_gives_every_pooled_runs_server_measures(decided, recipes):
+def test_a_pooled_claim_gives_every_pooled_runs_server_measures(both, sessions, recipes):
     """A pooled capacity claim's server measures are each pooled row's runs, row by row, as each directory alone
     gives them, and its words list them all (not the lowest row's run only)."""
-    both = decided
     with deciding_on_any_run_pairs():
-        alone = [matrix.build([run], recipes) for run in (SWEEP, REPEATS)]
+        alone = [matrix.build([run], recipes) for run in sessions]
 
     def own(result, point):
         claim = next(c for c in result.claims if c.kind == "capacity" and c.outcome.point == point)
         return claim.outcome.server_runs
 
     pooled = [c for c in both.claims if c.kind == "capacity" and c.outcome.pooled_rows]
-    assert {c.outcome.point for c in pooled} >= {"input=2048,output=128,prompts=28,concurrency=14"}
+    assert {c.outcome.point for c in pooled} == {"input=2048,output=128,prompts=32,concurrency=12",
+                                                 "input=2048,output=128,prompts=32,concurrency=16"}
     for claim in pooled:
         point, runs = claim.outcome.point, claim.outcome.server_runs
         parts = [own(result, point) for result in alone]
         for key in claims_lib.SERVER_MEASURES:
             assert getattr(runs, key) == tuple(getattr(parts[0], key)[side] + getattr(parts[1], key)[side]
                                                for side in (0, 1)), (point, key)
-        assert claim.outcome.server_rows == claim.outcome.pooled_rows  # one complete run pair per directory
+            assert all(len(values) == 3 for values in getattr(runs, key))  # r1 and r2, then r3
+        first, second = claim.outcome.pooled_rows
+        assert claim.outcome.server_rows == (first, first, second)  # each run's row: r1 and r2, then r3
         sentence = matrix_render.claim_text(claim, both)
-        assert (f"(each of the 2 runs of {matrix_render.rows_text(claim.outcome.pooled_rows)}, row by row in repeat "
+        assert (f"(each of the 3 runs of {matrix_render.rows_text(claim.outcome.pooled_rows)}, row by row in repeat "
                 "order)") in sentence
-        queued = runs.queue_ms[0]
-        assert f"mean time queued {queued[0]:.1f} ms and {queued[1]:.1f} ms against" in sentence
+        queued = [_queue_ms(SWEEP, f"fp8.{repeat}", point) for repeat in ("r1", "r2", "r3")]  # the /metrics histogram
+        assert list(runs.queue_ms[0]) == pytest.approx(queued)
+        assert f"mean time queued {' and '.join(f'{q:,.1f} ms' for q in queued)} against" in sentence
+
+
+def _queue_ms(run: Path, arm: str, point: str) -> float:
+    """An arm's mean time queued at a point: the server's histogram of it, across the traffic."""
+    points = json.loads((run / "manifest.json").read_text())["arms"][arm]["points"]
+    (entry,) = [p for p in points if p["point"] == point]
+    histogram = entry["metrics"]["deltas"]["histograms"]["vllm:request_queue_time_seconds"]
+    return 1000 * histogram["sum"] / histogram["count"]
