@@ -516,7 +516,7 @@ def point_claims(group: list[Scenario], base: str, cand: str, objective: str, th
 
 def residency_claims(group: list[Scenario], base: str, cand: str, objective: str) -> list[ResidencyClaim]:
     """Per point whose server counted each request's cached tokens, and where either arm served prompt tokens from
-    its prefix cache or evicted cached blocks: how much more of the prompts each arm's pool served from its prefix
+    its prefix cache (evictions alone are the pool turning over, which every busy point does): how much more of the prompts each arm's pool served from its prefix
     cache and how many cached blocks it evicted (residency, a capacity effect), beside the prefill attention kernel's
     cost on the group's matched cold prefill and the objective's outcome there; stated whichever way the objective
     fell, so that a residency win never reads as a faster kernel, nor a slower kernel hide one."""
@@ -532,8 +532,8 @@ def residency_claims(group: list[Scenario], base: str, cand: str, objective: str
             if None in arms or None in (arms[0].reuse, arms[1].reuse) \
                     or None in (arms[0].reuse.cached_share, arms[1].reuse.cached_share):  # no prompt tokens counted
                 continue
-            if not any(m.reuse.cached_tokens or (m.evictions and m.evictions.blocks_removed) for m in arms):
-                continue  # no prefix caching happened at the point: residency has nothing to say there
+            if not any(m.reuse.cached_tokens for m in arms):
+                continue  # no prompt token came from a prefix cache there: residency has nothing to say
             e = p.estimate
             out.append(ResidencyClaim(
                 (p.row,) + ((kernel.row,) if kernel else ()), p.scenario, base, cand, p.point, objective,

@@ -265,8 +265,12 @@ def _judgement(v: claims_lib.PointOutcome, name: Name) -> str:
     if v.winner == mx.NOT_EXPLAINED:
         apparent = name(v.candidate if v.apparent == "candidate" else v.baseline)
         kernels = " and ".join(_SEGMENT_WORDS[k.segment] for k in v.kernels)
+        traced = v.reason is not None and v.reason.trace_note is None
         measured = (f"its {kernels} kernels are not faster" if kernels else
+                    "its own trace names no faster kernel" if traced else
                     "no trace covers this point's own traffic, so its kernels say nothing here,")
+        if v.objective == "ttft" and v.reason is not None and not v.reason.budget.carrier_measured:
+            measured = f"no part of its TTFT budget measured apart from zero holds most of the difference, {measured}"
         return (f"{apparent} looks better beyond the band, but {measured} and neither prefix hits nor capacity favour "
                 "it: not explained, so no choice")
     return _why(v, name)
@@ -275,7 +279,9 @@ def _judgement(v: claims_lib.PointOutcome, name: Name) -> str:
 def _residency(v: claims_lib.ResidencyClaim, cite: str, name: Name) -> str:
     b, c = name(v.baseline), name(v.candidate)
     reuse, shares, evicted = v.reuse, v.cached_share, v.evictions
-    text = (f"Residency at {name(v.point)} {cite}: by the server's own per-request counts {c} served "
+    # The counts are the point's first run pair's; the objective below is over all of its run pairs.
+    first = " in the first run pair" if (v.runs or 1) > 1 else ""
+    text = (f"Residency at {name(v.point)} {cite}: by the server's own per-request counts{first} {c} served "
             f"{percent(shares[1])} of its prompt tokens from the prefix cache against {b}'s {percent(shares[0])} "
             f"({reuse[1].reused:,} against {reuse[0].reused:,} of {reuse[1].requests:,} "
             f"{plural(reuse[1].requests, 'request')} had at "
