@@ -1,6 +1,7 @@
 """Shared test fixtures: the real Nsight Systems exports, a CLI runner, and the nsys 2023.4.4 CLI.
 
-Behaviour tests use the real H200 exports under fixtures/ (see fixtures/README.md) and the real bad-input
+Behaviour tests use the real H200 and H100 exports under fixtures/ (fixtures/README.md says which GPU recorded
+each) and the real bad-input
 artefacts under fixtures/bad/ (see fixtures/bad/README.md). Bad inputs that have no real counterpart are
 built per test in tmp_path from the real exports, and their names say "synthetic".
 """
@@ -415,9 +416,10 @@ def sweep_report(shared):
 
 @contextmanager
 def deciding_on_any_run_pairs():
-    """Inside the block, a serving point is decided on any number of run pairs. Every shipped serve fixture holds one
-    or two run pairs per point, which decide nothing (docs/statistics.md, three run pairs decide a point); tests of
-    the reasons a decided point gives (a faster kernel, prefix hits, capacity) build their result inside it."""
+    """Inside the block, a serving point is decided on any number of run pairs. The shipped serve fixtures but the H100
+    matrix hold one or two run pairs per point, which decide nothing (docs/statistics.md, three run pairs decide a
+    point); tests of the reasons such a point would give (a faster kernel, prefix hits, capacity) build their result
+    inside it."""
     from kvtrace.analyzer.stats import serving_intervals
 
     with pytest.MonkeyPatch.context() as patch:
