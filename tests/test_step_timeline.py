@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import NSYS2025_DIR, MATRIX_RUNS, VLLM033_8B_RUNS
+from conftest import MATRIX_RUNS, NSYS2025_DIR, VLLM033_8B_RUNS
 from kvtrace.analyzer import align, report, steps
 from kvtrace.analyzer.load import open_trace
 from kvtrace.analyzer.render.statements import text as statement_text
