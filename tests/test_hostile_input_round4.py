@@ -23,14 +23,15 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (FI_QUALITY, NSYS2025_DIR, REPEAT, REPO, TORCH_H100X2, MATRIX_RUNS, VLLM033_8B_RUNS, VLLM033_RUNS,
-                      fingerprint)
+from conftest import (FI_QUALITY, MATRIX_RUNS, NSYS2025_DIR, REPEAT, REPO, TORCH_H100X2, VLLM033_8B_RUNS,
+                      VLLM033_RUNS, fingerprint)
 from test_bad_input import assert_one_line_error
 from kvtrace.analyzer.render.markdown import ISSUE_LIMIT
 from test_hostile_input import NVFP4, SMALL, json_of, kv  # noqa: F401 (kv: a fixture)
 from test_hostile_input_round3 import _exports, _report, standin_nsys
 
 PREEMPTION = VLLM033_8B_RUNS["capacity-preemption"]  # fp8 and nvfp4, two repeats each, with requests and answers
+SWEEP = MATRIX_RUNS["sweep"]  # the H100 matrix's sweep: three rounds, a window per point, copies and syncs kept
 NVFP4_REPEAT = REPEAT / "nvfp4.sqlite"  # fi-h200-sm90's nvfp4 recorded again
 QUALITY_PROMPTS = REPO / "fixtures" / "quality" / "arithmetic-8.jsonl"
 
@@ -96,11 +97,11 @@ def test_a_recorded_error_out_of_its_range_shows_as_missing(value, tmp_path, kv)
 
 @pytest.mark.parametrize("command", ["capacity", "report"])
 def test_a_fraction_of_a_token_of_capacity_is_one_line(command, tmp_path, kv):
-    run = run_copy(tmp_path, MATRIX_RUNS["sweep"])
-    edit_json(run / "manifest.json", lambda d: d["arms"]["fp8"]["kv_cache"].update(tokens=0.5))
+    run = run_copy(tmp_path, SWEEP)
+    edit_json(run / "manifest.json", lambda d: d["arms"]["fp8.r1"]["kv_cache"].update(tokens=0.5))
     code, out, err = kv(command, run, *(["-q"] if command == "report" else []))
     assert_one_line_error(code, out, err, str(run / "manifest.json"),
-                          re.escape("arms.fp8.kv_cache.tokens is not a whole number of at least 1"))
+                          re.escape("arms.fp8.r1.kv_cache.tokens is not a whole number of at least 1"))
 
 
 HOST_WAIT_TABLES = {
@@ -133,8 +134,8 @@ def _without_constraints(export: Path, table: str) -> None:
 @pytest.mark.parametrize("kind", sorted(HOST_WAIT_TABLES))
 def test_copy_and_synchronization_tables_as_nsys_never_writes_them_are_one_line(kind, tmp_path, kv):
     statement, problem = HOST_WAIT_TABLES[kind]
-    run = run_copy(tmp_path, MATRIX_RUNS["sweep"])
-    export = run / "nvfp4.r1.sqlite"
+    run = run_copy(tmp_path, SWEEP)
+    export = run / "nvfp4.r1.p0.sqlite"  # the run's manifest export, its first point's window
     if "NULL" in statement:
         _without_constraints(export, statement.split()[1])
     with sqlite3.connect(export) as conn:
@@ -439,10 +440,10 @@ def test_a_bench_result_copied_from_another_repeat_is_one_line(tmp_path, kv):
 
 def test_a_run_directory_copied_is_not_pooled_as_a_second_recording(tmp_path, kv):
     """Two byte-identical copies of one run decided 12 points on zero-width intervals."""
-    first = run_copy(tmp_path, MATRIX_RUNS["sweep"], "first")
-    second = run_copy(tmp_path, MATRIX_RUNS["sweep"], "second")
+    first = run_copy(tmp_path, SWEEP, "first")
+    second = run_copy(tmp_path, SWEEP, "second")
     code, out, err = kv("matrix", first, second, "-q")
-    assert_one_line_error(code, out, err, "fp8.sqlite", "hold the same bytes", "give each recording once")
+    assert_one_line_error(code, out, err, "fp8.r1.p0.sqlite", "hold the same bytes", "give each recording once")
 
 
 def test_a_repeat_of_diff_that_is_a_byte_copy_is_one_line(tmp_path, kv):

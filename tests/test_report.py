@@ -24,7 +24,7 @@ import pytest
 from click.testing import CliRunner
 from rich.console import Console
 
-from conftest import (NSYS2023_DIR, NSYS2025_DIR, RECORDED_REPORT, REPEAT, SERVE_RUNS, MATRIX_RUNS, VLLM033_8B_RUNS, VLLM033_RUNS,
+from conftest import (MATRIX_RUNS, NSYS2023_DIR, NSYS2025_DIR, RECORDED_REPORT, REPEAT, SERVE_RUNS, VLLM033_RUNS,
                       VLLM_COLD_PREFILL, VLLM_DECODE_HEAVY, deciding_on_any_run_pairs, sql_durations)
 from kvtrace.analyzer import align, headline, report, runs, serving, statements
 from kvtrace.analyzer.render import json_out, render_table, render_text
@@ -657,7 +657,8 @@ def test_real_prefix_reuse_serving_metrics_match_the_runs_own_files(prefix_reuse
 
 def test_per_request_cached_tokens_are_checked_beside_the_other_cached_token_sources():
     """The server's cached tokens per request (the usage relay's file) are one more source of cached prompt tokens:
-    checked against /metrics next to the two /metrics counters' check, not after the unrelated ones."""
+    checked against /metrics next to the two /metrics counters' check, not after the unrelated ones. On the H100
+    matrix's prefix reuse, the first round's runs."""
     run = MATRIX_RUNS["prefix-reuse"]
     for arm in ("fp8.r1", "nvfp4.r1"):
         record = json.loads((run / "manifest.json").read_text())["arms"][arm]["points"][0]

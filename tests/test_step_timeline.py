@@ -1,5 +1,6 @@
-"""The GPU timeline of vLLM's steps (analyzer/steps.py) on the real H200 runs of the 8B-shaped model: each step's
-kernel time, GPU span and host time against plain SQL over the exports, and the statement that names time the
+"""The GPU timeline of vLLM's steps (analyzer/steps.py) on real runs of the 8B-shaped model (the H100 capacity matrix,
+each point's trace window cut to its first 8 engine steps; the H200 preemption and offline cold-prefill runs): each
+step's kernel time, GPU span and host time against plain SQL over the exports, and the statement that names time the
 host added inside NVFP4's prefill steps apart from its kernels."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import NSYS2025_DIR, MATRIX_RUNS, VLLM033_8B_RUNS
+from conftest import MATRIX_RUNS, NSYS2025_DIR, VLLM033_8B_RUNS
 from kvtrace.analyzer import align, report, steps
 from kvtrace.analyzer.load import open_trace
 from kvtrace.analyzer.render.statements import text as statement_text
@@ -48,12 +49,12 @@ def _union(intervals: list[tuple[int, int]]) -> int:
     return total
 
 
-@pytest.mark.parametrize("arm", ["fp8", "nvfp4"])
-def test_each_steps_times_are_plain_sqls(arm):
-    export = SWEEP / f"{arm}.sqlite"
+@pytest.mark.parametrize("run", ["fp8.r1", "nvfp4.r1"])
+def test_each_steps_times_are_plain_sqls(run):
+    export = SWEEP / f"{run}.p0.sqlite"  # the first sweep point's window
     table = steps.step_table(open_trace(export))
     expected = _sql_steps(export)
-    assert table.height == len(expected) == 24
+    assert table.height == len(expected) == 8  # pack_run.py --steps 8
     for row, (name, start, host, kernels) in zip(table.iter_rows(named=True), expected):
         first, last = min(k[0] for k in kernels), max(k[1] for k in kernels)
         assert (row["step"], row["start"], row["host_ns"], row["kernels"]) == (name, start, host, len(kernels))
@@ -115,21 +116,28 @@ def test_no_step_timeline_without_vllm_steps_or_inside_a_window(shared, shipped_
     assert windowed.step_timeline == [] and not any(s.kind == "step-timeline" for s in windowed.statements)
 
 
-def test_the_matrix_names_the_host_time_where_the_report_does(shipped_recipes):
-    """Over the four 8B runs: a `steps` claim exactly where a scenario's report states its steps waiting on the host
-    (the cold prefill and the preemption case, prefill steps), never where the span verdict is not a regression."""
-    from kvtrace.analyzer import matrix
+def test_the_matrix_names_the_host_time_where_the_report_does(shared):
+    """Over the H100 matrix's four scenarios: a `steps` claim exactly where a scenario's report states its steps
+    waiting on the host; a claim of time the host added only where the span verdict is a regression, and a claim of
+    what held the host (the sweep's three first-point prefill steps, too few to measure the span) says so."""
     from kvtrace.analyzer.render.matrix import claim_text
 
-    runs = [VLLM033_8B_RUNS[name] for name in ("capacity-cold-prefill", "capacity-prefix-reuse", "capacity-preemption",
-                                              "capacity-sweep")]
-    result = matrix.build(runs, shipped_recipes)
+    result = shared.matrix([MATRIX_RUNS[name] for name in sorted(MATRIX_RUNS)])
     claims = [c for c in result.claims if c.kind == "steps"]
-    stated = {(s.name, row.phase) for s in result.scenarios for row in s.report.step_timeline if steps.host_bound(row)}
-    assert {(c.scenario, c.step.phase) for c in claims} == stated
-    assert {phase for _, phase in stated} == {align.PREFILL} and len(stated) == 2
+    stated = {(s.name, row.phase): row.host_reading for s in result.scenarios for row in s.report.step_timeline
+              if row.host_reading}
+    assert {(c.scenario, c.step.phase) for c in claims} == set(stated)
+    assert {scenario.split()[0] for scenario, _ in stated} == set(MATRIX_RUNS) - {"preemption"} | {"decode-heavy"}
     for claim in claims:
         scenario = next(s for s in result.scenarios if s.name == claim.scenario)
-        assert claim.rows == tuple(p.row for p in scenario.points)
-        assert claim.step.span_verdict == Verdict.REGRESSION
-        assert "not a slower kernel" in claim_text(claim, result)
+        # The report's steps are each run's manifest export: the first point's window, and only its row is claimed.
+        assert claim.rows == (scenario.points[0].row,)
+        text = claim_text(claim, result)
+        assert "not a slower kernel" in text
+        if claim.step.host_reading == steps.LONGER_BY_HOST:
+            assert claim.step.span_verdict == Verdict.REGRESSION and steps.host_bound(claim.step)
+        else:
+            assert claim.step.host_reading == steps.HELD_BY_WAIT and claim.step.span_verdict != Verdict.REGRESSION
+            assert "is not measured as longer: what holds the host" in text
+    assert [key for key, reading in stated.items() if reading == steps.HELD_BY_WAIT] == [("sweep (serve)",
+                                                                                           align.PREFILL)]

@@ -6,17 +6,23 @@ with the patch's name and hash with one, and inlines a repro that is standalone 
 from __future__ import annotations
 
 import ast
+import copy
+import hashlib
 import json
 import re
 import shutil
 import sqlite3
 import sys
+from pathlib import Path
 
 import pytest
 
-from conftest import FI_GAUSSIAN, MATRIX_RUNS, VLLM033_8B_RUNS
+from conftest import FI_GAUSSIAN, MATRIX, MATRIX_RUNS, REPO
 
+# The H100 capacity matrix's sweep (fp8 and stock nvfp4, three rounds) and its counterfactual: the patched arm
+# nvfp4-validate-once beside copies of stock nvfp4's runs of the same rounds, at the sweep's first two points.
 SWEEP = MATRIX_RUNS["sweep"]
+COUNTERFACTUAL = MATRIX / "counterfactual" / "sweep"
 TEMPLATE_SECTIONS = {
     # flashinfer-ai/flashinfer .github/ISSUE_TEMPLATE/bug_report.yml, in its order
     "flashinfer": ["Environment", "Bug description", "Minimal reproduction", "Error messages / logs",
@@ -34,9 +40,13 @@ def eager_copies(sqlite_path) -> tuple[int, int]:
                             "AND bytes = 8").fetchone()[0]
         names = [row[0] for row in db.execute(
             "SELECT coalesce(n.text, s.value) FROM NVTX_EVENTS n LEFT JOIN StringIds s ON n.textId = s.id")]
-    eager = [n for n in names if (m := re.fullmatch(r"execute_context_(\d+)\(\d+\)_generation_\d+\(\d+\)", n or ""))
-             and m.group(1) != "0"]
-    return copies, len(eager)
+    return copies, len(eager_steps(names))
+
+
+def eager_steps(names: list[str | None]) -> list[tuple[int, int]]:
+    """(prompt tokens, decoding requests) of each eager vLLM step range (one with context requests), from its name."""
+    found = [re.fullmatch(r"execute_context_(\d+)\((\d+)\)_generation_(\d+)\(\d+\)", n or "") for n in names]
+    return [(int(m.group(2)), int(m.group(3))) for m in found if m and m.group(1) != "0"]
 
 
 def script_of(draft: str) -> str:
@@ -55,10 +65,11 @@ def test_draft_follows_the_template_and_carries_the_traced_copies(run_kvtrace, t
     assert headings == TEMPLATE_SECTIONS[project]
     answer = draft.split("<details>")[0]
     assert "**In short:**" in answer and "not measured" in answer
-    copies, steps = eager_copies(SWEEP / "nvfp4.r1.sqlite")
-    assert copies == 32 * steps  # one copy per layer (32) in every eager step
+    first = SWEEP / "nvfp4.r1.p0.sqlite"  # the first run's trace of the first point (its manifest's export)
+    copies, steps = eager_copies(first)
+    assert copies == 32 * steps > 0  # one copy per layer (32) in every eager step
     assert f"makes 32 device-to-host copies of 8 bytes" in answer
-    assert eager_copies(SWEEP / "fp8.r1.sqlite")[0] == 0
+    assert eager_copies(SWEEP / "fp8.r1.p0.sqlite")[0] == 0
     script = script_of(draft)
     tree = ast.parse(script)
     modules = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
@@ -70,24 +81,55 @@ def test_draft_follows_the_template_and_carries_the_traced_copies(run_kvtrace, t
     assert (spec["q_heads"], spec["kv_heads"], spec["head_dim"]) == (
         config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"])
     # the traced eager steps' tokens, as their NVTX names count them (prompt tokens + one per decoding request)
-    assert {sum(case["new_lens"]) for case in spec["cases"]} == {2048, 6145}
+    with sqlite3.connect(f"file:{first}?mode=ro", uri=True) as db:
+        names = [row[0] for row in db.execute(
+            "SELECT coalesce(n.text, s.value) FROM NVTX_EVENTS n LEFT JOIN StringIds s ON n.textId = s.id")]
+    assert {sum(case["new_lens"]) for case in spec["cases"]} == {tokens + decoding
+                                                                 for tokens, decoding in eager_steps(names)}
+
+
+def with_fp8(target: Path) -> Path:
+    """The counterfactual directory with fp8's runs of the same rounds and points copied in from the sweep, as the
+    capture copies stock nvfp4's there (capture/vllm_matrix_split.py): the draft compares the patched arm with both
+    formats of one run directory, and the matrix keeps fp8 out of the counterfactual's."""
+    shutil.copytree(COUNTERFACTUAL, target)
+    manifest = json.loads((target / "manifest.json").read_text())
+    source = json.loads((SWEEP / "manifest.json").read_text())
+    points = len(manifest["settings"]["points"])
+    assert manifest["settings"]["points"] == source["settings"]["points"][:points]
+    for repeat in (1, 2, 3):
+        name, stock = f"fp8.r{repeat}", manifest["arms"][f"nvfp4.r{repeat}"]
+        entry = copy.deepcopy(source["arms"][name])
+        entry["points"] = entry["points"][:points]
+        entry["windows"] = [w for w in entry["windows"] if w["point"] < points]
+        entry["timings"] = [t for t in entry["timings"] if t["point"] < points]
+        # The same prompts as stock nvfp4's copied runs, point by point: so the same order over the points kept.
+        assert [p["request_order_sha256"] for p in entry["points"]] == [
+            p["request_order_sha256"] for p in stock["points"]]
+        entry.update(request_order_sha256=stock["request_order_sha256"], copied_from=f"../../sweep/{name}")
+        manifest["arms"][name] = entry
+        for point in range(points):
+            for path in SWEEP.glob(f"{name}.p{point}.*"):
+                shutil.copy(path, target / path.name)
+    shutil.copy(SWEEP / "fp8.server.log", target)
+    manifest["settings"]["arms"] = ["fp8", *manifest["settings"]["arms"]]
+    manifest["settings"]["order"] = [f"{arm}.r{r}" for r in (1, 2, 3) for arm in manifest["settings"]["arms"]]
+    (target / "manifest.json").chmod(0o644)
+    (target / "manifest.json").write_text(json.dumps(manifest))
+    return target
 
 
 def test_counterfactual_arm_is_named_with_its_patch(run_kvtrace, tmp_path):
-    """Synthetic: the sweep's second NVFP4 run relabelled as the patched arm (the real one comes from the H200), to
-    check that its numbers come with the patch's name and hash and are never called a stock release."""
-    run = tmp_path / "synthetic-counterfactual"
-    shutil.copytree(SWEEP, run)
-    manifest = json.loads((run / "manifest.json").read_text())
-    entry = manifest["arms"].pop("nvfp4.r2")
-    entry.update(arm="nvfp4-validate-once", repeat=1, patch={"name": "validate-once", "sha256": "ab" * 32})
-    manifest["arms"]["nvfp4-validate-once"] = entry
-    manifest["arms"]["nvfp4.r1"]["repeat"] = 1
-    (run / "manifest.json").chmod(0o644)
-    (run / "manifest.json").write_text(json.dumps(manifest))
-    code, out, err = run_kvtrace("report", run, "--arm", "fp8.r1", "--arm", "nvfp4.r1", "--upstream", "flashinfer")
+    """The real patched arm of the H100 matrix: its numbers come with the patch's name and the SHA-256 of the file that
+    was applied (capture/patches/validate-once.py as shipped), and are never called a stock release."""
+    run = with_fp8(tmp_path / "counterfactual-sweep")
+    sha = hashlib.sha256((REPO / "capture" / "patches" / "validate-once.py").read_bytes()).hexdigest()
+    patches = {entry["patch"]["sha256"] for entry in json.loads((run / "manifest.json").read_text())["arms"].values()
+               if entry["arm"] == "nvfp4-validate-once"}
+    assert patches == {sha}
+    code, out, err = run_kvtrace("report", run, "--arm", "fp8", "--arm", "nvfp4", "--upstream", "flashinfer")
     assert code == 0, err
-    assert "validate-once" in out and "ab" * 32 in out and "not a stock release" in out
+    assert "validate-once" in out and sha in out and "not a stock release" in out
     assert "no arm with the check run once" not in out and "patched / stock NVFP4" in out
 
 
