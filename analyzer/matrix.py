@@ -52,6 +52,7 @@ class Environment:
     vllm: str | None
     attention_backend: str | None
     engine: str | None
+    patched: tuple[str, ...] = ()  # RunArm.patch_words of each patched arm: never presented as a stock release
 
 
 @dataclass
@@ -205,7 +206,8 @@ def _environment(result: Report, manifest: Manifest) -> Environment:
     if backend is None and manifest.engine == "flashinfer":
         backend = "FlashInfer kernels called directly"
     return Environment(gpu=result.diff.baseline.info.gpu_label, flashinfer=flashinfer, vllm=packages.get("vllm"),
-                       attention_backend=backend, engine=manifest.engine)
+                       attention_backend=backend, engine=manifest.engine,
+                       patched=tuple(w for w in (result.baseline.patch_words(), result.candidate.patch_words()) if w))
 
 
 # ---- points ----------------------------------------------------------------------------------------------
@@ -289,7 +291,9 @@ def _judge(point: MatrixPoint, result: Report, objective: str, estimate: Serving
                   if k.verdict == (Verdict.IMPROVEMENT if candidate_better else Verdict.REGRESSION)]
         if more_room:
             causes.append(CAPACITY)
-    if objective != "itl" and None not in (winner.cached_prompt_tokens, loser.cached_prompt_tokens) \
+    # Where the TTFT budget measured no part apart from zero, prefix hits explain no measured share either.
+    unmeasured = objective == "ttft" and why is not None and why.cause == UNMEASURED
+    if objective != "itl" and not unmeasured and None not in (winner.cached_prompt_tokens, loser.cached_prompt_tokens) \
             and winner.cached_prompt_tokens > loser.cached_prompt_tokens:
         causes.append(PREFIX_HITS)
     point.causes = tuple(dict.fromkeys(causes))

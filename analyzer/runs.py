@@ -34,6 +34,15 @@ class RunArm:
     # The query dtype per phase (prefill, decode) that vLLM's FlashInfer backend resolved, from the run's log.
     query_dtypes: dict = field(default_factory=dict)
     log: str | None = None  # the first run's log, read for query_dtypes (an input: outputs never land on it)
+    # A counterfactual arm's engine patch as its manifest records it ({"name", "sha256"}); None for a stock release.
+    patch: dict | None = None
+
+    def patch_words(self) -> str | None:
+        """"nvfp4-validate-once is patched by validate-once (SHA-256 …): not a stock release", or None."""
+        if not self.patch:
+            return None
+        return (f"{self.label} runs the released {self.engine or 'engine'} with the patch {self.patch.get('name')} "
+                f"(SHA-256 {self.patch.get('sha256')}) loaded in its server: not a stock release")
 
 
 @dataclass
@@ -202,7 +211,9 @@ def run_arm(item: ArmInput, label: str) -> RunArm:
                   kv_format=fmt, scenario=manifest.scenario, mode=manifest.mode, sqlite=str(item.run / arm.sqlite),
                   runs=tuple(str(item.run / manifest.runs[name].sqlite) for name in item.runs),
                   kv_cache_tokens=arm.kv_cache_tokens, kv_cache_line=arm.kv_cache.get("line"),
-                  versions=dict(arm.workload.get("versions") or {}), **_log_fields(item, arm.log))
+                  versions=dict(arm.workload.get("versions") or {}),
+                  patch={k: arm.patch.get(k) for k in ("name", "sha256")} if arm.patch else None,
+                  **_log_fields(item, arm.log))
 
 
 # vLLM >= 0.33, vllm/v1/attention/backends/flashinfer.py: "FlashInfer resolved query dtypes: prefill=torch.X,

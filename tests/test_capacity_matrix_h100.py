@@ -230,8 +230,6 @@ def test_the_patched_arm_carries_its_patch_name_and_sha256_in_every_manifest():
             assert {k: listed[k] for k in patch} == patch
 
 
-@pytest.mark.xfail(strict=True, reason="kvtrace report of a counterfactual directory names the patched arm by its "
-                   "label only: neither the markdown nor the JSON carries the patch's SHA-256 (only --upstream does)")
 def test_a_report_of_the_patched_arm_names_its_patch_and_sha256(run_kvtrace, tmp_path):
     sha = hashlib.sha256(PATCH_FILE.read_bytes()).hexdigest()
     for fmt in ("markdown", "json"):
@@ -240,8 +238,6 @@ def test_a_report_of_the_patched_arm_names_its_patch_and_sha256(run_kvtrace, tmp
         assert sha in (tmp_path / f"r.{fmt}").read_text()
 
 
-@pytest.mark.xfail(strict=True, reason="kvtrace matrix over ROOT/counterfactual names the patched arm by its label "
-                   "only: neither the markdown nor the JSON carries the patch's SHA-256")
 def test_a_matrix_of_the_patched_arm_names_its_patch_and_sha256(run_kvtrace, tmp_path):
     sha = hashlib.sha256(PATCH_FILE.read_bytes()).hexdigest()
     for fmt in ("markdown", "json"):

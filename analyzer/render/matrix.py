@@ -16,7 +16,7 @@ from kvtrace.analyzer.render import repro as repro_render
 from kvtrace.analyzer.render.escape import md_code, md_prose, md_text, visible
 from kvtrace.analyzer.render.report_tables import _cached, _count, _ms, _peak, _rich_table
 from kvtrace.analyzer.render.statements import held_text
-from kvtrace.analyzer.render.units import rows_text, duration, estimate_ratio, interval, markdown_table, percent, ratio
+from kvtrace.analyzer.render.units import MARK, rows_text, duration, estimate_ratio, interval, markdown_table, percent, ratio
 from kvtrace.analyzer.statements import APPEND_PHASE
 from kvtrace.analyzer.stats.serving_intervals import (DECIDING_RUN_PAIRS, MOMENTS, NO_INTERVAL, PAIRED_REQUESTS,
                                                        RUN_MEANS)
@@ -270,7 +270,9 @@ def _judgement(v: claims_lib.PointOutcome, name: Name) -> str:
                     "its own trace names no faster kernel" if traced else
                     "no trace covers this point's own traffic, so its kernels say nothing here,")
         if v.objective == "ttft" and v.reason is not None and not v.reason.budget.carrier_measured:
-            measured = f"no part of its TTFT budget measured apart from zero holds most of the difference, {measured}"
+            return (f"{apparent} looks better beyond the band, but no part of its TTFT budget measured apart from zero "
+                    "holds most of the difference, so no kernel, prefix hit or capacity effect explains a measured "
+                    "share of it: not explained, so no choice")
         return (f"{apparent} looks better beyond the band, but {measured} and neither prefix hits nor capacity favour "
                 "it: not explained, so no choice")
     return _why(v, name)
@@ -380,7 +382,8 @@ def _environment_text(claim: claims_lib.EnvironmentClaim, result: mx.Matrix, nam
         f"{name(e.gpu)}, FlashInfer {name(e.flashinfer or 'not recorded')}, "
         + (f"vLLM {name(e.vllm)}" if e.vllm else "no vLLM") + ", attention backend "
         + name(e.attention_backend or "not recorded") for e in claim.environments)
-    return f"{name(claim.candidate)} against {name(claim.baseline)} {_cite(claim)} holds for {held}."
+    patched = "".join(f" {name(words)}." for words in dict.fromkeys(w for e in claim.environments for w in e.patched))
+    return f"{name(claim.candidate)} against {name(claim.baseline)} {_cite(claim)} holds for {held}.{patched}"
 
 
 def _measured_text(v: claims_lib.MeasuredClaim, result: mx.Matrix, name: Name) -> str:
@@ -563,6 +566,9 @@ def markdown_parts(result: mx.Matrix) -> tuple[str, str]:
     lines = [f"## kvtrace matrix: the decision on {_OBJECTIVE_WORDS[result.objective]}", ""]
     for claim in first:
         lines += [claim_text(claim, result, md_text), ""]
+    patched = dict.fromkeys(w for c in result.claims if isinstance(c, claims_lib.EnvironmentClaim)
+                            for e in c.environments for w in e.patched)
+    lines += [line for words in patched for line in (f"{MARK['warning']} {md_text(words)}.", "")]
     lines += [md_text("Serving cells are baseline → candidate, then candidate / baseline with its 95% interval; the "
                       "TTFT difference sits in the part of vLLM's own TTFT budget (queue, prefill, the rest) that "
                       "carries it, candidate − baseline (docs/statistics.md, the TTFT budget). The decision point by "

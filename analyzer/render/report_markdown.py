@@ -68,6 +68,8 @@ def report_markdown(report: Report, rest: str | None = diff_markdown.WHOLE) -> t
         at = next((i for i, text in enumerate(head) if i and text.startswith("### ")), len(head))
         head[at:at] = [md_text(quality_render.line(report.quality, b.label, c.label)), ""]
     top = [f"## kvtrace report: {labels[0]} → {labels[1]}", ""]
+    top += [f"{MARK['warning']} {md_prose(words)}." for words in (b.patch_words(), c.patch_words()) if words]
+    top += [""] if top[-1] else []
     if report.left_out:  # what the numbers below cover, before any of them
         top += [f"{MARK['warning']} {md_prose(report.left_out)}", ""]
     top += head

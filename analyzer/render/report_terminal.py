@@ -24,6 +24,10 @@ def report_terminal(report: Report, console: Console) -> None:
         quality_render.terminal(report.quality, b.label, c.label, console)
     console.print(f"[bold]{rich(b.label)}[/] ({rich(shown_path(b.run))}) → "
                   f"[bold]{rich(c.label)}[/] ({rich(shown_path(c.run))})")
+    for words in (b.patch_words(), c.patch_words()):
+        if words:
+            console.print(f"  {LEVEL['warning']}  ", end="")
+            console.print(visible(words), markup=False, highlight=False)
     if report.left_out:
         console.print(f"  {LEVEL['warning']}  ", end="")
         console.print(visible(report.left_out), markup=False, highlight=False)
