@@ -379,7 +379,9 @@ class _Matrix:
         """One point again on the first arm with every other server shut down: A alone against A beside idle B."""
         from dataclasses import replace
 
-        self._stop(self.servers[1:])
+        stopping = time.monotonic()
+        self._stop(self.servers[1:])  # inside the timeline, which must add up to the wall time
+        self._phase("servers stopped", stopping, 0.0, round="co-residence", servers=len(self.servers) - 1)
         compared, point, index = _check_point(self.cfg)
         first = self.servers[0]
         # Exactly that point, as point 0 of a run directory of its own.

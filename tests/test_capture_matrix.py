@@ -139,6 +139,10 @@ def test_the_matrix_runs_each_arm_on_one_server_with_a_window_per_point(standin)
     phases = [p["phase"] for p in matrix["timeline"]]
     assert phases[0] == "server start and compile" and phases[-1] == "export"
     assert phases.count("client prestart") == cfg.repeats + 1
+    # The other servers' shutdown before the check is a phase of its own, so that the phases add up to the wall time.
+    stopped = [p for p in matrix["timeline"] if p["phase"] == "servers stopped"]
+    assert [(p["round"], p["servers"]) for p in stopped] == [("co-residence", 2)]
+    assert phases.index("servers stopped") < len(phases) - 1 - phases[::-1].index("client prestart")
     assert not [pid for pid in standin.pids() if alive(pid)]
 
 
