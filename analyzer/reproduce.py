@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import shlex
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 
 from kvtrace.analyzer import kv_pool
 from kvtrace.manifest import Manifest, Point
@@ -101,13 +101,42 @@ def capture_command(manifest: Manifest) -> str | None:
 def engine_commands(manifest: Manifest) -> list[str]:
     """Each run's server (or offline worker) command under nsys as recorded; for a serve run, the first run's bench
     commands after its own, warm-up first then one per traffic point (the other runs sent the same with their own
-    result file names)."""
+    result file names). A `kvtrace capture vllm-matrix` run shares its arm's server with the other scenarios and
+    records only its bench commands: each server's command is the first line of its log, once per server."""
     commands = []
+    servers = isinstance(manifest.settings.get("servers"), dict)
+    logs: set[str] = set()
     for place, name in enumerate(manifest.runs):
         raw = manifest.raw["arms"][name].get("commands")
         recorded = [c for c in raw if isinstance(c, list) and c and all(isinstance(a, str) for a in c)] \
             if isinstance(raw, list) else []
-        commands += [portable(recorded[0])] if recorded else []
-        if place == 0 and manifest.mode == "serve":
-            commands += [portable(c) for c in recorded[1:] if "bench" in c and "serve" in c]
+        if servers:
+            log = manifest.raw["arms"][name].get("log")
+            if isinstance(log, str) and log not in logs:
+                logs.add(log)
+                commands += [c for c in [_logged_command(manifest.path.parent, log)] if c]
+            bench = recorded if place == 0 else []
+        else:
+            commands += [portable(recorded[0])] if recorded else []
+            bench = recorded[1:] if place == 0 else []
+        if manifest.mode == "serve":
+            commands += [portable(c) for c in bench if "bench" in c and "serve" in c]
     return commands
+
+
+def _logged_command(run: Path, log: str) -> str | None:
+    """The command a server log opens with ("$ nsys profile … vllm serve …"), from a log in the run directory itself;
+    None where there is none or it does not parse."""
+    if PurePosixPath(log).name != log or log in (".", ".."):
+        return None
+    try:
+        with open(run / log, encoding="utf-8", errors="replace") as handle:
+            first = handle.readline(1 << 16)
+    except OSError:
+        return None
+    if not first.startswith("$ "):
+        return None
+    try:
+        return portable(shlex.split(first[2:]))
+    except ValueError:
+        return None

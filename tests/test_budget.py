@@ -252,10 +252,6 @@ def test_a_serve_report_states_its_pool_engine_settings_and_how_to_record_it_aga
     assert shown_model == model
 
 
-@pytest.mark.xfail(strict=True, reason="analyzer/reproduce.py engine_commands takes each run's first recorded command "
-                   "as its server's; a vllm-matrix run records only bench commands (its server's command is the "
-                   "first line of its server log), so no server command is shown and later runs' first bench "
-                   "commands stand in their place")
 def test_a_matrix_scenario_s_reproduce_gives_each_server_s_command(run_kvtrace, tmp_path):
     code, _, err = run_kvtrace("report", SWEEP, "--format", "markdown", "-o", tmp_path / "r.md")
     assert code == 0, err
