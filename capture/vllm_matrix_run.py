@@ -132,7 +132,7 @@ class _Matrix:
             "prefix_cache_reset": "POST /reset_prefix_cache before every point (VLLM_SERVER_DEV_MODE=1)",
             "points": [point.spec() for point in spec.points()],
             "extra_vllm_args": list(self.cfg.extra_args), "env": child_env(self._server_cfg(0)),
-            "patches": {a.label: a.record() for a in self.cfg.arms if a.patch},
+            "patches": {a.label: a.record() for a in self.cfg.arms if a.patch and spec.point_indices(a)},
             "request_order_basis": "the bench client's dataset arguments and seed (it draws the prompts from them)",
             "matrix": {"root": "..", "file": f"../{MATRIX}", "run_dir": spec.name},
         }

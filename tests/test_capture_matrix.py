@@ -129,6 +129,9 @@ def test_the_matrix_runs_each_arm_on_one_server_with_a_window_per_point(standin)
     counters = reuse["arms"]["fp8.r2"]["points"][0]["metrics"]["deltas"]["counters"]
     assert counters["vllm:prefix_cache_hits_total"] == 6 * 32
 
+    # A scenario the patched arm does not run lists no patch (the H100 matrix's prefix reuse and preemption did).
+    assert reuse["settings"]["patches"] == {}
+
     # The co-residence check: one point on the first arm alone, after the others were shut down.
     check = read_manifest(root / "checks" / "co-residence")
     assert list(check.runs) == ["fp8.r1"] and check.settings["co_residence_check"] == {
