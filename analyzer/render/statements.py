@@ -130,7 +130,9 @@ def _prefix_evidence(s: st.TtftStatement, name: Name) -> str:
     if s.candidate_queue_ms is not None:
         effects.append(f"{c}'s requests waited {s.candidate_queue_ms:.1f} ms in vLLM's queue on average against "
                        f"{s.baseline_queue_ms:.1f} ms")
-    return f": {cause}{' and '.join(effects)}" if effects else ""
+    # The counts are the first run pair's; the TTFT beside them may be over every run pair.
+    first = "in the first run pair, " if s.estimate is not None and s.estimate.runs > 1 else ""
+    return f": {cause}{first}{' and '.join(effects)}" if effects else ""
 
 
 def _reused(reuse, arm: str) -> str:
