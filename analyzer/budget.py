@@ -117,8 +117,8 @@ class PointBudget:
     parts: tuple[PartDelta, ...]
     carrier: str
     share: float | None  # carrier's delta / TTFT's delta (above 1 where other parts moved the other way)
-    # Whether the carrier's interval clears zero in TTFT's direction and the parts that do hold at least MOST of the
-    # TTFT difference: a move inside its interval explains nothing.
+    # Whether the carrier's interval clears zero in TTFT's direction and it holds at least MOST of the TTFT difference:
+    # a move inside its interval explains nothing, a sure move of a small share little.
     carrier_measured: bool = True
 
     def part(self, name: str) -> PartDelta | None:
@@ -142,10 +142,10 @@ def point_budget(pairs: Sequence[tuple[ArmBudget | None, ArmBudget | None]],
     # On real runs (H100, the capacity matrix's cold prefill) queue time moved most with an interval across zero
     # while prefill time moved less but surely: the sure move is the one that explains.
     measured = [p for p in candidates if p.low_ms is not None and min(sign * p.low_ms, sign * p.high_ms) > 0]
-    # The measured parts must hold most of the difference: a sure move of a tenth of it explains a tenth.
-    held = sum(p.delta_ms for p in measured) / ttft.delta_ms if ttft.delta_ms else 0.0
-    explained = bool(measured) and held >= MOST
-    carrier = max(measured if explained else candidates, key=lambda p: sign * p.delta_ms)
+    # The carrier must hold most of the difference by itself: a sure move of a tenth of it explains a tenth.
+    largest = max(measured, key=lambda p: sign * p.delta_ms) if measured else None
+    explained = largest is not None and bool(ttft.delta_ms) and largest.delta_ms / ttft.delta_ms >= MOST
+    carrier = largest if explained else max(candidates, key=lambda p: sign * p.delta_ms)
     share = carrier.delta_ms / ttft.delta_ms if ttft.delta_ms else None
     return PointBudget(runs=len(pairs), parts=parts, carrier=carrier.part, share=share, carrier_measured=explained)
 
@@ -161,9 +161,9 @@ FASTER_KERNEL = "faster kernel"  # prefill time carries it, and in the traced st
 HOST_TIME = "less host-held time"  # prefill time carries it, and in the traced steps the GPU waiting on the host does
 PREFILL_TIME = "shorter prefill time"  # prefill time carries it; the traces do not say which component, or none cover
 REST_TIME = "less time outside the engine core"  # the rest carries it: frontend processing and hand-over
-UNMEASURED = "no measured part holds most of it"  # the parts that clear zero hold less than MOST of the move
+UNMEASURED = "no measured part holds most of it"  # no part clears zero and holds MOST of the move
 _CAUSE_OF_PART = {"queue": CAPACITY, "prefill": PREFILL_TIME, "rest": REST_TIME}
-# A component carries a difference when it holds at least this share of it.
+# A part of the budget, or a component of the traced steps, carries a difference when it holds at least this share.
 MOST = 0.5
 
 

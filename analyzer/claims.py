@@ -29,8 +29,8 @@ if TYPE_CHECKING:
     from kvtrace.analyzer.matrix import Environment, MatrixPoint, Scenario
     from kvtrace.analyzer.report import Report
 
-# MatrixPoint.winner besides an arm's side: the interval reaches into the no-change band; or a win beyond it that
-# nothing kvtrace measured accounts for, which is no choice.
+# MatrixPoint.winner besides an arm's side: the interval holds no change or the ratio is within the threshold; or
+# a win beyond it that nothing kvtrace measured accounts for, which is no choice.
 NO_CLEAR_WINNER = "no significant difference"
 NOT_EXPLAINED = "not explained"
 PREFIX_HITS = "more prefix hits"
@@ -516,10 +516,11 @@ def point_claims(group: list[Scenario], base: str, cand: str, objective: str, th
 
 def residency_claims(group: list[Scenario], base: str, cand: str, objective: str) -> list[ResidencyClaim]:
     """Per point whose server counted each request's cached tokens, and where either arm served prompt tokens from
-    its prefix cache (evictions alone are the pool turning over, which every busy point does): how much more of the prompts each arm's pool served from its prefix
-    cache and how many cached blocks it evicted (residency, a capacity effect), beside the prefill attention kernel's
-    cost on the group's matched cold prefill and the objective's outcome there; stated whichever way the objective
-    fell, so that a residency win never reads as a faster kernel, nor a slower kernel hide one."""
+    its prefix cache (evictions alone are the pool turning over, which every busy point does): how much more of the
+    prompts each arm's pool served from its prefix cache and how many cached blocks it evicted (residency, a
+    capacity effect), beside the prefill attention kernel's cost on the group's matched cold prefill and the
+    objective's outcome there; stated whichever way the objective fell, so that a residency win never reads as a
+    faster kernel, nor a slower kernel hide one."""
     cold = next(((s, p) for s in group for p in s.points if p.cold_prefill), None)
     kernel = None
     if cold is not None:

@@ -239,10 +239,10 @@ def _no_interval(objective: str) -> str:
 
 
 def _judge(point: MatrixPoint, result: Report, objective: str, estimate: ServingEstimate | None = None) -> None:
-    """Who wins the point on the objective: only an estimate whose interval clears the no-change band names a
-    winner, and only what kvtrace measured (a faster kernel, prefix hits, a capacity effect) makes it a choice.
-    `estimate`: the objective's estimate pooled over several measurements of the point, else the point's own; the
-    causes are always the point's own run's."""
+    """Who wins the point on the objective: only an estimate whose interval excludes no change, its ratio beyond the
+    threshold, names a winner, and only what kvtrace measured (a faster kernel, prefix hits, a capacity effect)
+    makes it a choice. `estimate`: the objective's estimate pooled over several measurements of the point, else the
+    point's own; the causes are always the point's own run's."""
     row = point.serving
     name, _, segments = OBJECTIVES[objective]
     if estimate is None:

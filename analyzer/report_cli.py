@@ -192,7 +192,7 @@ def matrix(runs, objective, threshold, confidence, seed, plots_dir, plot_format,
     directories of one arm each pair by engine, mode and scenario. Each scenario is reported as `kvtrace
     report` would; per traffic point the matrix sets TTFT beside the cached prompt tokens, ITL and throughput,
     each with candidate / baseline and its interval over every run, says which arm wins the point on --objective
-    (only on three run pairs or more, and only where the interval clears the no-change band, the threshold;
+    (only on three run pairs or more, and only where its interval excludes no change and the ratio is beyond the threshold;
     fewer run pairs say what was measured and that `--repeats 3` would decide it) and what wins it (a faster kernel, more prefix hits, a capacity effect; "not explained" otherwise), where a
     sweep's crossover lies, and states what the kernel rows measured and the decision with the rows it rests on.
     A point measured in several run directories with disagreeing results is not decided; with agreeing ones, it

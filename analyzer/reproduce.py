@@ -134,7 +134,7 @@ def _logged_command(run: Path, log: str) -> str | None:
             first = handle.readline(1 << 16)
     except OSError:
         return None
-    if not first.startswith("$ "):
+    if not first.startswith("$ ") or not first.endswith("\n"):  # a line cut off at the read's limit is no command
         return None
     try:
         return portable(shlex.split(first[2:]))

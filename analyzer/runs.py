@@ -38,11 +38,13 @@ class RunArm:
     patch: dict | None = None
 
     def patch_words(self) -> str | None:
-        """"nvfp4-validate-once is patched by validate-once (SHA-256 …): not a stock release", or None."""
+        """"nvfp4-validate-once runs vLLM 0.33.0 and FlashInfer 0.7.2.post1 with the patch validate-once (SHA-256 …)
+        loaded in its server: not a stock release", or None for a stock arm."""
         if not self.patch:
             return None
-        return (f"{self.label} runs the released {self.engine or 'engine'} with the patch {self.patch.get('name')} "
-                f"(SHA-256 {self.patch.get('sha256')}) loaded in its server: not a stock release")
+        releases = self.patch.get("releases") or self.engine or "its engine"
+        return (f"{self.label} runs {releases} with the patch {self.patch.get('name') or 'unnamed'} (SHA-256 "
+                f"{self.patch.get('sha256') or 'not recorded'}) loaded in its server: not a stock release")
 
 
 @dataclass
@@ -212,8 +214,19 @@ def run_arm(item: ArmInput, label: str) -> RunArm:
                   runs=tuple(str(item.run / manifest.runs[name].sqlite) for name in item.runs),
                   kv_cache_tokens=arm.kv_cache_tokens, kv_cache_line=arm.kv_cache.get("line"),
                   versions=dict(arm.workload.get("versions") or {}),
-                  patch={k: arm.patch.get(k) for k in ("name", "sha256")} if arm.patch else None,
+                  patch={**{k: arm.patch.get(k) for k in ("name", "sha256")}, "releases": _releases(manifest)}
+                  if arm.patch else None,
                   **_log_fields(item, arm.log))
+
+
+def _releases(manifest: Manifest) -> str | None:
+    """"vLLM 0.33.0 and FlashInfer 0.7.2.post1": the engine's releases a patched arm ran, from the capture host's
+    packages and the workload's own versions."""
+    environment = manifest.raw.get("environment")
+    packages = {**((environment.get("packages") or {}) if isinstance(environment, dict) else {}),
+                **next((r.workload.get("versions") or {} for r in manifest.runs.values() if r.workload), {})}
+    versions = {"vLLM": packages.get("vllm"), "FlashInfer": packages.get("flashinfer") or packages.get("flashinfer-python")}
+    return " and ".join(f"{name} {version}" for name, version in versions.items() if isinstance(version, str)) or None
 
 
 # vLLM >= 0.33, vllm/v1/attention/backends/flashinfer.py: "FlashInfer resolved query dtypes: prefill=torch.X,

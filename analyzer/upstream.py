@@ -12,7 +12,7 @@ device-to-host copies just before the NVFP4 append kernel in its eager steps (an
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from kvtrace.analyzer import repro as repro_lib
 from kvtrace.analyzer.report import Report
@@ -105,6 +105,9 @@ def host_sync(report: Report, project: str, build_report, script_of) -> HostSync
     builds another report as this one was built (for the counterfactual arm); `script_of(spec)` renders a repro."""
     if project not in PROJECTS:
         raise KvtraceError(f"--upstream takes {' or '.join(PROJECTS)}, not {project!r}")
+    if COUNTERFACTUAL_ARM in (report.baseline.arm, report.candidate.arm):
+        raise KvtraceError(f"--upstream drafts from the stock arms (fp8, nvfp4); arm {COUNTERFACTUAL_ARM} is the "
+                           "counterfactual, found beside them: pass the stock arms' run directory")
     steps = [copies for row in report.step_timeline if (copies := _copies(row)) is not None]
     if not steps:
         raise KvtraceError(f"no finding to draft: the candidate's eager steps in this report make no device-to-host "
@@ -194,8 +197,10 @@ def _counterfactual_places(report: Report) -> list[Path]:
     places = list(runs)
     for run in runs:
         matrix = read_manifest(run).settings.get("matrix")
-        if isinstance(matrix, dict) and isinstance(matrix.get("run_dir"), str) and isinstance(matrix.get("root"), str):
-            place = (run / matrix["root"] / "counterfactual" / matrix["run_dir"]).resolve()
-            if place.is_relative_to((run / matrix["root"]).resolve()) and (place / "manifest.json").is_file():
+        # Only the layout `kvtrace capture vllm-matrix` writes: a scenario one level below its root, by a bare name.
+        if isinstance(matrix, dict) and matrix.get("root") == ".." and isinstance(matrix.get("run_dir"), str) \
+                and PurePosixPath(matrix["run_dir"]).name == matrix["run_dir"] not in ("", ".", ".."):
+            place = run.parent / "counterfactual" / matrix["run_dir"]
+            if (place / "manifest.json").is_file():
                 places.append(place)
     return places

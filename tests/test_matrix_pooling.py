@@ -105,9 +105,11 @@ def by_point(result: matrix.Matrix) -> dict[str, list[matrix.MatrixPoint]]:
     return found
 
 
-def _expected_winner(low: float, high: float) -> str | None:
-    """Who a TTFT interval (nvfp4 / fp8) names, where it clears the no-change band on one side."""
-    return "baseline" if low > 1 + THRESHOLD else "candidate" if high < 1 - THRESHOLD else None
+def _expected_winner(ratio: float, low: float, high: float) -> str | None:
+    """Who a TTFT ratio (nvfp4 / fp8) and its interval name: the interval excludes 1 (three run pairs put the drift
+    inside it) and the ratio is beyond the threshold (docs/statistics.md, verdicts)."""
+    return ("baseline" if low > 1 and ratio > 1 + THRESHOLD else
+            "candidate" if high < 1 and ratio < 1 - THRESHOLD else None)
 
 
 def test_each_shared_point_is_decided_on_both_sessions_run_pairs(both, sessions, shared):
@@ -135,8 +137,8 @@ def test_each_shared_point_is_decided_on_both_sessions_run_pairs(both, sessions,
             if runs == 1:
                 assert own.band == drift_band.ASSUMED_SERVING_BAND
             # Three run pairs pooled decide the point, each row with its own run's causes.
-            assert _expected_winner(low, high) is not None
-            assert p.winner == _expected_winner(low, high) and p.causes and p.undecided is None
+            assert _expected_winner(r, low, high) is not None
+            assert p.winner == _expected_winner(r, low, high) and p.causes and p.undecided is None
 
 
 def test_a_point_measured_once_is_not_pooled(both, sessions):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -62,3 +63,31 @@ def test_the_counterfactual_ratios_are_the_bench_clients_own(draft):
         mean = lambda values: sum(values) / len(values)  # noqa: E731
         assert against_stock == f"{mean(patched) / mean(stock):.3f}"
         assert against_fp8 == f"{mean(patched) / mean(fp8):.3f}"
+
+
+def test_a_patched_arm_picked_for_the_draft_is_refused_in_one_line(run_kvtrace, tmp_path):
+    """The draft is of the stock arms; picking the counterfactual as either side says so (exit 2, one line)."""
+    counterfactual = MATRIX / "counterfactual" / "sweep"
+    code, out, err = run_kvtrace("report", counterfactual, "--arm", "nvfp4", "--arm", PATCHED, "--upstream", "flashinfer",
+                                 "-o", tmp_path / "draft.md")
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert f"arm {PATCHED} is the counterfactual" in err and not (tmp_path / "draft.md").exists()
+
+
+def test_a_matrix_root_named_elsewhere_in_the_manifest_is_not_followed(tmp_path):
+    """Only the layout the capture writes is searched: a scenario whose manifest names another root (here "/") does not
+    send the draft looking for a counterfactual there, so the draft says none was measured."""
+    from kvtrace.cli import main
+
+    root = tmp_path / "root"
+    shutil.copytree(MATRIX_RUNS["sweep"], root / "sweep")
+    shutil.copytree(MATRIX / "counterfactual", root / "counterfactual")
+    path = root / "sweep" / "manifest.json"
+    path.chmod(0o644)
+    data = json.loads(path.read_text())
+    data["settings"]["matrix"]["root"] = "/"
+    path.write_text(json.dumps(data))
+    out = tmp_path / "draft.md"
+    assert main(["report", str(root / "sweep"), "--upstream", "flashinfer", "-o", str(out)]) in (0, None)
+    section = out.read_text().split("**With the check once per scale tensor**")
+    assert len(section) == 1 and "not measured" in out.read_text()

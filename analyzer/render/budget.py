@@ -80,7 +80,7 @@ def cell(why: Reason | None) -> str:
     carrier = why.carrier
     text = f"{carrier.part} {signed_ms(carrier.delta_ms)} of {signed_ms(why.budget.ttft.delta_ms)}"
     if not why.budget.carrier_measured:
-        return f"no measured part holds most of it (largest: {text})"
+        return f"{budget_lib.UNMEASURED} (largest: {text})"
     if carrier.part == "prefill":
         text += (" · not traced" if why.steps is None else
                  f" · traced: {SEGMENT_WORDS[why.step_carrier]}" if why.step_carrier else " · traced: no one part")

@@ -16,7 +16,8 @@ from kvtrace.analyzer.render import repro as repro_render
 from kvtrace.analyzer.render.escape import md_code, md_prose, md_text, visible
 from kvtrace.analyzer.render.report_tables import _cached, _count, _ms, _peak, _rich_table
 from kvtrace.analyzer.render.statements import held_text
-from kvtrace.analyzer.render.units import MARK, rows_text, duration, estimate_ratio, interval, markdown_table, percent, ratio
+from kvtrace.analyzer.render.units import (MARK, duration, estimate_ratio, interval, markdown_table, percent, ratio,
+                                          rows_text)
 from kvtrace.analyzer.statements import APPEND_PHASE
 from kvtrace.analyzer.stats.serving_intervals import (DECIDING_RUN_PAIRS, MOMENTS, NO_INTERVAL, PAIRED_REQUESTS,
                                                        RUN_MEANS)
@@ -260,8 +261,8 @@ def _judgement(v: claims_lib.PointOutcome, name: Name) -> str:
     if v.winner == mx.NO_CLEAR_WINNER:
         spread = ("the spread across run directories, and so across sessions," if v.pooled_rows else
                   "the run-to-run spread")
-        return ("no significant difference (the interval reaches into the no-change band, "
-                f"±{100 * v.threshold:g}%, {spread} inside the interval)")
+        return (f"no significant difference (the interval holds no change, or the ratio is within ±"
+                f"{100 * v.threshold:g}%; {spread} is inside the interval)")
     if v.winner == mx.NOT_EXPLAINED:
         apparent = name(v.candidate if v.apparent == "candidate" else v.baseline)
         kernels = " and ".join(_SEGMENT_WORDS[k.segment] for k in v.kernels)
@@ -503,8 +504,8 @@ def _lead(result: mx.Matrix) -> str:
             "baseline → candidate, each arm's mean over every run, then candidate / baseline with its 95% interval "
             f"(docs/statistics.md, serving intervals). A point is decided only on {DECIDING_RUN_PAIRS} run pairs or "
             "more (one run per arm leaves the run-to-run drift unmeasured, two measure it by one difference), and is "
-            f"won on {_OBJECTIVE_WORDS[result.objective]} only where the whole interval clears the no-change band (±"
-            f"{100 * result.threshold:g}%: the run pairs' spread is inside the interval), and is a choice only where "
+            f"won on {_OBJECTIVE_WORDS[result.objective]} only where the interval excludes no change (the run pairs' "
+            f"spread is inside it) and the ratio is beyond ±{100 * result.threshold:g}%, and is a choice only where "
             "something measured at that point explains it: on TTFT, the part of the server's TTFT budget that carries "
             "the difference (queue time: a capacity effect; prefill time, split by that point's own traced steps "
             "where a trace covers it; the rest), else a faster kernel where the kernel diff read the point's "

@@ -170,7 +170,8 @@ def _ttft(s: st.TtftStatement, name: Name = _plain) -> str:
     if s.reading == st.PREFIX_HIT_SLOWER:
         return (f"{ttft}{where}, with {cached}{_prefix_evidence(s, name)}. The extra prefix hits are a capacity / "
                 f"prefix-hit win for {c}, not a faster kernel: its {kernels} over {s.prefill_compared_calls:,} paired "
-                f"calls, and the prefix hits did not make up for them: its TTFT is not measurably lower{_budget(s, name)}")
+                "calls, and the prefix hits did not make up for them: its TTFT is not measurably lower"
+                f"{_budget(s, name)}")
     if s.reading == st.CAPACITY_EFFECT:
         although = f" although {kernels}" if kernels else ""
         return (f"{ttft}{where}{although}: {b} was capacity-bound there ({name(s.baseline_capacity)}) and "
