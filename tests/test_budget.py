@@ -265,6 +265,25 @@ def test_a_matrix_scenario_s_reproduce_gives_each_server_s_command(run_kvtrace, 
     assert sum(" bench serve " in c for c in commands) == len(data["settings"]["points"])
 
 
+@pytest.mark.parametrize("first_line,expected", [
+    ("$ nsys profile --output=/tmp/x/trace python3 -m vllm serve /m --seed 0\n",
+     "nsys profile --output=trace python3 -m vllm serve m --seed 0"),
+    ("$ nsys profile 'unbalanced quote\n", None),  # no command, rather than a wrong one
+    ("nsys profile python3 -m vllm serve /m\n", None),  # not the capture's "$ " line
+    ("$ nsys profile " + "x" * (1 << 16), None),  # cut off at the read's limit
+    # "/`" is an absolute path to portable(): its last component stays, quoted like every other argument
+    ("$ nsys profile `rm -rf /` $(id) --x='a b'\n", "nsys profile '`rm' -rf '`' '$(id)' '--x=a b'"),
+], ids=["recorded", "unbalanced-quote", "no-prompt", "cut-off", "shell-text"])
+def test_a_server_logs_first_line_is_taken_whole_and_quoted_or_not_at_all(tmp_path, first_line, expected):
+    """Reproduce reads a matrix server's command from its log, an input: only a whole "$ " line that parses, every
+    argument quoted again for the shell, machine paths made portable (synthetic logs)."""
+    from kvtrace.analyzer import reproduce
+
+    (tmp_path / "fp8.server.log").write_text(first_line + "INFO later lines\n")
+    assert reproduce._logged_command(tmp_path, "fp8.server.log") == expected
+    assert reproduce._logged_command(tmp_path, "../fp8.server.log") is None  # only a file of the run directory
+
+
 def test_a_point_trace_linked_out_of_its_run_directory_is_refused(tmp_path, recipes):
     source = SWEEP
     run = tmp_path / source.name
