@@ -67,12 +67,11 @@ def utc(stamp: str) -> float:
 
 # ---- kvtrace matrix over the recording ---------------------------------------------------------------------------
 
-def test_kvtrace_matrix_decides_every_point_on_three_run_pairs_and_traces_every_point(run_kvtrace, tmp_path):
-    code, _, err = run_kvtrace("matrix", MATRIX, "--format", "json", "-o", tmp_path / "m.json")
-    assert code == 0, err
-    code, _, err = run_kvtrace("matrix", MATRIX, "--format", "markdown", "-o", tmp_path / "m.md")
-    assert code == 0, err
-    data = json.loads((tmp_path / "m.json").read_text())
+def test_kvtrace_matrix_decides_every_point_on_three_run_pairs_and_traces_every_point(shipped_output):
+    """`kvtrace matrix MATRIX` as shipped outputs ran it (tests/shipped_outputs.py), JSON and markdown."""
+    outputs = {fmt: shipped_output("matrix.vllm033-h100-matrix", fmt) for fmt in ("json", "markdown")}
+    assert all(o.code == 0 for o in outputs.values()), [o.err for o in outputs.values()]
+    data = json.loads(outputs["json"].path.read_text())
     # The root's scenarios, not the counterfactual's copies nor the check (separate directories below it).
     assert sorted(s["runs"] for s in data["scenarios"]) == sorted([n] for n in PLAN["scenarios"])
     points = 0
@@ -95,7 +94,7 @@ def test_kvtrace_matrix_decides_every_point_on_three_run_pairs_and_traces_every_
             assert point["serving"]["trace_note"] is None
             points += 1
     assert points == sum(len(manifest(MATRIX_RUNS[n])["settings"]["points"]) for n in PLAN["scenarios"]) == 7
-    assert "not traced" not in (tmp_path / "m.md").read_text() and "not traced" not in (tmp_path / "m.json").read_text()
+    assert all("not traced" not in o.path.read_text() for o in outputs.values())
 
 
 # ---- a trace window in every point's own traffic -----------------------------------------------------------------
@@ -240,12 +239,16 @@ def test_a_report_of_the_patched_arm_names_its_patch_and_sha256(run_kvtrace, tmp
         assert sha in (tmp_path / f"r.{fmt}").read_text()
 
 
-def test_a_matrix_of_the_patched_arm_names_its_patch_and_sha256(run_kvtrace, tmp_path):
+def test_a_matrix_of_the_patched_arm_names_its_patch_and_sha256(shipped_output):
+    """`kvtrace matrix ROOT/counterfactual` (a shipped output): the patch and its SHA-256 before <details>, and that
+    the arm is no stock release."""
     sha = hashlib.sha256(PATCH_FILE.read_bytes()).hexdigest()
     for fmt in ("markdown", "json"):
-        code, _, err = run_kvtrace("matrix", MATRIX / "counterfactual", "--format", fmt, "-o", tmp_path / f"m.{fmt}")
-        assert code == 0, err
-        assert sha in (tmp_path / f"m.{fmt}").read_text()
+        output = shipped_output("matrix.vllm033-h100-matrix-counterfactual", fmt)
+        assert output.code == 0, output.err
+        assert sha in output.path.read_text()
+    head = shipped_output("matrix.vllm033-h100-matrix-counterfactual").path.read_text().split("<details>")[0]
+    assert f"with the patch validate-once (SHA-256 {sha})" in head and "not a stock release" in head
 
 
 @pytest.mark.parametrize("scenario", sorted(COUNTERFACTUAL))
