@@ -16,7 +16,7 @@ from pathlib import Path
 
 from kvtrace import __version__, kv_formats
 from kvtrace.analyzer import budget, claims as claims_lib, headline, kv_pool, report as report_lib
-from kvtrace.analyzer.budget import CAPACITY, FASTER_KERNEL, UNMEASURED, Reason
+from kvtrace.analyzer.budget import CAPACITY, FASTER_KERNEL, Reason
 from kvtrace.analyzer.claims import NO_CLEAR_WINNER, NOT_EXPLAINED, PREFIX_HITS, KernelVerdict
 from kvtrace.analyzer.classify import RecipeSet
 from kvtrace.analyzer.kv_pool import ArmPool
@@ -284,7 +284,7 @@ def _judge(point: MatrixPoint, result: Report, objective: str, estimate: Serving
         # The budget's part that carries the TTFT difference, measured apart from zero, where the server's TTFT moved
         # the winner's way; queue time is a capacity effect only where the winner had more room (else the loser's
         # requests queued behind slower work).
-        causes = [why.cause] if (why.budget.ttft.delta_ms < 0) == candidate_better and why.cause != UNMEASURED \
+        causes = [why.cause] if (why.budget.ttft.delta_ms < 0) == candidate_better and why.budget.carrier_measured \
             and (why.cause != CAPACITY or more_room) else []
     else:
         causes = [FASTER_KERNEL for k in point.kernel_verdicts
@@ -292,7 +292,7 @@ def _judge(point: MatrixPoint, result: Report, objective: str, estimate: Serving
         if more_room:
             causes.append(CAPACITY)
     # Where the TTFT budget measured no part apart from zero, prefix hits explain no measured share either.
-    unmeasured = objective == "ttft" and why is not None and why.cause == UNMEASURED
+    unmeasured = objective == "ttft" and why is not None and not why.budget.carrier_measured
     if objective != "itl" and not unmeasured and None not in (winner.cached_prompt_tokens, loser.cached_prompt_tokens) \
             and winner.cached_prompt_tokens > loser.cached_prompt_tokens:
         causes.append(PREFIX_HITS)
