@@ -12,7 +12,9 @@ import json
 import shlex
 from pathlib import Path, PurePosixPath
 
+from kvtrace import files
 from kvtrace.analyzer import kv_pool
+from kvtrace.analyzer.runs import bare_name, run_file
 from kvtrace.manifest import Manifest, Point
 
 # The settings that shape a serve run's server besides the KV format, as `kvtrace capture vllm` recorded them.
@@ -114,7 +116,7 @@ def engine_commands(manifest: Manifest) -> list[str]:
             log = manifest.raw["arms"][name].get("log")
             if isinstance(log, str) and log not in logs:
                 logs.add(log)
-                commands += [c for c in [_logged_command(manifest.path.parent, log)] if c]
+                commands += [c for c in [_logged_command(manifest.path.parent, log, f"arm {name}")] if c]
             bench = recorded if place == 0 else []
         else:
             commands += [portable(recorded[0])] if recorded else []
@@ -124,19 +126,21 @@ def engine_commands(manifest: Manifest) -> list[str]:
     return commands
 
 
-def _logged_command(run: Path, log: str) -> str | None:
-    """The command a server log opens with ("$ nsys profile … vllm serve …"), from a log in the run directory itself;
-    None where there is none or it does not parse."""
-    if PurePosixPath(log).name != log or log in (".", ".."):
+def _logged_command(run: Path, log: str, owner: str) -> str | None:
+    """The command a server log opens with ("$ nsys profile … vllm serve …"), from a log in the run directory
+    itself, read as runs reads a run's log (a regular file inside the run directory, bounded); None where there is
+    none, its first line is not one whole line within 64 KiB, or it does not parse."""
+    if not bare_name(log):
+        return None
+    path = run_file(run, log, owner, "log")
+    if not path.exists():
+        return None
+    text = files.read_small(path, f"log {path}", "keep the capture's own log there, or remove it").decode(
+        errors="replace")
+    end = text.find("\n", 0, 1 << 16)
+    if not text.startswith("$ ") or end < 0:
         return None
     try:
-        with open(run / log, encoding="utf-8", errors="replace") as handle:
-            first = handle.readline(1 << 16)
-    except OSError:
-        return None
-    if not first.startswith("$ ") or not first.endswith("\n"):  # a line cut off at the read's limit is no command
-        return None
-    try:
-        return portable(shlex.split(first[2:]))
+        return portable(shlex.split(text[2:end]))
     except ValueError:
         return None

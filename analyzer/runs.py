@@ -7,7 +7,7 @@ import os
 import re
 import stat
 from dataclasses import dataclass, field, replace
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from kvtrace import files, kv_formats
 from kvtrace.errors import KvtraceError
@@ -222,10 +222,11 @@ def run_arm(item: ArmInput, label: str) -> RunArm:
 def _releases(manifest: Manifest) -> str | None:
     """"vLLM 0.33.0 and FlashInfer 0.7.2.post1": the engine's releases a patched arm ran, from the capture host's
     packages and the workload's own versions."""
-    environment = manifest.raw.get("environment")
-    packages = {**((environment.get("packages") or {}) if isinstance(environment, dict) else {}),
-                **next((r.workload.get("versions") or {} for r in manifest.runs.values() if r.workload), {})}
-    versions = {"vLLM": packages.get("vllm"), "FlashInfer": packages.get("flashinfer") or packages.get("flashinfer-python")}
+    from kvtrace.analyzer.headline import package_versions  # headline imports reproduce, which imports this module
+
+    packages = package_versions(manifest)
+    versions = {"vLLM": packages.get("vllm"),
+                "FlashInfer": packages.get("flashinfer") or packages.get("flashinfer-python")}
     return " and ".join(f"{name} {version}" for name, version in versions.items() if isinstance(version, str)) or None
 
 
@@ -268,6 +269,12 @@ def check_distinct_recordings(paths: list[Path], fix: str) -> None:
                 raise KvtraceError(f"{path} and {digests[digest]} hold the same bytes: a run is not independent "
                                    f"evidence of itself; {fix}")
             digests[digest] = path
+
+
+def bare_name(name: str) -> bool:
+    """Whether a manifest's name for a file or folder is one name in the run directory itself (no folder, no . or
+    ..)."""
+    return PurePosixPath(name).name == name and name not in ("", ".", "..")
 
 
 def run_file(run: Path, name: str, owner: str, what: str) -> Path:

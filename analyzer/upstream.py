@@ -12,10 +12,11 @@ device-to-host copies just before the NVFP4 append kernel in its eager steps (an
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 from kvtrace.analyzer import repro as repro_lib
 from kvtrace.analyzer.report import Report
+from kvtrace.analyzer.runs import bare_name
 from kvtrace.analyzer.steps import StepPhase
 from kvtrace.errors import KvtraceError
 from kvtrace.kv_formats import patched_arm_label
@@ -199,7 +200,7 @@ def _counterfactual_places(report: Report) -> list[Path]:
         matrix = read_manifest(run).settings.get("matrix")
         # Only the layout `kvtrace capture vllm-matrix` writes: a scenario one level below its root, by a bare name.
         if isinstance(matrix, dict) and matrix.get("root") == ".." and isinstance(matrix.get("run_dir"), str) \
-                and PurePosixPath(matrix["run_dir"]).name == matrix["run_dir"] not in ("", ".", ".."):
+                and bare_name(matrix["run_dir"]):
             place = run.parent / "counterfactual" / matrix["run_dir"]
             if (place / "manifest.json").is_file():
                 places.append(place)

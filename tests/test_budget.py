@@ -280,8 +280,26 @@ def test_a_server_logs_first_line_is_taken_whole_and_quoted_or_not_at_all(tmp_pa
     from kvtrace.analyzer import reproduce
 
     (tmp_path / "fp8.server.log").write_text(first_line + "INFO later lines\n")
-    assert reproduce._logged_command(tmp_path, "fp8.server.log") == expected
-    assert reproduce._logged_command(tmp_path, "../fp8.server.log") is None  # only a file of the run directory
+    assert reproduce._logged_command(tmp_path, "fp8.server.log", "arm fp8.r1") == expected
+    assert reproduce._logged_command(tmp_path, "../fp8.server.log", "arm fp8.r1") is None  # only the run directory's
+
+
+def test_a_server_log_that_is_a_fifo_or_a_link_out_is_refused_not_waited_on(tmp_path):
+    """The log is read as runs reads a run's log: a FIFO would wait for a writer, a link would read elsewhere
+    (synthetic run directory)."""
+    import os
+
+    from kvtrace.analyzer import reproduce
+    from kvtrace.errors import KvtraceError
+
+    os.mkfifo(tmp_path / "fp8.server.log")
+    with pytest.raises(KvtraceError, match="not a regular file"):
+        reproduce._logged_command(tmp_path, "fp8.server.log", "arm fp8.r1")
+    (tmp_path / "outside.log").write_text("$ nsys profile vllm serve m\n")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "nvfp4.server.log").symlink_to(tmp_path / "outside.log")
+    with pytest.raises(KvtraceError, match="leads outside the run directory"):
+        reproduce._logged_command(tmp_path / "run", "nvfp4.server.log", "arm nvfp4.r1")
 
 
 def test_a_point_trace_linked_out_of_its_run_directory_is_refused(tmp_path, recipes):
