@@ -149,7 +149,7 @@ def _environment(diff: Diff, manifest: Manifest | None) -> list[tuple[str, str]]
     if manifest is None:
         return found + [("CUDA, engine", "not recorded (no kvtrace manifest beside the traces)")]
     raw = manifest.raw.get("environment") if isinstance(manifest.raw.get("environment"), dict) else {}
-    packages = package_versions(manifest)
+    packages = manifest.packages
     cuda = packages.pop("cuda_runtime", None) or raw.get("cuda_runtime")
     found.insert(2, ("CUDA runtime", str(cuda or "not recorded")))
     found.append(("engine", (manifest.engine or "unknown") + "".join(
@@ -163,14 +163,6 @@ def _environment(diff: Diff, manifest: Manifest | None) -> list[tuple[str, str]]
         found.append(("engine settings", flags))
     pool = reproduce.pool_row(manifest)
     return found + ([pool] if pool else [])
-
-
-def package_versions(manifest: Manifest) -> dict:
-    """The engine's packages by name: the workload's own versions (as the engine process imported them) over
-    the capture host's packages."""
-    raw = manifest.raw.get("environment") if isinstance(manifest.raw.get("environment"), dict) else {}
-    workload = next((r.workload for r in manifest.runs.values() if r.workload), {})
-    return {**(raw.get("packages") or {}), **(workload.get("versions") or {})}
 
 
 def find_manifest(trace: Path) -> Manifest | None:

@@ -15,7 +15,7 @@ from itertools import combinations
 from pathlib import Path
 
 from kvtrace import __version__, kv_formats
-from kvtrace.analyzer import budget, claims as claims_lib, headline, kv_pool, report as report_lib
+from kvtrace.analyzer import budget, claims as claims_lib, kv_pool, report as report_lib
 from kvtrace.analyzer.budget import CAPACITY, FASTER_KERNEL, Reason
 from kvtrace.analyzer.claims import NO_CLEAR_WINNER, NOT_EXPLAINED, PREFIX_HITS, KernelVerdict
 from kvtrace.analyzer.classify import RecipeSet
@@ -200,7 +200,7 @@ def _scenario_name(manifest, run: Path) -> str:
 
 
 def _environment(result: Report, manifest: Manifest) -> Environment:
-    packages = headline.package_versions(manifest)
+    packages = manifest.packages
     flashinfer = packages.get("flashinfer") or packages.get("flashinfer-python")
     backend = manifest.settings.get("attention_backend")
     if backend is None and manifest.engine == "flashinfer":

@@ -222,9 +222,7 @@ def run_arm(item: ArmInput, label: str) -> RunArm:
 def _releases(manifest: Manifest) -> str | None:
     """"vLLM 0.33.0 and FlashInfer 0.7.2.post1": the engine's releases a patched arm ran, from the capture host's
     packages and the workload's own versions."""
-    from kvtrace.analyzer.headline import package_versions  # headline imports reproduce, which imports this module
-
-    packages = package_versions(manifest)
+    packages = manifest.packages
     versions = {"vLLM": packages.get("vllm"),
                 "FlashInfer": packages.get("flashinfer") or packages.get("flashinfer-python")}
     return " and ".join(f"{name} {version}" for name, version in versions.items() if isinstance(version, str)) or None

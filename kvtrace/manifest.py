@@ -336,6 +336,14 @@ class Manifest:
         return _dict(self.settings.get("model"))
 
     @property
+    def packages(self) -> dict:
+        """The engine's packages by name: the workload's own versions (as the engine process imported them) over
+        the capture host's packages."""
+        environment = _dict(self.raw.get("environment"))
+        workload = next((r.workload for r in self.runs.values() if r.workload), {})
+        return {**(environment.get("packages") or {}), **(workload.get("versions") or {})}
+
+    @property
     def kv_config(self) -> dict:
         """vLLM: the config fields kvtrace.model_config reads the KV layout from (the summary's kv_config);
         manifests written before capture recorded them offer the summary's own fields."""
