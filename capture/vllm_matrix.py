@@ -124,9 +124,10 @@ class MatrixConfig:
 
 # Seconds, from the H100 recording of fixtures/vllm033-h100-matrix (matrix.json's timeline, docs/performance.md): a
 # fresh machine's first start compiles (430 s for three servers together, 170 s of it FlashInfer's JIT builds); a
-# point's traffic at the bench client's measured durations; the gated clients' imports per round (28 to 55 s); a
-# window's export (0.2 s each, 8 at a time: 1.2 s for 52 windows).
-START_S, WARMUP_S, PRESTART_S, POINT_OVERHEAD_S, EXPORT_S = 430.0, 3.5, 38.0, 2.0, 0.2
+# point's traffic at the bench client's measured durations; a window's export (0.2 s each, 8 at a time: 1.2 s for 52
+# windows); a lone client's imports (28 s, the co-residence check's). Every round's clients now import while the
+# servers compile: PRESTART_S is what they might outlast it by, an estimate until a recording measures it.
+START_S, WARMUP_S, PRESTART_S, CHECK_PRESTART_S, POINT_OVERHEAD_S, EXPORT_S = 430.0, 3.5, 5.0, 28.0, 2.0, 0.2
 LATER_START_S = 180.0  # a server started after the first (130 to 250 s on the H200)
 PREFILL_TOKENS_PER_S, DECODE_STEP_S = 20000.0, 0.012
 
@@ -140,13 +141,28 @@ def traffic_estimate_s(point: Point) -> float:
 
 def plan(cfg: MatrixConfig) -> list[dict]:
     """Every step in order: (phase, round, scenario, arm label, point index), each with its estimated seconds."""
-    steps = [{"phase": "server start and compile", "seconds": START_S}]
-    if not cfg.co_resident:  # each later arm's server starts on its own, from the first one's compile caches
-        steps += [{"phase": "server start", "arm": arm.label, "seconds": LATER_START_S} for arm in cfg.arms[1:]]
+    groups = [cfg.arms] if cfg.co_resident else [(arm,) for arm in cfg.arms]
+    steps = []
+    for position, group in enumerate(groups):
+        if position:  # each later arm's server starts on its own, from the first one's compile caches
+            steps.append({"phase": "server start", "arm": group[0].label, "seconds": LATER_START_S})
+        else:
+            steps.append({"phase": "server start and compile", "seconds": START_S})
+        steps.append({"phase": "client prestart", "arms": ",".join(a.label for a in group), "seconds": PRESTART_S})
+        steps += _rounds(cfg, group)
+    if cfg.co_residence_check and cfg.co_resident and len(cfg.arms) > 1:
+        steps.append({"phase": "co-residence check", "arm": cfg.arms[0].label,
+                      "seconds": POINT_OVERHEAD_S + traffic_estimate_s(_check_point(cfg)[1]) + CHECK_PRESTART_S})
+    windows = sum(1 for step in steps if step["phase"] == "traffic")
+    steps.append({"phase": "export", "seconds": EXPORT_S * windows / max(1, cfg.export_workers)})
+    return steps
+
+
+def _rounds(cfg: MatrixConfig, arms) -> list[dict]:
+    steps = []
     for round_ in range(1, cfg.repeats + 1):
-        steps.append({"phase": "client prestart", "round": round_, "seconds": PRESTART_S})
         for scenario in cfg.scenarios:
-            for spec in cfg.arms:
+            for spec in arms:
                 indices = scenario.point_indices(spec)
                 if round_ == 1 and indices:
                     steps.append({"phase": "warm-up", "round": 1, "scenario": scenario.name, "arm": spec.label,
@@ -155,11 +171,6 @@ def plan(cfg: MatrixConfig) -> list[dict]:
                     point = scenario.points()[index]
                     steps.append({"phase": "traffic", "round": round_, "scenario": scenario.name, "arm": spec.label,
                                   "point": index, "seconds": POINT_OVERHEAD_S + traffic_estimate_s(point)})
-    if cfg.co_residence_check and cfg.co_resident and len(cfg.arms) > 1:
-        steps.append({"phase": "co-residence check", "arm": cfg.arms[0].label,
-                      "seconds": POINT_OVERHEAD_S + traffic_estimate_s(_check_point(cfg)[1]) + PRESTART_S})
-    windows = sum(1 for step in steps if step["phase"] == "traffic")
-    steps.append({"phase": "export", "seconds": EXPORT_S * windows / max(1, cfg.export_workers)})
     return steps
 
 
@@ -204,9 +215,10 @@ def dry_run(cfg: MatrixConfig, root: Path, *, nsys: str | None = None, python: s
             trace = out / f"{run}.p{step['point']}.sqlite"
             lines.append(f"# POST /stop_profile; the window's report -> {shlex.quote(str(trace))}")
         elif step["phase"] == "client prestart":
-            lines.append(f"# round {step['round']}: start every client of the round as `{shlex.quote(python)} -m "
-                         "kvtrace.capture.vllm_gated_client -- vllm.entrypoints.cli.main bench serve ...` and wait "
-                         f"until each has imported vLLM; each is released on its turn ({_seconds(step['seconds'])})")
+            lines.append(f"# while {step['arms']} compile: start every client of every round as `{shlex.quote(python)} "
+                         "-m kvtrace.capture.vllm_gated_client -- vllm.entrypoints.cli.main bench serve ...`; once "
+                         "the servers are up, wait until each client has imported vLLM; each is released on its turn "
+                         f"({_seconds(step['seconds'])})")
         elif step["phase"] == "co-residence check":
             scenario, point, index = _check_point(cfg)
             lines.append(f"# co-residence check: shut every server but {step['arm']}'s down, then {scenario.name} "

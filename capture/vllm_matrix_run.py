@@ -28,8 +28,8 @@ from kvtrace.capture.vllm_config import ATTENTION_BACKEND, child_env, engine_fla
 from kvtrace.capture.vllm_engine import VllmArm, _Session, _write_manifests
 from kvtrace.capture.vllm_http import NET_ERRORS
 from kvtrace.capture.vllm_kv_events import check_available as check_kv_events_available
-from kvtrace.capture.vllm_matrix import (EXPORT_S, LATER_START_S, MATRIX, POINT_OVERHEAD_S, PRESTART_S, START_S,
-                                         WARMUP_S, MatrixConfig, MatrixScenario, Progress, _check_point, plan,
+from kvtrace.capture.vllm_matrix import (CHECK_PRESTART_S, EXPORT_S, LATER_START_S, MATRIX, POINT_OVERHEAD_S,
+                                         PRESTART_S, START_S, WARMUP_S, MatrixConfig, MatrixScenario, Progress, _check_point, plan,
                                          traffic_estimate_s)
 from kvtrace.capture.vllm_preflight import check_model, check_port, check_probe, probe_environment
 from kvtrace.errors import KvtraceError
@@ -193,10 +193,11 @@ class _Matrix:
         return seconds
 
     # -- servers --
-    def _start(self, servers) -> list:
+    def _start(self, servers, while_compiling=lambda: None) -> list:
         started = time.monotonic()
         for server in servers:
             server.start()
+        while_compiling()
         failed = []
         for server in servers:
             try:
@@ -218,46 +219,54 @@ class _Matrix:
     def _client(self, scenario: _Scenario, server, command, log: Path) -> vllm_servers.GatedClient:
         return vllm_servers.GatedClient(command, self.env, log, self.python).start()
 
-    def _prestart(self, round_: int, servers) -> dict:
-        """Every client of the round, started and past their imports before any traffic, so that no import runs
-        beside a measured point."""
-        started = time.monotonic()
+    def _spawn_clients(self, servers) -> dict:
+        """Every client of every round on these servers, started while the servers compile: their imports (about
+        20 s of CPU each) then cost no wall time of their own, and none runs beside a measured point. Keyed by
+        (round, scenario, arm label, point index or "warm-up")."""
         clients = {}
-        for scenario in self.scenarios:
-            cfg_of = {s.spec.label: self.cfg.scenario_cfg(scenario.spec, s.cfg) for s in servers}
-            for server in servers:
-                run = scenario.runs.get((server.spec.label, round_))
-                if run is None or not server.up():
-                    continue
-                cfg = cfg_of[server.spec.label]
-                indices = scenario.spec.point_indices(server.spec)
-                points = scenario.spec.points()
-                if round_ == 1:
-                    warm = bench_command(cfg, self.python, warmup_point(points[indices[0]]), seed=self.cfg.seed + 1,
-                                         result=None, relay_port=server.relay.port)
-                    clients[(scenario.spec.name, server.spec.label, "warm-up")] = self._client(
-                        scenario, server, warm, scenario.out / f"{run.name}.warmup.bench.log")
-                for index in indices:
-                    stem = f"{run.name}{point_tag(scenario.spec.workload, index, every=True)}"
-                    command = bench_command(cfg, self.python, points[index], seed=self.cfg.seed,
-                                            result=scenario.out / f"{stem}.bench.json", relay_port=server.relay.port)
-                    clients[(scenario.spec.name, server.spec.label, index)] = self._client(
-                        scenario, server, command, scenario.out / f"{stem}.bench.log")
-        _await_ready(clients.values())
-        self._phase("client prestart", started, PRESTART_S, round=round_, clients=len(clients))
+        for round_ in range(1, self.cfg.repeats + 1):
+            for scenario in self.scenarios:
+                for server in servers:
+                    run = scenario.runs.get((server.spec.label, round_))
+                    if run is None:
+                        continue
+                    cfg = self.cfg.scenario_cfg(scenario.spec, server.cfg)
+                    indices = scenario.spec.point_indices(server.spec)
+                    points = scenario.spec.points()
+                    if round_ == 1:
+                        warm = bench_command(cfg, self.python, warmup_point(points[indices[0]]),
+                                             seed=self.cfg.seed + 1, result=None, relay_port=server.relay.port)
+                        clients[(1, scenario.spec.name, server.spec.label, "warm-up")] = self._client(
+                            warm, scenario.out / f"{run.name}.warmup.bench.log")
+                    for index in indices:
+                        stem = f"{run.name}{point_tag(scenario.spec.workload, index, every=True)}"
+                        command = bench_command(cfg, self.python, points[index], seed=self.cfg.seed,
+                                                result=scenario.out / f"{stem}.bench.json",
+                                                relay_port=server.relay.port)
+                        clients[(round_, scenario.spec.name, server.spec.label, index)] = self._client(
+                            command, scenario.out / f"{stem}.bench.log")
         return clients
 
-    def _round(self, round_: int, servers) -> None:
-        clients = self._prestart(round_, servers)
+    def _await_clients(self, clients: dict, servers) -> None:
+        """Until every client of a server that came up is past its imports; the others' clients are cancelled."""
+        started = time.monotonic()
+        labels = {s.spec.label for s in servers if s.up()}
+        _cancel(clients, lambda key: key[2] not in labels)
+        _await_ready(clients.values())
+        self._phase("client prestart", started, PRESTART_S, rounds=self.cfg.repeats, clients=len(clients))
+
+    def _client(self, command, log: Path) -> vllm_servers.GatedClient:
+        return vllm_servers.GatedClient(command, self.env, log, self.python).start()
+
+    def _round(self, round_: int, servers, clients: dict) -> None:
         try:
             for scenario in self.scenarios:
                 for server in servers:
                     run = scenario.runs.get((server.spec.label, round_))
                     if run is not None:
                         self._run(scenario, server, run, clients, round_)
-        finally:
-            for client in clients.values():
-                client.cancel()
+        finally:  # a failed run's clients that never got their turn
+            _cancel(clients, lambda key: key[0] == round_)
 
     def _run(self, scenario: _Scenario, server, run: MatrixRun, clients: dict, round_: int) -> None:
         cfg = self.cfg.scenario_cfg(scenario.spec, server.cfg)
@@ -268,7 +277,7 @@ class _Matrix:
         try:
             if not server.up():
                 raise RuntimeError(f"the {server.spec.label} server is not running ({server.error or 'it exited'})")
-            warm = clients.pop((scenario.spec.name, server.spec.label, "warm-up"), None)
+            warm = clients.pop((round_, scenario.spec.name, server.spec.label, "warm-up"), None)
             if warm is not None:
                 begun = time.monotonic()
                 if warm.run() != 0:
@@ -277,8 +286,8 @@ class _Matrix:
                     "warm-up", begun, WARMUP_S, scenario=scenario.spec.name, arm=server.spec.label)
                 server.relay.take()
             for index in scenario.spec.point_indices(server.spec):
-                self._point(scenario, server, run, session, index, clients.pop((scenario.spec.name, server.spec.label,
-                                                                                index)), bench_log)
+                self._point(scenario, server, run, session, index,
+                            clients.pop((round_, scenario.spec.name, server.spec.label, index)), bench_log)
             run.status = "ok"
         except (*NET_ERRORS, RuntimeError, ValueError) as failure:
             run.status, run.error = "failed", f"{failure} (see {run.name}*.bench.log, {run.log})"
@@ -297,6 +306,9 @@ class _Matrix:
         server.reset_prefix_cache()
         window = vllm_servers.Window(scenario.out, run.name, index, scenario.spec.profile_steps)
         server.open_window(window, self.cfg.report_wait_s)
+        if server.reports_at_exit:  # one nsys writes every server's reports alike: no other server waits to learn it
+            for other in self.servers:
+                other.reports_at_exit = True
         opened = time.monotonic()
         try:
             record = vllm_engine._serve_point(session, run, index, point, bench_log, server.relay, server.events,
@@ -355,23 +367,33 @@ class _Matrix:
 
     def _record(self) -> None:
         groups = [self.servers] if self.co_resident else [[s] for s in self.servers]
-        failed = self._start(groups[0])
-        if failed and self.co_resident and len(self.servers) > 1:
-            self.fallback = (f"{', '.join(s.spec.label for s in failed)} did not start beside the others "
-                             f"({failed[0].error}); the arms ran one after another")
-            self._stop(self.servers)
-            shutil.rmtree(self.root / "servers", ignore_errors=True)
-            self.co_resident = False
-            self.servers = self._new_servers()
-            groups = [[s] for s in self.servers]
-            self._start(groups[0])
-        for position, group in enumerate(groups):
-            if position:
-                self._start(group)
-            for round_ in range(1, self.cfg.repeats + 1):
-                self._round(round_, group)
-            if not self.co_resident:
-                self._stop(group)
+        clients: dict = {}
+
+        def spawn(group):
+            return lambda: clients.update(self._spawn_clients(group))
+
+        try:
+            failed = self._start(groups[0], spawn(groups[0]))
+            if failed and self.co_resident and len(self.servers) > 1:
+                self.fallback = (f"{', '.join(s.spec.label for s in failed)} did not start beside the others "
+                                 f"({failed[0].error}); the arms ran one after another")
+                _cancel(clients, lambda key: True)
+                self._stop(self.servers)
+                shutil.rmtree(self.root / "servers", ignore_errors=True)
+                self.co_resident = False
+                self.servers = self._new_servers()
+                groups = [[s] for s in self.servers]
+                self._start(groups[0], spawn(groups[0]))
+            for position, group in enumerate(groups):
+                if position:
+                    self._start(group, spawn(group))
+                self._await_clients(clients, group)
+                for round_ in range(1, self.cfg.repeats + 1):
+                    self._round(round_, group, clients)
+                if not self.co_resident:
+                    self._stop(group)
+        finally:
+            _cancel(clients, lambda key: True)
         if self.co_resident and self.cfg.co_residence_check and len(self.servers) > 1 and self.servers[0].up():
             self._co_residence_check()
 
@@ -397,8 +419,7 @@ class _Matrix:
         try:
             self._run(self.check, first, self.check.runs[(first.spec.label, 1)], clients, 1)
         finally:
-            for client in clients.values():
-                client.cancel()
+            _cancel(clients, lambda key: True)
 
     def _prestart_check(self, server) -> dict:
         started = time.monotonic()
@@ -407,10 +428,15 @@ class _Matrix:
         stem = f"{server.spec.label}.r1{point_tag(self.check.spec.workload, 0, every=True)}"
         command = bench_command(cfg, self.python, point, seed=self.cfg.seed, result=self.check.out / f"{stem}.bench.json",
                                 relay_port=server.relay.port)
-        client = self._client(self.check, server, command, self.check.out / f"{stem}.bench.log")
+        client = self._client(command, self.check.out / f"{stem}.bench.log")
         _await_ready([client])
-        self._phase("client prestart", started, PRESTART_S, round="co-residence")
-        return {(self.check.spec.name, server.spec.label, 0): client}
+        self._phase("client prestart", started, CHECK_PRESTART_S, round="co-residence")
+        return {(1, self.check.spec.name, server.spec.label, 0): client}
+
+
+def _cancel(clients: dict, which) -> None:
+    for key in [key for key in clients if which(key)]:
+        clients.pop(key).cancel()
 
 
 def _planned(scenario: _Scenario, index: int) -> float:

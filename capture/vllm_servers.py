@@ -81,6 +81,7 @@ class ArmServer:
     timings: dict = field(default_factory=dict)  # started_utc, start_s (start and compile), warmup_s, lifetime_s
     error: str | None = None
     exit_code: int | None = None
+    ready: bool = False  # answered /health
     reports_at_exit: bool = False  # this nsys writes its reports when the server exits, not after each window
 
     @property
@@ -107,16 +108,18 @@ class ArmServer:
         self.timings["started_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         self._started = time.monotonic()
         self.process = ManagedProcess(self.command(), env, self.log).start()
+        # Up before the server, so that clients started while it compiles know where to send their requests.
+        self.relay = UsageRelay(self.cfg.host, self.cfg.port).__enter__()
 
     def wait_ready(self, timeout_s: float) -> None:
         _wait_ready(self.process, self.base, timeout_s)
         self.timings["start_s"] = round(time.monotonic() - self._started, 1)
         self.kv_cache = parse_kv_cache_log(self.log.read_text(errors="replace"))
-        self.relay = UsageRelay(self.cfg.host, self.cfg.port).__enter__()
+        self.ready = True
 
     def up(self) -> bool:
         """Started, answered /health, and still running."""
-        return self.relay is not None and self.process is not None and self.process.running()
+        return self.ready and self.relay is not None and self.process is not None and self.process.running()
 
     def reset_prefix_cache(self, attempts: int = 20) -> None:
         """vLLM 0.33 answers {"success": false} while blocks are still held (requests finishing): retry briefly."""

@@ -141,7 +141,11 @@ def test_the_matrix_runs_each_arm_on_one_server_with_a_window_per_point(standin)
     assert check.raw["arms"]["fp8.r1"]["points"][0]["point"] == sweep.raw["arms"]["fp8.r1"]["points"][0]["point"]
     phases = [p["phase"] for p in matrix["timeline"]]
     assert phases[0] == "server start and compile" and phases[-1] == "export"
-    assert phases.count("client prestart") == cfg.repeats + 1
+    # Every round's clients started once, while the servers compiled (and one more for the check).
+    assert phases.count("client prestart") == 2 and phases[1] == "client prestart"
+    clients = sum(len(s.point_indices(a)) * cfg.repeats + 1 for s in cfg.scenarios for a in cfg.arms
+                  if s.point_indices(a))
+    assert matrix["timeline"][1]["clients"] == clients
     # The other servers' shutdown before the check is a phase of its own, so that the phases add up to the wall time.
     stopped = [p for p in matrix["timeline"] if p["phase"] == "servers stopped"]
     assert [(p["round"], p["servers"]) for p in stopped] == [("co-residence", 2)]
