@@ -359,3 +359,23 @@ def test_the_flashinfer_script_times_the_kernels_its_release_traced_on_the_same_
         low, high = row["format_interval"]
         assert max(low, row["traced_low"]) <= min(high, row["traced_high"]), row["case"]
     assert "Route against format, prefill-ctx2048 " in answer and "Not paired" not in answer
+
+
+def test_both_releases_ran_on_one_gpu_and_the_format_cost_is_what_changed(run_kvtrace, tmp_path):
+    """The scripts against FlashInfer 0.6.16.post3 and 0.7.2.post1, run on the same kind of GPU: per prefill case the
+    report's format intervals are disjoint, the older release's far above (its NVFP4 FA2 prefill before the tile
+    repack), while the route ratio moves far less than the format ratio does (docs/findings.md)."""
+    splits = {}
+    for version in ("0.6.16.post3", "0.7.2.post1"):
+        for script in ("vllm033-h200-8b-cold-prefill", "fi-h200-sm90-gaussian"):
+            results = FIXTURES / "repro" / "results" / f"{script}.fi{version}.json"
+            _, report, _ = report_beside(run_kvtrace, tmp_path / version, results)
+            (split,) = report["repro"]
+            splits.setdefault(version, {}).update({row["case"]: row for row in split["rows"] if row["kernel"] == "prefill"})
+            splits[version]["gpu"] = split["gpu"]
+    old, new = splits["0.6.16.post3"], splits["0.7.2.post1"]
+    assert old.pop("gpu") == new.pop("gpu")
+    assert sorted(old) == sorted(new) == ["prefill-8x2048", "prefill-ctx2048", "prefill-ctx32768", "prefill-ctx8192"]
+    for case in old:
+        assert old[case]["format_interval"][0] > new[case]["format_interval"][1], case
+        assert abs(old[case]["route"] / new[case]["route"] - 1) < abs(old[case]["format"] / new[case]["format"] - 1) / 10
