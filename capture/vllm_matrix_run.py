@@ -216,9 +216,6 @@ class _Matrix:
             list(pool.map(lambda server: server.stop(self.shutdown_grace_s), servers))
 
     # -- traffic --
-    def _client(self, scenario: _Scenario, server, command, log: Path) -> vllm_servers.GatedClient:
-        return vllm_servers.GatedClient(command, self.env, log, self.python).start()
-
     def _spawn_clients(self, servers) -> dict:
         """Every client of every round on these servers, started while the servers compile: their imports (about
         20 s of CPU each) then cost no wall time of their own, and none runs beside a measured point. Keyed by
