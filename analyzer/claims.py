@@ -142,6 +142,11 @@ class MeasuredPhase:
     different_kernels: bool
     rows: tuple[int, ...]
 
+    @property
+    def one_ratio(self) -> bool:
+        """Whether its scenarios' ratios agree to the three decimals a ratio is printed with (half a last digit)."""
+        return abs(self.high - self.low) < 5e-4
+
 
 @dataclass(frozen=True)
 class MeasuredClaim:

@@ -92,6 +92,11 @@ class QueryQuantizeStatement(Statement):
     ratio: float | None  # baseline-to-candidate, prefill attention with the quantization against without
     runs: int = 1  # the run pairs the means are over
 
+    @property
+    def with_quantize_ns(self) -> float:
+        """The quantizing arm's prefill attention and query quantization together, per run."""
+        return self.attention_ns + self.quantize_ns
+
 
 @dataclass(frozen=True)
 class MeasuredCapacityStatement(Statement):
@@ -216,7 +221,7 @@ def _kernel_statement(diff: Diff, head: headline.HeadRow, base: RunArm | None, c
     if compared:  # cells of different cost per call: the totals, since a pooled mean describes no call that ran
         times = [getattr(arm, "mean_ns" if row.same_work else "total_ns") for arm in (row.baseline, row.candidate)]
     return KernelStatement(
-        level=verdicts.level_of(row.verdict, row.ratio, max(row.band or 0.0, diff.threshold)),
+        level=verdicts.level_of(row.verdict, row.ratio, verdicts.no_change_half_width(row.band, diff.threshold)),
         check=_KERNEL_CHECKS[head.question], subject=subject, point=head.point, phase=row.phase,
         context=parsed[1] if parsed else None,
         baseline=diff.baseline.label, candidate=diff.candidate.label, verdict=row.verdict, ratio=row.ratio,

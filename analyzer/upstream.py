@@ -100,6 +100,11 @@ class HostSyncFinding:
     script: str | None  # the standalone repro of the traced appends
     script_note: str | None  # why there is none
 
+    @property
+    def worst_step(self) -> StepCopies:
+        """The step kind whose copies hold the host longest per step: the one the draft's answer names."""
+        return max(self.steps, key=lambda s: s.host_per_step_ms)
+
 
 def host_sync(report: Report, project: str, build_report, script_of) -> HostSyncFinding:
     """The finding from a report whose candidate made the NVFP4 append's host copies. `build_report(paths, arms)`
