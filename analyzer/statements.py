@@ -52,7 +52,7 @@ class KernelStatement(Statement):
     context: int | None  # its context length, for a kvtrace workload range
     baseline: str  # arm labels
     candidate: str
-    verdict: str
+    verdict: Verdict
     ratio: float | None  # None: not compared (reason says why)
     ci_low: float | None
     ci_high: float | None
@@ -166,7 +166,7 @@ class TtftStatement(Statement):
     baseline_ms: float
     candidate_ms: float
     ratio: float
-    prefill_verdict: str | None  # the prefill-attention kernels' (paired) verdict, ratio and pairs
+    prefill_verdict: Verdict | None  # the prefill-attention kernels' (paired) verdict, ratio and pairs
     prefill_ratio: float | None
     prefill_compared_calls: int | None
     baseline_cached_tokens: int | None

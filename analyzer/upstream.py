@@ -18,6 +18,7 @@ from kvtrace.analyzer import repro as repro_lib
 from kvtrace.analyzer.report import Report
 from kvtrace.analyzer.runs import bare_name
 from kvtrace.analyzer.steps import StepPhase
+from kvtrace.analyzer.stats.verdicts import Verdict
 from kvtrace.errors import KvtraceError
 from kvtrace.kv_formats import patched_arm_label
 from kvtrace.manifest import read_manifest
@@ -68,7 +69,7 @@ class Ttft:
     ratio: float
     low: float | None
     high: float | None
-    verdict: str
+    verdict: Verdict
     runs: int
 
 
