@@ -184,6 +184,49 @@ class Reason:
     def carrier(self) -> PartDelta:
         return self.budget.part(self.budget.carrier)
 
+    def stack(self, side: str) -> ArmStack:
+        """One arm's ("baseline" or "candidate") TTFT as stacked parts: queue, prefill, the rest; where traces cover
+        the point, prefill split into the traced steps' kernels, the GPU waiting on the host in them, and the
+        prefill time outside the traced step spans."""
+        value = {p: getattr(self.budget.part(p), f"{side}_ms") for p in TTFT_PARTS}
+        if self.steps is None:
+            return _stacked([("queue", value["queue"]), ("prefill", value["prefill"]), ("rest", value["rest"])])
+        arm = getattr(self.steps, side)
+        kernels = sum(arm.kernel_ns.values()) / 1e6
+        host = arm.host_ns / 1e6
+        scale = min(1.0, value["prefill"] / (kernels + host)) if kernels + host > 0 else 0.0
+        kernels, host = kernels * scale, host * scale  # a step span longer than the prefill time fits within it
+        return _stacked([("queue", value["queue"]), ("kernels", kernels), ("host", host),
+                         ("untraced", value["prefill"] - kernels - host), ("rest", value["rest"])])
+
+    @property
+    def stack_top_ms(self) -> float:
+        """The taller arm's stack."""
+        return max(self.stack("baseline").top_ms, self.stack("candidate").top_ms)
+
+
+@dataclass(frozen=True)
+class StackPart:
+    part: str  # queue, prefill, rest; or, in traced prefill's place: kernels, host, untraced
+    ms: float
+    bottom_ms: float  # the parts below it together
+
+
+@dataclass(frozen=True)
+class ArmStack:
+    """One arm's TTFT budget as parts from the bottom (Reason.stack)."""
+
+    parts: tuple[StackPart, ...]
+    top_ms: float
+
+
+def _stacked(parts: list[tuple[str, float]]) -> ArmStack:
+    stacked, bottom = [], 0.0
+    for part, ms in parts:
+        stacked.append(StackPart(part, ms, bottom))
+        bottom += ms
+    return ArmStack(tuple(stacked), bottom)
+
 
 def reason(point_budget_: PointBudget | None, steps: TracedSteps | None, trace_note: str | None) -> Reason | None:
     if point_budget_ is None:

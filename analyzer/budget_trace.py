@@ -60,7 +60,8 @@ class ArmSteps:
 
     steps: int
     span_ns: float
-    kernel_ns: dict  # segment (SPLIT_SEGMENTS, "other") -> kernel time per step, overlaps counted once per segment
+    # segment (SPLIT_SEGMENTS, "other") -> kernel time per step, overlaps counted once per segment
+    kernel_ns: dict[str, float]
     host_ns: float  # per step: time inside the span with no kernel of the step running (the GPU waiting on the host)
     host_waits: float | None  # per step: synchronizing runtime calls inside the step's range; None: not recorded
 

@@ -25,7 +25,7 @@ from kvtrace import __version__, model_config
 from kvtrace.files import read_json
 from kvtrace.errors import KvtraceError
 from kvtrace.kv_formats import NVFP4_BLOCK, canonical_format
-from kvtrace.manifest import Manifest, RunRecord, read_manifest, tensor_parallel_size
+from kvtrace.manifest import Manifest, RunRecord, RunStatus, read_manifest, tensor_parallel_size
 from kvtrace.model_config import MLA, SLIDING, KVLayout, LayerGroup
 
 CAPACITY_SCHEMA = "kvtrace.capacity/2"
@@ -349,7 +349,7 @@ def measured_from_manifest(manifest: Manifest, layout: KVLayout, tp: int, page_s
         if row is None:
             status = arm.status
             notes.append(f"{name}: no \"GPU KV cache size\" line recorded"
-                         + (f" (arm {status})" if status not in (None, "ok") else ""))
+                         + (f" (arm {status})" if status not in (None, RunStatus.OK) else ""))
         else:
             rows.append(row)
     return rows, notes + link_measured(rows, layout, tp)

@@ -52,7 +52,7 @@ class KernelVerdict:
     ci_low: float | None
     ci_high: float | None
     no_interval: str | None
-    verdict: str
+    verdict: Verdict
     compared_calls: int
 
 
@@ -67,7 +67,7 @@ class KernelCost:
     ci_low: float | None
     ci_high: float | None
     no_interval: str | None
-    verdict: str
+    verdict: Verdict
     reason: str | None
     row: int | None = None
 
@@ -136,11 +136,16 @@ class MeasuredPhase:
     subject: str
     low: float
     high: float
-    verdicts: tuple[tuple[str, int], ...]  # (verdict, rows with it), in first-seen order
+    verdicts: tuple[tuple[Verdict, int], ...]  # (verdict, rows with it), in first-seen order
     kernels: tuple[str, ...]
     queries: tuple[tuple[str | None, str | None], ...]  # (baseline's, candidate's query dtype)
     different_kernels: bool
     rows: tuple[int, ...]
+
+    @property
+    def one_ratio(self) -> bool:
+        """Whether its scenarios' ratios agree to the three decimals a ratio is printed with (half a last digit)."""
+        return abs(self.high - self.low) < 5e-4
 
 
 @dataclass(frozen=True)

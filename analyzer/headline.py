@@ -114,6 +114,14 @@ def head_rows(diff: Diff) -> list[HeadRow]:
     return rows
 
 
+def shared_points(rows: list[HeadRow]) -> set[tuple[str, str]]:
+    """The (question, point) pairs that several of the head's rows answer: kernel by kernel, or once per rank."""
+    seen: dict[tuple[str, str], int] = {}
+    for r in rows:
+        seen[(r.question, r.point)] = seen.get((r.question, r.point), 0) + 1
+    return {key for key, count in seen.items() if count > 1}
+
+
 def _ranks_of(diff: Diff, row: DiffRow) -> list[DiffRow]:
     return [r for r in diff.rank_rows if (r.segment, r.phase) == (row.segment, row.phase)]
 

@@ -77,6 +77,17 @@ class Departure:
         return self.distance / BF16_ROUNDING
 
 
+@dataclass(frozen=True)
+class Strays:
+    """One arm's kernel of one phase that departs at some contexts, with the span of its distances in roundings."""
+
+    side: str  # baseline, candidate
+    what: str  # prefill, decode
+    departures: tuple[Departure, ...]
+    low_roundings: float
+    high_roundings: float
+
+
 @dataclass
 class PromptRow:
     index: int
@@ -86,6 +97,11 @@ class PromptRow:
     first_divergence: int | None  # the first token where the arms' outputs differ; None: identical
     baseline_tokens: int
     candidate_tokens: int
+
+    @property
+    def differs(self) -> bool:
+        """Whether the arms answered it differently: one got it right alone, or their tokens diverge."""
+        return self.baseline_correct != self.candidate_correct or self.first_divergence is not None
 
 
 @dataclass
@@ -108,6 +124,11 @@ class ArmAnswers:
     empty: int  # answers with no token
     cut: int  # answers stopped at max_tokens (finish_reason "length")
     max_tokens: int | None
+
+    @property
+    def nonempty(self) -> int:
+        """Answers with at least one token."""
+        return self.prompts - self.empty
 
 
 @dataclass
@@ -144,6 +165,36 @@ class Quality:
     repeats: list[Repeat] = field(default_factory=list)  # repeats 2, 3, ... paired run k with run k
     notes: list[str] = field(default_factory=list)
     read: list[Path] = field(default_factory=list, repr=False)  # the answer files read (inputs: -o never lands on one)
+
+    @property
+    def differing(self) -> list[PromptRow]:
+        """The prompts the arms answered differently (PromptRow.differs), in order."""
+        return [row for row in self.prompts if row.differs]
+
+    @property
+    def cut_answers(self) -> int:
+        """Answers of the runs in `answered` that stopped at their token limit."""
+        return sum(a.cut for a in self.answered)
+
+    @property
+    def answered_prompts(self) -> int:
+        """Answers the runs in `answered` recorded together."""
+        return sum(a.prompts for a in self.answered)
+
+    @property
+    def cut_limit(self) -> int | None:
+        """The token limit the cut answers stopped at, where they were cut and every such run recorded the same one."""
+        limits = {a.max_tokens for a in self.answered if a.cut}
+        return limits.pop() if len(limits) == 1 else None
+
+    @property
+    def strays(self) -> list[Strays]:
+        """The departures grouped per arm and phase, in first-seen order."""
+        groups: dict[tuple[str, str], list[Departure]] = {}
+        for departure in self.departures:
+            groups.setdefault((departure.side, departure.what), []).append(departure)
+        return [Strays(side, what, tuple(found), min(d.roundings for d in found), max(d.roundings for d in found))
+                for (side, what), found in groups.items()]
 
     def to_dict(self) -> dict:
         data = asdict(self)

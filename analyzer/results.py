@@ -150,6 +150,12 @@ class DiffRow:
     # ranks cost the same per call (then the row speaks for each rank); None with one rank.
     ranks_agree: bool | None = None
 
+    @property
+    def run_ratio_range(self) -> tuple[float, ...]:
+        """The lowest and highest ratio of the run pairs that have one; the one ratio where only one has; ()."""
+        found = [r for r in self.run_ratios if r is not None]
+        return (min(found), max(found)) if len(found) > 1 else tuple(found)
+
 
 @dataclass
 class Drift:

@@ -11,7 +11,7 @@ from pathlib import Path, PurePosixPath
 
 from kvtrace import files, kv_formats
 from kvtrace.errors import KvtraceError
-from kvtrace.manifest import Manifest, RunRecord, read_manifest
+from kvtrace.manifest import Manifest, RunRecord, RunStatus, read_manifest
 
 
 @dataclass
@@ -147,7 +147,7 @@ def _complete_pairs(base: ArmInput, cand: ArmInput) -> list[ArmInput]:
     run". Runs pair in repeat order, so the run pairs that both ran are compared and the others left out, each
     named (ArmInput.left_out). A failed run is not left out: why it failed may be the finding (_check_arm)."""
     def unrun(item: ArmInput, name: str) -> bool:
-        return item.manifest.runs[name].status == "not run"
+        return item.manifest.runs[name].status == RunStatus.NOT_RUN
 
     if len(base.runs) != len(cand.runs) or len(base.runs) < 2:
         return [base, cand]
@@ -156,7 +156,7 @@ def _complete_pairs(base: ArmInput, cand: ArmInput) -> list[ArmInput]:
         return [base, cand]
     for item in (base, cand):  # a failed run whose partner was not run is refused as any failed run is
         for name in item.runs:
-            if item.manifest.runs[name].status == "failed":
+            if item.manifest.runs[name].status == RunStatus.FAILED:
                 _check_arm(replace(item, runs=(name,)), None)
     return [replace(item, runs=tuple(pair[side] for pair in kept),
                     left_out=tuple(name for name in item.runs if name not in {pair[side] for pair in kept}))
@@ -168,7 +168,8 @@ def left_out_note(base: ArmInput, cand: ArmInput) -> str | None:
     if not base.left_out and not cand.left_out:
         return None
     left = [*base.left_out, *cand.left_out]
-    unrun = [name for item in (base, cand) for name in item.left_out if item.manifest.runs[name].status == "not run"]
+    unrun = [name for item in (base, cand) for name in item.left_out
+             if item.manifest.runs[name].status == RunStatus.NOT_RUN]
     alone = [name for name in left if name not in unrun]
     pairs = len(base.runs)
     text = (f"{', '.join(unrun)} {'was' if len(unrun) == 1 else 'were'} not run (the capture stopped before "
@@ -183,8 +184,8 @@ def left_out_note(base: ArmInput, cand: ArmInput) -> str | None:
 def _check_arm(item: ArmInput, exports_from: tuple[Path, ...] | None) -> None:
     for name in item.runs:
         record = item.manifest.runs[name]
-        if record.status != "ok":
-            state = "failed" if record.status == "failed" else f"is {record.status}"
+        if record.status != RunStatus.OK:
+            state = "failed" if record.status == RunStatus.FAILED else f"is {record.status}"
             detail = f": {record.error}" if record.error else ""
             raise KvtraceError(f"arm {name} in {item.run} {state}{detail}; capture it again or report on another arm")
         if not record.sqlite:

@@ -52,7 +52,7 @@ class KernelStatement(Statement):
     context: int | None  # its context length, for a kvtrace workload range
     baseline: str  # arm labels
     candidate: str
-    verdict: str
+    verdict: Verdict
     ratio: float | None  # None: not compared (reason says why)
     ci_low: float | None
     ci_high: float | None
@@ -91,6 +91,11 @@ class QueryQuantizeStatement(Statement):
     other_attention_ns: float
     ratio: float | None  # baseline-to-candidate, prefill attention with the quantization against without
     runs: int = 1  # the run pairs the means are over
+
+    @property
+    def with_quantize_ns(self) -> float:
+        """The quantizing arm's prefill attention and query quantization together, per run."""
+        return self.attention_ns + self.quantize_ns
 
 
 @dataclass(frozen=True)
@@ -161,7 +166,7 @@ class TtftStatement(Statement):
     baseline_ms: float
     candidate_ms: float
     ratio: float
-    prefill_verdict: str | None  # the prefill-attention kernels' (paired) verdict, ratio and pairs
+    prefill_verdict: Verdict | None  # the prefill-attention kernels' (paired) verdict, ratio and pairs
     prefill_ratio: float | None
     prefill_compared_calls: int | None
     baseline_cached_tokens: int | None
@@ -216,7 +221,7 @@ def _kernel_statement(diff: Diff, head: headline.HeadRow, base: RunArm | None, c
     if compared:  # cells of different cost per call: the totals, since a pooled mean describes no call that ran
         times = [getattr(arm, "mean_ns" if row.same_work else "total_ns") for arm in (row.baseline, row.candidate)]
     return KernelStatement(
-        level=verdicts.level_of(row.verdict, row.ratio, max(row.band or 0.0, diff.threshold)),
+        level=verdicts.level_of(row.verdict, row.ratio, verdicts.no_change_half_width(row.band, diff.threshold)),
         check=_KERNEL_CHECKS[head.question], subject=subject, point=head.point, phase=row.phase,
         context=parsed[1] if parsed else None,
         baseline=diff.baseline.label, candidate=diff.candidate.label, verdict=row.verdict, ratio=row.ratio,

@@ -18,6 +18,7 @@ from kvtrace.analyzer import repro as repro_lib
 from kvtrace.analyzer.report import Report
 from kvtrace.analyzer.runs import bare_name
 from kvtrace.analyzer.steps import StepPhase
+from kvtrace.analyzer.stats.verdicts import Verdict
 from kvtrace.errors import KvtraceError
 from kvtrace.kv_formats import patched_arm_label
 from kvtrace.manifest import read_manifest
@@ -68,7 +69,7 @@ class Ttft:
     ratio: float
     low: float | None
     high: float | None
-    verdict: str
+    verdict: Verdict
     runs: int
 
 
@@ -99,6 +100,11 @@ class HostSyncFinding:
     kernel_level: list[repro_lib.ReproSplit]  # the run directory's repro results with their append routes
     script: str | None  # the standalone repro of the traced appends
     script_note: str | None  # why there is none
+
+    @property
+    def worst_step(self) -> StepCopies:
+        """The step kind whose copies hold the host longest per step: the one the draft's answer names."""
+        return max(self.steps, key=lambda s: s.host_per_step_ms)
 
 
 def host_sync(report: Report, project: str, build_report, script_of) -> HostSyncFinding:

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import click
 
 from kvtrace.errors import KvtraceError
-from kvtrace.manifest import DECIDING_RUN_PAIRS, MANIFEST, CaptureStatus, Manifest, RunStatus
+from kvtrace.manifest import (DECIDING_RUN_PAIRS, MANIFEST, CaptureStatus, Manifest, RunStatus, WindowStatus,
+                              read_manifest)
 
 
 def _int_list(ctx, param, value: str) -> tuple[int, ...]:
@@ -251,17 +251,15 @@ def vllm_matrix(model, out, arms, repeats, concurrencies, sweep_prompts, load_fo
         return
     matrix = vllm_matrix_run.capture(cfg, out, force=force, nsys=nsys_path, startup_timeout_s=startup_timeout)
     failed = []
-    for scenario in (matrix["scenarios"] + matrix["counterfactual"]
-                     + ([matrix["co_residence_check"]] if matrix["co_residence_check"] else [])):
-        manifest = json.loads((out / scenario / "manifest.json").read_text())
-        for name, run in manifest["arms"].items():
-            windows = sum(1 for w in run["windows"] if w["status"] == "exported")
-            click.echo(f"{scenario}/{name}: {run['status']}, {windows}/{len(run['windows'])} windows traced"
-                       + (f" ({run['error']})" if run["error"] else ""))
-            failed += [name] if run["status"] != "ok" else []
-    click.echo(f"matrix: {matrix['seconds']:.0f} s in all; co-resident: {matrix['co_resident']}"
-               + (f"; stopped early: {matrix['error']}" if matrix["error"] else ""))
-    if failed or matrix["error"]:
+    for run_dir in matrix.run_dirs:
+        for run in read_manifest(out / run_dir).runs.values():
+            traced = sum(1 for w in run.windows if w.status == WindowStatus.EXPORTED)
+            click.echo(f"{run_dir}/{run.name}: {run.status}, {traced}/{len(run.windows)} windows traced"
+                       + (f" ({run.error})" if run.error else ""))
+            failed += [run.name] if run.status != RunStatus.OK else []
+    click.echo(f"matrix: {matrix.seconds:.0f} s in all; co-resident: {matrix.co_resident}"
+               + (f"; stopped early: {matrix.error}" if matrix.error else ""))
+    if failed or matrix.error:
         raise SystemExit(1)
 
 

@@ -22,12 +22,12 @@ import kvtrace.nsys
 from kvtrace import __version__, files
 from kvtrace.capture import runner
 from kvtrace.errors import KvtraceError
-from kvtrace.manifest import MANIFEST, CaptureStatus, capture_status, is_kvtrace_manifest
+from kvtrace.manifest import MANIFEST, CaptureStatus, RunStatus, capture_status, is_kvtrace_manifest
 
 
 def importable(entry: dict) -> bool:
     """A run that failed only on its report: what this command may take up."""
-    return entry.get("status") == "failed" and str(entry.get("error") or "").startswith(runner.REPORT_FAILURES)
+    return entry.get("status") == RunStatus.FAILED and str(entry.get("error") or "").startswith(runner.REPORT_FAILURES)
 
 
 def _read(path: Path) -> dict:
@@ -153,7 +153,7 @@ def import_run(out: Path, *, nsys: str | None = None) -> dict[str, str | None]:
         entry["import"] = {"utc": stamp, "kvtrace": __version__, **how,
                            "sqlite": {"bytes": sqlite.stat().st_size, "sha256": _sha256(sqlite)},
                            "original": {"status": entry["status"], "error": entry["error"]}}
-        entry.update(status="ok", error=None, sqlite=sqlite.name)
+        entry.update(status=RunStatus.OK, error=None, sqlite=sqlite.name)
         if (out / f"{name}.nsys-rep").exists():
             entry["report"] = f"{name}.nsys-rep"
     if "status" in data:
@@ -165,7 +165,7 @@ def import_run(out: Path, *, nsys: str | None = None) -> dict[str, str | None]:
         if arm_file.is_file():
             arm_data = _read(arm_file)
             arm_data["arms"][name] = data["arms"][name]
-            arm_data["status"] = "ok"
+            arm_data["status"] = CaptureStatus.OK
             runner.write_json_atomic(arm_file, arm_data)
     runner.write_json_atomic(out / MANIFEST, data)
     return outcome

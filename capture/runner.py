@@ -19,7 +19,7 @@ from typing import TextIO
 import kvtrace.nsys
 from kvtrace import __version__, files
 from kvtrace.errors import KvtraceError
-from kvtrace.manifest import MANIFEST, MARKER, SCHEMA, is_kvtrace_manifest
+from kvtrace.manifest import MANIFEST, MARKER, SCHEMA, RunStatus, is_kvtrace_manifest
 
 def profile_command(nsys: str, report: Path, workload: list[str], *, extra: tuple[str, ...] = (),
                     range_end: str = "stop") -> list[str]:
@@ -152,7 +152,7 @@ def host_environment(nsys: str) -> dict:
 @dataclass
 class ArmResult:
     name: str  # the run's name: the arm's, or ARM.rK with repeats
-    status: str = "not run"  # "ok" or "failed"
+    status: RunStatus = RunStatus.NOT_RUN
     error: str | None = None
     sqlite: str | None = None
     report: str | None = None
@@ -185,9 +185,9 @@ def run_arm(name: str, out: Path, nsys: str, workload: list[str], *, env: dict |
                 raise RuntimeError(f"workload under nsys exited with code {result.returncode}")
             arm.commands += export_run(out, name, nsys, log, no_report="did the workload call cudaProfilerStart?")
             arm.sqlite = f"{name}.sqlite"
-            arm.status = "ok"
+            arm.status = RunStatus.OK
         except (OSError, RuntimeError) as failure:
-            arm.status, arm.error = "failed", f"{failure} (see {arm.log})"
+            arm.status, arm.error = RunStatus.FAILED, f"{failure} (see {arm.log})"
     arm.seconds = round(time.monotonic() - started, 1)
     if report.exists():
         arm.report = report.name  # kept even when a later step failed: it may still open in the GUI
@@ -195,7 +195,7 @@ def run_arm(name: str, out: Path, nsys: str, workload: list[str], *, env: dict |
         try:
             arm.workload = json.loads(workload_result.read_text())
         except ValueError as error:
-            arm.status = "failed"
+            arm.status = RunStatus.FAILED
             arm.error = (arm.error + "; " if arm.error else "") + f"{workload_result.name} is not valid JSON ({error})"
     return arm
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from kvtrace.capture.vllm_kv_events import events_config
 from kvtrace.errors import KvtraceError
 from kvtrace.kv_formats import VLLM_KV_CACHE_DTYPES, bytes_per_value
-from kvtrace.manifest import Point, Run, check_repeats, read_manifest, run_order, tensor_parallel_size
+from kvtrace.manifest import Point, Run, RunStatus, check_repeats, read_manifest, run_order, tensor_parallel_size
 
 SCENARIOS = ("cold-prefill", "decode-heavy", "prefix-reuse", "sweep")
 MODES = ("serve", "offline")
@@ -147,7 +147,7 @@ def followed_points(path: str, mode: str) -> tuple[tuple[Point, ...], str]:
              and name in manifest.runs] or list(manifest.runs)
     for name in order:
         record = manifest.runs[name]
-        if record.status == "ok" and record.points:
+        if record.status == RunStatus.OK and record.points:
             try:
                 points = tuple(Point.parse(point["point"]) for point in record.points)
             except (KeyError, TypeError, ValueError):

@@ -43,7 +43,7 @@ from kvtrace.capture.vllm_preflight import (check_model, check_port, check_probe
                                             relevant_env)
 from kvtrace.capture.vllm_relay import UsageRelay
 from kvtrace.capture.vllm_relay import summarize as summarize_requests
-from kvtrace.manifest import MANIFEST, Point, capacity_reason, capture_status
+from kvtrace.manifest import MANIFEST, Point, RunStatus, capacity_reason, capture_status
 
 ENGINE = "vllm"
 # /health is polled soon at first (a small model is up in a fraction of a second), then at most this far apart.
@@ -263,9 +263,9 @@ def _write_manifests(out: Path, environment: dict, settings: dict, arms: list[Vl
     manifest["request_order_matched"] = len(set(hashes)) == 1 if len(hashes) > 1 else None
     runner.write_json_atomic(out / MANIFEST, manifest)
     for arm in arms:
-        if arm.status != "not run":
+        if arm.status != RunStatus.NOT_RUN:
             arm_manifest = runner.manifest(ENGINE, environment, settings, [arm])
-            arm_manifest["status"] = arm.status
+            arm_manifest["status"] = capture_status([arm.status], interrupted=False)
             runner.write_json_atomic(out / f"{arm.name}.manifest.json", arm_manifest)
     return manifest
 
@@ -335,17 +335,18 @@ def capture(cfg: VllmCapture, out: Path, *, force: bool = False, nsys: str | Non
             started = time.monotonic()
             try:
                 run_arm(session, arm, points, workload.scenario == "sweep" and grid is None)
-                arm.status = "ok"
+                arm.status = RunStatus.OK
             except (*NET_ERRORS, RuntimeError, ValueError) as failure:
                 logs = arm.log + (f", {arm.name}.bench.log" if cfg.mode == "serve" else "")
-                arm.status, arm.error = "failed", f"{failure} (see {logs})"
+                arm.status, arm.error = RunStatus.FAILED, f"{failure} (see {logs})"
             except KeyboardInterrupt:
-                arm.status, arm.error = "failed", "interrupted (Ctrl-C or SIGTERM); its processes were shut down"
+                arm.status = RunStatus.FAILED
+                arm.error = "interrupted (Ctrl-C or SIGTERM); its processes were shut down"
                 arm.seconds = round(time.monotonic() - started, 1)
                 _write_manifests(out, environment, settings, arms, interrupted=True)
                 raise
             arm.seconds = round(time.monotonic() - started, 1)
-            if workload.scenario == "sweep" and grid is None and arm.status == "ok":
+            if workload.scenario == "sweep" and grid is None and arm.status == RunStatus.OK:
                 grid = [Point.parse(record["point"]) for record in arm.points]
             # Written after each arm so that an interrupted run still says what finished.
             manifest = _write_manifests(out, environment, settings, arms, interrupted=False)

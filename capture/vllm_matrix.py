@@ -12,6 +12,7 @@ Standard library only.
 
 from __future__ import annotations
 
+import json
 import shlex
 import sys
 import time
@@ -28,6 +29,39 @@ from kvtrace.manifest import Point, check_repeats
 MATRIX = "matrix.json"
 # A patched arm runs only where its question is asked: cold prefill and the sweep's low-load points.
 PATCHED_SWEEP_CONCURRENCIES = (4, 8)
+
+
+@dataclass(frozen=True)
+class MatrixRecord:
+    """MATRIX as the matrix root holds it: the run directories the matrix wrote, whether its servers shared the GPU,
+    what stopped it early and its wall time, with the timeline of every phase and the servers' records as written."""
+
+    scenarios: tuple[str, ...]  # run directories under the root
+    counterfactual: tuple[str, ...]  # the patched arms' run directories (vllm_matrix_split)
+    co_residence_check: str | None  # its run directory
+    co_resident: bool
+    co_resident_fallback: str | None  # why the arms ran one after another
+    error: str | None  # what stopped the matrix early
+    seconds: float  # every phase's wall time together
+    timeline: tuple[dict, ...]  # {"phase", where it ran, "seconds"}
+    servers: dict  # per arm label: its server's port, log, exit code, KV cache and lifetimes
+
+    @property
+    def run_dirs(self) -> tuple[str, ...]:
+        """Every run directory it wrote: the scenarios, the counterfactual arms', then the co-residence check's."""
+        return self.scenarios + self.counterfactual + ((self.co_residence_check,) if self.co_residence_check else ())
+
+    @classmethod
+    def of(cls, data: dict) -> MatrixRecord:
+        return cls(scenarios=tuple(data["scenarios"]), counterfactual=tuple(data.get("counterfactual") or ()),
+                   co_residence_check=data.get("co_residence_check"), co_resident=data["co_resident"],
+                   co_resident_fallback=data.get("co_resident_fallback"), error=data.get("error"),
+                   seconds=data["seconds"], timeline=tuple(data.get("timeline") or ()),
+                   servers=data.get("servers") or {})
+
+
+def read_matrix(root: Path) -> MatrixRecord:
+    return MatrixRecord.of(json.loads((root / MATRIX).read_text()))
 
 
 @dataclass(frozen=True)

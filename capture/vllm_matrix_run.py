@@ -8,7 +8,6 @@ Standard library only.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import shutil
@@ -29,11 +28,11 @@ from kvtrace.capture.vllm_engine import VllmArm, _Session, _write_manifests
 from kvtrace.capture.vllm_http import NET_ERRORS
 from kvtrace.capture.vllm_kv_events import check_available as check_kv_events_available
 from kvtrace.capture.vllm_matrix import (CHECK_PRESTART_S, EXPORT_S, LATER_START_S, MATRIX, POINT_OVERHEAD_S,
-                                         PRESTART_S, START_S, WARMUP_S, MatrixConfig, MatrixScenario, Progress, _check_point, plan,
-                                         traffic_estimate_s)
+                                         PRESTART_S, START_S, WARMUP_S, MatrixConfig, MatrixRecord, MatrixScenario,
+                                         Progress, _check_point, plan, read_matrix, traffic_estimate_s)
 from kvtrace.capture.vllm_preflight import check_model, check_port, check_probe, probe_environment
 from kvtrace.errors import KvtraceError
-from kvtrace.manifest import capacity_reason
+from kvtrace.manifest import RunStatus, WindowStatus, capacity_reason
 
 READY_LINE = "kvtrace: client ready"
 PRESTART_LIMIT_S = 300.0
@@ -68,7 +67,7 @@ class _Scenario:
 
 def capture(cfg: MatrixConfig, root: Path, *, force: bool = False, nsys: str | None = None, python: str | None = None,
             startup_timeout_s: float = 1800.0, shutdown_grace_s: float = 300.0,
-            poll_interval_s: float | None = None, progress_stream=None) -> dict:
+            poll_interval_s: float | None = None, progress_stream=None) -> MatrixRecord:
     from kvtrace.capture.vllm_commands import POLL_INTERVAL_S
 
     cfg.validate()
@@ -164,7 +163,7 @@ class _Matrix:
             run.windows = [w.record() for w in windows]
             # What a reader of older manifests takes as the run's one trace, covering its first point.
             first = [w for w in windows if run.points and w.point == run.points[0]["index"]]
-            run.sqlite = first[0].sqlite if first and first[0].status == "exported" else None
+            run.sqlite = first[0].sqlite if first and first[0].status == WindowStatus.EXPORTED else None
             server = next(s for s in self.servers if s.spec.label == run.server)
             run.kv_cache = server.kv_cache
         return _write_manifests(scenario.out, self.environment, scenario.settings, list(scenario.runs.values()),
@@ -285,11 +284,11 @@ class _Matrix:
             for index in scenario.spec.point_indices(server.spec):
                 self._point(scenario, server, run, session, index,
                             clients.pop((round_, scenario.spec.name, server.spec.label, index)), bench_log)
-            run.status = "ok"
+            run.status = RunStatus.OK
         except (*NET_ERRORS, RuntimeError, ValueError) as failure:
-            run.status, run.error = "failed", f"{failure} (see {run.name}*.bench.log, {run.log})"
+            run.status, run.error = RunStatus.FAILED, f"{failure} (see {run.name}*.bench.log, {run.log})"
         except KeyboardInterrupt:
-            run.status, run.error = "failed", "interrupted (Ctrl-C or SIGTERM); its processes were shut down"
+            run.status, run.error = RunStatus.FAILED, "interrupted (Ctrl-C or SIGTERM); its processes were shut down"
             raise
         finally:
             run.seconds = round((run.seconds or 0) + time.monotonic() - started, 1)
@@ -327,7 +326,7 @@ class _Matrix:
         self._write(scenario)
 
     # -- the whole matrix --
-    def run(self) -> dict:
+    def run(self) -> MatrixRecord:
         self._write_all()
         with sigterm_as_interrupt():
             try:
@@ -360,7 +359,7 @@ class _Matrix:
             except (OSError, ValueError, KeyError) as failure:  # the scenario directories stay as recorded
                 self.error = f"moving the counterfactual arms failed: {type(failure).__name__}: {failure}"
             self._write_matrix()
-        return json.loads((self.root / MATRIX).read_text())
+        return read_matrix(self.root)
 
     def _record(self) -> None:
         groups = [self.servers] if self.co_resident else [[s] for s in self.servers]

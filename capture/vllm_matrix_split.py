@@ -18,10 +18,14 @@ import copy
 import json
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvtrace.capture import runner
 from kvtrace.capture.vllm_common import request_order_sha256
-from kvtrace.manifest import MANIFEST
+from kvtrace.manifest import MANIFEST, CaptureStatus, RunStatus, WindowStatus, capture_status
+
+if TYPE_CHECKING:  # vllm_matrix is imported where it is read, as tidy() reads it
+    from kvtrace.capture.vllm_matrix import MatrixRecord
 
 COUNTERFACTUAL = "counterfactual"
 CO_RESIDENCE = "checks/co-residence"  # below the root: `kvtrace matrix ROOT` reads one level of run directories
@@ -94,7 +98,7 @@ def _renumbered(run: dict, renumber: dict, source: Path, target: Path, name: str
     entry["timings"] = [{**timing, "point": renumber[timing["point"]]} for timing in entry.get("timings", [])
                         if timing.get("point") in renumber]
     first = next((w for w in entry["windows"] if w["point"] == 0), None)
-    entry["sqlite"] = first["sqlite"] if first and first["status"] == "exported" else None
+    entry["sqlite"] = first["sqlite"] if first and first["status"] == WindowStatus.EXPORTED else None
     hashes = [point["request_order_sha256"] for point in entry["points"]]
     entry["request_order_sha256"] = request_order_sha256(hashes) if hashes else None
     if not patched:
@@ -120,10 +124,10 @@ def _renumbered(run: dict, renumber: dict, source: Path, target: Path, name: str
     return entry
 
 
-def tidy(root: Path) -> dict:
+def tidy(root: Path) -> MatrixRecord:
     """A matrix recorded before its run directories were kept to two arms each: its co-residence check moves to
     checks/co-residence and its patched arms to counterfactual/SCENARIO. Returns the updated matrix.json."""
-    from kvtrace.capture.vllm_matrix import MATRIX
+    from kvtrace.capture.vllm_matrix import MATRIX, MatrixRecord
 
     matrix = json.loads((root / MATRIX).read_text())
     check = matrix.get("co_residence_check")
@@ -134,19 +138,20 @@ def tidy(root: Path) -> dict:
     matrix["counterfactual"] = sorted(set(matrix.get("counterfactual") or []) | {
         str(moved.relative_to(root)) for scenario in matrix["scenarios"] if (moved := split(root, scenario))})
     runner.write_json_atomic(root / MATRIX, matrix)
-    return matrix
+    return MatrixRecord.of(matrix)
 
 
 def _write(folder: Path, manifest: dict, settings: dict, runs: dict) -> None:
-    statuses = {run["status"] for run in runs.values()}
     hashes = {run["request_order_sha256"] for run in runs.values() if run.get("request_order_sha256")}
     whole = {**manifest, "settings": settings, "arms": runs,
-             "status": "ok" if statuses == {"ok"} else "partial" if "ok" in statuses else "failed",
+             "status": capture_status([run["status"] for run in runs.values()],
+                                      interrupted=manifest.get("status") == CaptureStatus.INTERRUPTED),
              "request_order_matched": (len(hashes) == 1) if len(runs) > 1 and hashes else None}
     runner.write_json_atomic(folder / MANIFEST, whole)
-    for name, run in runs.items():
-        runner.write_json_atomic(folder / f"{name}.manifest.json",
-                                 {**whole, "arms": {name: run}, "status": run["status"]})
+    for name, run in runs.items():  # as the engine writes them (vllm_engine._write_manifests): runs that ran
+        if run["status"] != RunStatus.NOT_RUN:
+            status = capture_status([run["status"]], interrupted=False)
+            runner.write_json_atomic(folder / f"{name}.manifest.json", {**whole, "arms": {name: run}, "status": status})
 
 
 if __name__ == "__main__":
@@ -154,6 +159,6 @@ if __name__ == "__main__":
 
     for argument in sys.argv[1:]:
         done = tidy(Path(argument))
-        print(f"{argument}: co-residence check in {done['co_residence_check']}; counterfactual run directories: "
-              f"{', '.join(done['counterfactual']) or 'none'}")
+        print(f"{argument}: co-residence check in {done.co_residence_check}; counterfactual run directories: "
+              f"{', '.join(done.counterfactual) or 'none'}")
 

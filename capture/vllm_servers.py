@@ -26,6 +26,7 @@ from kvtrace.capture.vllm_engine import _wait_ready
 from kvtrace.capture.vllm_http import http_request
 from kvtrace.capture.vllm_kv_events import KvEventRecorder
 from kvtrace.capture.vllm_relay import UsageRelay
+from kvtrace.manifest import WindowStatus
 
 GATED = ("-m", "kvtrace.capture.vllm_gated_client")
 REPORT_WAIT_S = 60.0  # at most, before a window, for nsys to finish the previous window's report
@@ -44,7 +45,7 @@ class Window:
     point: int
     steps: int
     delay_steps: int = 0
-    status: str = "open"  # open, closed, failed (start or stop refused), exported, export failed, no report
+    status: WindowStatus = WindowStatus.OPEN
     report: Path | None = None  # the report's path without its suffix (.nsys-rep, or .qdstrm when nsys' import failed)
     error: str | None = None
     export_s: float | None = None
@@ -56,7 +57,7 @@ class Window:
         return f"{self.run}.p{self.point}.sqlite"
 
     def record(self) -> dict:
-        return {"point": self.point, "sqlite": self.sqlite if self.status == "exported" else None,
+        return {"point": self.point, "sqlite": self.sqlite if self.status == WindowStatus.EXPORTED else None,
                 "steps": self.steps, "delay_steps": self.delay_steps, "status": self.status,
                 "report": f"{self.report}.nsys-rep" if self.report else None, "reports_before": self.reports_before,
                 "report_wait_s": self.report_wait_s,
@@ -157,16 +158,18 @@ class ArmServer:
             window.steps, window.error = self.cfg.profile_steps, f"per-window bounds refused ({status}): server's own"
             status, body = http_request("POST", self.base + "/start_profile", timeout=600)
         if status != 200:
-            window.status, window.error = "failed", f"POST /start_profile answered {status} {body.strip()[:200]!r}"
+            window.status = WindowStatus.FAILED
+            window.error = f"POST /start_profile answered {status} {body.strip()[:200]!r}"
             raise RuntimeError(window.error)
         self.windows.append(window)
 
     def close_window(self, window: Window) -> None:
         status, body = http_request("POST", self.base + "/stop_profile", timeout=600)
         if status != 200:
-            window.status, window.error = "failed", f"POST /stop_profile answered {status} {body.strip()[:200]!r}"
+            window.status = WindowStatus.FAILED
+            window.error = f"POST /stop_profile answered {status} {body.strip()[:200]!r}"
             raise RuntimeError(window.error)
-        window.status = "closed"
+        window.status = WindowStatus.CLOSED
 
     def report_slots(self) -> list[Path]:
         """The capture ranges nsys has written so far, in its numbering order: one per range, as its report or,
@@ -201,12 +204,12 @@ class ArmServer:
             certain = next((k for k in range(len(self.windows)) if before[k] != k or before[k + 1] != k + 1),
                            len(self.windows))
         for k, window in enumerate(self.windows):
-            if window.status != "closed":
+            if window.status != WindowStatus.CLOSED:
                 continue
             if k < certain:
                 window.report = slots[k]
             else:
-                window.status = "no report"
+                window.status = WindowStatus.NO_REPORT
                 window.error = (f"nsys wrote {len(slots)} reports for {len(self.windows)} windows of this server, so "
                                 f"which is whose is uncertain from window {certain + 1} on; they are kept in "
                                 f"{self.folder}")
@@ -247,12 +250,12 @@ def export_windows(windows: list[Window], nsys: str, workers: int) -> None:
                 if not report.exists():  # nsys' own import failed: once more with its QdstrmImporter
                     runner._import_again(nsys, window.report.with_name(window.report.name + ".qdstrm"), report, log)
                 kvtrace.nsys.export_sqlite(nsys, report, window.run_dir / window.sqlite, log=log)
-                window.status = "exported"
+                window.status = WindowStatus.EXPORTED
             except (OSError, RuntimeError) as failure:  # ExportFailed and TimedOut are RuntimeErrors
-                window.status, window.error = "export failed", f"{failure} (see {log.name})"
+                window.status, window.error = WindowStatus.EXPORT_FAILED, f"{failure} (see {log.name})"
         window.export_s = round(time.monotonic() - started, 1)
 
-    todo = [window for window in windows if window.report is not None and window.status == "closed"]
+    todo = [window for window in windows if window.report is not None and window.status == WindowStatus.CLOSED]
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
         list(pool.map(export, todo))
 

@@ -72,7 +72,16 @@ def run_order(arms: tuple[str, ...] | list[str], repeats: int) -> list[Run]:
 
 # ---- how runs and captures end ------------------------------------------------------------------------
 
-class RunStatus(str, Enum):
+class _Status(str, Enum):
+    """A status as the manifest records it: str-valued, so that JSON, sentences, sets and comparisons with the
+    recorded text all carry the value itself ("ok", never "RunStatus.OK", whatever the Python version)."""
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+    __hash__ = str.__hash__
+
+
+class RunStatus(_Status):
     """How one run ended (its entry's `status`)."""
 
     OK = "ok"
@@ -80,8 +89,8 @@ class RunStatus(str, Enum):
     NOT_RUN = "not run"  # the capture stopped before it
 
 
-class CaptureStatus(str, Enum):
-    """How a whole capture ended (vLLM's manifest `status`)."""
+class CaptureStatus(_Status):
+    """How a whole capture ended (vLLM's manifest `status`; a per-run manifest's is its run's, ok or failed)."""
 
     OK = "ok"  # every run ok
     PARTIAL = "partial"  # some runs ok
@@ -89,15 +98,26 @@ class CaptureStatus(str, Enum):
     INTERRUPTED = "interrupted"  # Ctrl-C or SIGTERM stopped it, whatever the runs before gave
 
 
+class WindowStatus(_Status):
+    """How one profile window of a matrix run ended (its `status` under `windows`)."""
+
+    OPEN = "open"  # profiling
+    CLOSED = "closed"  # profiling stopped; nsys' report not yet assigned to it
+    FAILED = "failed"  # vLLM refused to start or stop the profile
+    NO_REPORT = "no report"  # nsys wrote fewer or more reports than windows: which is its own is uncertain
+    EXPORTED = "exported"
+    EXPORT_FAILED = "export failed"
+
+
 def capture_status(run_statuses, interrupted: bool) -> CaptureStatus:
     """The capture's status from its runs' statuses: the one rule for the engine that records and for `capture
     import`, which takes failed runs up but cannot make an interrupted capture whole."""
     if interrupted:
         return CaptureStatus.INTERRUPTED
-    statuses = {getattr(status, "value", status) for status in run_statuses}  # an Enum hashes by its name
-    if statuses == {RunStatus.OK.value}:
+    statuses = set(run_statuses)
+    if statuses == {RunStatus.OK}:
         return CaptureStatus.OK
-    return CaptureStatus.PARTIAL if RunStatus.OK.value in statuses else CaptureStatus.FAILED
+    return CaptureStatus.PARTIAL if RunStatus.OK in statuses else CaptureStatus.FAILED
 
 
 # ---- NVTX names of kvtrace's workload phases ------------------------------------------------------------
@@ -210,6 +230,11 @@ def _int(value) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+def _status(kind: type[_Status], value) -> _Status | None:
+    """A recorded status as its enum (Manifest.of has checked that it is one of kind's values), None where absent."""
+    return None if value is None else kind(value)
+
+
 @dataclass(frozen=True)
 class Phase:
     """A FlashInfer workload phase as the run recorded it: its NVTX range, calls and KV bytes per call."""
@@ -234,11 +259,12 @@ class Window:
     point: int
     sqlite: str | None  # ARM.rK.pN.sqlite in the run directory; None when the window left no export
     steps: int | None  # engine steps vLLM's profiler was asked to trace
-    status: str | None  # exported, export failed, no report, failed
+    status: WindowStatus | None
 
     @classmethod
     def of(cls, record: dict) -> "Window":
-        return cls(_int(record.get("point")) or 0, record.get("sqlite"), _int(record.get("steps")), record.get("status"))
+        return cls(_int(record.get("point")) or 0, record.get("sqlite"), _int(record.get("steps")),
+                   _status(WindowStatus, record.get("status")))
 
 
 @dataclass(frozen=True)
@@ -248,7 +274,7 @@ class RunRecord:
     name: str  # the run's name: the arm's, or ARM.rK
     arm: str
     repeat: int
-    status: str | None  # ok, failed, not run
+    status: RunStatus | None
     error: str | None
     sqlite: str | None  # file name in the run directory
     log: str | None  # the run's log (file name in the run directory): what nsys and the engine printed
@@ -267,8 +293,9 @@ class RunRecord:
 
     @classmethod
     def of(cls, name: str, entry: dict) -> "RunRecord":
-        return cls(name=name, arm=entry.get("arm") or name, repeat=entry.get("repeat") or 1, status=entry.get("status"),
-                   error=entry.get("error"), sqlite=entry.get("sqlite"), log=entry.get("log"), kv_cache_dtype=entry.get("kv_cache_dtype"),
+        return cls(name=name, arm=entry.get("arm") or name, repeat=entry.get("repeat") or 1,
+                   status=_status(RunStatus, entry.get("status")), error=entry.get("error"), sqlite=entry.get("sqlite"),
+                   log=entry.get("log"), kv_cache_dtype=entry.get("kv_cache_dtype"),
                    kv_cache=_dict(entry.get("kv_cache")), workload=_dict(entry.get("workload")),
                    points=[p for p in entry.get("points") or [] if isinstance(p, dict)],
                    request_order_sha256=entry.get("request_order_sha256"),
@@ -305,7 +332,7 @@ class Manifest:
     engine: str | None
     settings: dict
     runs: dict[str, RunRecord]  # by run name, in the file's order
-    status: str | None = None  # vLLM: ok, partial, failed, interrupted
+    status: CaptureStatus | None = None  # vLLM's
     request_order_matched: bool | None = None  # vLLM: every run saw the same requests in the same order
     raw: dict = field(default_factory=dict, repr=False)
 
@@ -318,7 +345,8 @@ class Manifest:
                 raise _bad_shape(path, f"arms.{name}", "an object")
             _check_shape(entry, _RUN_SHAPE, f"arms.{name}", path)
         return cls(path=path, engine=data.get("engine"), settings=_dict(data.get("settings")),
-                   runs={name: RunRecord.of(name, e) for name, e in runs.items()}, status=data.get("status"),
+                   runs={name: RunRecord.of(name, e) for name, e in runs.items()},
+                   status=_status(CaptureStatus, data.get("status")),
                    request_order_matched=data.get("request_order_matched"), raw=data)
 
     @property
@@ -394,10 +422,10 @@ class _Number:
 
 
 _COUNT, _AMOUNT, _SIZE = _Number(1, whole=True), _Number(0), _Number(1, whole=True, digits=True)
-# What the values kvtrace reads must be, where present and not null: a type, a _Number, a dict of an object's
-# fields ("*": every field), or [shape] for a list. A hand-edited or damaged manifest fails in one line naming the
-# field, rather than reading as absent or failing later in the analysis.
-_MANIFEST_SHAPE = {"engine": str, "status": str, "request_order_matched": bool, "created_utc": str,
+# What the values kvtrace reads must be, where present and not null: a type, a _Number, a status (one of its
+# values), a dict of an object's fields ("*": every field), or [shape] for a list. A hand-edited or damaged manifest
+# fails in one line naming the field, rather than reading as absent or failing later in the analysis.
+_MANIFEST_SHAPE = {"engine": str, "status": CaptureStatus, "request_order_matched": bool, "created_utc": str,
                    "environment": {"packages": dict, "cuda_runtime": str, "gpus": [dict]},
                    "settings": {"model": {"kv_config": dict}, "scenario": str, "mode": str,
                                 "spec": {"kv_heads": _COUNT, "head_dim": _COUNT, "q_heads": _COUNT,
@@ -421,14 +449,14 @@ _POINT_SHAPE = {
                 "poll_interval_s": _AMOUNT, "cache_config": [{"block_size": _SIZE}]},
 }
 _RUN_SHAPE = {
-    "arm": str, "repeat": _COUNT, "status": str, "error": str, "sqlite": str, "log": str, "kv_cache_dtype": str,
+    "arm": str, "repeat": _COUNT, "status": RunStatus, "error": str, "sqlite": str, "log": str, "kv_cache_dtype": str,
     "request_order_sha256": str,
     "workload": {"kv_format": str, "engine": {"block_size": _COUNT}, "settings": dict, "versions": dict,
                  "phases": [{"nvtx": str, "calls": _AMOUNT, "bytes_per_call": _AMOUNT}]},
     "kv_cache": {"tokens": _COUNT, "available_gib": _AMOUNT, "line": str, "available_gib_per_rank": {"*": _AMOUNT}},
     "ranks": [{"rank": _Number(0, whole=True), "device": _Number(0, whole=True), "kernels": _COUNT}],
     "points": [_POINT_SHAPE],
-    "windows": [{"point": _Number(0, whole=True), "sqlite": str, "steps": _COUNT, "status": str}],
+    "windows": [{"point": _Number(0, whole=True), "sqlite": str, "steps": _COUNT, "status": WindowStatus}],
     "timings": [{"phase": str, "point": _Number(0, whole=True), "seconds": _AMOUNT}],
     "server": str, "patch": {"name": str, "sha256": str},
 }
@@ -456,12 +484,16 @@ def _is(value, shape) -> bool:
         return isinstance(value, type(shape))
     if isinstance(shape, _Number):
         return shape.holds(value)
+    if isinstance(shape, type) and issubclass(shape, _Status):
+        return isinstance(value, str) and value in set(shape)
     return isinstance(value, shape) and (shape is bool or not isinstance(value, bool))
 
 
 def _wanted(shape) -> str:
     if isinstance(shape, _Number):
         return shape.wanted
+    if isinstance(shape, type) and issubclass(shape, _Status):
+        return "one of " + ", ".join(f'"{status}"' for status in shape)
     kind = type(shape) if isinstance(shape, (dict, list)) else shape
     return {bool: "true or false", str: "a string", dict: "an object", list: "a list"}.get(kind, "a number")
 

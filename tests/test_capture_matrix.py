@@ -6,6 +6,7 @@ arm whose patch reaches its own server only, and the dry run's plan."""
 from __future__ import annotations
 
 import json
+import re
 import sqlite3
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from kvtrace.capture import vllm_matrix, vllm_matrix_run
 from kvtrace.capture.vllm_config import Workload
 from kvtrace.capture.vllm_patches import ArmSpec
 from kvtrace.errors import KvtraceError
-from kvtrace.manifest import read_manifest
+from kvtrace.manifest import CaptureStatus, RunStatus, WindowStatus, read_manifest
 from test_capture_vllm import PROBE_B200, alive, free_port
 from test_capture_vllm import standin as vllm_standin  # noqa: F401  (a fixture)
 
@@ -45,7 +46,7 @@ def tiny_matrix(standin, arms=ARMS, repeats=2, **options) -> vllm_matrix.MatrixC
                                     **options)
 
 
-def record(standin, cfg) -> dict:
+def record(standin, cfg) -> vllm_matrix.MatrixRecord:
     return vllm_matrix_run.capture(cfg, standin.tmp / "matrix", nsys=standin.nsys, startup_timeout_s=60.0,
                                    shutdown_grace_s=30.0, poll_interval_s=0.05)
 
@@ -60,7 +61,7 @@ def test_the_matrix_runs_each_arm_on_one_server_with_a_window_per_point(standin)
     serves = [c for c in calls if c["call"] == "serve"]
     assert sorted(c["arm"] for c in serves) == ["fp8", "nvfp4", "nvfp4"]
     assert sorted(c["detail"]["patched"] for c in serves) == [False, False, True]
-    assert matrix["co_resident"] is True and matrix["co_resident_fallback"] is None
+    assert matrix.co_resident is True and matrix.co_resident_fallback is None
     patched_port = cfg.server_cfg(2).port
     assert [c["detail"]["patched"] for c in serves if c["detail"]["port"] == patched_port] == [True]
 
@@ -76,7 +77,7 @@ def test_the_matrix_runs_each_arm_on_one_server_with_a_window_per_point(standin)
 
     # Every run directory holds two arms (what `kvtrace matrix` decides between): the scenarios the stock ones, and
     # counterfactual/SCENARIO the patched arm beside the stock arm of its KV dtype, at the patched arm's points.
-    assert matrix["counterfactual"] == ["counterfactual/cold-prefill", "counterfactual/sweep"]
+    assert matrix.counterfactual == ("counterfactual/cold-prefill", "counterfactual/sweep")
     assert not [path for name in ("cold-prefill", "sweep") for path in (root / name).glob("nvfp4-validate-once*")]
     assert (root / "counterfactual" / "sweep" / "nvfp4-validate-once.r1.warmup.bench.log").exists()
     assert (root / "counterfactual" / "sweep" / "nvfp4-validate-once.server.log").exists()
@@ -139,15 +140,15 @@ def test_the_matrix_runs_each_arm_on_one_server_with_a_window_per_point(standin)
     sweep = read_manifest(root / "sweep")
     assert check.settings["points"] == sweep.settings["points"][:1]
     assert check.raw["arms"]["fp8.r1"]["points"][0]["point"] == sweep.raw["arms"]["fp8.r1"]["points"][0]["point"]
-    phases = [p["phase"] for p in matrix["timeline"]]
+    phases = [p["phase"] for p in matrix.timeline]
     assert phases[0] == "server start and compile" and phases[-1] == "export"
     # Every round's clients started once, while the servers compiled (and one more for the check).
     assert phases.count("client prestart") == 2 and phases[1] == "client prestart"
     clients = sum(len(s.point_indices(a)) * cfg.repeats + 1 for s in cfg.scenarios for a in cfg.arms
                   if s.point_indices(a))
-    assert matrix["timeline"][1]["clients"] == clients
+    assert matrix.timeline[1]["clients"] == clients
     # The other servers' shutdown before the check is a phase of its own, so that the phases add up to the wall time.
-    stopped = [p for p in matrix["timeline"] if p["phase"] == "servers stopped"]
+    stopped = [p for p in matrix.timeline if p["phase"] == "servers stopped"]
     assert [(p["round"], p["servers"]) for p in stopped] == [("co-residence", 2)]
     assert phases.index("servers stopped") < len(phases) - 1 - phases[::-1].index("client prestart")
     assert not [pid for pid in standin.pids() if alive(pid)]
@@ -159,14 +160,33 @@ def test_a_server_that_cannot_start_beside_the_others_falls_back_to_one_arm_at_a
     cfg = tiny_matrix(standin, arms=("fp8", "nvfp4"), repeats=2, co_residence_check=False)
     cfg = vllm_matrix.MatrixConfig(**{**cfg.__dict__, "scenarios": cfg.scenarios[:1]})
     matrix = record(standin, cfg)
-    assert matrix["co_resident"] is False and "nvfp4 did not start" in matrix["co_resident_fallback"]
+    assert matrix.co_resident is False and "nvfp4 did not start" in matrix.co_resident_fallback
     manifest = read_manifest(standin.tmp / "matrix" / "cold-prefill")
     assert manifest.runs["fp8.r1"].status == "ok" and manifest.runs["nvfp4.r1"].status == "failed"
     assert manifest.raw["status"] == "partial" and manifest.raw["settings"]["co_resident"] is False
+    # The reader's statuses are the enums the writers assigned, written as their values.
+    assert manifest.runs["nvfp4.r1"].status is RunStatus.FAILED and manifest.status is CaptureStatus.PARTIAL
     assert manifest.raw["settings"]["order"] == ["fp8.r1", "fp8.r2", "nvfp4.r1", "nvfp4.r2"]  # arm after arm
     assert manifest.runs["fp8.r2"].status == "ok" and manifest.runs["nvfp4.r2"].status == "failed"
     # Alone, a server keeps vLLM's default memory fraction.
     assert "--gpu-memory-utilization" not in manifest.raw["settings"]["engine_flags"]["fp8"]
+
+
+@pytest.mark.slow
+def test_the_command_says_how_each_run_ended_and_fails_on_a_failed_run(standin, monkeypatch, run_kvtrace):
+    """`kvtrace capture vllm-matrix` reads back what it wrote (matrix.json, each run directory's manifest): per run,
+    its status and how many of its windows were traced; a failed run makes it exit 1."""
+    monkeypatch.setenv("STANDIN_FAIL", "server-exit@nvfp4")
+    cold_prefill = tiny_matrix(standin).scenarios[:1]
+    monkeypatch.setattr(vllm_matrix, "capacity_scenarios", lambda concurrencies, sweep_prompts: list(cold_prefill))
+    code, out, err = run_kvtrace("capture", "vllm-matrix", "--model", str(standin.model), "--out", standin.tmp / "m",
+                                 "--arms", "fp8,nvfp4", "--repeats", "1", "--load-format", "dummy", "--port",
+                                 str(free_port()), "--no-co-residence-check", "--nsys", standin.nsys)
+    lines = out.splitlines()
+    assert code == 1 and "cold-prefill/fp8.r1: ok, 1/1 windows traced" in lines, (out, err)
+    assert [line for line in lines if line.startswith("cold-prefill/nvfp4.r1: failed, 0/0 windows traced (the nvfp4 "
+                                                      "server is not running")]
+    assert re.fullmatch(r"matrix: \d+ s in all; co-resident: False", lines[-1])
 
 
 def test_dry_run_prints_the_whole_plan_with_its_estimate(standin):
@@ -205,6 +225,7 @@ def test_a_missing_report_leaves_windows_untraced_rather_than_misattributed(stan
         f"nvfp4.r1.p{point}.sqlite" if point in traced else None for point in range(3)]
     first_lost = manifest.raw["arms"]["nvfp4.r1"]["windows"][len(traced)]
     assert first_lost["status"] == "no report" and "2 reports for 3 windows" in first_lost["error"]
+    assert nvfp4.windows[len(traced)].status is WindowStatus.NO_REPORT
     assert nvfp4.status == "ok"  # the serving numbers stand
 
 
@@ -220,7 +241,7 @@ def test_reports_written_at_exit_cost_one_wait_and_are_all_attributed(standin, m
     windows = manifest.raw["arms"]["fp8.r1"]["windows"]
     assert [w["status"] for w in windows] == ["exported"] * 3
     assert [w["report_wait_s"] >= REPORT_WAIT_S for w in windows] == [False, True, False]
-    assert matrix["servers"]["fp8"]["reports_at_exit"] is True
+    assert matrix.servers["fp8"]["reports_at_exit"] is True
 
 
 @pytest.mark.slow
@@ -393,7 +414,7 @@ def test_a_matrix_recorded_with_three_arms_per_directory_is_tidied_into_two(stan
     root = standin.tmp / "matrix"
     assert len(read_manifest(root / "sweep").runs) == 3 and (root / "co-residence" / "manifest.json").exists()
     matrix = vllm_matrix_split.tidy(root)
-    assert matrix["co_residence_check"] == "checks/co-residence" and matrix["counterfactual"] == ["counterfactual/sweep"]
+    assert matrix.co_residence_check == "checks/co-residence" and matrix.counterfactual == ("counterfactual/sweep",)
     assert read_manifest(root / "checks" / "co-residence").runs["fp8.r1"].status == "ok"
     assert not (root / "co-residence").exists()
     sweep, counterfactual = read_manifest(root / "sweep"), read_manifest(root / "counterfactual" / "sweep")
@@ -402,4 +423,4 @@ def test_a_matrix_recorded_with_three_arms_per_directory_is_tidied_into_two(stan
         assert [w.sqlite for w in run.windows] == [f"{run.name}.p0.sqlite", f"{run.name}.p1.sqlite"]
         for point in counterfactual.raw["arms"][run.name]["points"]:
             assert (root / "counterfactual" / "sweep" / point["bench_result"]).is_file()
-    assert json.loads((root / "matrix.json").read_text()) == matrix
+    assert vllm_matrix.read_matrix(root) == matrix  # what it wrote

@@ -122,6 +122,9 @@ MANIFEST_VALUES = [
     (lambda m: m["settings"].update(engine_flags={"fp8": "--enforce-eager"}), "settings.engine_flags.fp8", "a list"),
     (lambda m: m["arms"]["fp8"].setdefault("kv_cache", {}).update(tokens=1000, available_gib=-3.5),
      "arms.fp8.kv_cache.available_gib", "a number of 0 or more"),
+    # A status is one that capture writes (manifest.RunStatus, CaptureStatus), or the rules on it would misread it.
+    (lambda m: m["arms"]["fp8"].update(status="done"), "arms.fp8.status", 'one of "ok", "failed", "not run"'),
+    (lambda m: m.update(status="finished"), "status", 'one of "ok", "partial", "failed", "interrupted"'),
 ]
 
 

@@ -189,7 +189,7 @@ def check_against_files(q: quality.Quality, run_dir: Path, runs: tuple[str, str]
             acc.prompts - acc.baseline_correct - acc.candidate_only) == (
         table["both"], table["baseline"], table["candidate"], table["neither"])
     assert acc.p_value == pytest.approx(reference_p(table["baseline"], table["candidate"]), rel=1e-12)
-    assert acc.verdict == (mcnemar.ACCURACY_DIFFERS if acc.p_value < 0.05 else mcnemar.ACCURACY_SAME)
+    assert acc.verdict == (mcnemar.AccuracyVerdict.DIFFERS if acc.p_value < 0.05 else mcnemar.AccuracyVerdict.SAME)
     splits = [reference_divergence(b["tokens"], c["tokens"]) for b, c in zip(base, cand)]
     assert [(row.id, row.first_divergence, row.baseline_tokens, row.candidate_tokens) for row in q.prompts] == [
         (b["id"], split, len(b["tokens"]), len(c["tokens"])) for b, c, split in zip(base, cand, splits)]
@@ -246,7 +246,7 @@ def test_real_tokens_with_constructed_correctness_and_divergence(preemption):
     check_against_files(q, preemption, ("fp8.r1", "nvfp4.r1"))
     acc = q.accuracy
     assert (acc.baseline_only, acc.candidate_only, acc.prompts - acc.baseline_correct - acc.candidate_only) == (6, 1, 1)
-    assert acc.p_value == pytest.approx(2 * (1 + 7) / 2 ** 7) and acc.verdict == mcnemar.ACCURACY_SAME
+    assert acc.p_value == pytest.approx(2 * (1 + 7) / 2 ** 7) and acc.verdict == mcnemar.AccuracyVerdict.SAME
     assert [row.first_divergence for row in q.prompts] == [0, 4, 8, 12, 16, 20, 24, 28]
     assert q.agreement.token_agreement == sum(range(0, 32, 4)) / (8 * 32)
 

@@ -242,7 +242,7 @@ def test_answers_are_paired_prompt_by_prompt(answered):
     assert (b_only, c_only) == (3, 0)  # the stand-in's nvfp4 gets the three odd sums wrong
     acc = q.accuracy
     assert (acc.baseline_correct, acc.candidate_correct, acc.baseline_only, acc.candidate_only) == (8, 5, 3, 0)
-    assert acc.p_value == mcnemar.mcnemar_exact(3, 0) == 2 / 8 and acc.verdict == mcnemar.ACCURACY_SAME
+    assert acc.p_value == mcnemar.mcnemar_exact(3, 0) == 2 / 8 and acc.verdict == mcnemar.AccuracyVerdict.SAME
     # The first divergence: the answer's first token, where the sums differ; the others are identical.
     for row, fp8, nvfp4 in zip(q.prompts, answers["fp8"], answers["nvfp4"]):
         assert row.first_divergence == (None if fp8["tokens"] == nvfp4["tokens"] else 0)

@@ -42,13 +42,14 @@ def test_mcnemar_matches_scipy_binomtest(b, c):
 def test_constructed_answer_sets():
     # Identical answers: nothing discordant, no evidence of a difference.
     same = mcnemar.paired_accuracy([True, False, True, True], [True, False, True, True])
-    assert (same.baseline_only, same.candidate_only, same.p_value, same.verdict) == (0, 0, 1.0, mcnemar.ACCURACY_SAME)
+    assert (same.baseline_only, same.candidate_only, same.p_value, same.verdict) == (0, 0, 1.0,
+                                                                                    mcnemar.AccuracyVerdict.SAME)
     # The candidate loses 10 prompts the baseline got and wins none: p = 2 / 2**10.
     base = [True] * 10 + [False] * 5 + [True] * 85
     cand = [False] * 10 + [False] * 5 + [True] * 85
     lost = mcnemar.paired_accuracy(base, cand)
     assert (lost.baseline_correct, lost.candidate_correct, lost.baseline_only, lost.candidate_only) == (95, 85, 10, 0)
-    assert lost.p_value == 2 / 1024 and lost.verdict == mcnemar.ACCURACY_DIFFERS
+    assert lost.p_value == 2 / 1024 and lost.verdict == mcnemar.AccuracyVerdict.DIFFERS
     assert lost.baseline_accuracy == 0.95 and lost.candidate_accuracy == 0.85
     # 1 against 9: p = 2 (1 + 9 + ... ) -> 2 * (C(10,0) + C(10,1)) / 2**10.
     one_nine = mcnemar.paired_accuracy([True] + [False] * 9, [False] + [True] * 9)

@@ -11,7 +11,6 @@ import os
 from pathlib import Path
 
 from kvtrace.analyzer import matrix as mx
-from kvtrace.analyzer.budget import Reason
 from kvtrace.analyzer.render.plots import new_figure, plot_folder, save_figure
 from kvtrace.analyzer.report import PlotFile
 
@@ -23,20 +22,6 @@ _PARTS = (("queue", "queue time", "#8c564b"), ("prefill", "prefill time", "#1f77
           ("rest", "the rest (frontend and hand-over)", "#bcbd22"))
 _COLORS = {key: color for key, _, color in _PARTS}
 _WORDS = {key: words for key, words, _ in _PARTS}
-
-
-def _stack(why: Reason, side: str) -> list[tuple[str, float]]:
-    """(part, ms) from the bottom for one arm ("baseline" or "candidate")."""
-    value = {p: getattr(why.budget.part(p), f"{side}_ms") for p in ("queue", "prefill", "rest")}
-    if why.steps is None:
-        return [("queue", value["queue"]), ("prefill", value["prefill"]), ("rest", value["rest"])]
-    arm = getattr(why.steps, side)
-    kernels = sum(arm.kernel_ns.values()) / 1e6
-    host = arm.host_ns / 1e6
-    scale = min(1.0, value["prefill"] / (kernels + host)) if kernels + host > 0 else 0.0
-    kernels, host = kernels * scale, host * scale  # a step span longer than the prefill time is drawn within it
-    return [("queue", value["queue"]), ("kernels", kernels), ("host", host),
-            ("untraced", value["prefill"] - kernels - host), ("rest", value["rest"])]
 
 
 def _mark(point: mx.MatrixPoint, scenario: mx.Scenario) -> str:
@@ -61,19 +46,16 @@ def budget_figure(matrix: mx.Matrix):
     ticks, labels = [], []
     for place, (scenario, point) in enumerate(shown):
         why = point.reason
-        tops = []
         for offset, side, name in ((-width / 2, "baseline", scenario.baseline),
                                    (width / 2, "candidate", scenario.candidate)):
-            bottom = 0.0
-            for part, value in _stack(why, side):
-                bar = ax.bar(place + offset, value, width * 0.95, bottom=bottom, color=_COLORS[part],
-                             edgecolor="white", linewidth=0.5, label=None if part in drawn else _WORDS[part])
-                bar.patches[0].set_gid(f"budget-R{point.row}-{side}-{part}")
-                drawn.add(part)
-                bottom += value
-            ax.text(place + offset, bottom, name, ha="center", va="bottom", fontsize=6, rotation=90)
-            tops.append(bottom)
-        ax.annotate(_mark(point, scenario), (place, max(tops)), xytext=(0, 26), textcoords="offset points",
+            stack = why.stack(side)
+            for part in stack.parts:
+                bar = ax.bar(place + offset, part.ms, width * 0.95, bottom=part.bottom_ms, color=_COLORS[part.part],
+                             edgecolor="white", linewidth=0.5, label=None if part.part in drawn else _WORDS[part.part])
+                bar.patches[0].set_gid(f"budget-R{point.row}-{side}-{part.part}")
+                drawn.add(part.part)
+            ax.text(place + offset, stack.top_ms, name, ha="center", va="bottom", fontsize=6, rotation=90)
+        ax.annotate(_mark(point, scenario), (place, why.stack_top_ms), xytext=(0, 26), textcoords="offset points",
                     ha="center", va="bottom", fontsize=6.5, rotation=20,
                     color="#2ca02c" if point.winner in ("baseline", "candidate") else "#555555")
         ticks.append(place)

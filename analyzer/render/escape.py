@@ -53,6 +53,11 @@ def rich(text) -> str:
     return _rich_escape(shown(text))
 
 
+def code_fence(text: str) -> str:
+    """The fence of a markdown code block holding `text`: three backticks, more than any run of them in it."""
+    return "`" * max(3, 1 + max((len(run) for run in _BACKTICKS.findall(text)), default=0))
+
+
 def md_code(text) -> str:
     """A markdown code span holding `text` whatever backticks it contains (a longer fence than any run in it)."""
     content = shown(text)

@@ -11,7 +11,7 @@ from kvtrace.analyzer.results import Arm, Diff, DiffRow, Summary
 from kvtrace.analyzer.findings import read_first
 from kvtrace.analyzer.kernels import KernelList
 from kvtrace.analyzer.headline import APPEND_PHASE, Headline
-from kvtrace.analyzer.render.escape import md_code, md_prose, md_text, shown, visible
+from kvtrace.analyzer.render.escape import code_fence, md_code, md_prose, md_text, shown, visible
 from kvtrace.analyzer.render.statements import text as statement_text
 from kvtrace.analyzer.render.units import (HEAD_TIMES, MARK, PART, arm_time, calls, duration, head_time,
                                           markdown_table, no_change_band, numbered_notes, per_call, percent,
@@ -109,7 +109,7 @@ def _diff_table(first: list[str], rows: list[DiffRow], lead, diff: Diff) -> list
                                                                                   "share of |Δ|"]
     verdicts, notes = numbered_notes(rows)
     body = [lead(r) + [*calls(r), arm_time(r.baseline, r.cells), arm_time(r.candidate, r.cells), ratio(r.ratio),
-                       row_interval(r)] + ([run_ratios(r.run_ratios)] if diff.runs > 1 else [])
+                       row_interval(r)] + ([run_ratios(r)] if diff.runs > 1 else [])
             + [verdict, signed_duration(r.total_delta_ns), percent(r.abs_delta_share)]
             for r, verdict in zip(rows, verdicts)]
     lines = markdown_table(header, body)
@@ -394,7 +394,7 @@ def head(diff: Diff, level: int = 3, *, statements: bool = True, serving: list[s
     lines += markdown_table(["", ""], [[name, md_text(value)] for name, value in head.environment])
     if head.commands:
         commands = [shown(command) for command in head.commands]  # a 100,000-character --label shortened
-        fence = "`" * max(3, 1 + max(len(run) for run in re.findall("`*", "\n".join(commands))))
+        fence = code_fence("\n".join(commands))
         lines += ["", f"{section} Reproduce", "", "From the run directory (absolute paths shortened to their last "
                   "component): the capture as its settings give it, the engine's commands as it ran them, then "
                   "kvtrace:", "", f"{fence}sh", *commands, fence]

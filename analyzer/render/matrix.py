@@ -363,7 +363,7 @@ def _capacity_claim(v: claims_lib.PointOutcome, cite: str, name: Name) -> str:
 
 def _phase_words(phase: claims_lib.MeasuredPhase, v: claims_lib.MeasuredClaim, name: Name) -> str:
     """One row of the head over every scenario: range, verdicts, the kernels compared and their query dtypes."""
-    span = (ratio(phase.low) if abs(phase.high - phase.low) < 5e-4 else
+    span = (ratio(phase.low) if phase.one_ratio else
             f"{ratio(phase.low)}–{ratio(phase.high)}")
     verdicts = ", ".join(f"{count} {verdict}" for verdict, count in phase.verdicts)
     queries = "; ".join(f"{name(v.baseline)} on {q[0] or '?'} queries, {name(v.candidate)} on {q[1] or '?'}"

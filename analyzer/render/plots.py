@@ -37,12 +37,11 @@ from matplotlib.text import Text  # noqa: E402
 from matplotlib.ticker import FixedFormatter, FuncFormatter, LogLocator, NullFormatter  # noqa: E402
 
 from kvtrace import files  # noqa: E402
-from kvtrace.analyzer.headline import CONTROL, head_rows  # noqa: E402
+from kvtrace.analyzer.headline import CONTROL, head_rows, shared_points  # noqa: E402
 from kvtrace.analyzer.matrix import OBJECTIVES, Matrix, Scenario  # noqa: E402
 from kvtrace.analyzer.render import escape  # noqa: E402
 from kvtrace.analyzer.report import PlotFile, Report  # noqa: E402
-from kvtrace.analyzer.render.units import no_change_half_width  # noqa: E402
-from kvtrace.analyzer.stats.verdicts import Verdict  # noqa: E402
+from kvtrace.analyzer.stats.verdicts import Verdict, no_change_half_width  # noqa: E402
 from kvtrace.errors import KvtraceError  # noqa: E402
 from kvtrace.manifest import parse_phase_name  # noqa: E402
 
@@ -91,7 +90,7 @@ def _answer_rows(report: Report) -> list[tuple[str, str, object]]:
     """Every row of the diff's head (headline.head_rows), in its order, as (series, point, DiffRow): the series
     names the question, and the kernel where the head answers a point kernel by kernel."""
     rows = head_rows(report.diff)
-    split = {(r.question, r.point) for r in rows if sum((o.question, o.point) == (r.question, r.point) for o in rows) > 1}
+    split = shared_points(rows)
     out = []
     for r in rows:
         if r.question == CONTROL:
@@ -120,7 +119,7 @@ def _legend_beside(ax) -> None:
 
 def _row_bands(ax, report: Report, chosen: list, gid: str) -> None:
     """Each (position, row)'s own grey band, one bar at its position, gid `{gid}-{position}`."""
-    halves = [no_change_half_width(r, report.diff.threshold) for _, r in chosen]
+    halves = [no_change_half_width(r.band, report.diff.threshold) for _, r in chosen]
     bars = ax.barh([p for p, _ in chosen], [2 * h for h in halves], left=[1 - h for h in halves], height=0.8,
                    color=_BAND_COLOR, alpha=0.5, label=_BAND_LABEL, zorder=0)
     for patch, (p, _) in zip(bars.patches, chosen):
@@ -189,13 +188,12 @@ def _by_context(ax, report: Report, series: dict[str, list]) -> None:
     ax.axhline(1.0, color="black", linewidth=0.8)
     for index, (name, points) in enumerate(series.items()):
         container = ax.errorbar([c for c, _ in points], [r.ratio for _, r in points],
-                                yerr=[[r.ratio - (r.ci_low if r.ci_low is not None else r.ratio) for _, r in points],
-                                      [(r.ci_high if r.ci_high is not None else r.ratio) - r.ratio for _, r in points]],
+                                yerr=_whiskers(points),
                                 marker="o", capsize=4, label=name)
         segment = re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-")  # an SVG id of the series' name
         container.lines[0].set_gid(f"context-{segment}")
         # Each point's own band behind it, in its line's colour: the lines' bands differ at one context.
-        halves = [no_change_half_width(r, report.diff.threshold) for _, r in points]
+        halves = [no_change_half_width(r.band, report.diff.threshold) for _, r in points]
         bands = ax.vlines([c for c, _ in points], [1 - h for h in halves], [1 + h for h in halves], linewidth=10,
                           colors=container.lines[0].get_color(), alpha=0.25, zorder=0,
                           label=f"{_BAND_LABEL}, in its line's colour" if index == 0 else "_nolegend_")

@@ -48,13 +48,11 @@ def _ran(result: q.Quality) -> str:
     if not result.answered:
         return ""
     first, *others = result.answered
-    runs = (f"{first.run} answered {first.prompts - first.empty} of {first.prompts} prompts of "
+    runs = (f"{first.run} answered {first.nonempty} of {first.prompts} prompts of "
             f"{result.prompts_file or 'the prompt file'}"
-            + "".join(f", {a.run} {a.prompts - a.empty} of {a.prompts}" for a in others))
-    cut = sum(a.cut for a in result.answered)
-    limits = {a.max_tokens for a in result.answered if a.cut}
-    if cut and len(limits) == 1:
-        runs += (f"; {cut} of {sum(a.prompts for a in result.answered)} answers stopped at the {limits.pop()}-token "
+            + "".join(f", {a.run} {a.nonempty} of {a.prompts}" for a in others))
+    if result.cut_limit is not None:
+        runs += (f"; {result.cut_answers} of {result.answered_prompts} answers stopped at the {result.cut_limit}-token "
                  "limit")
     return f" (the quality step itself ran: {runs})"
 
@@ -109,22 +107,21 @@ def line(result: q.Quality, baseline: str, candidate: str) -> str:
 def departures(result: q.Quality, baseline: str, candidate: str) -> list[str]:
     """One warning per arm and phase whose kernel strays from the attention its own cache defines, every such context
     named with its distance (measured, or the lower bound of runs recorded before it was)."""
-    groups: dict[tuple[str, str], list[q.Departure]] = {}
-    for departure in result.departures:
-        groups.setdefault((departure.side, departure.what), []).append(departure)
     sentences = []
-    for (side, what), found in groups.items():
+    for group in result.strays:
+        found = group.departures
         points = ", ".join(
             f"{error(d.distance)} away at context {d.context}" if d.measured else
             f"at least {error(d.distance)} away at context {d.context} (its error {error(d.kernel)} against the "
             f"reference where the format alone has {error(d.format)})" for d in found)
-        low, high = (f"{bound(d.roundings for d in found):.0f}" for bound in (min, max))
+        low, high = f"{group.low_roundings:.0f}", f"{group.high_roundings:.0f}"
+        arm = baseline if group.side == "baseline" else candidate
+        bound = "" if found[0].measured else "at least "
         sentences.append(
-            f"⚠️ {baseline if side == 'baseline' else candidate}'s {what} kernel strays from exact attention over "
-            f"its own dequantized cache: its output is {points} ({'' if found[0].measured else 'at least '}"
-            f"{low if low == high else f'{low}–{high}'} BF16 "
-            f"roundings, past the {q.DEPARTURE_ROUNDINGS} an honest BF16 kernel stays within): the kernel's "
-            "arithmetic or its reading of the cache, not the format's bits.")
+            f"⚠️ {arm}'s {group.what} kernel strays from exact attention over its own dequantized cache: its output "
+            f"is {points} ({bound}{low if low == high else f'{low}–{high}'} BF16 roundings, past the "
+            f"{q.DEPARTURE_ROUNDINGS} an honest BF16 kernel stays within): the kernel's arithmetic or its reading of "
+            "the cache, not the format's bits.")
     return sentences
 
 
@@ -175,10 +172,9 @@ def _error_table(result: q.Quality, baseline: str, candidate: str) -> tuple[list
 def _prompt_table(result: q.Quality, baseline: str, candidate: str) -> tuple[list[str], list[list[str]]]:
     header = ["prompt", f"{baseline} right", f"{candidate} right", "first divergence (token)",
               f"{baseline} tokens", f"{candidate} tokens"]
-    shown = [r for r in result.prompts if r.baseline_correct != r.candidate_correct or r.first_divergence is not None]
     rows = [[r.id, "yes" if r.baseline_correct else "no", "yes" if r.candidate_correct else "no",
              "identical" if r.first_divergence is None else str(r.first_divergence), str(r.baseline_tokens),
-             str(r.candidate_tokens)] for r in shown[:MAX_PROMPT_ROWS]]
+             str(r.candidate_tokens)] for r in result.differing[:MAX_PROMPT_ROWS]]
     return header, rows
 
 
@@ -202,7 +198,7 @@ def markdown(result: q.Quality, baseline: str, candidate: str) -> list[str]:
     header, rows = _prompt_table(result, b, c)
     if not rows:
         return lines + ["", "Every prompt got the same tokens from both arms."]
-    more = sum(1 for r in result.prompts if r.baseline_correct != r.candidate_correct or r.first_divergence is not None)
+    more = len(result.differing)
     lines += ["", "Prompts whose answers differ between the arms" + (f" (the first {MAX_PROMPT_ROWS} of {more}; the "
                                                                      "JSON has every prompt)" if more > len(rows)
                                                                      else "") + ":", ""]

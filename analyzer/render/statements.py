@@ -70,7 +70,7 @@ def _query_quantize(s: st.QueryQuantizeStatement, name: Name = _plain) -> str:
     there = "there" if s.runs == 1 else "there per run"
     words = (f"query quantization ({phase}): only {a} quantizes its prefill queries ({name(s.query)}, per vLLM's log), "
              f"{calls}, {duration(s.quantize_ns)} {each}: part of {a}'s prefill cost, which "
-             f"the prefill attention row leaves out. With it, {a} spends {duration(s.attention_ns + s.quantize_ns)} "
+             f"the prefill attention row leaves out. With it, {a} spends {duration(s.with_quantize_ns)} "
              f"on prefill attention and query quantization {there} against {duration(s.other_attention_ns)} for {o}")
     return words + (f" ({s.ratio:.3f}×)" if s.ratio is not None else "")
 

@@ -126,7 +126,7 @@ def body(diff: Diff, console: Console) -> None:
             style = _STYLE.get(r.verdict)
             table.add_row(*lead(r), " / ".join(calls(r)), arm_time(r.baseline, r.cells),
                           arm_time(r.candidate, r.cells), ratio(r.ratio), row_interval(r),
-                          *([run_ratios(r.run_ratios)] if diff.runs > 1 else []),
+                          *([run_ratios(r)] if diff.runs > 1 else []),
                           f"[{style}]{rich(verdict)}[/]" if style else rich(verdict), signed_duration(r.total_delta_ns),
                           percent(r.abs_delta_share))
         console.print(table)

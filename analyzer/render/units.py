@@ -7,6 +7,7 @@ from pathlib import PurePath
 
 from kvtrace.analyzer.render.escape import visible
 from kvtrace.analyzer.results import OUTSIDE_RANGES
+from kvtrace.analyzer.stats.verdicts import no_change_half_width
 
 
 def shown_path(path) -> str:
@@ -54,15 +55,9 @@ def row_interval(row) -> str:
     return "–" if row.ratio is None else interval(row.ci_low, row.ci_high)
 
 
-def no_change_half_width(row, threshold: float) -> float:
-    """Half-width of what a compared row's ratio must leave for a verdict: its own band (the one its verdict used),
-    at least the threshold, since a ratio within 1 ± threshold is never a change (verdicts.verdict)."""
-    return max(row.band, threshold)
-
-
 def no_change_band(row, threshold: float) -> str:
     """The row's no-change half-width as the tables print it and the plots shade it; "–" for a row not compared."""
-    return "–" if row.band is None else f"±{100 * no_change_half_width(row, threshold):.2g}%"
+    return "–" if row.band is None else f"±{100 * no_change_half_width(row.band, threshold):.2g}%"
 
 
 def percent(fraction: float | None) -> str:
@@ -108,12 +103,12 @@ def per_call(stats, cells: int) -> str:
     return duration(stats.mean_ns) if stats.mean_ns is not None else f"mixed ({cells:,} cells)"
 
 
-def run_ratios(values) -> str:
-    """The ratios of the run pairs, lowest to highest (repeated runs)."""
-    found = [v for v in values if v is not None]
-    if not found:
+def run_ratios(row) -> str:
+    """A diff row's ratios of its run pairs, lowest to highest (repeated runs)."""
+    span = row.run_ratio_range
+    if not span:
         return "–"
-    return f"{min(found):.3f}–{max(found):.3f}×" if len(found) > 1 else ratio(found[0])
+    return ratio(span[0]) if len(span) == 1 else f"{span[0]:.3f}–{span[1]:.3f}×"
 
 
 def numbered_notes(rows) -> tuple[list[str], list[str]]:

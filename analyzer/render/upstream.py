@@ -3,7 +3,7 @@ order, the answer first and the repro script inside <details>; under a GitHub is
 
 from __future__ import annotations
 
-from kvtrace.analyzer.render.escape import md_code, md_prose, md_text
+from kvtrace.analyzer.render.escape import code_fence, md_code, md_prose, md_text
 from kvtrace.analyzer.render.markdown import ISSUE_LIMIT
 from kvtrace.analyzer.render.units import interval, markdown_table, ratio
 from kvtrace.analyzer.stats.verdicts import Verdict
@@ -34,7 +34,7 @@ def _repository(project: str) -> str:
 
 
 def _answer(f: HostSyncFinding) -> str:
-    step = max(f.steps, key=lambda s: s.host_per_step_ms)
+    step = f.worst_step
     loss = [t for t in f.ttft if t.verdict == Verdict.REGRESSION]
     ttft = (f"; NVFP4's TTFT against FP8's is {_ttft_words(loss[0])} at {md_code(loss[0].point)}" if loss else "")
     counterfactual = f.counterfactual
@@ -132,23 +132,12 @@ def _kernel_level(f: HostSyncFinding) -> list[str]:
 def _script(f: HostSyncFinding) -> list[str]:
     if f.script is None:
         return [f"kvtrace could not write the repro from this run: {md_prose(f.script_note)}"]
-    fence = "`" * max(3, 1 + max((len(run) for run in _backtick_runs(f.script)), default=0))
+    fence = code_fence(f.script)
     return ["A standalone script (torch, flashinfer and the standard library), with the traced steps' shapes; it "
             "times vLLM's call (scales as CUDA tensors), the same with the check once per tensor, and with Python "
             "floats, reporting GPU and host time per call. `python repro.py --json out.json`.", "",
             f"<details><summary>repro.py ({f.script.count(chr(10))} lines)</summary>", "", f"{fence}python",
             f.script.rstrip(), fence, "", "</details>"]
-
-
-def _backtick_runs(text: str) -> list[str]:
-    runs, current = [], ""
-    for char in text:
-        if char == "`":
-            current += char
-        elif current:
-            runs.append(current)
-            current = ""
-    return runs + ([current] if current else [])
 
 
 def _context(f: HostSyncFinding) -> list[str]:

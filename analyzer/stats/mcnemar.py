@@ -5,11 +5,21 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import Enum
 
 from kvtrace.analyzer.stats.shares import share
 
-ACCURACY_DIFFERS = "accuracy differs"
-ACCURACY_SAME = "no significant accuracy difference"
+
+class AccuracyVerdict(str, Enum):
+    """What McNemar's test of two arms' answers found; str-valued, as verdicts.Verdict is."""
+
+    DIFFERS = "accuracy differs"  # p < alpha
+    SAME = "no significant accuracy difference"
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
 MCNEMAR = "McNemar's exact test (two-sided binomial on the prompts the arms disagree on)"
 
 
@@ -25,7 +35,7 @@ class PairedAccuracy:
     candidate_only: int  # right in the candidate, wrong in the baseline
     p_value: float
     alpha: float
-    verdict: str  # ACCURACY_DIFFERS when p < alpha, else ACCURACY_SAME
+    verdict: AccuracyVerdict
     test: str = MCNEMAR
 
     @property
@@ -79,4 +89,5 @@ def paired_accuracy(baseline: Sequence[bool], candidate: Sequence[bool], *, alph
     p = mcnemar_exact(b_only, c_only)
     return PairedAccuracy(prompts=len(pairs), baseline_correct=sum(b for b, _ in pairs),
                           candidate_correct=sum(c for _, c in pairs), baseline_only=b_only, candidate_only=c_only,
-                          p_value=p, alpha=alpha, verdict=ACCURACY_DIFFERS if p < alpha else ACCURACY_SAME)
+                          p_value=p, alpha=alpha,
+                          verdict=AccuracyVerdict.DIFFERS if p < alpha else AccuracyVerdict.SAME)

@@ -63,11 +63,17 @@ def verdict(estimate: Estimate, *, threshold: float = 0.02, drift: float = 0.0) 
     return judge(estimate.ratio, estimate.low, estimate.high, threshold=threshold, drift=drift)
 
 
+def no_change_half_width(band: float | None, threshold: float) -> float:
+    """Half-width of what a compared row's ratio must leave for a verdict: its own band (the drift its verdict was
+    given; None: none), at least the threshold, since a ratio within 1 ± threshold is never a change (judge)."""
+    return max(band or 0.0, threshold)
+
+
 def level_of(verdict: Verdict, ratio: float | None, band: float) -> str:
     """How a statement of one comparison is marked: "warning" where the candidate measured worse or the arms are not
-    comparable, "ok" only where the ratio stays within its no-change band (`band`: the larger of the row's band and
-    the threshold), "info" for the rest: a speed-up, or a change beyond the band that nothing decided, which is
-    neither a problem nor all well."""
+    comparable, "ok" only where the ratio stays within its no-change band (`band`: no_change_half_width), "info"
+    for the rest: a speed-up, or a change beyond the band that nothing decided, which is neither a problem nor all
+    well."""
     if ratio is None or verdict in (Verdict.REGRESSION, Verdict.DIFFERENT_WORK, Verdict.NOT_COMPARABLE):
         return "warning"
     if verdict != Verdict.TOO_FEW_RUNS and 1 - band <= ratio <= 1 + band:
