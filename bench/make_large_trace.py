@@ -3,7 +3,7 @@
 The fixture is copied, then its kernel, runtime and NVTX range rows are replicated inside SQLite
 (INSERT … SELECT, no Python rows): copy k shifts every timestamp by k periods of the trace and every
 correlationId by k strides, so launches, graph replays and per-step NVTX ranges keep their real
-relations. The schema, StringIds and all other tables stay as exported. The fixture is never written; a packed
+relations. The schema, StringIds and all other tables stay as in the fixture. The fixture is never written; a packed
 one (fixtures/RUN/RUN.tar.xz) is unpacked once into bench/out/fixtures/.
 
     python bench/make_large_trace.py --kernels 1000000 -o bench/out/auto-1M.sqlite

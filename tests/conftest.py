@@ -116,7 +116,7 @@ VLLM_DECODE_HEAVY = PACKED_RUNS["vllm-h200-decode-heavy"]
 # Nsight Systems 2025.3: fp8/ and nvfp4/, one TABLE.parquet each (fixtures/README.md).
 PARQUET_2025 = _unpack(FIXTURES / "fi-h200-sm90-parquet" / "fi-h200-sm90-parquet.tar.xz", named=True)
 # bench/graph_loop.py's CUDA graph of small kernels, traced per node, recorded on the H200 with 2025.3: a-2000 and
-# b-2000, each as .nsys-rep, its SQLite export and its Parquet folder (fixtures/README.md).
+# b-2000, each as its SQLite export and its Parquet folder (fixtures/README.md).
 GRAPH_LOOP = _unpack(FIXTURES / "graph-loop-h200" / "graph-loop-h200.tar.xz", named=True)
 # fixtures/bad/'s real capture without kernels, its export and report (fixtures/bad/README.md), packed.
 NO_KERNELS_DIR = _unpack(BAD_DIR / "no-kernels-nsys2023.tar.xz", named=True)

@@ -42,7 +42,7 @@ def _facts(path: Path) -> dict:
 
 def test_grown_trace_keeps_the_schema_and_multiplies_rows_exactly(tmp_path, monkeypatch):
     monkeypatch.setattr(make_large_trace, "UNPACKED", tmp_path / "fixtures")
-    source = make_large_trace.fixture("vllm")  # unpacked from its pack: the recorded bytes
+    source = make_large_trace.fixture("vllm")  # unpacked from its pack: the shipped bytes
     assert sha256(source) == sha256(VLLM_COLD_PREFILL / "auto.sqlite")
     digest = hashlib.sha256(source.read_bytes()).hexdigest()
     before = _facts(source)

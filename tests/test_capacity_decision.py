@@ -14,13 +14,14 @@ import io
 import json
 import re
 import shutil
+import sqlite3
 from pathlib import Path
 from statistics import mean
 
 import pytest
 from rich.console import Console
 
-from conftest import MATRIX_RUNS, VLLM033_8B_RUNS, deciding_on_any_run_pairs
+from conftest import MATRIX_RUNS, VLLM033_8B_RUNS, deciding_on_any_run_pairs, sql_durations
 from kvtrace.analyzer import budget, claims as claims_lib, compare, matrix, report
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.load import open_traces
@@ -91,6 +92,16 @@ def _decode_steps(diff, family: str):
                 and family in r.family)
 
 
+def _sql_steps(export: Path) -> tuple[list[str], int]:
+    """vLLM's engine steps in an export, in order, and its decode steps' decode attention calls, in plain SQL."""
+    with sqlite3.connect(f"file:{export}?mode=ro", uri=True) as conn:
+        steps = [name for (name,) in conn.execute("SELECT text FROM NVTX_EVENTS WHERE text LIKE 'execute_context_%' "
+                                                  "ORDER BY start")]
+    decode = sorted({name for name in steps if name.startswith("execute_context_0(0)_generation_")})
+    return steps, sum(len(sql_durations(export, "%BatchPrefillWithPagedKVCacheKernel%MaskMode)0%", nvtx=name))
+                      for name in decode)
+
+
 def _outputs(result) -> dict[str, str]:
     buffer = io.StringIO()
     render_table(result, Console(file=buffer, width=200))
@@ -104,23 +115,27 @@ def _outputs(result) -> dict[str, str]:
 
 def test_a_row_paired_in_one_run_pair_of_two_has_no_interval_and_says_why(preemption, recipes):
     """r1's arms scheduled different vLLM steps (a finding), r2's the same: the decode steps' decode attention paired
-    its 928 calls in r2 alone. Its ratio is r2's own (a diff of r2 alone, which has an interval of r2's calls), and
+    its calls in r2 alone. Its ratio is r2's own (a diff of r2 alone, which has an interval of r2's calls), and
     over both run pairs it has none: one run pair cannot show how runs vary."""
+    steps = {name: _sql_steps(PREEMPTION / f"{name}.sqlite") for name in ("fp8.r1", "nvfp4.r1", "fp8.r2", "nvfp4.r2")}
+    assert steps["fp8.r1"][0] != steps["nvfp4.r1"][0] and steps["fp8.r2"] == steps["nvfp4.r2"]
+    calls = steps["fp8.r2"][1]
     assert any(f.message.startswith("r1: the arms scheduled different vLLM steps") for f in preemption.diff.findings)
-    assert any(f.message.startswith("r2: both arms ran the same 32 vLLM steps") for f in preemption.diff.findings)
+    assert any(f.message.startswith(f"r2: both arms ran the same {len(steps['fp8.r2'][0])} vLLM steps")
+               for f in preemption.diff.findings)
     row = _decode_steps(preemption.diff, "BatchPrefillWithPagedKVCacheKernel")
-    assert row.compared_calls == 928 and row.run_ratios[0] is None
+    assert calls and row.compared_calls == calls and row.run_ratios[0] is None
     assert row.ci_low is None and row.ci_high is None and row.no_interval == ONE_RUN_PAIR
     assert row.verdict == Verdict.DIFFERENT_WORK and row.paired_verdict == Verdict.INSUFFICIENT_DATA
     assert "calls paired in r2 only, of 2 run pairs" in row.note
 
     fp8, nvfp4 = open_traces([PREEMPTION / "fp8.r2.sqlite", PREEMPTION / "nvfp4.r2.sqlite"])
     alone = _decode_steps(compare.diff(fp8, nvfp4, recipes), "BatchPrefillWithPagedKVCacheKernel")
-    assert alone.compared_calls == 928 and alone.ratio == pytest.approx(row.ratio, rel=1e-12)
+    assert alone.compared_calls == calls and alone.ratio == pytest.approx(row.ratio, rel=1e-12)
     assert alone.ratio == pytest.approx(row.run_ratios[1], rel=1e-12) and alone.ci_low < alone.ratio < alone.ci_high
 
     merge = _decode_steps(preemption.diff, "MergeStates")
-    assert merge.no_interval == ONE_RUN_PAIR and merge.verdict == Verdict.INSUFFICIENT_DATA  # 0.964x: beyond ±2%
+    assert merge.no_interval == ONE_RUN_PAIR and merge.verdict == Verdict.INSUFFICIENT_DATA  # 0.893x: beyond ±2%
 
 
 def test_a_row_paired_in_two_run_pairs_of_three_is_resampled_over_those(recipes):
@@ -130,7 +145,8 @@ def test_a_row_paired_in_two_run_pairs_of_three_is_resampled_over_those(recipes)
     traces = open_traces([PREEMPTION / f"{name}.sqlite" for name in names])
     diff = compare.diff(traces[:3], traces[3:], recipes)
     row = _decode_steps(diff, "BatchPrefillWithPagedKVCacheKernel")
-    assert diff.runs == 3 and row.run_ratios[0] is None and row.compared_calls == 2 * 928
+    calls = _sql_steps(PREEMPTION / "fp8.r2.sqlite")[1]
+    assert diff.runs == 3 and row.run_ratios[0] is None and row.compared_calls == 2 * calls
     assert row.no_interval is None and row.ci_low < row.ratio < row.ci_high
     assert "calls paired in r2 and r3 only, of 3 run pairs: the interval resamples those" in row.note
 

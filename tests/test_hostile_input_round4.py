@@ -312,7 +312,7 @@ def test_the_head_is_cut_at_a_line_when_it_alone_is_past_its_share():
 def test_no_part_of_the_whole_report_replaces_a_file_of_the_run_directory(tmp_path, kv):
     """The whole report past an issue body is written in parts (r.full.md, r.full-2.md, …), each refused like the
     -o file where it names an input, here through a link; before any part is written."""
-    run = run_copy(tmp_path, VLLM033_RUNS["serve-sweep"])
+    run = run_copy(tmp_path, MATRIX_RUNS["cold-prefill"])  # its whole report is in two parts
     (tmp_path / "r.full-2.md").symlink_to(run / "manifest.json")
     before = fingerprints(run)
     code, out, err = kv("report", run, "-q", "-o", tmp_path / "r.md")

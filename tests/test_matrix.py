@@ -515,7 +515,8 @@ def test_no_winner_inside_its_band_and_serve_cells_carry_intervals(v033, objecti
 def test_the_rule_is_what_the_rows_measured(v033):
     """The decision states this GPU's, engine's and route's rows: each phase's range is its rows' range, the
     kernels and query dtypes come from the rows and the run's log, a kernel-against-kernel ratio is not called a
-    conversion cost, and the general expectation for decode is said not to hold where every decode row regressed."""
+    conversion cost, and the general expectation for decode is said not to hold where decode rows regressed and none
+    improved (a row of different work, the prefix reuse's mixed steps, decides neither way)."""
     result = v033["ttft"]
     (measured,) = [c for c in result.claims if c.kind == "measured"]
     text = matrix_render.claim_text(measured, result)
@@ -526,7 +527,8 @@ def test_the_rule_is_what_the_rows_measured(v033):
     # The attention kernel's own rows; the split-KV merge kernel beside it is a row of its own (the head's).
     decode = [k for s in result.scenarios for k in s.kernels if k.subject == "decode_attention" and k.ratio
               and claims_lib.SPLIT_KV_MERGE not in (k.kernels or "")]
-    assert decode and all(k.verdict == Verdict.REGRESSION for k in decode)
+    verdicts = {k.verdict for k in decode}
+    assert Verdict.REGRESSION in verdicts and Verdict.IMPROVEMENT not in verdicts and Verdict.DIFFERENT_WORK in verdicts
     assert "saves time in decode, since it moves fewer bytes, did not hold here" in text
     logs = {arm: (VLLM033_RUNS["serve-sweep"] / f"{arm}.log").read_text() for arm in ("fp8", "nvfp4")}
     assert "prefill=torch.float8_e4m3fn" in logs["fp8"] and "prefill=torch.bfloat16" in logs["nvfp4"]

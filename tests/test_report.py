@@ -24,9 +24,11 @@ import pytest
 from click.testing import CliRunner
 from rich.console import Console
 
-from conftest import (MATRIX_RUNS, NSYS2023_DIR, NSYS2025_DIR, RECORDED_REPORT, REPEAT, SERVE_RUNS, VLLM033_RUNS,
-                      VLLM_COLD_PREFILL, VLLM_DECODE_HEAVY, deciding_on_any_run_pairs, sql_durations)
+from conftest import (MATRIX_RUNS, NSYS2023_DIR, NSYS2025_DIR, PACKED_RUNS, RECORDED_REPORT, REPEAT, SERVE_RUNS,
+                      VLLM033_8B_RUNS, VLLM033_RUNS, VLLM_COLD_PREFILL, VLLM_DECODE_HEAVY, deciding_on_any_run_pairs,
+                      sql_durations)
 from kvtrace.analyzer import align, headline, report, runs, serving, statements
+from kvtrace.analyzer.export_tables import EXPORT_TABLES
 from kvtrace.analyzer.render import json_out, render_table, render_text
 from kvtrace.analyzer.render.statements import text as statement_text
 from kvtrace.analyzer.render.units import duration
@@ -870,15 +872,26 @@ def test_polled_peaks_count_as_peaks_only_with_enough_polls_in_the_traffic():
     assert estimated.peak_running is None and "about every 0.53 s (about 1 poll inside it)" in estimated.peaks_note
 
 
-@pytest.mark.parametrize("run", [*SERVE_RUNS.values(), *VLLM033_RUNS.values()], ids=lambda run: run.name)
+# The packed runs whose exports pack_run.py cut (fixtures/README.md); the others are packed as recorded.
+CUT_PACKS = ("vllm-h200-cold-prefill", "vllm-h200-decode-heavy", "fi-h200-sm90-repeat", "fi-h200-sm90-repeats2",
+             "fi-h200-sm90-quality", "fi-h200-sm90-gaussian", "fi-h200-sm90-outliers",
+             "fi-h100-sm90-gaussian-fi0.7.2.post1")
+# The tables a cut export keeps: kvtrace's, and the names of the copy and synchronization kinds.
+READ_TABLES = {*EXPORT_TABLES, "ENUM_CUDA_MEMCPY_OPER", "ENUM_CUPTI_SYNC_TYPE"}
+
+
+@pytest.mark.parametrize("run", [*SERVE_RUNS.values(), *VLLM033_RUNS.values(), *VLLM033_8B_RUNS.values(),
+                                 *(PACKED_RUNS[name] for name in CUT_PACKS)], ids=lambda run: run.name)
 def test_cut_exports_keep_the_originals_kernel_totals(run):
     """pack_run.py recorded, by plain SQL on the original export, calls and GPU time per kernel and innermost
-    NVTX range (vLLM 0.26 serve runs and the vLLM 0.33 matrix); kvtrace reads the same from the cut export."""
+    NVTX range (or of the steps it kept); kvtrace reads the same from the cut export, which holds no other table."""
     from kvtrace.analyzer.load import open_trace
 
     cut = json.loads((run / "cut.json").read_text())
     for export, record in cut["exports"].items():
-        assert "CUDA_GRAPH_NODE_EVENTS" in record["rows_dropped"] and record["cut"]["bytes"] < record["original"]["bytes"]
+        assert record["rows_dropped"] and record["cut"]["bytes"] < record["original"]["bytes"]
+        assert {name for (name,) in sql(run / export, "SELECT name FROM sqlite_master WHERE type = 'table'")} \
+            <= READ_TABLES
         trace = open_trace(run / export)
         names = trace.signatures.select("sig", "demangled")
         ranges = trace.ranges.select("range", pl.col("name").alias("range_name"))

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from markdown_it import MarkdownIt
 
-from conftest import (NSYS2025_DIR, RECORDED_REPORT, REPEAT, REPEATS2, SERVE_RUNS, VLLM033_8B_RUNS, VLLM033_RUNS,
-                      VLLM_COLD_PREFILL, VLLM_DECODE_HEAVY, sql_durations)
+from conftest import (MATRIX_RUNS, NSYS2025_DIR, RECORDED_REPORT, REPEAT, REPEATS2, SERVE_RUNS, VLLM033_8B_RUNS,
+                      VLLM033_RUNS, VLLM_COLD_PREFILL, VLLM_DECODE_HEAVY, sql_durations)
 from kvtrace.analyzer import headline, report
 from kvtrace.analyzer.render import markdown as diff_markdown
 from kvtrace.analyzer.render import plots
@@ -23,6 +23,7 @@ from kvtrace.analyzer.render.units import AVG
 # manifests name fi-h200-sm90's exports (--exports-from).
 REPORTS = {**{f"vllm033/{name}": [run] for name, run in VLLM033_RUNS.items()},
            **{f"vllm033-8b/{name}": [run] for name, run in VLLM033_8B_RUNS.items()},
+           **{f"vllm033-h100-matrix/{name}": [run] for name, run in MATRIX_RUNS.items()},
            "fi-h200-sm90": [NSYS2025_DIR], "fi-h200-sm90-repeat": [REPEAT], "fi-h200-sm90-repeats2": [REPEATS2],
            "vllm-h200-cold-prefill": [VLLM_COLD_PREFILL], "vllm-h200-decode-heavy": [VLLM_DECODE_HEAVY],
            **{f"recorded/{name}": [RECORDED_REPORT / name, "--exports-from", NSYS2025_DIR]
@@ -143,26 +144,26 @@ def test_report_markdown_fits_an_issue_with_the_answer_and_serving_before_detail
         assert "Kernel families" in text
 
 
-@pytest.mark.parametrize("name", ["serve-sweep", "serve-prefix-reuse"])
+@pytest.mark.parametrize("name", ["cold-prefill", "preemption"])
 def test_the_large_vllm033_reports_leave_their_long_tables_to_the_whole_file(name, run_kvtrace, tmp_path):
-    """The two reports of the issue (146,926 and 122,355 characters before): the head and the segment tables stay,
+    """Reports longer than an issue body (the H100 matrix's cold prefill and preemption runs, as the H200 serve
+    sweep's and prefix reuse's were before their traces were cut to 8 steps): the head and the segment tables stay,
     the files beside hold everything, starting as the head does."""
-    code, _, err = run_kvtrace("report", VLLM033_RUNS[name], "-o", tmp_path / "r.md")
+    code, _, err = run_kvtrace("report", MATRIX_RUNS[name], "-o", tmp_path / "r.md")
     assert code == 0, err
     text, whole = (tmp_path / "r.md").read_text(), (tmp_path / "r.full.md").read_text()
     assert len(text) < diff_markdown.ISSUE_LIMIT and len(whole) <= diff_markdown.ISSUE_LIMIT
     assert "#### Segments\n" in text and "### Serving" in text
     assert whole.startswith(text[:text.index("This report leaves out")].rstrip())
-    code, out, _ = run_kvtrace("report", VLLM033_RUNS[name], "--format", "markdown")  # no file beside stdout
+    code, out, _ = run_kvtrace("report", MATRIX_RUNS[name], "--format", "markdown")  # no file beside stdout
     assert code == 0 and len(out) < diff_markdown.ISSUE_LIMIT and "`-o FILE.md`" in out
 
 
-@pytest.mark.parametrize("name", ["serve/prefix-reuse", "serve/sweep", "vllm033/serve-prefix-reuse",
-                                  "vllm033/serve-sweep"])
+@pytest.mark.parametrize("name", ["vllm033-h100-matrix/cold-prefill", "vllm033-h100-matrix/preemption"])
 def test_a_whole_report_past_an_issue_body_is_written_in_parts_that_each_fit(name, run_kvtrace, tmp_path,
                                                                               monkeypatch, shipped_output):
     """Issue 48: no markdown file kvtrace writes exceeds 65,536 characters. These reports' whole documents are
-    longer (113k to 185k characters): written in parts, each of which fits, renders on its own (every fence and
+    longer (70k and 85k characters): written in parts, each of which fits, renders on its own (every fence and
     <details> it opens closed) and names the next; together they are the whole document, nothing lost."""
     output = shipped(name, shipped_output)
     assert output.code == 0, output.err
@@ -241,8 +242,10 @@ def test_vllm_head_gives_decode_attention_alone_per_call(run_kvtrace):
 
 
 def test_head_rows_without_pairs_show_no_number(run_kvtrace, tmp_path):
-    """vLLM 0.33 prefix reuse: its prefill steps pair no prefill attention call (it was "4.54 ms Σ0")."""
-    code, _, err = run_kvtrace("report", VLLM033_RUNS["serve-prefix-reuse"], "-o", tmp_path / "r.md")
+    """Prefix reuse (vLLM 0.26): steps whose sizes differ between the arms pair no attention call (such a row was
+    once "4.54 ms Σ0")."""
+    code, _, err = run_kvtrace("report", SERVE_RUNS["prefix-reuse-auto"], SERVE_RUNS["prefix-reuse-fp8"], "-o",
+                               tmp_path / "r.md")
     assert code == 0, err
     text = (tmp_path / "r.md").read_text()
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in text[:text.index("<details>")].splitlines()
