@@ -15,6 +15,10 @@ import torch
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 CALLS: list[str] = []  # what ran, by name, for the tests
 
+# The logit a causal mask gives a future key. FlashInfer 0.6.16.post3 used a finite one (-5e4 times the folded
+# k_scale / sqrt(d), about -8.5 on Gaussian inputs); a test sets such a value to see the scripts' check catch it.
+MASKED_LOGIT = float("-inf")
+
 
 def _decode_nvfp4(packed: torch.Tensor, block_scales: torch.Tensor, global_scale: float) -> torch.Tensor:
     nibbles = torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2).long()
@@ -59,7 +63,7 @@ class _Wrapper:
             scores = torch.einsum("qhd,khd->hqk", rows, k) / math.sqrt(q.shape[-1])
             if self.causal:
                 position = torch.arange(k.shape[0] - rows.shape[0], k.shape[0])[:, None]
-                scores = scores.masked_fill(torch.arange(k.shape[0])[None, :] > position, float("-inf"))
+                scores = scores.masked_fill(torch.arange(k.shape[0])[None, :] > position, MASKED_LOGIT)
             outputs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
         return torch.cat(outputs).to(torch.bfloat16)
 

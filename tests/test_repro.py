@@ -146,7 +146,7 @@ def test_bad_inputs_get_one_line(run_kvtrace, tmp_path):
         assert len(lines) == 1 and lines[0].startswith("kvtrace: error:") and words in lines[0], err
 
 
-def run_against_standin(monkeypatch, name: str, out, without: tuple[str, ...] = ()) -> dict:
+def run_against_standin(monkeypatch, name: str, out, without: tuple[str, ...] = (), lens=(37, 16, 5)) -> dict:
     """The committed script `name`, on shrunk shapes (one case per kernel, uneven lengths of a few pages), run whole
     against tests/flashinfer_standin.py on the CPU (lacking the functions named in `without`); its JSON results."""
     import flashinfer_standin
@@ -167,7 +167,7 @@ def run_against_standin(monkeypatch, name: str, out, without: tuple[str, ...] = 
         if case["kernel"] in kinds:
             continue
         kinds[case["kernel"]] = case
-        case["kv_lens"] = [37, 16, 5]
+        case["kv_lens"] = list(lens)
         case["qo_lens"] = case["kv_lens"] if case["kernel"] == "prefill" else [1, 1, 1]
         if case["kernel"] == "append":
             case["new_lens"] = [3, 1, 2]
@@ -379,3 +379,23 @@ def test_both_releases_ran_on_one_gpu_and_the_format_cost_is_what_changed(run_kv
     for case in old:
         assert old[case]["format_interval"][0] > new[case]["format_interval"][1], case
         assert abs(old[case]["route"] / new[case]["route"] - 1) < abs(old[case]["format"] / new[case]["format"] - 1) / 10
+
+
+def test_the_scripts_check_sees_a_masked_key_that_leaks(monkeypatch, tmp_path):
+    """A causal prefill whose mask lets future keys in with a finite logit (FlashInfer 0.6.16.post3's -5e4 times the
+    folded k_scale / sqrt(d): about -8.5 on Gaussian inputs) is far from float64 attention over its own cache in the
+    early rows, which see few unmasked keys, and barely in the last ones. The script checks evenly spaced rows, the
+    first included, so its check flags the leak on every route of the stand-in's kernel; with an exact mask the same
+    sequences stay within BF16 rounding."""
+    import flashinfer_standin
+
+    lens = (300, 16, 5)  # a first sequence longer than the rows checked, so that which rows are checked matters
+    exact = run_against_standin(monkeypatch, "fi-h200-sm90-gaussian", tmp_path / "exact.json", lens=lens)
+    monkeypatch.setattr(flashinfer_standin, "MASKED_LOGIT", -8.5)
+    leaky = run_against_standin(monkeypatch, "fi-h200-sm90-gaussian", tmp_path / "leaky.json", lens=lens)
+    for results, far in ((exact, False), (leaky, True)):
+        (prefill,) = [case for case in results["cases"] if case["kernel"] == "prefill"]
+        for route in prefill["routes"]:
+            if route.get("via") == "fp8-workspace":  # its second rounding (to FP8) is on the order of a leak
+                continue
+            assert (route["quality"]["rel_l2_vs_own_cache"] > 0.02) == far, (far, route["label"], route["quality"])
