@@ -37,14 +37,16 @@ def codes_in(cells: Cells, *columns: str) -> set:
     return set(cells.table.select(columns).unique().iter_rows())
 
 
-def _per_call_means(table: pl.DataFrame, calls: str = "calls", total: str = "total_ns") -> np.ndarray:
-    return (table[total].to_numpy() / table[calls].to_numpy()) if table.height else np.zeros(0)
-
-
-def per_key_means(table: pl.DataFrame) -> np.ndarray:
+def per_key_means(cells) -> np.ndarray:
     """Per-call means of one run's cells merged by signature and range key: a trace's cells of names that
-    differ only in an instance counter (analyzer.names) are one kind of work."""
-    return _per_call_means(table.group_by("sig", "nvtx").agg(pl.col("calls", "total_ns").sum()))
+    differ only in an instance counter (analyzer.names) are one kind of work. `cells`: a cells table, or its
+    columns sig, nvtx, calls and total_ns by name; the means come in no particular order."""
+    sig, nvtx, calls, total = (np.asarray(cells[name]) for name in ("sig", "nvtx", "calls", "total_ns"))
+    if not sig.size:
+        return np.zeros(0)
+    _, key = np.unique((sig.astype(np.int64) << 32) | nvtx.astype(np.int64), return_inverse=True)
+    # Sums of whole nanoseconds and calls, exact in float64 below 2**53 (104 days).
+    return np.bincount(key, weights=total) / np.bincount(key, weights=calls)
 
 
 @dataclass
@@ -171,6 +173,10 @@ class Group:
     def height(self) -> int:
         return self.rows.size
 
+    @property
+    def columns(self) -> dict[str, np.ndarray]:
+        return {name: values[self.rows] for name, values in self.side.columns.items()}
+
     def sum(self, column: str) -> int:
         return int(self.side.columns[column][self.rows].sum())
 
@@ -195,8 +201,8 @@ class _RunSide:
         table = run.cells.table.join(paired, on="cell", how="left", maintain_order="left").with_columns(
             pl.col("paired_calls", "paired_ns").fill_null(0))
         return cls(table, {name: table[name].to_numpy() for name in (
-            "segment", "phase", "family", "rank", "sig", "first", "calls", "total_ns", "paired_calls", "paired_ns",
-            "kv_independent")})
+            "segment", "phase", "family", "rank", "sig", "nvtx", "first", "calls", "total_ns", "paired_calls",
+            "paired_ns", "paired_level", "kv_independent")})
 
 
 class RowBuilder:
@@ -244,7 +250,7 @@ class RowBuilder:
                          if per_call else ArmStats.total(int(sizes.sum()), int(totals[side][members].sum()),
                                                          self.arm_totals[side], intervals[side]) for side in (0, 1)]
         else:  # nothing paired: each arm's calls in the window
-            per_call = arm_summary.same_work([np.concatenate([per_key_means(g.cells.table) for g in groups])
+            per_call = arm_summary.same_work([np.concatenate([per_key_means(g.columns) for g in groups])
                                               for groups in sides if any(g.height for g in groups)])
             arm_stats = [None if not window_calls[side] else
                          ArmStats.of(np.concatenate([g.cells.values() for g in groups]), self.arm_totals[side])
@@ -342,11 +348,9 @@ class RowBuilder:
         """Family labels (with the KV dtype) of the cells one arm paired by range."""
         labels = set()
         for g in groups:
-            cells = g.cells.table.filter(pl.col("paired_level") == RANGE)
-            if cells.height:
-                sigs = g.run.classes.filter(pl.col("sig").is_in(cells["sig"].implode()))
-                labels |= {label + (f" ({kv})" if kv else "") for label, kv in sigs.select("family_label", "kv_dtype")
-                           .iter_rows()}
+            for sig in g.sigs()[g.side.columns["paired_level"][g.rows] == RANGE].tolist():
+                entry = g.run.class_of(sig)
+                labels.add(entry["family_label"] + (f" ({entry['kv_dtype']})" if entry["kv_dtype"] else ""))
         return sorted(labels)
 
     @staticmethod
