@@ -216,7 +216,7 @@ class RowBuilder:
         self.arm_totals = (base_arm.total_ns, cand_arm.total_ns)
         self.realigned: list[str] = []  # families paired on their last calls, for the alignment finding
         self.relaunched: list[tuple[str, str, str]] = []  # (family, baseline shapes, candidate shapes): see _relaunched
-        self.row_groups: list[list[list[Group]]] = []  # per row built, its groups per arm (the verdict's note reads them)
+        self.row_groups: list[list[list[Group]]] = []  # per row built, its groups per arm (the verdict's note)
         self._sides = [[_RunSide.of(runs[side], found.paired[side])
                         for runs, found in zip(comparison.runs, comparison.pairs)] for side in (0, 1)]
         strata = comparison.strata  # stratum s is row s, and the run pairs follow each other in it
