@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 import numpy as np
 import polars as pl
@@ -36,14 +37,16 @@ def codes_in(cells: Cells, *columns: str) -> set:
     return set(cells.table.select(columns).unique().iter_rows())
 
 
-def _per_call_means(table: pl.DataFrame, calls: str = "calls", total: str = "total_ns") -> np.ndarray:
-    return (table[total].to_numpy() / table[calls].to_numpy()) if table.height else np.zeros(0)
-
-
-def per_key_means(table: pl.DataFrame) -> np.ndarray:
+def per_key_means(cells) -> np.ndarray:
     """Per-call means of one run's cells merged by signature and range key: a trace's cells of names that
-    differ only in an instance counter (analyzer.names) are one kind of work."""
-    return _per_call_means(table.group_by("sig", "nvtx").agg(pl.col("calls", "total_ns").sum()))
+    differ only in an instance counter (analyzer.names) are one kind of work. `cells`: a cells table, or its
+    columns sig, nvtx, calls and total_ns by name; the means come in no particular order."""
+    sig, nvtx, calls, total = (np.asarray(cells[name]) for name in ("sig", "nvtx", "calls", "total_ns"))
+    if not sig.size:
+        return np.zeros(0)
+    _, key = np.unique((sig.astype(np.int64) << 32) | nvtx.astype(np.int64), return_inverse=True)
+    # Sums of whole nanoseconds and calls, exact in float64 below 2**53 (104 days).
+    return np.bincount(key, weights=total) / np.bincount(key, weights=calls)
 
 
 @dataclass
@@ -100,11 +103,19 @@ class RowSpec:
     """What one row covers: its cells in every run and its strata, before any number is computed."""
 
     level: str  # "segment", "phase", "family", "family_phase"
-    cells: pl.Expr
+    keys: tuple[tuple[str, int], ...]  # (column, code) pairs that the row's cells all have
     members: np.ndarray  # global strata
     code: int  # segment, or family code
     phase: int | None = None
     rank: int | None = None  # a row of one rank's cells (traces of several GPUs); None: every rank
+
+
+def _matching(columns: dict[str, np.ndarray], keys: tuple[tuple[str, int], ...]) -> np.ndarray:
+    """Which rows of a table (given as its columns) have every (column, code) of `keys`."""
+    chosen = np.ones(next(iter(columns.values())).size, dtype=bool)
+    for column, code in keys:
+        chosen &= columns[column] == code
+    return chosen
 
 
 def row_specs(comparison: Comparison) -> list[RowSpec]:
@@ -112,68 +123,122 @@ def row_specs(comparison: Comparison) -> list[RowSpec]:
     (several ranks) segments and phases per rank, then the head's attention and append families per phase."""
     vocabulary, strata = comparison.vocabulary, comparison.strata
     built = [run for pair in comparison.runs for run in pair]
+    # The strata's columns as arrays (a range stratum has no family: -1 matches no code); stratum s is row s.
+    columns = {name: strata[name].cast(pl.Int64).fill_null(-1).to_numpy()
+               for name in ("segment", "phase", "family", "rank")}
+    kernel = strata["level"].to_numpy() == KERNEL
 
     def present(*columns: str) -> set:
         return set().union(*(codes_in(run.cells, *columns) for run in built))
 
-    specs = []
-    for (code,) in sorted(present("segment")):
-        specs.append(RowSpec("segment", pl.col("segment") == code,
-                             strata.filter(pl.col("segment") == code)["stratum"].to_numpy(), code))
-    for code, phase in sorted(k for k in present("segment", "phase") if k[1] != vocabulary.outside_phase):
-        chosen = (pl.col("segment") == code) & (pl.col("phase") == phase)
-        specs.append(RowSpec("phase", chosen, strata.filter(chosen)["stratum"].to_numpy(), code, phase))
-    for (code,) in sorted(present("family"), key=lambda k: vocabulary.families[k[0]]):
-        specs.append(RowSpec("family", pl.col("family") == code,
-                             strata.filter((pl.col("level") == KERNEL) & (pl.col("family") == code))["stratum"]
-                             .to_numpy(), code))
+    def spec(level: str, keys: tuple, code: int, phase: int | None = None, *, kernels: bool = False) -> RowSpec:
+        chosen = _matching(columns, keys) & (kernel if kernels else True)
+        return RowSpec(level, keys, np.flatnonzero(chosen).astype(np.uint32), code, phase)
+
+    specs = [spec("segment", (("segment", code),), code) for (code,) in sorted(present("segment"))]
+    specs += [spec("phase", (("segment", code), ("phase", phase)), code, phase)
+              for code, phase in sorted(k for k in present("segment", "phase") if k[1] != vocabulary.outside_phase)]
+    specs += [spec("family", (("family", code),), code, kernels=True)
+              for (code,) in sorted(present("family"), key=lambda k: vocabulary.families[k[0]])]
     # With several ranks, each segment and phase row again per rank: the head shows them where ranks disagree.
-    for spec in [spec for spec in specs if spec.level != "family"] if vocabulary.ranks > 1 else ():
+    for one in [one for one in specs if one.level != "family"] if vocabulary.ranks > 1 else ():
         for rank in range(vocabulary.ranks):
-            in_rank = strata.filter(pl.col("rank") == rank)["stratum"].to_numpy()
-            specs.append(replace(spec, cells=spec.cells & (pl.col("rank") == rank), rank=rank,
-                                 members=np.intersect1d(spec.members, in_rank)))
+            in_rank = np.flatnonzero(columns["rank"] == rank).astype(np.uint32)
+            specs.append(replace(one, keys=(*one.keys, ("rank", rank)), rank=rank,
+                                 members=np.intersect1d(one.members, in_rank)))
     # The head's attention and append segments kernel by kernel per phase: an attention kernel's own time, apart
     # from the split-KV merge kernel beside it.
     head = {vocabulary.segments.index(s) for s in pairing.PHASE_SEGMENTS.values() if s in vocabulary.segments}
-    for code, phase in sorted({(family, phase) for family, segment, phase in present("family", "segment", "phase")
-                               if segment in head and phase != vocabulary.outside_phase}):
-        kernel = (pl.col("family") == code) & (pl.col("phase") == phase)
-        specs.append(RowSpec("family_phase", kernel,
-                             strata.filter((pl.col("level") == KERNEL) & kernel)["stratum"].to_numpy(), code, phase))
+    specs += [spec("family_phase", (("family", code), ("phase", phase)), code, phase, kernels=True)
+              for code, phase in sorted({(family, phase) for family, segment, phase
+                                         in present("family", "segment", "phase")
+                                         if segment in head and phase != vocabulary.outside_phase})]
     return specs
 
 
+@dataclass(frozen=True, eq=False)
+class Group:
+    """A row's cells in one run of one arm: `cells.table` has what each cell gave to pairs beside it (paired_calls,
+    paired_ns, paired_level; see pairing.Pairs), and `side` the arrays behind its sums."""
+
+    run: Run
+    side: _RunSide
+    rows: np.ndarray  # rows of side.table
+
+    @cached_property
+    def cells(self) -> Cells:
+        return replace(self.run.cells, table=self.side.table[self.rows])
+
+    @property
+    def height(self) -> int:
+        return self.rows.size
+
+    @property
+    def columns(self) -> dict[str, np.ndarray]:
+        return {name: values[self.rows] for name, values in self.side.columns.items()}
+
+    def sum(self, column: str) -> int:
+        return int(self.side.columns[column][self.rows].sum())
+
+    def sigs(self) -> np.ndarray:
+        return self.side.columns["sig"][self.rows]
+
+    def earliest(self, column: str) -> str:
+        """A classification column (segment, family_label) of the group's earliest call."""
+        return self.run.class_of(int(self.sigs()[self.side.columns["first"][self.rows].argmin()]))[column]
+
+
+@dataclass(frozen=True, eq=False)
+class _RunSide:
+    """One run of one arm, its cells joined once with what each gave to pairs, and those columns as arrays: a row's
+    group of cells is then an index into them."""
+
+    table: pl.DataFrame
+    columns: dict[str, np.ndarray]
+
+    @classmethod
+    def of(cls, run: Run, paired: pl.DataFrame) -> _RunSide:
+        table = run.cells.table.join(paired, on="cell", how="left", maintain_order="left").with_columns(
+            pl.col("paired_calls", "paired_ns").fill_null(0))
+        return cls(table, {name: table[name].to_numpy() for name in (
+            "segment", "phase", "family", "rank", "sig", "nvtx", "first", "calls", "total_ns", "paired_calls",
+            "paired_ns", "paired_level", "kv_independent")})
+
+
 class RowBuilder:
-    """Counts, statistics and words of a row from its cells and strata (the verdict comes after the drift)."""
+    """Counts, statistics and words of a row from its cells and strata (the verdict comes after the drift).
+
+    A diff has thousands of rows: each row's cells and strata are picked by index from arrays made once here, not
+    by a polars query per row and run."""
 
     def __init__(self, comparison: Comparison, base_arm: Arm, cand_arm: Arm):
         self.comparison = comparison
         self.arm_totals = (base_arm.total_ns, cand_arm.total_ns)
         self.realigned: list[str] = []  # families paired on their last calls, for the alignment finding
         self.relaunched: list[tuple[str, str, str]] = []  # (family, baseline shapes, candidate shapes): see _relaunched
-        self.row_groups: list[list] = []  # per row built, its groups per arm (the verdict's note may need them again)
+        self.row_groups: list[list[list[Group]]] = []  # per row built, its groups per arm (the verdict's note)
+        self._sides = [[_RunSide.of(runs[side], found.paired[side])
+                        for runs, found in zip(comparison.runs, comparison.pairs)] for side in (0, 1)]
+        strata = comparison.strata  # stratum s is row s, and the run pairs follow each other in it
+        self._strata = {name: strata[name].cast(pl.Int64).fill_null(-1).to_numpy() for name in (
+            "run", "rank", "shape", "nvtx", "pairs", "baseline_calls", "candidate_calls")}
+        level = strata["level"].to_numpy()
+        self._kernel, self._range = level == KERNEL, level == RANGE
 
-    def groups(self, spec: RowSpec, side: int) -> list[tuple[Run, Cells, pl.DataFrame]]:
-        """Per run of one arm: the run, the row's cells, and those cells with what each gave to pairs."""
-        out = []
-        for runs, found in zip(self.comparison.runs, self.comparison.pairs):
-            run = runs[side]
-            group = run.cells.where(spec.cells)
-            table = group.table.join(found.paired[side], on="cell", how="left").with_columns(
-                pl.col("paired_calls", "paired_ns").fill_null(0))
-            out.append((run, group, table))
-        return out
+    def groups(self, spec: RowSpec, side: int) -> list[Group]:
+        """Per run of one arm, the row's cells."""
+        return [Group(runs[side], one, np.flatnonzero(_matching(one.columns, spec.keys)))
+                for runs, one in zip(self.comparison.runs, self._sides[side])]
 
     def row(self, spec: RowSpec, estimate: bootstrap.Estimate | None) -> DiffRow:
         vocabulary = self.comparison.vocabulary
         sides = [self.groups(spec, side) for side in (0, 1)]
         self.row_groups.append(sides)
-        window_calls = [sum(g.calls for _, g, _ in groups) for groups in sides]
-        window_ns = [sum(g.total_ns for _, g, _ in groups) for groups in sides]
-        paired_ns = [sum(int(t["paired_ns"].sum()) for _, _, t in groups) for groups in sides]
+        window_calls = [sum(g.sum("calls") for g in groups) for groups in sides]
+        window_ns = [sum(g.sum("total_ns") for g in groups) for groups in sides]
+        paired_ns = [sum(g.sum("paired_ns") for g in groups) for groups in sides]
         kv = [self._kv_and_names(groups) for groups in sides]
-        run, group = next((r, g) for groups in sides for r, g, _ in groups if g.table.height)  # earliest: baseline
+        first = next(g for groups in sides for g in groups if g.height)  # earliest: baseline
         members = spec.members
         if estimate is not None:
             totals = self.comparison.strata_totals
@@ -185,25 +250,24 @@ class RowBuilder:
                          if per_call else ArmStats.total(int(sizes.sum()), int(totals[side][members].sum()),
                                                          self.arm_totals[side], intervals[side]) for side in (0, 1)]
         else:  # nothing paired: each arm's calls in the window
-            per_call = arm_summary.same_work([np.concatenate([per_key_means(t) for _, _, t in groups])
-                                        for groups in sides if any(t.height for _, _, t in groups)])
+            per_call = arm_summary.same_work([np.concatenate([per_key_means(g.columns) for g in groups])
+                                              for groups in sides if any(g.height for g in groups)])
             arm_stats = [None if not window_calls[side] else
-                         ArmStats.of(np.concatenate([g.values() for _, g, _ in groups]), self.arm_totals[side])
+                         ArmStats.of(np.concatenate([g.cells.values() for g in groups]), self.arm_totals[side])
                          if per_call else ArmStats.total(window_calls[side], window_ns[side], self.arm_totals[side])
                          for side, groups in enumerate(sides)]
             self.comparison.release()
         # Calls paired by range ran different kernels in the two arms: a change of code, which no drift control
         # may absorb (a changed activation kernel would otherwise widen the band that hides its own change).
-        by_range = self.comparison.strata["level"].to_numpy()[members] == RANGE if members.size else np.zeros(0, bool)
-        kv_independent = not by_range.any() and all(bool(g.table["kv_independent"].all()) for groups in sides
-                                                    for _, g, _ in groups if g.table.height)
-        row = new_row(estimate, segment=run.earliest(group, "segment"), arm_stats=arm_stats, calls=window_calls,
+        kv_independent = not self._range[members].any() and all(
+            bool(g.side.columns["kv_independent"][g.rows].all()) for groups in sides for g in groups if g.height)
+        row = new_row(estimate, segment=first.earliest("segment"), arm_stats=arm_stats, calls=window_calls,
                       totals=window_ns, paired_delta_ns=paired_ns[1] - paired_ns[0],
                       compared_calls=self.comparison.pair_count(members), cells=int(members.size), same_work=per_call,
                       kv_independent=kv_independent, baseline_kv_dtypes=kv[0][0], candidate_kv_dtypes=kv[1][0],
                       baseline_names=kv[0][1], candidate_names=kv[1][1])
         if spec.level in ("family", "family_phase"):
-            row.family, row.family_label = vocabulary.families[spec.code], run.earliest(group, "family_label")
+            row.family, row.family_label = vocabulary.families[spec.code], first.earliest("family_label")
         if spec.level in ("phase", "family_phase"):
             row.phase = vocabulary.phases[spec.phase]
         row.rank = spec.rank
@@ -214,55 +278,56 @@ class RowBuilder:
         return row
 
     @staticmethod
-    def _kv_and_names(groups) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    def _kv_and_names(groups: list[Group]) -> tuple[tuple[str, ...], tuple[str, ...]]:
         kv, names = set(), set()
-        for run, group, _ in groups:
-            found = run.kv_dtypes_and_names(group)
+        for g in groups:
+            found = g.run.kv_dtypes_and_names_of(g.sigs().tolist())
             kv |= set(found[0])
             names |= set(found[1])
         return tuple(sorted(kv)), tuple(sorted(names))
 
-    def _reason(self, spec: RowSpec, sides, window_calls: list[int]) -> str:
+    def _reason(self, spec: RowSpec, sides: list[list[Group]], window_calls: list[int]) -> str:
         if not window_calls[0] or not window_calls[1]:
             return f"only in the {'candidate' if not window_calls[0] else 'baseline'}"
         if spec.level in ("family", "family_phase"):
             vocabulary = self.comparison.vocabulary
-            lists = [pairing.shape_list(next(g for _, g, _ in groups if g.table.height), vocabulary)
-                     for groups in sides]
+            lists = [pairing.shape_list(next(g.cells for g in groups if g.height), vocabulary) for groups in sides]
             return (f"the arms ran this family with different launch shapes or NVTX ranges ({lists[0]} vs "
                     f"{lists[1]})")
         return (f"no calls pair across arms ({window_calls[0]:,} vs {window_calls[1]:,} calls in different NVTX "
                 "ranges or launch shapes)")
 
-    def _relaunched(self, label: str, sides) -> None:
+    def _relaunched(self, label: str, sides: list[list[Group]]) -> None:
         """A family that ran in the same ranges in both arms, but with other launch shapes (grid, block), and whose
         calls paired by range: the same name compiled or launched differently (Triton recompiles a kernel with
         another grid and block between runs of the same work), so its range rows pair two kernels."""
-        ranges = [{nvtx for _, group, _ in groups for nvtx in group.table["nvtx"].to_list()} for groups in sides]
-        shapes = [sorted({shape for _, group, _ in groups for shape in group.table["shape"].to_list()})
-                  for groups in sides]
-        by_range = all(any(table["paired_level"].eq(RANGE).any() for _, _, table in groups) for groups in sides)
+        tables = [[g.cells.table for g in groups] for groups in sides]
+        ranges = [{nvtx for table in one for nvtx in table["nvtx"].to_list()} for one in tables]
+        shapes = [sorted({shape for table in one for shape in table["shape"].to_list()}) for one in tables]
+        by_range = all(any(table["paired_level"].eq(RANGE).any() for table in one) for one in tables)
         if ranges[0] == ranges[1] and shapes[0] != shapes[1] and by_range:
             vocabulary = self.comparison.vocabulary
             self.relaunched.append((label, *(", ".join(map(vocabulary.shape_label, s)) for s in shapes)))
 
-    def _note(self, spec: RowSpec, row: DiffRow, sides) -> str | None:
+    def _note(self, spec: RowSpec, row: DiffRow, sides: list[list[Group]]) -> str | None:
         vocabulary = self.comparison.vocabulary
-        strata = self.comparison.strata.filter(pl.col("stratum").is_in(pl.Series(spec.members).implode()))
+        members, strata = spec.members, self._strata
         runs = self.comparison.paired.runs
         notes = []
-        truncated = strata.filter((pl.col("level") == KERNEL) &
-                                  (pl.col("baseline_calls") != pl.col("candidate_calls"))).sort("run", "stratum")
-        for run, rank, shape, nvtx, pairs, nb, nc in truncated.select(
-                "run", "rank", "shape", "nvtx", "pairs", "baseline_calls", "candidate_calls").iter_rows():
+        # members ascend, so these are in run order, then stratum order
+        truncated = members[self._kernel[members] &
+                            (strata["baseline_calls"][members] != strata["candidate_calls"][members])]
+        for stratum in truncated.tolist():
+            run, rank, shape, nvtx, pairs, nb, nc = (int(strata[name][stratum]) for name in (
+                "run", "rank", "shape", "nvtx", "pairs", "baseline_calls", "candidate_calls"))
             where = (f"r{run + 1} " if runs > 1 else "") + (f"rank {rank} " if vocabulary.ranks > 1 else "")
             notes.append(f"{where}{vocabulary.label(shape, nvtx)}: last {pairs} of {nb} vs {nc} calls")
         if notes and spec.level == "family":
             self.realigned.append(row.family_label)
-        if strata.filter(pl.col("level") == RANGE).height:
+        if self._range[members].any():
             labels = [self._labels(groups) for groups in sides]
             notes.append(f"different kernels paired by NVTX range: {', '.join(labels[0])} vs {', '.join(labels[1])}")
-        found = sorted(set(strata["run"].to_list())) if runs > 1 else []
+        found = np.unique(strata["run"][members]).tolist() if runs > 1 else []
         if 0 < len(found) < runs:  # the others scheduled different work (vLLM steps): their calls found no partner
             which = " and ".join(f"r{run + 1}" for run in found)
             notes.append(f"calls paired in {which} only, of {runs} run pairs: " + (
@@ -271,39 +336,35 @@ class RowBuilder:
         single = row.single_call_cells
         if single > 1:
             notes.append(f"{single} single-call cells resampled together (one call has no spread of its own)")
-        sizes = np.diff(self.comparison.paired.offsets)[spec.members]
+        sizes = np.diff(self.comparison.paired.offsets)[members]
         few = int(np.count_nonzero((sizes > 1) & (sizes < FEW_CALLS)))
         if few:
             notes.append(f"{few} cell{'s' if few > 1 else ''} of 2 to {FEW_CALLS - 1} call pairs: the interval rests "
                          "on few calls and widens for it (Student's t)")
         return "; ".join(notes) or None
 
-    def _labels(self, groups) -> list[str]:
+    @staticmethod
+    def _labels(groups: list[Group]) -> list[str]:
         """Family labels (with the KV dtype) of the cells one arm paired by range."""
         labels = set()
-        for run, group, table in groups:
-            cells = table.filter(pl.col("paired_level") == RANGE)
-            if cells.height:
-                sigs = run.classes.filter(pl.col("sig").is_in(cells["sig"].implode()))
-                labels |= {label + (f" ({kv})" if kv else "") for label, kv in sigs.select("family_label", "kv_dtype")
-                           .iter_rows()}
+        for g in groups:
+            for sig in g.sigs()[g.side.columns["paired_level"][g.rows] == RANGE].tolist():
+                entry = g.run.class_of(sig)
+                labels.add(entry["family_label"] + (f" ({entry['kv_dtype']})" if entry["kv_dtype"] else ""))
         return sorted(labels)
 
     @staticmethod
-    def different_work(sides, row: DiffRow) -> str:
+    def different_work(sides: list[list[Group]], row: DiffRow) -> str:
         """What the unpaired calls are: the families with the most unpaired time, per arm."""
         parts = []
         for groups, word in zip(sides, ("baseline", "candidate")):
             unpaired = {}
-            for run, group, table in groups:
-                left = table.filter(pl.col("calls") > pl.col("paired_calls"))
-                labels: dict = {}  # one look-up per group, not one per unpaired signature (thousands in a sweep)
-                for sig, label in run.classes.filter(pl.col("sig").is_in(left["sig"].implode())).select(
-                        "sig", "family_label").iter_rows():
-                    labels.setdefault(sig, label)
-                for sig, calls, paired_calls, total, paired_ns in left.select(
-                        "sig", "calls", "paired_calls", "total_ns", "paired_ns").iter_rows():
-                    label = labels[sig]
+            for g in groups:
+                columns = g.side.columns
+                left = g.rows[columns["calls"][g.rows] > columns["paired_calls"][g.rows]]
+                for sig, calls, paired_calls, total, paired_ns in zip(*(columns[name][left].tolist() for name in (
+                        "sig", "calls", "paired_calls", "total_ns", "paired_ns"))):
+                    label = g.run.class_of(sig)["family_label"]
                     count, ns = unpaired.get(label, (0, 0))
                     unpaired[label] = (count + calls - paired_calls, ns + total - paired_ns)
             top = sorted(unpaired.items(), key=lambda item: (-item[1][1], item[0]))[:3]

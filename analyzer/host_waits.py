@@ -39,6 +39,7 @@ _VERSION = re.compile(r"_v\d+$")  # the API version nsys appends to a runtime ca
 WAIT_KEY = ("call", "copy_kind", "src_kind", "dst_kind")
 SCHEMA = {"global_tid": pl.Int64, "start": pl.Int64, "end": pl.Int64, "call": pl.Utf8, "copy_kind": pl.Utf8,
           "src_kind": pl.Utf8, "dst_kind": pl.Utf8, "bytes": pl.Int64, "before": pl.Utf8, "after": pl.Utf8}
+_WAIT_SCHEMA = {name: dtype for name, dtype in SCHEMA.items() if name not in ("before", "after")}  # waits()
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,23 @@ def host_waits(trace: Trace) -> pl.DataFrame | None:
     a copy's direction, memory kinds and bytes (None for a synchronization), and the short names of the kernels
     launched just before and just after it on its thread. None where the export recorded no copies and
     synchronizations."""
-    return trace.memo("host_waits", lambda: _read(trace))
+    return trace.memo("host_waits", lambda: _around(trace))
+
+
+def waits(trace: Trace) -> pl.DataFrame | None:
+    """host_waits without `before` and `after`, whose kernels are found among every launch call of the trace: what
+    counting and timing the waits needs."""
+    return trace.memo("waits", lambda: _read(trace))
+
+
+def _around(trace: Trace) -> pl.DataFrame | None:
+    found = waits(trace)
+    if found is None or found.is_empty():
+        return None if found is None else pl.DataFrame(schema=SCHEMA)
+    with load.tables_of(trace) as tables:
+        found = found.rename({"global_tid": "globalTid"}).with_columns(_process("globalTid"))
+        return _with_neighbours(tables, found).rename({"globalTid": "global_tid"}).select(list(SCHEMA)).sort(
+            "global_tid", "start")
 
 
 def _read(trace: Trace) -> pl.DataFrame | None:
@@ -85,7 +102,7 @@ def _read(trace: Trace) -> pl.DataFrame | None:
         syncs = syncs.with_columns(_process("globalPid")).unique(["process", "correlationId"])
         wanted = pl.concat([copies["correlationId"], syncs["correlationId"]]).drop_nulls().unique().to_list()
         if not wanted:
-            return pl.DataFrame(schema=SCHEMA)
+            return pl.DataFrame(schema=_WAIT_SCHEMA)
         calls = _checked(tables, et.RUNTIME_TABLE, tables.integer_rows(et.RUNTIME_TABLE, (
             "correlationId", "globalTid", "start", "end", "nameId"), where=("correlationId", wanted)))
         calls = calls.with_columns(_process("globalTid"))
@@ -105,8 +122,7 @@ def _read(trace: Trace) -> pl.DataFrame | None:
                                 *(pl.lit(None, pl.Utf8).alias(c) for c in ("copy_kind", "src_kind", "dst_kind")),
                                 pl.lit(None, pl.Int64).alias("bytes"))])
         waits = waits.with_columns(pl.col("call").str.replace(_VERSION.pattern, ""))
-        return _with_neighbours(tables, waits).rename({"globalTid": "global_tid"}).select(list(SCHEMA)).sort(
-            "global_tid", "start")
+        return waits.rename({"globalTid": "global_tid"}).select(list(_WAIT_SCHEMA)).sort("global_tid", "start")
 
 
 def _checked(tables: et.Tables, table: str, rows) -> pl.DataFrame:

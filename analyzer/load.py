@@ -19,6 +19,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass, field
+from operator import itemgetter
 from pathlib import Path
 
 import numpy as np
@@ -123,9 +124,10 @@ class Trace:
 def range_names(ranges: pl.DataFrame) -> tuple[tuple[str, ...], np.ndarray]:
     """The ranges' distinct names, sorted, and per range its name's code (one past the last for a range without
     a name, which cannot be matched: its calls count as outside every range)."""
-    names = tuple(sorted(set(ranges["name"].drop_nulls().to_list())))
-    index = {name: code for code, name in enumerate(names)}
-    return names, np.array([index.get(n, len(names)) for n in ranges["name"].to_list()], dtype=np.int64)
+    column = ranges["name"]
+    names = column.drop_nulls().unique().sort()  # by UTF-8 bytes: Python's order of str (by code point)
+    codes = names.search_sorted(column, side="left").to_numpy().astype(np.int64)
+    return tuple(names.to_list()), np.where(column.is_null().to_numpy(), names.len(), codes)
 
 
 def open_trace(path: str | os.PathLike, *, nsys: str | None = None, cache: bool = True,
@@ -267,9 +269,10 @@ def _reading(source: Path, export: Path):
 def read_ranges(tables: export_tables.Tables) -> tuple[pl.DataFrame, ranges_.RangeIndex]:
     """Closed NVTX ranges that ended on their own thread, nested per thread and indexed for launch lookups."""
     schema = {"range": pl.Int32, "name": pl.Utf8, "start": pl.Int64, "end": pl.Int64, "global_tid": pl.Int64}
-    frame = pl.DataFrame(tables.nvtx_rows(), schema=list(schema)[1:], orient="row") \
-        .with_columns(pl.int_range(pl.len(), dtype=pl.Int32).alias("range")).select(list(schema)) \
-        .cast(schema)
+    rows = tables.nvtx_rows()
+    frame = pl.DataFrame({name: pl.Series(name, list(map(itemgetter(place), rows)), dtype=schema[name])
+                          for place, name in enumerate(list(schema)[1:])}) \
+        .with_columns(pl.int_range(pl.len(), dtype=pl.Int32).alias("range")).select(list(schema))
     nesting, index = ranges_.sweep(*(frame[c].to_numpy() for c in ("global_tid", "start", "end")))
     return frame.with_columns(pl.Series("depth", nesting.depth), pl.Series("parent", nesting.parent)), index
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from kvtrace import __version__, kv_formats
 from kvtrace.analyzer import budget, claims as claims_lib, kv_pool, report as report_lib
+from kvtrace.analyzer import runs as runs_lib
 from kvtrace.analyzer.budget import CAPACITY, FASTER_KERNEL, Reason
 from kvtrace.analyzer.claims import NO_CLEAR_WINNER, NOT_EXPLAINED, PREFIX_HITS, KernelVerdict
 from kvtrace.analyzer.classify import RecipeSet
@@ -422,9 +423,17 @@ def build(paths: list[Path], recipes: RecipeSet, *, objective: str = "ttft", thr
           confidence: float = 0.95, seed: int = 0, nsys: str | None = None, cache: bool = True) -> Matrix:
     if objective not in OBJECTIVES:
         raise KvtraceError(f"--objective {objective}: choose {', '.join(OBJECTIVES)}")
+    grouped = group_runs(paths)
+    # A run directory copied is no second recording: pooled with its original it would decide points on nothing.
+    # Refused before any scenario is reported.
+    runs_lib.check_distinct_recordings(
+        [file for _, runs in grouped for item in runs_lib.resolve_inputs(runs, (), ())
+         for file in runs_lib.recording_files(item.run, item.manifest, item.manifest.runs_by_arm.get(item.arm,
+                                                                                                     [item.arm]))],
+        "give each recording once (remove the copy)")
     scenarios = []
     start = 1
-    for name, runs in group_runs(paths):
+    for name, runs in grouped:
         # exports_from=(): a scenario's exports are read inside its run directories, as `kvtrace report` does.
         result = report_lib.build(runs, recipes, threshold=threshold, confidence=confidence, seed=seed, nsys=nsys,
                                   cache=cache, exports_from=())

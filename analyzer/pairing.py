@@ -51,9 +51,9 @@ def segment_order(segment: str) -> int:
 @dataclass(frozen=True)
 class Vocabulary:
     """Codes shared by every run of a comparison: launch shapes, innermost range names (their pairing keys,
-    `key_of` maps a trace's own names to them), kernel families, segments and phases. Shape, name and family codes follow the sorted values, so sorting by code sorts
-    by value; the code after the last name (`outside`) and after the last phase stand for calls outside
-    every range."""
+    `key_of_raw` maps the traces' own names to them), kernel families, segments and phases. Shape, name and family
+    codes follow the sorted values, so sorting by code sorts by value; the code after the last name (`outside`) and
+    after the last phase stand for calls outside every range."""
 
     shapes: tuple[tuple[int, ...], ...]
     names: tuple[str, ...]
@@ -61,24 +61,26 @@ class Vocabulary:
     segments: tuple[str, ...]  # in SEGMENTS order
     phases: tuple[str, ...]
     phase_of_nvtx: np.ndarray  # per name code (and `outside`), its phase code
-    key_of: dict[str, str]  # range name -> its pairing key (names.NameKey)
+    raw: pl.Series  # every trace's range names, distinct and sorted
+    key_of_raw: np.ndarray  # per raw name, its pairing key's name code (names.NameKey)
     ranks: int = 1  # the most ranks (devices that ran kernels) of any trace
 
     @classmethod
     def of(cls, traces: list[Trace], classes: list[pl.DataFrame], key: NameKey = NameKey()) -> Vocabulary:
         shapes = sorted(set().union(*(set(c.select(DIMS).iter_rows()) for c in classes)))
-        raw = sorted(set().union(*(set(t.range_names) for t in traces)))
-        key_of = dict(zip(raw, key.of(raw)))
-        names = sorted(set(key_of.values()))
+        # Names as sorted polars columns, codes by binary search: a trace may hold a million distinct names. Polars
+        # sorts text by its UTF-8 bytes, which is Python's order (by code point).
+        raw = pl.concat([pl.Series("name", t.range_names, dtype=pl.Utf8) for t in traces]).unique().sort()
+        keys = pl.Series("name", key.of(raw.to_list()), dtype=pl.Utf8)
+        names = keys.unique().sort()
         families = sorted(set().union(*(set(c["family"]) for c in classes)))
         segments = sorted(set().union(*(set(c["segment"]) for c in classes)), key=segment_order)
         phase_names = _phase_names(names)
-        phases = tuple(sorted(set(phase_names)))
-        code_of_phase = {phase: code for code, phase in enumerate(phases)}  # not phases.index: 10^5 names
-        phase_of_nvtx = np.array([code_of_phase[p] for p in phase_names] + [len(phases)], dtype=np.uint32)
+        phases = phase_names.unique().sort()
+        phase_of_nvtx = np.append(_codes(phases, phase_names), phases.len()).astype(np.uint32)
         ranks = max((len(t.info.ranks) for t in traces), default=1)
-        return cls(tuple(shapes), tuple(names), tuple(families), tuple(segments), phases, phase_of_nvtx, key_of,
-                   max(ranks, 1))
+        return cls(tuple(shapes), tuple(names.to_list()), tuple(families), tuple(segments), tuple(phases.to_list()),
+                   phase_of_nvtx, raw, _codes(names, keys), max(ranks, 1))
 
     @property
     def outside(self) -> int:
@@ -89,13 +91,18 @@ class Vocabulary:
     def outside_phase(self) -> int:
         return len(self.phases)
 
+    @cached_property
     def anchor_of_nvtx(self) -> np.ndarray:
         """Per name code (and `outside`), the segment code whose calls delimit units of its work (`_units`);
         a code no segment has for other ranges."""
         none = len(self.segments)
-        anchors = [PHASE_SEGMENTS.get((parse_phase_name(name) or ("", 0))[0]) for name in self.names]
-        return np.array([self.segments.index(a) if a in self.segments else none for a in anchors] + [none],
-                        dtype=np.uint32)
+        anchors = np.full(len(self.names) + 1, none, dtype=np.uint32)
+        # Only workload phase names (kvtrace:KIND ctx=N) have an anchor.
+        for code in np.flatnonzero(pl.Series(self.names, dtype=pl.Utf8).str.starts_with("kvtrace:")).tolist():
+            anchor = PHASE_SEGMENTS.get((parse_phase_name(self.names[code]) or ("", 0))[0])
+            if anchor in self.segments:
+                anchors[code] = self.segments.index(anchor)
+        return anchors
 
     def name(self, code: int) -> str | None:
         return self.names[code] if code < len(self.names) else None
@@ -117,11 +124,10 @@ class Vocabulary:
         shape = np.array([index[s] for s in by_sig.select(DIMS).iter_rows()], dtype=np.uint32)
         rank_of_device = {rank.device_id: code for code, rank in enumerate(trace.info.ranks)}
         rank = np.array([rank_of_device.get(d, 0) for d in by_sig["device_id"].to_list()], dtype=np.uint32)
-        name_index = {name: code for code, name in enumerate(self.names)}
         # The trace's cells number their range names among its own; a range without a name (nvtxRangePushEx
         # with only a colour) cannot be matched, and its calls count as outside, like calls outside every range.
-        nvtx_of_name = np.array([name_index[self.key_of[n]] for n in trace.range_names] + [self.outside],
-                                dtype=np.uint32)
+        own = self.key_of_raw[_codes(self.raw, pl.Series(trace.range_names, dtype=pl.Utf8))]
+        nvtx_of_name = np.append(own, self.outside).astype(np.uint32)
         of_trace = trace.calls.cells
         cell_sig, cell_nvtx = of_trace["sig"].to_numpy(), nvtx_of_name[of_trace["name"].to_numpy()]
         # Trimming (--skip-warmup, --last) counts the calls of each rank's kernel cells, as they pair.
@@ -136,7 +142,7 @@ class Vocabulary:
             launched = trace.ranges.filter(pl.col("calls") > 0)["range"]
         else:
             launched = pl.Series("range", np.unique(trace.calls.range[keep]), dtype=pl.Int32)
-        units = _units(trace.calls, keep, cell_nvtx, segment[cell_sig], self.anchor_of_nvtx(),
+        units = _units(trace.calls, keep, cell_nvtx, segment[cell_sig], self.anchor_of_nvtx,
                        nvtx_of_name[trace.range_name_codes], self.outside)
         sig, nvtx = cells.table["sig"].to_numpy(), cells.table["nvtx"].to_numpy()
         cells = replace(cells, table=cells.table.with_columns(
@@ -204,13 +210,18 @@ def _units(calls: Calls, keep: np.ndarray | None, nvtx_of_cell: np.ndarray, segm
                          "total_ns": pl.Series(total_ns[present], dtype=pl.Int64)})
 
 
-def _phase_names(names: list[str]) -> list[str]:
+def _phase_names(names: pl.Series) -> pl.Series:
     """Per range name, its phase: the name itself, or for vLLM's per-step ranges their step kind."""
-    named = pl.DataFrame({"nvtx": pl.Series(names, dtype=pl.Utf8)})
     step = pl.col("nvtx").str.extract_groups(align.VLLM_STEP.pattern)
     context, generation = step.struct.field("1").cast(pl.Int64), step.struct.field("3").cast(pl.Int64)
     kind = pl.format("vLLM {} steps", align.step_kind(context, generation))
-    return named.select(pl.when(context.is_null()).then(pl.col("nvtx")).otherwise(kind))["nvtx"].to_list()
+    return pl.DataFrame({"nvtx": names}).select(pl.when(context.is_null()).then(pl.col("nvtx")).otherwise(kind))[
+        "nvtx"]
+
+
+def _codes(sorted_values: pl.Series, values: pl.Series) -> np.ndarray:
+    """Per value, its place in `sorted_values` (distinct and sorted), which holds every one of them."""
+    return sorted_values.search_sorted(values, side="left").to_numpy().astype(np.int64)
 
 
 @dataclass(frozen=True)
@@ -310,6 +321,10 @@ class Run:
             found.setdefault(entry["sig"], entry)
         return found
 
+    def class_of(self, sig: int) -> dict[str, str | None]:
+        """A signature's classification columns (segment, family_label, kv_dtype, demangled)."""
+        return self._class_of[sig]
+
     def earliest(self, group: Cells, column: str) -> str:
         """A classification column (segment, family_label) of the group's earliest call."""
         sig = group.table["sig"][group.table["first"].arg_min()]
@@ -317,9 +332,11 @@ class Run:
 
     def kv_dtypes_and_names(self, group: Cells) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """The KV dtypes and demangled names of a group of cells."""
-        if group.table.height == 0:
-            return (), ()
-        found = [self._class_of[sig] for sig in set(group.table["sig"].to_list()) if sig in self._class_of]
+        return self.kv_dtypes_and_names_of(group.table["sig"].to_list())
+
+    def kv_dtypes_and_names_of(self, sigs: list[int]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The KV dtypes and demangled names of some signatures."""
+        found = [self._class_of[sig] for sig in set(sigs) if sig in self._class_of]
         return (tuple(sorted({entry["kv_dtype"] for entry in found} - {None})),
                 tuple(sorted({entry["demangled"] for entry in found})))
 

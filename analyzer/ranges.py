@@ -87,7 +87,12 @@ def sweep(global_tid: np.ndarray, start: np.ndarray, end: np.ndarray) -> tuple[N
             close_until(start[i])
         # The parent is the nearest open range that contains this one: a start/end range can overlap
         # the one below it on the stack without nesting in it.
-        holder = next((j for j in reversed(stack) if end[j] >= end[i]), NO_RANGE)
+        if not stack:
+            holder = NO_RANGE
+        elif end[stack[-1]] >= end[i]:  # the usual case, nested in the top one
+            holder = stack[-1]
+        else:
+            holder = next((j for j in reversed(stack) if end[j] >= end[i]), NO_RANGE)
         depth[i] = depth[holder] + 1 if holder != NO_RANGE else 0
         parent[i] = holder
         changes.append(start[i])

@@ -10,7 +10,6 @@ import click
 
 from kvtrace import files, model_config
 from kvtrace.analyzer import capacity as capacity_lib
-from kvtrace.analyzer import runs as runs_lib
 from kvtrace.analyzer.cli import (FiniteRange, Whole, as_run, emit, inputs, interval_options, output_options, progress,
                                   run_files, target_options, use_cache, verify_option, window_options, write_parts)
 from kvtrace.errors import KvtraceError
@@ -206,16 +205,12 @@ def matrix(runs, objective, threshold, confidence, seed, plots_dir, plot_format,
     with progress(f"reporting on every scenario of {' '.join(map(str, runs))}"):
         result = matrix_lib.build(list(runs), load_recipes(recipe_files), objective=objective, threshold=threshold,
                                   confidence=confidence, seed=seed, nsys=nsys_path, cache=use_cache())
-    recordings = []
     for scenario in result.scenarios:
         arms = (scenario.report.baseline, scenario.report.candidate)
-        recordings += [file for arm in arms for file in _recording_files(arm)]
         inputs().extend(Path(export) for arm in arms for export in arm.runs)
         inputs().extend(file for arm in arms for file in run_files(arm.run))
         inputs().extend(Path(arm.log) for arm in arms if arm.log)
         inputs().extend(scenario.report.quality.read if scenario.report.quality else ())
-    # A run directory copied is no second recording: pooled with its original it would decide points on nothing.
-    runs_lib.check_distinct_recordings(recordings, "give each recording once (remove the copy)")
     if plots_dir is not None:
         from kvtrace.analyzer.render import budget_plot, plots  # matplotlib only on this path
 
@@ -230,9 +225,3 @@ def matrix(runs, objective, threshold, confidence, seed, plots_dir, plot_format,
         if len(head) + len(rest) > matrix_render.ISSUE_CHARS:  # the rest beside it, so that the file fits an issue
             result.rest_file = write_parts(output.with_name(f"{output.stem}.details.md"), rest)[0].name
     emit(result, fmt, output)
-
-
-def _recording_files(arm) -> list[Path]:
-    """The export and bench results of each run of a report's arm."""
-    manifest = read_manifest(Path(arm.run))
-    return runs_lib.recording_files(Path(arm.run), manifest, manifest.runs_by_arm.get(arm.arm, [arm.arm]))

@@ -128,14 +128,16 @@ def _step_table(trace: Trace) -> pl.DataFrame:
     return table.cast({c: empty.schema[c] for c in empty.columns}).sort("start").select(empty.columns)
 
 
-def step_waits(trace: Trace) -> pl.DataFrame | None:
+def step_waits(trace: Trace, *, around: bool = False) -> pl.DataFrame | None:
     """The host waits (analyzer.host_waits) inside the trace's vLLM step ranges on each range's own thread, with
-    their step_range and ns (the host's time in the call); None where the export recorded none."""
-    return trace.memo("step_waits", lambda: _step_waits(trace))
+    their step_range and ns (the host's time in the call); None where the export recorded none. `around`: with the
+    kernels launched before and after each (host_waits.host_waits, which reads every launch call of the trace), for
+    what held the host; counts and times per step need only host_waits.waits."""
+    return trace.memo(f"step_waits around={around}", lambda: _step_waits(trace, around))
 
 
-def _step_waits(trace: Trace) -> pl.DataFrame | None:
-    waits = host_waits.host_waits(trace)
+def _step_waits(trace: Trace, around: bool) -> pl.DataFrame | None:
+    waits = host_waits.host_waits(trace) if around else host_waits.waits(trace)
     if waits is None:
         return None
     steps = (trace.ranges.filter(pl.col("range").is_in(align.steps(trace)["step_range"].unique().to_list()))
@@ -179,8 +181,8 @@ def compare(baseline: list[Run], candidate: list[Run], *, threshold: float = 0.0
             found = joined.filter(pl.col("phase") == phase).sort("step", "occurrence")
             if found.height:
                 pairs[phase].append(found)
-                waits[phase].append((_in_steps(step_waits(base.trace), found["step_range"]),
-                                     _in_steps(step_waits(cand.trace), found["step_range_c"])))
+                waits[phase].append((_in_steps(step_waits(base.trace, around=True), found["step_range"]),
+                                     _in_steps(step_waits(cand.trace, around=True), found["step_range_c"])))
     return [_phase(phase, parts, waits[phase], threshold, confidence, seed) for phase, parts in pairs.items()
             if parts]
 
