@@ -226,22 +226,25 @@ class _Matrix:
                     run = scenario.runs.get((server.spec.label, round_))
                     if run is None:
                         continue
-                    cfg = self.cfg.scenario_cfg(scenario.spec, server.cfg)
                     indices = scenario.spec.point_indices(server.spec)
-                    points = scenario.spec.points()
                     if round_ == 1:
-                        warm = bench_command(cfg, self.python, warmup_point(points[indices[0]]),
+                        cfg = self.cfg.scenario_cfg(scenario.spec, server.cfg)
+                        warm = bench_command(cfg, self.python, warmup_point(scenario.spec.points()[indices[0]]),
                                              seed=self.cfg.seed + 1, result=None, relay_port=server.relay.port)
                         clients[(1, scenario.spec.name, server.spec.label, "warm-up")] = self._client(
                             warm, scenario.out / f"{run.name}.warmup.bench.log")
                     for index in indices:
-                        stem = f"{run.name}{point_tag(scenario.spec.workload, index, every=True)}"
-                        command = bench_command(cfg, self.python, points[index], seed=self.cfg.seed,
-                                                result=scenario.out / f"{stem}.bench.json",
-                                                relay_port=server.relay.port)
-                        clients[(round_, scenario.spec.name, server.spec.label, index)] = self._client(
-                            command, scenario.out / f"{stem}.bench.log")
+                        clients[(round_, scenario.spec.name, server.spec.label, index)] = self._point_client(
+                            scenario, server, run, index)
         return clients
+
+    def _point_client(self, scenario: _Scenario, server, run: MatrixRun, index: int) -> vllm_servers.GatedClient:
+        """The bench client of one point of a run, writing its result and log beside the run's other files."""
+        cfg = self.cfg.scenario_cfg(scenario.spec, server.cfg)
+        stem = f"{run.name}{point_tag(scenario.spec.workload, index, every=True)}"
+        command = bench_command(cfg, self.python, scenario.spec.points()[index], seed=self.cfg.seed,
+                                result=scenario.out / f"{stem}.bench.json", relay_port=server.relay.port)
+        return self._client(command, scenario.out / f"{stem}.bench.log")
 
     def _await_clients(self, clients: dict, servers) -> None:
         """Until every client of a server that came up is past its imports; the others' clients are cancelled."""
@@ -419,12 +422,7 @@ class _Matrix:
 
     def _prestart_check(self, server) -> dict:
         started = time.monotonic()
-        cfg = self.cfg.scenario_cfg(self.check.spec, server.cfg)
-        point = self.check.spec.points()[0]
-        stem = f"{server.spec.label}.r1{point_tag(self.check.spec.workload, 0, every=True)}"
-        command = bench_command(cfg, self.python, point, seed=self.cfg.seed, result=self.check.out / f"{stem}.bench.json",
-                                relay_port=server.relay.port)
-        client = self._client(command, self.check.out / f"{stem}.bench.log")
+        client = self._point_client(self.check, server, self.check.runs[(server.spec.label, 1)], 0)
         _await_ready([client])
         self._phase("client prestart", started, CHECK_PRESTART_S, round="co-residence")
         return {(1, self.check.spec.name, server.spec.label, 0): client}
