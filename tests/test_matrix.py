@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from conftest import (FIXTURES, NSYS2025_DIR, SERVE_RUNS, VLLM033_RUNS, VLLM_COLD_PREFILL, VLLM_DECODE_HEAVY,
+from conftest import (NSYS2025_DIR, SERVE_RUNS, VLLM033_RUNS, VLLM_COLD_PREFILL, VLLM_DECODE_HEAVY,
                       deciding_on_any_run_pairs)
 from kvtrace.analyzer import budget, budget_trace, claims as claims_lib, drift_band, matrix, report
 from kvtrace.analyzer.classify import load_recipes
