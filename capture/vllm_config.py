@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -275,6 +276,11 @@ def child_env(cfg: VllmCapture) -> dict[str, str]:
         "PYTHONHASHSEED": "0",  # the bench client's timed_trace prompts hash strings
         "PYTHONSAFEPATH": "1",  # `python -m` must not import a source checkout from the working directory
     }
+    if "VLLM_USE_FLASHINFER_SAMPLER" not in os.environ:
+        # kvtrace's requests set neither top-k nor top-p, so FlashInfer's sampler never runs, yet vLLM builds it at
+        # start: 140 s of nvcc on the critical path where no prebuilt FlashInfer kernels are installed (the H100
+        # matrix of 2026-12-06, servers/*/server.log). A user's own setting is kept.
+        env["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
     if cfg.is_local_model():
         env["HF_HUB_OFFLINE"] = "1"
     if cfg.mode == "serve" and PREFIX_CACHING[cfg.workload.scenario]:

@@ -31,6 +31,10 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     for _threads in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(_threads, "1")
 
+# The capture's dry runs print the environment it gives vLLM, which keeps a user's own sampler setting
+# (vllm_config.child_env): the golden plans are of a user who set none.
+os.environ.pop("VLLM_USE_FLASHINFER_SAMPLER", None)
+
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "fixtures"
 # Its two .nsys-rep reports, kept unpacked beside the pack of the rest (make bench-export's default REPORTS).

@@ -116,6 +116,13 @@ def test_scenarios_set_what_they_measure():
     assert "VLLM_SERVER_DEV_MODE" not in env
 
 
+def test_the_unused_flashinfer_sampler_is_not_built_unless_the_user_asks(monkeypatch):
+    monkeypatch.delenv("VLLM_USE_FLASHINFER_SAMPLER", raising=False)
+    assert vllm_config.child_env(config("sweep"))["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
+    monkeypatch.setenv("VLLM_USE_FLASHINFER_SAMPLER", "1")
+    assert "VLLM_USE_FLASHINFER_SAMPLER" not in vllm_config.child_env(config("sweep"))
+
+
 def test_sweep_steps_up_and_runs_the_narrowest_format_first():
     """The first run's grid stops at its own capacity: the largest pool (narrowest format) must set it."""
     cfg = config("sweep", arms=("fp8", "nvfp4"), contexts=(4096, 1024), concurrencies=(32, 8))
