@@ -157,11 +157,12 @@ class MatrixConfig:
 # ---- the plan and its estimate ----------------------------------------------------------------------------
 
 # Seconds, from the H100 recording of fixtures/vllm033-h100-matrix (matrix.json's timeline, docs/performance.md): a
-# fresh machine's first start compiles (430 s for three servers together, 170 s of it FlashInfer's JIT builds); a
-# point's traffic at the bench client's measured durations; a window's export (0.2 s each, 8 at a time: 1.2 s for 52
-# windows); a lone client's imports (28 s, the co-residence check's). Every round's clients now import while the
-# servers compile: PRESTART_S is what they might outlast it by, an estimate until a recording measures it.
-START_S, WARMUP_S, PRESTART_S, CHECK_PRESTART_S, POINT_OVERHEAD_S, EXPORT_S = 430.0, 3.5, 5.0, 28.0, 2.0, 0.2
+# fresh machine's first start compiles (430 s for three servers together, 170 s of it FlashInfer's attention builds
+# and 139 s its sampler's, which the capture no longer builds: vllm_config.child_env); a point's traffic at the bench
+# client's measured durations; a window's export (0.2 s each, 8 at a time: 1.2 s for 52 windows); a lone client's
+# imports (28 s, the co-residence check's). Every round's clients now import while the servers compile: PRESTART_S is
+# what they might outlast it by. START_S and PRESTART_S are estimates until a recording measures them.
+START_S, WARMUP_S, PRESTART_S, CHECK_PRESTART_S, POINT_OVERHEAD_S, EXPORT_S = 291.0, 3.5, 5.0, 28.0, 2.0, 0.2
 LATER_START_S = 180.0  # a server started after the first (130 to 250 s on the H200)
 PREFILL_TOKENS_PER_S, DECODE_STEP_S = 20000.0, 0.012
 
