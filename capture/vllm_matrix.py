@@ -250,7 +250,8 @@ def dry_run(cfg: MatrixConfig, root: Path, *, nsys: str | None = None, python: s
             trace = out / f"{run}.p{step['point']}.sqlite"
             lines.append(f"# POST /stop_profile; the window's report -> {shlex.quote(str(trace))}")
         elif step["phase"] == "client prestart":
-            lines.append(f"# while {step['arms']} compile: start every client of every round as `{shlex.quote(python)} "
+            lines.append(f"# while {step['arms']} compile: start every client of every round, in the order of their "
+                         f"turns and at most one per two cores importing at a time, as `{shlex.quote(python)} "
                          "-m kvtrace.capture.vllm_gated_client -- vllm.entrypoints.cli.main bench serve ...`; once "
                          "the servers are up, wait until each client has imported vLLM; each is released on its turn "
                          f"({_seconds(step['seconds'])})")

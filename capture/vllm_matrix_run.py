@@ -12,6 +12,7 @@ import math
 import os
 import shutil
 import sys
+import threading
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
@@ -37,16 +38,59 @@ from kvtrace.manifest import RunStatus, WindowStatus, capacity_reason
 READY_LINE = "kvtrace: client ready"
 PRESTART_LIMIT_S = 300.0
 CLIENT_READY_POLL_S = 0.2  # between looks at a prestarted client's log for READY_LINE
+# Clients importing at once while the servers start: each import is about 20 s of CPU, and the stock matrix's 56
+# clients started together would hold every core through the servers' own imports and FlashInfer builds, which are
+# the start's critical path. Half the cores leave the servers theirs.
+PRESTART_AT_ONCE = max(1, (os.cpu_count() or 2) // 2)
+
+
+def _past_imports(client) -> bool:
+    """It logged READY_LINE, or it exited (its exit code then says why when its turn comes)."""
+    return not client.process.running() or READY_LINE in client.process.log_path.read_text(errors="replace")
 
 
 def _await_ready(clients) -> None:
-    """Until each prestarted client has logged READY_LINE (past its imports) or exited, PRESTART_LIMIT_S at most in
-    all."""
+    """Until each prestarted client is past its imports, PRESTART_LIMIT_S at most in all."""
     deadline = time.monotonic() + PRESTART_LIMIT_S
     for client in clients:
-        while time.monotonic() < deadline and client.process.running() and \
-                READY_LINE not in client.process.log_path.read_text(errors="replace"):
+        while time.monotonic() < deadline and not _past_imports(client):
             time.sleep(CLIENT_READY_POLL_S)
+
+
+class _Prestart:
+    """Starts clients in their order in a thread, at most `at_once` of them importing at a time (after
+    PRESTART_LIMIT_S, the rest together). `join` waits for every start; `halt` starts no more."""
+
+    def __init__(self, clients: list, at_once: int = PRESTART_AT_ONCE, past_imports=_past_imports):
+        self.clients, self.at_once, self.past_imports = clients, at_once, past_imports
+        self.halted, self.error = threading.Event(), None
+        self.thread = threading.Thread(target=self._start_in_turn, name="kvtrace-client-prestart", daemon=True)
+        self.thread.start()
+
+    def _start_in_turn(self) -> None:
+        deadline = time.monotonic() + PRESTART_LIMIT_S
+        importing: list = []
+        try:
+            for client in self.clients:
+                while len(importing) >= self.at_once and time.monotonic() < deadline:
+                    importing = [c for c in importing if not self.past_imports(c)]
+                    if len(importing) >= self.at_once and self.halted.wait(CLIENT_READY_POLL_S):
+                        return
+                if self.halted.is_set():
+                    return
+                client.start()
+                importing.append(client)
+        except OSError as failure:  # raised where the clients are awaited, as when they were started there
+            self.error = failure
+
+    def join(self) -> None:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+
+    def halt(self) -> None:
+        self.halted.set()
+        self.thread.join()
 
 
 @dataclass
@@ -216,9 +260,10 @@ class _Matrix:
 
     # -- traffic --
     def _spawn_clients(self, servers) -> dict:
-        """Every client of every round on these servers, started while the servers compile: their imports (about
-        20 s of CPU each) then cost no wall time of their own, and none runs beside a measured point. Keyed by
-        (round, scenario, arm label, point index or "warm-up")."""
+        """Every client of every round on these servers, not yet started: a _Prestart starts them while the servers
+        compile, so that their imports (about 20 s of CPU each) cost no wall time of their own and none runs beside
+        a measured point. Keyed by (round, scenario, arm label, point index or "warm-up"), in the order of their
+        turns."""
         clients = {}
         for round_ in range(1, self.cfg.repeats + 1):
             for scenario in self.scenarios:
@@ -246,16 +291,20 @@ class _Matrix:
                                 result=scenario.out / f"{stem}.bench.json", relay_port=server.relay.port)
         return self._client(command, scenario.out / f"{stem}.bench.log")
 
-    def _await_clients(self, clients: dict, servers) -> None:
+    def _await_clients(self, clients: dict, servers, prestart: _Prestart) -> None:
         """Until every client of a server that came up is past its imports; the others' clients are cancelled."""
         started = time.monotonic()
         labels = {s.spec.label for s in servers if s.up()}
+        if labels:
+            prestart.join()
+        else:  # no client of these servers will run
+            prestart.halt()
         _cancel(clients, lambda key: key[2] not in labels)
         _await_ready(clients.values())
         self._phase("client prestart", started, PRESTART_S, rounds=self.cfg.repeats, clients=len(clients))
 
     def _client(self, command, log: Path) -> vllm_servers.GatedClient:
-        return vllm_servers.GatedClient(command, self.env, log, self.python).start()
+        return vllm_servers.GatedClient(command, self.env, log, self.python)
 
     def _round(self, round_: int, servers, clients: dict) -> None:
         try:
@@ -367,16 +416,26 @@ class _Matrix:
     def _record(self) -> None:
         groups = [self.servers] if self.co_resident else [[s] for s in self.servers]
         clients: dict = {}
+        prestarts: list[_Prestart] = []
 
         def spawn(group):
-            return lambda: clients.update(self._spawn_clients(group))
+            def prestart():
+                made = self._spawn_clients(group)
+                clients.update(made)
+                prestarts.append(_Prestart(list(made.values())))
+            return prestart
+
+        def halt_and_cancel():  # no client may start after its cancel
+            for prestart in prestarts:
+                prestart.halt()
+            _cancel(clients, lambda key: True)
 
         try:
             failed = self._start(groups[0], spawn(groups[0]))
             if failed and self.co_resident and len(self.servers) > 1:
                 self.fallback = (f"{', '.join(s.spec.label for s in failed)} did not start beside the others "
                                  f"({failed[0].error}); the arms ran one after another")
-                _cancel(clients, lambda key: True)
+                halt_and_cancel()
                 self._stop(self.servers)
                 shutil.rmtree(self.root / "servers", ignore_errors=True)
                 self.co_resident = False
@@ -386,13 +445,13 @@ class _Matrix:
             for position, group in enumerate(groups):
                 if position:
                     self._start(group, spawn(group))
-                self._await_clients(clients, group)
+                self._await_clients(clients, group, prestarts[-1])
                 for round_ in range(1, self.cfg.repeats + 1):
                     self._round(round_, group, clients)
                 if not self.co_resident:
                     self._stop(group)
         finally:
-            _cancel(clients, lambda key: True)
+            halt_and_cancel()
         if self.co_resident and self.cfg.co_residence_check and len(self.servers) > 1 and self.servers[0].up():
             self._co_residence_check()
 
@@ -422,7 +481,7 @@ class _Matrix:
 
     def _prestart_check(self, server) -> dict:
         started = time.monotonic()
-        client = self._point_client(self.check, server, self.check.runs[(server.spec.label, 1)], 0)
+        client = self._point_client(self.check, server, self.check.runs[(server.spec.label, 1)], 0).start()
         _await_ready([client])
         self._phase("client prestart", started, CHECK_PRESTART_S, round="co-residence")
         return {(1, self.check.spec.name, server.spec.label, 0): client}

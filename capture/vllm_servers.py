@@ -285,6 +285,8 @@ class GatedClient:
             self.process.stop(grace_s=10.0)
 
     def cancel(self) -> None:
-        with contextlib.suppress(BrokenPipeError, OSError):
-            self.process.process.stdin.close()
+        """Ends it, started or not."""
+        if self.process.process is not None:
+            with contextlib.suppress(BrokenPipeError, OSError):
+                self.process.process.stdin.close()
         self.process.stop(grace_s=5.0)

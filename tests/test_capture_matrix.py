@@ -382,6 +382,67 @@ def test_a_gated_client_imports_first_and_runs_only_when_released(tmp_path):
         assert not runs or ran.read_text() == "bench serve"  # the command's own arguments
 
 
+def test_clients_start_in_their_turn_with_at_most_so_many_importing_at_once(tmp_path):
+    """While the servers start, the clients start in the order of their turns, no more than `at_once` of them
+    importing at a time; a halt starts no more, and a client never started is cancelled without error."""
+    import sys
+    import threading
+
+    from kvtrace.capture import vllm_servers
+
+    class Client:
+        def __init__(self, number):
+            self.number, self.started, self.imported = number, False, threading.Event()
+
+        def start(self):
+            importing[0] += 1
+            peak[0] = max(peak[0], importing[0])
+            self.started = True
+            order.append(self.number)
+            return self
+
+    def past_imports(client):
+        return client.imported.is_set()
+
+    def release(client):
+        importing[0] -= 1
+        client.imported.set()
+
+    def started(count):
+        for _ in range(600):
+            if len(order) >= count:
+                return
+            threading.Event().wait(0.05)
+
+    order, importing, peak = [], [0], [0]
+    clients = [Client(n) for n in range(7)]
+    prestart = vllm_matrix_run._Prestart(clients, at_once=3, past_imports=past_imports)
+    started(3)
+    threading.Event().wait(0.5)  # had it not waited for imports, all seven would have started by now
+    assert order == [0, 1, 2]
+    release(clients[1])
+    started(4)
+    assert order == [0, 1, 2, 3]
+    while len(order) < 7:  # each started client imports; the next start then
+        for client in clients:
+            if client.started and not client.imported.is_set():
+                release(client)
+        started(len(order) + 1)
+    prestart.join()
+    assert order == list(range(7)) and peak[0] == 3
+
+    order.clear()
+    waiting = [Client(n) for n in range(3)]
+    halted = vllm_matrix_run._Prestart(waiting, at_once=1, past_imports=past_imports)
+    started(1)
+    halted.halt()
+    assert order == [0] and not halted.thread.is_alive()
+    never_started = vllm_servers.GatedClient([sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve"],
+                                             {}, tmp_path / "client.log", sys.executable)
+    never_started.cancel()
+    assert never_started.process.process is None
+
+
 def test_a_patched_arms_label_names_its_kv_dtype_and_patch():
     """Run names carry KVDTYPE-PATCH (nvfp4-validate-once.r1.*); the floor reads the KV format from them, and a dtype
     whose name has an underscore is not split."""
