@@ -278,7 +278,7 @@ def child_env(cfg: VllmCapture) -> dict[str, str]:
     }
     if "VLLM_USE_FLASHINFER_SAMPLER" not in os.environ:
         # kvtrace's requests set neither top-k nor top-p, so FlashInfer's sampler never runs, yet vLLM builds it at
-        # start: 140 s of nvcc on the critical path where no prebuilt FlashInfer kernels are installed (the H100
+        # start: 139 s of nvcc on the critical path where no prebuilt FlashInfer kernels are installed (the H100
         # matrix of 2026-12-06, servers/*/server.log). A user's own setting is kept.
         env["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
     if cfg.is_local_model():

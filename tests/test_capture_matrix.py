@@ -387,6 +387,7 @@ def test_clients_start_in_their_turn_with_at_most_so_many_importing_at_once(tmp_
     importing at a time; a halt starts no more, and a client never started is cancelled without error."""
     import sys
     import threading
+    import time
 
     from kvtrace.capture import vllm_servers
 
@@ -412,13 +413,13 @@ def test_clients_start_in_their_turn_with_at_most_so_many_importing_at_once(tmp_
         for _ in range(600):
             if len(order) >= count:
                 return
-            threading.Event().wait(0.05)
+            time.sleep(0.05)
 
     order, importing, peak = [], [0], [0]
     clients = [Client(n) for n in range(7)]
     prestart = vllm_matrix_run._Prestart(clients, at_once=3, past_imports=past_imports)
     started(3)
-    threading.Event().wait(0.5)  # had it not waited for imports, all seven would have started by now
+    time.sleep(0.5)  # had it not waited for imports, all seven would have started by now
     assert order == [0, 1, 2]
     release(clients[1])
     started(4)
