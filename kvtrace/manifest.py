@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from enum import Enum
 from pathlib import Path
 
 from kvtrace.errors import KvtraceError
 from kvtrace.files import read_json
 from kvtrace.kv_formats import bytes_per_value
-from kvtrace.text import plural
+from kvtrace.text import TextEnum, plural
 
 MANIFEST = "manifest.json"
 SCHEMA = 1
@@ -72,16 +71,7 @@ def run_order(arms: tuple[str, ...] | list[str], repeats: int) -> list[Run]:
 
 # ---- how runs and captures end ------------------------------------------------------------------------
 
-class _Status(str, Enum):
-    """A status as the manifest records it: str-valued, so that JSON, sentences, sets and comparisons with the
-    recorded text all carry the value itself ("ok", never "RunStatus.OK", whatever the Python version)."""
-
-    __str__ = str.__str__
-    __format__ = str.__format__
-    __hash__ = str.__hash__
-
-
-class RunStatus(_Status):
+class RunStatus(TextEnum):
     """How one run ended (its entry's `status`)."""
 
     OK = "ok"
@@ -89,7 +79,7 @@ class RunStatus(_Status):
     NOT_RUN = "not run"  # the capture stopped before it
 
 
-class CaptureStatus(_Status):
+class CaptureStatus(TextEnum):
     """How a whole capture ended (vLLM's manifest `status`; a per-run manifest's is its run's, ok or failed)."""
 
     OK = "ok"  # every run ok
@@ -98,7 +88,7 @@ class CaptureStatus(_Status):
     INTERRUPTED = "interrupted"  # Ctrl-C or SIGTERM stopped it, whatever the runs before gave
 
 
-class WindowStatus(_Status):
+class WindowStatus(TextEnum):
     """How one profile window of a matrix run ended (its `status` under `windows`)."""
 
     OPEN = "open"  # profiling
@@ -230,7 +220,7 @@ def _int(value) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def _status(kind: type[_Status], value) -> _Status | None:
+def _status(kind: type[TextEnum], value) -> TextEnum | None:
     """A recorded status as its enum (Manifest.of has checked that it is one of kind's values), None where absent."""
     return None if value is None else kind(value)
 
@@ -484,7 +474,7 @@ def _is(value, shape) -> bool:
         return isinstance(value, type(shape))
     if isinstance(shape, _Number):
         return shape.holds(value)
-    if isinstance(shape, type) and issubclass(shape, _Status):
+    if isinstance(shape, type) and issubclass(shape, TextEnum):
         return isinstance(value, str) and value in set(shape)
     return isinstance(value, shape) and (shape is bool or not isinstance(value, bool))
 
@@ -492,7 +482,7 @@ def _is(value, shape) -> bool:
 def _wanted(shape) -> str:
     if isinstance(shape, _Number):
         return shape.wanted
-    if isinstance(shape, type) and issubclass(shape, _Status):
+    if isinstance(shape, type) and issubclass(shape, TextEnum):
         return "one of " + ", ".join(f'"{status}"' for status in shape)
     kind = type(shape) if isinstance(shape, (dict, list)) else shape
     return {bool: "true or false", str: "a string", dict: "an object", list: "a list"}.get(kind, "a number")

@@ -4,6 +4,7 @@ lines. Standard library only: capture's errors go through it too."""
 from __future__ import annotations
 
 import re
+from enum import Enum
 
 # C0 and C1 control characters and DEL (cursor movement, screen clearing, OSC titles and hyperlinks, BEL, CR and
 # LF that end a markdown row or an error line); Unicode line separators; bidirectional overrides, isolates and
@@ -26,3 +27,13 @@ def plural(count, noun: str, many: str | None = None) -> str:
     """The noun for a count: singular for exactly one, else `many` (the noun with an s): "1 preemption",
     "9 preemptions", "0 pairs". Callers keep their own number format."""
     return noun if count == 1 else many or noun + "s"
+
+
+class TextEnum(str, Enum):
+    """An enum whose members are the text a file or an output records (statuses, verdicts): JSON, CSV, sentences,
+    sets and comparisons with that text all carry the value itself ("ok", never "RunStatus.OK"), whatever the
+    Python version's default for mixed-in enums."""
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+    __hash__ = str.__hash__

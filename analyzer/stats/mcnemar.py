@@ -5,19 +5,16 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import Enum
 
 from kvtrace.analyzer.stats.shares import share
+from kvtrace.text import TextEnum
 
 
-class AccuracyVerdict(str, Enum):
-    """What McNemar's test of two arms' answers found; str-valued, as verdicts.Verdict is."""
+class AccuracyVerdict(TextEnum):
+    """What McNemar's test of two arms' answers found."""
 
     DIFFERS = "accuracy differs"  # p < alpha
     SAME = "no significant accuracy difference"
-
-    __str__ = str.__str__
-    __format__ = str.__format__
 
 
 MCNEMAR = "McNemar's exact test (two-sided binomial on the prompts the arms disagree on)"

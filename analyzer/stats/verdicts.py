@@ -3,14 +3,13 @@ its unpaired calls weighed."""
 
 from __future__ import annotations
 
-from enum import Enum
-
 from kvtrace.analyzer.stats.bootstrap import Estimate
 from kvtrace.analyzer.stats.shares import unpaired_share
+from kvtrace.text import TextEnum
 
 
-class Verdict(str, Enum):
-    """What a comparison of two arms found; str-valued, so that JSON, CSV and sentences carry the value itself."""
+class Verdict(TextEnum):
+    """What a comparison of two arms found."""
 
     REGRESSION = "regression"
     IMPROVEMENT = "improvement"
@@ -19,10 +18,6 @@ class Verdict(str, Enum):
     NOT_COMPARABLE = "not comparable"
     DIFFERENT_WORK = "different work"
     TOO_FEW_RUNS = "too few runs to decide"  # a serving point measured on fewer than 3 run pairs
-
-    # The value, never "Verdict.REGRESSION", whatever the Python version's default for mixed-in enums.
-    __str__ = str.__str__
-    __format__ = str.__format__
 
 
 # Verdicts that say the row could not be measured: a gate watching such a row cannot pass or fail on it.
