@@ -229,7 +229,17 @@ def _different_work(row: ServingRow, result: Report) -> str | None:
     if b.failed or c.failed:
         return f"different work: failed requests {b.failed or 0} ({result.baseline.label}) vs {c.failed or 0} " \
                f"({result.candidate.label})"
-    return None
+    return _window_stall(row)
+
+
+def _window_stall(row: ServingRow) -> str | None:
+    """Timings that include nsys' stall at a window's close measure the profiler, not the KV format."""
+    stalled = [m.window_stall for pair in row.run_pairs for m in pair if m.window_stall]
+    if not stalled:
+        return None
+    return (f"not comparable: a profile window closed inside the timed traffic of {len(stalled)} of "
+            f"{2 * len(row.run_pairs)} runs ({stalled[0]}), so their timings include nsys' stall at the close; "
+            "`kvtrace capture vllm-matrix` now closes each window before the timed traffic")
 
 
 def _no_interval(objective: str) -> str:

@@ -18,7 +18,7 @@ from kvtrace.analyzer.runs import ArmInput, run_file
 from kvtrace.analyzer.stats import serving_intervals, shares
 from kvtrace.analyzer.stats.serving_intervals import ArmSamples
 from kvtrace.errors import KvtraceError
-from kvtrace.manifest import Point, capacity_reason
+from kvtrace.manifest import Point, RunRecord, WindowStatus, capacity_reason
 
 # Polls of /metrics inside a point's traffic before their maxima count as its peaks. A point shorter than a few
 # poll intervals (vLLM bench points of under a second against 0.5 s polling) gives one or two samples at random
@@ -124,6 +124,9 @@ class ServingMetrics:
     evictions: Evictions | None = None  # cached blocks evicted, from vLLM's KV-cache events
     requests_detail: RequestSamples | None = field(default=None, repr=False)  # per request, where recorded
     budget: ArmBudget | None = None  # the TTFT budget from vLLM's request histograms (analyzer.budget)
+    # Why a profile window closed inside this point's timed traffic (window_stalls), or None: nsys then held the
+    # engine while it stopped collecting, and every timed number here includes that stall.
+    window_stall: str | None = None
 
     @property
     def cached_share(self) -> float | None:
@@ -389,6 +392,40 @@ def serving_metrics(record: dict, kv_cache_tokens: int | None, run: Path | None 
         budget=budget_lib.arm_budget(histograms))
 
 
+# The engine steps of a point's timed traffic: vLLM observes this histogram once per engine step.
+ENGINE_STEPS = "vllm:iteration_tokens_total"
+
+
+def window_stalls(run: RunRecord, profile_steps: int | None) -> dict[str, str]:
+    """Per point spec, why a bounded profile window closed inside that point's timed traffic. Closing an nsys capture
+    range holds the engine while nsys collects it: 2.5 to 4 s per window on the H100 matrix of 2026-12-06, a gap
+    in every request in flight (capture/vllm_traced_pass). A matrix run's window opens before each point's traffic
+    and closes after `steps` engine steps, unless the point ran a traced pass (the window closed before its timed
+    traffic); a single run's one window opens before its first point and closes after `profile_steps` steps of the
+    points in order. Where vLLM's step count was not kept, nothing is claimed."""
+    stalls: dict[str, str] = {}
+    if not run.windows and any("traced_pass" in record for record in run.points):
+        return stalls  # the run's one window closed before its timed traffic
+    windows = {w.point: w.steps for w in run.windows if w.status != WindowStatus.FAILED}
+    steps_before = 0  # a single run's engine steps since its window opened
+    for record in run.points:
+        spec = record.get("point")
+        histograms = ((record.get("metrics") or {}).get("deltas") or {}).get("histograms") or {}
+        steps = _number((histograms.get(ENGINE_STEPS) or {}).get("count"))
+        if not spec or not steps or "traced_pass" in record:
+            continue
+        if run.windows:
+            bound, words = windows.get(record.get("index")), "its own profile window"
+            closes_inside = bound is not None and steps > bound
+        else:
+            bound, words = profile_steps, "the run's profile window"
+            closes_inside = bool(bound) and steps_before < bound < steps_before + steps
+            steps_before += steps
+        if closes_inside:
+            stalls[spec] = f"{run.name}: {words} closed after {bound:,} of the traffic's {steps:,.0f} engine steps"
+    return stalls
+
+
 def _observed_capacity(recorded: str | None, point: Point | None, counters: dict, peaks: dict,
                        peaks_note: str | None, kv_cache_tokens: int | None) -> tuple[str | None, str | None]:
     """Why the point is capacity-bound, from observed evidence only (counter deltas, polled peaks when enough
@@ -415,8 +452,16 @@ def serving_rows(base: ArmInput, cand: ArmInput, *, threshold: float = 0.02, con
     metrics are the first run's; its estimates cover every run pair of a --repeats capture."""
     runs = []  # per side, per run: {spec: (ServingMetrics, record)}
     for item in (base, cand):
-        runs.append([{p["point"]: (serving_metrics(p, item.manifest.runs[name].kv_cache_tokens, item.run), p)
-                      for p in item.manifest.runs[name].points if p.get("point")} for name in item.runs])
+        side = []
+        for name in item.runs:
+            run = item.manifest.runs[name]
+            stalls = window_stalls(run, item.manifest.settings.get("profile_steps"))
+            points = {p["point"]: (serving_metrics(p, run.kv_cache_tokens, item.run), p) for p in run.points
+                      if p.get("point")}
+            for spec, (metrics, _) in points.items():
+                metrics.window_stall = stalls.get(spec)
+            side.append(points)
+        runs.append(side)
     records = [{spec: metrics for spec, (metrics, _) in side[0].items()} for side in runs]
     order = list(records[0]) + [p for p in records[1] if p not in records[0]]
     rows = []

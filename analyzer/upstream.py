@@ -71,6 +71,7 @@ class Ttft:
     high: float | None
     verdict: Verdict
     runs: int
+    window_stall: str | None = None  # why its timings include a profile window's close (serving.window_stalls)
 
 
 @dataclass
@@ -149,7 +150,9 @@ def _ttft(report: Report) -> list[Ttft]:
     for row in report.serving:
         estimate = row.estimates.get("ttft_ms")
         if estimate is not None:
-            rows.append(Ttft(row.point, estimate.ratio, estimate.low, estimate.high, estimate.verdict, estimate.runs))
+            stall = next((m.window_stall for pair in row.run_pairs for m in pair if m.window_stall), None)
+            rows.append(Ttft(row.point, estimate.ratio, estimate.low, estimate.high, estimate.verdict, estimate.runs,
+                             stall))
     return rows
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import kvtrace.nsys
 from kvtrace.capture import runner, vllm_ranks
 from kvtrace.capture.vllm_config import PREFIX_CACHING, VllmCapture, Workload, child_env, engine_flags
+from kvtrace.capture.vllm_traced_pass import describe, traced_point
 from kvtrace.errors import KvtraceError
 from kvtrace.manifest import Point
 from kvtrace.text import visible
@@ -147,12 +148,18 @@ def dry_run(cfg: VllmCapture, out: Path, *, nsys: str | None = None, python: str
             if PREFIX_CACHING[workload.scenario]:
                 lines.append(f"# POST {base}/reset_prefix_cache")
             lines.append(f"# POST {base}/start_profile")
+            if cfg.profile_steps:
+                traced = describe(traced_point(points[0], cfg.profile_steps))
+                reset = f"; POST {base}/reset_prefix_cache" if PREFIX_CACHING[workload.scenario] else ""
+                lines.append(f"# the traced pass: {traced} (POST {base}/v1/completions); POST {base}/stop_profile"
+                             f"{reset}")
             for index, point in enumerate(points):
                 result = out / f"{run.name}{point_tag(workload, index)}.bench.json"
                 lines.append(f"# GET {base}/metrics before, every {POLL_INTERVAL_S:g} s during, and after:")
                 bench = bench_command(cfg, python, point, seed=workload.seed, result=result, relay_port="RELAY_PORT")
                 lines.append(f"{env} {shlex.join(bench)}")
-            lines.append(f"# POST {base}/stop_profile, then SIGINT the server so that nsys writes its report")
+            close = "" if cfg.profile_steps else f"POST {base}/stop_profile, then "
+            lines.append(f"# {close}SIGINT the server so that nsys writes its report")
         lines.append(shlex.join(kvtrace.nsys.export_command(nsys, out / f"{run.name}.nsys-rep",
                                                             out / f"{run.name}.sqlite")))
     # A comment quotes what it was given (--host, a --points-from path): a newline there must not end it, or the

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import kvtrace.nsys
 from kvtrace import files
-from kvtrace.capture import runner, vllm_quality, vllm_ranks
+from kvtrace.capture import runner, vllm_quality, vllm_ranks, vllm_traced_pass
 from kvtrace.capture.processes import ManagedProcess, sigterm_as_interrupt
 from kvtrace.capture.vllm_commands import (POLL_INTERVAL_S, base_url, bench_command, point_tag, request_identity,
                                            server_command, warmup_point, worker_command)
@@ -88,6 +88,7 @@ class _Session:
     startup_timeout_s: float
     shutdown_grace_s: float
     poll_interval_s: float
+    vocab_size: int | None = None  # the model's, for a traced pass's token-id prompts (capture/vllm_traced_pass)
 
 
 def _wait_ready(server: ManagedProcess, base: str, timeout_s: float) -> None:
@@ -156,18 +157,32 @@ def _serve_points(session: _Session, arm: VllmArm, points: list[Point], stop_at_
         post_ok(base, "/reset_prefix_cache", " (needs VLLM_SERVER_DEV_MODE=1 on the server)")
     relay.take()  # the warm-up's requests are not the measured traffic's
     post_ok(base, "/start_profile", " (does this vLLM take --profiler-config?)")
+    traced = None
+    if cfg.profile_steps:
+        # A window of profile_steps would close inside the timed traffic and stall it (capture/vllm_traced_pass):
+        # it traces a traced pass of the first point instead, and closes before the timed traffic starts.
+        try:
+            traced = vllm_traced_pass.send(base, cfg.model, vllm_traced_pass.traced_point(points[0], cfg.profile_steps),
+                                           workload.seed, session.vocab_size)
+        finally:
+            post_ok(base, "/stop_profile")
+        if PREFIX_CACHING[workload.scenario]:
+            post_ok(base, "/reset_prefix_cache", " (needs VLLM_SERVER_DEV_MODE=1 on the server)")
     capped: set[tuple[int, int]] = set()
     for index, point in enumerate(points):
         if (point.prefix_len, point.input_len) in capped:
             continue
         record = _serve_point(session, arm, index, point, bench_log, relay, events)
+        if traced is not None and index == 0:
+            record["traced_pass"] = traced
         if stop_at_capacity:
             tokens = (arm.kv_cache or {}).get("tokens")
             record["capacity"] = capacity_reason(point, record["metrics"]["deltas"], record["metrics"]["peaks"],
                                                  tokens)
             if record["capacity"]:
                 capped.add((point.prefix_len, point.input_len))
-    post_ok(base, "/stop_profile")
+    if not cfg.profile_steps:
+        post_ok(base, "/stop_profile")
     if cfg.quality_prompts:  # after the trace's range: the model's answers, not its timing
         arm.quality = vllm_quality.run(base, cfg.quality_prompts, cfg.quality_max_tokens, session.out, arm.name)
 
@@ -322,7 +337,7 @@ def capture(cfg: VllmCapture, out: Path, *, force: bool = False, nsys: str | Non
     if cfg.mode == "serve":
         settings["server"] = {"host": cfg.host, "port": cfg.port, "trace_file": workload.trace_file}
     session = _Session(cfg, out, nsys_path, python, {**os.environ, **env}, startup_timeout_s, shutdown_grace_s,
-                       poll_interval_s)
+                       poll_interval_s, model.get("vocab_size"))
     arms = [VllmArm(name=run.name, arm=run.arm, repeat=run.repeat, kv_cache_dtype=run.arm, log=f"{run.name}.log")
             for run in runs]
     _write_manifests(out, environment, settings, arms, interrupted=False)

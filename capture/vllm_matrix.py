@@ -23,6 +23,7 @@ from kvtrace.capture import vllm_servers
 from kvtrace.capture.vllm_commands import bench_command, dry_run_nsys, point_tag
 from kvtrace.capture.vllm_config import VllmCapture, Workload, child_env
 from kvtrace.capture.vllm_patches import ArmSpec
+from kvtrace.capture.vllm_traced_pass import describe, traced_point
 from kvtrace.errors import KvtraceError
 from kvtrace.manifest import Point, check_repeats
 
@@ -160,11 +161,17 @@ class MatrixConfig:
 # fresh machine's first start compiles (430 s for three servers together, 170 s of it FlashInfer's attention builds
 # and 139 s its sampler's, which the capture no longer builds: vllm_config.child_env); a point's traffic at the bench
 # client's measured durations; a window's export (0.2 s each, 8 at a time: 1.2 s for 52 windows); a lone client's
-# imports (28 s, the co-residence check's). Every round's clients now import while the servers compile: PRESTART_S is
-# what they might outlast it by. START_S and PRESTART_S are estimates until a recording measures them.
+# imports (28 s, the co-residence check's). Every round's clients import while the servers compile: PRESTART_S is
+# what they might outlast it by. On 2026-12-07 two servers without the sampler started in 220 and 344 s on two fresh
+# H100 machines, and the clients outlasted neither.
 START_S, WARMUP_S, PRESTART_S, CHECK_PRESTART_S, POINT_OVERHEAD_S, EXPORT_S = 291.0, 3.5, 5.0, 28.0, 2.0, 0.2
+# A point's traced pass (capture/vllm_traced_pass): two waves of short requests, and the 2.5 to 4 s the window's close
+# holds the engine, once before the timed traffic instead of inside it.
+TRACED_PASS_S = 4.5
 LATER_START_S = 180.0  # a server started after the first (130 to 250 s on the H200)
-PREFILL_TOKENS_PER_S, DECODE_STEP_S = 20000.0, 0.012
+# Fitted to the 26 points of 2026-12-07's traced-pass recording (rounds 1 and 2 on an H100; each point's phase within
+# 2.7 s, all of them together 4% under): prefill 40,000 tokens/s, a decode step 6.5 ms.
+PREFILL_TOKENS_PER_S, DECODE_STEP_S = 40000.0, 0.0065
 
 
 def traffic_estimate_s(point: Point) -> float:
@@ -172,6 +179,11 @@ def traffic_estimate_s(point: Point) -> float:
     prefill = point.num_prompts * (point.input_len + (0 if point.num_prefixes else point.prefix_len))
     prefill += point.num_prefixes * point.prefix_len
     return prefill / PREFILL_TOKENS_PER_S + waves * point.output_len * DECODE_STEP_S
+
+
+def point_estimate_s(point: Point) -> float:
+    """A point's wall time: its traced pass, the prefix-cache resets and its timed traffic."""
+    return POINT_OVERHEAD_S + TRACED_PASS_S + traffic_estimate_s(point)
 
 
 def plan(cfg: MatrixConfig) -> list[dict]:
@@ -187,7 +199,7 @@ def plan(cfg: MatrixConfig) -> list[dict]:
         steps += _rounds(cfg, group)
     if cfg.co_residence_check and cfg.co_resident and len(cfg.arms) > 1:
         steps.append({"phase": "co-residence check", "arm": cfg.arms[0].label,
-                      "seconds": POINT_OVERHEAD_S + traffic_estimate_s(_check_point(cfg)[1]) + CHECK_PRESTART_S})
+                      "seconds": point_estimate_s(_check_point(cfg)[1]) + CHECK_PRESTART_S})
     windows = sum(1 for step in steps if step["phase"] == "traffic")
     steps.append({"phase": "export", "seconds": EXPORT_S * windows / max(1, cfg.export_workers)})
     return steps
@@ -205,7 +217,7 @@ def _rounds(cfg: MatrixConfig, arms) -> list[dict]:
                 for index in indices:
                     point = scenario.points()[index]
                     steps.append({"phase": "traffic", "round": round_, "scenario": scenario.name, "arm": spec.label,
-                                  "point": index, "seconds": POINT_OVERHEAD_S + traffic_estimate_s(point)})
+                                  "point": index, "seconds": point_estimate_s(point)})
     return steps
 
 
@@ -242,13 +254,15 @@ def dry_run(cfg: MatrixConfig, root: Path, *, nsys: str | None = None, python: s
             point = scenario.points()[step["point"]]
             server = cfg.scenario_cfg(scenario, cfg.server_cfg(cfg.arms.index(spec)))
             out = root / scenario.name
-            lines.append(f"# {scenario.name} {run} p{step['point']}: POST /reset_prefix_cache; POST /start_profile "
-                         f"{{\"max_iterations\": {scenario.profile_steps}}}; then ({_seconds(step['seconds'])}):")
+            traced = describe(traced_point(point, scenario.profile_steps))
+            trace = out / f"{run}.p{step['point']}.sqlite"
+            lines.append(f"# {scenario.name} {run} p{step['point']} ({_seconds(step['seconds'])}): POST "
+                         f"/reset_prefix_cache; POST /start_profile {{\"max_iterations\": {scenario.profile_steps}}}; "
+                         f"the traced pass: {traced} (POST /v1/completions); POST /stop_profile (the window's report "
+                         f"-> {shlex.quote(str(trace))}); POST /reset_prefix_cache; then the timed traffic:")
             result = out / f"{run}{point_tag(scenario.workload, step['point'], every=True)}.bench.json"
             lines.append(shlex.join(bench_command(server, python, point, seed=cfg.seed, result=result,
                                                   relay_port="RELAY_PORT")))
-            trace = out / f"{run}.p{step['point']}.sqlite"
-            lines.append(f"# POST /stop_profile; the window's report -> {shlex.quote(str(trace))}")
         elif step["phase"] == "client prestart":
             lines.append(f"# while {step['arms']} compile: start every client of every round, in the order of their "
                          f"turns and at most one per two cores importing at a time, as `{shlex.quote(python)} "

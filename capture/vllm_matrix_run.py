@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import kvtrace.nsys
-from kvtrace.capture import runner, vllm_engine, vllm_matrix_split, vllm_servers
+from kvtrace.capture import runner, vllm_engine, vllm_matrix_split, vllm_servers, vllm_traced_pass
 from kvtrace.capture.processes import sigterm_as_interrupt
 from kvtrace.capture.vllm_commands import bench_command, point_tag, warmup_point
 from kvtrace.capture.vllm_common import request_order_sha256
@@ -28,9 +28,9 @@ from kvtrace.capture.vllm_config import ATTENTION_BACKEND, child_env, engine_fla
 from kvtrace.capture.vllm_engine import VllmArm, _Session, _write_manifests
 from kvtrace.capture.vllm_http import NET_ERRORS
 from kvtrace.capture.vllm_kv_events import check_available as check_kv_events_available
-from kvtrace.capture.vllm_matrix import (CHECK_PRESTART_S, EXPORT_S, LATER_START_S, MATRIX, POINT_OVERHEAD_S,
-                                         PRESTART_S, START_S, WARMUP_S, MatrixConfig, MatrixRecord, MatrixScenario,
-                                         Progress, _check_point, plan, read_matrix, traffic_estimate_s)
+from kvtrace.capture.vllm_matrix import (CHECK_PRESTART_S, EXPORT_S, LATER_START_S, MATRIX, PRESTART_S, START_S,
+                                         WARMUP_S, MatrixConfig, MatrixRecord, MatrixScenario, Progress, _check_point,
+                                         plan, point_estimate_s, read_matrix)
 from kvtrace.capture.vllm_preflight import check_model, check_port, check_probe, probe_environment
 from kvtrace.errors import KvtraceError
 from kvtrace.manifest import RunStatus, WindowStatus, capacity_reason
@@ -351,24 +351,12 @@ class _Matrix:
     def _point(self, scenario: _Scenario, server, run: MatrixRun, session, index: int, client, bench_log: Path) -> None:
         point = scenario.spec.points()[index]
         begun = time.monotonic()
+        traced = self._traced_pass(scenario, server, run, index, point)
+        profiling = time.monotonic() - begun
         server.reset_prefix_cache()
-        window = vllm_servers.Window(scenario.out, run.name, index, scenario.spec.profile_steps)
-        server.open_window(window, self.cfg.report_wait_s)
-        if server.reports_at_exit:  # one nsys writes every server's reports alike: no other server waits to learn it
-            for other in self.servers:
-                other.reports_at_exit = True
-        opened = time.monotonic()
-        try:
-            record = vllm_engine._serve_point(session, run, index, point, bench_log, server.relay, server.events,
-                                              run_bench=lambda command: client.run())
-        except BaseException:
-            # vLLM refuses a new /start_profile while a session is open: close it even when the point failed.
-            with contextlib.suppress(*NET_ERRORS, RuntimeError):
-                server.close_window(window)
-            raise
-        closing = time.monotonic()
-        server.close_window(window)
-        profiling = (opened - begun) + (time.monotonic() - closing)
+        record = vllm_engine._serve_point(session, run, index, point, bench_log, server.relay, server.events,
+                                          run_bench=lambda command: client.run())
+        record["traced_pass"] = traced
         record["capacity"] = capacity_reason(point, record["metrics"]["deltas"], record["metrics"]["peaks"],
                                              (server.kv_cache or {}).get("tokens"))
         run.timings += [{"phase": "traffic", "point": index, "seconds": record["seconds"]},
@@ -376,6 +364,29 @@ class _Matrix:
         self._phase("traffic", begun, _planned(scenario, index), scenario=scenario.spec.name, run=run.name,
                     point=index)
         self._write(scenario)
+
+    def _traced_pass(self, scenario: _Scenario, server, run: MatrixRun, index: int, point) -> dict:
+        """The point's window around its traced pass (capture/vllm_traced_pass), closed before the timed traffic:
+        closing it holds the engine while nsys collects the range."""
+        server.reset_prefix_cache()
+        window = vllm_servers.Window(scenario.out, run.name, index, scenario.spec.profile_steps)
+        server.open_window(window, self.cfg.report_wait_s)
+        if server.reports_at_exit:  # one nsys writes every server's reports alike: no other server waits to learn it
+            for other in self.servers:
+                other.reports_at_exit = True
+        try:
+            traced = vllm_traced_pass.send(server.base, server.cfg.model,
+                                           vllm_traced_pass.traced_point(point, scenario.spec.profile_steps),
+                                           self.cfg.seed, self.model.get("vocab_size"))
+        finally:
+            # vLLM refuses a new /start_profile while a session is open: close it even when the pass failed.
+            with contextlib.suppress(*NET_ERRORS, RuntimeError):
+                closing = time.monotonic()
+                server.close_window(window)
+                window.close_s = round(time.monotonic() - closing, 2)
+        if window.status != WindowStatus.CLOSED:
+            raise RuntimeError(window.error or "the profile window did not close")
+        return traced
 
     # -- the whole matrix --
     def run(self) -> MatrixRecord:
@@ -493,4 +504,4 @@ def _cancel(clients: dict, which) -> None:
 
 
 def _planned(scenario: _Scenario, index: int) -> float:
-    return POINT_OVERHEAD_S + traffic_estimate_s(scenario.spec.points()[index])
+    return point_estimate_s(scenario.spec.points()[index])

@@ -51,6 +51,7 @@ class Window:
     export_s: float | None = None
     reports_before: int | None = None  # reports nsys had written for this server when the window opened
     report_wait_s: float | None = None  # how long it waited for them
+    close_s: float | None = None  # how long POST /stop_profile took
 
     @property
     def sqlite(self) -> str:
@@ -60,7 +61,7 @@ class Window:
         return {"point": self.point, "sqlite": self.sqlite if self.status == WindowStatus.EXPORTED else None,
                 "steps": self.steps, "delay_steps": self.delay_steps, "status": self.status,
                 "report": f"{self.report}.nsys-rep" if self.report else None, "reports_before": self.reports_before,
-                "report_wait_s": self.report_wait_s,
+                "report_wait_s": self.report_wait_s, "close_s": self.close_s,
                 "error": self.error, "export_s": self.export_s}
 
 

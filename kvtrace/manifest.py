@@ -10,7 +10,9 @@ Shape of the file (capture/runner.manifest writes it; the engines add fields):
      "settings": {..., "arms": [ARM, ...], "repeats": N, "order": [RUN, ...]},
      "arms": {RUN: {"name": RUN, "arm": ARM, "repeat": K, "status": "ok" | "failed" | "not run", "error",
                     "sqlite", "report", "log", "workload", "commands", "seconds", ...}},
-     vLLM only: "status", "request_order_matched"; per run "kv_cache_dtype", "kv_cache", "points", ...;
+     vLLM only: "status", "request_order_matched"; per run "kv_cache_dtype", "kv_cache", "points", ... (a point
+     whose profile window closed before its timed traffic has "traced_pass" {"point", "requests", "completion_tokens",
+     "seconds"}: what the window traced instead, capture/vllm_traced_pass);
      `capture vllm-matrix` runs also "windows" [{"point", "sqlite", "steps", "status", ...}] (a trace per point,
      ARM.rK.pN.sqlite), "timings" [{"phase", "point", "seconds"}], "server" (its key in settings.servers: start,
      warm-up and lifetime seconds of the server the run belonged to) and "patch" ({"name", "sha256", ...} of a

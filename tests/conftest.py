@@ -97,6 +97,9 @@ VLLM033_8B_RUNS = {pack.name.removesuffix(".tar.xz"): _unpack(pack)
 # server per arm, three interleaved rounds, a trace window per point (fixtures/README.md); its runs by scenario.
 MATRIX = _unpack(FIXTURES / "vllm033-h100-matrix" / "vllm033-h100-matrix.tar.xz", named=True)
 MATRIX_RUNS = {run.name: run for run in sorted(MATRIX.iterdir()) if (run / "manifest.json").is_file()}
+# The same matrix recorded twice on 2026-12-07: with 8-step windows inside each point's timed traffic, and with each
+# window around a traced pass before it (cut to the manifests and bench timelines; fixtures/README.md).
+WINDOW_STALL = _unpack(FIXTURES / "vllm033-h100-window-stall" / "vllm033-h100-window-stall.tar.xz", named=True)
 # The older runs, each packed whole as fixtures/RUN/RUN.tar.xz (fixtures/README.md), by run name.
 PACKED_RUNS = {run: _unpack(FIXTURES / run / f"{run}.tar.xz", named=True) for run in (
     "fi-h200-sm90", "fi-h200-sm90-nsys2023", "fi-h200-sm90-repeat", "fi-h200-sm90-repeats2", "fi-h200-sm90-quality",
@@ -362,11 +365,13 @@ class SharedResults:
     request and then only read (see above)."""
 
     def __init__(self, recipes):
+        from kvtrace.analyzer import serving
         from kvtrace.analyzer.stats import serving_intervals
 
         self.recipes = recipes
         self._built: dict[tuple, object] = {}
         self._deciding_run_pairs = serving_intervals.DECIDING_RUN_PAIRS
+        self._window_stalls = serving.window_stalls
 
     def report(self, runs):
         """report.build of run directories (or RUNDIR/ARM paths)."""
@@ -385,8 +390,11 @@ class SharedResults:
                           lambda: compare.diff(open_trace(baseline), open_trace(candidate), self.recipes))
 
     def _once(self, key: tuple, build):
+        from kvtrace.analyzer import serving
         from kvtrace.analyzer.stats import serving_intervals
 
+        # Results built inside reading_stalled_timings() are kept apart from the others.
+        key = (*key, serving.window_stalls is self._window_stalls)
         if key not in self._built:
             # deciding_on_any_run_pairs() changes results: what is built inside it is the test's own.
             assert serving_intervals.DECIDING_RUN_PAIRS == self._deciding_run_pairs, "built under a patch: not shared"
@@ -428,6 +436,19 @@ def deciding_on_any_run_pairs():
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(serving_intervals, "DECIDING_RUN_PAIRS", 1)
+        yield
+
+
+@contextmanager
+def reading_stalled_timings():
+    """Inside the block, points whose profile window closed inside their timed traffic are decided like the others.
+    The shipped serve fixtures' timings include nsys' stall at such a close (tests/test_window_stall.py), so
+    kvtrace calls those points not comparable; tests of the machinery that decides comparable points (pooling, the
+    TTFT budget, capacity) run it on those real numbers inside this block."""
+    from kvtrace.analyzer import serving
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(serving, "window_stalls", lambda run, profile_steps: {})
         yield
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import MATRIX_RUNS, VLLM033_8B_RUNS
+from conftest import MATRIX_RUNS, VLLM033_8B_RUNS, reading_stalled_timings
 from kvtrace.analyzer import budget, budget_trace, matrix
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.render.matrix import markdown_parts
@@ -25,6 +25,13 @@ from kvtrace.errors import KvtraceError
 SWEEP = MATRIX_RUNS["sweep"]
 PARTS = {"ttft": "vllm:time_to_first_token_seconds", "queue": "vllm:request_queue_time_seconds",
          "prefill": "vllm:request_prefill_time_seconds"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stalled_timings_read():
+    """This machinery is tested on the shipped timings, stalls and all (conftest.reading_stalled_timings)."""
+    with reading_stalled_timings():
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,8 @@ from statistics import mean
 import pytest
 from rich.console import Console
 
-from conftest import MATRIX_RUNS, VLLM033_8B_RUNS, deciding_on_any_run_pairs, sql_durations
+from conftest import (MATRIX_RUNS, VLLM033_8B_RUNS, deciding_on_any_run_pairs, reading_stalled_timings,
+                      sql_durations)
 from kvtrace.analyzer import budget, claims as claims_lib, compare, matrix, report
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.load import open_traces
@@ -39,14 +40,22 @@ ONE_RUN_PAIR = bootstrap.NO_INTERVAL_WHY[bootstrap.ONE_RUN_PAIR]
 NAN = re.compile(r"\bnan\b", re.IGNORECASE)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _stalled_timings_read():
+    """This machinery is tested on the shipped timings, stalls and all (conftest.reading_stalled_timings)."""
+    with reading_stalled_timings():
+        yield
+
+
 @pytest.fixture(scope="module")
 def recipes():
     return load_recipes()
 
 
 @pytest.fixture(scope="module")
-def preemption(preemption_report):
-    return preemption_report
+def preemption(shared):
+    """As conftest's preemption_report, but built here, where stalled timings are read (shared keeps them apart)."""
+    return shared.report([VLLM033_8B_RUNS["capacity-preemption"]])
 
 
 @pytest.fixture(scope="module")

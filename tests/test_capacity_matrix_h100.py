@@ -67,8 +67,10 @@ def utc(stamp: str) -> float:
 
 # ---- kvtrace matrix over the recording ---------------------------------------------------------------------------
 
-def test_kvtrace_matrix_decides_every_point_on_three_run_pairs_and_traces_every_point(shipped_output):
-    """`kvtrace matrix MATRIX` as shipped outputs ran it (tests/shipped_outputs.py), JSON and markdown."""
+def test_kvtrace_matrix_measures_every_point_on_three_run_pairs_and_traces_every_point(shipped_output):
+    """`kvtrace matrix MATRIX` as shipped outputs ran it (tests/shipped_outputs.py), JSON and markdown. Only cold
+    prefill, whose whole traffic fit its window, is decided: everywhere else the window closed inside the timed
+    traffic (tests/test_window_stall.py)."""
     outputs = {fmt: shipped_output("matrix.vllm033-h100-matrix", fmt) for fmt in ("json", "markdown")}
     assert all(o.code == 0 for o in outputs.values()), [o.err for o in outputs.values()]
     data = json.loads(outputs["json"].path.read_text())
@@ -83,7 +85,7 @@ def test_kvtrace_matrix_decides_every_point_on_three_run_pairs_and_traces_every_
         assert len(rounds) == PLAN["repeats"] == 3
         for point in scenario["points"]:
             index = recorded["settings"]["points"].index(point["point"])
-            estimate = point["estimate"]
+            estimate = point["serving"]["estimates"]["ttft_ms"]
             # Three run pairs, each the bench client's own mean TTFT of that round's runs at this point.
             assert estimate["runs"] == 3 and estimate["method"] == "run pairs' means, t interval over run pairs"
             bench = [[json.loads((run_dir / f"{run}.p{index}.bench.json").read_text())["mean_ttft_ms"] for run in pair]
@@ -91,6 +93,8 @@ def test_kvtrace_matrix_decides_every_point_on_three_run_pairs_and_traces_every_
             assert [m for pair in estimate["run_means"] for m in pair] == pytest.approx(
                 [m for pair in bench for m in pair], rel=1e-9)
             assert not (point["undecided"] or "").startswith("too few runs")
+            stalled = (point["excluded"] or "").startswith("not comparable: a profile window closed inside")
+            assert stalled == (scenario["runs"] != ["cold-prefill"])
             assert point["serving"]["trace_note"] is None
             points += 1
     assert points == sum(len(manifest(MATRIX_RUNS[n])["settings"]["points"]) for n in PLAN["scenarios"]) == 7

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import MATRIX, MATRIX_RUNS, VLLM033_8B_RUNS
+from conftest import MATRIX, MATRIX_RUNS, VLLM033_8B_RUNS, reading_stalled_timings
 from kvtrace.analyzer import budget, matrix, report, statements
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.render import render_text
@@ -40,6 +40,13 @@ SWEEP = MATRIX_RUNS["sweep"]
 RUNS = ("fp8.r1", "nvfp4.r1", "fp8.r2", "nvfp4.r2", "fp8.r3", "nvfp4.r3")
 REPEATS = ("r1", "r2", "r3")
 TOKENS_PER_REQUEST = 2048 + 128  # the sweep's prompt and output
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stalled_timings_read():
+    """This machinery is tested on the shipped timings, stalls and all (conftest.reading_stalled_timings)."""
+    with reading_stalled_timings():
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -231,10 +238,10 @@ def test_fp8_preempts_and_nvfp4_does_not(run, repeat):
     assert usage["nvfp4"] < usage["fp8"] <= 1 and usage["nvfp4"] < 1
 
 
-def test_the_preemption_report_calls_the_ttft_change_capacity_not_kernel(preemption_report):
+def test_the_preemption_report_calls_the_ttft_change_capacity_not_kernel(shared):
     """The report's serving row names FP8's preemptions as its capacity bound, and its TTFT statement does not
     credit NVFP4's (slower) prefill kernels with any gain."""
-    result = preemption_report
+    result = shared.report([PREEMPTION])
     (row,) = result.serving
     assert row.baseline.capacity and not row.candidate.capacity and "preemption" in row.baseline.capacity
     (ttft,) = [s for s in result.statements if s.check == "ttft"]

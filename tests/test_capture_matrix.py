@@ -65,15 +65,24 @@ def test_the_matrix_runs_each_arm_on_one_server_with_a_window_per_point(standin)
     patched_port = cfg.server_cfg(2).port
     assert [c["detail"]["patched"] for c in serves if c["detail"]["port"] == patched_port] == [True]
 
-    # Every point: the prefix cache reset, then a window of the scenario's steps, then its stop.
+    # Every point: the prefix cache reset, a window of the scenario's steps around the traced pass (the point's
+    # prompt shape, two waves at its concurrency, at most 8 output tokens), the window's stop, the prefix cache reset
+    # again, and only then the timed traffic (not recorded as calls here).
     by_server: dict[int, list[dict]] = {}
     for call in calls:
         by_server.setdefault(call["pid"], []).append(call)
+    traced_passes = []
     for server_calls in by_server.values():
         kinds = [c["call"] for c in server_calls if c["call"] != "serve"]
-        assert kinds == ["reset_prefix_cache", "start_profile", "stop_profile"] * (len(kinds) // 3)
+        groups = "".join({"reset_prefix_cache": "r", "start_profile": "(", "traced-completion": "t",
+                          "stop_profile": ")"}[kind] for kind in kinds).split("r(")
+        assert groups[0] == "" and all(re.fullmatch(r"t+\)r", group) for group in groups[1:]), groups
+        traced_passes += [group.count("t") for group in groups[1:]]
         assert all(c["detail"] == {"max_iterations": 8, "delay_iterations": 0}
                    for c in server_calls if c["call"] == "start_profile")
+    traced = [c["detail"] for c in calls if c["call"] == "traced-completion"]
+    assert {(d["prompt_tokens"], d["max_tokens"]) for d in traced} == {(32, 1), (48, 2), (32, 2)}
+    assert set(traced_passes) == {4}  # every point's 4 prompts: fewer than two waves of its concurrency
 
     # Every run directory holds two arms (what `kvtrace matrix` decides between): the scenarios the stock ones, and
     # counterfactual/SCENARIO the patched arm beside the stock arm of its KV dtype, at the patched arm's points.
@@ -94,6 +103,8 @@ def test_the_matrix_runs_each_arm_on_one_server_with_a_window_per_point(standin)
         for run in manifest.runs.values():
             entry = raw["arms"][run.name]
             indices = [p["index"] for p in entry["points"]]
+            # Each window closed before its point's timed traffic: the traced pass went through it instead.
+            assert all(p["traced_pass"]["requests"] == 4 for p in entry["points"])
             assert [w.point for w in run.windows] == indices
             for window in run.windows:
                 assert window.status == "exported" and window.sqlite == f"{run.name}.p{window.point}.sqlite"

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from importlib import metadata
 from pathlib import Path
 from types import SimpleNamespace
@@ -39,7 +40,8 @@ from kvtrace.capture import vllm_http as http
 from kvtrace.capture import vllm_preflight as preflight
 from kvtrace.capture import vllm_offline_workload as worker
 from kvtrace.capture.vllm_common import metric_deltas, parse_kv_cache_log, request_order_sha256, update_peaks
-from kvtrace.manifest import Point, capacity_reason
+from kvtrace.analyzer import serving
+from kvtrace.manifest import Point, capacity_reason, read_manifest
 from kvtrace.errors import KvtraceError
 
 TESTS = Path(__file__).resolve().parent
@@ -903,6 +905,42 @@ def test_a_failed_arm_is_recorded_and_the_other_still_runs(standin, monkeypatch,
     assert nvfp4["status"] == "ok" and manifest["status"] == "partial"
     assert (standin.tmp / "run" / "fp8.log").exists() and (standin.tmp / "run" / "fp8.manifest.json").exists()
     assert not [pid for pid in standin.pids() if alive(pid)]
+
+
+@pytest.mark.slow
+def test_a_bounded_window_traces_a_traced_pass_and_closes_before_the_timed_traffic(standin):
+    """--profile-steps N: closing the window holds the engine, so the window wraps a traced pass of the first point
+    (two waves of its prompt shape at its concurrency, at most N output tokens) and closes before the timed
+    traffic; prefix reuse resets the cache after it."""
+    cfg = replace(serve_config(standin, scenario="prefix-reuse", input_len=16, prefix_len=32, num_prefixes=2,
+                               num_prompts=8, concurrency=2, arms=("fp8",)), profile_steps=3)
+    manifest = run_capture(standin, cfg)
+    assert manifest["status"] == "ok"
+    (point,) = manifest["arms"]["fp8"]["points"]
+    assert point["traced_pass"]["requests"] == 4 and point["traced_pass"]["completion_tokens"] == 4 * 3
+    calls = [c["call"] for c in standin.calls() if c["arm"] == "fp8" and c["call"] != "serve"]
+    assert calls == ["reset_prefix_cache", "start_profile"] + ["traced-completion"] * 4 + \
+        ["stop_profile", "reset_prefix_cache"]
+    assert {(c["detail"]["prompt_tokens"], c["detail"]["max_tokens"]) for c in standin.calls()
+            if c["call"] == "traced-completion"} == {(48, 3)}
+    assert serving.window_stalls(read_manifest(standin.tmp / "run").runs["fp8"], 3) == {}
+
+
+@pytest.mark.slow
+def test_a_bounded_sweep_window_traces_its_first_point_and_no_timed_point_is_found_stalled(standin):
+    cfg = replace(serve_config(standin, scenario="sweep", input_len=None, num_prompts=None, concurrency=None,
+                               contexts=(32,), concurrencies=(2, 4), output_len=4, arms=("fp8",)), profile_steps=3)
+    manifest = run_capture(standin, cfg)
+    points = manifest["arms"]["fp8"]["points"]
+    assert len(points) == 2 and "traced_pass" in points[0] and "traced_pass" not in points[1]
+    assert points[0]["traced_pass"]["point"] == "input=32,output=3,prompts=4,concurrency=2"
+    run = read_manifest(standin.tmp / "run").runs["fp8"]
+    assert [p["metrics"]["deltas"]["histograms"][serving.ENGINE_STEPS]["count"] for p in run.points] == [16, 32]
+    assert serving.window_stalls(run, 3) == {}
+    # Without its traced pass, the run's one window of 3 steps would have closed inside the first point only.
+    untraced = replace(run, points=[{k: v for k, v in p.items() if k != "traced_pass"} for p in run.points])
+    assert list(serving.window_stalls(untraced, 3)) == [points[0]["point"]]
+    assert list(serving.window_stalls(untraced, 20)) == [points[1]["point"]]
 
 
 def test_a_server_that_ignores_sigint_is_killed(standin, monkeypatch):

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from scipy import stats as sp
 
-from conftest import MATRIX_RUNS, deciding_on_any_run_pairs
+from conftest import MATRIX_RUNS, deciding_on_any_run_pairs, reading_stalled_timings
 from kvtrace.analyzer import claims as claims_lib, drift_band, matrix
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.render import render_text
@@ -28,6 +28,13 @@ from kvtrace.analyzer.stats.verdicts import Verdict
 SWEEP = MATRIX_RUNS["sweep"]
 SKIPPED = "input=2048,output=128,prompts=32,concurrency=8"  # the point the second session did not run
 THRESHOLD = 0.02
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stalled_timings_read():
+    """This machinery is tested on the shipped timings, stalls and all (conftest.reading_stalled_timings)."""
+    with reading_stalled_timings():
+        yield
 
 
 def session(folder: Path, repeats: tuple[str, ...], skipped: tuple[str, ...] = ()) -> Path:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import MATRIX, MATRIX_RUNS, REPO
+from conftest import MATRIX, MATRIX_RUNS, REPO, reading_stalled_timings
 
 PATCHED = "nvfp4-validate-once"
 
@@ -27,13 +27,24 @@ def _ttfts(run: Path, arm: str, point: int) -> list[float]:
     return values
 
 
-@pytest.fixture(scope="module")
-def draft(tmp_path_factory):
+def _draft(folder: Path) -> str:
     from kvtrace.cli import main
 
-    out = tmp_path_factory.mktemp("draft") / "flashinfer.md"
+    out = folder / "flashinfer.md"
     assert main(["report", str(MATRIX_RUNS["sweep"]), "--upstream", "flashinfer", "-o", str(out)]) in (0, None)
     return out.read_text()
+
+
+@pytest.fixture(scope="module")
+def draft(tmp_path_factory):
+    return _draft(tmp_path_factory.mktemp("draft"))
+
+
+@pytest.fixture(scope="module")
+def draft_of_stalled_timings(tmp_path_factory):
+    """The draft as it would read if the sweep's timings held no stall (conftest.reading_stalled_timings)."""
+    with reading_stalled_timings():
+        return _draft(tmp_path_factory.mktemp("draft-stalled"))
 
 
 def test_the_draft_finds_the_matrix_counterfactual_and_names_its_patch(draft):
@@ -47,12 +58,26 @@ def test_the_draft_finds_the_matrix_counterfactual_and_names_its_patch(draft):
     assert "not measured" not in draft.split("**With the check once per scale tensor**")[1].split("**The call alone**")[0]
 
 
-def test_the_counterfactual_ratios_are_the_bench_clients_own(draft):
+def test_the_counterfactual_ttft_whose_windows_closed_inside_the_traffic_is_not_comparable(draft):
+    """The sweep's windows closed inside its timed traffic (tests/test_window_stall.py): the draft gives no ratio
+    there, in its answer, its TTFT table or the counterfactual's."""
+    counterfactual = MATRIX / "counterfactual" / "sweep"
+    points = json.loads((counterfactual / "manifest.json").read_text())["settings"]["points"]
+    section = draft.split("**With the check once per scale tensor**")[1].split("###")[0]
+    rows = re.findall(r"^\| `([^`]+)` \| not comparable: [^|]* \| not comparable: ", section, flags=re.M)
+    assert rows == points
+    answer = next(line for line in draft.splitlines() if line.startswith("**In short:**"))
+    assert "×" not in answer.split("against stock NVFP4:")[1] and "not comparable at" in answer
+    table = draft.split("Time to first token, NVFP4 / FP8")[1].split("**With the check")[0]
+    assert "×" not in table and table.count("not comparable") == 4
+
+
+def test_the_counterfactual_ratios_are_the_bench_clients_own(draft_of_stalled_timings):
     """Patched against stock NVFP4 and against FP8, at each point the patched arm ran: the mean TTFT over every
     request of every run, patched over the other (each run holds as many requests)."""
     counterfactual = MATRIX / "counterfactual" / "sweep"
     points = json.loads((counterfactual / "manifest.json").read_text())["settings"]["points"]
-    section = draft.split("**With the check once per scale tensor**")[1].split("###")[0]
+    section = draft_of_stalled_timings.split("**With the check once per scale tensor**")[1].split("###")[0]
     rows = re.findall(r"^\| `([^`]+)` \| ([0-9.]+)× \[[^|]*\| ([0-9.]+)× \[", section, flags=re.M)
     assert [row[0] for row in rows] == points
     sweep_points = json.loads((MATRIX_RUNS["sweep"] / "manifest.json").read_text())["settings"]["points"]

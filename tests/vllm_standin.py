@@ -76,6 +76,7 @@ class Stats:
                                        "prefix_cache_queries", "prefix_cache_hits"), 0)
         self.gauges = {"num_requests_running": 0, "num_requests_waiting": 0, "kv_cache_usage_perc": 0.0}
         self.ttft = [0, 0.0]
+        self.engine_steps = 0  # one per output token: what vllm:iteration_tokens_total counts
 
     def request(self, prompt_len: int, output_len: int, concurrency: int, cached: int) -> None:
         demand = concurrency * (prompt_len + output_len)
@@ -89,6 +90,7 @@ class Stats:
         self.gauges["kv_cache_usage_perc"] = min(1.0, demand / self.capacity)
         self.ttft[0] += 1
         self.ttft[1] += 0.05
+        self.engine_steps += output_len
 
     def prometheus_text(self, model: str, kv_dtype: str) -> str:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -103,6 +105,10 @@ class Stats:
                               registry=registry).labels(**labels)
         for _ in range(self.ttft[0]):
             histogram.observe(0.05)
+        steps = Histogram("vllm:iteration_tokens_total", "tokens per engine step", list(labels), buckets=[1.0, 16.0],
+                          registry=registry).labels(**labels)
+        for _ in range(self.engine_steps):
+            steps.observe(1.0)
         Gauge("vllm:cache_config_info", "cache config", ["block_size", "cache_dtype", "num_gpu_blocks", "engine"],
               registry=registry).labels(block_size="16", cache_dtype=kv_dtype,
                                         num_gpu_blocks=str(self.capacity // BLOCK), engine="0").set(1)
@@ -246,6 +252,13 @@ def serve(argv: list[str]) -> None:
             elif self.path == "/reset_prefix_cache":
                 record_call(arm, "reset_prefix_cache")
                 self.reply(200 if dev_mode else 404, json.dumps({"success": True}))
+            elif self.path == "/v1/completions" and isinstance(json.loads(body).get("prompt"), list):
+                request = json.loads(body)  # token ids: the matrix's traced pass
+                record_call(arm, "traced-completion", {"prompt_tokens": len(request["prompt"]),
+                                                       "max_tokens": request["max_tokens"]})
+                self.reply(200, json.dumps({"choices": [{"text": " w3" * request["max_tokens"]}],
+                                            "usage": {"prompt_tokens": len(request["prompt"]),
+                                                      "completion_tokens": request["max_tokens"]}}))
             elif self.path == "/v1/completions" and "prompt" in json.loads(body):
                 if failing("quality", arm):
                     self.reply(500, "stand-in: internal error")

@@ -35,13 +35,15 @@ def _repository(project: str) -> str:
 
 def _answer(f: HostSyncFinding) -> str:
     step = f.worst_step
-    loss = [t for t in f.ttft if t.verdict == Verdict.REGRESSION]
+    loss = [t for t in f.ttft if t.verdict == Verdict.REGRESSION and not t.window_stall]
     ttft = (f"; NVFP4's TTFT against FP8's is {_ttft_words(loss[0])} at {md_code(loss[0].point)}" if loss else "")
     counterfactual = f.counterfactual
+    timed = [f"{md_code(t.point)}: {_ttft_words(t)}" for t in counterfactual.against_nvfp4 if not t.window_stall]
+    stalled = [md_code(t.point) for t in counterfactual.against_nvfp4 if t.window_stall]
+    if stalled:
+        timed.append(f"not comparable at {', '.join(stalled)} (a profile window closed inside their timed traffic)")
     with_patch = ("not measured yet (no arm with the check run once was recorded)"
-                  if counterfactual.state == NOT_MEASURED else
-                  "; ".join(f"{md_code(t.point)}: {_ttft_words(t)}" for t in counterfactual.against_nvfp4)
-                  or "measured, without TTFT")
+                  if counterfactual.state == NOT_MEASURED else "; ".join(timed) or "measured, without TTFT")
     return (f"with vLLM's NVFP4 KV cache ({md_text(f.candidate)} against {md_text(f.baseline)}), each eager step "
             f"makes {_range(step.copies_low, step.copies_high)} device-to-host copies of "
             f"{_range(step.bytes_low, step.bytes_high)} bytes into pageable memory, one per layer, right before the "
@@ -56,7 +58,12 @@ def _range(low, high) -> str:
     return "?" if low is None else str(low) if low == high else f"{low}–{high}"
 
 
+STALLED = "not comparable: a profile window closed inside the timed traffic, which holds the engine while nsys stops"
+
+
 def _ttft_words(t: Ttft) -> str:
+    if t.window_stall:
+        return STALLED
     return f"{ratio(t.ratio)} {interval(t.low, t.high)} ({t.verdict}, {t.runs} run pair(s))"
 
 
@@ -83,7 +90,8 @@ def _evidence(f: HostSyncFinding) -> list[str]:
     if f.ttft:
         lines += ["", "Time to first token, NVFP4 / FP8 (mean over requests, interval over requests and run pairs):", ""]
         lines += markdown_table(["traffic point", "NVFP4 / FP8", "interval", "verdict", "run pairs"],
-                                [[md_code(t.point), ratio(t.ratio), interval(t.low, t.high), md_text(t.verdict),
+                                [[md_code(t.point), "–", "–", STALLED, str(t.runs)] if t.window_stall else
+                                 [md_code(t.point), ratio(t.ratio), interval(t.low, t.high), md_text(t.verdict),
                                   str(t.runs)] for t in f.ttft])
     lines += ["", *_counterfactual(f), "", *_kernel_level(f)]
     return lines

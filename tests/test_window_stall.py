@@ -1,0 +1,122 @@
+"""A profile window that closes inside a point's timed traffic: nsys holds the engine while it stops collecting, so
+the point's timings measure the profiler. On the shipped H100 matrix (windows of 24 to 48 engine steps opened as
+each point's traffic began) only cold prefill's whole traffic fit its window; kvtrace finds the others from the
+manifests alone, and their bench timelines show the stall it infers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import MATRIX, MATRIX_RUNS, VLLM033_8B_RUNS, WINDOW_STALL
+from kvtrace.analyzer import matrix, serving
+from kvtrace.analyzer.classify import load_recipes
+from kvtrace.manifest import read_manifest
+
+STEPS = serving.ENGINE_STEPS
+
+
+def quiet_gap_s(bench: Path) -> float:
+    """The longest interval inside a point's timed traffic in which no request started, got its first token or
+    finished, from the bench client's own per-request times."""
+    data = json.loads(bench.read_text())
+    events = sorted(t for start, ttft, latency in zip(data["start_times"], data["ttfts"], data["latencies"])
+                    for t in (start, start + ttft, start + latency))
+    return max(b - a for a, b in zip(events, events[1:]))
+
+
+@pytest.mark.parametrize("name", sorted(MATRIX_RUNS))
+def test_the_windows_that_closed_inside_the_timed_traffic_are_found_from_the_manifest(name):
+    recorded = read_manifest(MATRIX_RUNS[name])
+    for run in recorded.runs.values():
+        stalls = serving.window_stalls(run, recorded.settings.get("profile_steps"))
+        windows = {w.point: w.steps for w in run.windows}
+        for record in run.points:
+            steps = record["metrics"]["deltas"]["histograms"][STEPS]["count"]
+            assert (record["point"] in stalls) == (steps > windows[record["index"]]), (run.name, record["point"])
+            assert (record["point"] in stalls) == (name != "cold-prefill")
+
+
+@pytest.mark.parametrize("name", ["cold-prefill", "prefix-reuse", "sweep"])
+def test_the_bench_timelines_show_the_stall_where_it_is_inferred(name):
+    """Short requests (cold prefill's one token, prefix reuse's 16, the sweep's 128 at ~10 ms a step) leave no quiet
+    second of their own; a window's close leaves 3 s or more. (Preemption's 512-token waves are quiet for 3 s
+    anyway, so its timeline cannot tell.)"""
+    recorded = read_manifest(MATRIX_RUNS[name])
+    for run in recorded.runs.values():
+        stalls = serving.window_stalls(run, recorded.settings.get("profile_steps"))
+        for record in run.points:
+            gap = quiet_gap_s(MATRIX_RUNS[name] / record["bench_result"])
+            assert (gap > 2.5) == (record["point"] in stalls), (run.name, record["point"], gap)
+            assert gap < 1.0 or gap > 3.0
+
+
+def test_a_single_runs_window_stalls_only_the_point_it_closed_in():
+    """vLLM 0.33's preemption run (--profile-steps 32, one window from its first point on): its one point took far
+    more steps, so the window closed inside it."""
+    run_dir = VLLM033_8B_RUNS["capacity-preemption"]
+    recorded = read_manifest(run_dir)
+    assert recorded.settings["profile_steps"] == 32
+    for run in recorded.runs.values():
+        stalls = serving.window_stalls(run, 32)
+        assert list(stalls) == [run.points[0]["point"]]
+        steps = run.points[0]["metrics"]["deltas"]["histograms"][STEPS]["count"]
+        assert stalls[run.points[0]["point"]].endswith(f"closed after 32 of the traffic's {steps:,.0f} engine steps")
+
+
+def test_the_matrix_decides_only_the_points_whose_timings_hold_no_stall():
+    result = matrix.build([MATRIX], load_recipes())
+    by_scenario = {p.scenario.split(" ")[0]: p for p in result.points}
+    assert len(result.points) == 7
+    for point in result.points:
+        stalled = not point.scenario.startswith("cold-prefill")
+        assert (point.excluded or "").startswith("not comparable: a profile window closed inside the timed "
+                                                 "traffic of 6 of 6 runs") == stalled
+        assert (point.winner is None and point.undecided == point.excluded) if stalled else point.excluded is None
+    assert by_scenario["cold-prefill"].estimate.runs == 3
+
+
+# ---- the same matrix on 2026-12-07: windows in the timed traffic, then around a traced pass before it ---------------
+
+SCENARIOS = ("cold-prefill", "prefix-reuse", "preemption", "sweep")
+SHORT_REQUESTS = ("cold-prefill", "prefix-reuse", "sweep")  # whose timelines can show a stall (above)
+
+
+def recorded_points(recording: str, scenario: str):
+    """(run, point record, its bench JSON) for every point the recording finished."""
+    run_dir = WINDOW_STALL / recording / scenario
+    recorded = read_manifest(run_dir)
+    for run in recorded.runs.values():
+        for record in run.points:
+            if (run_dir / f"{run.name}.p{record['index']}.bench.json").is_file():
+                yield recorded, run, record, run_dir / f"{run.name}.p{record['index']}.bench.json"
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_eight_step_windows_in_the_timed_traffic_stall_every_point(scenario):
+    """The first recording traced each point's first 8 steps: cold prefill's 11 steps outlast them too."""
+    found = list(recorded_points("windows-in-traffic", scenario))
+    assert len(found) == (24 if scenario == "sweep" else 6)
+    for recorded, run, record, bench in found:
+        assert "traced_pass" not in record and recorded.settings["profile_steps"] == 8
+        assert record["point"] in serving.window_stalls(run, 8)
+        if scenario in SHORT_REQUESTS:
+            assert quiet_gap_s(bench) > 2.5, (run.name, record["point"])
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_windows_closed_before_the_timed_traffic_leave_it_unstalled_and_shorter(scenario):
+    """The second recording (rounds 1 and 2; its device time ran out in round 3) ran each window around a traced
+    pass: no point is found stalled, no short-request timeline has a quiet second, and each point's timed traffic
+    took over a second less than the same round's point with the window inside it (1.4 to 3.1 s less)."""
+    stalled = {(run.name, record["point"]): json.loads(bench.read_text())["duration"]
+               for _, run, record, bench in recorded_points("windows-in-traffic", scenario)}
+    found = list(recorded_points("traced-pass", scenario))
+    assert len(found) >= (12 if scenario == "sweep" else 4)
+    for _, run, record, bench in found:
+        assert record["traced_pass"]["requests"] > 0 and not serving.window_stalls(run, 8)
+        if scenario in SHORT_REQUESTS:
+            assert quiet_gap_s(bench) < 1.0, (run.name, record["point"])
+        assert json.loads(bench.read_text())["duration"] < stalled[(run.name, record["point"])] - 1.0
