@@ -234,7 +234,7 @@ def _different_work(row: ServingRow, result: Report) -> str | None:
 
 def _window_stall(row: ServingRow) -> str | None:
     """Timings that include nsys' stall at a window's close measure the profiler, not the KV format."""
-    stalled = [m.window_stall for pair in row.run_pairs for m in pair if m.window_stall]
+    stalled = row.window_stalls
     if not stalled:
         return None
     return (f"not comparable: a profile window closed inside the timed traffic of {len(stalled)} of "

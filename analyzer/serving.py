@@ -167,6 +167,11 @@ class ServingRow:
     trace_note: str | None = None  # why no trace splits this point (budget_trace.NOT_TRACED, NO_PREFILL_STEPS)
     diff_covers: bool = False  # the report's kernel diff read this point's traces (a one-trace run's first point)
 
+    @property
+    def window_stalls(self) -> list[str]:
+        """Each run here whose timings include a profile window's close (ServingMetrics.window_stall), pair by pair."""
+        return [m.window_stall for pair in self.run_pairs for m in pair if m.window_stall]
+
 
 def _number(value):
     return None if value is None else (int(value) if float(value).is_integer() else float(value))

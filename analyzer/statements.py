@@ -26,6 +26,8 @@ CAPACITY_EFFECT = "capacity effect"  # the baseline was capacity-bound there, th
 OUTSIDE_KERNELS = "outside the prefill kernels"  # same cached tokens, prefill kernels not faster
 PREFILLED_DIFFERENT = "different prefill amounts"  # cached tokens differ: TTFT mixes kernel speed and hits
 PLAIN = "plain"  # nothing to qualify
+# A profile window closed inside the timed traffic: the timings hold nsys' stall, nothing to read (serving.window_stalls)
+WINDOW_STALL = "stalled by a profile window"
 BUDGET = "budget"  # same cached tokens: the server's TTFT budget says which part carries the change (analyzer.budget)
 
 
@@ -158,7 +160,8 @@ class TtftStatement(Statement):
     """TTFT at one traffic point, read beside the prefill kernels' verdict and the prefix cache (the guard rail)."""
 
     kind: ClassVar[str] = "ttft"
-    reading: str  # PREFIX_HIT, PREFIX_HIT_AND_FASTER, CAPACITY_EFFECT, OUTSIDE_KERNELS, PREFILLED_DIFFERENT, PLAIN
+    reading: str  # PREFIX_HIT, PREFIX_HIT_AND_FASTER, CAPACITY_EFFECT, OUTSIDE_KERNELS, PREFILLED_DIFFERENT, PLAIN,
+    # WINDOW_STALL
     baseline: str
     candidate: str
     point: str | None  # None when the run has one traffic point
@@ -187,6 +190,7 @@ class TtftStatement(Statement):
     estimate: serving_intervals.ServingEstimate | None = None
     # The TTFT budget and the part that carries its difference, the same result the matrix words for this point.
     reason: Reason | None = None
+    window_stall: str | None = None  # the first run whose timings hold a profile window's close (WINDOW_STALL)
 
 
 @dataclass(frozen=True)
@@ -301,7 +305,9 @@ def ttft_guard_rail(diff: Diff, serving: list[ServingRow], base: RunArm, cand: R
             b.cached_prompt_tokens != c.cached_prompt_tokens
         more_hits = cached_differ and c.cached_prompt_tokens > b.cached_prompt_tokens
         improved = row.ttft_ratio < 1 - diff.threshold
-        if improved and more_hits and not_faster:
+        if row.window_stalls:
+            reading = WINDOW_STALL
+        elif improved and more_hits and not_faster:
             reading = PREFIX_HIT
         elif improved and more_hits and verdict == Verdict.IMPROVEMENT:
             reading = PREFIX_HIT_AND_FASTER
@@ -337,7 +343,7 @@ def ttft_guard_rail(diff: Diff, serving: list[ServingRow], base: RunArm, cand: R
             baseline_queue_ms=queued[0], candidate_queue_ms=queued[1], prefix_fit=_prefix_fit(row, base, cand),
             baseline_capacity=b.capacity, baseline_reuse=b.reuse, candidate_reuse=c.reuse,
             baseline_evictions=b.evictions, candidate_evictions=c.evictions,
-            estimate=estimate, reason=row.reason))
+            estimate=estimate, reason=row.reason, window_stall=next(iter(row.window_stalls), None)))
     return out
 
 

@@ -150,9 +150,8 @@ def _ttft(report: Report) -> list[Ttft]:
     for row in report.serving:
         estimate = row.estimates.get("ttft_ms")
         if estimate is not None:
-            stall = next((m.window_stall for pair in row.run_pairs for m in pair if m.window_stall), None)
             rows.append(Ttft(row.point, estimate.ratio, estimate.low, estimate.high, estimate.verdict, estimate.runs,
-                             stall))
+                             next(iter(row.window_stalls), None)))
     return rows
 
 

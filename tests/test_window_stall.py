@@ -66,6 +66,19 @@ def test_a_single_runs_window_stalls_only_the_point_it_closed_in():
         assert stalls[run.points[0]["point"]].endswith(f"closed after 32 of the traffic's {steps:,.0f} engine steps")
 
 
+@pytest.mark.parametrize("name", ["cold-prefill", "sweep"])
+def test_the_reports_ttft_statements_say_where_the_timings_hold_a_stall(name):
+    from kvtrace.analyzer import report, statements
+    from kvtrace.analyzer.render.report_markdown import report_markdown
+
+    result = report.build([MATRIX_RUNS[name]], load_recipes())
+    ttft = [s for s in result.statements if isinstance(s, statements.TtftStatement)]
+    assert len(ttft) == len(result.serving) >= 1
+    assert {s.reading == statements.WINDOW_STALL for s in ttft} == {name == "sweep"}
+    head = report_markdown(result)[0].split("<details>")[0]
+    assert head.count("not comparable (profile window stall)") == (len(result.serving) if name == "sweep" else 0)
+
+
 def test_the_matrix_decides_only_the_points_whose_timings_hold_no_stall():
     result = matrix.build([MATRIX], load_recipes())
     by_scenario = {p.scenario.split(" ")[0]: p for p in result.points}

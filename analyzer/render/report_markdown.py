@@ -38,7 +38,8 @@ def _serving_head_table(report: Report) -> tuple[list[str], list[list[str]]]:
         bound = [f"{label}: {_capacity_bound(m)}" for label, m in ((bl, b), (cl, c))
                  if m and (m.capacity or m.capacity_note)]
         e = row.estimates.get("ttft_ms")
-        mean = f"{estimate_ratio(e)}, {e.verdict}" if e else "–"
+        mean = f"{estimate_ratio(e)}, {'not comparable (profile window stall)' if row.window_stalls else e.verdict}" \
+            if e else "–"
         rows.append([row.point, *ttft, ratio(row.ttft_ratio), mean, _cached(b), _cached(c), "; ".join(bound) or "no"])
     return header, rows
 

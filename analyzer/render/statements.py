@@ -144,6 +144,10 @@ def _ttft(s: st.TtftStatement, name: Name = _plain) -> str:
     b, c = name(s.baseline), name(s.candidate)
     ttft = f"TTFT {s.stat} {s.baseline_ms:.1f} ms ({b}) → {s.candidate_ms:.1f} ms ({c}), {s.ratio:.3f}×"
     where = f" at {name(s.point)}" if s.point else ""
+    if s.reading == st.WINDOW_STALL:
+        return (f"{ttft}{where}: not comparable: {name(s.window_stall)}, and closing a profile window holds the engine "
+                "while nsys stops collecting, so these timings include that stall (`kvtrace capture` now closes its "
+                "windows before the timed traffic)")
     kernels = _prefill_kernels(s, name)
     e = s.estimate
     if e is not None:
