@@ -154,8 +154,7 @@ def _optional_int_list(ctx, param, value: str | None) -> tuple[int, ...] | None:
 @click.option("--profile-steps", default=0, show_default=True,
               help="Trace N engine steps of a traced pass of the first point, sent before the timed traffic, "
                    "instead of the timed traffic itself (0: trace all of it). Keeps long serve runs' traces small; "
-                   "closing a window holds the engine seconds, so a bounded one never closes inside timed traffic. "
-                   "Offline, the first point's first N steps.")
+                   "closing a window holds the engine seconds, so a bounded one never closes inside timed traffic.")
 @click.option("--nsys", "nsys_path", default=None, help="nsys binary (default: $NSYS, PATH, known installs).")
 @click.option("--dry-run", is_flag=True, help="Print every arm's commands and exit; needs no GPU, vLLM or nsys.")
 @click.option("--force", is_flag=True, help="Replace an existing run directory.")

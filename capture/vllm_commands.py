@@ -91,6 +91,8 @@ def worker_command(cfg: VllmCapture, arm: str, out: Path, nsys: str, python: str
         work += ["--point", point.spec()]
     if stop_at_capacity:
         work.append("--stop-at-capacity")
+    if cfg.profile_steps:
+        work += ["--traced-pass-steps", str(cfg.profile_steps)]
     work += ["--result", str(out / f"{run}.workload.json"), "--", "--model", cfg.model, *engine_flags(cfg, arm)]
     return runner.profile_command(nsys, out / run, work, extra=NSYS_EXTRA)
 

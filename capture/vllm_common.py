@@ -1,5 +1,5 @@
 """What the vLLM engine and its offline worker share: metric snapshots, deltas and peaks, the request-order
-hash and the KV-cache startup line. Traffic points and the capacity rule are kvtrace.manifest's (the report
+hash, the KV-cache startup line and the token-id prompts of the offline worker and the traced pass. Traffic points and the capacity rule are kvtrace.manifest's (the report
 reads them too).
 
 Standard library only: the worker imports this next to vLLM on the GPU box.
@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import random
 import re
 
-from kvtrace.manifest import KV_USAGE
+from kvtrace.manifest import KV_USAGE, Point
 
 RUNNING, WAITING = "vllm:num_requests_running", "vllm:num_requests_waiting"
 # Gauges polled during the measured traffic; their maxima are the run's peaks.
@@ -116,3 +117,20 @@ def _worker_rank(found: re.Match, text: str, index: int) -> int:
     start = text.rfind("\n", 0, found.start()) + 1
     rank = _WORKER.search(text, start, found.start())
     return int(rank.group(1) or rank.group(2)) if rank else index
+
+
+def build_prompts(point: Point, seed: int, vocab_size: int, purpose: str) -> list[list[int]]:
+    """Token-id prompts, identical for every arm given the same seed and point.
+
+    `purpose` separates warm-up tokens from measured ones, so that a warm-up cannot pre-fill the prefix
+    cache. Random(str) seeds through SHA-512, independent of PYTHONHASHSEED.
+    """
+    rng = random.Random(f"kvtrace:{seed}:{purpose}:{point.spec()}")
+    prefixes = [[rng.randrange(1, vocab_size) for _ in range(point.prefix_len)]
+                for _ in range(point.num_prefixes if point.prefix_len else 0)]
+    prompts = [(prefixes[i % len(prefixes)] if prefixes else []) + [rng.randrange(1, vocab_size)
+                                                                      for _ in range(point.input_len)]
+               for i in range(point.num_prompts)]
+    if prefixes:
+        rng.shuffle(prompts)  # interleave the shared prefixes in a fixed order
+    return prompts

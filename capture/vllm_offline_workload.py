@@ -7,7 +7,8 @@ The engine flags are the ones `vllm serve` would get, parsed by vLLM's own parse
 offline and serving modes and both arms share one flag list. Prompts are token ids drawn from the seed, so
 no tokenizer is needed. A warm-up generate of the same shapes (other tokens) runs before
 llm.start_profile(), which opens the nsys capture range (profiler "cuda"), so that JIT compilation,
-autotuning and CUDA-graph capture stay out of the trace. Offline vLLM has no per-request TTFT/ITL; the
+autotuning and CUDA-graph capture stay out of the trace. With --traced-pass-steps the range holds a traced pass of
+the first point instead and closes before the timed points (closing it holds the engine seconds). Offline vLLM has no per-request TTFT/ITL; the
 result records wall time, token counts, cached prompt tokens and vLLM's own metric counters.
 
 Imports nothing heavy at module level, so that the engine and the tests can use its pure functions.
@@ -17,14 +18,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import random
 import sys
 import time
 from importlib import metadata
 from pathlib import Path
 
 from kvtrace.capture import runner
-from kvtrace.capture.vllm_common import add_sample, empty_snapshot, metric_deltas, request_order_sha256
+from kvtrace.capture.vllm_common import add_sample, build_prompts, empty_snapshot, metric_deltas, request_order_sha256
+from kvtrace.capture.vllm_traced_pass import traced_point
 from kvtrace.manifest import Point, capacity_reason, point_range_name
 
 
@@ -40,25 +41,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         help="traffic shape, e.g. input=1024,output=1,prompts=32,concurrency=16")
     parser.add_argument("--stop-at-capacity", action="store_true",
                         help="sweep: skip the rest of a context length once a point is capacity-bound")
+    parser.add_argument("--traced-pass-steps", type=int, default=0,
+                        help="trace a traced pass of the first point (capture/vllm_traced_pass) instead of the timed "
+                             "points, in a window of this many engine steps")
     parser.add_argument("--result", type=Path, required=True)
     return parser.parse_args(argv[:split]), argv[split + 1:]
-
-
-def build_prompts(point: Point, seed: int, vocab_size: int, purpose: str) -> list[list[int]]:
-    """Token-id prompts, identical for every arm given the same seed and point.
-
-    `purpose` separates warm-up tokens from measured ones, so that a warm-up cannot pre-fill the prefix
-    cache. Random(str) seeds through SHA-512, independent of PYTHONHASHSEED.
-    """
-    rng = random.Random(f"kvtrace:{seed}:{purpose}:{point.spec()}")
-    prefixes = [[rng.randrange(1, vocab_size) for _ in range(point.prefix_len)]
-                for _ in range(point.num_prefixes if point.prefix_len else 0)]
-    prompts = [(prefixes[i % len(prefixes)] if prefixes else []) + [rng.randrange(1, vocab_size)
-                                                                      for _ in range(point.input_len)]
-               for i in range(point.num_prompts)]
-    if prefixes:
-        rng.shuffle(prompts)  # interleave the shared prefixes in a fixed order
-    return prompts
 
 
 def warmup_points(points: list[Point]) -> list[Point]:
@@ -175,8 +162,26 @@ def run(args: argparse.Namespace, engine_flags: list[str]) -> dict:
         llm.reset_prefix_cache()
     result["warmup_s"] = round(time.monotonic() - started, 2)
 
+    traced = None
+    if args.traced_pass_steps:
+        # A window of that many steps would close inside the first timed point and stall it: it traces a traced pass
+        # of that point, named as the point so that the analyzer reads it as the point's, and closes first.
+        point = traced_point(args.points[0], args.traced_pass_steps)
+        llm.start_profile()
+        try:
+            with nvtx_range(point_range_name(args.scenario, args.points[0])):
+                tick = time.perf_counter()
+                _, outputs = generate(point, "traced")
+                traced = {"point": point.spec(), "requests": len(outputs),
+                          "completion_tokens": sum(len(output.outputs[0].token_ids) for output in outputs),
+                          "seconds": round(time.perf_counter() - tick, 2)}
+        finally:
+            llm.stop_profile()
+        if cache.enable_prefix_caching:
+            llm.reset_prefix_cache()
     capped: set[tuple[int, int]] = set()
-    llm.start_profile()
+    if traced is None:
+        llm.start_profile()
     try:
         for index, point in enumerate(args.points):
             if (point.prefix_len, point.input_len) in capped:
@@ -203,7 +208,10 @@ def run(args: argparse.Namespace, engine_flags: list[str]) -> dict:
                     capped.add((point.prefix_len, point.input_len))
             result["points"].append(record)
     finally:
-        llm.stop_profile()
+        if traced is None:
+            llm.stop_profile()
+    if traced is not None and result["points"]:
+        result["points"][0]["traced_pass"] = traced
     result["request_order_sha256"] = request_order_sha256([p["request_order_sha256"] for p in result["points"]])
     return result
 

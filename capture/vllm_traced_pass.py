@@ -16,8 +16,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
+from kvtrace.capture.vllm_common import build_prompts
 from kvtrace.capture.vllm_http import http_request
-from kvtrace.capture.vllm_offline_workload import build_prompts
 from kvtrace.manifest import Point
 from kvtrace.text import plural
 

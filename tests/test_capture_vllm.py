@@ -39,7 +39,8 @@ from kvtrace.capture import vllm_engine as engine
 from kvtrace.capture import vllm_http as http
 from kvtrace.capture import vllm_preflight as preflight
 from kvtrace.capture import vllm_offline_workload as worker
-from kvtrace.capture.vllm_common import metric_deltas, parse_kv_cache_log, request_order_sha256, update_peaks
+from kvtrace.capture.vllm_common import (build_prompts, metric_deltas, parse_kv_cache_log, request_order_sha256,
+                                         update_peaks)
 from kvtrace.analyzer import serving
 from kvtrace.manifest import Point, capacity_reason, read_manifest
 from kvtrace.errors import KvtraceError
@@ -526,15 +527,15 @@ def test_points_round_trip():
 
 def test_prompts_are_deterministic_and_shaped():
     point = Point(48, 4, 12, 4, prefix_len=32, num_prefixes=3)
-    prompts = worker.build_prompts(point, 7, 32000, "measure")
-    assert prompts == worker.build_prompts(point, 7, 32000, "measure")
-    assert prompts != worker.build_prompts(point, 7, 32000, "warmup")
-    assert prompts != worker.build_prompts(point, 8, 32000, "measure")
+    prompts = build_prompts(point, 7, 32000, "measure")
+    assert prompts == build_prompts(point, 7, 32000, "measure")
+    assert prompts != build_prompts(point, 7, 32000, "warmup")
+    assert prompts != build_prompts(point, 8, 32000, "measure")
     assert all(len(p) == 80 and all(1 <= t < 32000 for t in p) for p in prompts)
     assert len({tuple(p[:32]) for p in prompts}) == 3 and len({tuple(p[32:]) for p in prompts}) == 12
-    assert request_order_sha256([prompts, 4]) == request_order_sha256([worker.build_prompts(point, 7, 32000,
+    assert request_order_sha256([prompts, 4]) == request_order_sha256([build_prompts(point, 7, 32000,
                                                                                             "measure"), 4])
-    plain = worker.build_prompts(Point(16, 1, 5, 5), 0, 100, "measure")
+    plain = build_prompts(Point(16, 1, 5, 5), 0, 100, "measure")
     assert [len(p) for p in plain] == [16] * 5
 
 
@@ -1049,6 +1050,26 @@ def test_offline_runs_the_worker_under_nsys(standin):
     assert calls[0] == ("init", {"kv_cache_dtype": "fp8", "attention_backend": "FLASHINFER", "load_format": "dummy",
                                  "skip_tokenizer_init": True, "enable_prefix_caching": False})
     assert calls[1:] == [("generate", 8), ("start_profile", None), ("generate", 8), ("stop_profile", None)]
+
+
+@pytest.mark.slow
+def test_offline_profile_steps_trace_a_traced_pass_before_the_timed_points(standin):
+    """The worker's window wraps a traced pass of the first point (two waves, at most N output tokens), the prefix
+    cache is reset after it, and the timed points run outside any window."""
+    cfg = replace(offline_config(standin, scenario="prefix-reuse", input_len=16, prefix_len=32, num_prefixes=2),
+                  profile_steps=3)
+    manifest = run_capture(standin, cfg)
+    assert manifest["status"] == "ok" and manifest["request_order_matched"] is True
+    for name in ("auto", "fp8"):
+        (point,) = manifest["arms"][name]["points"]
+        assert point["traced_pass"] == {"point": "input=16,output=3,prompts=8,concurrency=4,prefix=32,prefixes=2",
+                                        "requests": 8, "completion_tokens": 24,
+                                        "seconds": point["traced_pass"]["seconds"]}
+        assert "--traced-pass-steps" in manifest["arms"][name]["commands"][0]
+    calls = [c["call"] for c in standin.calls() if c["arm"] == "fp8"]
+    assert calls == ["init", "generate", "reset_prefix_cache", "start_profile", "generate", "stop_profile",
+                     "reset_prefix_cache", "generate"]
+    assert serving.window_stalls(read_manifest(standin.tmp / "run").runs["fp8"], 3) == {}
 
 
 @pytest.mark.slow
