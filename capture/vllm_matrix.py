@@ -86,8 +86,9 @@ class MatrixScenario:
         return [i for i, point in enumerate(points) if point.concurrency in PATCHED_SWEEP_CONCURRENCIES]
 
 
-# Engine steps traced per point. The first 8 hold a point's prefill and mixed steps and the decode steps after them;
-# the H100 matrix traced 12 to 48 per point, 87 MB of exports, which its fixture keeps 8 of (pack_run.py --steps 8).
+# Engine steps traced per point, of its traced pass (capture/vllm_traced_pass): the first 8 hold the prefill and mixed
+# steps and the decode steps after them; the H100 matrix traced 12 to 48 per point, 87 MB of exports, which its
+# fixture keeps 8 of (pack_run.py --steps 8).
 WINDOW_STEPS = 8
 
 
