@@ -4,7 +4,7 @@ before its timed traffic, so that the window closes before any timed request is 
 Closing an nsys capture range holds the engine while nsys collects the range: `cudaProfilerStop` returned 2.5 to 4 s
 after the eighth step on the H100 (vLLM 0.33, nsys 2025.3.1, `--cuda-graph-trace=node`), and every request in flight
 or queued waited that long. A window that closes inside the timed traffic therefore adds that stall to the TTFT,
-ITL and throughput the point reports (analyzer/serving.py refuses such points).
+ITL and throughput the point reports (analyzer/serving.window_stalls finds such points: not comparable).
 
 Standard library only.
 """
