@@ -331,10 +331,12 @@ def request_samples(record: dict, run: Path | None = None) -> RequestSamples | N
     return samples
 
 
-def serving_metrics(record: dict, kv_cache_tokens: int | None, run: Path | None = None) -> ServingMetrics:
+def serving_metrics(record: dict, kv_cache_tokens: int | None, run: Path | None = None, *,
+                    window_stall: str | None = None) -> ServingMetrics:
     """One point of a vLLM arm: the bench client's summary (serve) or the worker's counts (offline), with
     vLLM's own counter deltas and polled peaks, and the checks of sources that measure the same thing; with
-    `run` (its run directory), the per-request samples its bench result file keeps."""
+    `run` (its run directory), the per-request samples its bench result file keeps; `window_stall` as
+    window_stalls found it for this point."""
     bench = record.get("bench") or {}
     metrics = record.get("metrics") or {}
     deltas = metrics.get("deltas") or {}
@@ -394,7 +396,7 @@ def serving_metrics(record: dict, kv_cache_tokens: int | None, run: Path | None 
         peaks_note=peaks_note, capacity=reason, capacity_note=capacity_note,
         checks=source_checks(record, counters, histograms, kv_cache_tokens, reuse),
         requests_detail=request_samples(record, run), reuse=reuse, evictions=evictions(record),
-        budget=budget_lib.arm_budget(histograms))
+        budget=budget_lib.arm_budget(histograms), window_stall=window_stall)
 
 
 # The engine steps of a point's timed traffic: vLLM observes this histogram once per engine step.
@@ -458,14 +460,11 @@ def serving_rows(base: ArmInput, cand: ArmInput, *, threshold: float = 0.02, con
     runs = []  # per side, per run: {spec: (ServingMetrics, record)}
     for item in (base, cand):
         side = []
-        for name in item.runs:
-            run = item.manifest.runs[name]
+        for run in (item.manifest.runs[name] for name in item.runs):
             stalls = window_stalls(run, item.manifest.settings.get("profile_steps"))
-            points = {p["point"]: (serving_metrics(p, run.kv_cache_tokens, item.run), p) for p in run.points
-                      if p.get("point")}
-            for spec, (metrics, _) in points.items():
-                metrics.window_stall = stalls.get(spec)
-            side.append(points)
+            side.append({p["point"]: (serving_metrics(p, run.kv_cache_tokens, item.run,
+                                                      window_stall=stalls.get(p["point"])), p)
+                         for p in run.points if p.get("point")})
         runs.append(side)
     records = [{spec: metrics for spec, (metrics, _) in side[0].items()} for side in runs]
     order = list(records[0]) + [p for p in records[1] if p not in records[0]]

@@ -1,6 +1,6 @@
 """What the vLLM engine and its offline worker share: metric snapshots, deltas and peaks, the request-order
-hash, the KV-cache startup line and the token-id prompts of the offline worker and the traced pass. Traffic points and the capacity rule are kvtrace.manifest's (the report
-reads them too).
+hash, the KV-cache startup line, and the token-id prompts of the offline worker and the traced pass. Traffic points
+and the capacity rule are kvtrace.manifest's (the report reads them too).
 
 Standard library only: the worker imports this next to vLLM on the GPU box.
 """

@@ -8,8 +8,9 @@ offline and serving modes and both arms share one flag list. Prompts are token i
 no tokenizer is needed. A warm-up generate of the same shapes (other tokens) runs before
 llm.start_profile(), which opens the nsys capture range (profiler "cuda"), so that JIT compilation,
 autotuning and CUDA-graph capture stay out of the trace. With --traced-pass-steps the range holds a traced pass of
-the first point instead and closes before the timed points (closing it holds the engine seconds). Offline vLLM has no per-request TTFT/ITL; the
-result records wall time, token counts, cached prompt tokens and vLLM's own metric counters.
+the first point instead and closes before the timed points (closing it holds the engine seconds). Offline vLLM has
+no per-request TTFT/ITL; the result records wall time, token counts, cached prompt tokens and vLLM's own metric
+counters.
 
 Imports nothing heavy at module level, so that the engine and the tests can use its pure functions.
 """
