@@ -287,10 +287,12 @@ def _judge(point: MatrixPoint, result: Report, objective: str, estimate: Serving
     b, c = row.baseline, row.candidate
     winner, loser = (c, b) if candidate_better else (b, c)
     why = point.reason
-    bound = (point.baseline_capacity, point.candidate_capacity)
-    loser_bound, winner_bound = (bound[0], bound[1]) if candidate_better else (bound[1], bound[0])
-    # Capacity explains a win only where the loser ran out of room and the winner did not, or held more requests.
-    more_room = bool(loser_bound) and (not winner_bound or _ran_more(winner, loser))
+    loser_bound = point.baseline_capacity if candidate_better else point.candidate_capacity
+    won = 1 if candidate_better else 0
+    winner_ever_bound = any(pair[won].capacity for pair in row.run_pairs or ((b, c),))
+    # Capacity explains a win only where the loser ran out of room in every run and the winner in none, or the
+    # winner held more requests at once in every run pair.
+    more_room = bool(loser_bound) and (not winner_ever_bound or _ran_more(point, candidate_better))
     if objective == "ttft" and why is not None:
         # The budget's part that carries the TTFT difference, measured apart from zero, where the server's TTFT moved
         # the winner's way; queue time is a capacity effect only where the winner had more room (else the loser's
@@ -315,9 +317,27 @@ def _judge(point: MatrixPoint, result: Report, objective: str, estimate: Serving
         point.winner, point.apparent = NOT_EXPLAINED, side
 
 
-def _ran_more(winner, loser) -> bool:
-    """Both arms capacity-bound, the winner less so: the server observed it running more requests at once."""
-    return None not in (winner.peak_running, loser.peak_running) and winner.peak_running > loser.peak_running
+def _ran_more(point: MatrixPoint, candidate_better: bool) -> bool:
+    """Both arms capacity-bound, the winner less so: in every run pair the server observed it running more requests
+    at once."""
+    row = point.serving
+    pairs = row.run_pairs or ((row.baseline, row.candidate),)
+    won, lost = (1, 0) if candidate_better else (0, 1)
+    return all(None not in (pair[won].peak_running, pair[lost].peak_running)
+               and pair[won].peak_running > pair[lost].peak_running for pair in pairs)
+
+
+def _capacity_over_runs(reasons: list[str | None]) -> tuple[str | None, str | None]:
+    """An arm's capacity reason at a point over every run (each on its own observed evidence), and a note: bound
+    only where every run was, with each run's reason where they differ; bound in some runs only is not counted, and
+    the note says in how many (one run's evidence is not the point's)."""
+    bound = [r for r in reasons if r]
+    if not bound:
+        return None, None
+    each = f"{', '.join(r or 'not bound' for r in reasons[:-1])} and {reasons[-1] or 'not bound'}"
+    if len(bound) == len(reasons):
+        return (reasons[0], None) if len(set(reasons)) == 1 else (f"{each} in its {len(reasons)} runs", None)
+    return None, f"capacity-bound in {len(bound)} of {len(reasons)} runs ({each}): not counted as capacity-bound"
 
 
 def _points(name: str, result: Report, objective: str, start: int) -> list[MatrixPoint]:
@@ -332,11 +352,13 @@ def _points(name: str, result: Report, objective: str, start: int) -> list[Matri
     for index, row in enumerate(result.serving):
         notes = []
         caps = []
-        for side in ("baseline", "candidate"):
+        for position, side in enumerate(("baseline", "candidate")):
             metrics = getattr(row, side)  # its capacity rests on observed evidence only (analyzer.serving)
-            caps.append(metrics.capacity if metrics else None)
-            if metrics and metrics.capacity_note:
-                notes.append(f"{getattr(result, side).label}: {metrics.capacity_note}")
+            label = getattr(result, side).label
+            runs = [pair[position] for pair in row.run_pairs] or ([metrics] if metrics else [])
+            bound, note = _capacity_over_runs([m.capacity for m in runs])
+            caps.append(bound)
+            notes += [f"{label}: {n}" for n in (metrics.capacity_note if metrics else None, note) if n]
         try:
             single = Point.parse(row.point).output_len <= 1
         except (ValueError, TypeError):

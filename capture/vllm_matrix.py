@@ -158,13 +158,14 @@ class MatrixConfig:
 
 # ---- the plan and its estimate ----------------------------------------------------------------------------
 
-# Seconds, from the H100 recording of fixtures/vllm033-h100-matrix (matrix.json's timeline, docs/performance.md): a
-# fresh machine's first start compiles (430 s for three servers together, 170 s of it FlashInfer's attention builds
-# and 139 s its sampler's, which the capture no longer builds: vllm_config.child_env); a point's traffic at the bench
-# client's measured durations; a window's export (0.2 s each, 8 at a time: 1.2 s for 52 windows); a lone client's
-# imports (28 s, the co-residence check's). Every round's clients import while the servers compile: PRESTART_S is
-# what they might outlast it by. On 2026-12-07 two servers without the sampler started in 220 and 344 s on two fresh
-# H100 machines, and the clients outlasted neither.
+# Seconds, from the H100 recordings of the matrix (matrix.json's timelines, docs/performance.md): a fresh machine's
+# first start compiles (430 s for three servers together on 2026-12-06, fixtures/vllm033-h100-counterfactual, 170 s
+# of it FlashInfer's attention builds and 139 s its sampler's, which the capture no longer builds:
+# vllm_config.child_env); a point's traffic at the bench client's measured durations; a window's export (0.2 s each,
+# 8 at a time: 1.2 s for 52 windows); a lone client's imports (28 s, the co-residence check's). Every round's clients
+# import while the servers compile: PRESTART_S is what they might outlast it by. On 2026-12-07 two servers without
+# the sampler started in 220, 344 and 271 s on three fresh H100 machines (the last fixtures/vllm033-h100-matrix), and
+# the clients outlasted none.
 START_S, WARMUP_S, PRESTART_S, CHECK_PRESTART_S, POINT_OVERHEAD_S, EXPORT_S = 291.0, 3.5, 5.0, 28.0, 2.0, 0.2
 # A point's traced pass (capture/vllm_traced_pass): two waves of short requests, and the 2.5 to 4 s the window's close
 # holds the engine, once before the timed traffic instead of inside it.

@@ -94,9 +94,14 @@ VLLM033_RUNS = {pack.name.removesuffix(".tar.xz"): _unpack(pack) for pack in sor
 VLLM033_8B_RUNS = {pack.name.removesuffix(".tar.xz"): _unpack(pack)
                    for pack in sorted(VLLM033_8B_PACKS.glob("*.tar.xz"))}
 # The whole capacity matrix of the 8B shape, recorded by `kvtrace capture vllm-matrix` on an H100 (issue 46): one
-# server per arm, three interleaved rounds, a trace window per point (fixtures/README.md); its runs by scenario.
+# server per arm, three interleaved rounds, a traced pass in every point before its timed traffic
+# (fixtures/README.md); its runs by scenario.
 MATRIX = _unpack(FIXTURES / "vllm033-h100-matrix" / "vllm033-h100-matrix.tar.xz", named=True)
 MATRIX_RUNS = {run.name: run for run in sorted(MATRIX.iterdir()) if (run / "manifest.json").is_file()}
+# The first matrix recording (2026-12-06), whose windows stalled its timed traffic, cut to what it alone holds: the
+# counterfactual arm (counterfactual/cold-prefill, counterfactual/sweep), the sweep its stock runs were copied from,
+# the co-residence check (checks/co-residence) and its matrix.json.
+COUNTERFACTUAL = _unpack(FIXTURES / "vllm033-h100-counterfactual" / "vllm033-h100-counterfactual.tar.xz", named=True)
 # The same matrix recorded twice on 2026-12-07: with 8-step windows inside each point's timed traffic, and with each
 # window around a traced pass before it (cut to the manifests and bench timelines; fixtures/README.md).
 WINDOW_STALL = _unpack(FIXTURES / "vllm033-h100-window-stall" / "vllm033-h100-window-stall.tar.xz", named=True)

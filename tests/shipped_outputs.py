@@ -17,8 +17,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from conftest import (MATRIX, MATRIX_RUNS, NSYS2025_DIR, PACKED_RUNS, RECORDED_REPORT, SERVE_RUNS, VLLM033_8B_RUNS,
-                      VLLM033_RUNS, _run_in_process)
+from conftest import (COUNTERFACTUAL, MATRIX, MATRIX_RUNS, NSYS2025_DIR, PACKED_RUNS, RECORDED_REPORT, SERVE_RUNS,
+                      VLLM033_8B_RUNS, VLLM033_RUNS, _run_in_process)
 
 FORMATS = {"markdown": "md", "json": "json"}
 SERVE_SCENARIOS = sorted({name.rsplit("-", 1)[0] for name in SERVE_RUNS})
@@ -44,7 +44,7 @@ def commands() -> dict[str, list]:
     found["matrix.vllm033"] = ["matrix", *VLLM033_RUNS.values()]
     found["matrix.vllm033-8b"] = ["matrix", *VLLM033_8B_RUNS.values()]
     found["matrix.vllm033-h100-matrix"] = ["matrix", MATRIX]
-    found["matrix.vllm033-h100-matrix-counterfactual"] = ["matrix", MATRIX / "counterfactual"]
+    found["matrix.vllm033-h100-counterfactual"] = ["matrix", COUNTERFACTUAL / "counterfactual"]
     return found
 
 

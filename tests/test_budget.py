@@ -1,6 +1,6 @@
 """The TTFT budget per point (analyzer/budget, budget_trace), the why that follows it, the KV pool with its projection,
 and the matrix's first screen, on the vLLM 0.33 runs of the Llama-3.1-8B-shaped model: the H100 capacity matrix
-(fixtures/vllm033-h100-matrix: three interleaved rounds, a trace window in every point) and, for the projection to
+(fixtures/vllm033-h100-matrix: three interleaved rounds, a traced pass in every point) and, for the projection to
 vLLM's default pool, the H200 runs that remain (fixtures/vllm033-h200-8b).
 
 Expectations come from what kvtrace did not compute: the /metrics scrapes (.prom text) parsed here with a regular
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import MATRIX_RUNS, VLLM033_8B_RUNS, reading_stalled_timings
+from conftest import MATRIX_RUNS, VLLM033_8B_RUNS
 from kvtrace.analyzer import budget, budget_trace, matrix
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.render.matrix import markdown_parts
@@ -25,13 +25,6 @@ from kvtrace.errors import KvtraceError
 SWEEP = MATRIX_RUNS["sweep"]
 PARTS = {"ttft": "vllm:time_to_first_token_seconds", "queue": "vllm:request_queue_time_seconds",
          "prefill": "vllm:request_prefill_time_seconds"}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _stalled_timings_read():
-    """This machinery is tested on the shipped timings, stalls and all (conftest.reading_stalled_timings)."""
-    with reading_stalled_timings():
-        yield
 
 
 @pytest.fixture(scope="module")

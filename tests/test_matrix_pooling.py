@@ -1,10 +1,13 @@
 """`kvtrace matrix` pools the run pairs of one point measured in several run directories when the measurements
-agree. The sweep of the H100 capacity matrix (fixtures/vllm033-h100-matrix: 3 interleaved run pairs per point) is
-split here into two run directories as if recorded in two sessions (constructed copies: r1 and r2 in the first, r3
-without concurrency 8 in the second), so each point they share is decided once on all 3 run pairs, as the one
-capture decides it, where neither directory alone decides (2 run pairs, 1). The pooled ratio and interval are
-recomputed here from each run's own bench JSON (per-request TTFTs) with scipy's t; the verdicts from those intervals;
-a point measured once is not pooled; two run pairs pooled decide nothing; a synthetic disagreement is not decided."""
+agree. The sweep of the H100 capacity matrix (fixtures/vllm033-h100-matrix, recorded 2026-12-07: 3 interleaved run
+pairs per point) is split here into two run directories as if recorded in two sessions (constructed copies: r1 and r2
+in the first, r3 without concurrency 8 in the second). Whether the sessions agree at a point they share is recomputed
+here from each run's own bench JSON (per-request TTFTs): each session's ratio and interval (scipy's t over two run
+pairs, scipy's paired bootstrap over one run pair's requests), and docs/statistics.md's rule, each ratio inside the
+other's interval. In this recording they agree at concurrency 4 and 16, each then decided once on all 3 run pairs as
+the one capture decides it, where neither directory alone decides (2 run pairs, 1); at concurrency 12, r3's ratio
+lies outside r1 and r2's interval, so that point is not decided. A point measured once is not pooled; two run pairs
+pooled decide nothing; a synthetic disagreement is not decided."""
 
 from __future__ import annotations
 
@@ -17,24 +20,18 @@ import numpy as np
 import pytest
 from scipy import stats as sp
 
-from conftest import MATRIX_RUNS, deciding_on_any_run_pairs, reading_stalled_timings
+from conftest import MATRIX_RUNS, deciding_on_any_run_pairs
 from kvtrace.analyzer import claims as claims_lib, drift_band, matrix
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.render import render_text
 from kvtrace.analyzer.render import matrix as matrix_render
+from kvtrace.analyzer.render.units import rows_text
 from kvtrace.analyzer.stats import serving_intervals
 from kvtrace.analyzer.stats.verdicts import Verdict
 
 SWEEP = MATRIX_RUNS["sweep"]
 SKIPPED = "input=2048,output=128,prompts=32,concurrency=8"  # the point the second session did not run
 THRESHOLD = 0.02
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _stalled_timings_read():
-    """This machinery is tested on the shipped timings, stalls and all (conftest.reading_stalled_timings)."""
-    with reading_stalled_timings():
-        yield
 
 
 def session(folder: Path, repeats: tuple[str, ...], skipped: tuple[str, ...] = ()) -> Path:
@@ -73,11 +70,18 @@ def both(sessions, recipes):
     return matrix.build(list(sessions), recipes)
 
 
-def run_pair_means(run: Path) -> dict[str, list[tuple[float, float]]]:
-    """Per point, each complete run pair's (fp8, nvfp4) mean TTFT in ms, from the arms' own bench JSON: arms pair
-    by their repeat suffix (fp8.r1 with nvfp4.r1); an arm whose partner recorded no point is left out."""
+@pytest.fixture(scope="module")
+def agreed(sessions) -> dict[str, bool]:
+    """Per point both sessions measured, whether their measurements agree, recomputed from the bench JSON."""
+    return agreement(*sessions)
+
+
+def run_pair_ttfts(run: Path) -> dict[str, list[tuple[np.ndarray, np.ndarray]]]:
+    """Per point, each complete run pair's (fp8, nvfp4) per-request TTFTs in s, in request order, from the arms' own
+    bench JSON: arms pair by their repeat suffix (fp8.r1 with nvfp4.r1); an arm whose partner recorded no point is
+    left out."""
     arms = json.loads((run / "manifest.json").read_text())["arms"]
-    means: dict[str, list[tuple[float, float]]] = {}
+    found: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
     for label, arm in arms.items():
         if not label.startswith("fp8"):
             continue
@@ -87,10 +91,39 @@ def run_pair_means(run: Path) -> dict[str, list[tuple[float, float]]]:
         theirs = {p["point"]: p for p in partner["points"]}
         for mine in arm["points"]:
             if mine["point"] in theirs:
-                pair = tuple(1000 * float(np.mean(json.loads((run / p["bench_result"]).read_text())["ttfts"]))
+                pair = tuple(np.asarray(json.loads((run / p["bench_result"]).read_text())["ttfts"], dtype=float)
                              for p in (mine, theirs[mine["point"]]))
-                means.setdefault(mine["point"], []).append(pair)
-    return means
+                found.setdefault(mine["point"], []).append(pair)
+    return found
+
+
+def run_pair_means(run: Path) -> dict[str, list[tuple[float, float]]]:
+    """Per point, each complete run pair's (fp8, nvfp4) mean TTFT in ms (run_pair_ttfts)."""
+    return {spec: [(1000 * float(b.mean()), 1000 * float(c.mean())) for b, c in pairs]
+            for spec, pairs in run_pair_ttfts(run).items()}
+
+
+def measurement(run: Path, spec: str) -> tuple[float, float, float]:
+    """A directory's TTFT ratio (nvfp4 / fp8) at a point and its 95% interval: over several run pairs, the t
+    interval of their means (t_interval); over one, its request pairs resampled (scipy's paired percentile bootstrap;
+    kvtrace's draws n − 1 of n, a difference far inside this data's margins)."""
+    pairs = run_pair_ttfts(run)[spec]
+    if len(pairs) > 1:
+        return t_interval(run_pair_means(run)[spec])
+    ((b, c),) = pairs
+    found = sp.bootstrap((b, c), lambda x, y, axis=-1: y.mean(axis=axis) / x.mean(axis=axis), paired=True,
+                         vectorized=True, n_resamples=9999, method="percentile", random_state=0).confidence_interval
+    return float(c.mean() / b.mean()), float(found.low), float(found.high)
+
+
+def agreement(first: Path, second: Path) -> dict[str, bool]:
+    """Per point both directories measured, whether the measurements agree (docs/statistics.md): each ratio lies
+    inside the other's interval."""
+    agree = {}
+    for spec in sorted(set(run_pair_ttfts(first)) & set(run_pair_ttfts(second))):
+        (r1, low1, high1), (r2, low2, high2) = measurement(first, spec), measurement(second, spec)
+        agree[spec] = low1 <= r2 <= high1 and low2 <= r1 <= high2
+    return agree
 
 
 def t_interval(pairs: list[tuple[float, float]]) -> tuple[float, float, float]:
@@ -119,14 +152,16 @@ def _expected_winner(ratio: float, low: float, high: float) -> str | None:
             "candidate" if high < 1 and ratio < 1 - THRESHOLD else None)
 
 
-def test_each_shared_point_is_decided_on_both_sessions_run_pairs(both, sessions, shared):
+def test_each_shared_point_that_agrees_is_decided_on_both_sessions_run_pairs(both, sessions, agreed, shared):
     old, new = (run_pair_means(run) for run in sessions)
     common = sorted(set(old) & set(new))
-    assert len(new) == len(common) == 3 and SKIPPED not in common
+    assert len(new) == len(common) == 3 and SKIPPED not in common and sorted(agreed) == common
     assert all(len(pairs) == 2 for pairs in old.values()) and all(len(pairs) == 1 for pairs in new.values())
+    pooled = [spec for spec in common if agreed[spec]]
+    assert pooled  # concurrency 4 and 16 in this recording: else nothing below is checked
     whole = {p.point: p for p in shared.matrix([SWEEP]).points}  # the one capture of all three run pairs
     points = by_point(both)
-    for spec in common:
+    for spec in pooled:
         first, second = sorted(points[spec], key=lambda p: p.row)
         assert first.pooled_with == (second.row,) and second.pooled_with == (first.row,)
         r, low, high = t_interval(old[spec] + new[spec])
@@ -148,6 +183,35 @@ def test_each_shared_point_is_decided_on_both_sessions_run_pairs(both, sessions,
             assert p.winner == _expected_winner(r, low, high) and p.causes and p.undecided is None
 
 
+def test_a_shared_point_the_sessions_measure_apart_is_not_decided(both, sessions, agreed):
+    """Real data, no edit: at concurrency 12, r3's ratio (0.602×) lies outside r1 and r2's t interval over their two
+    run pairs (0.566× [0.539, 0.595]), though all three were interleaved in one capture. By the rule (one ratio
+    outside the other's interval) the two measurements disagree: neither row is pooled or decided, and the decision
+    names both."""
+    apart = [spec for spec, same in agreed.items() if not same]
+    assert apart  # concurrency 12 in this recording
+    (choice,) = [c for c in both.claims if c.kind == "choice"]
+    rows = set()
+    for spec in apart:
+        first, second = sorted(by_point(both)[spec], key=lambda p: p.row)
+        rows |= {first.row, second.row}
+        for p, other in ((first, second), (second, first)):
+            assert p.pooled_with == () and p.pooled_directories == 0 and p.disagrees_with == (other.row,)
+            assert p.winner is None and p.causes == () and p.estimate is p.serving.estimates["ttft_ms"]
+            assert p.undecided == (f"measured again at R{other.row} with another result: the measurements disagree, "
+                                   "so this point is not decided")
+        (claim,) = [c for c in both.claims if c.kind == "disagree" and c.point == spec]
+        measured = {m.row: m for m in claim.measurements}
+        assert claim.rows == (first.row, second.row) and set(measured) == set(claim.rows)
+        mine = measured[first.row]  # the first session's two run pairs: scipy's t against kvtrace's
+        assert (mine.ratio, mine.ci_low, mine.ci_high) == pytest.approx(measurement(sessions[0], spec), rel=1e-9)
+        assert mine.runs == 2 and measured[second.row].runs == 1
+        assert measured[second.row].ratio == pytest.approx(measurement(sessions[1], spec)[0], rel=1e-9)
+    assert not any(c.kind in ("capacity", "point") and rows & set(c.rows) for c in both.claims)
+    assert set(choice.disagree) == rows
+    assert f"measurements disagree at {rows_text(choice.disagree)}" in render_text(both, "markdown")
+
+
 def test_a_point_measured_once_is_not_pooled(both, sessions):
     old, new = (run_pair_means(run) for run in sessions)
     once = [spec for spec in old if spec not in new]
@@ -163,11 +227,14 @@ def test_a_point_measured_once_is_not_pooled(both, sessions):
 
 
 def test_no_pooled_point_of_two_run_pairs_is_decided_and_each_says_why(sessions, recipes, tmp_path):
-    """r1 alone beside r3: two run pairs pooled decide nothing, however narrow their interval."""
-    two = matrix.build([session(tmp_path, ("r1",)), sessions[1]], recipes)
+    """r1 alone beside r3: two run pairs pooled decide nothing, however narrow their interval. Pooled are the points
+    where the two runs' request-level intervals hold each other's ratio (every shared point, in this recording)."""
+    first = session(tmp_path, ("r1",))
+    agree = agreement(first, sessions[1])
+    two = matrix.build([first, sessions[1]], recipes)
     (choice,) = [c for c in two.claims if c.kind == "choice"]
     pooled = sorted(p.row for p in two.points if p.pooled_with)
-    assert len(pooled) == 6 and set(pooled) <= set(choice.undecided)
+    assert len(pooled) == 2 * sum(agree.values()) > 0 and set(pooled) <= set(choice.undecided)
     assert all(p.estimate.runs == 2 and p.winner is None for p in two.points if p.pooled_with)
     sentence = matrix_render.claim_text(choice, two)
     assert f"not decided at {matrix_render.rows_text(choice.undecided)} (their cells say why)" in sentence
@@ -225,9 +292,10 @@ def test_pooling_refuses_estimates_of_different_metrics(both):
         serving_intervals.pool_serving([ttft])
 
 
-def test_synthetic_disagreeing_measurements_are_not_pooled_nor_decided(recipes, sessions, tmp_path):
+def test_synthetic_disagreeing_measurements_are_not_pooled_nor_decided(recipes, sessions, agreed, tmp_path):
     """The second session's run with its nvfp4.r3 TTFTs at concurrency 4 doubled (synthetic): its ratio now lies
-    outside the first session's interval, so the point is measured twice with disagreeing results."""
+    outside the first session's interval, so the point is measured twice with disagreeing results. The other shared
+    points keep the real data's outcome (agreed)."""
     run = tmp_path / sessions[1].name
     shutil.copytree(sessions[1], run)
     arms = json.loads((run / "manifest.json").read_text())["arms"]
@@ -247,10 +315,15 @@ def test_synthetic_disagreeing_measurements_are_not_pooled_nor_decided(recipes, 
         assert p.pooled_with == () and p.disagrees_with == (other.row,)
         assert p.winner is None and p.estimate is p.serving.estimates["ttft_ms"]
     assert not any(c.kind in ("capacity", "point") and first.row in c.rows for c in result.claims)
-    text = render_text(result, "markdown")
-    assert f"measurements disagree at R{first.row}, R{second.row}" in text
-    # The other shared points still agree and are pooled.
-    assert sum(1 for p in result.points if p.pooled_with) == 2 * (len(run_pair_means(run)) - 1)
+    (choice,) = [c for c in result.claims if c.kind == "choice"]
+    apart = sorted(p.row for p in result.points if p.disagrees_with)
+    assert {first.row, second.row} <= set(choice.disagree) and sorted(choice.disagree) == apart
+    assert f"measurements disagree at {rows_text(choice.disagree)}" in render_text(result, "markdown")
+    # The other shared points as the real data has them: pooled where the sessions agree, apart where not.
+    others = [same for other, same in agreed.items() if other != spec]
+    assert any(others) and len(others) == len(run_pair_means(run)) - 1
+    assert sum(1 for p in result.points if p.pooled_with) == 2 * sum(others)
+    assert len(apart) == 2 * (1 + others.count(False))
 
 
 def test_a_sweep_run_again_with_another_kv_cache_size_is_not_pooled(recipes, both, sessions, tmp_path):
@@ -284,9 +357,11 @@ def test_synthetic_pooled_row_whose_own_run_credits_the_win_otherwise_is_named(r
     assert f"; on R{second.row}'s own run, fp8 wins, by a capacity effect" in text
 
 
-def test_a_pooled_claim_gives_every_pooled_runs_server_measures(both, sessions, recipes):
+def test_a_pooled_claim_gives_every_pooled_runs_server_measures(both, sessions, agreed, recipes):
     """A pooled capacity claim's server measures are each pooled row's runs, row by row, as each directory alone
-    gives them, and its words list them all (not the lowest row's run only)."""
+    gives them, and its words list them all (not the lowest row's run only). Pooled capacity claims stand at the
+    shared points where the sessions agree and the traffic needs more KV tokens than fp8's pool holds (the startup
+    log's count in the manifest): concurrency 16 here; 12 needs more too, but its sessions disagree."""
     with deciding_on_any_run_pairs():
         alone = [matrix.build([run], recipes) for run in sessions]
 
@@ -295,8 +370,10 @@ def test_a_pooled_claim_gives_every_pooled_runs_server_measures(both, sessions, 
         return claim.outcome.server_runs
 
     pooled = [c for c in both.claims if c.kind == "capacity" and c.outcome.pooled_rows]
-    assert {c.outcome.point for c in pooled} == {"input=2048,output=128,prompts=32,concurrency=12",
-                                                 "input=2048,output=128,prompts=32,concurrency=16"}
+    arms = json.loads((SWEEP / "manifest.json").read_text())["arms"]
+    (fp8_tokens,) = {arm["kv_cache"]["tokens"] for label, arm in arms.items() if label.startswith("fp8.")}
+    expected = {spec for spec, same in agreed.items() if same and _kv_demand(spec) > fp8_tokens}
+    assert expected and {c.outcome.point for c in pooled} == expected
     for claim in pooled:
         point, runs = claim.outcome.point, claim.outcome.server_runs
         parts = [own(result, point) for result in alone]
@@ -312,6 +389,12 @@ def test_a_pooled_claim_gives_every_pooled_runs_server_measures(both, sessions, 
         queued = [_queue_ms(SWEEP, f"fp8.{repeat}", point) for repeat in ("r1", "r2", "r3")]  # the /metrics histogram
         assert list(runs.queue_ms[0]) == pytest.approx(queued)
         assert f"mean time queued {' and '.join(f'{q:,.1f} ms' for q in queued)} against" in sentence
+
+
+def _kv_demand(spec: str) -> int:
+    """KV tokens a point's traffic holds at once at full concurrency: concurrency × (input + output)."""
+    fields = dict(part.split("=") for part in spec.split(","))
+    return int(fields["concurrency"]) * (int(fields["input"]) + int(fields["output"]))
 
 
 def _queue_ms(run: Path, arm: str, point: str) -> float:

@@ -1,13 +1,16 @@
-"""The GPU timeline of vLLM's steps (analyzer/steps.py) on real runs of the 8B-shaped model (the H100 capacity matrix,
-each point's trace window cut to its first 8 engine steps; the H200 preemption and offline cold-prefill runs): each
-step's kernel time, GPU span and host time against plain SQL over the exports, and the statement that names time the
-host added inside NVFP4's prefill steps apart from its kernels."""
+"""The GPU timeline of vLLM's steps (analyzer/steps.py) on real runs of the 8B-shaped model (the H100 capacity matrix
+of 2026-12-07, each point's export holding the 8 engine steps of its traced pass; the H200 preemption and offline
+cold-prefill runs): each step's kernel time, GPU span and host time against plain SQL over the exports, and the
+statement that names time the host added inside NVFP4's prefill steps apart from its kernels."""
 
 from __future__ import annotations
 
 import json
+import re
 import sqlite3
+from collections import defaultdict
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -51,10 +54,11 @@ def _union(intervals: list[tuple[int, int]]) -> int:
 
 @pytest.mark.parametrize("run", ["fp8.r1", "nvfp4.r1"])
 def test_each_steps_times_are_plain_sqls(run):
-    export = SWEEP / f"{run}.p0.sqlite"  # the first sweep point's window
+    export = SWEEP / f"{run}.p0.sqlite"  # the first sweep point's traced pass
     table = steps.step_table(open_trace(export))
     expected = _sql_steps(export)
-    assert table.height == len(expected) == 8  # pack_run.py --steps 8
+    profile_steps = json.loads((SWEEP / "manifest.json").read_text())["settings"]["profile_steps"]
+    assert table.height == len(expected) == profile_steps == 8  # the engine steps the capture traced
     for row, (name, start, host, kernels) in zip(table.iter_rows(named=True), expected):
         first, last = min(k[0] for k in kernels), max(k[1] for k in kernels)
         assert (row["step"], row["start"], row["host_ns"], row["kernels"]) == (name, start, host, len(kernels))
@@ -116,10 +120,62 @@ def test_no_step_timeline_without_vllm_steps_or_inside_a_window(shared, shipped_
     assert windowed.step_timeline == [] and not any(s.kind == "step-timeline" for s in windowed.statements)
 
 
+class _Step(NamedTuple):
+    name: str
+    phase: str  # from the request counts in its name: no generation requests is prefill, no context ones decode
+    span: int  # first kernel start to last kernel end
+    held: bool  # the host left the range at most steps.HELD_SHARE of the span before the last kernel ended
+    copies: int  # device-to-host copies into pageable memory whose runtime call returned after the copy: waits
+
+
+def _sql_step_waits(export: Path) -> list[_Step]:
+    """Per vLLM step range, in start order, by plain SQL (_sql_steps, and the copies launched inside the range on
+    its thread)."""
+    with sqlite3.connect(f"file:{export}?mode=ro", uri=True) as conn:
+        copies = dict(conn.execute("""
+            SELECT n.start, COUNT(*) FROM NVTX_EVENTS n LEFT JOIN StringIds s ON s.id = n.textId
+            JOIN CUPTI_ACTIVITY_KIND_RUNTIME r ON r.globalTid = n.globalTid AND r.start >= n.start AND r.start < n."end"
+            JOIN CUPTI_ACTIVITY_KIND_MEMCPY m ON m.correlationId = r.correlationId
+            WHERE COALESCE(s.value, n.text) LIKE ? AND m.copyKind = 2 AND m.dstKind = 0 AND r."end" >= m."end"
+            GROUP BY n.start""", (STEP_LIKE,)).fetchall())
+    found, rows = [], _sql_steps(export)
+    assert len({start for _, start, _, _ in rows}) == len(rows)  # a step's start names it in `copies`
+    for name, start, host, kernels in rows:
+        context, generation = map(int, re.search(r"context_(\d+)\(.*_generation_(\d+)\(", name).groups())
+        phase = align.PREFILL if not generation else align.DECODE if not context else align.MIXED
+        first, last = min(k[0] for k in kernels), max(k[1] for k in kernels)
+        found.append(_Step(name, phase, last - first, start + host - last >= -steps.HELD_SHARE * (last - first),
+                           copies.get(start, 0)))
+    return found
+
+
+def _paired_step_waits(run: Path) -> dict[str, list[tuple[_Step, _Step]]]:
+    """Per phase, the (fp8, nvfp4) steps of a run directory's manifest exports paired as kvtrace pairs them: run k
+    with run k, the i-th step of a name in one arm with the i-th of that name in the other."""
+    arms = json.loads((run / "manifest.json").read_text())["arms"]
+    paired: dict[str, list[tuple[_Step, _Step]]] = defaultdict(list)
+    for label in sorted(arms):
+        if not label.startswith("fp8."):
+            continue
+        named = []
+        for arm in (label, "nvfp4." + label.removeprefix("fp8.")):
+            by_name = defaultdict(list)
+            for step in _sql_step_waits(run / arms[arm]["sqlite"]):
+                by_name[step.name].append(step)
+            named.append(by_name)
+        for name, mine in named[0].items():
+            for pair in zip(mine, named[1].get(name, [])):
+                paired[pair[0].phase].append(pair)
+    return paired
+
+
 def test_the_matrix_names_the_host_time_where_the_report_does(shared):
     """Over the H100 matrix's four scenarios: a `steps` claim exactly where a scenario's report states its steps
-    waiting on the host; a claim of time the host added only where the span verdict is a regression, and a claim of
-    what held the host (the sweep's three first-point prefill steps, too few to measure the span) says so."""
+    waiting on the host, which plain SQL finds where nvfp4's host stayed in more paired steps than fp8's and made
+    device-to-host copies into pageable memory that fp8's did not: every scenario's prefill and mixed steps in this
+    recording. A claim of time the host added only where the span verdict is a regression (cold prefill's paired
+    prefill steps, each longer in nvfp4 by SQL); a claim of what held the host says the span is not measured as
+    longer (where it is not, and where one paired step, as in the sweep's, gives the span no interval)."""
     from kvtrace.analyzer.render.matrix import claim_text
 
     result = shared.matrix([MATRIX_RUNS[name] for name in sorted(MATRIX_RUNS)])
@@ -128,9 +184,18 @@ def test_the_matrix_names_the_host_time_where_the_report_does(shared):
               if row.host_reading}
     assert {(c.scenario, c.step.phase) for c in claims} == set(stated)
     assert {scenario.split()[0] for scenario, _ in stated} == set(MATRIX_RUNS) - {"preemption"} | {"decode-heavy"}
+    paired = {}
+    for s in result.scenarios:
+        (run,) = s.runs
+        paired.update({(s.name, phase): pairs for phase, pairs in _paired_step_waits(Path(run)).items()})
+    expected = {key for key, pairs in paired.items() if sum(c.held for _, c in pairs) > sum(b.held for b, _ in pairs)
+                and sum(b.copies for b, _ in pairs) == 0 < sum(c.copies for _, c in pairs)}
+    assert expected and set(stated) == expected
+    assert all(row.steps == len(paired[(s.name, row.phase)])
+               for s in result.scenarios for row in s.report.step_timeline)
     for claim in claims:
         scenario = next(s for s in result.scenarios if s.name == claim.scenario)
-        # The report's steps are each run's manifest export: the first point's window, and only its row is claimed.
+        # The report's steps are each run's manifest export: the first point's traced pass; only its row is claimed.
         assert claim.rows == (scenario.points[0].row,)
         text = claim_text(claim, result)
         assert "not a slower kernel" in text
@@ -139,5 +204,11 @@ def test_the_matrix_names_the_host_time_where_the_report_does(shared):
         else:
             assert claim.step.host_reading == steps.HELD_BY_WAIT and claim.step.span_verdict != Verdict.REGRESSION
             assert "is not measured as longer: what holds the host" in text
-    assert [key for key, reading in stated.items() if reading == steps.HELD_BY_WAIT] == [("sweep (serve)",
-                                                                                           align.PREFILL)]
+    # Both readings occur, so both branches above ran. Longer by host time: cold prefill's 14 paired prefill steps,
+    # each spanning longer in nvfp4.
+    longer = {key for key, reading in stated.items() if reading == steps.LONGER_BY_HOST}
+    assert longer == {("cold-prefill (serve)", align.PREFILL)}
+    assert all(c.span > b.span for key in longer for b, c in paired[key])
+    # One paired step (the sweep's prefill and mixed) gives the span no interval: only what held the host is said.
+    single = {key for key in stated if len(paired[key]) == 1}
+    assert single and all(stated[key] == steps.HELD_BY_WAIT for key in single)

@@ -1,6 +1,7 @@
-"""The upstream draft of the host-sync finding over a scenario of the H100 capacity matrix (fixtures/vllm033-h100-matrix):
-the counterfactual arm lives in the root's counterfactual/SCENARIO, beside copies of the same rounds' stock NVFP4 runs,
-and the draft finds it there. Every number is checked against the bench client's own per-request times."""
+"""The upstream draft of the host-sync finding over a scenario of the first H100 capacity matrix
+(fixtures/vllm033-h100-counterfactual): the counterfactual arm lives in the root's counterfactual/SCENARIO, beside
+copies of the same rounds' stock NVFP4 runs, and the draft finds it there. Every number is checked against the bench
+client's own per-request times."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import MATRIX, MATRIX_RUNS, REPO, reading_stalled_timings
+from conftest import COUNTERFACTUAL, REPO, reading_stalled_timings
 
 PATCHED = "nvfp4-validate-once"
+SWEEP = COUNTERFACTUAL / "sweep"
 
 
 def _ttfts(run: Path, arm: str, point: int) -> list[float]:
@@ -31,7 +33,7 @@ def _draft(folder: Path) -> str:
     from kvtrace.cli import main
 
     out = folder / "flashinfer.md"
-    assert main(["report", str(MATRIX_RUNS["sweep"]), "--upstream", "flashinfer", "-o", str(out)]) in (0, None)
+    assert main(["report", str(SWEEP), "--upstream", "flashinfer", "-o", str(out)]) in (0, None)
     return out.read_text()
 
 
@@ -48,7 +50,7 @@ def draft_of_stalled_timings(tmp_path_factory):
 
 
 def test_the_draft_finds_the_matrix_counterfactual_and_names_its_patch(draft):
-    counterfactual = MATRIX / "counterfactual" / "sweep"
+    counterfactual = COUNTERFACTUAL / "counterfactual" / "sweep"
     manifest = json.loads((counterfactual / "manifest.json").read_text())
     patches = {json.dumps(r["patch"], sort_keys=True) for r in manifest["arms"].values() if r["arm"] == PATCHED}
     (patch,) = [json.loads(p) for p in patches]
@@ -61,7 +63,7 @@ def test_the_draft_finds_the_matrix_counterfactual_and_names_its_patch(draft):
 def test_the_counterfactual_ttft_whose_windows_closed_inside_the_traffic_is_not_comparable(draft):
     """The sweep's windows closed inside its timed traffic (tests/test_window_stall.py): the draft gives no ratio
     there, in its answer, its TTFT table or the counterfactual's."""
-    counterfactual = MATRIX / "counterfactual" / "sweep"
+    counterfactual = COUNTERFACTUAL / "counterfactual" / "sweep"
     points = json.loads((counterfactual / "manifest.json").read_text())["settings"]["points"]
     section = draft.split("**With the check once per scale tensor**")[1].split("###")[0]
     rows = re.findall(r"^\| `([^`]+)` \| not comparable: [^|]* \| not comparable: ", section, flags=re.M)
@@ -75,16 +77,16 @@ def test_the_counterfactual_ttft_whose_windows_closed_inside_the_traffic_is_not_
 def test_the_counterfactual_ratios_are_the_bench_clients_own(draft_of_stalled_timings):
     """Patched against stock NVFP4 and against FP8, at each point the patched arm ran: the mean TTFT over every
     request of every run, patched over the other (each run holds as many requests)."""
-    counterfactual = MATRIX / "counterfactual" / "sweep"
+    counterfactual = COUNTERFACTUAL / "counterfactual" / "sweep"
     points = json.loads((counterfactual / "manifest.json").read_text())["settings"]["points"]
     section = draft_of_stalled_timings.split("**With the check once per scale tensor**")[1].split("###")[0]
     rows = re.findall(r"^\| `([^`]+)` \| ([0-9.]+)× \[[^|]*\| ([0-9.]+)× \[", section, flags=re.M)
     assert [row[0] for row in rows] == points
-    sweep_points = json.loads((MATRIX_RUNS["sweep"] / "manifest.json").read_text())["settings"]["points"]
+    sweep_points = json.loads((SWEEP / "manifest.json").read_text())["settings"]["points"]
     for index, (point, against_stock, against_fp8) in enumerate(rows):
         patched = _ttfts(counterfactual, PATCHED, index)
         stock = _ttfts(counterfactual, "nvfp4", index)
-        fp8 = _ttfts(MATRIX_RUNS["sweep"], "fp8", sweep_points.index(point))
+        fp8 = _ttfts(SWEEP, "fp8", sweep_points.index(point))
         mean = lambda values: sum(values) / len(values)  # noqa: E731
         assert against_stock == f"{mean(patched) / mean(stock):.3f}"
         assert against_fp8 == f"{mean(patched) / mean(fp8):.3f}"
@@ -92,7 +94,7 @@ def test_the_counterfactual_ratios_are_the_bench_clients_own(draft_of_stalled_ti
 
 def test_a_patched_arm_picked_for_the_draft_is_refused_in_one_line(run_kvtrace, tmp_path):
     """The draft is of the stock arms; picking the counterfactual as either side says so (exit 2, one line)."""
-    counterfactual = MATRIX / "counterfactual" / "sweep"
+    counterfactual = COUNTERFACTUAL / "counterfactual" / "sweep"
     code, out, err = run_kvtrace("report", counterfactual, "--arm", "nvfp4", "--arm", PATCHED, "--upstream", "flashinfer",
                                  "-o", tmp_path / "draft.md")
     assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
@@ -105,8 +107,8 @@ def test_a_matrix_root_named_elsewhere_in_the_manifest_is_not_followed(tmp_path)
     from kvtrace.cli import main
 
     root = tmp_path / "root"
-    shutil.copytree(MATRIX_RUNS["sweep"], root / "sweep")
-    shutil.copytree(MATRIX / "counterfactual", root / "counterfactual")
+    shutil.copytree(SWEEP, root / "sweep")
+    shutil.copytree(COUNTERFACTUAL / "counterfactual", root / "counterfactual")
     path = root / "sweep" / "manifest.json"
     path.chmod(0o644)
     data = json.loads(path.read_text())

@@ -17,12 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FI_GAUSSIAN, MATRIX, MATRIX_RUNS, REPO
+from conftest import COUNTERFACTUAL, FI_GAUSSIAN, MATRIX_RUNS, REPO
 
-# The H100 capacity matrix's sweep (fp8 and stock nvfp4, three rounds) and its counterfactual: the patched arm
-# nvfp4-validate-once beside copies of stock nvfp4's runs of the same rounds, at the sweep's first two points.
+# The H100 capacity matrix's sweep (fp8 and stock nvfp4, three rounds); the first recording's counterfactual: the patched
+# arm nvfp4-validate-once beside copies of stock nvfp4's runs of the same rounds, at its sweep's first two points.
 SWEEP = MATRIX_RUNS["sweep"]
-COUNTERFACTUAL = MATRIX / "counterfactual" / "sweep"
+COUNTERFACTUAL_SWEEP = COUNTERFACTUAL / "counterfactual" / "sweep"
+COPIED_FROM = COUNTERFACTUAL / "sweep"
 TEMPLATE_SECTIONS = {
     # flashinfer-ai/flashinfer .github/ISSUE_TEMPLATE/bug_report.yml, in its order
     "flashinfer": ["Environment", "Bug description", "Minimal reproduction", "Error messages / logs",
@@ -92,9 +93,9 @@ def with_fp8(target: Path) -> Path:
     """The counterfactual directory with fp8's runs of the same rounds and points copied in from the sweep, as the
     capture copies stock nvfp4's there (capture/vllm_matrix_split.py): the draft compares the patched arm with both
     formats of one run directory, and the matrix keeps fp8 out of the counterfactual's."""
-    shutil.copytree(COUNTERFACTUAL, target)
+    shutil.copytree(COUNTERFACTUAL_SWEEP, target)
     manifest = json.loads((target / "manifest.json").read_text())
-    source = json.loads((SWEEP / "manifest.json").read_text())
+    source = json.loads((COPIED_FROM / "manifest.json").read_text())
     points = len(manifest["settings"]["points"])
     assert manifest["settings"]["points"] == source["settings"]["points"][:points]
     for repeat in (1, 2, 3):
@@ -109,9 +110,9 @@ def with_fp8(target: Path) -> Path:
         entry.update(request_order_sha256=stock["request_order_sha256"], copied_from=f"../../sweep/{name}")
         manifest["arms"][name] = entry
         for point in range(points):
-            for path in SWEEP.glob(f"{name}.p{point}.*"):
+            for path in COPIED_FROM.glob(f"{name}.p{point}.*"):
                 shutil.copy(path, target / path.name)
-    shutil.copy(SWEEP / "fp8.server.log", target)
+    shutil.copy(COPIED_FROM / "fp8.server.log", target)
     manifest["settings"]["arms"] = ["fp8", *manifest["settings"]["arms"]]
     manifest["settings"]["order"] = [f"{arm}.r{r}" for r in (1, 2, 3) for arm in manifest["settings"]["arms"]]
     (target / "manifest.json").chmod(0o644)
@@ -120,7 +121,7 @@ def with_fp8(target: Path) -> Path:
 
 
 def test_counterfactual_arm_is_named_with_its_patch(run_kvtrace, tmp_path):
-    """The real patched arm of the H100 matrix: its numbers come with the patch's name and the SHA-256 of the file that
+    """The real patched arm of the first H100 matrix: its numbers come with the patch's name and the SHA-256 of the file that
     was applied (capture/patches/validate-once.py as shipped), and are never called a stock release."""
     run = with_fp8(tmp_path / "counterfactual-sweep")
     sha = hashlib.sha256((REPO / "capture" / "patches" / "validate-once.py").read_bytes()).hexdigest()

@@ -1,7 +1,9 @@
 """A profile window that closes inside a point's timed traffic: nsys holds the engine while it stops collecting, so
-the point's timings measure the profiler. On the shipped H100 matrix (windows of 24 to 48 engine steps opened as
-each point's traffic began) only cold prefill's whole traffic fit its window; kvtrace finds the others from the
-manifests alone, and their bench timelines show the stall it infers."""
+the point's timings measure the profiler. On the first H100 matrix (2026-12-06, windows of 24 to 48 engine steps
+opened as each point's traffic began; its sweep and counterfactual kept in fixtures/vllm033-h100-counterfactual) only
+cold prefill's whole traffic fit its window; kvtrace finds the others from the manifests alone, and their bench
+timelines show the stall it infers. The shipped matrix (fixtures/vllm033-h100-matrix) closes every window in a traced
+pass before the timed traffic, and nothing of it is found stalled."""
 
 from __future__ import annotations
 
@@ -10,12 +12,20 @@ from pathlib import Path
 
 import pytest
 
-from conftest import MATRIX, MATRIX_RUNS, VLLM033_8B_RUNS, WINDOW_STALL
+from conftest import COUNTERFACTUAL, MATRIX, MATRIX_RUNS, VLLM033_8B_RUNS, WINDOW_STALL
 from kvtrace.analyzer import matrix, serving
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.manifest import read_manifest
 
 STEPS = serving.ENGINE_STEPS
+# The first matrix's run directories: its stalled sweep, and the counterfactual's (cold prefill's traffic fit its
+# window; the sweep's first two points did not).
+FIRST_MATRIX = {"sweep": COUNTERFACTUAL / "sweep", "counterfactual/cold-prefill": COUNTERFACTUAL / "counterfactual" /
+                "cold-prefill", "counterfactual/sweep": COUNTERFACTUAL / "counterfactual" / "sweep"}
+# Which of them, and of the shipped matrix's, a window stalled: the traffic outlasted the window opened at its start.
+STALLED = {"sweep", "counterfactual/sweep"}
+RUN_DIRS = {**FIRST_MATRIX, **{f"shipped/{name}": run for name, run in MATRIX_RUNS.items()}}
+SHORT_REQUESTS = ("cold-prefill", "prefix-reuse", "sweep")  # whose timelines can show a stall (below)
 
 
 def quiet_gap_s(bench: Path) -> float:
@@ -27,28 +37,32 @@ def quiet_gap_s(bench: Path) -> float:
     return max(b - a for a, b in zip(events, events[1:]))
 
 
-@pytest.mark.parametrize("name", sorted(MATRIX_RUNS))
+@pytest.mark.parametrize("name", sorted(RUN_DIRS))
 def test_the_windows_that_closed_inside_the_timed_traffic_are_found_from_the_manifest(name):
-    recorded = read_manifest(MATRIX_RUNS[name])
+    """A window is found stalling a point exactly where vLLM counted more engine steps in the point's timed traffic
+    than the window traced, and the traced pass keeps every shipped point clear of it."""
+    recorded = read_manifest(RUN_DIRS[name])
     for run in recorded.runs.values():
         stalls = serving.window_stalls(run, recorded.settings.get("profile_steps"))
-        windows = {w.point: w.steps for w in run.windows}
+        windows = {w.point: w for w in run.windows}
         for record in run.points:
             steps = record["metrics"]["deltas"]["histograms"][STEPS]["count"]
-            assert (record["point"] in stalls) == (steps > windows[record["index"]]), (run.name, record["point"])
-            assert (record["point"] in stalls) == (name != "cold-prefill")
+            window = windows[record["index"]]
+            inside = "traced_pass" not in record  # the window opened as the timed traffic began
+            assert (record["point"] in stalls) == (inside and steps > window.steps), (run.name, record["point"])
+            assert (record["point"] in stalls) == (name in STALLED)
 
 
-@pytest.mark.parametrize("name", ["cold-prefill", "prefix-reuse", "sweep"])
+@pytest.mark.parametrize("name", [n for n in sorted(RUN_DIRS) if n.split("/")[-1] in SHORT_REQUESTS])
 def test_the_bench_timelines_show_the_stall_where_it_is_inferred(name):
     """Short requests (cold prefill's one token, prefix reuse's 16, the sweep's 128 at ~10 ms a step) leave no quiet
     second of their own; a window's close leaves 3 s or more. (Preemption's 512-token waves are quiet for 3 s
     anyway, so its timeline cannot tell.)"""
-    recorded = read_manifest(MATRIX_RUNS[name])
+    recorded = read_manifest(RUN_DIRS[name])
     for run in recorded.runs.values():
         stalls = serving.window_stalls(run, recorded.settings.get("profile_steps"))
         for record in run.points:
-            gap = quiet_gap_s(MATRIX_RUNS[name] / record["bench_result"])
+            gap = quiet_gap_s(RUN_DIRS[name] / record["bench_result"])
             assert (gap > 2.5) == (record["point"] in stalls), (run.name, record["point"], gap)
             assert gap < 1.0 or gap > 3.0
 
@@ -66,35 +80,37 @@ def test_a_single_runs_window_stalls_only_the_point_it_closed_in():
         assert stalls[run.points[0]["point"]].endswith(f"closed after 32 of the traffic's {steps:,.0f} engine steps")
 
 
-@pytest.mark.parametrize("name", ["cold-prefill", "sweep"])
-def test_the_reports_ttft_statements_say_where_the_timings_hold_a_stall(name):
+@pytest.mark.parametrize("run_dir", [FIRST_MATRIX["sweep"], MATRIX_RUNS["sweep"]], ids=["first", "shipped"])
+def test_the_reports_ttft_statements_say_where_the_timings_hold_a_stall(run_dir):
     from kvtrace.analyzer import report, statements
     from kvtrace.analyzer.render.report_markdown import report_markdown
 
-    result = report.build([MATRIX_RUNS[name]], load_recipes())
+    stalled = run_dir == FIRST_MATRIX["sweep"]
+    result = report.build([run_dir], load_recipes())
     ttft = [s for s in result.statements if isinstance(s, statements.TtftStatement)]
-    assert len(ttft) == len(result.serving) >= 1
-    assert {s.reading == statements.WINDOW_STALL for s in ttft} == {name == "sweep"}
+    assert len(ttft) == len(result.serving) == 4
+    assert {s.reading == statements.WINDOW_STALL for s in ttft} == {stalled}
     head = report_markdown(result)[0].split("<details>")[0]
-    assert head.count("not comparable (profile window stall)") == (len(result.serving) if name == "sweep" else 0)
+    assert head.count("not comparable (profile window stall)") == (4 if stalled else 0)
 
 
-def test_the_matrix_decides_only_the_points_whose_timings_hold_no_stall():
-    result = matrix.build([MATRIX], load_recipes())
-    by_scenario = {p.scenario.split(" ")[0]: p for p in result.points}
-    assert len(result.points) == 7
+@pytest.mark.parametrize("root", [COUNTERFACTUAL, MATRIX], ids=["first", "shipped"])
+def test_the_matrix_decides_only_the_points_whose_timings_hold_no_stall(root):
+    result = matrix.build([root], load_recipes())
+    stalled = root == COUNTERFACTUAL  # its root holds the stalled sweep alone
+    assert len(result.points) == (4 if stalled else 7)
     for point in result.points:
-        stalled = not point.scenario.startswith("cold-prefill")
         assert (point.excluded or "").startswith("not comparable: a profile window closed inside the timed "
                                                  "traffic of 6 of 6 runs") == stalled
-        assert (point.winner is None and point.undecided == point.excluded) if stalled else point.excluded is None
-    assert by_scenario["cold-prefill"].estimate.runs == 3
+        if stalled:
+            assert point.winner is None and point.undecided == point.excluded and point.estimate is None
+        else:
+            assert point.excluded is None and point.estimate.runs == 3
 
 
 # ---- the same matrix on 2026-12-07: windows in the timed traffic, then around a traced pass before it ---------------
 
 SCENARIOS = ("cold-prefill", "prefix-reuse", "preemption", "sweep")
-SHORT_REQUESTS = ("cold-prefill", "prefix-reuse", "sweep")  # whose timelines can show a stall (above)
 
 
 def recorded_points(recording: str, scenario: str):
