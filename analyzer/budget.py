@@ -176,7 +176,7 @@ class Reason:
 
     budget: PointBudget
     steps: TracedSteps | None
-    trace_note: str | None  # why no split: budget_trace.NOT_TRACED, NO_PREFILL_STEPS
+    trace_note: str | None  # why no split: budget_trace.NOT_TRACED, NO_PREFILL_STEPS, NO_MATCHED_STEPS, MIXED_TRACE
     step_carrier: str | None
     cause: str
 

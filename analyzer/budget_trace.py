@@ -4,9 +4,14 @@ end is its kernels' time (overlaps counted once, by segment) plus the time insid
 running, which is time the GPU waited on the host (analyzer/steps). The host's synchronizing calls inside the
 step (analyzer/host_waits) say what held it.
 
-Which trace covers which point: `kvtrace capture` writes ARM.rK.pN.sqlite, a window inside point N's traffic; a run
-recorded before that keeps one trace, ARM.rK.sqlite, whose profiler range opened at the first point's traffic and
-closed after its first steps, so it covers the first point only. A point no trace covers borrows nothing.
+Only steps both arms ran alike are compared: per step name (vLLM's count of context requests and tokens and of
+decoding requests), as many as each arm ran; the arms may batch the same prompts differently, and a mean over
+different batches would compare different work.
+
+Which trace covers which point: `kvtrace capture` writes ARM.rK.pN.sqlite, a window around point N's traced pass (its
+prompt shape at its concurrency, just before its timed traffic; older captures: inside its traffic); a run recorded
+before that keeps one trace, ARM.rK.sqlite, whose profiler range opened at the first point's traffic and closed after
+its first steps, so it covers the first point only. A point no trace covers borrows nothing.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ PREFILL_PHASES = (align.PREFILL, align.MIXED)
 # What a point says where no trace covers its own traffic in any run pair.
 NOT_TRACED = "kernels not traced at this point"
 NO_PREFILL_STEPS = "its traces hold no prefill or mixed step of both arms"
+NO_MATCHED_STEPS = "its traces hold no prefill or mixed step both arms ran alike (the same requests and tokens)"
 MIXED_TRACE = "kernels not traced at this point alone: the run's one trace holds every point's steps together"
 
 
@@ -56,7 +62,8 @@ def point_trace(run: Path, record: RunRecord, index: int, *, first_steps: bool) 
 
 @dataclass(frozen=True)
 class ArmSteps:
-    """One arm's prefill-carrying steps in the traces of a point: means per step, nanoseconds."""
+    """One arm's prefill-carrying steps in the traces of a point, those the other arm ran alike: means per step,
+    nanoseconds."""
 
     steps: int
     span_ns: float
@@ -88,13 +95,17 @@ class TracedSteps:
         return tuple(sorted(("host", *SPLIT_SEGMENTS, "other"), key=lambda c: -abs(self.delta_ns(c))))
 
 
-def arm_steps(traces: list[tuple[Trace, pl.DataFrame]]) -> ArmSteps | None:
-    """The prefill-carrying steps of an arm's traces (each with its classified signatures); None without any."""
-    tables = [_segment_steps(trace, classes) for trace, classes in traces]
-    tables = [t for t in tables if t.height]
+def _prefill_steps(traces: list[tuple[Trace, pl.DataFrame]]) -> pl.DataFrame | None:
+    """An arm's prefill-carrying steps over its traces (run order, each in start order), with each step's occurrence
+    among the steps of its name (`nth`); None without any."""
+    tables = [t for t in (_segment_steps(trace, classes) for trace, classes in traces) if t.height]
     if not tables:
         return None
     table = pl.concat(tables, how="diagonal_relaxed")
+    return table.with_columns(pl.int_range(pl.len()).over("step").alias("nth"))
+
+
+def _summary(table: pl.DataFrame) -> ArmSteps:
     kernel = {segment: float(table[segment].mean()) if segment in table.columns else 0.0
               for segment in SPLIT_SEGMENTS}
     kernel["other"] = max(float(table["kernel_ns"].mean()) - sum(kernel.values()), 0.0)
@@ -132,12 +143,18 @@ def _segment_steps(trace: Trace, classes: pl.DataFrame) -> pl.DataFrame:
 
 
 def traced_steps(baseline: list[tuple[Trace, pl.DataFrame]],
-                 candidate: list[tuple[Trace, pl.DataFrame]]) -> TracedSteps | None:
-    """The split where both arms have prefill-carrying steps in the traces that cover the point."""
-    b, c = arm_steps(baseline), arm_steps(candidate)
+                 candidate: list[tuple[Trace, pl.DataFrame]]) -> TracedSteps | str:
+    """The split over the prefill-carrying steps both arms ran alike in the traces that cover the point, or why there
+    is none (NO_PREFILL_STEPS, NO_MATCHED_STEPS)."""
+    b, c = _prefill_steps(baseline), _prefill_steps(candidate)
     if b is None or c is None:
-        return None
-    return TracedSteps(traces=min(len(baseline), len(candidate)), baseline=b, candidate=c)
+        return NO_PREFILL_STEPS
+    alike = b.select("step", "nth").join(c.select("step", "nth"), on=["step", "nth"])
+    if not alike.height:
+        return NO_MATCHED_STEPS
+    return TracedSteps(traces=min(len(baseline), len(candidate)),
+                       baseline=_summary(b.join(alike, on=["step", "nth"])),
+                       candidate=_summary(c.join(alike, on=["step", "nth"])))
 
 
 def cover_points(rows: list[ServingRow], base: ArmInput, cand: ArmInput,
@@ -171,9 +188,9 @@ def cover_points(rows: list[ServingRow], base: ArmInput, cand: ArmInput,
             for side, path in enumerate(pair):
                 found[side].append(load(path))
                 paths.add(path.resolve())
-        split = traced_steps(*found) if found[0] else None
-        row.trace_note = (None if split is not None else NO_PREFILL_STEPS if found[0] else
-                          MIXED_TRACE if _whole_trace_of_all(base) else NOT_TRACED)
+        traced = traced_steps(*found) if found[0] else (MIXED_TRACE if _whole_trace_of_all(base) else NOT_TRACED)
+        split = traced if isinstance(traced, TracedSteps) else None
+        row.trace_note = None if split else traced
         row.diff_covers = bool(found[0]) and paths <= read_by_diff
         if row.reason is not None:
             row.reason = reason(row.reason.budget, split, row.trace_note)

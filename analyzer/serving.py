@@ -164,7 +164,7 @@ class ServingRow:
     # The TTFT budget over the run pairs and what carries its difference, with the split of the traced prefill steps
     # where a trace covers this point's own traffic (analyzer.budget, budget_trace); None without the histograms.
     reason: Reason | None = None
-    trace_note: str | None = None  # why no trace splits this point (budget_trace.NOT_TRACED, NO_PREFILL_STEPS)
+    trace_note: str | None = None  # why no trace splits this point (budget_trace.NOT_TRACED, NO_PREFILL_STEPS, …)
     diff_covers: bool = False  # the report's kernel diff read this point's traces (a one-trace run's first point)
 
     @property

@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import sqlite3
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -310,3 +312,52 @@ def test_a_point_trace_linked_out_of_its_run_directory_is_refused(tmp_path, reci
     (run / "fp8.r1.p1.sqlite").symlink_to(source / "fp8.r1.p1.sqlite")
     with pytest.raises(KvtraceError, match="fp8.r1.p1.sqlite leads outside the run directory"):
         matrix.build([run], recipes)
+
+
+def _eager_step_names(export: Path) -> Counter:
+    """vLLM's prefill and mixed step ranges in an export (context requests above 0), by name, in plain SQL."""
+    with sqlite3.connect(f"file:{export}?mode=ro", uri=True) as conn:
+        names = [name for (name,) in conn.execute(
+            "SELECT COALESCE(s.value, n.text) FROM NVTX_EVENTS n LEFT JOIN StringIds s ON s.id = n.textId")]
+    return Counter(name for name in names
+                   if (m := re.fullmatch(r"execute_context_(\d+)\(\d+\)_generation_\d+\(\d+\)", name or ""))
+                   and m.group(1) != "0")
+
+
+def test_the_traced_split_compares_only_the_steps_both_arms_ran_alike(decision):
+    """The arms batch the same prompts differently (a traced pass's requests arrive as they will), so the split's
+    means are over the steps both ran alike: per step name (context requests and tokens, decoding requests), as many
+    as both arms ran over the point's windows of every run, counted here in plain SQL."""
+    checked = 0
+    for scenario in decision.scenarios:
+        run = Path(scenario.report.baseline.run)
+        recorded = json.loads((run / "manifest.json").read_text())
+        for point in scenario.points:
+            split = point.reason.steps if point.reason else None
+            if split is None:
+                continue
+            index = recorded["settings"]["points"].index(point.point)
+            names = {arm: sum((_eager_step_names(run / f"{name}.p{index}.sqlite")
+                               for name, entry in recorded["arms"].items() if entry["arm"] == arm), Counter())
+                     for arm in ("fp8", "nvfp4")}
+            alike = sum((names["fp8"] & names["nvfp4"]).values())
+            assert split.baseline.steps == split.candidate.steps == alike > 0
+            checked += 1
+    assert checked >= 4
+
+
+def test_a_point_whose_arms_ran_no_step_alike_has_no_split(tmp_path, recipes):
+    """The sweep with NVFP4's step names at its first point changed to a context count FP8 never ran (a constructed
+    copy): no step pairs, so that point has no split and says why, and the others keep theirs."""
+    run = tmp_path / SWEEP.name
+    shutil.copytree(SWEEP, run)
+    for export in run.glob("nvfp4.r*.p0.sqlite"):
+        export.chmod(0o644)
+        with sqlite3.connect(export) as conn:
+            conn.execute("UPDATE StringIds SET value = replace(value, 'execute_context_', 'execute_context_9')")
+            conn.execute("UPDATE NVTX_EVENTS SET text = replace(text, 'execute_context_', 'execute_context_9') "
+                         "WHERE text IS NOT NULL")
+    result = matrix.build([run], recipes)
+    first, *others = result.scenarios[0].points
+    assert first.serving.trace_note == budget_trace.NO_MATCHED_STEPS and first.reason.steps is None
+    assert all(p.serving.trace_note is None for p in others)

@@ -10,6 +10,7 @@ from kvtrace.analyzer import budget as budget_lib, claims as claims_lib, kv_pool
 from kvtrace.analyzer.budget import PART_WORDS, PartDelta, Reason
 from kvtrace.analyzer.budget_trace import SEGMENT_WORDS
 from kvtrace.analyzer.render.units import rows_text
+from kvtrace.text import plural
 
 Name = Callable[[str], str]
 
@@ -54,8 +55,9 @@ def steps_text(why: Reason) -> str:
     if steps.baseline.host_waits is not None and steps.candidate.host_waits is not None:
         waits = (f"; synchronizing host calls per step {steps.baseline.host_waits:,.1f} against "
                  f"{steps.candidate.host_waits:,.1f}")
-    return (f"in the traced prefill and mixed steps ({steps.baseline.steps} against {steps.candidate.steps}), the GPU "
-            f"span per step {signed_ms(steps.delta_ns('span') / 1e6)}: " + ", ".join(parts) + waits)
+    return (f"in the traced prefill and mixed steps both arms ran alike ({steps.baseline.steps} "
+            f"{plural(steps.baseline.steps, 'step')} each), "
+            f"the GPU span per step {signed_ms(steps.delta_ns('span') / 1e6)}: " + ", ".join(parts) + waits)
 
 
 def reason_text(why: Reason) -> str:
