@@ -304,7 +304,10 @@ def ttft_guard_rail(diff: Diff, serving: list[ServingRow], base: RunArm, cand: R
         cached_differ = b.cached_prompt_tokens is not None and c.cached_prompt_tokens is not None and \
             b.cached_prompt_tokens != c.cached_prompt_tokens
         more_hits = cached_differ and c.cached_prompt_tokens > b.cached_prompt_tokens
-        improved = row.ttft_ratio < 1 - diff.threshold
+        estimate = row.estimates.get("ttft_ms")
+        # The reading follows the mean over every run pair where there is one: one run's ratio is not the point's.
+        moved = estimate.ratio if estimate is not None and estimate.ratio is not None else row.ttft_ratio
+        improved = moved < 1 - diff.threshold
         if row.window_stalls:
             reading = WINDOW_STALL
         elif improved and more_hits and not_faster:
@@ -327,8 +330,7 @@ def ttft_guard_rail(diff: Diff, serving: list[ServingRow], base: RunArm, cand: R
             b.prompt_tokens, c.prompt_tokens, b.cached_prompt_tokens, c.cached_prompt_tokens) else (None, None)
         queued = (b.queue_ms, c.queue_ms) if b.queue_ms is not None and c.queue_ms is not None else (None, None)
         # A slower TTFT is never marked "ok", whatever reading it has; a faster one is "info" (a change, not all well).
-        worse = row.ttft_ratio > 1 + diff.threshold
-        estimate = row.estimates.get("ttft_ms")
+        worse = moved > 1 + diff.threshold
         judged = estimate.verdict if estimate else verdicts.judge(row.ttft_ratio, None, None, threshold=diff.threshold)
         plain = reading == PLAIN or (reading == BUDGET and not improved)
         out.append(TtftStatement(

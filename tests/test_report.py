@@ -335,9 +335,9 @@ def test_guard_rail_stays_quiet_or_changes_its_words_when_the_case_differs(tmp_p
     message = statement_text(next(s for s in result.statements if s.check == "ttft"))
     assert "prefix-hit" not in message and "outside the prefill kernels" in message
 
-    def ttft_worse(data):
+    def ttft_worse(data):  # the first run's p50 and the mean the run pairs' estimate reads
         for arm, value in (("fp8", 100.0), ("nvfp4", 150.0)):
-            data["arms"][arm]["points"][0]["bench"]["p50_ttft_ms"] = value
+            data["arms"][arm]["points"][0]["bench"].update(p50_ttft_ms=value, mean_ttft_ms=value)
 
     (tmp_path / "b").mkdir()
     with deciding_on_any_run_pairs():  # the words of a decided point: one run pair decides nothing
@@ -928,3 +928,28 @@ def test_append_phase_statement_inside_a_window_counts_the_windowed_calls(recipe
             statement = said[int(re.search(r"ctx=(\d+)", phase["nvtx"]).group(1))]
             assert statement.compared_calls == last
             assert getattr(statement, "baseline_ns" if arm == "fp8" else "candidate_ns") == pytest.approx(total / calls)
+
+
+def test_the_ttft_reading_follows_every_run_pair_not_the_first(tmp_path, recipes):
+    """The H100 matrix's prefix reuse, and a copy whose first run's NVFP4 p50 TTFT is made 1.5× FP8's (the bench
+    summary in its manifest and its result file, constructed): the first run's ratio now says worse, but the
+    reading, which follows the mean over the three run pairs (unchanged), is the same; the first run's ratio is still
+    the one shown."""
+    source = MATRIX_RUNS["prefix-reuse"]
+    copy_dir = tmp_path / source.name
+    shutil.copytree(source, copy_dir)
+    recorded = json.loads((source / "manifest.json").read_text())
+    slower = 1.5 * recorded["arms"]["fp8.r1"]["points"][0]["bench"]["median_ttft_ms"]
+    for name, edit in (("manifest.json", lambda d: d["arms"]["nvfp4.r1"]["points"][0]["bench"]),
+                       ("nvfp4.r1.p0.bench.json", lambda d: d)):
+        path = copy_dir / name
+        path.chmod(0o644)
+        data = json.loads(path.read_text())
+        edit(data).update(median_ttft_ms=slower, p50_ttft_ms=slower)
+        path.write_text(json.dumps(data))
+    readings = []
+    for run in (source, copy_dir):
+        (statement,) = [s for s in report.build([run], recipes).statements if s.check == "ttft"]
+        readings.append((statement.reading, statement.ratio, statement.estimate.ratio))
+    assert readings[1][1] > 1.02 > readings[0][1]
+    assert readings[0][0] == readings[1][0] and readings[0][2] == readings[1][2] < 0.98
