@@ -71,6 +71,21 @@ def _unpack(pack: Path, *, named: bool = False) -> Path:
     return done / pack.parent.name if named else done
 
 
+def edited_exports(source: Path, folder: Path, pattern: str, *statements: str) -> Path:
+    """A copy of run directory `source` in `folder` whose exports matching `pattern` had the SQL `statements` run on
+    them: a constructed case, never the fixture itself."""
+    import sqlite3
+
+    run = folder / source.name
+    shutil.copytree(source, run)
+    for export in run.glob(pattern):
+        export.chmod(0o644)
+        with sqlite3.connect(export) as conn:
+            for statement in statements:
+                conn.execute(statement)
+    return run
+
+
 def exports_in(folder: Path) -> list[Path]:
     """What is in a cache's exports folder, sorted, less the seals of SQLite exports (NAME.sqlite.json beside each,
     analyzer/cache.py)."""

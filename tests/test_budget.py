@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import MATRIX_RUNS, VLLM033_8B_RUNS
+from conftest import MATRIX_RUNS, VLLM033_8B_RUNS, edited_exports
 from kvtrace.analyzer import budget, budget_trace, matrix
 from kvtrace.analyzer.classify import load_recipes
 from kvtrace.analyzer.render.matrix import markdown_parts
@@ -349,13 +349,9 @@ def test_the_traced_split_compares_only_the_steps_both_arms_ran_alike(decision):
 def test_a_point_whose_arms_ran_no_step_alike_has_no_split(tmp_path, recipes):
     """The sweep with NVFP4's step names at its first point changed to a context count FP8 never ran (a constructed
     copy): no step pairs, so that point has no split and says why, and the others keep theirs."""
-    run = tmp_path / SWEEP.name
-    shutil.copytree(SWEEP, run)
-    for export in run.glob("nvfp4.r*.p0.sqlite"):
-        export.chmod(0o644)
-        with sqlite3.connect(export) as conn:
-            conn.execute("UPDATE StringIds SET value = replace(value, 'execute_context_', 'execute_context_9')")
-            conn.execute("UPDATE NVTX_EVENTS SET text = replace(text, 'execute_context_', 'execute_context_9') "
+    run = edited_exports(SWEEP, tmp_path, "nvfp4.r*.p0.sqlite",
+                         "UPDATE StringIds SET value = replace(value, 'execute_context_', 'execute_context_9')",
+                         "UPDATE NVTX_EVENTS SET text = replace(text, 'execute_context_', 'execute_context_9') "
                          "WHERE text IS NOT NULL")
     result = matrix.build([run], recipes)
     first, *others = result.scenarios[0].points

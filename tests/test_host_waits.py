@@ -16,7 +16,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from conftest import MATRIX_RUNS
+from conftest import MATRIX_RUNS, edited_exports
 from kvtrace.analyzer import align, host_waits, steps
 from kvtrace.analyzer.export_tables import EXPORT_TABLES
 from kvtrace.analyzer.load import open_trace
@@ -176,14 +176,8 @@ def test_the_table_json_and_csv_carry_the_waits(run_kvtrace, tmp_path):
 def _without_host_wait_tables(tmp_path: Path) -> Path:
     """The sweep with its exports' copy and synchronization tables dropped, as exports cut before kvtrace kept them
     (and nsys exports without CUDA copy tracing) are."""
-    run = tmp_path / SWEEP.name
-    shutil.copytree(SWEEP, run)
-    for export in run.glob("*.sqlite"):
-        export.chmod(0o644)
-        with sqlite3.connect(export) as conn:
-            conn.execute("DROP TABLE CUPTI_ACTIVITY_KIND_MEMCPY")
-            conn.execute("DROP TABLE CUPTI_ACTIVITY_KIND_SYNCHRONIZATION")
-    return run
+    return edited_exports(SWEEP, tmp_path, "*.sqlite", "DROP TABLE CUPTI_ACTIVITY_KIND_MEMCPY",
+                          "DROP TABLE CUPTI_ACTIVITY_KIND_SYNCHRONIZATION")
 
 
 def test_exports_without_the_tables_have_no_waits_not_zero(tmp_path, shipped_recipes):
