@@ -289,10 +289,10 @@ def _judge(point: MatrixPoint, result: Report, objective: str, estimate: Serving
     why = point.reason
     loser_bound = point.baseline_capacity if candidate_better else point.candidate_capacity
     won = 1 if candidate_better else 0
-    winner_ever_bound = any(pair[won].capacity for pair in row.run_pairs or ((b, c),))
+    pairs = row.run_pairs or ((b, c),)
     # Capacity explains a win only where the loser ran out of room in every run and the winner in none, or the
     # winner held more requests at once in every run pair.
-    more_room = bool(loser_bound) and (not winner_ever_bound or _ran_more(point, candidate_better))
+    more_room = bool(loser_bound) and (not any(pair[won].capacity for pair in pairs) or _ran_more(pairs, won))
     if objective == "ttft" and why is not None:
         # The budget's part that carries the TTFT difference, measured apart from zero, where the server's TTFT moved
         # the winner's way; queue time is a capacity effect only where the winner had more room (else the loser's
@@ -317,14 +317,11 @@ def _judge(point: MatrixPoint, result: Report, objective: str, estimate: Serving
         point.winner, point.apparent = NOT_EXPLAINED, side
 
 
-def _ran_more(point: MatrixPoint, candidate_better: bool) -> bool:
-    """Both arms capacity-bound, the winner less so: in every run pair the server observed it running more requests
-    at once."""
-    row = point.serving
-    pairs = row.run_pairs or ((row.baseline, row.candidate),)
-    won, lost = (1, 0) if candidate_better else (0, 1)
-    return all(None not in (pair[won].peak_running, pair[lost].peak_running)
-               and pair[won].peak_running > pair[lost].peak_running for pair in pairs)
+def _ran_more(pairs, won: int) -> bool:
+    """Both arms capacity-bound, the winner (side `won` of each run pair) less so: in every run pair the server
+    observed it running more requests at once."""
+    return all(None not in (pair[won].peak_running, pair[1 - won].peak_running)
+               and pair[won].peak_running > pair[1 - won].peak_running for pair in pairs)
 
 
 def _capacity_over_runs(reasons: list[str | None]) -> tuple[str | None, str | None]:

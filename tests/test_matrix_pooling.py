@@ -28,6 +28,7 @@ from kvtrace.analyzer.render import matrix as matrix_render
 from kvtrace.analyzer.render.units import rows_text
 from kvtrace.analyzer.stats import serving_intervals
 from kvtrace.analyzer.stats.verdicts import Verdict
+from kvtrace.manifest import Point
 
 SWEEP = MATRIX_RUNS["sweep"]
 SKIPPED = "input=2048,output=128,prompts=32,concurrency=8"  # the point the second session did not run
@@ -372,7 +373,7 @@ def test_a_pooled_claim_gives_every_pooled_runs_server_measures(both, sessions, 
     pooled = [c for c in both.claims if c.kind == "capacity" and c.outcome.pooled_rows]
     arms = json.loads((SWEEP / "manifest.json").read_text())["arms"]
     (fp8_tokens,) = {arm["kv_cache"]["tokens"] for label, arm in arms.items() if label.startswith("fp8.")}
-    expected = {spec for spec, same in agreed.items() if same and _kv_demand(spec) > fp8_tokens}
+    expected = {spec for spec, same in agreed.items() if same and Point.parse(spec).kv_tokens() > fp8_tokens}
     assert expected and {c.outcome.point for c in pooled} == expected
     for claim in pooled:
         point, runs = claim.outcome.point, claim.outcome.server_runs
@@ -389,12 +390,6 @@ def test_a_pooled_claim_gives_every_pooled_runs_server_measures(both, sessions, 
         queued = [_queue_ms(SWEEP, f"fp8.{repeat}", point) for repeat in ("r1", "r2", "r3")]  # the /metrics histogram
         assert list(runs.queue_ms[0]) == pytest.approx(queued)
         assert f"mean time queued {' and '.join(f'{q:,.1f} ms' for q in queued)} against" in sentence
-
-
-def _kv_demand(spec: str) -> int:
-    """KV tokens a point's traffic holds at once at full concurrency: concurrency × (input + output)."""
-    fields = dict(part.split("=") for part in spec.split(","))
-    return int(fields["concurrency"]) * (int(fields["input"]) + int(fields["output"]))
 
 
 def _queue_ms(run: Path, arm: str, point: str) -> float:
